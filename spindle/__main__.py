@@ -1,0 +1,5 @@
+import sys
+
+from spindle.cli import main
+
+sys.exit(main())

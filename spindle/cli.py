@@ -1,0 +1,50 @@
+"""`spindle` command line: one entry point, one module per subcommand under spindle/commands/.
+
+Each command module defines `HELP` (one line), `add_arguments(parser)` and `run(args) -> int`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> module. Modules import lazily so `spindle --help` stays fast.
+COMMANDS: dict[str, str] = {
+    "tiny-model": "spindle.commands.tiny_model",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="spindle",
+        description="Train and serve diffusion transformers from standard diffusers checkpoints.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module_path in COMMANDS.items():
+        module = importlib.import_module(module_path)
+        p = sub.add_parser(name, help=module.HELP, description=module.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args._module.run(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (FileNotFoundError, ValueError) as e:  # user errors: one clear line, no traceback
+        print(f"spindle {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

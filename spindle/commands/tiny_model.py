@@ -1,0 +1,32 @@
+"""Write a tiny random checkpoint in the standard diffusers pipeline layout.
+
+The result loads in stock diffusers (e.g. `WanPipeline.from_pretrained(OUT)`) and in Spindle; tests,
+the demo and the benchmarks use it because real weights cannot be downloaded here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+HELP = "write a tiny random diffusers checkpoint (for tests and the demo)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from spindle.registry import family_names
+
+    p.add_argument("family", choices=family_names(), help="model family")
+    p.add_argument("out", help="output folder (a diffusers pipeline folder)")
+    p.add_argument("--seed", type=int, default=0, help="seed for the random weights (default 0)")
+    p.add_argument("--transformer", type=json.loads, default=None, metavar="JSON",
+                   help='overrides for the transformer config, e.g. \'{"num_layers": 4}\'')
+
+
+def run(args: argparse.Namespace) -> int:
+    from spindle.models.base import import_object
+    from spindle.registry import get_family
+
+    builder = import_object(get_family(args.family).tiny_model)
+    out = builder(args.out, seed=args.seed, transformer=args.transformer)
+    print(f"wrote tiny {args.family} checkpoint to {out}")
+    return 0

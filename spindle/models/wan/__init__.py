@@ -1,0 +1,22 @@
+"""Wan2.1 text-to-video (diffusers `WanPipeline` / `WanTransformer3DModel`)."""
+
+from pathlib import Path
+
+from spindle.models.base import DiTFamily
+
+
+def _looks_like_wan(root: Path) -> bool:
+    """Renamed local folders: a UMT5 text encoder next to a Wan VAE is Wan."""
+    vae_cfg = root / "vae" / "config.json"
+    return vae_cfg.is_file() and '"AutoencoderKLWan"' in vae_cfg.read_text()
+
+
+FAMILY = DiTFamily(
+    name="wan",
+    pipeline_classes=("WanPipeline",),
+    transformer_classes=("WanTransformer3DModel",),
+    condition_model="spindle.models.wan.condition:WanConditionModel",
+    inference="spindle.models.wan.pipeline:WAN_INFERENCE",
+    tiny_model="spindle.testing.tiny:build_tiny_wan",
+    detect=_looks_like_wan,
+)

@@ -1,0 +1,80 @@
+"""Wan's frozen condition components: UMT5 text encoder + tokenizer, Wan VAE, flow-matching scheduler."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from spindle.models.base import ConditionModel, TimestepSampling, flow_matching_pair, sample_sigmas
+
+
+class WanConditionModel(ConditionModel):
+    def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, max_text_length: int = 512):
+        # A diffusers WanPipeline without its transformer: we reuse its prompt encoding verbatim so
+        # training and inference see exactly the embeddings the reference pipeline would compute.
+        self.pipe = pipe
+        self.device = device
+        self.dtype = dtype
+        self.max_text_length = max_text_length
+        vae_cfg = pipe.vae.config
+        self.latents_mean = torch.tensor(vae_cfg.latents_mean).view(1, vae_cfg.z_dim, 1, 1, 1)
+        self.latents_std = torch.tensor(vae_cfg.latents_std).view(1, vae_cfg.z_dim, 1, 1, 1)
+        self.scale_factor_temporal = vae_cfg.scale_factor_temporal
+        self.scale_factor_spatial = vae_cfg.scale_factor_spatial
+        self.timestep_sampling = TimestepSampling(num_train_timesteps=pipe.scheduler.config.num_train_timesteps)
+
+    @classmethod
+    def from_pretrained(
+        cls, root: str | Path, device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.float32,
+        max_text_length: int = 512,
+    ) -> "WanConditionModel":
+        from diffusers import WanPipeline
+
+        pipe = WanPipeline.from_pretrained(root, transformer=None, dtype=dtype)
+        pipe.to(device)
+        for module in (pipe.text_encoder, pipe.vae):
+            module.requires_grad_(False).eval()
+        return cls(pipe, torch.device(device), dtype, max_text_length)
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> torch.Tensor:
+        embeds, _ = self.pipe.encode_prompt(
+            prompt=prompts, do_classifier_free_guidance=False, max_sequence_length=self.max_text_length,
+            device=self.device, dtype=self.dtype,
+        )
+        return embeds
+
+    @torch.no_grad()
+    def encode_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[B, C, F, H, W] in [-1, 1] -> normalized latents (the distribution's mode: deterministic)."""
+        self.check_pixel_shape(pixels.shape)
+        posterior = self.pipe.vae.encode(pixels.to(self.device, self.dtype)).latent_dist
+        latents = posterior.mode()
+        mean, std = self.latents_mean.to(latents), self.latents_std.to(latents)
+        return (latents - mean) / std
+
+    def check_pixel_shape(self, shape: torch.Size) -> None:
+        _, _, frames, height, width = shape
+        multiple = 2 * self.scale_factor_spatial  # VAE downsampling x transformer 2x2 patches
+        if (frames - 1) % self.scale_factor_temporal:
+            raise ValueError(
+                f"Wan needs num_frames = {self.scale_factor_temporal}k+1 (1, 5, 9, 17, ...); got {frames}"
+            )
+        if height % multiple or width % multiple:
+            raise ValueError(f"Wan needs height and width divisible by {multiple}; got {height}x{width}")
+
+    def encode(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        return {"latents": self.encode_pixels(batch["pixels"]), "prompt_embeds": self.encode_prompts(batch["caption"])}
+
+    def training_inputs(self, conditions: dict[str, torch.Tensor], generator: torch.Generator) -> dict[str, Any]:
+        x0 = conditions["latents"]
+        sigmas = sample_sigmas(self.timestep_sampling, x0.shape[0], generator)
+        noisy, target = flow_matching_pair(x0, sigmas, generator)
+        return {
+            "hidden_states": noisy,
+            "timestep": (sigmas * self.timestep_sampling.num_train_timesteps).to(x0.device),
+            "encoder_hidden_states": conditions["prompt_embeds"].to(x0.device),
+            "target": target,
+        }

@@ -1,0 +1,79 @@
+"""Family registry: family name / diffusers `_class_name` -> family spec, imported lazily.
+
+A family package (`spindle/models/<family>/__init__.py`) defines `FAMILY = DiTFamily(...)`.
+The registry knows only the module paths, so importing Spindle imports no model code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from spindle.models.base import DiTFamily
+
+# name -> module defining FAMILY. Adding a family: one line here, one folder under models/.
+BUILTIN_FAMILIES: dict[str, str] = {
+    "wan": "spindle.models.wan",
+}
+
+
+class UnknownModelError(ValueError):
+    """The checkpoint (or family name) is not served by any registered family."""
+
+
+def family_names() -> list[str]:
+    return sorted(BUILTIN_FAMILIES)
+
+
+def get_family(name: str) -> "DiTFamily":
+    if name not in BUILTIN_FAMILIES:
+        raise UnknownModelError(f"unknown model family {name!r}; known families: {', '.join(family_names())}")
+    return importlib.import_module(BUILTIN_FAMILIES[name]).FAMILY
+
+
+def all_families() -> list["DiTFamily"]:
+    return [get_family(n) for n in family_names()]
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UnknownModelError(f"{path} is not valid JSON: {e}") from e
+
+
+def resolve_family(root: str | Path) -> "DiTFamily":
+    """Find the family serving a diffusers pipeline folder.
+
+    Order: pipeline `_class_name` in model_index.json, then the transformer's `_class_name`, then each
+    family's detector (for renamed or hand-assembled local folders).
+    """
+    root = Path(root)
+    index_path = root / "model_index.json"
+    if not root.is_dir():
+        raise FileNotFoundError(f"model path {root} does not exist (expected a diffusers pipeline folder)")
+    if not index_path.is_file():
+        raise FileNotFoundError(
+            f"{index_path} not found: model.path must be a diffusers pipeline folder with model_index.json"
+        )
+    pipeline_cls = _read_json(index_path).get("_class_name")
+    tcfg_path = root / "transformer" / "config.json"
+    transformer_cls = _read_json(tcfg_path).get("_class_name") if tcfg_path.is_file() else None
+    families = all_families()
+    for fam in families:
+        if pipeline_cls in fam.pipeline_classes:
+            return fam
+    for fam in families:
+        if transformer_cls in fam.transformer_classes:
+            return fam
+    for fam in families:
+        if fam.detect is not None and fam.detect(root):
+            return fam
+    known = ", ".join(f"{f.name} ({', '.join(f.pipeline_classes + f.transformer_classes)})" for f in families)
+    raise UnknownModelError(
+        f"no Spindle family serves {root} (pipeline class {pipeline_cls!r}, transformer class "
+        f"{transformer_cls!r}); known families: {known}"
+    )

@@ -1,0 +1,63 @@
+"""A small word-level tokenizer built locally, saved in the Hugging Face `tokenizer.json` layout.
+
+Real checkpoints ship trained tokenizers; tiny test checkpoints cannot download one, so we build a
+deterministic vocabulary that covers the demo captions and common English, with an <unk> fallback.
+It loads through `transformers.AutoTokenizer` like any other fast tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+COMMON_WORDS = """
+a an the of and or in on at to from with by for over under up down left right top bottom
+red green blue yellow orange purple pink white black gray cyan magenta brown
+circle square triangle box ball shape shapes dot disk star line
+moves moving move slides sliding drifts drifting goes going bounces bouncing across toward towards
+fast slow small big large tiny bright dark background foreground scene video image photo picture
+cat dog bird fish car tree house sky sea sun moon mountain river city street person man woman child
+is are was be it this that its one two three four five many some very while then
+low quality blurry worst bad ugly static still frame frames camera view
+""".split()
+
+SPECIALS = ["<pad>", "</s>", "<unk>"]
+
+
+def build_vocab(extra_words: list[str] | None = None) -> dict[str, int]:
+    """Special tokens first (T5 ids: pad=0, eos=1, unk=2), then words, then single characters."""
+    words = list(dict.fromkeys(COMMON_WORDS + (extra_words or [])))
+    chars = [c for c in "abcdefghijklmnopqrstuvwxyz0123456789.,!?'-" if c not in words]
+    return {tok: i for i, tok in enumerate(SPECIALS + words + chars)}
+
+
+def build_tokenizer(extra_words: list[str] | None = None) -> Tokenizer:
+    tok = Tokenizer(models.WordLevel(vocab=build_vocab(extra_words), unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace()])
+    # T5-style: every sequence ends with </s>.
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    tok.decoder = decoders.WordPiece(prefix="##")
+    return tok
+
+
+def save_tokenizer(out: Path, model_max_length: int = 512) -> int:
+    """Write tokenizer.json + tokenizer_config.json into `out`; returns the vocabulary size."""
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    tok.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": model_max_length,
+        "pad_token": "<pad>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "padding_side": "right",
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    (out / "special_tokens_map.json").write_text(
+        json.dumps({"pad_token": "<pad>", "eos_token": "</s>", "unk_token": "<unk>"}, indent=2)
+    )
+    return tok.get_vocab_size()
