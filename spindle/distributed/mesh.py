@@ -1,0 +1,117 @@
+"""Process group + DeviceMesh set-up. One process is the degenerate mesh, never a special case.
+
+Mesh dims (outer to inner): dp_replicate (HSDP replicas), dp_shard (FSDP2), sp (Ulysses).
+FSDP shards parameters over the flattened `dp_shard x sp` ("fsdp"); data is split over
+`dp_replicate x dp_shard` ("dp") only, so all ranks of an SP group see the same sample.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: whatever is left of the world size
+    sp: int = 1
+
+    def resolve(self, world_size: int) -> "ParallelDims":
+        """Fill in dp_shard=-1 and check the product equals the world size."""
+        for name in ("dp_replicate", "sp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        fixed = self.dp_replicate * self.sp
+        dp_shard = self.dp_shard
+        if dp_shard == -1:
+            if world_size % fixed:
+                raise ValueError(
+                    f"world size {world_size} is not divisible by parallel.dp_replicate x parallel.sp = {fixed}"
+                )
+            dp_shard = world_size // fixed
+        elif dp_shard < 1:
+            raise ValueError(f"parallel.dp_shard must be >= 1 or -1 (the rest of the world), got {dp_shard}")
+        if self.dp_replicate * dp_shard * self.sp != world_size:
+            raise ValueError(
+                f"parallel dims dp_replicate={self.dp_replicate} x dp_shard={dp_shard} x sp={self.sp} = "
+                f"{self.dp_replicate * dp_shard * self.sp}, but the world size is {world_size}; "
+                f"make the product equal the number of processes (or set dp_shard: -1)"
+            )
+        return ParallelDims(self.dp_replicate, dp_shard, self.sp)
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_size(self) -> int:
+        return self.dp_shard * self.sp
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_distributed() -> tuple[int, int]:
+    """Initialise the default process group once (torchrun env, or a 1-process group); -> (rank, world)."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+    else:
+        # No launcher: a 1-process group on an in-memory store (no ports, no env vars needed).
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return dist.get_rank(), dist.get_world_size()
+
+
+@dataclass
+class Mesh:
+    """The world mesh plus the named sub-meshes the trainer and engine use."""
+
+    dims: ParallelDims
+    world: DeviceMesh
+    dp: DeviceMesh  # data split: dp_replicate x dp_shard (flattened)
+    fsdp: DeviceMesh  # parameter sharding: dp_shard x sp (flattened)
+    sp: DeviceMesh  # Ulysses sequence parallel group
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp.get_local_rank()
+
+    @property
+    def sp_rank(self) -> int:
+        return self.sp.get_local_rank()
+
+
+def build_mesh(dims: ParallelDims) -> Mesh:
+    """Create the DeviceMesh for `dims` over the (already initialised) default process group."""
+    _, world_size = init_distributed()
+    dims = dims.resolve(world_size)
+    world = init_device_mesh(
+        device_type(),
+        (dims.dp_replicate, dims.dp_shard, dims.sp),
+        mesh_dim_names=("dp_replicate", "dp_shard", "sp"),
+    )
+    # Keep the flattened meshes ourselves: slicing flattened dims off the root mesh is deprecated.
+    dp = world[("dp_replicate", "dp_shard")]._flatten("dp")
+    fsdp = world[("dp_shard", "sp")]._flatten("fsdp")
+    return Mesh(dims, world, dp=dp, fsdp=fsdp, sp=world["sp"])
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def is_main_process() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
