@@ -12,6 +12,7 @@ import sys
 # subcommand -> module. Modules import lazily so `spindle --help` stays fast.
 COMMANDS: dict[str, str] = {
     "tiny-model": "spindle.commands.tiny_model",
+    "generate": "spindle.commands.generate",
 }
 
 

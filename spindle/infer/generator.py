@@ -1,0 +1,173 @@
+"""Python API: `DiffusionGenerator.from_pretrained(path, **engine_options).generate(prompt=..., ...)`."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from spindle.infer.pipeline import EngineOptions, InferencePipeline
+from spindle.infer.request import Req, SamplingParams
+
+
+@dataclass
+class GenerationResult:
+    """`frames`: float32 numpy in [0, 1], [B, F, H, W, 3] for video, [B, H, W, 3] for images (as
+    diffusers' `output_type="np"`). `timings`: seconds per stage. `seed`: the seed actually used."""
+
+    frames: np.ndarray
+    media: str
+    timings: dict[str, float] = field(default_factory=dict)
+    seed: int | None = None
+    params: SamplingParams | None = None
+    fps: int = 16
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(self.timings.values())
+
+    def save(self, path: str | Path, fps: int | None = None) -> list[Path]:
+        """Write mp4 (video) or png (image); a batch of B > 1 gets `_0`, `_1`, ... before the suffix."""
+        path = Path(path)
+        frames = self.frames
+        items = [frames[i] for i in range(frames.shape[0])]
+        paths = [path] if len(items) == 1 else [path.with_name(f"{path.stem}_{i}{path.suffix}") for i in range(len(items))]
+        for item, p in zip(items, paths):
+            p.parent.mkdir(parents=True, exist_ok=True)
+            if self.media == "video":
+                if p.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp") and item.shape[0] == 1:
+                    _write_image(p, item[0])
+                else:
+                    _write_video(p, item, fps or self.fps)
+            else:
+                _write_image(p, item)
+        return paths
+
+
+def _to_uint8(frames: np.ndarray) -> np.ndarray:
+    if frames.dtype == np.uint8:
+        return frames
+    return (np.clip(frames, 0.0, 1.0) * 255.0).round().astype(np.uint8)
+
+
+def _write_video(path: Path, frames: np.ndarray, fps: int) -> None:
+    try:
+        from spindle.data.media import write_video
+    except ImportError:  # the data module is not there yet: minimal PyAV writer
+        write_video = _write_video_pyav
+    write_video(path, frames, fps)
+
+
+def _write_image(path: Path, frame: np.ndarray) -> None:
+    try:
+        from spindle.data.media import write_image
+    except ImportError:
+        write_image = _write_image_pil
+    write_image(path, frame)
+
+
+def _write_video_pyav(path: str | Path, frames: np.ndarray, fps: int) -> None:
+    import av
+
+    frames = _to_uint8(np.asarray(frames))
+    _, h, w, _ = frames.shape
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("libx264" if str(path).endswith(".mp4") else "mpeg4", rate=fps)
+        # yuv420p needs even sizes; pad odd ones by edge replication
+        ph, pw = h + h % 2, w + w % 2
+        stream.width, stream.height, stream.pix_fmt = pw, ph, "yuv420p"
+        for frame in frames:
+            if (ph, pw) != (h, w):
+                frame = np.pad(frame, ((0, ph - h), (0, pw - w), (0, 0)), mode="edge")
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+
+
+def _write_image_pil(path: str | Path, frame: np.ndarray) -> None:
+    from PIL import Image
+
+    Image.fromarray(_to_uint8(np.asarray(frame))).save(path)
+
+
+def psnr(a: np.ndarray, b: np.ndarray, data_range: float = 1.0) -> float:
+    """Peak signal-to-noise ratio in dB of `a` against `b` (inf when identical)."""
+    mse = float(np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2))
+    return float("inf") if mse == 0 else 10.0 * np.log10(data_range**2 / mse)
+
+
+class DiffusionGenerator:
+    """Loads a diffusers pipeline folder once and generates from it.
+
+    Engine options (see `EngineOptions`): device, dtype, vae_dtype, cfg_batch, compile, cache,
+    cache_threshold, sp, cfg_parallel.
+    """
+
+    def __init__(self, pipeline: InferencePipeline):
+        self.pipeline = pipeline
+        self.spec = pipeline.spec
+        self.defaults = pipeline.spec.default_params(pipeline.components)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, **engine_options: Any) -> "DiffusionGenerator":
+        known = {f.name for f in dataclasses.fields(EngineOptions)}
+        unknown = sorted(set(engine_options) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+        return cls(InferencePipeline.from_pretrained(path, EngineOptions(**engine_options)))
+
+    @property
+    def family(self) -> str:
+        return self.spec.family
+
+    @property
+    def transformer(self) -> torch.nn.Module:
+        return self.pipeline.transformer
+
+    def make_request(self, params: SamplingParams, progress: Callable[[int, int], None] | None = None,
+                     should_stop: Callable[[], bool] | None = None) -> Req:
+        params = params.merged_with(self.defaults)
+        if params.seed is None:
+            params.seed = random.SystemRandom().randrange(2**31)
+        params.validate_common()
+        generator = torch.Generator(device="cpu").manual_seed(int(params.seed))
+        return Req(params=params, device=self.pipeline.device, generator=generator, progress=progress,
+                   should_stop=should_stop)
+
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        negative_prompt: str | list[str] | None = None,
+        height: int | None = None,
+        width: int | None = None,
+        num_frames: int | None = None,
+        num_inference_steps: int | None = None,
+        guidance_scale: float | None = None,
+        seed: int | None = None,
+        num_outputs_per_prompt: int = 1,
+        max_sequence_length: int | None = None,
+        progress: Callable[[int, int], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        **extra: Any,
+    ) -> GenerationResult:
+        """Generate; `progress(step, total)` is called after each denoising step, `should_stop()` is
+        checked before each step (a True raises `Cancelled`). `seed=None` draws one (reported back)."""
+        params = SamplingParams(
+            prompt=prompt, negative_prompt=negative_prompt, height=height, width=width, num_frames=num_frames,
+            num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, seed=seed,
+            num_outputs_per_prompt=num_outputs_per_prompt, max_sequence_length=max_sequence_length, extra=extra,
+        )
+        return self.run(params, progress=progress, should_stop=should_stop)
+
+    def run(self, params: SamplingParams, progress: Callable[[int, int], None] | None = None,
+            should_stop: Callable[[], bool] | None = None) -> GenerationResult:
+        req = self.pipeline.run(self.make_request(params, progress, should_stop))
+        frames = np.asarray(req.output, dtype=np.float32)
+        return GenerationResult(frames=frames, media=self.spec.media, timings=dict(req.timings),
+                                seed=req.params.seed, params=req.params)

@@ -1,0 +1,199 @@
+"""Compose the stages of a family and load its components from `model_index.json`.
+
+`InferencePipeline.from_pretrained(root, options)`:
+1. `spindle.registry.resolve_family(root)` -> the family; its `inference_spec()` -> `InferenceSpec`.
+2. every component the spec needs is loaded with the class model_index.json names
+   (`["diffusers", "AutoencoderKLWan"]` -> `diffusers.AutoencoderKLWan.from_pretrained(root/vae)`).
+3. stages: the family's BeforeDenoisingStage, the shared DenoisingStage and DecodingStage.
+4. speed options (`EngineOptions`): CFG batching, step caching (diffusers cache hooks),
+   regional `torch.compile`, and the multi-process modes (Ulysses SP, CFG parallel).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from spindle.infer.request import Req
+from spindle.infer.stages import DecodingStage, DenoisingStage, InferenceSpec, Stage
+
+ALLOWED_LIBRARIES = ("diffusers", "transformers")
+CACHE_KINDS = ("fbc",)  # diffusers FirstBlockCacheConfig
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class EngineOptions:
+    """How the engine runs a checkpoint (not what it generates; that is `SamplingParams`)."""
+
+    device: str | None = None  # None: cuda if available, else cpu
+    dtype: str = "float32"  # transformer + text encoder
+    vae_dtype: str = "float32"
+    cfg_batch: bool = True  # cond + uncond in one forward
+    compile: bool = False  # torch.compile of the transformer's repeated blocks
+    cache: str | None = None  # "fbc": first-block cache (diffusers hooks)
+    cache_threshold: float = 0.05
+    sp: int = 1  # Ulysses sequence-parallel degree (needs that many processes)
+    cfg_parallel: bool = False  # cond / uncond on different ranks (needs 2 x sp processes)
+
+    def validate(self) -> None:
+        for name in ("dtype", "vae_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"{name} must be one of {sorted(DTYPES)}; got {getattr(self, name)!r}")
+        if self.cache is not None and self.cache not in CACHE_KINDS:
+            raise ValueError(f"cache must be one of {CACHE_KINDS} (or None); got {self.cache!r}")
+        if not isinstance(self.cache_threshold, (int, float)) or self.cache_threshold < 0:
+            raise ValueError(f"cache_threshold must be a number >= 0; got {self.cache_threshold!r}")
+        if not isinstance(self.sp, int) or self.sp < 1:
+            raise ValueError(f"sp must be an integer >= 1; got {self.sp!r}")
+
+    @property
+    def world_size_needed(self) -> int:
+        return self.sp * (2 if self.cfg_parallel else 1)
+
+    def torch_device(self) -> torch.device:
+        if self.device is None:
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+
+def read_model_index(root: str | Path) -> dict:
+    path = Path(root) / "model_index.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: the model must be a diffusers pipeline folder with model_index.json")
+    return json.loads(path.read_text())
+
+
+def load_component(root: Path, name: str, entry: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    """Load `root/name` with the (library, class) pair model_index.json gives for it."""
+    if not (isinstance(entry, (list, tuple)) and len(entry) == 2) or entry[0] is None:
+        raise FileNotFoundError(f"{root}/model_index.json has no {name!r} component (entry {entry!r})")
+    library, cls_name = entry
+    if library not in ALLOWED_LIBRARIES:
+        raise ValueError(f"component {name!r} comes from library {library!r}; Spindle loads {ALLOWED_LIBRARIES} only")
+    cls = getattr(importlib.import_module(library), cls_name, None)
+    if cls is None:
+        raise ValueError(f"model_index.json names {library}.{cls_name} for {name!r}, which this {library} lacks")
+    path = root / name
+    if not path.is_dir():
+        raise FileNotFoundError(f"component folder {path} not found (model_index.json lists {name!r})")
+    if isinstance(cls, type) and issubclass(cls, torch.nn.Module):
+        obj = cls.from_pretrained(path, dtype=dtype)
+        obj.to(device).eval().requires_grad_(False)
+        return obj
+    return cls.from_pretrained(path)
+
+
+def load_components(root: str | Path, spec: InferenceSpec, options: EngineOptions) -> dict[str, Any]:
+    root = Path(root)
+    index = read_model_index(root)
+    spec.check_checkpoint(index)
+    device = options.torch_device()
+    out = {}
+    for name in spec.components:
+        dtype = DTYPES[options.vae_dtype] if name == spec.vae_component else DTYPES[options.dtype]
+        out[name] = load_component(root, name, index.get(name), device, dtype)
+    return out
+
+
+def apply_cache(transformer: torch.nn.Module, kind: str, threshold: float) -> None:
+    """Step caching with diffusers' own hooks (`enable_cache`)."""
+    if kind == "fbc":
+        from diffusers.hooks import FirstBlockCacheConfig
+
+        transformer.enable_cache(FirstBlockCacheConfig(threshold=float(threshold)))
+    else:
+        raise ValueError(f"unknown cache {kind!r}; choose one of {CACHE_KINDS}")
+
+
+def apply_compile(transformer: torch.nn.Module) -> None:
+    """Regional compilation: `torch.compile` each repeated block (diffusers `_repeated_blocks`)."""
+    if getattr(transformer, "_repeated_blocks", None):
+        transformer.compile_repeated_blocks()
+        return
+    blocks = [m for m in transformer.children() if isinstance(m, torch.nn.ModuleList)]
+    if not blocks:
+        raise ValueError(f"{type(transformer).__name__} has no repeated blocks to compile")
+    for modules in blocks:
+        for block in modules:
+            block.compile()
+
+
+class InferencePipeline:
+    """Stages + loaded components of one checkpoint. `run(req)` times each stage into `req.timings`."""
+
+    def __init__(self, spec: InferenceSpec, components: dict[str, Any], stages: list[Stage], options: EngineOptions,
+                 root: Path | None = None, mesh: Any = None):
+        self.spec = spec
+        self.components = components
+        self.stages = stages
+        self.options = options
+        self.root = root
+        self.mesh = mesh
+        self.device = options.torch_device()
+
+    @property
+    def transformer(self) -> torch.nn.Module:
+        return self.components[self.spec.transformer_component]
+
+    @property
+    def denoising(self) -> DenoisingStage:
+        return next(s for s in self.stages if isinstance(s, DenoisingStage))
+
+    @classmethod
+    def from_pretrained(cls, root: str | Path, options: EngineOptions | None = None) -> "InferencePipeline":
+        from spindle.registry import resolve_family
+
+        options = options or EngineOptions()
+        options.validate()
+        root = Path(root)
+        family = resolve_family(root)
+        spec: InferenceSpec = family.inference_spec()
+        components = load_components(root, spec, options)
+        return cls.build(spec, components, options, root=root)
+
+    @classmethod
+    def build(cls, spec: InferenceSpec, components: dict[str, Any], options: EngineOptions,
+              root: Path | None = None) -> "InferencePipeline":
+        transformer = components[spec.transformer_component]
+        mesh, cfg_group = None, None
+        if options.world_size_needed > 1:
+            from spindle.infer.parallel import setup_parallel
+
+            mesh, cfg_group = setup_parallel(transformer, options)
+        if options.cache is not None:
+            apply_cache(transformer, options.cache, options.cache_threshold)
+        if options.compile:
+            apply_compile(transformer)
+        stages: list[Stage] = [
+            spec.make_before_denoising(components),
+            DenoisingStage(transformer, spec, cfg_batch=options.cfg_batch, cfg_group=cfg_group),
+            DecodingStage(components[spec.vae_component], spec),
+        ]
+        return cls(spec, components, stages, options, root=root, mesh=mesh)
+
+    def run(self, req: Req) -> Req:
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        for stage in self.stages:
+            sync()
+            start = time.perf_counter()
+            req = stage(req)
+            sync()
+            req.timings[stage.name] = time.perf_counter() - start
+        return req
+
+
+# ---------------------------------------------------------------- multi-process helpers
+
+
+def is_main_rank() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0

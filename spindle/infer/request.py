@@ -1,0 +1,125 @@
+"""What a generation request carries between stages: `SamplingParams` in, `Req` through the stages.
+
+`SamplingParams` is the user-facing request (validated, filled with the family's defaults);
+`Req` is the working state the stages fill in turn (SGLang-diffusion's batch object):
+BeforeDenoising sets `latents`, `timesteps`, `prompt_embeds`, ...; Denoising updates `latents`;
+Decoding sets `output`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+
+class RequestError(ValueError):
+    """A request the model cannot serve; the message names the field and what is allowed."""
+
+
+class Cancelled(RuntimeError):
+    """The request's `should_stop` callback asked to stop (checked between denoising steps)."""
+
+
+@dataclass
+class SamplingParams:
+    """One generation request. `None` fields take the family's defaults (see `merged_with`)."""
+
+    prompt: str | list[str] | None = None
+    negative_prompt: str | list[str] | None = None
+    height: int | None = None
+    width: int | None = None
+    num_frames: int | None = None  # None for image families
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    seed: int | None = None
+    num_outputs_per_prompt: int = 1
+    max_sequence_length: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # family-specific knobs
+
+    def merged_with(self, defaults: "SamplingParams") -> "SamplingParams":
+        """A copy with every `None` field taken from `defaults`."""
+        values = {}
+        for f in dataclasses.fields(self):
+            mine = getattr(self, f.name)
+            values[f.name] = getattr(defaults, f.name) if mine is None else mine
+        values["extra"] = {**defaults.extra, **self.extra}
+        return SamplingParams(**values)
+
+    @property
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt or [])
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.prompts) * self.num_outputs_per_prompt
+
+    @property
+    def do_cfg(self) -> bool:
+        """Classifier-free guidance runs when guidance_scale > 1 (as in diffusers)."""
+        return self.guidance_scale is not None and self.guidance_scale > 1.0
+
+    def validate_common(self) -> None:
+        """Checks every family shares; a family's BeforeDenoisingStage adds its own (sizes, frames)."""
+        prompts = self.prompts
+        if not isinstance(self.prompt, (str, list)) or not prompts:
+            raise RequestError("prompt is required: a non-empty string (or a non-empty list of strings)")
+        for p in prompts:
+            if not isinstance(p, str) or not p.strip():
+                raise RequestError(f"prompt must be a non-empty string; got {p!r}")
+        if self.negative_prompt is not None:
+            negs = [self.negative_prompt] if isinstance(self.negative_prompt, str) else self.negative_prompt
+            if not isinstance(negs, list) or not all(isinstance(n, str) for n in negs):
+                raise RequestError("negative_prompt must be a string or a list of strings")
+            if not isinstance(self.negative_prompt, str) and len(negs) != len(prompts):
+                raise RequestError(
+                    f"negative_prompt has {len(negs)} entries but prompt has {len(prompts)}; give one per prompt "
+                    "(or a single string for all)"
+                )
+        _check_int("num_inference_steps", self.num_inference_steps, minimum=1)
+        _check_int("num_outputs_per_prompt", self.num_outputs_per_prompt, minimum=1)
+        if isinstance(self.guidance_scale, bool) or not isinstance(self.guidance_scale, (int, float)):
+            raise RequestError(f"guidance_scale must be a number (> 1 enables CFG); got {self.guidance_scale!r}")
+        if self.guidance_scale < 0:
+            raise RequestError(f"guidance_scale must be >= 0 (> 1 enables CFG, <= 1 disables it); got {self.guidance_scale}")
+        if self.seed is not None:
+            _check_int("seed", self.seed, minimum=0)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"{name} must be an integer >= {minimum}; got {value!r}")
+    if value < minimum:
+        raise RequestError(f"{name} must be >= {minimum}; got {value}")
+
+
+@dataclass
+class Req:
+    """The state that flows through the stages of one request."""
+
+    params: SamplingParams
+    device: torch.device
+    generator: torch.Generator | None = None
+    # set by the family's BeforeDenoisingStage
+    prompt_embeds: torch.Tensor | None = None
+    negative_prompt_embeds: torch.Tensor | None = None
+    latents: torch.Tensor | None = None
+    raw_latent_shape: tuple[int, ...] | None = None
+    timesteps: torch.Tensor | None = None
+    scheduler: Any = None  # a per-request copy of the checkpoint's scheduler (it is stateful)
+    model_dtype: torch.dtype = torch.float32  # the transformer's dtype (inputs are cast to it)
+    do_cfg: bool = False
+    guidance_scale: float = 1.0
+    extra: dict[str, Any] = field(default_factory=dict)  # family-specific conditioning (pooled embeds, ids, ...)
+    # set by DecodingStage
+    output: Any = None
+    # bookkeeping
+    timings: dict[str, float] = field(default_factory=dict)
+    progress: Callable[[int, int], None] | None = None
+    should_stop: Callable[[], bool] | None = None
+
+    def check_cancelled(self) -> None:
+        if self.should_stop is not None and self.should_stop():
+            raise Cancelled("generation cancelled")

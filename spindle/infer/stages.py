@@ -1,0 +1,234 @@
+"""Stages of the inference engine and the callbacks a family gives the shared ones.
+
+Request flow (SGLang-diffusion's hybrid style):
+
+    family BeforeDenoisingStage  ->  DenoisingStage (shared)  ->  DecodingStage (shared)
+
+The shared stages never branch on the family. Whatever differs between families goes through an
+`InferenceSpec` (one per family, in `spindle/models/<family>/pipeline.py`):
+
+- `denoiser_kwargs(req, latents, t, branch)`: the transformer's forward kwargs for one step and one
+  CFG branch ("cond" / "uncond"); extra conditioning (pooled embeddings, image ids, embedded
+  guidance) comes from `req.extra`.
+- `batch_cfg_kwargs(cond, uncond)`: how the two branches become one forward (default: concatenate
+  every per-sample tensor along the batch, keep shared tensors such as position ids once).
+- `post_denoising(latents, req)`: e.g. unpack packed latents back to the VAE layout.
+- `decode_scale_shift(vae, latents)`: `(scale, shift)` with `vae_input = latents / scale + shift`.
+- `postprocess(decoded, req)`: VAE output -> float32 numpy in [0, 1] (diffusers' `output_type="np"`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import torch
+
+from spindle.infer.request import Req, SamplingParams
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+
+class Stage:
+    """One step of the pipeline: `forward(req) -> req`. `name` keys the per-stage timing."""
+
+    name: ClassVar[str] = "stage"
+
+    def forward(self, req: Req) -> Req:
+        raise NotImplementedError
+
+    def __call__(self, req: Req) -> Req:
+        with torch.no_grad():
+            return self.forward(req)
+
+
+class BeforeDenoisingStage(Stage):
+    """Model-specific pre-processing: validate, encode prompt(s), prepare latents and timesteps.
+
+    A subclass is built with the loaded components (`components[name]` as named in model_index.json)
+    and must leave on the Req every field DenoisingStage reads: `latents`, `timesteps`, `scheduler`,
+    `prompt_embeds` (+ `negative_prompt_embeds` when `do_cfg`), `guidance_scale`, `model_dtype`,
+    `raw_latent_shape`, plus whatever its spec's `denoiser_kwargs` needs in `req.extra`.
+    """
+
+    name = "before_denoising"
+
+    def __init__(self, components: dict[str, Any], spec: "InferenceSpec"):
+        self.components = components
+        self.spec = spec
+
+    def validate(self, params: SamplingParams) -> None:
+        """Raise `RequestError` for requests this model cannot serve (no silent rounding)."""
+        params.validate_common()
+
+
+class InferenceSpec:
+    """What a family plugs into the shared engine. Subclass per family; override the callbacks."""
+
+    family: str = ""
+    media: str = "video"  # "video" (frames axis) or "image"
+    components: tuple[str, ...] = ()  # model_index.json entries to load
+    transformer_component: str = "transformer"
+    vae_component: str = "vae"
+    before_denoising_cls: type[BeforeDenoisingStage] = BeforeDenoisingStage
+
+    def default_params(self, components: dict[str, Any]) -> SamplingParams:
+        return SamplingParams()
+
+    def check_checkpoint(self, model_index: dict) -> None:
+        """Raise for checkpoint variants of the family this spec cannot serve."""
+
+    def make_before_denoising(self, components: dict[str, Any]) -> BeforeDenoisingStage:
+        return self.before_denoising_cls(components, self)
+
+    # --- DenoisingStage callbacks
+    def denoiser_kwargs(self, req: Req, latents: torch.Tensor, t: torch.Tensor, branch: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def batch_cfg_kwargs(self, cond: dict[str, Any], uncond: dict[str, Any], batch_size: int) -> dict[str, Any]:
+        """Merge the two branches into one forward: per-sample tensors (leading dim == batch_size) are
+        concatenated [cond; uncond]; anything else must be identical in both and is passed once."""
+        merged: dict[str, Any] = {}
+        for key in cond.keys() | uncond.keys():
+            a, b = cond.get(key), uncond.get(key)
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.ndim >= 1 and a.shape[0] == batch_size:
+                if a.shape != b.shape:
+                    raise ValueError(
+                        f"cannot batch CFG: {key!r} has shape {tuple(a.shape)} (cond) vs {tuple(b.shape)} (uncond)"
+                    )
+                merged[key] = torch.cat([a, b], dim=0)
+            elif a is b or (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)) or (
+                not isinstance(a, torch.Tensor) and a == b
+            ):
+                merged[key] = a
+            else:
+                raise ValueError(f"cannot batch CFG: {key!r} differs between cond and uncond and is not per-sample")
+        return merged
+
+    def model_output(self, out: Any) -> torch.Tensor:
+        return out[0] if isinstance(out, (tuple, list)) else out.sample
+
+    def combine_cfg(self, cond: torch.Tensor, uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+        return uncond + guidance_scale * (cond - uncond)
+
+    # --- DecodingStage callbacks
+    def post_denoising(self, latents: torch.Tensor, req: Req) -> torch.Tensor:
+        return latents
+
+    def decode_scale_shift(self, vae: Any, latents: torch.Tensor) -> tuple[Any, Any]:
+        cfg = vae.config
+        return getattr(cfg, "scaling_factor", 1.0), getattr(cfg, "shift_factor", None) or 0.0
+
+    def postprocess(self, decoded: torch.Tensor, req: Req) -> np.ndarray:
+        """VAE output in [-1, 1] -> float32 numpy in [0, 1]: [B, F, H, W, 3] (video) or [B, H, W, 3]."""
+        if decoded.ndim == 5:
+            from diffusers.video_processor import VideoProcessor
+
+            return VideoProcessor().postprocess_video(decoded, output_type="np")
+        from diffusers.image_processor import VaeImageProcessor
+
+        return VaeImageProcessor().postprocess(decoded, output_type="np")
+
+
+class DenoisingStage(Stage):
+    """The shared sampling loop: transformer forward(s), CFG, scheduler step, progress/cancel.
+
+    Options:
+    - `cfg_batch`: conditional and unconditional branches in one forward (batch 2B).
+    - `cfg_group`: a process group of 2 ranks; rank 0 computes cond, rank 1 uncond, the noise
+      predictions are all-gathered (CFG parallel). Every rank ends with the same latents.
+    - cache hooks (diffusers' `enable_cache`) are applied to the transformer by the pipeline; this
+      stage only names each call with `cache_context` and resets the cache state per request.
+    """
+
+    name = "denoising"
+
+    def __init__(
+        self,
+        transformer: torch.nn.Module,
+        spec: InferenceSpec,
+        cfg_batch: bool = True,
+        cfg_group: "dist.ProcessGroup | None" = None,
+    ):
+        self.transformer = transformer
+        self.spec = spec
+        self.cfg_batch = cfg_batch
+        self.cfg_group = cfg_group
+
+    def _cache_context(self, name: str, req: Req, i: int):
+        ctx = getattr(self.transformer, "cache_context", None)
+        if ctx is None:
+            return contextlib.nullcontext()
+        sigmas = getattr(req.scheduler, "sigmas", None)
+        sigma = float(sigmas[i]) if sigmas is not None and i < len(sigmas) else None
+        return ctx(name, step_index=i, sigma=sigma, num_inference_steps=len(req.timesteps))
+
+    def _forward(self, kwargs: dict[str, Any]) -> torch.Tensor:
+        return self.spec.model_output(self.transformer(**kwargs))
+
+    def predict(self, req: Req, latents: torch.Tensor, t: torch.Tensor, i: int) -> torch.Tensor:
+        spec = self.spec
+        if not req.do_cfg:
+            with self._cache_context("cond", req, i):
+                return self._forward(spec.denoiser_kwargs(req, latents, t, "cond"))
+        if self.cfg_group is not None:
+            import torch.distributed as dist
+
+            rank = dist.get_rank(self.cfg_group)
+            branch = ("cond", "uncond")[rank]
+            with self._cache_context(branch, req, i):
+                mine = self._forward(spec.denoiser_kwargs(req, latents, t, branch)).contiguous()
+            both = [torch.empty_like(mine) for _ in range(2)]
+            dist.all_gather(both, mine, group=self.cfg_group)
+            cond, uncond = both
+        elif self.cfg_batch:
+            kw = spec.batch_cfg_kwargs(
+                spec.denoiser_kwargs(req, latents, t, "cond"),
+                spec.denoiser_kwargs(req, latents, t, "uncond"),
+                batch_size=latents.shape[0],
+            )
+            with self._cache_context("cfg_batch", req, i):
+                cond, uncond = self._forward(kw).chunk(2, dim=0)
+        else:
+            with self._cache_context("cond", req, i):
+                cond = self._forward(spec.denoiser_kwargs(req, latents, t, "cond"))
+            with self._cache_context("uncond", req, i):
+                uncond = self._forward(spec.denoiser_kwargs(req, latents, t, "uncond"))
+        return spec.combine_cfg(cond, uncond, req.guidance_scale)
+
+    def forward(self, req: Req) -> Req:
+        if hasattr(self.transformer, "_reset_stateful_cache"):
+            self.transformer._reset_stateful_cache()  # cache state never leaks across requests
+        latents = req.latents
+        total = len(req.timesteps)
+        for i, t in enumerate(req.timesteps):
+            req.check_cancelled()
+            noise_pred = self.predict(req, latents, t, i)
+            latents = req.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+            if req.progress is not None:
+                req.progress(i + 1, total)
+        req.latents = latents
+        return req
+
+
+class DecodingStage(Stage):
+    """The shared VAE decode: family post-processing, denormalize, decode, to numpy in [0, 1]."""
+
+    name = "decoding"
+
+    def __init__(self, vae: torch.nn.Module, spec: InferenceSpec):
+        self.vae = vae
+        self.spec = spec
+
+    def forward(self, req: Req) -> Req:
+        req.check_cancelled()
+        latents = self.spec.post_denoising(req.latents, req)
+        param = next(self.vae.parameters())
+        latents = latents.to(param.device, dtype=param.dtype)
+        scale, shift = self.spec.decode_scale_shift(self.vae, latents)
+        latents = latents / scale + shift
+        decoded = self.vae.decode(latents, return_dict=False)[0]
+        req.output = self.spec.postprocess(decoded, req)
+        return req

@@ -1,0 +1,153 @@
+"""Wan text-to-video inference: its BeforeDenoisingStage, the shared stages' callbacks, defaults.
+
+Mirrors diffusers' `WanPipeline.__call__` up to the denoising loop (prompt encoding is the
+pipeline's own `encode_prompt`, latents come from `randn_tensor` with the request's generator,
+timesteps from the checkpoint's scheduler), so outputs equal the reference pipeline's for a seed.
+Unlike diffusers, sizes and frame counts the model cannot take are errors, not silently rounded.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from spindle.infer.request import Req, RequestError, SamplingParams
+from spindle.infer.stages import BeforeDenoisingStage, InferenceSpec
+
+
+def _suggest(value: int, multiple: int, offset: int = 0) -> str:
+    """The nearest allowed values (multiple * k + offset) around `value`, for error messages."""
+    low = max(offset if offset else multiple, (value - offset) // multiple * multiple + offset)
+    high = low + multiple if low < value else low
+    return str(low) if low == high else f"{low} or {high}"
+
+
+class WanBeforeDenoisingStage(BeforeDenoisingStage):
+    def __init__(self, components: dict[str, Any], spec: InferenceSpec):
+        from diffusers import WanPipeline
+
+        super().__init__(components, spec)
+        # A WanPipeline without transformer: only its `encode_prompt` is used, so embeddings are
+        # computed by exactly the reference code (prompt cleaning, padding to max length, ...).
+        self.text_pipe = WanPipeline(
+            tokenizer=components["tokenizer"],
+            text_encoder=components["text_encoder"],
+            vae=components["vae"],
+            scheduler=components["scheduler"],
+            transformer=None,
+        )
+        self.transformer = components["transformer"]
+        self.scheduler = components["scheduler"]
+        vae_cfg = components["vae"].config
+        self.scale_temporal = vae_cfg.scale_factor_temporal
+        self.scale_spatial = vae_cfg.scale_factor_spatial
+        patch = self.transformer.config.patch_size
+        self.h_multiple = self.scale_spatial * patch[1]
+        self.w_multiple = self.scale_spatial * patch[2]
+
+    def validate(self, params: SamplingParams) -> None:
+        super().validate(params)
+        for name, multiple in (("height", self.h_multiple), ("width", self.w_multiple)):
+            value = getattr(params, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < multiple or value % multiple:
+                hint = f"; try {_suggest(value, multiple)}" if isinstance(value, int) and not isinstance(value, bool) else ""
+                raise RequestError(
+                    f"{name} must be a positive multiple of {multiple} for this model (VAE x{self.scale_spatial} "
+                    f"x patch) (got {value!r}){hint}"
+                )
+        n, k = params.num_frames, self.scale_temporal
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1 or (n - 1) % k:
+            hint = f"; try {_suggest(n, k, offset=1)}" if isinstance(n, int) and not isinstance(n, bool) else ""
+            raise RequestError(
+                f"num_frames must be {k}k+1 (1, {k + 1}, {2 * k + 1}, {3 * k + 1}, ...) for this model's VAE "
+                f"(got {n!r}){hint}"
+            )
+        m = params.max_sequence_length
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise RequestError(f"max_sequence_length must be an integer >= 1; got {m!r}")
+
+    def forward(self, req: Req) -> Req:
+        p = req.params
+        self.validate(p)
+        device = req.device
+        prompts = p.prompts
+        negative = p.negative_prompt
+        if p.do_cfg:
+            negative = [negative or ""] * len(prompts) if not isinstance(negative, list) else negative
+        prompt_embeds, negative_embeds = self.text_pipe.encode_prompt(
+            prompt=prompts,
+            negative_prompt=negative if p.do_cfg else None,
+            do_classifier_free_guidance=p.do_cfg,
+            num_videos_per_prompt=p.num_outputs_per_prompt,
+            max_sequence_length=p.max_sequence_length,
+            device=device,
+        )
+        dtype = self.transformer.dtype
+        req.model_dtype = dtype
+        req.prompt_embeds = prompt_embeds.to(dtype)
+        req.negative_prompt_embeds = negative_embeds.to(dtype) if negative_embeds is not None else None
+        req.do_cfg = p.do_cfg
+        req.guidance_scale = float(p.guidance_scale)
+
+        scheduler = copy.deepcopy(self.scheduler)  # schedulers are stateful: one copy per request
+        scheduler.set_timesteps(p.num_inference_steps, device=device)
+        scheduler.set_begin_index(0)
+        req.scheduler = scheduler
+        req.timesteps = scheduler.timesteps
+
+        from diffusers.utils.torch_utils import randn_tensor
+
+        shape = (
+            p.batch_size,
+            self.transformer.config.in_channels,
+            (p.num_frames - 1) // self.scale_temporal + 1,
+            p.height // self.scale_spatial,
+            p.width // self.scale_spatial,
+        )
+        req.latents = randn_tensor(shape, generator=req.generator, device=device, dtype=torch.float32)
+        req.raw_latent_shape = tuple(shape)
+        return req
+
+
+class WanInference(InferenceSpec):
+    family = "wan"
+    media = "video"
+    components = ("tokenizer", "text_encoder", "vae", "scheduler", "transformer")
+    before_denoising_cls = WanBeforeDenoisingStage
+
+    def default_params(self, components: dict[str, Any]) -> SamplingParams:
+        # diffusers WanPipeline.__call__ defaults (negative prompt None -> "").
+        return SamplingParams(
+            negative_prompt="", height=480, width=832, num_frames=81, num_inference_steps=50,
+            guidance_scale=5.0, max_sequence_length=512,
+        )
+
+    def check_checkpoint(self, model_index: dict) -> None:
+        if model_index.get("boundary_ratio") is not None or (model_index.get("transformer_2") or [None])[0]:
+            raise NotImplementedError(
+                "two-expert Wan2.2 checkpoints (transformer_2 / boundary_ratio) are not supported yet; "
+                "Spindle serves single-transformer Wan2.1-style WanPipeline folders"
+            )
+        if model_index.get("expand_timesteps"):
+            raise NotImplementedError("Wan2.2 TI2V (expand_timesteps=True) checkpoints are not supported yet")
+
+    def denoiser_kwargs(self, req: Req, latents: torch.Tensor, t: torch.Tensor, branch: str) -> dict[str, Any]:
+        return {
+            "hidden_states": latents.to(req.model_dtype),
+            "timestep": t.expand(latents.shape[0]),
+            "encoder_hidden_states": req.prompt_embeds if branch == "cond" else req.negative_prompt_embeds,
+            "attention_kwargs": None,
+            "return_dict": False,
+        }
+
+    def decode_scale_shift(self, vae: Any, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # exactly diffusers' arithmetic: latents / (1 / std) + mean
+        cfg = vae.config
+        mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+        inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+        return inv_std, mean
+
+
+WAN_INFERENCE = WanInference()

@@ -1,0 +1,43 @@
+"""`spindle generate` writes an mp4 that PyAV reads back; bad requests are one clear error line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from spindle.testing.tiny import build_tiny_wan
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_wan(tmp_path_factory.mktemp("wan_tiny"), seed=0)
+
+
+def spindle(*args):
+    return subprocess.run([sys.executable, "-m", "spindle", *map(str, args)], capture_output=True, text=True)
+
+
+def test_generate_writes_mp4(tiny, tmp_path):
+    import av
+
+    out = tmp_path / "out.mp4"
+    r = spindle("generate", "--model", tiny, "--prompt", "a cat on a skateboard", "--negative-prompt", "blurry",
+                "--height", 32, "--width", 48, "--num-frames", 9, "--steps", 3, "--guidance", 4, "--seed", 0,
+                "--out", out)
+    assert r.returncode == 0, r.stderr
+    assert "denoising" in r.stderr and "3/3" in r.stderr  # progress bar over denoising steps
+    last = r.stdout.strip().splitlines()[-1]
+    assert "before_denoising" in last and "denoising" in last and "decoding" in last and "total" in last
+    with av.open(str(out)) as c:
+        frames = list(c.decode(video=0))
+    assert len(frames) == 9
+    assert (frames[0].height, frames[0].width) == (32, 48)
+
+
+def test_generate_bad_request(tiny, tmp_path):
+    r = spindle("generate", "--model", tiny, "--prompt", "x", "--height", 30, "--width", 32, "--num-frames", 5,
+                "--steps", 2, "--out", tmp_path / "o.mp4")
+    assert r.returncode == 2
+    assert "height must be a positive multiple of 16" in r.stderr and "Traceback" not in r.stderr
