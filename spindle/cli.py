@@ -11,8 +11,11 @@ import sys
 
 # subcommand -> module. Modules import lazily so `spindle --help` stays fast.
 COMMANDS: dict[str, str] = {
+    "train": "spindle.commands.train",
+    "export": "spindle.commands.export",
     "tiny-model": "spindle.commands.tiny_model",
     "generate": "spindle.commands.generate",
+    "demo": "spindle.commands.demo",
 }
 
 

@@ -78,19 +78,19 @@ class TimestepSampling:
     num_train_timesteps: int = 1000
 
 
-def sample_sigmas(cfg: TimestepSampling, batch_size: int, generator: torch.Generator) -> torch.Tensor:
+def sample_sigmas(cfg: TimestepSampling, generators: list[torch.Generator]) -> torch.Tensor:
+    """One sigma per sample, each drawn from that sample's own generator (see `flow_matching_pair`)."""
     from diffusers.training_utils import compute_density_for_timestep_sampling
 
     if cfg.scheme not in TIMESTEP_SCHEMES:
         raise ValueError(f"unknown timestep scheme {cfg.scheme!r}; choose one of {TIMESTEP_SCHEMES}")
-    u = compute_density_for_timestep_sampling(
-        weighting_scheme=cfg.scheme,
-        batch_size=batch_size,
-        logit_mean=cfg.logit_mean,
-        logit_std=cfg.logit_std,
-        mode_scale=cfg.mode_scale,
-        generator=generator,
-    )
+    u = torch.cat([
+        compute_density_for_timestep_sampling(
+            weighting_scheme=cfg.scheme, batch_size=1, logit_mean=cfg.logit_mean, logit_std=cfg.logit_std,
+            mode_scale=cfg.mode_scale, generator=g,
+        )
+        for g in generators
+    ])
     return shift_sigmas(u.clamp(0.0, 1.0), cfg.shift)
 
 
@@ -101,10 +101,16 @@ def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
 
 
 def flow_matching_pair(
-    x0: torch.Tensor, sigmas: torch.Tensor, generator: torch.Generator
+    x0: torch.Tensor, sigmas: torch.Tensor, generators: list[torch.Generator]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rectified flow: x_t = (1 - s) x0 + s * noise, velocity target = noise - x0."""
-    noise = torch.randn(x0.shape, generator=generator, dtype=torch.float32).to(x0.device, x0.dtype)
+    """Rectified flow: x_t = (1 - s) x0 + s * noise, velocity target = noise - x0.
+
+    Noise comes from one CPU generator per sample, so a sample gets the same noise whichever rank or
+    micro-batch it lands on: data-parallel and resumed runs reproduce single-process runs exactly.
+    """
+    from diffusers.utils.torch_utils import randn_tensor
+
+    noise = randn_tensor(tuple(x0.shape), generator=generators, dtype=torch.float32).to(x0.device, x0.dtype)
     s = sigmas.to(x0.device, x0.dtype).view(-1, *([1] * (x0.ndim - 1)))
     return (1.0 - s) * x0 + s * noise, noise - x0
 
@@ -123,5 +129,7 @@ class ConditionModel(ABC):
         """Raw batch {"pixels": [B,C,F,H,W] in [-1,1], "caption": list[str]} -> conditions."""
 
     @abstractmethod
-    def training_inputs(self, conditions: dict[str, torch.Tensor], generator: torch.Generator) -> dict[str, Any]:
-        """Conditions -> transformer forward kwargs + "target" (+ optional "loss_weight")."""
+    def training_inputs(
+        self, conditions: dict[str, torch.Tensor], generators: list[torch.Generator]
+    ) -> dict[str, Any]:
+        """Conditions + one generator per sample -> transformer forward kwargs + "target" + "sigmas"."""

@@ -68,13 +68,16 @@ class WanConditionModel(ConditionModel):
     def encode(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         return {"latents": self.encode_pixels(batch["pixels"]), "prompt_embeds": self.encode_prompts(batch["caption"])}
 
-    def training_inputs(self, conditions: dict[str, torch.Tensor], generator: torch.Generator) -> dict[str, Any]:
+    def training_inputs(
+        self, conditions: dict[str, torch.Tensor], generators: list[torch.Generator]
+    ) -> dict[str, Any]:
         x0 = conditions["latents"]
-        sigmas = sample_sigmas(self.timestep_sampling, x0.shape[0], generator)
-        noisy, target = flow_matching_pair(x0, sigmas, generator)
+        sigmas = sample_sigmas(self.timestep_sampling, generators)
+        noisy, target = flow_matching_pair(x0, sigmas, generators)
         return {
             "hidden_states": noisy,
             "timestep": (sigmas * self.timestep_sampling.num_train_timesteps).to(x0.device),
             "encoder_hidden_states": conditions["prompt_embeds"].to(x0.device),
             "target": target,
+            "sigmas": sigmas,
         }

@@ -1,0 +1,56 @@
+"""Fine-tune a diffusion transformer from a diffusers checkpoint.
+
+  spindle train CONFIG.yaml [key.sub=value ...] [--nproc N]
+
+Overrides use dotted keys and YAML values, e.g. `train.lr=1e-4 data.resolution=[64,64]`.
+Outputs in train.output_dir: config.yaml (resolved), metrics.jsonl (one line per step),
+checkpoints/step-N/ (resumable, sharded), export/ (a diffusers pipeline folder).
+With --nproc N the job re-launches itself under torchrun (gloo on CPU, NCCL on CUDA);
+`torchrun --nproc_per_node N -m spindle train CONFIG.yaml` works the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+HELP = "fine-tune a DiT (YAML config + dotted overrides)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="YAML config file (see configs/)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-4 train.max_steps=50")
+    p.add_argument("--nproc", type=int, default=1, help="processes on this node (re-launches under torchrun)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from spindle.config import load_config
+
+    cfg = load_config(args.config, args.overrides)  # fail on bad config before launching anything
+    if args.nproc > 1:
+        from spindle.distributed.launch import maybe_relaunch
+
+        code = maybe_relaunch(args.nproc, _argv_without_nproc(sys.argv[1:]))
+        if code is not None:
+            return code
+    from spindle.train.trainer import train
+    from spindle.distributed.mesh import is_main_process
+
+    result = train(cfg)
+    if is_main_process():
+        print(f"trained {result.last_step} steps; outputs in {result.output_dir}")
+        if result.export_dir:
+            print(f"exported diffusers pipeline: {result.export_dir}")
+    return 0
+
+
+def _argv_without_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out

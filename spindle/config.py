@@ -1,0 +1,172 @@
+"""Typed configuration for every Spindle job: YAML file + dotted command-line overrides.
+
+Unknown keys and wrong types fail before any work, naming the key path and, for typos, the
+closest valid key. The resolved config is written next to the run's outputs.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user can fix; the message names the key and the fix."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    path: str = Field(description="diffusers pipeline folder (holds model_index.json)")
+    family: str | None = Field(None, description="force a family instead of detecting it from model_index.json")
+    max_text_length: int = Field(512, ge=1, description="text tokens per prompt (padded/truncated)")
+
+
+class DataConfig(Section):
+    path: str = Field(description="folder of media + same-name .txt captions, or a .jsonl manifest")
+    resolution: tuple[int, int] = Field((64, 64), description="[height, width] after resize + center crop")
+    num_frames: int = Field(17, ge=1, description="frames sampled per video (images give 1)")
+    skip_bad_samples: bool = Field(False, description="log and skip unreadable files instead of failing")
+    shuffle: bool = True
+
+
+class TimestepConfig(Section):
+    scheme: Literal["uniform", "logit_normal", "mode"] = "uniform"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    mode_scale: float = 1.29
+    shift: float = Field(1.0, gt=0, description="SD3/Wan sigma shift applied after sampling")
+
+
+class TrainConfig(Section):
+    output_dir: str = "outputs/run"
+    max_steps: int = Field(100, ge=1)
+    global_batch_size: int = Field(1, ge=1, description="samples per optimizer step over all data-parallel ranks")
+    micro_batch_size: int = Field(1, ge=1, description="samples per forward on one rank")
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = Field(1e-8, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine floor as a fraction of lr")
+    grad_clip: float = Field(1.0, ge=0, description="max grad norm; 0 disables clipping")
+    seed: int = 0
+    gradient_checkpointing: bool = False
+    mixed_precision: Literal["auto", "no", "bf16"] = Field(
+        "auto", description="auto: bf16 on CUDA, fp32 on CPU"
+    )
+    loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = "none"
+    timestep: TimestepConfig = TimestepConfig()
+    log_every: int = Field(1, ge=1)
+
+
+class CheckpointConfig(Section):
+    every_steps: int = Field(0, ge=0, description="save a resumable checkpoint every N steps (0: only at the end)")
+    resume: str = Field("none", description="none | auto (latest in output_dir) | path to a checkpoint folder")
+    keep_last: int = Field(2, ge=1, description="resumable checkpoints kept on disk")
+    export: bool = Field(True, description="export a diffusers pipeline folder at the end")
+
+
+class ParallelConfig(Section):
+    dp_replicate: int = Field(1, ge=1, description="HSDP replica groups")
+    dp_shard: int = Field(-1, description="FSDP2 shard degree; -1 = the rest of the world")
+    sp: int = Field(1, ge=1, description="Ulysses sequence-parallel degree")
+
+
+class TrainJobConfig(Section):
+    model: ModelConfig
+    data: DataConfig
+    train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    parallel: ParallelConfig = ParallelConfig()
+
+    @model_validator(mode="after")
+    def _batch_sizes(self) -> "TrainJobConfig":
+        if self.train.global_batch_size % self.train.micro_batch_size:
+            raise ValueError(
+                f"train.global_batch_size ({self.train.global_batch_size}) must be a multiple of "
+                f"train.micro_batch_size ({self.train.micro_batch_size})"
+            )
+        return self
+
+
+# ---------------------------------------------------------------- loading and errors
+
+
+def _fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """Valid key names of the section that `loc` points into (for did-you-mean)."""
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return list(model.model_fields)
+
+
+def _describe(err: dict[str, Any], root: type[BaseModel]) -> str:
+    loc = tuple(err["loc"])
+    key = ".".join(str(p) for p in loc) or "<root>"
+    if err["type"] == "extra_forbidden":
+        valid = _fields_at(root, loc)
+        close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
+        hint = f"; did you mean '{'.'.join(map(str, loc[:-1] + (close[0],)))}'?" if close else ""
+        return f"unknown key '{key}'{hint} (valid keys here: {', '.join(valid)})"
+    if err["type"] == "missing":
+        return f"missing required key '{key}'"
+    return f"'{key}': {err['msg']} (got {err.get('input')!r})"
+
+
+def validate_config(raw: dict[str, Any], model: type[BaseModel] = TrainJobConfig) -> Any:
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        lines = [_describe(err, model) for err in e.errors()]
+        raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
+
+
+def apply_override(raw: dict[str, Any], override: str) -> None:
+    """Apply one `a.b.c=value` override in place; the value is parsed as YAML (1e-4, true, [64, 64])."""
+    if "=" not in override:
+        raise ConfigError(f"override {override!r} must look like key.sub=value (e.g. train.lr=1e-4)")
+    key, _, text = override.partition("=")
+    value = yaml.safe_load(text) if text.strip() else ""
+    node = raw
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {override!r}: '{part}' is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def load_raw(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} not found")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections (model:, data:, train:, ...)")
+    return raw
+
+
+def load_config(path: str | Path | None, overrides: list[str] = (), model: type[BaseModel] = TrainJobConfig):
+    raw = load_raw(path) if path is not None else {}
+    for override in overrides:
+        apply_override(raw, override)
+    return validate_config(raw, model)
+
+
+def dump_config(cfg: BaseModel, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))

@@ -1,0 +1,64 @@
+"""Config errors name the bad key (with a did-you-mean) before any work starts."""
+
+import subprocess
+import sys
+
+import pytest
+
+from spindle.config import ConfigError, apply_override, load_config
+
+BASE = ["model.path=/m", "data.path=/d"]
+
+
+def test_unknown_key_names_path_and_suggestion():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, BASE + ["train.lrr=1e-4"])
+    assert "unknown key 'train.lrr'" in str(e.value)
+    assert "did you mean 'train.lr'" in str(e.value)
+
+
+def test_unknown_section_suggests_section():
+    with pytest.raises(ConfigError, match="did you mean 'checkpoint'"):
+        load_config(None, BASE + ["checkpoints.every_steps=5"])
+
+
+def test_wrong_type_names_key_and_value():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, BASE + ["train.max_steps=lots"])
+    assert "'train.max_steps'" in str(e.value) and "'lots'" in str(e.value)
+
+
+def test_missing_required_key():
+    with pytest.raises(ConfigError, match="missing required key 'model'"):
+        load_config(None, ["data.path=/d"])
+
+
+def test_overrides_parse_yaml_values():
+    cfg = load_config(None, BASE + ["train.lr=3e-4", "data.resolution=[48, 64]", "train.gradient_checkpointing=true"])
+    assert cfg.train.lr == 3e-4
+    assert cfg.data.resolution == (48, 64)
+    assert cfg.train.gradient_checkpointing is True
+
+
+def test_batch_sizes_must_divide():
+    with pytest.raises(ConfigError, match="global_batch_size"):
+        load_config(None, BASE + ["train.global_batch_size=5", "train.micro_batch_size=2"])
+
+
+def test_malformed_override():
+    with pytest.raises(ConfigError, match="key.sub=value"):
+        apply_override({}, "train.lr")
+
+
+def test_yaml_file_and_cli_error_exit(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: {path: /m}\ndata: {path: /d, resolutoin: [64, 64]}\n")
+    proc = subprocess.run([sys.executable, "-m", "spindle", "train", str(cfg)], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "unknown key 'data.resolutoin'; did you mean 'data.resolution'?" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.yaml"):
+        load_config(tmp_path / "nope.yaml")
