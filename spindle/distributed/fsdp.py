@@ -1,0 +1,208 @@
+"""FSDP2 (`fully_shard`), activation checkpointing and gradient clipping for diffusers transformers.
+
+`parallelize_transformer` is the one entry point the trainer calls, after loading the transformer
+and before building the optimizer:
+
+    CP (diffusers Ulysses hooks, if sp > 1) -> activation checkpointing -> FSDP2 (blocks, then root)
+
+FSDP2 shards over `dp_shard x sp` ("fsdp" mesh); with `dp_replicate > 1` it is HSDP over the 2-D
+(dp_replicate, fsdp) mesh. It is applied on one process too (the degenerate mesh): parameters are
+then 1-rank DTensors, so the trainer, the optimizer and DCP see the same objects at every scale.
+
+Gradient scaling with SP (the one place it is handled): FSDP2 divides the summed gradient by the
+number of ranks it reduces over, `dp_replicate x dp_shard x sp`. The ranks of one SP group hold the
+same sample; each computes the loss on the full (gathered) output but back-propagates only through
+its own sequence chunk (diffusers' `AllGatherFunction.backward` returns the local chunk of the
+gradient, and the Ulysses all-to-all backward routes the rest), so the SP ranks' gradients *sum* to
+the gradient of that sample. Averaging them would halve it; the divide factor must be the number of
+distinct samples' ranks, `dp_replicate x dp_shard`. Checked numerically in
+tests/test_distributed_parallel.py against single-process gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from spindle.distributed.context_parallel import enable_sequence_parallel
+from spindle.distributed.mesh import Mesh
+
+MIXED_PRECISION = ("no", "fp32", "bf16")
+_BLOCK_LIST_NAMES = ("blocks", "transformer_blocks", "single_transformer_blocks", "layers")
+
+
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks of a diffusers model, found generically (no per-family code).
+
+    First the model's own declaration (`_no_split_modules` / `_repeated_blocks`: class names of the
+    blocks); else the children of ModuleList attributes named like blocks. Outermost matches only.
+    """
+    names = set(getattr(model, "_no_split_modules", None) or ()) | set(getattr(model, "_repeated_blocks", None) or ())
+    blocks: list[nn.Module] = []
+    if names:
+        inside: set[int] = set()
+        for module in model.modules():
+            if id(module) in inside or module is model:
+                continue
+            if type(module).__name__ in names:
+                blocks.append(module)
+                inside.update(id(m) for m in module.modules())
+    if not blocks:
+        for attr in _BLOCK_LIST_NAMES:
+            children = getattr(model, attr, None)
+            if isinstance(children, nn.ModuleList):
+                blocks.extend(children)
+    if not blocks:
+        raise ValueError(
+            f"cannot find the transformer blocks of {type(model).__name__}: it declares no `_no_split_modules` and has "
+            f"no ModuleList named one of {_BLOCK_LIST_NAMES}"
+        )
+    return blocks
+
+
+def fsdp_mesh(mesh: Mesh) -> DeviceMesh:
+    """The mesh FSDP2 shards over: 1-D "fsdp" (dp_shard x sp), or 2-D (dp_replicate, fsdp) for HSDP."""
+    if mesh.dims.dp_replicate == 1:
+        return mesh.fsdp
+    cached = getattr(mesh, "_hsdp_mesh", None)
+    if cached is None:
+        # Slicing the flattened "fsdp" dim off the root mesh is deprecated (torch 2.11); an
+        # unflattened view of the flattened world keeps one root mesh and the same rank layout
+        # (world is row-major over (dp_replicate, dp_shard, sp)). Collective: every rank calls it.
+        flat = mesh.world._flatten("world_flat")
+        cached = flat._unflatten(0, (mesh.dims.dp_replicate, mesh.dims.fsdp_size), ("dp_replicate", "fsdp"))
+        mesh._hsdp_mesh = cached  # type: ignore[attr-defined]
+    return cached
+
+
+def _mp_policy(mixed_precision: str | None) -> MixedPrecisionPolicy:
+    mp = (mixed_precision or "no").lower()
+    if mp not in MIXED_PRECISION:
+        raise ValueError(f"mixed_precision must be one of {MIXED_PRECISION}, got {mixed_precision!r}")
+    if mp == "bf16":
+        # bf16 compute copies of the params, fp32 gradient reduction (and fp32 sharded master params).
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def apply_fsdp(
+    transformer: nn.Module, mesh: Mesh, mixed_precision: str | None = "no", reshard_after_forward: bool = True
+) -> nn.Module:
+    """FSDP2 `fully_shard` on each repeated block, then on the root (in place; returns the model)."""
+    dmesh = fsdp_mesh(mesh)
+    policy = _mp_policy(mixed_precision)
+    for block in find_blocks(transformer):
+        fully_shard(block, mesh=dmesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    # Root too with an explicit flag: FSDP2's default (None) keeps the root's params unsharded after
+    # forward, so after a no-grad forward (validation, sampling) `model.parameters()` would be plain
+    # tensors until the next backward, and a state dict taken then would not be sharded.
+    fully_shard(transformer, mesh=dmesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+
+    dp_size = mesh.dims.dp_size
+    if dp_size != dmesh.size():  # sp > 1: divide by the data-parallel size only (module docstring)
+        for module in transformer.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(float(dp_size))
+                if dmesh.device_type == "cpu":
+                    # CPU/gloo workaround: a custom divide factor makes FSDP2 reduce-scatter with
+                    # ReduceOp.PREMUL_SUM, which gloo rejects ("Cannot use ReduceOp.PREMUL_SUM with
+                    # Gloo"); sum-only collectives + FSDP's own post-division give the same result.
+                    module.set_force_sum_reduction_for_comms(True)
+    return transformer
+
+
+def apply_activation_checkpointing(transformer: nn.Module) -> nn.Module:
+    """Recompute each transformer block in backward, through diffusers' own gradient checkpointing.
+
+    Why diffusers' `enable_gradient_checkpointing()` rather than torch's `checkpoint_wrapper`: it
+    checkpoints exactly one block per call (the model's forward wraps each block), it uses
+    non-reentrant `torch.utils.checkpoint` around `block.__call__` so FSDP2's per-block
+    all-gather hooks fire again in the recomputation, it keeps parameter names unchanged
+    (`checkpoint_wrapper` inserts `_checkpoint_wrapped_module.` into every FQN, which would leak
+    into optimizer state, DCP keys and export), and it leaves the modules the CP plan hooks into
+    (`blocks.0`, `rope`, `proj_out`) in place. The CP split of `blocks.0` runs inside the
+    recomputed region, which is fine: it is a local slice, not a collective; the Ulysses
+    all-to-alls inside attention are re-run in the same order on every rank.
+    """
+    if not getattr(transformer, "_supports_gradient_checkpointing", False):
+        raise ValueError(
+            f"{type(transformer).__name__} does not support gradient checkpointing (diffusers "
+            f"`_supports_gradient_checkpointing` is False); set train.gradient_checkpointing: false"
+        )
+    transformer.enable_gradient_checkpointing()
+    return transformer
+
+
+def parallelize_transformer(
+    transformer: nn.Module,
+    mesh: Mesh,
+    *,
+    mixed_precision: str | None = "no",
+    gradient_checkpointing: bool = False,
+    cp_plan: dict | None = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """CP (if sp > 1) -> activation checkpointing -> FSDP2, in place; returns the model.
+
+    Call on every rank, after loading the (full, same-on-every-rank) transformer and before
+    building the optimizer. Feed every rank of an SP group the same batch.
+    """
+    _mp_policy(mixed_precision)  # validate before any work
+    if mesh.dims.sp > 1:
+        enable_sequence_parallel(transformer, mesh.sp, plan=cp_plan)
+    if gradient_checkpointing:
+        apply_activation_checkpointing(transformer)
+    return apply_fsdp(transformer, mesh, mixed_precision, reshard_after_forward=reshard_after_forward)
+
+
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor] | torch.Tensor,
+    max_norm: float | None,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+) -> float:
+    """Total gradient norm (over all ranks' shards) as a float, the same on every rank; clip if max_norm.
+
+    `torch.nn.utils.get_total_norm` handles FSDP2 DTensor grads (a DTensor norm with a pending
+    reduction); `.full_tensor()` completes it over the mesh. Scaling the grads by a Python float
+    works for DTensor and plain grads alike. `max_norm` None or <= 0: only measure.
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return 0.0
+    total = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, error_if_nonfinite=False)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    total_norm = float(total.item())
+    if error_if_nonfinite and not math.isfinite(total_norm):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total_norm})")
+    if max_norm is not None and max_norm > 0 and math.isfinite(total_norm):
+        coef = max_norm / (total_norm + 1e-6)
+        if coef < 1.0:
+            torch._foreach_mul_(grads, coef)
+    return total_norm
+
+
+def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """{name: full gradient} with DTensor grads gathered (collective: every rank calls it)."""
+    out = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        g = p.grad
+        # full_tensor() may alias the local shard (no communication when the mesh dims are size 1): clone.
+        out[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
+    return out
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

@@ -1,0 +1,45 @@
+"""Run a function on N real processes (spawned, gloo on CPU) for distributed tests and benchmarks."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, Callable
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, threads: int, args: tuple) -> None:
+    # CPU/gloo only: hide GPUs before torch touches CUDA (the mesh's device type follows CUDA).
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+        # Nobody may tear the group down while a peer is still inside a collective (gloo aborts).
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1) -> None:
+    """Run `fn(rank, world_size, *args)` on `world_size` spawned CPU processes over gloo.
+
+    `fn` must be importable by name (a module-level function). Raises if any process fails.
+    """
+    import torch.multiprocessing as mp
+
+    mp.start_processes(
+        _entry, args=(fn, world_size, free_port(), threads, args), nprocs=world_size, join=True, start_method="spawn"
+    )
