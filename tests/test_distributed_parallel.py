@@ -290,3 +290,32 @@ def test_one_process_is_the_degenerate_mesh(tiny_root):
     finally:
         if owns_group:
             dist.destroy_process_group()
+
+
+def test_bf16_mixed_precision_policy(tiny_root):
+    """mixed_precision="bf16": fp32 sharded params and grads, bf16 compute (= the model cast to bf16)."""
+    import torch.distributed as dist
+
+    from spindle.distributed.fsdp import full_grads, parallelize_transformer
+    from spindle.distributed.mesh import build_mesh
+    from spindle.models.base import load_transformer
+
+    owns_group = not dist.is_initialized()
+    mesh = build_mesh(ParallelDims())
+    try:
+        ref = load_transformer(tiny_root).to(torch.bfloat16)
+        model = parallelize_transformer(load_transformer(tiny_root), mesh, mixed_precision="bf16")
+        batch = make_batch()
+        ref_out, ref_loss = step(ref, {k: v.to(torch.bfloat16) if k != "target" else v for k, v in batch.items()})
+        out, loss = step(model, batch)  # fp32 inputs: FSDP casts them at the root
+        assert out.dtype == torch.bfloat16
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        grads = full_grads(model)
+        assert all(g.dtype == torch.float32 for g in grads.values())
+        assert rel(out, ref_out) < 1e-2, rel(out, ref_out)
+        assert math.isclose(loss.item(), ref_loss.item(), rel_tol=1e-2)
+        g_ref = torch.cat([p.grad.float().flatten() for p in ref.parameters()])
+        assert rel(torch.cat([g.flatten() for g in grads.values()]), g_ref) < 2e-2
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
