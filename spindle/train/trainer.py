@@ -7,6 +7,7 @@ computes the loss, `spindle.distributed` shards and checkpoints.
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,10 @@ from spindle.train.metrics import MetricsLog
 from spindle.train.optim import build_optimizer, build_scheduler
 
 log = logging.getLogger("spindle.train")
+
+# diffusers' Wan/Flux forward returns a reshaped view; FSDP2 warns in case the caller edits it in place.
+# The task only reads the prediction (out-of-place loss), so the warning is noise on every run.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
 
 @dataclass
