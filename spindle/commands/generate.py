@@ -50,20 +50,33 @@ def _format_timings(timings: dict[str, float]) -> str:
     return "time: " + ", ".join(parts) + f" | total {sum(timings.values()):.2f}s"
 
 
+def _without_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
+    import os
+
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    nproc = int(os.environ["WORLD_SIZE"]) if launched else args.nproc
     world_needed = args.sp * (2 if args.cfg_parallel else 1)
-    if args.nproc != world_needed:
+    if nproc != world_needed:
         raise ValueError(
-            f"--nproc {args.nproc} does not match --sp {args.sp}"
+            f"--nproc {nproc} does not match --sp {args.sp}"
             f"{' x 2 (--cfg-parallel)' if args.cfg_parallel else ''} = {world_needed} processes"
         )
-    if args.nproc > 1:
-        import os
+    if nproc > 1 and not launched:  # re-launch this command as nproc processes (torchrun)
+        from spindle.infer.pipeline import relaunch_with_torchrun
 
-        if "RANK" not in os.environ:  # parent: re-launch this command under torchrun
-            from spindle.infer.pipeline import relaunch_with_torchrun
-
-            return relaunch_with_torchrun(args.nproc, sys.argv[1:])
+        return relaunch_with_torchrun(nproc, _without_nproc(sys.argv[1:]))
 
     from spindle.infer.generator import DiffusionGenerator, psnr
     from spindle.infer.pipeline import is_main_rank
@@ -105,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     shape = "x".join(str(s) for s in result.frames.shape)
     print(f"wrote {', '.join(str(p) for p in paths)} ({shape}, seed {result.seed}, family {gen.family})")
     if args.cache and args.psnr:
-        if args.nproc == 1:
+        if nproc == 1:
             gen.transformer.disable_cache()
             exact = gen.generate(**{**request, "seed": result.seed})
             print(f"cache {args.cache} (threshold {args.cache_threshold}): PSNR "

@@ -165,8 +165,6 @@ class InferencePipeline:
         transformer = components[spec.transformer_component]
         mesh, cfg_group = None, None
         if options.world_size_needed > 1:
-            from spindle.infer.parallel import setup_parallel
-
             mesh, cfg_group = setup_parallel(transformer, options)
         if options.cache is not None:
             apply_cache(transformer, options.cache, options.cache_threshold)
@@ -174,7 +172,7 @@ class InferencePipeline:
             apply_compile(transformer)
         stages: list[Stage] = [
             spec.make_before_denoising(components),
-            DenoisingStage(transformer, spec, cfg_batch=options.cfg_batch, cfg_group=cfg_group),
+            DenoisingStage(transformer, spec, cfg_batch=options.cfg_batch, cfg_group=cfg_group, sp=options.sp),
             DecodingStage(components[spec.vae_component], spec),
         ]
         return cls(spec, components, stages, options, root=root, mesh=mesh)
@@ -197,3 +195,42 @@ def is_main_rank() -> bool:
     import torch.distributed as dist
 
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def setup_parallel(transformer: torch.nn.Module, options: EngineOptions) -> tuple[Any, Any]:
+    """Mesh for the multi-process modes; -> (mesh, cfg process group or None).
+
+    Mesh dims (spindle.distributed.mesh): `sp` = Ulysses degree; the data dim `dp_shard` (size 2)
+    carries the CFG branches when `cfg_parallel` (rank 0 of it: cond, rank 1: uncond). Ulysses
+    SP uses the same code as training: `spindle.distributed.context_parallel`.
+    """
+    from spindle.distributed.mesh import ParallelDims, build_mesh, init_distributed
+
+    _, world = init_distributed()
+    if world != options.world_size_needed:
+        raise ValueError(
+            f"sp={options.sp}{' x 2 (cfg_parallel)' if options.cfg_parallel else ''} needs "
+            f"{options.world_size_needed} processes, but the world size is {world}; launch with "
+            f"--nproc {options.world_size_needed} (or torchrun --nproc-per-node {options.world_size_needed})"
+        )
+    mesh = build_mesh(ParallelDims(dp_replicate=1, dp_shard=2 if options.cfg_parallel else 1, sp=options.sp))
+    if options.sp > 1:
+        from spindle.distributed.context_parallel import enable_sequence_parallel
+
+        enable_sequence_parallel(transformer, mesh.sp)
+    cfg_group = mesh.dp.get_group() if options.cfg_parallel else None
+    return mesh, cfg_group
+
+
+def relaunch_with_torchrun(nproc: int, argv: list[str]) -> int:
+    """Re-run `spindle <argv>` as `nproc` processes on this machine (torchrun --standalone)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    cores = os.cpu_count() or 1
+    env.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "spindle", *argv]
+    return subprocess.call(cmd, env=env)

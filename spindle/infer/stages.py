@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
-from spindle.infer.request import Req, SamplingParams
+from spindle.infer.request import Req, RequestError, SamplingParams
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -107,6 +107,10 @@ class InferenceSpec:
                 raise ValueError(f"cannot batch CFG: {key!r} differs between cond and uncond and is not per-sample")
         return merged
 
+    def sequence_length(self, req: Req, transformer: torch.nn.Module) -> int | None:
+        """Tokens the transformer sees for this request (checked against the SP degree); None: unknown."""
+        return None
+
     def model_output(self, out: Any) -> torch.Tensor:
         return out[0] if isinstance(out, (tuple, list)) else out.sample
 
@@ -151,11 +155,13 @@ class DenoisingStage(Stage):
         spec: InferenceSpec,
         cfg_batch: bool = True,
         cfg_group: "dist.ProcessGroup | None" = None,
+        sp: int = 1,
     ):
         self.transformer = transformer
         self.spec = spec
         self.cfg_batch = cfg_batch
         self.cfg_group = cfg_group
+        self.sp = sp
 
     def _cache_context(self, name: str, req: Req, i: int):
         ctx = getattr(self.transformer, "cache_context", None)
@@ -198,7 +204,18 @@ class DenoisingStage(Stage):
                 uncond = self._forward(spec.denoiser_kwargs(req, latents, t, "uncond"))
         return spec.combine_cfg(cond, uncond, req.guidance_scale)
 
+    def check_sequence_parallel(self, req: Req) -> None:
+        if self.sp == 1:
+            return
+        from spindle.distributed.context_parallel import check_sequence_parallel
+
+        try:
+            check_sequence_parallel(self.transformer, self.sp, seq_len=self.spec.sequence_length(req, self.transformer))
+        except ValueError as e:
+            raise RequestError(str(e)) from e
+
     def forward(self, req: Req) -> Req:
+        self.check_sequence_parallel(req)
         if hasattr(self.transformer, "_reset_stateful_cache"):
             self.transformer._reset_stateful_cache()  # cache state never leaks across requests
         latents = req.latents

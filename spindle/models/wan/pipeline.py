@@ -142,6 +142,11 @@ class WanInference(InferenceSpec):
             "return_dict": False,
         }
 
+    def sequence_length(self, req: Req, transformer: torch.nn.Module) -> int:
+        pt, ph, pw = transformer.config.patch_size
+        _, _, f, h, w = req.raw_latent_shape
+        return (f // pt) * (h // ph) * (w // pw)
+
     def decode_scale_shift(self, vae: Any, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # exactly diffusers' arithmetic: latents / (1 / std) + mean
         cfg = vae.config
