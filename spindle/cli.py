@@ -16,6 +16,7 @@ COMMANDS: dict[str, str] = {
     "tiny-model": "spindle.commands.tiny_model",
     "generate": "spindle.commands.generate",
     "demo": "spindle.commands.demo",
+    "serve": "spindle.commands.serve",
 }
 
 
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args._argv = list(sys.argv[1:] if argv is None else argv)  # for commands that re-launch themselves
     if args.command is None:
         parser.print_help()
         return 2

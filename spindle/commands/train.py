@@ -12,7 +12,7 @@ With --nproc N the job re-launches itself under torchrun (gloo on CPU, NCCL on C
 from __future__ import annotations
 
 import argparse
-import sys
+import os
 
 HELP = "fine-tune a DiT (YAML config + dotted overrides)"
 
@@ -25,16 +25,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from spindle.config import load_config
+    from spindle.distributed.launch import maybe_relaunch, under_launcher
+    from spindle.train.trainer import check_parallel_plan
 
-    cfg = load_config(args.config, args.overrides)  # fail on bad config before launching anything
-    if args.nproc > 1:
-        from spindle.distributed.launch import maybe_relaunch
-
-        code = maybe_relaunch(args.nproc, _argv_without_nproc(sys.argv[1:]))
-        if code is not None:
-            return code
-    from spindle.train.trainer import train
+    cfg = load_config(args.config, args.overrides)
+    # Fail on an impossible parallel layout here, once, before any process is launched.
+    world = int(os.environ.get("WORLD_SIZE", 1)) if under_launcher() else args.nproc
+    check_parallel_plan(cfg, world)
+    code = maybe_relaunch(args.nproc, args._argv)
+    if code is not None:
+        return code
     from spindle.distributed.mesh import is_main_process
+    from spindle.train.trainer import train
 
     result = train(cfg)
     if is_main_process():
@@ -42,15 +44,3 @@ def run(args: argparse.Namespace) -> int:
         if result.export_dir:
             print(f"exported diffusers pipeline: {result.export_dir}")
     return 0
-
-
-def _argv_without_nproc(argv: list[str]) -> list[str]:
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--nproc":
-            skip = True
-        elif not a.startswith("--nproc="):
-            out.append(a)
-    return out

@@ -59,10 +59,25 @@ def grad_accum_steps(cfg: TrainJobConfig, dp_size: int) -> int:
     return cfg.train.global_batch_size // per_step
 
 
+def check_parallel_plan(cfg: TrainJobConfig, world_size: int) -> ParallelDims:
+    """Validate the parallel layout against the world size and the model, before any heavy work."""
+    import json
+
+    from spindle.distributed.context_parallel import check_sequence_parallel
+
+    dims = ParallelDims(**cfg.parallel.model_dump()).resolve(world_size)
+    grad_accum_steps(cfg, dims.dp_size)
+    tcfg = Path(cfg.model.path) / "transformer" / "config.json"
+    if dims.sp > 1 and tcfg.is_file():
+        check_sequence_parallel(json.loads(tcfg.read_text()), dims.sp)
+    return dims
+
+
 class Trainer:
     def __init__(self, cfg: TrainJobConfig):
         self.cfg = cfg
         self.output_dir = Path(cfg.train.output_dir)
+        check_parallel_plan(cfg, dist.get_world_size() if dist.is_initialized() else _launcher_world_size())
         self.mesh: Mesh = build_mesh(ParallelDims(**cfg.parallel.model_dump()))
         self.device = local_device()
         self.accum = grad_accum_steps(cfg, self.mesh.dims.dp_size)
@@ -196,6 +211,12 @@ class Trainer:
 
         barrier()
         return out
+
+
+def _launcher_world_size() -> int:
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", 1))
 
 
 def _mean_over(mesh: Mesh, value: torch.Tensor) -> float:

@@ -1,0 +1,104 @@
+"""Multi-process training (real torchrun workers, gloo on CPU) equals single-process training.
+
+Every run trains the same 4 steps on the same data with global batch 4; only the layout differs.
+Tolerance: fp32 on CPU, 1e-5 relative on per-step loss and grad norm, 1e-5 absolute on exported weights
+(reduction order differs between layouts, so bit-equality is not expected).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from spindle.train.metrics import read_metrics
+from tests.conftest import train_overrides
+
+pytestmark = pytest.mark.slow
+RTOL = 1e-5
+
+
+def run_train(model: Path, data: Path, out: Path, nproc: int, **overrides) -> subprocess.CompletedProcess:
+    cfg = out.parent / f"{out.name}.yaml"
+    cfg.write_text(yaml.safe_dump({}))
+    base = dict(train__max_steps=4, train__micro_batch_size=1, checkpoint__export=True, data__shuffle=True)
+    args = train_overrides(model, data, out, **{**base, **overrides})
+    cmd = [sys.executable, "-m", "spindle", "train", str(cfg), *args, "--nproc", str(nproc)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def series(out: Path, key: str) -> list[float]:
+    return [m[key] for m in read_metrics(out)]
+
+
+def exported(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(out / "export" / "transformer" / "diffusion_pytorch_model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def single(tiny_wan, shapes_videos, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("single") / "run"
+    run_train(tiny_wan, shapes_videos, out, nproc=1)
+    return out
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    for key in ("loss", "grad_norm"):
+        assert series(b, key) == pytest.approx(series(a, key), rel=RTOL), key
+    wa, wb = exported(a), exported(b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=1e-5, msg=k)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"parallel__dp_shard": 2},
+        {"parallel__sp": 2, "parallel__dp_shard": 1},
+        {"parallel__dp_replicate": 2, "parallel__dp_shard": 1},
+    ],
+    ids=["dp_shard2", "sp2", "dp_replicate2"],
+)
+def test_two_processes_equal_one(layout, single, tiny_wan, shapes_videos, tmp_path):
+    out = tmp_path / "run"
+    run_train(tiny_wan, shapes_videos, out, nproc=2, **layout)
+    assert_same_run(single, out)
+
+
+@pytest.mark.parametrize("first,second", [(2, 1), (1, 2)], ids=["save2_resume1", "save1_resume2"])
+def test_resume_across_world_sizes(first, second, single, tiny_wan, shapes_videos, tmp_path):
+    out = tmp_path / "run"
+    run_train(tiny_wan, shapes_videos, out, nproc=first, train__max_steps=2, checkpoint__export=False)
+    run_train(tiny_wan, shapes_videos, out, nproc=second, checkpoint__resume="auto")
+    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]
+    assert_same_run(single, out)
+
+
+def test_world_size_mismatch_fails_before_launch(tiny_wan, shapes_videos, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("{}")
+    args = train_overrides(tiny_wan, shapes_videos, tmp_path / "o", parallel__dp_shard=3)
+    proc = subprocess.run([sys.executable, "-m", "spindle", "train", str(cfg), *args, "--nproc", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "but the world size is 2" in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_sp_not_dividing_heads_fails_before_launch(tiny_wan, shapes_videos, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("{}")
+    # the tiny Wan transformer has 4 heads
+    args = train_overrides(tiny_wan, shapes_videos, tmp_path / "o", parallel__sp=3, parallel__dp_shard=1)
+    proc = subprocess.run([sys.executable, "-m", "spindle", "train", str(cfg), *args, "--nproc", "3"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "4 attention heads" in proc.stderr and "parallel.sp=3" in proc.stderr
