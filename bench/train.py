@@ -1,0 +1,216 @@
+"""Training-step benchmark: Spindle (FSDP2 / Ulysses SP through spindle.distributed) vs a plain
+PyTorch + diffusers loop, on the same Wan-shaped transformer, batch, precision and in-memory data.
+
+    python bench/train.py                      # CPU defaults: ~34M params, 1024 tokens, a few steps
+    python bench/train.py --layers 12 --steps 20 --frames 8 --height 64 --width 64   # on a GPU
+
+Each variant runs in its own spawned process(es), so peak memory (RSS on CPU,
+torch.cuda.max_memory_allocated on CUDA) is per variant:
+  baseline     plain `WanTransformer3DModel` + AdamW (+ torch.autocast bf16 on CUDA), 1 process
+  spindle      `parallelize_transformer` (FSDP2 on the 1-rank mesh, MixedPrecisionPolicy bf16 on CUDA), 1 process
+  spindle_sp2  the same with parallel.sp=2 on 2 processes (both ranks get the same batch), when 2 devices exist
+Prints a table and writes JSON (--out). MFU is reported on CUDA only (bf16 dense peak of the GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from spindle.testing.multiprocess import spawn  # noqa: E402
+
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
+
+
+def model_config(a: argparse.Namespace) -> dict:
+    return dict(
+        patch_size=(1, 2, 2), num_attention_heads=a.heads, attention_head_dim=a.head_dim, in_channels=16,
+        out_channels=16, text_dim=a.text_dim, freq_dim=256, ffn_dim=a.ffn_dim, num_layers=a.layers,
+        cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=1024,
+    )
+
+
+def tokens_per_sample(a: argparse.Namespace) -> int:
+    return a.frames * (a.height // 2) * (a.width // 2)
+
+
+def make_data(a: argparse.Namespace, device: torch.device) -> dict:
+    g = torch.Generator().manual_seed(0)
+    b = a.batch
+    data = {
+        "hidden_states": torch.randn(b, 16, a.frames, a.height, a.width, generator=g),
+        "timestep": torch.rand(b, generator=g) * 1000,
+        "encoder_hidden_states": torch.randn(b, a.text_len, a.text_dim, generator=g),
+        "target": torch.randn(b, 16, a.frames, a.height, a.width, generator=g),
+    }
+    return {k: v.to(device) for k, v in data.items()}
+
+
+def build_model(a: argparse.Namespace, device: torch.device):
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(**model_config(a)).to(device)
+    model.train()
+    return model
+
+
+def flops_per_step(a: argparse.Namespace, n_params: int) -> float:
+    """6 * params * tokens (dense fwd+bwd) + self-attention 12 * layers * T^2 * dim, per sample."""
+    t = tokens_per_sample(a)
+    dim = a.heads * a.head_dim
+    per_sample = 6 * n_params * t + 12 * a.layers * t * t * dim + 12 * a.layers * t * a.text_len * dim
+    return per_sample * a.batch
+
+
+def _peak_memory(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux -> MiB
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _loop(a, model, data, optimizer, device, clip, autocast: bool) -> list[float]:
+    times = []
+    for i in range(a.warmup + a.steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            out = model(
+                hidden_states=data["hidden_states"], timestep=data["timestep"],
+                encoder_hidden_states=data["encoder_hidden_states"], return_dict=False,
+            )[0]
+        loss = torch.nn.functional.mse_loss(out.float(), data["target"])
+        loss.backward()
+        clip(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _sync(device)
+        if i >= a.warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def _device(rank: int) -> torch.device:
+    return torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _worker(rank: int, world: int, variant: str, a: argparse.Namespace, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    device = _device(rank)
+    cuda = device.type == "cuda"
+    model = build_model(a, device)
+    n_params = sum(p.numel() for p in model.parameters())
+    data = make_data(a, device)
+    if variant == "baseline":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        times = _loop(a, model, data, optimizer, device, torch.nn.utils.clip_grad_norm_, autocast=cuda)
+    else:
+        from spindle.distributed.fsdp import clip_grad_norm_, parallelize_transformer
+        from spindle.distributed.mesh import ParallelDims, build_mesh
+
+        sp = 2 if variant == "spindle_sp2" else 1
+        mesh = build_mesh(ParallelDims(sp=sp))
+        parallelize_transformer(model, mesh, mixed_precision="bf16" if cuda else "no", gradient_checkpointing=False)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        times = _loop(a, model, data, optimizer, device, clip_grad_norm_, autocast=False)
+    result = dict(rank=rank, world=world, n_params=n_params, step_times=times, peak_mem_mib=_peak_memory(device))
+    Path(out_dir, f"{variant}_rank{rank}.json").write_text(json.dumps(result))
+    if dist.is_initialized() and world > 1:
+        dist.barrier()
+
+
+def run_variant(variant: str, world: int, a: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        cuda = torch.cuda.is_available()
+        threads = a.threads if a.threads else max(1, (os.cpu_count() or 1) // world)
+        spawn(_worker, world, variant, a, d, threads=threads, backend="nccl" if cuda else "gloo")
+        ranks = [json.loads(Path(d, f"{variant}_rank{r}.json").read_text()) for r in range(world)]
+    # A step ends when the slowest rank ends; each SP group processes one global batch.
+    step_times = [max(ts) for ts in zip(*(r["step_times"] for r in ranks))]
+    mean = sum(step_times) / len(step_times)
+    return dict(
+        variant=variant, processes=world, threads_per_process=threads, n_params=ranks[0]["n_params"],
+        step_s=mean, samples_per_s=a.batch / mean, tokens_per_s=a.batch * tokens_per_sample(a) / mean,
+        peak_mem_mib=max(r["peak_mem_mib"] for r in ranks), step_times=step_times,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--ffn-dim", type=int, default=2048)
+    p.add_argument("--text-dim", type=int, default=512)
+    p.add_argument("--text-len", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--frames", type=int, default=4)
+    p.add_argument("--height", type=int, default=32)
+    p.add_argument("--width", type=int, default=32)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: cores / processes)")
+    p.add_argument("--no-sp", action="store_true", help="skip the 2-process SP run")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "train.json"))
+    a = p.parse_args(argv)
+
+    cuda = torch.cuda.is_available()
+    variants = [("baseline", 1), ("spindle", 1)]
+    if not a.no_sp and (not cuda or torch.cuda.device_count() >= 2):
+        variants.append(("spindle_sp2", 2))
+    results = [run_variant(v, w, a) for v, w in variants]
+
+    base = results[0]
+    n_params = base["n_params"]
+    device_name = torch.cuda.get_device_name(0) if cuda else f"cpu ({os.cpu_count()} cores)"
+    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in device_name), None) if cuda else None
+    flops = flops_per_step(a, n_params)
+    for r in results:
+        r["tokens_per_s_vs_baseline"] = r["tokens_per_s"] / base["tokens_per_s"]
+        r["tflops_per_s"] = flops / r["step_s"] / 1e12
+        # MFU per device: an SP group shares one batch over `processes` devices.
+        r["mfu"] = (flops / r["step_s"] / r["processes"] / peak) if peak else None
+    report = dict(
+        device=device_name, torch=torch.__version__, precision="bf16" if cuda else "fp32",
+        model=dict(model_config(a), n_params=n_params), batch=a.batch, tokens_per_sample=tokens_per_sample(a),
+        steps=a.steps, warmup=a.warmup, flops_per_step=flops, results=results,
+    )
+    if len(results) > 2:
+        report["sp2_speedup_vs_spindle_1proc"] = results[0 + 2]["tokens_per_s"] / results[1]["tokens_per_s"]
+
+    print(f"{device_name} | {n_params / 1e6:.1f}M params | {a.batch} x {tokens_per_sample(a)} tokens | "
+          f"{report['precision']} | {a.steps} steps after {a.warmup} warm-up")
+    head = f"{'variant':<13}{'procs':>6}{'step s':>9}{'samples/s':>11}{'tokens/s':>10}{'vs base':>9}{'peak MiB':>10}{'MFU':>7}"
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+        print(f"{r['variant']:<13}{r['processes']:>6}{r['step_s']:>9.3f}{r['samples_per_s']:>11.3f}"
+              f"{r['tokens_per_s']:>10.0f}{r['tokens_per_s_vs_baseline']:>9.2f}{r['peak_mem_mib']:>10.0f}{mfu:>7}")
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
