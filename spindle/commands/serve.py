@@ -58,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cfg-parallel", action="store_true", help="conditional / unconditional on different ranks")
 
 
-def _relaunch(nproc: int) -> int:
+def _relaunch(nproc: int, argv: list[str]) -> int:
     """Run this command as `nproc` processes under torchrun, in their own session so that a
     terminal's Ctrl-C reaches only us; SIGTERM/SIGINT are forwarded to rank 0 (it shuts the
     server down gracefully and releases the other ranks), so a clean stop exits 0."""
@@ -68,7 +68,7 @@ def _relaunch(nproc: int) -> int:
         pidfile = Path(tmp) / "rank0.pid"
         env = {**os.environ, PIDFILE_ENV: str(pidfile)}
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-        proc = subprocess.Popen(torchrun_command(nproc, sys.argv[1:]), env=env, start_new_session=True)
+        proc = subprocess.Popen(torchrun_command(nproc, argv), env=env, start_new_session=True)
 
         def forward(signum, frame):
             try:
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         except APIError as e:
             raise ValueError(f"--warmup-size: {e.message}") from None
     if not launched and args.nproc > 1:
-        return _relaunch(args.nproc)
+        return _relaunch(args.nproc, getattr(args, "_argv", None) or sys.argv[1:])
 
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0 and os.environ.get(PIDFILE_ENV):
