@@ -50,33 +50,21 @@ def _format_timings(timings: dict[str, float]) -> str:
     return "time: " + ", ".join(parts) + f" | total {sum(timings.values()):.2f}s"
 
 
-def _without_nproc(argv: list[str]) -> list[str]:
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--nproc":
-            skip = True
-        elif not a.startswith("--nproc="):
-            out.append(a)
-    return out
-
-
 def run(args: argparse.Namespace) -> int:
     import os
 
-    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    nproc = int(os.environ["WORLD_SIZE"]) if launched else args.nproc
+    from spindle.distributed.launch import maybe_relaunch, under_launcher
+
+    nproc = int(os.environ["WORLD_SIZE"]) if under_launcher() else args.nproc
     world_needed = args.sp * (2 if args.cfg_parallel else 1)
     if nproc != world_needed:
         raise ValueError(
             f"--nproc {nproc} does not match --sp {args.sp}"
             f"{' x 2 (--cfg-parallel)' if args.cfg_parallel else ''} = {world_needed} processes"
         )
-    if nproc > 1 and not launched:  # re-launch this command as nproc processes (torchrun)
-        from spindle.infer.pipeline import relaunch_with_torchrun
-
-        return relaunch_with_torchrun(nproc, _without_nproc(sys.argv[1:]))
+    code = maybe_relaunch(nproc, sys.argv[1:])  # parent of --nproc N > 1: re-run under torchrun
+    if code is not None:
+        return code
 
     from spindle.infer.generator import DiffusionGenerator, psnr
     from spindle.infer.pipeline import is_main_rank

@@ -220,17 +220,3 @@ def setup_parallel(transformer: torch.nn.Module, options: EngineOptions) -> tupl
         enable_sequence_parallel(transformer, mesh.sp)
     cfg_group = mesh.dp.get_group() if options.cfg_parallel else None
     return mesh, cfg_group
-
-
-def relaunch_with_torchrun(nproc: int, argv: list[str]) -> int:
-    """Re-run `spindle <argv>` as `nproc` processes on this machine (torchrun --standalone)."""
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ)
-    cores = os.cpu_count() or 1
-    env.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "spindle", *argv]
-    return subprocess.call(cmd, env=env)
