@@ -26,6 +26,9 @@ root, out, options, kw = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json
 gen = DiffusionGenerator.from_pretrained(root, **options)
 frames = gen.generate(**kw).frames
 np.save(f"{out}.rank{dist.get_rank()}.npy", frames)
+# no seed given: rank 0 draws one and every rank uses it (same noise on all ranks)
+drawn = gen.generate(**{**kw, "seed": None, "num_inference_steps": 1})
+np.save(f"{out}.drawn{dist.get_rank()}.npy", drawn.frames)
 dist.destroy_process_group()
 """
 
@@ -60,6 +63,7 @@ def test_multiprocess_equals_single_process(tiny, single, tmp_path, options):
     for rank in range(2):
         frames = np.load(f"{out}.rank{rank}.npy")
         np.testing.assert_allclose(frames, single, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(np.load(f"{out}.drawn0.npy"), np.load(f"{out}.drawn1.npy"))
 
 
 def test_cli_nproc_sp_writes_mp4(tiny, tmp_path):

@@ -134,11 +134,21 @@ class DiffusionGenerator:
                      should_stop: Callable[[], bool] | None = None) -> Req:
         params = params.merged_with(self.defaults)
         if params.seed is None:
-            params.seed = random.SystemRandom().randrange(2**31)
+            params.seed = self._shared_seed(random.SystemRandom().randrange(2**31))
         params.validate_common()
         generator = torch.Generator(device="cpu").manual_seed(int(params.seed))
         return Req(params=params, device=self.pipeline.device, generator=generator, progress=progress,
                    should_stop=should_stop)
+
+    def _shared_seed(self, seed: int) -> int:
+        """Multi-process: every rank must draw the same noise, so rank 0's seed is broadcast."""
+        if self.pipeline.mesh is None:
+            return seed
+        import torch.distributed as dist
+
+        t = torch.tensor([seed], dtype=torch.int64, device=self.pipeline.device)
+        dist.broadcast(t, src=0)
+        return int(t.item())
 
     def generate(
         self,
