@@ -95,6 +95,35 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise RequestError(f"{name} must be >= {minimum}; got {value}")
 
 
+def suggest(value: int, multiple: int, offset: int = 0) -> str:
+    """The nearest allowed values (multiple * k + offset) around `value`, for error messages."""
+    low = max(offset if offset else multiple, (value - offset) // multiple * multiple + offset)
+    high = low + multiple if low < value else low
+    return str(low) if low == high else f"{low} or {high}"
+
+
+def check_multiple(name: str, value: Any, multiple: int, why: str) -> None:
+    """`value` must be a positive multiple of `multiple` (image sizes: VAE factor x patch); the error
+    names the field, the reason and the nearest allowed values. Families never round silently."""
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if not is_int or value < multiple or value % multiple:
+        hint = f"; try {suggest(value, multiple)}" if is_int else ""
+        raise RequestError(f"{name} must be a positive multiple of {multiple} for this model ({why}) (got {value!r}){hint}")
+
+
+def check_size(params: "SamplingParams", h_multiple: int, w_multiple: int, why: str) -> None:
+    """height and width of a request: positive multiples of what the model takes (see `check_multiple`)."""
+    check_multiple("height", params.height, h_multiple, why)
+    check_multiple("width", params.width, w_multiple, why)
+
+
+def check_int_range(name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
+    """An integer in [minimum, maximum] (no upper bound when `maximum` is None)."""
+    bounds = f">= {minimum}" if maximum is None else f"between {minimum} and {maximum}"
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (maximum is not None and value > maximum):
+        raise RequestError(f"{name} must be an integer {bounds}; got {value!r}")
+
+
 @dataclass
 class Req:
     """The state that flows through the stages of one request."""

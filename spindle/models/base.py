@@ -78,8 +78,17 @@ class TimestepSampling:
     num_train_timesteps: int = 1000
 
 
-def sample_sigmas(cfg: TimestepSampling, generators: list[torch.Generator]) -> torch.Tensor:
-    """One sigma per sample, each drawn from that sample's own generator (see `flow_matching_pair`)."""
+def sample_sigmas(
+    cfg: TimestepSampling,
+    generators: list[torch.Generator],
+    shift_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """One sigma per sample, each drawn from that sample's own generator (see `flow_matching_pair`).
+
+    `shift_fn`: the family's own shift of the drawn sigmas (e.g. Flux's resolution-dependent shift,
+    `resolution_shift`); it applies only while the static `cfg.shift` is 1 (an explicit static
+    shift in the training config takes precedence).
+    """
     from diffusers.training_utils import compute_density_for_timestep_sampling
 
     if cfg.scheme not in TIMESTEP_SCHEMES:
@@ -90,8 +99,10 @@ def sample_sigmas(cfg: TimestepSampling, generators: list[torch.Generator]) -> t
             mode_scale=cfg.mode_scale, generator=g,
         )
         for g in generators
-    ])
-    return shift_sigmas(u.clamp(0.0, 1.0), cfg.shift)
+    ]).clamp(0.0, 1.0)
+    if shift_fn is not None and cfg.shift == 1.0:
+        return shift_fn(u)
+    return shift_sigmas(u, cfg.shift)
 
 
 def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
@@ -115,6 +126,34 @@ def flow_matching_pair(
     return (1.0 - s) * x0 + s * noise, noise - x0
 
 
+def resolution_shift(scheduler: Any, image_seq_len: int) -> tuple[float, Callable[[torch.Tensor], torch.Tensor]]:
+    """Resolution-dependent ("dynamic") shift of a flow-matching scheduler with `use_dynamic_shifting`:
+    -> (mu, sigma -> shifted sigma). `mu` is diffusers' `calculate_shift` of the image token count
+    between the scheduler config's base/max sequence lengths and shifts (what FluxPipeline passes to
+    `set_timesteps`); the shift is the scheduler's own `time_shift`, so training draws sigmas from
+    the distribution the sampler walks at this resolution."""
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    cfg = scheduler.config
+    mu = calculate_shift(
+        image_seq_len, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
+        cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15),
+    )
+    return mu, lambda sigmas: scheduler.time_shift(mu, 1.0, sigmas)
+
+
+def frames_as_images(pixels: torch.Tensor, family: str) -> torch.Tensor:
+    """[B, C, 1, H, W] (the loader's layout; images have one frame) -> [B, C, H, W] for image families."""
+    if pixels.ndim == 4:
+        return pixels
+    if pixels.ndim != 5 or pixels.shape[2] != 1:
+        raise ValueError(
+            f"{family} generates images: pixels must be [B, C, 1, H, W] (one frame), got {tuple(pixels.shape)}; "
+            f"train on an image dataset or set data.num_frames: 1"
+        )
+    return pixels[:, :, 0]
+
+
 class ConditionModel(ABC):
     """Frozen condition components of a family; pure functions of the data (precomputable)."""
 
@@ -122,7 +161,9 @@ class ConditionModel(ABC):
 
     @classmethod
     @abstractmethod
-    def from_pretrained(cls, root: str | Path, device: torch.device, dtype: torch.dtype) -> "ConditionModel": ...
+    def from_pretrained(
+        cls, root: str | Path, device: torch.device, dtype: torch.dtype, max_text_length: int = 512
+    ) -> "ConditionModel": ...
 
     @abstractmethod
     def encode(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -133,3 +174,39 @@ class ConditionModel(ABC):
         self, conditions: dict[str, torch.Tensor], generators: list[torch.Generator]
     ) -> dict[str, Any]:
         """Conditions + one generator per sample -> transformer forward kwargs + "target" + "sigmas"."""
+
+
+class PipelineConditionModel(ConditionModel):
+    """A condition model that wraps the family's own diffusers pipeline, loaded without its transformer.
+
+    Prompt encoding, latent packing and the like are then the reference pipeline's own methods, so
+    training sees exactly the inputs the reference pipeline computes at inference. Subclasses name
+    the pipeline class (`pipeline_class = "diffusers:WanPipeline"`) and implement `encode` and
+    `training_inputs`.
+    """
+
+    pipeline_class: str = ""
+
+    def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, max_text_length: int = 512):
+        self.pipe = pipe
+        self.device = device
+        self.dtype = dtype
+        self.max_text_length = max_text_length
+        self.timestep_sampling = TimestepSampling(num_train_timesteps=pipe.scheduler.config.num_train_timesteps)
+
+    @classmethod
+    def from_pretrained(
+        cls, root: str | Path, device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.float32,
+        max_text_length: int = 512,
+    ) -> "PipelineConditionModel":
+        pipe = import_object(cls.pipeline_class).from_pretrained(root, transformer=None, dtype=dtype)
+        pipe.to(device)
+        for module in pipe.components.values():
+            if isinstance(module, torch.nn.Module):
+                module.requires_grad_(False).eval()
+        return cls(pipe, torch.device(device), dtype, max_text_length)
+
+    @torch.no_grad()
+    def vae_latents(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Pixels in [-1, 1] -> the VAE posterior's mode: deterministic, so conditions can be precomputed."""
+        return self.pipe.vae.encode(pixels.to(self.device, self.dtype)).latent_dist.mode()

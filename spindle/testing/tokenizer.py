@@ -26,38 +26,46 @@ low quality blurry worst bad ugly static still frame frames camera view
 SPECIALS = ["<pad>", "</s>", "<unk>"]
 
 
-def build_vocab(extra_words: list[str] | None = None) -> dict[str, int]:
-    """Special tokens first (T5 ids: pad=0, eos=1, unk=2), then words, then single characters."""
+def build_vocab(extra_words: list[str] | None = None, bos_token: str | None = None) -> dict[str, int]:
+    """Special tokens first (T5 ids: pad=0, eos=1, unk=2; a bos token, if any, is 3), then words,
+    then single characters."""
     words = list(dict.fromkeys(COMMON_WORDS + (extra_words or [])))
     chars = [c for c in "abcdefghijklmnopqrstuvwxyz0123456789.,!?'-" if c not in words]
-    return {tok: i for i, tok in enumerate(SPECIALS + words + chars)}
+    specials = SPECIALS + ([bos_token] if bos_token else [])
+    return {tok: i for i, tok in enumerate(specials + words + chars)}
 
 
-def build_tokenizer(extra_words: list[str] | None = None) -> Tokenizer:
-    tok = Tokenizer(models.WordLevel(vocab=build_vocab(extra_words), unk_token="<unk>"))
+def build_tokenizer(extra_words: list[str] | None = None, bos_token: str | None = None) -> Tokenizer:
+    """T5-style (`$A </s>`) by default; with `bos_token`, CLIP-style (`<bos> $A </s>`): CLIPTextModel
+    pools the hidden state at the first eos, so every sequence must carry one."""
+    vocab = build_vocab(extra_words, bos_token)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace()])
-    # T5-style: every sequence ends with </s>.
-    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    if bos_token:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos_token} $A </s>", special_tokens=[(bos_token, vocab[bos_token]), ("</s>", 1)]
+        )
+    else:
+        tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
     tok.decoder = decoders.WordPiece(prefix="##")
     return tok
 
 
-def save_tokenizer(out: Path, model_max_length: int = 512) -> int:
+def save_tokenizer(out: Path, model_max_length: int = 512, bos_token: str | None = None) -> int:
     """Write tokenizer.json + tokenizer_config.json into `out`; returns the vocabulary size."""
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer()
+    tok = build_tokenizer(bos_token=bos_token)
     tok.save(str(out / "tokenizer.json"))
+    specials = {"pad_token": "<pad>", "eos_token": "</s>", "unk_token": "<unk>"}
+    if bos_token:
+        specials["bos_token"] = bos_token
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": model_max_length,
-        "pad_token": "<pad>",
-        "eos_token": "</s>",
-        "unk_token": "<unk>",
+        **specials,
         "padding_side": "right",
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    (out / "special_tokens_map.json").write_text(
-        json.dumps({"pad_token": "<pad>", "eos_token": "</s>", "unk_token": "<unk>"}, indent=2)
-    )
+    (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=2))
     return tok.get_vocab_size()

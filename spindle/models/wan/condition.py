@@ -2,41 +2,25 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from spindle.models.base import ConditionModel, TimestepSampling, flow_matching_pair, sample_sigmas
+from spindle.models.base import PipelineConditionModel, flow_matching_pair, sample_sigmas
 
 
-class WanConditionModel(ConditionModel):
+class WanConditionModel(PipelineConditionModel):
+    # A diffusers WanPipeline without its transformer: we reuse its prompt encoding verbatim so
+    # training and inference see exactly the embeddings the reference pipeline would compute.
+    pipeline_class = "diffusers:WanPipeline"
+
     def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, max_text_length: int = 512):
-        # A diffusers WanPipeline without its transformer: we reuse its prompt encoding verbatim so
-        # training and inference see exactly the embeddings the reference pipeline would compute.
-        self.pipe = pipe
-        self.device = device
-        self.dtype = dtype
-        self.max_text_length = max_text_length
+        super().__init__(pipe, device, dtype, max_text_length)
         vae_cfg = pipe.vae.config
         self.latents_mean = torch.tensor(vae_cfg.latents_mean).view(1, vae_cfg.z_dim, 1, 1, 1)
         self.latents_std = torch.tensor(vae_cfg.latents_std).view(1, vae_cfg.z_dim, 1, 1, 1)
         self.scale_factor_temporal = vae_cfg.scale_factor_temporal
         self.scale_factor_spatial = vae_cfg.scale_factor_spatial
-        self.timestep_sampling = TimestepSampling(num_train_timesteps=pipe.scheduler.config.num_train_timesteps)
-
-    @classmethod
-    def from_pretrained(
-        cls, root: str | Path, device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.float32,
-        max_text_length: int = 512,
-    ) -> "WanConditionModel":
-        from diffusers import WanPipeline
-
-        pipe = WanPipeline.from_pretrained(root, transformer=None, dtype=dtype)
-        pipe.to(device)
-        for module in (pipe.text_encoder, pipe.vae):
-            module.requires_grad_(False).eval()
-        return cls(pipe, torch.device(device), dtype, max_text_length)
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> torch.Tensor:
@@ -50,8 +34,7 @@ class WanConditionModel(ConditionModel):
     def encode_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
         """[B, C, F, H, W] in [-1, 1] -> normalized latents (the distribution's mode: deterministic)."""
         self.check_pixel_shape(pixels.shape)
-        posterior = self.pipe.vae.encode(pixels.to(self.device, self.dtype)).latent_dist
-        latents = posterior.mode()
+        latents = self.vae_latents(pixels)
         mean, std = self.latents_mean.to(latents), self.latents_std.to(latents)
         return (latents - mean) / std
 

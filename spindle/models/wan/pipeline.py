@@ -13,15 +13,8 @@ from typing import Any
 
 import torch
 
-from spindle.infer.request import Req, RequestError, SamplingParams
+from spindle.infer.request import Req, RequestError, SamplingParams, check_int_range, check_size, suggest
 from spindle.infer.stages import BeforeDenoisingStage, InferenceSpec
-
-
-def _suggest(value: int, multiple: int, offset: int = 0) -> str:
-    """The nearest allowed values (multiple * k + offset) around `value`, for error messages."""
-    low = max(offset if offset else multiple, (value - offset) // multiple * multiple + offset)
-    high = low + multiple if low < value else low
-    return str(low) if low == high else f"{low} or {high}"
 
 
 class WanBeforeDenoisingStage(BeforeDenoisingStage):
@@ -49,24 +42,15 @@ class WanBeforeDenoisingStage(BeforeDenoisingStage):
 
     def validate(self, params: SamplingParams) -> None:
         super().validate(params)
-        for name, multiple in (("height", self.h_multiple), ("width", self.w_multiple)):
-            value = getattr(params, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < multiple or value % multiple:
-                hint = f"; try {_suggest(value, multiple)}" if isinstance(value, int) and not isinstance(value, bool) else ""
-                raise RequestError(
-                    f"{name} must be a positive multiple of {multiple} for this model (VAE x{self.scale_spatial} "
-                    f"x patch) (got {value!r}){hint}"
-                )
+        check_size(params, self.h_multiple, self.w_multiple, f"VAE x{self.scale_spatial} x patch")
         n, k = params.num_frames, self.scale_temporal
         if isinstance(n, bool) or not isinstance(n, int) or n < 1 or (n - 1) % k:
-            hint = f"; try {_suggest(n, k, offset=1)}" if isinstance(n, int) and not isinstance(n, bool) else ""
+            hint = f"; try {suggest(n, k, offset=1)}" if isinstance(n, int) and not isinstance(n, bool) else ""
             raise RequestError(
                 f"num_frames must be {k}k+1 (1, {k + 1}, {2 * k + 1}, {3 * k + 1}, ...) for this model's VAE "
                 f"(got {n!r}){hint}"
             )
-        m = params.max_sequence_length
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            raise RequestError(f"max_sequence_length must be an integer >= 1; got {m!r}")
+        check_int_range("max_sequence_length", params.max_sequence_length, minimum=1)
 
     def forward(self, req: Req) -> Req:
         p = req.params

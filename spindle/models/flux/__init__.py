@@ -1,0 +1,22 @@
+"""FLUX.1 text-to-image (diffusers `FluxPipeline` / `FluxTransformer2DModel`)."""
+
+from pathlib import Path
+
+from spindle.models.base import DiTFamily
+
+
+def _looks_like_flux(root: Path) -> bool:
+    """Renamed local folders: two text encoders (CLIP + T5) next to a Flux transformer config."""
+    tcfg = root / "transformer" / "config.json"
+    return tcfg.is_file() and '"pooled_projection_dim"' in tcfg.read_text() and (root / "text_encoder_2").is_dir()
+
+
+FAMILY = DiTFamily(
+    name="flux",
+    pipeline_classes=("FluxPipeline",),
+    transformer_classes=("FluxTransformer2DModel",),
+    condition_model="spindle.models.flux.condition:FluxConditionModel",
+    inference="spindle.models.flux.pipeline:FLUX_INFERENCE",
+    tiny_model="spindle.testing.tiny:build_tiny_flux",
+    detect=_looks_like_flux,
+)

@@ -1,0 +1,237 @@
+"""FLUX.1 family: tiny checkpoint in stock diffusers, inference parity with FluxPipeline (fp32 CPU,
+1e-5), request validation, `spindle generate` to png."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from spindle.testing.tiny import build_tiny_flux
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """FLUX.1-dev style: embedded guidance, VAE x2 (32x32 px -> 64 image tokens)."""
+    return build_tiny_flux(tmp_path_factory.mktemp("flux_tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def other(tmp_path_factory):
+    """FLUX.1-schnell style (no guidance embedding), VAE x8 as the real one, 2+2 blocks, 4 heads x 8,
+    wider encoders."""
+    return build_tiny_flux(
+        tmp_path_factory.mktemp("flux_other"), seed=3,
+        transformer={"guidance_embeds": False, "num_layers": 2, "num_single_layers": 2, "num_attention_heads": 4,
+                     "attention_head_dim": 8, "axes_dims_rope": (2, 2, 4)},
+        vae={"block_out_channels": (8, 8, 16, 16)},
+        text_encoder={"hidden_size": 24, "num_attention_heads": 2},
+        text_encoder_2={"d_model": 40, "num_heads": 5},
+    )
+
+
+def flux_pipe(root):
+    from diffusers import FluxPipeline
+
+    pipe = FluxPipeline.from_pretrained(root)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def diffusers_images(root, **kw) -> np.ndarray:
+    kw = dict(kw)
+    seed = kw.pop("seed")
+    kw.update(kw.pop("extra", {}))  # FluxPipeline takes true_cfg_scale as a keyword
+    return flux_pipe(root)(**kw, generator=torch.Generator().manual_seed(seed), output_type="np").images
+
+
+# ------------------------------------------------------------------ the tiny checkpoint
+
+
+def test_stock_flux_pipeline_runs_tiny_checkpoint(tiny):
+    from diffusers import AutoencoderKL, FluxTransformer2DModel
+    from transformers import CLIPTextModel, T5EncoderModel
+
+    pipe = flux_pipe(tiny)
+    assert isinstance(pipe.transformer, FluxTransformer2DModel)
+    assert isinstance(pipe.vae, AutoencoderKL) and isinstance(pipe.text_encoder, CLIPTextModel)
+    assert isinstance(pipe.text_encoder_2, T5EncoderModel)
+    images = pipe("a red circle on the left", height=32, width=48, num_inference_steps=2, max_sequence_length=16,
+                  output_type="np", generator=torch.Generator().manual_seed(0)).images
+    assert images.shape == (1, 32, 48, 3)
+    assert np.isfinite(images).all() and images.std() > 0.01
+
+
+def test_tiny_flux_layout_and_configs(tiny):
+    index = json.loads((tiny / "model_index.json").read_text())
+    assert index["_class_name"] == "FluxPipeline"
+    tcfg = json.loads((tiny / "transformer" / "config.json").read_text())
+    vcfg = json.loads((tiny / "vae" / "config.json").read_text())
+    clip = json.loads((tiny / "text_encoder" / "config.json").read_text())
+    t5 = json.loads((tiny / "text_encoder_2" / "config.json").read_text())
+    scfg = json.loads((tiny / "scheduler" / "scheduler_config.json").read_text())
+    assert tcfg["in_channels"] == 4 * vcfg["latent_channels"]  # 2x2 packing
+    assert tcfg["joint_attention_dim"] == t5["d_model"] and tcfg["pooled_projection_dim"] == clip["hidden_size"]
+    assert sum(tcfg["axes_dims_rope"]) == tcfg["attention_head_dim"] and tcfg["guidance_embeds"] is True
+    assert vcfg["shift_factor"] != 0 and vcfg["scaling_factor"] != 1
+    assert scfg["use_dynamic_shifting"] is True and scfg["base_shift"] == 0.5 and scfg["max_shift"] == 1.15
+
+
+def test_clip_tokenizer_has_bos_and_eos_for_pooling(tiny):
+    from transformers import AutoTokenizer, CLIPTextModel
+
+    tok = AutoTokenizer.from_pretrained(tiny / "tokenizer")
+    assert tok.model_max_length == 77
+    ids = tok("A red circle", padding="max_length", max_length=77).input_ids
+    assert ids[0] == tok.bos_token_id and ids[4] == tok.eos_token_id == 1 and ids[5:] == [0] * 72
+    assert tok.unk_token_id not in ids
+    # CLIPTextModel pools at the first eos: the pooled output must not depend on padding.
+    model = CLIPTextModel.from_pretrained(tiny / "text_encoder")
+    short = model(torch.tensor([ids[:10]])).pooler_output
+    full = model(torch.tensor([ids])).pooler_output
+    torch.testing.assert_close(short, full)
+
+
+def test_cli_tiny_model_flux(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "spindle", "tiny-model", "flux", str(tmp_path / "m"), "--seed", "1"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    from spindle.registry import resolve_family
+
+    assert resolve_family(tmp_path / "m").name == "flux"
+
+
+# ------------------------------------------------------------------ parity with FluxPipeline
+
+CASES = {
+    "tiny_guidance": ("tiny", dict(prompt="a red fox in the snow", height=32, width=48, num_inference_steps=3,
+                                   guidance_scale=4.0, max_sequence_length=16, seed=0)),
+    "tiny_true_cfg": ("tiny", dict(prompt="a red fox in the snow", negative_prompt="blurry", height=32, width=32,
+                                   num_inference_steps=2, guidance_scale=3.5, max_sequence_length=16, seed=7,
+                                   extra={"true_cfg_scale": 4.0})),
+    "other_schnell": ("other", dict(prompt="waves at dusk", height=48, width=32, num_inference_steps=2,
+                                    guidance_scale=0.0, max_sequence_length=24, seed=123)),
+    "other_true_cfg": ("other", dict(prompt="waves at dusk", negative_prompt="low quality", height=32, width=64,
+                                     num_inference_steps=3, guidance_scale=0.0, max_sequence_length=8, seed=5,
+                                     extra={"true_cfg_scale": 2.5})),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("cfg_batch", [False, True], ids=["two_forwards", "cfg_batch"])
+def test_images_equal_diffusers(case, cfg_batch, request):
+    from spindle import DiffusionGenerator
+
+    which, kw = CASES[case]
+    root = request.getfixturevalue(which)
+    ref = diffusers_images(root, **kw)
+    gen = DiffusionGenerator.from_pretrained(root, cfg_batch=cfg_batch)
+    kw = dict(kw)
+    extra = kw.pop("extra", {})
+    result = gen.generate(**kw, **extra)
+    assert gen.family == "flux" and result.media == "image"
+    assert result.frames.dtype == np.float32 and result.frames.shape == ref.shape
+    np.testing.assert_allclose(result.frames, ref, atol=TOL, rtol=0)
+    assert set(result.timings) == {"before_denoising", "denoising", "decoding"}
+
+
+def test_true_cfg_batched_is_one_forward_of_two(tiny):
+    from spindle import DiffusionGenerator
+    from spindle.infer import SamplingParams
+
+    gen = DiffusionGenerator.from_pretrained(tiny)
+    req = gen.pipeline.stages[0](gen.make_request(SamplingParams(
+        prompt="a boat", negative_prompt="ugly", height=32, width=32, num_inference_steps=2, seed=1,
+        max_sequence_length=16, extra={"true_cfg_scale": 3.0})))
+    assert req.do_cfg and req.guidance_scale == 3.0
+    assert torch.equal(req.extra["guidance"], torch.full((1,), 3.5))  # embedded guidance: the default 3.5
+    stage = gen.pipeline.denoising
+    calls = []
+    hook = gen.transformer.register_forward_pre_hook(lambda m, a, k: calls.append(k["hidden_states"].shape[0]),
+                                                     with_kwargs=True)
+    try:
+        t = req.timesteps[0]
+        with torch.no_grad():
+            stage.cfg_batch = False
+            two = stage.predict(req, req.latents, t, 0)
+            stage.cfg_batch = True
+            one = stage.predict(req, req.latents, t, 0)
+    finally:
+        hook.remove()
+    assert calls == [1, 1, 2]
+    torch.testing.assert_close(one, two, atol=1e-5, rtol=0)
+
+
+def test_batch_of_prompts_and_outputs_per_prompt(tiny):
+    from spindle import DiffusionGenerator
+
+    kw = dict(prompt=["a cat", "a dog"], negative_prompt=["dark", "noisy"], height=32, width=32,
+              num_inference_steps=2, guidance_scale=2.0, max_sequence_length=16)
+    ref = flux_pipe(tiny)(**kw, true_cfg_scale=2.0, num_images_per_prompt=2,
+                          generator=torch.Generator().manual_seed(11), output_type="np").images
+    out = DiffusionGenerator.from_pretrained(tiny).generate(**kw, true_cfg_scale=2.0, num_outputs_per_prompt=2,
+                                                            seed=11)
+    assert out.frames.shape == ref.shape == (4, 32, 32, 3)
+    np.testing.assert_allclose(out.frames, ref, atol=TOL, rtol=0)
+
+
+def test_defaults_are_flux_pipeline_defaults(tiny):
+    from spindle import DiffusionGenerator
+
+    d = DiffusionGenerator.from_pretrained(tiny).defaults
+    # FluxPipeline: default_sample_size 128 x VAE factor (2 here), 28 steps, guidance 3.5, 512 T5 tokens
+    assert (d.height, d.width, d.num_inference_steps, d.guidance_scale, d.max_sequence_length) == (256, 256, 28, 3.5, 512)
+    assert d.num_frames is None and d.extra == {"true_cfg_scale": 1.0}
+
+
+# ------------------------------------------------------------------ bad requests
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(height=40), r"height must be a positive multiple of 16 for this model \(VAE x8 x 2x2 packing\) \(got 40\); try 32 or 48"),
+    (dict(width=8), r"width must be a positive multiple of 16 .*\(got 8\); try 16"),
+    (dict(num_frames=5), r"num_frames must be left unset \(or 1\): Flux generates images"),
+    (dict(max_sequence_length=513), r"max_sequence_length must be an integer between 1 and 512; got 513"),
+    (dict(true_cfg_scale=3.0), r"true_cfg_scale=3.0 needs a negative_prompt"),
+    (dict(strength=0.5), r"unknown Flux option\(s\) \['strength'\]; known: \['true_cfg_scale'\]"),
+])
+def test_bad_requests_are_clear_errors(other, kw, message):
+    from spindle import DiffusionGenerator
+    from spindle.infer import RequestError
+
+    gen = DiffusionGenerator.from_pretrained(other)
+    base = dict(prompt="a cat", height=32, width=32, num_inference_steps=1, max_sequence_length=8, seed=0)
+    with pytest.raises(RequestError, match=message):
+        gen.generate(**{**base, **kw})
+
+
+def test_generate_cli_writes_png(tiny, tmp_path):
+    from PIL import Image
+
+    out = tmp_path / "cat.png"
+    r = subprocess.run([sys.executable, "-m", "spindle", "generate", "--model", str(tiny), "--prompt", "a cat",
+                        "--height", "32", "--width", "48", "--steps", "2", "--guidance", "3.5", "--seed", "4",
+                        "--out", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "family flux" in r.stdout
+    image = np.asarray(Image.open(out))
+    assert image.shape == (32, 48, 3) and image.dtype == np.uint8 and image.std() > 1
+    from spindle import DiffusionGenerator
+
+    frames = DiffusionGenerator.from_pretrained(tiny).generate(
+        prompt="a cat", height=32, width=48, num_inference_steps=2, guidance_scale=3.5, seed=4).frames
+    assert np.abs(image.astype(np.float32) - frames[0] * 255).max() <= 1.0  # the png holds the generated image
+
+
+def test_generate_cli_bad_size_is_one_line(tiny, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "spindle", "generate", "--model", str(tiny), "--prompt", "x",
+                        "--height", "30", "--width", "32", "--steps", "1", "--out", str(tmp_path / "o.png")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "height must be a positive multiple of 4" in r.stderr and "Traceback" not in r.stderr
