@@ -102,3 +102,15 @@ def test_sp_not_dividing_heads_fails_before_launch(tiny_wan, shapes_videos, tmp_
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "4 attention heads" in proc.stderr and "parallel.sp=3" in proc.stderr
+
+
+def test_sequence_not_divisible_by_sp_names_token_count(tiny_wan, shapes_videos, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("{}")
+    # 16x16 px, 9 frames -> 3 latent frames x 1 x 1 patches = 3 tokens, not divisible by sp=2
+    args = train_overrides(tiny_wan, shapes_videos, tmp_path / "o", parallel__sp=2, parallel__dp_shard=1,
+                           data__resolution=[16, 16], train__micro_batch_size=1)
+    proc = subprocess.run([sys.executable, "-m", "spindle", "train", str(cfg), *args, "--nproc", "2"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "3 tokens, which is not divisible by parallel.sp=2" in proc.stderr + proc.stdout

@@ -65,12 +65,21 @@ class FlowMatchingTask:
         target = inputs.pop("target").to(device)
         sigmas = inputs.pop("sigmas")
         inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
+        patch = getattr(getattr(self.transformer, "config", None), "patch_size", 1)
+        tokens_per_sample = count_tokens(inputs["hidden_states"], patch)
+        self._check_sequence_split(tokens_per_sample)
         with self._autocast(device):
             pred = self.transformer(**inputs, return_dict=False)[0]
         per_sample = F.mse_loss(pred.float(), target.float(), reduction="none").flatten(1).mean(1)
         weights = loss_weights(sigmas, self.loss_weighting)
         if weights is not None:
             per_sample = per_sample * weights.to(per_sample)
-        patch = getattr(getattr(self.transformer, "config", None), "patch_size", 1)
-        tokens = count_tokens(inputs["hidden_states"], patch) * len(generators)
-        return StepOutput(per_sample.mean(), len(generators), tokens)
+        return StepOutput(per_sample.mean(), len(generators), tokens_per_sample * len(generators))
+
+    def _check_sequence_split(self, tokens: int) -> None:
+        """Ulysses SP splits the token sequence evenly; say so clearly instead of failing inside diffusers."""
+        from spindle.distributed.context_parallel import check_sequence_parallel, sequence_parallel_size
+
+        sp = sequence_parallel_size(self.transformer)
+        if sp > 1:
+            check_sequence_parallel(self.transformer, sp, seq_len=tokens)
