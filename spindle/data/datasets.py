@@ -1,0 +1,224 @@
+"""Caption + media datasets from a folder or a JSONL manifest.
+
+Folder layout: media files anywhere below the folder, each with its caption in a same-name `.txt`
+next to it (`clips/cat.mp4` + `clips/cat.txt`). Manifest layout: one JSON object per line,
+`{"path": "clips/cat.mp4", "caption": "a cat"}`, with relative paths resolved against the manifest's
+folder (so a dataset folder can be moved or mounted elsewhere).
+
+Samples are listed in a sorted, deterministic order: every data-parallel rank builds the same list,
+which the loader's shared permutation relies on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from spindle.data.media import MEDIA_EXTENSIONS, MediaError, is_media_path, read_media
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Sample:
+    path: Path
+    caption: str
+
+
+class MediaDataset(Dataset):
+    """Decodes samples on access: {"pixels": [3, F, H, W] in [-1, 1], "caption": str, "index": int}.
+
+    F is `num_frames` for videos and 1 for images. `index` is the index of the sample actually
+    returned, which differs from the requested one only when a bad sample was skipped.
+
+    With `skip_bad_samples`, a sample that fails to decode is logged once, remembered (so it is not
+    decoded again) and replaced by the next good one (i+1, i+2, ... modulo len): deterministic, so
+    every run and every resume sees the same substitution. `num_skipped` counts the distinct bad
+    files seen by this process (with loader workers, each worker keeps its own count).
+    """
+
+    def __init__(
+        self,
+        samples: list[Sample],
+        resolution: tuple[int, int],
+        num_frames: int,
+        skip_bad_samples: bool = False,
+    ):
+        if not samples:
+            raise ValueError("MediaDataset needs at least one sample")
+        if num_frames <= 0:
+            raise ValueError(f"num_frames must be positive; got {num_frames}")
+        self.samples = list(samples)
+        self.resolution = (int(resolution[0]), int(resolution[1]))
+        self.num_frames = int(num_frames)
+        self.skip_bad_samples = skip_bad_samples
+        self._bad: set[int] = set()
+
+    @property
+    def num_skipped(self) -> int:
+        return len(self._bad)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def load(self, index: int) -> dict[str, Any]:
+        """Decode one sample with no skipping (raises MediaError for a bad file)."""
+        sample = self.samples[index]
+        pixels = read_media(sample.path, self.num_frames, self.resolution)
+        return {"pixels": pixels, "caption": sample.caption, "index": index}
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        n = len(self.samples)
+        if not -n <= index < n:
+            raise IndexError(f"sample index {index} out of range for a dataset of {n}")
+        index %= n
+        if not self.skip_bad_samples:
+            return self.load(index)
+        for offset in range(n):
+            candidate = (index + offset) % n
+            if candidate in self._bad:
+                continue
+            try:
+                return self.load(candidate)
+            except MediaError as exc:
+                self._bad.add(candidate)
+                logger.warning("skipping bad sample %d (%s); %d skipped so far", candidate, exc, len(self._bad))
+        raise MediaError(
+            self.samples[index].path,
+            f"every one of the {n} samples in the dataset failed to load (this file included)",
+            "Check the dataset: the files may all be corrupt or in an unsupported codec.",
+        )
+
+
+def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Stack samples into {"pixels": [B, 3, F, H, W], "caption": list[str], "index": [B]}."""
+    if not samples:
+        raise ValueError("collate got an empty list of samples")
+    shapes = {tuple(s["pixels"].shape) for s in samples}
+    if len(shapes) > 1:
+        frames = sorted({shape[1] for shape in shapes})
+        detail = (
+            f"frame counts {frames}: images (1 frame) and videos cannot share a batch"
+            if len(frames) > 1
+            else f"pixel shapes {sorted(shapes)}"
+        )
+        raise ValueError(
+            f"cannot batch samples {[s['index'] for s in samples]} with different {detail}. "
+            "Use micro_batch_size=1 or keep images and videos in separate datasets."
+        )
+    return {
+        "pixels": torch.stack([s["pixels"] for s in samples]),
+        "caption": [s["caption"] for s in samples],
+        "index": torch.tensor([int(s["index"]) for s in samples], dtype=torch.long),
+    }
+
+
+# ----------------------------------------------------------------------------- listing
+
+
+def _is_hidden(path: Path, root: Path) -> bool:
+    return any(part.startswith(".") for part in path.relative_to(root).parts)
+
+
+def scan_folder(folder: str | os.PathLike[str]) -> list[Sample]:
+    """Media files below `folder` (recursive, sorted, hidden entries ignored) with their captions."""
+    folder = Path(folder)
+    media = sorted(
+        (p for p in folder.rglob("*") if p.is_file() and is_media_path(p) and not _is_hidden(p, folder)),
+        key=lambda p: p.relative_to(folder).as_posix(),
+    )
+    samples = []
+    for path in media:
+        caption_file = path.with_suffix(".txt")
+        if not caption_file.is_file():
+            raise MediaError(
+                caption_file,
+                f"caption file missing for {path.name}",
+                f"Write the caption of {path} into {caption_file}, or remove the media file.",
+            )
+        samples.append(Sample(path, caption_file.read_text(encoding="utf-8").strip()))
+    return samples
+
+
+def _manifest_entry(manifest: Path, lineno: int, line: str) -> Sample:
+    where = f"{manifest}, line {lineno}"
+    try:
+        entry = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where}: expected an object like {{\"path\": ..., \"caption\": ...}}")
+    for key in ("path", "caption"):
+        if key not in entry:
+            raise ValueError(f"{where}: missing key {key!r} (each line needs \"path\" and \"caption\")")
+        if not isinstance(entry[key], str):
+            raise ValueError(f"{where}: {key!r} must be a string; got {type(entry[key]).__name__}")
+    path = Path(entry["path"]).expanduser()
+    if not path.is_absolute():
+        path = manifest.parent / path
+    if not is_media_path(path):
+        raise MediaError(
+            path,
+            f"unsupported extension {path.suffix!r} ({where})",
+            f"Supported: {', '.join(sorted(MEDIA_EXTENSIONS))}.",
+        )
+    return Sample(path, entry["caption"].strip())
+
+
+def read_manifest(manifest: str | os.PathLike[str]) -> list[Sample]:
+    """Samples from a JSONL manifest; blank lines are ignored, any other bad line is an error."""
+    manifest = Path(manifest)
+    samples = []
+    with manifest.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if line.strip():
+                samples.append(_manifest_entry(manifest, lineno, line))
+    return samples
+
+
+def _check_files_exist(samples: list[Sample], source: Path) -> None:
+    missing = [s.path for s in samples if not s.path.is_file()]
+    if missing:
+        shown = ", ".join(str(p) for p in missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise MediaError(
+            missing[0],
+            f"{len(missing)} file(s) listed in {source} do not exist: {shown}",
+            "Fix the paths (relative paths are resolved against the manifest's folder), "
+            "or set data.skip_bad_samples=true to skip them.",
+        )
+
+
+def build_dataset(
+    path: str | os.PathLike[str],
+    resolution: tuple[int, int],
+    num_frames: int,
+    skip_bad_samples: bool = False,
+) -> MediaDataset:
+    """A MediaDataset from a folder (captions in same-name .txt files) or a .jsonl manifest.
+
+    Listing errors (missing folder, caption or listed file, bad manifest line) are raised here, at
+    start-up, rather than hours into training; decode errors surface when a sample is loaded.
+    """
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"dataset path {path} does not exist (set data.path to a folder or a .jsonl manifest)")
+    if path.is_dir():
+        samples = scan_folder(path)
+    elif path.suffix.lower() == ".jsonl":
+        samples = read_manifest(path)
+        if not skip_bad_samples:
+            _check_files_exist(samples, path)
+    else:
+        raise ValueError(f"dataset path {path} must be a folder or a .jsonl manifest")
+    if not samples:
+        raise ValueError(
+            f"dataset {path} has no samples (media extensions: {', '.join(sorted(MEDIA_EXTENSIONS))})"
+        )
+    return MediaDataset(samples, resolution, num_frames, skip_bad_samples=skip_bad_samples)
