@@ -201,3 +201,21 @@ def test_sequence_parallel_training_equals_one_process(tiny, images, tmp_path):
     assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=1e-5, msg=k)
+
+
+def test_demo_family_flux(tmp_path):
+    """`spindle demo --family flux`: tiny model -> png dataset -> fine-tune -> export -> png sample."""
+    import numpy as np
+    from PIL import Image
+
+    out = tmp_path / "demo"
+    proc = subprocess.run([sys.executable, "-m", "spindle", "demo", "--family", "flux", "--out", str(out),
+                           "--steps", "30"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "FluxPipeline.from_pretrained loads it" in proc.stdout
+    assert len(list((out / "data").glob("*.png"))) == 16
+    losses = [m["loss"] for m in read_metrics(out / "run")]
+    assert statistics.mean(losses[-5:]) < 0.6 * statistics.mean(losses[:5])
+    sample = np.asarray(Image.open(out / "sample.png"))
+    assert sample.shape == (32, 32, 3)
+    assert json.loads((out / "run" / "export" / "model_index.json").read_text())["_class_name"] == "FluxPipeline"

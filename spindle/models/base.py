@@ -25,6 +25,18 @@ def import_object(path: str) -> Any:
 
 
 @dataclass(frozen=True)
+class DemoSpec:
+    """What `spindle demo --family NAME` trains on and samples (no family branches in the command)."""
+
+    dataset: str  # "module:function(out, seed=..., **dataset_kwargs)" writing a captioned media folder
+    dataset_kwargs: dict[str, Any] = field(default_factory=dict)
+    size: tuple[int, int] = (32, 32)  # (height, width) for training and the sample
+    num_frames: int = 1  # data.num_frames (1 for image families)
+    sample_suffix: str = ".png"  # ".mp4" for video families
+    sample_kwargs: dict[str, Any] = field(default_factory=dict)  # extra generate() arguments
+
+
+@dataclass(frozen=True)
 class DiTFamily:
     name: str
     pipeline_classes: tuple[str, ...]
@@ -33,6 +45,7 @@ class DiTFamily:
     inference: str | None = None  # "module:object" of the family's inference spec (infer/)
     tiny_model: str | None = None  # "module:function(out, seed, **overrides)"
     detect: Callable[[Path], bool] | None = None
+    demo: DemoSpec | None = None
     extras: dict[str, Any] = field(default_factory=dict)
 
     def condition_model_cls(self) -> type["ConditionModel"]:

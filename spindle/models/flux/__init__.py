@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from spindle.models.base import DiTFamily
+from spindle.models.base import DemoSpec, DiTFamily
 
 
 def _looks_like_flux(root: Path) -> bool:
@@ -19,4 +19,9 @@ FAMILY = DiTFamily(
     inference="spindle.models.flux.pipeline:FLUX_INFERENCE",
     tiny_model="spindle.testing.tiny:build_tiny_flux",
     detect=_looks_like_flux,
+    demo=DemoSpec(
+        dataset="spindle.testing.synthetic:make_shapes_image_dataset",
+        dataset_kwargs={"num_images": 16, "size": (32, 32)},
+        sample_kwargs={"guidance_scale": 3.5},  # the embedded guidance the model was fine-tuned with
+    ),
 )

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from spindle.models.base import DiTFamily
+from spindle.models.base import DemoSpec, DiTFamily
 
 
 def _looks_like_wan(root: Path) -> bool:
@@ -19,4 +19,9 @@ FAMILY = DiTFamily(
     inference="spindle.models.wan.pipeline:WAN_INFERENCE",
     tiny_model="spindle.testing.tiny:build_tiny_wan",
     detect=_looks_like_wan,
+    demo=DemoSpec(
+        dataset="spindle.testing.synthetic:make_shapes_video_dataset",
+        dataset_kwargs={"num_videos": 16, "num_frames": 9, "size": (32, 32)},
+        num_frames=9, sample_suffix=".mp4", sample_kwargs={"num_frames": 9, "guidance_scale": 1.0},
+    ),
 )
