@@ -8,7 +8,6 @@ arms a hook that raises once inside the engine. Both act on the real engine's tr
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import io
 import socket
@@ -330,15 +329,18 @@ def test_a_failing_job_fails_alone(serve, gen):
 
 
 def test_finished_results_expire_and_delete(serve):
-    s = serve(result_ttl=1.0)
+    s = serve(result_ttl=2.0)
     a = s.client.post("/v1/videos", json={**KW, "seed": 1}).json()
+    done = s.wait(a["id"])
+    assert done["status"] == "completed" and done["expires_at"] - done["completed_at"] in (1, 2, 3)
+    assert s.client.get(f"/v1/videos/{a['id']}/content").status_code == 200
     b = s.client.post("/v1/videos", json={**KW, "seed": 2}).json()
-    assert s.wait(a["id"])["status"] == "completed" and s.wait(b["id"])["status"] == "completed"
+    assert s.wait(b["id"])["status"] == "completed"
     r = s.client.delete(f"/v1/videos/{b['id']}")  # DELETE of a finished job deletes it
     assert r.status_code == 200 and r.json()["deleted"] is True
     assert_error(s.client.get(f"/v1/videos/{b['id']}"), 410, code="deleted")
-    assert s.client.get(f"/v1/videos/{a['id']}/content").status_code == 200
-    time.sleep(1.2)
+    finished = s.state.store.get(a["id"]).completed_at
+    time.sleep(max(0.0, finished + 2.2 - time.time()))
     assert_error(s.client.get(f"/v1/videos/{a['id']}"), 410, "video_id", "expired")
     err = assert_error(s.client.get(f"/v1/videos/{a['id']}/content"), 410, "video_id", "expired")
     assert "--result-ttl" in err["message"]
