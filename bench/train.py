@@ -1,7 +1,11 @@
 """Training-step benchmark: Spindle (FSDP2 / Ulysses SP through spindle.distributed) vs a plain
-PyTorch + diffusers loop, on the same Wan-shaped transformer, batch, precision and in-memory data.
+PyTorch + diffusers loop, on the same transformer, batch, precision and in-memory data.
+`--family wan` (default): a Wan-shaped `WanTransformer3DModel`; `--family flux`: a FLUX.1-shaped
+`FluxTransformer2DModel` (layers/2 double-stream + layers single-stream blocks, packed 2x2 latents,
+pooled text, embedded guidance); SP then goes through Flux's `_cp_plan`.
 
     python bench/train.py                      # CPU defaults: ~34M params, 1024 tokens, a few steps
+    python bench/train.py --family flux        # the same sizes, Flux-shaped
     python bench/train.py --layers 12 --steps 20 --frames 8 --height 64 --width 64   # on a GPU
 
 Each variant runs in its own spawned process(es), so peak memory (RSS on CPU,
@@ -35,6 +39,10 @@ PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e1
 
 
 def model_config(a: argparse.Namespace) -> dict:
+    return FAMILIES[a.family]["config"](a)
+
+
+def wan_config(a: argparse.Namespace) -> dict:
     return dict(
         patch_size=(1, 2, 2), num_attention_heads=a.heads, attention_head_dim=a.head_dim, in_channels=16,
         out_channels=16, text_dim=a.text_dim, freq_dim=256, ffn_dim=a.ffn_dim, num_layers=a.layers,
@@ -42,11 +50,47 @@ def model_config(a: argparse.Namespace) -> dict:
     )
 
 
+def flux_config(a: argparse.Namespace) -> dict:
+    side = (a.head_dim * 3 // 8) // 2 * 2  # rope axes (t, h, w) summing to the head dim, as Flux's (16, 56, 56)
+    return dict(
+        patch_size=1, in_channels=64, num_layers=max(1, a.layers // 2), num_single_layers=a.layers,
+        attention_head_dim=a.head_dim, num_attention_heads=a.heads, joint_attention_dim=a.text_dim,
+        pooled_projection_dim=a.text_dim, guidance_embeds=True, axes_dims_rope=(a.head_dim - 2 * side, side, side),
+    )
+
+
 def tokens_per_sample(a: argparse.Namespace) -> int:
-    return a.frames * (a.height // 2) * (a.width // 2)
+    """Tokens after the 2x2 patches: Wan frames x h/2 x w/2; Flux (images: --frames unused) h/2 x w/2."""
+    return FAMILIES[a.family]["frames"](a) * (a.height // 2) * (a.width // 2)
+
+
+def attention_layers(a: argparse.Namespace) -> int:
+    cfg = model_config(a)
+    return cfg["num_layers"] + cfg.get("num_single_layers", 0)
 
 
 def make_data(a: argparse.Namespace, device: torch.device) -> dict:
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in FAMILIES[a.family]["data"](a).items()}
+
+
+def flux_data(a: argparse.Namespace) -> dict:
+    from diffusers import FluxPipeline
+
+    g = torch.Generator().manual_seed(0)
+    b, h, w = a.batch, a.height // 2, a.width // 2
+    return {
+        "hidden_states": torch.randn(b, h * w, 64, generator=g),
+        "timestep": torch.rand(b, generator=g),
+        "guidance": torch.full((b,), 3.5),
+        "pooled_projections": torch.randn(b, a.text_dim, generator=g),
+        "encoder_hidden_states": torch.randn(b, a.text_len, a.text_dim, generator=g),
+        "txt_ids": torch.zeros(a.text_len, 3),
+        "img_ids": FluxPipeline._prepare_latent_image_ids(b, h, w, "cpu", torch.float32),
+        "target": torch.randn(b, h * w, 64, generator=g),
+    }
+
+
+def wan_data(a: argparse.Namespace) -> dict:
     g = torch.Generator().manual_seed(0)
     b = a.batch
     data = {
@@ -55,14 +99,23 @@ def make_data(a: argparse.Namespace, device: torch.device) -> dict:
         "encoder_hidden_states": torch.randn(b, a.text_len, a.text_dim, generator=g),
         "target": torch.randn(b, 16, a.frames, a.height, a.width, generator=g),
     }
-    return {k: v.to(device) for k, v in data.items()}
+    return data
+
+
+# family -> (transformer class, its config, in-memory batch: the transformer's forward kwargs + "target")
+FAMILIES = {
+    "wan": dict(cls="WanTransformer3DModel", config=wan_config, data=wan_data, frames=lambda a: a.frames,
+                out="train.json"),
+    "flux": dict(cls="FluxTransformer2DModel", config=flux_config, data=flux_data, frames=lambda a: 1,
+                 out="train-flux.json"),
+}
 
 
 def build_model(a: argparse.Namespace, device: torch.device):
-    from diffusers import WanTransformer3DModel
+    import diffusers
 
     torch.manual_seed(0)
-    model = WanTransformer3DModel(**model_config(a)).to(device)
+    model = getattr(diffusers, FAMILIES[a.family]["cls"])(**model_config(a)).to(device)
     model.train()
     return model
 
@@ -71,7 +124,8 @@ def flops_per_step(a: argparse.Namespace, n_params: int) -> float:
     """6 * params * tokens (dense fwd+bwd) + self-attention 12 * layers * T^2 * dim, per sample."""
     t = tokens_per_sample(a)
     dim = a.heads * a.head_dim
-    per_sample = 6 * n_params * t + 12 * a.layers * t * t * dim + 12 * a.layers * t * a.text_len * dim
+    layers = attention_layers(a)
+    per_sample = 6 * n_params * t + 12 * layers * t * t * dim + 12 * layers * t * a.text_len * dim
     return per_sample * a.batch
 
 
@@ -92,10 +146,7 @@ def _loop(a, model, data, optimizer, device, clip, autocast: bool) -> list[float
         _sync(device)
         t0 = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            out = model(
-                hidden_states=data["hidden_states"], timestep=data["timestep"],
-                encoder_hidden_states=data["encoder_hidden_states"], return_dict=False,
-            )[0]
+            out = model(**{k: v for k, v in data.items() if k != "target"}, return_dict=False)[0]
         loss = torch.nn.functional.mse_loss(out.float(), data["target"])
         loss.backward()
         clip(model.parameters(), 1.0)
@@ -155,6 +206,7 @@ def run_variant(variant: str, world: int, a: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", choices=sorted(FAMILIES), default="wan", help="transformer shape (default wan)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
@@ -169,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: cores / processes)")
     p.add_argument("--no-sp", action="store_true", help="skip the 2-process SP run")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "train.json"))
+    p.add_argument("--out", default=None, help="JSON results (default bench/results/train.json, train-flux.json)")
     a = p.parse_args(argv)
 
     cuda = torch.cuda.is_available()
@@ -189,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         # MFU per device: an SP group shares one batch over `processes` devices.
         r["mfu"] = (flops / r["step_s"] / r["processes"] / peak) if peak else None
     report = dict(
-        device=device_name, torch=torch.__version__, precision="bf16" if cuda else "fp32",
+        family=a.family, device=device_name, torch=torch.__version__, precision="bf16" if cuda else "fp32",
         model=dict(model_config(a), n_params=n_params), batch=a.batch, tokens_per_sample=tokens_per_sample(a),
         steps=a.steps, warmup=a.warmup, flops_per_step=flops, results=results,
     )
@@ -205,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         print(f"{r['variant']:<13}{r['processes']:>6}{r['step_s']:>9.3f}{r['samples_per_s']:>11.3f}"
               f"{r['tokens_per_s']:>10.0f}{r['tokens_per_s_vs_baseline']:>9.2f}{r['peak_mem_mib']:>10.0f}{mfu:>7}")
-    out = Path(a.out)
+    out = Path(a.out or ROOT / "bench" / "results" / FAMILIES[a.family]["out"])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")
