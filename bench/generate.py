@@ -1,4 +1,4 @@
-"""Latency of Spindle's staged engine vs diffusers' WanPipeline, side by side in one run.
+"""Latency of Spindle's staged engine vs the checkpoint's diffusers pipeline (WanPipeline, FluxPipeline), side by side.
 
 Same checkpoint, seed and parameters for every row. Modes:
   exact         Spindle with two forwards per step (bit-for-bit the reference loop) vs diffusers
@@ -10,7 +10,8 @@ Same checkpoint, seed and parameters for every row. Modes:
 
 Checkpoints are random (no downloads here) but Wan-shaped: `--preset cpu` is small enough for a
 CPU and sized so that the DiT, not the VAE, dominates; `--preset wan1.3b` uses the Wan2.1-1.3B
-transformer and VAE shapes (needs a GPU: 480x832, 81 frames). Prints a table and writes JSON.
+transformer and VAE shapes (needs a GPU: 480x832, 81 frames); `--preset flux-cpu` / `flux-gpu` are
+FLUX.1-shaped (true CFG with a negative prompt, so every mode applies). Prints a table and writes JSON.
 
   python bench/generate.py --preset cpu --json bench-generate.json
 """
@@ -35,7 +36,7 @@ PRESETS = {
                          out_channels=16, freq_dim=64, rope_max_seq_len=256),
         vae=dict(base_dim=8, z_dim=16),
         text_encoder=dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4),
-        request=dict(height=96, width=96, num_frames=5, num_inference_steps=6, guidance_scale=5.0),
+        request=dict(height=128, width=128, num_frames=9, num_inference_steps=8, guidance_scale=5.0),
         dtype="float32",
     ),
     "wan1.3b": dict(  # Wan2.1-T2V-1.3B transformer + VAE shapes; a thin random text encoder of width 4096
@@ -46,17 +47,41 @@ PRESETS = {
         request=dict(height=480, width=832, num_frames=81, num_inference_steps=50, guidance_scale=5.0),
         dtype="bfloat16",
     ),
+    # FLUX.1 (family "flux"): true CFG (true_cfg_scale + negative prompt) so the CFG modes apply too.
+    "flux-cpu": dict(
+        family="flux",
+        transformer=dict(num_layers=4, num_single_layers=8, num_attention_heads=8, attention_head_dim=32,
+                         axes_dims_rope=(8, 12, 12), in_channels=16),
+        vae=dict(block_out_channels=(8, 16)),  # x2: 96x96 px -> 48x48 latents -> 576 image tokens
+        text_encoder_2=dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4),
+        request=dict(height=96, width=96, num_inference_steps=6, guidance_scale=3.5, true_cfg_scale=4.0,
+                     max_sequence_length=64),
+        dtype="float32",
+    ),
+    "flux-gpu": dict(  # FLUX.1-dev block shapes (3072 wide, 24 heads x 128, VAE x8, 16 latent channels), 2+4 blocks
+        family="flux",
+        transformer=dict(num_layers=2, num_single_layers=4, num_attention_heads=24, attention_head_dim=128,
+                         axes_dims_rope=(16, 56, 56), in_channels=64),
+        vae=dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, norm_num_groups=32),
+        text_encoder=dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12),
+        text_encoder_2=dict(d_model=4096, d_kv=64, d_ff=256, num_layers=2, num_heads=8),
+        request=dict(height=1024, width=1024, num_inference_steps=28, guidance_scale=3.5, true_cfg_scale=4.0,
+                     max_sequence_length=512),
+        dtype="bfloat16",
+        vae_dtype="bfloat16",  # FluxPipeline decodes in the latents' dtype
+    ),
 }
+COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2")  # per-preset overrides of the tiny builders
 PROMPT = dict(prompt="a red panda climbing a snowy tree, cinematic", negative_prompt="blurry, low quality")
 
 
 def build_checkpoint(preset: str, root: Path) -> Path:
-    from spindle.testing.tiny import build_tiny_wan
+    from spindle.testing.tiny import build_tiny
 
     if (root / "model_index.json").is_file():
         return root
     p = PRESETS[preset]
-    return build_tiny_wan(root, seed=0, transformer=p["transformer"], vae=p["vae"], text_encoder=p["text_encoder"])
+    return build_tiny(p.get("family", "wan"), root, seed=0, **{k: p[k] for k in COMPONENTS if k in p})
 
 
 def sync() -> None:
@@ -84,18 +109,21 @@ def timed(fn, repeats: int) -> tuple[float, object]:
 # ---------------------------------------------------------------- engines
 
 
-def diffusers_pipe(root: Path, dtype: torch.dtype, device: str):
-    from diffusers import AutoencoderKLWan, WanPipeline
+def diffusers_pipe(root: Path, dtype: torch.dtype, device: str, vae_dtype: torch.dtype = torch.float32):
+    """The checkpoint's own diffusers pipeline class (model_index.json), VAE in `vae_dtype`."""
+    import diffusers
 
-    vae = AutoencoderKLWan.from_pretrained(root / "vae", dtype=torch.float32)
-    pipe = WanPipeline.from_pretrained(root, vae=vae, dtype=dtype).to(device)
+    index = json.loads((root / "model_index.json").read_text())
+    vae = getattr(diffusers, index["vae"][1]).from_pretrained(root / "vae", dtype=vae_dtype)
+    pipe = getattr(diffusers, index["_class_name"]).from_pretrained(root, vae=vae, dtype=dtype).to(device)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
 
 def run_diffusers(pipe, req: dict, seed: int, steps: int | None = None) -> np.ndarray:
     kw = {**req, **({"num_inference_steps": steps} if steps else {})}
-    return pipe(**PROMPT, **kw, generator=torch.Generator().manual_seed(seed), output_type="np").frames
+    out = pipe(**PROMPT, **kw, generator=torch.Generator().manual_seed(seed), output_type="np")
+    return out.frames if hasattr(out, "frames") else out.images  # video / image pipelines
 
 
 def run_spindle(gen, req: dict, seed: int, steps: int | None = None):
@@ -114,7 +142,8 @@ def worker(args: argparse.Namespace) -> None:
 
     p = PRESETS[args.preset]
     options = json.loads(args.worker_options)
-    gen = DiffusionGenerator.from_pretrained(args.root, dtype=p["dtype"], **options)
+    gen = DiffusionGenerator.from_pretrained(args.root, dtype=p["dtype"], vae_dtype=p.get("vae_dtype", "float32"),
+                                             **options)
     req = {**p["request"], **({"num_inference_steps": args.steps} if args.steps else {})}
     run_spindle(gen, req, args.seed, steps=1)  # warm-up
     dt, res = timed(lambda: run_spindle(gen, req, args.seed), args.repeats)
@@ -168,72 +197,86 @@ def main() -> None:
     req = {**p["request"], **({"num_inference_steps": args.steps} if args.steps else {})}
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[p["dtype"]]
+    vae_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[p.get("vae_dtype", "float32")]
     tmp = Path(tempfile.mkdtemp(prefix="spindle-bench-"))
     root = build_checkpoint(args.preset, Path(args.root) if args.root else tmp / "ckpt")
     rows: list[dict] = []
 
-    def add(mode: str, engine: str, total: float, frames: np.ndarray, ref: np.ndarray | None, **extra) -> None:
-        row = {"mode": mode, "engine": engine, "total_s": round(total, 4), **extra}
-        if ref is not None:
-            row["max_abs_diff_vs_diffusers"] = float(np.abs(frames - ref).max())
-            row["psnr_db_vs_diffusers_exact"] = float(psnr(frames, ref))
+    def add(mode: str, engine: str, total: float, frames: np.ndarray, baseline: float, **extra) -> None:
+        row = {"mode": mode, "engine": engine, "total_s": round(total, 4), "baseline_s": round(baseline, 4),
+               "max_abs_diff_vs_diffusers": float(np.abs(frames - ref).max()),
+               "psnr_db_vs_diffusers_exact": float(psnr(frames, ref)), **extra}
         rows.append(row)
         print(f"  {mode:<13} {engine:<9} {total:8.3f}s", {k: v for k, v in row.items() if k not in ("mode", "engine", "total_s")},
               flush=True)
 
-    print(f"preset {args.preset} on {device} ({torch.get_num_threads()} threads): {json.dumps(req)}", flush=True)
-    pipe = diffusers_pipe(root, dtype, device)
-    run_diffusers(pipe, req, args.seed, steps=1)  # warm-up
-    t_ref, ref = timed(lambda: run_diffusers(pipe, req, args.seed), args.repeats)
-    add("exact", "diffusers", t_ref, ref, None)
+    def pair(mode: str, d_pipe, s_gen, **extra) -> None:
+        """Interleave diffusers and Spindle runs (ABAB...) so load changes on a shared machine hit both."""
+        d_times, s_times, d_out, s_out = [], [], None, None
+        for _ in range(args.repeats):
+            t, d_out = timed(lambda: run_diffusers(d_pipe, req, args.seed), 1)
+            d_times.append(t)
+            t, s_out = timed(lambda: run_spindle(s_gen, req, args.seed), 1)
+            s_times.append(t)
+        d, s = statistics.median(d_times), statistics.median(s_times)
+        add(mode, "diffusers", d, d_out, d)
+        add(mode, "spindle", s, s_out.frames, d, stages={k: round(v, 4) for k, v in s_out.timings.items()}, **extra)
 
-    def spindle_row(mode: str, options: dict, warm: bool = True) -> tuple[float, object]:
-        gen = DiffusionGenerator.from_pretrained(root, dtype=p["dtype"], **options)
-        if warm:
-            run_spindle(gen, req, args.seed, steps=1)
-        dt, res = timed(lambda: run_spindle(gen, req, args.seed), args.repeats)
-        add(mode, "spindle", dt, res.frames, ref, stages={k: round(v, 4) for k, v in res.timings.items()})
-        return dt, res
+    def spindle_gen(options: dict):
+        gen = DiffusionGenerator.from_pretrained(root, dtype=p["dtype"], vae_dtype=p.get("vae_dtype", "float32"),
+                                                 **options)
+        t = time.perf_counter()
+        run_spindle(gen, req, args.seed, steps=1)  # warm-up (compilation for --compile)
+        return gen, time.perf_counter() - t
+
+    print(f"preset {args.preset} on {device} ({torch.get_num_threads()} threads): {json.dumps(req)}", flush=True)
+    pipe = diffusers_pipe(root, dtype, device, vae_dtype)
+    run_diffusers(pipe, req, args.seed, steps=1)  # warm-up
+    ref = run_diffusers(pipe, req, args.seed)  # the exact reference output
 
     if "exact" in modes:
-        spindle_row("exact", {"cfg_batch": False})
+        pair("exact", pipe, spindle_gen({"cfg_batch": False})[0])
     if "cfg_batch" in modes:
-        spindle_row("cfg_batch", {"cfg_batch": True})
+        pair("cfg_batch", pipe, spindle_gen({"cfg_batch": True})[0])
     if "compile" in modes:
-        pipe.transformer.compile_repeated_blocks()
+        cpipe = diffusers_pipe(root, dtype, device, vae_dtype)
+        cpipe.transformer.compile_repeated_blocks()
         t = time.perf_counter()
-        run_diffusers(pipe, req, args.seed, steps=1)
-        warm = time.perf_counter() - t
-        dt, frames = timed(lambda: run_diffusers(pipe, req, args.seed), args.repeats)
-        add("compile", "diffusers", dt, frames, ref, warmup_s=round(warm, 2))
-        del pipe
-        pipe = diffusers_pipe(root, dtype, device)
-        spindle_row("compile", {"compile": True})
+        run_diffusers(cpipe, req, args.seed, steps=1)
+        d_warm = time.perf_counter() - t
+        gen, s_warm = spindle_gen({"compile": True})
+        pair("compile", cpipe, gen, warmup_s=round(s_warm, 2), diffusers_warmup_s=round(d_warm, 2))
+        del cpipe, gen
     if "cache" in modes:
         from diffusers.hooks import FirstBlockCacheConfig
 
         for thr in [float(x) for x in args.thresholds.split(",")]:
-            pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=thr))
-            run_diffusers(pipe, req, args.seed, steps=1)
-            dt, frames = timed(lambda: run_diffusers(pipe, req, args.seed), args.repeats)
-            add(f"cache@{thr}", "diffusers", dt, frames, ref)
-            pipe.transformer.disable_cache()
-            spindle_row(f"cache@{thr}", {"cache": "fbc", "cache_threshold": thr})
+            cpipe = diffusers_pipe(root, dtype, device, vae_dtype)
+            cpipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=thr))
+            run_diffusers(cpipe, req, args.seed, steps=1)
+            pair(f"cache@{thr}", cpipe, spindle_gen({"cache": "fbc", "cache_threshold": thr})[0])
+            del cpipe
+    one_proc = None
     for mode, options in (("sp2", {"sp": 2}), ("cfg_parallel", {"cfg_parallel": True})):
         if mode in modes:
+            if one_proc is None:
+                one_proc = spindle_gen({"cfg_batch": True})[0]
             info = run_multiprocess(args, root, options, mode, tmp)
-            add(mode, "spindle", info["total"], info["frames"], ref, processes=2,
+            single, _ = timed(lambda: run_spindle(one_proc, req, args.seed), args.repeats)  # right after, same load
+            add(mode, "spindle", info["total"], info["frames"], single, processes=2, baseline_kind="spindle 1 process",
                 stages={k: round(v, 4) for k, v in info["timings"].items()})
 
     print()
-    header = f"| {'mode':<13} | {'engine':<9} | {'total s':>8} | {'vs diffusers':>12} | {'max abs diff':>12} | {'PSNR dB':>7} |"
+    header = f"| {'mode':<13} | {'engine':<9} | {'total s':>8} | {'speed-up':>12} | {'max abs diff':>12} | {'PSNR dB':>7} |"
     print(header)
     print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
     for r in rows:
         diff = r.get("max_abs_diff_vs_diffusers")
         ps = r.get("psnr_db_vs_diffusers_exact")
-        print(f"| {r['mode']:<13} | {r['engine']:<9} | {r['total_s']:>8.3f} | {t_ref / r['total_s']:>11.2f}x | "
+        print(f"| {r['mode']:<13} | {r['engine']:<9} | {r['total_s']:>8.3f} | {r['baseline_s'] / r['total_s']:>11.2f}x | "
               f"{'-' if diff is None else f'{diff:.1e}':>12} | {'-' if ps is None else ('inf' if ps == float('inf') else f'{ps:.1f}'):>7} |")
+    print("speed-up: vs the diffusers run of the same mode, timed interleaved with it (sp2 / cfg_parallel: vs "
+          "Spindle in 1 process, timed right after); max abs diff / PSNR: vs diffusers' exact output")
     result = {"preset": args.preset, "device": device, "threads": torch.get_num_threads(), "request": req,
               "torch": torch.__version__, "rows": rows}
     if args.json:
