@@ -209,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"spindle serve on loopback: {result['media']} {args.size}"
           f"{' x ' + str(args.num_frames) + ' frames' if result['media'] == 'video' else ''}, {args.steps} steps, "
           f"{args.clients} clients, {bench.sent} requests (limit {args.requests} / {args.time_limit:g} s)")
-    print(f"| clients | completed | failed | 429 | wall s | req/s | p50 s | p95 s | mean s |")
-    print(f"|---|---|---|---|---|---|---|---|---|")
+    print("| clients | completed | failed | 429 | wall s | req/s | p50 s | p95 s | mean s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     print(f"| {args.clients} | {result['completed']} | {result['failed']} | {result['rejected_429']} | {wall:.2f} | "
           f"{result['requests_per_s']:.2f} | {result['latency_p50_s']:.3f} | {result['latency_p95_s']:.3f} | "
           f"{result['latency_mean_s']:.3f} |")

@@ -9,7 +9,7 @@ import torch
 
 
 def test_stock_wan_pipeline_runs_tiny_checkpoint(tiny_wan):
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel  # noqa: F401
+    from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
 
     pipe = WanPipeline.from_pretrained(tiny_wan)
     assert isinstance(pipe.transformer, WanTransformer3DModel)

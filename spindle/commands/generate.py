@@ -15,6 +15,8 @@ import argparse
 import sys
 import time
 
+from spindle.commands.engine_args import add_engine_arguments, check_world_size, engine_options
+
 HELP = "generate a video/image from a diffusers checkpoint (staged engine)"
 
 
@@ -30,18 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed (random if omitted; printed)")
     p.add_argument("--out", required=True, help="output file: .mp4 for video, .png for images")
     p.add_argument("--fps", type=int, default=16, help="frames per second of the mp4 (default 16)")
-    p.add_argument("--device", default=None, help="cpu / cuda (default: cuda if available)")
-    p.add_argument("--dtype", default="float32", help="transformer + text encoder dtype (float32, bfloat16)")
-    p.add_argument("--no-cfg-batch", dest="cfg_batch", action="store_false",
-                   help="run conditional and unconditional as two forwards instead of one batched")
-    p.add_argument("--compile", action="store_true", help="torch.compile the repeated transformer blocks")
-    p.add_argument("--cache", choices=["fbc"], default=None, help="step caching: fbc = first-block cache")
-    p.add_argument("--cache-threshold", type=float, default=0.05, help="cache threshold (higher: faster, lossier)")
     p.add_argument("--no-psnr", dest="psnr", action="store_false",
-                   help="with --cache: skip the exact reference run used to report PSNR")
-    p.add_argument("--nproc", type=int, default=1, help="processes to launch (re-launches via torchrun)")
-    p.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree")
-    p.add_argument("--cfg-parallel", action="store_true", help="conditional / unconditional on different ranks")
+                   help="with --cache: skip the exact reference run that measures PSNR")
+    add_engine_arguments(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -51,18 +44,10 @@ def _format_timings(timings: dict[str, float]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    import os
+    from spindle.distributed.launch import maybe_relaunch
 
-    from spindle.distributed.launch import maybe_relaunch, under_launcher
-
-    nproc = int(os.environ["WORLD_SIZE"]) if under_launcher() else args.nproc
-    world_needed = args.sp * (2 if args.cfg_parallel else 1)
-    if nproc != world_needed:
-        raise ValueError(
-            f"--nproc {nproc} does not match --sp {args.sp}"
-            f"{' x 2 (--cfg-parallel)' if args.cfg_parallel else ''} = {world_needed} processes"
-        )
-    code = maybe_relaunch(nproc, sys.argv[1:])  # parent of --nproc N > 1: re-run under torchrun
+    nproc, _ = check_world_size(args)
+    code = maybe_relaunch(nproc, args._argv)  # parent of --nproc N > 1: re-run under torchrun
     if code is not None:
         return code
 
@@ -70,10 +55,8 @@ def run(args: argparse.Namespace) -> int:
     from spindle.infer.pipeline import is_main_rank
 
     main = is_main_rank()
-    options = dict(device=args.device, dtype=args.dtype, cfg_batch=args.cfg_batch, compile=args.compile,
-                   cache=args.cache, cache_threshold=args.cache_threshold, sp=args.sp, cfg_parallel=args.cfg_parallel)
     start = time.perf_counter()
-    gen = DiffusionGenerator.from_pretrained(args.model, **options)
+    gen = DiffusionGenerator.from_pretrained(args.model, **engine_options(args))
     load_s = time.perf_counter() - start
     request = dict(prompt=args.prompt, negative_prompt=args.negative_prompt, height=args.height, width=args.width,
                    num_frames=args.num_frames, num_inference_steps=args.steps, guidance_scale=args.guidance,

@@ -19,9 +19,10 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from spindle.commands.engine_args import add_engine_arguments, check_world_size, engine_options
 
 HELP = "serve a checkpoint over an OpenAI-compatible HTTP API (images / videos)"
 
@@ -46,16 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-steps", type=int, default=1, help="warm-up denoising steps (default 1)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     # engine options: as `spindle generate`
-    p.add_argument("--device", default=None, help="cpu / cuda (default: cuda if available)")
-    p.add_argument("--dtype", default="float32", help="transformer + text encoder dtype (float32, bfloat16)")
-    p.add_argument("--no-cfg-batch", dest="cfg_batch", action="store_false",
-                   help="run conditional and unconditional as two forwards instead of one batched")
-    p.add_argument("--compile", action="store_true", help="torch.compile the repeated transformer blocks")
-    p.add_argument("--cache", choices=["fbc"], default=None, help="step caching: fbc = first-block cache")
-    p.add_argument("--cache-threshold", type=float, default=0.05, help="cache threshold (higher: faster, lossier)")
-    p.add_argument("--nproc", type=int, default=1, help="processes to launch (re-launches via torchrun)")
-    p.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree")
-    p.add_argument("--cfg-parallel", action="store_true", help="conditional / unconditional on different ranks")
+    add_engine_arguments(p)
 
 
 def _relaunch(nproc: int, argv: list[str]) -> int:
@@ -81,20 +73,8 @@ def _relaunch(nproc: int, argv: list[str]) -> int:
         return proc.wait()
 
 
-def _engine_options(args: argparse.Namespace) -> dict:
-    return dict(device=args.device, dtype=args.dtype, cfg_batch=args.cfg_batch, compile=args.compile,
-                cache=args.cache, cache_threshold=args.cache_threshold, sp=args.sp, cfg_parallel=args.cfg_parallel)
-
-
 def run(args: argparse.Namespace) -> int:
-    world_needed = args.sp * (2 if args.cfg_parallel else 1)
-    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    world = int(os.environ["WORLD_SIZE"]) if launched else args.nproc
-    if world != world_needed:
-        raise ValueError(
-            f"{'the world size' if launched else '--nproc'} {world} does not match --sp {args.sp}"
-            f"{' x 2 (--cfg-parallel)' if args.cfg_parallel else ''} = {world_needed} processes"
-        )
+    world, launched = check_world_size(args)
     for name in ("max_queue", "warmup_frames", "warmup_steps"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
@@ -111,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         except APIError as e:
             raise ValueError(f"--warmup-size: {e.message}") from None
     if not launched and args.nproc > 1:
-        return _relaunch(args.nproc, getattr(args, "_argv", None) or sys.argv[1:])
+        return _relaunch(args.nproc, args._argv)
 
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0 and os.environ.get(PIDFILE_ENV):
@@ -121,9 +101,9 @@ def run(args: argparse.Namespace) -> int:
 
     from spindle.infer.generator import DiffusionGenerator
 
-    gen = DiffusionGenerator.from_pretrained(args.model, **_engine_options(args))
+    gen = DiffusionGenerator.from_pretrained(args.model, **engine_options(args))
     fanout = None
-    if world_needed > 1:
+    if world > 1:
         from spindle.serve.worker import RankFanout
 
         fanout = RankFanout()

@@ -11,6 +11,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from spindle.data.media import write_image, write_video
 from spindle.infer.pipeline import EngineOptions, InferencePipeline
 from spindle.infer.request import Req, SamplingParams
 
@@ -41,59 +42,12 @@ class GenerationResult:
             p.parent.mkdir(parents=True, exist_ok=True)
             if self.media == "video":
                 if p.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp") and item.shape[0] == 1:
-                    _write_image(p, item[0])
+                    write_image(p, item[0])
                 else:
-                    _write_video(p, item, fps or self.fps)
+                    write_video(p, item, fps or self.fps)
             else:
-                _write_image(p, item)
+                write_image(p, item)
         return paths
-
-
-def _to_uint8(frames: np.ndarray) -> np.ndarray:
-    if frames.dtype == np.uint8:
-        return frames
-    return (np.clip(frames, 0.0, 1.0) * 255.0).round().astype(np.uint8)
-
-
-def _write_video(path: Path, frames: np.ndarray, fps: int) -> None:
-    try:
-        from spindle.data.media import write_video
-    except ImportError:  # the data module is not there yet: minimal PyAV writer
-        write_video = _write_video_pyav
-    write_video(path, frames, fps)
-
-
-def _write_image(path: Path, frame: np.ndarray) -> None:
-    try:
-        from spindle.data.media import write_image
-    except ImportError:
-        write_image = _write_image_pil
-    write_image(path, frame)
-
-
-def _write_video_pyav(path: str | Path, frames: np.ndarray, fps: int) -> None:
-    import av
-
-    frames = _to_uint8(np.asarray(frames))
-    _, h, w, _ = frames.shape
-    with av.open(str(path), mode="w") as container:
-        stream = container.add_stream("libx264" if str(path).endswith(".mp4") else "mpeg4", rate=fps)
-        # yuv420p needs even sizes; pad odd ones by edge replication
-        ph, pw = h + h % 2, w + w % 2
-        stream.width, stream.height, stream.pix_fmt = pw, ph, "yuv420p"
-        for frame in frames:
-            if (ph, pw) != (h, w):
-                frame = np.pad(frame, ((0, ph - h), (0, pw - w), (0, 0)), mode="edge")
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-
-
-def _write_image_pil(path: str | Path, frame: np.ndarray) -> None:
-    from PIL import Image
-
-    Image.fromarray(_to_uint8(np.asarray(frame))).save(path)
 
 
 def psnr(a: np.ndarray, b: np.ndarray, data_range: float = 1.0) -> float:

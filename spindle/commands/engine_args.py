@@ -1,0 +1,39 @@
+"""Engine options shared by `spindle generate` and `spindle serve`: one definition, one validation."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine options")
+    g.add_argument("--device", default=None, help="cpu / cuda (default: cuda if available)")
+    g.add_argument("--dtype", default="float32", help="transformer + text encoder dtype (float32, bfloat16)")
+    g.add_argument("--no-cfg-batch", dest="cfg_batch", action="store_false",
+                   help="run conditional and unconditional as two forwards (default: one batched forward)")
+    g.add_argument("--compile", action="store_true", help="torch.compile the repeated transformer blocks")
+    g.add_argument("--cache", choices=["fbc"], default=None, help="step caching: fbc = first-block cache")
+    g.add_argument("--cache-threshold", type=float, default=0.05, help="cache threshold (higher: faster, lossier)")
+    g.add_argument("--nproc", type=int, default=1, help="processes to launch (re-launches via torchrun)")
+    g.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree")
+    g.add_argument("--cfg-parallel", action="store_true", help="conditional / unconditional on different ranks")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The `DiffusionGenerator.from_pretrained` keyword arguments the flags above stand for."""
+    return dict(device=args.device, dtype=args.dtype, cfg_batch=args.cfg_batch, compile=args.compile,
+                cache=args.cache, cache_threshold=args.cache_threshold, sp=args.sp, cfg_parallel=args.cfg_parallel)
+
+
+def check_world_size(args: argparse.Namespace) -> tuple[int, bool]:
+    """-> (world size, already under a launcher). The processes must be exactly sp x (2 with CFG parallel)."""
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if launched else args.nproc
+    needed = args.sp * (2 if args.cfg_parallel else 1)
+    if world != needed:
+        raise ValueError(
+            f"{'the world size' if launched else '--nproc'} {world} does not match --sp {args.sp}"
+            f"{' x 2 (--cfg-parallel)' if args.cfg_parallel else ''} = {needed} processes"
+        )
+    return world, launched
