@@ -84,12 +84,21 @@ class DiffusionGenerator:
     def transformer(self) -> torch.nn.Module:
         return self.pipeline.transformer
 
-    def make_request(self, params: SamplingParams, progress: Callable[[int, int], None] | None = None,
-                     should_stop: Callable[[], bool] | None = None) -> Req:
+    def validate(self, params: SamplingParams) -> SamplingParams:
+        """Defaults filled in, a seed drawn if none (by this process alone), every request check run
+        (common + the family's): -> the exact params a run uses. Raises `RequestError` naming the
+        field. Cheap (no model runs) and not collective, so a server can call it on rank 0 only."""
         params = params.merged_with(self.defaults)
         if params.seed is None:
-            params.seed = self._shared_seed(random.SystemRandom().randrange(2**31))
-        params.validate_common()
+            params.seed = random.SystemRandom().randrange(2**31)
+        self.pipeline.before_denoising.validate(params)
+        return params
+
+    def make_request(self, params: SamplingParams, progress: Callable[[int, int], None] | None = None,
+                     should_stop: Callable[[], bool] | None = None) -> Req:
+        if params.seed is None:
+            params = dataclasses.replace(params, seed=self._shared_seed(random.SystemRandom().randrange(2**31)))
+        params = self.validate(params)
         generator = torch.Generator(device="cpu").manual_seed(int(params.seed))
         return Req(params=params, device=self.pipeline.device, generator=generator, progress=progress,
                    should_stop=should_stop)

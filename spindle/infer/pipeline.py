@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from spindle.infer.request import Req
-from spindle.infer.stages import DecodingStage, DenoisingStage, InferenceSpec, Stage
+from spindle.infer.stages import BeforeDenoisingStage, DecodingStage, DenoisingStage, InferenceSpec, Stage
 
 ALLOWED_LIBRARIES = ("diffusers", "transformers")
 CACHE_KINDS = ("fbc",)  # diffusers FirstBlockCacheConfig
@@ -142,6 +142,10 @@ class InferencePipeline:
     @property
     def transformer(self) -> torch.nn.Module:
         return self.components[self.spec.transformer_component]
+
+    @property
+    def before_denoising(self) -> BeforeDenoisingStage:
+        return next(s for s in self.stages if isinstance(s, BeforeDenoisingStage))
 
     @property
     def denoising(self) -> DenoisingStage:

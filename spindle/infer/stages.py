@@ -69,6 +69,7 @@ class InferenceSpec:
 
     family: str = ""
     media: str = "video"  # "video" (frames axis) or "image"
+    fps: int | None = None  # native frame rate of a video family (mp4 writing, seconds -> frames)
     components: tuple[str, ...] = ()  # model_index.json entries to load
     transformer_component: str = "transformer"
     vae_component: str = "vae"

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import io
 import logging
-import random
 import tempfile
 import threading
 import time
@@ -38,8 +37,6 @@ class Engine:
     validation before a job is queued (the same checks the engine's BeforeDenoisingStage runs)."""
 
     def __init__(self, generator: Any, model_id: str, root: str | None = None, fps: int | None = None):
-        from spindle.infer.stages import BeforeDenoisingStage
-
         self.generator = generator
         self.model_id = model_id
         self.root = root
@@ -47,22 +44,14 @@ class Engine:
         self.media: str = self.spec.media
         self.family: str = self.spec.family
         self.defaults: SamplingParams = generator.defaults
-        self.fps: int = int(fps or getattr(self.spec, "fps", None) or 16)
-        stages = getattr(generator.pipeline, "stages", [])
-        self.before = next((s for s in stages if isinstance(s, BeforeDenoisingStage)), None)
+        self.fps: int = int(fps or self.spec.fps or 16)
         # video families: valid frame counts are k * multiple + 1 (Wan: the VAE's temporal factor 4)
-        self.frame_multiple: int = int(getattr(self.before, "scale_temporal", 1) or 1)
+        self.frame_multiple: int = int(getattr(generator.pipeline.before_denoising, "scale_temporal", 1) or 1)
 
     def validate(self, params: SamplingParams) -> SamplingParams:
         """Defaults filled in, a seed drawn if none, and the engine's checks run: -> the params a job
         runs with (so every rank runs exactly these). Raises `RequestError` naming the field."""
-        params = params.merged_with(self.defaults)
-        if params.seed is None:
-            params.seed = random.SystemRandom().randrange(2**31)
-        params.validate_common()
-        if self.before is not None:
-            self.before.validate(params)
-        return params
+        return self.generator.validate(params)
 
     def frames_for_seconds(self, seconds: float) -> tuple[int, str | None]:
         """`seconds` -> the nearest valid frame count at the model's fps, and a note if rounded."""

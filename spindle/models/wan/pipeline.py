@@ -98,6 +98,7 @@ class WanBeforeDenoisingStage(BeforeDenoisingStage):
 class WanInference(InferenceSpec):
     family = "wan"
     media = "video"
+    fps = 16  # Wan2.1 is trained on 16 fps video
     components = ("tokenizer", "text_encoder", "vae", "scheduler", "transformer")
     before_denoising_cls = WanBeforeDenoisingStage
 
