@@ -127,3 +127,13 @@ def test_bad_video_in_dataset_names_the_file(make_config, shapes_videos, tmp_pat
     trainer = Trainer(cfg)
     trainer.run()
     assert trainer.loader.dataset.num_skipped >= 1
+
+
+def test_gradient_checkpointing_gives_the_same_run(make_config, tmp_path):
+    common = dict(train__max_steps=3, checkpoint__export=False)
+    train(make_config(tmp_path / "plain", **common))
+    train(make_config(tmp_path / "ckpt", train__gradient_checkpointing=True, **common))
+    for key in ("loss", "grad_norm"):
+        plain = [m[key] for m in read_metrics(tmp_path / "plain")]
+        recomputed = [m[key] for m in read_metrics(tmp_path / "ckpt")]
+        assert recomputed == pytest.approx(plain, rel=1e-6), key
