@@ -81,6 +81,13 @@ def test_two_processes_equal_one(layout, single, tiny_wan, shapes_videos, tmp_pa
     assert_same_run(single, out)
 
 
+def test_fsdp_over_dp_shard_and_sp_equals_one(single, tiny_wan, shapes_videos, tmp_path):
+    """dp_shard=2 x sp=2 on 4 processes: FSDP shards over all 4 ranks, data splits over 2, SP pairs sum."""
+    out = tmp_path / "run"
+    run_train(tiny_wan, shapes_videos, out, nproc=4, parallel__dp_shard=2, parallel__sp=2)
+    assert_same_run(single, out)
+
+
 @pytest.mark.parametrize("first,second", [(2, 1), (1, 2)], ids=["save2_resume1", "save1_resume2"])
 def test_resume_across_world_sizes(first, second, single, tiny_wan, shapes_videos, tmp_path):
     out = tmp_path / "run"

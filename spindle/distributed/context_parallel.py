@@ -97,6 +97,29 @@ def check_sequence_parallel(
         )
 
 
+def check_split_inputs(transformer: torch.nn.Module, sp: int, inputs: Mapping[str, Any]) -> None:
+    """The forward inputs the plan splits at the model's entry (e.g. Flux's text tokens and ids) must
+    divide evenly over the SP ranks; ValueError naming the input otherwise (diffusers would assert)."""
+    if sp == 1:
+        return
+    from diffusers.models._modeling_parallel import ContextParallelInput
+
+    entry = (_cp_plan_of(transformer) or {}).get("", {})
+    for name, spec in entry.items():
+        value = inputs.get(name)
+        if not (isinstance(spec, ContextParallelInput) and isinstance(value, torch.Tensor)):
+            continue
+        if value.ndim != spec.expected_dims:  # diffusers skips the split too (e.g. a 1-D timestep)
+            continue
+        length = value.shape[spec.split_dim]
+        if length % sp:
+            raise ValueError(
+                f"sequence parallel splits the input '{name}' along dim {spec.split_dim}, which has length "
+                f"{length}, not divisible by parallel.sp={sp}; make it a multiple of {sp} (for text inputs: "
+                f"model.max_text_length) or set parallel.sp to a divisor of {length}"
+            )
+
+
 def _local_device(sp_mesh: DeviceMesh) -> torch.device:
     if sp_mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())

@@ -67,7 +67,7 @@ class FlowMatchingTask:
         inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
         patch = getattr(getattr(self.transformer, "config", None), "patch_size", 1)
         tokens_per_sample = count_tokens(inputs["hidden_states"], patch)
-        self._check_sequence_split(tokens_per_sample)
+        self._check_sequence_split(tokens_per_sample, inputs)
         with self._autocast(device):
             pred = self.transformer(**inputs, return_dict=False)[0]
         per_sample = F.mse_loss(pred.float(), target.float(), reduction="none").flatten(1).mean(1)
@@ -76,10 +76,15 @@ class FlowMatchingTask:
             per_sample = per_sample * weights.to(per_sample)
         return StepOutput(per_sample.mean(), len(generators), tokens_per_sample * len(generators))
 
-    def _check_sequence_split(self, tokens: int) -> None:
-        """Ulysses SP splits the token sequence evenly; say so clearly instead of failing inside diffusers."""
-        from spindle.distributed.context_parallel import check_sequence_parallel, sequence_parallel_size
+    def _check_sequence_split(self, tokens: int, inputs: dict[str, Any]) -> None:
+        """Ulysses SP splits sequences evenly; say so clearly instead of failing inside diffusers."""
+        from spindle.distributed.context_parallel import (
+            check_sequence_parallel,
+            check_split_inputs,
+            sequence_parallel_size,
+        )
 
         sp = sequence_parallel_size(self.transformer)
         if sp > 1:
             check_sequence_parallel(self.transformer, sp, seq_len=tokens)
+            check_split_inputs(self.transformer, sp, inputs)
