@@ -11,7 +11,7 @@ pooled text, embedded guidance); SP then goes through Flux's `_cp_plan`.
 Each variant runs in its own spawned process(es), so peak memory (RSS on CPU,
 torch.cuda.max_memory_allocated on CUDA) is per variant:
   baseline     plain `WanTransformer3DModel` + AdamW (+ torch.autocast bf16 on CUDA), 1 process
-  spindle      `parallelize_transformer` (FSDP2 on the 1-rank mesh, MixedPrecisionPolicy bf16 on CUDA), 1 process
+  spindle      `parallelize_transformer` on the 1-process mesh (no sharding to do: autocast bf16 on CUDA), 1 process
   spindle_sp2  the same with parallel.sp=2 on 2 processes (both ranks get the same batch), when 2 devices exist
 Prints a table and writes JSON (--out). MFU is reported on CUDA only (bf16 dense peak of the GPU).
 """
@@ -174,14 +174,16 @@ def _worker(rank: int, world: int, variant: str, a: argparse.Namespace, out_dir:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
         times = _loop(a, model, data, optimizer, device, torch.nn.utils.clip_grad_norm_, autocast=cuda)
     else:
-        from spindle.distributed.fsdp import clip_grad_norm_, parallelize_transformer
+        from spindle.distributed.fsdp import autocast_dtype, clip_grad_norm_, parallelize_transformer
         from spindle.distributed.mesh import ParallelDims, build_mesh
 
         sp = 2 if variant == "spindle_sp2" else 1
         mesh = build_mesh(ParallelDims(sp=sp))
-        parallelize_transformer(model, mesh, mixed_precision="bf16" if cuda else "no", gradient_checkpointing=False)
+        precision = "bf16" if cuda else "no"
+        parallelize_transformer(model, mesh, mixed_precision=precision, gradient_checkpointing=False)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-        times = _loop(a, model, data, optimizer, device, clip_grad_norm_, autocast=False)
+        autocast = autocast_dtype(model, precision) is not None  # 1 process: no FSDP policy to cast
+        times = _loop(a, model, data, optimizer, device, clip_grad_norm_, autocast=autocast)
     result = dict(rank=rank, world=world, n_params=n_params, step_times=times, peak_mem_mib=_peak_memory(device))
     Path(out_dir, f"{variant}_rank{rank}.json").write_text(json.dumps(result))
     if dist.is_initialized() and world > 1:

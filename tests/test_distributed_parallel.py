@@ -252,7 +252,7 @@ def test_world_size_mismatch_message():
 
 
 def test_one_process_is_the_degenerate_mesh(tiny_root):
-    """1 process: SP is a no-op, FSDP2 still wraps (1-rank DTensors), grads equal plain PyTorch."""
+    """1 process: SP is a no-op, FSDP2 is skipped (nothing to shard), grads equal plain PyTorch."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
@@ -271,9 +271,9 @@ def test_one_process_is_the_degenerate_mesh(tiny_root):
         blocks = find_blocks(model)
         assert blocks == list(model.blocks)
         parallelize_transformer(model, mesh, mixed_precision="no", gradient_checkpointing=True)
-        assert model.gradient_checkpointing and isinstance(model, FSDPModule)
-        assert all(isinstance(b, FSDPModule) for b in blocks)
-        assert all(isinstance(p, DTensor) for p in model.parameters())
+        assert model.gradient_checkpointing and not isinstance(model, FSDPModule)
+        assert not any(isinstance(b, FSDPModule) for b in blocks)
+        assert not any(isinstance(p, DTensor) for p in model.parameters())
         # Parameter names are the diffusers ones (no wrapper prefixes): DCP and export rely on it.
         assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
         batch = make_batch()
@@ -293,10 +293,13 @@ def test_one_process_is_the_degenerate_mesh(tiny_root):
 
 
 def test_bf16_mixed_precision_policy(tiny_root):
-    """mixed_precision="bf16": fp32 sharded params and grads, bf16 compute (= the model cast to bf16)."""
+    """mixed_precision="bf16": fp32 sharded params and grads, bf16 compute (= the model cast to bf16).
+
+    The FSDP2 policy is exercised through `apply_fsdp` on the 1-rank mesh (what multi-process runs
+    use); `parallelize_transformer` on one process skips FSDP and asks for autocast instead."""
     import torch.distributed as dist
 
-    from spindle.distributed.fsdp import full_grads, parallelize_transformer
+    from spindle.distributed.fsdp import apply_fsdp, autocast_dtype, full_grads, parallelize_transformer
     from spindle.distributed.mesh import build_mesh
     from spindle.models.base import load_transformer
 
@@ -304,7 +307,10 @@ def test_bf16_mixed_precision_policy(tiny_root):
     mesh = build_mesh(ParallelDims())
     try:
         ref = load_transformer(tiny_root).to(torch.bfloat16)
-        model = parallelize_transformer(load_transformer(tiny_root), mesh, mixed_precision="bf16")
+        single = parallelize_transformer(load_transformer(tiny_root), mesh, mixed_precision="bf16")
+        assert autocast_dtype(single, "bf16") == torch.bfloat16 and autocast_dtype(single, "no") is None
+        model = apply_fsdp(load_transformer(tiny_root), mesh, mixed_precision="bf16")
+        assert autocast_dtype(model, "bf16") is None  # the FSDP policy casts
         batch = make_batch()
         ref_out, ref_loss = step(ref, {k: v.to(torch.bfloat16) if k != "target" else v for k, v in batch.items()})
         out, loss = step(model, batch)  # fp32 inputs: FSDP casts them at the root

@@ -89,7 +89,10 @@ class Trainer:
         self.optimizer = build_optimizer(self.transformer.parameters(), cfg.train)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.loader = self._build_loader()
-        self.task = FlowMatchingTask(self.condition, self.transformer, cfg.train.seed, cfg.train.loss_weighting)
+        from spindle.distributed.fsdp import autocast_dtype
+
+        self.task = FlowMatchingTask(self.condition, self.transformer, cfg.train.seed, cfg.train.loss_weighting,
+                                     autocast_dtype=autocast_dtype(self.transformer, self.precision))
         self.step = 0
 
     # ------------------------------------------------------------ set-up
