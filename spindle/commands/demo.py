@@ -83,7 +83,9 @@ def run(args: argparse.Namespace) -> int:
         f"  metrics:     {result.output_dir / 'metrics.jsonl'}\n"
         f"  checkpoints: {result.output_dir / 'checkpoints'}\n"
         f"  export:      {result.export_dir}  (diffusers.{family.pipeline_classes[0]}.from_pretrained loads it)\n"
-        f"  sample:      {sample}"
+        f"  sample:      {sample}\n"
+        "  (the tiny checkpoint's VAE and text encoders are random, so the sample shows what the DiT learned\n"
+        "   in latent space, not recognisable shapes: the falling loss is the signal)"
     )
     return 0
 
