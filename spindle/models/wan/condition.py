@@ -9,6 +9,13 @@ import torch
 from spindle.models.base import PipelineConditionModel, flow_matching_pair, sample_sigmas
 
 
+def latent_stats(vae_config: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel latent (mean, std) of a Wan VAE, shaped [1, C, 1, 1, 1]: training normalizes with
+    them, inference decoding undoes it."""
+    shape = (1, vae_config.z_dim, 1, 1, 1)
+    return torch.tensor(vae_config.latents_mean).view(shape), torch.tensor(vae_config.latents_std).view(shape)
+
+
 class WanConditionModel(PipelineConditionModel):
     # A diffusers WanPipeline without its transformer: we reuse its prompt encoding verbatim so
     # training and inference see exactly the embeddings the reference pipeline would compute.
@@ -17,8 +24,7 @@ class WanConditionModel(PipelineConditionModel):
     def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, max_text_length: int = 512):
         super().__init__(pipe, device, dtype, max_text_length)
         vae_cfg = pipe.vae.config
-        self.latents_mean = torch.tensor(vae_cfg.latents_mean).view(1, vae_cfg.z_dim, 1, 1, 1)
-        self.latents_std = torch.tensor(vae_cfg.latents_std).view(1, vae_cfg.z_dim, 1, 1, 1)
+        self.latents_mean, self.latents_std = latent_stats(vae_cfg)
         self.scale_factor_temporal = vae_cfg.scale_factor_temporal
         self.scale_factor_spatial = vae_cfg.scale_factor_spatial
 

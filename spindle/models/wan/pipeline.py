@@ -133,11 +133,11 @@ class WanInference(InferenceSpec):
         return (f // pt) * (h // ph) * (w // pw)
 
     def decode_scale_shift(self, vae: Any, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from spindle.models.wan.condition import latent_stats
+
         # exactly diffusers' arithmetic: latents / (1 / std) + mean
-        cfg = vae.config
-        mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
-        inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
-        return inv_std, mean
+        mean, std = (x.to(latents.device, latents.dtype) for x in latent_stats(vae.config))
+        return 1.0 / std, mean
 
 
 WAN_INFERENCE = WanInference()
