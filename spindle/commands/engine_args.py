@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,8 +27,11 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 def check_world_size(args: argparse.Namespace) -> tuple[int, bool]:
     """-> (world size, already under a launcher). The processes must be exactly sp x (2 with CFG parallel)."""
-    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    world = int(os.environ["WORLD_SIZE"]) if launched else args.nproc
+    from spindle.distributed.launch import launcher_world_size
+
+    launched_world = launcher_world_size()
+    launched = launched_world is not None
+    world = launched_world if launched else args.nproc
     needed = args.sp * (2 if args.cfg_parallel else 1)
     if world != needed:
         raise ValueError(

@@ -12,7 +12,6 @@ With --nproc N the job re-launches itself under torchrun (gloo on CPU, NCCL on C
 from __future__ import annotations
 
 import argparse
-import os
 
 HELP = "fine-tune a DiT (YAML config + dotted overrides)"
 
@@ -25,12 +24,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from spindle.config import load_config
-    from spindle.distributed.launch import maybe_relaunch, under_launcher
+    from spindle.distributed.launch import launcher_world_size, maybe_relaunch
     from spindle.train.trainer import check_parallel_plan
 
     cfg = load_config(args.config, args.overrides)
     # Fail on an impossible parallel layout here, once, before any process is launched.
-    world = int(os.environ.get("WORLD_SIZE", 1)) if under_launcher() else args.nproc
+    world = launcher_world_size() or args.nproc
     check_parallel_plan(cfg, world)
     code = maybe_relaunch(args.nproc, args._argv)
     if code is not None:

@@ -19,6 +19,11 @@ def under_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def launcher_world_size() -> int | None:
+    """WORLD_SIZE of a launched worker; None outside a launcher."""
+    return int(os.environ["WORLD_SIZE"]) if under_launcher() else None
+
+
 def strip_nproc(argv: list[str]) -> list[str]:
     """`argv` without `--nproc N` / `--nproc=N` (the workers must not re-launch)."""
     out: list[str] = []

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from spindle.config import ConfigError, TrainJobConfig, dump_config
 from spindle.distributed import checkpoint as ckpt
+from spindle.distributed.launch import launcher_world_size
 from spindle.distributed.mesh import Mesh, ParallelDims, build_mesh, device_type, is_main_process
 from spindle.models.base import TimestepSampling, load_transformer
 from spindle.registry import get_family, resolve_family
@@ -77,7 +78,7 @@ class Trainer:
     def __init__(self, cfg: TrainJobConfig):
         self.cfg = cfg
         self.output_dir = Path(cfg.train.output_dir)
-        check_parallel_plan(cfg, dist.get_world_size() if dist.is_initialized() else _launcher_world_size())
+        check_parallel_plan(cfg, dist.get_world_size() if dist.is_initialized() else launcher_world_size() or 1)
         self.mesh: Mesh = build_mesh(ParallelDims(**cfg.parallel.model_dump()))
         self.device = local_device()
         self.accum = grad_accum_steps(cfg, self.mesh.dims.dp_size)
@@ -214,12 +215,6 @@ class Trainer:
 
         barrier()
         return out
-
-
-def _launcher_world_size() -> int:
-    import os
-
-    return int(os.environ.get("WORLD_SIZE", 1))
 
 
 def _mean_over(mesh: Mesh, value: torch.Tensor) -> float:
