@@ -32,16 +32,33 @@ import torch
 
 PRESETS = {
     "cpu": dict(
-        transformer=dict(num_layers=8, num_attention_heads=8, attention_head_dim=32, ffn_dim=1024, in_channels=16,
-                         out_channels=16, freq_dim=64, rope_max_seq_len=256),
+        transformer=dict(
+            num_layers=8,
+            num_attention_heads=8,
+            attention_head_dim=32,
+            ffn_dim=1024,
+            in_channels=16,
+            out_channels=16,
+            freq_dim=64,
+            rope_max_seq_len=256,
+        ),
         vae=dict(base_dim=8, z_dim=16),
         text_encoder=dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4),
         request=dict(height=128, width=128, num_frames=9, num_inference_steps=8, guidance_scale=5.0),
         dtype="float32",
     ),
     "wan1.3b": dict(  # Wan2.1-T2V-1.3B transformer + VAE shapes; a thin random text encoder of width 4096
-        transformer=dict(num_layers=30, num_attention_heads=12, attention_head_dim=128, ffn_dim=8960, in_channels=16,
-                         out_channels=16, freq_dim=256, rope_max_seq_len=1024, eps=1e-6),
+        transformer=dict(
+            num_layers=30,
+            num_attention_heads=12,
+            attention_head_dim=128,
+            ffn_dim=8960,
+            in_channels=16,
+            out_channels=16,
+            freq_dim=256,
+            rope_max_seq_len=1024,
+            eps=1e-6,
+        ),
         vae=dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2),
         text_encoder=dict(d_model=4096, d_kv=64, d_ff=256, num_layers=2, num_heads=8),
         request=dict(height=480, width=832, num_frames=81, num_inference_steps=50, guidance_scale=5.0),
@@ -50,23 +67,42 @@ PRESETS = {
     # FLUX.1 (family "flux"): true CFG (true_cfg_scale + negative prompt) so the CFG modes apply too.
     "flux-cpu": dict(
         family="flux",
-        transformer=dict(num_layers=4, num_single_layers=8, num_attention_heads=8, attention_head_dim=32,
-                         axes_dims_rope=(8, 12, 12), in_channels=16),
+        transformer=dict(
+            num_layers=4,
+            num_single_layers=8,
+            num_attention_heads=8,
+            attention_head_dim=32,
+            axes_dims_rope=(8, 12, 12),
+            in_channels=16,
+        ),
         vae=dict(block_out_channels=(8, 16)),  # x2: 96x96 px -> 48x48 latents -> 576 image tokens
         text_encoder_2=dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4),
-        request=dict(height=96, width=96, num_inference_steps=6, guidance_scale=3.5, true_cfg_scale=4.0,
-                     max_sequence_length=64),
+        request=dict(
+            height=96, width=96, num_inference_steps=6, guidance_scale=3.5, true_cfg_scale=4.0, max_sequence_length=64
+        ),
         dtype="float32",
     ),
     "flux-gpu": dict(  # FLUX.1-dev block shapes (3072 wide, 24 heads x 128, VAE x8, 16 latent channels), 2+4 blocks
         family="flux",
-        transformer=dict(num_layers=2, num_single_layers=4, num_attention_heads=24, attention_head_dim=128,
-                         axes_dims_rope=(16, 56, 56), in_channels=64),
+        transformer=dict(
+            num_layers=2,
+            num_single_layers=4,
+            num_attention_heads=24,
+            attention_head_dim=128,
+            axes_dims_rope=(16, 56, 56),
+            in_channels=64,
+        ),
         vae=dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, norm_num_groups=32),
         text_encoder=dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12),
         text_encoder_2=dict(d_model=4096, d_kv=64, d_ff=256, num_layers=2, num_heads=8),
-        request=dict(height=1024, width=1024, num_inference_steps=28, guidance_scale=3.5, true_cfg_scale=4.0,
-                     max_sequence_length=512),
+        request=dict(
+            height=1024,
+            width=1024,
+            num_inference_steps=28,
+            guidance_scale=3.5,
+            true_cfg_scale=4.0,
+            max_sequence_length=512,
+        ),
         dtype="bfloat16",
         vae_dtype="bfloat16",  # FluxPipeline decodes in the latents' dtype
     ),
@@ -142,8 +178,9 @@ def worker(args: argparse.Namespace) -> None:
 
     p = PRESETS[args.preset]
     options = json.loads(args.worker_options)
-    gen = DiffusionGenerator.from_pretrained(args.root, dtype=p["dtype"], vae_dtype=p.get("vae_dtype", "float32"),
-                                             **options)
+    gen = DiffusionGenerator.from_pretrained(
+        args.root, dtype=p["dtype"], vae_dtype=p.get("vae_dtype", "float32"), **options
+    )
     req = {**p["request"], **({"num_inference_steps": args.steps} if args.steps else {})}
     run_spindle(gen, req, args.seed, steps=1)  # warm-up
     dt, res = timed(lambda: run_spindle(gen, req, args.seed), args.repeats)
@@ -156,9 +193,26 @@ def worker(args: argparse.Namespace) -> None:
 def run_multiprocess(args: argparse.Namespace, root: Path, options: dict, tag: str, out_dir: Path) -> dict:
     out = out_dir / tag
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2))}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-           "--preset", args.preset, "--root", str(root), "--seed", str(args.seed), "--repeats", str(args.repeats),
-           "--worker-options", json.dumps(options), "--worker-out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        __file__,
+        "--preset",
+        args.preset,
+        "--root",
+        str(root),
+        "--seed",
+        str(args.seed),
+        "--repeats",
+        str(args.repeats),
+        "--worker-options",
+        json.dumps(options),
+        "--worker-out",
+        str(out),
+    ]
     if args.steps:
         cmd += ["--steps", str(args.steps)]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -203,12 +257,21 @@ def main() -> None:
     rows: list[dict] = []
 
     def add(mode: str, engine: str, total: float, frames: np.ndarray, baseline: float, **extra) -> None:
-        row = {"mode": mode, "engine": engine, "total_s": round(total, 4), "baseline_s": round(baseline, 4),
-               "max_abs_diff_vs_diffusers": float(np.abs(frames - ref).max()),
-               "psnr_db_vs_diffusers_exact": float(psnr(frames, ref)), **extra}
+        row = {
+            "mode": mode,
+            "engine": engine,
+            "total_s": round(total, 4),
+            "baseline_s": round(baseline, 4),
+            "max_abs_diff_vs_diffusers": float(np.abs(frames - ref).max()),
+            "psnr_db_vs_diffusers_exact": float(psnr(frames, ref)),
+            **extra,
+        }
         rows.append(row)
-        print(f"  {mode:<13} {engine:<9} {total:8.3f}s", {k: v for k, v in row.items() if k not in ("mode", "engine", "total_s")},
-              flush=True)
+        print(
+            f"  {mode:<13} {engine:<9} {total:8.3f}s",
+            {k: v for k, v in row.items() if k not in ("mode", "engine", "total_s")},
+            flush=True,
+        )
 
     def pair(mode: str, d_pipe, s_gen, **extra) -> None:
         """Interleave diffusers and Spindle runs (ABAB...) so load changes on a shared machine hit both."""
@@ -223,8 +286,9 @@ def main() -> None:
         add(mode, "spindle", s, s_out.frames, d, stages={k: round(v, 4) for k, v in s_out.timings.items()}, **extra)
 
     def spindle_gen(options: dict):
-        gen = DiffusionGenerator.from_pretrained(root, dtype=p["dtype"], vae_dtype=p.get("vae_dtype", "float32"),
-                                                 **options)
+        gen = DiffusionGenerator.from_pretrained(
+            root, dtype=p["dtype"], vae_dtype=p.get("vae_dtype", "float32"), **options
+        )
         t = time.perf_counter()
         run_spindle(gen, req, args.seed, steps=1)  # warm-up (compilation for --compile)
         return gen, time.perf_counter() - t
@@ -263,22 +327,42 @@ def main() -> None:
                 one_proc = spindle_gen({"cfg_batch": True})[0]
             info = run_multiprocess(args, root, options, mode, tmp)
             single, _ = timed(lambda: run_spindle(one_proc, req, args.seed), args.repeats)  # right after, same load
-            add(mode, "spindle", info["total"], info["frames"], single, processes=2, baseline_kind="spindle 1 process",
-                stages={k: round(v, 4) for k, v in info["timings"].items()})
+            add(
+                mode,
+                "spindle",
+                info["total"],
+                info["frames"],
+                single,
+                processes=2,
+                baseline_kind="spindle 1 process",
+                stages={k: round(v, 4) for k, v in info["timings"].items()},
+            )
 
     print()
-    header = f"| {'mode':<13} | {'engine':<9} | {'total s':>8} | {'speed-up':>12} | {'max abs diff':>12} | {'PSNR dB':>7} |"
+    header = (
+        f"| {'mode':<13} | {'engine':<9} | {'total s':>8} | {'speed-up':>12} | {'max abs diff':>12} | {'PSNR dB':>7} |"
+    )
     print(header)
     print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
     for r in rows:
         diff = r.get("max_abs_diff_vs_diffusers")
         ps = r.get("psnr_db_vs_diffusers_exact")
-        print(f"| {r['mode']:<13} | {r['engine']:<9} | {r['total_s']:>8.3f} | {r['baseline_s'] / r['total_s']:>11.2f}x | "
-              f"{'-' if diff is None else f'{diff:.1e}':>12} | {'-' if ps is None else ('inf' if ps == float('inf') else f'{ps:.1f}'):>7} |")
-    print("speed-up: vs the diffusers run of the same mode, timed interleaved with it (sp2 / cfg_parallel: vs "
-          "Spindle in 1 process, timed right after); max abs diff / PSNR: vs diffusers' exact output")
-    result = {"preset": args.preset, "device": device, "threads": torch.get_num_threads(), "request": req,
-              "torch": torch.__version__, "rows": rows}
+        print(
+            f"| {r['mode']:<13} | {r['engine']:<9} | {r['total_s']:>8.3f} | {r['baseline_s'] / r['total_s']:>11.2f}x | "
+            f"{'-' if diff is None else f'{diff:.1e}':>12} | {'-' if ps is None else ('inf' if ps == float('inf') else f'{ps:.1f}'):>7} |"
+        )
+    print(
+        "speed-up: vs the diffusers run of the same mode, timed interleaved with it (sp2 / cfg_parallel: vs "
+        "Spindle in 1 process, timed right after); max abs diff / PSNR: vs diffusers' exact output"
+    )
+    result = {
+        "preset": args.preset,
+        "device": device,
+        "threads": torch.get_num_threads(),
+        "request": req,
+        "torch": torch.__version__,
+        "rows": rows,
+    }
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2, default=str))
         print(f"\nwrote {args.json}")

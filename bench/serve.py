@@ -36,9 +36,23 @@ def free_port() -> int:
 
 
 def start_server(model: Path, port: int, args: argparse.Namespace, log_path: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "spindle", "serve", "--model", str(model), "--port", str(port),
-           "--max-queue", str(args.max_queue or max(16, 2 * args.clients)), "--warmup-size", args.size,
-           "--log-level", "warning", *args.server_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "spindle",
+        "serve",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--max-queue",
+        str(args.max_queue or max(16, 2 * args.clients)),
+        "--warmup-size",
+        args.size,
+        "--log-level",
+        "warning",
+        *args.server_args,
+    ]
     if args.device:
         cmd += ["--device", args.device]
     return subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
@@ -81,8 +95,12 @@ class Bench:
 
     def body(self, i: int) -> dict:
         a = self.args
-        body = {"prompt": f"benchmark request {i}: a lighthouse in a storm", "size": a.size,
-                "num_inference_steps": a.steps, "seed": i}
+        body = {
+            "prompt": f"benchmark request {i}: a lighthouse in a storm",
+            "size": a.size,
+            "num_inference_steps": a.steps,
+            "seed": i,
+        }
         if a.guidance is not None:
             body["guidance_scale"] = a.guidance
         if self.media == "video":
@@ -156,8 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-queue", type=int, default=None, help="server --max-queue (default max(16, 2 x clients))")
     p.add_argument("--device", default=None, help="server --device")
     p.add_argument("--poll", type=float, default=0.02, help="status poll interval (s)")
-    p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
-                   help="extra `spindle serve` options (last on the line), e.g. --server-args --nproc 2 --cfg-parallel")
+    p.add_argument(
+        "--server-args",
+        nargs=argparse.REMAINDER,
+        default=[],
+        help="extra `spindle serve` options (last on the line), e.g. --server-args --nproc 2 --cfg-parallel",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     if args.clients < 1 or args.requests < 1:
@@ -194,28 +216,50 @@ def main(argv: list[str] | None = None) -> int:
     lat = np.array(bench.latencies) if bench.latencies else np.array([float("nan")])
     stages = sorted({k for t in bench.server_timings for k in t})
     result = {
-        "model": str(model) if model else None, "url": args.url, "media": health["media"],
-        "clients": args.clients, "requests_sent": bench.sent, "completed": len(bench.latencies),
-        "failed": len(bench.failed), "rejected_429": bench.rejected, "wall_s": wall,
+        "model": str(model) if model else None,
+        "url": args.url,
+        "media": health["media"],
+        "clients": args.clients,
+        "requests_sent": bench.sent,
+        "completed": len(bench.latencies),
+        "failed": len(bench.failed),
+        "rejected_429": bench.rejected,
+        "wall_s": wall,
         "requests_per_s": len(bench.latencies) / wall if wall > 0 else 0.0,
-        "latency_p50_s": float(np.percentile(lat, 50)), "latency_p95_s": float(np.percentile(lat, 95)),
-        "latency_mean_s": float(lat.mean()), "latency_max_s": float(lat.max()), "startup_s": startup,
+        "latency_p50_s": float(np.percentile(lat, 50)),
+        "latency_p95_s": float(np.percentile(lat, 95)),
+        "latency_mean_s": float(lat.mean()),
+        "latency_max_s": float(lat.max()),
+        "startup_s": startup,
         "server_stage_mean_s": {k: float(np.mean([t.get(k, 0.0) for t in bench.server_timings])) for k in stages},
-        "request": {"size": args.size, "num_frames": args.num_frames if health["media"] == "video" else None,
-                    "steps": args.steps, "guidance": args.guidance},
-        "server_args": args.server_args, "host": platform.node(), "cpus": os.cpu_count(),
+        "request": {
+            "size": args.size,
+            "num_frames": args.num_frames if health["media"] == "video" else None,
+            "steps": args.steps,
+            "guidance": args.guidance,
+        },
+        "server_args": args.server_args,
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
         "failures": bench.failed[:10],
     }
-    print(f"spindle serve on loopback: {result['media']} {args.size}"
-          f"{' x ' + str(args.num_frames) + ' frames' if result['media'] == 'video' else ''}, {args.steps} steps, "
-          f"{args.clients} clients, {bench.sent} requests (limit {args.requests} / {args.time_limit:g} s)")
+    print(
+        f"spindle serve on loopback: {result['media']} {args.size}"
+        f"{' x ' + str(args.num_frames) + ' frames' if result['media'] == 'video' else ''}, {args.steps} steps, "
+        f"{args.clients} clients, {bench.sent} requests (limit {args.requests} / {args.time_limit:g} s)"
+    )
     print("| clients | completed | failed | 429 | wall s | req/s | p50 s | p95 s | mean s |")
     print("|---|---|---|---|---|---|---|---|---|")
-    print(f"| {args.clients} | {result['completed']} | {result['failed']} | {result['rejected_429']} | {wall:.2f} | "
-          f"{result['requests_per_s']:.2f} | {result['latency_p50_s']:.3f} | {result['latency_p95_s']:.3f} | "
-          f"{result['latency_mean_s']:.3f} |")
+    print(
+        f"| {args.clients} | {result['completed']} | {result['failed']} | {result['rejected_429']} | {wall:.2f} | "
+        f"{result['requests_per_s']:.2f} | {result['latency_p50_s']:.3f} | {result['latency_p95_s']:.3f} | "
+        f"{result['latency_mean_s']:.3f} |"
+    )
     if stages:
-        print("server time per job (mean): " + ", ".join(f"{k} {v:.3f}s" for k, v in result["server_stage_mean_s"].items()))
+        print(
+            "server time per job (mean): "
+            + ", ".join(f"{k} {v:.3f}s" for k, v in result["server_stage_mean_s"].items())
+        )
     if bench.failed:
         print("failures: " + "; ".join(bench.failed[:5]), file=sys.stderr)
     if args.json:

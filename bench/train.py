@@ -44,18 +44,34 @@ def model_config(a: argparse.Namespace) -> dict:
 
 def wan_config(a: argparse.Namespace) -> dict:
     return dict(
-        patch_size=(1, 2, 2), num_attention_heads=a.heads, attention_head_dim=a.head_dim, in_channels=16,
-        out_channels=16, text_dim=a.text_dim, freq_dim=256, ffn_dim=a.ffn_dim, num_layers=a.layers,
-        cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=1024,
+        patch_size=(1, 2, 2),
+        num_attention_heads=a.heads,
+        attention_head_dim=a.head_dim,
+        in_channels=16,
+        out_channels=16,
+        text_dim=a.text_dim,
+        freq_dim=256,
+        ffn_dim=a.ffn_dim,
+        num_layers=a.layers,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=1024,
     )
 
 
 def flux_config(a: argparse.Namespace) -> dict:
     side = (a.head_dim * 3 // 8) // 2 * 2  # rope axes (t, h, w) summing to the head dim, as Flux's (16, 56, 56)
     return dict(
-        patch_size=1, in_channels=64, num_layers=max(1, a.layers // 2), num_single_layers=a.layers,
-        attention_head_dim=a.head_dim, num_attention_heads=a.heads, joint_attention_dim=a.text_dim,
-        pooled_projection_dim=a.text_dim, guidance_embeds=True, axes_dims_rope=(a.head_dim - 2 * side, side, side),
+        patch_size=1,
+        in_channels=64,
+        num_layers=max(1, a.layers // 2),
+        num_single_layers=a.layers,
+        attention_head_dim=a.head_dim,
+        num_attention_heads=a.heads,
+        joint_attention_dim=a.text_dim,
+        pooled_projection_dim=a.text_dim,
+        guidance_embeds=True,
+        axes_dims_rope=(a.head_dim - 2 * side, side, side),
     )
 
 
@@ -104,10 +120,12 @@ def wan_data(a: argparse.Namespace) -> dict:
 
 # family -> (transformer class, its config, in-memory batch: the transformer's forward kwargs + "target")
 FAMILIES = {
-    "wan": dict(cls="WanTransformer3DModel", config=wan_config, data=wan_data, frames=lambda a: a.frames,
-                out="train.json"),
-    "flux": dict(cls="FluxTransformer2DModel", config=flux_config, data=flux_data, frames=lambda a: 1,
-                 out="train-flux.json"),
+    "wan": dict(
+        cls="WanTransformer3DModel", config=wan_config, data=wan_data, frames=lambda a: a.frames, out="train.json"
+    ),
+    "flux": dict(
+        cls="FluxTransformer2DModel", config=flux_config, data=flux_data, frames=lambda a: 1, out="train-flux.json"
+    ),
 }
 
 
@@ -200,9 +218,15 @@ def run_variant(variant: str, world: int, a: argparse.Namespace) -> dict:
     step_times = [max(ts) for ts in zip(*(r["step_times"] for r in ranks))]
     mean = sum(step_times) / len(step_times)
     return dict(
-        variant=variant, processes=world, threads_per_process=threads, n_params=ranks[0]["n_params"],
-        step_s=mean, samples_per_s=a.batch / mean, tokens_per_s=a.batch * tokens_per_sample(a) / mean,
-        peak_mem_mib=max(r["peak_mem_mib"] for r in ranks), step_times=step_times,
+        variant=variant,
+        processes=world,
+        threads_per_process=threads,
+        n_params=ranks[0]["n_params"],
+        step_s=mean,
+        samples_per_s=a.batch / mean,
+        tokens_per_s=a.batch * tokens_per_sample(a) / mean,
+        peak_mem_mib=max(r["peak_mem_mib"] for r in ranks),
+        step_times=step_times,
     )
 
 
@@ -243,22 +267,34 @@ def main(argv: list[str] | None = None) -> int:
         # MFU per device: an SP group shares one batch over `processes` devices.
         r["mfu"] = (flops / r["step_s"] / r["processes"] / peak) if peak else None
     report = dict(
-        family=a.family, device=device_name, torch=torch.__version__, precision="bf16" if cuda else "fp32",
-        model=dict(model_config(a), n_params=n_params), batch=a.batch, tokens_per_sample=tokens_per_sample(a),
-        steps=a.steps, warmup=a.warmup, flops_per_step=flops, results=results,
+        family=a.family,
+        device=device_name,
+        torch=torch.__version__,
+        precision="bf16" if cuda else "fp32",
+        model=dict(model_config(a), n_params=n_params),
+        batch=a.batch,
+        tokens_per_sample=tokens_per_sample(a),
+        steps=a.steps,
+        warmup=a.warmup,
+        flops_per_step=flops,
+        results=results,
     )
     if len(results) > 2:
         report["sp2_speedup_vs_spindle_1proc"] = results[0 + 2]["tokens_per_s"] / results[1]["tokens_per_s"]
 
-    print(f"{device_name} | {n_params / 1e6:.1f}M params | {a.batch} x {tokens_per_sample(a)} tokens | "
-          f"{report['precision']} | {a.steps} steps after {a.warmup} warm-up")
+    print(
+        f"{device_name} | {n_params / 1e6:.1f}M params | {a.batch} x {tokens_per_sample(a)} tokens | "
+        f"{report['precision']} | {a.steps} steps after {a.warmup} warm-up"
+    )
     head = f"{'variant':<13}{'procs':>6}{'step s':>9}{'samples/s':>11}{'tokens/s':>10}{'vs base':>9}{'peak MiB':>10}{'MFU':>7}"
     print(head)
     print("-" * len(head))
     for r in results:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
-        print(f"{r['variant']:<13}{r['processes']:>6}{r['step_s']:>9.3f}{r['samples_per_s']:>11.3f}"
-              f"{r['tokens_per_s']:>10.0f}{r['tokens_per_s_vs_baseline']:>9.2f}{r['peak_mem_mib']:>10.0f}{mfu:>7}")
+        print(
+            f"{r['variant']:<13}{r['processes']:>6}{r['step_s']:>9.3f}{r['samples_per_s']:>11.3f}"
+            f"{r['tokens_per_s']:>10.0f}{r['tokens_per_s_vs_baseline']:>9.2f}{r['peak_mem_mib']:>10.0f}{mfu:>7}"
+        )
     out = Path(a.out or ROOT / "bench" / "results" / FAMILIES[a.family]["out"])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))

@@ -28,8 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_path in COMMANDS.items():
         module = importlib.import_module(module_path)
-        p = sub.add_parser(name, help=module.HELP, description=module.__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = sub.add_parser(
+            name, help=module.HELP, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
         module.add_arguments(p)
         p.set_defaults(_module=module)
     return parser

@@ -59,9 +59,7 @@ class TrainConfig(Section):
     grad_clip: float = Field(1.0, ge=0, description="max grad norm; 0 disables clipping")
     seed: int = 0
     gradient_checkpointing: bool = False
-    mixed_precision: Literal["auto", "no", "bf16"] = Field(
-        "auto", description="auto: bf16 on CUDA, fp32 on CPU"
-    )
+    mixed_precision: Literal["auto", "no", "bf16"] = Field("auto", description="auto: bf16 on CUDA, fp32 on CPU")
     loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = "none"
     timestep: TimestepConfig = TimestepConfig()
     log_every: int = Field(1, ge=1)
@@ -88,7 +86,7 @@ class TrainJobConfig(Section):
     parallel: ParallelConfig = ParallelConfig()
 
     @model_validator(mode="after")
-    def _batch_sizes(self) -> "TrainJobConfig":
+    def _batch_sizes(self) -> TrainJobConfig:
         if self.train.global_batch_size % self.train.micro_batch_size:
             raise ValueError(
                 f"train.global_batch_size ({self.train.global_batch_size}) must be a multiple of "

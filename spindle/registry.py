@@ -29,13 +29,13 @@ def family_names() -> list[str]:
     return sorted(BUILTIN_FAMILIES)
 
 
-def get_family(name: str) -> "DiTFamily":
+def get_family(name: str) -> DiTFamily:
     if name not in BUILTIN_FAMILIES:
         raise UnknownModelError(f"unknown model family {name!r}; known families: {', '.join(family_names())}")
     return importlib.import_module(BUILTIN_FAMILIES[name]).FAMILY
 
 
-def all_families() -> list["DiTFamily"]:
+def all_families() -> list[DiTFamily]:
     return [get_family(n) for n in family_names()]
 
 
@@ -46,7 +46,7 @@ def _read_json(path: Path) -> dict:
         raise UnknownModelError(f"{path} is not valid JSON: {e}") from e
 
 
-def resolve_family(root: str | Path) -> "DiTFamily":
+def resolve_family(root: str | Path) -> DiTFamily:
     """Find the family serving a diffusers pipeline folder.
 
     Order: pipeline `_class_name` in model_index.json, then the transformer's `_class_name`, then each

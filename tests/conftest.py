@@ -31,9 +31,16 @@ def shapes_videos(tmp_path_factory) -> Path:
 def train_overrides(model: Path, data: Path, output_dir: Path, **train) -> list[str]:
     """Dotted overrides for a short CPU training run on the tiny model."""
     values = {
-        "model.path": model, "model.max_text_length": 16, "data.path": data,
-        "data.resolution": list(TINY_SIZE), "data.num_frames": TINY_FRAMES, "train.output_dir": output_dir,
-        "train.max_steps": 6, "train.global_batch_size": 4, "train.micro_batch_size": 2, "train.lr": 1e-3,
+        "model.path": model,
+        "model.max_text_length": 16,
+        "data.path": data,
+        "data.resolution": list(TINY_SIZE),
+        "data.num_frames": TINY_FRAMES,
+        "train.output_dir": output_dir,
+        "train.max_steps": 6,
+        "train.global_batch_size": 4,
+        "train.micro_batch_size": 2,
+        "train.lr": 1e-3,
         "checkpoint.resume": "none",
     }
     values.update({k.replace("__", "."): v for k, v in train.items()})

@@ -10,22 +10,31 @@ import pytest
 
 from spindle.distributed.launch import maybe_relaunch, strip_nproc, torchrun_command
 
-PROBE = '''
+PROBE = """
 import json, os, sys
 from pathlib import Path
 out = Path(sys.argv[sys.argv.index("--out") + 1])
 rank = os.environ["RANK"]
 (out / f"rank{rank}.json").write_text(json.dumps({"world": os.environ["WORLD_SIZE"], "argv": sys.argv[1:]}))
 sys.exit(int(sys.argv[sys.argv.index("--exit") + 1]) if "--exit" in sys.argv and rank == "1" else 0)
-'''
+"""
 
 
 def test_strip_nproc():
     assert strip_nproc(["train", "c.yaml", "--nproc", "4", "--x", "1"]) == ["train", "c.yaml", "--x", "1"]
     assert strip_nproc(["train", "--nproc=4", "c.yaml"]) == ["train", "c.yaml"]
     cmd = torchrun_command(2, ["train", "c.yaml", "--nproc", "2"])
-    assert cmd[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "spindle",
-                       "train", "c.yaml"]
+    assert cmd[1:] == [
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "spindle",
+        "train",
+        "c.yaml",
+    ]
 
 
 def test_no_relaunch_for_one_process_or_inside_torchrun(monkeypatch):
@@ -56,8 +65,20 @@ def test_relaunch_runs_n_workers_and_returns_exit_code(tmp_path, monkeypatch):
 
 def test_python_m_spindle_runs_under_torchrun():
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "spindle",
-         "--help"], capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "spindle",
+            "--help",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("usage: spindle") == 2  # both workers ran the CLI

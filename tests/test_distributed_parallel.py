@@ -43,8 +43,10 @@ def make_batch() -> dict[str, torch.Tensor]:
 def step(model, batch):
     """Forward + MSE loss (+ backward when grad is enabled) -> (output, loss)."""
     out = model(
-        hidden_states=batch["hidden_states"], timestep=batch["timestep"],
-        encoder_hidden_states=batch["encoder_hidden_states"], return_dict=False,
+        hidden_states=batch["hidden_states"],
+        timestep=batch["timestep"],
+        encoder_hidden_states=batch["encoder_hidden_states"],
+        return_dict=False,
     )[0]
     loss = torch.nn.functional.mse_loss(out.float(), batch["target"])
     if torch.is_grad_enabled():
@@ -54,16 +56,16 @@ def step(model, batch):
 
 def _worker(rank: int, world: int, root: str, out_dir: str, cases: dict) -> None:
     import torch.distributed as dist
+
+    # The rough edges the workarounds in spindle/distributed/ exist for, asserted on the real
+    # stack so that a fixed diffusers/torch shows up here (and the workaround can go).
+    from diffusers.models._modeling_parallel import ContextParallelConfig
     from torch.distributed.tensor import DTensor
 
     from spindle.distributed.context_parallel import sequence_parallel_size
     from spindle.distributed.fsdp import clip_grad_norm_, full_grads, parallelize_transformer
     from spindle.distributed.mesh import build_mesh
     from spindle.models.base import load_transformer
-
-    # The rough edges the workarounds in spindle/distributed/ exist for, asserted on the real
-    # stack so that a fixed diffusers/torch shows up here (and the workaround can go).
-    from diffusers.models._modeling_parallel import ContextParallelConfig
 
     edges = {}
     try:
@@ -105,8 +107,15 @@ def _worker(rank: int, world: int, root: str, out_dir: str, cases: dict) -> None
         outs = [None] * world
         dist.all_gather_object(outs, out)
         results[name] = dict(
-            loss=losses[0].item(), loss_after=losses[1].item(), grads=grads, norm=norm, norms=norms, params=params,
-            outs=outs, dp_ranks=[None] * world, sp=sequence_parallel_size(model),
+            loss=losses[0].item(),
+            loss_after=losses[1].item(),
+            grads=grads,
+            norm=norm,
+            norms=norms,
+            params=params,
+            outs=outs,
+            dp_ranks=[None] * world,
+            sp=sequence_parallel_size(model),
             dtensor=all(isinstance(p, DTensor) for p in model.parameters()),
         )
         dp_ranks = [None] * world
@@ -153,13 +162,13 @@ def assert_matches_reference(res, ref, *, check_out):
     assert res["dtensor"], "FSDP2 must turn every parameter into a DTensor"
     assert math.isclose(res["loss"], ref["loss"], rel_tol=1e-5), (res["loss"], ref["loss"])
     assert set(res["grads"]) == set(ref["grads"])
-    worst = max(((rel(res["grads"][n], ref["grads"][n]), n) for n in ref["grads"]))
+    worst = max((rel(res["grads"][n], ref["grads"][n]), n) for n in ref["grads"])
     assert worst[0] < 1e-5, f"grad of {worst[1]} differs by {worst[0]:.2e} (relative)"
     # The grad norm is a float, identical on every rank, equal to the single-process norm.
     assert res["norms"][0] == res["norms"][1] == res["norm"]
     assert math.isclose(res["norm"], ref["norm"], rel_tol=1e-5), (res["norm"], ref["norm"])
     # After a clipped SGD step, parameters and the next loss still match.
-    worst = max(((rel(res["params"][n], ref["params"][n]), n) for n in ref["params"]))
+    worst = max((rel(res["params"][n], ref["params"][n]), n) for n in ref["params"])
     assert worst[0] < 1e-5, f"param {worst[1]} after the step differs by {worst[0]:.2e}"
     assert math.isclose(res["loss_after"], ref["loss_after"], rel_tol=1e-5)
     assert ref["loss_after"] < ref["loss"]
@@ -284,7 +293,9 @@ def test_one_process_is_the_degenerate_mesh(tiny_root):
             assert rel(grads[n], p.grad) < 1e-6, n
         norm = clip_grad_norm_(model.parameters(), None)
         assert isinstance(norm, float)
-        assert math.isclose(norm, torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]).item(), rel_tol=1e-6)
+        assert math.isclose(
+            norm, torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]).item(), rel_tol=1e-6
+        )
         with pytest.raises(ValueError, match="mixed_precision must be one of"):
             parallelize_transformer(load_transformer(tiny_root), mesh, mixed_precision="fp8")
     finally:

@@ -27,9 +27,16 @@ def other(tmp_path_factory):
     """FLUX.1-schnell style (no guidance embedding), VAE x8 as the real one, 2+2 blocks, 4 heads x 8,
     wider encoders."""
     return build_tiny_flux(
-        tmp_path_factory.mktemp("flux_other"), seed=3,
-        transformer={"guidance_embeds": False, "num_layers": 2, "num_single_layers": 2, "num_attention_heads": 4,
-                     "attention_head_dim": 8, "axes_dims_rope": (2, 2, 4)},
+        tmp_path_factory.mktemp("flux_other"),
+        seed=3,
+        transformer={
+            "guidance_embeds": False,
+            "num_layers": 2,
+            "num_single_layers": 2,
+            "num_attention_heads": 4,
+            "attention_head_dim": 8,
+            "axes_dims_rope": (2, 2, 4),
+        },
         vae={"block_out_channels": (8, 8, 16, 16)},
         text_encoder={"hidden_size": 24, "num_attention_heads": 2},
         text_encoder_2={"d_model": 40, "num_heads": 5},
@@ -62,8 +69,15 @@ def test_stock_flux_pipeline_runs_tiny_checkpoint(tiny):
     assert isinstance(pipe.transformer, FluxTransformer2DModel)
     assert isinstance(pipe.vae, AutoencoderKL) and isinstance(pipe.text_encoder, CLIPTextModel)
     assert isinstance(pipe.text_encoder_2, T5EncoderModel)
-    images = pipe("a red circle on the left", height=32, width=48, num_inference_steps=2, max_sequence_length=16,
-                  output_type="np", generator=torch.Generator().manual_seed(0)).images
+    images = pipe(
+        "a red circle on the left",
+        height=32,
+        width=48,
+        num_inference_steps=2,
+        max_sequence_length=16,
+        output_type="np",
+        generator=torch.Generator().manual_seed(0),
+    ).images
     assert images.shape == (1, 32, 48, 3)
     assert np.isfinite(images).all() and images.std() > 0.01
 
@@ -99,8 +113,11 @@ def test_clip_tokenizer_has_bos_and_eos_for_pooling(tiny):
 
 
 def test_cli_tiny_model_flux(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "spindle", "tiny-model", "flux", str(tmp_path / "m"), "--seed", "1"],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "spindle", "tiny-model", "flux", str(tmp_path / "m"), "--seed", "1"],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     from spindle.registry import resolve_family
 
@@ -110,16 +127,58 @@ def test_cli_tiny_model_flux(tmp_path):
 # ------------------------------------------------------------------ parity with FluxPipeline
 
 CASES = {
-    "tiny_guidance": ("tiny", dict(prompt="a red fox in the snow", height=32, width=48, num_inference_steps=3,
-                                   guidance_scale=4.0, max_sequence_length=16, seed=0)),
-    "tiny_true_cfg": ("tiny", dict(prompt="a red fox in the snow", negative_prompt="blurry", height=32, width=32,
-                                   num_inference_steps=2, guidance_scale=3.5, max_sequence_length=16, seed=7,
-                                   extra={"true_cfg_scale": 4.0})),
-    "other_schnell": ("other", dict(prompt="waves at dusk", height=48, width=32, num_inference_steps=2,
-                                    guidance_scale=0.0, max_sequence_length=24, seed=123)),
-    "other_true_cfg": ("other", dict(prompt="waves at dusk", negative_prompt="low quality", height=32, width=64,
-                                     num_inference_steps=3, guidance_scale=0.0, max_sequence_length=8, seed=5,
-                                     extra={"true_cfg_scale": 2.5})),
+    "tiny_guidance": (
+        "tiny",
+        dict(
+            prompt="a red fox in the snow",
+            height=32,
+            width=48,
+            num_inference_steps=3,
+            guidance_scale=4.0,
+            max_sequence_length=16,
+            seed=0,
+        ),
+    ),
+    "tiny_true_cfg": (
+        "tiny",
+        dict(
+            prompt="a red fox in the snow",
+            negative_prompt="blurry",
+            height=32,
+            width=32,
+            num_inference_steps=2,
+            guidance_scale=3.5,
+            max_sequence_length=16,
+            seed=7,
+            extra={"true_cfg_scale": 4.0},
+        ),
+    ),
+    "other_schnell": (
+        "other",
+        dict(
+            prompt="waves at dusk",
+            height=48,
+            width=32,
+            num_inference_steps=2,
+            guidance_scale=0.0,
+            max_sequence_length=24,
+            seed=123,
+        ),
+    ),
+    "other_true_cfg": (
+        "other",
+        dict(
+            prompt="waves at dusk",
+            negative_prompt="low quality",
+            height=32,
+            width=64,
+            num_inference_steps=3,
+            guidance_scale=0.0,
+            max_sequence_length=8,
+            seed=5,
+            extra={"true_cfg_scale": 2.5},
+        ),
+    ),
 }
 
 
@@ -146,15 +205,27 @@ def test_true_cfg_batched_is_one_forward_of_two(tiny):
     from spindle.infer import SamplingParams
 
     gen = DiffusionGenerator.from_pretrained(tiny)
-    req = gen.pipeline.stages[0](gen.make_request(SamplingParams(
-        prompt="a boat", negative_prompt="ugly", height=32, width=32, num_inference_steps=2, seed=1,
-        max_sequence_length=16, extra={"true_cfg_scale": 3.0})))
+    req = gen.pipeline.stages[0](
+        gen.make_request(
+            SamplingParams(
+                prompt="a boat",
+                negative_prompt="ugly",
+                height=32,
+                width=32,
+                num_inference_steps=2,
+                seed=1,
+                max_sequence_length=16,
+                extra={"true_cfg_scale": 3.0},
+            )
+        )
+    )
     assert req.do_cfg and req.guidance_scale == 3.0
     assert torch.equal(req.extra["guidance"], torch.full((1,), 3.5))  # embedded guidance: the default 3.5
     stage = gen.pipeline.denoising
     calls = []
-    hook = gen.transformer.register_forward_pre_hook(lambda m, a, k: calls.append(k["hidden_states"].shape[0]),
-                                                     with_kwargs=True)
+    hook = gen.transformer.register_forward_pre_hook(
+        lambda m, a, k: calls.append(k["hidden_states"].shape[0]), with_kwargs=True
+    )
     try:
         t = req.timesteps[0]
         with torch.no_grad():
@@ -171,12 +242,19 @@ def test_true_cfg_batched_is_one_forward_of_two(tiny):
 def test_batch_of_prompts_and_outputs_per_prompt(tiny):
     from spindle import DiffusionGenerator
 
-    kw = dict(prompt=["a cat", "a dog"], negative_prompt=["dark", "noisy"], height=32, width=32,
-              num_inference_steps=2, guidance_scale=2.0, max_sequence_length=16)
-    ref = flux_pipe(tiny)(**kw, true_cfg_scale=2.0, num_images_per_prompt=2,
-                          generator=torch.Generator().manual_seed(11), output_type="np").images
-    out = DiffusionGenerator.from_pretrained(tiny).generate(**kw, true_cfg_scale=2.0, num_outputs_per_prompt=2,
-                                                            seed=11)
+    kw = dict(
+        prompt=["a cat", "a dog"],
+        negative_prompt=["dark", "noisy"],
+        height=32,
+        width=32,
+        num_inference_steps=2,
+        guidance_scale=2.0,
+        max_sequence_length=16,
+    )
+    ref = flux_pipe(tiny)(
+        **kw, true_cfg_scale=2.0, num_images_per_prompt=2, generator=torch.Generator().manual_seed(11), output_type="np"
+    ).images
+    out = DiffusionGenerator.from_pretrained(tiny).generate(**kw, true_cfg_scale=2.0, num_outputs_per_prompt=2, seed=11)
     assert out.frames.shape == ref.shape == (4, 32, 32, 3)
     np.testing.assert_allclose(out.frames, ref, atol=TOL, rtol=0)
 
@@ -186,21 +264,33 @@ def test_defaults_are_flux_pipeline_defaults(tiny):
 
     d = DiffusionGenerator.from_pretrained(tiny).defaults
     # FluxPipeline: default_sample_size 128 x VAE factor (2 here), 28 steps, guidance 3.5, 512 T5 tokens
-    assert (d.height, d.width, d.num_inference_steps, d.guidance_scale, d.max_sequence_length) == (256, 256, 28, 3.5, 512)
+    assert (d.height, d.width, d.num_inference_steps, d.guidance_scale, d.max_sequence_length) == (
+        256,
+        256,
+        28,
+        3.5,
+        512,
+    )
     assert d.num_frames is None and d.extra == {"true_cfg_scale": 1.0}
 
 
 # ------------------------------------------------------------------ bad requests
 
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(height=40), r"height must be a positive multiple of 16 for this model \(VAE x8 x 2x2 packing\) \(got 40\); try 32 or 48"),
-    (dict(width=8), r"width must be a positive multiple of 16 .*\(got 8\); try 16"),
-    (dict(num_frames=5), r"num_frames must be left unset \(or 1\): Flux generates images"),
-    (dict(max_sequence_length=513), r"max_sequence_length must be an integer between 1 and 512; got 513"),
-    (dict(true_cfg_scale=3.0), r"true_cfg_scale=3.0 needs a negative_prompt"),
-    (dict(strength=0.5), r"unknown Flux option\(s\) \['strength'\]; known: \['true_cfg_scale'\]"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (
+            dict(height=40),
+            r"height must be a positive multiple of 16 for this model \(VAE x8 x 2x2 packing\) \(got 40\); try 32 or 48",
+        ),
+        (dict(width=8), r"width must be a positive multiple of 16 .*\(got 8\); try 16"),
+        (dict(num_frames=5), r"num_frames must be left unset \(or 1\): Flux generates images"),
+        (dict(max_sequence_length=513), r"max_sequence_length must be an integer between 1 and 512; got 513"),
+        (dict(true_cfg_scale=3.0), r"true_cfg_scale=3.0 needs a negative_prompt"),
+        (dict(strength=0.5), r"unknown Flux option\(s\) \['strength'\]; known: \['true_cfg_scale'\]"),
+    ],
+)
 def test_bad_requests_are_clear_errors(other, kw, message):
     from spindle import DiffusionGenerator
     from spindle.infer import RequestError
@@ -215,23 +305,68 @@ def test_generate_cli_writes_png(tiny, tmp_path):
     from PIL import Image
 
     out = tmp_path / "cat.png"
-    r = subprocess.run([sys.executable, "-m", "spindle", "generate", "--model", str(tiny), "--prompt", "a cat",
-                        "--height", "32", "--width", "48", "--steps", "2", "--guidance", "3.5", "--seed", "4",
-                        "--out", str(out)], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spindle",
+            "generate",
+            "--model",
+            str(tiny),
+            "--prompt",
+            "a cat",
+            "--height",
+            "32",
+            "--width",
+            "48",
+            "--steps",
+            "2",
+            "--guidance",
+            "3.5",
+            "--seed",
+            "4",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     assert "family flux" in r.stdout
     image = np.asarray(Image.open(out))
     assert image.shape == (32, 48, 3) and image.dtype == np.uint8 and image.std() > 1
     from spindle import DiffusionGenerator
 
-    frames = DiffusionGenerator.from_pretrained(tiny).generate(
-        prompt="a cat", height=32, width=48, num_inference_steps=2, guidance_scale=3.5, seed=4).frames
+    frames = (
+        DiffusionGenerator.from_pretrained(tiny)
+        .generate(prompt="a cat", height=32, width=48, num_inference_steps=2, guidance_scale=3.5, seed=4)
+        .frames
+    )
     assert np.abs(image.astype(np.float32) - frames[0] * 255).max() <= 1.0  # the png holds the generated image
 
 
 def test_generate_cli_bad_size_is_one_line(tiny, tmp_path):
-    r = subprocess.run([sys.executable, "-m", "spindle", "generate", "--model", str(tiny), "--prompt", "x",
-                        "--height", "30", "--width", "32", "--steps", "1", "--out", str(tmp_path / "o.png")],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spindle",
+            "generate",
+            "--model",
+            str(tiny),
+            "--prompt",
+            "x",
+            "--height",
+            "30",
+            "--width",
+            "32",
+            "--steps",
+            "1",
+            "--out",
+            str(tmp_path / "o.png"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2
     assert "height must be a positive multiple of 4" in r.stderr and "Traceback" not in r.stderr

@@ -14,15 +14,25 @@ import pytest
 from spindle.testing.tiny import build_tiny_flux
 
 # true CFG (negative prompt + true_cfg_scale) so the CFG modes have two branches to split
-KW = dict(prompt="a windmill at sunset", negative_prompt="blurry", height=32, width=48, num_inference_steps=3,
-          guidance_scale=3.5, max_sequence_length=16, seed=21, true_cfg_scale=3.0)
+KW = dict(
+    prompt="a windmill at sunset",
+    negative_prompt="blurry",
+    height=32,
+    width=48,
+    num_inference_steps=3,
+    guidance_scale=3.5,
+    max_sequence_length=16,
+    seed=21,
+    true_cfg_scale=3.0,
+)
 
 
 @pytest.fixture(scope="module")
 def deep(tmp_path_factory):
     """2 double-stream + 2 single-stream blocks, so that skipped blocks show clearly."""
-    return build_tiny_flux(tmp_path_factory.mktemp("flux_deep"), seed=1,
-                           transformer={"num_layers": 2, "num_single_layers": 2})
+    return build_tiny_flux(
+        tmp_path_factory.mktemp("flux_deep"), seed=1, transformer={"num_layers": 2, "num_single_layers": 2}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +84,10 @@ def test_compile_matches_eager(deep, exact):
 
     gen = DiffusionGenerator.from_pretrained(deep, compile=True)
     t = gen.transformer
-    assert all(getattr(b, "_compiled_call_impl", None) is not None
-               for b in [*t.transformer_blocks, *t.single_transformer_blocks])
+    assert all(
+        getattr(b, "_compiled_call_impl", None) is not None
+        for b in [*t.transformer_blocks, *t.single_transformer_blocks]
+    )
     np.testing.assert_allclose(gen.generate(**KW).frames, exact, atol=1e-4, rtol=0)
 
 
@@ -97,8 +109,18 @@ def test_multiprocess_equals_single_process(deep, exact, tmp_path, options):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     out = tmp_path / "images"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
-           str(deep), str(out), json.dumps(options), json.dumps(KW)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(script),
+        str(deep),
+        str(out),
+        json.dumps(options),
+        json.dumps(KW),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-4000:]
     for rank in range(2):
@@ -111,8 +133,35 @@ def test_cli_nproc_sp_writes_png(deep, tmp_path):
 
     out = tmp_path / "sp.png"
     r = subprocess.run(
-        [sys.executable, "-m", "spindle", "generate", "--model", str(deep), "--prompt", "a windmill", "--height", "32",
-         "--width", "48", "--steps", "2", "--seed", "0", "--nproc", "2", "--sp", "2", "--quiet", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        [
+            sys.executable,
+            "-m",
+            "spindle",
+            "generate",
+            "--model",
+            str(deep),
+            "--prompt",
+            "a windmill",
+            "--height",
+            "32",
+            "--width",
+            "48",
+            "--steps",
+            "2",
+            "--seed",
+            "0",
+            "--nproc",
+            "2",
+            "--sp",
+            "2",
+            "--quiet",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     assert np.asarray(Image.open(out)).shape == (32, 48, 3)

@@ -36,9 +36,17 @@ def images(tmp_path_factory) -> Path:
 
 def overrides(model: Path, data: Path, output_dir: Path, **train) -> list[str]:
     values = {
-        "model.path": model, "model.max_text_length": 16, "data.path": data, "data.resolution": list(SIZE),
-        "data.num_frames": 1, "train.output_dir": output_dir, "train.max_steps": 4, "train.global_batch_size": 4,
-        "train.micro_batch_size": 2, "train.lr": 1e-3, "checkpoint.resume": "none",
+        "model.path": model,
+        "model.max_text_length": 16,
+        "data.path": data,
+        "data.resolution": list(SIZE),
+        "data.num_frames": 1,
+        "train.output_dir": output_dir,
+        "train.max_steps": 4,
+        "train.global_batch_size": 4,
+        "train.micro_batch_size": 2,
+        "train.lr": 1e-3,
+        "checkpoint.resume": "none",
     }
     values.update({k.replace("__", "."): v for k, v in train.items()})
     return [f"{k}={v}" for k, v in values.items()]
@@ -110,8 +118,11 @@ def test_static_shift_from_config_replaces_resolution_shift(condition):
     from spindle.models.base import TimestepSampling
     from spindle.train.dit import sample_generator
 
-    cond = {"latents": torch.zeros(1, 4, 16, 16), "prompt_embeds": torch.zeros(1, 16, 32),
-            "pooled_prompt_embeds": torch.zeros(1, 32)}
+    cond = {
+        "latents": torch.zeros(1, 4, 16, 16),
+        "prompt_embeds": torch.zeros(1, 16, 32),
+        "pooled_prompt_embeds": torch.zeros(1, 32),
+    }
     saved = condition.timestep_sampling
     try:
         condition.timestep_sampling = TimestepSampling(shift=3.0)
@@ -133,8 +144,15 @@ def test_video_pixels_are_rejected(condition):
 
 
 def test_overfit_loss_falls(tiny, images, tmp_path):
-    cfg = config(tiny, images, tmp_path / "run", train__max_steps=30, train__lr=2e-3, train__micro_batch_size=4,
-                 checkpoint__export=False)
+    cfg = config(
+        tiny,
+        images,
+        tmp_path / "run",
+        train__max_steps=30,
+        train__lr=2e-3,
+        train__micro_batch_size=4,
+        checkpoint__export=False,
+    )
     train(cfg)
     records = read_metrics(cfg.train.output_dir)
     losses = [m["loss"] for m in records]
@@ -182,8 +200,12 @@ def run_cli(model: Path, data: Path, out: Path, nproc: int, **train_kw) -> None:
     cfg.write_text(yaml.safe_dump({}))
     base = dict(train__max_steps=3, train__micro_batch_size=1, checkpoint__export=True, data__shuffle=True)
     args = overrides(model, data, out, **{**base, **train_kw})
-    proc = subprocess.run([sys.executable, "-m", "spindle", "train", str(cfg), *args, "--nproc", str(nproc)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "spindle", "train", str(cfg), *args, "--nproc", str(nproc)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
@@ -209,8 +231,12 @@ def test_demo_family_flux(tmp_path):
     from PIL import Image
 
     out = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, "-m", "spindle", "demo", "--family", "flux", "--out", str(out),
-                           "--steps", "30"], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "spindle", "demo", "--family", "flux", "--out", str(out), "--steps", "30"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "FluxPipeline.from_pretrained loads it" in proc.stdout
     assert len(list((out / "data").glob("*.png"))) == 16

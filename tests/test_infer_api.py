@@ -28,8 +28,10 @@ def gen(tiny):
 
 
 def test_import_spindle_is_light():
-    code = "import sys, spindle; assert 'torch' not in sys.modules and 'diffusers' not in sys.modules; " \
-           "print(spindle.DiffusionGenerator.__name__)"
+    code = (
+        "import sys, spindle; assert 'torch' not in sys.modules and 'diffusers' not in sys.modules; "
+        "print(spindle.DiffusionGenerator.__name__)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "DiffusionGenerator"
 
@@ -60,21 +62,24 @@ def test_renamed_folder_is_detected_and_unknown_class_is_refused(tiny, tmp_path)
         DiffusionGenerator.from_pretrained(alien)
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(height=30), r"height must be a positive multiple of 16 .*got 30.*try 16 or 32"),
-    (dict(width=40), r"width must be a positive multiple of 16 .*got 40.*try 32 or 48"),
-    (dict(height=0), r"height must be a positive multiple of 16"),
-    (dict(num_frames=6), r"num_frames must be 4k\+1 \(1, 5, 9, 13, \.\.\.\).*got 6.*try 5 or 9"),
-    (dict(num_frames=0), r"num_frames must be 4k\+1"),
-    (dict(num_inference_steps=0), r"num_inference_steps must be >= 1; got 0"),
-    (dict(num_inference_steps=2.5), r"num_inference_steps must be an integer"),
-    (dict(prompt=""), r"prompt must be a non-empty string"),
-    (dict(prompt="   "), r"prompt must be a non-empty string"),
-    (dict(prompt=[]), r"prompt is required"),
-    (dict(guidance_scale=-1.0), r"guidance_scale must be >= 0"),
-    (dict(prompt=["a", "b"], negative_prompt=["x"]), r"negative_prompt has 1 entries but prompt has 2"),
-    (dict(seed=-3), r"seed must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(height=30), r"height must be a positive multiple of 16 .*got 30.*try 16 or 32"),
+        (dict(width=40), r"width must be a positive multiple of 16 .*got 40.*try 32 or 48"),
+        (dict(height=0), r"height must be a positive multiple of 16"),
+        (dict(num_frames=6), r"num_frames must be 4k\+1 \(1, 5, 9, 13, \.\.\.\).*got 6.*try 5 or 9"),
+        (dict(num_frames=0), r"num_frames must be 4k\+1"),
+        (dict(num_inference_steps=0), r"num_inference_steps must be >= 1; got 0"),
+        (dict(num_inference_steps=2.5), r"num_inference_steps must be an integer"),
+        (dict(prompt=""), r"prompt must be a non-empty string"),
+        (dict(prompt="   "), r"prompt must be a non-empty string"),
+        (dict(prompt=[]), r"prompt is required"),
+        (dict(guidance_scale=-1.0), r"guidance_scale must be >= 0"),
+        (dict(prompt=["a", "b"], negative_prompt=["x"]), r"negative_prompt has 1 entries but prompt has 2"),
+        (dict(seed=-3), r"seed must be >= 0"),
+    ],
+)
 def test_bad_requests_say_what_is_allowed(gen, bad, match):
     from spindle.infer import RequestError
 

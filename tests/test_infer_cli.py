@@ -23,9 +23,29 @@ def test_generate_writes_mp4(tiny, tmp_path):
     import av
 
     out = tmp_path / "out.mp4"
-    r = spindle("generate", "--model", tiny, "--prompt", "a cat on a skateboard", "--negative-prompt", "blurry",
-                "--height", 32, "--width", 48, "--num-frames", 9, "--steps", 3, "--guidance", 4, "--seed", 0,
-                "--out", out)
+    r = spindle(
+        "generate",
+        "--model",
+        tiny,
+        "--prompt",
+        "a cat on a skateboard",
+        "--negative-prompt",
+        "blurry",
+        "--height",
+        32,
+        "--width",
+        48,
+        "--num-frames",
+        9,
+        "--steps",
+        3,
+        "--guidance",
+        4,
+        "--seed",
+        0,
+        "--out",
+        out,
+    )
     assert r.returncode == 0, r.stderr
     assert "denoising" in r.stderr and "3/3" in r.stderr  # progress bar over denoising steps
     last = r.stdout.strip().splitlines()[-1]
@@ -37,7 +57,22 @@ def test_generate_writes_mp4(tiny, tmp_path):
 
 
 def test_generate_bad_request(tiny, tmp_path):
-    r = spindle("generate", "--model", tiny, "--prompt", "x", "--height", 30, "--width", 32, "--num-frames", 5,
-                "--steps", 2, "--out", tmp_path / "o.mp4")
+    r = spindle(
+        "generate",
+        "--model",
+        tiny,
+        "--prompt",
+        "x",
+        "--height",
+        30,
+        "--width",
+        32,
+        "--num-frames",
+        5,
+        "--steps",
+        2,
+        "--out",
+        tmp_path / "o.mp4",
+    )
     assert r.returncode == 2
     assert "height must be a positive multiple of 16" in r.stderr and "Traceback" not in r.stderr

@@ -14,8 +14,16 @@ from spindle.testing.tiny import build_tiny_wan
 
 pytestmark = pytest.mark.slow
 
-KW = dict(prompt="a windmill at sunset", negative_prompt="blurry", height=32, width=48, num_frames=5,
-          num_inference_steps=2, guidance_scale=4.5, seed=21)
+KW = dict(
+    prompt="a windmill at sunset",
+    negative_prompt="blurry",
+    height=32,
+    width=48,
+    num_frames=5,
+    num_inference_steps=2,
+    guidance_scale=4.5,
+    seed=21,
+)
 
 WORKER = """
 import json, sys
@@ -71,10 +79,38 @@ def test_cli_nproc_sp_writes_mp4(tiny, tmp_path):
 
     out = tmp_path / "sp.mp4"
     r = subprocess.run(
-        [sys.executable, "-m", "spindle", "generate", "--model", str(tiny), "--prompt", "a windmill", "--height", "32",
-         "--width", "48", "--num-frames", "5", "--steps", "2", "--seed", "0", "--nproc", "2", "--sp", "2",
-         "--quiet", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        [
+            sys.executable,
+            "-m",
+            "spindle",
+            "generate",
+            "--model",
+            str(tiny),
+            "--prompt",
+            "a windmill",
+            "--height",
+            "32",
+            "--width",
+            "48",
+            "--num-frames",
+            "5",
+            "--steps",
+            "2",
+            "--seed",
+            "0",
+            "--nproc",
+            "2",
+            "--sp",
+            "2",
+            "--quiet",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     with av.open(str(out)) as c:
         frames = list(c.decode(video=0))

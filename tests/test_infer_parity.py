@@ -20,7 +20,8 @@ def tiny(tmp_path_factory):
 def other(tmp_path_factory):
     """A second random config: other sizes, 3 layers, 8 heads x 8, wider text encoder."""
     return build_tiny_wan(
-        tmp_path_factory.mktemp("wan_other"), seed=3,
+        tmp_path_factory.mktemp("wan_other"),
+        seed=3,
         transformer={"num_layers": 3, "num_attention_heads": 8, "attention_head_dim": 8, "ffn_dim": 96},
         text_encoder={"d_model": 48, "num_heads": 4, "d_kv": 12},
     )
@@ -36,14 +37,50 @@ def diffusers_frames(root, **kw) -> np.ndarray:
 
 
 CASES = {
-    "tiny_cfg": ("tiny", dict(prompt="a red fox in the snow", negative_prompt="blurry", height=32, width=32,
-                              num_frames=5, num_inference_steps=2, guidance_scale=5.0, seed=0)),
-    "tiny_nocfg": ("tiny", dict(prompt="a red fox in the snow", height=32, width=48, num_frames=9,
-                                num_inference_steps=3, guidance_scale=1.0, seed=7)),
-    "other_cfg": ("other", dict(prompt="waves at dusk", negative_prompt="low quality, static", height=48, width=32,
-                                num_frames=9, num_inference_steps=3, guidance_scale=3.5, seed=123)),
-    "other_nocfg": ("other", dict(prompt="waves at dusk", height=16, width=32, num_frames=1,
-                                  num_inference_steps=2, guidance_scale=0.0, seed=5)),
+    "tiny_cfg": (
+        "tiny",
+        dict(
+            prompt="a red fox in the snow",
+            negative_prompt="blurry",
+            height=32,
+            width=32,
+            num_frames=5,
+            num_inference_steps=2,
+            guidance_scale=5.0,
+            seed=0,
+        ),
+    ),
+    "tiny_nocfg": (
+        "tiny",
+        dict(
+            prompt="a red fox in the snow",
+            height=32,
+            width=48,
+            num_frames=9,
+            num_inference_steps=3,
+            guidance_scale=1.0,
+            seed=7,
+        ),
+    ),
+    "other_cfg": (
+        "other",
+        dict(
+            prompt="waves at dusk",
+            negative_prompt="low quality, static",
+            height=48,
+            width=32,
+            num_frames=9,
+            num_inference_steps=3,
+            guidance_scale=3.5,
+            seed=123,
+        ),
+    ),
+    "other_nocfg": (
+        "other",
+        dict(
+            prompt="waves at dusk", height=16, width=32, num_frames=1, num_inference_steps=2, guidance_scale=0.0, seed=5
+        ),
+    ),
 }
 
 
@@ -69,13 +106,25 @@ def test_cfg_batching_equals_two_forwards(tiny):
     from spindle import DiffusionGenerator
 
     gen = DiffusionGenerator.from_pretrained(tiny, cfg_batch=False)
-    req = gen.pipeline.stages[0](gen.make_request(gen.defaults.__class__(
-        prompt="a boat", negative_prompt="ugly", height=32, width=32, num_frames=5, num_inference_steps=2,
-        guidance_scale=4.0, seed=1)))
+    req = gen.pipeline.stages[0](
+        gen.make_request(
+            gen.defaults.__class__(
+                prompt="a boat",
+                negative_prompt="ugly",
+                height=32,
+                width=32,
+                num_frames=5,
+                num_inference_steps=2,
+                guidance_scale=4.0,
+                seed=1,
+            )
+        )
+    )
     stage = gen.pipeline.denoising
     calls = []
-    hook = gen.transformer.register_forward_pre_hook(lambda m, a, k: calls.append(k["hidden_states"].shape[0]),
-                                                     with_kwargs=True)
+    hook = gen.transformer.register_forward_pre_hook(
+        lambda m, a, k: calls.append(k["hidden_states"].shape[0]), with_kwargs=True
+    )
     try:
         with torch.no_grad():
             t = req.timesteps[0]
@@ -94,8 +143,15 @@ def test_batch_of_prompts_and_outputs_per_prompt(tiny):
 
     from spindle import DiffusionGenerator
 
-    kw = dict(prompt=["a cat", "a dog"], negative_prompt=["dark", "noisy"], height=32, width=32, num_frames=5,
-              num_inference_steps=2, guidance_scale=2.0)
+    kw = dict(
+        prompt=["a cat", "a dog"],
+        negative_prompt=["dark", "noisy"],
+        height=32,
+        width=32,
+        num_frames=5,
+        num_inference_steps=2,
+        guidance_scale=2.0,
+    )
     pipe = WanPipeline.from_pretrained(tiny)
     pipe.set_progress_bar_config(disable=True)
     ref = pipe(**kw, num_videos_per_prompt=2, generator=torch.Generator().manual_seed(11), output_type="np").frames

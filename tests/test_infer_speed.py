@@ -10,8 +10,16 @@ import pytest
 
 from spindle.testing.tiny import build_tiny_wan
 
-KW = dict(prompt="a paper boat on a river", negative_prompt="blurry", height=32, width=32, num_frames=5,
-          num_inference_steps=4, guidance_scale=4.0, seed=3)
+KW = dict(
+    prompt="a paper boat on a river",
+    negative_prompt="blurry",
+    height=32,
+    width=32,
+    num_frames=5,
+    num_inference_steps=4,
+    guidance_scale=4.0,
+    seed=3,
+)
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +76,36 @@ def test_cache_large_threshold_skips_blocks_and_reports_psnr(deep, exact):
 
 def test_cli_cache_reports_psnr(deep, tmp_path):
     r = subprocess.run(
-        [sys.executable, "-m", "spindle", "generate", "--model", str(deep), "--prompt", "a boat", "--height", "32",
-         "--width", "32", "--num-frames", "5", "--steps", "3", "--seed", "0", "--cache", "fbc",
-         "--cache-threshold", "0.5", "--quiet", "--out", str(tmp_path / "c.mp4")],
-        capture_output=True, text=True)
+        [
+            sys.executable,
+            "-m",
+            "spindle",
+            "generate",
+            "--model",
+            str(deep),
+            "--prompt",
+            "a boat",
+            "--height",
+            "32",
+            "--width",
+            "32",
+            "--num-frames",
+            "5",
+            "--steps",
+            "3",
+            "--seed",
+            "0",
+            "--cache",
+            "fbc",
+            "--cache-threshold",
+            "0.5",
+            "--quiet",
+            "--out",
+            str(tmp_path / "c.mp4"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     assert "PSNR" in r.stdout and "dB vs exact" in r.stdout
 

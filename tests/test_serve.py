@@ -41,7 +41,7 @@ class LiveServer:
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
-    def __enter__(self) -> "LiveServer":
+    def __enter__(self) -> LiveServer:
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:
@@ -83,6 +83,7 @@ def gen(tiny_wan):
 def serve(gen, tiny_wan):
     """`serve(**options)` -> a started LiveServer over the module's generator (stopped after the test)."""
     with contextlib.ExitStack() as stack:
+
         def start(**options) -> LiveServer:
             options.setdefault("model_id", "tiny-wan")
             return stack.enter_context(LiveServer(build_app(gen, root=str(tiny_wan), **options)))
@@ -163,8 +164,16 @@ def test_video_job_end_to_end_equals_the_engine(serve, gen):
     video = decode_mp4(content.content)
     assert video.shape == (5, 32, 32, 3)
     # exactly what the engine makes for the same request
-    ref = gen.generate(prompt=KW["prompt"], negative_prompt="blurry", height=32, width=32, num_frames=5,
-                       num_inference_steps=2, guidance_scale=4.0, seed=7).frames
+    ref = gen.generate(
+        prompt=KW["prompt"],
+        negative_prompt="blurry",
+        height=32,
+        width=32,
+        num_frames=5,
+        num_inference_steps=2,
+        guidance_scale=4.0,
+        seed=7,
+    ).frames
     exact = np.load(io.BytesIO(s.client.get(f"/v1/videos/{job['id']}/content", params={"variant": "npy"}).content))
     np.testing.assert_array_equal(exact, ref)
     assert np.abs(video.astype(np.float32) / 255 - ref[0]).mean() < 0.05  # the mp4 is that video (lossy)
@@ -176,13 +185,16 @@ def test_video_job_end_to_end_equals_the_engine(serve, gen):
 
 def test_seconds_become_valid_frame_counts(serve):
     s = serve()
-    r = s.client.post("/v1/videos", json={"prompt": "waves", "size": "32x32", "seconds": "0.5", "num_inference_steps": 2})
+    r = s.client.post(
+        "/v1/videos", json={"prompt": "waves", "size": "32x32", "seconds": "0.5", "num_inference_steps": 2}
+    )
     job = r.json()
     # 0.5 s x 16 fps = 8 frames; Wan takes 4k+1 -> 9, and the response says so
     assert r.status_code == 200 and job["num_frames"] == 9 and job["fps"] == 16 and job["seconds"] == "0.5625"
     assert "num_frames=9" in job["notes"][0]
-    exact = s.client.post("/v1/videos", json={"prompt": "waves", "size": "32x32", "seconds": 0.3125,
-                                              "num_inference_steps": 2}).json()
+    exact = s.client.post(
+        "/v1/videos", json={"prompt": "waves", "size": "32x32", "seconds": 0.3125, "num_inference_steps": 2}
+    ).json()
     assert exact["num_frames"] == 5 and exact["notes"] == []
     for jid in (job["id"], exact["id"]):
         assert s.wait(jid)["status"] == "completed"
@@ -205,8 +217,20 @@ def test_seconds_become_valid_frame_counts(serve):
         ({**KW, "seconds": -2, "num_frames": None}, 422, "seconds"),
         ({**KW, "num_step": 4}, 422, "num_step"),  # a typo is named, not ignored
     ],
-    ids=["size-format", "size-words", "size-multiple", "frames-4k+1", "frames-and-seconds", "blank-prompt",
-         "no-prompt", "steps-0", "seed-negative", "guidance-type", "seconds-negative", "unknown-field"],
+    ids=[
+        "size-format",
+        "size-words",
+        "size-multiple",
+        "frames-4k+1",
+        "frames-and-seconds",
+        "blank-prompt",
+        "no-prompt",
+        "steps-0",
+        "seed-negative",
+        "guidance-type",
+        "seconds-negative",
+        "unknown-field",
+    ],
 )
 def test_invalid_video_requests_are_refused_at_once(serve, body, status, param):
     s = serve()
@@ -226,8 +250,12 @@ def test_images_endpoint_on_a_video_model_points_to_videos(serve):
     import openai
 
     s = serve()
-    err = assert_error(s.client.post("/v1/images/generations", json={"prompt": "a cat", "size": "32x32"}), 400,
-                       "model", "use_videos_endpoint")
+    err = assert_error(
+        s.client.post("/v1/images/generations", json={"prompt": "a cat", "size": "32x32"}),
+        400,
+        "model",
+        "use_videos_endpoint",
+    )
     assert "/v1/videos" in err["message"]
     client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError) as info:
@@ -245,8 +273,9 @@ def test_openai_client_videos_create_retrieve_download(serve):
     client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        video = client.videos.create(prompt="a lighthouse", size="32x32", seconds="4",
-                                     extra_body={"num_inference_steps": 2, "seed": 3})
+        video = client.videos.create(
+            prompt="a lighthouse", size="32x32", seconds="4", extra_body={"num_inference_steps": 2, "seed": 3}
+        )
         assert video.status in ("queued", "in_progress") and video.size == "32x32"
         s.wait(video.id)
         video = client.videos.retrieve(video.id)
@@ -353,6 +382,7 @@ def test_burst_of_concurrent_requests_loses_and_duplicates_nothing(serve, gen):
     handle = gen.transformer.register_forward_pre_hook(lambda m, a, k: forwards.append(1), with_kwargs=True)
     n = 12
     try:
+
         def submit(i: int) -> dict:
             with httpx.Client(base_url=s.url, timeout=60) as c:
                 r = c.post("/v1/videos", json={**KW, "prompt": f"scene number {i}", "seed": 100 + i})

@@ -17,8 +17,15 @@ import pytest
 
 from tests.test_serve import free_port
 
-REQUEST = dict(prompt="a windmill at sunset", negative_prompt="blurry", size="48x32", num_frames=5,
-               num_inference_steps=2, guidance_scale=4.5, seed=21)
+REQUEST = dict(
+    prompt="a windmill at sunset",
+    negative_prompt="blurry",
+    size="48x32",
+    num_frames=5,
+    num_inference_steps=2,
+    guidance_scale=4.5,
+    seed=21,
+)
 
 
 class ServeProcess:
@@ -26,11 +33,27 @@ class ServeProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "spindle", "serve", "--model", str(model), "--port", str(self.port),
-               "--device", "cpu", "--warmup-size", "48x32", "--log-level", "info", *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "spindle",
+            "serve",
+            "--model",
+            str(model),
+            "--port",
+            str(self.port),
+            "--device",
+            "cpu",
+            "--warmup-size",
+            "48x32",
+            "--log-level",
+            "info",
+            *extra,
+        ]
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
 
     def wait_ready(self, timeout: float = 300) -> httpx.Client:
         deadline = time.monotonic() + timeout
@@ -74,8 +97,9 @@ def wait_job(client: httpx.Client, job_id: str, timeout: float = 300) -> dict:
 
 def test_bad_options_are_clear_errors(tiny_wan, tmp_path):
     def serve(*args):
-        return subprocess.run([sys.executable, "-m", "spindle", "serve", *args], capture_output=True, text=True,
-                              timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "spindle", "serve", *args], capture_output=True, text=True, timeout=120
+        )
 
     r = serve("--model", str(tmp_path))
     assert r.returncode == 2 and "model_index.json not found" in r.stderr
@@ -128,8 +152,9 @@ def single_frames(tiny_wan):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [["--cfg-parallel"], ["--sp", "2"]], ids=["cfg_parallel", "sp2"])
 def test_multiprocess_serving_equals_single_process(tiny_wan, tmp_path, single_frames, mode):
-    s = ServeProcess(tiny_wan, "--nproc", "2", *mode, "--keep-frames", "--max-queue", "4",
-                     log_path=tmp_path / "serve.log")
+    s = ServeProcess(
+        tiny_wan, "--nproc", "2", *mode, "--keep-frames", "--max-queue", "4", log_path=tmp_path / "serve.log"
+    )
     try:
         client = s.wait_ready()
         # a running job cancelled on rank 0 must stop every rank at the same step (no hang) ...
@@ -154,7 +179,9 @@ def test_multiprocess_serving_equals_single_process(tiny_wan, tmp_path, single_f
         jobs = [client.post("/v1/videos", json=REQUEST).json() for _ in range(2)]
         for job in jobs:
             assert wait_job(client, job["id"])["status"] == "completed", s.output()
-            frames = np.load(io.BytesIO(client.get(f"/v1/videos/{job['id']}/content", params={"variant": "npy"}).content))
+            frames = np.load(
+                io.BytesIO(client.get(f"/v1/videos/{job['id']}/content", params={"variant": "npy"}).content)
+            )
             np.testing.assert_allclose(frames, single_frames, atol=1e-5, rtol=0)
         client.close()
         rc = s.stop()

@@ -9,9 +9,8 @@ import io
 import numpy as np
 import pytest
 
-from tests.test_serve import LiveServer, assert_error
-
 from spindle.serve import build_app
+from tests.test_serve import LiveServer, assert_error
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +46,19 @@ def test_openai_client_images_generate(server, flux):
 
     gen, _ = flux
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-    out = client.images.generate(prompt="a lighthouse on a cliff", n=2, size="32x32", response_format="b64_json",
-                                 extra_body={"num_inference_steps": 2, "seed": 4})
+    out = client.images.generate(
+        prompt="a lighthouse on a cliff",
+        n=2,
+        size="32x32",
+        response_format="b64_json",
+        extra_body={"num_inference_steps": 2, "seed": 4},
+    )
     assert isinstance(out.created, int) and len(out.data) == 2
     images = np.stack([png_array(d.b64_json) for d in out.data])
     assert images.shape == (2, 32, 32, 3)
-    ref = gen.generate(prompt="a lighthouse on a cliff", height=32, width=32, num_inference_steps=2, seed=4,
-                       num_outputs_per_prompt=2).frames
+    ref = gen.generate(
+        prompt="a lighthouse on a cliff", height=32, width=32, num_inference_steps=2, seed=4, num_outputs_per_prompt=2
+    ).frames
     np.testing.assert_array_equal(images, to_uint8(ref))  # PNG is lossless: exactly the engine's output
     assert server.state.store.stats()["stored"] == 0  # image results are not kept after the response
 
@@ -61,8 +66,17 @@ def test_openai_client_images_generate(server, flux):
 def test_images_over_httpx_and_errors(server, flux):
     gen, _ = flux
     c = server.client
-    r = c.post("/v1/images/generations", json={"prompt": "a red door", "size": "32x32", "num_inference_steps": 2,
-                                                "seed": 1, "negative_prompt": "dark", "guidance_scale": 2.0})
+    r = c.post(
+        "/v1/images/generations",
+        json={
+            "prompt": "a red door",
+            "size": "32x32",
+            "num_inference_steps": 2,
+            "seed": 1,
+            "negative_prompt": "dark",
+            "guidance_scale": 2.0,
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert set(body) >= {"created", "data"} and len(body["data"]) == 1 and body["seed"] == 1
@@ -70,8 +84,9 @@ def test_images_over_httpx_and_errors(server, flux):
 
     assert_error(c.post("/v1/images/generations", json={"prompt": "x", "size": "32by32"}), 400, "size")
     assert_error(c.post("/v1/images/generations", json={"prompt": "x", "size": "30x32"}), 400, "size")
-    assert_error(c.post("/v1/images/generations", json={"prompt": "x", "response_format": "url"}), 400,
-                 "response_format")
+    assert_error(
+        c.post("/v1/images/generations", json={"prompt": "x", "response_format": "url"}), 400, "response_format"
+    )
     assert_error(c.post("/v1/images/generations", json={"prompt": "x", "n": 0}), 422, "n")
     assert_error(c.post("/v1/images/generations", json={"prompt": "x", "steps": 2}), 422, "steps")
     # an image model answers /v1/videos with a pointer to the images endpoint

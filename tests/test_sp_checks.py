@@ -15,14 +15,22 @@ def flux_transformer(tmp_path_factory):
 
 
 def test_text_tokens_not_divisible_by_sp_name_the_input(flux_transformer):
-    inputs = {"hidden_states": torch.zeros(1, 16, 4), "encoder_hidden_states": torch.zeros(1, 7, 8),
-              "img_ids": torch.zeros(16, 3), "txt_ids": torch.zeros(7, 3)}
+    inputs = {
+        "hidden_states": torch.zeros(1, 16, 4),
+        "encoder_hidden_states": torch.zeros(1, 7, 8),
+        "img_ids": torch.zeros(16, 3),
+        "txt_ids": torch.zeros(7, 3),
+    }
     with pytest.raises(ValueError, match=r"'encoder_hidden_states' along dim 1, which has length 7.*max_text_length"):
         check_split_inputs(flux_transformer, 2, inputs)
 
 
 def test_divisible_inputs_pass_and_sp1_is_a_no_op(flux_transformer):
-    inputs = {"hidden_states": torch.zeros(1, 16, 4), "encoder_hidden_states": torch.zeros(1, 8, 8),
-              "img_ids": torch.zeros(16, 3), "txt_ids": torch.zeros(8, 3)}
+    inputs = {
+        "hidden_states": torch.zeros(1, 16, 4),
+        "encoder_hidden_states": torch.zeros(1, 8, 8),
+        "img_ids": torch.zeros(16, 3),
+        "txt_ids": torch.zeros(8, 3),
+    }
     check_split_inputs(flux_transformer, 2, inputs)
     check_split_inputs(flux_transformer, 1, {**inputs, "encoder_hidden_states": torch.zeros(1, 7, 8)})

@@ -14,8 +14,16 @@ def test_stock_wan_pipeline_runs_tiny_checkpoint(tiny_wan):
     pipe = WanPipeline.from_pretrained(tiny_wan)
     assert isinstance(pipe.transformer, WanTransformer3DModel)
     assert isinstance(pipe.vae, AutoencoderKLWan)
-    out = pipe(prompt="a red circle moves left", negative_prompt="blurry", height=32, width=32, num_frames=5,
-               num_inference_steps=2, output_type="np", generator=torch.Generator().manual_seed(0))
+    out = pipe(
+        prompt="a red circle moves left",
+        negative_prompt="blurry",
+        height=32,
+        width=32,
+        num_frames=5,
+        num_inference_steps=2,
+        output_type="np",
+        generator=torch.Generator().manual_seed(0),
+    )
     frames = out.frames
     assert frames.shape == (1, 5, 32, 32, 3)
     assert np.isfinite(frames).all() and frames.min() >= 0 and frames.max() <= 1
@@ -43,8 +51,11 @@ def test_tokenizer_is_local_and_t5_style(tiny_wan):
 
 def test_cli_tiny_model_is_seeded(tmp_path):
     for name in ("a", "b"):
-        subprocess.run([sys.executable, "-m", "spindle", "tiny-model", "wan", str(tmp_path / name), "--seed", "3"],
-                       check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, "-m", "spindle", "tiny-model", "wan", str(tmp_path / name), "--seed", "3"],
+            check=True,
+            capture_output=True,
+        )
     from safetensors.torch import load_file
 
     a = load_file(tmp_path / "a" / "transformer" / "diffusion_pytorch_model.safetensors")

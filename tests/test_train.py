@@ -16,8 +16,13 @@ from spindle.train.trainer import Trainer, train
 
 
 def test_overfit_loss_falls(make_config, tmp_path):
-    cfg = make_config(train__max_steps=40, train__lr=2e-3, train__global_batch_size=4,
-                      train__micro_batch_size=4, checkpoint__export=False)
+    cfg = make_config(
+        train__max_steps=40,
+        train__lr=2e-3,
+        train__global_batch_size=4,
+        train__micro_batch_size=4,
+        checkpoint__export=False,
+    )
     train(cfg)
     losses = [m["loss"] for m in read_metrics(cfg.train.output_dir)]
     assert len(losses) == 40
@@ -37,8 +42,13 @@ def test_metrics_lines_have_required_fields(make_config):
 
 
 def test_interrupted_run_resumes_to_identical_losses(make_config, tmp_path, monkeypatch):
-    common = dict(train__max_steps=8, checkpoint__every_steps=3, train__lr_schedule="cosine",
-                  train__warmup_steps=2, checkpoint__export=False)
+    common = dict(
+        train__max_steps=8,
+        checkpoint__every_steps=3,
+        train__lr_schedule="cosine",
+        train__warmup_steps=2,
+        checkpoint__export=False,
+    )
     train(make_config(tmp_path / "straight", **common))
 
     original = Trainer.train_step
@@ -85,8 +95,16 @@ def test_export_round_trip_in_stock_diffusers(make_config, tiny_wan):
     model = WanTransformer3DModel.from_pretrained(result.export_dir / "transformer")
     assert all(torch.equal(model.state_dict()[k], trained[k]) for k in trained)
     pipe = WanPipeline.from_pretrained(result.export_dir)
-    frames = pipe(prompt="a red circle moves left", height=32, width=32, num_frames=5, num_inference_steps=2,
-                  guidance_scale=1.0, output_type="np", generator=torch.Generator().manual_seed(0)).frames
+    frames = pipe(
+        prompt="a red circle moves left",
+        height=32,
+        width=32,
+        num_frames=5,
+        num_inference_steps=2,
+        guidance_scale=1.0,
+        output_type="np",
+        generator=torch.Generator().manual_seed(0),
+    ).frames
     assert frames.shape == (1, 5, 32, 32, 3)
 
 
@@ -94,8 +112,11 @@ def test_export_cli_matches_end_of_training_export(make_config, tmp_path):
     cfg = make_config(train__max_steps=2)
     result = train(cfg)
     out = tmp_path / "cli_export"
-    proc = subprocess.run([sys.executable, "-m", "spindle", "export", str(cfg.train.output_dir), "--out", str(out)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "spindle", "export", str(cfg.train.output_dir), "--out", str(out)],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     a = load_file(result.export_dir / "transformer" / "diffusion_pytorch_model.safetensors")
     b = load_file(out / "transformer" / "diffusion_pytorch_model.safetensors")
@@ -104,8 +125,11 @@ def test_export_cli_matches_end_of_training_export(make_config, tmp_path):
 
 
 def test_export_cli_rejects_non_checkpoint(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "spindle", "export", str(tmp_path), "--out", str(tmp_path / "o")],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "spindle", "export", str(tmp_path), "--out", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2
     assert "neither a Spindle checkpoint" in proc.stderr
 
@@ -122,8 +146,14 @@ def test_bad_video_in_dataset_names_the_file(make_config, shapes_videos, tmp_pat
     with pytest.raises(MediaError, match="clip_002.mp4"):
         train(cfg)
 
-    cfg = make_config(tmp_path / "skip", data__path=data, train__max_steps=3, checkpoint__export=False,
-                      data__shuffle=False, data__skip_bad_samples=True)
+    cfg = make_config(
+        tmp_path / "skip",
+        data__path=data,
+        train__max_steps=3,
+        checkpoint__export=False,
+        data__shuffle=False,
+        data__skip_bad_samples=True,
+    )
     trainer = Trainer(cfg)
     trainer.run()
     assert trainer.loader.dataset.num_skipped >= 1

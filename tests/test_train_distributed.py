@@ -101,8 +101,12 @@ def test_world_size_mismatch_fails_before_launch(tiny_wan, shapes_videos, tmp_pa
     cfg = tmp_path / "c.yaml"
     cfg.write_text("{}")
     args = train_overrides(tiny_wan, shapes_videos, tmp_path / "o", parallel__dp_shard=3)
-    proc = subprocess.run([sys.executable, "-m", "spindle", "train", str(cfg), *args, "--nproc", "2"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "spindle", "train", str(cfg), *args, "--nproc", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "but the world size is 2" in proc.stderr
     assert not (tmp_path / "o").exists()
@@ -113,8 +117,12 @@ def test_sp_not_dividing_heads_fails_before_launch(tiny_wan, shapes_videos, tmp_
     cfg.write_text("{}")
     # the tiny Wan transformer has 4 heads
     args = train_overrides(tiny_wan, shapes_videos, tmp_path / "o", parallel__sp=3, parallel__dp_shard=1)
-    proc = subprocess.run([sys.executable, "-m", "spindle", "train", str(cfg), *args, "--nproc", "3"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "spindle", "train", str(cfg), *args, "--nproc", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "4 attention heads" in proc.stderr and "parallel.sp=3" in proc.stderr
 
@@ -123,9 +131,20 @@ def test_sequence_not_divisible_by_sp_names_token_count(tiny_wan, shapes_videos,
     cfg = tmp_path / "c.yaml"
     cfg.write_text("{}")
     # 16x16 px, 9 frames -> 3 latent frames x 1 x 1 patches = 3 tokens, not divisible by sp=2
-    args = train_overrides(tiny_wan, shapes_videos, tmp_path / "o", parallel__sp=2, parallel__dp_shard=1,
-                           data__resolution=[16, 16], train__micro_batch_size=1)
-    proc = subprocess.run([sys.executable, "-m", "spindle", "train", str(cfg), *args, "--nproc", "2"],
-                          capture_output=True, text=True, timeout=300)
+    args = train_overrides(
+        tiny_wan,
+        shapes_videos,
+        tmp_path / "o",
+        parallel__sp=2,
+        parallel__dp_shard=1,
+        data__resolution=[16, 16],
+        train__micro_batch_size=1,
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "spindle", "train", str(cfg), *args, "--nproc", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0
     assert "3 tokens, which is not divisible by parallel.sp=2" in proc.stderr + proc.stdout

@@ -36,8 +36,15 @@ def demo_config(out: Path, steps: int, seed: int, demo) -> dict:
         "model": {"path": str(out / "model"), "max_text_length": 16},
         "data": {"path": str(out / "data"), "resolution": list(demo.size), "num_frames": demo.num_frames},
         "train": {
-            "output_dir": str(out / "run"), "max_steps": steps, "global_batch_size": 4, "micro_batch_size": 4,
-            "lr": 2e-3, "warmup_steps": 10, "lr_schedule": "cosine", "min_lr_ratio": 0.1, "seed": seed,
+            "output_dir": str(out / "run"),
+            "max_steps": steps,
+            "global_batch_size": 4,
+            "micro_batch_size": 4,
+            "lr": 2e-3,
+            "warmup_steps": 10,
+            "lr_schedule": "cosine",
+            "min_lr_ratio": 0.1,
+            "seed": seed,
             "timestep": {"scheme": "logit_normal"},
         },
         "checkpoint": {"every_steps": 50, "resume": "none"},
@@ -94,6 +101,7 @@ def _generate(model_dir: Path, prompt: str, out: Path, seed: int, demo) -> None:
     from spindle.infer.generator import DiffusionGenerator
 
     gen = DiffusionGenerator.from_pretrained(model_dir)
-    result = gen.generate(prompt=prompt, height=demo.size[0], width=demo.size[1], num_inference_steps=20, seed=seed,
-                          **demo.sample_kwargs)
+    result = gen.generate(
+        prompt=prompt, height=demo.size[0], width=demo.size[1], num_inference_steps=20, seed=seed, **demo.sample_kwargs
+    )
     result.save(out)

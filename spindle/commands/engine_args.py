@@ -9,8 +9,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine options")
     g.add_argument("--device", default=None, help="cpu / cuda (default: cuda if available)")
     g.add_argument("--dtype", default="float32", help="transformer + text encoder dtype (float32, bfloat16)")
-    g.add_argument("--no-cfg-batch", dest="cfg_batch", action="store_false",
-                   help="run conditional and unconditional as two forwards (default: one batched forward)")
+    g.add_argument(
+        "--no-cfg-batch",
+        dest="cfg_batch",
+        action="store_false",
+        help="run conditional and unconditional as two forwards (default: one batched forward)",
+    )
     g.add_argument("--compile", action="store_true", help="torch.compile the repeated transformer blocks")
     g.add_argument("--cache", choices=["fbc"], default=None, help="step caching: fbc = first-block cache")
     g.add_argument("--cache-threshold", type=float, default=0.05, help="cache threshold (higher: faster, lossier)")
@@ -21,8 +25,16 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 def engine_options(args: argparse.Namespace) -> dict:
     """The `DiffusionGenerator.from_pretrained` keyword arguments the flags above stand for."""
-    return dict(device=args.device, dtype=args.dtype, cfg_batch=args.cfg_batch, compile=args.compile,
-                cache=args.cache, cache_threshold=args.cache_threshold, sp=args.sp, cfg_parallel=args.cfg_parallel)
+    return dict(
+        device=args.device,
+        dtype=args.dtype,
+        cfg_batch=args.cfg_batch,
+        compile=args.compile,
+        cache=args.cache,
+        cache_threshold=args.cache_threshold,
+        sp=args.sp,
+        cfg_parallel=args.cfg_parallel,
+    )
 
 
 def check_world_size(args: argparse.Namespace) -> tuple[int, bool]:

@@ -32,8 +32,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed (random if omitted; printed)")
     p.add_argument("--out", required=True, help="output file: .mp4 for video, .png for images")
     p.add_argument("--fps", type=int, default=16, help="frames per second of the mp4 (default 16)")
-    p.add_argument("--no-psnr", dest="psnr", action="store_false",
-                   help="with --cache: skip the exact reference run that measures PSNR")
+    p.add_argument(
+        "--no-psnr",
+        dest="psnr",
+        action="store_false",
+        help="with --cache: skip the exact reference run that measures PSNR",
+    )
     add_engine_arguments(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -58,9 +62,16 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     gen = DiffusionGenerator.from_pretrained(args.model, **engine_options(args))
     load_s = time.perf_counter() - start
-    request = dict(prompt=args.prompt, negative_prompt=args.negative_prompt, height=args.height, width=args.width,
-                   num_frames=args.num_frames, num_inference_steps=args.steps, guidance_scale=args.guidance,
-                   seed=args.seed)
+    request = dict(
+        prompt=args.prompt,
+        negative_prompt=args.negative_prompt,
+        height=args.height,
+        width=args.width,
+        num_frames=args.num_frames,
+        num_inference_steps=args.steps,
+        guidance_scale=args.guidance,
+        seed=args.seed,
+    )
     if gen.spec.media != "video":
         request.pop("num_frames")
     if args.compile:
@@ -92,9 +103,11 @@ def run(args: argparse.Namespace) -> int:
         if nproc == 1:
             gen.transformer.disable_cache()
             exact = gen.generate(**{**request, "seed": result.seed})
-            print(f"cache {args.cache} (threshold {args.cache_threshold}): PSNR "
-                  f"{psnr(result.frames, exact.frames):.2f} dB vs exact; denoising {result.timings['denoising']:.2f}s "
-                  f"cached vs {exact.timings['denoising']:.2f}s exact")
+            print(
+                f"cache {args.cache} (threshold {args.cache_threshold}): PSNR "
+                f"{psnr(result.frames, exact.frames):.2f} dB vs exact; denoising {result.timings['denoising']:.2f}s "
+                f"cached vs {exact.timings['denoising']:.2f}s exact"
+            )
         else:
             print("cache: PSNR vs exact is reported for single-process runs only (run with --nproc 1)")
     print(f"load {load_s:.2f}s | " + _format_timings(result.timings))

@@ -35,12 +35,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=30000, help="port (default 30000)")
     p.add_argument("--served-model-name", default=None, help="model id in /v1/models (default: the folder name)")
     p.add_argument("--max-queue", type=int, default=16, help="jobs that may wait; one more gets 429 (default 16)")
-    p.add_argument("--result-ttl", type=float, default=3600.0,
-                   help="seconds a finished job's result is kept (then 410; default 3600)")
-    p.add_argument("--shutdown-grace", type=float, default=30.0,
-                   help="on SIGTERM, seconds the running job may take to finish before it is cancelled")
-    p.add_argument("--keep-frames", action="store_true",
-                   help="also keep each result's float32 frames (GET .../content?variant=npy; memory heavy)")
+    p.add_argument(
+        "--result-ttl",
+        type=float,
+        default=3600.0,
+        help="seconds a finished job's result is kept (then 410; default 3600)",
+    )
+    p.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds the running job may take to finish before it is cancelled",
+    )
+    p.add_argument(
+        "--keep-frames",
+        action="store_true",
+        help="also keep each result's float32 frames (GET .../content?variant=npy; memory heavy)",
+    )
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up generation")
     p.add_argument("--warmup-size", default=None, help="warm-up size WxH (default: the model's default size)")
     p.add_argument("--warmup-frames", type=int, default=1, help="warm-up frame count for video models (default 1)")
@@ -121,18 +132,36 @@ def run(args: argparse.Namespace) -> int:
     from spindle.serve import build_app
 
     model_id = args.served_model_name or Path(args.model).resolve().name
-    app = build_app(gen, model_id=model_id, root=str(Path(args.model).resolve()), max_queue=args.max_queue,
-                    result_ttl=args.result_ttl, keep_frames=args.keep_frames, fanout=fanout,
-                    shutdown_grace=args.shutdown_grace)
+    app = build_app(
+        gen,
+        model_id=model_id,
+        root=str(Path(args.model).resolve()),
+        max_queue=args.max_queue,
+        result_ttl=args.result_ttl,
+        keep_frames=args.keep_frames,
+        fanout=fanout,
+        shutdown_grace=args.shutdown_grace,
+    )
     state = app.state.serve
     try:
         if args.warmup:
             params = state.engine.warmup_params(warmup_size, args.warmup_frames, args.warmup_steps)
             seconds = state.worker.warmup(params)
-            log.info("warm-up (%sx%s, %s frames, %d steps): %.2f s", params.width, params.height,
-                     params.num_frames, params.num_inference_steps, seconds)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                timeout_graceful_shutdown=max(1, int(args.shutdown_grace)))
+            log.info(
+                "warm-up (%sx%s, %s frames, %d steps): %.2f s",
+                params.width,
+                params.height,
+                params.num_frames,
+                params.num_inference_steps,
+                seconds,
+            )
+        config = uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=max(1, int(args.shutdown_grace)),
+        )
         server = uvicorn.Server(config)
         # uvicorn re-raises the signal that stopped it once it has shut down gracefully; with these
         # no-op handlers that re-raise does nothing and a clean stop exits 0.

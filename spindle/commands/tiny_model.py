@@ -18,8 +18,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("family", choices=family_names(), help="model family")
     p.add_argument("out", help="output folder (a diffusers pipeline folder)")
     p.add_argument("--seed", type=int, default=0, help="seed for the random weights (default 0)")
-    p.add_argument("--transformer", type=json.loads, default=None, metavar="JSON",
-                   help='overrides for the transformer config, e.g. \'{"num_layers": 4}\'')
+    p.add_argument(
+        "--transformer",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help="overrides for the transformer config, e.g. '{\"num_layers\": 4}'",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -154,10 +154,10 @@ def _manifest_entry(manifest: Path, lineno: int, line: str) -> Sample:
     except json.JSONDecodeError as exc:
         raise ValueError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
     if not isinstance(entry, dict):
-        raise ValueError(f"{where}: expected an object like {{\"path\": ..., \"caption\": ...}}")
+        raise ValueError(f'{where}: expected an object like {{"path": ..., "caption": ...}}')
     for key in ("path", "caption"):
         if key not in entry:
-            raise ValueError(f"{where}: missing key {key!r} (each line needs \"path\" and \"caption\")")
+            raise ValueError(f'{where}: missing key {key!r} (each line needs "path" and "caption")')
         if not isinstance(entry[key], str):
             raise ValueError(f"{where}: {key!r} must be a string; got {type(entry[key]).__name__}")
     path = Path(entry["path"]).expanduser()
@@ -218,7 +218,5 @@ def build_dataset(
     else:
         raise ValueError(f"dataset path {path} must be a folder or a .jsonl manifest")
     if not samples:
-        raise ValueError(
-            f"dataset {path} has no samples (media extensions: {', '.join(sorted(MEDIA_EXTENSIONS))})"
-        )
+        raise ValueError(f"dataset {path} has no samples (media extensions: {', '.join(sorted(MEDIA_EXTENSIONS))})")
     return MediaDataset(samples, resolution, num_frames, skip_bad_samples=skip_bad_samples)

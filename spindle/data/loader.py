@@ -108,7 +108,7 @@ class ResumableLoader:
         )
         return iter(loader)
 
-    def __iter__(self) -> "ResumableLoader":
+    def __iter__(self) -> ResumableLoader:
         return self
 
     def __next__(self) -> Any:

@@ -158,9 +158,7 @@ def _count_frames(path: Path) -> int:
         container.close()
 
 
-def _decode_selected(
-    path: Path, indices: list[int], resolution: tuple[int, int]
-) -> tuple[dict[int, Image.Image], int]:
+def _decode_selected(path: Path, indices: list[int], resolution: tuple[int, int]) -> tuple[dict[int, Image.Image], int]:
     """Decode frames in order, keeping (resized) only the wanted ones; returns them and how many
     frames were decoded. Stops early once the last wanted frame is reached."""
     wanted = set(indices)

@@ -147,7 +147,9 @@ def export_pipeline(source_root: str | Path, state_dict: dict[str, torch.Tensor]
     model = cls.from_config(cls.load_config(source_root / "transformer"))
     missing, unexpected = model.load_state_dict(state_dict, strict=False)
     if missing or unexpected:
-        raise RuntimeError(f"trained weights do not fit {cls.__name__}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise RuntimeError(
+            f"trained weights do not fit {cls.__name__}: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     model.save_pretrained(tmp / "transformer", safe_serialization=True)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

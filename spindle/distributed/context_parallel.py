@@ -24,7 +24,8 @@ FSDP must therefore divide by the data-parallel size only, not by `dp_shard x sp
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -138,7 +139,9 @@ def _ring_ulysses_mesh(sp_mesh: DeviceMesh) -> DeviceMesh:
     return sp_mesh._unflatten(0, (1, sp_mesh.size()), ("ring", "ulysses"))
 
 
-def enable_sequence_parallel(transformer: torch.nn.Module, sp_mesh: DeviceMesh, plan: dict | None = None) -> torch.nn.Module:
+def enable_sequence_parallel(
+    transformer: torch.nn.Module, sp_mesh: DeviceMesh, plan: dict | None = None
+) -> torch.nn.Module:
     """Apply diffusers' Ulysses context parallelism over `sp_mesh` (degree = its size), in place.
 
     Uses the model's `_cp_plan` unless `plan` is given. A no-op when the SP size is 1. Call it

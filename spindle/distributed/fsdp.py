@@ -25,7 +25,7 @@ tests/test_distributed_parallel.py against single-process gradients.
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist

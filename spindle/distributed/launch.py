@@ -43,8 +43,15 @@ def strip_nproc(argv: list[str]) -> list[str]:
 
 def torchrun_command(nproc: int, argv: list[str], module: str = "spindle") -> list[str]:
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-        "-m", module, *strip_nproc(argv),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        "-m",
+        module,
+        *strip_nproc(argv),
     ]
 
 

@@ -23,7 +23,7 @@ class ParallelDims:
     dp_shard: int = -1  # -1: whatever is left of the world size
     sp: int = 1
 
-    def resolve(self, world_size: int) -> "ParallelDims":
+    def resolve(self, world_size: int) -> ParallelDims:
         """Fill in dp_shard=-1 and check the product equals the world size."""
         for name in ("dp_replicate", "sp"):
             if getattr(self, name) < 1:

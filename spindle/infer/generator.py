@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,7 +38,9 @@ class GenerationResult:
         path = Path(path)
         frames = self.frames
         items = [frames[i] for i in range(frames.shape[0])]
-        paths = [path] if len(items) == 1 else [path.with_name(f"{path.stem}_{i}{path.suffix}") for i in range(len(items))]
+        paths = (
+            [path] if len(items) == 1 else [path.with_name(f"{path.stem}_{i}{path.suffix}") for i in range(len(items))]
+        )
         for item, p in zip(items, paths):
             p.parent.mkdir(parents=True, exist_ok=True)
             if self.media == "video":
@@ -69,7 +72,7 @@ class DiffusionGenerator:
         self.defaults = pipeline.spec.default_params(pipeline.components)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, **engine_options: Any) -> "DiffusionGenerator":
+    def from_pretrained(cls, path: str | Path, **engine_options: Any) -> DiffusionGenerator:
         known = {f.name for f in dataclasses.fields(EngineOptions)}
         unknown = sorted(set(engine_options) - known)
         if unknown:
@@ -94,14 +97,19 @@ class DiffusionGenerator:
         self.pipeline.before_denoising.validate(params)
         return params
 
-    def make_request(self, params: SamplingParams, progress: Callable[[int, int], None] | None = None,
-                     should_stop: Callable[[], bool] | None = None) -> Req:
+    def make_request(
+        self,
+        params: SamplingParams,
+        progress: Callable[[int, int], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> Req:
         if params.seed is None:
             params = dataclasses.replace(params, seed=self._shared_seed(random.SystemRandom().randrange(2**31)))
         params = self.validate(params)
         generator = torch.Generator(device="cpu").manual_seed(int(params.seed))
-        return Req(params=params, device=self.pipeline.device, generator=generator, progress=progress,
-                   should_stop=should_stop)
+        return Req(
+            params=params, device=self.pipeline.device, generator=generator, progress=progress, should_stop=should_stop
+        )
 
     def _shared_seed(self, seed: int) -> int:
         """Multi-process: every rank must draw the same noise, so rank 0's seed is broadcast."""
@@ -132,15 +140,28 @@ class DiffusionGenerator:
         """Generate; `progress(step, total)` is called after each denoising step, `should_stop()` is
         checked before each step (a True raises `Cancelled`). `seed=None` draws one (reported back)."""
         params = SamplingParams(
-            prompt=prompt, negative_prompt=negative_prompt, height=height, width=width, num_frames=num_frames,
-            num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, seed=seed,
-            num_outputs_per_prompt=num_outputs_per_prompt, max_sequence_length=max_sequence_length, extra=extra,
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            height=height,
+            width=width,
+            num_frames=num_frames,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            seed=seed,
+            num_outputs_per_prompt=num_outputs_per_prompt,
+            max_sequence_length=max_sequence_length,
+            extra=extra,
         )
         return self.run(params, progress=progress, should_stop=should_stop)
 
-    def run(self, params: SamplingParams, progress: Callable[[int, int], None] | None = None,
-            should_stop: Callable[[], bool] | None = None) -> GenerationResult:
+    def run(
+        self,
+        params: SamplingParams,
+        progress: Callable[[int, int], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> GenerationResult:
         req = self.pipeline.run(self.make_request(params, progress, should_stop))
         frames = np.asarray(req.output, dtype=np.float32)
-        return GenerationResult(frames=frames, media=self.spec.media, timings=dict(req.timings),
-                                seed=req.params.seed, params=req.params)
+        return GenerationResult(
+            frames=frames, media=self.spec.media, timings=dict(req.timings), seed=req.params.seed, params=req.params
+        )

@@ -25,8 +25,14 @@ from spindle.infer.stages import BeforeDenoisingStage, DecodingStage, DenoisingS
 
 ALLOWED_LIBRARIES = ("diffusers", "transformers")
 CACHE_KINDS = ("fbc",)  # diffusers FirstBlockCacheConfig
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 @dataclass
@@ -67,7 +73,9 @@ class EngineOptions:
 def read_model_index(root: str | Path) -> dict:
     path = Path(root) / "model_index.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: the model must be a diffusers pipeline folder with model_index.json")
+        raise FileNotFoundError(
+            f"{path} not found: the model must be a diffusers pipeline folder with model_index.json"
+        )
     return json.loads(path.read_text())
 
 
@@ -129,8 +137,15 @@ def apply_compile(transformer: torch.nn.Module) -> None:
 class InferencePipeline:
     """Stages + loaded components of one checkpoint. `run(req)` times each stage into `req.timings`."""
 
-    def __init__(self, spec: InferenceSpec, components: dict[str, Any], stages: list[Stage], options: EngineOptions,
-                 root: Path | None = None, mesh: Any = None):
+    def __init__(
+        self,
+        spec: InferenceSpec,
+        components: dict[str, Any],
+        stages: list[Stage],
+        options: EngineOptions,
+        root: Path | None = None,
+        mesh: Any = None,
+    ):
         self.spec = spec
         self.components = components
         self.stages = stages
@@ -152,7 +167,7 @@ class InferencePipeline:
         return next(s for s in self.stages if isinstance(s, DenoisingStage))
 
     @classmethod
-    def from_pretrained(cls, root: str | Path, options: EngineOptions | None = None) -> "InferencePipeline":
+    def from_pretrained(cls, root: str | Path, options: EngineOptions | None = None) -> InferencePipeline:
         from spindle.registry import resolve_family
 
         options = options or EngineOptions()
@@ -164,8 +179,9 @@ class InferencePipeline:
         return cls.build(spec, components, options, root=root)
 
     @classmethod
-    def build(cls, spec: InferenceSpec, components: dict[str, Any], options: EngineOptions,
-              root: Path | None = None) -> "InferencePipeline":
+    def build(
+        cls, spec: InferenceSpec, components: dict[str, Any], options: EngineOptions, root: Path | None = None
+    ) -> InferencePipeline:
         transformer = components[spec.transformer_component]
         mesh, cfg_group = None, None
         if options.world_size_needed > 1:

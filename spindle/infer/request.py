@@ -9,8 +9,9 @@ Decoding sets `output`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -39,7 +40,7 @@ class SamplingParams:
     max_sequence_length: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # family-specific knobs
 
-    def merged_with(self, defaults: "SamplingParams") -> "SamplingParams":
+    def merged_with(self, defaults: SamplingParams) -> SamplingParams:
         """A copy with every `None` field taken from `defaults`."""
         values = {}
         for f in dataclasses.fields(self):
@@ -83,7 +84,9 @@ class SamplingParams:
         if isinstance(self.guidance_scale, bool) or not isinstance(self.guidance_scale, (int, float)):
             raise RequestError(f"guidance_scale must be a number (> 1 enables CFG); got {self.guidance_scale!r}")
         if self.guidance_scale < 0:
-            raise RequestError(f"guidance_scale must be >= 0 (> 1 enables CFG, <= 1 disables it); got {self.guidance_scale}")
+            raise RequestError(
+                f"guidance_scale must be >= 0 (> 1 enables CFG, <= 1 disables it); got {self.guidance_scale}"
+            )
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=0)
 
@@ -108,10 +111,12 @@ def check_multiple(name: str, value: Any, multiple: int, why: str) -> None:
     is_int = isinstance(value, int) and not isinstance(value, bool)
     if not is_int or value < multiple or value % multiple:
         hint = f"; try {suggest(value, multiple)}" if is_int else ""
-        raise RequestError(f"{name} must be a positive multiple of {multiple} for this model ({why}) (got {value!r}){hint}")
+        raise RequestError(
+            f"{name} must be a positive multiple of {multiple} for this model ({why}) (got {value!r}){hint}"
+        )
 
 
-def check_size(params: "SamplingParams", h_multiple: int, w_multiple: int, why: str) -> None:
+def check_size(params: SamplingParams, h_multiple: int, w_multiple: int, why: str) -> None:
     """height and width of a request: positive multiples of what the model takes (see `check_multiple`)."""
     check_multiple("height", params.height, h_multiple, why)
     check_multiple("width", params.width, w_multiple, why)
@@ -120,7 +125,12 @@ def check_size(params: "SamplingParams", h_multiple: int, w_multiple: int, why: 
 def check_int_range(name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
     """An integer in [minimum, maximum] (no upper bound when `maximum` is None)."""
     bounds = f">= {minimum}" if maximum is None else f"between {minimum} and {maximum}"
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (maximum is not None and value > maximum):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < minimum
+        or (maximum is not None and value > maximum)
+    ):
         raise RequestError(f"{name} must be an integer {bounds}; got {value!r}")
 
 

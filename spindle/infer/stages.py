@@ -55,7 +55,7 @@ class BeforeDenoisingStage(Stage):
 
     name = "before_denoising"
 
-    def __init__(self, components: dict[str, Any], spec: "InferenceSpec"):
+    def __init__(self, components: dict[str, Any], spec: InferenceSpec):
         self.components = components
         self.spec = spec
 
@@ -100,8 +100,10 @@ class InferenceSpec:
                         f"cannot batch CFG: {key!r} has shape {tuple(a.shape)} (cond) vs {tuple(b.shape)} (uncond)"
                     )
                 merged[key] = torch.cat([a, b], dim=0)
-            elif a is b or (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)) or (
-                not isinstance(a, torch.Tensor) and a == b
+            elif (
+                a is b
+                or (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b))
+                or (not isinstance(a, torch.Tensor) and a == b)
             ):
                 merged[key] = a
             else:
@@ -155,7 +157,7 @@ class DenoisingStage(Stage):
         transformer: torch.nn.Module,
         spec: InferenceSpec,
         cfg_batch: bool = True,
-        cfg_group: "dist.ProcessGroup | None" = None,
+        cfg_group: dist.ProcessGroup | None = None,
         sp: int = 1,
     ):
         self.transformer = transformer

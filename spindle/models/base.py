@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -48,7 +49,7 @@ class DiTFamily:
     demo: DemoSpec | None = None
     extras: dict[str, Any] = field(default_factory=dict)
 
-    def condition_model_cls(self) -> type["ConditionModel"]:
+    def condition_model_cls(self) -> type[ConditionModel]:
         return import_object(self.condition_model)
 
     def inference_spec(self) -> Any:
@@ -106,13 +107,19 @@ def sample_sigmas(
 
     if cfg.scheme not in TIMESTEP_SCHEMES:
         raise ValueError(f"unknown timestep scheme {cfg.scheme!r}; choose one of {TIMESTEP_SCHEMES}")
-    u = torch.cat([
-        compute_density_for_timestep_sampling(
-            weighting_scheme=cfg.scheme, batch_size=1, logit_mean=cfg.logit_mean, logit_std=cfg.logit_std,
-            mode_scale=cfg.mode_scale, generator=g,
-        )
-        for g in generators
-    ]).clamp(0.0, 1.0)
+    u = torch.cat(
+        [
+            compute_density_for_timestep_sampling(
+                weighting_scheme=cfg.scheme,
+                batch_size=1,
+                logit_mean=cfg.logit_mean,
+                logit_std=cfg.logit_std,
+                mode_scale=cfg.mode_scale,
+                generator=g,
+            )
+            for g in generators
+        ]
+    ).clamp(0.0, 1.0)
     if shift_fn is not None and cfg.shift == 1.0:
         return shift_fn(u)
     return shift_sigmas(u, cfg.shift)
@@ -149,8 +156,11 @@ def resolution_shift(scheduler: Any, image_seq_len: int) -> tuple[float, Callabl
 
     cfg = scheduler.config
     mu = calculate_shift(
-        image_seq_len, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
-        cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15),
+        image_seq_len,
+        cfg.get("base_image_seq_len", 256),
+        cfg.get("max_image_seq_len", 4096),
+        cfg.get("base_shift", 0.5),
+        cfg.get("max_shift", 1.15),
     )
     return mu, lambda sigmas: scheduler.time_shift(mu, 1.0, sigmas)
 
@@ -176,16 +186,14 @@ class ConditionModel(ABC):
     @abstractmethod
     def from_pretrained(
         cls, root: str | Path, device: torch.device, dtype: torch.dtype, max_text_length: int = 512
-    ) -> "ConditionModel": ...
+    ) -> ConditionModel: ...
 
     @abstractmethod
     def encode(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         """Raw batch {"pixels": [B,C,F,H,W] in [-1,1], "caption": list[str]} -> conditions."""
 
     @abstractmethod
-    def training_inputs(
-        self, conditions: dict[str, torch.Tensor], generators: list[torch.Generator]
-    ) -> dict[str, Any]:
+    def training_inputs(self, conditions: dict[str, torch.Tensor], generators: list[torch.Generator]) -> dict[str, Any]:
         """Conditions + one generator per sample -> transformer forward kwargs + "target" + "sigmas"."""
 
 
@@ -209,9 +217,12 @@ class PipelineConditionModel(ConditionModel):
 
     @classmethod
     def from_pretrained(
-        cls, root: str | Path, device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.float32,
+        cls,
+        root: str | Path,
+        device: torch.device = torch.device("cpu"),
+        dtype: torch.dtype = torch.float32,
         max_text_length: int = 512,
-    ) -> "PipelineConditionModel":
+    ) -> PipelineConditionModel:
         pipe = import_object(cls.pipeline_class).from_pretrained(root, transformer=None, dtype=dtype)
         pipe.to(device)
         for module in pipe.components.values():

@@ -14,9 +14,18 @@ from spindle.serve.worker import Engine, RankFanout, Worker
 __all__ = ["Engine", "Job", "JobStore", "RankFanout", "Worker", "build_app"]
 
 
-def build_app(generator: Any, *, model_id: str, root: str | None = None, max_queue: int = 16,
-              result_ttl: float = 3600.0, keep_frames: bool = False, fanout: RankFanout | None = None,
-              shutdown_grace: float = 30.0, cancel_wait: float = 10.0) -> Any:
+def build_app(
+    generator: Any,
+    *,
+    model_id: str,
+    root: str | None = None,
+    max_queue: int = 16,
+    result_ttl: float = 3600.0,
+    keep_frames: bool = False,
+    fanout: RankFanout | None = None,
+    shutdown_grace: float = 30.0,
+    cancel_wait: float = 10.0,
+) -> Any:
     """A FastAPI app over a loaded generator (the worker thread starts with the app's lifespan).
     `app.state.serve` holds the engine, store and worker."""
     from spindle.serve.app import create_app

@@ -53,8 +53,18 @@ log = logging.getLogger("spindle.serve")
 
 # engine field (first word of a RequestError) -> the HTTP request field that carries it
 _FIELD_FOR = {"height": "size", "width": "size", "num_outputs_per_prompt": "n"}
-_ENGINE_FIELDS = ("prompt", "negative_prompt", "num_inference_steps", "num_outputs_per_prompt", "guidance_scale",
-                  "seed", "height", "width", "num_frames", "max_sequence_length")
+_ENGINE_FIELDS = (
+    "prompt",
+    "negative_prompt",
+    "num_inference_steps",
+    "num_outputs_per_prompt",
+    "guidance_scale",
+    "seed",
+    "height",
+    "width",
+    "num_frames",
+    "max_sequence_length",
+)
 
 
 def request_error(e: RequestError, *, seconds_given: bool = False) -> APIError:
@@ -101,8 +111,12 @@ def _parse_form(body: bytes, content_type: str) -> dict[str, Any]:
         if not name:
             continue
         if part.get_filename() is not None:
-            raise APIError(400, f"{name}: file uploads are not supported (text-to-video only)", param=name,
-                           code="unsupported_parameter")
+            raise APIError(
+                400,
+                f"{name}: file uploads are not supported (text-to-video only)",
+                param=name,
+                code="unsupported_parameter",
+            )
         payload = part.get_payload(decode=True) or b""
         fields[name] = payload.decode(part.get_content_charset() or "utf-8")
     return fields
@@ -127,18 +141,32 @@ class ServeState:
             err = VideoError(code=job.error.get("code") or "error", message=job.error["message"])
         frames = p.num_frames or 1
         return VideoJob(
-            id=job.id, model=job.model, status=job.status, progress=job.progress, created_at=int(job.created_at),
+            id=job.id,
+            model=job.model,
+            status=job.status,
+            progress=job.progress,
+            created_at=int(job.created_at),
             completed_at=int(job.completed_at) if job.completed_at else None,
-            expires_at=int(job.expires_at) if job.expires_at else None, prompt=p.prompt if isinstance(p.prompt, str) else None,
-            seconds=f"{frames / self.engine.fps:g}", size=f"{p.width}x{p.height}", error=err, num_frames=p.num_frames,
-            fps=self.engine.fps, seed=p.seed, num_inference_steps=p.num_inference_steps, guidance_scale=p.guidance_scale,
+            expires_at=int(job.expires_at) if job.expires_at else None,
+            prompt=p.prompt if isinstance(p.prompt, str) else None,
+            seconds=f"{frames / self.engine.fps:g}",
+            size=f"{p.width}x{p.height}",
+            error=err,
+            num_frames=p.num_frames,
+            fps=self.engine.fps,
+            seed=p.seed,
+            num_inference_steps=p.num_inference_steps,
+            guidance_scale=p.guidance_scale,
             queue_position=self.store.queue_position(job) if job.status == "queued" else None,
-            notes=list(meta.get("notes", [])), timings=job.timings, deleted=meta.get("deleted"),
+            notes=list(meta.get("notes", [])),
+            timings=job.timings,
+            deleted=meta.get("deleted"),
         ).model_dump()
 
 
-def create_app(engine: Engine, store: JobStore, worker: Worker, *, shutdown_grace: float = 30.0,
-               cancel_wait: float = 10.0) -> FastAPI:
+def create_app(
+    engine: Engine, store: JobStore, worker: Worker, *, shutdown_grace: float = 30.0, cancel_wait: float = 10.0
+) -> FastAPI:
     """The app over a loaded engine. The worker thread starts with the app (lifespan) and stops
     with it: no new jobs, waiting ones cancelled, the running one finished (or cancelled after
     `shutdown_grace` s)."""
@@ -173,36 +201,57 @@ def create_app(engine: Engine, store: JobStore, worker: Worker, *, shutdown_grac
             name = ".".join(loc) or "body"
             params.append(name)
             parts.append(f"{name}: {err.get('msg')}")
-        return JSONResponse(error_body("; ".join(parts) or "invalid request", "invalid_request_error",
-                                       params[0] if params else None, "invalid_value"), status_code=422)
+        return JSONResponse(
+            error_body(
+                "; ".join(parts) or "invalid request",
+                "invalid_request_error",
+                params[0] if params else None,
+                "invalid_value",
+            ),
+            status_code=422,
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         if exc.status_code == 404:
             message = f"no route {request.method} {request.url.path}"
-        return JSONResponse(error_body(message, "invalid_request_error" if exc.status_code < 500 else "server_error",
-                                       None, str(exc.status_code)), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return JSONResponse(
+            error_body(
+                message,
+                "invalid_request_error" if exc.status_code < 500 else "server_error",
+                None,
+                str(exc.status_code),
+            ),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error", None,
-                                       "internal_error"), status_code=500)
+        return JSONResponse(
+            error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error", None, "internal_error"),
+            status_code=500,
+        )
 
     # ---------------------------------------------------------------- meta
 
     @app.get("/health")
     async def health():
         ok = worker.alive and not state.shutting_down and not store.closed
-        body = {"status": "ok" if ok else "unavailable", "model": engine.model_id, "media": engine.media,
-                "queue": store.stats()}
+        body = {
+            "status": "ok" if ok else "unavailable",
+            "model": engine.model_id,
+            "media": engine.media,
+            "queue": store.stats(),
+        }
         return JSONResponse(body, status_code=200 if ok else 503)
 
     def model_card() -> ModelCard:
-        return ModelCard(id=engine.model_id, created=state.created, family=engine.family, media=engine.media,
-                         root=engine.root)
+        return ModelCard(
+            id=engine.model_id, created=state.created, family=engine.family, media=engine.media, root=engine.root
+        )
 
     @app.get("/v1/models")
     async def models():
@@ -211,8 +260,12 @@ def create_app(engine: Engine, store: JobStore, worker: Worker, *, shutdown_grac
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         if model_id != engine.model_id:
-            raise APIError(404, f"model {model_id!r} is not served here; this server serves {engine.model_id!r}",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"model {model_id!r} is not served here; this server serves {engine.model_id!r}",
+                param="model",
+                code="model_not_found",
+            )
         return model_card().model_dump()
 
     # ---------------------------------------------------------------- images
@@ -220,23 +273,38 @@ def create_app(engine: Engine, store: JobStore, worker: Worker, *, shutdown_grac
     @app.post("/v1/images/generations")
     async def images_generations(body: ImageGenerationRequest):
         if engine.media != "image":
-            raise APIError(400, f"{engine.model_id} is a {engine.media} model ({engine.family}); it does not generate "
-                           "images here: create a video job with POST /v1/videos", param="model",
-                           code="use_videos_endpoint")
+            raise APIError(
+                400,
+                f"{engine.model_id} is a {engine.media} model ({engine.family}); it does not generate "
+                "images here: create a video job with POST /v1/videos",
+                param="model",
+                code="use_videos_endpoint",
+            )
         if body.stream:
-            raise APIError(400, "stream: streaming image generation is not supported", param="stream",
-                           code="unsupported_parameter")
+            raise APIError(
+                400, "stream: streaming image generation is not supported", param="stream", code="unsupported_parameter"
+            )
         if body.response_format not in (None, "b64_json"):
-            raise APIError(400, "response_format: only 'b64_json' is supported (this server keeps no image URLs)",
-                           param="response_format", code="unsupported_parameter")
+            raise APIError(
+                400,
+                "response_format: only 'b64_json' is supported (this server keeps no image URLs)",
+                param="response_format",
+                code="unsupported_parameter",
+            )
         if body.output_format not in (None, "png"):
-            raise APIError(400, "output_format: only 'png' is supported", param="output_format",
-                           code="unsupported_parameter")
+            raise APIError(
+                400, "output_format: only 'png' is supported", param="output_format", code="unsupported_parameter"
+            )
         size = parse_size(body.size)
         params = SamplingParams(
-            prompt=body.prompt, negative_prompt=body.negative_prompt, width=size[0] if size else None,
-            height=size[1] if size else None, num_inference_steps=body.num_inference_steps,
-            guidance_scale=body.guidance_scale, seed=body.seed, num_outputs_per_prompt=body.n or 1,
+            prompt=body.prompt,
+            negative_prompt=body.negative_prompt,
+            width=size[0] if size else None,
+            height=size[1] if size else None,
+            num_inference_steps=body.num_inference_steps,
+            guidance_scale=body.guidance_scale,
+            seed=body.seed,
+            num_outputs_per_prompt=body.n or 1,
         )
         try:
             params = engine.validate(params)
@@ -251,15 +319,23 @@ def create_app(engine: Engine, store: JobStore, worker: Worker, *, shutdown_grac
         try:
             if job.status == "completed":
                 return ImagesResponse(
-                    created=int(job.created_at), data=[ImageData(b64_json=_b64(png)) for png in job.images or []],
-                    size=f"{params.width}x{params.height}", seed=params.seed, timings=job.timings,
+                    created=int(job.created_at),
+                    data=[ImageData(b64_json=_b64(png)) for png in job.images or []],
+                    size=f"{params.width}x{params.height}",
+                    seed=params.seed,
+                    timings=job.timings,
                 ).model_dump()
             if job.status == "failed":
                 err = job.error or {}
-                raise APIError(int(err.get("status", 500)), err.get("message", "generation failed"),
-                               code=err.get("code"), type=err.get("type"))
-            raise APIError(503, "the request was cancelled (the server is shutting down)", code="cancelled",
-                           type="server_error")
+                raise APIError(
+                    int(err.get("status", 500)),
+                    err.get("message", "generation failed"),
+                    code=err.get("code"),
+                    type=err.get("type"),
+                )
+            raise APIError(
+                503, "the request was cancelled (the server is shutting down)", code="cancelled", type="server_error"
+            )
         finally:
             store.delete(job)
 
@@ -283,22 +359,33 @@ def create_app(engine: Engine, store: JobStore, worker: Worker, *, shutdown_grac
         except ValidationError as e:
             raise RequestValidationError(e.errors()) from None
         if engine.media != "video":
-            raise APIError(400, f"{engine.model_id} is an {engine.media} model ({engine.family}); generate images "
-                           "with POST /v1/images/generations", param="model", code="use_images_endpoint")
+            raise APIError(
+                400,
+                f"{engine.model_id} is an {engine.media} model ({engine.family}); generate images "
+                "with POST /v1/images/generations",
+                param="model",
+                code="use_images_endpoint",
+            )
         notes = []
         num_frames = body.num_frames
         if body.seconds is not None:
             if num_frames is not None:
-                raise APIError(400, "seconds: give either num_frames or seconds, not both", param="seconds",
-                               code="invalid_request")
+                raise APIError(
+                    400, "seconds: give either num_frames or seconds, not both", param="seconds", code="invalid_request"
+                )
             num_frames, note = engine.frames_for_seconds(body.seconds)
             if note:
                 notes.append(note)
         size = parse_size(body.size)
         params = SamplingParams(
-            prompt=body.prompt, negative_prompt=body.negative_prompt, width=size[0] if size else None,
-            height=size[1] if size else None, num_frames=num_frames, num_inference_steps=body.num_inference_steps,
-            guidance_scale=body.guidance_scale, seed=body.seed,
+            prompt=body.prompt,
+            negative_prompt=body.negative_prompt,
+            width=size[0] if size else None,
+            height=size[1] if size else None,
+            num_frames=num_frames,
+            num_inference_steps=body.num_inference_steps,
+            guidance_scale=body.guidance_scale,
+            seed=body.seed,
         )
         try:
             params = engine.validate(params)
@@ -320,28 +407,49 @@ def create_app(engine: Engine, store: JobStore, worker: Worker, *, shutdown_grac
     async def video_content(video_id: str, variant: str = "video"):
         job = store.get(video_id, "video")
         if variant not in ("video", "thumbnail", "npy"):
-            raise APIError(400, f"variant must be 'video', 'thumbnail' or 'npy'; got {variant!r}", param="variant",
-                           code="unsupported_parameter")
+            raise APIError(
+                400,
+                f"variant must be 'video', 'thumbnail' or 'npy'; got {variant!r}",
+                param="variant",
+                code="unsupported_parameter",
+            )
         if job.status == "failed":
             err = job.error or {}
-            raise APIError(int(err.get("status", 500)), f"{video_id} failed: {err.get('message', 'generation failed')}",
-                           code=err.get("code") or "generation_failed", type=err.get("type"))
+            raise APIError(
+                int(err.get("status", 500)),
+                f"{video_id} failed: {err.get('message', 'generation failed')}",
+                code=err.get("code") or "generation_failed",
+                type=err.get("type"),
+            )
         if job.status == "cancelled":
-            raise APIError(409, f"{video_id} was cancelled; it has no content", param="video_id", code="video_cancelled")
+            raise APIError(
+                409, f"{video_id} was cancelled; it has no content", param="video_id", code="video_cancelled"
+            )
         if job.status != "completed":
-            raise APIError(409, f"{video_id} is not ready (status {job.status}, progress {job.progress}%)",
-                           param="video_id", code="video_not_ready")
+            raise APIError(
+                409,
+                f"{video_id} is not ready (status {job.status}, progress {job.progress}%)",
+                param="video_id",
+                code="video_not_ready",
+            )
         if variant == "video":
-            return Response(job.content, media_type="video/mp4",
-                            headers={"Content-Disposition": f'attachment; filename="{video_id}.mp4"'})
+            return Response(
+                job.content,
+                media_type="video/mp4",
+                headers={"Content-Disposition": f'attachment; filename="{video_id}.mp4"'},
+            )
         if variant == "thumbnail":
             thumb = job.meta.get("thumbnail")
             if thumb is None:
                 thumb = job.meta["thumbnail"] = await asyncio.to_thread(_thumbnail, job.content)
             return Response(thumb, media_type="image/png")
         if job.frames is None:
-            raise APIError(400, "variant 'npy' (exact float32 frames) needs a server started with --keep-frames",
-                           param="variant", code="unsupported_parameter")
+            raise APIError(
+                400,
+                "variant 'npy' (exact float32 frames) needs a server started with --keep-frames",
+                param="variant",
+                code="unsupported_parameter",
+            )
         import numpy as np
 
         buf = io.BytesIO()

@@ -15,8 +15,9 @@ import math
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from spindle.infer.request import SamplingParams
 from spindle.serve.schemas import TERMINAL_STATUSES, APIError
@@ -25,16 +26,19 @@ from spindle.serve.schemas import TERMINAL_STATUSES, APIError
 class QueueFull(APIError):
     def __init__(self, waiting: int, retry_after: int):
         super().__init__(
-            429, f"the job queue is full ({waiting} jobs waiting); retry after {retry_after} s",
-            code="queue_full", headers={"Retry-After": str(retry_after)},
+            429,
+            f"the job queue is full ({waiting} jobs waiting); retry after {retry_after} s",
+            code="queue_full",
+            headers={"Retry-After": str(retry_after)},
         )
         self.retry_after = retry_after
 
 
 class ShuttingDown(APIError):
     def __init__(self) -> None:
-        super().__init__(503, "the server is shutting down and accepts no new jobs", code="shutting_down",
-                         type="server_error")
+        super().__init__(
+            503, "the server is shutting down and accepts no new jobs", code="shutting_down", type="server_error"
+        )
 
 
 @dataclass
@@ -61,7 +65,7 @@ class Job:
     meta: dict[str, Any] = field(default_factory=dict)  # size, seconds, fps, notes, ...
     cancel_event: threading.Event = field(default_factory=threading.Event)
     done_event: threading.Event = field(default_factory=threading.Event)
-    _callbacks: list[Callable[["Job"], None]] = field(default_factory=list)
+    _callbacks: list[Callable[[Job], None]] = field(default_factory=list)
     _cb_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -81,7 +85,7 @@ class Job:
         # denoising is most of the work; keep 100 for "done, decoded and encoded"
         return min(99, int(100 * self.step / self.total_steps))
 
-    def add_done_callback(self, fn: Callable[["Job"], None]) -> None:
+    def add_done_callback(self, fn: Callable[[Job], None]) -> None:
         """`fn(job)` once the job finishes (at once if it already has); runs on the finishing thread."""
         with self._cb_lock:
             if not self.done_event.is_set():
@@ -150,8 +154,12 @@ class JobStore:
             if job is None or (kind is not None and job.kind != kind):
                 gone = self._gone.get(job_id)
                 if gone == "expired":
-                    raise APIError(410, f"{job_id} expired: results are kept {self.result_ttl:g} s after they finish "
-                                   "(--result-ttl)", param="video_id", code="expired")
+                    raise APIError(
+                        410,
+                        f"{job_id} expired: results are kept {self.result_ttl:g} s after they finish (--result-ttl)",
+                        param="video_id",
+                        code="expired",
+                    )
                 if gone == "deleted":
                     raise APIError(410, f"{job_id} was deleted", param="video_id", code="deleted")
                 raise APIError(404, f"no job with id {job_id!r}", param="video_id", code="not_found")

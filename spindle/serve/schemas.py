@@ -21,8 +21,16 @@ _SIZE = re.compile(r"^\s*(\d+)\s*[xX×]\s*(\d+)\s*$")
 class APIError(Exception):
     """An error answered as OpenAI's `{"error": {"message", "type", "param", "code"}}`."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -55,12 +63,17 @@ def parse_size(size: str | None) -> tuple[int, int] | None:
         return None
     m = _SIZE.match(size) if isinstance(size, str) else None
     if not m:
-        raise APIError(400, f"size must be 'WIDTHxHEIGHT' in pixels (e.g. '832x480') or 'auto'; got {size!r}",
-                       param="size", code="invalid_size")
+        raise APIError(
+            400,
+            f"size must be 'WIDTHxHEIGHT' in pixels (e.g. '832x480') or 'auto'; got {size!r}",
+            param="size",
+            code="invalid_size",
+        )
     width, height = int(m.group(1)), int(m.group(2))
     if width < 1 or height < 1:
-        raise APIError(400, f"size must have a positive width and height; got {size!r}", param="size",
-                       code="invalid_size")
+        raise APIError(
+            400, f"size must have a positive width and height; got {size!r}", param="size", code="invalid_size"
+        )
     return width, height
 
 

@@ -18,9 +18,10 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -60,15 +61,22 @@ class Engine:
         frames = max(1, int(round((exact - 1) / k)) * k + 1)
         note = None
         if abs(frames - exact) > 1e-9:
-            note = (f"seconds={seconds:g} at {self.fps} fps is {exact:g} frames; this model takes {k}k+1 frames, "
-                    f"so num_frames={frames} ({frames / self.fps:.3g} s)")
+            note = (
+                f"seconds={seconds:g} at {self.fps} fps is {exact:g} frames; this model takes {k}k+1 frames, "
+                f"so num_frames={frames} ({frames / self.fps:.3g} s)"
+            )
         return frames, note
 
     def warmup_params(self, size: tuple[int, int] | None, frames: int, steps: int) -> SamplingParams:
         width, height = size if size else (self.defaults.width, self.defaults.height)
-        return SamplingParams(prompt="warm-up", height=height, width=width,
-                              num_frames=frames if self.media == "video" else None,
-                              num_inference_steps=steps, seed=0)
+        return SamplingParams(
+            prompt="warm-up",
+            height=height,
+            width=width,
+            num_frames=frames if self.media == "video" else None,
+            num_inference_steps=steps,
+            seed=0,
+        )
 
 
 class RankFanout:
@@ -193,8 +201,9 @@ class Worker:
             finally:
                 self.current = None
 
-    def _generate(self, params: SamplingParams, progress: Callable[[int, int], None] | None,
-                  should_stop: Callable[[], bool]) -> Any:
+    def _generate(
+        self, params: SamplingParams, progress: Callable[[int, int], None] | None, should_stop: Callable[[], bool]
+    ) -> Any:
         if self.fanout is not None:
             self.fanout.send("run", params)
             local_stop = should_stop
@@ -203,8 +212,11 @@ class Worker:
 
     def _run(self, job: Job) -> None:
         try:
-            result = self._generate(job.params, progress=lambda step, total: self.store.progress(job, step, total),
-                                    should_stop=job.cancel_event.is_set)
+            result = self._generate(
+                job.params,
+                progress=lambda step, total: self.store.progress(job, step, total),
+                should_stop=job.cancel_event.is_set,
+            )
             job.timings = dict(result.timings)
             if job.kind == "video":
                 start = time.perf_counter()
@@ -218,9 +230,23 @@ class Worker:
         except Cancelled:
             self.store.finish(job, "cancelled")
         except RequestError as e:  # a check the engine could only make at run time
-            self.store.finish(job, "failed", error=dict(status=400, message=str(e), type="invalid_request_error",
-                                                        code="invalid_request", param=None))
+            self.store.finish(
+                job,
+                "failed",
+                error=dict(
+                    status=400, message=str(e), type="invalid_request_error", code="invalid_request", param=None
+                ),
+            )
         except Exception as e:  # noqa: BLE001 - a failing job fails alone; the server keeps serving
             log.error("job %s failed:\n%s", job.id, traceback.format_exc())
-            self.store.finish(job, "failed", error=dict(status=500, message=f"generation failed: {type(e).__name__}: {e}",
-                                                        type="server_error", code="generation_failed", param=None))
+            self.store.finish(
+                job,
+                "failed",
+                error=dict(
+                    status=500,
+                    message=f"generation failed: {type(e).__name__}: {e}",
+                    type="server_error",
+                    code="generation_failed",
+                    param=None,
+                ),
+            )

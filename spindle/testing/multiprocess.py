@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def free_port() -> int:
@@ -23,8 +24,12 @@ def _entry(
     import torch.distributed as dist
 
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(threads)
     if backend == "nccl":
@@ -47,5 +52,9 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1,
     import torch.multiprocessing as mp
 
     mp.start_processes(
-        _entry, args=(fn, world_size, free_port(), threads, backend, args), nprocs=world_size, join=True, start_method="spawn"
+        _entry,
+        args=(fn, world_size, free_port(), threads, backend, args),
+        nprocs=world_size,
+        join=True,
+        start_method="spawn",
     )

@@ -42,8 +42,12 @@ DIRECTIONS: dict[str, tuple[int, int]] = {"left": (-1, 0), "right": (1, 0), "up"
 
 
 def draw_shape(
-    size: tuple[int, int], background: tuple[int, int, int], shape: str, colour: tuple[int, int, int],
-    center: tuple[float, float], radius: float,
+    size: tuple[int, int],
+    background: tuple[int, int, int],
+    shape: str,
+    colour: tuple[int, int, int],
+    center: tuple[float, float],
+    radius: float,
 ) -> np.ndarray:
     """One frame [H, W, 3] uint8 with `shape` of half-extent `radius` centred at (x, y)."""
     height, width = size
@@ -146,8 +150,7 @@ def write_manifest(folder: str | Path, name: str = "manifest.jsonl") -> Path:
     folder = Path(folder)
     manifest = folder / name
     lines = [
-        json.dumps({"path": s.path.relative_to(folder).as_posix(), "caption": s.caption})
-        for s in scan_folder(folder)
+        json.dumps({"path": s.path.relative_to(folder).as_posix(), "caption": s.caption}) for s in scan_folder(folder)
     ]
     manifest.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     return manifest

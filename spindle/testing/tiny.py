@@ -8,8 +8,9 @@ the real loading code of Spindle and of stock diffusers is exercised on it.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -110,12 +111,26 @@ FLUX_VAE = dict(
     use_quant_conv=False,
     use_post_quant_conv=False,
 )
-FLUX_CLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 max_position_embeddings=77, projection_dim=32, hidden_act="quick_gelu")
+FLUX_CLIP = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=77,
+    projection_dim=32,
+    hidden_act="quick_gelu",
+)
 FLUX_T5 = dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, relative_attention_num_buckets=8)
 # FLUX.1-dev's scheduler config: resolution-dependent ("dynamic") shift between base and max.
-FLUX_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-                      base_image_seq_len=256, max_image_seq_len=4096)
+FLUX_SCHEDULER = dict(
+    num_train_timesteps=1000,
+    shift=3.0,
+    use_dynamic_shifting=True,
+    base_shift=0.5,
+    max_shift=1.15,
+    base_image_seq_len=256,
+    max_image_seq_len=4096,
+)
 CLIP_MAX_LENGTH = 77
 
 

@@ -45,8 +45,14 @@ class StepOutput:
 
 
 class FlowMatchingTask:
-    def __init__(self, condition: ConditionModel, transformer: torch.nn.Module, seed: int,
-                 loss_weighting: str = "none", autocast_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        condition: ConditionModel,
+        transformer: torch.nn.Module,
+        seed: int,
+        loss_weighting: str = "none",
+        autocast_dtype: torch.dtype | None = None,
+    ):
         self.condition = condition
         self.transformer = transformer
         self.seed = seed

@@ -28,8 +28,9 @@ class MetricsLog:
     def __init__(self, output_dir: Path, start_step: int, max_steps: int, enabled: bool):
         self.enabled = enabled
         self.path = output_dir / "metrics.jsonl"
-        self.bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", disable=not enabled,
-                        dynamic_ncols=True)
+        self.bar = tqdm(
+            total=max_steps, initial=start_step, desc="train", unit="step", disable=not enabled, dynamic_ncols=True
+        )
         self._t0 = time.perf_counter()
 
     def start_step(self) -> None:
@@ -38,14 +39,20 @@ class MetricsLog:
     def end_step(self, step: int, loss: float, grad_norm: float, lr: float, samples: int, tokens: int) -> dict:
         dt = time.perf_counter() - self._t0
         record = {
-            "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
-            "samples_per_s": samples / dt, "tokens_per_s": tokens / dt, "step_time_s": dt,
+            "step": step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "samples_per_s": samples / dt,
+            "tokens_per_s": tokens / dt,
+            "step_time_s": dt,
         }
         if self.enabled:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
-            self.bar.set_postfix(loss=f"{loss:.4f}", gnorm=f"{grad_norm:.3f}", lr=f"{lr:.2e}",
-                                 samples_s=f"{record['samples_per_s']:.2f}")
+            self.bar.set_postfix(
+                loss=f"{loss:.4f}", gnorm=f"{grad_norm:.3f}", lr=f"{lr:.2e}", samples_s=f"{record['samples_per_s']:.2f}"
+            )
             self.bar.update(1)
         return record
 

@@ -92,8 +92,13 @@ class Trainer:
         self.loader = self._build_loader()
         from spindle.distributed.fsdp import autocast_dtype
 
-        self.task = FlowMatchingTask(self.condition, self.transformer, cfg.train.seed, cfg.train.loss_weighting,
-                                     autocast_dtype=autocast_dtype(self.transformer, self.precision))
+        self.task = FlowMatchingTask(
+            self.condition,
+            self.transformer,
+            cfg.train.seed,
+            cfg.train.loss_weighting,
+            autocast_dtype=autocast_dtype(self.transformer, self.precision),
+        )
         self.step = 0
 
     # ------------------------------------------------------------ set-up
@@ -105,8 +110,12 @@ class Trainer:
         )
         ts = self.cfg.train.timestep
         cond.timestep_sampling = TimestepSampling(
-            scheme=ts.scheme, logit_mean=ts.logit_mean, logit_std=ts.logit_std, mode_scale=ts.mode_scale,
-            shift=ts.shift, num_train_timesteps=cond.timestep_sampling.num_train_timesteps,
+            scheme=ts.scheme,
+            logit_mean=ts.logit_mean,
+            logit_std=ts.logit_std,
+            mode_scale=ts.mode_scale,
+            shift=ts.shift,
+            num_train_timesteps=cond.timestep_sampling.num_train_timesteps,
         )
         return cond
 
@@ -116,7 +125,9 @@ class Trainer:
         model = load_transformer(self.cfg.model.path, dtype=torch.float32).to(self.device)
         model.train()
         return parallelize_transformer(
-            model, self.mesh, mixed_precision=self.precision,
+            model,
+            self.mesh,
+            mixed_precision=self.precision,
             gradient_checkpointing=self.cfg.train.gradient_checkpointing,
         )
 
@@ -127,8 +138,12 @@ class Trainer:
         data = self.cfg.data
         dataset = build_dataset(data.path, tuple(data.resolution), data.num_frames, data.skip_bad_samples)
         return ResumableLoader(
-            dataset, self.cfg.train.micro_batch_size, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dims.dp_size,
-            seed=self.cfg.train.seed, shuffle=data.shuffle,
+            dataset,
+            self.cfg.train.micro_batch_size,
+            dp_rank=self.mesh.dp_rank,
+            dp_size=self.mesh.dims.dp_size,
+            seed=self.cfg.train.seed,
+            shuffle=data.shuffle,
         )
 
     # ------------------------------------------------------------ state
@@ -157,7 +172,11 @@ class Trainer:
 
     def save(self) -> Path:
         return ckpt.save_checkpoint(
-            self.output_dir, self.step, self.transformer, self.optimizer, self.trainer_state(),
+            self.output_dir,
+            self.step,
+            self.transformer,
+            self.optimizer,
+            self.trainer_state(),
             keep_last=self.cfg.checkpoint.keep_last,
         )
 
@@ -179,7 +198,12 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return _mean_over(self.mesh, total_loss), grad_norm, samples * self.mesh.dims.dp_size, tokens * self.mesh.dims.dp_size
+        return (
+            _mean_over(self.mesh, total_loss),
+            grad_norm,
+            samples * self.mesh.dims.dp_size,
+            tokens * self.mesh.dims.dp_size,
+        )
 
     def run(self) -> TrainResult:
         cfg = self.cfg

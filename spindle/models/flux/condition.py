@@ -16,7 +16,13 @@ from typing import Any
 
 import torch
 
-from spindle.models.base import PipelineConditionModel, flow_matching_pair, frames_as_images, resolution_shift, sample_sigmas
+from spindle.models.base import (
+    PipelineConditionModel,
+    flow_matching_pair,
+    frames_as_images,
+    resolution_shift,
+    sample_sigmas,
+)
 
 # The embedded guidance value used for training guidance-distilled checkpoints (diffusers' Flux
 # training scripts default to 3.5, which is also FluxPipeline's default guidance_scale).
@@ -26,11 +32,20 @@ TRAIN_GUIDANCE = 3.5
 class FluxConditionModel(PipelineConditionModel):
     pipeline_class = "diffusers:FluxPipeline"
 
-    def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, max_text_length: int = 512,
-                 guidance_embeds: bool = True, guidance: float = TRAIN_GUIDANCE):
+    def __init__(
+        self,
+        pipe: Any,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_text_length: int = 512,
+        guidance_embeds: bool = True,
+        guidance: float = TRAIN_GUIDANCE,
+    ):
         super().__init__(pipe, device, dtype, max_text_length)
         if not 1 <= max_text_length <= 512:
-            raise ValueError(f"model.max_text_length must be between 1 and 512 for Flux's T5 encoder; got {max_text_length}")
+            raise ValueError(
+                f"model.max_text_length must be between 1 and 512 for Flux's T5 encoder; got {max_text_length}"
+            )
         vae_cfg = pipe.vae.config
         self.scaling_factor = vae_cfg.scaling_factor
         self.shift_factor = vae_cfg.shift_factor or 0.0
@@ -39,8 +54,13 @@ class FluxConditionModel(PipelineConditionModel):
         self.guidance = guidance
 
     @classmethod
-    def from_pretrained(cls, root: str | Path, device: torch.device = torch.device("cpu"),
-                        dtype: torch.dtype = torch.float32, max_text_length: int = 512) -> "FluxConditionModel":
+    def from_pretrained(
+        cls,
+        root: str | Path,
+        device: torch.device = torch.device("cpu"),
+        dtype: torch.dtype = torch.float32,
+        max_text_length: int = 512,
+    ) -> FluxConditionModel:
         model = super().from_pretrained(root, device, dtype, max_text_length)
         # The transformer is not loaded here; whether it embeds guidance is in its config.
         tcfg = json.loads((Path(root) / "transformer" / "config.json").read_text())
@@ -50,7 +70,10 @@ class FluxConditionModel(PipelineConditionModel):
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         embeds, pooled, _ = self.pipe.encode_prompt(
-            prompt=prompts, prompt_2=None, device=self.device, max_sequence_length=self.max_text_length,
+            prompt=prompts,
+            prompt_2=None,
+            device=self.device,
+            max_sequence_length=self.max_text_length,
         )
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
 
@@ -74,9 +97,7 @@ class FluxConditionModel(PipelineConditionModel):
         b, c, h, w = latents.shape
         return self.pipe._pack_latents(latents, b, c, h, w)
 
-    def training_inputs(
-        self, conditions: dict[str, torch.Tensor], generators: list[torch.Generator]
-    ) -> dict[str, Any]:
+    def training_inputs(self, conditions: dict[str, torch.Tensor], generators: list[torch.Generator]) -> dict[str, Any]:
         x0 = conditions["latents"]
         b, _, h, w = x0.shape
         _, shift = resolution_shift(self.pipe.scheduler, (h // 2) * (w // 2))

@@ -30,9 +30,13 @@ def _text_pipeline(components: dict[str, Any]) -> Any:
     from diffusers import FluxPipeline
 
     return FluxPipeline(
-        scheduler=components["scheduler"], vae=components["vae"],
-        text_encoder=components["text_encoder"], tokenizer=components["tokenizer"],
-        text_encoder_2=components["text_encoder_2"], tokenizer_2=components["tokenizer_2"], transformer=None,
+        scheduler=components["scheduler"],
+        vae=components["vae"],
+        text_encoder=components["text_encoder"],
+        tokenizer=components["tokenizer"],
+        text_encoder_2=components["text_encoder_2"],
+        tokenizer_2=components["tokenizer_2"],
+        transformer=None,
     )
 
 
@@ -49,23 +53,30 @@ class FluxBeforeDenoisingStage(BeforeDenoisingStage):
         super().validate(params)
         check_size(params, self.multiple, self.multiple, f"VAE x{self.vae_scale_factor} x 2x2 packing")
         if params.num_frames not in (None, 1):
-            raise RequestError(f"num_frames must be left unset (or 1): Flux generates images; got {params.num_frames!r}")
+            raise RequestError(
+                f"num_frames must be left unset (or 1): Flux generates images; got {params.num_frames!r}"
+            )
         check_int_range("max_sequence_length", params.max_sequence_length, minimum=1, maximum=MAX_SEQUENCE_LENGTH)
         unknown = sorted(set(params.extra) - set(EXTRA_KEYS))
         if unknown:
             raise RequestError(f"unknown Flux option(s) {unknown}; known: {list(EXTRA_KEYS)}")
         scale = params.extra.get("true_cfg_scale", 1.0)
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale < 0:
-            raise RequestError(f"true_cfg_scale must be a number >= 0 (> 1 with a negative_prompt enables CFG); got {scale!r}")
+            raise RequestError(
+                f"true_cfg_scale must be a number >= 0 (> 1 with a negative_prompt enables CFG); got {scale!r}"
+            )
         if scale > 1 and params.negative_prompt is None:
             raise RequestError(
                 f"true_cfg_scale={scale} needs a negative_prompt (FluxPipeline would silently skip CFG); pass "
-                "negative_prompt (\"\" for an empty one) or set true_cfg_scale to 1"
+                'negative_prompt ("" for an empty one) or set true_cfg_scale to 1'
             )
 
     def encode(self, prompts: list[str], p: SamplingParams, device: torch.device) -> tuple[torch.Tensor, ...]:
         return self.text_pipe.encode_prompt(
-            prompt=prompts, prompt_2=None, device=device, num_images_per_prompt=p.num_outputs_per_prompt,
+            prompt=prompts,
+            prompt_2=None,
+            device=device,
+            num_images_per_prompt=p.num_outputs_per_prompt,
             max_sequence_length=p.max_sequence_length,
         )
 
@@ -91,12 +102,22 @@ class FluxBeforeDenoisingStage(BeforeDenoisingStage):
 
         num_channels = self.transformer.config.in_channels // 4
         latents, img_ids = self.text_pipe.prepare_latents(
-            p.batch_size, num_channels, p.height, p.width, torch.float32, device, req.generator,
+            p.batch_size,
+            num_channels,
+            p.height,
+            p.width,
+            torch.float32,
+            device,
+            req.generator,
         )
         req.latents = latents
         req.extra["img_ids"] = img_ids.to(dtype)
-        req.raw_latent_shape = (p.batch_size, num_channels, p.height // self.vae_scale_factor,
-                                p.width // self.vae_scale_factor)
+        req.raw_latent_shape = (
+            p.batch_size,
+            num_channels,
+            p.height // self.vae_scale_factor,
+            p.width // self.vae_scale_factor,
+        )
 
         if self.transformer.config.guidance_embeds:
             guidance = torch.full([1], float(p.guidance_scale), device=device, dtype=torch.float32)
@@ -128,8 +149,13 @@ class FluxInference(InferenceSpec):
         # diffusers FluxPipeline.__call__ defaults: 128 latent pixels x VAE factor, 28 steps, guidance 3.5.
         size = 128 * 2 ** (len(components["vae"].config.block_out_channels) - 1)
         return SamplingParams(
-            negative_prompt=None, height=size, width=size, num_inference_steps=28, guidance_scale=3.5,
-            max_sequence_length=MAX_SEQUENCE_LENGTH, extra={"true_cfg_scale": 1.0},
+            negative_prompt=None,
+            height=size,
+            width=size,
+            num_inference_steps=28,
+            guidance_scale=3.5,
+            max_sequence_length=MAX_SEQUENCE_LENGTH,
+            extra={"true_cfg_scale": 1.0},
         )
 
     def check_checkpoint(self, model_index: dict) -> None:

@@ -22,6 +22,8 @@ FAMILY = DiTFamily(
     demo=DemoSpec(
         dataset="spindle.testing.synthetic:make_shapes_video_dataset",
         dataset_kwargs={"num_videos": 16, "num_frames": 9, "size": (32, 32)},
-        num_frames=9, sample_suffix=".mp4", sample_kwargs={"num_frames": 9, "guidance_scale": 1.0},
+        num_frames=9,
+        sample_suffix=".mp4",
+        sample_kwargs={"num_frames": 9, "guidance_scale": 1.0},
     ),
 )

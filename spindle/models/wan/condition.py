@@ -31,8 +31,11 @@ class WanConditionModel(PipelineConditionModel):
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> torch.Tensor:
         embeds, _ = self.pipe.encode_prompt(
-            prompt=prompts, do_classifier_free_guidance=False, max_sequence_length=self.max_text_length,
-            device=self.device, dtype=self.dtype,
+            prompt=prompts,
+            do_classifier_free_guidance=False,
+            max_sequence_length=self.max_text_length,
+            device=self.device,
+            dtype=self.dtype,
         )
         return embeds
 
@@ -48,18 +51,14 @@ class WanConditionModel(PipelineConditionModel):
         _, _, frames, height, width = shape
         multiple = 2 * self.scale_factor_spatial  # VAE downsampling x transformer 2x2 patches
         if (frames - 1) % self.scale_factor_temporal:
-            raise ValueError(
-                f"Wan needs num_frames = {self.scale_factor_temporal}k+1 (1, 5, 9, 17, ...); got {frames}"
-            )
+            raise ValueError(f"Wan needs num_frames = {self.scale_factor_temporal}k+1 (1, 5, 9, 17, ...); got {frames}")
         if height % multiple or width % multiple:
             raise ValueError(f"Wan needs height and width divisible by {multiple}; got {height}x{width}")
 
     def encode(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         return {"latents": self.encode_pixels(batch["pixels"]), "prompt_embeds": self.encode_prompts(batch["caption"])}
 
-    def training_inputs(
-        self, conditions: dict[str, torch.Tensor], generators: list[torch.Generator]
-    ) -> dict[str, Any]:
+    def training_inputs(self, conditions: dict[str, torch.Tensor], generators: list[torch.Generator]) -> dict[str, Any]:
         x0 = conditions["latents"]
         sigmas = sample_sigmas(self.timestep_sampling, generators)
         noisy, target = flow_matching_pair(x0, sigmas, generators)

@@ -105,8 +105,13 @@ class WanInference(InferenceSpec):
     def default_params(self, components: dict[str, Any]) -> SamplingParams:
         # diffusers WanPipeline.__call__ defaults (negative prompt None -> "").
         return SamplingParams(
-            negative_prompt="", height=480, width=832, num_frames=81, num_inference_steps=50,
-            guidance_scale=5.0, max_sequence_length=512,
+            negative_prompt="",
+            height=480,
+            width=832,
+            num_frames=81,
+            num_inference_steps=50,
+            guidance_scale=5.0,
+            max_sequence_length=512,
         )
 
     def check_checkpoint(self, model_index: dict) -> None:
