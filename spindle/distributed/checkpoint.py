@@ -1,9 +1,9 @@
-"""Resumable sharded checkpoints (torch.distributed.checkpoint) and export to a diffusers folder.
+"""Resumable sharded checkpoints (torch.distributed.checkpoint); exports are the tasks' (spindle.train.tasks).
 
 Layout of a run's output dir:
     checkpoints/step-000100/   DCP shards of model + optimizer, trainer_state.json, rng-rank*.pt
     checkpoints/step-000100.tmp/  (while being written; never read)
-    export/                    a full diffusers pipeline folder (original components + trained transformer)
+    export/                    the task's export (a diffusers pipeline folder, a transformers folder)
 
 A checkpoint is written to `<name>.tmp` and renamed only when every rank has finished, so a crash or
 Ctrl-C mid-save leaves the previous checkpoint untouched and `resume=auto` never picks a partial one.
@@ -129,33 +129,6 @@ def read_checkpoint_model(path: Path, template: torch.nn.Module) -> dict[str, to
     return sd
 
 
-def export_pipeline(source_root: str | Path, state_dict: dict[str, torch.Tensor], out: str | Path) -> Path:
-    """Write a diffusers pipeline folder: every component of `source_root`, with the trained transformer.
-
-    The transformer is rebuilt from its own diffusers config and saved with diffusers' `save_pretrained`,
-    so `config.json` carries only diffusers keys and stock diffusers loads the folder with no Spindle code.
-    Written to `<out>.tmp` first, then renamed.
-    """
-    import diffusers
-
-    source_root, out = Path(source_root), Path(out)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(source_root, tmp, ignore=shutil.ignore_patterns("transformer"))
-    config = json.loads((source_root / "transformer" / "config.json").read_text())
-    cls = getattr(diffusers, config["_class_name"])
-    model = cls.from_config(cls.load_config(source_root / "transformer"))
-    missing, unexpected = model.load_state_dict(state_dict, strict=False)
-    if missing or unexpected:
-        raise RuntimeError(
-            f"trained weights do not fit {cls.__name__}: missing {missing[:5]}, unexpected {unexpected[:5]}"
-        )
-    model.save_pretrained(tmp / "transformer", safe_serialization=True)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
-
-
 def resolve_checkpoint_arg(path: str | Path) -> Path:
     """Accept a checkpoint folder, or a run's output dir (-> its latest checkpoint)."""
     path = Path(path)
@@ -167,13 +140,3 @@ def resolve_checkpoint_arg(path: str | Path) -> Path:
     raise FileNotFoundError(
         f"{path} is neither a Spindle checkpoint (no {TRAINER_STATE}) nor a run folder with checkpoints/step-N"
     )
-
-
-def export_checkpoint(checkpoint: Path, model_path: Path, out: Path) -> Path:
-    """Single-process export of a (possibly sharded) DCP checkpoint to a diffusers folder."""
-    from spindle.models.base import load_transformer
-
-    if not (model_path / "model_index.json").is_file():
-        raise FileNotFoundError(f"base model {model_path} has no model_index.json; pass --model PATH")
-    template = load_transformer(model_path)
-    return export_pipeline(model_path, read_checkpoint_model(checkpoint, template), out)
