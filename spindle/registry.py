@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 # name -> module defining FAMILY. Adding a family: one line here, one folder under models/.
 BUILTIN_FAMILIES: dict[str, str] = {
     "flux": "spindle.models.flux",
+    "qwenimage": "spindle.models.qwenimage",
     "wan": "spindle.models.wan",
 }
 

@@ -16,6 +16,7 @@ import sys
 import time
 
 from spindle.commands.engine_args import add_engine_arguments, check_world_size, engine_options
+from spindle.infer.options import add_option_arguments, guidance_help, option_values
 
 HELP = "generate a video/image from a diffusers checkpoint (staged engine)"
 
@@ -28,16 +29,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--width", type=int, default=None, help="width in pixels")
     p.add_argument("--num-frames", type=int, default=None, help="number of frames (video families)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps")
-    p.add_argument("--guidance", type=float, default=None, help="CFG scale (> 1 enables CFG)")
+    p.add_argument("--guidance", type=float, default=None, help=f"guidance_scale; {guidance_help()}")
     p.add_argument("--seed", type=int, default=None, help="seed (random if omitted; printed)")
     p.add_argument("--out", required=True, help="output file: .mp4 for video, .png for images")
-    p.add_argument("--fps", type=int, default=16, help="frames per second of the mp4 (default 16)")
+    p.add_argument("--fps", type=int, default=None, help="frames per second of the mp4 (default: the family's)")
     p.add_argument(
         "--no-psnr",
         dest="psnr",
         action="store_false",
         help="with --cache: skip the exact reference run that measures PSNR",
     )
+    add_option_arguments(p)  # the families' declared sampling options (--true-cfg-scale, ...)
     add_engine_arguments(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -71,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         num_inference_steps=args.steps,
         guidance_scale=args.guidance,
         seed=args.seed,
+        **option_values(args),
     )
     if gen.spec.media != "video":
         request.pop("num_frames")
@@ -96,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
     if not main:
         return 0
-    paths = result.save(args.out, fps=args.fps)
+    paths = result.save(args.out, fps=args.fps or gen.spec.fps)
     shape = "x".join(str(s) for s in result.frames.shape)
     print(f"wrote {', '.join(str(p) for p in paths)} ({shape}, seed {result.seed}, family {gen.family})")
     if args.cache and args.psnr:

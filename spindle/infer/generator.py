@@ -69,7 +69,9 @@ class DiffusionGenerator:
     def __init__(self, pipeline: InferencePipeline):
         self.pipeline = pipeline
         self.spec = pipeline.spec
+        self.options = self.spec.options  # the family's declared sampling options
         self.defaults = pipeline.spec.default_params(pipeline.components)
+        self.defaults.extra = {**self.options.defaults(), **self.defaults.extra}
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **engine_options: Any) -> DiffusionGenerator:
@@ -91,6 +93,7 @@ class DiffusionGenerator:
         """Defaults filled in, a seed drawn if none (by this process alone), every request check run
         (common + the family's): -> the exact params a run uses. Raises `RequestError` naming the
         field. Cheap (no model runs) and not collective, so a server can call it on rank 0 only."""
+        params = self.options.validate(params, self.family)  # what the user gave, before the defaults
         params = params.merged_with(self.defaults)
         if params.seed is None:
             params.seed = random.SystemRandom().randrange(2**31)

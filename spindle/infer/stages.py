@@ -30,6 +30,8 @@ from spindle.infer.request import Req, RequestError, SamplingParams
 if TYPE_CHECKING:
     import torch.distributed as dist
 
+    from spindle.infer.options import FamilyOptions
+
 
 class Stage:
     """One step of the pipeline: `forward(req) -> req`. `name` keys the per-stage timing."""
@@ -69,11 +71,22 @@ class InferenceSpec:
 
     family: str = ""
     media: str = "video"  # "video" (frames axis) or "image"
-    fps: int | None = None  # native frame rate of a video family (mp4 writing, seconds -> frames)
     components: tuple[str, ...] = ()  # model_index.json entries to load
     transformer_component: str = "transformer"
     vae_component: str = "vae"
     before_denoising_cls: type[BeforeDenoisingStage] = BeforeDenoisingStage
+
+    @property
+    def options(self) -> FamilyOptions:
+        """The family's declared sampling options (on its registered `FAMILY`)."""
+        from spindle.registry import get_family
+
+        return get_family(self.family).options
+
+    @property
+    def fps(self) -> int | None:
+        """Native frame rate of a video family (mp4 writing, seconds -> frames), as declared."""
+        return self.options.fps
 
     def default_params(self, components: dict[str, Any]) -> SamplingParams:
         return SamplingParams()

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from spindle.infer.options import FamilyOptions
+
 
 def import_object(path: str) -> Any:
     """'package.module:attr' -> attr (keeps family registration free of heavy imports)."""
@@ -49,6 +51,7 @@ class DiTFamily:
     demo: DemoSpec | None = None
     extras: dict[str, Any] = field(default_factory=dict)
     task: str = "flow_matching"  # the training task (spindle.train.tasks.TASKS)
+    options: FamilyOptions = field(default_factory=FamilyOptions)  # sampling options (CLI flags, HTTP fields)
 
     def condition_model_cls(self) -> type[ConditionModel]:
         return import_object(self.condition_model)
@@ -164,6 +167,20 @@ def resolution_shift(scheduler: Any, image_seq_len: int) -> tuple[float, Callabl
         cfg.get("max_shift", 1.15),
     )
     return mu, lambda sigmas: scheduler.time_shift(mu, 1.0, sigmas)
+
+
+def latent_stats(vae_config: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel latent (mean, std) of a Wan-style 3-D VAE (Wan, Qwen-Image), shaped [1, C, 1, 1, 1]:
+    training normalizes with them, inference decoding undoes them."""
+    shape = (1, vae_config.z_dim, 1, 1, 1)
+    return torch.tensor(vae_config.latents_mean).view(shape), torch.tensor(vae_config.latents_std).view(shape)
+
+
+def mean_std_scale_shift(vae: Any, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`InferenceSpec.decode_scale_shift` for mean/std VAEs: exactly diffusers' arithmetic,
+    `latents / (1 / std) + mean`."""
+    mean, std = (x.to(latents.device, latents.dtype) for x in latent_stats(vae.config))
+    return 1.0 / std, mean
 
 
 def frames_as_images(pixels: torch.Tensor, family: str) -> torch.Tensor:

@@ -46,8 +46,8 @@ class Engine:
         self.family: str = self.spec.family
         self.defaults: SamplingParams = generator.defaults
         self.fps: int = int(fps or self.spec.fps or 16)
-        # video families: valid frame counts are k * multiple + 1 (Wan: the VAE's temporal factor 4)
-        self.frame_multiple: int = int(getattr(generator.pipeline.before_denoising, "scale_temporal", 1) or 1)
+        # video families: valid frame counts are k * multiple + 1, as the family declares (Wan: 4)
+        self.frame_multiple: int = int(self.spec.options.frame_multiple or 1)
 
     def validate(self, params: SamplingParams) -> SamplingParams:
         """Defaults filled in, a seed drawn if none, and the engine's checks run: -> the params a job

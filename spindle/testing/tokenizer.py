@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 COMMON_WORDS = """
 a an the of and or in on at to from with by for over under up down left right top bottom
@@ -63,6 +63,41 @@ def save_tokenizer(out: Path, model_max_length: int = 512, bos_token: str | None
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": model_max_length,
+        **specials,
+        "padding_side": "right",
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=2))
+    return tok.get_vocab_size()
+
+
+def save_chat_tokenizer(
+    out: Path, special_tokens: list[str], pad_token: str, extra_words: list[str] | None = None
+) -> int:
+    """A chat-template tokenizer (Qwen style) written into `out`; returns the vocabulary size.
+
+    Unlike the T5/CLIP ones: no bos/eos added, the chat markers in `special_tokens` are single
+    tokens, and every word, punctuation mark and newline is one token, so a template's prefix has a
+    known token count (Qwen-Image drops the first 34 hidden states, which is exactly its template's
+    system prefix tokenized this way and by the real Qwen2 tokenizer).
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = build_vocab(["\n", ":", *(extra_words or [])])
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(r"[ \t]+"), behavior="removed"),
+            pre_tokenizers.Split(Regex(r"\n|[^\w\s]"), behavior="isolated"),
+        ]
+    )
+    tok.add_special_tokens([*special_tokens, pad_token])
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.save(str(out / "tokenizer.json"))
+    specials = {"pad_token": pad_token, "unk_token": "<unk>"}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": 131072,
         **specials,
         "padding_side": "right",
     }

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+from spindle.infer.options import FamilyOptions, Option, needs_negative_prompt
 from spindle.models.base import DemoSpec, DiTFamily
 
 
@@ -19,6 +20,20 @@ FAMILY = DiTFamily(
     inference="spindle.models.flux.pipeline:FLUX_INFERENCE",
     tiny_model="spindle.testing.tiny:build_tiny_flux",
     detect=_looks_like_flux,
+    options=FamilyOptions(
+        extra=(
+            Option(
+                "true_cfg_scale",
+                float,
+                default=1.0,  # FluxPipeline's default: no true CFG
+                minimum=0.0,
+                help="true classifier-free guidance scale, with a negative prompt",
+                rule=needs_negative_prompt,
+            ),
+        ),
+        guidance="embedded guidance of guidance-distilled checkpoints (FLUX.1-dev; ignored by schnell-style ones); "
+        "CFG is true_cfg_scale",
+    ),
     demo=DemoSpec(
         dataset="spindle.testing.synthetic:make_shapes_image_dataset",
         dataset_kwargs={"num_images": 16, "size": (32, 32)},

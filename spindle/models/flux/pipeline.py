@@ -21,7 +21,6 @@ from spindle.infer.request import Req, RequestError, SamplingParams, check_int_r
 from spindle.infer.stages import BeforeDenoisingStage, InferenceSpec
 from spindle.models.base import resolution_shift
 
-EXTRA_KEYS = ("true_cfg_scale",)  # the family-specific request knobs (SamplingParams.extra)
 MAX_SEQUENCE_LENGTH = 512  # FluxPipeline's limit for the T5 prompt
 
 
@@ -57,19 +56,7 @@ class FluxBeforeDenoisingStage(BeforeDenoisingStage):
                 f"num_frames must be left unset (or 1): Flux generates images; got {params.num_frames!r}"
             )
         check_int_range("max_sequence_length", params.max_sequence_length, minimum=1, maximum=MAX_SEQUENCE_LENGTH)
-        unknown = sorted(set(params.extra) - set(EXTRA_KEYS))
-        if unknown:
-            raise RequestError(f"unknown Flux option(s) {unknown}; known: {list(EXTRA_KEYS)}")
-        scale = params.extra.get("true_cfg_scale", 1.0)
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale < 0:
-            raise RequestError(
-                f"true_cfg_scale must be a number >= 0 (> 1 with a negative_prompt enables CFG); got {scale!r}"
-            )
-        if scale > 1 and params.negative_prompt is None:
-            raise RequestError(
-                f"true_cfg_scale={scale} needs a negative_prompt (FluxPipeline would silently skip CFG); pass "
-                'negative_prompt ("" for an empty one) or set true_cfg_scale to 1'
-            )
+        # true_cfg_scale (type, bounds, needs a negative prompt) is checked by its declaration in FAMILY.options
 
     def encode(self, prompts: list[str], p: SamplingParams, device: torch.device) -> tuple[torch.Tensor, ...]:
         return self.text_pipe.encode_prompt(
@@ -84,7 +71,7 @@ class FluxBeforeDenoisingStage(BeforeDenoisingStage):
         p = req.params
         self.validate(p)
         device = req.device
-        true_cfg = float(p.extra.get("true_cfg_scale", 1.0))
+        true_cfg = float(p.extra["true_cfg_scale"])
         req.do_cfg = true_cfg > 1 and p.negative_prompt is not None
         req.guidance_scale = true_cfg  # the CFG scale the shared DenoisingStage combines with
         dtype = self.transformer.dtype
@@ -155,7 +142,6 @@ class FluxInference(InferenceSpec):
             num_inference_steps=28,
             guidance_scale=3.5,
             max_sequence_length=MAX_SEQUENCE_LENGTH,
-            extra={"true_cfg_scale": 1.0},
         )
 
     def check_checkpoint(self, model_index: dict) -> None:

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+from spindle.infer.options import FamilyOptions
 from spindle.models.base import DemoSpec, DiTFamily
 
 
@@ -19,6 +20,8 @@ FAMILY = DiTFamily(
     inference="spindle.models.wan.pipeline:WAN_INFERENCE",
     tiny_model="spindle.testing.tiny:build_tiny_wan",
     detect=_looks_like_wan,
+    # Wan2.1 is trained on 16 fps video; its VAE compresses time 4x, so num_frames = 4k + 1
+    options=FamilyOptions(fps=16, frame_multiple=4),
     demo=DemoSpec(
         dataset="spindle.testing.synthetic:make_shapes_video_dataset",
         dataset_kwargs={"num_videos": 16, "num_frames": 9, "size": (32, 32)},

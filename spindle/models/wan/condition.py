@@ -6,14 +6,7 @@ from typing import Any
 
 import torch
 
-from spindle.models.base import PipelineConditionModel, flow_matching_pair, sample_sigmas
-
-
-def latent_stats(vae_config: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel latent (mean, std) of a Wan VAE, shaped [1, C, 1, 1, 1]: training normalizes with
-    them, inference decoding undoes it."""
-    shape = (1, vae_config.z_dim, 1, 1, 1)
-    return torch.tensor(vae_config.latents_mean).view(shape), torch.tensor(vae_config.latents_std).view(shape)
+from spindle.models.base import PipelineConditionModel, flow_matching_pair, latent_stats, sample_sigmas
 
 
 class WanConditionModel(PipelineConditionModel):

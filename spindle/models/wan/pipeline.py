@@ -15,6 +15,7 @@ import torch
 
 from spindle.infer.request import Req, RequestError, SamplingParams, check_int_range, check_size, suggest
 from spindle.infer.stages import BeforeDenoisingStage, InferenceSpec
+from spindle.models.base import mean_std_scale_shift
 
 
 class WanBeforeDenoisingStage(BeforeDenoisingStage):
@@ -35,6 +36,11 @@ class WanBeforeDenoisingStage(BeforeDenoisingStage):
         self.scheduler = components["scheduler"]
         vae_cfg = components["vae"].config
         self.scale_temporal = vae_cfg.scale_factor_temporal
+        if spec.options.frame_multiple not in (None, self.scale_temporal):
+            raise ValueError(
+                f"this Wan checkpoint's VAE compresses time {self.scale_temporal}x, but the family declares "
+                f"num_frames = {spec.options.frame_multiple}k+1; Spindle serves Wan2.1-style VAEs"
+            )
         self.scale_spatial = vae_cfg.scale_factor_spatial
         patch = self.transformer.config.patch_size
         self.h_multiple = self.scale_spatial * patch[1]
@@ -98,7 +104,6 @@ class WanBeforeDenoisingStage(BeforeDenoisingStage):
 class WanInference(InferenceSpec):
     family = "wan"
     media = "video"
-    fps = 16  # Wan2.1 is trained on 16 fps video
     components = ("tokenizer", "text_encoder", "vae", "scheduler", "transformer")
     before_denoising_cls = WanBeforeDenoisingStage
 
@@ -138,11 +143,7 @@ class WanInference(InferenceSpec):
         return (f // pt) * (h // ph) * (w // pw)
 
     def decode_scale_shift(self, vae: Any, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        from spindle.models.wan.condition import latent_stats
-
-        # exactly diffusers' arithmetic: latents / (1 / std) + mean
-        mean, std = (x.to(latents.device, latents.dtype) for x in latent_stats(vae.config))
-        return 1.0 / std, mean
+        return mean_std_scale_shift(vae, latents)
 
 
 WAN_INFERENCE = WanInference()

@@ -1,0 +1,42 @@
+"""Qwen-Image text-to-image (diffusers `QwenImagePipeline` / `QwenImageTransformer2DModel`)."""
+
+from pathlib import Path
+
+from spindle.infer.options import FamilyOptions, Option, needs_negative_prompt
+from spindle.models.base import DemoSpec, DiTFamily
+
+
+def _looks_like_qwenimage(root: Path) -> bool:
+    """Renamed local folders: a Qwen2.5-VL text encoder next to a Qwen-Image VAE."""
+    vae_cfg = root / "vae" / "config.json"
+    return vae_cfg.is_file() and '"AutoencoderKLQwenImage"' in vae_cfg.read_text()
+
+
+FAMILY = DiTFamily(
+    name="qwenimage",
+    pipeline_classes=("QwenImagePipeline",),
+    transformer_classes=("QwenImageTransformer2DModel",),
+    condition_model="spindle.models.qwenimage.condition:QwenImageConditionModel",
+    inference="spindle.models.qwenimage.pipeline:QWENIMAGE_INFERENCE",
+    tiny_model="spindle.testing.tiny:build_tiny_qwenimage",
+    detect=_looks_like_qwenimage,
+    options=FamilyOptions(
+        extra=(
+            Option(
+                "true_cfg_scale",
+                float,
+                default=4.0,  # QwenImagePipeline's default: CFG runs once a negative_prompt is given
+                minimum=0.0,
+                help="true classifier-free guidance scale, with a negative prompt",
+                rule=needs_negative_prompt,
+            ),
+        ),
+        guidance="embedded guidance of guidance-distilled variants (ignored by Qwen-Image itself); CFG is "
+        "true_cfg_scale",
+    ),
+    demo=DemoSpec(
+        dataset="spindle.testing.synthetic:make_shapes_image_dataset",
+        dataset_kwargs={"num_images": 16, "size": (32, 32)},
+        sample_kwargs={"negative_prompt": "", "true_cfg_scale": 4.0},
+    ),
+)

@@ -1,0 +1,289 @@
+"""Qwen-Image family: tiny checkpoint in stock diffusers (Qwen2.5-VL text encoder, chat-template
+tokenizer), inference parity with QwenImagePipeline (fp32 CPU, 1e-5) with and without true CFG and
+with variable-length prompts in one batch, request validation, `spindle generate` to png."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from spindle.testing.tiny import build_tiny_qwenimage
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """VAE x2 (32x32 px -> 16x16 latents -> 64 image tokens), 2 blocks of 2 heads x 16."""
+    return build_tiny_qwenimage(tmp_path_factory.mktemp("qwenimage_tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def other(tmp_path_factory):
+    """VAE x4 with a wider base, 3 blocks of 4 heads x 8, a wider 3-layer text encoder."""
+    return build_tiny_qwenimage(
+        tmp_path_factory.mktemp("qwenimage_other"),
+        seed=3,
+        transformer={"num_layers": 3, "num_attention_heads": 4, "attention_head_dim": 8, "axes_dims_rope": (2, 2, 4)},
+        vae={"base_dim": 12, "dim_mult": [1, 2, 2], "temperal_downsample": [False, True]},
+        text_encoder={"hidden_size": 48, "num_attention_heads": 3, "num_hidden_layers": 3},
+    )
+
+
+def qwen_pipe(root):
+    from diffusers import QwenImagePipeline
+
+    pipe = QwenImagePipeline.from_pretrained(root)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def diffusers_images(root, **kw) -> np.ndarray:
+    kw = dict(kw)
+    seed = kw.pop("seed")
+    kw["num_images_per_prompt"] = kw.pop("num_outputs_per_prompt", 1)
+    return qwen_pipe(root)(**kw, generator=torch.Generator().manual_seed(seed), output_type="np").images
+
+
+# ------------------------------------------------------------------ the tiny checkpoint
+
+
+def test_stock_qwenimage_pipeline_runs_tiny_checkpoint(tiny):
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    pipe = qwen_pipe(tiny)
+    assert isinstance(pipe.transformer, QwenImageTransformer2DModel)
+    assert isinstance(pipe.vae, AutoencoderKLQwenImage)
+    assert isinstance(pipe.text_encoder, Qwen2_5_VLForConditionalGeneration)
+    images = pipe(
+        "a red circle on the left",
+        negative_prompt="blurry",
+        true_cfg_scale=3.0,
+        height=32,
+        width=48,
+        num_inference_steps=2,
+        output_type="np",
+        generator=torch.Generator().manual_seed(0),
+    ).images
+    assert images.shape == (1, 32, 48, 3)
+    assert np.isfinite(images).all() and images.std() > 0.01
+
+
+def test_tiny_qwenimage_layout_and_configs(tiny):
+    index = json.loads((tiny / "model_index.json").read_text())
+    assert index["_class_name"] == "QwenImagePipeline"
+    tcfg = json.loads((tiny / "transformer" / "config.json").read_text())
+    vcfg = json.loads((tiny / "vae" / "config.json").read_text())
+    enc = json.loads((tiny / "text_encoder" / "config.json").read_text())
+    scfg = json.loads((tiny / "scheduler" / "scheduler_config.json").read_text())
+    assert tcfg["in_channels"] == 4 * vcfg["z_dim"] and tcfg["out_channels"] == vcfg["z_dim"]  # 2x2 packing
+    assert tcfg["joint_attention_dim"] == enc["text_config"]["hidden_size"]
+    assert sum(tcfg["axes_dims_rope"]) == tcfg["attention_head_dim"]
+    assert len(set(vcfg["latents_mean"])) > 1 and len(set(vcfg["latents_std"])) > 1 and 0 not in vcfg["latents_mean"]
+    assert scfg["use_dynamic_shifting"] is True and scfg["time_shift_type"] == "exponential"
+    assert scfg["max_image_seq_len"] == 8192 and scfg["shift_terminal"] == 0.02
+
+
+def test_tokenizer_template_prefix_is_what_the_pipeline_drops(tiny):
+    """QwenImagePipeline drops the first 34 hidden states: exactly the template's system prefix,
+    which our tokenizer (like the real Qwen2 one) splits into 34 tokens; the prompt survives."""
+    pipe = qwen_pipe(tiny)
+    template = pipe.prompt_template_encode
+    prefix = template.split("{}")[0]
+    tok = pipe.tokenizer
+    ids = tok(prefix).input_ids
+    assert len(ids) == pipe.prompt_template_encode_start_idx == 34
+    assert tok.unk_token_id not in ids and ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
+    full = tok(template.format("a red circle")).input_ids
+    kept = tok.convert_ids_to_tokens(full[34:])
+    assert kept[:3] == ["a", "red", "circle"] and kept[3] == "<|im_end|>"
+    # variable length: two prompts -> embeddings padded to the longer, mask marks the real tokens
+    embeds, mask = pipe.encode_prompt(["a cat", "a big red circle moves across the sky"], device="cpu")
+    assert embeds.shape[:2] == mask.shape and mask.sum(1).tolist() == [2 + 5, 8 + 5]
+
+
+def test_cli_tiny_model_qwenimage(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "spindle", "tiny-model", "qwenimage", str(tmp_path / "m"), "--seed", "1"],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    from spindle.registry import resolve_family
+
+    assert resolve_family(tmp_path / "m").name == "qwenimage"
+
+
+# ------------------------------------------------------------------ parity with QwenImagePipeline
+
+CASES = {
+    "tiny_no_cfg": (
+        "tiny",
+        dict(prompt="a red fox in the snow", height=32, width=48, num_inference_steps=3, seed=0),
+    ),
+    "tiny_true_cfg": (
+        "tiny",
+        dict(
+            prompt="a red fox in the snow",
+            negative_prompt="blurry low quality",  # more tokens than the prompt's: padded when batched
+            true_cfg_scale=4.0,
+            height=32,
+            width=32,
+            num_inference_steps=2,
+            seed=7,
+        ),
+    ),
+    "other_no_cfg_batch_of_lengths": (
+        "other",
+        dict(
+            prompt=["waves", "a big blue square moves across the sky at dusk"],
+            height=32,
+            width=64,
+            num_inference_steps=2,
+            max_sequence_length=12,  # truncates the long prompt
+            seed=123,
+        ),
+    ),
+    "other_true_cfg_batch_of_lengths": (
+        "other",
+        dict(
+            prompt=["waves at dusk", "a cat"],
+            negative_prompt=["", "ugly dark blurry picture"],
+            true_cfg_scale=2.5,
+            num_outputs_per_prompt=2,
+            height=48,
+            width=32,
+            num_inference_steps=3,
+            seed=5,
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("cfg_batch", [False, True], ids=["two_forwards", "cfg_batch"])
+def test_images_equal_diffusers(case, cfg_batch, request):
+    from spindle import DiffusionGenerator
+
+    which, kw = CASES[case]
+    root = request.getfixturevalue(which)
+    ref = diffusers_images(root, **kw)
+    gen = DiffusionGenerator.from_pretrained(root, cfg_batch=cfg_batch)
+    result = gen.generate(**kw)
+    assert gen.family == "qwenimage" and result.media == "image"
+    assert result.frames.dtype == np.float32 and result.frames.shape == ref.shape
+    np.testing.assert_allclose(result.frames, ref, atol=TOL, rtol=0)
+
+
+def test_true_cfg_batched_is_one_forward_of_two(tiny):
+    """Prompts of different lengths: the batched forward pads the shorter (masked) and equals two."""
+    from spindle import DiffusionGenerator
+    from spindle.infer import SamplingParams
+
+    gen = DiffusionGenerator.from_pretrained(tiny)
+    params = SamplingParams(
+        prompt="a boat",
+        negative_prompt="ugly dark blurry picture of a boat",
+        height=32,
+        width=32,
+        num_inference_steps=2,
+        seed=1,
+        extra={"true_cfg_scale": 3.0},
+    )
+    req = gen.pipeline.stages[0](gen.make_request(params))
+    assert req.do_cfg and req.guidance_scale == 3.0
+    assert req.prompt_embeds.shape[1] < req.negative_prompt_embeds.shape[1]
+    stage = gen.pipeline.denoising
+    calls = []
+    hook = gen.transformer.register_forward_pre_hook(
+        lambda m, a, k: calls.append(tuple(k["encoder_hidden_states"].shape[:2])), with_kwargs=True
+    )
+    try:
+        t = req.timesteps[0]
+        stage.cfg_batch = False
+        two = stage.predict(req, req.latents, t, 0)
+        stage.cfg_batch = True
+        one = stage.predict(req, req.latents, t, 0)
+    finally:
+        hook.remove()
+    longest = req.negative_prompt_embeds.shape[1]
+    assert calls == [(1, req.prompt_embeds.shape[1]), (1, longest), (2, longest)]
+    torch.testing.assert_close(one, two, atol=1e-5, rtol=0)
+
+
+def test_defaults_are_qwenimage_pipeline_defaults(tiny):
+    from spindle import DiffusionGenerator
+
+    d = DiffusionGenerator.from_pretrained(tiny).defaults
+    # QwenImagePipeline: default_sample_size 128 x VAE factor (2 here), 50 steps, 512 text tokens,
+    # true_cfg_scale 4 (which runs only with a negative prompt)
+    assert (d.height, d.width, d.num_inference_steps, d.max_sequence_length) == (256, 256, 50, 512)
+    assert d.negative_prompt is None and d.extra == {"true_cfg_scale": 4.0}
+
+
+# ------------------------------------------------------------------ bad requests
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (
+            dict(height=36),
+            r"height must be a positive multiple of 8 for this model \(VAE x4 x 2x2 packing\) .*try 32 or 40",
+        ),
+        (dict(num_inference_steps=1), r"num_inference_steps must be >= 2 for this checkpoint's scheduler"),
+        (dict(num_frames=5), r"num_frames must be left unset \(or 1\): Qwen-Image generates images"),
+        (dict(max_sequence_length=1025), r"max_sequence_length must be an integer between 1 and 1024; got 1025"),
+        (dict(true_cfg_scale=3.0), r"true_cfg_scale=3 enables CFG only with a negative_prompt"),
+        (dict(true_cfg_scale=-1.0, negative_prompt="x"), r"true_cfg_scale must be >= 0 for qwenimage; got -1.0"),
+        (dict(strength=0.5), r"strength is not an option of qwenimage \(its options: true_cfg_scale\)"),
+    ],
+)
+def test_bad_requests_are_clear_errors(other, kw, message):
+    from spindle import DiffusionGenerator
+    from spindle.infer import RequestError
+
+    gen = DiffusionGenerator.from_pretrained(other)
+    base = dict(prompt="a cat", height=32, width=32, num_inference_steps=2, seed=0)
+    with pytest.raises(RequestError, match=message):
+        gen.generate(**{**base, **kw})
+
+
+def spindle_generate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "spindle", "generate", *args], capture_output=True, text=True)
+
+
+def test_generate_cli_true_cfg_writes_png(tiny, tmp_path):
+    """The family's own option is a CLI flag (--true-cfg-scale), from its declaration."""
+    from PIL import Image
+
+    from spindle import DiffusionGenerator
+
+    out = tmp_path / "fox.png"
+    kw = dict(prompt="a fox", negative_prompt="blurry", height=32, width=48, num_inference_steps=2, seed=4)
+    r = spindle_generate(
+        "--model", str(tiny), "--prompt", "a fox", "--negative-prompt", "blurry", "--true-cfg-scale", "2.5",
+        "--height", "32", "--width", "48", "--steps", "2", "--seed", "4", "--out", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "family qwenimage" in r.stdout
+    image = np.asarray(Image.open(out))
+    frames = DiffusionGenerator.from_pretrained(tiny).generate(**kw, true_cfg_scale=2.5).frames
+    assert image.shape == (32, 48, 3) and np.abs(image.astype(np.float32) - frames[0] * 255).max() <= 1.0
+    default = DiffusionGenerator.from_pretrained(tiny).generate(**kw).frames  # true_cfg_scale 4: differs
+    assert np.abs(default - frames).max() > 1e-3
+
+
+def test_generate_cli_option_errors_are_one_line(tiny, tmp_path):
+    r = spindle_generate(
+        "--model", str(tiny), "--prompt", "x", "--true-cfg-scale", "3", "--height", "32", "--width", "32",
+        "--steps", "2", "--out", str(tmp_path / "o.png"),
+    )  # fmt: skip
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "true_cfg_scale=3 enables CFG only with a negative_prompt" in r.stderr
