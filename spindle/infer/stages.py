@@ -152,6 +152,50 @@ class InferenceSpec:
         return VaeImageProcessor().postprocess(decoded, output_type="np")
 
 
+class StageContractError(RuntimeError):
+    """A family's stage or callback broke the contract of the shared stages (a bug in the family,
+    not in the request): the message names the family, the stage and the `Req` field."""
+
+
+def _contract(spec: InferenceSpec, where: str, field: str, problem: str) -> StageContractError:
+    family = spec.family or type(spec).__name__
+    return StageContractError(f"family {family!r}: {where} left Req.{field} {problem}")
+
+
+def _batch_tensor(req: Req, spec: InferenceSpec, field: str, value: Any, batch: int, where: str) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise _contract(spec, where, field, f"as {type(value).__name__}; DenoisingStage needs a tensor")
+    if value.ndim < 2 or value.shape[0] != batch:
+        raise _contract(
+            spec, where, field, f"with shape {tuple(value.shape)}; DenoisingStage needs [batch={batch}, ...]"
+        )
+
+
+def check_denoising_inputs(req: Req, spec: InferenceSpec) -> None:
+    """What DenoisingStage reads, as the family's BeforeDenoisingStage must leave it (StageContractError
+    naming the family and the field otherwise): float latents of the request's batch size, a non-empty
+    1-D `timesteps`, a scheduler with `step`, prompt embeddings (and negative ones under CFG) per
+    sample, a numeric `guidance_scale`, `raw_latent_shape` with the same batch size."""
+    where = f"{spec.before_denoising_cls.__name__}"
+    batch = req.params.batch_size
+    _batch_tensor(req, spec, "latents", req.latents, batch, where)
+    if not req.latents.is_floating_point():
+        raise _contract(spec, where, "latents", f"as {req.latents.dtype}; DenoisingStage needs floating point")
+    steps = req.timesteps
+    if not isinstance(steps, torch.Tensor) or steps.ndim != 1 or len(steps) == 0:
+        raise _contract(spec, where, "timesteps", f"as {steps!r:.80}; DenoisingStage needs a non-empty 1-D tensor")
+    if not callable(getattr(req.scheduler, "step", None)):
+        raise _contract(spec, where, "scheduler", f"as {type(req.scheduler).__name__}; it needs a scheduler.step")
+    _batch_tensor(req, spec, "prompt_embeds", req.prompt_embeds, batch, where)
+    if req.do_cfg:
+        _batch_tensor(req, spec, "negative_prompt_embeds", req.negative_prompt_embeds, batch, where + " (CFG on)")
+    if isinstance(req.guidance_scale, bool) or not isinstance(req.guidance_scale, (int, float)):
+        raise _contract(spec, where, "guidance_scale", f"as {req.guidance_scale!r}; DenoisingStage needs a number")
+    shape = req.raw_latent_shape
+    if not isinstance(shape, tuple) or not shape or shape[0] != batch:
+        raise _contract(spec, where, "raw_latent_shape", f"as {shape!r}; DecodingStage needs (batch={batch}, ...)")
+
+
 class DenoisingStage(Stage):
     """The shared sampling loop: transformer forward(s), CFG, scheduler step, progress/cancel.
 
@@ -231,6 +275,7 @@ class DenoisingStage(Stage):
             raise RequestError(str(e)) from e
 
     def forward(self, req: Req) -> Req:
+        check_denoising_inputs(req, self.spec)
         self.check_sequence_parallel(req)
         if hasattr(self.transformer, "_reset_stateful_cache"):
             self.transformer._reset_stateful_cache()  # cache state never leaks across requests
@@ -239,6 +284,14 @@ class DenoisingStage(Stage):
         for i, t in enumerate(req.timesteps):
             req.check_cancelled()
             noise_pred = self.predict(req, latents, t, i)
+            if noise_pred.shape != latents.shape:
+                raise _contract(
+                    self.spec,
+                    "denoiser_kwargs / model_output",
+                    "latents",
+                    f"predicted with shape {tuple(noise_pred.shape)} for latents {tuple(latents.shape)}: the "
+                    "transformer's inputs do not match the latents the scheduler steps",
+                )
             latents = req.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
             if req.progress is not None:
                 req.progress(i + 1, total)
@@ -258,10 +311,25 @@ class DecodingStage(Stage):
     def forward(self, req: Req) -> Req:
         req.check_cancelled()
         latents = self.spec.post_denoising(req.latents, req)
+        if tuple(latents.shape) != tuple(req.raw_latent_shape):
+            raise _contract(
+                self.spec,
+                "post_denoising",
+                "latents",
+                f"with shape {tuple(latents.shape)}; DecodingStage needs the VAE layout Req.raw_latent_shape="
+                f"{tuple(req.raw_latent_shape)}",
+            )
         param = next(self.vae.parameters())
         latents = latents.to(param.device, dtype=param.dtype)
         scale, shift = self.spec.decode_scale_shift(self.vae, latents)
         latents = latents / scale + shift
         decoded = self.vae.decode(latents, return_dict=False)[0]
         req.output = self.spec.postprocess(decoded, req)
+        if len(req.output) != req.params.batch_size:
+            raise _contract(
+                self.spec,
+                "postprocess",
+                "output",
+                f"with {len(req.output)} items for a batch of {req.params.batch_size} (one image or video each)",
+            )
         return req
