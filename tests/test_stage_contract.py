@@ -4,7 +4,6 @@ broken value reaches diffusers (where it would fail obscurely or, worse, run).""
 
 from __future__ import annotations
 
-
 import pytest
 
 from spindle.infer.pipeline import EngineOptions, InferencePipeline, load_components

@@ -181,3 +181,17 @@ def request_fields(options: FamilyOptions) -> dict[str, Any]:
         o.name: (o.type | None, Field(default=None, description=f"{o.help} (default {o.default!r})"))
         for o in options.extra
     }
+
+
+def request_model(base: type, options: FamilyOptions) -> type:
+    """`base` (a pydantic request model) extended with the family's options as optional fields."""
+    from pydantic import create_model
+
+    if not options.extra:
+        return base
+    return create_model(base.__name__, __base__=base, **request_fields(options))
+
+
+def given_options(body: Any, options: FamilyOptions) -> dict[str, Any]:
+    """The family options a parsed request body carries (None: not given, the default applies)."""
+    return {name: getattr(body, name) for name in options.names() if getattr(body, name, None) is not None}

@@ -21,8 +21,10 @@ import email.policy
 import io
 import json
 import logging
+import re
 import time
 import urllib.parse
+from collections.abc import Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -32,6 +34,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from spindle.infer.options import given_options, request_model
 from spindle.infer.request import RequestError, SamplingParams
 from spindle.serve.jobs import Job, JobStore
 from spindle.serve.schemas import (
@@ -67,12 +70,14 @@ _ENGINE_FIELDS = (
 )
 
 
-def request_error(e: RequestError, *, seconds_given: bool = False) -> APIError:
-    """An engine `RequestError` -> 400 naming the HTTP field."""
+def request_error(e: RequestError, *, seconds_given: bool = False, option_names: Iterable[str] = ()) -> APIError:
+    """An engine `RequestError` -> 400 naming the HTTP field (a common one or a family option)."""
     message = str(e)
-    first = message.split(" ", 1)[0].strip(":,;")
+    first = re.split(r"[ =:,;]", message, maxsplit=1)[0]
     param = None
-    if first in _ENGINE_FIELDS:
+    if first in option_names:
+        param = first
+    elif first in _ENGINE_FIELDS:
         param = _FIELD_FOR.get(first, first)
         if first == "num_frames" and seconds_given:
             param = "seconds"
@@ -270,7 +275,11 @@ def create_app(
 
     # ---------------------------------------------------------------- images
 
-    @app.post("/v1/images/generations")
+    # the request bodies carry the served family's declared options (e.g. true_cfg_scale) as fields
+    options = engine.spec.options
+    image_request = request_model(ImageGenerationRequest, options)
+    video_request = request_model(VideoCreateRequest, options)
+
     async def images_generations(body: ImageGenerationRequest):
         if engine.media != "image":
             raise APIError(
@@ -305,11 +314,12 @@ def create_app(
             guidance_scale=body.guidance_scale,
             seed=body.seed,
             num_outputs_per_prompt=body.n or 1,
+            extra=given_options(body, options),
         )
         try:
             params = engine.validate(params)
         except RequestError as e:
-            raise request_error(e) from None
+            raise request_error(e, option_names=options.names()) from None
         job = store.submit(Job(kind="image", params=params, model=engine.model_id))
         try:
             await _wait_done(job)
@@ -339,6 +349,9 @@ def create_app(
         finally:
             store.delete(job)
 
+    images_generations.__annotations__["body"] = image_request  # a model built here, not a module name
+    app.post("/v1/images/generations")(images_generations)
+
     # ---------------------------------------------------------------- videos
 
     @app.post("/v1/videos")
@@ -355,7 +368,7 @@ def create_app(
             if not isinstance(data, dict):
                 raise APIError(400, "the body must be a JSON object", code="invalid_json")
         try:
-            body = VideoCreateRequest.model_validate(data)
+            body = video_request.model_validate(data)
         except ValidationError as e:
             raise RequestValidationError(e.errors()) from None
         if engine.media != "video":
@@ -386,11 +399,12 @@ def create_app(
             num_inference_steps=body.num_inference_steps,
             guidance_scale=body.guidance_scale,
             seed=body.seed,
+            extra=given_options(body, options),
         )
         try:
             params = engine.validate(params)
         except RequestError as e:
-            raise request_error(e, seconds_given=body.seconds is not None) from None
+            raise request_error(e, seconds_given=body.seconds is not None, option_names=options.names()) from None
         job = Job(kind="video", params=params, model=engine.model_id, meta={"notes": notes})
         store.submit(job)
         return state.video_job(job)
