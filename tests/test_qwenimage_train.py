@@ -1,0 +1,196 @@
+"""Qwen-Image fine-tuning through the shared trainer: training inputs follow diffusers' Qwen-Image
+conventions (chat template + drop, masked variable-length text, packed latents, its shift), the loss
+falls, export round-trips into stock QwenImagePipeline, Ulysses SP=2 equals one process, the demo."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from spindle.config import load_config
+from spindle.testing.tiny import build_tiny_qwenimage
+from spindle.train.metrics import read_metrics
+from spindle.train.trainer import Trainer, train
+from tests.test_flux_train import run_cli
+
+SIZE = (32, 32)
+TEXT = 16  # model.max_text_length: divisible by the SP degree (the _cp_plan splits the text tokens)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return build_tiny_qwenimage(tmp_path_factory.mktemp("models") / "qwenimage", seed=0)
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    from spindle.testing.synthetic import make_shapes_image_dataset
+
+    return make_shapes_image_dataset(tmp_path_factory.mktemp("data") / "shapes", num_images=8, size=SIZE)
+
+
+def config(model, data, output_dir, **train_kw):
+    from tests.test_flux_train import overrides
+
+    return load_config(None, overrides(model, data, output_dir, **train_kw))
+
+
+@pytest.fixture(scope="module")
+def condition(tiny):
+    from spindle.models.qwenimage.condition import QwenImageConditionModel
+
+    return QwenImageConditionModel.from_pretrained(tiny, max_text_length=TEXT)
+
+
+def test_training_inputs_follow_diffusers_qwenimage_conventions(condition, tiny):
+    """What examples/dreambooth/train_dreambooth_lora_qwen_image.py computes, step by step, with the
+    same noise; the masked padding to max_text_length leaves the transformer's output unchanged."""
+    import inspect
+
+    from diffusers import QwenImagePipeline
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+    from diffusers.training_utils import compute_density_for_timestep_sampling
+    from diffusers.utils.torch_utils import randn_tensor
+
+    from spindle.models.base import load_transformer
+    from spindle.train.tasks.flow_matching import sample_generator
+
+    pipe = condition.pipe
+    g = torch.Generator().manual_seed(0)
+    pixels = torch.rand(2, 3, 1, *SIZE, generator=g) * 2 - 1
+    captions = ["a red circle", "a big blue square moves on the left"]
+    cond = condition.encode({"pixels": pixels, "caption": captions, "index": [3, 5]})
+
+    vae = pipe.vae
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    mean, std = torch.tensor(vae.config.latents_mean).view(shape), torch.tensor(vae.config.latents_std).view(shape)
+    x0 = ((vae.encode(pixels).latent_dist.mode() - mean) / std)[:, :, 0]
+    torch.testing.assert_close(cond["latents"], x0, rtol=0, atol=0)
+    embeds, mask = pipe.encode_prompt(captions, max_sequence_length=TEXT)
+    lengths = mask.sum(1).tolist()
+    assert lengths == [3 + 5, 8 + 5] and embeds.shape[1] == 13  # prompt + the template's suffix tokens
+    assert cond["prompt_embeds"].shape == (2, TEXT, 32) and cond["prompt_embeds_mask"].shape == (2, TEXT)
+    assert torch.equal(cond["prompt_embeds"][:, :13], embeds) and not cond["prompt_embeds"][:, 13:].any()
+    assert cond["prompt_embeds_mask"].sum(1).tolist() == lengths
+
+    gens = [sample_generator(0, 1, i) for i in (3, 5)]
+    inputs = condition.training_inputs(cond, gens)
+
+    # reference: same per-sample draws; uniform u shifted (exponential) with mu of 16x16/4 = 64 tokens
+    gens = [sample_generator(0, 1, i) for i in (3, 5)]
+    u = torch.cat([compute_density_for_timestep_sampling("uniform", 1, generator=gen) for gen in gens])
+    mu = torch.tensor(calculate_shift(64, 256, 8192, 0.5, 0.9))
+    sigmas = torch.exp(mu) / (torch.exp(mu) + (1 / u - 1))
+    noise = randn_tensor((2, 1, 4, 16, 16), generator=gens)[:, 0]  # the pipeline's [B, 1, C, h, w] draw
+    s = sigmas.view(-1, 1, 1, 1)
+    pack = lambda x: QwenImagePipeline._pack_latents(x, 2, 4, 16, 16)  # noqa: E731
+    torch.testing.assert_close(inputs["sigmas"], sigmas)
+    torch.testing.assert_close(inputs["hidden_states"], pack((1 - s) * x0 + s * noise))
+    torch.testing.assert_close(inputs["target"], pack(noise - x0))
+    torch.testing.assert_close(inputs["timestep"], sigmas)  # the pipeline passes t / 1000
+    assert inputs["img_shapes"] == [[(1, 8, 8)]] * 2 and inputs["hidden_states"].shape == (2, 64, 16)
+
+    model = load_transformer(tiny)
+    params = inspect.signature(model.forward).parameters
+    assert set(inputs) - {"target", "sigmas"} <= set(params)  # exactly the transformer's forward kwargs
+    kw = {k: v for k, v in inputs.items() if k not in ("target", "sigmas")}
+    with torch.no_grad():
+        padded = model(**kw, return_dict=False)[0]
+        for i, n in enumerate(lengths):  # each sample alone, unpadded and unmasked, as at inference
+            alone = {**kw, "hidden_states": kw["hidden_states"][i : i + 1], "timestep": kw["timestep"][i : i + 1]}
+            alone.update(encoder_hidden_states=embeds[i : i + 1, :n], encoder_hidden_states_mask=None)
+            alone["img_shapes"] = kw["img_shapes"][:1]
+            torch.testing.assert_close(padded[i : i + 1], model(**alone, return_dict=False)[0], atol=1e-5, rtol=0)
+    assert padded.shape == inputs["target"].shape
+
+
+def test_video_pixels_and_odd_sizes_are_rejected(condition):
+    with pytest.raises(ValueError, match=r"Qwen-Image generates images: pixels must be \[B, C, 1, H, W\]"):
+        condition.encode({"pixels": torch.zeros(1, 3, 5, 32, 32), "caption": ["x"], "index": [0]})
+    with pytest.raises(ValueError, match="divisible by 4; got 30x32"):
+        condition.encode({"pixels": torch.zeros(1, 3, 1, 30, 32), "caption": ["x"], "index": [0]})
+
+
+def test_overfit_loss_falls(tiny, images, tmp_path):
+    cfg = config(tiny, images, tmp_path / "run", train__max_steps=30, train__lr=2e-3, train__micro_batch_size=4,
+                 checkpoint__export=False)  # fmt: skip
+    train(cfg)
+    records = read_metrics(cfg.train.output_dir)
+    losses = [m["loss"] for m in records]
+    assert len(losses) == 30
+    first, last = statistics.mean(losses[:5]), statistics.mean(losses[-5:])
+    assert last < 0.6 * first, f"loss did not fall enough: {first:.4f} -> {last:.4f}"
+    assert records[0]["tokens_per_s"] / records[0]["samples_per_s"] == pytest.approx(64)  # 8x8 packed tokens
+
+
+def test_export_round_trip_in_stock_qwenimage_pipeline(tiny, images, tmp_path):
+    from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
+
+    from spindle import DiffusionGenerator
+
+    trainer = Trainer(config(tiny, images, tmp_path / "run", train__max_steps=3))
+    result = trainer.run()
+    trained = {k: v.detach() for k, v in trainer.model.state_dict().items()}
+    trained = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in trained.items()}
+    exported = load_file(result.export_dir / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert exported.keys() == trained.keys() and all(torch.equal(exported[k], trained[k]) for k in trained)
+    original = load_file(tiny / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert any(not torch.equal(original[k], exported[k]) for k in original), "training changed nothing"
+    config_json = json.loads((result.export_dir / "transformer" / "config.json").read_text())
+    assert set(config_json) == set(json.loads((tiny / "transformer" / "config.json").read_text()))
+
+    model = QwenImageTransformer2DModel.from_pretrained(result.export_dir / "transformer")
+    assert all(torch.equal(model.state_dict()[k], trained[k]) for k in trained)
+    pipe = QwenImagePipeline.from_pretrained(result.export_dir)
+    pipe.set_progress_bar_config(disable=True)
+    kw = dict(prompt="a red circle on the left", negative_prompt="blurry", height=32, width=32, num_inference_steps=2)
+    ref = pipe(**kw, true_cfg_scale=3.0, output_type="np", generator=torch.Generator().manual_seed(0)).images
+    ours = DiffusionGenerator.from_pretrained(result.export_dir).generate(**kw, true_cfg_scale=3.0, seed=0).frames
+    assert ref.shape == (1, 32, 32, 3)
+    np.testing.assert_allclose(ours, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_sequence_parallel_training_equals_one_process(tiny, images, tmp_path):
+    """Ulysses SP=2 through QwenImageTransformer2DModel's own `_cp_plan` (image and text tokens, the
+    text mask and the RoPE tables split over 2 ranks) trains exactly like one process."""
+    run_cli(tiny, images, tmp_path / "single", nproc=1)
+    run_cli(tiny, images, tmp_path / "sp2", nproc=2, parallel__sp=2, parallel__dp_shard=1)
+    a, b = read_metrics(tmp_path / "single"), read_metrics(tmp_path / "sp2")
+    assert len(a) == len(b) == 3
+    for key in ("loss", "grad_norm"):
+        assert [m[key] for m in b] == pytest.approx([m[key] for m in a], rel=1e-5), key
+    wa = load_file(tmp_path / "single" / "export" / "transformer" / "diffusion_pytorch_model.safetensors")
+    wb = load_file(tmp_path / "sp2" / "export" / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=1e-5, msg=k)
+
+
+@pytest.mark.slow
+def test_demo_family_qwenimage(tmp_path):
+    """`spindle demo --family qwenimage`: tiny model -> png dataset -> fine-tune -> export -> png sample."""
+    from PIL import Image
+
+    out = tmp_path / "demo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "spindle", "demo", "--family", "qwenimage", "--out", str(out), "--steps", "30"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "QwenImagePipeline.from_pretrained loads it" in proc.stdout
+    losses = [m["loss"] for m in read_metrics(out / "run")]
+    assert statistics.mean(losses[-5:]) < 0.6 * statistics.mean(losses[:5])
+    assert np.asarray(Image.open(out / "sample.png")).shape == (32, 32, 3)
+    index = json.loads((out / "run" / "export" / "model_index.json").read_text())
+    assert index["_class_name"] == "QwenImagePipeline"
