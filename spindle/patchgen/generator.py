@@ -426,7 +426,7 @@ def format_source(text: str, what: str) -> str:
 
 
 def undefined_names(text: str) -> list[tuple[int, str]]:
-    result = _ruff(["check", "--select", "F821", "--output-format", "json", "--no-fix"], text)
+    result = _ruff(["check", "--select", "F821", "--ignore-noqa", "--output-format", "json", "--no-fix"], text)
     if result.returncode not in (0, 1):
         raise PatchgenError(f"ruff check failed: {result.stderr.strip()}")
     return [(d["location"]["row"], d["message"]) for d in json.loads(result.stdout or "[]")]

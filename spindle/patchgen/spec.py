@@ -199,7 +199,7 @@ class PatchConfig:
             self.patches.append(
                 Patch(
                     kind,
-                    map_target(target, name_map),
+                    target,  # already this module's name; name_map is for the replacement's code
                     apply_name_map(code, name_map),
                     description,
                     origin,
