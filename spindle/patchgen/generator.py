@@ -193,6 +193,16 @@ def _signature(fn) -> str:
     return ast.unparse(args)
 
 
+def _own_statements(fn):
+    """Every node in `fn`'s body, not descending into nested functions/classes (their returns are theirs)."""
+    todo = list(fn.body)
+    while todo:
+        node = todo.pop()
+        yield node
+        if not isinstance(node, (*_FUNCS, ast.ClassDef, ast.Lambda)):
+            todo.extend(ast.iter_child_nodes(node))
+
+
 def _marker(patch: Patch, indent: str) -> str:
     text = f"{indent}{MARKER} {patch.kind} {patch.target}"
     return text + (f": {patch.description}" if patch.description else "") + "\n"
@@ -225,7 +235,7 @@ def _definition_edit(patch: Patch, index: _Index, lines: list[str], order: int) 
 
     if patch.kind == "modify_init":
         _check_signature(patch, node, replacement, upstream)
-        for sub in ast.walk(ast.Module(body=node.body, type_ignores=[])):
+        for sub in _own_statements(node):
             if isinstance(sub, ast.Return):
                 raise PatchgenError(
                     f"patch {patch.label} ({patch.origin}): upstream {patch.target}.__init__ returns early "
@@ -281,7 +291,7 @@ def _drop_import_edits(patches: list[Patch], index: _Index, order: int) -> list[
     for node, ps in by_stmt.values():
         dropped = {p.target for p in ps}
         kept = [a for a in node.names if (a.asname or a.name) not in dropped]
-        new = [_marker(ps[0], "").replace(ps[0].target, ", ".join(sorted(dropped)), 1)]
+        new = [f"{MARKER} drop_import_names {', '.join(sorted(dropped))}\n"]
         if kept:
             stmt = ast.ImportFrom(node.module, kept, 0) if isinstance(node, ast.ImportFrom) else ast.Import(kept)
             new.append(ast.unparse(stmt) + "\n")
@@ -290,7 +300,7 @@ def _drop_import_edits(patches: list[Patch], index: _Index, order: int) -> list[
 
 
 def _module_additions(patches: list[Patch], index: _Index, order: int) -> list[_Edit]:
-    """Added imports, post-import blocks and helpers, in that order, after upstream's last top-level import."""
+    """Added imports, then post-import blocks and helpers (in registration order), after the last top-level import."""
     if not patches:
         return []
     if not index.imports:
