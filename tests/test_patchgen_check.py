@@ -27,6 +27,7 @@ def qwen3_copy(tmp_path) -> Path:
 def test_check_passes_on_the_tree(capsys):
     assert main(["patchgen", "--check"]) == 0
     assert "2 config(s) up to date" in capsys.readouterr().out
+    assert main(["patchgen", "--check", "spindle.models.llama.patches"]) == 0  # a config as a module name
 
 
 def test_check_passes_on_an_untouched_copy(qwen3_copy, capsys):
