@@ -507,3 +507,14 @@ def _layer_forward_with_string(self, x, *, mask=None):
     return """a
   b
 c"""
+
+
+def test_dense_causal_lm_patch_does_not_silently_apply_to_qwen3_moe(tmp_path):
+    # Qwen3-MoE's forward takes output_router_logits and adds the router aux loss: name_map alone must
+    # not turn the dense patch into a MoE one; the signature check sends the author to a MoE override.
+    from spindle.models.qwen3 import patches as qwen3
+
+    config = PatchConfig(source_module="transformers.models.qwen3_moe.modeling_qwen3_moe")
+    config.extend(qwen3.config, name_map={"Qwen3": "Qwen3Moe"})
+    with pytest.raises(PatchgenError, match=r"'Qwen3MoeForCausalLM.forward'(.|\n)*output_router_logits=None"):
+        generate(config, tmp_path / "patches.py")
