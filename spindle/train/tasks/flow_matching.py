@@ -112,6 +112,7 @@ class FlowMatchingTask(TrainTask):
             dp_size=self.mesh.dims.dp_size,
             seed=self.cfg.train.seed,
             shuffle=data.shuffle,
+            global_batch_size=self.cfg.train.global_batch_size,
         )
 
     # ------------------------------------------------------------ step
