@@ -287,3 +287,29 @@ def test_generate_cli_option_errors_are_one_line(tiny, tmp_path):
     )  # fmt: skip
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "true_cfg_scale=3 enables CFG only with a negative_prompt" in r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [{"sp": 2}, {"cfg_parallel": True}], ids=["sp2", "cfg_parallel"])
+def test_multiprocess_equals_single_process(tiny, tmp_path, options):
+    """Ulysses SP=2 through the `_cp_plan` (prompts of 9 and 10 tokens: padded with masked zeros to
+    even counts) and CFG-parallel over 2 real processes equal one process."""
+    import os
+
+    from spindle import DiffusionGenerator
+    from tests.test_flux_engine import WORKER
+
+    kw = dict(
+        prompt="a small red fox", negative_prompt="blurry dark low quality picture", true_cfg_scale=3.0,
+        height=32, width=48, num_inference_steps=2, seed=21,
+    )  # fmt: skip
+    exact = DiffusionGenerator.from_pretrained(tiny).generate(**kw).frames
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    out = tmp_path / "images"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+           str(tiny), str(out), json.dumps(options), json.dumps(kw)]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-4000:]
+    for rank in range(2):
+        np.testing.assert_allclose(np.load(f"{out}.rank{rank}.npy"), exact, atol=1e-5, rtol=0)

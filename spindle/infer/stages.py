@@ -123,6 +123,10 @@ class InferenceSpec:
                 raise ValueError(f"cannot batch CFG: {key!r} differs between cond and uncond and is not per-sample")
         return merged
 
+    def prepare_sequence_parallel(self, req: Req, degree: int) -> None:
+        """Before a `degree`-way SP run: make every sequence the transformer's plan splits divisible by
+        `degree` where the family can do so exactly (Qwen-Image pads its masked text). Default: nothing."""
+
     def sequence_length(self, req: Req, transformer: torch.nn.Module) -> int | None:
         """Tokens the transformer sees for this request (checked against the SP degree); None: unknown."""
         return None
@@ -280,6 +284,8 @@ class DenoisingStage(Stage):
     def forward(self, req: Req) -> Req:
         check_denoising_inputs(req, self.spec)
         self.check_sequence_parallel(req)
+        if self.sp * self.ring > 1:  # the sequence-parallel group is sp (Ulysses) x ring
+            self.spec.prepare_sequence_parallel(req, self.sp * self.ring)
         if hasattr(self.transformer, "_reset_stateful_cache"):
             self.transformer._reset_stateful_cache()  # cache state never leaks across requests
         latents = req.latents

@@ -161,6 +161,18 @@ class QwenImageInference(InferenceSpec):
             padded.append({**kw, "encoder_hidden_states": embeds, "encoder_hidden_states_mask": mask})
         return super().batch_cfg_kwargs(*padded, batch_size)
 
+    def prepare_sequence_parallel(self, req: Req, degree: int) -> None:
+        """The `_cp_plan` splits the text tokens too: pad each prompt's to a multiple of `degree`
+        with masked zeros (invisible to the joint attention, as in `batch_cfg_kwargs`)."""
+        pairs = [("prompt_embeds", "prompt_mask")]
+        if req.do_cfg:
+            pairs.append(("negative_prompt_embeds", "negative_mask"))
+        for embeds_name, mask_name in pairs:
+            embeds = getattr(req, embeds_name)
+            length = -(-embeds.shape[1] // degree) * degree
+            padded, req.extra[mask_name] = pad_text(embeds, req.extra[mask_name], length)
+            setattr(req, embeds_name, padded)
+
     def combine_cfg(self, cond: torch.Tensor, uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
         """QwenImagePipeline's true CFG: the guided prediction rescaled to the conditional one's norm."""
         combined = uncond + guidance_scale * (cond - uncond)
