@@ -252,3 +252,51 @@ class PipelineConditionModel(ConditionModel):
     def vae_latents(self, pixels: torch.Tensor) -> torch.Tensor:
         """Pixels in [-1, 1] -> the VAE posterior's mode: deterministic, so conditions can be precomputed."""
         return self.pipe.vae.encode(pixels.to(self.device, self.dtype)).latent_dist.mode()
+
+
+class PackedImageConditionModel(PipelineConditionModel):
+    """An image family whose transformer takes 2x2-packed latent tokens (Flux, Qwen-Image): image
+    pixels checked against VAE factor x 2, latents packed by the pipeline's own `_pack_latents`.
+    Subclasses set `label` (for messages) and implement `encode_prompts`, `normalize` and
+    `training_inputs`."""
+
+    label: str = ""
+
+    def check_pixel_shape(self, shape: torch.Size) -> None:
+        height, width = shape[-2:]
+        multiple = 2 * self.pipe.vae_scale_factor  # VAE downsampling x 2x2 packing
+        if height % multiple or width % multiple:
+            raise ValueError(f"{self.label} needs height and width divisible by {multiple}; got {height}x{width}")
+
+    def normalize(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Image pixels [B, C, H, W] in [-1, 1] -> the family's normalized latents [B, c, h, w]."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def encode_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[B, C, 1, H, W] or [B, C, H, W] in [-1, 1] -> normalized VAE latents [B, c, H/s, W/s] (the mode)."""
+        pixels = frames_as_images(pixels, self.label)
+        self.check_pixel_shape(pixels.shape)
+        return self.normalize(pixels)
+
+    def encode(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        return {"latents": self.encode_pixels(batch["pixels"]), **self.encode_prompts(batch["caption"])}
+
+    def encode_prompts(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def pack(self, latents: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = latents.shape
+        return self.pipe._pack_latents(latents, b, c, h, w)
+
+
+def check_packed_image_request(params: Any, vae_scale_factor: int, max_sequence_length: int, label: str) -> None:
+    """The request checks of a 2x2-packed image family (after the common ones): sizes a multiple of
+    VAE factor x 2, no frames, the text length its encoder takes. `RequestError` naming the field."""
+    from spindle.infer.request import RequestError, check_int_range, check_size
+
+    multiple = 2 * vae_scale_factor
+    check_size(params, multiple, multiple, f"VAE x{vae_scale_factor} x 2x2 packing")
+    if params.num_frames not in (None, 1):
+        raise RequestError(f"num_frames must be left unset (or 1): {label} generates images; got {params.num_frames!r}")
+    check_int_range("max_sequence_length", params.max_sequence_length, minimum=1, maximum=max_sequence_length)

@@ -17,9 +17,8 @@ from typing import Any
 import torch
 
 from spindle.models.base import (
-    PipelineConditionModel,
+    PackedImageConditionModel,
     flow_matching_pair,
-    frames_as_images,
     resolution_shift,
     sample_sigmas,
 )
@@ -29,8 +28,9 @@ from spindle.models.base import (
 TRAIN_GUIDANCE = 3.5
 
 
-class FluxConditionModel(PipelineConditionModel):
+class FluxConditionModel(PackedImageConditionModel):
     pipeline_class = "diffusers:FluxPipeline"
+    label = "Flux"
 
     def __init__(
         self,
@@ -77,25 +77,8 @@ class FluxConditionModel(PipelineConditionModel):
         )
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
 
-    def check_pixel_shape(self, shape: torch.Size) -> None:
-        height, width = shape[-2:]
-        multiple = 2 * self.vae_scale_factor  # VAE downsampling x 2x2 packing
-        if height % multiple or width % multiple:
-            raise ValueError(f"Flux needs height and width divisible by {multiple}; got {height}x{width}")
-
-    @torch.no_grad()
-    def encode_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
-        """[B, C, 1, H, W] or [B, C, H, W] in [-1, 1] -> scaled VAE latents [B, c, H/s, W/s] (the mode)."""
-        pixels = frames_as_images(pixels, "Flux")
-        self.check_pixel_shape(pixels.shape)
+    def normalize(self, pixels: torch.Tensor) -> torch.Tensor:
         return (self.vae_latents(pixels) - self.shift_factor) * self.scaling_factor
-
-    def encode(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        return {"latents": self.encode_pixels(batch["pixels"]), **self.encode_prompts(batch["caption"])}
-
-    def pack(self, latents: torch.Tensor) -> torch.Tensor:
-        b, c, h, w = latents.shape
-        return self.pipe._pack_latents(latents, b, c, h, w)
 
     def training_inputs(self, conditions: dict[str, torch.Tensor], generators: list[torch.Generator]) -> dict[str, Any]:
         x0 = conditions["latents"]

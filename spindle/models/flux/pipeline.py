@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from spindle.infer.request import Req, RequestError, SamplingParams, check_int_range, check_size
+from spindle.infer.request import Req, SamplingParams
 from spindle.infer.stages import BeforeDenoisingStage, InferenceSpec
-from spindle.models.base import resolution_shift
+from spindle.models.base import check_packed_image_request, resolution_shift
 
 MAX_SEQUENCE_LENGTH = 512  # FluxPipeline's limit for the T5 prompt
 
@@ -46,16 +46,10 @@ class FluxBeforeDenoisingStage(BeforeDenoisingStage):
         self.transformer = components["transformer"]
         self.scheduler = components["scheduler"]
         self.vae_scale_factor = self.text_pipe.vae_scale_factor
-        self.multiple = 2 * self.vae_scale_factor  # VAE downsampling x 2x2 packing
 
     def validate(self, params: SamplingParams) -> None:
         super().validate(params)
-        check_size(params, self.multiple, self.multiple, f"VAE x{self.vae_scale_factor} x 2x2 packing")
-        if params.num_frames not in (None, 1):
-            raise RequestError(
-                f"num_frames must be left unset (or 1): Flux generates images; got {params.num_frames!r}"
-            )
-        check_int_range("max_sequence_length", params.max_sequence_length, minimum=1, maximum=MAX_SEQUENCE_LENGTH)
+        check_packed_image_request(params, self.vae_scale_factor, MAX_SEQUENCE_LENGTH, "Flux")
         # true_cfg_scale (type, bounds, needs a negative prompt) is checked by its declaration in FAMILY.options
 
     def encode(self, prompts: list[str], p: SamplingParams, device: torch.device) -> tuple[torch.Tensor, ...]:

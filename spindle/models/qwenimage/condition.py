@@ -20,9 +20,8 @@ from typing import Any
 import torch
 
 from spindle.models.base import (
-    PipelineConditionModel,
+    PackedImageConditionModel,
     flow_matching_pair,
-    frames_as_images,
     latent_stats,
     resolution_shift,
     sample_sigmas,
@@ -45,8 +44,9 @@ def pad_text(embeds: torch.Tensor, mask: torch.Tensor | None, length: int) -> tu
     return embeds, mask
 
 
-class QwenImageConditionModel(PipelineConditionModel):
+class QwenImageConditionModel(PackedImageConditionModel):
     pipeline_class = "diffusers:QwenImagePipeline"
+    label = "Qwen-Image"
 
     def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, max_text_length: int = 512):
         super().__init__(pipe, device, dtype, max_text_length)
@@ -56,7 +56,6 @@ class QwenImageConditionModel(PipelineConditionModel):
                 f"got {max_text_length}"
             )
         self.latents_mean, self.latents_std = latent_stats(pipe.vae.config)
-        self.vae_scale_factor = pipe.vae_scale_factor
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -66,27 +65,10 @@ class QwenImageConditionModel(PipelineConditionModel):
         embeds, mask = pad_text(embeds.to(self.dtype), mask, self.max_text_length)
         return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
 
-    def check_pixel_shape(self, shape: torch.Size) -> None:
-        height, width = shape[-2:]
-        multiple = 2 * self.vae_scale_factor  # VAE downsampling x 2x2 packing
-        if height % multiple or width % multiple:
-            raise ValueError(f"Qwen-Image needs height and width divisible by {multiple}; got {height}x{width}")
-
-    @torch.no_grad()
-    def encode_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
-        """[B, C, 1, H, W] or [B, C, H, W] in [-1, 1] -> normalized latents [B, c, H/s, W/s] (the mode)."""
-        pixels = frames_as_images(pixels, "Qwen-Image")
-        self.check_pixel_shape(pixels.shape)
+    def normalize(self, pixels: torch.Tensor) -> torch.Tensor:
         latents = self.vae_latents(pixels[:, :, None])  # the VAE is 3-D: an image is one frame
         mean, std = self.latents_mean.to(latents), self.latents_std.to(latents)
         return ((latents - mean) / std)[:, :, 0]
-
-    def encode(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        return {"latents": self.encode_pixels(batch["pixels"]), **self.encode_prompts(batch["caption"])}
-
-    def pack(self, latents: torch.Tensor) -> torch.Tensor:
-        b, c, h, w = latents.shape
-        return self.pipe._pack_latents(latents, b, c, h, w)
 
     def training_inputs(self, conditions: dict[str, torch.Tensor], generators: list[torch.Generator]) -> dict[str, Any]:
         x0 = conditions["latents"]

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from spindle.infer.request import Req, RequestError, SamplingParams, check_int_range, check_size
+from spindle.infer.request import Req, RequestError, SamplingParams
 from spindle.infer.stages import BeforeDenoisingStage, InferenceSpec
-from spindle.models.base import mean_std_scale_shift, resolution_shift
+from spindle.models.base import check_packed_image_request, mean_std_scale_shift, resolution_shift
 from spindle.models.qwenimage.condition import MAX_SEQUENCE_LENGTH, pad_text
 
 TEXT_KEYS = ("encoder_hidden_states", "encoder_hidden_states_mask")
@@ -49,16 +49,10 @@ class QwenImageBeforeDenoisingStage(BeforeDenoisingStage):
         self.transformer = components["transformer"]
         self.scheduler = components["scheduler"]
         self.vae_scale_factor = self.text_pipe.vae_scale_factor
-        self.multiple = 2 * self.vae_scale_factor  # VAE downsampling x 2x2 packing
 
     def validate(self, params: SamplingParams) -> None:
         super().validate(params)
-        check_size(params, self.multiple, self.multiple, f"VAE x{self.vae_scale_factor} x 2x2 packing")
-        if params.num_frames not in (None, 1):
-            raise RequestError(
-                f"num_frames must be left unset (or 1): Qwen-Image generates images; got {params.num_frames!r}"
-            )
-        check_int_range("max_sequence_length", params.max_sequence_length, minimum=1, maximum=MAX_SEQUENCE_LENGTH)
+        check_packed_image_request(params, self.vae_scale_factor, MAX_SEQUENCE_LENGTH, "Qwen-Image")
         if self.scheduler.config.get("shift_terminal") and params.num_inference_steps < 2:
             # stretching the schedule to its terminal sigma divides by zero with one step (NaN image)
             raise RequestError(
