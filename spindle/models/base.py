@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from spindle.infer.options import FamilyOptions
+from spindle.infer.stages import BeforeDenoisingStage
 
 
 def import_object(path: str) -> Any:
@@ -288,6 +289,22 @@ class PackedImageConditionModel(PipelineConditionModel):
     def pack(self, latents: torch.Tensor) -> torch.Tensor:
         b, c, h, w = latents.shape
         return self.pipe._pack_latents(latents, b, c, h, w)
+
+
+class PipelineBeforeDenoisingStage(BeforeDenoisingStage):
+    """A BeforeDenoisingStage around the family's diffusers pipeline, built from the loaded components
+    without its transformer (`pipeline_class = "diffusers:FluxPipeline"`): its prompt encoding and
+    latent helpers are the reference code (`self.text_pipe`)."""
+
+    pipeline_class: str = ""
+
+    def __init__(self, components: dict[str, Any], spec: Any):
+        super().__init__(components, spec)
+        parts = {k: v for k, v in components.items() if k != spec.transformer_component}
+        self.text_pipe = import_object(self.pipeline_class)(**parts, transformer=None)
+        self.transformer = components[spec.transformer_component]
+        self.scheduler = components["scheduler"]
+        self.vae_scale_factor = self.text_pipe.vae_scale_factor
 
 
 def check_packed_image_request(params: Any, vae_scale_factor: int, max_sequence_length: int, label: str) -> None:

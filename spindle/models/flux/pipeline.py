@@ -18,34 +18,14 @@ import numpy as np
 import torch
 
 from spindle.infer.request import Req, SamplingParams
-from spindle.infer.stages import BeforeDenoisingStage, InferenceSpec
-from spindle.models.base import check_packed_image_request, resolution_shift
+from spindle.infer.stages import InferenceSpec
+from spindle.models.base import PipelineBeforeDenoisingStage, check_packed_image_request, resolution_shift
 
 MAX_SEQUENCE_LENGTH = 512  # FluxPipeline's limit for the T5 prompt
 
 
-def _text_pipeline(components: dict[str, Any]) -> Any:
-    """A FluxPipeline without transformer: its prompt encoding and latent helpers are the reference."""
-    from diffusers import FluxPipeline
-
-    return FluxPipeline(
-        scheduler=components["scheduler"],
-        vae=components["vae"],
-        text_encoder=components["text_encoder"],
-        tokenizer=components["tokenizer"],
-        text_encoder_2=components["text_encoder_2"],
-        tokenizer_2=components["tokenizer_2"],
-        transformer=None,
-    )
-
-
-class FluxBeforeDenoisingStage(BeforeDenoisingStage):
-    def __init__(self, components: dict[str, Any], spec: InferenceSpec):
-        super().__init__(components, spec)
-        self.text_pipe = _text_pipeline(components)
-        self.transformer = components["transformer"]
-        self.scheduler = components["scheduler"]
-        self.vae_scale_factor = self.text_pipe.vae_scale_factor
+class FluxBeforeDenoisingStage(PipelineBeforeDenoisingStage):
+    pipeline_class = "diffusers:FluxPipeline"
 
     def validate(self, params: SamplingParams) -> None:
         super().validate(params)

@@ -22,33 +22,18 @@ import numpy as np
 import torch
 
 from spindle.infer.request import Req, RequestError, SamplingParams
-from spindle.infer.stages import BeforeDenoisingStage, InferenceSpec
-from spindle.models.base import check_packed_image_request, mean_std_scale_shift, resolution_shift
+from spindle.infer.stages import InferenceSpec
+from spindle.models.base import (
+    PipelineBeforeDenoisingStage,
+    check_packed_image_request,
+    mean_std_scale_shift,
+    resolution_shift,
+)
 from spindle.models.qwenimage.condition import MAX_SEQUENCE_LENGTH, pad_text
 
-TEXT_KEYS = ("encoder_hidden_states", "encoder_hidden_states_mask")
 
-
-def _text_pipeline(components: dict[str, Any]) -> Any:
-    """A QwenImagePipeline without transformer: its prompt encoding and latent helpers are the reference."""
-    from diffusers import QwenImagePipeline
-
-    return QwenImagePipeline(
-        scheduler=components["scheduler"],
-        vae=components["vae"],
-        text_encoder=components["text_encoder"],
-        tokenizer=components["tokenizer"],
-        transformer=None,
-    )
-
-
-class QwenImageBeforeDenoisingStage(BeforeDenoisingStage):
-    def __init__(self, components: dict[str, Any], spec: InferenceSpec):
-        super().__init__(components, spec)
-        self.text_pipe = _text_pipeline(components)
-        self.transformer = components["transformer"]
-        self.scheduler = components["scheduler"]
-        self.vae_scale_factor = self.text_pipe.vae_scale_factor
+class QwenImageBeforeDenoisingStage(PipelineBeforeDenoisingStage):
+    pipeline_class = "diffusers:QwenImagePipeline"
 
     def validate(self, params: SamplingParams) -> None:
         super().validate(params)
