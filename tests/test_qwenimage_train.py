@@ -194,3 +194,29 @@ def test_demo_family_qwenimage(tmp_path):
     assert np.asarray(Image.open(out / "sample.png")).shape == (32, 32, 3)
     index = json.loads((out / "run" / "export" / "model_index.json").read_text())
     assert index["_class_name"] == "QwenImagePipeline"
+
+
+def test_text_length_not_divisible_by_sp_is_named(condition, tiny):
+    """Qwen-Image's `_cp_plan` splits the text tokens at its first block: a max_text_length the SP
+    group does not divide is an error naming the input before diffusers fails inside."""
+    from spindle.distributed.context_parallel import check_split_inputs
+    from spindle.models.base import load_transformer
+    from spindle.train.tasks.flow_matching import sample_generator
+
+    cond = {
+        "latents": torch.zeros(1, 4, 16, 16),
+        "prompt_embeds": torch.zeros(1, 15, 32),
+        "prompt_embeds_mask": torch.ones(1, 15, dtype=torch.long),
+    }
+    inputs = condition.training_inputs(cond, [sample_generator(0, 0, 0)])
+    model = load_transformer(tiny)
+    with pytest.raises(ValueError, match=r"splits the input 'encoder_hidden_states' along dim 1, which has length 15"):
+        check_split_inputs(model, 2, inputs)
+    with pytest.raises(ValueError, match=r"'hidden_states' along dim 1, which has length 64, not divisible by the 3"):
+        check_split_inputs(model, 3, inputs)  # the text divides by 3, the 8x8 image tokens do not
+    padded = {
+        **cond,
+        "prompt_embeds": torch.zeros(1, 16, 32),
+        "prompt_embeds_mask": torch.ones(1, 16, dtype=torch.long),
+    }
+    check_split_inputs(model, 2, condition.training_inputs(padded, [sample_generator(0, 0, 0)]))

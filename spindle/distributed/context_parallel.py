@@ -115,15 +115,18 @@ def check_sequence_parallel(
 
 
 def check_split_inputs(transformer: torch.nn.Module, sp: int, inputs: Mapping[str, Any]) -> None:
-    """The forward inputs the plan splits at the model's entry (e.g. Flux's text tokens and ids) must
+    """The forward inputs the plan splits (e.g. Flux's and Qwen-Image's text tokens, Flux's ids) must
     divide evenly over the `sp` sequence-parallel ranks (ring x Ulysses); ValueError naming the input
     otherwise (diffusers would assert)."""
     if sp == 1:
         return
     from diffusers.models._modeling_parallel import ContextParallelInput
 
-    entry = (_cp_plan_of(transformer) or {}).get("", {})
-    for name, spec in entry.items():
+    # Entries of the plan name module inputs; those named like a forward input carry its sequence
+    # (Flux splits at the model's entry "", Qwen-Image at "transformer_blocks.0" / ".*").
+    specs = [(n, s) for entry in (_cp_plan_of(transformer) or {}).values() if isinstance(entry, Mapping)
+             for n, s in entry.items() if isinstance(n, str)]  # fmt: skip
+    for name, spec in specs:
         value = inputs.get(name)
         if not (isinstance(spec, ContextParallelInput) and isinstance(value, torch.Tensor)):
             continue
