@@ -24,7 +24,11 @@ HELP = "generate a video/image from a diffusers checkpoint (staged engine)"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="diffusers pipeline folder (with model_index.json)")
     p.add_argument("--prompt", required=True, help="text prompt")
-    p.add_argument("--negative-prompt", default=None, help="negative prompt (used when --guidance > 1)")
+    p.add_argument(
+        "--negative-prompt",
+        default=None,
+        help="negative prompt (classifier-free guidance: see --guidance and the family options)",
+    )
     p.add_argument("--height", type=int, default=None, help="height in pixels (family default if omitted)")
     p.add_argument("--width", type=int, default=None, help="width in pixels")
     p.add_argument("--num-frames", type=int, default=None, help="number of frames (video families)")

@@ -154,7 +154,9 @@ def add_option_arguments(p: argparse.ArgumentParser, families: Iterable[Any] | N
         opt = decls[0][1]
         who = ", ".join(f"{f} default {o.default!r}" for f, o in decls)
         kind = (lambda s: s.lower() in ("1", "true", "yes")) if opt.type is bool else opt.type
-        g.add_argument(opt.flag, dest=f"option_{name}", type=kind, default=None, help=f"{opt.help} ({who})")
+        g.add_argument(
+            opt.flag, dest=f"option_{name}", metavar=name.upper(), type=kind, default=None, help=f"{opt.help} ({who})"
+        )
 
 
 def option_values(args: argparse.Namespace) -> dict[str, Any]:
