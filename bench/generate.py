@@ -106,8 +106,18 @@ PRESETS = {
         dtype="bfloat16",
         vae_dtype="bfloat16",  # FluxPipeline decodes in the latents' dtype
     ),
+    # Qwen-Image (family "qwenimage"): true CFG with the negative prompt (its default true_cfg_scale 4).
+    "qwenimage-cpu": dict(
+        family="qwenimage",
+        transformer=dict(num_layers=6, num_attention_heads=8, attention_head_dim=32, axes_dims_rope=(8, 12, 12)),
+        vae=dict(base_dim=16),  # x2: 96x96 px -> 48x48 latents -> 576 image tokens
+        text_encoder=dict(hidden_size=64, intermediate_size=128, num_attention_heads=4),
+        request=dict(height=96, width=96, num_inference_steps=6, true_cfg_scale=4.0, max_sequence_length=64),
+        dtype="float32",
+    ),
 }
 COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2")  # per-preset overrides of the tiny builders
+WARMUP_STEPS = 2  # one step is a NaN schedule for Qwen-Image's shift_terminal scheduler (a RequestError here)
 PROMPT = dict(prompt="a red panda climbing a snowy tree, cinematic", negative_prompt="blurry, low quality")
 
 
@@ -182,7 +192,7 @@ def worker(args: argparse.Namespace) -> None:
         args.root, dtype=p["dtype"], vae_dtype=p.get("vae_dtype", "float32"), **options
     )
     req = {**p["request"], **({"num_inference_steps": args.steps} if args.steps else {})}
-    run_spindle(gen, req, args.seed, steps=1)  # warm-up
+    run_spindle(gen, req, args.seed, steps=WARMUP_STEPS)  # warm-up
     dt, res = timed(lambda: run_spindle(gen, req, args.seed), args.repeats)
     if dist.get_rank() == 0:
         np.save(args.worker_out + ".npy", res.frames)
@@ -290,12 +300,12 @@ def main() -> None:
             root, dtype=p["dtype"], vae_dtype=p.get("vae_dtype", "float32"), **options
         )
         t = time.perf_counter()
-        run_spindle(gen, req, args.seed, steps=1)  # warm-up (compilation for --compile)
+        run_spindle(gen, req, args.seed, steps=WARMUP_STEPS)  # warm-up (compilation for --compile)
         return gen, time.perf_counter() - t
 
     print(f"preset {args.preset} on {device} ({torch.get_num_threads()} threads): {json.dumps(req)}", flush=True)
     pipe = diffusers_pipe(root, dtype, device, vae_dtype)
-    run_diffusers(pipe, req, args.seed, steps=1)  # warm-up
+    run_diffusers(pipe, req, args.seed, steps=WARMUP_STEPS)  # warm-up
     ref = run_diffusers(pipe, req, args.seed)  # the exact reference output
 
     if "exact" in modes:
@@ -306,7 +316,7 @@ def main() -> None:
         cpipe = diffusers_pipe(root, dtype, device, vae_dtype)
         cpipe.transformer.compile_repeated_blocks()
         t = time.perf_counter()
-        run_diffusers(cpipe, req, args.seed, steps=1)
+        run_diffusers(cpipe, req, args.seed, steps=WARMUP_STEPS)
         d_warm = time.perf_counter() - t
         gen, s_warm = spindle_gen({"compile": True})
         pair("compile", cpipe, gen, warmup_s=round(s_warm, 2), diffusers_warmup_s=round(d_warm, 2))
@@ -317,7 +327,7 @@ def main() -> None:
         for thr in [float(x) for x in args.thresholds.split(",")]:
             cpipe = diffusers_pipe(root, dtype, device, vae_dtype)
             cpipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=thr))
-            run_diffusers(cpipe, req, args.seed, steps=1)
+            run_diffusers(cpipe, req, args.seed, steps=WARMUP_STEPS)
             pair(f"cache@{thr}", cpipe, spindle_gen({"cache": "fbc", "cache_threshold": thr})[0])
             del cpipe
     one_proc = None

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from spindle.models.base import DiTFamily
+    from spindle.models.family import DiTFamily
 
 # name -> module defining FAMILY. Adding a family: one line here, one folder under models/.
 BUILTIN_FAMILIES: dict[str, str] = {

@@ -55,8 +55,9 @@ def test_bad_options_name_family_and_field(extra, message):
 
 def test_declarations_must_not_shadow_common_fields_or_repeat():
     with pytest.raises(ValueError, match=r"\['guidance_scale'\] repeat a common SamplingParams field"):
-        FamilyOptions(extra=(Option("guidance_scale", float, 1.0, "x"),))
-    with pytest.raises(ValueError, match=r"\['a'\]"):
+        FamilyOptions(extra=(Option("guidance_scale", float, 1.0, "x"),)).check_common_fields()
+    OPTIONS.check_common_fields()
+    with pytest.raises(ValueError, match=r"\['a'\] are declared twice"):
         FamilyOptions(extra=(Option("a", int, 1, "x"), Option("a", int, 2, "y")))
     with pytest.raises(TypeError, match="type must be one of"):
         Option("a", list, [], "x")
@@ -78,6 +79,19 @@ def test_cli_flags_come_from_every_familys_declaration():
     clash = Fam("c", FamilyOptions(extra=(Option("shift", int, 3, "x"),)))
     with pytest.raises(TypeError, match=r"families \['a', 'c'\] declare option 'shift' with different types"):
         add_option_arguments(argparse.ArgumentParser(), [Fam("a", OPTIONS), clash])
+
+
+def test_cli_parser_imports_no_torch():
+    """Reading every family's options for the flags keeps `spindle --help` free of torch."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from spindle.cli import build_parser; build_parser(); "
+        "assert 'torch' not in sys.modules and 'diffusers' not in sys.modules, 'heavy import'"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
 
 
 def test_registered_families_declare_their_options():

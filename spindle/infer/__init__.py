@@ -1,16 +1,19 @@
 """Staged inference engine: BeforeDenoising (per family) -> Denoising -> Decoding (shared).
 
 Public API: `DiffusionGenerator`, `GenerationResult`, `SamplingParams`, `RequestError`, `Cancelled`.
-Heavy modules import lazily, so `import spindle.infer` stays light.
+Everything imports lazily, so `import spindle.infer` (and `spindle.infer.options`, which the CLI
+reads to build its flags) stays free of torch.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from spindle.infer.request import Cancelled, Req, RequestError, SamplingParams
-
 _LAZY = {
+    "Cancelled": "spindle.infer.request",
+    "Req": "spindle.infer.request",
+    "RequestError": "spindle.infer.request",
+    "SamplingParams": "spindle.infer.request",
     "DiffusionGenerator": "spindle.infer.generator",
     "GenerationResult": "spindle.infer.generator",
     "psnr": "spindle.infer.generator",
@@ -23,7 +26,7 @@ _LAZY = {
     "Stage": "spindle.infer.stages",
 }
 
-__all__ = ["Cancelled", "Req", "RequestError", "SamplingParams", *_LAZY]
+__all__ = list(_LAZY)
 
 
 def __getattr__(name: str) -> Any:

@@ -70,6 +70,7 @@ class DiffusionGenerator:
         self.pipeline = pipeline
         self.spec = pipeline.spec
         self.options = self.spec.options  # the family's declared sampling options
+        self.options.check_common_fields()
         self.defaults = pipeline.spec.default_params(pipeline.components)
         self.defaults.extra = {**self.options.defaults(), **self.defaults.extra}
 

@@ -24,11 +24,18 @@ import argparse
 import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from spindle.infer.request import RequestError, SamplingParams
+if TYPE_CHECKING:  # request.py imports torch; this module stays light for the CLI's parser
+    from spindle.infer.request import SamplingParams
 
 _TYPES = (bool, int, float, str)
+
+
+def _request_error(message: str) -> Exception:
+    from spindle.infer.request import RequestError  # imported here: request.py needs torch
+
+    return RequestError(message)
 
 
 @dataclass(frozen=True)
@@ -68,13 +75,13 @@ class Option:
         if self.type is float and isinstance(value, int) and not isinstance(value, bool):
             value, ok = float(value), True
         if not ok:
-            raise RequestError(
+            raise _request_error(
                 f"{self.name} must be {'a number' if self.type is float else 'a ' + self.type.__name__}"
                 f"{' ' + self.bounds() if self.bounds() else ''} for {family}; got {value!r}"
             )
         low, high = self.minimum, self.maximum
         if (low is not None and value < low) or (high is not None and value > high):
-            raise RequestError(f"{self.name} must be {self.bounds()} for {family}; got {value!r}")
+            raise _request_error(f"{self.name} must be {self.bounds()} for {family}; got {value!r}")
         return value
 
 
@@ -89,10 +96,19 @@ class FamilyOptions:
 
     def __post_init__(self) -> None:
         names = [o.name for o in self.extra]
-        common = {f for f in SamplingParams.__dataclass_fields__ if f != "extra"}
-        clash = sorted((set(names) & common) | {n for n in names if names.count(n) > 1})
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"family options {repeated} are declared twice")
+
+    def check_common_fields(self) -> None:
+        """An option must not shadow a common `SamplingParams` field (run when an engine loads; kept
+        out of the constructor so that declaring options imports no torch)."""
+        from spindle.infer.request import SamplingParams
+
+        common = {f.name for f in dataclasses.fields(SamplingParams)}
+        clash = sorted(set(self.names()) & common)
         if clash:
-            raise ValueError(f"family options {clash} repeat a common SamplingParams field or each other")
+            raise ValueError(f"family options {clash} repeat a common SamplingParams field")
 
     def names(self) -> list[str]:
         return [o.name for o in self.extra]
@@ -107,13 +123,13 @@ class FamilyOptions:
         unknown = sorted(set(params.extra) - set(by_name))
         if unknown:
             known = ", ".join(self.names()) or "none"
-            raise RequestError(f"{unknown[0]} is not an option of {family} (its options: {known})")
+            raise _request_error(f"{unknown[0]} is not an option of {family} (its options: {known})")
         typed = {k: by_name[k].check(v, family) for k, v in params.extra.items()}
         params = dataclasses.replace(params, extra=typed)
         for name, value in typed.items():
             message = by_name[name].rule(value, params) if by_name[name].rule else None
             if message:
-                raise RequestError(f"{name}: {message}")
+                raise _request_error(f"{name}: {message}")
         return params
 
 

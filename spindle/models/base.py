@@ -9,58 +9,16 @@ A family provides (see docs/architecture.md):
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from spindle.infer.options import FamilyOptions
 from spindle.infer.stages import BeforeDenoisingStage
-
-
-def import_object(path: str) -> Any:
-    """'package.module:attr' -> attr (keeps family registration free of heavy imports)."""
-    module, _, attr = path.partition(":")
-    return getattr(importlib.import_module(module), attr)
-
-
-@dataclass(frozen=True)
-class DemoSpec:
-    """What `spindle demo --family NAME` trains on and samples (no family branches in the command)."""
-
-    dataset: str  # "module:function(out, seed=..., **dataset_kwargs)" writing a captioned media folder
-    dataset_kwargs: dict[str, Any] = field(default_factory=dict)
-    size: tuple[int, int] = (32, 32)  # (height, width) for training and the sample
-    num_frames: int = 1  # data.num_frames (1 for image families)
-    sample_suffix: str = ".png"  # ".mp4" for video families
-    sample_kwargs: dict[str, Any] = field(default_factory=dict)  # extra generate() arguments
-
-
-@dataclass(frozen=True)
-class DiTFamily:
-    name: str
-    pipeline_classes: tuple[str, ...]
-    transformer_classes: tuple[str, ...]
-    condition_model: str  # "module:Class" of a ConditionModel subclass
-    inference: str | None = None  # "module:object" of the family's inference spec (infer/)
-    tiny_model: str | None = None  # "module:function(out, seed, **overrides)"
-    detect: Callable[[Path], bool] | None = None
-    demo: DemoSpec | None = None
-    extras: dict[str, Any] = field(default_factory=dict)
-    task: str = "flow_matching"  # the training task (spindle.train.tasks.TASKS)
-    options: FamilyOptions = field(default_factory=FamilyOptions)  # sampling options (CLI flags, HTTP fields)
-
-    def condition_model_cls(self) -> type[ConditionModel]:
-        return import_object(self.condition_model)
-
-    def inference_spec(self) -> Any:
-        if self.inference is None:
-            raise NotImplementedError(f"family {self.name!r} has no inference support yet")
-        return import_object(self.inference)
+from spindle.models.family import DemoSpec, DiTFamily, import_object  # noqa: F401  (the family contract)
 
 
 def load_transformer(root: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

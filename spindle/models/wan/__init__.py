@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from spindle.infer.options import FamilyOptions
-from spindle.models.base import DemoSpec, DiTFamily
+from spindle.models.family import DemoSpec, DiTFamily
 
 
 def _looks_like_wan(root: Path) -> bool:
