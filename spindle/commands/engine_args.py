@@ -21,6 +21,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nproc", type=int, default=1, help="processes to launch (re-launches via torchrun)")
     g.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree")
     g.add_argument("--cfg-parallel", action="store_true", help="conditional / unconditional on different ranks")
+    g.add_argument("--lora", default=None, help="LoRA .safetensors file or folder (diffusers, ComfyUI/original layout)")
+    g.add_argument("--lora-scale", type=float, default=1.0, help="LoRA strength (default 1.0)")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -34,6 +36,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         cache_threshold=args.cache_threshold,
         sp=args.sp,
         cfg_parallel=args.cfg_parallel,
+        lora=args.lora,
+        lora_scale=args.lora_scale,
     )
 
 

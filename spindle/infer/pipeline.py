@@ -48,6 +48,8 @@ class EngineOptions:
     cache_threshold: float = 0.05
     sp: int = 1  # Ulysses sequence-parallel degree (needs that many processes)
     cfg_parallel: bool = False  # cond / uncond on different ranks (needs 2 x sp processes)
+    lora: str | None = None  # a LoRA file / folder applied to the transformer (spindle.infer.lora)
+    lora_scale: float = 1.0
 
     def validate(self) -> None:
         for name in ("dtype", "vae_dtype"):
@@ -57,6 +59,8 @@ class EngineOptions:
             raise ValueError(f"cache must be one of {CACHE_KINDS} (or None); got {self.cache!r}")
         if not isinstance(self.cache_threshold, (int, float)) or self.cache_threshold < 0:
             raise ValueError(f"cache_threshold must be a number >= 0; got {self.cache_threshold!r}")
+        if not isinstance(self.lora_scale, (int, float)) or isinstance(self.lora_scale, bool):
+            raise ValueError(f"lora_scale must be a number; got {self.lora_scale!r}")
         if not isinstance(self.sp, int) or self.sp < 1:
             raise ValueError(f"sp must be an integer >= 1; got {self.sp!r}")
 
@@ -176,6 +180,10 @@ class InferencePipeline:
         family = resolve_family(root)
         spec: InferenceSpec = family.inference_spec()
         components = load_components(root, spec, options)
+        if options.lora is not None:
+            from spindle.infer.lora import apply_lora_file
+
+            apply_lora_file(family, components, options.lora, options.lora_scale)
         return cls.build(spec, components, options, root=root)
 
     @classmethod

@@ -49,9 +49,19 @@ class DiTFamily:
     demo: DemoSpec | None = None
     extras: dict[str, Any] = field(default_factory=dict)
     task: str = "flow_matching"  # the training task (spindle.train.tasks.TASKS)
+    # "module:function": a diffusers-layout LoRA state dict (no "transformer." prefix) -> the same LoRA in
+    # the original model's key layout (ComfyUI / the original code); None: no such export for the family.
+    # Reading back goes through the family's diffusers pipeline class (`lora_state_dict`).
+    lora_original: str | None = None
 
     def condition_model_cls(self) -> type[ConditionModel]:
         return import_object(self.condition_model)
+
+    def pipeline_class(self) -> Any:
+        """The family's diffusers pipeline class (LoRA loading and saving are its classmethods)."""
+        import diffusers
+
+        return getattr(diffusers, self.pipeline_classes[0])
 
     def inference_spec(self) -> Any:
         if self.inference is None:

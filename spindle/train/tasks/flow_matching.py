@@ -89,6 +89,8 @@ class FlowMatchingTask(TrainTask):
         from spindle.distributed.fsdp import autocast_dtype, parallelize_transformer
 
         model = load_transformer(self.cfg.model.path, dtype=torch.float32).to(self.device)
+        if self.cfg.train.lora is not None:  # converters before SP / checkpointing / FSDP2
+            add_lora(model, self.cfg.train.lora)
         model.train()
         model = parallelize_transformer(
             model,
@@ -159,11 +161,20 @@ class FlowMatchingTask(TrainTask):
     # ------------------------------------------------------------ export
 
     def state(self) -> dict[str, Any]:
-        return {"family": self.family.name}
+        lora = self.cfg.train.lora
+        return {"family": self.family.name, "lora": lora.model_dump() if lora is not None else None}
 
     def export(self, model: torch.nn.Module, out: Path) -> Path | None:
-        sd = ckpt.full_state_dict(model)
-        result = export_pipeline(self.cfg.model.path, sd, out) if is_main_process() else None
+        if self.cfg.train.lora is None:
+            sd = ckpt.full_state_dict(model)
+            result = export_pipeline(self.cfg.model.path, sd, out) if is_main_process() else None
+        else:
+            from spindle.train.lora import adapter_state_dict, lora_scale
+
+            sd = ckpt.full_state_dict(model, trainable_only=True)
+            adapters = adapter_state_dict(sd, lora_scale(model)) if is_main_process() else None
+            merge = self.cfg.export.merge_lora
+            result = export_lora(self.family, self.cfg.model.path, adapters, out, merge) if is_main_process() else None
         barrier()
         return result
 
@@ -171,8 +182,64 @@ class FlowMatchingTask(TrainTask):
     def export_checkpoint(cls, checkpoint: Path, model_path: Path, out: Path) -> Path:
         if not (model_path / "model_index.json").is_file():
             raise FileNotFoundError(f"base model {model_path} has no model_index.json; pass --model PATH")
+        state = json.loads((checkpoint / ckpt.TRAINER_STATE).read_text())
         template = load_transformer(model_path)
-        return export_pipeline(model_path, ckpt.read_checkpoint_model(checkpoint, template), out)
+        if state.get("lora") is None:
+            return export_pipeline(model_path, ckpt.read_checkpoint_model(checkpoint, template), out)
+        from spindle.config import LoraConfig
+        from spindle.train.lora import adapter_state_dict, lora_scale
+
+        add_lora(template, LoraConfig(**state["lora"]))
+        adapters = adapter_state_dict(ckpt.read_checkpoint_model(checkpoint, template), lora_scale(template))
+        family = get_family(state["family"]) if state.get("family") else resolve_family(model_path)
+        return export_lora(family, model_path, adapters, out, merge=False)
+
+
+def add_lora(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
+    from spindle.distributed.fsdp import find_blocks
+    from spindle.train.lora import apply_lora
+
+    return apply_lora(model, find_blocks(model), lora)
+
+
+LORA_FILE = "pytorch_lora_weights.safetensors"  # diffusers' default weight name
+LORA_ORIGINAL_FILE = "original_layout_lora.safetensors"
+
+
+def export_lora(family: Any, base: str | Path, adapters: dict[str, torch.Tensor], out: str | Path, merge: bool) -> Path:
+    """Write `out/lora/` (diffusers' LoRA file + the original-layout file) and, with `merge`, `out/merged/`
+    (the full pipeline with the LoRA fused into the transformer). Written to `<out>.tmp`, then renamed.
+
+    `adapters`: diffusers-layout LoRA (`<module>.lora_A.weight`, alpha / rank folded into lora_B).
+    The diffusers file is written by the family pipeline's own `save_lora_weights`, so
+    `<Pipeline>.load_lora_weights(out/lora)` loads it in stock diffusers.
+    """
+    import logging
+
+    from safetensors.torch import save_file
+
+    from spindle.models.base import import_object
+
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    family.pipeline_class().save_lora_weights(tmp / "lora", transformer_lora_layers=adapters, weight_name=LORA_FILE)
+    if family.lora_original is not None:
+        try:
+            original = import_object(family.lora_original)(adapters)
+        except ValueError as e:  # targets outside the original layout: the diffusers file still serves
+            logging.getLogger("spindle.train").warning("no original-layout LoRA file written: %s", e)
+        else:
+            save_file(original, tmp / "lora" / LORA_ORIGINAL_FILE, metadata={"format": "pt", "family": family.name})
+    if merge:
+        model = load_transformer(base)
+        model.load_lora_adapter({f"transformer.{k}": v for k, v in adapters.items()}, prefix="transformer")
+        model.fuse_lora(lora_scale=1.0)
+        model.unload_lora()
+        export_pipeline(base, model.state_dict(), tmp / "merged")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
 
 
 def export_pipeline(source_root: str | Path, state_dict: dict[str, torch.Tensor], out: str | Path) -> Path:
