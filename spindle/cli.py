@@ -17,6 +17,8 @@ COMMANDS: dict[str, str] = {
     "generate": "spindle.commands.generate",
     "demo": "spindle.commands.demo",
     "serve": "spindle.commands.serve",
+    "precompute": "spindle.commands.precompute",
+    "plot": "spindle.commands.plot",
 }
 
 

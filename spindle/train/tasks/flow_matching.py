@@ -70,10 +70,9 @@ class FlowMatchingTask(TrainTask):
     # ------------------------------------------------------------ set-up
 
     def _build_condition(self) -> ConditionModel:
-        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
-        cond = self.family.condition_model_cls().from_pretrained(
-            self.cfg.model.path, device=self.device, dtype=dtype, max_text_length=self.cfg.model.max_text_length
-        )
+        # with a precomputed cache only the training-input side loads (no text encoder / VAE weights)
+        encoders = self.cfg.data.precomputed is None
+        cond = build_condition_model(self.cfg, self.family, self.device, self.precision, encoders=encoders)
         ts = self.cfg.train.timestep
         cond.timestep_sampling = TimestepSampling(
             scheme=ts.scheme,
@@ -107,6 +106,13 @@ class FlowMatchingTask(TrainTask):
 
         data = self.cfg.data
         dataset = build_dataset(data.path, tuple(data.resolution), data.num_frames, data.skip_bad_samples)
+        extra = {}
+        if data.precomputed is not None:
+            from spindle.data.precomputed import CachedConditions, cache_settings, collate_conditions
+
+            settings = cache_settings(self.cfg, self.family.name, condition_dtype(self.precision))
+            dataset = CachedConditions(data.precomputed, settings, dataset.samples)
+            extra["collate_fn"] = collate_conditions
         return ResumableLoader(
             dataset,
             self.cfg.train.micro_batch_size,
@@ -114,6 +120,7 @@ class FlowMatchingTask(TrainTask):
             dp_size=self.mesh.dims.dp_size,
             seed=self.cfg.train.seed,
             shuffle=data.shuffle,
+            **extra,
         )
 
     # ------------------------------------------------------------ step
@@ -127,7 +134,10 @@ class FlowMatchingTask(TrainTask):
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def forward(self, model: torch.nn.Module, batch: dict[str, Any], step: int) -> StepOutput:
-        conditions = self.condition.encode(batch)
+        if "conditions" in batch:  # read from a precomputed cache
+            conditions = {k: v.to(self.device) for k, v in batch["conditions"].items()}
+        else:
+            conditions = self.condition.encode(batch)
         generators = [sample_generator(self.seed, step, int(i)) for i in batch["index"]]
         inputs = self.condition.training_inputs(conditions, generators)
         target = inputs.pop("target").to(self.device)
@@ -157,6 +167,11 @@ class FlowMatchingTask(TrainTask):
         if sp > 1:
             check_sequence_parallel(model, sp, seq_len=tokens)
             check_split_inputs(model, sp, inputs)
+
+    def validate(self, model: torch.nn.Module, step: int, out_dir: Path) -> list[Any]:
+        from spindle.train.validation import render_samples
+
+        return render_samples(self, model, step, out_dir)
 
     # ------------------------------------------------------------ export
 
@@ -193,6 +208,23 @@ class FlowMatchingTask(TrainTask):
         adapters = adapter_state_dict(ckpt.read_checkpoint_model(checkpoint, template), lora_scale(template))
         family = get_family(state["family"]) if state.get("family") else resolve_family(model_path)
         return export_lora(family, model_path, adapters, out, merge=False)
+
+
+def condition_dtype(precision: str) -> torch.dtype:
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+def build_condition_model(
+    cfg: Any, family: Any, device: torch.device, precision: str, encoders: bool = True
+) -> ConditionModel:
+    """The family's frozen condition model for a job config (training and `spindle precompute`)."""
+    return family.condition_model_cls().from_pretrained(
+        cfg.model.path,
+        device=device,
+        dtype=condition_dtype(precision),
+        max_text_length=cfg.model.max_text_length,
+        encoders=encoders,
+    )
 
 
 def add_lora(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
