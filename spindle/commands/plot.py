@@ -34,6 +34,7 @@ def plot(run_dir: str | Path, out: str | Path | None = None, smoothing: float = 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     from spindle.train.metrics import read_metrics
 
@@ -51,11 +52,13 @@ def plot(run_dir: str | Path, out: str | Path | None = None, smoothing: float = 
     ax.plot(steps, loss, color="tab:blue", alpha=0.35, linewidth=1, label="loss")
     ax.plot(steps, smooth(loss, smoothing), color="tab:blue", linewidth=2, label=f"loss (EMA {smoothing})")
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)
     lr_ax = ax.twinx()
     lr_ax.plot(steps, [r["lr"] for r in records], color="tab:orange", linewidth=1.5, label="lr")
     lr_ax.set_ylabel("learning rate")
+    lr_ax.set_ylim(bottom=0)  # a constant lr reads as constant, not as a zoomed-in wiggle
     lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
     lines = ax.get_lines() + lr_ax.get_lines()
     ax.legend(lines, [line.get_label() for line in lines], loc="upper right")
