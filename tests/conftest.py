@@ -53,3 +53,13 @@ def make_config(tiny_wan, shapes_videos, tmp_path):
         return load_config(None, train_overrides(tiny_wan, shapes_videos, output_dir or tmp_path / "run", **overrides))
 
     return make
+
+
+def run_spindle(*args, timeout: float = 600):
+    """`python -m spindle ARGS...` in a subprocess (this tree's code via PYTHONPATH); -> CompletedProcess."""
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", "spindle", *map(str, args)], capture_output=True, text=True, timeout=timeout
+    )

@@ -173,16 +173,11 @@ def test_lora_resume_is_exact(make_config, tmp_path, monkeypatch):
 
 
 def test_export_cli_writes_the_lora_of_a_checkpoint(lora_run, tmp_path):
-    import subprocess
-    import sys
+    from tests.conftest import run_spindle
 
     _, result = lora_run
     out = tmp_path / "exported"
-    proc = subprocess.run(
-        [sys.executable, "-m", "spindle", "export", str(result.output_dir), "--out", str(out)],
-        capture_output=True,
-        text=True,
-    )
+    proc = run_spindle("export", result.output_dir, "--out", out)
     assert proc.returncode == 0, proc.stderr
     a = load_file(result.export_dir / "lora" / "pytorch_lora_weights.safetensors")
     b = load_file(out / "lora" / "pytorch_lora_weights.safetensors")
@@ -266,18 +261,16 @@ def test_flux_lora_trains_exports_and_loads_in_stock_diffusers(tmp_path):
 
 
 def test_generate_cli_applies_lora(lora_run, tiny_wan, tmp_path):
-    import subprocess
-    import sys
-
     from PIL import Image
+
+    from tests.conftest import run_spindle
 
     _, result = lora_run
     out = tmp_path / "frame.png"
     request = ["--prompt", SAMPLE["prompt"], "--height", "32", "--width", "32", "--num-frames", "1"]
     request += ["--steps", "2", "--guidance", "1", "--seed", "0", "--quiet"]
     lora = ["--lora", str(result.export_dir / "lora"), "--lora-scale", "0.5"]
-    cmd = [sys.executable, "-m", "spindle", "generate", "--model", str(tiny_wan), *request, *lora, "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = run_spindle("generate", "--model", tiny_wan, *request, *lora, "--out", out)
     assert proc.returncode == 0, proc.stderr
     api = _spindle_frames(tiny_wan, num_frames=1, lora=str(result.export_dir / "lora"), lora_scale=0.5)
     written = np.asarray(Image.open(out).convert("RGB"), dtype=np.float32) / 255

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,33 +19,25 @@ COMMON = dict(train__max_steps=3, checkpoint__export=False)
 @pytest.fixture(scope="module")
 def cache(tiny_wan, shapes_videos, tmp_path_factory):
     """The tiny Wan dataset precomputed by the CLI on 2 processes."""
-    from tests.conftest import train_overrides
+    from tests.conftest import run_spindle, train_overrides
 
     root = tmp_path_factory.mktemp("cache")
     cfg = root / "cfg.yaml"
     cfg.write_text(yaml.safe_dump({}))
     args = train_overrides(tiny_wan, shapes_videos, root / "unused")
-    proc = subprocess.run(
-        [sys.executable, "-m", "spindle", "precompute", str(cfg), *args, "--out", str(root / "c"), "--nproc", "2"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_spindle("precompute", cfg, *args, "--out", root / "c", "--nproc", 2)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return root / "c"
 
 
 def test_cache_holds_what_the_condition_model_computes(cache, make_config):
-    from spindle.data.datasets import collate
-
-    trainer_cfg = make_config()
+    from spindle.data.datasets import build_dataset, collate
     from spindle.registry import resolve_family
     from spindle.train.tasks.flow_matching import build_condition_model
 
+    trainer_cfg = make_config()
     family = resolve_family(trainer_cfg.model.path)
     condition = build_condition_model(trainer_cfg, family, torch.device("cpu"), "no")
-    from spindle.data.datasets import build_dataset
-
     data = trainer_cfg.data
     dataset = build_dataset(data.path, tuple(data.resolution), data.num_frames)
     assert len(list((cache / "samples").iterdir())) == len(dataset)

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 from PIL import Image
 
 from spindle.train.metrics import read_metrics
 from spindle.train.trainer import Trainer, train
+from tests.conftest import run_spindle
 
 COMMON = dict(train__max_steps=3, train__global_batch_size=2, checkpoint__export=False)
 VALIDATION = (
@@ -85,11 +83,7 @@ def test_tensorboard_off(make_config, tmp_path):
 
 def test_plot_writes_a_loss_png(validated, tmp_path):
     out = tmp_path / "curve.png"
-    proc = subprocess.run(
-        [sys.executable, "-m", "spindle", "plot", str(validated.output_dir), "--out", str(out)],
-        capture_output=True,
-        text=True,
-    )
+    proc = run_spindle("plot", validated.output_dir, "--out", out)
     assert proc.returncode == 0, proc.stderr
     image = np.asarray(Image.open(out).convert("RGB"))
     assert image.shape == (450, 800, 3)
@@ -99,5 +93,5 @@ def test_plot_writes_a_loss_png(validated, tmp_path):
 
 
 def test_plot_names_a_missing_metrics_file(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "spindle", "plot", str(tmp_path)], capture_output=True, text=True)
+    proc = run_spindle("plot", tmp_path)
     assert proc.returncode == 2 and "metrics.jsonl not found" in proc.stderr
