@@ -2,7 +2,7 @@
 
   python bench/precompute.py [--out /tmp/spindle-bench-precompute]
 
-A tiny Wan whose text encoder is made large (UMT5 d_model 1024, 12 layers: ~0.3B parameters, the
+A tiny Wan whose text encoder is made large (UMT5 d_model 1024, 12 layers: 0.16B parameters, the
 part a real run keeps off the GPU with the cache) trains 2 steps each way in a fresh process; the
 table reports the peak RSS of each process (ru_maxrss) and the condition model's resident
 parameter bytes, then checks the two runs' losses agree.
