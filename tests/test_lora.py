@@ -172,6 +172,15 @@ def test_lora_resume_is_exact(make_config, tmp_path, monkeypatch):
     assert resumed == straight
 
 
+def test_lora_with_activation_checkpointing_gives_the_same_run(make_config, tmp_path):
+    common = dict(train__max_steps=2, train__global_batch_size=2, train__lora=LORA, checkpoint__export=False)
+    train(make_config(tmp_path / "plain", **common))
+    train(make_config(tmp_path / "ckpt", train__gradient_checkpointing=True, **common))
+    for key in ("loss", "grad_norm"):
+        plain = [m[key] for m in read_metrics(tmp_path / "plain")]
+        assert [m[key] for m in read_metrics(tmp_path / "ckpt")] == pytest.approx(plain, rel=1e-6), key
+
+
 def test_export_cli_writes_the_lora_of_a_checkpoint(lora_run, tmp_path):
     from tests.conftest import run_spindle
 
