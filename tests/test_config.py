@@ -1,5 +1,6 @@
 """Config errors name the bad key (with a did-you-mean) before any work starts."""
 
+import re
 import subprocess
 import sys
 
@@ -12,19 +13,19 @@ BASE = ["model.path=/m", "data.path=/d"]
 
 def test_unknown_key_names_path_and_suggestion():
     with pytest.raises(ConfigError) as e:
-        load_config(None, BASE + ["train.lrr=1e-4"])
+        load_config(None, [*BASE, "train.lrr=1e-4"])
     assert "unknown key 'train.lrr'" in str(e.value)
     assert "did you mean 'train.lr'" in str(e.value)
 
 
 def test_unknown_section_suggests_section():
     with pytest.raises(ConfigError, match="did you mean 'checkpoint'"):
-        load_config(None, BASE + ["checkpoints.every_steps=5"])
+        load_config(None, [*BASE, "checkpoints.every_steps=5"])
 
 
 def test_wrong_type_names_key_and_value():
     with pytest.raises(ConfigError) as e:
-        load_config(None, BASE + ["train.max_steps=lots"])
+        load_config(None, [*BASE, "train.max_steps=lots"])
     assert "'train.max_steps'" in str(e.value) and "'lots'" in str(e.value)
 
 
@@ -34,7 +35,7 @@ def test_missing_required_key():
 
 
 def test_overrides_parse_yaml_values():
-    cfg = load_config(None, BASE + ["train.lr=3e-4", "data.resolution=[48, 64]", "train.gradient_checkpointing=true"])
+    cfg = load_config(None, [*BASE, "train.lr=3e-4", "data.resolution=[48, 64]", "train.gradient_checkpointing=true"])
     assert cfg.train.lr == 3e-4
     assert cfg.data.resolution == (48, 64)
     assert cfg.train.gradient_checkpointing is True
@@ -42,11 +43,11 @@ def test_overrides_parse_yaml_values():
 
 def test_batch_sizes_must_divide():
     with pytest.raises(ConfigError, match="global_batch_size"):
-        load_config(None, BASE + ["train.global_batch_size=5", "train.micro_batch_size=2"])
+        load_config(None, [*BASE, "train.global_batch_size=5", "train.micro_batch_size=2"])
 
 
 def test_malformed_override():
-    with pytest.raises(ConfigError, match="key.sub=value"):
+    with pytest.raises(ConfigError, match=re.escape("key.sub=value")):
         apply_override({}, "train.lr")
 
 
@@ -60,5 +61,5 @@ def test_yaml_file_and_cli_error_exit(tmp_path):
 
 
 def test_missing_config_file(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nope.yaml"):
+    with pytest.raises(FileNotFoundError, match=re.escape("nope.yaml")):
         load_config(tmp_path / "nope.yaml")

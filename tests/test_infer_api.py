@@ -36,6 +36,20 @@ def test_import_spindle_is_light():
     assert out.stdout.strip() == "DiffusionGenerator"
 
 
+def test_infer_all_lists_exactly_the_public_names_and_each_resolves():
+    import spindle.infer as infer
+    import spindle.infer.request as request
+
+    eager = {"Cancelled", "Req", "RequestError", "SamplingParams"}
+    assert all(getattr(request, n) is getattr(infer, n) for n in eager)
+    assert sorted(infer.__all__) == sorted(eager | set(infer._LAZY))
+    namespace: dict = {}
+    exec("from spindle.infer import *", namespace)
+    assert all(namespace[n] is getattr(infer, n) for n in infer.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        infer.nope  # noqa: B018 - the attribute access is what is tested
+
+
 def test_family_and_defaults(gen):
     assert gen.family == "wan"
     d = gen.defaults

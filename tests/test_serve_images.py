@@ -63,8 +63,7 @@ def test_openai_client_images_generate(server, flux):
     assert server.state.store.stats()["stored"] == 0  # image results are not kept after the response
 
 
-def test_images_over_httpx_and_errors(server, flux):
-    gen, _ = flux
+def test_images_over_httpx_and_errors(server):
     c = server.client
     r = c.post(
         "/v1/images/generations",

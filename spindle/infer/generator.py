@@ -41,7 +41,7 @@ class GenerationResult:
         paths = (
             [path] if len(items) == 1 else [path.with_name(f"{path.stem}_{i}{path.suffix}") for i in range(len(items))]
         )
-        for item, p in zip(items, paths):
+        for item, p in zip(items, paths, strict=True):
             p.parent.mkdir(parents=True, exist_ok=True)
             if self.media == "video":
                 if p.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp") and item.shape[0] == 1:

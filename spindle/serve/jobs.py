@@ -11,6 +11,7 @@ remembered (bounded) so that it answers 410 instead of 404.
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import threading
 import time
@@ -21,6 +22,8 @@ from typing import Any
 
 from spindle.infer.request import SamplingParams
 from spindle.serve.schemas import TERMINAL_STATUSES, APIError
+
+log = logging.getLogger("spindle.serve")
 
 
 class QueueFull(APIError):
@@ -100,8 +103,8 @@ class Job:
         for fn in callbacks:
             try:
                 fn(self)
-            except Exception:  # a gone client must not break the worker
-                pass
+            except Exception:  # one failing waiter (e.g. a gone client) must not break the worker or the others
+                log.exception("job %s: a done callback failed", self.id)
 
 
 class JobStore:
