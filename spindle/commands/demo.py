@@ -78,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
     config_path.write_text(yaml.safe_dump(demo_config(out, args.steps, args.seed, demo), sort_keys=False))
     print(f"[3/5] fine-tuning for {args.steps} steps (config: {config_path})")
     result = train(load_config(config_path))
+    if result.export_dir is None:
+        raise ValueError(f"the demo config must export (checkpoint.export: true); {config_path} does not")
     first, last = _loss_summary(result.output_dir)
     print(f"[4/5] exported diffusers pipeline to {result.export_dir}")
     caption = sorted((out / "data").glob("*.txt"))[0].read_text().strip()

@@ -51,7 +51,7 @@ def _model_class(transformer_or_config: Any) -> type | None:
     return getattr(diffusers, name, None)
 
 
-def _cp_plan_of(transformer_or_config: Any) -> dict | None:
+def _cp_plan_of(transformer_or_config: Any) -> dict[str, Any] | None:
     cls = _model_class(transformer_or_config)
     if isinstance(transformer_or_config, torch.nn.Module):
         plan = getattr(transformer_or_config, "_cp_plan", None)
@@ -61,7 +61,7 @@ def _cp_plan_of(transformer_or_config: Any) -> dict | None:
 
 
 def check_sequence_parallel(
-    transformer_config: Any, sp: int, seq_len: int | None = None, *, plan: dict | None = None
+    transformer_config: Any, sp: int, seq_len: int | None = None, *, plan: dict[str, Any] | None = None
 ) -> None:
     """Fail fast (ValueError) if `sp`-way Ulysses SP cannot run this transformer; no-op for sp == 1.
 
@@ -140,7 +140,7 @@ def _ring_ulysses_mesh(sp_mesh: DeviceMesh) -> DeviceMesh:
 
 
 def enable_sequence_parallel(
-    transformer: torch.nn.Module, sp_mesh: DeviceMesh, plan: dict | None = None
+    transformer: torch.nn.Module, sp_mesh: DeviceMesh, plan: dict[str, Any] | None = None
 ) -> torch.nn.Module:
     """Apply diffusers' Ulysses context parallelism over `sp_mesh` (degree = its size), in place.
 
@@ -173,8 +173,9 @@ def enable_sequence_parallel(
 
     # An instance attribute shadows the method for this one call only; removed right after.
     transformer.__dict__["_resolve_parallel_config"] = resolve_on_our_mesh
+    model: Any = transformer  # a diffusers ModelMixin (checked above); its API is not on nn.Module
     try:
-        transformer.enable_parallelism(config=config, cp_plan=plan)
+        model.enable_parallelism(config=config, cp_plan=plan)
     finally:
         transformer.__dict__.pop("_resolve_parallel_config", None)
     return transformer

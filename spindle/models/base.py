@@ -14,9 +14,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11 on
 
 
 def import_object(path: str) -> Any:
@@ -222,7 +225,7 @@ class PipelineConditionModel(ConditionModel):
         device: torch.device = torch.device("cpu"),
         dtype: torch.dtype = torch.float32,
         max_text_length: int = 512,
-    ) -> PipelineConditionModel:
+    ) -> Self:
         pipe = import_object(cls.pipeline_class).from_pretrained(root, transformer=None, dtype=dtype)
         pipe.to(device)
         for module in pipe.components.values():

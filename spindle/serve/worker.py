@@ -203,11 +203,14 @@ class Worker:
     def _generate(
         self, params: SamplingParams, progress: Callable[[int, int], None] | None, should_stop: Callable[[], bool]
     ) -> Any:
-        if self.fanout is not None:
-            self.fanout.send("run", params)
-            local_stop = should_stop
-            should_stop = lambda: self.fanout.sync_flag(local_stop())  # noqa: E731
-        return self.engine.generator.run(params, progress=progress, should_stop=should_stop)
+        fanout, stop = self.fanout, should_stop
+        if fanout is not None:
+            fanout.send("run", params)
+
+            def stop() -> bool:  # every rank stops at the same step: rank 0 decides
+                return fanout.sync_flag(should_stop())
+
+        return self.engine.generator.run(params, progress=progress, should_stop=stop)
 
     def _run(self, job: Job) -> None:
         try:
