@@ -14,8 +14,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".mypy_cache", ".ruff_cache", "demo_out", "outputs")
 
-pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU make, as `make test` does")
-
 
 @pytest.fixture(scope="module")
 def tree(tmp_path_factory) -> Path:

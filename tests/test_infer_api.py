@@ -10,21 +10,14 @@ import sys
 import numpy as np
 import pytest
 
-from spindle.testing.tiny import build_tiny_wan
-
 SMALL = dict(prompt="a lighthouse", height=32, width=32, num_frames=5, num_inference_steps=2, guidance_scale=3.0)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny_wan(tmp_path_factory.mktemp("wan_tiny"), seed=0)
-
-
-@pytest.fixture(scope="module")
-def gen(tiny):
+def gen(tiny_wan):
     from spindle import DiffusionGenerator
 
-    return DiffusionGenerator.from_pretrained(tiny)
+    return DiffusionGenerator.from_pretrained(tiny_wan)
 
 
 def test_import_spindle_is_light():
@@ -56,12 +49,12 @@ def test_family_and_defaults(gen):
     assert (d.height, d.width, d.num_frames, d.num_inference_steps, d.guidance_scale) == (480, 832, 81, 50, 5.0)
 
 
-def test_renamed_folder_is_detected_and_unknown_class_is_refused(tiny, tmp_path):
+def test_renamed_folder_is_detected_and_unknown_class_is_refused(tiny_wan, tmp_path):
     from spindle import DiffusionGenerator
     from spindle.registry import UnknownModelError
 
     renamed = tmp_path / "renamed"
-    shutil.copytree(tiny, renamed)
+    shutil.copytree(tiny_wan, renamed)
     index = json.loads((renamed / "model_index.json").read_text())
     index["_class_name"] = "MyLocalVideoPipeline"
     (renamed / "model_index.json").write_text(json.dumps(index))
@@ -102,11 +95,11 @@ def test_bad_requests_say_what_is_allowed(gen, bad, match):
     assert issubclass(RequestError, ValueError)
 
 
-def test_unknown_engine_option(tiny):
+def test_unknown_engine_option(tiny_wan):
     from spindle import DiffusionGenerator
 
     with pytest.raises(ValueError, match=r"unknown engine option\(s\) \['cahce'\]"):
-        DiffusionGenerator.from_pretrained(tiny, cahce="fbc")
+        DiffusionGenerator.from_pretrained(tiny_wan, cahce="fbc")
 
 
 def test_progress_seed_and_cancel(gen):

@@ -125,12 +125,8 @@ def test_export_cli_matches_end_of_training_export(make_config, tmp_path):
     assert (out / "model_index.json").read_text() == (result.export_dir / "model_index.json").read_text()
 
 
-def test_export_cli_rejects_non_checkpoint(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "spindle", "export", str(tmp_path), "--out", str(tmp_path / "o")],
-        capture_output=True,
-        text=True,
-    )
+def test_export_cli_rejects_non_checkpoint(tmp_path, spindle_cli):
+    proc = spindle_cli("export", tmp_path, "--out", tmp_path / "o")
     assert proc.returncode == 2
     assert "neither a Spindle checkpoint" in proc.stderr
 
