@@ -22,18 +22,36 @@ TINY_FRAMES = 9
 
 
 @pytest.fixture(scope="session")
-def tiny_wan(tmp_path_factory) -> Path:
-    from spindle.testing.tiny import build_tiny_wan
+def tiny_checkpoint(tmp_path_factory) -> Callable[[str], Path]:
+    """`tiny_checkpoint(family)` -> that family's tiny checkpoint: its registered `tiny_model`
+    builder with the default configs and seed 0, built on first use and shared by the session.
+    Tests parametrised over the registry use this; `tiny_wan` / `tiny_flux` are two of them."""
+    built: dict[str, Path] = {}
 
-    return build_tiny_wan(tmp_path_factory.mktemp("models") / "wan", seed=0)
+    def get(family: str) -> Path:
+        if family not in built:
+            from spindle.models.base import import_object
+            from spindle.registry import get_family
+
+            spec = get_family(family)
+            if spec.tiny_model is None:
+                raise ValueError(f"family {family!r} registers no tiny_model builder")
+            built[family] = import_object(spec.tiny_model)(tmp_path_factory.mktemp("models") / family, seed=0)
+        return built[family]
+
+    return get
 
 
 @pytest.fixture(scope="session")
-def tiny_flux(tmp_path_factory) -> Path:
-    """FLUX.1-dev style: embedded guidance, VAE x2 (32x32 px -> 64 image tokens)."""
-    from spindle.testing.tiny import build_tiny_flux
+def tiny_wan(tiny_checkpoint) -> Path:
+    """Wan2.1 T2V layout: UMT5 text encoder, AutoencoderKLWan (non-trivial latent mean/std), 2 blocks."""
+    return tiny_checkpoint("wan")
 
-    return build_tiny_flux(tmp_path_factory.mktemp("models") / "flux", seed=0)
+
+@pytest.fixture(scope="session")
+def tiny_flux(tiny_checkpoint) -> Path:
+    """FLUX.1-dev style: embedded guidance, VAE x2 (32x32 px -> 64 image tokens)."""
+    return tiny_checkpoint("flux")
 
 
 @pytest.fixture(scope="session")
