@@ -2,7 +2,8 @@
 #   make demo        set up .venv, then build a tiny Wan model, fine-tune it, export it, generate a sample
 #   make lint        ruff check + ruff format --check (the config is [tool.ruff] in pyproject.toml)
 #   make typecheck   mypy over spindle/ (the config is [tool.mypy] in pyproject.toml)
-#   make test        lint, typecheck, then the test suite with its 15 slowest tests listed (what CI runs)
+#   make test        lint, typecheck, generated/ drift check (spindle patchgen --check), then the test
+#                    suite with its 15 slowest tests listed (what CI runs)
 #   make format      apply ruff's formatter and safe fixes
 PYTHON ?= python3
 VENV := .venv
@@ -36,6 +37,7 @@ typecheck: $(STAMP)
 	$(PY) -m mypy
 
 test: lint
+	$(VENV)/bin/spindle patchgen --check
 	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS) tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 clean:

@@ -1,0 +1,1 @@
+"""Llama (dense causal LM) family: transformers' Llama modeling, patched by patchgen (see patches.py)."""

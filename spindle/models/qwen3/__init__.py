@@ -1,0 +1,1 @@
+"""Qwen3 (dense causal LM) family: transformers' Qwen3 modeling, patched by patchgen (see patches.py)."""
