@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from spindle.config import ConfigError, apply_override, load_config
+from tests.conftest import train_overrides
 
 
 @pytest.fixture(scope="module")
@@ -87,3 +88,28 @@ def test_unknown_model_type_lists_known_ones(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "not-a-model"}')
     with pytest.raises(UnknownModelError, match="'not-a-model'"):
         load_config(None, [f"model.path={tmp_path}", "data.path=/d"])
+
+
+# The parallel layout is checked once in `spindle train`, before --nproc launches anything: these run
+# in-process (spindle_cli), and a check moved after the launch would start torchrun and fail here.
+
+
+def test_world_size_mismatch_fails_before_launch(tiny_wan, shapes_videos, tmp_path, spindle_cli):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("{}")
+    args = train_overrides(tiny_wan, shapes_videos, tmp_path / "o", parallel__dp_shard=3)
+    r = spindle_cli("train", cfg, *args, "--nproc", "2")
+    assert r.returncode == 2
+    assert "but the world size is 2" in r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_sp_not_dividing_heads_fails_before_launch(tiny_wan, shapes_videos, tmp_path, spindle_cli):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("{}")
+    # the tiny Wan transformer has 4 heads
+    args = train_overrides(tiny_wan, shapes_videos, tmp_path / "o", parallel__sp=3, parallel__dp_shard=1)
+    r = spindle_cli("train", cfg, *args, "--nproc", "3")
+    assert r.returncode == 2
+    assert "4 attention heads" in r.stderr and "parallel.sp=3" in r.stderr
+    assert not (tmp_path / "o").exists()
