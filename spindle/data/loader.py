@@ -25,9 +25,12 @@ class ResumableLoader:
     [r * micro_batch_size, (r + 1) * micro_batch_size) of each, so the ranks of one step see
     disjoint samples that together form the global batch.
 
-    The tail that does not fill a whole global batch is dropped (every rank must run the same number
-    of steps, or collectives would hang). A dataset smaller than one global batch is repeated
-    (cycled in the epoch's order) to fill exactly one global batch, so a tiny dataset still trains
+    The tail that does not fill a whole optimizer step (`grad_accum` rounds of `micro_batch_size *
+    dp_size`) is dropped: every rank must run the same number of steps, or collectives would hang, and
+    each optimizer step must see the same samples whatever the split into micro-batches and ranks
+    (dropping only a partial round would let an accumulating run take a step across the epoch end).
+    A dataset smaller than one optimizer step is repeated (cycled in the epoch's order) to fill
+    exactly one step, so a tiny dataset still trains
     (some samples then appear twice in a step) instead of yielding nothing.
 
     `state_dict()` = {"epoch", "position"}: position counts micro-batches already returned in this
@@ -45,11 +48,14 @@ class ResumableLoader:
         shuffle: bool = True,
         num_workers: int = 0,
         collate_fn: Callable[[list[Any]], Any] = collate,
+        grad_accum: int = 1,
     ):
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1; got {micro_batch_size}")
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(f"need 0 <= dp_rank < dp_size; got dp_rank={dp_rank}, dp_size={dp_size}")
+        if grad_accum < 1:
+            raise ValueError(f"grad_accum must be >= 1; got {grad_accum}")
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0; got {num_workers}")
         if len(dataset) == 0:  # type: ignore[arg-type]
@@ -62,6 +68,7 @@ class ResumableLoader:
         self.shuffle = shuffle
         self.num_workers = num_workers
         self.collate_fn = collate_fn
+        self.grad_accum = grad_accum
         self.epoch = 0
         self.position = 0
         self._batches: Iterator[Any] | None = None
@@ -74,8 +81,9 @@ class ResumableLoader:
 
     @property
     def steps_per_epoch(self) -> int:
-        """Micro-batches per rank per epoch (= optimizer micro-steps of every rank)."""
-        return max(1, len(self.dataset) // self.global_batch_size)  # type: ignore[arg-type]
+        """Micro-batches per rank per epoch (= optimizer micro-steps of every rank): whole optimizer steps."""
+        step = self.global_batch_size * self.grad_accum
+        return max(1, len(self.dataset) // step) * self.grad_accum  # type: ignore[arg-type]
 
     def epoch_order(self, epoch: int) -> list[int]:
         """The global sample order of `epoch`, already cut/padded to whole global batches."""
