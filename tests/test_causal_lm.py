@@ -73,12 +73,16 @@ def test_registry_resolves_transformers_folders_by_model_type(tiny_qwen3, tiny_l
 # ---------------------------------------------------------------- loss
 
 
-def test_packed_row_loss_equals_documents_computed_separately(tiny_qwen3, tmp_path):
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_row_loss_equals_documents_computed_separately(attn, tiny_qwen3, tmp_path):
     """Document masking: a packed row's summed loss is the sum of each document's own loss."""
+    from transformers import AutoModelForCausalLM
+
     from spindle.data.text import build_text_dataset
     from spindle.train.tasks.causal_lm import causal_lm_loss_sum
 
-    model, tok = stock(tiny_qwen3)
+    _, tok = stock(tiny_qwen3)
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32, attn_implementation=attn)
     texts = ["the red circle moves left on a gray background", "a blue square", "then the big yellow star moves up"]
     f = tmp_path / "d.jsonl"
     f.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
