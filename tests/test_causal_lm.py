@@ -240,3 +240,13 @@ def test_demo_qwen3_trains_exports_and_continues_text(tmp_path):
     assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5
     assert "continuation of 'the red circle'" in proc.stdout
     assert (out / "sample.txt").read_text().startswith("the red circle ")
+
+
+@pytest.mark.parametrize("name", ["qwen3_tiny.yaml", "qwen3_0.6b.yaml"])
+def test_shipped_configs_are_valid_causal_lm_jobs(name):
+    from pathlib import Path
+
+    from spindle.config import CausalLMJobConfig, load_raw, validate_config
+
+    cfg = validate_config(load_raw(Path(__file__).parents[1] / "configs" / name), CausalLMJobConfig)
+    assert cfg.data.packing and cfg.data.seq_len >= 64
