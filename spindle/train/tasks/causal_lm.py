@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from contextlib import nullcontext
@@ -76,6 +77,11 @@ class CausalLMTask(TrainTask):
 
     @classmethod
     def check_plan(cls, cfg, dims) -> None:
+        if dims.ring > 1:
+            raise ConfigError(
+                f"parallel.ring={dims.ring}: ring attention is for DiTs; language models split sequences with "
+                "Ulysses only (parallel.sp); set parallel.ring: 1"
+            )
         if dims.sp > 1:
             try:
                 from spindle.distributed import ulysses_attention
@@ -84,7 +90,11 @@ class CausalLMTask(TrainTask):
                     f"parallel.sp={dims.sp}: sequence parallelism for language models is not available in this "
                     "build yet; set parallel.sp: 1"
                 ) from None
-            ulysses_attention.check_plan(cfg, dims)
+            config = json.loads((Path(cfg.model.path) / "config.json").read_text())
+            try:
+                ulysses_attention.check_layout(config, dims.sp, cfg.data.seq_len)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
     # ------------------------------------------------------------ set-up
 
@@ -102,7 +112,7 @@ class CausalLMTask(TrainTask):
         if self.mesh.dims.sp > 1:
             from spindle.distributed import ulysses_attention
 
-            ulysses_attention.enable(model, self.mesh)
+            ulysses_attention.enable_sequence_parallel(model, self.mesh.sp)
         if self.cfg.train.gradient_checkpointing:
             # Non-reentrant: FSDP2's per-layer all-gather hooks fire again in the recomputation, and
             # parameter names stay unchanged (no wrapper module in the FQNs, checkpoints, export).
@@ -115,7 +125,6 @@ class CausalLMTask(TrainTask):
     def build_loader(self):
         from spindle.data.loader import ResumableLoader
         from spindle.data.text import build_text_dataset, collate_rows
-        from spindle.train.trainer import grad_accum_steps
 
         data = self.cfg.data
         dataset = build_text_dataset(data.path, self.tokenizer, data.seq_len, data.packing, data.skip_bad_samples)
@@ -144,7 +153,7 @@ class CausalLMTask(TrainTask):
             seed=self.cfg.train.seed,
             shuffle=data.shuffle,
             collate_fn=collate_rows,
-            grad_accum=grad_accum_steps(self.cfg, self.mesh.dims.dp_size),
+            global_batch_size=self.cfg.train.global_batch_size,
         )
 
     # ------------------------------------------------------------ step
@@ -164,7 +173,7 @@ class CausalLMTask(TrainTask):
             from spindle.distributed import ulysses_attention
 
             # Positions and labels were computed on the whole rows; each SP rank keeps its chunk.
-            rows = ulysses_attention.split_batch(rows, self.mesh)
+            rows = ulysses_attention.shard_batch(rows, self.mesh.sp_rank, self.mesh.dims.sp)
         with self._autocast():
             loss = causal_lm_loss_sum(model, rows)
         return StepOutput(loss.float(), samples, tokens)
