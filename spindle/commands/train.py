@@ -41,5 +41,5 @@ def run(args: argparse.Namespace) -> int:
     if is_main_process():
         print(f"trained {result.last_step} steps; outputs in {result.output_dir}")
         if result.export_dir:
-            print(f"exported diffusers pipeline: {result.export_dir}")
+            print(f"exported: {result.export_dir}")
     return 0
