@@ -92,7 +92,8 @@ class CheckpointConfig(Section):
 class ParallelConfig(Section):
     dp_replicate: int = Field(1, ge=1, description="HSDP replica groups")
     dp_shard: int = Field(-1, description="FSDP2 shard degree; -1 = the rest of the world")
-    sp: int = Field(1, ge=1, description="Ulysses sequence-parallel degree")
+    sp: int = Field(1, ge=1, description="Ulysses sequence-parallel degree (attention heads must divide it)")
+    ring: int = Field(1, ge=1, description="ring-attention degree; the sequence is split over ring x sp ranks (USP)")
 
 
 class TrainJobConfig(Section):

@@ -30,7 +30,7 @@ def test_text_line_is_tokenizer_output_plus_eos_all_learned(tokenizer, tiny_llam
     f = write_jsonl(tmp_path / "a.jsonl", [{"text": "the red circle moves left"}])
     for tok in (tokenizer, AutoTokenizer.from_pretrained(tiny_llama)):  # llama's tokenizer adds <s> itself
         (doc,), _ = read_documents(f, tok)
-        assert doc.tokens == tok("the red circle moves left").input_ids + [tok.eos_token_id]
+        assert doc.tokens == [*tok("the red circle moves left").input_ids, tok.eos_token_id]
         assert all(doc.learn)
     assert doc.tokens[0] == tok.bos_token_id
 
@@ -111,7 +111,7 @@ def test_folder_is_read_in_sorted_order_and_missing_path_is_named(tokenizer, tmp
         read_documents(tmp_path / "nope", tokenizer)
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(TextDataError, match="no .jsonl files"):
+    with pytest.raises(TextDataError, match=r"no \.jsonl files"):
         read_documents(empty, tokenizer)
 
 

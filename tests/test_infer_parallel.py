@@ -59,7 +59,9 @@ def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
 
-@pytest.mark.parametrize("options", [{"sp": 2}, {"cfg_parallel": True}], ids=["sp2", "cfg_parallel"])
+@pytest.mark.parametrize(
+    "options", [{"sp": 2}, {"ring": 2}, {"cfg_parallel": True}], ids=["sp2", "ring2", "cfg_parallel"]
+)
 def test_multiprocess_equals_single_process(tiny, single, tmp_path, options):
     import json
 

@@ -88,6 +88,17 @@ def test_fsdp_over_dp_shard_and_sp_equals_one(single, tiny_wan, shapes_videos, t
     assert_same_run(single, out)
 
 
+def test_ring_runs_a_three_head_model_on_two_processes(shapes_videos, tmp_path):
+    """Ulysses cannot split 3 heads over 2 ranks; ring attention splits only the sequence."""
+    from spindle.testing.tiny import build_tiny_wan
+
+    model = build_tiny_wan(tmp_path / "wan3", seed=0, transformer={"num_attention_heads": 3})
+    single, ring = tmp_path / "single", tmp_path / "ring"
+    run_train(model, shapes_videos, single, nproc=1)
+    run_train(model, shapes_videos, ring, nproc=2, parallel__ring=2, parallel__dp_shard=1)
+    assert_same_run(single, ring)
+
+
 @pytest.mark.parametrize("first,second", [(2, 1), (1, 2)], ids=["save2_resume1", "save1_resume2"])
 def test_resume_across_world_sizes(first, second, single, tiny_wan, shapes_videos, tmp_path):
     out = tmp_path / "run"

@@ -80,7 +80,7 @@ def text_document(text: Any, tokenizer: Any) -> tuple[list[int], list[bool]]:
         raise ValueError('"text" must be a non-empty string')
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no eos_token; set eos_token in the model's tokenizer_config.json")
-    tokens = _encode(tokenizer, text, special=True) + [tokenizer.eos_token_id]
+    tokens = [*_encode(tokenizer, text, special=True), tokenizer.eos_token_id]
     return tokens, [True] * len(tokens)
 
 

@@ -370,26 +370,3 @@ def sequence_parallel_size(model: torch.nn.Module) -> int:
     """The Ulysses degree applied to `model` (1 when SP is off)."""
     ctx = getattr(model, _CONTEXT_ATTR, None)
     return ctx.size if ctx is not None else 1
-
-
-# ---------------------------------------------------------------- the causal-LM task's entry points
-
-
-def check_plan(cfg: Any, dims: Any) -> None:
-    """Before any process starts: `check_layout` on the checkpoint's config.json and `data.seq_len`."""
-    import json
-    from pathlib import Path
-
-    config_json = Path(cfg.model.path) / "config.json"
-    if dims.sp > 1 and config_json.is_file():
-        check_layout(json.loads(config_json.read_text()), dims.sp, cfg.data.seq_len)
-
-
-def enable(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
-    """`enable_sequence_parallel` over the training mesh's `sp` dim."""
-    return enable_sequence_parallel(model, mesh.sp)
-
-
-def split_batch(batch: Mapping[str, Any], mesh: Any) -> dict[str, Any]:
-    """`shard_batch` for this rank of the training mesh's `sp` dim."""
-    return shard_batch(batch, mesh.sp_rank, mesh.dims.sp)

@@ -46,8 +46,9 @@ class EngineOptions:
     compile: bool = False  # torch.compile of the transformer's repeated blocks
     cache: str | None = None  # "fbc": first-block cache (diffusers hooks)
     cache_threshold: float = 0.05
-    sp: int = 1  # Ulysses sequence-parallel degree (needs that many processes)
-    cfg_parallel: bool = False  # cond / uncond on different ranks (needs 2 x sp processes)
+    sp: int = 1  # Ulysses sequence-parallel degree (heads must divide it)
+    ring: int = 1  # ring-attention degree: the sequence is split over ring x sp processes
+    cfg_parallel: bool = False  # cond / uncond on different ranks (needs 2 x ring x sp processes)
 
     def validate(self) -> None:
         for name in ("dtype", "vae_dtype"):
@@ -57,12 +58,14 @@ class EngineOptions:
             raise ValueError(f"cache must be one of {CACHE_KINDS} (or None); got {self.cache!r}")
         if not isinstance(self.cache_threshold, (int, float)) or self.cache_threshold < 0:
             raise ValueError(f"cache_threshold must be a number >= 0; got {self.cache_threshold!r}")
-        if not isinstance(self.sp, int) or self.sp < 1:
-            raise ValueError(f"sp must be an integer >= 1; got {self.sp!r}")
+        for name in ("sp", "ring"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
 
     @property
     def world_size_needed(self) -> int:
-        return self.sp * (2 if self.cfg_parallel else 1)
+        return self.sp * self.ring * (2 if self.cfg_parallel else 1)
 
     def torch_device(self) -> torch.device:
         if self.device is None:
@@ -192,7 +195,9 @@ class InferencePipeline:
             apply_compile(transformer)
         stages: list[Stage] = [
             spec.make_before_denoising(components),
-            DenoisingStage(transformer, spec, cfg_batch=options.cfg_batch, cfg_group=cfg_group, sp=options.sp),
+            DenoisingStage(
+                transformer, spec, cfg_batch=options.cfg_batch, cfg_group=cfg_group, sp=options.sp, ring=options.ring
+            ),
             DecodingStage(components[spec.vae_component], spec),
         ]
         return cls(spec, components, stages, options, root=root, mesh=mesh)
@@ -220,23 +225,25 @@ def is_main_rank() -> bool:
 def setup_parallel(transformer: torch.nn.Module, options: EngineOptions) -> tuple[Any, Any]:
     """Mesh for the multi-process modes; -> (mesh, cfg process group or None).
 
-    Mesh dims (spindle.distributed.mesh): `sp` = Ulysses degree; the data dim `dp_shard` (size 2)
-    carries the CFG branches when `cfg_parallel` (rank 0 of it: cond, rank 1: uncond). Ulysses
-    SP uses the same code as training: `spindle.distributed.context_parallel`.
+    Mesh dims (spindle.distributed.mesh): `sp` = Ulysses degree, `ring` = ring-attention degree; the
+    data dim `dp_shard` (size 2) carries the CFG branches when `cfg_parallel` (rank 0 of it: cond,
+    rank 1: uncond). Sequence parallelism uses the same code as training:
+    `spindle.distributed.context_parallel`.
     """
     from spindle.distributed.mesh import ParallelDims, build_mesh, init_distributed
 
     _, world = init_distributed()
     if world != options.world_size_needed:
         raise ValueError(
-            f"sp={options.sp}{' x 2 (cfg_parallel)' if options.cfg_parallel else ''} needs "
+            f"sp={options.sp} x ring={options.ring}{' x 2 (cfg_parallel)' if options.cfg_parallel else ''} needs "
             f"{options.world_size_needed} processes, but the world size is {world}; launch with "
             f"--nproc {options.world_size_needed} (or torchrun --nproc-per-node {options.world_size_needed})"
         )
-    mesh = build_mesh(ParallelDims(dp_replicate=1, dp_shard=2 if options.cfg_parallel else 1, sp=options.sp))
-    if options.sp > 1:
+    dims = ParallelDims(dp_replicate=1, dp_shard=2 if options.cfg_parallel else 1, sp=options.sp, ring=options.ring)
+    mesh = build_mesh(dims)
+    if dims.cp_size > 1:
         from spindle.distributed.context_parallel import enable_sequence_parallel
 
-        enable_sequence_parallel(transformer, mesh.sp)
+        enable_sequence_parallel(transformer, mesh.cp)
     cfg_group = mesh.dp.get_group() if options.cfg_parallel else None
     return mesh, cfg_group

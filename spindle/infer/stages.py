@@ -159,12 +159,14 @@ class DenoisingStage(Stage):
         cfg_batch: bool = True,
         cfg_group: dist.ProcessGroup | None = None,
         sp: int = 1,
+        ring: int = 1,
     ):
         self.transformer = transformer
         self.spec = spec
         self.cfg_batch = cfg_batch
         self.cfg_group = cfg_group
         self.sp = sp
+        self.ring = ring
 
     def _cache_context(self, name: str, req: Req, i: int):
         ctx = getattr(self.transformer, "cache_context", None)
@@ -208,12 +210,13 @@ class DenoisingStage(Stage):
         return spec.combine_cfg(cond, uncond, req.guidance_scale)
 
     def check_sequence_parallel(self, req: Req) -> None:
-        if self.sp == 1:
+        if self.sp * self.ring == 1:
             return
         from spindle.distributed.context_parallel import check_sequence_parallel
 
         try:
-            check_sequence_parallel(self.transformer, self.sp, seq_len=self.spec.sequence_length(req, self.transformer))
+            seq_len = self.spec.sequence_length(req, self.transformer)
+            check_sequence_parallel(self.transformer, self.sp, seq_len=seq_len, ring=self.ring)
         except ValueError as e:
             raise RequestError(str(e)) from e
 

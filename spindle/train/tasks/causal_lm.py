@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from contextlib import nullcontext
@@ -76,15 +77,19 @@ class CausalLMTask(TrainTask):
 
     @classmethod
     def check_plan(cls, cfg, dims) -> None:
+        if dims.ring > 1:
+            raise ConfigError(
+                f"parallel.ring={dims.ring}: ring attention is for DiTs; language models split sequences with "
+                "Ulysses only (parallel.sp); set parallel.ring: 1"
+            )
         if dims.sp > 1:
+            from spindle.distributed import ulysses_attention
+
+            config = json.loads((Path(cfg.model.path) / "config.json").read_text())
             try:
-                from spindle.distributed import ulysses_attention
-            except ImportError:
-                raise ConfigError(
-                    f"parallel.sp={dims.sp}: sequence parallelism for language models is not available in this "
-                    "build yet; set parallel.sp: 1"
-                ) from None
-            ulysses_attention.check_plan(cfg, dims)
+                ulysses_attention.check_layout(config, dims.sp, cfg.data.seq_len)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
     # ------------------------------------------------------------ set-up
 
@@ -102,11 +107,11 @@ class CausalLMTask(TrainTask):
         if self.mesh.dims.sp > 1:
             from spindle.distributed import ulysses_attention
 
-            ulysses_attention.enable(model, self.mesh)
+            ulysses_attention.enable_sequence_parallel(model, self.mesh.sp)
         if self.cfg.train.gradient_checkpointing:
             # Non-reentrant: FSDP2's per-layer all-gather hooks fire again in the recomputation, and
             # parameter names stay unchanged (no wrapper module in the FQNs, checkpoints, export).
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         if self.mesh.world.size() > 1:  # one process: nothing to shard (spindle.distributed.fsdp)
             apply_fsdp(model, self.mesh, self.precision)
         self.autocast_dtype = autocast_dtype(model, self.precision)
@@ -143,6 +148,7 @@ class CausalLMTask(TrainTask):
             seed=self.cfg.train.seed,
             shuffle=data.shuffle,
             collate_fn=collate_rows,
+            global_batch_size=self.cfg.train.global_batch_size,
         )
 
     # ------------------------------------------------------------ step
@@ -162,7 +168,7 @@ class CausalLMTask(TrainTask):
             from spindle.distributed import ulysses_attention
 
             # Positions and labels were computed on the whole rows; each SP rank keeps its chunk.
-            rows = ulysses_attention.split_batch(rows, self.mesh)
+            rows = ulysses_attention.shard_batch(rows, self.mesh.sp_rank, self.mesh.dims.sp)
         with self._autocast():
             loss = causal_lm_loss_sum(model, rows)
         return StepOutput(loss.float(), samples, tokens)
