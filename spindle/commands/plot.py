@@ -61,7 +61,7 @@ def plot(run_dir: str | Path, out: str | Path | None = None, smoothing: float = 
     lr_ax.set_ylim(bottom=0)  # a constant lr reads as constant, not as a zoomed-in wiggle
     lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
     lines = ax.get_lines() + lr_ax.get_lines()
-    ax.legend(lines, [line.get_label() for line in lines], loc="upper right")
+    ax.legend(lines, [str(line.get_label()) for line in lines], loc="upper right")
     ax.set_title(f"{run_dir.name}: {len(steps)} steps, last loss {loss[-1]:.4f}")
     fig.tight_layout()
     out = Path(out) if out else run_dir / "loss.png"

@@ -15,6 +15,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 HELP = "encode a DiT dataset's conditions (latents, text embeddings) once, for data.precomputed"
 
@@ -26,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=1, help="processes on this node (re-launches under torchrun)")
 
 
-def precompute(cfg, out: str | Path) -> Path:
+def precompute(cfg: Any, out: str | Path) -> Path | None:
     """Collective over the launched ranks (1 process without a launcher); -> the manifest on rank 0."""
     import torch
 

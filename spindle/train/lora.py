@@ -49,10 +49,10 @@ def resolve_targets(model: nn.Module, blocks: Sequence[nn.Module], targets: Sequ
     """Full names of the modules to adapt; an entry matching nothing names the closest module names."""
     linears = block_linears(model, blocks)
     if not targets:
-        chosen = [n for n in linears if not any(p.startswith("norm") for p in _relative(n).split("."))]
-        if not chosen:
+        default = [n for n in linears if not any(p.startswith("norm") for p in _relative(n).split("."))]
+        if not default:
             raise ConfigError(f"{type(model).__name__}: no linear layers in its blocks to put LoRA adapters on")
-        return chosen
+        return default
     chosen: list[str] = []
     relative = sorted({_relative(n) for n in linears})
     for target in targets:
@@ -74,7 +74,8 @@ def peft_config(rank: int, alpha: float | None, dropout: float, target_modules: 
         raise ConfigError(f"train.lora.rank must be a positive integer; got {rank}")
     return LoraConfig(
         r=rank,
-        lora_alpha=float(alpha if alpha is not None else rank),
+        # PEFT annotates lora_alpha as int but scales by alpha / r in float; a float alpha works
+        lora_alpha=float(alpha if alpha is not None else rank),  # type: ignore[arg-type]
         lora_dropout=dropout,
         target_modules=target_modules,
         init_lora_weights=True,  # B = 0: training starts exactly at the base model
@@ -89,8 +90,9 @@ def apply_lora(model: nn.Module, blocks: Sequence[nn.Module], cfg: Any) -> nn.Mo
     """
     config = peft_config(cfg.rank, cfg.alpha, cfg.dropout, resolve_targets(model, blocks, cfg.targets))
     model.requires_grad_(False)
-    if hasattr(model, "add_adapter"):  # diffusers / transformers models
-        model.add_adapter(config, adapter_name=ADAPTER)
+    add_adapter = getattr(model, "add_adapter", None)
+    if callable(add_adapter):  # diffusers / transformers models
+        add_adapter(config, adapter_name=ADAPTER)
     else:
         from peft import inject_adapter_in_model
 

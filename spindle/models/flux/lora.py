@@ -53,9 +53,10 @@ def to_original(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     done: set[tuple[str, str, str]] = set()
     for (group, index, module), _ in sorted(adapters.items()):
         original, table = _GROUPS[group]
-        name, parts = next(((n, p) for n, p in table.items() if module in p), (None, None))
-        if name is None:
+        fused = [(n, p) for n, p in table.items() if module in p]
+        if not fused:
             raise ValueError(f"LoRA on {group}.{index}.{module} has no counterpart in the original Flux layout")
+        name, parts = fused[0]
         keys = [(group, index, part) for part in parts]
         if keys[0] in done:
             continue

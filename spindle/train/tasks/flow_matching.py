@@ -101,27 +101,25 @@ class FlowMatchingTask(TrainTask):
         return model
 
     def build_loader(self):
-        from spindle.data.datasets import build_dataset
+        from spindle.data.datasets import build_dataset, collate
         from spindle.data.loader import ResumableLoader
+        from spindle.data.precomputed import CachedConditions, cache_settings, collate_conditions
 
         data = self.cfg.data
-        dataset = build_dataset(data.path, tuple(data.resolution), data.num_frames, data.skip_bad_samples)
-        extra = {}
-        if data.precomputed is not None:
-            from spindle.data.precomputed import CachedConditions, cache_settings, collate_conditions
-
+        media = build_dataset(data.path, tuple(data.resolution), data.num_frames, data.skip_bad_samples)
+        source: Any = media
+        if data.precomputed is not None:  # the same samples, read as cached conditions
             settings = cache_settings(self.cfg, self.family.name, condition_dtype(self.precision))
-            dataset = CachedConditions(data.precomputed, settings, dataset.samples)
-            extra["collate_fn"] = collate_conditions
+            source = CachedConditions(data.precomputed, settings, media.samples)
         return ResumableLoader(
-            dataset,
+            source,
             self.cfg.train.micro_batch_size,
             dp_rank=self.mesh.dp_rank,
             dp_size=self.mesh.dims.dp_size,
             seed=self.cfg.train.seed,
             shuffle=data.shuffle,
             global_batch_size=self.cfg.train.global_batch_size,
-            **extra,
+            collate_fn=collate if data.precomputed is None else collate_conditions,
         )
 
     # ------------------------------------------------------------ step
@@ -188,9 +186,10 @@ class FlowMatchingTask(TrainTask):
             from spindle.train.lora import adapter_state_dict, lora_scale
 
             sd = ckpt.full_state_dict(model, trainable_only=True)
-            adapters = adapter_state_dict(sd, lora_scale(model)) if is_main_process() else None
-            merge = self.cfg.export.merge_lora
-            result = export_lora(self.family, self.cfg.model.path, adapters, out, merge) if is_main_process() else None
+            result = None
+            if is_main_process():
+                adapters = adapter_state_dict(sd, lora_scale(model))
+                result = export_lora(self.family, self.cfg.model.path, adapters, out, self.cfg.export.merge_lora)
         barrier()
         return result
 
@@ -219,13 +218,14 @@ def build_condition_model(
     cfg: Any, family: Any, device: torch.device, precision: str, encoders: bool = True
 ) -> ConditionModel:
     """The family's frozen condition model for a job config (training and `spindle precompute`)."""
-    return family.condition_model_cls().from_pretrained(
+    model: ConditionModel = family.condition_model_cls().from_pretrained(
         cfg.model.path,
         device=device,
         dtype=condition_dtype(precision),
         max_text_length=cfg.model.max_text_length,
         encoders=encoders,
     )
+    return model
 
 
 def add_lora(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
@@ -265,7 +265,7 @@ def export_lora(family: Any, base: str | Path, adapters: dict[str, torch.Tensor]
         else:
             save_file(original, tmp / "lora" / LORA_ORIGINAL_FILE, metadata={"format": "pt", "family": family.name})
     if merge:
-        model = load_transformer(base)
+        model: Any = load_transformer(base)  # a diffusers ModelMixin (PEFT loader methods)
         model.load_lora_adapter({f"transformer.{k}": v for k, v in adapters.items()}, prefix="transformer")
         model.fuse_lora(lora_scale=1.0)
         model.unload_lora()
