@@ -7,7 +7,14 @@ reads to build its flags) stays free of torch.
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__ imports on first use
+    from spindle.infer.generator import DiffusionGenerator, GenerationResult, psnr
+    from spindle.infer.pipeline import EngineOptions, InferencePipeline
+    from spindle.infer.request import Cancelled, Req, RequestError, SamplingParams
+    from spindle.infer.stages import BeforeDenoisingStage, DecodingStage, DenoisingStage, InferenceSpec, Stage
 
 _LAZY = {
     "Cancelled": "spindle.infer.request",
@@ -26,12 +33,27 @@ _LAZY = {
     "Stage": "spindle.infer.stages",
 }
 
-__all__ = list(_LAZY)
+# Literal strings (not `*_LAZY`): static tools read `__all__` without running the module.
+# tests/test_infer_api.py checks that it lists exactly the eager names plus `_LAZY`.
+__all__ = [
+    "BeforeDenoisingStage",
+    "Cancelled",
+    "DecodingStage",
+    "DenoisingStage",
+    "DiffusionGenerator",
+    "EngineOptions",
+    "GenerationResult",
+    "InferencePipeline",
+    "InferenceSpec",
+    "Req",
+    "RequestError",
+    "SamplingParams",
+    "Stage",
+    "psnr",
+]
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'spindle.infer' has no attribute {name!r}")

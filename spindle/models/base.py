@@ -1,6 +1,8 @@
-"""The family contract for DiT models, and the flow-matching helpers every family shares.
+"""The family contracts (DiT, causal LM), and the flow-matching helpers every DiT family shares.
 
-A family provides (see docs/architecture.md):
+A causal-LM family (`CausalLMFamily`) names the transformers `model_type`s it serves and the
+ForCausalLM class to load them with; the causal-LM task (spindle/train/tasks/causal_lm.py) does
+the rest. A DiT family provides (see docs/architecture.md):
 - a `ConditionModel`: frozen, never-sharded components (text encoders, VAE, scheduler) with
   `encode(batch)` and `training_inputs(conditions, generator)`;
 - the transformer: the diffusers class itself, loaded from `root/transformer`;
@@ -13,12 +15,24 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from spindle.infer.stages import BeforeDenoisingStage
-from spindle.models.family import DemoSpec, DiTFamily, import_object  # noqa: F401  (the family contract)
+
+# The registration types live in the light spindle.models.family (read by the CLI without torch).
+from spindle.models.family import (  # noqa: F401
+    CausalLMFamily,
+    ConformanceSpec,
+    DemoSpec,
+    DiTFamily,
+    TextDemoSpec,
+    import_object,
+)
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11 on
 
 
 def load_transformer(root: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -162,8 +176,15 @@ class ConditionModel(ABC):
     @classmethod
     @abstractmethod
     def from_pretrained(
-        cls, root: str | Path, device: torch.device, dtype: torch.dtype, max_text_length: int = 512
-    ) -> ConditionModel: ...
+        cls,
+        root: str | Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_text_length: int = 512,
+        encoders: bool = True,
+    ) -> ConditionModel:
+        """`encoders=False`: for training on precomputed conditions; only what `training_inputs` needs
+        is loaded (never the text encoders' or the VAE's weights), and `encode` cannot run."""
 
     @abstractmethod
     def encode(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -172,6 +193,27 @@ class ConditionModel(ABC):
     @abstractmethod
     def training_inputs(self, conditions: dict[str, torch.Tensor], generators: list[torch.Generator]) -> dict[str, Any]:
         """Conditions + one generator per sample -> transformer forward kwargs + "target" + "sigmas"."""
+
+
+def encoder_placeholders(root: str | Path) -> dict[str, Any]:
+    """from_pretrained overrides that keep a pipeline's encoders out of memory: every model component
+    but the scheduler is None, except the VAE, built on the meta device from its config (its config
+    holds the latent scaling the training inputs use; its weights are never read)."""
+    import diffusers
+
+    from spindle.infer.pipeline import read_model_index
+
+    out: dict[str, Any] = {}
+    for name, entry in read_model_index(root).items():
+        if name.startswith("_") or not isinstance(entry, list) or name in ("scheduler", "transformer"):
+            continue
+        if name == "vae":
+            vae_cls = getattr(diffusers, entry[1])
+            with torch.device("meta"):
+                out[name] = vae_cls.from_config(vae_cls.load_config(Path(root) / "vae"))
+        else:
+            out[name] = None
+    return out
 
 
 class PipelineConditionModel(ConditionModel):
@@ -199,9 +241,12 @@ class PipelineConditionModel(ConditionModel):
         device: torch.device = torch.device("cpu"),
         dtype: torch.dtype = torch.float32,
         max_text_length: int = 512,
-    ) -> PipelineConditionModel:
-        pipe = import_object(cls.pipeline_class).from_pretrained(root, transformer=None, dtype=dtype)
-        pipe.to(device)
+        encoders: bool = True,
+    ) -> Self:
+        skip = {} if encoders else encoder_placeholders(root)
+        pipe = import_object(cls.pipeline_class).from_pretrained(root, transformer=None, dtype=dtype, **skip)
+        if encoders:
+            pipe.to(device)
         for module in pipe.components.values():
             if isinstance(module, torch.nn.Module):
                 module.requires_grad_(False).eval()

@@ -254,7 +254,7 @@ def build_tiny_qwenimage(
     )
     from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from spindle.testing.tokenizer import save_chat_tokenizer
+    from spindle.testing.tokenizer import save_qwen_prompt_tokenizer
 
     out = Path(out)
     tcfg = {**QWENIMAGE_TRANSFORMER, **(transformer or {})}
@@ -266,7 +266,7 @@ def build_tiny_qwenimage(
     vcfg["latents_mean"], vcfg["latents_std"] = _latent_stats(vcfg["z_dim"], seed)
     tcfg["joint_attention_dim"] = ecfg["hidden_size"]
 
-    vocab = save_chat_tokenizer(out / "tokenizer", QWEN_CHAT_TOKENS, QWEN_PAD_TOKEN, QWEN_TEMPLATE_WORDS)
+    vocab = save_qwen_prompt_tokenizer(out / "tokenizer", QWEN_CHAT_TOKENS, QWEN_PAD_TOKEN, QWEN_TEMPLATE_WORDS)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(out / "tokenizer")
     special = {name: tokenizer.convert_tokens_to_ids(name) for name in (*QWEN_CHAT_TOKENS, QWEN_PAD_TOKEN)}
     text_config = Qwen2_5_VLConfig(

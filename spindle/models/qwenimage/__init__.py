@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from spindle.infer.options import FamilyOptions, Option, needs_negative_prompt
-from spindle.models.family import DemoSpec, DiTFamily
+from spindle.models.family import ConformanceSpec, DemoSpec, DiTFamily
 
 
 def _looks_like_qwenimage(root: Path) -> bool:
@@ -38,5 +38,21 @@ FAMILY = DiTFamily(
         dataset="spindle.testing.synthetic:make_shapes_image_dataset",
         dataset_kwargs={"num_images": 16, "size": (32, 32)},
         sample_kwargs={"negative_prompt": "", "true_cfg_scale": 4.0},
+    ),
+    conformance=ConformanceSpec(
+        parity_cases={
+            # classifier-free guidance is true_cfg_scale with a negative prompt (here longer than the
+            # prompt: variable-length text, padded with a mask when CFG is batched)
+            "cfg": dict(
+                prompt="a red fox in the snow",
+                negative_prompt="blurry low quality picture of a fox",
+                true_cfg_scale=4.0,
+                height=32,
+                width=32,
+                num_inference_steps=2,
+                seed=7,
+            ),
+            "nocfg": dict(prompt="a red fox in the snow", height=32, width=48, num_inference_steps=3, seed=0),
+        }
     ),
 )

@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from spindle.infer.options import FamilyOptions
-from spindle.models.family import DemoSpec, DiTFamily
+from spindle.models.family import ConformanceSpec, DemoSpec, DiTFamily
 
 
 def _looks_like_wan(root: Path) -> bool:
@@ -19,6 +19,7 @@ FAMILY = DiTFamily(
     condition_model="spindle.models.wan.condition:WanConditionModel",
     inference="spindle.models.wan.pipeline:WAN_INFERENCE",
     tiny_model="spindle.testing.tiny:build_tiny_wan",
+    lora_original="spindle.models.wan.lora:to_original",
     detect=_looks_like_wan,
     # Wan2.1 is trained on 16 fps video; its VAE compresses time 4x, so num_frames = 4k + 1
     options=FamilyOptions(fps=16, frame_multiple=4),
@@ -28,5 +29,28 @@ FAMILY = DiTFamily(
         num_frames=9,
         sample_suffix=".mp4",
         sample_kwargs={"num_frames": 9, "guidance_scale": 1.0},
+    ),
+    conformance=ConformanceSpec(
+        parity_cases={
+            "cfg": dict(
+                prompt="a red fox in the snow",
+                negative_prompt="blurry",
+                height=32,
+                width=32,
+                num_frames=5,
+                num_inference_steps=2,
+                guidance_scale=5.0,
+                seed=0,
+            ),
+            "nocfg": dict(
+                prompt="a red fox in the snow",
+                height=32,
+                width=48,
+                num_frames=9,
+                num_inference_steps=3,
+                guidance_scale=1.0,
+                seed=7,
+            ),
+        }
     ),
 )
