@@ -24,11 +24,14 @@ import argparse
 import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 if TYPE_CHECKING:  # request.py imports torch; this module stays light for the CLI's parser
+    from pydantic import BaseModel
+
     from spindle.infer.request import SamplingParams
 
+M = TypeVar("M", bound="BaseModel")  # a pydantic request model
 _TYPES = (bool, int, float, str)
 
 
@@ -127,7 +130,8 @@ class FamilyOptions:
         typed = {k: by_name[k].check(v, family) for k, v in params.extra.items()}
         params = dataclasses.replace(params, extra=typed)
         for name, value in typed.items():
-            message = by_name[name].rule(value, params) if by_name[name].rule else None
+            rule = by_name[name].rule
+            message = rule(value, params) if rule is not None else None
             if message:
                 raise _request_error(f"{name}: {message}")
         return params
@@ -201,13 +205,13 @@ def request_fields(options: FamilyOptions) -> dict[str, Any]:
     }
 
 
-def request_model(base: type, options: FamilyOptions) -> type:
+def request_model(base: type[M], options: FamilyOptions) -> type[M]:
     """`base` (a pydantic request model) extended with the family's options as optional fields."""
     from pydantic import create_model
 
     if not options.extra:
         return base
-    return create_model(base.__name__, __base__=base, **request_fields(options))
+    return cast("type[M]", create_model(base.__name__, __base__=base, **request_fields(options)))
 
 
 def given_options(body: Any, options: FamilyOptions) -> dict[str, Any]:

@@ -82,7 +82,8 @@ class InferenceSpec:
         """The family's declared sampling options (on its registered `FAMILY`)."""
         from spindle.registry import get_family
 
-        return get_family(self.family).options
+        options: FamilyOptions = get_family(self.family).options
+        return options
 
     @property
     def fps(self) -> int | None:
@@ -186,9 +187,10 @@ def check_denoising_inputs(req: Req, spec: InferenceSpec) -> None:
     sample, a numeric `guidance_scale`, `raw_latent_shape` with the same batch size."""
     where = f"{spec.before_denoising_cls.__name__}"
     batch = req.params.batch_size
-    _batch_tensor(req, spec, "latents", req.latents, batch, where)
-    if not req.latents.is_floating_point():
-        raise _contract(spec, where, "latents", f"as {req.latents.dtype}; DenoisingStage needs floating point")
+    latents = req.latents
+    _batch_tensor(req, spec, "latents", latents, batch, where)
+    if not isinstance(latents, torch.Tensor) or not latents.is_floating_point():
+        raise _contract(spec, where, "latents", f"as {getattr(latents, 'dtype', latents)}; DenoisingStage needs floats")
     steps = req.timesteps
     if not isinstance(steps, torch.Tensor) or steps.ndim != 1 or len(steps) == 0:
         raise _contract(spec, where, "timesteps", f"as {steps!r:.80}; DenoisingStage needs a non-empty 1-D tensor")
@@ -333,13 +335,13 @@ class DecodingStage(Stage):
         if req.latents is None:
             raise RuntimeError("DecodingStage needs req.latents: the DenoisingStage before it sets them")
         latents = self.spec.post_denoising(req.latents, req)
-        if tuple(latents.shape) != tuple(req.raw_latent_shape):
+        if req.raw_latent_shape is None or tuple(latents.shape) != tuple(req.raw_latent_shape):
             raise _contract(
                 self.spec,
                 "post_denoising",
                 "latents",
                 f"with shape {tuple(latents.shape)}; DecodingStage needs the VAE layout Req.raw_latent_shape="
-                f"{tuple(req.raw_latent_shape)}",
+                f"{req.raw_latent_shape}",
             )
         param = next(self.vae.parameters())
         latents = latents.to(param.device, dtype=param.dtype)

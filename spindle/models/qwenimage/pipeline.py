@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from spindle.infer.request import Req, RequestError, SamplingParams
+from spindle.infer.request import Req, RequestError, SamplingParams, resolved
 from spindle.infer.stages import InferenceSpec
 from spindle.models.base import (
     PipelineBeforeDenoisingStage,
@@ -38,7 +38,10 @@ class QwenImageBeforeDenoisingStage(PipelineBeforeDenoisingStage):
     def validate(self, params: SamplingParams) -> None:
         super().validate(params)
         check_packed_image_request(params, self.vae_scale_factor, MAX_SEQUENCE_LENGTH, "Qwen-Image")
-        if self.scheduler.config.get("shift_terminal") and params.num_inference_steps < 2:
+        if (
+            self.scheduler.config.get("shift_terminal")
+            and resolved(params.num_inference_steps, "num_inference_steps") < 2
+        ):
             # stretching the schedule to its terminal sigma divides by zero with one step (NaN image)
             raise RequestError(
                 f"num_inference_steps must be >= 2 for this checkpoint's scheduler (shift_terminal="
@@ -68,26 +71,30 @@ class QwenImageBeforeDenoisingStage(PipelineBeforeDenoisingStage):
         if req.do_cfg:
             negative = p.negative_prompt
             negative = [negative] * len(p.prompts) if isinstance(negative, str) else negative
-            req.negative_prompt_embeds, req.extra["negative_mask"] = self.encode(negative, p, device, dtype)
+            req.negative_prompt_embeds, req.extra["negative_mask"] = self.encode(
+                resolved(negative, "negative_prompt"), p, device, dtype
+            )
 
         num_channels = self.transformer.config.in_channels // 4
+        height, width = resolved(p.height, "height"), resolved(p.width, "width")
         req.latents = self.text_pipe.prepare_latents(
-            p.batch_size, num_channels, p.height, p.width, torch.float32, device, req.generator
+            p.batch_size, num_channels, height, width, torch.float32, device, req.generator
         )
-        h, w = p.height // self.vae_scale_factor, p.width // self.vae_scale_factor
+        h, w = height // self.vae_scale_factor, width // self.vae_scale_factor
         req.raw_latent_shape = (p.batch_size, num_channels, 1, h, w)
         # as QwenImagePipeline: one entry per prompt (RoPE reads the first; all images share a size)
         req.extra["img_shapes"] = [[(1, h // 2, w // 2)]] * len(p.prompts)
 
         if self.transformer.config.guidance_embeds:
-            guidance = torch.full([1], float(p.guidance_scale), device=device, dtype=torch.float32)
+            scale = float(resolved(p.guidance_scale, "guidance_scale"))
+            guidance = torch.full([1], scale, device=device, dtype=torch.float32)
             req.extra["guidance"] = guidance.expand(req.latents.shape[0])
         else:
             req.extra["guidance"] = None
 
         from diffusers.pipelines.qwenimage.pipeline_qwenimage import retrieve_timesteps
 
-        steps = p.num_inference_steps
+        steps = resolved(p.num_inference_steps, "num_inference_steps")
         mu, _ = resolution_shift(self.scheduler, req.latents.shape[1])
         scheduler = copy.deepcopy(self.scheduler)  # schedulers are stateful: one copy per request
         sigmas = np.linspace(1.0, 1 / steps, steps)
@@ -138,7 +145,7 @@ class QwenImageInference(InferenceSpec):
         for kw in (cond, uncond):
             embeds, mask = pad_text(kw["encoder_hidden_states"], kw["encoder_hidden_states_mask"], length)
             padded.append({**kw, "encoder_hidden_states": embeds, "encoder_hidden_states_mask": mask})
-        return super().batch_cfg_kwargs(*padded, batch_size)
+        return super().batch_cfg_kwargs(padded[0], padded[1], batch_size)
 
     def prepare_sequence_parallel(self, req: Req, degree: int) -> None:
         """The `_cp_plan` splits the text tokens too: pad each prompt's to a multiple of `degree`
@@ -158,14 +165,15 @@ class QwenImageInference(InferenceSpec):
         return combined * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
 
     def sequence_length(self, req: Req, transformer: torch.nn.Module) -> int:
-        _, _, _, h, w = req.raw_latent_shape
+        _, _, _, h, w = resolved(req.raw_latent_shape, "raw_latent_shape")
         return (h // 2) * (w // 2)
 
     def post_denoising(self, latents: torch.Tensor, req: Req) -> torch.Tensor:
         from diffusers import QwenImagePipeline
 
-        vae_scale = req.params.height // req.raw_latent_shape[3]
-        return QwenImagePipeline._unpack_latents(latents, req.params.height, req.params.width, vae_scale)
+        height, width = resolved(req.params.height, "height"), resolved(req.params.width, "width")
+        vae_scale = height // resolved(req.raw_latent_shape, "raw_latent_shape")[3]
+        return QwenImagePipeline._unpack_latents(latents, height, width, vae_scale)
 
     def decode_scale_shift(self, vae: Any, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return mean_std_scale_shift(vae, latents)
