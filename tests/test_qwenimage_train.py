@@ -1,6 +1,7 @@
-"""Qwen-Image fine-tuning through the shared trainer: training inputs follow diffusers' Qwen-Image
-conventions (chat template + drop, masked variable-length text, packed latents, its shift), the loss
-falls, export round-trips into stock QwenImagePipeline, Ulysses SP=2 equals one process, the demo."""
+"""Qwen-Image fine-tuning, what the conformance suite does not cover: training inputs follow
+diffusers' Qwen-Image conventions step by step (chat template + drop, masked variable-length text,
+packed latents, its shift), the text split under SP is checked, SP=2 with the CLI, the demo.
+(Overfit, export round trip into stock QwenImagePipeline: tests/test_conformance.py.)"""
 
 from __future__ import annotations
 
@@ -15,10 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from spindle.config import load_config
 from spindle.testing.tiny import build_tiny_qwenimage
 from spindle.train.metrics import read_metrics
-from spindle.train.trainer import Trainer, train
 from tests.test_flux_train import run_cli
 
 SIZE = (32, 32)
@@ -35,12 +34,6 @@ def images(tmp_path_factory) -> Path:
     from spindle.testing.synthetic import make_shapes_image_dataset
 
     return make_shapes_image_dataset(tmp_path_factory.mktemp("data") / "shapes", num_images=8, size=SIZE)
-
-
-def config(model, data, output_dir, **train_kw):
-    from tests.test_flux_train import overrides
-
-    return load_config(None, overrides(model, data, output_dir, **train_kw))
 
 
 @pytest.fixture(scope="module")
@@ -117,45 +110,6 @@ def test_video_pixels_and_odd_sizes_are_rejected(condition):
         condition.encode({"pixels": torch.zeros(1, 3, 5, 32, 32), "caption": ["x"], "index": [0]})
     with pytest.raises(ValueError, match="divisible by 4; got 30x32"):
         condition.encode({"pixels": torch.zeros(1, 3, 1, 30, 32), "caption": ["x"], "index": [0]})
-
-
-def test_overfit_loss_falls(tiny, images, tmp_path):
-    cfg = config(tiny, images, tmp_path / "run", train__max_steps=30, train__lr=2e-3, train__micro_batch_size=4,
-                 checkpoint__export=False)  # fmt: skip
-    train(cfg)
-    records = read_metrics(cfg.train.output_dir)
-    losses = [m["loss"] for m in records]
-    assert len(losses) == 30
-    first, last = statistics.mean(losses[:5]), statistics.mean(losses[-5:])
-    assert last < 0.6 * first, f"loss did not fall enough: {first:.4f} -> {last:.4f}"
-    assert records[0]["tokens_per_s"] / records[0]["samples_per_s"] == pytest.approx(64)  # 8x8 packed tokens
-
-
-def test_export_round_trip_in_stock_qwenimage_pipeline(tiny, images, tmp_path):
-    from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
-
-    from spindle import DiffusionGenerator
-
-    trainer = Trainer(config(tiny, images, tmp_path / "run", train__max_steps=3))
-    result = trainer.run()
-    trained = {k: v.detach() for k, v in trainer.model.state_dict().items()}
-    trained = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in trained.items()}
-    exported = load_file(result.export_dir / "transformer" / "diffusion_pytorch_model.safetensors")
-    assert exported.keys() == trained.keys() and all(torch.equal(exported[k], trained[k]) for k in trained)
-    original = load_file(tiny / "transformer" / "diffusion_pytorch_model.safetensors")
-    assert any(not torch.equal(original[k], exported[k]) for k in original), "training changed nothing"
-    config_json = json.loads((result.export_dir / "transformer" / "config.json").read_text())
-    assert set(config_json) == set(json.loads((tiny / "transformer" / "config.json").read_text()))
-
-    model = QwenImageTransformer2DModel.from_pretrained(result.export_dir / "transformer")
-    assert all(torch.equal(model.state_dict()[k], trained[k]) for k in trained)
-    pipe = QwenImagePipeline.from_pretrained(result.export_dir)
-    pipe.set_progress_bar_config(disable=True)
-    kw = dict(prompt="a red circle on the left", negative_prompt="blurry", height=32, width=32, num_inference_steps=2)
-    ref = pipe(**kw, true_cfg_scale=3.0, output_type="np", generator=torch.Generator().manual_seed(0)).images
-    ours = DiffusionGenerator.from_pretrained(result.export_dir).generate(**kw, true_cfg_scale=3.0, seed=0).frames
-    assert ref.shape == (1, 32, 32, 3)
-    np.testing.assert_allclose(ours, ref, atol=1e-5, rtol=0)
 
 
 @pytest.mark.slow
