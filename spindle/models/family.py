@@ -137,6 +137,9 @@ class ConformanceSpec:
     """
 
     parity_cases: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # the 2-process layouts the family trains with, checked equal to one process: "ulysses2"
+    # (parallel.sp=2) and "ring2" (parallel.ring=2). A family leaves one out only with the reason.
+    sequence_parallel: tuple[str, ...] = ("ulysses2", "ring2")
 
 
 @dataclass(frozen=True)
