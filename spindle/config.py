@@ -169,7 +169,7 @@ def _describe(err: dict[str, Any], root: type[BaseModel]) -> str:
     if err["type"] == "extra_forbidden":
         valid = _fields_at(root, loc)
         close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
-        hint = f"; did you mean '{'.'.join(map(str, loc[:-1] + (close[0],)))}'?" if close else ""
+        hint = f"; did you mean '{'.'.join(map(str, (*loc[:-1], close[0])))}'?" if close else ""
         return f"unknown key '{key}'{hint} (valid keys here: {', '.join(valid)})"
     if err["type"] == "missing":
         return f"missing required key '{key}'"

@@ -250,3 +250,13 @@ def test_shipped_configs_are_valid_causal_lm_jobs(name):
 
     cfg = validate_config(load_raw(Path(__file__).parents[1] / "configs" / name), CausalLMJobConfig)
     assert cfg.data.packing and cfg.data.seq_len >= 64
+
+
+def test_ring_attention_is_refused_for_language_models_before_launch(tiny_qwen3, lm_corpus, tmp_path, spindle_cli):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("{}")
+    args = lm_overrides(tiny_qwen3, lm_corpus, tmp_path / "o", parallel__ring=2, parallel__dp_shard=1)
+    r = spindle_cli("train", cfg, *args, "--nproc", "2")
+    assert r.returncode == 2
+    assert "parallel.ring=2" in r.stderr and "set parallel.ring: 1" in r.stderr
+    assert not (tmp_path / "o").exists()  # refused before any process was launched

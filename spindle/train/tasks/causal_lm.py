@@ -83,13 +83,8 @@ class CausalLMTask(TrainTask):
                 "Ulysses only (parallel.sp); set parallel.ring: 1"
             )
         if dims.sp > 1:
-            try:
-                from spindle.distributed import ulysses_attention
-            except ImportError:
-                raise ConfigError(
-                    f"parallel.sp={dims.sp}: sequence parallelism for language models is not available in this "
-                    "build yet; set parallel.sp: 1"
-                ) from None
+            from spindle.distributed import ulysses_attention
+
             config = json.loads((Path(cfg.model.path) / "config.json").read_text())
             try:
                 ulysses_attention.check_layout(config, dims.sp, cfg.data.seq_len)
