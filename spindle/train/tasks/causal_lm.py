@@ -91,6 +91,14 @@ class CausalLMTask(TrainTask):
 
     @classmethod
     def check_plan(cls, cfg: TrainJobConfig, dims: ParallelDims) -> None:
+        # DiT-only training options must not be silently ignored on a language model.
+        if cfg.train.lora is not None:
+            raise ConfigError("train.lora: LoRA is implemented for DiT families only so far; remove train.lora")
+        if cfg.train.validation.every_steps and cfg.train.validation.prompts:
+            raise ConfigError(
+                "train.validation renders image/video samples (DiT families); for a language model set "
+                "train.validation.every_steps: 0"
+            )
         if dims.ring > 1:
             raise ConfigError(
                 f"parallel.ring={dims.ring}: ring attention is for DiTs; language models split sequences with "
