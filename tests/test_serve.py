@@ -18,9 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 import pytest
-import uvicorn
 
 from spindle.serve import build_app
+from spindle.serve.server import make_server
 
 KW = dict(prompt="a red kite over the sea", size="32x32", num_frames=5, num_inference_steps=2, guidance_scale=4.0)
 
@@ -32,13 +32,14 @@ def free_port() -> int:
 
 
 class LiveServer:
-    """uvicorn in a background thread on a free loopback port."""
+    """The server `spindle serve` runs (uvicorn with Spindle's connection guard), in a background
+    thread on a free loopback port."""
 
     def __init__(self, app):
         self.app = app
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = make_server(app, host="127.0.0.1", port=self.port, log_level="warning")
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> LiveServer:

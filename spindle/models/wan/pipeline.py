@@ -51,6 +51,27 @@ class WanBeforeDenoisingStage(BeforeDenoisingStage):
                 f"(got {n!r}){hint}"
             )
         check_int_range("max_sequence_length", params.max_sequence_length, minimum=1)
+        self.check_positions(params)
+
+    def check_positions(self, params: SamplingParams) -> None:
+        """The transformer's rotary table covers `rope_max_seq_len` positions per axis (frames,
+        height, width in patches); diffusers slices it without a check, so a longer axis fails
+        mid-run. Refuse it here, naming the field and the largest value that fits."""
+        limit = self.transformer.config.rope_max_seq_len
+        p_t, p_h, p_w = self.transformer.config.patch_size
+        k = self.scale_temporal
+        axes = (
+            ("num_frames", ((params.num_frames - 1) // k + 1) // p_t, (limit * p_t - 1) * k + 1),
+            ("height", params.height // self.scale_spatial // p_h, limit * self.h_multiple),
+            ("width", params.width // self.scale_spatial // p_w, limit * self.w_multiple),
+        )
+        for name, positions, largest in axes:
+            if positions > limit:
+                raise RequestError(
+                    f"{name} is past this model's positional range ({positions} positions on that axis; the "
+                    f"transformer's rope_max_seq_len is {limit}): at most {largest}",
+                    field=name,
+                )
 
     def forward(self, req: Req) -> Req:
         p = req.params
