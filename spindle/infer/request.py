@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+MAX_GUIDANCE = 100.0  # CFG scales in use are 1-20; far larger ones only blow the latents up
+
 
 class RequestError(ValueError):
     """A request the model cannot serve; the message names the field and what is allowed.
@@ -171,8 +173,11 @@ class SamplingParams:
             raise RequestError(
                 f"guidance_scale must be a number (> 1 enables CFG); got {short_repr(self.guidance_scale)}"
             )
-        if not math.isfinite(self.guidance_scale):
-            raise RequestError(f"guidance_scale must be a finite number; got {self.guidance_scale}")
+        if not math.isfinite(self.guidance_scale) or self.guidance_scale > MAX_GUIDANCE:
+            raise RequestError(
+                f"guidance_scale must be a finite number <= {MAX_GUIDANCE:g} (past ~20 outputs saturate); "
+                f"got {self.guidance_scale}"
+            )
         if self.guidance_scale < 0:
             raise RequestError(
                 f"guidance_scale must be >= 0 (> 1 enables CFG, <= 1 disables it); got {self.guidance_scale}"

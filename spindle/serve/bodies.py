@@ -21,6 +21,7 @@ from spindle.serve.schemas import APIError, safe_text
 # more than 4300 digits with a ValueError, and no field takes numbers that large anyway; the
 # field's own validation then names it ("should be a finite number" / "less than ...")
 _MAX_INT_DIGITS = 100
+DISCARD_SECONDS = 2.0  # how long an oversize body is read (and dropped) before the 413 goes out
 _CLOSE = {"Connection": "close"}  # the rest of an unread body must not be taken for a next request
 
 
@@ -32,11 +33,6 @@ async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes:
     """The whole body, at most `max_bytes` (413 beyond, told by Content-Length or found while
     reading), within `timeout` seconds (408 for a client that stops sending)."""
     length = request.headers.get("content-length")
-    if length is not None:
-        if not length.strip().isdigit():
-            raise APIError(400, "the Content-Length header is not a number", param="body", code="invalid_body")
-        if int(length) > max_bytes:
-            raise _too_large(max_bytes)
     chunks: list[bytes] = []
 
     async def receive_all() -> None:
@@ -44,9 +40,17 @@ async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes:
         async for chunk in request.stream():
             size += len(chunk)
             if size > max_bytes:
-                raise _too_large(max_bytes)
+                break
             chunks.append(chunk)
+        else:
+            return
+        chunks.clear()
+        await _discard(request.stream(), DISCARD_SECONDS)
+        raise _too_large(max_bytes)
 
+    if length is not None and length.strip().isdigit() and int(length) > max_bytes:
+        await _discard(request.stream(), DISCARD_SECONDS)
+        raise _too_large(max_bytes)
     try:
         await asyncio.wait_for(receive_all(), timeout)
     except asyncio.TimeoutError:
@@ -60,6 +64,21 @@ async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes:
     except ClientDisconnect:
         raise ClientGone() from None
     return b"".join(chunks)
+
+
+async def _discard(stream: Any, seconds: float) -> None:
+    """Read and drop what the client is still sending, for a bounded time, before answering 413:
+    closing a socket with unread input makes the kernel reset the connection, and the client
+    would see a reset instead of the answer (a "lingering close", as nginx does)."""
+    try:
+        await asyncio.wait_for(_drain(stream), seconds)
+    except (asyncio.TimeoutError, ClientDisconnect, RuntimeError):  # RuntimeError: stream already consumed
+        pass
+
+
+async def _drain(stream: Any) -> None:
+    async for _ in stream:
+        pass
 
 
 def _too_large(max_bytes: int) -> APIError:
@@ -135,8 +154,13 @@ def _parse_multipart(raw: bytes, content_type: str) -> dict[str, Any]:
     except UnicodeEncodeError:
         raise APIError(400, "the Content-Type header is not latin-1 text", param="body", code="invalid_body") from None
     message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(header + raw)
-    if not message.is_multipart():
-        raise APIError(400, "malformed multipart/form-data body", param="body", code="invalid_body")
+    if not message.is_multipart() or not message.get_payload():
+        raise APIError(
+            400,
+            "malformed multipart/form-data body (no parts with the boundary given)",
+            param="body",
+            code="invalid_body",
+        )
     fields: dict[str, Any] = {}
     for part in message.iter_parts():
         name = part.get_param("name", header="content-disposition")

@@ -17,7 +17,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from spindle.infer.request import Req, RequestError, SamplingParams, check_int_range, check_size
+from spindle.infer.request import (
+    MAX_GUIDANCE,
+    Req,
+    RequestError,
+    SamplingParams,
+    check_int_range,
+    check_size,
+    short_repr,
+)
 from spindle.infer.stages import BeforeDenoisingStage, InferenceSpec
 from spindle.models.base import resolution_shift
 
@@ -61,9 +69,10 @@ class FluxBeforeDenoisingStage(BeforeDenoisingStage):
         if unknown:
             raise RequestError(f"unknown Flux option(s) {unknown}; known: {list(EXTRA_KEYS)}")
         scale = params.extra.get("true_cfg_scale", 1.0)
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale < 0:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 <= scale <= MAX_GUIDANCE:
             raise RequestError(
-                f"true_cfg_scale must be a number >= 0 (> 1 with a negative_prompt enables CFG); got {scale!r}"
+                f"true_cfg_scale must be a number between 0 and {MAX_GUIDANCE:g} (> 1 with a negative_prompt enables "
+                f"CFG); got {short_repr(scale)}"
             )
         if scale > 1 and params.negative_prompt is None:
             raise RequestError(
