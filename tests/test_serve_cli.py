@@ -109,10 +109,30 @@ def test_bad_options_are_clear_errors(tiny_wan, tmp_path):
     assert r.returncode == 2 and "--max-queue must be >= 1" in r.stderr
     r = serve("--model", str(tiny_wan), "--warmup-size", "big")
     assert r.returncode == 2 and "--warmup-size" in r.stderr
+    r = serve("--model", str(tiny_wan), "--max-steps", "-1")
+    assert r.returncode == 2 and "--max-steps must be >= 0" in r.stderr
+    r = serve("--model", str(tiny_wan), "--max-body-bytes", "10")
+    assert r.returncode == 2 and "--max-body-bytes must be >= 1024" in r.stderr
+    r = serve("--model", str(tiny_wan), "--max-connections", "100000000")
+    assert r.returncode == 2 and "open-file limit" in r.stderr and "--max-connections" in r.stderr
 
 
-def test_sigterm_shuts_down_gracefully(tiny_wan, tmp_path):
-    s = ServeProcess(tiny_wan, "--shutdown-grace", "1", "--max-queue", "4", log_path=tmp_path / "serve.log")
+def wait_until(predicate, timeout: float = 60, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return value
+
+
+def test_sigterm_drains_then_exits_0(tiny_wan, tmp_path):
+    """SIGTERM: new work gets 503 JSON at once while pollers still read job status and see the final
+    `cancelled` of the waiting job and (after --shutdown-grace) of the running one; then exit 0."""
+    s = ServeProcess(
+        tiny_wan,
+        *("--shutdown-grace", "1", "--shutdown-linger", "3", "--max-queue", "4", "--max-steps", "1000"),
+        log_path=tmp_path / "serve.log",
+    )
     try:
         client = s.wait_ready()
         done = client.post("/v1/videos", json=REQUEST).json()
@@ -120,24 +140,56 @@ def test_sigterm_shuts_down_gracefully(tiny_wan, tmp_path):
         # a long job (running at SIGTERM) and one waiting behind it
         long = client.post("/v1/videos", json={**REQUEST, "num_inference_steps": 1000}).json()
         waiting = client.post("/v1/videos", json=REQUEST).json()
-        deadline = time.monotonic() + 60
-        while client.get(f"/v1/videos/{long['id']}").json()["progress"] < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_until(lambda: client.get(f"/v1/videos/{long['id']}").json()["progress"] >= 1, what="progress")
         assert client.get(f"/v1/videos/{waiting['id']}").json()["status"] == "queued"
+        s.proc.send_signal(signal.SIGTERM)
+        health = wait_until(lambda: (r := client.get("/health")).status_code == 503 and r, what="health 503")
+        assert health.json()["status"] == "shutting_down"
+        r = client.post("/v1/videos", json=REQUEST)  # new work: 503 JSON, not a refused connection
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
+        # pollers still read status, and see the final statuses
+        assert wait_job(client, waiting["id"], timeout=30)["status"] == "cancelled"
+        assert wait_job(client, long["id"], timeout=30)["status"] == "cancelled"  # after the 1 s grace
+        assert client.get("/v1/videos").status_code == 200
+        assert client.get(f"/v1/videos/{done['id']}/content").status_code == 200
         client.close()
-        t0 = time.monotonic()
-        rc = s.stop()
+        rc = s.proc.wait(60)
         log = s.output()
         assert rc == 0, log
-        assert time.monotonic() - t0 < 60
-        # the waiting job was cancelled, the running one got its 1 s grace and was cancelled
         assert "cancelling running job " + long["id"] in log
         assert "'completed': 1" in log and "'cancelled': 2" in log, log
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{s.url}/health", timeout=2)
     finally:
         s.kill()
+        s.log.close()
+
+
+def test_sigterm_answers_in_flight_image_requests_with_json(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from spindle.testing.tiny import build_tiny_flux
+
+    root = build_tiny_flux(tmp_path / "flux", seed=0)
+    s = ServeProcess(root, "--shutdown-grace", "1", "--max-steps", "1000", log_path=tmp_path / "serve.log")
+    try:
+        client = s.wait_ready()
+        slow = {"prompt": "a boat", "size": "32x32", "num_inference_steps": 1000, "seed": 1}
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(httpx.post, f"{s.url}/v1/images/generations", json=slow, timeout=120)
+            wait_until(lambda: client.get("/health").json()["queue"]["running"], what="the image job to start")
+            queued = pool.submit(httpx.post, f"{s.url}/v1/images/generations", json=slow, timeout=120)
+            wait_until(lambda: client.get("/health").json()["queue"]["waiting"] == 1, what="the second to queue")
+            client.close()
+            s.proc.send_signal(signal.SIGTERM)
+            answers = [running.result(60), queued.result(60)]
+        for r in answers:
+            assert r.status_code == 503 and r.headers["content-type"] == "application/json", r.text
+            assert r.json()["error"]["code"] == "cancelled", r.text
+        assert s.proc.wait(60) == 0, s.output()
+    finally:
+        s.kill()
+        s.log.close()
 
 
 @pytest.fixture(scope="module")
