@@ -7,22 +7,33 @@ import pytest
 
 from spindle.config import ConfigError, apply_override, load_config
 
-BASE = ["model.path=/m", "data.path=/d"]
+
+@pytest.fixture(scope="module")
+def wan_folder(tmp_path_factory):
+    """The schema depends on the checkpoint's kind: a folder that declares a WanPipeline is enough."""
+    root = tmp_path_factory.mktemp("wan")
+    (root / "model_index.json").write_text('{"_class_name": "WanPipeline"}')
+    return root
 
 
-def test_unknown_key_names_path_and_suggestion():
+@pytest.fixture
+def BASE(wan_folder):
+    return [f"model.path={wan_folder}", "data.path=/d"]
+
+
+def test_unknown_key_names_path_and_suggestion(BASE):
     with pytest.raises(ConfigError) as e:
         load_config(None, BASE + ["train.lrr=1e-4"])
     assert "unknown key 'train.lrr'" in str(e.value)
     assert "did you mean 'train.lr'" in str(e.value)
 
 
-def test_unknown_section_suggests_section():
+def test_unknown_section_suggests_section(BASE):
     with pytest.raises(ConfigError, match="did you mean 'checkpoint'"):
         load_config(None, BASE + ["checkpoints.every_steps=5"])
 
 
-def test_wrong_type_names_key_and_value():
+def test_wrong_type_names_key_and_value(BASE):
     with pytest.raises(ConfigError) as e:
         load_config(None, BASE + ["train.max_steps=lots"])
     assert "'train.max_steps'" in str(e.value) and "'lots'" in str(e.value)
@@ -33,14 +44,14 @@ def test_missing_required_key():
         load_config(None, ["data.path=/d"])
 
 
-def test_overrides_parse_yaml_values():
+def test_overrides_parse_yaml_values(BASE):
     cfg = load_config(None, BASE + ["train.lr=3e-4", "data.resolution=[48, 64]", "train.gradient_checkpointing=true"])
     assert cfg.train.lr == 3e-4
     assert cfg.data.resolution == (48, 64)
     assert cfg.train.gradient_checkpointing is True
 
 
-def test_batch_sizes_must_divide():
+def test_batch_sizes_must_divide(BASE):
     with pytest.raises(ConfigError, match="global_batch_size"):
         load_config(None, BASE + ["train.global_batch_size=5", "train.micro_batch_size=2"])
 
@@ -50,9 +61,9 @@ def test_malformed_override():
         apply_override({}, "train.lr")
 
 
-def test_yaml_file_and_cli_error_exit(tmp_path):
+def test_yaml_file_and_cli_error_exit(tmp_path, wan_folder):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("model: {path: /m}\ndata: {path: /d, resolutoin: [64, 64]}\n")
+    cfg.write_text(f"model: {{path: {wan_folder}}}\ndata: {{path: /d, resolutoin: [64, 64]}}\n")
     proc = subprocess.run([sys.executable, "-m", "spindle", "train", str(cfg)], capture_output=True, text=True)
     assert proc.returncode == 2
     assert "unknown key 'data.resolutoin'; did you mean 'data.resolution'?" in proc.stderr
@@ -62,3 +73,16 @@ def test_yaml_file_and_cli_error_exit(tmp_path):
 def test_missing_config_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.yaml"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_missing_model_folder_names_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        load_config(None, [f"model.path={tmp_path / 'nowhere'}", "data.path=/d"])
+
+
+def test_unknown_model_type_lists_known_ones(tmp_path):
+    from spindle.registry import UnknownModelError
+
+    (tmp_path / "config.json").write_text('{"model_type": "not-a-model"}')
+    with pytest.raises(UnknownModelError, match="'not-a-model'"):
+        load_config(None, [f"model.path={tmp_path}", "data.path=/d"])

@@ -70,7 +70,7 @@ def test_training_inputs_follow_diffusers_flux_conventions(condition, tiny):
     from diffusers.training_utils import compute_density_for_timestep_sampling
     from diffusers.utils.torch_utils import randn_tensor
 
-    from spindle.train.dit import sample_generator
+    from spindle.train.tasks.flow_matching import sample_generator
 
     pipe = condition.pipe
     g = torch.Generator().manual_seed(0)
@@ -116,7 +116,7 @@ def test_training_inputs_follow_diffusers_flux_conventions(condition, tiny):
 
 def test_static_shift_from_config_replaces_resolution_shift(condition):
     from spindle.models.base import TimestepSampling
-    from spindle.train.dit import sample_generator
+    from spindle.train.tasks.flow_matching import sample_generator
 
     cond = {
         "latents": torch.zeros(1, 4, 16, 16),
@@ -169,7 +169,7 @@ def test_export_round_trip_in_stock_flux_pipeline(tiny, images, tmp_path):
 
     trainer = Trainer(config(tiny, images, tmp_path / "run", train__max_steps=3))
     result = trainer.run()
-    trained = {k: v.detach() for k, v in trainer.transformer.state_dict().items()}
+    trained = {k: v.detach() for k, v in trainer.model.state_dict().items()}
     trained = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in trained.items()}
     exported = load_file(result.export_dir / "transformer" / "diffusion_pytorch_model.safetensors")
     assert exported.keys() == trained.keys()

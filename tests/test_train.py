@@ -78,7 +78,7 @@ def test_export_round_trip_in_stock_diffusers(make_config, tiny_wan):
     cfg = make_config(train__max_steps=3)
     trainer = Trainer(cfg)
     result = trainer.run()
-    trained = {k: v.detach() for k, v in trainer.transformer.state_dict().items()}
+    trained = {k: v.detach() for k, v in trainer.model.state_dict().items()}
     trained = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in trained.items()}
 
     exported = load_file(result.export_dir / "transformer" / "diffusion_pytorch_model.safetensors")

@@ -1,4 +1,4 @@
-"""Fine-tune a diffusion transformer from a diffusers checkpoint.
+"""Fine-tune a model from a standard checkpoint (diffusers pipeline folder or transformers folder).
 
   spindle train CONFIG.yaml [key.sub=value ...] [--nproc N]
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-HELP = "fine-tune a DiT (YAML config + dotted overrides)"
+HELP = "fine-tune a DiT or a language model (YAML config + dotted overrides)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -48,6 +48,7 @@ class DiTFamily:
     detect: Callable[[Path], bool] | None = None
     demo: DemoSpec | None = None
     extras: dict[str, Any] = field(default_factory=dict)
+    task: str = "flow_matching"  # the training task (spindle.train.tasks.TASKS)
 
     def condition_model_cls(self) -> type[ConditionModel]:
         return import_object(self.condition_model)
