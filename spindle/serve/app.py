@@ -488,7 +488,7 @@ def create_app(
         if variant not in ("video", "thumbnail", "npy"):
             raise APIError(
                 400,
-                f"variant must be 'video', 'thumbnail' or 'npy'; got {variant!r}",
+                f"variant must be 'video', 'thumbnail' or 'npy'; got {safe_text(variant)!r}",
                 param="variant",
                 code="unsupported_parameter",
             )

@@ -49,7 +49,8 @@ async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes:
         raise _too_large(max_bytes)
 
     if length is not None and length.strip().isdigit() and int(length) > max_bytes:
-        await _discard(request.stream(), DISCARD_SECONDS)
+        if request.headers.get("expect", "").lower() != "100-continue":  # (else nothing was sent yet)
+            await _discard(request.stream(), DISCARD_SECONDS)
         raise _too_large(max_bytes)
     try:
         await asyncio.wait_for(receive_all(), timeout)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spindle.infer.request import SamplingParams
-from spindle.serve.schemas import TERMINAL_STATUSES, APIError
+from spindle.serve.schemas import TERMINAL_STATUSES, APIError, safe_text
 
 
 class QueueFull(APIError):
@@ -167,7 +167,7 @@ class JobStore:
                     )
                 if gone == "deleted":
                     raise APIError(410, f"{job_id} was deleted", param="video_id", code="deleted")
-                raise APIError(404, f"no job with id {job_id!r}", param="video_id", code="not_found")
+                raise APIError(404, f"no job with id {safe_text(job_id)!r}", param="video_id", code="not_found")
             return job
 
     def list(self, kind: str | None = None) -> list[Job]:
@@ -189,7 +189,7 @@ class JobStore:
             if after not in ids:
                 raise APIError(
                     400,
-                    f"after: no stored job with id {after[:80]!r} (expired, deleted or unknown); list from the start",
+                    f"after: no stored job with id {safe_text(after)!r} (expired, deleted or unknown); list from the start",
                     param="after",
                     code="invalid_cursor",
                 )
