@@ -381,3 +381,53 @@ def test_generated_requests_never_get_a_5xx(cheap_server, body, as_form):
 def test_generated_raw_bodies_never_get_a_5xx(cheap_server, raw, content_type):
     headers = {"content-type": content_type} if content_type else {}
     check_answer(cheap_server, cheap_server.client.post("/v1/videos", content=raw, headers=headers))
+
+
+image_bodies = st.one_of(
+    st.fixed_dictionaries(
+        {
+            "prompt": st.one_of(st.text(min_size=1, max_size=30), values),
+            "size": st.one_of(st.sampled_from(["32x32", "16x32"]), sizes),
+            "num_inference_steps": st.one_of(st.integers(-1, 2), numbers),
+        },
+        optional={
+            "n": st.one_of(st.integers(-1, 3), numbers),
+            "guidance_scale": st.one_of(st.floats(-1, 10), numbers),
+            "seed": numbers,
+            "response_format": st.one_of(st.sampled_from(["b64_json", "url"]), values),
+            "negative_prompt": st.one_of(texts, values),
+        },
+    ),
+    anything,
+)
+
+
+@pytest.fixture(scope="module")
+def cheap_image_server(flux):  # noqa: F811
+    generator, root = flux
+    limits = ServeLimits(request=RequestLimits(max_pixels=32 * 32, max_steps=2, max_outputs=2))
+    with LiveServer(build_app(generator, model_id="tiny-flux", root=str(root), limits=limits)) as s:
+        yield s
+        assert s.client.get("/health").status_code == 200
+        assert s.state.store.counters["failed"] == 0
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(body=image_bodies)
+def test_generated_image_requests_never_get_a_5xx(cheap_image_server, body):
+    r = cheap_image_server.client.post(
+        "/v1/images/generations", content=json.dumps(body).encode(), headers={"content-type": JSON}
+    )
+    assert r.status_code < 500, r.text
+    assert r.headers["content-type"].startswith("application/json"), r.headers
+    if r.status_code == 200:  # the image itself: validation let through only what runs
+        assert 1 <= len(r.json()["data"]) <= 2
+    else:
+        err = r.json()["error"]
+        assert r.status_code in (400, 422) and err["message"] and err["param"], r.text

@@ -90,7 +90,7 @@ class DiffusionGenerator:
     def validate(self, params: SamplingParams, limits: RequestLimits | None = None) -> SamplingParams:
         """Defaults filled in, a seed drawn if none (by this process alone), every request check run
         (common, then `limits` — a server's bounds — then the family's: sizes, frame counts, the
-        model's positional range): -> the exact params a run uses. Raises `RequestError` naming the
+        model's positional range; then the sequence-parallel split): -> the exact params a run uses. Raises `RequestError` naming the
         field. Cheap (no model runs) and not collective, so a server can call it on rank 0 only."""
         params = params.merged_with(self.defaults)
         if params.seed is None:
@@ -98,7 +98,12 @@ class DiffusionGenerator:
         if limits is not None:
             params.validate_common()  # types first, so the limits compare numbers
             limits.check(params)
-        self.pipeline.before_denoising.validate(params)
+        before = self.pipeline.before_denoising
+        before.validate(params)
+        shape = before.latent_shape(params)
+        if shape is not None:  # the token count must split over the SP ranks (no-op without SP)
+            req = Req(params=params, device=self.pipeline.device, raw_latent_shape=shape)
+            self.pipeline.denoising.check_sequence_parallel(req)
         return params
 
     def make_request(

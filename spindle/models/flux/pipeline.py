@@ -80,6 +80,14 @@ class FluxBeforeDenoisingStage(BeforeDenoisingStage):
                 'negative_prompt ("" for an empty one) or set true_cfg_scale to 1'
             )
 
+    def latent_shape(self, p: SamplingParams) -> tuple[int, ...]:
+        return (
+            p.batch_size,
+            self.transformer.config.in_channels // 4,  # packed 2x2 in the transformer's input
+            p.height // self.vae_scale_factor,
+            p.width // self.vae_scale_factor,
+        )
+
     def encode(self, prompts: list[str], p: SamplingParams, device: torch.device) -> tuple[torch.Tensor, ...]:
         return self.text_pipe.encode_prompt(
             prompt=prompts,
@@ -121,12 +129,7 @@ class FluxBeforeDenoisingStage(BeforeDenoisingStage):
         )
         req.latents = latents
         req.extra["img_ids"] = img_ids.to(dtype)
-        req.raw_latent_shape = (
-            p.batch_size,
-            num_channels,
-            p.height // self.vae_scale_factor,
-            p.width // self.vae_scale_factor,
-        )
+        req.raw_latent_shape = self.latent_shape(p)
 
         if self.transformer.config.guidance_embeds:
             guidance = torch.full([1], float(p.guidance_scale), device=device, dtype=torch.float32)

@@ -73,6 +73,15 @@ class WanBeforeDenoisingStage(BeforeDenoisingStage):
                     field=name,
                 )
 
+    def latent_shape(self, p: SamplingParams) -> tuple[int, ...]:
+        return (
+            p.batch_size,
+            self.transformer.config.in_channels,
+            (p.num_frames - 1) // self.scale_temporal + 1,
+            p.height // self.scale_spatial,
+            p.width // self.scale_spatial,
+        )
+
     def forward(self, req: Req) -> Req:
         p = req.params
         self.validate(p)
@@ -104,13 +113,7 @@ class WanBeforeDenoisingStage(BeforeDenoisingStage):
 
         from diffusers.utils.torch_utils import randn_tensor
 
-        shape = (
-            p.batch_size,
-            self.transformer.config.in_channels,
-            (p.num_frames - 1) // self.scale_temporal + 1,
-            p.height // self.scale_spatial,
-            p.width // self.scale_spatial,
-        )
+        shape = self.latent_shape(p)
         req.latents = randn_tensor(shape, generator=req.generator, device=device, dtype=torch.float32)
         req.raw_latent_shape = tuple(shape)
         return req
