@@ -183,7 +183,9 @@ class SamplingParams:
                 f"guidance_scale must be >= 0 (> 1 enables CFG, <= 1 disables it); got {self.guidance_scale}"
             )
         if self.seed is not None:
-            check_int_range("seed", self.seed, minimum=0, maximum=2**63 - 1)  # torch's manual_seed range
+            _check_int("seed", self.seed, minimum=0)
+            if self.seed >= 2**63:  # torch's manual_seed range
+                raise RequestError(f"seed must be < 2**63; got {short_repr(self.seed)}")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
