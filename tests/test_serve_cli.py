@@ -205,7 +205,9 @@ def single_frames(tiny_wan):
 @pytest.mark.parametrize("mode", [["--cfg-parallel"], ["--sp", "2"]], ids=["cfg_parallel", "sp2"])
 def test_multiprocess_serving_equals_single_process(tiny_wan, tmp_path, single_frames, mode):
     s = ServeProcess(
-        tiny_wan, "--nproc", "2", *mode, "--keep-frames", "--max-queue", "4", log_path=tmp_path / "serve.log"
+        tiny_wan,
+        *("--nproc", "2", *mode, "--keep-frames", "--max-queue", "4", "--max-steps", "1000"),
+        log_path=tmp_path / "serve.log",
     )
     try:
         client = s.wait_ready()
