@@ -15,7 +15,7 @@ import json
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,12 @@ from torch.distributed.checkpoint.state_dict import (
 
 from spindle.distributed.mesh import barrier, is_main_process
 
+# Checkpoints hold what trains (every parameter with requires_grad, plus buffers) and the optimizer
+# state; a LoRA run's frozen base weights are read from the base model again on resume.
+_TRAINABLE = StateDictOptions(ignore_frozen_params=True)
+# Setting them back: the frozen ones are absent on purpose (not strict); every trainable one was
+# requested from DCP, whose load fails on a key the checkpoint lacks, so nothing goes missing silently.
+_SET_TRAINABLE = StateDictOptions(ignore_frozen_params=True, strict=False)
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TRAINER_STATE = "trainer_state.json"
 
@@ -103,7 +109,8 @@ def save_checkpoint(
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    # Frozen parameters (a LoRA run's base weights) are not saved: they come from the base checkpoint.
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.save(_rng_state(), tmp / f"rng-rank{rank}.pt")
@@ -120,10 +127,12 @@ def save_checkpoint(
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Collective. Restores model + optimizer in place (any world size); returns trainer_state."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE)
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_SET_TRAINABLE
+    )
     rank = dist.get_rank() if dist.is_initialized() else 0
     rng_file = path / f"rng-rank{rank}.pt"
     if not rng_file.is_file():  # resumed on more ranks than saved: new ranks take rank 0's stream
@@ -132,19 +141,65 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
-    return json.loads((path / TRAINER_STATE).read_text())
+    trainer_state: dict[str, Any] = json.loads((path / TRAINER_STATE).read_text())
+    return trainer_state
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Collective: gather the full (unsharded) model state dict on CPU; meaningful on rank 0."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
+def full_state_dict(model: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """Collective: gather the full (unsharded) model state dict on CPU; meaningful on rank 0.
+    `trainable_only`: leave out frozen parameters (a LoRA run gathers only its adapters)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+    # with full_state_dict=True every value is a plain tensor (no DTensor, no nested dicts)
+    return cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
+
+
+def shard_plan(state_dict: dict[str, torch.Tensor], max_shard_bytes: int) -> dict[str, int]:
+    """{fqn: 1-based safetensors file index}: tensors in order, a new file when the next would overflow."""
+    plan: dict[str, int] = {}
+    index, used = 1, 0
+    for fqn, tensor in state_dict.items():
+        size = tensor.numel() * tensor.element_size()  # a DTensor's numel is the full tensor's
+        if used and used + size > max_shard_bytes:
+            index, used = index + 1, 0
+        plan[fqn] = index
+        used += size
+    return plan
+
+
+def save_hf_safetensors(state_dict: dict[str, torch.Tensor], out: str | Path, max_shard_bytes: int = 5 << 30) -> None:
+    """Collective: write `state_dict` (plain tensors or FSDP2 DTensors) as Hugging Face sharded safetensors.
+
+    `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json` in `out`, each file at most
+    `max_shard_bytes` (one bigger tensor gets a file of its own). Every rank writes only its own
+    parameter shards (DCP's `HuggingFaceStorageWriter`, `save_distributed=True`) and rank 0 then
+    consolidates the per-rank files into the final ones tensor by tensor; the whole model is never
+    gathered in one process's memory. Works on one process (no process group) too.
+    """
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint._hf_utils import SHARDED_DIR_NAME
+
+    out = Path(out)
+    if is_main_process():
+        out.mkdir(parents=True, exist_ok=True)
+    barrier()
+    writer = HuggingFaceStorageWriter(
+        path=str(out),
+        fqn_to_index_mapping=shard_plan(state_dict, max_shard_bytes),
+        save_distributed=True,
+        enable_consolidation=True,
+    )
+    dcp.save(state_dict, storage_writer=writer)
+    barrier()
+    if is_main_process():
+        shutil.rmtree(out / SHARDED_DIR_NAME, ignore_errors=True)  # the per-rank pieces, now consolidated
 
 
 def read_checkpoint_model(path: Path, template: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Read a checkpoint's model weights into a plain state dict shaped like `template` (1 process)."""
+    saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    # a LoRA checkpoint holds only the adapters: the template's other tensors stay the base weights
     sd = {k: v.detach().clone() for k, v in template.state_dict().items()}
-    dcp.load({"model": sd}, checkpoint_id=str(path))
+    dcp.load({"model": {k: v for k, v in sd.items() if f"model.{k}" in saved}}, checkpoint_id=str(path))
     return sd
 
 

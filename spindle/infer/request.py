@@ -12,10 +12,11 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+T = TypeVar("T")
 MAX_GUIDANCE = 100.0  # CFG scales in use are 1-20; far larger ones only blow the latents up
 
 
@@ -74,7 +75,7 @@ class RequestLimits:
         if params.num_frames is not None:
             _check_max("num_frames", params.num_frames, self.max_frames, "--max-frames")
         h, w = params.height, params.width
-        if self.max_pixels is not None and _is_int(h) and _is_int(w) and h * w > self.max_pixels:
+        if self.max_pixels is not None and isinstance(h, int) and isinstance(w, int) and h * w > self.max_pixels:
             raise RequestError(
                 f"width x height = {w}x{h} = {w * h} pixels; this server takes at most {self.max_pixels} pixels per "
                 "output (--max-pixels)",
@@ -217,6 +218,13 @@ def check_size(params: SamplingParams, h_multiple: int, w_multiple: int, why: st
     """height and width of a request: positive multiples of what the model takes (see `check_multiple`)."""
     check_multiple("height", params.height, h_multiple, why)
     check_multiple("width", params.width, w_multiple, why)
+
+
+def resolved(value: T | None, name: str) -> T:
+    """A field the family's defaults fill (`merged_with`) before its stage reads it; None: no default."""
+    if value is None:
+        raise RequestError(f"{name} is required for this model (it has no default); give {name} in the request")
+    return value
 
 
 def check_int_range(name: str, value: Any, minimum: int, maximum: int | None = None) -> None:

@@ -92,10 +92,14 @@ def request_error(e: RequestError, *, seconds_given: bool = False) -> APIError:
 async def _wait_done(job: Job, timeout: float | None = None) -> bool:
     """Await the job's end without blocking the event loop (or a thread). -> finished?"""
     loop = asyncio.get_running_loop()
-    fut: asyncio.Future = loop.create_future()
+    fut: asyncio.Future[None] = loop.create_future()
+
+    def resolve() -> None:
+        if not fut.done():
+            fut.set_result(None)
 
     def done(_job: Job) -> None:
-        loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+        loop.call_soon_threadsafe(resolve)
 
     job.add_done_callback(done)
     try:
@@ -511,16 +515,18 @@ def create_app(
                 param="video_id",
                 code="video_not_ready",
             )
+        content = job.content
+        assert content is not None  # the worker sets it before finishing a video job as completed
         if variant == "video":
             return Response(
-                job.content,
+                content,
                 media_type="video/mp4",
                 headers={"Content-Disposition": f'attachment; filename="{video_id}.mp4"'},
             )
         if variant == "thumbnail":
             thumb = job.meta.get("thumbnail")
             if thumb is None:
-                thumb = job.meta["thumbnail"] = await asyncio.to_thread(_thumbnail, job.content)
+                thumb = job.meta["thumbnail"] = await asyncio.to_thread(_thumbnail, content)
             return Response(thumb, media_type="image/png")
         if job.frames is None:
             raise APIError(

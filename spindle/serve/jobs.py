@@ -10,17 +10,21 @@ remembered (bounded) so that it answers 410 instead of 404.
 
 from __future__ import annotations
 
+import builtins
 import collections
+import logging
 import math
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from spindle.infer.request import SamplingParams
-from spindle.serve.schemas import TERMINAL_STATUSES, APIError, safe_text
+from spindle.serve.schemas import TERMINAL_STATUSES, APIError, JobStatus, safe_text
+
+log = logging.getLogger("spindle.serve")
 
 
 class QueueFull(APIError):
@@ -54,7 +58,7 @@ class Job:
     params: SamplingParams
     model: str
     id: str = ""
-    status: str = "queued"
+    status: JobStatus = "queued"
     created_at: float = field(default_factory=time.time)
     started_at: float | None = None
     completed_at: float | None = None
@@ -104,8 +108,8 @@ class Job:
         for fn in callbacks:
             try:
                 fn(self)
-            except Exception:  # a gone client must not break the worker
-                pass
+            except Exception:  # one failing waiter (e.g. a gone client) must not break the worker or the others
+                log.exception("job %s: a done callback failed", self.id)
 
 
 class JobStore:
@@ -133,7 +137,7 @@ class JobStore:
         self._running: Job | None = None
         self._closed = False
         self._durations: collections.deque[float] = collections.deque(maxlen=20)
-        self.counters = collections.Counter()
+        self.counters: collections.Counter[str] = collections.Counter()
 
     # ------------------------------------------------------------------ HTTP side
 
@@ -177,7 +181,7 @@ class JobStore:
 
     def page(
         self, kind: str | None = None, *, limit: int = 20, after: str | None = None, newest_first: bool = True
-    ) -> tuple[list[Job], bool]:
+    ) -> tuple[Sequence[Job], bool]:
         """One page of the stored jobs in submission order (newest first by default), starting after
         the job `after` (the previous page's last id). -> (jobs, has_more)."""
         jobs = self.list(kind)
@@ -245,7 +249,7 @@ class JobStore:
     def closed(self) -> bool:
         return self._closed
 
-    def close(self, cancel_queued: bool = True) -> list[Job]:
+    def close(self, cancel_queued: bool = True) -> builtins.list[Job]:  # `list` is the method above
         """Stop accepting jobs; cancel the waiting ones. Returns the jobs cancelled."""
         with self._cond:
             self._closed = True
@@ -281,7 +285,7 @@ class JobStore:
     def progress(self, job: Job, step: int, total: int) -> None:
         job.step, job.total_steps = step, total  # plain attribute writes: readers see either value
 
-    def finish(self, job: Job, status: str, *, error: dict[str, Any] | None = None) -> None:
+    def finish(self, job: Job, status: JobStatus, *, error: dict[str, Any] | None = None) -> None:
         with self._cond:
             if job.started_at is not None and status == "completed":
                 # only whole runs predict the next ones: a cancelled job's time says when someone
@@ -294,7 +298,7 @@ class JobStore:
 
     # ------------------------------------------------------------------ internals
 
-    def _finish_locked(self, job: Job, status: str) -> None:
+    def _finish_locked(self, job: Job, status: JobStatus) -> None:
         assert status in TERMINAL_STATUSES, status
         job.status = status
         job.completed_at = self.clock()

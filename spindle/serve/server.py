@@ -127,7 +127,8 @@ class DrainingServer(uvicorn.Server):
 
     async def _run_drain(self) -> None:
         try:
-            await self.drain()
+            if self.drain is not None:
+                await self.drain()
         finally:
             self.should_exit = True
 
@@ -142,7 +143,7 @@ def make_server(app: Any, *, host: str = "127.0.0.1", port: int = 30000, log_lev
         port=port,
         log_level=log_level,
         http=guarded_protocol(limits),
-        timeout_keep_alive=limits.keep_alive_timeout,
+        timeout_keep_alive=limits.keep_alive_timeout,  # type: ignore[arg-type]  # (used by call_later: a float works)
         # the drain has already answered or cancelled every request; this bounds what is left
         timeout_graceful_shutdown=5,
     )

@@ -24,6 +24,7 @@ from spindle.infer.request import (
     SamplingParams,
     check_int_range,
     check_size,
+    resolved,
     short_repr,
 )
 from spindle.infer.stages import BeforeDenoisingStage, InferenceSpec
@@ -84,8 +85,8 @@ class FluxBeforeDenoisingStage(BeforeDenoisingStage):
         return (
             p.batch_size,
             self.transformer.config.in_channels // 4,  # packed 2x2 in the transformer's input
-            p.height // self.vae_scale_factor,
-            p.width // self.vae_scale_factor,
+            resolved(p.height, "height") // self.vae_scale_factor,
+            resolved(p.width, "width") // self.vae_scale_factor,
         )
 
     def encode(self, prompts: list[str], p: SamplingParams, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -113,7 +114,7 @@ class FluxBeforeDenoisingStage(BeforeDenoisingStage):
         if req.do_cfg:
             negative = p.negative_prompt
             negative = [negative] * len(p.prompts) if isinstance(negative, str) else negative
-            neg_embeds, neg_pooled, neg_txt_ids = self.encode(negative, p, device)
+            neg_embeds, neg_pooled, neg_txt_ids = self.encode(resolved(negative, "negative_prompt"), p, device)
             req.negative_prompt_embeds = neg_embeds.to(dtype)
             req.extra.update(negative_pooled=neg_pooled.to(dtype), negative_txt_ids=neg_txt_ids.to(dtype))
 
@@ -121,8 +122,8 @@ class FluxBeforeDenoisingStage(BeforeDenoisingStage):
         latents, img_ids = self.text_pipe.prepare_latents(
             p.batch_size,
             num_channels,
-            p.height,
-            p.width,
+            resolved(p.height, "height"),
+            resolved(p.width, "width"),
             torch.float32,
             device,
             req.generator,
@@ -132,15 +133,17 @@ class FluxBeforeDenoisingStage(BeforeDenoisingStage):
         req.raw_latent_shape = self.latent_shape(p)
 
         if self.transformer.config.guidance_embeds:
-            guidance = torch.full([1], float(p.guidance_scale), device=device, dtype=torch.float32)
+            guidance = torch.full(
+                [1], float(resolved(p.guidance_scale, "guidance_scale")), device=device, dtype=torch.float32
+            )
             req.extra["guidance"] = guidance.expand(latents.shape[0])
         else:
             req.extra["guidance"] = None
 
         from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
 
-        steps = p.num_inference_steps
-        sigmas = np.linspace(1.0, 1 / steps, steps)
+        steps = resolved(p.num_inference_steps, "num_inference_steps")
+        sigmas: np.ndarray | None = np.linspace(1.0, 1 / steps, steps)
         if getattr(self.scheduler.config, "use_flow_sigmas", False):
             sigmas = None
         mu, _ = resolution_shift(self.scheduler, latents.shape[1])
@@ -190,14 +193,15 @@ class FluxInference(InferenceSpec):
         }
 
     def sequence_length(self, req: Req, transformer: torch.nn.Module) -> int:
-        _, _, h, w = req.raw_latent_shape
+        _, _, h, w = resolved(req.raw_latent_shape, "raw_latent_shape")
         return (h // 2) * (w // 2)
 
     def post_denoising(self, latents: torch.Tensor, req: Req) -> torch.Tensor:
         from diffusers import FluxPipeline
 
-        vae_scale = req.params.height // req.raw_latent_shape[2]
-        return FluxPipeline._unpack_latents(latents, req.params.height, req.params.width, vae_scale)
+        height, width = resolved(req.params.height, "height"), resolved(req.params.width, "width")
+        vae_scale = height // resolved(req.raw_latent_shape, "raw_latent_shape")[2]
+        return FluxPipeline._unpack_latents(latents, height, width, vae_scale)
 
 
 FLUX_INFERENCE = FluxInference()
