@@ -17,7 +17,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from spindle.infer.request import Req, RequestError, SamplingParams, check_int_range, check_size, resolved
+from spindle.infer.request import (
+    MAX_GUIDANCE,
+    Req,
+    RequestError,
+    SamplingParams,
+    check_int_range,
+    check_size,
+    resolved,
+    short_repr,
+)
 from spindle.infer.stages import BeforeDenoisingStage, InferenceSpec
 from spindle.models.base import resolution_shift
 
@@ -61,15 +70,24 @@ class FluxBeforeDenoisingStage(BeforeDenoisingStage):
         if unknown:
             raise RequestError(f"unknown Flux option(s) {unknown}; known: {list(EXTRA_KEYS)}")
         scale = params.extra.get("true_cfg_scale", 1.0)
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale < 0:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 <= scale <= MAX_GUIDANCE:
             raise RequestError(
-                f"true_cfg_scale must be a number >= 0 (> 1 with a negative_prompt enables CFG); got {scale!r}"
+                f"true_cfg_scale must be a number between 0 and {MAX_GUIDANCE:g} (> 1 with a negative_prompt enables "
+                f"CFG); got {short_repr(scale)}"
             )
         if scale > 1 and params.negative_prompt is None:
             raise RequestError(
                 f"true_cfg_scale={scale} needs a negative_prompt (FluxPipeline would silently skip CFG); pass "
                 'negative_prompt ("" for an empty one) or set true_cfg_scale to 1'
             )
+
+    def latent_shape(self, p: SamplingParams) -> tuple[int, ...]:
+        return (
+            p.batch_size,
+            self.transformer.config.in_channels // 4,  # packed 2x2 in the transformer's input
+            resolved(p.height, "height") // self.vae_scale_factor,
+            resolved(p.width, "width") // self.vae_scale_factor,
+        )
 
     def encode(self, prompts: list[str], p: SamplingParams, device: torch.device) -> tuple[torch.Tensor, ...]:
         return self.text_pipe.encode_prompt(
@@ -104,20 +122,15 @@ class FluxBeforeDenoisingStage(BeforeDenoisingStage):
         latents, img_ids = self.text_pipe.prepare_latents(
             p.batch_size,
             num_channels,
-            height := resolved(p.height, "height"),
-            width := resolved(p.width, "width"),
+            resolved(p.height, "height"),
+            resolved(p.width, "width"),
             torch.float32,
             device,
             req.generator,
         )
         req.latents = latents
         req.extra["img_ids"] = img_ids.to(dtype)
-        req.raw_latent_shape = (
-            p.batch_size,
-            num_channels,
-            height // self.vae_scale_factor,
-            width // self.vae_scale_factor,
-        )
+        req.raw_latent_shape = self.latent_shape(p)
 
         if self.transformer.config.guidance_embeds:
             guidance = torch.full(
