@@ -1,6 +1,6 @@
 # Two entry points that work on a fresh machine with Python 3.11 and pip:
 #   make demo   set up .venv, then build a tiny Wan model, fine-tune it, export it, generate a sample
-#   make test   set up .venv, then run the test suite
+#   make test   set up .venv, check generated/ for drift (spindle patchgen --check), then run the test suite
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -21,6 +21,7 @@ demo: $(STAMP)
 	$(VENV)/bin/spindle demo --out demo_out
 
 test: $(STAMP)
+	$(VENV)/bin/spindle patchgen --check
 	$(PY) -m pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 clean:

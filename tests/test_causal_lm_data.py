@@ -130,7 +130,7 @@ def test_every_layout_of_a_global_batch_sees_the_same_samples_per_step():
     rows = list(range(26))
 
     def steps(dp: int, accum: int) -> list[set[int]]:
-        loaders = [ResumableLoader(rows, 2, r, dp, seed=0, collate_fn=list, grad_accum=accum) for r in range(dp)]
+        loaders = [ResumableLoader(rows, 2, r, dp, seed=0, collate_fn=list, global_batch_size=8) for r in range(dp)]
         return [{i for loader in loaders for _ in range(accum) for i in next(loader)} for _ in range(7)]
 
     single = steps(1, 4)

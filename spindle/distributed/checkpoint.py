@@ -46,6 +46,19 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found) if (p / TRAINER_STATE).is_file()]
 
 
+def checkpoint_step(path: Path) -> int:
+    """The step a complete checkpoint folder holds."""
+    return int(json.loads((Path(path) / TRAINER_STATE).read_text())["step"])
+
+
+def _refuse_partial(path: Path) -> None:
+    if path.name.endswith(".tmp"):
+        raise FileNotFoundError(
+            f"{path} is a partial checkpoint (a save that did not finish); resume from a complete "
+            f"step-N folder next to it, or use checkpoint.resume=auto"
+        )
+
+
 def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
     """`none` -> None, `auto` -> latest complete checkpoint (or None), else an explicit folder."""
     if resume == "none":
@@ -54,6 +67,7 @@ def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
         found = list_checkpoints(output_dir)
         return found[-1] if found else None
     path = Path(resume)
+    _refuse_partial(path)
     if not (path / TRAINER_STATE).is_file():
         raise FileNotFoundError(
             f"checkpoint.resume={resume!r} is not a complete Spindle checkpoint (no {TRAINER_STATE}); "
@@ -77,11 +91,16 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     keep_last: int = 2,
 ) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint folder."""
+    """Collective: every rank calls it. Returns the final checkpoint folder.
+
+    Partial folders (`*.tmp`) left by a save that crashed or was killed are removed first: they are
+    never resumed from (`list_checkpoints` ignores them) and would otherwise pile up.
+    """
     final = checkpoint_root(output_dir) / f"step-{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     if is_main_process():
-        shutil.rmtree(tmp, ignore_errors=True)
+        for stale in checkpoint_root(output_dir).glob("step-*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -173,6 +192,7 @@ def read_checkpoint_model(path: Path, template: torch.nn.Module) -> dict[str, to
 def resolve_checkpoint_arg(path: str | Path) -> Path:
     """Accept a checkpoint folder, or a run's output dir (-> its latest checkpoint)."""
     path = Path(path)
+    _refuse_partial(path)
     if (path / TRAINER_STATE).is_file():
         return path
     found = list_checkpoints(path)

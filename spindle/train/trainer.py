@@ -179,8 +179,10 @@ class Trainer:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.output_dir / "config.yaml")
         resume = ckpt.resolve_resume(cfg.checkpoint.resume, self.output_dir)
+        last: Path | None = None
         if resume is not None:
             self.restore(resume)
+            last = resume
         metrics = MetricsLog(self.output_dir, self.step, cfg.train.max_steps, enabled=is_main_process())
         try:
             while self.step < cfg.train.max_steps:
@@ -191,10 +193,13 @@ class Trainer:
                 metrics.end_step(self.step, loss, grad_norm, lr, samples, tokens, extra)
                 every = cfg.checkpoint.every_steps
                 if every and self.step % every == 0 and self.step < cfg.train.max_steps:
-                    self.save()
+                    last = self.save()
         finally:
             metrics.close()
-        last = self.save()
+        if last is None or ckpt.checkpoint_step(last) != self.step:
+            # Never re-save the checkpoint just resumed from: replacing it is the one moment a crash
+            # could lose the last good checkpoint, and it would hold the same state.
+            last = self.save()
         export_dir = self.export(last) if cfg.checkpoint.export else None
         return TrainResult(self.output_dir, self.step, export_dir)
 

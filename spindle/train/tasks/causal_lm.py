@@ -115,8 +115,6 @@ class CausalLMTask(TrainTask):
     def build_loader(self):
         from spindle.data.loader import ResumableLoader
         from spindle.data.text import build_text_dataset, collate_rows
-        from spindle.train.trainer import grad_accum_steps
-
         data = self.cfg.data
         dataset = build_text_dataset(data.path, self.tokenizer, data.seq_len, data.packing, data.skip_bad_samples)
         s = dataset.stats
@@ -144,7 +142,7 @@ class CausalLMTask(TrainTask):
             seed=self.cfg.train.seed,
             shuffle=data.shuffle,
             collate_fn=collate_rows,
-            grad_accum=grad_accum_steps(self.cfg, self.mesh.dims.dp_size),
+            global_batch_size=self.cfg.train.global_batch_size,
         )
 
     # ------------------------------------------------------------ step

@@ -102,7 +102,6 @@ class FlowMatchingTask(TrainTask):
     def build_loader(self):
         from spindle.data.datasets import build_dataset
         from spindle.data.loader import ResumableLoader
-        from spindle.train.trainer import grad_accum_steps
 
         data = self.cfg.data
         dataset = build_dataset(data.path, tuple(data.resolution), data.num_frames, data.skip_bad_samples)
@@ -113,7 +112,7 @@ class FlowMatchingTask(TrainTask):
             dp_size=self.mesh.dims.dp_size,
             seed=self.cfg.train.seed,
             shuffle=data.shuffle,
-            grad_accum=grad_accum_steps(self.cfg, self.mesh.dims.dp_size),
+            global_batch_size=self.cfg.train.global_batch_size,
         )
 
     # ------------------------------------------------------------ step
