@@ -105,17 +105,11 @@ def shard_experts(model: nn.Module, mesh: Mesh, mp_policy) -> None:
     for experts in expert_modules(model).values():
         fully_shard(experts, mesh=efsdp, mp_policy=mp_policy, reshard_after_forward=True)
         experts.set_gradient_divide_factor(float(mesh.dims.dp_size))
-        if efsdp.device_type == "cpu":
+        if efsdp.device_type == "cpu" and efsdp.size() > 1:
+            # gloo has no PREMUL_SUM; but on a 1-rank efsdp mesh (no collective) FSDP2's forced-sum
+            # path divides twice (measured: expert grads at 1/dp_size of the 1-process ones), so
+            # only where a reduction really runs.
             experts.set_force_sum_reduction_for_comms(True)
-
-
-def local_expert_count(experts: nn.Module) -> int:
-    """Experts this rank computes (E / ep under EP)."""
-    return int(experts.num_experts)
-
-
-def is_expert_param(name: str, model: nn.Module) -> bool:
-    return any(name.startswith(f"{prefix}.") for prefix in expert_modules(model))
 
 
 def expert_param_names(model: nn.Module) -> list[str]:
