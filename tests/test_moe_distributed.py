@@ -62,3 +62,18 @@ def test_ep2_equals_one_process(single, tiny_qwen3_moe, lm_corpus, tmp_path):
     out = tmp_path / "run"
     run_train(tiny_qwen3_moe, lm_corpus, out, nproc=2, parallel__ep=2)
     assert_same_run(single, out)
+
+
+def test_ep2_times_dp_shard2_equals_one_process(single, tiny_qwen3_moe, lm_corpus, tmp_path):
+    """4 ranks: experts split over ep=2 and FSDP2-sharded over the 2 ranks holding the same experts."""
+    out = tmp_path / "run"
+    run_train(tiny_qwen3_moe, lm_corpus, out, nproc=4, parallel__ep=2, train__micro_batch_size=1)
+    assert_same_run(single, out)
+
+
+def test_resume_an_ep2_checkpoint_at_ep1(single, tiny_qwen3_moe, lm_corpus, tmp_path):
+    out = tmp_path / "run"
+    run_train(tiny_qwen3_moe, lm_corpus, out, nproc=2, parallel__ep=2, train__max_steps=2, checkpoint__export=False)
+    run_train(tiny_qwen3_moe, lm_corpus, out, nproc=1, checkpoint__resume="auto")
+    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3]
+    assert_same_run(single, out)

@@ -57,7 +57,7 @@ class MoECausalLMTask(CausalLMTask):
     # ------------------------------------------------------------ set-up
 
     def load_model(self) -> torch.nn.Module:
-        return load_moe_model(self.family, self.cfg.model.path, attn_implementation="sdpa")
+        return load_moe_model(self.family, self.cfg.model.path, self.device.type, attn_implementation="sdpa")
 
     def build_model(self) -> torch.nn.Module:
         self.expert_layout = conversion.expert_layout(self.cfg.model.path)
@@ -144,11 +144,28 @@ class MoECausalLMTask(CausalLMTask):
         return out
 
 
-def load_moe_model(family, path: str | Path, **kwargs: Any) -> torch.nn.Module:
+def experts_implementation(config, device_type: str) -> str:
+    """transformers' fused experts kernel for this model: `grouped_mm` (one grouped GEMM per projection
+    over the stacked weights), except on CPU when a weight row is not a multiple of 16 bytes, which the
+    CPU grouped_mm kernel rejects ("strides should be multiple of 16 bytes"): then `batched_mm`
+    (per-token batched GEMMs on gathered expert weights, also vectorised; never a loop over experts)."""
+    if device_type == "cpu":
+        row_bytes = 4  # fp32 master weights on CPU
+        if (config.hidden_size * row_bytes) % 16 or (config.moe_intermediate_size * row_bytes) % 16:
+            return "batched_mm"
+    return "grouped_mm"
+
+
+def load_moe_model(family, path: str | Path, device_type: str = "cpu", **kwargs: Any) -> torch.nn.Module:
     """The family's MoE ForCausalLM from `path` in fp32, every expert loaded from the checkpoint or an error."""
+    from transformers import AutoConfig
+
     conversion.expert_layout(path)  # validates expert keys and shapes before any weight is read
     conversion.register_conversion()
-    model, info = family.model_cls().from_pretrained(path, dtype=torch.float32, output_loading_info=True, **kwargs)
+    impl = experts_implementation(AutoConfig.from_pretrained(path), device_type)
+    model, info = family.model_cls().from_pretrained(
+        path, dtype=torch.float32, output_loading_info=True, experts_implementation=impl, **kwargs
+    )
     conversion.check_loading_info(info, str(path))
     return model
 
