@@ -201,3 +201,34 @@ def test_export_writes_the_input_layout_and_loads_in_stock_transformers(layout, 
     tok = AutoTokenizer.from_pretrained(result.export_dir)
     ids = loaded.generate(**tok("the red circle", return_tensors="pt"), max_new_tokens=3, do_sample=False)
     assert ids.shape[1] >= 4
+
+
+# ---------------------------------------------------------------- layout checks before launch
+
+
+@pytest.mark.parametrize(
+    "parallel,message",
+    [
+        ({"ep": 3, "dp_shard": 3}, r"parallel.ep=3 must divide the model's num_experts=8"),
+        ({"ep": 2, "dp_shard": 3}, r"parallel.ep=2 must be >= 1 and divide parallel.dp_shard=3"),
+        ({"ep": 2, "dp_shard": 2, "sp": 2}, r"parallel.sp=2"),
+    ],
+)
+def test_bad_expert_parallel_layouts_are_refused_before_launch(parallel, message, tiny_qwen3_moe, tmp_path):
+    from spindle.train.trainer import check_parallel_plan
+
+    world = parallel.get("dp_shard", 1) * parallel.get("sp", 1)
+    overrides = {f"parallel__{k}": v for k, v in parallel.items()}
+    overrides.update(train__global_batch_size=12, train__micro_batch_size=1)  # divisible by every dp size here
+    cfg = load_config(None, lm_overrides(tiny_qwen3_moe, tmp_path, tmp_path / "o", **overrides))
+    with pytest.raises(ValueError, match=message):
+        check_parallel_plan(cfg, world)
+
+
+def test_expert_parallel_on_a_dense_model_is_refused(tiny_qwen3, tmp_path):
+    from spindle.config import ConfigError
+    from spindle.train.trainer import check_parallel_plan
+
+    cfg = load_config(None, lm_overrides(tiny_qwen3, tmp_path, tmp_path / "o", parallel__ep=2, parallel__dp_shard=2))
+    with pytest.raises(ConfigError, match="parallel.ep=2: expert parallelism needs a mixture-of-experts model"):
+        check_parallel_plan(cfg, 2)
