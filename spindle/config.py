@@ -92,7 +92,8 @@ class CheckpointConfig(Section):
 class ParallelConfig(Section):
     dp_replicate: int = Field(1, ge=1, description="HSDP replica groups")
     dp_shard: int = Field(-1, description="FSDP2 shard degree; -1 = the rest of the world")
-    sp: int = Field(1, ge=1, description="Ulysses sequence-parallel degree")
+    sp: int = Field(1, ge=1, description="Ulysses sequence-parallel degree (attention heads must divide it)")
+    ring: int = Field(1, ge=1, description="ring-attention degree; the sequence is split over ring x sp ranks (USP)")
     ep: int = Field(1, ge=1, description="expert-parallel degree (MoE models): experts split over ep ranks of dp_shard")
 
 
@@ -170,7 +171,7 @@ def _describe(err: dict[str, Any], root: type[BaseModel]) -> str:
     if err["type"] == "extra_forbidden":
         valid = _fields_at(root, loc)
         close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
-        hint = f"; did you mean '{'.'.join(map(str, loc[:-1] + (close[0],)))}'?" if close else ""
+        hint = f"; did you mean '{'.'.join(map(str, (*loc[:-1], close[0])))}'?" if close else ""
         return f"unknown key '{key}'{hint} (valid keys here: {', '.join(valid)})"
     if err["type"] == "missing":
         return f"missing required key '{key}'"

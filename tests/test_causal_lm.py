@@ -240,3 +240,23 @@ def test_demo_qwen3_trains_exports_and_continues_text(tmp_path):
     assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5
     assert "continuation of 'the red circle'" in proc.stdout
     assert (out / "sample.txt").read_text().startswith("the red circle ")
+
+
+@pytest.mark.parametrize("name", ["qwen3_tiny.yaml", "qwen3_0.6b.yaml"])
+def test_shipped_configs_are_valid_causal_lm_jobs(name):
+    from pathlib import Path
+
+    from spindle.config import CausalLMJobConfig, load_raw, validate_config
+
+    cfg = validate_config(load_raw(Path(__file__).parents[1] / "configs" / name), CausalLMJobConfig)
+    assert cfg.data.packing and cfg.data.seq_len >= 64
+
+
+def test_ring_attention_is_refused_for_language_models_before_launch(tiny_qwen3, lm_corpus, tmp_path, spindle_cli):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("{}")
+    args = lm_overrides(tiny_qwen3, lm_corpus, tmp_path / "o", parallel__ring=2, parallel__dp_shard=1)
+    r = spindle_cli("train", cfg, *args, "--nproc", "2")
+    assert r.returncode == 2
+    assert "parallel.ring=2" in r.stderr and "set parallel.ring: 1" in r.stderr
+    assert not (tmp_path / "o").exists()  # refused before any process was launched

@@ -120,20 +120,3 @@ def test_rows_are_identical_on_every_build(tokenizer, lm_corpus):
     b = build_text_dataset(lm_corpus, tokenizer, seq_len=48)
     assert all(torch.equal(a.rows[k], b.rows[k]) for k in a.rows)
     assert a.stats.documents == 26 and a.stats.label_tokens > 0
-
-
-def test_every_layout_of_a_global_batch_sees_the_same_samples_per_step():
-    """26 rows, global batch 8: 1 rank x 4 micro-batches of 2 and 2 ranks x 2 micro-batches of 2 take
-    the same 3 steps per epoch (the 2-row tail is dropped as a whole optimizer step, not a round)."""
-    from spindle.data.loader import ResumableLoader
-
-    rows = list(range(26))
-
-    def steps(dp: int, accum: int) -> list[set[int]]:
-        loaders = [ResumableLoader(rows, 2, r, dp, seed=0, collate_fn=list, global_batch_size=8) for r in range(dp)]
-        return [{i for loader in loaders for _ in range(accum) for i in next(loader)} for _ in range(7)]
-
-    single = steps(1, 4)
-    assert steps(2, 2) == single == steps(1, 4)
-    assert all(len(s) == 8 for s in single)
-    assert len(set().union(*single[:3])) == 24  # epoch 0: three whole steps, the tail of 2 dropped

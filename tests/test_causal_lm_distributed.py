@@ -60,8 +60,12 @@ def single(tiny_qwen3, lm_corpus, tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize(
     "layout",
-    [{"parallel__dp_shard": 2}, {"parallel__dp_replicate": 2, "parallel__dp_shard": 1}],
-    ids=["dp_shard2", "hsdp_replicate2"],
+    [
+        {"parallel__dp_shard": 2},
+        {"parallel__dp_shard": 2, "train__gradient_checkpointing": True},
+        {"parallel__dp_replicate": 2, "parallel__dp_shard": 1},
+    ],
+    ids=["dp_shard2", "dp_shard2_activation_checkpointing", "hsdp_replicate2"],
 )
 def test_two_processes_equal_one(layout, single, tiny_qwen3, lm_corpus, tmp_path):
     out = tmp_path / "run"
@@ -76,13 +80,3 @@ def test_resume_across_world_sizes(first, second, single, tiny_qwen3, lm_corpus,
     run_train(tiny_qwen3, lm_corpus, out, nproc=second, checkpoint__resume="auto")
     assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]
     assert_same_run(single, out)
-
-
-def test_sequence_parallel_is_refused_before_launch_until_available(tiny_qwen3, lm_corpus, tmp_path):
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text("{}")
-    args = lm_overrides(tiny_qwen3, lm_corpus, tmp_path / "o", parallel__sp=2)
-    proc = subprocess.run(
-        [sys.executable, "-m", "spindle", "train", str(cfg), *args, "--nproc", "2"], capture_output=True, text=True
-    )
-    assert proc.returncode != 0 and "parallel.sp=2" in proc.stderr

@@ -22,7 +22,6 @@ from torch import nn
 
 from spindle.config import load_config
 from spindle.distributed import checkpoint as ckpt
-from spindle.models.base import import_object
 from spindle.registry import all_families
 
 DIT_FAMILIES = sorted(f.name for f in all_families() if f.task == "flow_matching")
@@ -42,13 +41,13 @@ class Recorder(nn.Module):
 
 
 @pytest.fixture(scope="module", params=DIT_FAMILIES)
-def family_task(request, tmp_path_factory):
+def family_task(request, tmp_path_factory, tiny_checkpoint):
     from spindle.distributed.mesh import ParallelDims, build_mesh
     from spindle.registry import get_family
     from spindle.train.tasks.flow_matching import FlowMatchingTask
 
     family = get_family(request.param)
-    root = import_object(family.tiny_model)(tmp_path_factory.mktemp(family.name) / "model", seed=0)
+    root = tiny_checkpoint(family.name)
     demo = family.demo
     cfg = load_config(
         None,

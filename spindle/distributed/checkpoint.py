@@ -15,7 +15,7 @@ import json
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -121,7 +121,7 @@ def save_checkpoint(
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Collective. Restores model + optimizer in place (any world size); returns trainer_state."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -132,13 +132,15 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
-    return json.loads((path / TRAINER_STATE).read_text())
+    trainer_state: dict[str, Any] = json.loads((path / TRAINER_STATE).read_text())
+    return trainer_state
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Collective: gather the full (unsharded) model state dict on CPU; meaningful on rank 0."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
+    # with full_state_dict=True every value is a plain tensor (no DTensor, no nested dicts)
+    return cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
 
 
 def shard_plan(state_dict: dict[str, torch.Tensor], max_shard_bytes: int) -> dict[str, int]:

@@ -16,12 +16,15 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from spindle.infer.request import Req
 from spindle.infer.stages import BeforeDenoisingStage, DecodingStage, DenoisingStage, InferenceSpec, Stage
+
+if TYPE_CHECKING:
+    from diffusers import ModelMixin  # Any to mypy: diffusers is not followed (pyproject [tool.mypy])
 
 ALLOWED_LIBRARIES = ("diffusers", "transformers")
 CACHE_KINDS = ("fbc",)  # diffusers FirstBlockCacheConfig
@@ -46,8 +49,9 @@ class EngineOptions:
     compile: bool = False  # torch.compile of the transformer's repeated blocks
     cache: str | None = None  # "fbc": first-block cache (diffusers hooks)
     cache_threshold: float = 0.05
-    sp: int = 1  # Ulysses sequence-parallel degree (needs that many processes)
-    cfg_parallel: bool = False  # cond / uncond on different ranks (needs 2 x sp processes)
+    sp: int = 1  # Ulysses sequence-parallel degree (heads must divide it)
+    ring: int = 1  # ring-attention degree: the sequence is split over ring x sp processes
+    cfg_parallel: bool = False  # cond / uncond on different ranks (needs 2 x ring x sp processes)
 
     def validate(self) -> None:
         for name in ("dtype", "vae_dtype"):
@@ -57,12 +61,14 @@ class EngineOptions:
             raise ValueError(f"cache must be one of {CACHE_KINDS} (or None); got {self.cache!r}")
         if not isinstance(self.cache_threshold, (int, float)) or self.cache_threshold < 0:
             raise ValueError(f"cache_threshold must be a number >= 0; got {self.cache_threshold!r}")
-        if not isinstance(self.sp, int) or self.sp < 1:
-            raise ValueError(f"sp must be an integer >= 1; got {self.sp!r}")
+        for name in ("sp", "ring"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
 
     @property
     def world_size_needed(self) -> int:
-        return self.sp * (2 if self.cfg_parallel else 1)
+        return self.sp * self.ring * (2 if self.cfg_parallel else 1)
 
     def torch_device(self) -> torch.device:
         if self.device is None:
@@ -70,13 +76,14 @@ class EngineOptions:
         return torch.device(self.device)
 
 
-def read_model_index(root: str | Path) -> dict:
+def read_model_index(root: str | Path) -> dict[str, Any]:
     path = Path(root) / "model_index.json"
     if not path.is_file():
         raise FileNotFoundError(
             f"{path} not found: the model must be a diffusers pipeline folder with model_index.json"
         )
-    return json.loads(path.read_text())
+    index: dict[str, Any] = json.loads(path.read_text())
+    return index
 
 
 def load_component(root: Path, name: str, entry: Any, device: torch.device, dtype: torch.dtype) -> Any:
@@ -92,11 +99,12 @@ def load_component(root: Path, name: str, entry: Any, device: torch.device, dtyp
     path = root / name
     if not path.is_dir():
         raise FileNotFoundError(f"component folder {path} not found (model_index.json lists {name!r})")
+    loader: Any = cls  # a diffusers / transformers class: from_pretrained is theirs, not nn.Module's
     if isinstance(cls, type) and issubclass(cls, torch.nn.Module):
-        obj = cls.from_pretrained(path, dtype=dtype)
+        obj = loader.from_pretrained(path, dtype=dtype)
         obj.to(device).eval().requires_grad_(False)
         return obj
-    return cls.from_pretrained(path)
+    return loader.from_pretrained(path)
 
 
 def load_components(root: str | Path, spec: InferenceSpec, options: EngineOptions) -> dict[str, Any]:
@@ -111,7 +119,7 @@ def load_components(root: str | Path, spec: InferenceSpec, options: EngineOption
     return out
 
 
-def apply_cache(transformer: torch.nn.Module, kind: str, threshold: float) -> None:
+def apply_cache(transformer: ModelMixin, kind: str, threshold: float) -> None:
     """Step caching with diffusers' own hooks (`enable_cache`)."""
     if kind == "fbc":
         from diffusers.hooks import FirstBlockCacheConfig
@@ -121,7 +129,7 @@ def apply_cache(transformer: torch.nn.Module, kind: str, threshold: float) -> No
         raise ValueError(f"unknown cache {kind!r}; choose one of {CACHE_KINDS}")
 
 
-def apply_compile(transformer: torch.nn.Module) -> None:
+def apply_compile(transformer: ModelMixin) -> None:
     """Regional compilation: `torch.compile` each repeated block (diffusers `_repeated_blocks`)."""
     if getattr(transformer, "_repeated_blocks", None):
         transformer.compile_repeated_blocks()
@@ -155,7 +163,7 @@ class InferencePipeline:
         self.device = options.torch_device()
 
     @property
-    def transformer(self) -> torch.nn.Module:
+    def transformer(self) -> ModelMixin:
         return self.components[self.spec.transformer_component]
 
     @property
@@ -192,13 +200,18 @@ class InferencePipeline:
             apply_compile(transformer)
         stages: list[Stage] = [
             spec.make_before_denoising(components),
-            DenoisingStage(transformer, spec, cfg_batch=options.cfg_batch, cfg_group=cfg_group, sp=options.sp),
+            DenoisingStage(
+                transformer, spec, cfg_batch=options.cfg_batch, cfg_group=cfg_group, sp=options.sp, ring=options.ring
+            ),
             DecodingStage(components[spec.vae_component], spec),
         ]
         return cls(spec, components, stages, options, root=root, mesh=mesh)
 
     def run(self, req: Req) -> Req:
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        def sync() -> None:  # stage timings on CUDA need the queued kernels finished
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+
         for stage in self.stages:
             sync()
             start = time.perf_counter()
@@ -220,23 +233,25 @@ def is_main_rank() -> bool:
 def setup_parallel(transformer: torch.nn.Module, options: EngineOptions) -> tuple[Any, Any]:
     """Mesh for the multi-process modes; -> (mesh, cfg process group or None).
 
-    Mesh dims (spindle.distributed.mesh): `sp` = Ulysses degree; the data dim `dp_shard` (size 2)
-    carries the CFG branches when `cfg_parallel` (rank 0 of it: cond, rank 1: uncond). Ulysses
-    SP uses the same code as training: `spindle.distributed.context_parallel`.
+    Mesh dims (spindle.distributed.mesh): `sp` = Ulysses degree, `ring` = ring-attention degree; the
+    data dim `dp_shard` (size 2) carries the CFG branches when `cfg_parallel` (rank 0 of it: cond,
+    rank 1: uncond). Sequence parallelism uses the same code as training:
+    `spindle.distributed.context_parallel`.
     """
     from spindle.distributed.mesh import ParallelDims, build_mesh, init_distributed
 
     _, world = init_distributed()
     if world != options.world_size_needed:
         raise ValueError(
-            f"sp={options.sp}{' x 2 (cfg_parallel)' if options.cfg_parallel else ''} needs "
+            f"sp={options.sp} x ring={options.ring}{' x 2 (cfg_parallel)' if options.cfg_parallel else ''} needs "
             f"{options.world_size_needed} processes, but the world size is {world}; launch with "
             f"--nproc {options.world_size_needed} (or torchrun --nproc-per-node {options.world_size_needed})"
         )
-    mesh = build_mesh(ParallelDims(dp_replicate=1, dp_shard=2 if options.cfg_parallel else 1, sp=options.sp))
-    if options.sp > 1:
+    dims = ParallelDims(dp_replicate=1, dp_shard=2 if options.cfg_parallel else 1, sp=options.sp, ring=options.ring)
+    mesh = build_mesh(dims)
+    if dims.cp_size > 1:
         from spindle.distributed.context_parallel import enable_sequence_parallel
 
-        enable_sequence_parallel(transformer, mesh.sp)
+        enable_sequence_parallel(transformer, mesh.cp)
     cfg_group = mesh.dp.get_group() if options.cfg_parallel else None
     return mesh, cfg_group

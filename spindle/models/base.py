@@ -16,9 +16,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11 on
 
 
 def import_object(path: str) -> Any:
@@ -130,6 +133,18 @@ class TextDemoSpec:
 
 
 @dataclass(frozen=True)
+class ConformanceSpec:
+    """How the conformance suite (spindle/testing/conformance.py) exercises a family.
+
+    `parity_cases`: name -> keyword arguments valid both for the stock diffusers pipeline call and
+    for `DiffusionGenerator.generate` (with `seed`), small enough for a CPU test; at least one case
+    with classifier-free guidance and one without.
+    """
+
+    parity_cases: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class DiTFamily:
     name: str
     pipeline_classes: tuple[str, ...]
@@ -139,6 +154,7 @@ class DiTFamily:
     tiny_model: str | None = None  # "module:function(out, seed, **overrides)"
     detect: Callable[[Path], bool] | None = None
     demo: DemoSpec | None = None
+    conformance: ConformanceSpec | None = None
     extras: dict[str, Any] = field(default_factory=dict)
     task: str = "flow_matching"  # the training task (spindle.train.tasks.TASKS)
 
@@ -350,7 +366,7 @@ class PipelineConditionModel(ConditionModel):
         device: torch.device = torch.device("cpu"),
         dtype: torch.dtype = torch.float32,
         max_text_length: int = 512,
-    ) -> PipelineConditionModel:
+    ) -> Self:
         pipe = import_object(cls.pipeline_class).from_pretrained(root, transformer=None, dtype=dtype)
         pipe.to(device)
         for module in pipe.components.values():

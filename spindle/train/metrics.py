@@ -19,7 +19,7 @@ def count_tokens(hidden_states: torch.Tensor, patch_size: Any) -> int:
     spatial = hidden_states.shape[2:]
     patch = list(patch_size) if isinstance(patch_size, (list, tuple)) else [patch_size] * len(spatial)
     patch = [1] * (len(spatial) - len(patch)) + patch
-    return int(math.prod(s // p for s, p in zip(spatial, patch)))
+    return int(math.prod(s // p for s, p in zip(spatial, patch, strict=True)))
 
 
 class MetricsLog:

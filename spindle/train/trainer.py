@@ -168,7 +168,7 @@ class Trainer:
         """The ranks whose loss sums add up to the global batch's loss sum (None: this rank alone)."""
         if not dist.is_initialized() or self.mesh.world.size() == 1:
             return None
-        if self.task.loss_sharded_over_sp and self.mesh.dims.sp > 1:
+        if self.task.loss_sharded_over_sp and self.mesh.dims.cp_size > 1:
             return self.mesh.world  # each SP rank holds its own chunk's loss
         return self.mesh.dp if self.mesh.dims.dp_size > 1 else None
 

@@ -5,9 +5,9 @@ from spindle.models.base import CausalLMFamily, TextDemoSpec
 FAMILY = CausalLMFamily(
     name="llama",
     model_types=("llama",),
-    # The class the task trains. Stock transformers until the patchgen-generated class
-    # (spindle/models/llama/generated/patched_modeling_llama.py) lands; both take the same loss arguments.
-    model_class="transformers:LlamaForCausalLM",
+    # The class the task trains: the patchgen-generated modeling (patches.py), whose forward computes the
+    # loss with the chunked linear cross-entropy; the folder's config.json stays stock transformers'.
+    model_class="spindle.models.llama.generated.patched_modeling_llama:LlamaForCausalLM",
     tiny_model="spindle.testing.tiny_llm:build_tiny_llama",
     demo=TextDemoSpec(),
 )

@@ -5,9 +5,9 @@ from spindle.models.base import CausalLMFamily, TextDemoSpec
 FAMILY = CausalLMFamily(
     name="qwen3",
     model_types=("qwen3",),
-    # The class the task trains. Stock transformers until the patchgen-generated class
-    # (spindle/models/qwen3/generated/patched_modeling_qwen3.py) lands; both take the same loss arguments.
-    model_class="transformers:Qwen3ForCausalLM",
+    # The class the task trains: the patchgen-generated modeling (patches.py), whose forward computes the
+    # loss with the chunked linear cross-entropy; the folder's config.json stays stock transformers'.
+    model_class="spindle.models.qwen3.generated.patched_modeling_qwen3:Qwen3ForCausalLM",
     tiny_model="spindle.testing.tiny_llm:build_tiny_qwen3",
     demo=TextDemoSpec(),
 )

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from contextlib import nullcontext
@@ -81,15 +82,19 @@ class CausalLMTask(TrainTask):
 
     @classmethod
     def check_plan(cls, cfg, dims) -> None:
+        if dims.ring > 1:
+            raise ConfigError(
+                f"parallel.ring={dims.ring}: ring attention is for DiTs; language models split sequences with "
+                "Ulysses only (parallel.sp); set parallel.ring: 1"
+            )
         if dims.sp > 1:
+            from spindle.distributed import ulysses_attention
+
+            config = json.loads((Path(cfg.model.path) / "config.json").read_text())
             try:
-                from spindle.distributed import ulysses_attention
-            except ImportError:
-                raise ConfigError(
-                    f"parallel.sp={dims.sp}: sequence parallelism for language models is not available in this "
-                    "build yet; set parallel.sp: 1"
-                ) from None
-            ulysses_attention.check_plan(cfg, dims)
+                ulysses_attention.check_layout(config, dims.sp, cfg.data.seq_len)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
     # ------------------------------------------------------------ set-up
 
@@ -107,7 +112,7 @@ class CausalLMTask(TrainTask):
         if self.mesh.dims.sp > 1:
             from spindle.distributed import ulysses_attention
 
-            ulysses_attention.enable(model, self.mesh)
+            ulysses_attention.enable_sequence_parallel(model, self.mesh.sp)
         if self.cfg.train.gradient_checkpointing:
             # Non-reentrant: FSDP2's per-layer all-gather hooks fire again in the recomputation, and
             # parameter names stay unchanged (no wrapper module in the FQNs, checkpoints, export).
@@ -174,7 +179,7 @@ class CausalLMTask(TrainTask):
             from spindle.distributed import ulysses_attention
 
             # Positions and labels were computed on the whole rows; each SP rank keeps its chunk.
-            rows = ulysses_attention.split_batch(rows, self.mesh)
+            rows = ulysses_attention.shard_batch(rows, self.mesh.sp_rank, self.mesh.dims.sp)
         with self._autocast():
             out = causal_lm_output(model, rows, **self.model_kwargs())
         return StepOutput(out.loss.float(), samples, tokens, self.output_metrics(out))

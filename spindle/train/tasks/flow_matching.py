@@ -64,8 +64,8 @@ class FlowMatchingTask(TrainTask):
         from spindle.distributed.context_parallel import check_sequence_parallel
 
         tcfg = Path(cfg.model.path) / "transformer" / "config.json"
-        if dims.sp > 1 and tcfg.is_file():
-            check_sequence_parallel(json.loads(tcfg.read_text()), dims.sp)
+        if dims.cp_size > 1 and tcfg.is_file():
+            check_sequence_parallel(json.loads(tcfg.read_text()), dims.sp, ring=dims.ring)
 
     # ------------------------------------------------------------ set-up
 
@@ -145,17 +145,17 @@ class FlowMatchingTask(TrainTask):
 
     @staticmethod
     def _check_sequence_split(model: torch.nn.Module, tokens: int, inputs: dict[str, Any]) -> None:
-        """Ulysses SP splits sequences evenly; say so clearly instead of failing inside diffusers."""
+        """SP (Ulysses x ring) splits sequences evenly; say so clearly instead of failing inside diffusers."""
         from spindle.distributed.context_parallel import (
             check_sequence_parallel,
             check_split_inputs,
-            sequence_parallel_size,
+            sequence_parallel_degrees,
         )
 
-        sp = sequence_parallel_size(model)
-        if sp > 1:
-            check_sequence_parallel(model, sp, seq_len=tokens)
-            check_split_inputs(model, sp, inputs)
+        sp, ring = sequence_parallel_degrees(model)
+        if sp * ring > 1:
+            check_sequence_parallel(model, sp, seq_len=tokens, ring=ring)
+            check_split_inputs(model, sp * ring, inputs)
 
     # ------------------------------------------------------------ export
 

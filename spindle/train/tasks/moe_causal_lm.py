@@ -49,6 +49,7 @@ class MoECausalLMTask(CausalLMTask):
                 f"parallel.sp={dims.sp}: sequence parallelism is not supported for mixture-of-experts models yet "
                 "(the router aux loss needs the whole row's router statistics); set parallel.sp: 1"
             )
+        super().check_plan(cfg, dims)  # the dense checks (ring refused for language models, ...)
         try:
             check_ep_layout(dims, AutoConfig.from_pretrained(cfg.model.path).num_experts)
         except ValueError as e:
