@@ -131,7 +131,7 @@ def worker(rank: int, world: int, model: str, data: str, out: str, preset: dict,
         Path(result).write_text(json.dumps({"step_times": times, "tokens": tokens, "peak_mib": max(peaks)}))
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     p.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS))
@@ -139,7 +139,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of every run")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (CPU)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "train_moe.json")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     preset = PRESETS[args.preset]
 
     from spindle.testing.tiny_llm import build_tiny_qwen3_moe
@@ -148,7 +148,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model = build_tiny_qwen3_moe(tmp / "model", seed=0, transformer=preset["model"])
-        data = write_corpus(tmp / "data.jsonl", rows=preset["global_batch"] * preset["steps"] * 2, words=preset["seq_len"])
+        data = write_corpus(
+            tmp / "data.jsonl", rows=preset["global_batch"] * preset["steps"] * 2, words=preset["seq_len"]
+        )
         for name in args.variants:
             variant = VARIANTS[name]
             result = tmp / f"{name}.json"
@@ -180,7 +182,9 @@ def main() -> int:
             print(f"{name}: {rows[-1]['tokens_per_s']:.0f} tokens/s, peak {r['peak_mib']:.0f} MiB", flush=True)
     device = torch.cuda.get_device_name() if args.backend == "nccl" else f"CPU x{args.threads} thread(s)/process"
     print(f"\npreset {args.preset}, {device}")
-    print(f"| variant | processes | ep | experts | step (s) | tokens/s | peak MiB/process |\n|---|---|---|---|---|---|---|")
+    print(
+        "| variant | processes | ep | experts | step (s) | tokens/s | peak MiB/process |\n|---|---|---|---|---|---|---|"
+    )
     for r in rows:
         print(
             f"| {r['variant']} | {r['processes']} | {r['ep']} | {r['experts']} | {r['step_s']:.3f} | "
