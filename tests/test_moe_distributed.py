@@ -58,9 +58,10 @@ def single(tiny_qwen3_moe, lm_corpus, tmp_path_factory) -> Path:
     return out
 
 
-def test_ep2_equals_one_process(single, tiny_qwen3_moe, lm_corpus, tmp_path):
+@pytest.mark.parametrize("ep", [2, 1], ids=["ep2", "dp_shard2_ep1"])
+def test_two_processes_equal_one(ep, single, tiny_qwen3_moe, lm_corpus, tmp_path):
     out = tmp_path / "run"
-    run_train(tiny_qwen3_moe, lm_corpus, out, nproc=2, parallel__ep=2)
+    run_train(tiny_qwen3_moe, lm_corpus, out, nproc=2, parallel__ep=ep)
     assert_same_run(single, out)
 
 
