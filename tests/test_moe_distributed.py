@@ -6,38 +6,22 @@ loss and grad norm 1e-5 relative; exported weights 1e-4 absolute after AdamW at 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
-import yaml
-from safetensors.torch import load_file
 
 from spindle.train.metrics import read_metrics
-from tests.conftest import lm_overrides
+from tests.test_causal_lm_distributed import exported
+from tests.test_causal_lm_distributed import run_train as run_lm
 
 pytestmark = pytest.mark.slow
 RTOL = 1e-5
 WEIGHT_ATOL = 1e-4
+STEPS = 3
 
 
 def run_train(model: Path, data: Path, out: Path, nproc: int, **overrides) -> None:
-    cfg = out.parent / f"{out.name}.yaml"
-    cfg.write_text(yaml.safe_dump({}))
-    base = dict(train__max_steps=3, train__micro_batch_size=2, data__packing=False)
-    args = lm_overrides(model, data, out, **{**base, **overrides})
-    cmd = [sys.executable, "-m", "spindle", "train", str(cfg), *args, "--nproc", str(nproc)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-
-def exported(out: Path) -> dict[str, torch.Tensor]:
-    weights: dict[str, torch.Tensor] = {}
-    for shard in sorted((out / "export").glob("*.safetensors")):
-        weights.update(load_file(shard))
-    return weights
+    run_lm(model, data, out, nproc, **{"train__max_steps": STEPS, **overrides})
 
 
 def assert_same_run(a: Path, b: Path) -> None:
@@ -77,5 +61,5 @@ def test_resume_an_ep2_checkpoint_at_ep1(single, tiny_qwen3_moe, lm_corpus, tmp_
     out = tmp_path / "run"
     run_train(tiny_qwen3_moe, lm_corpus, out, nproc=2, parallel__ep=2, train__max_steps=2, checkpoint__export=False)
     run_train(tiny_qwen3_moe, lm_corpus, out, nproc=1, checkpoint__resume="auto")
-    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3]
+    assert [m["step"] for m in read_metrics(out)] == list(range(1, STEPS + 1))
     assert_same_run(single, out)
