@@ -230,5 +230,5 @@ def test_expert_parallel_on_a_dense_model_is_refused(tiny_qwen3, tmp_path):
     from spindle.train.trainer import check_parallel_plan
 
     cfg = load_config(None, lm_overrides(tiny_qwen3, tmp_path, tmp_path / "o", parallel__ep=2, parallel__dp_shard=2))
-    with pytest.raises(ConfigError, match="parallel.ep=2: expert parallelism needs a mixture-of-experts model"):
+    with pytest.raises(ConfigError, match=r"parallel\.ep=2: expert parallelism needs a mixture-of-experts model"):
         check_parallel_plan(cfg, 2)
