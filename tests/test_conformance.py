@@ -94,6 +94,16 @@ def test_ulysses_and_ring_on_two_processes_equal_one(name, tiny, tmp_path):
         suite.check_sequence_parallel(family, reference, results[layout], layout)
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_precomputed_conditions_need_no_encoders(name, tiny):
+    suite.check_precomputed_condition_model(get_family(name), tiny(name))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_lora_targets_and_diffusers_lora_file(name, tiny, tmp_path):
+    suite.check_lora_file_round_trip(get_family(name), tiny(name), tmp_path / "lora")
+
+
 # ---------------------------------------------------------------- the suite can fail
 
 

@@ -52,6 +52,8 @@ class EngineOptions:
     sp: int = 1  # Ulysses sequence-parallel degree (heads must divide it)
     ring: int = 1  # ring-attention degree: the sequence is split over ring x sp processes
     cfg_parallel: bool = False  # cond / uncond on different ranks (needs 2 x ring x sp processes)
+    lora: str | None = None  # a LoRA file / folder applied to the transformer (spindle.infer.lora)
+    lora_scale: float = 1.0
 
     def validate(self) -> None:
         for name in ("dtype", "vae_dtype"):
@@ -61,6 +63,8 @@ class EngineOptions:
             raise ValueError(f"cache must be one of {CACHE_KINDS} (or None); got {self.cache!r}")
         if not isinstance(self.cache_threshold, (int, float)) or self.cache_threshold < 0:
             raise ValueError(f"cache_threshold must be a number >= 0; got {self.cache_threshold!r}")
+        if not isinstance(self.lora_scale, (int, float)) or isinstance(self.lora_scale, bool):
+            raise ValueError(f"lora_scale must be a number; got {self.lora_scale!r}")
         for name in ("sp", "ring"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -184,6 +188,10 @@ class InferencePipeline:
         family = resolve_family(root)
         spec: InferenceSpec = family.inference_spec()
         components = load_components(root, spec, options)
+        if options.lora is not None:
+            from spindle.infer.lora import apply_lora_file
+
+            apply_lora_file(family, components, options.lora, options.lora_scale)
         return cls.build(spec, components, options, root=root)
 
     @classmethod

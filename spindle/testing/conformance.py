@@ -225,3 +225,56 @@ def check_sequence_parallel(family: DiTFamily, reference: dict[str, Any], result
         got = result["grads"][name]
         rel = ((got - ref).norm() / ref.norm().clamp_min(1e-12)).item()
         assert rel <= SP_RTOL, f"{family.name} {layout}: gradient of {name} differs by {rel:.2e} (relative)"
+
+
+# ---------------------------------------------------------------- precomputed conditions and LoRA
+
+
+def check_precomputed_condition_model(family: DiTFamily, root: Path) -> None:
+    """`encoders=False` (training on a `spindle precompute` cache) holds no encoder weights and turns
+    the conditions the full condition model encodes into exactly the same training inputs."""
+    from spindle.train.tasks.flow_matching import sample_generator
+
+    cls = family.condition_model_cls()
+    full = cls.from_pretrained(root, max_text_length=TEXT_TOKENS)
+    light = cls.from_pretrained(root, max_text_length=TEXT_TOKENS, encoders=False)
+    modules = getattr(getattr(light, "pipe", None), "components", {}).values()
+    resident = [p for m in modules if isinstance(m, torch.nn.Module) for p in m.parameters() if not p.is_meta]
+    assert not resident, f"{family.name}: the condition model with encoders=False loaded encoder weights"
+    batch = training_batch(family)
+    conditions = full.encode(batch)
+    a, b = (
+        m.training_inputs(conditions, [sample_generator(0, 0, int(i)) for i in batch["index"]]) for m in (full, light)
+    )
+    assert a.keys() == b.keys(), f"{family.name}: encoders=False gives other training inputs: {sorted(b)}"
+    for key, value in a.items():
+        same = torch.equal(value, b[key]) if torch.is_tensor(value) else value == b[key]
+        assert same, f"{family.name}: training input {key!r} differs with encoders=False"
+
+
+def check_lora_file_round_trip(family: DiTFamily, root: Path, out: Path) -> None:
+    """Default LoRA targets exist in the family's blocks (attention/feed-forward, no modulation), only
+    the adapters train, and the diffusers LoRA file written through the family pipeline's
+    `save_lora_weights` reads back through its `lora_state_dict` to the same tensors."""
+    from spindle.config import LoraConfig
+    from spindle.train.lora import adapter_state_dict, lora_scale
+    from spindle.train.tasks.flow_matching import add_lora
+
+    model = add_lora(load_transformer(root), LoraConfig(rank=2, alpha=4))
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable), (
+        f"{family.name}: parameters other than LoRA adapters train: {[n for n in trainable if '.lora_' not in n][:3]}"
+    )
+    assert not any(".norm" in n for n in trainable), f"{family.name}: modulation layers are default LoRA targets"
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn(p.shape, generator=g))
+    adapters = adapter_state_dict(model.state_dict(), lora_scale(model))
+    pipeline = family.pipeline_class()
+    pipeline.save_lora_weights(out, transformer_lora_layers=adapters)
+    back = {k.removeprefix("transformer."): v for k, v in pipeline.lora_state_dict(out).items()}
+    assert back.keys() == adapters.keys(), f"{family.name}: the LoRA file reads back with other keys"
+    for key, value in adapters.items():
+        assert torch.equal(back[key], value), f"{family.name}: LoRA tensor {key} differs after the round trip"

@@ -18,6 +18,7 @@ FAMILY = DiTFamily(
     condition_model="spindle.models.flux.condition:FluxConditionModel",
     inference="spindle.models.flux.pipeline:FLUX_INFERENCE",
     tiny_model="spindle.testing.tiny:build_tiny_flux",
+    lora_original="spindle.models.flux.lora:to_original",
     detect=_looks_like_flux,
     demo=DemoSpec(
         dataset="spindle.testing.synthetic:make_shapes_image_dataset",

@@ -18,6 +18,7 @@ FAMILY = DiTFamily(
     condition_model="spindle.models.wan.condition:WanConditionModel",
     inference="spindle.models.wan.pipeline:WAN_INFERENCE",
     tiny_model="spindle.testing.tiny:build_tiny_wan",
+    lora_original="spindle.models.wan.lora:to_original",
     detect=_looks_like_wan,
     demo=DemoSpec(
         dataset="spindle.testing.synthetic:make_shapes_video_dataset",

@@ -17,17 +17,23 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from spindle.config import ConfigError
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.mesh import barrier, is_main_process
+from spindle.models.base import CausalLMFamily
 from spindle.registry import family_of
 from spindle.train.tasks.base import StepOutput, TrainTask
+
+if TYPE_CHECKING:
+    from spindle.config import TrainJobConfig
+    from spindle.data.loader import ResumableLoader
+    from spindle.distributed.mesh import Mesh, ParallelDims
 
 log = logging.getLogger("spindle.train")
 
@@ -58,13 +64,21 @@ def causal_lm_output(model: torch.nn.Module, batch: dict[str, torch.Tensor], **m
 
 def causal_lm_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The summed next-token loss of a batch of rows (input_ids, position_ids, shift_labels)."""
-    return causal_lm_output(model, batch).loss
+    loss: torch.Tensor = causal_lm_output(model, batch).loss
+    return loss
 
 
-def load_tokenizer(path: str | Path):
+def load_tokenizer(path: str | Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def language_model_family(path: str | Path, name: str | None = None) -> CausalLMFamily:
+    family = family_of(path, name)
+    if not isinstance(family, CausalLMFamily):
+        raise ConfigError(f"model {path} is a {family.name} diffusion model, not a causal language model")
+    return family
 
 
 class CausalLMTask(TrainTask):
@@ -72,16 +86,24 @@ class CausalLMTask(TrainTask):
     # With Ulysses SP each rank holds a chunk of the sequence and computes that chunk's loss only.
     loss_sharded_over_sp = True
 
-    def __init__(self, cfg, mesh, device, precision):
+    def __init__(self, cfg: TrainJobConfig, mesh: Mesh, device: torch.device, precision: str) -> None:
         super().__init__(cfg, mesh, device, precision)
-        self.family = family_of(cfg.model.path, cfg.model.family)
+        self.family = language_model_family(cfg.model.path, cfg.model.family)
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.autocast_dtype: torch.dtype | None = None
 
     # ------------------------------------------------------------ checks before launch
 
     @classmethod
-    def check_plan(cls, cfg, dims) -> None:
+    def check_plan(cls, cfg: TrainJobConfig, dims: ParallelDims) -> None:
+        # DiT-only training options must not be silently ignored on a language model.
+        if cfg.train.lora is not None:
+            raise ConfigError("train.lora: LoRA is implemented for DiT families only so far; remove train.lora")
+        if cfg.train.validation.every_steps and cfg.train.validation.prompts:
+            raise ConfigError(
+                "train.validation renders image/video samples (DiT families); for a language model set "
+                "train.validation.every_steps: 0"
+            )
         if dims.ring > 1:
             raise ConfigError(
                 f"parallel.ring={dims.ring}: ring attention is for DiTs; language models split sequences with "
@@ -98,9 +120,9 @@ class CausalLMTask(TrainTask):
 
     # ------------------------------------------------------------ set-up
 
-    def load_model(self) -> torch.nn.Module:
+    def load_model(self) -> Any:
         """The family's ForCausalLM from the transformers folder, fp32 (master weights), sdpa attention."""
-        cls = self.family.model_cls()
+        cls: Any = self.family.model_cls()
         return cls.from_pretrained(self.cfg.model.path, dtype=torch.float32, attn_implementation="sdpa")
 
     def build_model(self) -> torch.nn.Module:
@@ -121,14 +143,15 @@ class CausalLMTask(TrainTask):
         if self.mesh.world.size() > 1:  # one process: nothing to shard (spindle.distributed.fsdp)
             apply_fsdp(model, self.mesh, self.precision)
         self.autocast_dtype = autocast_dtype(model, self.precision)
-        return model
+        trained: torch.nn.Module = model
+        return trained
 
     def parallelize_extra(self, model: torch.nn.Module) -> None:
         """Model-specific parallelism applied after SP and activation checkpointing, before the dense
         FSDP2 units (e.g. expert parallelism and the experts' own FSDP2 units, moe_causal_lm.py)."""
         return None
 
-    def build_loader(self):
+    def build_loader(self) -> ResumableLoader:
         from spindle.data.loader import ResumableLoader
         from spindle.data.text import build_text_dataset, collate_rows
 
@@ -167,7 +190,7 @@ class CausalLMTask(TrainTask):
     def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
         return int((batch["shift_labels"] != IGNORE_INDEX).sum())  # the whole rows, before any SP split
 
-    def _autocast(self):
+    def _autocast(self) -> AbstractContextManager[Any]:
         if self.autocast_dtype is None:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
@@ -200,15 +223,16 @@ class CausalLMTask(TrainTask):
     def export(self, model: torch.nn.Module, out: Path) -> Path | None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        write_transformers_folder(model, get_model_state_dict(model), self.cfg.model.path, out)
+        state = cast("dict[str, torch.Tensor]", get_model_state_dict(model))
+        write_transformers_folder(model, state, self.cfg.model.path, out)
         return out if is_main_process() else None
 
     @classmethod
     def export_checkpoint(cls, checkpoint: Path, model_path: Path, out: Path) -> Path:
         if not (model_path / "config.json").is_file():
             raise FileNotFoundError(f"base model {model_path} has no config.json; pass --model PATH")
-        family = family_of(model_path)
-        model = family.model_cls().from_pretrained(model_path, dtype=torch.float32)
+        model_cls: Any = language_model_family(model_path).model_cls()
+        model = model_cls.from_pretrained(model_path, dtype=torch.float32)
         state = ckpt.read_checkpoint_model(checkpoint, model)
         write_transformers_folder(model, state, model_path, out)
         return out
@@ -241,9 +265,10 @@ def write_transformers_folder(
     barrier()
     ckpt.save_hf_safetensors(unique_weights(model, state_dict), tmp, max_shard_bytes)
     if is_main_process():
-        model.config.save_pretrained(tmp)
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(tmp)
+        hf_model: Any = model  # a transformers PreTrainedModel
+        hf_model.config.save_pretrained(tmp)
+        if getattr(hf_model, "generation_config", None) is not None:
+            hf_model.generation_config.save_pretrained(tmp)
         load_tokenizer(source).save_pretrained(tmp)
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
