@@ -347,4 +347,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    argv = sys.argv[1:]
+    if "--family" in argv:  # MoE: other variants (ep, experts kernel), so its own script, bench/train_moe.py
+        at = argv.index("--family")
+        family, rest = argv[at + 1 : at + 2], argv[:at] + argv[at + 2 :]
+        if family == ["qwen3_moe"]:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            import train_moe
+
+            sys.exit(train_moe.main(rest))
+        if family != ["qwen3"]:
+            sys.exit(f"--family: qwen3 (this script) or qwen3_moe (bench/train_moe.py), got {family}")
+        argv = rest
+    sys.exit(main(argv))

@@ -23,6 +23,7 @@ BUILTIN_FAMILIES: dict[str, str] = {
     "flux": "spindle.models.flux",
     "llama": "spindle.models.llama",
     "qwen3": "spindle.models.qwen3",
+    "qwen3_moe": "spindle.models.qwen3_moe",
     "wan": "spindle.models.wan",
 }
 

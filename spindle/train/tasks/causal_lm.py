@@ -48,18 +48,23 @@ EXPORT_MAX_SHARD_BYTES = 5 << 30  # transformers' default max_shard_size (5GB)
 TOKEN_KEYS = ("input_ids", "position_ids", "shift_labels")
 
 
-def causal_lm_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The summed next-token loss of a batch of rows (input_ids, position_ids, shift_labels)."""
+def causal_lm_output(model: torch.nn.Module, batch: dict[str, torch.Tensor], **model_kwargs: Any):
+    """The forward output of a batch of rows (input_ids, position_ids, shift_labels); `.loss` is the sum."""
     labels = batch["shift_labels"]
-    out = model(
+    return model(
         input_ids=batch["input_ids"],
         position_ids=batch["position_ids"],
         labels=labels,
         shift_labels=labels,
         use_cache=False,  # no cache: transformers then reads document boundaries from position_ids
         **LOSS_SUM,
+        **model_kwargs,
     )
-    loss: torch.Tensor = out.loss
+
+
+def causal_lm_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The summed next-token loss of a batch of rows (input_ids, position_ids, shift_labels)."""
+    loss: torch.Tensor = causal_lm_output(model, batch).loss
     return loss
 
 
@@ -134,11 +139,17 @@ class CausalLMTask(TrainTask):
             # Non-reentrant: FSDP2's per-layer all-gather hooks fire again in the recomputation, and
             # parameter names stay unchanged (no wrapper module in the FQNs, checkpoints, export).
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        self.parallelize_extra(model)
         if self.mesh.world.size() > 1:  # one process: nothing to shard (spindle.distributed.fsdp)
             apply_fsdp(model, self.mesh, self.precision)
         self.autocast_dtype = autocast_dtype(model, self.precision)
         trained: torch.nn.Module = model
         return trained
+
+    def parallelize_extra(self, model: torch.nn.Module) -> None:
+        """Model-specific parallelism applied after SP and activation checkpointing, before the dense
+        FSDP2 units (e.g. expert parallelism and the experts' own FSDP2 units, moe_causal_lm.py)."""
+        return None
 
     def build_loader(self) -> ResumableLoader:
         from spindle.data.loader import ResumableLoader
@@ -193,8 +204,16 @@ class CausalLMTask(TrainTask):
             # Positions and labels were computed on the whole rows; each SP rank keeps its chunk.
             rows = ulysses_attention.shard_batch(rows, self.mesh.sp_rank, self.mesh.dims.sp)
         with self._autocast():
-            loss = causal_lm_loss_sum(model, rows)
-        return StepOutput(loss.float(), samples, tokens)
+            out = causal_lm_output(model, rows, **self.model_kwargs())
+        return StepOutput(out.loss.float(), samples, tokens, self.output_metrics(out))
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """Extra keyword arguments of the training forward (e.g. output_router_logits for MoE)."""
+        return {}
+
+    def output_metrics(self, out: Any) -> dict[str, float]:
+        """Scalars to log from a micro-batch's forward output (StepOutput.metrics)."""
+        return {}
 
     # ------------------------------------------------------------ export
 
