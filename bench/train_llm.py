@@ -39,9 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.train import PEAK_BF16_FLOPS, _device, _sync  # noqa: E402
 from spindle.testing.multiprocess import spawn  # noqa: E402
 
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
 QWEN3_VOCAB = 151936
 # name -> model config overrides + row shape. qwen3-0.6b: Qwen/Qwen3-0.6B's config.json shape.
 PRESETS = {
@@ -108,15 +108,6 @@ def flops_per_step(a: argparse.Namespace, cfg: dict, n_params: int) -> float:
     tokens = a.batch * a.seq_len
     attn = 12 * cfg["num_hidden_layers"] * cfg["num_attention_heads"] * cfg["head_dim"] * a.seq_len
     return (6 * matmul_params + attn) * tokens
-
-
-def _device(rank: int) -> torch.device:
-    return torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _rss_mib(field: str) -> float:
@@ -297,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(a.repeats):
             for v in variants:
                 runs[v].append(run_variant(v, a, folder))
+                r = runs[v][-1]
+                print(f"  run {v}: step {r['step_s']:.3f} s, step memory {r['step_mem_mib']:.0f} MiB", flush=True)
 
     cfg = PRESETS[a.preset]["model"]
     n_params = runs[variants[0]][0]["n_params"]
