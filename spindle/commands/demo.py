@@ -59,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     print(f"[3/5] fine-tuning for {args.steps} steps (config: {config_path})")
     result = train(load_config(config_path))
+    if result.export_dir is None:
+        raise ValueError(f"the demo config must export (checkpoint.export: true); {config_path} does not")
     first, last = _loss_summary(result.output_dir)
     print(f"[4/5] exported to {result.export_dir}")
     print("[5/5] sampling from the export")

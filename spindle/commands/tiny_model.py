@@ -34,7 +34,10 @@ def run(args: argparse.Namespace) -> int:
     from spindle.models.base import import_object
     from spindle.registry import get_family
 
-    builder = import_object(get_family(args.family).tiny_model)
+    family = get_family(args.family)
+    if family.tiny_model is None:
+        raise ValueError(f"family {args.family!r} has no tiny-model builder (tiny_model= in its registration)")
+    builder = import_object(family.tiny_model)
     out = builder(args.out, seed=args.seed, transformer=args.transformer)
     print(f"wrote tiny {args.family} checkpoint to {out}")
     return 0

@@ -15,7 +15,7 @@ import json
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,12 @@ from torch.distributed.checkpoint.state_dict import (
 
 from spindle.distributed.mesh import barrier, is_main_process
 
+# Checkpoints hold what trains (every parameter with requires_grad, plus buffers) and the optimizer
+# state; a LoRA run's frozen base weights are read from the base model again on resume.
+_TRAINABLE = StateDictOptions(ignore_frozen_params=True)
+# Setting them back: the frozen ones are absent on purpose (not strict); every trainable one was
+# requested from DCP, whose load fails on a key the checkpoint lacks, so nothing goes missing silently.
+_SET_TRAINABLE = StateDictOptions(ignore_frozen_params=True, strict=False)
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TRAINER_STATE = "trainer_state.json"
 
@@ -103,7 +109,8 @@ def save_checkpoint(
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    # Frozen parameters (a LoRA run's base weights) are not saved: they come from the base checkpoint.
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.save(_rng_state(), tmp / f"rng-rank{rank}.pt")
@@ -120,10 +127,12 @@ def save_checkpoint(
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Collective. Restores model + optimizer in place (any world size); returns trainer_state."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE)
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_SET_TRAINABLE
+    )
     rank = dist.get_rank() if dist.is_initialized() else 0
     rng_file = path / f"rng-rank{rank}.pt"
     if not rng_file.is_file():  # resumed on more ranks than saved: new ranks take rank 0's stream
@@ -132,13 +141,16 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
-    return json.loads((path / TRAINER_STATE).read_text())
+    trainer_state: dict[str, Any] = json.loads((path / TRAINER_STATE).read_text())
+    return trainer_state
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Collective: gather the full (unsharded) model state dict on CPU; meaningful on rank 0."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
+def full_state_dict(model: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """Collective: gather the full (unsharded) model state dict on CPU; meaningful on rank 0.
+    `trainable_only`: leave out frozen parameters (a LoRA run gathers only its adapters)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+    # with full_state_dict=True every value is a plain tensor (no DTensor, no nested dicts)
+    return cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
 
 
 def shard_plan(state_dict: dict[str, torch.Tensor], max_shard_bytes: int) -> dict[str, int]:
@@ -184,8 +196,10 @@ def save_hf_safetensors(state_dict: dict[str, torch.Tensor], out: str | Path, ma
 
 def read_checkpoint_model(path: Path, template: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Read a checkpoint's model weights into a plain state dict shaped like `template` (1 process)."""
+    saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    # a LoRA checkpoint holds only the adapters: the template's other tensors stay the base weights
     sd = {k: v.detach().clone() for k, v in template.state_dict().items()}
-    dcp.load({"model": sd}, checkpoint_id=str(path))
+    dcp.load({"model": {k: v for k, v in sd.items() if f"model.{k}" in saved}}, checkpoint_id=str(path))
     return sd
 
 

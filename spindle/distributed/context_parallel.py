@@ -63,7 +63,7 @@ def _model_class(transformer_or_config: Any) -> type | None:
     return getattr(diffusers, name, None)
 
 
-def _cp_plan_of(transformer_or_config: Any) -> dict | None:
+def _cp_plan_of(transformer_or_config: Any) -> dict[str, Any] | None:
     cls = _model_class(transformer_or_config)
     if isinstance(transformer_or_config, torch.nn.Module):
         plan = getattr(transformer_or_config, "_cp_plan", None)
@@ -73,7 +73,7 @@ def _cp_plan_of(transformer_or_config: Any) -> dict | None:
 
 
 def check_sequence_parallel(
-    transformer_config: Any, sp: int, seq_len: int | None = None, *, plan: dict | None = None, ring: int = 1
+    transformer_config: Any, sp: int, seq_len: int | None = None, *, plan: dict[str, Any] | None = None, ring: int = 1
 ) -> None:
     """Fail fast (ValueError) if `sp`-way Ulysses x `ring`-way ring SP cannot run this transformer;
     no-op for sp == ring == 1. Heads must divide `sp`; the sequence must divide `sp x ring`.
@@ -162,7 +162,7 @@ def _ring_ulysses_mesh(cp_mesh: DeviceMesh) -> DeviceMesh:
 
 
 def enable_sequence_parallel(
-    transformer: torch.nn.Module, cp_mesh: DeviceMesh, plan: dict | None = None
+    transformer: torch.nn.Module, cp_mesh: DeviceMesh, plan: dict[str, Any] | None = None
 ) -> torch.nn.Module:
     """Apply diffusers' context parallelism over `cp_mesh`, in place: Ulysses over a 1-D mesh, or ring x
     Ulysses over Spindle's 2-D ("ring", "sp") mesh (`Mesh.cp`).
@@ -200,8 +200,9 @@ def enable_sequence_parallel(
 
     # An instance attribute shadows the method for this one call only; removed right after.
     transformer.__dict__["_resolve_parallel_config"] = resolve_on_our_mesh
+    model: Any = transformer  # a diffusers ModelMixin (checked above); its API is not on nn.Module
     try:
-        transformer.enable_parallelism(config=config, cp_plan=plan)
+        model.enable_parallelism(config=config, cp_plan=plan)
     finally:
         transformer.__dict__.pop("_resolve_parallel_config", None)
     return transformer
@@ -226,19 +227,19 @@ def sequence_parallel_size(transformer: torch.nn.Module) -> int:
 
 
 def _ring_forward_op(
-    ctx,
-    query,
-    key,
-    value,
-    attn_mask=None,
-    dropout_p=0.0,
-    is_causal=False,
-    scale=None,
-    enable_gqa=False,
-    return_lse=False,
-    _save_ctx=True,
-    _parallel_config=None,
-):
+    ctx: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    _save_ctx: bool = True,
+    _parallel_config: Any = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One ring block: [B, S, H, D] in -> (out [B, S, H, D], lse [B, S, H]) with the CPU flash kernel."""
     if attn_mask is not None or dropout_p or is_causal or enable_gqa:
         raise ValueError(
@@ -254,7 +255,17 @@ def _ring_forward_op(
     return (out, lse) if return_lse else out
 
 
-def _ring_backward_op(ctx, grad_out, *args, query, key, value, out, lse, **kwargs):
+def _ring_backward_op(
+    ctx: Any,
+    grad_out: torch.Tensor,
+    *args: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, ...]:
     """Gradients of one KV block given the global (out, lse) of the whole ring: the flash-attention
     backward (P = exp(S - lse), dS = P * (dP - rowsum(dO * O))), computed in fp32."""
     dtype = query.dtype
@@ -281,17 +292,17 @@ def install_cpu_ring_backend() -> None:
         return
 
     def native_or_ring(
-        query,
-        key,
-        value,
-        attn_mask=None,
-        dropout_p=0.0,
-        is_causal=False,
-        scale=None,
-        enable_gqa=False,
-        return_lse=False,
-        _parallel_config=None,
-    ):
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+        return_lse: bool = False,
+        _parallel_config: Any = None,
+    ) -> Any:
         cp = getattr(_parallel_config, "context_parallel_config", None)
         if cp is None or cp.ring_degree == 1:
             return native(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,

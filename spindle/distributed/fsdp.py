@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -139,7 +140,8 @@ def apply_activation_checkpointing(transformer: nn.Module) -> nn.Module:
             f"{type(transformer).__name__} does not support gradient checkpointing (diffusers "
             f"`_supports_gradient_checkpointing` is False); set train.gradient_checkpointing: false"
         )
-    transformer.enable_gradient_checkpointing()
+    model: Any = transformer  # a diffusers ModelMixin (checked above); its API is not on nn.Module
+    model.enable_gradient_checkpointing()
     return transformer
 
 
@@ -149,7 +151,7 @@ def parallelize_transformer(
     *,
     mixed_precision: str | None = "no",
     gradient_checkpointing: bool = False,
-    cp_plan: dict | None = None,
+    cp_plan: dict[str, Any] | None = None,
     reshard_after_forward: bool = True,
 ) -> nn.Module:
     """CP (if sp > 1) -> activation checkpointing -> FSDP2, in place; returns the model.

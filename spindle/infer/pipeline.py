@@ -16,12 +16,15 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from spindle.infer.request import Req
 from spindle.infer.stages import BeforeDenoisingStage, DecodingStage, DenoisingStage, InferenceSpec, Stage
+
+if TYPE_CHECKING:
+    from diffusers import ModelMixin  # Any to mypy: diffusers is not followed (pyproject [tool.mypy])
 
 ALLOWED_LIBRARIES = ("diffusers", "transformers")
 CACHE_KINDS = ("fbc",)  # diffusers FirstBlockCacheConfig
@@ -49,6 +52,8 @@ class EngineOptions:
     sp: int = 1  # Ulysses sequence-parallel degree (heads must divide it)
     ring: int = 1  # ring-attention degree: the sequence is split over ring x sp processes
     cfg_parallel: bool = False  # cond / uncond on different ranks (needs 2 x ring x sp processes)
+    lora: str | None = None  # a LoRA file / folder applied to the transformer (spindle.infer.lora)
+    lora_scale: float = 1.0
 
     def validate(self) -> None:
         for name in ("dtype", "vae_dtype"):
@@ -58,6 +63,8 @@ class EngineOptions:
             raise ValueError(f"cache must be one of {CACHE_KINDS} (or None); got {self.cache!r}")
         if not isinstance(self.cache_threshold, (int, float)) or self.cache_threshold < 0:
             raise ValueError(f"cache_threshold must be a number >= 0; got {self.cache_threshold!r}")
+        if not isinstance(self.lora_scale, (int, float)) or isinstance(self.lora_scale, bool):
+            raise ValueError(f"lora_scale must be a number; got {self.lora_scale!r}")
         for name in ("sp", "ring"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -73,13 +80,14 @@ class EngineOptions:
         return torch.device(self.device)
 
 
-def read_model_index(root: str | Path) -> dict:
+def read_model_index(root: str | Path) -> dict[str, Any]:
     path = Path(root) / "model_index.json"
     if not path.is_file():
         raise FileNotFoundError(
             f"{path} not found: the model must be a diffusers pipeline folder with model_index.json"
         )
-    return json.loads(path.read_text())
+    index: dict[str, Any] = json.loads(path.read_text())
+    return index
 
 
 def load_component(root: Path, name: str, entry: Any, device: torch.device, dtype: torch.dtype) -> Any:
@@ -95,11 +103,12 @@ def load_component(root: Path, name: str, entry: Any, device: torch.device, dtyp
     path = root / name
     if not path.is_dir():
         raise FileNotFoundError(f"component folder {path} not found (model_index.json lists {name!r})")
+    loader: Any = cls  # a diffusers / transformers class: from_pretrained is theirs, not nn.Module's
     if isinstance(cls, type) and issubclass(cls, torch.nn.Module):
-        obj = cls.from_pretrained(path, dtype=dtype)
+        obj = loader.from_pretrained(path, dtype=dtype)
         obj.to(device).eval().requires_grad_(False)
         return obj
-    return cls.from_pretrained(path)
+    return loader.from_pretrained(path)
 
 
 def load_components(root: str | Path, spec: InferenceSpec, options: EngineOptions) -> dict[str, Any]:
@@ -114,7 +123,7 @@ def load_components(root: str | Path, spec: InferenceSpec, options: EngineOption
     return out
 
 
-def apply_cache(transformer: torch.nn.Module, kind: str, threshold: float) -> None:
+def apply_cache(transformer: ModelMixin, kind: str, threshold: float) -> None:
     """Step caching with diffusers' own hooks (`enable_cache`)."""
     if kind == "fbc":
         from diffusers.hooks import FirstBlockCacheConfig
@@ -124,7 +133,7 @@ def apply_cache(transformer: torch.nn.Module, kind: str, threshold: float) -> No
         raise ValueError(f"unknown cache {kind!r}; choose one of {CACHE_KINDS}")
 
 
-def apply_compile(transformer: torch.nn.Module) -> None:
+def apply_compile(transformer: ModelMixin) -> None:
     """Regional compilation: `torch.compile` each repeated block (diffusers `_repeated_blocks`)."""
     if getattr(transformer, "_repeated_blocks", None):
         transformer.compile_repeated_blocks()
@@ -158,7 +167,7 @@ class InferencePipeline:
         self.device = options.torch_device()
 
     @property
-    def transformer(self) -> torch.nn.Module:
+    def transformer(self) -> ModelMixin:
         return self.components[self.spec.transformer_component]
 
     @property
@@ -179,6 +188,10 @@ class InferencePipeline:
         family = resolve_family(root)
         spec: InferenceSpec = family.inference_spec()
         components = load_components(root, spec, options)
+        if options.lora is not None:
+            from spindle.infer.lora import apply_lora_file
+
+            apply_lora_file(family, components, options.lora, options.lora_scale)
         return cls.build(spec, components, options, root=root)
 
     @classmethod
@@ -203,7 +216,10 @@ class InferencePipeline:
         return cls(spec, components, stages, options, root=root, mesh=mesh)
 
     def run(self, req: Req) -> Req:
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        def sync() -> None:  # stage timings on CUDA need the queued kernels finished
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+
         for stage in self.stages:
             sync()
             start = time.perf_counter()

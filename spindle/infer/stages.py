@@ -29,6 +29,7 @@ from spindle.infer.request import Req, RequestError, SamplingParams
 
 if TYPE_CHECKING:
     import torch.distributed as dist
+    from diffusers import ModelMixin  # Any to mypy: diffusers is not followed (pyproject [tool.mypy])
 
 
 class Stage:
@@ -78,7 +79,7 @@ class InferenceSpec:
     def default_params(self, components: dict[str, Any]) -> SamplingParams:
         return SamplingParams()
 
-    def check_checkpoint(self, model_index: dict) -> None:
+    def check_checkpoint(self, model_index: dict[str, Any]) -> None:
         """Raise for checkpoint variants of the family this spec cannot serve."""
 
     def make_before_denoising(self, components: dict[str, Any]) -> BeforeDenoisingStage:
@@ -115,7 +116,8 @@ class InferenceSpec:
         return None
 
     def model_output(self, out: Any) -> torch.Tensor:
-        return out[0] if isinstance(out, (tuple, list)) else out.sample
+        sample: torch.Tensor = out[0] if isinstance(out, (tuple, list)) else out.sample
+        return sample
 
     def combine_cfg(self, cond: torch.Tensor, uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
         return uncond + guidance_scale * (cond - uncond)
@@ -133,10 +135,12 @@ class InferenceSpec:
         if decoded.ndim == 5:
             from diffusers.video_processor import VideoProcessor
 
-            return VideoProcessor().postprocess_video(decoded, output_type="np")
+            video: np.ndarray = VideoProcessor().postprocess_video(decoded, output_type="np")
+            return video
         from diffusers.image_processor import VaeImageProcessor
 
-        return VaeImageProcessor().postprocess(decoded, output_type="np")
+        image: np.ndarray = VaeImageProcessor().postprocess(decoded, output_type="np")
+        return image
 
 
 class DenoisingStage(Stage):
@@ -154,7 +158,7 @@ class DenoisingStage(Stage):
 
     def __init__(
         self,
-        transformer: torch.nn.Module,
+        transformer: ModelMixin,
         spec: InferenceSpec,
         cfg_batch: bool = True,
         cfg_group: dist.ProcessGroup | None = None,
@@ -168,13 +172,17 @@ class DenoisingStage(Stage):
         self.sp = sp
         self.ring = ring
 
-    def _cache_context(self, name: str, req: Req, i: int):
+    def _cache_context(self, name: str, req: Req, i: int) -> contextlib.AbstractContextManager[Any]:
         ctx = getattr(self.transformer, "cache_context", None)
         if ctx is None:
             return contextlib.nullcontext()
         sigmas = getattr(req.scheduler, "sigmas", None)
         sigma = float(sigmas[i]) if sigmas is not None and i < len(sigmas) else None
-        return ctx(name, step_index=i, sigma=sigma, num_inference_steps=len(req.timesteps))
+        steps = len(req.timesteps) if req.timesteps is not None else None
+        context: contextlib.AbstractContextManager[Any] = ctx(
+            name, step_index=i, sigma=sigma, num_inference_steps=steps
+        )
+        return context
 
     def _forward(self, kwargs: dict[str, Any]) -> torch.Tensor:
         return self.spec.model_output(self.transformer(**kwargs))
@@ -221,12 +229,17 @@ class DenoisingStage(Stage):
             raise RequestError(str(e)) from e
 
     def forward(self, req: Req) -> Req:
+        latents, timesteps = req.latents, req.timesteps
+        if latents is None or timesteps is None:
+            raise RuntimeError(
+                "DenoisingStage needs req.latents and req.timesteps: the family's BeforeDenoisingStage must set them"
+            )
         self.check_sequence_parallel(req)
-        if hasattr(self.transformer, "_reset_stateful_cache"):
-            self.transformer._reset_stateful_cache()  # cache state never leaks across requests
-        latents = req.latents
-        total = len(req.timesteps)
-        for i, t in enumerate(req.timesteps):
+        reset_cache = getattr(self.transformer, "_reset_stateful_cache", None)
+        if reset_cache is not None:
+            reset_cache()  # cache state never leaks across requests
+        total = len(timesteps)
+        for i, t in enumerate(timesteps):
             req.check_cancelled()
             noise_pred = self.predict(req, latents, t, i)
             latents = req.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
@@ -241,12 +254,14 @@ class DecodingStage(Stage):
 
     name = "decoding"
 
-    def __init__(self, vae: torch.nn.Module, spec: InferenceSpec):
+    def __init__(self, vae: ModelMixin, spec: InferenceSpec):
         self.vae = vae
         self.spec = spec
 
     def forward(self, req: Req) -> Req:
         req.check_cancelled()
+        if req.latents is None:
+            raise RuntimeError("DecodingStage needs req.latents: the DenoisingStage before it sets them")
         latents = self.spec.post_denoising(req.latents, req)
         param = next(self.vae.parameters())
         latents = latents.to(param.device, dtype=param.dtype)

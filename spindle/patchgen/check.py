@@ -40,6 +40,8 @@ def load_config(path: Path) -> PatchConfig:
     path = Path(path).resolve()
     name = "_spindle_patchgen_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise PatchgenError(f"{display_path(path)}: cannot be loaded as a Python module (a .py file is needed)")
     module = importlib.util.module_from_spec(spec)
     # Registered before running: inspect.getsource on a replacement class looks its module up here.
     sys.modules[name] = module

@@ -21,6 +21,7 @@ import sys
 import tokenize
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from spindle.patchgen.spec import DEFINITION_KINDS, Patch, PatchConfig, PatchgenError, display_path
 
@@ -99,7 +100,8 @@ def rewrite_relative_imports(text: str, package: str, path: Path | str = "<sourc
             continue
         absolute = importlib.util.resolve_name("." * node.level + (node.module or ""), package)
         i = node.lineno - 1
-        new, count = _FROM_DOTS.subn(lambda m, a=absolute: m.group(1) + a + m.group(3), lines[i], count=1)
+        # a module path has no backslashes, so it is safe in the replacement template
+        new, count = _FROM_DOTS.subn(rf"\g<1>{absolute}\g<3>", lines[i], count=1)
         if count != 1:
             raise PatchgenError(f"{path}:{node.lineno}: cannot rewrite the relative import {lines[i].strip()!r}")
         lines[i] = new
@@ -109,7 +111,7 @@ def rewrite_relative_imports(text: str, package: str, path: Path | str = "<sourc
 # -- locating targets
 
 
-def _names(nodes, types) -> dict[str, ast.AST]:
+def _names(nodes, types) -> dict[str, Any]:  # name -> the ClassDef / FunctionDef node
     return {n.name: n for n in nodes if isinstance(n, types)}
 
 
@@ -156,6 +158,14 @@ def _first_line(node) -> int:
     return min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
 
 
+def _last_line(node: ast.AST) -> int:
+    """`end_lineno` (typed Optional by typeshed; `ast.parse` always sets it)."""
+    end = getattr(node, "end_lineno", None)
+    if end is None:
+        raise PatchgenError(f"{type(node).__name__} node at line {getattr(node, 'lineno', '?')} has no end position")
+    return int(end)
+
+
 def _string_continuation_rows(code: str) -> set[int]:
     """0-based rows that start inside a multi-line string: re-indenting them would change the string."""
     rows: set[int] = set()
@@ -186,7 +196,8 @@ def _rename(code: str, node, new: str) -> str:
 
 def _signature(fn) -> str:
     """Parameter names, kinds and defaults (no annotations) as text, e.g. `self, x=None, *args, **kwargs`."""
-    args = ast.fix_missing_locations(ast.parse(ast.unparse(fn.args).join(("def f(", "): pass")))).body[0].args
+    stub: Any = ast.parse(ast.unparse(fn.args).join(("def f(", "): pass"))).body[0]  # a FunctionDef
+    args = ast.fix_missing_locations(stub).args
     for a in (*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg):
         if a is not None:
             a.annotation = None
@@ -231,7 +242,7 @@ def _definition_edit(patch: Patch, index: _Index, lines: list[str], order: int) 
         node = index.method(patch, patch.target, "__init__")
     indent = " " * node.col_offset
     start = _first_line(node)
-    replacement = ast.parse(patch.code).body[0]
+    replacement: Any = ast.parse(patch.code).body[0]  # the def / class the patch defines
 
     if patch.kind == "modify_init":
         _check_signature(patch, node, replacement, upstream)
@@ -253,13 +264,13 @@ def _definition_edit(patch: Patch, index: _Index, lines: list[str], order: int) 
         appended = [
             line if (i in keep or not line.strip()) else body_indent + line[column:]
             for i, line in enumerate(code_lines)
-            if body[0].lineno - 1 <= i < body[-1].end_lineno
+            if body[0].lineno - 1 <= i < _last_line(body[-1])
         ]
         return [
             _Edit(start, start - 1, [_marker(patch, indent)], patch, order),
             _Edit(
-                node.end_lineno + 1,
-                node.end_lineno,
+                _last_line(node) + 1,
+                _last_line(node),
                 [_marker(patch, body_indent).rstrip("\n") + " (appended)\n", *appended],
                 patch,
                 order,
@@ -274,12 +285,12 @@ def _definition_edit(patch: Patch, index: _Index, lines: list[str], order: int) 
     if patch.kind != "replace_class" and patch.keep_decorators:
         new += lines[start - 1 : node.lineno - 1]
     new += _indent(code, indent)
-    return [_Edit(start, node.end_lineno, new, patch, order)]
+    return [_Edit(start, _last_line(node), new, patch, order)]
 
 
 def _drop_import_edits(patches: list[Patch], index: _Index, order: int) -> list[_Edit]:
     """One edit per upstream import statement that loses names; the statement goes when emptied."""
-    by_stmt: dict[int, tuple[ast.AST, list[Patch]]] = {}
+    by_stmt: dict[int, tuple[ast.Import | ast.ImportFrom, list[Patch]]] = {}
     for patch in patches:
         hits = [n for n in index.imports if any((a.asname or a.name) == patch.target for a in n.names)]
         if not hits:
@@ -295,7 +306,7 @@ def _drop_import_edits(patches: list[Patch], index: _Index, order: int) -> list[
         if kept:
             stmt = ast.ImportFrom(node.module, kept, 0) if isinstance(node, ast.ImportFrom) else ast.Import(kept)
             new.append(ast.unparse(stmt) + "\n")
-        edits.append(_Edit(node.lineno, node.end_lineno, new, ps[0], order))
+        edits.append(_Edit(node.lineno, _last_line(node), new, ps[0], order))
     return edits
 
 
@@ -305,7 +316,7 @@ def _module_additions(patches: list[Patch], index: _Index, order: int) -> list[_
         return []
     if not index.imports:
         raise PatchgenError(f"{index.upstream.path}: no module-level import to place added code after")
-    after = max(n.end_lineno for n in index.imports)
+    after = max(_last_line(n) for n in index.imports)
     new: list[str] = ["\n"]
     imports = [p for p in patches if p.kind == "add_import"]
     if imports:

@@ -17,6 +17,7 @@ import tokenize
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 # The verbs that replace an upstream definition (one target each); the others add or drop imports/code.
 DEFINITION_KINDS = ("replace_class", "override_method", "replace_function", "modify_init")
@@ -107,7 +108,7 @@ def replacement_source(obj: Callable | type) -> tuple[str, str]:
             f"patchgen: cannot read the source of {obj!r} ({e}); replacements must be defined in a .py file"
         ) from e
     code = textwrap.dedent("".join(lines))
-    node = ast.parse(code).body[0]
+    node: Any = ast.parse(code).body[0]  # the decorated def / class
     drop: set[int] = set()
     for dec in node.decorator_list:
         if _is_dsl_decorator(dec):
