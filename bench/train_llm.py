@@ -4,8 +4,9 @@ transformers + AdamW, on the same Qwen3-shaped model folder, token rows, seq_len
     python bench/train_llm.py                          # CPU preset: 4 layers, 152k vocab, 2 x 1024 tokens
     python bench/train_llm.py --preset qwen3-0.6b      # Qwen3-0.6B's shape on a GPU: MFU reported
 
-Variants (each run in its own spawned process(es), so peak memory is per variant: RSS on CPU,
-torch.cuda.max_memory_allocated on CUDA):
+Variants (each run in its own spawned process(es), so memory is per variant: RSS on CPU,
+torch.cuda.max_memory_allocated on CUDA; "peak" is the process's peak during the steps, "step" the part
+of it above what was in use before the first step: activations, logits, gradients, optimizer state):
   transformers         `AutoModelForCausalLM` + `model(input_ids, labels=input_ids).loss` + clip + torch AdamW
                        (+ torch.autocast bf16 on CUDA): full [tokens, vocab] logits, transformers' loss
   spindle_full_logits  Spindle's causal-LM task (model build, loss sum / valid tokens, clip, optimizer) with the
@@ -26,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -39,9 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.train import PEAK_BF16_FLOPS, _device, _sync  # noqa: E402
 from spindle.testing.multiprocess import spawn  # noqa: E402
 
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
 QWEN3_VOCAB = 151936
 # name -> model config overrides + row shape. qwen3-0.6b: Qwen/Qwen3-0.6B's config.json shape.
 PRESETS = {
@@ -110,22 +110,32 @@ def flops_per_step(a: argparse.Namespace, cfg: dict, n_params: int) -> float:
     return (6 * matmul_params + attn) * tokens
 
 
-def _device(rank: int) -> torch.device:
-    return torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
+def _rss_mib(field: str) -> float:
+    """VmRSS (now) or VmHWM (peak since the last reset) of this process, MiB."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
 
 
-def _sync(device: torch.device) -> None:
+def _memory_mark(device: torch.device) -> float:
+    """Reset the peak counter; the memory in use now (model, inputs, before any step), MiB."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device) / 2**20
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # Linux: reset the peak RSS (VmHWM) to the current RSS
+    return _rss_mib("VmRSS")
 
 
-def _peak_memory(device: torch.device) -> float:
+def _memory_peak(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux -> MiB
+    return _rss_mib("VmHWM")
 
 
-def _timed(a: argparse.Namespace, device: torch.device, step) -> list[float]:
+def _timed(a: argparse.Namespace, device: torch.device, step) -> dict:
+    """Step times after warm-up; peak memory of the steps, absolute and above what was in use before them
+    (the steps' own: activations, logits, gradients, optimizer state)."""
+    before = _memory_mark(device)
     times = []
     for i in range(a.warmup + a.steps):
         _sync(device)
@@ -134,10 +144,11 @@ def _timed(a: argparse.Namespace, device: torch.device, step) -> list[float]:
         _sync(device)
         if i >= a.warmup:
             times.append(time.perf_counter() - t0)
-    return times
+    peak = _memory_peak(device)
+    return dict(step_times=times, peak_mem_mib=peak, step_mem_mib=peak - before)
 
 
-def transformers_loop(a: argparse.Namespace, folder: Path, device: torch.device) -> tuple[int, list[float], str]:
+def transformers_loop(a: argparse.Namespace, folder: Path, device: torch.device) -> tuple[int, dict, str]:
     """What a user writes: load, `model(input_ids, labels=...)`, backward, clip, AdamW."""
     from transformers import AutoModelForCausalLM
 
@@ -161,7 +172,7 @@ def transformers_loop(a: argparse.Namespace, folder: Path, device: torch.device)
 
 def spindle_loop(
     a: argparse.Namespace, folder: Path, device: torch.device, sp: int, stock: bool
-) -> tuple[int, list[float], str]:
+) -> tuple[int, dict, str]:
     """Spindle's causal-LM task: its model build (SP, FSDP2 when >1 process), loss sum over valid tokens,
     the trainer's normalisation, clip and optimizer; `stock`: the stock transformers class instead of the
     family's (full-logits loss)."""
@@ -217,14 +228,12 @@ def _worker(rank: int, world: int, variant: str, a: argparse.Namespace, folder: 
     import torch.distributed as dist
 
     device = _device(rank)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     if variant == "transformers":
-        n_params, times, cls = transformers_loop(a, Path(folder), device)
+        n_params, timing, cls = transformers_loop(a, Path(folder), device)
     else:
         sp = 2 if variant == "spindle_sp2" else 1
-        n_params, times, cls = spindle_loop(a, Path(folder), device, sp, stock=variant == "spindle_full_logits")
-    result = dict(n_params=n_params, step_times=times, peak_mem_mib=_peak_memory(device), model_class=cls)
+        n_params, timing, cls = spindle_loop(a, Path(folder), device, sp, stock=variant == "spindle_full_logits")
+    result = dict(n_params=n_params, model_class=cls, **timing)
     Path(out_dir, f"{variant}_rank{rank}.json").write_text(json.dumps(result))
     if dist.is_initialized() and world > 1:
         dist.barrier()
@@ -245,6 +254,7 @@ def run_variant(variant: str, a: argparse.Namespace, folder: Path) -> dict:
         model_class=ranks[0]["model_class"],
         step_s=statistics.median(step_times),
         peak_mem_mib=max(r["peak_mem_mib"] for r in ranks),
+        step_mem_mib=max(r["step_mem_mib"] for r in ranks),
         step_times=step_times,
     )
 
@@ -278,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(a.repeats):
             for v in variants:
                 runs[v].append(run_variant(v, a, folder))
+                r = runs[v][-1]
+                print(f"  run {v}: step {r['step_s']:.3f} s, step memory {r['step_mem_mib']:.0f} MiB", flush=True)
 
     cfg = PRESETS[a.preset]["model"]
     n_params = runs[variants[0]][0]["n_params"]
@@ -297,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                 step_s=step_s,
                 tokens_per_s=tokens / step_s,
                 peak_mem_mib=max(r["peak_mem_mib"] for r in runs[v]),
+                step_mem_mib=max(r["step_mem_mib"] for r in runs[v]),
                 tflops_per_s=flops / step_s / 1e12,
                 mfu=(flops / step_s / first["processes"] / peak) if peak else None,
                 run_step_s=[r["step_s"] for r in runs[v]],
@@ -305,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     base = next((r for r in results if r["variant"] == "transformers"), results[0])
     for r in results:
         r["tokens_per_s_vs_transformers"] = r["tokens_per_s"] / base["tokens_per_s"]
-        r["peak_mem_vs_transformers"] = r["peak_mem_mib"] / base["peak_mem_mib"]
+        r["step_mem_vs_transformers"] = r["step_mem_mib"] / base["step_mem_mib"]
     report = dict(
         preset=a.preset,
         device=device_name,
@@ -326,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{a.seq_len} tokens | {report['precision']} | median of {a.repeats} interleaved runs x {a.steps} steps"
     )
     head = (
-        f"{'variant':<21}{'procs':>6}{'step s':>9}{'tokens/s':>10}{'vs tf':>7}{'peak MiB':>10}{'mem vs tf':>10}"
+        f"{'variant':<21}{'procs':>6}{'step s':>9}{'tokens/s':>10}{'vs tf':>7}{'peak MiB':>10}{'step MiB':>10}"
+        f"{'vs tf':>7}"
         f"{'MFU':>7}"
     )
     print(head)
@@ -335,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         print(
             f"{r['variant']:<21}{r['processes']:>6}{r['step_s']:>9.3f}{r['tokens_per_s']:>10.0f}"
-            f"{r['tokens_per_s_vs_transformers']:>7.2f}{r['peak_mem_mib']:>10.0f}{r['peak_mem_vs_transformers']:>10.2f}"
+            f"{r['tokens_per_s_vs_transformers']:>7.2f}{r['peak_mem_mib']:>10.0f}{r['step_mem_mib']:>10.0f}"
+            f"{r['step_mem_vs_transformers']:>7.2f}"
             f"{mfu:>7}"
         )
     name = "train_llm.json" if a.preset == "cpu" else f"train_llm-{a.preset}.json"
@@ -347,4 +362,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    argv = sys.argv[1:]
+    if "--family" in argv:  # MoE: other variants (ep, experts kernel), so its own script, bench/train_moe.py
+        at = argv.index("--family")
+        family, rest = argv[at + 1 : at + 2], argv[:at] + argv[at + 2 :]
+        if family == ["qwen3_moe"]:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            import train_moe
+
+            sys.exit(train_moe.main(rest))
+        if family != ["qwen3"]:
+            sys.exit(f"--family: qwen3 (this script) or qwen3_moe (bench/train_moe.py), got {family}")
+        argv = rest
+    sys.exit(main(argv))

@@ -137,6 +137,7 @@ class ParallelConfig(Section):
     dp_shard: int = Field(-1, description="FSDP2 shard degree; -1 = the rest of the world")
     sp: int = Field(1, ge=1, description="Ulysses sequence-parallel degree (attention heads must divide it)")
     ring: int = Field(1, ge=1, description="ring-attention degree; the sequence is split over ring x sp ranks (USP)")
+    ep: int = Field(1, ge=1, description="expert-parallel degree (MoE models): experts split over ep ranks of dp_shard")
 
 
 class TrainJobConfig(Section):
@@ -175,6 +176,7 @@ class CausalLMJobConfig(TrainJobConfig):
 JOB_CONFIGS: dict[str, type[TrainJobConfig]] = {
     "flow_matching": DiTJobConfig,
     "causal_lm": CausalLMJobConfig,
+    "causal_lm_moe": CausalLMJobConfig,  # same data and sections; parallel.ep matters
 }
 
 

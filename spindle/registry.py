@@ -11,18 +11,19 @@ from __future__ import annotations
 import importlib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 if TYPE_CHECKING:
     from spindle.models.family import CausalLMFamily, DiTFamily
 
-    Family = DiTFamily | CausalLMFamily
+Family: TypeAlias = "DiTFamily | CausalLMFamily"
 
 # name -> module defining FAMILY. Adding a family: one line here, one folder under models/.
 BUILTIN_FAMILIES: dict[str, str] = {
     "flux": "spindle.models.flux",
     "llama": "spindle.models.llama",
     "qwen3": "spindle.models.qwen3",
+    "qwen3_moe": "spindle.models.qwen3_moe",
     "qwenimage": "spindle.models.qwenimage",
     "wan": "spindle.models.wan",
 }
@@ -39,16 +40,18 @@ def family_names() -> list[str]:
 def get_family(name: str) -> Family:
     if name not in BUILTIN_FAMILIES:
         raise UnknownModelError(f"unknown model family {name!r}; known families: {', '.join(family_names())}")
-    return importlib.import_module(BUILTIN_FAMILIES[name]).FAMILY
+    family: Family = importlib.import_module(BUILTIN_FAMILIES[name]).FAMILY
+    return family
 
 
 def all_families() -> list[Family]:
     return [get_family(n) for n in family_names()]
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text())
+        data: dict[str, Any] = json.loads(path.read_text())
+        return data
     except json.JSONDecodeError as e:
         raise UnknownModelError(f"{path} is not valid JSON: {e}") from e
 
@@ -79,6 +82,8 @@ def resolve_family(root: str | Path) -> Family:
     `_class_name`, then each family's detector (for renamed or hand-assembled local folders).
     A transformers folder (config.json with `model_type`): the family declaring that model type.
     """
+    from spindle.models.base import DiTFamily
+
     root = Path(root)
     index_path = root / "model_index.json"
     if not root.is_dir():
@@ -96,16 +101,16 @@ def resolve_family(root: str | Path) -> Family:
     tcfg_path = root / "transformer" / "config.json"
     transformer_cls = _read_json(tcfg_path).get("_class_name") if tcfg_path.is_file() else None
     families = all_families()
-    for fam in families:
-        if pipeline_cls in getattr(fam, "pipeline_classes", ()):
+    dit = [f for f in families if isinstance(f, DiTFamily)]
+    for fam in dit:
+        if pipeline_cls in fam.pipeline_classes:
             return fam
-    for fam in families:
-        if transformer_cls in getattr(fam, "transformer_classes", ()):
+    for fam in dit:
+        if transformer_cls in fam.transformer_classes:
             return fam
-    for fam in families:
-        if getattr(fam, "detect", None) is not None and fam.detect(root):
+    for fam in dit:
+        if fam.detect is not None and fam.detect(root):
             return fam
-    dit = [f for f in families if getattr(f, "pipeline_classes", ())]
     known = ", ".join(f"{f.name} ({', '.join(f.pipeline_classes + f.transformer_classes)})" for f in dit)
     raise UnknownModelError(
         f"no Spindle family serves {root} (pipeline class {pipeline_cls!r}, transformer class "

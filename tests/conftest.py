@@ -156,6 +156,16 @@ def tiny_llama(tmp_path_factory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("models") / "llama", seed=0)
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(tmp_path_factory) -> Path:
+    """Tiny Qwen3-MoE (8 experts, top-2, per-expert layout), 2 layers; an aux coefficient large enough
+    that a wrong aux loss shows in the step loss and grad norm."""
+    from spindle.testing.tiny_llm import build_tiny_qwen3_moe
+
+    overrides = {"num_hidden_layers": 2, "router_aux_loss_coef": 0.1}
+    return build_tiny_qwen3_moe(tmp_path_factory.mktemp("models") / "qwen3_moe", seed=0, transformer=overrides)
+
+
 CHAT_LINES = [
     [{"role": "user", "content": "what colour is the circle"}, {"role": "assistant", "content": "red"}],
     [

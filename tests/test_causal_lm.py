@@ -250,3 +250,24 @@ def test_shipped_configs_are_valid_causal_lm_jobs(name):
 
     cfg = validate_config(load_raw(Path(__file__).parents[1] / "configs" / name), CausalLMJobConfig)
     assert cfg.data.packing and cfg.data.seq_len >= 64
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"parallel__ring": 2, "parallel__dp_shard": 1}, "set parallel.ring: 1"),
+        ({"train__lora": {"rank": 4}}, "remove train.lora"),
+        ({"train__validation": {"every_steps": 1, "prompts": ["a"]}}, "train.validation.every_steps: 0"),
+    ],
+    ids=["ring", "lora", "validation"],
+)
+def test_dit_only_options_are_refused_for_language_models_before_launch(
+    overrides, message, tiny_qwen3, lm_corpus, tmp_path, spindle_cli
+):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("{}")
+    args = lm_overrides(tiny_qwen3, lm_corpus, tmp_path / "o", **overrides)
+    r = spindle_cli("train", cfg, *args, "--nproc", "2")
+    assert r.returncode == 2
+    assert message in r.stderr
+    assert not (tmp_path / "o").exists()  # refused before any process was launched

@@ -60,8 +60,12 @@ def single(tiny_qwen3, lm_corpus, tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize(
     "layout",
-    [{"parallel__dp_shard": 2}, {"parallel__dp_replicate": 2, "parallel__dp_shard": 1}],
-    ids=["dp_shard2", "hsdp_replicate2"],
+    [
+        {"parallel__dp_shard": 2},
+        {"parallel__dp_shard": 2, "train__gradient_checkpointing": True},
+        {"parallel__dp_replicate": 2, "parallel__dp_shard": 1},
+    ],
+    ids=["dp_shard2", "dp_shard2_activation_checkpointing", "hsdp_replicate2"],
 )
 def test_two_processes_equal_one(layout, single, tiny_qwen3, lm_corpus, tmp_path):
     out = tmp_path / "run"

@@ -19,9 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 import pytest
-import uvicorn
 
 from spindle.serve import build_app
+from spindle.serve.server import make_server
 
 KW = dict(prompt="a red kite over the sea", size="32x32", num_frames=5, num_inference_steps=2, guidance_scale=4.0)
 
@@ -33,13 +33,14 @@ def free_port() -> int:
 
 
 class LiveServer:
-    """uvicorn in a background thread on a free loopback port."""
+    """The server `spindle serve` runs (uvicorn with Spindle's connection guard), in a background
+    thread on a free loopback port."""
 
     def __init__(self, app):
         self.app = app
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = make_server(app, host="127.0.0.1", port=self.port, log_level="warning")
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> LiveServer:
@@ -426,3 +427,46 @@ def test_burst_of_concurrent_requests_loses_and_duplicates_nothing(serve, gen):
     assert len(forwards) == n * 2  # 2 steps x 1 batched-CFG forward each: every job ran exactly once
     contents = {s.client.get(f"/v1/videos/{i}/content").content for i in ids}
     assert len(contents) == n  # distinct seeds/prompts -> distinct videos, none swapped or dropped
+
+
+def test_retry_after_is_the_queue_ahead_times_recent_completed_job_times():
+    """The issue's case: a long cancelled job must not inflate the estimate (7 s while jobs took 0.1 s)."""
+    from spindle.infer.request import SamplingParams
+    from spindle.serve.jobs import Job, JobStore, QueueFull
+
+    now = [1000.0]
+    store = JobStore(max_queue=3, clock=lambda: now[0])
+
+    def run(seconds: float, status: str) -> None:
+        job = store.submit(Job(kind="video", params=SamplingParams(prompt="p"), model="m"))
+        assert store.next_job(timeout=0) is job
+        now[0] += seconds
+        store.finish(job, status)
+
+    assert store.retry_after() == 1  # nothing known, nothing ahead
+    for _ in range(4):
+        run(0.5, "completed")
+    run(70.0, "cancelled")  # given up on after 70 s: says nothing about how long jobs take
+    run(0.01, "failed")  # failed at once: neither
+    running = store.submit(Job(kind="video", params=SamplingParams(prompt="p"), model="m"))
+    assert store.next_job(timeout=0) is running
+    for _ in range(3):
+        store.submit(Job(kind="video", params=SamplingParams(prompt="p"), model="m"))
+    # 3 waiting x 0.5 s + what is left of the running one (0.5 s, just started) = 2 s
+    with pytest.raises(QueueFull) as info:
+        store.submit(Job(kind="video", params=SamplingParams(prompt="p"), model="m"))
+    assert info.value.status == 429 and info.value.headers["Retry-After"] == "2"
+    now[0] += 0.4  # the running job is nearly done: 1.5 + 0.1 -> 2 (rounded up)
+    assert store.retry_after() == 2
+    now[0] += 10.0  # running past the mean: only the waiting ones count
+    assert store.retry_after() == 2
+    # jobs get slower: the estimate follows the recent ones (the last 20 completed)
+    store.finish(running, "completed")
+    while (job := store.next_job(timeout=0)) is not None:  # the three that waited
+        now[0] += 4.0
+        store.finish(job, "completed")
+    for _ in range(17):
+        run(4.0, "completed")
+    for _ in range(2):
+        store.submit(Job(kind="video", params=SamplingParams(prompt="p"), model="m"))
+    assert store.retry_after() == 8  # 2 waiting x 4 s, nothing running

@@ -8,8 +8,12 @@ Loads the model once, warms up (one short generation), then serves:
 GET /health, GET /v1/models, POST /v1/images/generations (image models), POST /v1/videos +
 GET/DELETE /v1/videos/{id} + GET /v1/videos/{id}/content (video models). Jobs run one at a time,
 in order; --max-queue bounds the waiting ones (over it: 429 + Retry-After); finished results are
-kept --result-ttl seconds. SIGTERM / Ctrl-C: stop accepting, cancel waiting jobs, let the running
-one finish (--shutdown-grace seconds, then cancel it), exit 0. See docs/serving.md.
+kept --result-ttl seconds. Limits (--max-pixels/-frames/-steps/-prompt-chars/-outputs/-body-bytes,
+--request-timeout, --keep-alive-timeout, --max-connections) bound what one request or connection
+may take; /health and /v1/models report them. SIGTERM / Ctrl-C: new work gets 503 while job status
+stays readable, waiting jobs are cancelled, the running one may finish (--shutdown-grace seconds,
+then it is cancelled), pollers get --shutdown-linger seconds to read final statuses, exit 0.
+See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import tempfile
 from pathlib import Path
 
 from spindle.commands.engine_args import add_engine_arguments, check_world_size, engine_options
+from spindle.infer.request import RequestLimits
+from spindle.serve.limits import ServeLimits
 
 HELP = "serve a checkpoint over an OpenAI-compatible HTTP API (images / videos)"
 
@@ -46,6 +52,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=30.0,
         help="on SIGTERM, seconds the running job may take to finish before it is cancelled",
+    )
+    p.add_argument(
+        "--shutdown-linger",
+        type=float,
+        default=3.0,
+        help="on SIGTERM, seconds job status stays readable after the last job ended (default 3)",
+    )
+    limits = RequestLimits()
+    serve_limits = ServeLimits()
+    g = p.add_argument_group("limits (per request / per connection; 0 = no limit for the --max-* request bounds)")
+    g.add_argument("--max-pixels", type=int, default=limits.max_pixels, help="width x height of one output")
+    g.add_argument("--max-frames", type=int, default=limits.max_frames, help="frames of one video")
+    g.add_argument("--max-steps", type=int, default=limits.max_steps, help="denoising steps of one request")
+    g.add_argument("--max-prompt-chars", type=int, default=limits.max_prompt_chars, help="characters of a prompt")
+    g.add_argument("--max-outputs", type=int, default=limits.max_outputs, help="outputs of one request (n)")
+    g.add_argument(
+        "--max-body-bytes", type=int, default=serve_limits.max_body_bytes, help="request body size (413 beyond)"
+    )
+    g.add_argument(
+        "--request-timeout",
+        type=float,
+        default=serve_limits.request_timeout,
+        help="seconds a client has to send a whole request; a half-sent one is closed",
+    )
+    g.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=serve_limits.keep_alive_timeout,
+        help="seconds an idle keep-alive connection stays open",
+    )
+    g.add_argument(
+        "--max-connections",
+        type=int,
+        default=serve_limits.max_connections,
+        help="open connections; at the cap a new one closes the longest-idle one",
     )
     p.add_argument(
         "--keep-frames",
@@ -91,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     if args.result_ttl <= 0:
         raise ValueError(f"--result-ttl must be > 0 seconds; got {args.result_ttl}")
+    limits = serve_limits(args)
     if not (Path(args.model) / "model_index.json").is_file():
         raise FileNotFoundError(f"{args.model}/model_index.json not found: --model must be a diffusers pipeline folder")
     warmup_size = None
@@ -127,9 +169,8 @@ def run(args: argparse.Namespace) -> int:
             _destroy()
             return 0
 
-    import uvicorn
-
     from spindle.serve import build_app
+    from spindle.serve.server import make_server
 
     model_id = args.served_model_name or Path(args.model).resolve().name
     app = build_app(
@@ -141,6 +182,8 @@ def run(args: argparse.Namespace) -> int:
         keep_frames=args.keep_frames,
         fanout=fanout,
         shutdown_grace=args.shutdown_grace,
+        shutdown_linger=args.shutdown_linger,
+        limits=limits,
     )
     state = app.state.serve
     try:
@@ -155,14 +198,7 @@ def run(args: argparse.Namespace) -> int:
                 params.num_inference_steps,
                 seconds,
             )
-        config = uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=max(1, int(args.shutdown_grace)),
-        )
-        server = uvicorn.Server(config)
+        server = make_server(app, host=args.host, port=args.port, log_level=args.log_level)
         # uvicorn re-raises the signal that stopped it once it has shut down gracefully; with these
         # no-op handlers that re-raise does nothing and a clean stop exits 0.
         signal.signal(signal.SIGTERM, lambda s, f: None)
@@ -175,6 +211,31 @@ def run(args: argparse.Namespace) -> int:
     finally:
         state.worker.stop(args.shutdown_grace)  # idempotent; releases the other ranks if serving never began
         _destroy()
+
+
+def serve_limits(args: argparse.Namespace) -> ServeLimits:
+    """The limit options -> `ServeLimits` (a --max-* request bound of 0 means none); errors name the option."""
+    request = {}
+    for name in ("max_pixels", "max_frames", "max_steps", "max_prompt_chars", "max_outputs"):
+        value = getattr(args, name)
+        if value < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: no limit); got {value}")
+        request[name] = value or None
+    if args.shutdown_linger < 0:
+        raise ValueError(f"--shutdown-linger must be >= 0 seconds; got {args.shutdown_linger}")
+    try:
+        limits = ServeLimits(
+            request=RequestLimits(**request),
+            max_body_bytes=args.max_body_bytes,
+            request_timeout=args.request_timeout,
+            keep_alive_timeout=args.keep_alive_timeout,
+            max_connections=args.max_connections,
+        )
+    except ValueError as e:
+        name = str(e).split(" ", 1)[0]
+        raise ValueError(f"--{name.replace('_', '-')}{str(e)[len(name) :]}") from None
+    limits.check_file_limit()
+    return limits
 
 
 def _destroy() -> None:

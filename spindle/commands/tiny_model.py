@@ -1,7 +1,7 @@
 """Write a tiny random checkpoint in the family's standard layout.
 
 DiT families (wan, flux): a diffusers pipeline folder that stock diffusers loads
-(`WanPipeline.from_pretrained(OUT)`). Language models (qwen3, llama): a ~1M-parameter transformers
+(`WanPipeline.from_pretrained(OUT)`). Language models (qwen3, llama, qwen3_moe): a ~1M-parameter transformers
 folder with a locally built tokenizer and chat template (`AutoModelForCausalLM.from_pretrained(OUT)`).
 Tests, the demo and the benchmarks use them because real weights cannot be downloaded here.
 """

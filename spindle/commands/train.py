@@ -36,6 +36,8 @@ def run(args: argparse.Namespace) -> int:
     code = maybe_relaunch(args.nproc, args._argv)
     if code is not None:
         return code
+    import torch.distributed as dist
+
     from spindle.distributed.mesh import is_main_process
     from spindle.train.trainer import train
 
@@ -44,4 +46,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"trained {result.last_step} steps; outputs in {result.output_dir}")
         if result.export_dir:
             print(f"exported: {result.export_dir}")
+    if dist.is_initialized():
+        # Tear the group down together: a rank that exits while its peer's gloo threads are still
+        # live aborts with "terminate called without an active exception" (seen on a 2-rank run).
+        dist.barrier()
+        dist.destroy_process_group()
     return 0

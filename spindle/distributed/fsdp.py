@@ -193,9 +193,17 @@ def clip_grad_norm_(
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return 0.0
-    total = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, error_if_nonfinite=False)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    # One norm per device mesh (FSDP2's dense units and, with expert parallelism, the experts' 2-D
+    # efsdp x ep units are DTensors on different meshes, which one foreach norm cannot mix), each
+    # completed over its mesh, then the norm of those norms.
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type=norm_type, error_if_nonfinite=False)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = norms[0] if len(norms) == 1 else torch.nn.utils.get_total_norm(norms, norm_type=norm_type)
     total_norm = float(total.item())
     if error_if_nonfinite and not math.isfinite(total_norm):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total_norm})")

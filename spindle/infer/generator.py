@@ -14,7 +14,7 @@ import torch
 
 from spindle.data.media import write_image, write_video
 from spindle.infer.pipeline import EngineOptions, InferencePipeline
-from spindle.infer.request import Req, SamplingParams
+from spindle.infer.request import Req, RequestLimits, SamplingParams
 
 if TYPE_CHECKING:
     from diffusers import ModelMixin  # Any to mypy: diffusers is not followed (pyproject [tool.mypy])
@@ -93,15 +93,24 @@ class DiffusionGenerator:
     def transformer(self) -> ModelMixin:
         return self.pipeline.transformer
 
-    def validate(self, params: SamplingParams) -> SamplingParams:
+    def validate(self, params: SamplingParams, limits: RequestLimits | None = None) -> SamplingParams:
         """Defaults filled in, a seed drawn if none (by this process alone), every request check run
-        (common + the family's): -> the exact params a run uses. Raises `RequestError` naming the
+        (common, then `limits` — a server's bounds — then the family's: sizes, frame counts, the
+        model's positional range; then the sequence-parallel split): -> the exact params a run uses. Raises `RequestError` naming the
         field. Cheap (no model runs) and not collective, so a server can call it on rank 0 only."""
         params = self.options.validate(params, self.family)  # what the user gave, before the defaults
         params = params.merged_with(self.defaults)
         if params.seed is None:
             params.seed = random.SystemRandom().randrange(2**31)
-        self.pipeline.before_denoising.validate(params)
+        if limits is not None:
+            params.validate_common()  # types first, so the limits compare numbers
+            limits.check(params)
+        before = self.pipeline.before_denoising
+        before.validate(params)
+        shape = before.latent_shape(params)
+        if shape is not None:  # the token count must split over the SP ranks (no-op without SP)
+            req = Req(params=params, device=self.pipeline.device, raw_latent_shape=shape)
+            self.pipeline.denoising.check_sequence_parallel(req)
         return params
 
     def make_request(

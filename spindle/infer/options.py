@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -82,6 +83,8 @@ class Option:
                 f"{self.name} must be {'a number' if self.type is float else 'a ' + self.type.__name__}"
                 f"{' ' + self.bounds() if self.bounds() else ''} for {family}; got {value!r}"
             )
+        if self.type is float and not math.isfinite(value):
+            raise _request_error(f"{self.name} must be a finite number for {family}; got {value!r}")
         low, high = self.minimum, self.maximum
         if (low is not None and value < low) or (high is not None and value > high):
             raise _request_error(f"{self.name} must be {self.bounds()} for {family}; got {value!r}")

@@ -9,6 +9,7 @@ Decoding sets `output`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -16,10 +17,93 @@ from typing import Any, TypeVar
 import torch
 
 T = TypeVar("T")
+MAX_GUIDANCE = 100.0  # CFG scales in use are 1-20; far larger ones only blow the latents up
 
 
 class RequestError(ValueError):
-    """A request the model cannot serve; the message names the field and what is allowed."""
+    """A request the model cannot serve; the message names the field and what is allowed.
+    `field`: the request field at fault (default: the message's first word, which names it)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field or message.split(" ", 1)[0].strip(":,;")
+
+
+def short_repr(value: Any, limit: int = 80) -> str:
+    """`repr(value)` cut to `limit` characters: error messages never echo a huge input back."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 15]}... ({len(text)} chars)"
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Upper bounds on what one request may ask for, checked before it is queued (a server's
+    `--max-*` options). They bound memory and time per job: latents and activations grow with
+    pixels x frames, the run time with steps, the text encoder's input and every stored job with the
+    prompt. `None` disables a bound (the Python API's default: no limits)."""
+
+    max_pixels: int | None = 2048 * 2048  # width x height of one output
+    max_frames: int | None = 257
+    max_steps: int | None = 200
+    max_prompt_chars: int | None = 4000
+    max_outputs: int | None = 10  # outputs (prompts x num_outputs_per_prompt) of one request
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{f.name} must be a positive integer or None; got {value!r}")
+
+    def as_dict(self) -> dict[str, int | None]:
+        return dataclasses.asdict(self)
+
+    def check(self, params: SamplingParams) -> None:
+        """Raise `RequestError` naming the field for a request past a limit (after `validate_common`)."""
+        if self.max_prompt_chars is not None:
+            for name in ("prompt", "negative_prompt"):
+                value = getattr(params, name)
+                texts = [value] if isinstance(value, str) else list(value or [])
+                longest = max((len(t) for t in texts), default=0)
+                if longest > self.max_prompt_chars:
+                    raise RequestError(
+                        f"{name} is {longest} characters; this server takes at most {self.max_prompt_chars} "
+                        "(--max-prompt-chars)",
+                        field=name,
+                    )
+        _check_max("num_inference_steps", params.num_inference_steps, self.max_steps, "--max-steps")
+        _check_max("num_outputs_per_prompt", params.batch_size, self.max_outputs, "--max-outputs")
+        if params.num_frames is not None:
+            _check_max("num_frames", params.num_frames, self.max_frames, "--max-frames")
+        h, w = params.height, params.width
+        if self.max_pixels is not None and isinstance(h, int) and isinstance(w, int) and h * w > self.max_pixels:
+            raise RequestError(
+                f"width x height = {w}x{h} = {w * h} pixels; this server takes at most {self.max_pixels} pixels per "
+                "output (--max-pixels)",
+                field="width",
+            )
+
+
+NO_LIMITS = RequestLimits(None, None, None, None, None)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_max(name: str, value: Any, maximum: int | None, option: str) -> None:
+    if maximum is not None and _is_int(value) and value > maximum:
+        raise RequestError(f"{name} is {value}; this server takes at most {maximum} ({option})", field=name)
+
+
+def _check_text(name: str, text: str) -> None:
+    """Text must be encodable as UTF-8: a lone surrogate (JSON "\\ud800") breaks the tokenizer and
+    every JSON answer that echoes it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError(
+            f"{name} contains a lone surrogate code point; send valid Unicode text", field=name
+        ) from None
 
 
 class Cancelled(RuntimeError):
@@ -71,11 +155,14 @@ class SamplingParams:
             raise RequestError("prompt is required: a non-empty string (or a non-empty list of strings)")
         for p in prompts:
             if not isinstance(p, str) or not p.strip():
-                raise RequestError(f"prompt must be a non-empty string; got {p!r}")
+                raise RequestError(f"prompt must be a non-empty string; got {short_repr(p)}")
+            _check_text("prompt", p)
         if self.negative_prompt is not None:
             negs = [self.negative_prompt] if isinstance(self.negative_prompt, str) else self.negative_prompt
             if not isinstance(negs, list) or not all(isinstance(n, str) for n in negs):
                 raise RequestError("negative_prompt must be a string or a list of strings")
+            for n in negs:
+                _check_text("negative_prompt", n)
             if not isinstance(self.negative_prompt, str) and len(negs) != len(prompts):
                 raise RequestError(
                     f"negative_prompt has {len(negs)} entries but prompt has {len(prompts)}; give one per prompt "
@@ -84,18 +171,27 @@ class SamplingParams:
         _check_int("num_inference_steps", self.num_inference_steps, minimum=1)
         _check_int("num_outputs_per_prompt", self.num_outputs_per_prompt, minimum=1)
         if isinstance(self.guidance_scale, bool) or not isinstance(self.guidance_scale, (int, float)):
-            raise RequestError(f"guidance_scale must be a number (> 1 enables CFG); got {self.guidance_scale!r}")
+            raise RequestError(
+                f"guidance_scale must be a number (> 1 enables CFG); got {short_repr(self.guidance_scale)}"
+            )
+        if not math.isfinite(self.guidance_scale) or self.guidance_scale > MAX_GUIDANCE:
+            raise RequestError(
+                f"guidance_scale must be a finite number <= {MAX_GUIDANCE:g} (past ~20 outputs saturate); "
+                f"got {self.guidance_scale}"
+            )
         if self.guidance_scale < 0:
             raise RequestError(
                 f"guidance_scale must be >= 0 (> 1 enables CFG, <= 1 disables it); got {self.guidance_scale}"
             )
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=0)
+            if self.seed >= 2**63:  # torch's manual_seed range
+                raise RequestError(f"seed must be < 2**63; got {short_repr(self.seed)}")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(f"{name} must be an integer >= {minimum}; got {value!r}")
+        raise RequestError(f"{name} must be an integer >= {minimum}; got {short_repr(value)}")
     if value < minimum:
         raise RequestError(f"{name} must be >= {minimum}; got {value}")
 
@@ -114,7 +210,7 @@ def check_multiple(name: str, value: Any, multiple: int, why: str) -> None:
     if not is_int or value < multiple or value % multiple:
         hint = f"; try {suggest(value, multiple)}" if is_int else ""
         raise RequestError(
-            f"{name} must be a positive multiple of {multiple} for this model ({why}) (got {value!r}){hint}"
+            f"{name} must be a positive multiple of {multiple} for this model ({why}) (got {short_repr(value)}){hint}"
         )
 
 
@@ -140,7 +236,7 @@ def check_int_range(name: str, value: Any, minimum: int, maximum: int | None = N
         or value < minimum
         or (maximum is not None and value > maximum)
     ):
-        raise RequestError(f"{name} must be an integer {bounds}; got {value!r}")
+        raise RequestError(f"{name} must be an integer {bounds}; got {short_repr(value)}")
 
 
 @dataclass

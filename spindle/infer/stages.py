@@ -66,6 +66,11 @@ class BeforeDenoisingStage(Stage):
         """Raise `RequestError` for requests this model cannot serve (no silent rounding)."""
         params.validate_common()
 
+    def latent_shape(self, params: SamplingParams) -> tuple[int, ...] | None:
+        """The `raw_latent_shape` `forward` makes for these (validated) params, or None when unknown.
+        Lets the checks that depend on it (the sequence-parallel split) run before a job is queued."""
+        return None
+
 
 class InferenceSpec:
     """What a family plugs into the shared engine. Subclass per family; override the callbacks."""
@@ -289,7 +294,7 @@ class DenoisingStage(Stage):
             seq_len = self.spec.sequence_length(req, self.transformer)
             check_sequence_parallel(self.transformer, self.sp, seq_len=seq_len, ring=self.ring)
         except ValueError as e:
-            raise RequestError(str(e)) from e
+            raise RequestError(str(e), field="height") from e  # the token count follows the size (and frames)
 
     def forward(self, req: Req) -> Req:
         check_denoising_inputs(req, self.spec)

@@ -9,9 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 from spindle.serve.jobs import Job, JobStore
+from spindle.serve.limits import ServeLimits
 from spindle.serve.worker import Engine, RankFanout, Worker
 
-__all__ = ["Engine", "Job", "JobStore", "RankFanout", "Worker", "build_app"]
+__all__ = ["Engine", "Job", "JobStore", "RankFanout", "ServeLimits", "Worker", "build_app"]
 
 
 def build_app(
@@ -24,13 +25,25 @@ def build_app(
     keep_frames: bool = False,
     fanout: RankFanout | None = None,
     shutdown_grace: float = 30.0,
+    shutdown_linger: float = 3.0,
     cancel_wait: float = 10.0,
+    limits: ServeLimits | None = None,
 ) -> Any:
     """A FastAPI app over a loaded generator (the worker thread starts with the app's lifespan).
-    `app.state.serve` holds the engine, store and worker."""
+    `app.state.serve` holds the engine, store, worker and limits. Serve it with
+    `spindle.serve.server.make_server(app, ...)` (connection limits, draining SIGTERM)."""
     from spindle.serve.app import create_app
 
-    engine = Engine(generator, model_id=model_id, root=root)
+    limits = limits or ServeLimits()
+    engine = Engine(generator, model_id=model_id, root=root, limits=limits.request)
     store = JobStore(max_queue=max_queue, result_ttl=result_ttl)
     worker = Worker(engine, store, fanout=fanout, keep_frames=keep_frames)
-    return create_app(engine, store, worker, shutdown_grace=shutdown_grace, cancel_wait=cancel_wait)
+    return create_app(
+        engine,
+        store,
+        worker,
+        limits=limits,
+        shutdown_grace=shutdown_grace,
+        shutdown_linger=shutdown_linger,
+        cancel_wait=cancel_wait,
+    )

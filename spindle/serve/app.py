@@ -1,43 +1,42 @@
 """The FastAPI app: OpenAI-compatible image and video generation over one loaded model.
 
-  GET  /health                       liveness + queue figures (503 while shutting down)
-  GET  /v1/models                    OpenAI list shape (one model: the loaded checkpoint)
+  GET  /health                       liveness, queue figures and limits (503 while shutting down)
+  GET  /v1/models                    OpenAI list shape (one model: the loaded checkpoint, its limits)
   POST /v1/images/generations        OpenAI Images API (image families; waits, returns b64 PNGs)
   POST /v1/videos                    OpenAI Videos API: creates a job, answers at once
-  GET  /v1/videos                    the stored video jobs
+  GET  /v1/videos                    the stored video jobs, paginated (?limit=&after=&order=)
   GET  /v1/videos/{id}               status + progress
   GET  /v1/videos/{id}/content       the mp4 (?variant=thumbnail: PNG of frame 0; ?variant=npy: exact
                                      float32 frames when the server keeps them, --keep-frames)
   DELETE /v1/videos/{id}             cancel (queued / running) or delete (finished)
 
-Every 4xx/5xx body is OpenAI's `{"error": {"message", "type", "param", "code"}}`.
+Every 4xx/5xx body is OpenAI's `{"error": {"message", "type", "param", "code"}}`. Request bodies
+are read by `bodies.py` (size cap, deadline, encodings) and every field is validated by the engine
+against the model and the server's limits before a job is queued (`Engine.validate`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import email.parser
-import email.policy
-import email.utils
 import io
 import json
 import logging
-import re
 import time
-import urllib.parse
 from collections.abc import Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from spindle.infer.options import given_options, request_model
 from spindle.infer.request import RequestError, SamplingParams
-from spindle.serve.jobs import Job, JobStore
+from spindle.serve.bodies import ClientGone, parse_fields, read_body
+from spindle.serve.jobs import Job, JobStore, ShuttingDown
+from spindle.serve.limits import ServeLimits
 from spindle.serve.schemas import (
     APIError,
     ImageData,
@@ -50,12 +49,13 @@ from spindle.serve.schemas import (
     VideoJob,
     error_body,
     parse_size,
+    safe_text,
 )
 from spindle.serve.worker import Engine, Worker
 
 log = logging.getLogger("spindle.serve")
 
-# engine field (first word of a RequestError) -> the HTTP request field that carries it
+# engine field (a RequestError's `field`) -> the HTTP request field that carries it
 _FIELD_FOR = {"height": "size", "width": "size", "num_outputs_per_prompt": "n"}
 _ENGINE_FIELDS = (
     "prompt",
@@ -69,20 +69,28 @@ _ENGINE_FIELDS = (
     "num_frames",
     "max_sequence_length",
 )
+PROMPT_PREVIEW = 64  # characters of a prompt shown in the job list (a job's own GET has it whole)
+
+
+class SafeJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: text from a client (a lone surrogate in a field name, say)
+    can never make the answer itself fail to encode."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 def request_error(e: RequestError, *, seconds_given: bool = False, option_names: Iterable[str] = ()) -> APIError:
     """An engine `RequestError` -> 400 naming the HTTP field (a common one or a family option)."""
-    message = str(e)
-    first = re.split(r"[ =:,;]", message, maxsplit=1)[0]
+    field = getattr(e, "field", None)
     param = None
-    if first in option_names:
-        param = first
-    elif first in _ENGINE_FIELDS:
-        param = _FIELD_FOR.get(first, first)
-        if first == "num_frames" and seconds_given:
+    if field in option_names:
+        param = field
+    elif field in _ENGINE_FIELDS:
+        param = _FIELD_FOR.get(field, field)
+        if field == "num_frames" and seconds_given:
             param = "seconds"
-    return APIError(400, message, param=param, code="invalid_request")
+    return APIError(400, str(e), param=param, code="invalid_request")
 
 
 async def _wait_done(job: Job, timeout: float | None = None) -> bool:
@@ -105,48 +113,70 @@ async def _wait_done(job: Job, timeout: float | None = None) -> bool:
         return job.finished
 
 
-def _parse_form(body: bytes, content_type: str) -> dict[str, Any]:
-    """multipart/form-data (what the openai client sends to /videos) or urlencoded -> fields.
-    Stdlib only (FastAPI's form support needs python-multipart)."""
-    if content_type.startswith("application/x-www-form-urlencoded"):
-        return {k: v[-1] for k, v in urllib.parse.parse_qs(body.decode("utf-8"), keep_blank_values=True).items()}
-    message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
-        b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n" + body
-    )
-    if not message.is_multipart():
-        raise APIError(400, "malformed multipart/form-data body", code="invalid_body")
-    fields: dict[str, Any] = {}
-    for part in message.iter_parts():
-        # an RFC 2231 encoded name comes back as a (charset, language, value) tuple
-        name = email.utils.collapse_rfc2231_value(part.get_param("name", header="content-disposition") or "")
-        if not name:
-            continue
-        if part.get_filename() is not None:
-            raise APIError(
-                400,
-                f"{name}: file uploads are not supported (text-to-video only)",
-                param=name,
-                code="unsupported_parameter",
-            )
-        payload = part.get_payload(decode=True)
-        data = payload if isinstance(payload, bytes) else b""  # a nested multipart part has no bytes
-        fields[name] = data.decode(part.get_content_charset() or "utf-8")
-    return fields
+async def _wait_done_or_gone(job: Job, request: Request) -> bool:
+    """Await the job's end or the client's hang-up, whichever comes first. -> the client is gone?
+    (uvicorn tells a hang-up as an `http.disconnect` message once the body has been read.)"""
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    done = asyncio.ensure_future(_wait_done(job))
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({done, watch}, return_when=asyncio.FIRST_COMPLETED)
+        return watch.done() and not job.finished
+    finally:
+        for task in (done, watch):
+            task.cancel()
 
 
 class ServeState:
     """What the routes share: the engine, the store, the worker and settings."""
 
-    def __init__(self, engine: Engine, store: JobStore, worker: Worker, shutdown_grace: float, cancel_wait: float):
+    def __init__(
+        self,
+        engine: Engine,
+        store: JobStore,
+        worker: Worker,
+        limits: ServeLimits,
+        shutdown_grace: float,
+        shutdown_linger: float,
+        cancel_wait: float,
+    ):
         self.engine = engine
         self.store = store
         self.worker = worker
+        self.limits = limits
         self.shutdown_grace = shutdown_grace
+        self.shutdown_linger = shutdown_linger
         self.cancel_wait = cancel_wait
         self.created = int(time.time())
         self.shutting_down = False
 
-    def video_job(self, job: Job) -> dict[str, Any]:
+    async def drain(self) -> None:
+        """Graceful stop (SIGTERM): new work gets 503 at once while job status stays readable; the
+        waiting jobs are cancelled, the running one gets `shutdown_grace` s to finish and is then
+        cancelled (a waiting image request answers 503 JSON); then `shutdown_linger` s more so that
+        pollers read the final statuses, and the server may exit."""
+        self.shutting_down = True
+        log.info("shutting down: %s", self.store.stats())
+        await asyncio.to_thread(self.worker.stop, self.shutdown_grace)
+        log.info("worker stopped; %s; answering status for %g s more", self.store.stats(), self.shutdown_linger)
+        await asyncio.sleep(self.shutdown_linger)
+
+    async def read_request(self, request: Request, model: type[BaseModel]) -> Any:
+        """The request body, bounded and decoded (`bodies.py`), validated against `model`."""
+        if self.shutting_down:
+            raise ShuttingDown(headers={"Connection": "close"})
+        raw = await read_body(request, self.limits.max_body_bytes, self.limits.request_timeout)
+        data = parse_fields(raw, request.headers.get("content-type", ""))
+        try:
+            return model.model_validate(data)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+
+    def video_job(self, job: Job, preview: bool = False) -> dict[str, Any]:
         p, meta = job.params, job.meta
         err = None
         if job.error:
@@ -160,7 +190,7 @@ class ServeState:
             created_at=int(job.created_at),
             completed_at=int(job.completed_at) if job.completed_at else None,
             expires_at=int(job.expires_at) if job.expires_at else None,
-            prompt=p.prompt if isinstance(p.prompt, str) else None,
+            prompt=_preview(p.prompt) if preview else p.prompt if isinstance(p.prompt, str) else None,
             seconds=f"{frames / self.engine.fps:g}",
             size=f"{p.width}x{p.height}",
             error=err,
@@ -176,13 +206,26 @@ class ServeState:
         ).model_dump()
 
 
+def _preview(prompt: Any) -> str | None:
+    if not isinstance(prompt, str):
+        return None
+    return prompt if len(prompt) <= PROMPT_PREVIEW else prompt[: PROMPT_PREVIEW - 1] + "…"
+
+
 def create_app(
-    engine: Engine, store: JobStore, worker: Worker, *, shutdown_grace: float = 30.0, cancel_wait: float = 10.0
+    engine: Engine,
+    store: JobStore,
+    worker: Worker,
+    *,
+    limits: ServeLimits | None = None,
+    shutdown_grace: float = 30.0,
+    shutdown_linger: float = 3.0,
+    cancel_wait: float = 10.0,
 ) -> FastAPI:
     """The app over a loaded engine. The worker thread starts with the app (lifespan) and stops
     with it: no new jobs, waiting ones cancelled, the running one finished (or cancelled after
-    `shutdown_grace` s)."""
-    state = ServeState(engine, store, worker, shutdown_grace, cancel_wait)
+    `shutdown_grace` s). `state.drain()` is the same stop while still answering (SIGTERM)."""
+    state = ServeState(engine, store, worker, limits or ServeLimits(), shutdown_grace, shutdown_linger, cancel_wait)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -195,25 +238,31 @@ def create_app(
             await asyncio.to_thread(worker.stop, shutdown_grace)
             log.info("worker stopped; %s", store.stats())
 
-    app = FastAPI(title="Spindle", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="Spindle", version="0.1.0", lifespan=lifespan, default_response_class=SafeJSONResponse)
     app.state.serve = state
 
     # ---------------------------------------------------------------- errors (OpenAI shape)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return SafeJSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, exc: ClientGone):
+        # nobody reads this answer (uvicorn drops it); it only ends the request without a traceback
+        log.info("%s %s: the client hung up", request.method, request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         errors = exc.errors()
         parts, params = [], []
         for err in errors:
-            loc = [str(x) for x in err.get("loc", ()) if x not in ("body", "query", "path")]
+            loc = [safe_text(str(x)) for x in err.get("loc", ()) if x not in ("body", "query", "path")]
             name = ".".join(loc) or "body"
             params.append(name)
             parts.append(f"{name}: {err.get('msg')}")
-        return JSONResponse(
+        return SafeJSONResponse(
             error_body(
                 "; ".join(parts) or "invalid request",
                 "invalid_request_error",
@@ -227,8 +276,8 @@ def create_app(
     async def _http_error(request: Request, exc: StarletteHTTPException):
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         if exc.status_code == 404:
-            message = f"no route {request.method} {request.url.path}"
-        return JSONResponse(
+            message = f"no route {request.method} {safe_text(request.url.path)}"
+        return SafeJSONResponse(
             error_body(
                 message,
                 "invalid_request_error" if exc.status_code < 500 else "server_error",
@@ -242,7 +291,7 @@ def create_app(
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse(
+        return SafeJSONResponse(
             error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error", None, "internal_error"),
             status_code=500,
         )
@@ -253,16 +302,22 @@ def create_app(
     async def health():
         ok = worker.alive and not state.shutting_down and not store.closed
         body = {
-            "status": "ok" if ok else "unavailable",
+            "status": "ok" if ok else "shutting_down" if state.shutting_down else "unavailable",
             "model": engine.model_id,
             "media": engine.media,
             "queue": store.stats(),
+            "limits": state.limits.as_dict(),
         }
-        return JSONResponse(body, status_code=200 if ok else 503)
+        return SafeJSONResponse(body, status_code=200 if ok else 503)
 
     def model_card() -> ModelCard:
         return ModelCard(
-            id=engine.model_id, created=state.created, family=engine.family, media=engine.media, root=engine.root
+            id=engine.model_id,
+            created=state.created,
+            family=engine.family,
+            media=engine.media,
+            root=engine.root,
+            limits=state.limits.as_dict(),
         )
 
     @app.get("/v1/models")
@@ -274,7 +329,7 @@ def create_app(
         if model_id != engine.model_id:
             raise APIError(
                 404,
-                f"model {model_id!r} is not served here; this server serves {engine.model_id!r}",
+                f"model {safe_text(model_id)!r} is not served here; this server serves {engine.model_id!r}",
                 param="model",
                 code="model_not_found",
             )
@@ -282,12 +337,26 @@ def create_app(
 
     # ---------------------------------------------------------------- images
 
+    def body_schema(model: type[BaseModel]) -> dict[str, Any]:
+        """OpenAPI for a body read by `read_request` (not by FastAPI, which would read it unbounded)."""
+        return {
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": model.model_json_schema()},
+                    "multipart/form-data": {"schema": model.model_json_schema()},
+                },
+            }
+        }
+
     # the request bodies carry the served family's declared options (e.g. true_cfg_scale) as fields
     options = engine.spec.options
     image_request = request_model(ImageGenerationRequest, options)
     video_request = request_model(VideoCreateRequest, options)
 
-    async def images_generations(body: ImageGenerationRequest):
+    @app.post("/v1/images/generations", openapi_extra=body_schema(image_request))
+    async def images_generations(request: Request):
+        body: ImageGenerationRequest = await state.read_request(request, image_request)
         if engine.media != "image":
             raise APIError(
                 400,
@@ -329,10 +398,17 @@ def create_app(
             raise request_error(e, option_names=options.names()) from None
         job = store.submit(Job(kind="image", params=params, model=engine.model_id))
         try:
-            await _wait_done(job)
-        except asyncio.CancelledError:  # the client went away: do not run it for nobody
+            gone = await _wait_done_or_gone(job, request)
+        except asyncio.CancelledError:  # the server is stopping this request: do not run it for nobody
             store.cancel(job)
+            store.delete(job)
             raise
+        if gone:  # the client hung up: stop the work (the engine checks before each step)
+            store.cancel(job)
+            await _wait_done(job, state.cancel_wait)
+            log.info("%s: client gone, job %s at step %d/%d", job.id, job.status, job.step, job.total_steps)
+            store.delete(job)
+            raise ClientGone()
         try:
             if job.status == "completed":
                 return ImagesResponse(
@@ -356,28 +432,11 @@ def create_app(
         finally:
             store.delete(job)
 
-    images_generations.__annotations__["body"] = image_request  # a model built here, not a module name
-    app.post("/v1/images/generations")(images_generations)
-
     # ---------------------------------------------------------------- videos
 
-    @app.post("/v1/videos")
+    @app.post("/v1/videos", openapi_extra=body_schema(video_request))
     async def create_video(request: Request):
-        content_type = request.headers.get("content-type", "").lower()
-        raw = await request.body()
-        if content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
-            data = _parse_form(raw, content_type)
-        else:
-            try:
-                data = json.loads(raw or b"null")
-            except json.JSONDecodeError as e:
-                raise APIError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
-            if not isinstance(data, dict):
-                raise APIError(400, "the body must be a JSON object", code="invalid_json")
-        try:
-            body = video_request.model_validate(data)
-        except ValidationError as e:
-            raise RequestValidationError(e.errors()) from None
+        body: VideoCreateRequest = await state.read_request(request, video_request)
         if engine.media != "video":
             raise APIError(
                 400,
@@ -417,8 +476,22 @@ def create_app(
         return state.video_job(job)
 
     @app.get("/v1/videos")
-    async def list_videos():
-        return {"object": "list", "data": [state.video_job(j) for j in store.list("video")]}
+    async def list_videos(
+        limit: int = Query(20, ge=1, le=100),
+        after: str | None = Query(None, max_length=200),
+        order: str = Query("desc", pattern="^(asc|desc)$"),
+    ):
+        """OpenAI's list shape: newest first (`order=desc`) by default; `after` = the last id of
+        the previous page. Prompts are shortened to a preview here (a job's GET has it whole)."""
+        jobs, has_more = store.page("video", limit=limit, after=after, newest_first=order == "desc")
+        data = [state.video_job(j, preview=True) for j in jobs]
+        return {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": has_more,
+        }
 
     @app.get("/v1/videos/{video_id}")
     async def get_video(video_id: str):
@@ -430,7 +503,7 @@ def create_app(
         if variant not in ("video", "thumbnail", "npy"):
             raise APIError(
                 400,
-                f"variant must be 'video', 'thumbnail' or 'npy'; got {variant!r}",
+                f"variant must be 'video', 'thumbnail' or 'npy'; got {safe_text(variant)!r}",
                 param="variant",
                 code="unsupported_parameter",
             )

@@ -17,12 +17,12 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from spindle.infer.request import SamplingParams
-from spindle.serve.schemas import TERMINAL_STATUSES, APIError, JobStatus
+from spindle.serve.schemas import TERMINAL_STATUSES, APIError, JobStatus, safe_text
 
 log = logging.getLogger("spindle.serve")
 
@@ -39,9 +39,13 @@ class QueueFull(APIError):
 
 
 class ShuttingDown(APIError):
-    def __init__(self) -> None:
+    def __init__(self, headers: dict[str, str] | None = None) -> None:
         super().__init__(
-            503, "the server is shutting down and accepts no new jobs", code="shutting_down", type="server_error"
+            503,
+            "the server is shutting down and accepts no new jobs",
+            code="shutting_down",
+            type="server_error",
+            headers=headers,
         )
 
 
@@ -112,8 +116,9 @@ class JobStore:
     """Bounded FIFO of jobs plus the finished ones until they expire.
 
     `max_queue`: jobs that may wait (the running one not counted); one more -> `QueueFull` (429)
-    with a Retry-After estimated from the recent job durations. `result_ttl`: seconds a finished
-    job (its result, error or cancelled status) stays readable.
+    with a Retry-After estimated from the queue ahead and the durations of recent completed jobs
+    (see `retry_after`). `result_ttl`: seconds a finished job (its result, error or cancelled
+    status) stays readable.
     """
 
     def __init__(self, max_queue: int = 16, result_ttl: float = 3600.0, clock: Callable[[], float] = time.time):
@@ -166,13 +171,34 @@ class JobStore:
                     )
                 if gone == "deleted":
                     raise APIError(410, f"{job_id} was deleted", param="video_id", code="deleted")
-                raise APIError(404, f"no job with id {job_id!r}", param="video_id", code="not_found")
+                raise APIError(404, f"no job with id {safe_text(job_id)!r}", param="video_id", code="not_found")
             return job
 
     def list(self, kind: str | None = None) -> list[Job]:
         with self._lock:
             self._purge_locked()
             return [j for j in self._jobs.values() if kind is None or j.kind == kind]
+
+    def page(
+        self, kind: str | None = None, *, limit: int = 20, after: str | None = None, newest_first: bool = True
+    ) -> tuple[Sequence[Job], bool]:
+        """One page of the stored jobs in submission order (newest first by default), starting after
+        the job `after` (the previous page's last id). -> (jobs, has_more)."""
+        jobs = self.list(kind)
+        if newest_first:
+            jobs.reverse()
+        start = 0
+        if after is not None:
+            ids = [j.id for j in jobs]
+            if after not in ids:
+                raise APIError(
+                    400,
+                    f"after: no stored job with id {safe_text(after)!r} (expired, deleted or unknown); list from the start",
+                    param="after",
+                    code="invalid_cursor",
+                )
+            start = ids.index(after) + 1
+        return jobs[start : start + limit], start + limit < len(jobs)
 
     def queue_position(self, job: Job) -> int | None:
         """0-based position among waiting jobs (None once it left the queue)."""
@@ -261,7 +287,9 @@ class JobStore:
 
     def finish(self, job: Job, status: JobStatus, *, error: dict[str, Any] | None = None) -> None:
         with self._cond:
-            if job.started_at is not None:
+            if job.started_at is not None and status == "completed":
+                # only whole runs predict the next ones: a cancelled job's time says when someone
+                # gave up, a failed one's how soon it broke
                 self._durations.append(self.clock() - job.started_at)
             if self._running is job:
                 self._running = None
@@ -279,11 +307,19 @@ class JobStore:
         job._set_done()
         self._cond.notify_all()
 
+    def retry_after(self) -> int:
+        with self._lock:
+            return self._retry_after_locked()
+
     def _retry_after_locked(self) -> int:
+        """Seconds until the work ahead of a new request is done: the waiting jobs times the mean of
+        the recent completed jobs' run times, plus what is left of the running one (1 s per job
+        before any has completed). Clamped to [1, 3600]."""
         per_job = sum(self._durations) / len(self._durations) if self._durations else 1.0
-        ahead = len(self._queue) + (1 if self._running else 0)
-        # a slot frees when the running job ends; the estimate is for one slot, at least 1 s
-        return max(1, min(3600, math.ceil(per_job if ahead else 1.0)))
+        ahead = len(self._queue) * per_job
+        if self._running is not None and self._running.started_at is not None:
+            ahead += max(0.0, per_job - (self.clock() - self._running.started_at))
+        return max(1, min(3600, math.ceil(ahead)))
 
     def _purge_locked(self) -> None:
         now = self.clock()

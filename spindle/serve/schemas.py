@@ -12,10 +12,22 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from spindle.infer.request import short_repr
+
 JobStatus = Literal["queued", "in_progress", "completed", "failed", "cancelled"]
 TERMINAL_STATUSES = ("completed", "failed", "cancelled")
 
-_SIZE = re.compile(r"^\s*(\d+)\s*[xX×]\s*(\d+)\s*$")
+# at most 9 digits a side: int() of a 5000-digit string is refused by Python (ValueError), and
+# anything past 9 digits is beyond every pixel limit anyway
+_SIZE = re.compile(r"^\s*(\d{1,9})\s*[xX×]\s*(\d{1,9})\s*$")
+
+
+def safe_text(text: str, limit: int = 64) -> str:
+    """Client text fit to echo in an error: at most `limit` characters, lone surrogates escaped
+    (they cannot be encoded as UTF-8, so echoing them would break the JSON answer itself)."""
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class APIError(Exception):
@@ -65,14 +77,14 @@ def parse_size(size: str | None) -> tuple[int, int] | None:
     if not m:
         raise APIError(
             400,
-            f"size must be 'WIDTHxHEIGHT' in pixels (e.g. '832x480') or 'auto'; got {size!r}",
+            f"size must be 'WIDTHxHEIGHT' in pixels (e.g. '832x480') or 'auto'; got {short_repr(size)}",
             param="size",
             code="invalid_size",
         )
     width, height = int(m.group(1)), int(m.group(2))
     if width < 1 or height < 1:
         raise APIError(
-            400, f"size must have a positive width and height; got {size!r}", param="size", code="invalid_size"
+            400, f"size must have a positive width and height; got {size}", param="size", code="invalid_size"
         )
     return width, height
 
@@ -82,9 +94,10 @@ class _Sampling(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    # upper bounds (steps, prompt length, ...) are the server's limits, checked by the engine's validation
     negative_prompt: str | None = None
-    num_inference_steps: int | None = Field(default=None, ge=1, le=1000)
-    guidance_scale: float | None = Field(default=None, ge=0)
+    num_inference_steps: int | None = Field(default=None, ge=1)
+    guidance_scale: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
 
 
@@ -93,7 +106,7 @@ class ImageGenerationRequest(_Sampling):
 
     prompt: str = Field(min_length=1)
     model: str | None = None
-    n: int | None = Field(default=1, ge=1, le=10)
+    n: int | None = Field(default=1, ge=1)
     size: str | None = None
     response_format: Literal["b64_json", "url"] | None = "b64_json"
     output_format: Literal["png", "webp", "jpeg", "gif", "svg"] | None = None
@@ -130,7 +143,7 @@ class VideoCreateRequest(_Sampling):
     prompt: str = Field(min_length=1)
     model: str | None = None
     size: str | None = None
-    seconds: float | None = Field(default=None, gt=0, le=3600)
+    seconds: float | None = Field(default=None, gt=0, le=3600, allow_inf_nan=False)
     num_frames: int | None = Field(default=None, ge=1)
 
 
@@ -176,6 +189,7 @@ class ModelCard(BaseModel):
     family: str
     media: str
     root: str | None = None
+    limits: dict[str, Any] = Field(default_factory=dict)
 
 
 class ModelList(BaseModel):

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from spindle.infer.request import Cancelled, RequestError, SamplingParams
+from spindle.infer.request import Cancelled, RequestError, RequestLimits, SamplingParams
 from spindle.serve.jobs import Job, JobStore
 
 log = logging.getLogger("spindle.serve")
@@ -34,10 +34,19 @@ PING_SECONDS = 60.0
 
 class Engine:
     """What the server needs from a `DiffusionGenerator`: its media, defaults, fps, and request
-    validation before a job is queued (the same checks the engine's BeforeDenoisingStage runs)."""
+    validation before a job is queued (the same checks the engine's BeforeDenoisingStage runs, plus
+    the server's `limits`)."""
 
-    def __init__(self, generator: Any, model_id: str, root: str | None = None, fps: int | None = None):
+    def __init__(
+        self,
+        generator: Any,
+        model_id: str,
+        root: str | None = None,
+        fps: int | None = None,
+        limits: RequestLimits | None = None,
+    ):
         self.generator = generator
+        self.limits = limits if limits is not None else RequestLimits()
         self.model_id = model_id
         self.root = root
         self.spec = generator.spec
@@ -49,9 +58,10 @@ class Engine:
         self.frame_multiple: int = int(self.spec.options.frame_multiple or 1)
 
     def validate(self, params: SamplingParams) -> SamplingParams:
-        """Defaults filled in, a seed drawn if none, and the engine's checks run: -> the params a job
-        runs with (so every rank runs exactly these). Raises `RequestError` naming the field."""
-        return self.generator.validate(params)
+        """Defaults filled in, a seed drawn if none, the engine's checks and the server's limits run:
+        -> the params a job runs with (so every rank runs exactly these). Raises `RequestError`
+        naming the field."""
+        return self.generator.validate(params, self.limits)
 
     def frames_for_seconds(self, seconds: float) -> tuple[int, str | None]:
         """`seconds` -> the nearest valid frame count at the model's fps, and a note if rounded."""

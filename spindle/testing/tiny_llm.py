@@ -28,6 +28,10 @@ TINY_LLM = dict(
 TINY_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": dict(tie_word_embeddings=True),
     "llama": dict(tie_word_embeddings=False),
+    # Qwen3-30B-A3B's MoE shape, scaled down: every layer sparse, 8 experts, top-2, untied embeddings.
+    "qwen3_moe": dict(
+        tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True
+    ),
 }
 
 
@@ -71,3 +75,9 @@ def build_tiny_qwen3(out: str | Path, seed: int = 0, transformer: dict | None = 
 def build_tiny_llama(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
     # Llama tokenizers prepend <s> to every text: exercises "tokenizer(text) with its own special tokens".
     return build_tiny_causal_lm("llama", out, seed=seed, transformer=transformer, bos_token="<s>")
+
+
+def build_tiny_qwen3_moe(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
+    # Saved by stock save_pretrained: the per-expert layout (experts.{j}.gate_proj.weight ...) real
+    # Qwen3-MoE checkpoints have, which transformers fuses on load.
+    return build_tiny_causal_lm("qwen3_moe", out, seed=seed, transformer=transformer)

@@ -64,7 +64,13 @@ def check_parallel_plan(cfg: TrainJobConfig, world_size: int) -> ParallelDims:
     """Validate the parallel layout against the world size and the model, before any heavy work."""
     dims = ParallelDims(**cfg.parallel.model_dump()).resolve(world_size)
     grad_accum_steps(cfg, dims.dp_size)
-    task_for(cfg).check_plan(cfg, dims)
+    task = task_for(cfg)
+    if dims.ep > 1 and not task.supports_expert_parallel:
+        raise ConfigError(
+            f"parallel.ep={dims.ep}: expert parallelism needs a mixture-of-experts model ({task.name} task has "
+            "no experts); set parallel.ep: 1"
+        )
+    task.check_plan(cfg, dims)
     return dims
 
 
@@ -122,7 +128,7 @@ class Trainer:
 
     # ------------------------------------------------------------ loop
 
-    def train_step(self) -> tuple[float, float, int, int, dict[str, float]]:
+    def train_step(self) -> tuple[float, float, int, int, dict]:
         """One optimizer step over `accum` micro-batches.
 
         -> (loss, grad_norm, samples, tokens, extra metrics) of the global batch. The loss is the mean
@@ -155,6 +161,7 @@ class Trainer:
         loss_group = self._loss_group()
         loss = self._sum_over(total_loss, loss_group) / max(units, 1.0)
         extra = {k: self._sum_over(torch.tensor(v), loss_group) / dp_size for k, v in extra.items()}
+        extra.update(self.task.step_metrics())
         return loss, grad_norm, samples * dp_size, tokens * dp_size, extra
 
     def _loss_group(self):

@@ -28,6 +28,7 @@ FAMILY = DiTFamily(
                 float,
                 default=1.0,  # FluxPipeline's default: no true CFG
                 minimum=0.0,
+                maximum=100.0,  # as guidance_scale (request.MAX_GUIDANCE): larger scales only blow latents up
                 help="true classifier-free guidance scale, with a negative prompt",
                 rule=needs_negative_prompt,
             ),

@@ -32,6 +32,14 @@ class FluxBeforeDenoisingStage(PipelineBeforeDenoisingStage):
         check_packed_image_request(params, self.vae_scale_factor, MAX_SEQUENCE_LENGTH, "Flux")
         # true_cfg_scale (type, bounds, needs a negative prompt) is checked by its declaration in FAMILY.options
 
+    def latent_shape(self, p: SamplingParams) -> tuple[int, ...]:
+        return (
+            p.batch_size,
+            self.transformer.config.in_channels // 4,  # packed 2x2 in the transformer's input
+            resolved(p.height, "height") // self.vae_scale_factor,
+            resolved(p.width, "width") // self.vae_scale_factor,
+        )
+
     def encode(self, prompts: list[str], p: SamplingParams, device: torch.device) -> tuple[torch.Tensor, ...]:
         return self.text_pipe.encode_prompt(
             prompt=prompts,
@@ -65,20 +73,15 @@ class FluxBeforeDenoisingStage(PipelineBeforeDenoisingStage):
         latents, img_ids = self.text_pipe.prepare_latents(
             p.batch_size,
             num_channels,
-            height := resolved(p.height, "height"),
-            width := resolved(p.width, "width"),
+            resolved(p.height, "height"),
+            resolved(p.width, "width"),
             torch.float32,
             device,
             req.generator,
         )
         req.latents = latents
         req.extra["img_ids"] = img_ids.to(dtype)
-        req.raw_latent_shape = (
-            p.batch_size,
-            num_channels,
-            height // self.vae_scale_factor,
-            width // self.vae_scale_factor,
-        )
+        req.raw_latent_shape = self.latent_shape(p)
 
         if self.transformer.config.guidance_embeds:
             guidance = torch.full(

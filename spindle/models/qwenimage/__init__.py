@@ -27,6 +27,7 @@ FAMILY = DiTFamily(
                 float,
                 default=4.0,  # QwenImagePipeline's default: CFG runs once a negative_prompt is given
                 minimum=0.0,
+                maximum=100.0,  # as guidance_scale (request.MAX_GUIDANCE): larger scales only blow latents up
                 help="true classifier-free guidance scale, with a negative prompt",
                 rule=needs_negative_prompt,
             ),

@@ -65,6 +65,38 @@ class WanBeforeDenoisingStage(BeforeDenoisingStage):
                 f"(got {n!r}){hint}"
             )
         check_int_range("max_sequence_length", params.max_sequence_length, minimum=1)
+        self.check_positions(params)
+
+    def check_positions(self, params: SamplingParams) -> None:
+        """The transformer's rotary table covers `rope_max_seq_len` positions per axis (frames,
+        height, width in patches); diffusers slices it without a check, so a longer axis fails
+        mid-run. Refuse it here, naming the field and the largest value that fits."""
+        limit = self.transformer.config.rope_max_seq_len
+        p_t, p_h, p_w = self.transformer.config.patch_size
+        k = self.scale_temporal
+        frames = resolved(params.num_frames, "num_frames")
+        height, width = resolved(params.height, "height"), resolved(params.width, "width")
+        axes = (
+            ("num_frames", ((frames - 1) // k + 1) // p_t, (limit * p_t - 1) * k + 1),
+            ("height", height // self.scale_spatial // p_h, limit * self.h_multiple),
+            ("width", width // self.scale_spatial // p_w, limit * self.w_multiple),
+        )
+        for name, positions, largest in axes:
+            if positions > limit:
+                raise RequestError(
+                    f"{name} is past this model's positional range ({positions} positions on that axis; the "
+                    f"transformer's rope_max_seq_len is {limit}): at most {largest}",
+                    field=name,
+                )
+
+    def latent_shape(self, p: SamplingParams) -> tuple[int, ...]:
+        return (
+            p.batch_size,
+            self.transformer.config.in_channels,
+            (resolved(p.num_frames, "num_frames") - 1) // self.scale_temporal + 1,
+            resolved(p.height, "height") // self.scale_spatial,
+            resolved(p.width, "width") // self.scale_spatial,
+        )
 
     def forward(self, req: Req) -> Req:
         p = req.params
@@ -97,13 +129,7 @@ class WanBeforeDenoisingStage(BeforeDenoisingStage):
 
         from diffusers.utils.torch_utils import randn_tensor
 
-        shape = (
-            p.batch_size,
-            self.transformer.config.in_channels,
-            (resolved(p.num_frames, "num_frames") - 1) // self.scale_temporal + 1,
-            resolved(p.height, "height") // self.scale_spatial,
-            resolved(p.width, "width") // self.scale_spatial,
-        )
+        shape = self.latent_shape(p)
         req.latents = randn_tensor(shape, generator=req.generator, device=device, dtype=torch.float32)
         req.raw_latent_shape = tuple(shape)
         return req

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 TASKS: dict[str, str] = {
     "flow_matching": "spindle.train.tasks.flow_matching:FlowMatchingTask",
     "causal_lm": "spindle.train.tasks.causal_lm:CausalLMTask",
+    "causal_lm_moe": "spindle.train.tasks.moe_causal_lm:MoECausalLMTask",
 }
 
 

@@ -50,6 +50,8 @@ class TrainTask(ABC):
     # only (so the logged loss is summed over SP ranks too); False when every SP rank holds the loss
     # of the whole sample (diffusers CP gathers the output before the loss).
     loss_sharded_over_sp: ClassVar[bool] = False
+    # True when the task can run `parallel.ep > 1` (expert parallelism; MoE models).
+    supports_expert_parallel: ClassVar[bool] = False
 
     def __init__(self, cfg: TrainJobConfig, mesh: Mesh, device: torch.device, precision: str):
         self.cfg = cfg
@@ -83,6 +85,12 @@ class TrainTask(ABC):
     @abstractmethod
     def forward(self, model: torch.nn.Module, batch: Any, step: int) -> StepOutput:
         """The micro-batch's summed loss (differentiable) and counts."""
+
+    def step_metrics(self) -> dict[str, Any]:
+        """Collective, after each optimizer step on every rank: values for the step's metrics.jsonl line
+        that the per-micro-batch `StepOutput.metrics` sums cannot express (e.g. MoE expert load over the
+        global batch: counts per expert and their max/mean). Default: none."""
+        return {}
 
     def validate(self, model: torch.nn.Module, step: int, out_dir: Path) -> list[Any]:
         """Collective: render `train.validation` samples from the in-training model into `out_dir`

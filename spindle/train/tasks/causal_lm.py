@@ -17,17 +17,23 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from spindle.config import ConfigError
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.mesh import barrier, is_main_process
+from spindle.models.base import CausalLMFamily
 from spindle.registry import family_of
 from spindle.train.tasks.base import StepOutput, TrainTask
+
+if TYPE_CHECKING:
+    from spindle.config import TrainJobConfig
+    from spindle.data.loader import ResumableLoader
+    from spindle.distributed.mesh import Mesh, ParallelDims
 
 log = logging.getLogger("spindle.train")
 
@@ -42,24 +48,37 @@ EXPORT_MAX_SHARD_BYTES = 5 << 30  # transformers' default max_shard_size (5GB)
 TOKEN_KEYS = ("input_ids", "position_ids", "shift_labels")
 
 
-def causal_lm_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The summed next-token loss of a batch of rows (input_ids, position_ids, shift_labels)."""
+def causal_lm_output(model: torch.nn.Module, batch: dict[str, torch.Tensor], **model_kwargs: Any):
+    """The forward output of a batch of rows (input_ids, position_ids, shift_labels); `.loss` is the sum."""
     labels = batch["shift_labels"]
-    out = model(
+    return model(
         input_ids=batch["input_ids"],
         position_ids=batch["position_ids"],
         labels=labels,
         shift_labels=labels,
         use_cache=False,  # no cache: transformers then reads document boundaries from position_ids
         **LOSS_SUM,
+        **model_kwargs,
     )
-    return out.loss
 
 
-def load_tokenizer(path: str | Path):
+def causal_lm_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The summed next-token loss of a batch of rows (input_ids, position_ids, shift_labels)."""
+    loss: torch.Tensor = causal_lm_output(model, batch).loss
+    return loss
+
+
+def load_tokenizer(path: str | Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def language_model_family(path: str | Path, name: str | None = None) -> CausalLMFamily:
+    family = family_of(path, name)
+    if not isinstance(family, CausalLMFamily):
+        raise ConfigError(f"model {path} is a {family.name} diffusion model, not a causal language model")
+    return family
 
 
 class CausalLMTask(TrainTask):
@@ -67,16 +86,24 @@ class CausalLMTask(TrainTask):
     # With Ulysses SP each rank holds a chunk of the sequence and computes that chunk's loss only.
     loss_sharded_over_sp = True
 
-    def __init__(self, cfg, mesh, device, precision):
+    def __init__(self, cfg: TrainJobConfig, mesh: Mesh, device: torch.device, precision: str) -> None:
         super().__init__(cfg, mesh, device, precision)
-        self.family = family_of(cfg.model.path, cfg.model.family)
+        self.family = language_model_family(cfg.model.path, cfg.model.family)
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.autocast_dtype: torch.dtype | None = None
 
     # ------------------------------------------------------------ checks before launch
 
     @classmethod
-    def check_plan(cls, cfg, dims) -> None:
+    def check_plan(cls, cfg: TrainJobConfig, dims: ParallelDims) -> None:
+        # DiT-only training options must not be silently ignored on a language model.
+        if cfg.train.lora is not None:
+            raise ConfigError("train.lora: LoRA is implemented for DiT families only so far; remove train.lora")
+        if cfg.train.validation.every_steps and cfg.train.validation.prompts:
+            raise ConfigError(
+                "train.validation renders image/video samples (DiT families); for a language model set "
+                "train.validation.every_steps: 0"
+            )
         if dims.ring > 1:
             raise ConfigError(
                 f"parallel.ring={dims.ring}: ring attention is for DiTs; language models split sequences with "
@@ -93,9 +120,9 @@ class CausalLMTask(TrainTask):
 
     # ------------------------------------------------------------ set-up
 
-    def load_model(self) -> torch.nn.Module:
+    def load_model(self) -> Any:
         """The family's ForCausalLM from the transformers folder, fp32 (master weights), sdpa attention."""
-        cls = self.family.model_cls()
+        cls: Any = self.family.model_cls()
         return cls.from_pretrained(self.cfg.model.path, dtype=torch.float32, attn_implementation="sdpa")
 
     def build_model(self) -> torch.nn.Module:
@@ -112,12 +139,19 @@ class CausalLMTask(TrainTask):
             # Non-reentrant: FSDP2's per-layer all-gather hooks fire again in the recomputation, and
             # parameter names stay unchanged (no wrapper module in the FQNs, checkpoints, export).
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        self.parallelize_extra(model)
         if self.mesh.world.size() > 1:  # one process: nothing to shard (spindle.distributed.fsdp)
             apply_fsdp(model, self.mesh, self.precision)
         self.autocast_dtype = autocast_dtype(model, self.precision)
-        return model
+        trained: torch.nn.Module = model
+        return trained
 
-    def build_loader(self):
+    def parallelize_extra(self, model: torch.nn.Module) -> None:
+        """Model-specific parallelism applied after SP and activation checkpointing, before the dense
+        FSDP2 units (e.g. expert parallelism and the experts' own FSDP2 units, moe_causal_lm.py)."""
+        return None
+
+    def build_loader(self) -> ResumableLoader:
         from spindle.data.loader import ResumableLoader
         from spindle.data.text import build_text_dataset, collate_rows
 
@@ -156,7 +190,7 @@ class CausalLMTask(TrainTask):
     def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
         return int((batch["shift_labels"] != IGNORE_INDEX).sum())  # the whole rows, before any SP split
 
-    def _autocast(self):
+    def _autocast(self) -> AbstractContextManager[Any]:
         if self.autocast_dtype is None:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
@@ -170,8 +204,16 @@ class CausalLMTask(TrainTask):
             # Positions and labels were computed on the whole rows; each SP rank keeps its chunk.
             rows = ulysses_attention.shard_batch(rows, self.mesh.sp_rank, self.mesh.dims.sp)
         with self._autocast():
-            loss = causal_lm_loss_sum(model, rows)
-        return StepOutput(loss.float(), samples, tokens)
+            out = causal_lm_output(model, rows, **self.model_kwargs())
+        return StepOutput(out.loss.float(), samples, tokens, self.output_metrics(out))
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """Extra keyword arguments of the training forward (e.g. output_router_logits for MoE)."""
+        return {}
+
+    def output_metrics(self, out: Any) -> dict[str, float]:
+        """Scalars to log from a micro-batch's forward output (StepOutput.metrics)."""
+        return {}
 
     # ------------------------------------------------------------ export
 
@@ -181,15 +223,16 @@ class CausalLMTask(TrainTask):
     def export(self, model: torch.nn.Module, out: Path) -> Path | None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        write_transformers_folder(model, get_model_state_dict(model), self.cfg.model.path, out)
+        state = cast("dict[str, torch.Tensor]", get_model_state_dict(model))
+        write_transformers_folder(model, state, self.cfg.model.path, out)
         return out if is_main_process() else None
 
     @classmethod
     def export_checkpoint(cls, checkpoint: Path, model_path: Path, out: Path) -> Path:
         if not (model_path / "config.json").is_file():
             raise FileNotFoundError(f"base model {model_path} has no config.json; pass --model PATH")
-        family = family_of(model_path)
-        model = family.model_cls().from_pretrained(model_path, dtype=torch.float32)
+        model_cls: Any = language_model_family(model_path).model_cls()
+        model = model_cls.from_pretrained(model_path, dtype=torch.float32)
         state = ckpt.read_checkpoint_model(checkpoint, model)
         write_transformers_folder(model, state, model_path, out)
         return out
@@ -222,9 +265,10 @@ def write_transformers_folder(
     barrier()
     ckpt.save_hf_safetensors(unique_weights(model, state_dict), tmp, max_shard_bytes)
     if is_main_process():
-        model.config.save_pretrained(tmp)
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(tmp)
+        hf_model: Any = model  # a transformers PreTrainedModel
+        hf_model.config.save_pretrained(tmp)
+        if getattr(hf_model, "generation_config", None) is not None:
+            hf_model.generation_config.save_pretrained(tmp)
         load_tokenizer(source).save_pretrained(tmp)
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)

@@ -1,0 +1,124 @@
+"""Expert parallelism (EP) for MoE transformers models, on Spindle's mesh.
+
+Layout. `parallel.ep` divides `dp_shard`: the dp_shard ranks are viewed as (efsdp, ep) (ep inner).
+Every rank is still a data-parallel rank with its own batch; the dense parameters stay FSDP2-sharded
+over the whole "fsdp" mesh as in the dense path. Each MoE layer's stacked experts (`gate_up_proj
+[E, 2I, H]`, `down_proj [E, H, I]`) become DTensors sharded on the expert dim over the `ep` mesh (a
+rank holds E/ep whole experts), and FSDP2 shards those again over the `efsdp` ranks that hold the
+same experts (2-D: FSDP over efsdp x EP, as FSDP2 composes with TP). DCP saves and loads the DTensors
+at any layout, so a checkpoint resumes at another `ep`.
+
+Token exchange: transformers' own EP building blocks (transformers.distributed.expert_parallel):
+`MoEParamShard` shards the expert weights and sets the module's local expert count, and
+`EpDispatchExpertsParallel` wraps the experts' forward with `AllToAllEP` (each (token, expert) pair
+sent to the expert's rank with `all_to_all_single_autograd`, the experts run there through the
+module's own `use_experts_implementation` kernel (grouped_mm) on local expert ids, the outputs sent
+back, weighted and summed on the sender; the collectives are differentiable). We do not go through
+`from_pretrained(distributed_config=...)`: that path builds its own device mesh and its own FSDP2 plan
+at load time, while Spindle's mesh, FSDP2 units, gradient scaling and DCP checkpoints must cover the
+experts too (docs/training.md, "Mixture of experts").
+
+Gradient scaling: an expert's gradient on its EP rank sums the contributions of the tokens of every
+rank of its EP group; FSDP2 then reduces over efsdp. The trainer scales each rank's loss by dp_size /
+tokens, so the reduction must divide by dp_size, not by the efsdp size FSDP2 would use: the experts'
+FSDP units get `set_gradient_divide_factor(dp_size)`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+
+from spindle.distributed.mesh import Mesh
+
+
+def check_ep_layout(dims, num_experts: int) -> None:
+    """Layouts EP supports (before launch); raises ValueError naming the field."""
+    if dims.ep == 1:
+        return
+    if num_experts % dims.ep:
+        raise ValueError(
+            f"parallel.ep={dims.ep} must divide the model's num_experts={num_experts} (each EP rank holds whole experts)"
+        )
+    if dims.sp > 1:
+        raise ValueError(f"parallel.ep={dims.ep} with parallel.sp={dims.sp} is not supported yet; set one of them to 1")
+    if dims.dp_replicate > 1:
+        raise ValueError(
+            f"parallel.ep={dims.ep} with parallel.dp_replicate={dims.dp_replicate} (HSDP) is not supported yet; "
+            "use dp_shard for the data-parallel ranks"
+        )
+
+
+def ep_meshes(mesh: Mesh) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh]:
+    """-> (ep, efsdp, one): the expert-parallel group of this rank, the ranks holding the same experts,
+    and a 1-rank mesh (the "ranks sharing one batch" group transformers' EP takes; no TP here).
+    Collective on first call; cached on the Mesh."""
+    cached = getattr(mesh, "_ep_meshes", None)
+    if cached is None:
+        dims = mesh.dims
+        split = mesh.world["dp_shard"]._unflatten(0, (dims.dp_shard // dims.ep, dims.ep), ("efsdp", "ep"))
+        cached = (split["ep"], split["efsdp"], mesh.world["sp"])
+        mesh._ep_meshes = cached  # type: ignore[attr-defined]
+    return cached
+
+
+def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """{name: experts module} of the MoE layers (the modules the config's EP plan names "ep_dispatch_experts")."""
+    plan = _ep_plan(model)
+    patterns = [f"*{p}" for p, style in plan.items() if style == "ep_dispatch_experts"]
+    return {n: m for n, m in model.named_modules() if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
+
+
+def _ep_plan(model: nn.Module) -> dict[str, str]:
+    plan = getattr(model.config, "base_model_ep_plan", None)
+    if not plan:
+        raise ValueError(f"{type(model).__name__} declares no expert-parallel plan (config.base_model_ep_plan)")
+    return plan
+
+
+def apply_expert_parallel(model: nn.Module, mesh: Mesh) -> nn.Module:
+    """Shard the experts over `ep` and install the all-to-all dispatch (in place; before FSDP2)."""
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+    ep, _, one = ep_meshes(mesh)
+    plan = _ep_plan(model)
+    names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_modules()]
+    # transformers' plan uses "layers.*" patterns relative to the base model: expand to this model's names.
+    concrete = {
+        name: style for pattern, style in plan.items() for name in names if fnmatch.fnmatchcase(name, f"*{pattern}")
+    }
+    apply_expert_parallelism(model, ep, one, concrete, ep_implementation="all_to_all")
+    return model
+
+
+def shard_experts(model: nn.Module, mesh: Mesh, mp_policy) -> None:
+    """FSDP2 units for the experts of each MoE layer over `efsdp` (before the dense `apply_fsdp`).
+
+    Gradients divide by the data-parallel size (module docstring); on gloo the custom factor needs
+    sum-only collectives (see spindle.distributed.fsdp.apply_fsdp).
+    """
+    efsdp = ep_meshes(mesh)[1]
+    for experts in expert_modules(model).values():
+        fully_shard(experts, mesh=efsdp, mp_policy=mp_policy, reshard_after_forward=True)
+        experts.set_gradient_divide_factor(float(mesh.dims.dp_size))
+        if efsdp.device_type == "cpu" and efsdp.size() > 1:
+            # gloo has no PREMUL_SUM; but on a 1-rank efsdp mesh (no collective) FSDP2's forced-sum
+            # path divides twice (measured: expert grads at 1/dp_size of the 1-process ones), so
+            # only where a reduction really runs.
+            experts.set_force_sum_reduction_for_comms(True)
+
+
+def expert_param_names(model: nn.Module) -> list[str]:
+    prefixes = tuple(f"{n}." for n in expert_modules(model))
+    return [n for n, _ in model.named_parameters() if n.startswith(prefixes)]
+
+
+def to_full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (collective), a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t

@@ -1,0 +1,139 @@
+"""patchgen config for transformers' Qwen3-MoE modeling -> generated/patched_modeling_qwen3_moe.py.
+
+Regenerate with `spindle patchgen` after editing, read generated/patched_modeling_qwen3_moe.diff, run
+the tests (docs/patchgen.md).
+
+Patched: `Qwen3MoeForCausalLM.forward` computes the token loss from the last hidden states with the
+chunked linear cross-entropy (spindle/train/losses.py), like the dense Qwen3 patch, and adds the
+router's load-balancing loss exactly as upstream does (`router_aux_loss_coef x
+load_balancing_loss_func` over the forward's router logits). The dense patch cannot be reused
+through `name_map`: upstream's MoE forward has `output_router_logits` and the aux term.
+
+Everything else is upstream: the fused experts (`Qwen3MoeExperts`, stacked `gate_up_proj` /
+`down_proj`) keep `@use_experts_implementation`, so `config._experts_implementation` picks
+transformers' grouped_mm / batched_mm / eager kernels, and expert parallelism is installed on the
+module by spindle.distributed.expert_parallel (transformers' EP styles on Spindle's mesh).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_utils import slice_logits_to_keep
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs
+
+from spindle.patchgen import PatchConfig
+from spindle.train.losses import causal_lm_loss
+
+config = PatchConfig(source_module="transformers.models.qwen3_moe.modeling_qwen3_moe")
+config.add_import("spindle.train.losses", names=["causal_lm_loss"])
+
+
+@config.add_helper
+def count_label_tokens(labels, shift_labels, ignore_index: int = -100) -> torch.Tensor:
+    """The tokens a causal-LM loss averages over: valid shifted labels (as `causal_lm_loss` shifts them)."""
+    if shift_labels is None:
+        shift_labels = labels[..., 1:]
+    return (shift_labels != ignore_index).sum().to(torch.float32)
+
+
+# Patch: Qwen3MoeForCausalLM.forward (upstream signature and decorators kept)
+#   1. pop Spindle's loss kwargs (shift_labels, loss_reduction) so the decoder never sees them;
+#   2. with labels or shift_labels: token loss from hidden states via causal_lm_loss, logits=None;
+#      without: exactly upstream (lm_head on the logits_to_keep slice);
+#   3. the aux loss as upstream, weighted so that it survives Spindle's sum reduction (see docstring).
+@config.override_method(
+    "Qwen3MoeForCausalLM.forward",
+    description="loss from hidden states with the chunked linear cross-entropy, plus upstream's router aux loss",
+)
+def moe_causal_lm_forward(
+    self,
+    input_ids: torch.LongTensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.LongTensor | None = None,
+    past_key_values: Cache | None = None,
+    inputs_embeds: torch.Tensor | None = None,
+    labels: torch.LongTensor | None = None,
+    use_cache: bool | None = None,
+    output_router_logits: bool | None = None,
+    logits_to_keep: int | torch.Tensor = 0,
+    **kwargs: Unpack[TransformersKwargs],
+) -> MoeCausalLMOutputWithPast:
+    r"""
+    Besides transformers' arguments, Spindle's loss arguments (as in the dense Qwen3 patch):
+    `shift_labels` (already shifted labels, used instead of `labels`) and `loss_reduction="sum"`.
+
+    The loss is upstream's `token loss + router_aux_loss_coef * aux_loss` whenever upstream computes
+    it (mean token loss, `output_router_logits=True`). When the token loss is normalised by a count
+    other than this batch's own valid tokens (`num_items_in_batch`, or `loss_reduction="sum"`: the
+    caller divides by a global token count), the aux term is scaled by the batch's valid tokens over
+    that count, so the accumulated loss over micro-batches and ranks is the mean token loss plus
+    `router_aux_loss_coef` times the token-weighted mean of the micro-batches' aux losses; with one
+    micro-batch that is exactly upstream's loss.
+    """
+    # --- Patch.1: Spindle's loss kwargs are for the loss only.
+    shift_labels = kwargs.pop("shift_labels", None)
+    loss_reduction = kwargs.pop("loss_reduction", None)
+    output_router_logits = (
+        output_router_logits if output_router_logits is not None else self.config.output_router_logits
+    )
+    outputs: MoeModelOutputWithPast = self.model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=past_key_values,
+        inputs_embeds=inputs_embeds,
+        use_cache=use_cache,
+        output_router_logits=output_router_logits,
+        **kwargs,
+    )
+
+    hidden_states = outputs.last_hidden_state
+    hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
+    # --- Patch.2: the chunked loss replaces lm_head + loss_function when there is something to learn.
+    loss = logits = None
+    num_items_in_batch = kwargs.get("num_items_in_batch")
+    ignore_index = kwargs.get("ignore_index", -100)
+    if labels is None and shift_labels is None:
+        logits = self.lm_head(hidden_states)
+    else:
+        loss = causal_lm_loss(
+            hidden_states,
+            self.lm_head.weight,
+            labels=labels,
+            shift_labels=shift_labels,
+            num_items_in_batch=num_items_in_batch,
+            loss_reduction=loss_reduction,
+            ignore_index=ignore_index,
+        )
+
+    aux_loss = None
+    if output_router_logits:
+        aux_loss = load_balancing_loss_func(
+            outputs.router_logits,
+            self.num_experts,
+            self.num_experts_per_tok,
+            attention_mask,
+        )
+        if loss is not None:
+            # --- Patch.3: the aux term in the token loss's normalisation (1 for upstream's mean).
+            if loss_reduction == "sum" or (loss_reduction is None and num_items_in_batch is not None):
+                tokens = count_label_tokens(labels, shift_labels, ignore_index)
+                divisor = 1 if loss_reduction == "sum" else num_items_in_batch
+                weight = tokens / torch.as_tensor(divisor, dtype=torch.float32, device=loss.device)
+            else:
+                weight = 1.0
+            loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device) * weight
+
+    return MoeCausalLMOutputWithPast(
+        loss=loss,
+        aux_loss=aux_loss,
+        logits=logits,
+        past_key_values=outputs.past_key_values,
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+        router_logits=outputs.router_logits,
+    )

@@ -1,0 +1,184 @@
+"""Reading and decoding request bodies defensively: a size cap (413), a deadline for a half-sent
+body (408), a client hang-up mid-body (no traceback), then JSON or form fields -> a dict, with
+every malformed input a 400 that says what is wrong (invalid UTF-8, bad JSON, nesting too deep,
+unknown charset, broken multipart) instead of an exception escaping to a 500."""
+
+from __future__ import annotations
+
+import asyncio
+import email.parser
+import email.policy
+import email.utils
+import json
+import urllib.parse
+from typing import Any
+
+from starlette.requests import ClientDisconnect, Request
+
+from spindle.serve.schemas import APIError, safe_text
+
+# integer literals longer than this become floats (inf past ~308 digits): Python refuses int() of
+# more than 4300 digits with a ValueError, and no field takes numbers that large anyway; the
+# field's own validation then names it ("should be a finite number" / "less than ...")
+_MAX_INT_DIGITS = 100
+DISCARD_SECONDS = 2.0  # how long an oversize body is read (and dropped) before the 413 goes out
+_CLOSE = {"Connection": "close"}  # the rest of an unread body must not be taken for a next request
+
+
+class ClientGone(Exception):
+    """The client closed its connection before the answer (nothing to answer, nothing to log)."""
+
+
+async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes:
+    """The whole body, at most `max_bytes` (413 beyond, told by Content-Length or found while
+    reading), within `timeout` seconds (408 for a client that stops sending)."""
+    length = request.headers.get("content-length")
+    chunks: list[bytes] = []
+
+    async def receive_all() -> None:
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                break
+            chunks.append(chunk)
+        else:
+            return
+        chunks.clear()
+        await _discard(request.stream(), DISCARD_SECONDS)
+        raise _too_large(max_bytes)
+
+    if length is not None and length.strip().isdigit() and int(length) > max_bytes:
+        if request.headers.get("expect", "").lower() != "100-continue":  # (else nothing was sent yet)
+            await _discard(request.stream(), DISCARD_SECONDS)
+        raise _too_large(max_bytes)
+    try:
+        await asyncio.wait_for(receive_all(), timeout)
+    except asyncio.TimeoutError:
+        raise APIError(
+            408,
+            f"the request body did not arrive within {timeout:g} s (--request-timeout)",
+            param="body",
+            code="request_timeout",
+            headers=_CLOSE,
+        ) from None
+    except ClientDisconnect:
+        raise ClientGone() from None
+    return b"".join(chunks)
+
+
+async def _discard(stream: Any, seconds: float) -> None:
+    """Read and drop what the client is still sending, for a bounded time, before answering 413:
+    closing a socket with unread input makes the kernel reset the connection, and the client
+    would see a reset instead of the answer (a "lingering close", as nginx does)."""
+    try:
+        await asyncio.wait_for(_drain(stream), seconds)
+    except (asyncio.TimeoutError, ClientDisconnect, RuntimeError):  # RuntimeError: stream already consumed
+        pass
+
+
+async def _drain(stream: Any) -> None:
+    async for _ in stream:
+        pass
+
+
+def _too_large(max_bytes: int) -> APIError:
+    return APIError(
+        413,
+        f"the request body is larger than {max_bytes} bytes (--max-body-bytes)",
+        param="body",
+        code="body_too_large",
+        headers=_CLOSE,
+    )
+
+
+def parse_fields(raw: bytes, content_type: str) -> dict[str, Any]:
+    """A request body -> its fields: JSON (the default), multipart/form-data (what the openai client
+    sends to /videos) or urlencoded. `content_type` is the header as sent (a multipart boundary is
+    case-sensitive, so it is never lower-cased)."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media == "multipart/form-data":
+        return _parse_multipart(raw, content_type)
+    if media == "application/x-www-form-urlencoded" and not raw.lstrip().startswith(b"{"):
+        # (curl -d '{...}' without -H sends JSON labelled urlencoded: that is read as JSON)
+        text = _decode(raw, "utf-8", "body")
+        return {k: v[-1] for k, v in urllib.parse.parse_qs(text, keep_blank_values=True).items()}
+    return parse_json_object(raw)
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """A JSON object from UTF-8 bytes. `Infinity` / `NaN` tokens and huge numbers parse (as floats)
+    so that the field they are in is named by its own validation."""
+    text = _decode(raw, "utf-8-sig", "body")
+    try:
+        data = json.loads(text, parse_int=_parse_int)
+    except json.JSONDecodeError as e:
+        raise APIError(400, f"the body is not valid JSON: {e}", param="body", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "the body's JSON is nested too deeply", param="body", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(
+            400, f"the body must be a JSON object; got a {type(data).__name__}", param="body", code="invalid_json"
+        )
+    return data
+
+
+def _parse_int(text: str) -> int | float:
+    return int(text) if len(text.lstrip("-")) <= _MAX_INT_DIGITS else float(text)
+
+
+def _decode(raw: bytes, charset: str, param: str) -> str:
+    try:
+        return raw.decode(charset)
+    except LookupError:
+        raise APIError(
+            400, f"{param}: unknown charset {safe_text(charset)!r}; send UTF-8", param=param, code="invalid_encoding"
+        ) from None
+    except UnicodeDecodeError as e:
+        raise APIError(
+            400,
+            f"{param}: not valid {charset} text (byte {e.start}: {e.reason}); send UTF-8",
+            param=param,
+            code="invalid_encoding",
+        ) from None
+
+
+def _parse_multipart(raw: bytes, content_type: str) -> dict[str, Any]:
+    """Stdlib email parsing (FastAPI's form support needs python-multipart). The email package is
+    lenient: what it cannot make sense of becomes a body without parts, refused here."""
+    if "boundary=" not in content_type.lower():
+        raise APIError(
+            400, "multipart/form-data needs a boundary parameter in Content-Type", param="body", code="invalid_body"
+        )
+    try:
+        header = b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n"
+    except UnicodeEncodeError:
+        raise APIError(400, "the Content-Type header is not latin-1 text", param="body", code="invalid_body") from None
+    message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(header + raw)
+    if not message.is_multipart() or not message.get_payload():
+        raise APIError(
+            400,
+            "malformed multipart/form-data body (no parts with the boundary given)",
+            param="body",
+            code="invalid_body",
+        )
+    fields: dict[str, Any] = {}
+    for part in message.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        if isinstance(name, tuple):  # RFC 2231 encoded
+            name = email.utils.collapse_rfc2231_value(name)
+        if not name:
+            continue
+        name = safe_text(name)
+        if part.get_filename() is not None:
+            raise APIError(
+                400,
+                f"{name}: file uploads are not supported (text-to-video only)",
+                param=name,
+                code="unsupported_parameter",
+            )
+        payload = part.get_payload(decode=True)
+        if not isinstance(payload, bytes):  # a nested multipart part has no bytes of its own
+            raise APIError(400, f"{name}: a form field must be text", param=name, code="invalid_body")
+        fields[name] = _decode(payload, part.get_content_charset() or "utf-8", name)
+    return fields

@@ -1,0 +1,55 @@
+"""The server's limits: what one request may ask of the engine (`RequestLimits`, checked by the
+engine's validation before a job is queued) and what one connection may hold (body size, time to
+send a request, idle time, open connections). All are `spindle serve` options and are reported by
+`GET /health` and `GET /v1/models`."""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+from dataclasses import dataclass, field
+from typing import Any
+
+from spindle.infer.request import RequestLimits
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """`request`: per-request bounds (pixels, frames, steps, prompt length, outputs).
+    `max_body_bytes`: a larger request body gets 413 (read no further).
+    `request_timeout`: seconds a client has to send a whole request (headers and body) once it has
+    started one or opened a connection; past it a half-sent request is closed (408 when the headers
+    arrived).
+    `keep_alive_timeout`: seconds an idle keep-alive connection stays open between requests.
+    `max_connections`: open connections; at the cap a new connection closes the longest-idle one
+    (no request in progress), or is itself closed when every connection is busy, so idle sockets
+    can never use up the file descriptors and `/health` keeps answering."""
+
+    request: RequestLimits = field(default_factory=RequestLimits)
+    max_body_bytes: int = 1 << 20
+    request_timeout: float = 30.0
+    keep_alive_timeout: float = 5.0
+    max_connections: int = 256
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024; got {self.max_body_bytes}")
+        for name in ("request_timeout", "keep_alive_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds; got {getattr(self, name)}")
+        if self.max_connections < 2:
+            raise ValueError(f"max_connections must be >= 2; got {self.max_connections}")
+
+    def check_file_limit(self) -> None:
+        """The connection cap must fit under the process's open-file limit (with room for the
+        model's files, logs and the listening socket), or descriptors run out before the cap acts."""
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and self.max_connections > soft - 64:
+            raise ValueError(
+                f"--max-connections {self.max_connections} does not fit the open-file limit ({soft}, ulimit -n) "
+                f"with 64 to spare: lower it to {max(2, soft - 64)} or raise the limit"
+            )
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k != "request"}
+        return {**self.request.as_dict(), **out}

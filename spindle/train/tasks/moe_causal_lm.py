@@ -1,0 +1,187 @@
+"""The causal-LM task for mixture-of-experts models (Qwen3-MoE): the dense task plus experts.
+
+- Load: the expert tensors of the checkpoint are validated from the safetensors headers first
+  (per-expert or fused layout; a missing expert, an unrecognised expert tensor or a wrong shape is an
+  error naming the key), transformers' checkpoint conversion is made to apply to Spindle's patched
+  class, and any missing/unexpected key after loading is an error (spindle.models.qwen3_moe.conversion).
+- Loss: the patched forward adds `router_aux_loss_coef x load_balancing_loss_func` exactly as
+  transformers does, weighted by the micro-batch's tokens so that it survives the trainer's
+  token-sum normalisation (spindle/models/qwen3_moe/patches.py). Logged apart as `aux_loss`.
+- Expert load: tokens routed to each expert per step over the global batch (`moe_tokens_per_expert`,
+  summed over the MoE layers) and the worst layer's max/mean (`moe_load_imbalance`) in metrics.jsonl.
+- Parallelism: `parallel.ep` (spindle.distributed.expert_parallel) on top of the dense path.
+- Export: the layout the input checkpoint had (per-expert by default).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from spindle.config import ConfigError
+from spindle.distributed import checkpoint as ckpt
+from spindle.distributed.mesh import is_main_process
+from spindle.models.qwen3_moe import conversion
+from spindle.registry import family_of
+from spindle.train.tasks.causal_lm import CausalLMTask, write_transformers_folder
+
+
+class MoECausalLMTask(CausalLMTask):
+    name = "causal_lm_moe"
+    supports_expert_parallel = True
+
+    def __init__(self, cfg, mesh, device, precision):
+        super().__init__(cfg, mesh, device, precision)
+        self.expert_layout = conversion.PER_EXPERT
+        self._load: torch.Tensor | None = None  # [moe layers, experts] routed token counts this step
+
+    @classmethod
+    def check_plan(cls, cfg, dims) -> None:
+        from transformers import AutoConfig
+
+        from spindle.distributed.expert_parallel import check_ep_layout
+
+        if dims.sp > 1:
+            raise ConfigError(
+                f"parallel.sp={dims.sp}: sequence parallelism is not supported for mixture-of-experts models yet "
+                "(the router aux loss needs the whole row's router statistics); set parallel.sp: 1"
+            )
+        super().check_plan(cfg, dims)  # the dense checks (ring refused for language models, ...)
+        try:
+            check_ep_layout(dims, AutoConfig.from_pretrained(cfg.model.path).num_experts)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    # ------------------------------------------------------------ set-up
+
+    def load_model(self) -> torch.nn.Module:
+        return load_moe_model(self.family, self.cfg.model.path, self.device.type, attn_implementation="sdpa")
+
+    def build_model(self) -> torch.nn.Module:
+        self.expert_layout = conversion.expert_layout(self.cfg.model.path)
+        return super().build_model()
+
+    def parallelize_extra(self, model: torch.nn.Module) -> None:
+        from spindle.distributed import expert_parallel as ep
+        from spindle.distributed.fsdp import _mp_policy
+
+        if self.mesh.dims.ep > 1:
+            ep.apply_expert_parallel(model, self.mesh)
+            ep.shard_experts(model, self.mesh, _mp_policy(self.precision))
+
+    # ------------------------------------------------------------ step
+
+    def model_kwargs(self) -> dict[str, Any]:
+        return {"output_router_logits": True}
+
+    def output_metrics(self, out: Any) -> dict[str, float]:
+        from spindle.train.trainer import grad_accum_steps
+
+        self._count_load(out.router_logits)
+        # The trainer sums a metric over the step's micro-batches and averages it over the data-parallel
+        # ranks: dividing by the accumulation count makes that the mean over every micro-batch.
+        accum = grad_accum_steps(self.cfg, self.mesh.dims.dp_size)
+        return {"aux_loss": float(out.aux_loss.detach()) / accum}
+
+    @torch.no_grad()
+    def _count_load(self, router_logits: tuple[torch.Tensor, ...]) -> None:
+        config = self.family_config
+        counts = torch.stack(
+            [
+                torch.bincount(
+                    torch.topk(logits.float(), config.num_experts_per_tok, dim=-1).indices.reshape(-1),
+                    minlength=config.num_experts,
+                )
+                for logits in router_logits
+            ]
+        ).to(torch.float64)
+        self._load = counts if self._load is None else self._load + counts
+
+    @property
+    def family_config(self):
+        if not hasattr(self, "_family_config"):
+            from transformers import AutoConfig
+
+            self._family_config = AutoConfig.from_pretrained(self.cfg.model.path)
+        return self._family_config
+
+    def step_metrics(self) -> dict[str, Any]:
+        load, self._load = self._load, None
+        if load is None:
+            return {}
+        if dist.is_initialized() and self.mesh.dims.dp_size > 1:
+            load = load.to(self.device)
+            for dim in range(self.mesh.dp.ndim):
+                dist.all_reduce(load, group=self.mesh.dp.get_group(dim))
+        load = load.cpu()
+        per_layer_imbalance = load.max(dim=1).values / load.mean(dim=1).clamp_min(1e-12)
+        return {
+            "moe_tokens_per_expert": [int(x) for x in load.sum(dim=0).tolist()],
+            "moe_load_imbalance": float(per_layer_imbalance.max()),
+        }
+
+    # ------------------------------------------------------------ export
+
+    def state(self) -> dict[str, Any]:
+        return {**super().state(), "expert_layout": self.expert_layout}
+
+    def export(self, model: torch.nn.Module, out: Path) -> Path | None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        write_moe_folder(model, get_model_state_dict(model), self.cfg.model.path, out, self.expert_layout)
+        return out if is_main_process() else None
+
+    @classmethod
+    def export_checkpoint(cls, checkpoint: Path, model_path: Path, out: Path) -> Path:
+        if not (model_path / "config.json").is_file():
+            raise FileNotFoundError(f"base model {model_path} has no config.json; pass --model PATH")
+        layout = conversion.expert_layout(model_path)
+        model = load_moe_model(family_of(model_path), model_path)
+        state = ckpt.read_checkpoint_model(checkpoint, model)
+        write_moe_folder(model, state, model_path, out, layout)
+        return out
+
+
+def experts_implementation(config, device_type: str) -> str:
+    """transformers' fused experts kernel for this model: `grouped_mm` (one grouped GEMM per projection
+    over the stacked weights), except on CPU when a weight row is not a multiple of 16 bytes, which the
+    CPU grouped_mm kernel rejects ("strides should be multiple of 16 bytes"): then `batched_mm`
+    (per-token batched GEMMs on gathered expert weights, also vectorised; never a loop over experts)."""
+    if device_type == "cpu":
+        row_bytes = 4  # fp32 master weights on CPU
+        if (config.hidden_size * row_bytes) % 16 or (config.moe_intermediate_size * row_bytes) % 16:
+            return "batched_mm"
+    return "grouped_mm"
+
+
+def load_moe_model(family, path: str | Path, device_type: str = "cpu", **kwargs: Any) -> torch.nn.Module:
+    """The family's MoE ForCausalLM from `path` in fp32, every expert loaded from the checkpoint or an error."""
+    from transformers import AutoConfig
+
+    conversion.expert_layout(path)  # validates expert keys and shapes before any weight is read
+    conversion.register_conversion()
+    impl = experts_implementation(AutoConfig.from_pretrained(path), device_type)
+    model, info = family.model_cls().from_pretrained(
+        path, dtype=torch.float32, output_loading_info=True, experts_implementation=impl, **kwargs
+    )
+    conversion.check_loading_info(info, str(path))
+    return model
+
+
+def write_moe_folder(
+    model: torch.nn.Module, state_dict: dict[str, torch.Tensor], source: str | Path, out: str | Path, layout: str
+) -> None:
+    """Collective: `write_transformers_folder` with the experts in `layout`.
+
+    Expert tensors (DTensors under EP/FSDP2) are gathered whole, one tensor at a time, and converted
+    by transformers' own reverse mapping; dense tensors stay sharded and are written rank by rank.
+    """
+    from spindle.distributed.expert_parallel import expert_param_names, to_full
+
+    expert_keys = set(expert_param_names(model))
+    experts = {k: to_full(v).detach().cpu() for k, v in state_dict.items() if k in expert_keys}
+    dense = {k: v for k, v in state_dict.items() if k not in expert_keys}
+    write_transformers_folder(model, {**dense, **conversion.to_layout(model, experts, layout)}, source, out)
