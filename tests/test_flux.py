@@ -256,7 +256,7 @@ def test_defaults_are_flux_pipeline_defaults(tiny_flux):
         (dict(num_frames=5), r"num_frames must be left unset \(or 1\): Flux generates images"),
         (dict(max_sequence_length=513), r"max_sequence_length must be an integer between 1 and 512; got 513"),
         (dict(true_cfg_scale=3.0), r"true_cfg_scale=3 enables CFG only with a negative_prompt"),
-        (dict(true_cfg_scale="3"), r"true_cfg_scale must be a number >= 0 for flux; got '3'"),
+        (dict(true_cfg_scale="3"), r"true_cfg_scale must be a number between 0 and 100 for flux; got '3'"),
         (dict(strength=0.5), r"strength is not an option of flux \(its options: true_cfg_scale\)"),
     ],
 )

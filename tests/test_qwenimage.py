@@ -241,7 +241,10 @@ def test_defaults_are_qwenimage_pipeline_defaults(tiny):
         (dict(num_frames=5), r"num_frames must be left unset \(or 1\): Qwen-Image generates images"),
         (dict(max_sequence_length=1025), r"max_sequence_length must be an integer between 1 and 1024; got 1025"),
         (dict(true_cfg_scale=3.0), r"true_cfg_scale=3 enables CFG only with a negative_prompt"),
-        (dict(true_cfg_scale=-1.0, negative_prompt="x"), r"true_cfg_scale must be >= 0 for qwenimage; got -1.0"),
+        (
+            dict(true_cfg_scale=-1.0, negative_prompt="x"),
+            r"true_cfg_scale must be between 0 and 100 for qwenimage; got -1.0",
+        ),
         (dict(strength=0.5), r"strength is not an option of qwenimage \(its options: true_cfg_scale\)"),
     ],
 )

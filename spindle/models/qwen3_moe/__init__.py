@@ -1,7 +1,7 @@
 """Qwen3-MoE causal LMs (transformers `model_type` "qwen3_moe", `Qwen3MoeForCausalLM`), trained by the MoE
 causal-LM task (spindle/train/tasks/moe_causal_lm.py): fused experts, expert parallelism, router aux loss."""
 
-from spindle.models.base import CausalLMFamily, TextDemoSpec
+from spindle.models.family import CausalLMFamily, TextDemoSpec
 
 FAMILY = CausalLMFamily(
     name="qwen3_moe",
