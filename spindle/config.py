@@ -41,6 +41,18 @@ class MediaDataConfig(Section):
     shuffle: bool = True
 
 
+class TextDataConfig(Section):
+    """`data:` of causal-LM jobs: JSONL text or chat documents."""
+
+    path: str = Field(description='a .jsonl file or a folder of them; lines {"text": ...} or {"messages": [...]}')
+    seq_len: int = Field(2048, ge=2, description="tokens per training row (packed or padded)")
+    packing: bool = Field(
+        True, description="pack documents into seq_len rows (false: one truncated/padded sample per row)"
+    )
+    skip_bad_samples: bool = Field(False, description="log and skip empty/malformed lines instead of failing")
+    shuffle: bool = True
+
+
 class TimestepConfig(Section):
     scheme: Literal["uniform", "logit_normal", "mode"] = "uniform"
     logit_mean: float = 0.0
@@ -74,7 +86,7 @@ class CheckpointConfig(Section):
     every_steps: int = Field(0, ge=0, description="save a resumable checkpoint every N steps (0: only at the end)")
     resume: str = Field("none", description="none | auto (latest in output_dir) | path to a checkpoint folder")
     keep_last: int = Field(2, ge=1, description="resumable checkpoints kept on disk")
-    export: bool = Field(True, description="export a diffusers pipeline folder at the end")
+    export: bool = Field(True, description="export the model's standard folder (diffusers / transformers) at the end")
 
 
 class ParallelConfig(Section):
@@ -109,9 +121,16 @@ class DiTJobConfig(TrainJobConfig):
     data: MediaDataConfig
 
 
+class CausalLMJobConfig(TrainJobConfig):
+    """A causal-LM (next-token) job."""
+
+    data: TextDataConfig
+
+
 # training task name (a family's `task`) -> its job schema
 JOB_CONFIGS: dict[str, type[TrainJobConfig]] = {
     "flow_matching": DiTJobConfig,
+    "causal_lm": CausalLMJobConfig,
 }
 
 

@@ -14,11 +14,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from spindle.models.base import DiTFamily
+    from spindle.models.base import CausalLMFamily, DiTFamily
+
+    Family = DiTFamily | CausalLMFamily
 
 # name -> module defining FAMILY. Adding a family: one line here, one folder under models/.
 BUILTIN_FAMILIES: dict[str, str] = {
     "flux": "spindle.models.flux",
+    "llama": "spindle.models.llama",
+    "qwen3": "spindle.models.qwen3",
     "wan": "spindle.models.wan",
 }
 
@@ -31,13 +35,13 @@ def family_names() -> list[str]:
     return sorted(BUILTIN_FAMILIES)
 
 
-def get_family(name: str) -> DiTFamily:
+def get_family(name: str) -> Family:
     if name not in BUILTIN_FAMILIES:
         raise UnknownModelError(f"unknown model family {name!r}; known families: {', '.join(family_names())}")
     return importlib.import_module(BUILTIN_FAMILIES[name]).FAMILY
 
 
-def all_families() -> list[DiTFamily]:
+def all_families() -> list[Family]:
     return [get_family(n) for n in family_names()]
 
 
@@ -48,12 +52,12 @@ def _read_json(path: Path) -> dict:
         raise UnknownModelError(f"{path} is not valid JSON: {e}") from e
 
 
-def family_of(path: str | Path, name: str | None = None) -> DiTFamily:
+def family_of(path: str | Path, name: str | None = None) -> Family:
     """The family named `name`, else the one that serves the checkpoint at `path`."""
     return get_family(name) if name else resolve_family(path)
 
 
-def _resolve_transformers_folder(root: Path) -> DiTFamily:
+def _resolve_transformers_folder(root: Path) -> Family:
     """A transformers folder (config.json with model_type) -> the family declaring that model_type."""
     model_type = _read_json(root / "config.json").get("model_type")
     families = all_families()
@@ -67,7 +71,7 @@ def _resolve_transformers_folder(root: Path) -> DiTFamily:
     )
 
 
-def resolve_family(root: str | Path) -> DiTFamily:
+def resolve_family(root: str | Path) -> Family:
     """Find the family serving a checkpoint folder.
 
     A diffusers pipeline folder (model_index.json): pipeline `_class_name`, then the transformer's

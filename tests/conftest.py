@@ -127,3 +127,63 @@ def spindle_cli() -> Callable[..., CliResult]:
         return CliResult(code, out.getvalue(), err.getvalue())
 
     return run
+
+
+# ---------------------------------------------------------------- language models
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> Path:
+    from spindle.testing.tiny_llm import build_tiny_qwen3
+
+    return build_tiny_qwen3(tmp_path_factory.mktemp("models") / "qwen3", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    from spindle.testing.tiny_llm import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("models") / "llama", seed=0)
+
+
+CHAT_LINES = [
+    [{"role": "user", "content": "what colour is the circle"}, {"role": "assistant", "content": "red"}],
+    [
+        {"role": "system", "content": "you say one word"},
+        {"role": "user", "content": "which way does the square move"},
+        {"role": "assistant", "content": "left then right then up"},
+        {"role": "user", "content": "what shape"},
+        {"role": "assistant", "content": "a square"},
+    ],
+    [{"role": "user", "content": "is the sky blue"}, {"role": "assistant", "content": "yes the sky is very blue"}],
+]
+
+
+@pytest.fixture(scope="session")
+def lm_corpus(tmp_path_factory) -> Path:
+    """A folder of text and chat JSONL: documents of uneven lengths and uneven learned-token counts."""
+    import json
+
+    from spindle.testing.synthetic import make_text_corpus
+
+    out = make_text_corpus(tmp_path_factory.mktemp("data") / "lm", num_docs=20, seed=0)
+    chats = [json.dumps({"messages": m}) for m in CHAT_LINES * 2]
+    (out / "chat.jsonl").write_text("".join(line + "\n" for line in chats), encoding="utf-8")
+    return out
+
+
+def lm_overrides(model: Path, data: Path, output_dir: Path, **values) -> list[str]:
+    """Dotted overrides for a short CPU causal-LM run on a tiny model."""
+    base = {
+        "model.path": model,
+        "data.path": data,
+        "data.seq_len": 48,
+        "train.output_dir": output_dir,
+        "train.max_steps": 3,
+        "train.global_batch_size": 8,
+        "train.micro_batch_size": 4,
+        "train.lr": 1e-3,
+        "checkpoint.resume": "none",
+    }
+    base.update({k.replace("__", "."): v for k, v in values.items()})
+    return [f"{k}={v}" for k, v in base.items()]

@@ -143,6 +143,47 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
 
 
+def shard_plan(state_dict: dict[str, torch.Tensor], max_shard_bytes: int) -> dict[str, int]:
+    """{fqn: 1-based safetensors file index}: tensors in order, a new file when the next would overflow."""
+    plan: dict[str, int] = {}
+    index, used = 1, 0
+    for fqn, tensor in state_dict.items():
+        size = tensor.numel() * tensor.element_size()  # a DTensor's numel is the full tensor's
+        if used and used + size > max_shard_bytes:
+            index, used = index + 1, 0
+        plan[fqn] = index
+        used += size
+    return plan
+
+
+def save_hf_safetensors(state_dict: dict[str, torch.Tensor], out: str | Path, max_shard_bytes: int = 5 << 30) -> None:
+    """Collective: write `state_dict` (plain tensors or FSDP2 DTensors) as Hugging Face sharded safetensors.
+
+    `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json` in `out`, each file at most
+    `max_shard_bytes` (one bigger tensor gets a file of its own). Every rank writes only its own
+    parameter shards (DCP's `HuggingFaceStorageWriter`, `save_distributed=True`) and rank 0 then
+    consolidates the per-rank files into the final ones tensor by tensor; the whole model is never
+    gathered in one process's memory. Works on one process (no process group) too.
+    """
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint._hf_utils import SHARDED_DIR_NAME
+
+    out = Path(out)
+    if is_main_process():
+        out.mkdir(parents=True, exist_ok=True)
+    barrier()
+    writer = HuggingFaceStorageWriter(
+        path=str(out),
+        fqn_to_index_mapping=shard_plan(state_dict, max_shard_bytes),
+        save_distributed=True,
+        enable_consolidation=True,
+    )
+    dcp.save(state_dict, storage_writer=writer)
+    barrier()
+    if is_main_process():
+        shutil.rmtree(out / SHARDED_DIR_NAME, ignore_errors=True)  # the per-rank pieces, now consolidated
+
+
 def read_checkpoint_model(path: Path, template: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Read a checkpoint's model weights into a plain state dict shaped like `template` (1 process)."""
     sd = {k: v.detach().clone() for k, v in template.state_dict().items()}

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 # task name -> "module:Class". A family's `task` field names one of these.
 TASKS: dict[str, str] = {
     "flow_matching": "spindle.train.tasks.flow_matching:FlowMatchingTask",
+    "causal_lm": "spindle.train.tasks.causal_lm:CausalLMTask",
 }
 
 
