@@ -11,12 +11,12 @@ from __future__ import annotations
 import importlib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeAlias
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the registry itself imports no model code
     from spindle.models.base import CausalLMFamily, DiTFamily
 
-    Family = DiTFamily | CausalLMFamily
+Family: TypeAlias = "DiTFamily | CausalLMFamily"
 
 # name -> module defining FAMILY. Adding a family: one line here, one folder under models/.
 BUILTIN_FAMILIES: dict[str, str] = {
@@ -38,18 +38,45 @@ def family_names() -> list[str]:
 def get_family(name: str) -> Family:
     if name not in BUILTIN_FAMILIES:
         raise UnknownModelError(f"unknown model family {name!r}; known families: {', '.join(family_names())}")
-    return importlib.import_module(BUILTIN_FAMILIES[name]).FAMILY
+    family: Family = importlib.import_module(BUILTIN_FAMILIES[name]).FAMILY
+    return family
 
 
 def all_families() -> list[Family]:
     return [get_family(n) for n in family_names()]
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text())
+        data: dict[str, Any] = json.loads(path.read_text())
+        return data
     except json.JSONDecodeError as e:
         raise UnknownModelError(f"{path} is not valid JSON: {e}") from e
+
+
+def dit_family_of(path: str | Path, name: str | None = None) -> DiTFamily:
+    """`family_of` for code that needs a diffusion family (flow-matching training, the DiT engine)."""
+    from spindle.models.base import DiTFamily
+
+    family = family_of(path, name)
+    if not isinstance(family, DiTFamily):
+        raise UnknownModelError(f"{path}: family {family.name!r} is a language model, not a diffusion family")
+    return family
+
+
+def causal_lm_family_of(path: str | Path, name: str | None = None) -> CausalLMFamily:
+    """`family_of` for code that needs a language-model family (causal-LM training and export)."""
+    from spindle.models.base import CausalLMFamily
+
+    family = family_of(path, name)
+    if not isinstance(family, CausalLMFamily):
+        raise UnknownModelError(f"{path}: family {family.name!r} is a diffusion family, not a language model")
+    return family
+
+
+def _diffusers_classes(family: Family) -> tuple[str, ...]:
+    """The pipeline and transformer `_class_name`s a diffusion family serves (none for an LLM family)."""
+    return (*getattr(family, "pipeline_classes", ()), *getattr(family, "transformer_classes", ()))
 
 
 def family_of(path: str | Path, name: str | None = None) -> Family:
@@ -102,10 +129,10 @@ def resolve_family(root: str | Path) -> Family:
         if transformer_cls in getattr(fam, "transformer_classes", ()):
             return fam
     for fam in families:
-        if getattr(fam, "detect", None) is not None and fam.detect(root):
+        detect = getattr(fam, "detect", None)
+        if detect is not None and detect(root):
             return fam
-    dit = [f for f in families if getattr(f, "pipeline_classes", ())]
-    known = ", ".join(f"{f.name} ({', '.join(f.pipeline_classes + f.transformer_classes)})" for f in dit)
+    known = ", ".join(f"{f.name} ({', '.join(_diffusers_classes(f))})" for f in families if _diffusers_classes(f))
     raise UnknownModelError(
         f"no Spindle family serves {root} (pipeline class {pipeline_cls!r}, transformer class "
         f"{transformer_cls!r}); known families: {known}"

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 ATTN_IMPLEMENTATION = "spindle_ulysses"
 INNER_IMPLEMENTATIONS = ("sdpa", "flex_attention")
@@ -161,7 +162,7 @@ class _AllToAll(torch.autograd.Function):
     """Equal-split all-to-all over dim 0 (chunk j goes to rank j); its backward is the same exchange."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
         x = x.contiguous()
         out = torch.empty_like(x)
@@ -169,7 +170,7 @@ class _AllToAll(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.contiguous()
         out = torch.empty_like(grad)
         dist.all_to_all_single(out, grad, group=ctx.group)
@@ -180,7 +181,8 @@ def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup, sp: int) -> torch.Te
     """[B, H, S/sp, D] (this rank's tokens, all heads) -> [B, H/sp, S, D] (all tokens, this rank's heads)."""
     b, h, s, d = x.shape
     x = x.reshape(b, sp, h // sp, s, d).permute(1, 0, 2, 3, 4)  # [sp (dest rank), B, H/sp, S/sp, D]
-    x = _AllToAll.apply(x, group)  # [sp (source rank = sequence chunk), B, H/sp, S/sp, D]
+    # [sp (source rank = sequence chunk), B, H/sp, S/sp, D]; torch's Function.apply is unannotated
+    x = _AllToAll.apply(x, group)  # type: ignore[no-untyped-call]
     return x.permute(1, 2, 0, 3, 4).reshape(b, h // sp, sp * s, d)
 
 
@@ -188,7 +190,8 @@ def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup, sp: int) -> torch.Te
     """[B, S, H/sp, D] (attention output layout) -> [B, S/sp, H, D]: back to this rank's tokens, all heads."""
     b, s, h, d = x.shape
     x = x.reshape(b, sp, s // sp, h, d).permute(1, 0, 2, 3, 4)  # [sp (dest rank = chunk), B, S/sp, H/sp, D]
-    x = _AllToAll.apply(x, group)  # [sp (source rank = head group), B, S/sp, H/sp, D]
+    # [sp (source rank = head group), B, S/sp, H/sp, D]; torch's Function.apply is unannotated
+    x = _AllToAll.apply(x, group)  # type: ignore[no-untyped-call]
     return x.permute(1, 2, 0, 3, 4).reshape(b, s // sp, sp * h, d)
 
 
@@ -213,10 +216,10 @@ def document_causal_mask(docs: torch.Tensor) -> torch.Tensor:
     return (causal & (docs[:, :, None] == docs[:, None, :]))[:, None]
 
 
-def _flex_block_mask(docs: torch.Tensor):
+def _flex_block_mask(docs: torch.Tensor) -> Any:  # a flex_attention BlockMask
     from torch.nn.attention.flex_attention import create_block_mask
 
-    def mask_mod(b, h, q_idx, kv_idx):
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         return (kv_idx <= q_idx) & (docs[b, q_idx] == docs[b, kv_idx])
 
     b, s = docs.shape
@@ -325,7 +328,7 @@ def register() -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, ulysses_attention_forward)
 
 
-def enable_sequence_parallel(model: torch.nn.Module, sp_mesh, inner: str | None = None) -> torch.nn.Module:
+def enable_sequence_parallel(model: torch.nn.Module, sp_mesh: DeviceMesh, inner: str | None = None) -> torch.nn.Module:
     """Switch a transformers causal LM to Ulysses SP over `sp_mesh` (1-D; degree = its size), in place.
 
     Call on every rank before FSDP. `inner`: the attention run over the full sequence; default the
@@ -337,7 +340,8 @@ def enable_sequence_parallel(model: torch.nn.Module, sp_mesh, inner: str | None 
         return model
     if sp_mesh.ndim != 1:
         raise ValueError(f"the sequence-parallel mesh must be 1-D, got {sp_mesh.ndim}-D {sp_mesh.mesh_dim_names}")
-    config = model.config
+    hf: Any = model  # a transformers PreTrainedModel: config and set_attn_implementation are its own
+    config = hf.config
     check_layout(config, sp)
     current = config._attn_implementation
     if inner is None:
@@ -350,7 +354,7 @@ def enable_sequence_parallel(model: torch.nn.Module, sp_mesh, inner: str | None 
     ctx = SequenceParallelContext(group=sp_mesh.get_group(), size=sp, inner=inner)
     for module in model.modules():
         setattr(module, _CONTEXT_ATTR, ctx)
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    hf.set_attn_implementation(ATTN_IMPLEMENTATION)
     return model
 
 
@@ -362,7 +366,8 @@ def disable_sequence_parallel(model: torch.nn.Module, attn_implementation: str |
     for module in model.modules():
         if hasattr(module, _CONTEXT_ATTR):
             delattr(module, _CONTEXT_ATTR)
-    model.set_attn_implementation(attn_implementation or ctx.inner)
+    hf: Any = model  # a transformers PreTrainedModel
+    hf.set_attn_implementation(attn_implementation or ctx.inner)
     return model
 
 

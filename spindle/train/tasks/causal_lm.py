@@ -17,17 +17,22 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from spindle.config import ConfigError
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.mesh import barrier, is_main_process
-from spindle.registry import family_of
+from spindle.registry import causal_lm_family_of
 from spindle.train.tasks.base import StepOutput, TrainTask
+
+if TYPE_CHECKING:
+    from spindle.config import TrainJobConfig
+    from spindle.data.loader import ResumableLoader
+    from spindle.distributed.mesh import Mesh, ParallelDims
 
 log = logging.getLogger("spindle.train")
 
@@ -53,10 +58,11 @@ def causal_lm_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -
         use_cache=False,  # no cache: transformers then reads document boundaries from position_ids
         **LOSS_SUM,
     )
-    return out.loss
+    loss: torch.Tensor = out.loss
+    return loss
 
 
-def load_tokenizer(path: str | Path):
+def load_tokenizer(path: str | Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
@@ -67,16 +73,16 @@ class CausalLMTask(TrainTask):
     # With Ulysses SP each rank holds a chunk of the sequence and computes that chunk's loss only.
     loss_sharded_over_sp = True
 
-    def __init__(self, cfg, mesh, device, precision):
+    def __init__(self, cfg: TrainJobConfig, mesh: Mesh, device: torch.device, precision: str):
         super().__init__(cfg, mesh, device, precision)
-        self.family = family_of(cfg.model.path, cfg.model.family)
+        self.family = causal_lm_family_of(cfg.model.path, cfg.model.family)
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.autocast_dtype: torch.dtype | None = None
 
     # ------------------------------------------------------------ checks before launch
 
     @classmethod
-    def check_plan(cls, cfg, dims) -> None:
+    def check_plan(cls, cfg: TrainJobConfig, dims: ParallelDims) -> None:
         if dims.ring > 1:
             raise ConfigError(
                 f"parallel.ring={dims.ring}: ring attention is for DiTs; language models split sequences with "
@@ -95,8 +101,11 @@ class CausalLMTask(TrainTask):
 
     def load_model(self) -> torch.nn.Module:
         """The family's ForCausalLM from the transformers folder, fp32 (master weights), sdpa attention."""
-        cls = self.family.model_cls()
-        return cls.from_pretrained(self.cfg.model.path, dtype=torch.float32, attn_implementation="sdpa")
+        model_class: Any = self.family.model_cls()  # a transformers PreTrainedModel class
+        model: torch.nn.Module = model_class.from_pretrained(
+            self.cfg.model.path, dtype=torch.float32, attn_implementation="sdpa"
+        )
+        return model
 
     def build_model(self) -> torch.nn.Module:
         from spindle.distributed.fsdp import apply_fsdp, autocast_dtype
@@ -111,13 +120,13 @@ class CausalLMTask(TrainTask):
         if self.cfg.train.gradient_checkpointing:
             # Non-reentrant: FSDP2's per-layer all-gather hooks fire again in the recomputation, and
             # parameter names stay unchanged (no wrapper module in the FQNs, checkpoints, export).
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            cast(Any, model).activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         if self.mesh.world.size() > 1:  # one process: nothing to shard (spindle.distributed.fsdp)
             apply_fsdp(model, self.mesh, self.precision)
         self.autocast_dtype = autocast_dtype(model, self.precision)
         return model
 
-    def build_loader(self):
+    def build_loader(self) -> ResumableLoader:
         from spindle.data.loader import ResumableLoader
         from spindle.data.text import build_text_dataset, collate_rows
 
@@ -156,7 +165,7 @@ class CausalLMTask(TrainTask):
     def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
         return int((batch["shift_labels"] != IGNORE_INDEX).sum())  # the whole rows, before any SP split
 
-    def _autocast(self):
+    def _autocast(self) -> AbstractContextManager[Any]:
         if self.autocast_dtype is None:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
@@ -181,15 +190,18 @@ class CausalLMTask(TrainTask):
     def export(self, model: torch.nn.Module, out: Path) -> Path | None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        write_transformers_folder(model, get_model_state_dict(model), self.cfg.model.path, out)
+        # the model's own state dict: a tensor (a DTensor when sharded) per name, nothing nested
+        state = cast(dict[str, torch.Tensor], get_model_state_dict(model))
+        write_transformers_folder(model, state, self.cfg.model.path, out)
         return out if is_main_process() else None
 
     @classmethod
     def export_checkpoint(cls, checkpoint: Path, model_path: Path, out: Path) -> Path:
         if not (model_path / "config.json").is_file():
             raise FileNotFoundError(f"base model {model_path} has no config.json; pass --model PATH")
-        family = family_of(model_path)
-        model = family.model_cls().from_pretrained(model_path, dtype=torch.float32)
+        family = causal_lm_family_of(model_path)
+        model_class: Any = family.model_cls()  # a transformers PreTrainedModel class
+        model = model_class.from_pretrained(model_path, dtype=torch.float32)
         state = ckpt.read_checkpoint_model(checkpoint, model)
         write_transformers_folder(model, state, model_path, out)
         return out
@@ -222,9 +234,10 @@ def write_transformers_folder(
     barrier()
     ckpt.save_hf_safetensors(unique_weights(model, state_dict), tmp, max_shard_bytes)
     if is_main_process():
-        model.config.save_pretrained(tmp)
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(tmp)
+        hf: Any = model  # a transformers PreTrainedModel: its config objects are not on nn.Module
+        hf.config.save_pretrained(tmp)
+        if getattr(hf, "generation_config", None) is not None:
+            hf.generation_config.save_pretrained(tmp)
         load_tokenizer(source).save_pretrained(tmp)
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
