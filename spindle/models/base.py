@@ -133,6 +133,18 @@ class TextDemoSpec:
 
 
 @dataclass(frozen=True)
+class ConformanceSpec:
+    """How the conformance suite (spindle/testing/conformance.py) exercises a family.
+
+    `parity_cases`: name -> keyword arguments valid both for the stock diffusers pipeline call and
+    for `DiffusionGenerator.generate` (with `seed`), small enough for a CPU test; at least one case
+    with classifier-free guidance and one without.
+    """
+
+    parity_cases: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class DiTFamily:
     name: str
     pipeline_classes: tuple[str, ...]
@@ -142,6 +154,7 @@ class DiTFamily:
     tiny_model: str | None = None  # "module:function(out, seed, **overrides)"
     detect: Callable[[Path], bool] | None = None
     demo: DemoSpec | None = None
+    conformance: ConformanceSpec | None = None
     extras: dict[str, Any] = field(default_factory=dict)
     task: str = "flow_matching"  # the training task (spindle.train.tasks.TASKS)
 
