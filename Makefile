@@ -36,7 +36,7 @@ format: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
-test: lint
+test: lint typecheck
 	$(VENV)/bin/spindle patchgen --check
 	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS) tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 

@@ -228,7 +228,7 @@ def validate_config(raw: dict[str, Any], model: type[BaseModel]) -> Any:
     try:
         return model.model_validate(raw)
     except ValidationError as e:
-        lines = [_describe(err, model) for err in e.errors()]
+        lines = [_describe(dict(err), model) for err in e.errors()]
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
 
 

@@ -143,17 +143,15 @@ def spindle_cli() -> Callable[..., CliResult]:
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen3(tmp_path_factory) -> Path:
-    from spindle.testing.tiny_llm import build_tiny_qwen3
-
-    return build_tiny_qwen3(tmp_path_factory.mktemp("models") / "qwen3", seed=0)
+def tiny_qwen3(tiny_checkpoint) -> Path:
+    """`tiny_checkpoint("qwen3")`: a transformers Qwen3 folder (config.json, safetensors, tokenizer)."""
+    return tiny_checkpoint("qwen3")
 
 
 @pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory) -> Path:
-    from spindle.testing.tiny_llm import build_tiny_llama
-
-    return build_tiny_llama(tmp_path_factory.mktemp("models") / "llama", seed=0)
+def tiny_llama(tiny_checkpoint) -> Path:
+    """`tiny_checkpoint("llama")`: a transformers Llama folder (its tokenizer adds <s> itself)."""
+    return tiny_checkpoint("llama")
 
 
 @pytest.fixture(scope="session")

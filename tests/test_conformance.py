@@ -26,15 +26,9 @@ PARITY = [(f, case) for f in FAMILIES for case in sorted(get_family(f).conforman
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    built = {}
-
-    def get(name: str):
-        if name not in built:
-            built[name] = suite.build_tiny(get_family(name), tmp_path_factory.mktemp(name) / "model")
-        return built[name]
-
-    return get
+def tiny(tiny_checkpoint):
+    """`tiny(name)`: the family's seed-0 tiny checkpoint, built once per session (tests/conftest.py)."""
+    return tiny_checkpoint
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -104,7 +104,9 @@ def training_inputs(family: DiTFamily, root: Path, condition: Any = None) -> dic
     from spindle.train.tasks.flow_matching import sample_generator
 
     if condition is None:
-        condition = family.condition_model_cls().from_pretrained(root, max_text_length=TEXT_TOKENS)
+        condition = family.condition_model_cls().from_pretrained(
+            root, torch.device("cpu"), torch.float32, max_text_length=TEXT_TOKENS
+        )
     batch = training_batch(family)
     generators = [sample_generator(0, 0, int(i)) for i in batch["index"]]
     return condition.training_inputs(condition.encode(batch), generators)
@@ -201,9 +203,9 @@ def sp_worker(rank: int, world: int, family_name: str, root: str, layouts: dict[
     """Every layout in turn on the spawned ranks (all ranks see the same sample); rank 0 saves results."""
     from spindle.distributed.fsdp import full_grads, parallelize_transformer
     from spindle.distributed.mesh import ParallelDims, build_mesh
-    from spindle.registry import get_family
+    from spindle.registry import dit_family_of
 
-    family = get_family(family_name)
+    family = dit_family_of(root, family_name)
     inputs = training_inputs(family, Path(root))
     target, _ = inputs.pop("target"), inputs.pop("sigmas")
     results = {}

@@ -12,6 +12,8 @@ trainer call it without importing transformers here.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -27,7 +29,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, ignore_index, chunk_size, scale, need_grads):
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        labels: torch.Tensor,
+        ignore_index: int,
+        chunk_size: int,
+        scale: float,
+        need_grads: tuple[bool, bool, bool],
+    ) -> torch.Tensor:
         n = hidden.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grads[0] else None
@@ -65,12 +77,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(
             grad_hidden,
             grad_weight.to(weight.dtype) if grad_weight is not None else None,
-            grad_bias.to(bias.dtype) if grad_bias is not None else None,
+            grad_bias.to(bias.dtype) if grad_bias is not None and bias is not None else None,
         )
         return total * scale
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
         grads = [None if g is None else g * grad_output.to(g.dtype) for g in (grad_hidden, grad_weight, grad_bias)]
         return grads[0], grads[1], grads[2], None, None, None, None, None
@@ -121,9 +133,11 @@ def linear_cross_entropy(
         grad_on and weight.requires_grad,
         grad_on and bias is not None and bias.requires_grad,
     )
-    return _ChunkedLinearCrossEntropy.apply(
+    # torch's Function.apply is unannotated
+    loss: torch.Tensor = _ChunkedLinearCrossEntropy.apply(  # type: ignore[no-untyped-call]
         hidden, weight, bias, flat_labels, ignore_index, chunk_size, scale, need_grads
     )
+    return loss
 
 
 def causal_lm_loss(

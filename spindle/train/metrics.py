@@ -69,7 +69,7 @@ class MetricsLog:
         samples: int,
         tokens: int,
         extra: dict[str, float] | None = None,
-    ) -> dict:
+    ) -> dict[str, Any]:
         """Record one step; `extra`: task-specific scalars (e.g. an MoE aux loss), logged as they are."""
         dt = time.perf_counter() - self._t0
         record = {
@@ -115,6 +115,6 @@ class MetricsLog:
             self.writer.close()
 
 
-def read_metrics(output_dir: str | Path) -> list[dict]:
+def read_metrics(output_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(output_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 
 from spindle.config import TrainConfig
 
 
-def build_optimizer(params, cfg: TrainConfig) -> torch.optim.AdamW:
-    params = [p for p in params if p.requires_grad]
+def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:
+    trainable = [p for p in params if p.requires_grad]
     # foreach is the fast path on CPU and CUDA and supports the DTensor params FSDP2 produces.
     return torch.optim.AdamW(
-        params, lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay, foreach=True
+        trainable, lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay, foreach=True
     )
 
 

@@ -11,9 +11,11 @@ import logging
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from spindle.config import ConfigError, TrainJobConfig, dump_config
 from spindle.distributed import checkpoint as ckpt
@@ -93,7 +95,7 @@ class Trainer:
 
     # ------------------------------------------------------------ state
 
-    def trainer_state(self) -> dict:
+    def trainer_state(self) -> dict[str, Any]:
         loader = self.loader.state_dict()
         samples = loader["position"] * self.cfg.train.micro_batch_size * self.mesh.dims.dp_size
         return {
@@ -164,7 +166,7 @@ class Trainer:
         extra.update(self.task.step_metrics())
         return loss, grad_norm, samples * dp_size, tokens * dp_size, extra
 
-    def _loss_group(self):
+    def _loss_group(self) -> DeviceMesh | None:
         """The ranks whose loss sums add up to the global batch's loss sum (None: this rank alone)."""
         if not dist.is_initialized() or self.mesh.world.size() == 1:
             return None
@@ -172,7 +174,7 @@ class Trainer:
             return self.mesh.world  # each SP rank holds its own chunk's loss
         return self.mesh.dp if self.mesh.dims.dp_size > 1 else None
 
-    def _sum_over(self, value: torch.Tensor, group) -> float:
+    def _sum_over(self, value: torch.Tensor, group: DeviceMesh | None) -> float:
         if group is not None:
             value = value.detach().clone().to(self.device)
             # over a (sub)mesh: all of its dims; gloo has no AVG, so always SUM
@@ -200,7 +202,7 @@ class Trainer:
         try:
             while self.step < cfg.train.max_steps:
                 metrics.start_step()
-                lr = self.scheduler.get_last_lr()[0]
+                lr = float(self.scheduler.get_last_lr()[0])  # LambdaLR: plain floats
                 loss, grad_norm, samples, tokens, extra = self.train_step()
                 self.step += 1
                 metrics.end_step(self.step, loss, grad_norm, lr, samples, tokens, extra)

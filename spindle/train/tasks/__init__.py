@@ -22,7 +22,8 @@ def get_task(name: str) -> type[TrainTask]:
 
     if name not in TASKS:
         raise ValueError(f"unknown training task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
-    return import_object(TASKS[name])
+    task: type[TrainTask] = import_object(TASKS[name])
+    return task
 
 
 def task_for(cfg: TrainJobConfig) -> type[TrainTask]:

@@ -19,7 +19,6 @@ over every unit of the global batch, however it is split into micro-batches, ran
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -28,6 +27,7 @@ import torch
 
 if TYPE_CHECKING:
     from spindle.config import TrainJobConfig
+    from spindle.data.loader import ResumableLoader
     from spindle.distributed.mesh import Mesh, ParallelDims
 
 
@@ -73,7 +73,7 @@ class TrainTask(ABC):
         """Load the trainable model on `self.device`, parallelised on `self.mesh`, in train mode."""
 
     @abstractmethod
-    def build_loader(self) -> Iterator[Any]:
+    def build_loader(self) -> ResumableLoader:
         """A resumable iterator of this rank's micro-batches (`state_dict` / `load_state_dict`)."""
 
     # ------------------------------------------------------------ step
