@@ -132,6 +132,17 @@ class WanInference(InferenceSpec):
             "return_dict": False,
         }
 
+    def request_constant_modules(self, transformer: torch.nn.Module, compiled: bool) -> list[torch.nn.Module]:
+        # The prompt embeddings enter through the text projection and each block's cross-attention
+        # key/value (+ its RMSNorm): the same every step. Fused projections (to_kv) stay as they are.
+        modules = [transformer.condition_embedder.text_embedder]
+        if not compiled:
+            for block in transformer.blocks:
+                attn = block.attn2
+                if not attn.fused_projections:
+                    modules += [attn.to_k, attn.to_v, attn.norm_k]
+        return modules
+
     def sequence_length(self, req: Req, transformer: torch.nn.Module) -> int:
         pt, ph, pw = transformer.config.patch_size
         _, _, f, h, w = req.raw_latent_shape
