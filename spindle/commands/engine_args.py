@@ -6,7 +6,6 @@ import argparse
 import ast
 from typing import Any
 
-
 from spindle.infer.caches import CACHE_NAMES
 
 

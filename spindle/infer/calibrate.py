@@ -3,7 +3,8 @@
 On one calibration request (the user's own prompt template, size and step count), the uncached
 output is the reference; each policy then tries its knob values from the most aggressive down and
 keeps the first one whose output is at least `min_psnr` dB against the reference. The fastest of
-those (denoising seconds) wins; none passing means no cache. MagCache's model-specific ratios are
+those (denoising seconds) wins; none passing means no cache. A knob that skips nothing (output
+identical to the reference) is not a candidate. MagCache's model-specific ratios are
 measured on the reference run itself (its calibration mode never skips, so that run is exact).
 """
 
@@ -69,7 +70,8 @@ def calibrate_cache(
             if value_db >= min_psnr:
                 break
     stage.set_cache(None)
-    passing = [t for t in trials if t["psnr"] >= min_psnr]
+    # an output identical to the reference (infinite PSNR) skipped nothing: no speed-up to choose
+    passing = [t for t in trials if min_psnr <= t["psnr"] < float("inf")]
     if not passing:
         return CacheChoice(None, None, {}, None, None, ref_seconds, min_psnr, trials)
     best = min(passing, key=lambda t: t["seconds"])
