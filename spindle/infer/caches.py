@@ -116,6 +116,30 @@ def check_cache_options(name: str | None, threshold: float | None, options: dict
         raise ValueError(f"unknown {name} cache option(s) {unknown}; {policy.config_class} takes {sorted(known)}")
 
 
+def build_config(
+    name: str,
+    threshold: float | None = None,
+    options: dict[str, Any] | None = None,
+    current_timestep: Callable[[], float] | None = None,
+) -> Any:
+    """The diffusers hook config for policy `name` with Spindle's defaults under `options`, the main knob
+    set by `threshold`; usable on any diffusers transformer (`transformer.enable_cache(config)`), so the
+    bench runs diffusers with exactly the cache Spindle runs."""
+    import torch
+
+    policy = POLICIES[name]
+    kw = {**policy.defaults, **(options or {})}
+    if threshold is not None:
+        kw[policy.knob] = policy.knob_type(threshold)
+    if isinstance(kw.get("taylor_factors_dtype"), str):  # CLI / defaults name dtypes as strings
+        kw["taylor_factors_dtype"] = getattr(torch, kw["taylor_factors_dtype"])
+    if policy.needs_timestep:
+        if current_timestep is None:
+            raise ValueError(f"cache {name!r} needs the denoising loop's current timestep")
+        kw["current_timestep_callback"] = current_timestep
+    return config_class(policy)(**kw)
+
+
 class StepCache:
     """One policy applied to one transformer; `start_request(num_steps)` before each request's loop.
 
@@ -154,16 +178,7 @@ class StepCache:
         return f"{self.name} ({knobs})"
 
     def _make_config(self, **extra: Any) -> Any:
-        import torch
-
-        kw = {**self.options, **extra}
-        if isinstance(kw.get("taylor_factors_dtype"), str):  # CLI / defaults name dtypes as strings
-            kw["taylor_factors_dtype"] = getattr(torch, kw["taylor_factors_dtype"])
-        if self.policy.needs_timestep:
-            if self.current_timestep is None:
-                raise ValueError(f"cache {self.name!r} needs the denoising loop's current timestep")
-            kw["current_timestep_callback"] = self.current_timestep
-        return config_class(self.policy)(**kw)
+        return build_config(self.name, None, {**self.options, **extra}, self.current_timestep)
 
     def _enable(self, config: Any) -> None:
         if self._config is not None:
