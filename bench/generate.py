@@ -22,6 +22,7 @@ FLUX.1-shaped (true CFG with a negative prompt, so every mode applies). Prints a
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -376,7 +377,8 @@ def main() -> None:
             if one_proc is None:
                 one_proc = spindle_gen({"cfg_batch": True})[0]
             info = run_multiprocess(args, root, options, mode, tmp)
-            single, _ = timed(lambda: run_spindle(one_proc, req, args.seed), args.repeats)  # right after, same load
+            # right after the multi-process run, so both see the same machine load
+            single, _ = timed(functools.partial(run_spindle, one_proc, req, args.seed), args.repeats)
             add(
                 mode,
                 "spindle",

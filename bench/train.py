@@ -215,7 +215,7 @@ def run_variant(variant: str, world: int, a: argparse.Namespace) -> dict:
         spawn(_worker, world, variant, a, d, threads=threads, backend="nccl" if cuda else "gloo")
         ranks = [json.loads(Path(d, f"{variant}_rank{r}.json").read_text()) for r in range(world)]
     # A step ends when the slowest rank ends; each SP group processes one global batch.
-    step_times = [max(ts) for ts in zip(*(r["step_times"] for r in ranks))]
+    step_times = [max(ts) for ts in zip(*(r["step_times"] for r in ranks), strict=True)]
     mean = sum(step_times) / len(step_times)
     return dict(
         variant=variant,

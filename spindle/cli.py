@@ -17,6 +17,7 @@ COMMANDS: dict[str, str] = {
     "generate": "spindle.commands.generate",
     "demo": "spindle.commands.demo",
     "serve": "spindle.commands.serve",
+    "patchgen": "spindle.commands.patchgen",
 }
 
 

@@ -7,6 +7,7 @@ closest valid key. The resolved config is written next to the run's outputs.
 from __future__ import annotations
 
 import difflib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,16 +24,32 @@ class Section(BaseModel):
 
 
 class ModelConfig(Section):
-    path: str = Field(description="diffusers pipeline folder (holds model_index.json)")
+    path: str = Field(
+        description="diffusers pipeline folder (model_index.json) or transformers model folder (config.json)"
+    )
     family: str | None = Field(None, description="force a family instead of detecting it from model_index.json")
     max_text_length: int = Field(512, ge=1, description="text tokens per prompt (padded/truncated)")
 
 
-class DataConfig(Section):
+class MediaDataConfig(Section):
+    """`data:` of DiT (flow-matching) jobs: captioned images/videos."""
+
     path: str = Field(description="folder of media + same-name .txt captions, or a .jsonl manifest")
     resolution: tuple[int, int] = Field((64, 64), description="[height, width] after resize + center crop")
     num_frames: int = Field(17, ge=1, description="frames sampled per video (images give 1)")
     skip_bad_samples: bool = Field(False, description="log and skip unreadable files instead of failing")
+    shuffle: bool = True
+
+
+class TextDataConfig(Section):
+    """`data:` of causal-LM jobs: JSONL text or chat documents."""
+
+    path: str = Field(description='a .jsonl file or a folder of them; lines {"text": ...} or {"messages": [...]}')
+    seq_len: int = Field(2048, ge=2, description="tokens per training row (packed or padded)")
+    packing: bool = Field(
+        True, description="pack documents into seq_len rows (false: one truncated/padded sample per row)"
+    )
+    skip_bad_samples: bool = Field(False, description="log and skip empty/malformed lines instead of failing")
     shuffle: bool = True
 
 
@@ -69,18 +86,21 @@ class CheckpointConfig(Section):
     every_steps: int = Field(0, ge=0, description="save a resumable checkpoint every N steps (0: only at the end)")
     resume: str = Field("none", description="none | auto (latest in output_dir) | path to a checkpoint folder")
     keep_last: int = Field(2, ge=1, description="resumable checkpoints kept on disk")
-    export: bool = Field(True, description="export a diffusers pipeline folder at the end")
+    export: bool = Field(True, description="export the model's standard folder (diffusers / transformers) at the end")
 
 
 class ParallelConfig(Section):
     dp_replicate: int = Field(1, ge=1, description="HSDP replica groups")
     dp_shard: int = Field(-1, description="FSDP2 shard degree; -1 = the rest of the world")
-    sp: int = Field(1, ge=1, description="Ulysses sequence-parallel degree")
+    sp: int = Field(1, ge=1, description="Ulysses sequence-parallel degree (attention heads must divide it)")
+    ring: int = Field(1, ge=1, description="ring-attention degree; the sequence is split over ring x sp ranks (USP)")
 
 
 class TrainJobConfig(Section):
+    """The sections every training job has; `data:` is typed by the job's task (`JOB_CONFIGS`)."""
+
     model: ModelConfig
-    data: DataConfig
+    data: Any = Field(description="the task's data section (see JOB_CONFIGS)")
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     parallel: ParallelConfig = ParallelConfig()
@@ -93,6 +113,40 @@ class TrainJobConfig(Section):
                 f"train.micro_batch_size ({self.train.micro_batch_size})"
             )
         return self
+
+
+class DiTJobConfig(TrainJobConfig):
+    """A flow-matching (DiT) job."""
+
+    data: MediaDataConfig
+
+
+class CausalLMJobConfig(TrainJobConfig):
+    """A causal-LM (next-token) job."""
+
+    data: TextDataConfig
+
+
+# training task name (a family's `task`) -> its job schema
+JOB_CONFIGS: dict[str, type[TrainJobConfig]] = {
+    "flow_matching": DiTJobConfig,
+    "causal_lm": CausalLMJobConfig,
+}
+
+
+class _ModelSection(Section):
+    model: ModelConfig
+
+
+def job_config_class(raw: dict[str, Any]) -> type[TrainJobConfig]:
+    """The schema of a raw job config: the task of the family its `model:` section names or points at."""
+    from spindle.registry import family_of
+
+    model = validate_config({"model": raw.get("model")} if "model" in raw else {}, _ModelSection).model
+    task = family_of(model.path, model.family).task
+    if task not in JOB_CONFIGS:
+        raise ConfigError(f"no config schema for training task {task!r} (known: {', '.join(sorted(JOB_CONFIGS))})")
+    return JOB_CONFIGS[task]
 
 
 # ---------------------------------------------------------------- loading and errors
@@ -115,14 +169,14 @@ def _describe(err: dict[str, Any], root: type[BaseModel]) -> str:
     if err["type"] == "extra_forbidden":
         valid = _fields_at(root, loc)
         close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
-        hint = f"; did you mean '{'.'.join(map(str, loc[:-1] + (close[0],)))}'?" if close else ""
+        hint = f"; did you mean '{'.'.join(map(str, (*loc[:-1], close[0])))}'?" if close else ""
         return f"unknown key '{key}'{hint} (valid keys here: {', '.join(valid)})"
     if err["type"] == "missing":
         return f"missing required key '{key}'"
     return f"'{key}': {err['msg']} (got {err.get('input')!r})"
 
 
-def validate_config(raw: dict[str, Any], model: type[BaseModel] = TrainJobConfig) -> Any:
+def validate_config(raw: dict[str, Any], model: type[BaseModel]) -> Any:
     try:
         return model.model_validate(raw)
     except ValidationError as e:
@@ -159,11 +213,13 @@ def load_raw(path: str | Path) -> dict[str, Any]:
     return raw
 
 
-def load_config(path: str | Path | None, overrides: list[str] = (), model: type[BaseModel] = TrainJobConfig):
+def load_config(path: str | Path | None, overrides: Sequence[str] = (), model: type[BaseModel] | None = None) -> Any:
+    """YAML file + dotted overrides -> the validated job config. Without `model`, the schema is the
+    one of the task the checkpoint's family trains with (so `data:` is checked for that kind)."""
     raw = load_raw(path) if path is not None else {}
     for override in overrides:
         apply_override(raw, override)
-    return validate_config(raw, model)
+    return validate_config(raw, model or job_config_class(raw))
 
 
 def dump_config(cfg: BaseModel, path: str | Path) -> None:

@@ -1,7 +1,9 @@
-"""Family registry: family name / diffusers `_class_name` -> family spec, imported lazily.
+"""Family registry: family name / diffusers `_class_name` / transformers `model_type` -> family spec, lazily.
 
-A family package (`spindle/models/<family>/__init__.py`) defines `FAMILY = DiTFamily(...)`.
-The registry knows only the module paths, so importing Spindle imports no model code.
+A family package (`spindle/models/<family>/__init__.py`) defines `FAMILY` (a `DiTFamily`, or an
+LLM family spec with `model_types`); every family names its training task (`family.task`, see
+`spindle.train.tasks`). The registry knows only the module paths, so importing Spindle imports no
+model code.
 """
 
 from __future__ import annotations
@@ -12,11 +14,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from spindle.models.base import DiTFamily
+    from spindle.models.base import CausalLMFamily, DiTFamily
+
+    Family = DiTFamily | CausalLMFamily
 
 # name -> module defining FAMILY. Adding a family: one line here, one folder under models/.
 BUILTIN_FAMILIES: dict[str, str] = {
     "flux": "spindle.models.flux",
+    "llama": "spindle.models.llama",
+    "qwen3": "spindle.models.qwen3",
     "wan": "spindle.models.wan",
 }
 
@@ -29,13 +35,13 @@ def family_names() -> list[str]:
     return sorted(BUILTIN_FAMILIES)
 
 
-def get_family(name: str) -> DiTFamily:
+def get_family(name: str) -> Family:
     if name not in BUILTIN_FAMILIES:
         raise UnknownModelError(f"unknown model family {name!r}; known families: {', '.join(family_names())}")
     return importlib.import_module(BUILTIN_FAMILIES[name]).FAMILY
 
 
-def all_families() -> list[DiTFamily]:
+def all_families() -> list[Family]:
     return [get_family(n) for n in family_names()]
 
 
@@ -46,34 +52,60 @@ def _read_json(path: Path) -> dict:
         raise UnknownModelError(f"{path} is not valid JSON: {e}") from e
 
 
-def resolve_family(root: str | Path) -> DiTFamily:
-    """Find the family serving a diffusers pipeline folder.
+def family_of(path: str | Path, name: str | None = None) -> Family:
+    """The family named `name`, else the one that serves the checkpoint at `path`."""
+    return get_family(name) if name else resolve_family(path)
 
-    Order: pipeline `_class_name` in model_index.json, then the transformer's `_class_name`, then each
-    family's detector (for renamed or hand-assembled local folders).
+
+def _resolve_transformers_folder(root: Path) -> Family:
+    """A transformers folder (config.json with model_type) -> the family declaring that model_type."""
+    model_type = _read_json(root / "config.json").get("model_type")
+    families = all_families()
+    for fam in families:
+        if model_type in getattr(fam, "model_types", ()):
+            return fam
+    known = sorted(t for f in families for t in getattr(f, "model_types", ()))
+    raise UnknownModelError(
+        f"no Spindle family serves {root} (transformers model_type {model_type!r}); "
+        f"known model types: {', '.join(known) or 'none'}"
+    )
+
+
+def resolve_family(root: str | Path) -> Family:
+    """Find the family serving a checkpoint folder.
+
+    A diffusers pipeline folder (model_index.json): pipeline `_class_name`, then the transformer's
+    `_class_name`, then each family's detector (for renamed or hand-assembled local folders).
+    A transformers folder (config.json with `model_type`): the family declaring that model type.
     """
     root = Path(root)
     index_path = root / "model_index.json"
     if not root.is_dir():
-        raise FileNotFoundError(f"model path {root} does not exist (expected a diffusers pipeline folder)")
-    if not index_path.is_file():
         raise FileNotFoundError(
-            f"{index_path} not found: model.path must be a diffusers pipeline folder with model_index.json"
+            f"model path {root} does not exist (expected a diffusers pipeline folder or a transformers model folder)"
+        )
+    if not index_path.is_file():
+        if (root / "config.json").is_file():
+            return _resolve_transformers_folder(root)
+        raise FileNotFoundError(
+            f"{index_path} not found: model.path must be a diffusers pipeline folder (model_index.json) or a "
+            "transformers model folder (config.json with model_type)"
         )
     pipeline_cls = _read_json(index_path).get("_class_name")
     tcfg_path = root / "transformer" / "config.json"
     transformer_cls = _read_json(tcfg_path).get("_class_name") if tcfg_path.is_file() else None
     families = all_families()
     for fam in families:
-        if pipeline_cls in fam.pipeline_classes:
+        if pipeline_cls in getattr(fam, "pipeline_classes", ()):
             return fam
     for fam in families:
-        if transformer_cls in fam.transformer_classes:
+        if transformer_cls in getattr(fam, "transformer_classes", ()):
             return fam
     for fam in families:
-        if fam.detect is not None and fam.detect(root):
+        if getattr(fam, "detect", None) is not None and fam.detect(root):
             return fam
-    known = ", ".join(f"{f.name} ({', '.join(f.pipeline_classes + f.transformer_classes)})" for f in families)
+    dit = [f for f in families if getattr(f, "pipeline_classes", ())]
+    known = ", ".join(f"{f.name} ({', '.join(f.pipeline_classes + f.transformer_classes)})" for f in dit)
     raise UnknownModelError(
         f"no Spindle family serves {root} (pipeline class {pipeline_cls!r}, transformer class "
         f"{transformer_cls!r}); known families: {known}"

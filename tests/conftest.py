@@ -1,7 +1,16 @@
-"""Shared fixtures: one tiny Wan checkpoint and one synthetic video dataset per test session."""
+"""Session fixtures every test module shares (built once per pytest run; see CONTRIBUTING.md).
+
+Tiny checkpoints are standard diffusers folders with random weights; treat them as read-only
+(copy one with shutil.copytree before changing it). A module that needs another config builds it
+in a module fixture with its own seed and overrides (e.g. `build_tiny_wan(..., seed=3, transformer=...)`).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -13,10 +22,44 @@ TINY_FRAMES = 9
 
 
 @pytest.fixture(scope="session")
-def tiny_wan(tmp_path_factory) -> Path:
-    from spindle.testing.tiny import build_tiny_wan
+def tiny_checkpoint(tmp_path_factory) -> Callable[[str], Path]:
+    """`tiny_checkpoint(family)` -> that family's tiny checkpoint: its registered `tiny_model`
+    builder with the default configs and seed 0, built on first use and shared by the session.
+    Tests parametrised over the registry use this; `tiny_wan` / `tiny_flux` are two of them."""
+    built: dict[str, Path] = {}
 
-    return build_tiny_wan(tmp_path_factory.mktemp("models") / "wan", seed=0)
+    def get(family: str) -> Path:
+        if family not in built:
+            from spindle.models.base import import_object
+            from spindle.registry import get_family
+
+            spec = get_family(family)
+            if spec.tiny_model is None:
+                raise ValueError(f"family {family!r} registers no tiny_model builder")
+            built[family] = import_object(spec.tiny_model)(tmp_path_factory.mktemp("models") / family, seed=0)
+        return built[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_wan(tiny_checkpoint) -> Path:
+    """Wan2.1 T2V layout: UMT5 text encoder, AutoencoderKLWan (non-trivial latent mean/std), 2 blocks."""
+    return tiny_checkpoint("wan")
+
+
+@pytest.fixture(scope="session")
+def tiny_flux(tiny_checkpoint) -> Path:
+    """FLUX.1-dev style: embedded guidance, VAE x2 (32x32 px -> 64 image tokens)."""
+    return tiny_checkpoint("flux")
+
+
+@pytest.fixture(scope="session")
+def shapes_images(tmp_path_factory) -> Path:
+    """8 captioned 32x32 png images of moving-shape scenes (image families' training data)."""
+    from spindle.testing.synthetic import make_shapes_image_dataset
+
+    return make_shapes_image_dataset(tmp_path_factory.mktemp("data") / "shapes_images", num_images=8, size=TINY_SIZE)
 
 
 @pytest.fixture(scope="session")
@@ -53,3 +96,94 @@ def make_config(tiny_wan, shapes_videos, tmp_path):
         return load_config(None, train_overrides(tiny_wan, shapes_videos, output_dir or tmp_path / "run", **overrides))
 
     return make
+
+
+@dataclass
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def spindle_cli() -> Callable[..., CliResult]:
+    """`spindle_cli(*args)` runs `spindle ARGS` inside this process through `spindle.cli.main`, the
+    function the console script and `python -m spindle` call, and returns its exit code and output.
+
+    Saves a fresh interpreter and the torch/diffusers import (~4 s of CPU) per call: use it for
+    error paths and quick commands. Keep a real subprocess where the process itself is the point:
+    servers, `--nproc` (torchrun), signals, anything that initialises torch.distributed.
+    """
+
+    def run(*args: object) -> CliResult:
+        from spindle.cli import main
+
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main([str(a) for a in args])
+            except SystemExit as e:  # argparse usage errors exit(2) like the real command
+                code = e.code if isinstance(e.code, int) else 1
+        return CliResult(code, out.getvalue(), err.getvalue())
+
+    return run
+
+
+# ---------------------------------------------------------------- language models
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> Path:
+    from spindle.testing.tiny_llm import build_tiny_qwen3
+
+    return build_tiny_qwen3(tmp_path_factory.mktemp("models") / "qwen3", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    from spindle.testing.tiny_llm import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("models") / "llama", seed=0)
+
+
+CHAT_LINES = [
+    [{"role": "user", "content": "what colour is the circle"}, {"role": "assistant", "content": "red"}],
+    [
+        {"role": "system", "content": "you say one word"},
+        {"role": "user", "content": "which way does the square move"},
+        {"role": "assistant", "content": "left then right then up"},
+        {"role": "user", "content": "what shape"},
+        {"role": "assistant", "content": "a square"},
+    ],
+    [{"role": "user", "content": "is the sky blue"}, {"role": "assistant", "content": "yes the sky is very blue"}],
+]
+
+
+@pytest.fixture(scope="session")
+def lm_corpus(tmp_path_factory) -> Path:
+    """A folder of text and chat JSONL: documents of uneven lengths and uneven learned-token counts."""
+    import json
+
+    from spindle.testing.synthetic import make_text_corpus
+
+    out = make_text_corpus(tmp_path_factory.mktemp("data") / "lm", num_docs=20, seed=0)
+    chats = [json.dumps({"messages": m}) for m in CHAT_LINES * 2]
+    (out / "chat.jsonl").write_text("".join(line + "\n" for line in chats), encoding="utf-8")
+    return out
+
+
+def lm_overrides(model: Path, data: Path, output_dir: Path, **values) -> list[str]:
+    """Dotted overrides for a short CPU causal-LM run on a tiny model."""
+    base = {
+        "model.path": model,
+        "data.path": data,
+        "data.seq_len": 48,
+        "train.output_dir": output_dir,
+        "train.max_steps": 3,
+        "train.global_batch_size": 8,
+        "train.micro_batch_size": 4,
+        "train.lr": 1e-3,
+        "checkpoint.resume": "none",
+    }
+    base.update({k.replace("__", "."): v for k, v in values.items()})
+    return [f"{k}={v}" for k, v in base.items()]

@@ -383,6 +383,56 @@ def test_loader_state_validation() -> None:
         ResumableLoader(IndexDataset(8), 2, 2, 2, seed=0)
 
 
+def step_samples(loaders: list[ResumableLoader], steps: int) -> list[list[int]]:
+    """The samples of each optimizer step, in (micro-step, rank) order, whatever the split."""
+    out = []
+    for _ in range(steps):
+        micro = [[next(loader)["index"].tolist() for loader in loaders] for _ in range(loaders[0].accum)]
+        out.append([i for ranks in micro for batch in ranks for i in batch])
+    return out
+
+
+# (micro_batch_size, dp_size) splits of one global batch of 4
+SPLITS = [(2, 2), (4, 1), (1, 1), (1, 4)]
+
+
+def test_loader_order_depends_only_on_the_global_batch() -> None:
+    """10 samples, global batch 4 (divides no split's tail): every split of the global batch over
+    micro-batches, accumulation and ranks sees the same samples in the same steps for 3 epochs."""
+    n, gbs, seed = 10, 4, 11
+    sequences = {}
+    for mbs, dp in SPLITS:
+        loaders = [ResumableLoader(IndexDataset(n), mbs, r, dp, seed, global_batch_size=gbs) for r in range(dp)]
+        assert loaders[0].global_steps_per_epoch == 2
+        sequences[(mbs, dp)] = step_samples(loaders, 6)  # 3 epochs
+    reference = sequences[SPLITS[0]]
+    for split, seq in sequences.items():
+        assert seq == reference, split
+    for epoch in range(3):
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        assert reference[2 * epoch] + reference[2 * epoch + 1] == perm[:8]
+
+
+def test_loader_resume_at_another_world_size_keeps_the_trajectory() -> None:
+    """2 ranks x 2 samples stop mid-epoch 2; 1 rank (4 x 1 accumulation) resumes from the saved
+    sample count (what the trainer stores) and sees what the 2-rank run would have seen."""
+    n, gbs, seed = 10, 4, 2
+    two = [ResumableLoader(IndexDataset(n), 2, r, 2, seed, global_batch_size=gbs) for r in range(2)]
+    uninterrupted = step_samples(two, 5)
+    first = [ResumableLoader(IndexDataset(n), 2, r, 2, seed, global_batch_size=gbs) for r in range(2)]
+    step_samples(first, 3)  # epoch 0 (2 steps) + 1 step of epoch 1
+    state = first[0].state_dict()
+    samples_in_epoch = state["position"] * 2 * 2
+    one = ResumableLoader(IndexDataset(n), 1, 0, 1, seed, global_batch_size=gbs)
+    one.load_state_dict({"epoch": state["epoch"], "position": samples_in_epoch // 1})
+    assert step_samples([one], 2) == uninterrupted[3:5]
+
+
+def test_loader_rejects_a_global_batch_the_split_does_not_divide() -> None:
+    with pytest.raises(ValueError, match="global_batch_size"):
+        ResumableLoader(IndexDataset(8), 2, 0, 2, seed=0, global_batch_size=6)
+
+
 def test_loader_workers_match_in_process_loading(video_folder: Path) -> None:
     dataset = build_dataset(video_folder, (8, 8), 3)
     in_process = ResumableLoader(dataset, 1, 0, 1, seed=7)

@@ -8,6 +8,7 @@ with a single-process reference computed here, in the parent.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -15,18 +16,18 @@ import torch
 
 from spindle.distributed.mesh import ParallelDims
 from spindle.testing.multiprocess import spawn
-from spindle.testing.tiny import build_tiny_wan
 
 B, F, H, W, TEXT = 2, 2, 8, 8, 8  # 2 samples x (2*4*4 = 32 tokens): splits over sp=2 and dp=2
 MAX_NORM = 0.05  # small enough that clipping is active, so the clipped update is compared too
 LR = 0.1
 
-# name -> (dp_replicate, dp_shard, sp, gradient_checkpointing)
+# name -> (dp_replicate, dp_shard, sp, ring, gradient_checkpointing)
 CASES = {
-    "sp2": (1, 1, 2, False),
-    "dp_shard2": (1, 2, 1, False),
-    "dp_replicate2": (2, 1, 1, False),
-    "sp2_ckpt": (1, 1, 2, True),
+    "sp2": (1, 1, 2, 1, False),
+    "dp_shard2": (1, 2, 1, 1, False),
+    "dp_replicate2": (2, 1, 1, 1, False),
+    "sp2_ckpt": (1, 1, 2, 1, True),
+    "ring2_ckpt": (1, 1, 1, 2, True),  # ring attention (CPU backend workaround), FSDP2, recompute
 }
 
 
@@ -81,8 +82,8 @@ def _worker(rank: int, world: int, root: str, out_dir: str, cases: dict) -> None
 
     full = make_batch()
     results = {"edges": edges}
-    for name, (rep, shard, sp, ckpt) in cases.items():
-        mesh = build_mesh(ParallelDims(dp_replicate=rep, dp_shard=shard, sp=sp))
+    for name, (rep, shard, sp, ring, ckpt) in cases.items():
+        mesh = build_mesh(ParallelDims(dp_replicate=rep, dp_shard=shard, sp=sp, ring=ring))
         model = load_transformer(root)
         parallelize_transformer(model, mesh, mixed_precision="no", gradient_checkpointing=ckpt)
         # Data split over data-parallel ranks only; the SP ranks of a group get the same sample.
@@ -126,15 +127,10 @@ def _worker(rank: int, world: int, root: str, out_dir: str, cases: dict) -> None
 
 
 @pytest.fixture(scope="module")
-def tiny_root(tmp_path_factory) -> Path:
-    return build_tiny_wan(tmp_path_factory.mktemp("tiny_wan"), seed=0)
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_root):
+def reference(tiny_wan):
     from spindle.models.base import load_transformer
 
-    model = load_transformer(tiny_root)
+    model = load_transformer(tiny_wan)
     batch = make_batch()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     out, loss = step(model, batch)
@@ -148,9 +144,9 @@ def reference(tiny_root):
 
 
 @pytest.fixture(scope="module")
-def parallel_results(tiny_root, tmp_path_factory):
+def parallel_results(tiny_wan, tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("parallel_results")
-    spawn(_worker, 2, str(tiny_root), str(out_dir), CASES)
+    spawn(_worker, 2, str(tiny_wan), str(out_dir), CASES)
     return torch.load(out_dir / "results.pt", weights_only=False)
 
 
@@ -194,6 +190,13 @@ def test_sequence_parallel_with_activation_checkpointing(parallel_results, refer
     assert_matches_reference(res, reference, check_out=True)
 
 
+def test_ring_attention_with_activation_checkpointing_equals_one_process(parallel_results, reference):
+    """ring=2: no head split; each rank's query chunk attends to every KV chunk passed around the ring."""
+    res = parallel_results["ring2_ckpt"]
+    assert res["sp"] == 2 and res["dp_ranks"] == [0, 0]
+    assert_matches_reference(res, reference, check_out=True)
+
+
 def test_fsdp_dp_shard_2_equals_one_process(parallel_results, reference):
     res = parallel_results["dp_shard2"]
     assert res["sp"] == 1 and res["dp_ranks"] == [0, 1]
@@ -219,21 +222,21 @@ def test_cpu_rough_edges_still_need_the_workarounds(parallel_results):
 # ------------------------------------------------------------------ fail fast, before any work
 
 
-def test_heads_not_divisible_by_sp(tiny_root):
+def test_heads_not_divisible_by_sp(tiny_wan):
     from spindle.distributed.context_parallel import check_sequence_parallel
     from spindle.models.base import load_transformer
 
-    model = load_transformer(tiny_root)  # 4 heads
+    model = load_transformer(tiny_wan)  # 4 heads
     with pytest.raises(ValueError, match=r"4 attention heads.*parallel\.sp=3.*divisor of 4 \(\[1, 2, 4\]\)"):
         check_sequence_parallel(model, 3)
     cfg = dict(model.config)  # the config.json form works as well
-    with pytest.raises(ValueError, match="not divisible by parallel.sp=3"):
+    with pytest.raises(ValueError, match=re.escape("not divisible by parallel.sp=3")):
         check_sequence_parallel(cfg, 3)
     check_sequence_parallel(cfg, 2)
     check_sequence_parallel(cfg, 4)
 
 
-def test_sequence_not_divisible_by_sp(tiny_root):
+def test_sequence_not_divisible_by_sp(tiny_wan):
     from spindle.distributed.context_parallel import check_sequence_parallel
 
     cfg = {"_class_name": "WanTransformer3DModel", "num_attention_heads": 4}
@@ -254,13 +257,68 @@ def test_family_without_cp_plan():
 
 
 def test_world_size_mismatch_message():
-    with pytest.raises(ValueError, match=r"dp_replicate=1 x dp_shard=2 x sp=2 = 4, but the world size is 2"):
+    with pytest.raises(ValueError, match=r"dp_replicate=1 x dp_shard=2 x ring=1 x sp=2 = 4, but the world size is 2"):
         ParallelDims(dp_shard=2, sp=2).resolve(2)
-    with pytest.raises(ValueError, match="world size 3 is not divisible by parallel.dp_replicate x parallel.sp = 2"):
+    with pytest.raises(
+        ValueError, match=r"world size 3 is not divisible by parallel\.dp_replicate x parallel\.ring x parallel\.sp = 2"
+    ):
         ParallelDims(sp=2).resolve(3)
+    assert ParallelDims(sp=2, ring=2).resolve(8) == ParallelDims(1, 2, 2, 2)
 
 
-def test_one_process_is_the_degenerate_mesh(tiny_root):
+def test_ring_splits_the_sequence_not_the_heads():
+    from spindle.distributed.context_parallel import check_sequence_parallel
+
+    cfg = {"_class_name": "WanTransformer3DModel", "num_attention_heads": 3}
+    check_sequence_parallel(cfg, 1, seq_len=32, ring=2)  # 3 heads, 2 ranks: ring only
+    with pytest.raises(ValueError, match=r"3 attention heads.*parallel\.ring"):
+        check_sequence_parallel(cfg, 2, ring=2)
+    with pytest.raises(ValueError, match=r"30 tokens.*parallel\.sp=1 x parallel\.ring=4 = 4"):
+        check_sequence_parallel(cfg, 1, seq_len=30, ring=4)
+
+
+def test_stock_native_backend_still_cannot_ring_on_cpu():
+    """Canary for CPU/gloo workaround (2): when diffusers' native backend returns the log-sum-exp,
+    spindle.distributed.context_parallel.install_cpu_ring_backend can go."""
+    from diffusers.models.attention_dispatch import _native_attention_forward_op
+
+    q = torch.randn(1, 8, 2, 4)
+
+    class Ctx:
+        def save_for_backward(self, *tensors):
+            pass
+
+    with pytest.raises(ValueError, match="does not support return_lse"):
+        _native_attention_forward_op(Ctx(), q, q, q, return_lse=True)
+
+
+def test_cpu_ring_block_ops_match_sdpa_and_autograd():
+    """One ring block with the global (out, lse) of a single block is plain attention: the forward
+    op equals SDPA with its log-sum-exp, the backward op equals autograd through SDPA."""
+    from spindle.distributed.context_parallel import _ring_backward_op, _ring_forward_op
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 6, 3, 8, generator=g, requires_grad=True) for _ in range(3))  # [B, S, H, D]
+
+    class Ctx:
+        def save_for_backward(self, *tensors):
+            self.saved = tensors
+
+    ctx = Ctx()
+    out, lse = _ring_forward_op(ctx, q, k, v, scale=0.3, return_lse=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), scale=0.3)
+    torch.testing.assert_close(out, ref.transpose(1, 2))
+    scores = q.transpose(1, 2) @ k.transpose(1, 2).transpose(-1, -2) * 0.3
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1).transpose(1, 2))
+    grad_out = torch.randn(out.shape, generator=g)
+    expected = torch.autograd.grad(ref.transpose(1, 2), (q, k, v), grad_out)
+    got = _ring_backward_op(ctx, grad_out, query=q.detach(), key=k.detach(), value=v.detach(), out=out.detach(),
+                            lse=lse.detach())  # fmt: skip
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_one_process_is_the_degenerate_mesh(tiny_wan):
     """1 process: SP is a no-op, FSDP2 is skipped (nothing to shard), grads equal plain PyTorch."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
@@ -274,8 +332,8 @@ def test_one_process_is_the_degenerate_mesh(tiny_root):
     owns_group = not dist.is_initialized()
     mesh = build_mesh(ParallelDims())
     try:
-        ref = load_transformer(tiny_root)
-        model = load_transformer(tiny_root)
+        ref = load_transformer(tiny_wan)
+        model = load_transformer(tiny_wan)
         assert enable_sequence_parallel(model, mesh.sp) is model and sequence_parallel_size(model) == 1
         blocks = find_blocks(model)
         assert blocks == list(model.blocks)
@@ -297,13 +355,13 @@ def test_one_process_is_the_degenerate_mesh(tiny_root):
             norm, torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]).item(), rel_tol=1e-6
         )
         with pytest.raises(ValueError, match="mixed_precision must be one of"):
-            parallelize_transformer(load_transformer(tiny_root), mesh, mixed_precision="fp8")
+            parallelize_transformer(load_transformer(tiny_wan), mesh, mixed_precision="fp8")
     finally:
         if owns_group:
             dist.destroy_process_group()
 
 
-def test_bf16_mixed_precision_policy(tiny_root):
+def test_bf16_mixed_precision_policy(tiny_wan):
     """mixed_precision="bf16": fp32 sharded params and grads, bf16 compute (= the model cast to bf16).
 
     The FSDP2 policy is exercised through `apply_fsdp` on the 1-rank mesh (what multi-process runs
@@ -317,10 +375,10 @@ def test_bf16_mixed_precision_policy(tiny_root):
     owns_group = not dist.is_initialized()
     mesh = build_mesh(ParallelDims())
     try:
-        ref = load_transformer(tiny_root).to(torch.bfloat16)
-        single = parallelize_transformer(load_transformer(tiny_root), mesh, mixed_precision="bf16")
+        ref = load_transformer(tiny_wan).to(torch.bfloat16)
+        single = parallelize_transformer(load_transformer(tiny_wan), mesh, mixed_precision="bf16")
         assert autocast_dtype(single, "bf16") == torch.bfloat16 and autocast_dtype(single, "no") is None
-        model = apply_fsdp(load_transformer(tiny_root), mesh, mixed_precision="bf16")
+        model = apply_fsdp(load_transformer(tiny_wan), mesh, mixed_precision="bf16")
         assert autocast_dtype(model, "bf16") is None  # the FSDP policy casts
         batch = make_batch()
         ref_out, ref_loss = step(ref, {k: v.to(torch.bfloat16) if k != "target" else v for k, v in batch.items()})

@@ -17,12 +17,6 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """FLUX.1-dev style: embedded guidance, VAE x2 (32x32 px -> 64 image tokens)."""
-    return build_tiny_flux(tmp_path_factory.mktemp("flux_tiny"), seed=0)
-
-
-@pytest.fixture(scope="module")
 def other(tmp_path_factory):
     """FLUX.1-schnell style (no guidance embedding), VAE x8 as the real one, 2+2 blocks, 4 heads x 8,
     wider encoders."""
@@ -61,11 +55,11 @@ def diffusers_images(root, **kw) -> np.ndarray:
 # ------------------------------------------------------------------ the tiny checkpoint
 
 
-def test_stock_flux_pipeline_runs_tiny_checkpoint(tiny):
+def test_stock_flux_pipeline_runs_tiny_checkpoint(tiny_flux):
     from diffusers import AutoencoderKL, FluxTransformer2DModel
     from transformers import CLIPTextModel, T5EncoderModel
 
-    pipe = flux_pipe(tiny)
+    pipe = flux_pipe(tiny_flux)
     assert isinstance(pipe.transformer, FluxTransformer2DModel)
     assert isinstance(pipe.vae, AutoencoderKL) and isinstance(pipe.text_encoder, CLIPTextModel)
     assert isinstance(pipe.text_encoder_2, T5EncoderModel)
@@ -82,14 +76,14 @@ def test_stock_flux_pipeline_runs_tiny_checkpoint(tiny):
     assert np.isfinite(images).all() and images.std() > 0.01
 
 
-def test_tiny_flux_layout_and_configs(tiny):
-    index = json.loads((tiny / "model_index.json").read_text())
+def test_tiny_flux_layout_and_configs(tiny_flux):
+    index = json.loads((tiny_flux / "model_index.json").read_text())
     assert index["_class_name"] == "FluxPipeline"
-    tcfg = json.loads((tiny / "transformer" / "config.json").read_text())
-    vcfg = json.loads((tiny / "vae" / "config.json").read_text())
-    clip = json.loads((tiny / "text_encoder" / "config.json").read_text())
-    t5 = json.loads((tiny / "text_encoder_2" / "config.json").read_text())
-    scfg = json.loads((tiny / "scheduler" / "scheduler_config.json").read_text())
+    tcfg = json.loads((tiny_flux / "transformer" / "config.json").read_text())
+    vcfg = json.loads((tiny_flux / "vae" / "config.json").read_text())
+    clip = json.loads((tiny_flux / "text_encoder" / "config.json").read_text())
+    t5 = json.loads((tiny_flux / "text_encoder_2" / "config.json").read_text())
+    scfg = json.loads((tiny_flux / "scheduler" / "scheduler_config.json").read_text())
     assert tcfg["in_channels"] == 4 * vcfg["latent_channels"]  # 2x2 packing
     assert tcfg["joint_attention_dim"] == t5["d_model"] and tcfg["pooled_projection_dim"] == clip["hidden_size"]
     assert sum(tcfg["axes_dims_rope"]) == tcfg["attention_head_dim"] and tcfg["guidance_embeds"] is True
@@ -97,27 +91,23 @@ def test_tiny_flux_layout_and_configs(tiny):
     assert scfg["use_dynamic_shifting"] is True and scfg["base_shift"] == 0.5 and scfg["max_shift"] == 1.15
 
 
-def test_clip_tokenizer_has_bos_and_eos_for_pooling(tiny):
+def test_clip_tokenizer_has_bos_and_eos_for_pooling(tiny_flux):
     from transformers import AutoTokenizer, CLIPTextModel
 
-    tok = AutoTokenizer.from_pretrained(tiny / "tokenizer")
+    tok = AutoTokenizer.from_pretrained(tiny_flux / "tokenizer")
     assert tok.model_max_length == 77
     ids = tok("A red circle", padding="max_length", max_length=77).input_ids
     assert ids[0] == tok.bos_token_id and ids[4] == tok.eos_token_id == 1 and ids[5:] == [0] * 72
     assert tok.unk_token_id not in ids
     # CLIPTextModel pools at the first eos: the pooled output must not depend on padding.
-    model = CLIPTextModel.from_pretrained(tiny / "text_encoder")
+    model = CLIPTextModel.from_pretrained(tiny_flux / "text_encoder")
     short = model(torch.tensor([ids[:10]])).pooler_output
     full = model(torch.tensor([ids])).pooler_output
     torch.testing.assert_close(short, full)
 
 
-def test_cli_tiny_model_flux(tmp_path):
-    r = subprocess.run(
-        [sys.executable, "-m", "spindle", "tiny-model", "flux", str(tmp_path / "m"), "--seed", "1"],
-        capture_output=True,
-        text=True,
-    )
+def test_cli_tiny_model_flux(tmp_path, spindle_cli):
+    r = spindle_cli("tiny-model", "flux", tmp_path / "m", "--seed", "1")
     assert r.returncode == 0, r.stderr
     from spindle.registry import resolve_family
 
@@ -128,7 +118,7 @@ def test_cli_tiny_model_flux(tmp_path):
 
 CASES = {
     "tiny_guidance": (
-        "tiny",
+        "tiny_flux",
         dict(
             prompt="a red fox in the snow",
             height=32,
@@ -140,7 +130,7 @@ CASES = {
         ),
     ),
     "tiny_true_cfg": (
-        "tiny",
+        "tiny_flux",
         dict(
             prompt="a red fox in the snow",
             negative_prompt="blurry",
@@ -200,11 +190,11 @@ def test_images_equal_diffusers(case, cfg_batch, request):
     assert set(result.timings) == {"before_denoising", "denoising", "decoding"}
 
 
-def test_true_cfg_batched_is_one_forward_of_two(tiny):
+def test_true_cfg_batched_is_one_forward_of_two(tiny_flux):
     from spindle import DiffusionGenerator
     from spindle.infer import SamplingParams
 
-    gen = DiffusionGenerator.from_pretrained(tiny)
+    gen = DiffusionGenerator.from_pretrained(tiny_flux)
     req = gen.pipeline.stages[0](
         gen.make_request(
             SamplingParams(
@@ -239,7 +229,7 @@ def test_true_cfg_batched_is_one_forward_of_two(tiny):
     torch.testing.assert_close(one, two, atol=1e-5, rtol=0)
 
 
-def test_batch_of_prompts_and_outputs_per_prompt(tiny):
+def test_batch_of_prompts_and_outputs_per_prompt(tiny_flux):
     from spindle import DiffusionGenerator
 
     kw = dict(
@@ -251,18 +241,20 @@ def test_batch_of_prompts_and_outputs_per_prompt(tiny):
         guidance_scale=2.0,
         max_sequence_length=16,
     )
-    ref = flux_pipe(tiny)(
+    ref = flux_pipe(tiny_flux)(
         **kw, true_cfg_scale=2.0, num_images_per_prompt=2, generator=torch.Generator().manual_seed(11), output_type="np"
     ).images
-    out = DiffusionGenerator.from_pretrained(tiny).generate(**kw, true_cfg_scale=2.0, num_outputs_per_prompt=2, seed=11)
+    out = DiffusionGenerator.from_pretrained(tiny_flux).generate(
+        **kw, true_cfg_scale=2.0, num_outputs_per_prompt=2, seed=11
+    )
     assert out.frames.shape == ref.shape == (4, 32, 32, 3)
     np.testing.assert_allclose(out.frames, ref, atol=TOL, rtol=0)
 
 
-def test_defaults_are_flux_pipeline_defaults(tiny):
+def test_defaults_are_flux_pipeline_defaults(tiny_flux):
     from spindle import DiffusionGenerator
 
-    d = DiffusionGenerator.from_pretrained(tiny).defaults
+    d = DiffusionGenerator.from_pretrained(tiny_flux).defaults
     # FluxPipeline: default_sample_size 128 x VAE factor (2 here), 28 steps, guidance 3.5, 512 T5 tokens
     assert (d.height, d.width, d.num_inference_steps, d.guidance_scale, d.max_sequence_length) == (
         256,
@@ -301,7 +293,7 @@ def test_bad_requests_are_clear_errors(other, kw, message):
         gen.generate(**{**base, **kw})
 
 
-def test_generate_cli_writes_png(tiny, tmp_path):
+def test_generate_cli_writes_png(tiny_flux, tmp_path):
     from PIL import Image
 
     out = tmp_path / "cat.png"
@@ -312,7 +304,7 @@ def test_generate_cli_writes_png(tiny, tmp_path):
             "spindle",
             "generate",
             "--model",
-            str(tiny),
+            str(tiny_flux),
             "--prompt",
             "a cat",
             "--height",
@@ -338,35 +330,28 @@ def test_generate_cli_writes_png(tiny, tmp_path):
     from spindle import DiffusionGenerator
 
     frames = (
-        DiffusionGenerator.from_pretrained(tiny)
+        DiffusionGenerator.from_pretrained(tiny_flux)
         .generate(prompt="a cat", height=32, width=48, num_inference_steps=2, guidance_scale=3.5, seed=4)
         .frames
     )
     assert np.abs(image.astype(np.float32) - frames[0] * 255).max() <= 1.0  # the png holds the generated image
 
 
-def test_generate_cli_bad_size_is_one_line(tiny, tmp_path):
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "spindle",
-            "generate",
-            "--model",
-            str(tiny),
-            "--prompt",
-            "x",
-            "--height",
-            "30",
-            "--width",
-            "32",
-            "--steps",
-            "1",
-            "--out",
-            str(tmp_path / "o.png"),
-        ],
-        capture_output=True,
-        text=True,
+def test_generate_cli_bad_size_is_one_line(tiny_flux, tmp_path, spindle_cli):
+    r = spindle_cli(
+        "generate",
+        "--model",
+        tiny_flux,
+        "--prompt",
+        "x",
+        "--height",
+        "30",
+        "--width",
+        "32",
+        "--steps",
+        "1",
+        "--out",
+        tmp_path / "o.png",
     )
     assert r.returncode == 2
     assert "height must be a positive multiple of 4" in r.stderr and "Traceback" not in r.stderr

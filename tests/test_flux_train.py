@@ -15,23 +15,10 @@ import yaml
 from safetensors.torch import load_file
 
 from spindle.config import load_config
-from spindle.testing.tiny import build_tiny_flux
 from spindle.train.metrics import read_metrics
 from spindle.train.trainer import Trainer, train
 
 SIZE = (32, 32)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return build_tiny_flux(tmp_path_factory.mktemp("models") / "flux", seed=0)
-
-
-@pytest.fixture(scope="module")
-def images(tmp_path_factory) -> Path:
-    from spindle.testing.synthetic import make_shapes_image_dataset
-
-    return make_shapes_image_dataset(tmp_path_factory.mktemp("data") / "shapes", num_images=8, size=SIZE)
 
 
 def overrides(model: Path, data: Path, output_dir: Path, **train) -> list[str]:
@@ -57,20 +44,20 @@ def config(model, data, output_dir, **train):
 
 
 @pytest.fixture(scope="module")
-def condition(tiny):
+def condition(tiny_flux):
     from spindle.models.flux.condition import FluxConditionModel
 
-    return FluxConditionModel.from_pretrained(tiny, max_text_length=16)
+    return FluxConditionModel.from_pretrained(tiny_flux, max_text_length=16)
 
 
-def test_training_inputs_follow_diffusers_flux_conventions(condition, tiny):
+def test_training_inputs_follow_diffusers_flux_conventions(condition, tiny_flux):
     """What examples/dreambooth/train_dreambooth_flux.py computes, step by step, with the same noise."""
     from diffusers import FluxPipeline
     from diffusers.pipelines.flux.pipeline_flux import calculate_shift
     from diffusers.training_utils import compute_density_for_timestep_sampling
     from diffusers.utils.torch_utils import randn_tensor
 
-    from spindle.train.dit import sample_generator
+    from spindle.train.tasks.flow_matching import sample_generator
 
     pipe = condition.pipe
     g = torch.Generator().manual_seed(0)
@@ -110,13 +97,13 @@ def test_training_inputs_follow_diffusers_flux_conventions(condition, tiny):
 
     from spindle.models.base import load_transformer
 
-    params = inspect.signature(load_transformer(tiny).forward).parameters
+    params = inspect.signature(load_transformer(tiny_flux).forward).parameters
     assert set(inputs) - {"target", "sigmas"} <= set(params)
 
 
 def test_static_shift_from_config_replaces_resolution_shift(condition):
     from spindle.models.base import TimestepSampling
-    from spindle.train.dit import sample_generator
+    from spindle.train.tasks.flow_matching import sample_generator
 
     cond = {
         "latents": torch.zeros(1, 4, 16, 16),
@@ -143,10 +130,10 @@ def test_video_pixels_are_rejected(condition):
         condition.encode({"pixels": torch.zeros(1, 3, 1, 30, 32), "caption": ["x"], "index": [0]})
 
 
-def test_overfit_loss_falls(tiny, images, tmp_path):
+def test_overfit_loss_falls(tiny_flux, shapes_images, tmp_path):
     cfg = config(
-        tiny,
-        images,
+        tiny_flux,
+        shapes_images,
         tmp_path / "run",
         train__max_steps=30,
         train__lr=2e-3,
@@ -163,21 +150,21 @@ def test_overfit_loss_falls(tiny, images, tmp_path):
     assert records[0]["tokens_per_s"] / records[0]["samples_per_s"] == pytest.approx(64)
 
 
-def test_export_round_trip_in_stock_flux_pipeline(tiny, images, tmp_path):
+def test_export_round_trip_in_stock_flux_pipeline(tiny_flux, shapes_images, tmp_path):
     import numpy as np
     from diffusers import FluxPipeline, FluxTransformer2DModel
 
-    trainer = Trainer(config(tiny, images, tmp_path / "run", train__max_steps=3))
+    trainer = Trainer(config(tiny_flux, shapes_images, tmp_path / "run", train__max_steps=3))
     result = trainer.run()
-    trained = {k: v.detach() for k, v in trainer.transformer.state_dict().items()}
+    trained = {k: v.detach() for k, v in trainer.model.state_dict().items()}
     trained = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in trained.items()}
     exported = load_file(result.export_dir / "transformer" / "diffusion_pytorch_model.safetensors")
     assert exported.keys() == trained.keys()
     assert all(torch.equal(exported[k], trained[k]) for k in trained)
-    original = load_file(tiny / "transformer" / "diffusion_pytorch_model.safetensors")
+    original = load_file(tiny_flux / "transformer" / "diffusion_pytorch_model.safetensors")
     assert any(not torch.equal(original[k], exported[k]) for k in original), "training changed nothing"
     config_json = json.loads((result.export_dir / "transformer" / "config.json").read_text())
-    assert set(config_json) == set(json.loads((tiny / "transformer" / "config.json").read_text()))
+    assert set(config_json) == set(json.loads((tiny_flux / "transformer" / "config.json").read_text()))
 
     model = FluxTransformer2DModel.from_pretrained(result.export_dir / "transformer")
     assert all(torch.equal(model.state_dict()[k], trained[k]) for k in trained)
@@ -210,11 +197,11 @@ def run_cli(model: Path, data: Path, out: Path, nproc: int, **train_kw) -> None:
 
 
 @pytest.mark.slow
-def test_sequence_parallel_training_equals_one_process(tiny, images, tmp_path):
+def test_sequence_parallel_training_equals_one_process(tiny_flux, shapes_images, tmp_path):
     """SP=2 through FluxTransformer2DModel's own `_cp_plan` (image tokens, text tokens and both id
     tensors split over 2 ranks) trains exactly like one process: losses, grad norms, weights."""
-    run_cli(tiny, images, tmp_path / "single", nproc=1)
-    run_cli(tiny, images, tmp_path / "sp2", nproc=2, parallel__sp=2, parallel__dp_shard=1)
+    run_cli(tiny_flux, shapes_images, tmp_path / "single", nproc=1)
+    run_cli(tiny_flux, shapes_images, tmp_path / "sp2", nproc=2, parallel__sp=2, parallel__dp_shard=1)
     a, b = read_metrics(tmp_path / "single"), read_metrics(tmp_path / "sp2")
     for key in ("loss", "grad_norm"):
         assert [m[key] for m in b] == pytest.approx([m[key] for m in a], rel=1e-5), key

@@ -10,21 +10,14 @@ import sys
 import numpy as np
 import pytest
 
-from spindle.testing.tiny import build_tiny_wan
-
 SMALL = dict(prompt="a lighthouse", height=32, width=32, num_frames=5, num_inference_steps=2, guidance_scale=3.0)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny_wan(tmp_path_factory.mktemp("wan_tiny"), seed=0)
-
-
-@pytest.fixture(scope="module")
-def gen(tiny):
+def gen(tiny_wan):
     from spindle import DiffusionGenerator
 
-    return DiffusionGenerator.from_pretrained(tiny)
+    return DiffusionGenerator.from_pretrained(tiny_wan)
 
 
 def test_import_spindle_is_light():
@@ -36,18 +29,32 @@ def test_import_spindle_is_light():
     assert out.stdout.strip() == "DiffusionGenerator"
 
 
+def test_infer_all_lists_exactly_the_public_names_and_each_resolves():
+    import spindle.infer as infer
+    import spindle.infer.request as request
+
+    eager = {"Cancelled", "Req", "RequestError", "SamplingParams"}
+    assert all(getattr(request, n) is getattr(infer, n) for n in eager)
+    assert sorted(infer.__all__) == sorted(eager | set(infer._LAZY))
+    namespace: dict = {}
+    exec("from spindle.infer import *", namespace)
+    assert all(namespace[n] is getattr(infer, n) for n in infer.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        infer.nope  # noqa: B018 - the attribute access is what is tested
+
+
 def test_family_and_defaults(gen):
     assert gen.family == "wan"
     d = gen.defaults
     assert (d.height, d.width, d.num_frames, d.num_inference_steps, d.guidance_scale) == (480, 832, 81, 50, 5.0)
 
 
-def test_renamed_folder_is_detected_and_unknown_class_is_refused(tiny, tmp_path):
+def test_renamed_folder_is_detected_and_unknown_class_is_refused(tiny_wan, tmp_path):
     from spindle import DiffusionGenerator
     from spindle.registry import UnknownModelError
 
     renamed = tmp_path / "renamed"
-    shutil.copytree(tiny, renamed)
+    shutil.copytree(tiny_wan, renamed)
     index = json.loads((renamed / "model_index.json").read_text())
     index["_class_name"] = "MyLocalVideoPipeline"
     (renamed / "model_index.json").write_text(json.dumps(index))
@@ -88,11 +95,11 @@ def test_bad_requests_say_what_is_allowed(gen, bad, match):
     assert issubclass(RequestError, ValueError)
 
 
-def test_unknown_engine_option(tiny):
+def test_unknown_engine_option(tiny_wan):
     from spindle import DiffusionGenerator
 
     with pytest.raises(ValueError, match=r"unknown engine option\(s\) \['cahce'\]"):
-        DiffusionGenerator.from_pretrained(tiny, cahce="fbc")
+        DiffusionGenerator.from_pretrained(tiny_wan, cahce="fbc")
 
 
 def test_progress_seed_and_cancel(gen):

@@ -5,28 +5,19 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
-
-from spindle.testing.tiny import build_tiny_wan
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny_wan(tmp_path_factory.mktemp("wan_tiny"), seed=0)
-
 
 def spindle(*args):
     return subprocess.run([sys.executable, "-m", "spindle", *map(str, args)], capture_output=True, text=True)
 
 
-def test_generate_writes_mp4(tiny, tmp_path):
+def test_generate_writes_mp4(tiny_wan, tmp_path):
     import av
 
     out = tmp_path / "out.mp4"
     r = spindle(
         "generate",
         "--model",
-        tiny,
+        tiny_wan,
         "--prompt",
         "a cat on a skateboard",
         "--negative-prompt",
@@ -56,11 +47,11 @@ def test_generate_writes_mp4(tiny, tmp_path):
     assert (frames[0].height, frames[0].width) == (32, 48)
 
 
-def test_generate_bad_request(tiny, tmp_path):
-    r = spindle(
+def test_generate_bad_request(tiny_wan, tmp_path, spindle_cli):
+    r = spindle_cli(
         "generate",
         "--model",
-        tiny,
+        tiny_wan,
         "--prompt",
         "x",
         "--height",

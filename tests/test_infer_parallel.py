@@ -10,8 +10,6 @@ import sys
 import numpy as np
 import pytest
 
-from spindle.testing.tiny import build_tiny_wan
-
 pytestmark = pytest.mark.slow
 
 KW = dict(
@@ -42,15 +40,10 @@ dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny_wan(tmp_path_factory.mktemp("wan_tiny"), seed=0)
-
-
-@pytest.fixture(scope="module")
-def single(tiny):
+def single(tiny_wan):
     from spindle import DiffusionGenerator
 
-    return DiffusionGenerator.from_pretrained(tiny).generate(**KW).frames
+    return DiffusionGenerator.from_pretrained(tiny_wan).generate(**KW).frames
 
 
 def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
@@ -59,14 +52,16 @@ def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
 
-@pytest.mark.parametrize("options", [{"sp": 2}, {"cfg_parallel": True}], ids=["sp2", "cfg_parallel"])
-def test_multiprocess_equals_single_process(tiny, single, tmp_path, options):
+@pytest.mark.parametrize(
+    "options", [{"sp": 2}, {"ring": 2}, {"cfg_parallel": True}], ids=["sp2", "ring2", "cfg_parallel"]
+)
+def test_multiprocess_equals_single_process(tiny_wan, single, tmp_path, options):
     import json
 
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     out = tmp_path / "frames"
-    r = torchrun(2, str(script), str(tiny), str(out), json.dumps(options), json.dumps(KW))
+    r = torchrun(2, str(script), str(tiny_wan), str(out), json.dumps(options), json.dumps(KW))
     assert r.returncode == 0, r.stderr[-4000:]
     for rank in range(2):
         frames = np.load(f"{out}.rank{rank}.npy")
@@ -74,7 +69,7 @@ def test_multiprocess_equals_single_process(tiny, single, tmp_path, options):
     np.testing.assert_array_equal(np.load(f"{out}.drawn0.npy"), np.load(f"{out}.drawn1.npy"))
 
 
-def test_cli_nproc_sp_writes_mp4(tiny, tmp_path):
+def test_cli_nproc_sp_writes_mp4(tiny_wan, tmp_path):
     import av
 
     out = tmp_path / "sp.mp4"
@@ -85,7 +80,7 @@ def test_cli_nproc_sp_writes_mp4(tiny, tmp_path):
             "spindle",
             "generate",
             "--model",
-            str(tiny),
+            str(tiny_wan),
             "--prompt",
             "a windmill",
             "--height",
@@ -117,8 +112,8 @@ def test_cli_nproc_sp_writes_mp4(tiny, tmp_path):
     assert len(frames) == 5 and (frames[0].height, frames[0].width) == (32, 48)
 
 
-def test_sp_mismatch_is_a_clear_error(tiny):
+def test_sp_mismatch_is_a_clear_error(tiny_wan):
     from spindle import DiffusionGenerator
 
     with pytest.raises(ValueError, match=r"needs 2 processes, but the world size is 1"):
-        DiffusionGenerator.from_pretrained(tiny, sp=2)
+        DiffusionGenerator.from_pretrained(tiny_wan, sp=2)

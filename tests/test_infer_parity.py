@@ -12,11 +12,6 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny_wan(tmp_path_factory.mktemp("wan_tiny"), seed=0)
-
-
-@pytest.fixture(scope="module")
 def other(tmp_path_factory):
     """A second random config: other sizes, 3 layers, 8 heads x 8, wider text encoder."""
     return build_tiny_wan(
@@ -38,7 +33,7 @@ def diffusers_frames(root, **kw) -> np.ndarray:
 
 CASES = {
     "tiny_cfg": (
-        "tiny",
+        "tiny_wan",
         dict(
             prompt="a red fox in the snow",
             negative_prompt="blurry",
@@ -51,7 +46,7 @@ CASES = {
         ),
     ),
     "tiny_nocfg": (
-        "tiny",
+        "tiny_wan",
         dict(
             prompt="a red fox in the snow",
             height=32,
@@ -101,11 +96,11 @@ def test_frames_equal_diffusers(case, cfg_batch, request):
     assert set(result.timings) == {"before_denoising", "denoising", "decoding"}
 
 
-def test_cfg_batching_equals_two_forwards(tiny):
+def test_cfg_batching_equals_two_forwards(tiny_wan):
     """One batched forward per step gives the same noise prediction as two forwards."""
     from spindle import DiffusionGenerator
 
-    gen = DiffusionGenerator.from_pretrained(tiny, cfg_batch=False)
+    gen = DiffusionGenerator.from_pretrained(tiny_wan, cfg_batch=False)
     req = gen.pipeline.stages[0](
         gen.make_request(
             gen.defaults.__class__(
@@ -138,7 +133,7 @@ def test_cfg_batching_equals_two_forwards(tiny):
     torch.testing.assert_close(one, two, atol=1e-5, rtol=0)
 
 
-def test_batch_of_prompts_and_outputs_per_prompt(tiny):
+def test_batch_of_prompts_and_outputs_per_prompt(tiny_wan):
     from diffusers import WanPipeline
 
     from spindle import DiffusionGenerator
@@ -152,9 +147,9 @@ def test_batch_of_prompts_and_outputs_per_prompt(tiny):
         num_inference_steps=2,
         guidance_scale=2.0,
     )
-    pipe = WanPipeline.from_pretrained(tiny)
+    pipe = WanPipeline.from_pretrained(tiny_wan)
     pipe.set_progress_bar_config(disable=True)
     ref = pipe(**kw, num_videos_per_prompt=2, generator=torch.Generator().manual_seed(11), output_type="np").frames
-    out = DiffusionGenerator.from_pretrained(tiny).generate(**kw, num_outputs_per_prompt=2, seed=11)
+    out = DiffusionGenerator.from_pretrained(tiny_wan).generate(**kw, num_outputs_per_prompt=2, seed=11)
     assert out.frames.shape == ref.shape == (4, 5, 32, 32, 3)
     np.testing.assert_allclose(out.frames, ref, atol=TOL, rtol=0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import socket
 import threading
 import time
@@ -329,7 +330,7 @@ def test_overload_gets_429_with_retry_after_and_jobs_run_in_order(serve, gen):
     assert [s.wait(i)["status"] for i in ids] == ["completed"] * 3
     jobs = [s.state.store.get(i) for i in ids]
     starts = [j.started_at for j in jobs]
-    assert starts == sorted(starts) and all(a.completed_at <= b.started_at for a, b in zip(jobs, jobs[1:]))
+    assert starts == sorted(starts) and all(a.completed_at <= b.started_at for a, b in itertools.pairwise(jobs))
     assert s.client.post("/v1/videos", json={**KW, "seed": 14}).status_code == 200  # room again
 
 
@@ -355,6 +356,25 @@ def test_a_failing_job_fails_alone(serve, gen):
         assert s.client.get("/health").status_code == 200
     finally:
         handle.remove()
+
+
+def test_a_failing_done_callback_is_logged_and_the_others_still_run(caplog):
+    from spindle.infer import SamplingParams
+    from spindle.serve import Job, JobStore
+
+    store = JobStore(max_queue=2)
+    job = store.submit(Job(kind="video", params=SamplingParams(prompt="x"), model="m"))
+    seen = []
+
+    def gone_client(j):
+        raise ConnectionResetError("client went away")
+
+    job.add_done_callback(gone_client)
+    job.add_done_callback(seen.append)
+    with caplog.at_level("ERROR", logger="spindle.serve"):
+        store.finish(job, "cancelled")
+    assert seen == [job] and job.status == "cancelled"
+    assert f"job {job.id}: a done callback failed" in caplog.text and "client went away" in caplog.text
 
 
 def test_finished_results_expire_and_delete(serve):

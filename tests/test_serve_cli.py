@@ -95,11 +95,9 @@ def wait_job(client: httpx.Client, job_id: str, timeout: float = 300) -> dict:
     raise AssertionError(f"{job_id} did not finish")
 
 
-def test_bad_options_are_clear_errors(tiny_wan, tmp_path):
+def test_bad_options_are_clear_errors(tiny_wan, tmp_path, spindle_cli):
     def serve(*args):
-        return subprocess.run(
-            [sys.executable, "-m", "spindle", "serve", *args], capture_output=True, text=True, timeout=120
-        )
+        return spindle_cli("serve", *args)  # each fails in its option checks, before any model load
 
     r = serve("--model", str(tmp_path))
     assert r.returncode == 2 and "model_index.json not found" in r.stderr

@@ -14,12 +14,10 @@ from tests.test_serve import LiveServer, assert_error
 
 
 @pytest.fixture(scope="module")
-def flux(tmp_path_factory):
+def flux(tiny_flux):
     from spindle import DiffusionGenerator
-    from spindle.testing.tiny import build_tiny_flux
 
-    root = build_tiny_flux(tmp_path_factory.mktemp("models") / "flux", seed=0)
-    return DiffusionGenerator.from_pretrained(root, device="cpu"), root
+    return DiffusionGenerator.from_pretrained(tiny_flux, device="cpu"), tiny_flux
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +61,7 @@ def test_openai_client_images_generate(server, flux):
     assert server.state.store.stats()["stored"] == 0  # image results are not kept after the response
 
 
-def test_images_over_httpx_and_errors(server, flux):
-    gen, _ = flux
+def test_images_over_httpx_and_errors(server):
     c = server.client
     r = c.post(
         "/v1/images/generations",

@@ -7,11 +7,10 @@ from spindle.distributed.context_parallel import check_split_inputs
 
 
 @pytest.fixture(scope="module")
-def flux_transformer(tmp_path_factory):
+def flux_transformer(tiny_flux):
     from spindle.models.base import load_transformer
-    from spindle.testing.tiny import build_tiny_flux
 
-    return load_transformer(build_tiny_flux(tmp_path_factory.mktemp("flux") / "m"))
+    return load_transformer(tiny_flux)
 
 
 def test_text_tokens_not_divisible_by_sp_name_the_input(flux_transformer):

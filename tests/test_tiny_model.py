@@ -1,8 +1,6 @@
 """`spindle tiny-model` writes a checkpoint that stock diffusers loads and runs."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import torch
@@ -49,13 +47,10 @@ def test_tokenizer_is_local_and_t5_style(tiny_wan):
     assert tok.pad_token_id == 0
 
 
-def test_cli_tiny_model_is_seeded(tmp_path):
+def test_cli_tiny_model_is_seeded(tmp_path, spindle_cli):
     for name in ("a", "b"):
-        subprocess.run(
-            [sys.executable, "-m", "spindle", "tiny-model", "wan", str(tmp_path / name), "--seed", "3"],
-            check=True,
-            capture_output=True,
-        )
+        r = spindle_cli("tiny-model", "wan", tmp_path / name, "--seed", "3")
+        assert r.returncode == 0, r.stderr
     from safetensors.torch import load_file
 
     a = load_file(tmp_path / "a" / "transformer" / "diffusion_pytorch_model.safetensors")

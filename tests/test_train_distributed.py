@@ -88,6 +88,17 @@ def test_fsdp_over_dp_shard_and_sp_equals_one(single, tiny_wan, shapes_videos, t
     assert_same_run(single, out)
 
 
+def test_ring_runs_a_three_head_model_on_two_processes(shapes_videos, tmp_path):
+    """Ulysses cannot split 3 heads over 2 ranks; ring attention splits only the sequence."""
+    from spindle.testing.tiny import build_tiny_wan
+
+    model = build_tiny_wan(tmp_path / "wan3", seed=0, transformer={"num_attention_heads": 3})
+    single, ring = tmp_path / "single", tmp_path / "ring"
+    run_train(model, shapes_videos, single, nproc=1)
+    run_train(model, shapes_videos, ring, nproc=2, parallel__ring=2, parallel__dp_shard=1)
+    assert_same_run(single, ring)
+
+
 @pytest.mark.parametrize("first,second", [(2, 1), (1, 2)], ids=["save2_resume1", "save1_resume2"])
 def test_resume_across_world_sizes(first, second, single, tiny_wan, shapes_videos, tmp_path):
     out = tmp_path / "run"
@@ -95,36 +106,6 @@ def test_resume_across_world_sizes(first, second, single, tiny_wan, shapes_video
     run_train(tiny_wan, shapes_videos, out, nproc=second, checkpoint__resume="auto")
     assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]
     assert_same_run(single, out)
-
-
-def test_world_size_mismatch_fails_before_launch(tiny_wan, shapes_videos, tmp_path):
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text("{}")
-    args = train_overrides(tiny_wan, shapes_videos, tmp_path / "o", parallel__dp_shard=3)
-    proc = subprocess.run(
-        [sys.executable, "-m", "spindle", "train", str(cfg), *args, "--nproc", "2"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 2
-    assert "but the world size is 2" in proc.stderr
-    assert not (tmp_path / "o").exists()
-
-
-def test_sp_not_dividing_heads_fails_before_launch(tiny_wan, shapes_videos, tmp_path):
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text("{}")
-    # the tiny Wan transformer has 4 heads
-    args = train_overrides(tiny_wan, shapes_videos, tmp_path / "o", parallel__sp=3, parallel__dp_shard=1)
-    proc = subprocess.run(
-        [sys.executable, "-m", "spindle", "train", str(cfg), *args, "--nproc", "3"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 2
-    assert "4 attention heads" in proc.stderr and "parallel.sp=3" in proc.stderr
 
 
 def test_sequence_not_divisible_by_sp_names_token_count(tiny_wan, shapes_videos, tmp_path):

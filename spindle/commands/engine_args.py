@@ -52,7 +52,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--min-psnr", type=float, default=30.0, help="--cache auto: quality floor in dB vs the uncached output"
     )
     g.add_argument("--nproc", type=int, default=1, help="processes to launch (re-launches via torchrun)")
-    g.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree")
+    g.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree (heads must divide it)")
+    g.add_argument(
+        "--ring", type=int, default=1, help="ring-attention degree; the sequence is split over ring x sp processes"
+    )
     g.add_argument("--cfg-parallel", action="store_true", help="conditional / unconditional on different ranks")
 
 
@@ -84,21 +87,22 @@ def engine_options(args: argparse.Namespace) -> dict:
         cache_options=parse_cache_options(args.cache_option),
         min_psnr=args.min_psnr,
         sp=args.sp,
+        ring=args.ring,
         cfg_parallel=args.cfg_parallel,
     )
 
 
 def check_world_size(args: argparse.Namespace) -> tuple[int, bool]:
-    """-> (world size, already under a launcher). The processes must be exactly sp x (2 with CFG parallel)."""
+    """-> (world size, already under a launcher). The processes must be exactly sp x ring (x 2 with CFG parallel)."""
     from spindle.distributed.launch import launcher_world_size
 
     launched_world = launcher_world_size()
     launched = launched_world is not None
     world = launched_world if launched else args.nproc
-    needed = args.sp * (2 if args.cfg_parallel else 1)
+    needed = args.sp * args.ring * (2 if args.cfg_parallel else 1)
     if world != needed:
         raise ValueError(
-            f"{'the world size' if launched else '--nproc'} {world} does not match --sp {args.sp}"
+            f"{'the world size' if launched else '--nproc'} {world} does not match --sp {args.sp} x --ring {args.ring}"
             f"{' x 2 (--cfg-parallel)' if args.cfg_parallel else ''} = {needed} processes"
         )
     return world, launched

@@ -1,10 +1,10 @@
-"""Fine-tune a diffusion transformer from a diffusers checkpoint.
+"""Fine-tune a model from a standard checkpoint (diffusers pipeline folder or transformers folder).
 
   spindle train CONFIG.yaml [key.sub=value ...] [--nproc N]
 
 Overrides use dotted keys and YAML values, e.g. `train.lr=1e-4 data.resolution=[64,64]`.
 Outputs in train.output_dir: config.yaml (resolved), metrics.jsonl (one line per step),
-checkpoints/step-N/ (resumable, sharded), export/ (a diffusers pipeline folder).
+checkpoints/step-N/ (resumable, sharded), export/ (a diffusers pipeline / transformers model folder).
 With --nproc N the job re-launches itself under torchrun (gloo on CPU, NCCL on CUDA);
 `torchrun --nproc_per_node N -m spindle train CONFIG.yaml` works the same.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-HELP = "fine-tune a DiT (YAML config + dotted overrides)"
+HELP = "fine-tune a DiT or a language model (YAML config + dotted overrides)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,5 +41,5 @@ def run(args: argparse.Namespace) -> int:
     if is_main_process():
         print(f"trained {result.last_step} steps; outputs in {result.output_dir}")
         if result.export_dir:
-            print(f"exported diffusers pipeline: {result.export_dir}")
+            print(f"exported: {result.export_dir}")
     return 0

@@ -19,20 +19,21 @@ from spindle.data.datasets import collate
 class ResumableLoader:
     """Infinite iterator of collated micro-batches for one data-parallel rank.
 
-    Each epoch every rank computes the same order: `torch.randperm(len(dataset))` from a generator
-    seeded with `seed + epoch` (or `arange` without shuffle). The order is cut into global batches of
-    `micro_batch_size * dp_size` samples; rank r takes the contiguous slice
-    [r * micro_batch_size, (r + 1) * micro_batch_size) of each, so the ranks of one step see
-    disjoint samples that together form the global batch.
-
-    The tail that does not fill a whole global batch is dropped (every rank must run the same number
-    of steps, or collectives would hang). A dataset smaller than one global batch is repeated
-    (cycled in the epoch's order) to fill exactly one global batch, so a tiny dataset still trains
-    (some samples then appear twice in a step) instead of yielding nothing.
+    The order is a function of (seed, epoch, global batch size) only, never of how a global batch
+    is split: each epoch every rank computes the same permutation (`torch.randperm(len(dataset))`
+    from a generator seeded with `seed + epoch`, or `arange` without shuffle) and cuts it into
+    global batches of `global_batch_size` samples, dropping the tail that does not fill a whole
+    global batch (every rank must run the same number of steps, or collectives would hang). A
+    global batch is then split into `accum` micro-steps of `dp_size` ranks x `micro_batch_size`
+    samples: micro-step a, rank r takes the contiguous slice starting at (a * dp_size + r) *
+    micro_batch_size. So 2 ranks x 2, 1 rank x 4, and 1 rank x 1 with 4 accumulation steps see the
+    same samples in the same optimizer steps, across epoch boundaries and across resumes at another
+    world size. A dataset smaller than one global batch is repeated (cycled in the epoch's order) to
+    fill exactly one global batch, so a tiny dataset still trains.
 
     `state_dict()` = {"epoch", "position"}: position counts micro-batches already returned in this
-    epoch. With `num_workers > 0` a torch DataLoader decodes the fixed index lists ahead of time;
-    prefetching does not move the position, which only advances when a batch is returned.
+    epoch by this rank. With `num_workers > 0` a torch DataLoader decodes the fixed index lists ahead
+    of time; prefetching does not move the position, which only advances when a batch is returned.
     """
 
     def __init__(
@@ -45,6 +46,7 @@ class ResumableLoader:
         shuffle: bool = True,
         num_workers: int = 0,
         collate_fn: Callable[[list[Any]], Any] = collate,
+        global_batch_size: int | None = None,
     ):
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1; got {micro_batch_size}")
@@ -54,6 +56,13 @@ class ResumableLoader:
             raise ValueError(f"num_workers must be >= 0; got {num_workers}")
         if len(dataset) == 0:  # type: ignore[arg-type]
             raise ValueError("ResumableLoader got an empty dataset")
+        per_round = micro_batch_size * dp_size
+        global_batch_size = per_round if global_batch_size is None else global_batch_size
+        if global_batch_size < 1 or global_batch_size % per_round:
+            raise ValueError(
+                f"global_batch_size ({global_batch_size}) must be a positive multiple of micro_batch_size x dp_size "
+                f"({micro_batch_size} x {dp_size} = {per_round})"
+            )
         self.dataset = dataset
         self.micro_batch_size = micro_batch_size
         self.dp_rank = dp_rank
@@ -62,6 +71,8 @@ class ResumableLoader:
         self.shuffle = shuffle
         self.num_workers = num_workers
         self.collate_fn = collate_fn
+        self.global_batch_size = global_batch_size
+        self.accum = global_batch_size // per_round
         self.epoch = 0
         self.position = 0
         self._batches: Iterator[Any] | None = None
@@ -69,13 +80,14 @@ class ResumableLoader:
     # ------------------------------------------------------------------ index arithmetic
 
     @property
-    def global_batch_size(self) -> int:
-        return self.micro_batch_size * self.dp_size
+    def global_steps_per_epoch(self) -> int:
+        """Optimizer steps per epoch (whole global batches)."""
+        return max(1, len(self.dataset) // self.global_batch_size)  # type: ignore[arg-type]
 
     @property
     def steps_per_epoch(self) -> int:
-        """Micro-batches per rank per epoch (= optimizer micro-steps of every rank)."""
-        return max(1, len(self.dataset) // self.global_batch_size)  # type: ignore[arg-type]
+        """Micro-batches per rank per epoch (= forward passes of every rank)."""
+        return self.global_steps_per_epoch * self.accum
 
     def epoch_order(self, epoch: int) -> list[int]:
         """The global sample order of `epoch`, already cut/padded to whole global batches."""
@@ -85,7 +97,7 @@ class ResumableLoader:
             order = torch.randperm(n, generator=generator)
         else:
             order = torch.arange(n)
-        needed = self.steps_per_epoch * self.global_batch_size
+        needed = self.global_steps_per_epoch * self.global_batch_size
         if needed > n:  # dataset smaller than one global batch: cycle through it
             order = order.repeat((needed + n - 1) // n)
         return order[:needed].tolist()
@@ -93,9 +105,13 @@ class ResumableLoader:
     def rank_batches(self, epoch: int) -> list[list[int]]:
         """This rank's micro-batches (lists of dataset indices) for the whole of `epoch`."""
         order = self.epoch_order(epoch)
-        gbs, mbs = self.global_batch_size, self.micro_batch_size
-        start = self.dp_rank * mbs
-        return [order[s * gbs + start : s * gbs + start + mbs] for s in range(self.steps_per_epoch)]
+        mbs = self.micro_batch_size
+        starts = (
+            step * self.global_batch_size + (micro * self.dp_size + self.dp_rank) * mbs
+            for step in range(self.global_steps_per_epoch)
+            for micro in range(self.accum)
+        )
+        return [order[start : start + mbs] for start in starts]
 
     # ------------------------------------------------------------------ iteration
 

@@ -1,9 +1,9 @@
-"""Resumable sharded checkpoints (torch.distributed.checkpoint) and export to a diffusers folder.
+"""Resumable sharded checkpoints (torch.distributed.checkpoint); exports are the tasks' (spindle.train.tasks).
 
 Layout of a run's output dir:
     checkpoints/step-000100/   DCP shards of model + optimizer, trainer_state.json, rng-rank*.pt
     checkpoints/step-000100.tmp/  (while being written; never read)
-    export/                    a full diffusers pipeline folder (original components + trained transformer)
+    export/                    the task's export (a diffusers pipeline folder, a transformers folder)
 
 A checkpoint is written to `<name>.tmp` and renamed only when every rank has finished, so a crash or
 Ctrl-C mid-save leaves the previous checkpoint untouched and `resume=auto` never picks a partial one.
@@ -15,7 +15,7 @@ import json
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,19 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found) if (p / TRAINER_STATE).is_file()]
 
 
+def checkpoint_step(path: Path) -> int:
+    """The step a complete checkpoint folder holds."""
+    return int(json.loads((Path(path) / TRAINER_STATE).read_text())["step"])
+
+
+def _refuse_partial(path: Path) -> None:
+    if path.name.endswith(".tmp"):
+        raise FileNotFoundError(
+            f"{path} is a partial checkpoint (a save that did not finish); resume from a complete "
+            f"step-N folder next to it, or use checkpoint.resume=auto"
+        )
+
+
 def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
     """`none` -> None, `auto` -> latest complete checkpoint (or None), else an explicit folder."""
     if resume == "none":
@@ -54,6 +67,7 @@ def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
         found = list_checkpoints(output_dir)
         return found[-1] if found else None
     path = Path(resume)
+    _refuse_partial(path)
     if not (path / TRAINER_STATE).is_file():
         raise FileNotFoundError(
             f"checkpoint.resume={resume!r} is not a complete Spindle checkpoint (no {TRAINER_STATE}); "
@@ -77,11 +91,16 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     keep_last: int = 2,
 ) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint folder."""
+    """Collective: every rank calls it. Returns the final checkpoint folder.
+
+    Partial folders (`*.tmp`) left by a save that crashed or was killed are removed first: they are
+    never resumed from (`list_checkpoints` ignores them) and would otherwise pile up.
+    """
     final = checkpoint_root(output_dir) / f"step-{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     if is_main_process():
-        shutil.rmtree(tmp, ignore_errors=True)
+        for stale in checkpoint_root(output_dir).glob("step-*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -102,7 +121,7 @@ def save_checkpoint(
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Collective. Restores model + optimizer in place (any world size); returns trainer_state."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -113,13 +132,56 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
-    return json.loads((path / TRAINER_STATE).read_text())
+    trainer_state: dict[str, Any] = json.loads((path / TRAINER_STATE).read_text())
+    return trainer_state
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Collective: gather the full (unsharded) model state dict on CPU; meaningful on rank 0."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
+    # with full_state_dict=True every value is a plain tensor (no DTensor, no nested dicts)
+    return cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
+
+
+def shard_plan(state_dict: dict[str, torch.Tensor], max_shard_bytes: int) -> dict[str, int]:
+    """{fqn: 1-based safetensors file index}: tensors in order, a new file when the next would overflow."""
+    plan: dict[str, int] = {}
+    index, used = 1, 0
+    for fqn, tensor in state_dict.items():
+        size = tensor.numel() * tensor.element_size()  # a DTensor's numel is the full tensor's
+        if used and used + size > max_shard_bytes:
+            index, used = index + 1, 0
+        plan[fqn] = index
+        used += size
+    return plan
+
+
+def save_hf_safetensors(state_dict: dict[str, torch.Tensor], out: str | Path, max_shard_bytes: int = 5 << 30) -> None:
+    """Collective: write `state_dict` (plain tensors or FSDP2 DTensors) as Hugging Face sharded safetensors.
+
+    `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json` in `out`, each file at most
+    `max_shard_bytes` (one bigger tensor gets a file of its own). Every rank writes only its own
+    parameter shards (DCP's `HuggingFaceStorageWriter`, `save_distributed=True`) and rank 0 then
+    consolidates the per-rank files into the final ones tensor by tensor; the whole model is never
+    gathered in one process's memory. Works on one process (no process group) too.
+    """
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint._hf_utils import SHARDED_DIR_NAME
+
+    out = Path(out)
+    if is_main_process():
+        out.mkdir(parents=True, exist_ok=True)
+    barrier()
+    writer = HuggingFaceStorageWriter(
+        path=str(out),
+        fqn_to_index_mapping=shard_plan(state_dict, max_shard_bytes),
+        save_distributed=True,
+        enable_consolidation=True,
+    )
+    dcp.save(state_dict, storage_writer=writer)
+    barrier()
+    if is_main_process():
+        shutil.rmtree(out / SHARDED_DIR_NAME, ignore_errors=True)  # the per-rank pieces, now consolidated
 
 
 def read_checkpoint_model(path: Path, template: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -129,36 +191,10 @@ def read_checkpoint_model(path: Path, template: torch.nn.Module) -> dict[str, to
     return sd
 
 
-def export_pipeline(source_root: str | Path, state_dict: dict[str, torch.Tensor], out: str | Path) -> Path:
-    """Write a diffusers pipeline folder: every component of `source_root`, with the trained transformer.
-
-    The transformer is rebuilt from its own diffusers config and saved with diffusers' `save_pretrained`,
-    so `config.json` carries only diffusers keys and stock diffusers loads the folder with no Spindle code.
-    Written to `<out>.tmp` first, then renamed.
-    """
-    import diffusers
-
-    source_root, out = Path(source_root), Path(out)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(source_root, tmp, ignore=shutil.ignore_patterns("transformer"))
-    config = json.loads((source_root / "transformer" / "config.json").read_text())
-    cls = getattr(diffusers, config["_class_name"])
-    model = cls.from_config(cls.load_config(source_root / "transformer"))
-    missing, unexpected = model.load_state_dict(state_dict, strict=False)
-    if missing or unexpected:
-        raise RuntimeError(
-            f"trained weights do not fit {cls.__name__}: missing {missing[:5]}, unexpected {unexpected[:5]}"
-        )
-    model.save_pretrained(tmp / "transformer", safe_serialization=True)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
-
-
 def resolve_checkpoint_arg(path: str | Path) -> Path:
     """Accept a checkpoint folder, or a run's output dir (-> its latest checkpoint)."""
     path = Path(path)
+    _refuse_partial(path)
     if (path / TRAINER_STATE).is_file():
         return path
     found = list_checkpoints(path)
@@ -167,13 +203,3 @@ def resolve_checkpoint_arg(path: str | Path) -> Path:
     raise FileNotFoundError(
         f"{path} is neither a Spindle checkpoint (no {TRAINER_STATE}) nor a run folder with checkpoints/step-N"
     )
-
-
-def export_checkpoint(checkpoint: Path, model_path: Path, out: Path) -> Path:
-    """Single-process export of a (possibly sharded) DCP checkpoint to a diffusers folder."""
-    from spindle.models.base import load_transformer
-
-    if not (model_path / "model_index.json").is_file():
-        raise FileNotFoundError(f"base model {model_path} has no model_index.json; pass --model PATH")
-    template = load_transformer(model_path)
-    return export_pipeline(model_path, read_checkpoint_model(checkpoint, template), out)

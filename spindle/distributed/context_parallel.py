@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism (SP) for DiTs through diffusers' own context-parallel machinery.
+"""Sequence parallelism for DiTs (Ulysses, ring, and both: USP) through diffusers' own context-parallel machinery.
 
 diffusers models carry a `_cp_plan` (which inputs to split along the sequence, which output to
 gather) and their attention dispatcher implements Ulysses all-to-all with a real backward
@@ -7,14 +7,26 @@ used on CPU recomputes SDPA under autograd in `_native_attention_backward_op`). 
 points that machinery at *its* mesh: the `sp` sub-mesh of the training/inference mesh, so SP
 composes with FSDP over `dp_shard x sp`.
 
+Ring attention (`parallel.ring`) splits the sequence further without splitting heads: the SP group
+is `ring x sp` (Spindle's 2-D "cp" mesh, diffusers' ("ring", "ulysses") mesh). Heads must divide
+`sp` only; the token count must divide `ring x sp`. So a 3-head model runs sequence-parallel on 2
+processes with ring=2, and Wan2.1-1.3B's 12 heads run on 8 GPUs as sp=4 x ring=2.
+
 Every workaround for diffusers' accelerator assumptions lives in this module, each marked
-`CPU/gloo workaround` with the reason, each covered by tests/test_distributed_parallel.py:
+`CPU/gloo workaround` with the reason, each covered by tests/test_distributed_parallel.py or
+tests/test_ring_attention.py (canaries fail when diffusers fixes what they work around):
 
 1. `ModelMixin._resolve_parallel_config` derives the device as
    `rank % torch.accelerator.device_count()`, a ZeroDivisionError on a CPU-only machine, and it
    would build its own ("ring", "ulysses") mesh over the whole world when given none. We resolve
    the config ourselves (same steps: `ParallelConfig.setup` with our mesh) and let the rest of
    `enable_parallelism` (backend check, processors, `apply_context_parallel`) run unchanged.
+2. Ring attention needs each block's log-sum-exp, and diffusers' native (SDPA) backend, the only one
+   that runs on CPU, raises "Native attention does not support return_lse=True". `cpu_ring_backend`
+   wraps the native backend: with a ring degree > 1 it runs diffusers' own templated ring with a
+   forward op that returns (out, lse) from `aten._scaled_dot_product_flash_attention_for_cpu` and
+   a backward op that recomputes each KV block's gradient against the global (out, lse), the
+   flash-attention backward. Everything else goes to the native backend unchanged.
 
 Gradient scaling (see `spindle.distributed.fsdp`): every rank of an SP group computes the loss on
 the full gathered output, but `AllGatherFunction.backward` hands each rank only the gradient of
@@ -51,7 +63,7 @@ def _model_class(transformer_or_config: Any) -> type | None:
     return getattr(diffusers, name, None)
 
 
-def _cp_plan_of(transformer_or_config: Any) -> dict | None:
+def _cp_plan_of(transformer_or_config: Any) -> dict[str, Any] | None:
     cls = _model_class(transformer_or_config)
     if isinstance(transformer_or_config, torch.nn.Module):
         plan = getattr(transformer_or_config, "_cp_plan", None)
@@ -61,26 +73,29 @@ def _cp_plan_of(transformer_or_config: Any) -> dict | None:
 
 
 def check_sequence_parallel(
-    transformer_config: Any, sp: int, seq_len: int | None = None, *, plan: dict | None = None
+    transformer_config: Any, sp: int, seq_len: int | None = None, *, plan: dict[str, Any] | None = None, ring: int = 1
 ) -> None:
-    """Fail fast (ValueError) if `sp`-way Ulysses SP cannot run this transformer; no-op for sp == 1.
+    """Fail fast (ValueError) if `sp`-way Ulysses x `ring`-way ring SP cannot run this transformer;
+    no-op for sp == ring == 1. Heads must divide `sp`; the sequence must divide `sp x ring`.
 
     `transformer_config`: the transformer module, its diffusers config, or the `config.json` dict
     (with `_class_name`, used to find the class' `_cp_plan`). `seq_len`: the number of tokens after
     patchify, when known (it must split evenly over the SP ranks). `plan`: an explicit
     context-parallel plan for a family whose diffusers class has none.
     """
-    if sp < 1:
-        raise ValueError(f"parallel.sp must be >= 1, got {sp}")
-    if sp == 1:
+    if sp < 1 or ring < 1:
+        raise ValueError(f"parallel.sp and parallel.ring must be >= 1, got sp={sp}, ring={ring}")
+    if sp * ring == 1:
         return
+    what = f"parallel.sp={sp}" + (f" x parallel.ring={ring}" if ring > 1 else "")
     cfg = _config_of(transformer_config)
     cls = _model_class(transformer_config)
     cls_name = cls.__name__ if cls is not None else cfg.get("_class_name", type(transformer_config).__name__)
     if plan is None and _cp_plan_of(transformer_config) is None:
         raise ValueError(
-            f"parallel.sp={sp} was requested, but {cls_name} has no context-parallel plan (`_cp_plan`), so this "
-            f"family cannot run sequence parallel; set parallel.sp: 1 or pass a plan to enable_sequence_parallel(..., plan=...)"
+            f"{what} was requested, but {cls_name} has no context-parallel plan (`_cp_plan`), so this family "
+            f"cannot run sequence parallel; set parallel.sp: 1 and parallel.ring: 1, or pass a plan to "
+            f"enable_sequence_parallel(..., plan=...)"
         )
     heads_key = next((k for k in _HEAD_KEYS if isinstance(cfg.get(k), int)), None)
     if heads_key is not None and cfg[heads_key] % sp:
@@ -88,19 +103,21 @@ def check_sequence_parallel(
         divisors = [d for d in range(1, heads + 1) if heads % d == 0]
         raise ValueError(
             f"{cls_name} has {heads} attention heads ({heads_key}), which is not divisible by parallel.sp={sp}: "
-            f"Ulysses SP gives each SP rank heads/sp heads; set parallel.sp to a divisor of {heads} ({divisors})"
+            f"Ulysses SP gives each SP rank heads/sp heads; set parallel.sp to a divisor of {heads} ({divisors}) and "
+            f"split the sequence further with parallel.ring (ring attention needs no head split)"
         )
-    if seq_len is not None and seq_len % sp:
+    if seq_len is not None and seq_len % (sp * ring):
         raise ValueError(
-            f"the sequence has {seq_len} tokens, which is not divisible by parallel.sp={sp}: each SP rank holds an "
-            f"equal slice of the sequence; change the resolution/frame count so the token count is a multiple of {sp}, "
-            f"or set parallel.sp to a divisor of {seq_len}"
+            f"the sequence has {seq_len} tokens, which is not divisible by {what} = {sp * ring}: each "
+            f"sequence-parallel rank holds an equal slice of the sequence; change the resolution/frame count so "
+            f"the token count is a multiple of {sp * ring}, or use degrees whose product divides {seq_len}"
         )
 
 
 def check_split_inputs(transformer: torch.nn.Module, sp: int, inputs: Mapping[str, Any]) -> None:
     """The forward inputs the plan splits at the model's entry (e.g. Flux's text tokens and ids) must
-    divide evenly over the SP ranks; ValueError naming the input otherwise (diffusers would assert)."""
+    divide evenly over the `sp` sequence-parallel ranks (ring x Ulysses); ValueError naming the input
+    otherwise (diffusers would assert)."""
     if sp == 1:
         return
     from diffusers.models._modeling_parallel import ContextParallelInput
@@ -116,8 +133,8 @@ def check_split_inputs(transformer: torch.nn.Module, sp: int, inputs: Mapping[st
         if length % sp:
             raise ValueError(
                 f"sequence parallel splits the input '{name}' along dim {spec.split_dim}, which has length "
-                f"{length}, not divisible by parallel.sp={sp}; make it a multiple of {sp} (for text inputs: "
-                f"model.max_text_length) or set parallel.sp to a divisor of {length}"
+                f"{length}, not divisible by the {sp} sequence-parallel ranks (parallel.sp x parallel.ring); make "
+                f"it a multiple of {sp} (for text inputs: model.max_text_length) or use degrees dividing {length}"
             )
 
 
@@ -127,61 +144,183 @@ def _local_device(sp_mesh: DeviceMesh) -> torch.device:
     return torch.device(sp_mesh.device_type)
 
 
-def _ring_ulysses_mesh(sp_mesh: DeviceMesh) -> DeviceMesh:
-    """Our 1-D `sp` mesh as the 2-D ("ring", "ulysses") = (1, sp) mesh diffusers' config expects.
+def _ring_ulysses_mesh(cp_mesh: DeviceMesh) -> DeviceMesh:
+    """Our sequence-parallel mesh as the 2-D ("ring", "ulysses") mesh diffusers' config expects.
 
-    `ContextParallelConfig.setup` slices `mesh["ring", "ulysses"]` and flattens it; `_unflatten`
-    keeps the same ranks (and root mesh) as `sp_mesh`, so the Ulysses all-to-all runs exactly over
-    the SP group of the Spindle mesh. It is a collective: every rank calls it.
+    `cp_mesh`: 1-D (Ulysses only: ring 1) or Spindle's 2-D ("ring", "sp") mesh. `ContextParallelConfig.setup`
+    slices `mesh["ring", "ulysses"]` and flattens it; `_flatten` + `_unflatten` keep the same ranks (and
+    root mesh), so the all-to-alls and ring passes run exactly over the SP group of the Spindle mesh.
+    It is a collective: every rank calls it.
     """
-    if sp_mesh.ndim != 1:
-        raise ValueError(f"the sequence-parallel mesh must be 1-D, got {sp_mesh.ndim}-D {sp_mesh.mesh_dim_names}")
-    return sp_mesh._unflatten(0, (1, sp_mesh.size()), ("ring", "ulysses"))
+    if cp_mesh.ndim == 1:
+        return cp_mesh._unflatten(0, (1, cp_mesh.size()), ("ring", "ulysses"))
+    if cp_mesh.ndim != 2:
+        raise ValueError(f"the sequence-parallel mesh must be 1-D or 2-D (ring, sp), got {cp_mesh.mesh_dim_names}")
+    ring, ulysses = cp_mesh.size(0), cp_mesh.size(1)
+    flat = cp_mesh._flatten("cp_flat")
+    return flat._unflatten(0, (ring, ulysses), ("ring", "ulysses"))
 
 
 def enable_sequence_parallel(
-    transformer: torch.nn.Module, sp_mesh: DeviceMesh, plan: dict | None = None
+    transformer: torch.nn.Module, cp_mesh: DeviceMesh, plan: dict[str, Any] | None = None
 ) -> torch.nn.Module:
-    """Apply diffusers' Ulysses context parallelism over `sp_mesh` (degree = its size), in place.
+    """Apply diffusers' context parallelism over `cp_mesh`, in place: Ulysses over a 1-D mesh, or ring x
+    Ulysses over Spindle's 2-D ("ring", "sp") mesh (`Mesh.cp`).
 
-    Uses the model's `_cp_plan` unless `plan` is given. A no-op when the SP size is 1. Call it
+    Uses the model's `_cp_plan` unless `plan` is given. A no-op when the mesh has one rank. Call it
     before FSDP (`fully_shard`) and on every rank (mesh set-up is collective). All ranks of the
     SP group must then be fed the same full-length inputs; each returns the full output.
     """
     from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
 
-    sp = sp_mesh.size()
-    if sp == 1:
+    ring, sp = (1, cp_mesh.size()) if cp_mesh.ndim == 1 else (cp_mesh.size(0), cp_mesh.size(1))
+    if ring * sp == 1:
         return transformer
-    check_sequence_parallel(transformer, sp, plan=plan)
+    check_sequence_parallel(transformer, sp, plan=plan, ring=ring)
     if not hasattr(transformer, "enable_parallelism"):
         raise ValueError(
             f"{type(transformer).__name__} is not a diffusers ModelMixin; Spindle's sequence parallelism uses "
             f"diffusers' context-parallel hooks and attention dispatcher"
         )
+    if ring > 1 and cp_mesh.device_type == "cpu":
+        install_cpu_ring_backend()
 
-    cp_mesh = _ring_ulysses_mesh(sp_mesh)
-    config = ParallelConfig(context_parallel_config=ContextParallelConfig(ulysses_degree=sp, mesh=cp_mesh))
+    diffusers_mesh = _ring_ulysses_mesh(cp_mesh)
+    config = ParallelConfig(
+        context_parallel_config=ContextParallelConfig(ring_degree=ring, ulysses_degree=sp, mesh=diffusers_mesh)
+    )
 
     def resolve_on_our_mesh(_config: Any) -> ParallelConfig:
         # CPU/gloo workaround (1): diffusers' `_resolve_parallel_config` computes the device as
         # `rank % torch.accelerator.device_count()` (ZeroDivisionError without an accelerator) and
         # builds a world-wide mesh when none is given. Do its job with our mesh and local device.
-        config.setup(dist.get_rank(), dist.get_world_size(), _local_device(sp_mesh), mesh=cp_mesh)
+        config.setup(dist.get_rank(), dist.get_world_size(), _local_device(cp_mesh), mesh=diffusers_mesh)
         transformer._parallel_config = config
         return config
 
     # An instance attribute shadows the method for this one call only; removed right after.
     transformer.__dict__["_resolve_parallel_config"] = resolve_on_our_mesh
+    model: Any = transformer  # a diffusers ModelMixin (checked above); its API is not on nn.Module
     try:
-        transformer.enable_parallelism(config=config, cp_plan=plan)
+        model.enable_parallelism(config=config, cp_plan=plan)
     finally:
         transformer.__dict__.pop("_resolve_parallel_config", None)
     return transformer
 
 
-def sequence_parallel_size(transformer: torch.nn.Module) -> int:
-    """The Ulysses degree applied to `transformer` (1 when SP is off)."""
+def sequence_parallel_degrees(transformer: torch.nn.Module) -> tuple[int, int]:
+    """(Ulysses degree, ring degree) applied to `transformer`; (1, 1) when SP is off."""
     config = getattr(transformer, "_parallel_config", None)
     cp = getattr(config, "context_parallel_config", None)
-    return int(cp.ulysses_degree) if cp is not None else 1
+    if cp is None:
+        return 1, 1
+    return int(cp.ulysses_degree), int(cp.ring_degree)
+
+
+def sequence_parallel_size(transformer: torch.nn.Module) -> int:
+    """How many ranks one sequence is split over (ring x Ulysses; 1 when SP is off)."""
+    sp, ring = sequence_parallel_degrees(transformer)
+    return sp * ring
+
+
+# ---------------------------------------------------------------- CPU/gloo workaround (2): ring on CPU
+
+
+def _ring_forward_op(
+    ctx: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    _save_ctx: bool = True,
+    _parallel_config: Any = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """One ring block: [B, S, H, D] in -> (out [B, S, H, D], lse [B, S, H]) with the CPU flash kernel."""
+    if attn_mask is not None or dropout_p or is_causal or enable_gqa:
+        raise ValueError(
+            "ring attention on CPU supports plain (unmasked, non-causal, no dropout) attention only; "
+            "use parallel.ring: 1 (Ulysses only) for this model"
+        )
+    if _save_ctx:
+        ctx.save_for_backward(query, key, value)
+        ctx.scale = scale
+    q, k, v = (x.permute(0, 2, 1, 3) for x in (query, key, value))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
+    out, lse = out.permute(0, 2, 1, 3), lse.permute(0, 2, 1)
+    return (out, lse) if return_lse else out
+
+
+def _ring_backward_op(
+    ctx: Any,
+    grad_out: torch.Tensor,
+    *args: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, ...]:
+    """Gradients of one KV block given the global (out, lse) of the whole ring: the flash-attention
+    backward (P = exp(S - lse), dS = P * (dP - rowsum(dO * O))), computed in fp32."""
+    dtype = query.dtype
+    q, k, v, o, do = (x.permute(0, 2, 1, 3).float() for x in (query, key, value, out, grad_out))
+    scale = ctx.scale if ctx.scale is not None else q.shape[-1] ** -0.5
+    lse = lse.float().permute(0, 2, 1).unsqueeze(-1)  # [B, H, S, 1]
+    p = torch.exp(q @ k.transpose(-1, -2) * scale - lse)
+    grad_v = p.transpose(-1, -2) @ do
+    grad_p = do @ v.transpose(-1, -2)
+    grad_s = p * (grad_p - (do * o).sum(-1, keepdim=True))
+    grad_q = grad_s @ k * scale
+    grad_k = grad_s.transpose(-1, -2) @ q * scale
+    return tuple(g.permute(0, 2, 1, 3).to(dtype) for g in (grad_q, grad_k, grad_v))
+
+
+def install_cpu_ring_backend() -> None:
+    """Route diffusers' native attention backend through `_ring_forward_op` / `_ring_backward_op` when a
+    ring degree > 1 is configured (idempotent; every other call goes to the native backend unchanged)."""
+    from diffusers.models import attention_dispatch as ad
+
+    registry = ad._AttentionBackendRegistry
+    native = registry._backends[ad.AttentionBackendName.NATIVE]
+    if getattr(native, "_spindle_ring", False):
+        return
+
+    def native_or_ring(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+        return_lse: bool = False,
+        _parallel_config: Any = None,
+    ) -> Any:
+        cp = getattr(_parallel_config, "context_parallel_config", None)
+        if cp is None or cp.ring_degree == 1:
+            return native(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                          _parallel_config=_parallel_config)  # fmt: skip
+        return ad._templated_context_parallel_attention(
+            query,
+            key,
+            value,
+            attn_mask,
+            dropout_p,
+            is_causal,
+            scale,
+            enable_gqa,
+            return_lse,
+            forward_op=_ring_forward_op,
+            backward_op=_ring_backward_op,
+            _parallel_config=_parallel_config,
+        )
+
+    native_or_ring._spindle_ring = True  # type: ignore[attr-defined]
+    registry._backends[ad.AttentionBackendName.NATIVE] = native_or_ring

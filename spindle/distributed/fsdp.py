@@ -3,9 +3,9 @@
 `parallelize_transformer` is the one entry point the trainer calls, after loading the transformer
 and before building the optimizer:
 
-    CP (diffusers Ulysses hooks, if sp > 1) -> activation checkpointing -> FSDP2 (blocks, then root)
+    CP (diffusers Ulysses/ring hooks, if sp x ring > 1) -> activation checkpointing -> FSDP2 (blocks, then root)
 
-FSDP2 shards over `dp_shard x sp` ("fsdp" mesh); with `dp_replicate > 1` it is HSDP over the 2-D
+FSDP2 shards over `dp_shard x ring x sp` ("fsdp" mesh); with `dp_replicate > 1` it is HSDP over the 2-D
 (dp_replicate, fsdp) mesh. On a 1-process world there is nothing to shard and it is skipped:
 measured with bench/train.py on CPU, FSDP2 on one rank cost 10% (Wan-shaped, 36M params) to 26%
 (Flux-shaped) of a step for identical math. bf16 then runs under `torch.autocast` (`autocast_dtype`)
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -139,7 +140,8 @@ def apply_activation_checkpointing(transformer: nn.Module) -> nn.Module:
             f"{type(transformer).__name__} does not support gradient checkpointing (diffusers "
             f"`_supports_gradient_checkpointing` is False); set train.gradient_checkpointing: false"
         )
-    transformer.enable_gradient_checkpointing()
+    model: Any = transformer  # a diffusers ModelMixin (checked above); its API is not on nn.Module
+    model.enable_gradient_checkpointing()
     return transformer
 
 
@@ -149,7 +151,7 @@ def parallelize_transformer(
     *,
     mixed_precision: str | None = "no",
     gradient_checkpointing: bool = False,
-    cp_plan: dict | None = None,
+    cp_plan: dict[str, Any] | None = None,
     reshard_after_forward: bool = True,
 ) -> nn.Module:
     """CP (if sp > 1) -> activation checkpointing -> FSDP2, in place; returns the model.
@@ -158,8 +160,8 @@ def parallelize_transformer(
     building the optimizer. Feed every rank of an SP group the same batch.
     """
     _mp_policy(mixed_precision)  # validate before any work
-    if mesh.dims.sp > 1:
-        enable_sequence_parallel(transformer, mesh.sp, plan=cp_plan)
+    if mesh.dims.cp_size > 1:
+        enable_sequence_parallel(transformer, mesh.cp, plan=cp_plan)
     if gradient_checkpointing:
         apply_activation_checkpointing(transformer)
     if mesh.world.size() == 1:  # nothing to shard (module docstring)

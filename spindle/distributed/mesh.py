@@ -1,8 +1,10 @@
 """Process group + DeviceMesh set-up. One process is the degenerate mesh, never a special case.
 
-Mesh dims (outer to inner): dp_replicate (HSDP replicas), dp_shard (FSDP2), sp (Ulysses).
-FSDP shards parameters over the flattened `dp_shard x sp` ("fsdp"); data is split over
-`dp_replicate x dp_shard` ("dp") only, so all ranks of an SP group see the same sample.
+Mesh dims (outer to inner): dp_replicate (HSDP replicas), dp_shard (FSDP2), ring (ring attention),
+sp (Ulysses). The sequence-parallel group is `ring x sp` ("cp", 2-D: diffusers' ring x Ulysses, USP);
+Ulysses is innermost (its all-to-alls want the fastest links). FSDP shards parameters over the
+flattened `dp_shard x ring x sp` ("fsdp"); data is split over `dp_replicate x dp_shard` ("dp") only,
+so all ranks of a sequence-parallel group see the same sample.
 """
 
 from __future__ import annotations
@@ -21,38 +23,45 @@ from spindle.distributed.launch import under_launcher
 class ParallelDims:
     dp_replicate: int = 1
     dp_shard: int = -1  # -1: whatever is left of the world size
-    sp: int = 1
+    sp: int = 1  # Ulysses degree (heads are split over it)
+    ring: int = 1  # ring-attention degree (the sequence is split over ring x sp)
 
     def resolve(self, world_size: int) -> ParallelDims:
         """Fill in dp_shard=-1 and check the product equals the world size."""
-        for name in ("dp_replicate", "sp"):
+        for name in ("dp_replicate", "sp", "ring"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
-        fixed = self.dp_replicate * self.sp
+        fixed = self.dp_replicate * self.cp_size
         dp_shard = self.dp_shard
         if dp_shard == -1:
             if world_size % fixed:
                 raise ValueError(
-                    f"world size {world_size} is not divisible by parallel.dp_replicate x parallel.sp = {fixed}"
+                    f"world size {world_size} is not divisible by parallel.dp_replicate x parallel.ring x "
+                    f"parallel.sp = {fixed}"
                 )
             dp_shard = world_size // fixed
         elif dp_shard < 1:
             raise ValueError(f"parallel.dp_shard must be >= 1 or -1 (the rest of the world), got {dp_shard}")
-        if self.dp_replicate * dp_shard * self.sp != world_size:
+        if self.dp_replicate * dp_shard * self.cp_size != world_size:
             raise ValueError(
-                f"parallel dims dp_replicate={self.dp_replicate} x dp_shard={dp_shard} x sp={self.sp} = "
-                f"{self.dp_replicate * dp_shard * self.sp}, but the world size is {world_size}; "
+                f"parallel dims dp_replicate={self.dp_replicate} x dp_shard={dp_shard} x ring={self.ring} x "
+                f"sp={self.sp} = {self.dp_replicate * dp_shard * self.cp_size}, but the world size is {world_size}; "
                 f"make the product equal the number of processes (or set dp_shard: -1)"
             )
-        return ParallelDims(self.dp_replicate, dp_shard, self.sp)
+        return ParallelDims(self.dp_replicate, dp_shard, self.sp, self.ring)
 
     @property
     def dp_size(self) -> int:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def cp_size(self) -> int:
+        """Ranks one sequence is split over (ring x Ulysses)."""
+        return self.ring * self.sp
+
+    @property
     def fsdp_size(self) -> int:
-        return self.dp_shard * self.sp
+        return self.dp_shard * self.cp_size
 
 
 def device_type() -> str:
@@ -83,8 +92,9 @@ class Mesh:
     dims: ParallelDims
     world: DeviceMesh
     dp: DeviceMesh  # data split: dp_replicate x dp_shard (flattened)
-    fsdp: DeviceMesh  # parameter sharding: dp_shard x sp (flattened)
+    fsdp: DeviceMesh  # parameter sharding: dp_shard x ring x sp (flattened)
     sp: DeviceMesh  # Ulysses sequence parallel group
+    cp: DeviceMesh  # the whole sequence-parallel group, 2-D (ring, sp)
 
     @property
     def dp_rank(self) -> int:
@@ -101,13 +111,13 @@ def build_mesh(dims: ParallelDims) -> Mesh:
     dims = dims.resolve(world_size)
     world = init_device_mesh(
         device_type(),
-        (dims.dp_replicate, dims.dp_shard, dims.sp),
-        mesh_dim_names=("dp_replicate", "dp_shard", "sp"),
+        (dims.dp_replicate, dims.dp_shard, dims.ring, dims.sp),
+        mesh_dim_names=("dp_replicate", "dp_shard", "ring", "sp"),
     )
     # Keep the flattened meshes ourselves: slicing flattened dims off the root mesh is deprecated.
     dp = world[("dp_replicate", "dp_shard")]._flatten("dp")
-    fsdp = world[("dp_shard", "sp")]._flatten("fsdp")
-    return Mesh(dims, world, dp=dp, fsdp=fsdp, sp=world["sp"])
+    fsdp = world[("dp_shard", "ring", "sp")]._flatten("fsdp")
+    return Mesh(dims, world, dp=dp, fsdp=fsdp, sp=world["sp"], cp=world[("ring", "sp")])
 
 
 def barrier() -> None:

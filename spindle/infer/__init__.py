@@ -6,9 +6,15 @@ Heavy modules import lazily, so `import spindle.infer` stays light.
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from spindle.infer.request import Cancelled, Req, RequestError, SamplingParams
+
+if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__ imports on first use
+    from spindle.infer.generator import DiffusionGenerator, GenerationResult, psnr
+    from spindle.infer.pipeline import EngineOptions, InferencePipeline
+    from spindle.infer.stages import BeforeDenoisingStage, DecodingStage, DenoisingStage, InferenceSpec, Stage
 
 _LAZY = {
     "DiffusionGenerator": "spindle.infer.generator",
@@ -23,12 +29,27 @@ _LAZY = {
     "Stage": "spindle.infer.stages",
 }
 
-__all__ = ["Cancelled", "Req", "RequestError", "SamplingParams", *_LAZY]
+# Literal strings (not `*_LAZY`): static tools read `__all__` without running the module.
+# tests/test_infer_api.py checks that it lists exactly the eager names plus `_LAZY`.
+__all__ = [
+    "BeforeDenoisingStage",
+    "Cancelled",
+    "DecodingStage",
+    "DenoisingStage",
+    "DiffusionGenerator",
+    "EngineOptions",
+    "GenerationResult",
+    "InferencePipeline",
+    "InferenceSpec",
+    "Req",
+    "RequestError",
+    "SamplingParams",
+    "Stage",
+    "psnr",
+]
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'spindle.infer' has no attribute {name!r}")

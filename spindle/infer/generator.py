@@ -7,7 +7,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -15,6 +15,9 @@ import torch
 from spindle.data.media import write_image, write_video
 from spindle.infer.pipeline import EngineOptions, InferencePipeline
 from spindle.infer.request import Req, SamplingParams
+
+if TYPE_CHECKING:
+    from diffusers import ModelMixin  # Any to mypy: diffusers is not followed (pyproject [tool.mypy])
 
 
 @dataclass
@@ -41,7 +44,7 @@ class GenerationResult:
         paths = (
             [path] if len(items) == 1 else [path.with_name(f"{path.stem}_{i}{path.suffix}") for i in range(len(items))]
         )
-        for item, p in zip(items, paths):
+        for item, p in zip(items, paths, strict=True):
             p.parent.mkdir(parents=True, exist_ok=True)
             if self.media == "video":
                 if p.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp") and item.shape[0] == 1:
@@ -87,7 +90,7 @@ class DiffusionGenerator:
         return self.spec.family
 
     @property
-    def transformer(self) -> torch.nn.Module:
+    def transformer(self) -> ModelMixin:
         return self.pipeline.transformer
 
     def validate(self, params: SamplingParams) -> SamplingParams:
@@ -109,7 +112,8 @@ class DiffusionGenerator:
         if params.seed is None:
             params = dataclasses.replace(params, seed=self._shared_seed(random.SystemRandom().randrange(2**31)))
         params = self.validate(params)
-        generator = torch.Generator(device="cpu").manual_seed(int(params.seed))
+        assert params.seed is not None  # validate() draws one when none is given
+        generator = torch.Generator(device="cpu").manual_seed(params.seed)
         return Req(
             params=params, device=self.pipeline.device, generator=generator, progress=progress, should_stop=should_stop
         )

@@ -18,12 +18,15 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from spindle.infer.request import Req
 from spindle.infer.stages import BeforeDenoisingStage, DecodingStage, DenoisingStage, InferenceSpec, Stage
+
+if TYPE_CHECKING:
+    from diffusers import ModelMixin  # Any to mypy: diffusers is not followed (pyproject [tool.mypy])
 
 ALLOWED_LIBRARIES = ("diffusers", "transformers")
 DTYPES = {
@@ -51,8 +54,9 @@ class EngineOptions:
     cache_threshold: float | None = None  # the policy's main knob (None: its default)
     cache_options: dict[str, Any] = field(default_factory=dict)  # more knobs of the policy's diffusers config
     min_psnr: float = 30.0  # cache="auto": the quality floor (dB against the uncached output)
-    sp: int = 1  # Ulysses sequence-parallel degree (needs that many processes)
-    cfg_parallel: bool = False  # cond / uncond on different ranks (needs 2 x sp processes)
+    sp: int = 1  # Ulysses sequence-parallel degree (heads must divide it)
+    ring: int = 1  # ring-attention degree: the sequence is split over ring x sp processes
+    cfg_parallel: bool = False  # cond / uncond on different ranks (needs 2 x ring x sp processes)
 
     def validate(self) -> None:
         from spindle.infer.caches import POLICIES, check_cache_options
@@ -75,11 +79,15 @@ class EngineOptions:
                 "it needs cfg_batch=True and no cfg_parallel"
             )
         if self.cache == "auto" and self.world_size_needed > 1:
-            raise ValueError("cache='auto' calibrates in one process; pick the policy it printed for sp / cfg_parallel")
+            raise ValueError(
+                "cache='auto' calibrates in one process; pick the policy it printed for sp / ring / cfg_parallel"
+            )
         if isinstance(self.min_psnr, bool) or not isinstance(self.min_psnr, (int, float)) or self.min_psnr <= 0:
             raise ValueError(f"min_psnr must be a number of dB > 0; got {self.min_psnr!r}")
-        if not isinstance(self.sp, int) or self.sp < 1:
-            raise ValueError(f"sp must be an integer >= 1; got {self.sp!r}")
+        for name in ("sp", "ring"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
 
     @property
     def batch_cfg(self) -> bool:
@@ -91,7 +99,7 @@ class EngineOptions:
 
     @property
     def world_size_needed(self) -> int:
-        return self.sp * (2 if self.cfg_parallel else 1)
+        return self.sp * self.ring * (2 if self.cfg_parallel else 1)
 
     def torch_device(self) -> torch.device:
         if self.device is None:
@@ -99,13 +107,14 @@ class EngineOptions:
         return torch.device(self.device)
 
 
-def read_model_index(root: str | Path) -> dict:
+def read_model_index(root: str | Path) -> dict[str, Any]:
     path = Path(root) / "model_index.json"
     if not path.is_file():
         raise FileNotFoundError(
             f"{path} not found: the model must be a diffusers pipeline folder with model_index.json"
         )
-    return json.loads(path.read_text())
+    index: dict[str, Any] = json.loads(path.read_text())
+    return index
 
 
 def load_component(root: Path, name: str, entry: Any, device: torch.device, dtype: torch.dtype) -> Any:
@@ -121,11 +130,12 @@ def load_component(root: Path, name: str, entry: Any, device: torch.device, dtyp
     path = root / name
     if not path.is_dir():
         raise FileNotFoundError(f"component folder {path} not found (model_index.json lists {name!r})")
+    loader: Any = cls  # a diffusers / transformers class: from_pretrained is theirs, not nn.Module's
     if isinstance(cls, type) and issubclass(cls, torch.nn.Module):
-        obj = cls.from_pretrained(path, dtype=dtype)
+        obj = loader.from_pretrained(path, dtype=dtype)
         obj.to(device).eval().requires_grad_(False)
         return obj
-    return cls.from_pretrained(path)
+    return loader.from_pretrained(path)
 
 
 def load_components(root: str | Path, spec: InferenceSpec, options: EngineOptions) -> dict[str, Any]:
@@ -140,7 +150,7 @@ def load_components(root: str | Path, spec: InferenceSpec, options: EngineOption
     return out
 
 
-def apply_compile(transformer: torch.nn.Module) -> None:
+def apply_compile(transformer: ModelMixin) -> None:
     """Regional compilation: `torch.compile` each repeated block (diffusers `_repeated_blocks`)."""
     if getattr(transformer, "_repeated_blocks", None):
         transformer.compile_repeated_blocks()
@@ -174,7 +184,7 @@ class InferencePipeline:
         self.device = options.torch_device()
 
     @property
-    def transformer(self) -> torch.nn.Module:
+    def transformer(self) -> ModelMixin:
         return self.components[self.spec.transformer_component]
 
     @property
@@ -205,7 +215,9 @@ class InferencePipeline:
         mesh, cfg_group = None, None
         if options.world_size_needed > 1:
             mesh, cfg_group = setup_parallel(transformer, options)
-        denoising = DenoisingStage(transformer, spec, cfg_batch=options.batch_cfg, cfg_group=cfg_group, sp=options.sp)
+        denoising = DenoisingStage(
+            transformer, spec, cfg_batch=options.batch_cfg, cfg_group=cfg_group, sp=options.sp, ring=options.ring
+        )
         if options.cache not in (None, "auto"):  # "auto": DiffusionGenerator calibrates on the first request
             denoising.set_cache(options.cache, options.cache_threshold, options.cache_options)
         if options.compile:
@@ -221,7 +233,10 @@ class InferencePipeline:
         return cls(spec, components, stages, options, root=root, mesh=mesh)
 
     def run(self, req: Req) -> Req:
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        def sync() -> None:  # stage timings on CUDA need the queued kernels finished
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+
         for stage in self.stages:
             sync()
             start = time.perf_counter()
@@ -243,23 +258,25 @@ def is_main_rank() -> bool:
 def setup_parallel(transformer: torch.nn.Module, options: EngineOptions) -> tuple[Any, Any]:
     """Mesh for the multi-process modes; -> (mesh, cfg process group or None).
 
-    Mesh dims (spindle.distributed.mesh): `sp` = Ulysses degree; the data dim `dp_shard` (size 2)
-    carries the CFG branches when `cfg_parallel` (rank 0 of it: cond, rank 1: uncond). Ulysses
-    SP uses the same code as training: `spindle.distributed.context_parallel`.
+    Mesh dims (spindle.distributed.mesh): `sp` = Ulysses degree, `ring` = ring-attention degree; the
+    data dim `dp_shard` (size 2) carries the CFG branches when `cfg_parallel` (rank 0 of it: cond,
+    rank 1: uncond). Sequence parallelism uses the same code as training:
+    `spindle.distributed.context_parallel`.
     """
     from spindle.distributed.mesh import ParallelDims, build_mesh, init_distributed
 
     _, world = init_distributed()
     if world != options.world_size_needed:
         raise ValueError(
-            f"sp={options.sp}{' x 2 (cfg_parallel)' if options.cfg_parallel else ''} needs "
+            f"sp={options.sp} x ring={options.ring}{' x 2 (cfg_parallel)' if options.cfg_parallel else ''} needs "
             f"{options.world_size_needed} processes, but the world size is {world}; launch with "
             f"--nproc {options.world_size_needed} (or torchrun --nproc-per-node {options.world_size_needed})"
         )
-    mesh = build_mesh(ParallelDims(dp_replicate=1, dp_shard=2 if options.cfg_parallel else 1, sp=options.sp))
-    if options.sp > 1:
+    dims = ParallelDims(dp_replicate=1, dp_shard=2 if options.cfg_parallel else 1, sp=options.sp, ring=options.ring)
+    mesh = build_mesh(dims)
+    if dims.cp_size > 1:
         from spindle.distributed.context_parallel import enable_sequence_parallel
 
-        enable_sequence_parallel(transformer, mesh.sp)
+        enable_sequence_parallel(transformer, mesh.cp)
     cfg_group = mesh.dp.get_group() if options.cfg_parallel else None
     return mesh, cfg_group

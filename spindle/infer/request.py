@@ -11,9 +11,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 class RequestError(ValueError):
@@ -120,6 +122,13 @@ def check_size(params: SamplingParams, h_multiple: int, w_multiple: int, why: st
     """height and width of a request: positive multiples of what the model takes (see `check_multiple`)."""
     check_multiple("height", params.height, h_multiple, why)
     check_multiple("width", params.width, w_multiple, why)
+
+
+def resolved(value: T | None, name: str) -> T:
+    """A field the family's defaults fill (`merged_with`) before its stage reads it; None: no default."""
+    if value is None:
+        raise RequestError(f"{name} is required for this model (it has no default); give {name} in the request")
+    return value
 
 
 def check_int_range(name: str, value: Any, minimum: int, maximum: int | None = None) -> None:

@@ -29,6 +29,7 @@ from spindle.infer.request import Req, RequestError, SamplingParams
 
 if TYPE_CHECKING:
     import torch.distributed as dist
+    from diffusers import ModelMixin  # Any to mypy: diffusers is not followed (pyproject [tool.mypy])
 
 
 class Stage:
@@ -78,7 +79,7 @@ class InferenceSpec:
     def default_params(self, components: dict[str, Any]) -> SamplingParams:
         return SamplingParams()
 
-    def check_checkpoint(self, model_index: dict) -> None:
+    def check_checkpoint(self, model_index: dict[str, Any]) -> None:
         """Raise for checkpoint variants of the family this spec cannot serve."""
 
     def make_before_denoising(self, components: dict[str, Any]) -> BeforeDenoisingStage:
@@ -121,7 +122,8 @@ class InferenceSpec:
         return None
 
     def model_output(self, out: Any) -> torch.Tensor:
-        return out[0] if isinstance(out, (tuple, list)) else out.sample
+        sample: torch.Tensor = out[0] if isinstance(out, (tuple, list)) else out.sample
+        return sample
 
     def combine_cfg(self, cond: torch.Tensor, uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
         return uncond + guidance_scale * (cond - uncond)
@@ -139,10 +141,12 @@ class InferenceSpec:
         if decoded.ndim == 5:
             from diffusers.video_processor import VideoProcessor
 
-            return VideoProcessor().postprocess_video(decoded, output_type="np")
+            video: np.ndarray = VideoProcessor().postprocess_video(decoded, output_type="np")
+            return video
         from diffusers.image_processor import VaeImageProcessor
 
-        return VaeImageProcessor().postprocess(decoded, output_type="np")
+        image: np.ndarray = VaeImageProcessor().postprocess(decoded, output_type="np")
+        return image
 
 
 class DenoisingStage(Stage):
@@ -161,17 +165,19 @@ class DenoisingStage(Stage):
 
     def __init__(
         self,
-        transformer: torch.nn.Module,
+        transformer: ModelMixin,
         spec: InferenceSpec,
         cfg_batch: bool = True,
         cfg_group: dist.ProcessGroup | None = None,
         sp: int = 1,
+        ring: int = 1,
     ):
         self.transformer = transformer
         self.spec = spec
         self.cfg_batch = cfg_batch
         self.cfg_group = cfg_group
         self.sp = sp
+        self.ring = ring
         self.cache: Any = None  # spindle.infer.caches.StepCache
         self.current_timestep: float | None = None  # read by timestep-gated cache hooks (PAB, FasterCache)
 
@@ -185,13 +191,17 @@ class DenoisingStage(Stage):
         if name is not None:
             self.cache = StepCache(self.transformer, name, threshold, options, lambda: self.current_timestep)
 
-    def _cache_context(self, name: str, req: Req, i: int):
+    def _cache_context(self, name: str, req: Req, i: int) -> contextlib.AbstractContextManager[Any]:
         ctx = getattr(self.transformer, "cache_context", None)
         if ctx is None:
             return contextlib.nullcontext()
         sigmas = getattr(req.scheduler, "sigmas", None)
         sigma = float(sigmas[i]) if sigmas is not None and i < len(sigmas) else None
-        return ctx(name, step_index=i, sigma=sigma, num_inference_steps=len(req.timesteps))
+        steps = len(req.timesteps) if req.timesteps is not None else None
+        context: contextlib.AbstractContextManager[Any] = ctx(
+            name, step_index=i, sigma=sigma, num_inference_steps=steps
+        )
+        return context
 
     def _forward(self, kwargs: dict[str, Any]) -> torch.Tensor:
         return self.spec.model_output(self.transformer(**kwargs))
@@ -228,35 +238,41 @@ class DenoisingStage(Stage):
         return spec.combine_cfg(cond, uncond, req.guidance_scale)
 
     def check_sequence_parallel(self, req: Req) -> None:
-        if self.sp == 1:
+        if self.sp * self.ring == 1:
             return
         from spindle.distributed.context_parallel import check_sequence_parallel
 
         try:
-            check_sequence_parallel(self.transformer, self.sp, seq_len=self.spec.sequence_length(req, self.transformer))
+            seq_len = self.spec.sequence_length(req, self.transformer)
+            check_sequence_parallel(self.transformer, self.sp, seq_len=seq_len, ring=self.ring)
         except ValueError as e:
             raise RequestError(str(e)) from e
 
     def forward(self, req: Req) -> Req:
+        latents, timesteps = req.latents, req.timesteps
+        if latents is None or timesteps is None:
+            raise RuntimeError(
+                "DenoisingStage needs req.latents and req.timesteps: the family's BeforeDenoisingStage must set them"
+            )
         self.check_sequence_parallel(req)
-        total = len(req.timesteps)
+        total = len(timesteps)
         if self.cache is not None:
             self.cache.start_request(total)
-        if hasattr(self.transformer, "_reset_stateful_cache"):
-            self.transformer._reset_stateful_cache()  # cache state never leaks across requests
+        reset_cache = getattr(self.transformer, "_reset_stateful_cache", None)
+        if reset_cache is not None:
+            reset_cache()  # cache state never leaks across requests
         try:
             with self.cache.around_request() if self.cache is not None else contextlib.nullcontext():
-                req.latents = self.loop(req)
+                req.latents = self.loop(req, latents, timesteps)
         finally:
             from spindle.infer.speedups import clear_memos
 
             clear_memos(self.transformer)  # per-request prompt projections (default-on memoization)
         return req
 
-    def loop(self, req: Req) -> torch.Tensor:
-        latents = req.latents
-        total = len(req.timesteps)
-        for i, t in enumerate(req.timesteps):
+    def loop(self, req: Req, latents: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        total = len(timesteps)
+        for i, t in enumerate(timesteps):
             req.check_cancelled()
             self.current_timestep = float(t)
             noise_pred = self.predict(req, latents, t, i)
@@ -271,12 +287,14 @@ class DecodingStage(Stage):
 
     name = "decoding"
 
-    def __init__(self, vae: torch.nn.Module, spec: InferenceSpec):
+    def __init__(self, vae: ModelMixin, spec: InferenceSpec):
         self.vae = vae
         self.spec = spec
 
     def forward(self, req: Req) -> Req:
         req.check_cancelled()
+        if req.latents is None:
+            raise RuntimeError("DecodingStage needs req.latents: the DenoisingStage before it sets them")
         latents = self.spec.post_denoising(req.latents, req)
         param = next(self.vae.parameters())
         latents = latents.to(param.device, dtype=param.dtype)

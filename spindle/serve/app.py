@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import email.parser
 import email.policy
+import email.utils
 import io
 import json
 import logging
@@ -82,10 +83,14 @@ def request_error(e: RequestError, *, seconds_given: bool = False) -> APIError:
 async def _wait_done(job: Job, timeout: float | None = None) -> bool:
     """Await the job's end without blocking the event loop (or a thread). -> finished?"""
     loop = asyncio.get_running_loop()
-    fut: asyncio.Future = loop.create_future()
+    fut: asyncio.Future[None] = loop.create_future()
+
+    def resolve() -> None:
+        if not fut.done():
+            fut.set_result(None)
 
     def done(_job: Job) -> None:
-        loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+        loop.call_soon_threadsafe(resolve)
 
     job.add_done_callback(done)
     try:
@@ -107,7 +112,8 @@ def _parse_form(body: bytes, content_type: str) -> dict[str, Any]:
         raise APIError(400, "malformed multipart/form-data body", code="invalid_body")
     fields: dict[str, Any] = {}
     for part in message.iter_parts():
-        name = part.get_param("name", header="content-disposition")
+        # an RFC 2231 encoded name comes back as a (charset, language, value) tuple
+        name = email.utils.collapse_rfc2231_value(part.get_param("name", header="content-disposition") or "")
         if not name:
             continue
         if part.get_filename() is not None:
@@ -117,8 +123,9 @@ def _parse_form(body: bytes, content_type: str) -> dict[str, Any]:
                 param=name,
                 code="unsupported_parameter",
             )
-        payload = part.get_payload(decode=True) or b""
-        fields[name] = payload.decode(part.get_content_charset() or "utf-8")
+        payload = part.get_payload(decode=True)
+        data = payload if isinstance(payload, bytes) else b""  # a nested multipart part has no bytes
+        fields[name] = data.decode(part.get_content_charset() or "utf-8")
     return fields
 
 
@@ -432,16 +439,18 @@ def create_app(
                 param="video_id",
                 code="video_not_ready",
             )
+        content = job.content
+        assert content is not None  # the worker sets it before finishing a video job as completed
         if variant == "video":
             return Response(
-                job.content,
+                content,
                 media_type="video/mp4",
                 headers={"Content-Disposition": f'attachment; filename="{video_id}.mp4"'},
             )
         if variant == "thumbnail":
             thumb = job.meta.get("thumbnail")
             if thumb is None:
-                thumb = job.meta["thumbnail"] = await asyncio.to_thread(_thumbnail, job.content)
+                thumb = job.meta["thumbnail"] = await asyncio.to_thread(_thumbnail, content)
             return Response(thumb, media_type="image/png")
         if job.frames is None:
             raise APIError(

@@ -10,7 +10,9 @@ remembered (bounded) so that it answers 410 instead of 404.
 
 from __future__ import annotations
 
+import builtins
 import collections
+import logging
 import math
 import threading
 import time
@@ -20,7 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spindle.infer.request import SamplingParams
-from spindle.serve.schemas import TERMINAL_STATUSES, APIError
+from spindle.serve.schemas import TERMINAL_STATUSES, APIError, JobStatus
+
+log = logging.getLogger("spindle.serve")
 
 
 class QueueFull(APIError):
@@ -50,7 +54,7 @@ class Job:
     params: SamplingParams
     model: str
     id: str = ""
-    status: str = "queued"
+    status: JobStatus = "queued"
     created_at: float = field(default_factory=time.time)
     started_at: float | None = None
     completed_at: float | None = None
@@ -100,8 +104,8 @@ class Job:
         for fn in callbacks:
             try:
                 fn(self)
-            except Exception:  # a gone client must not break the worker
-                pass
+            except Exception:  # one failing waiter (e.g. a gone client) must not break the worker or the others
+                log.exception("job %s: a done callback failed", self.id)
 
 
 class JobStore:
@@ -128,7 +132,7 @@ class JobStore:
         self._running: Job | None = None
         self._closed = False
         self._durations: collections.deque[float] = collections.deque(maxlen=20)
-        self.counters = collections.Counter()
+        self.counters: collections.Counter[str] = collections.Counter()
 
     # ------------------------------------------------------------------ HTTP side
 
@@ -219,7 +223,7 @@ class JobStore:
     def closed(self) -> bool:
         return self._closed
 
-    def close(self, cancel_queued: bool = True) -> list[Job]:
+    def close(self, cancel_queued: bool = True) -> builtins.list[Job]:  # `list` is the method above
         """Stop accepting jobs; cancel the waiting ones. Returns the jobs cancelled."""
         with self._cond:
             self._closed = True
@@ -255,7 +259,7 @@ class JobStore:
     def progress(self, job: Job, step: int, total: int) -> None:
         job.step, job.total_steps = step, total  # plain attribute writes: readers see either value
 
-    def finish(self, job: Job, status: str, *, error: dict[str, Any] | None = None) -> None:
+    def finish(self, job: Job, status: JobStatus, *, error: dict[str, Any] | None = None) -> None:
         with self._cond:
             if job.started_at is not None:
                 self._durations.append(self.clock() - job.started_at)
@@ -266,7 +270,7 @@ class JobStore:
 
     # ------------------------------------------------------------------ internals
 
-    def _finish_locked(self, job: Job, status: str) -> None:
+    def _finish_locked(self, job: Job, status: JobStatus) -> None:
         assert status in TERMINAL_STATUSES, status
         job.status = status
         job.completed_at = self.clock()

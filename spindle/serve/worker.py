@@ -17,7 +17,6 @@ import logging
 import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -58,7 +57,7 @@ class Engine:
         """`seconds` -> the nearest valid frame count at the model's fps, and a note if rounded."""
         k = self.frame_multiple
         exact = seconds * self.fps
-        frames = max(1, int(round((exact - 1) / k)) * k + 1)
+        frames = max(1, round((exact - 1) / k) * k + 1)
         note = None
         if abs(frames - exact) > 1e-9:
             note = (
@@ -122,8 +121,8 @@ class RankFanout:
                 generator.run(payload, should_stop=lambda: self.sync_flag(False))
             except Cancelled:
                 pass
-            except Exception:  # rank 0 reports the failure; keep following
-                log.error("rank %d: job failed:\n%s", self.rank, traceback.format_exc())
+            except Exception:  # rank 0 reports the failure to the client; this rank keeps following
+                log.exception("rank %d: job failed", self.rank)
 
 
 def encode_video(result: Any, fps: int) -> bytes:
@@ -204,11 +203,14 @@ class Worker:
     def _generate(
         self, params: SamplingParams, progress: Callable[[int, int], None] | None, should_stop: Callable[[], bool]
     ) -> Any:
-        if self.fanout is not None:
-            self.fanout.send("run", params)
-            local_stop = should_stop
-            should_stop = lambda: self.fanout.sync_flag(local_stop())  # noqa: E731
-        return self.engine.generator.run(params, progress=progress, should_stop=should_stop)
+        fanout, stop = self.fanout, should_stop
+        if fanout is not None:
+            fanout.send("run", params)
+
+            def stop() -> bool:  # every rank stops at the same step: rank 0 decides
+                return fanout.sync_flag(should_stop())
+
+        return self.engine.generator.run(params, progress=progress, should_stop=stop)
 
     def _run(self, job: Job) -> None:
         try:
@@ -237,8 +239,8 @@ class Worker:
                     status=400, message=str(e), type="invalid_request_error", code="invalid_request", param=None
                 ),
             )
-        except Exception as e:  # noqa: BLE001 - a failing job fails alone; the server keeps serving
-            log.error("job %s failed:\n%s", job.id, traceback.format_exc())
+        except Exception as e:  # a failing job fails alone; the server keeps serving
+            log.exception("job %s failed", job.id)
             self.store.finish(
                 job,
                 "failed",

@@ -154,3 +154,27 @@ def write_manifest(folder: str | Path, name: str = "manifest.jsonl") -> Path:
     ]
     manifest.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     return manifest
+
+
+def make_text_corpus(out: str | Path, num_docs: int = 96, seed: int = 0) -> Path:
+    """Write `corpus.jsonl` ({"text": ...} lines) into `out`; returns `out`.
+
+    Short stories about the shapes in a fixed grammar ("the red circle moves left . then the red circle
+    moves right .") from words the tiny tokenizer knows, so a tiny language model learns it quickly
+    (its loss falls well below the uniform-guess loss) and its continuations are recognisable.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(num_docs):
+        colour, background = _pick_colours(rng)
+        shape = rng.choice(SHAPES)
+        first, then = rng.sample(list(DIRECTIONS), 2)
+        text = (
+            f"the {colour} {shape} moves {first} on a {background} background . "
+            f"then the {colour} {shape} moves {then} ."
+        )
+        lines.append(json.dumps({"text": text}))
+    (out / "corpus.jsonl").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return out

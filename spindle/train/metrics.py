@@ -19,7 +19,7 @@ def count_tokens(hidden_states: torch.Tensor, patch_size: Any) -> int:
     spatial = hidden_states.shape[2:]
     patch = list(patch_size) if isinstance(patch_size, (list, tuple)) else [patch_size] * len(spatial)
     patch = [1] * (len(spatial) - len(patch)) + patch
-    return int(math.prod(s // p for s, p in zip(spatial, patch)))
+    return int(math.prod(s // p for s, p in zip(spatial, patch, strict=True)))
 
 
 class MetricsLog:
@@ -36,7 +36,17 @@ class MetricsLog:
     def start_step(self) -> None:
         self._t0 = time.perf_counter()
 
-    def end_step(self, step: int, loss: float, grad_norm: float, lr: float, samples: int, tokens: int) -> dict:
+    def end_step(
+        self,
+        step: int,
+        loss: float,
+        grad_norm: float,
+        lr: float,
+        samples: int,
+        tokens: int,
+        extra: dict[str, float] | None = None,
+    ) -> dict:
+        """Record one step; `extra`: task-specific scalars (e.g. an MoE aux loss), logged as they are."""
         dt = time.perf_counter() - self._t0
         record = {
             "step": step,
@@ -46,6 +56,7 @@ class MetricsLog:
             "samples_per_s": samples / dt,
             "tokens_per_s": tokens / dt,
             "step_time_s": dt,
+            **(extra or {}),
         }
         if self.enabled:
             with self.path.open("a") as f:

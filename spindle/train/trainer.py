@@ -1,7 +1,8 @@
-"""The generic training loop: config -> mesh -> condition model + transformer -> steps -> checkpoints.
+"""The generic training loop: config -> mesh -> task (model, data, loss) -> steps -> checkpoints -> export.
 
-Nothing here knows a model family: the family's condition model builds inputs, `FlowMatchingTask`
-computes the loss, `spindle.distributed` shards and checkpoints.
+Nothing here knows a model kind or family: the task (`spindle.train.tasks`) builds the model and its
+data, computes the loss and exports; `spindle.distributed` shards and checkpoints. This module
+imports neither diffusers nor transformers (tested).
 """
 
 from __future__ import annotations
@@ -18,16 +19,15 @@ from spindle.config import ConfigError, TrainJobConfig, dump_config
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.launch import launcher_world_size
 from spindle.distributed.mesh import Mesh, ParallelDims, build_mesh, device_type, is_main_process
-from spindle.models.base import TimestepSampling, load_transformer
-from spindle.registry import get_family, resolve_family
-from spindle.train.dit import FlowMatchingTask
 from spindle.train.metrics import MetricsLog
 from spindle.train.optim import build_optimizer, build_scheduler
+from spindle.train.tasks import task_for
+from spindle.train.tasks.base import TrainTask
 
 log = logging.getLogger("spindle.train")
 
 # diffusers' Wan/Flux forward returns a reshaped view; FSDP2 warns in case the caller edits it in place.
-# The task only reads the prediction (out-of-place loss), so the warning is noise on every run.
+# Tasks only read the prediction (out-of-place loss), so the warning is noise on every run.
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
 
@@ -62,15 +62,9 @@ def grad_accum_steps(cfg: TrainJobConfig, dp_size: int) -> int:
 
 def check_parallel_plan(cfg: TrainJobConfig, world_size: int) -> ParallelDims:
     """Validate the parallel layout against the world size and the model, before any heavy work."""
-    import json
-
-    from spindle.distributed.context_parallel import check_sequence_parallel
-
     dims = ParallelDims(**cfg.parallel.model_dump()).resolve(world_size)
     grad_accum_steps(cfg, dims.dp_size)
-    tcfg = Path(cfg.model.path) / "transformer" / "config.json"
-    if dims.sp > 1 and tcfg.is_file():
-        check_sequence_parallel(json.loads(tcfg.read_text()), dims.sp)
+    task_for(cfg).check_plan(cfg, dims)
     return dims
 
 
@@ -82,69 +76,14 @@ class Trainer:
         self.mesh: Mesh = build_mesh(ParallelDims(**cfg.parallel.model_dump()))
         self.device = local_device()
         self.accum = grad_accum_steps(cfg, self.mesh.dims.dp_size)
-        self.family = get_family(cfg.model.family) if cfg.model.family else resolve_family(cfg.model.path)
         self.precision = resolve_precision(cfg.train.mixed_precision)
         torch.manual_seed(cfg.train.seed)
-        self.condition = self._build_condition()
-        self.transformer = self._build_transformer()
-        self.optimizer = build_optimizer(self.transformer.parameters(), cfg.train)
+        self.task: TrainTask = task_for(cfg)(cfg, self.mesh, self.device, self.precision)
+        self.model = self.task.build_model()
+        self.optimizer = build_optimizer(self.model.parameters(), cfg.train)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
-        self.loader = self._build_loader()
-        from spindle.distributed.fsdp import autocast_dtype
-
-        self.task = FlowMatchingTask(
-            self.condition,
-            self.transformer,
-            cfg.train.seed,
-            cfg.train.loss_weighting,
-            autocast_dtype=autocast_dtype(self.transformer, self.precision),
-        )
+        self.loader = self.task.build_loader()
         self.step = 0
-
-    # ------------------------------------------------------------ set-up
-
-    def _build_condition(self):
-        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
-        cond = self.family.condition_model_cls().from_pretrained(
-            self.cfg.model.path, device=self.device, dtype=dtype, max_text_length=self.cfg.model.max_text_length
-        )
-        ts = self.cfg.train.timestep
-        cond.timestep_sampling = TimestepSampling(
-            scheme=ts.scheme,
-            logit_mean=ts.logit_mean,
-            logit_std=ts.logit_std,
-            mode_scale=ts.mode_scale,
-            shift=ts.shift,
-            num_train_timesteps=cond.timestep_sampling.num_train_timesteps,
-        )
-        return cond
-
-    def _build_transformer(self) -> torch.nn.Module:
-        from spindle.distributed.fsdp import parallelize_transformer
-
-        model = load_transformer(self.cfg.model.path, dtype=torch.float32).to(self.device)
-        model.train()
-        return parallelize_transformer(
-            model,
-            self.mesh,
-            mixed_precision=self.precision,
-            gradient_checkpointing=self.cfg.train.gradient_checkpointing,
-        )
-
-    def _build_loader(self):
-        from spindle.data.datasets import build_dataset
-        from spindle.data.loader import ResumableLoader
-
-        data = self.cfg.data
-        dataset = build_dataset(data.path, tuple(data.resolution), data.num_frames, data.skip_bad_samples)
-        return ResumableLoader(
-            dataset,
-            self.cfg.train.micro_batch_size,
-            dp_rank=self.mesh.dp_rank,
-            dp_size=self.mesh.dims.dp_size,
-            seed=self.cfg.train.seed,
-            shuffle=data.shuffle,
-        )
 
     # ------------------------------------------------------------ state
 
@@ -153,14 +92,15 @@ class Trainer:
         samples = loader["position"] * self.cfg.train.micro_batch_size * self.mesh.dims.dp_size
         return {
             "model_path": str(Path(self.cfg.model.path).resolve()),
-            "family": self.family.name,
+            "task": self.task.name,
+            **self.task.state(),
             "lr_scheduler": self.scheduler.state_dict(),
             "data": {"epoch": loader["epoch"], "samples_in_epoch": samples},
             "parallel": self.mesh.dims.__dict__,
         }
 
     def restore(self, path: Path) -> None:
-        state = ckpt.load_checkpoint(path, self.transformer, self.optimizer)
+        state = ckpt.load_checkpoint(path, self.model, self.optimizer)
         self.scheduler.load_state_dict(state["lr_scheduler"])
         per_round = self.cfg.train.micro_batch_size * self.mesh.dims.dp_size
         data = state["data"]
@@ -174,7 +114,7 @@ class Trainer:
         return ckpt.save_checkpoint(
             self.output_dir,
             self.step,
-            self.transformer,
+            self.model,
             self.optimizer,
             self.trainer_state(),
             keep_last=self.cfg.checkpoint.keep_last,
@@ -182,28 +122,56 @@ class Trainer:
 
     # ------------------------------------------------------------ loop
 
-    def train_step(self) -> tuple[float, float, int, int]:
-        """One optimizer step over `accum` micro-batches; returns (loss, grad_norm, samples, tokens) of the step."""
+    def train_step(self) -> tuple[float, float, int, int, dict[str, float]]:
+        """One optimizer step over `accum` micro-batches.
+
+        -> (loss, grad_norm, samples, tokens, extra metrics) of the global batch. The loss is the mean
+        over every loss unit (sample, valid token) of the global batch: each micro-batch's summed loss
+        is divided by the global unit count (see `spindle.train.tasks.base`). FSDP2 averages gradients
+        over the data-parallel ranks, so each rank scales by dp_size to turn that average into the sum.
+        """
         from spindle.distributed.fsdp import clip_grad_norm_
 
+        batches = [next(self.loader) for _ in range(self.accum)]
+        dp_size = self.mesh.dims.dp_size
+        units = self._sum_over(
+            torch.tensor(float(sum(self.task.loss_units(b) for b in batches))), self.mesh.dp if dp_size > 1 else None
+        )
+        scale = dp_size / max(units, 1.0)
         total_loss = torch.zeros((), device=self.device)
+        extra: dict[str, float] = {}
         samples = tokens = 0
-        for _ in range(self.accum):
-            batch = next(self.loader)
-            out = self.task.forward(batch, self.step, self.device)
-            (out.loss / self.accum).backward()
-            total_loss += out.loss.detach() / self.accum
+        for batch in batches:
+            out = self.task.forward(self.model, batch, self.step)
+            (out.loss_sum * scale).backward()
+            total_loss += out.loss_sum.detach()
             samples, tokens = samples + out.samples, tokens + out.tokens
-        grad_norm = clip_grad_norm_(self.transformer.parameters(), self.cfg.train.grad_clip)
+            for key, value in out.metrics.items():
+                extra[key] = extra.get(key, 0.0) + float(value)
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return (
-            _mean_over(self.mesh, total_loss),
-            grad_norm,
-            samples * self.mesh.dims.dp_size,
-            tokens * self.mesh.dims.dp_size,
-        )
+        loss_group = self._loss_group()
+        loss = self._sum_over(total_loss, loss_group) / max(units, 1.0)
+        extra = {k: self._sum_over(torch.tensor(v), loss_group) / dp_size for k, v in extra.items()}
+        return loss, grad_norm, samples * dp_size, tokens * dp_size, extra
+
+    def _loss_group(self):
+        """The ranks whose loss sums add up to the global batch's loss sum (None: this rank alone)."""
+        if not dist.is_initialized() or self.mesh.world.size() == 1:
+            return None
+        if self.task.loss_sharded_over_sp and self.mesh.dims.cp_size > 1:
+            return self.mesh.world  # each SP rank holds its own chunk's loss
+        return self.mesh.dp if self.mesh.dims.dp_size > 1 else None
+
+    def _sum_over(self, value: torch.Tensor, group) -> float:
+        if group is not None:
+            value = value.detach().clone().to(self.device)
+            # over a (sub)mesh: all of its dims; gloo has no AVG, so always SUM
+            for dim in range(group.ndim):
+                dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group.get_group(dim))
+        return float(value)
 
     def run(self) -> TrainResult:
         cfg = self.cfg
@@ -211,43 +179,32 @@ class Trainer:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.output_dir / "config.yaml")
         resume = ckpt.resolve_resume(cfg.checkpoint.resume, self.output_dir)
+        last: Path | None = None
         if resume is not None:
             self.restore(resume)
+            last = resume
         metrics = MetricsLog(self.output_dir, self.step, cfg.train.max_steps, enabled=is_main_process())
         try:
             while self.step < cfg.train.max_steps:
                 metrics.start_step()
                 lr = self.scheduler.get_last_lr()[0]
-                loss, grad_norm, samples, tokens = self.train_step()
+                loss, grad_norm, samples, tokens, extra = self.train_step()
                 self.step += 1
-                metrics.end_step(self.step, loss, grad_norm, lr, samples, tokens)
+                metrics.end_step(self.step, loss, grad_norm, lr, samples, tokens, extra)
                 every = cfg.checkpoint.every_steps
                 if every and self.step % every == 0 and self.step < cfg.train.max_steps:
-                    self.save()
+                    last = self.save()
         finally:
             metrics.close()
-        last = self.save()
+        if last is None or ckpt.checkpoint_step(last) != self.step:
+            # Never re-save the checkpoint just resumed from: replacing it is the one moment a crash
+            # could lose the last good checkpoint, and it would hold the same state.
+            last = self.save()
         export_dir = self.export(last) if cfg.checkpoint.export else None
         return TrainResult(self.output_dir, self.step, export_dir)
 
     def export(self, checkpoint_dir: Path) -> Path | None:
-        sd = ckpt.full_state_dict(self.transformer)
-        out = None
-        if is_main_process():
-            out = ckpt.export_pipeline(self.cfg.model.path, sd, self.output_dir / "export")
-        from spindle.distributed.mesh import barrier
-
-        barrier()
-        return out
-
-
-def _mean_over(mesh: Mesh, value: torch.Tensor) -> float:
-    """Average a per-rank scalar over data-parallel ranks (SP ranks hold identical values)."""
-    if dist.is_initialized() and mesh.dims.dp_size > 1:
-        value = value.clone()
-        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=mesh.dp.get_group())  # gloo has no AVG
-        value /= mesh.dims.dp_size
-    return float(value)
+        return self.task.export(self.model, self.output_dir / "export")
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:

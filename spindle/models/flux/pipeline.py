@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from spindle.infer.request import Req, RequestError, SamplingParams, check_int_range, check_size
+from spindle.infer.request import Req, RequestError, SamplingParams, check_int_range, check_size, resolved
 from spindle.infer.stages import BeforeDenoisingStage, InferenceSpec
 from spindle.models.base import resolution_shift
 
@@ -96,7 +96,7 @@ class FluxBeforeDenoisingStage(BeforeDenoisingStage):
         if req.do_cfg:
             negative = p.negative_prompt
             negative = [negative] * len(p.prompts) if isinstance(negative, str) else negative
-            neg_embeds, neg_pooled, neg_txt_ids = self.encode(negative, p, device)
+            neg_embeds, neg_pooled, neg_txt_ids = self.encode(resolved(negative, "negative_prompt"), p, device)
             req.negative_prompt_embeds = neg_embeds.to(dtype)
             req.extra.update(negative_pooled=neg_pooled.to(dtype), negative_txt_ids=neg_txt_ids.to(dtype))
 
@@ -104,8 +104,8 @@ class FluxBeforeDenoisingStage(BeforeDenoisingStage):
         latents, img_ids = self.text_pipe.prepare_latents(
             p.batch_size,
             num_channels,
-            p.height,
-            p.width,
+            height := resolved(p.height, "height"),
+            width := resolved(p.width, "width"),
             torch.float32,
             device,
             req.generator,
@@ -115,20 +115,22 @@ class FluxBeforeDenoisingStage(BeforeDenoisingStage):
         req.raw_latent_shape = (
             p.batch_size,
             num_channels,
-            p.height // self.vae_scale_factor,
-            p.width // self.vae_scale_factor,
+            height // self.vae_scale_factor,
+            width // self.vae_scale_factor,
         )
 
         if self.transformer.config.guidance_embeds:
-            guidance = torch.full([1], float(p.guidance_scale), device=device, dtype=torch.float32)
+            guidance = torch.full(
+                [1], float(resolved(p.guidance_scale, "guidance_scale")), device=device, dtype=torch.float32
+            )
             req.extra["guidance"] = guidance.expand(latents.shape[0])
         else:
             req.extra["guidance"] = None
 
         from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
 
-        steps = p.num_inference_steps
-        sigmas = np.linspace(1.0, 1 / steps, steps)
+        steps = resolved(p.num_inference_steps, "num_inference_steps")
+        sigmas: np.ndarray | None = np.linspace(1.0, 1 / steps, steps)
         if getattr(self.scheduler.config, "use_flow_sigmas", False):
             sigmas = None
         mu, _ = resolution_shift(self.scheduler, latents.shape[1])
@@ -178,14 +180,15 @@ class FluxInference(InferenceSpec):
         }
 
     def sequence_length(self, req: Req, transformer: torch.nn.Module) -> int:
-        _, _, h, w = req.raw_latent_shape
+        _, _, h, w = resolved(req.raw_latent_shape, "raw_latent_shape")
         return (h // 2) * (w // 2)
 
     def post_denoising(self, latents: torch.Tensor, req: Req) -> torch.Tensor:
         from diffusers import FluxPipeline
 
-        vae_scale = req.params.height // req.raw_latent_shape[2]
-        return FluxPipeline._unpack_latents(latents, req.params.height, req.params.width, vae_scale)
+        height, width = resolved(req.params.height, "height"), resolved(req.params.width, "width")
+        vae_scale = height // resolved(req.raw_latent_shape, "raw_latent_shape")[2]
+        return FluxPipeline._unpack_latents(latents, height, width, vae_scale)
 
 
 FLUX_INFERENCE = FluxInference()

@@ -9,11 +9,19 @@ Unlike diffusers, sizes and frame counts the model cannot take are errors, not s
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from spindle.infer.request import Req, RequestError, SamplingParams, check_int_range, check_size, suggest
+from spindle.infer.request import (
+    Req,
+    RequestError,
+    SamplingParams,
+    check_int_range,
+    check_size,
+    resolved,
+    suggest,
+)
 from spindle.infer.stages import BeforeDenoisingStage, InferenceSpec
 
 
@@ -73,10 +81,10 @@ class WanBeforeDenoisingStage(BeforeDenoisingStage):
         req.prompt_embeds = prompt_embeds.to(dtype)
         req.negative_prompt_embeds = negative_embeds.to(dtype) if negative_embeds is not None else None
         req.do_cfg = p.do_cfg
-        req.guidance_scale = float(p.guidance_scale)
+        req.guidance_scale = float(resolved(p.guidance_scale, "guidance_scale"))
 
         scheduler = copy.deepcopy(self.scheduler)  # schedulers are stateful: one copy per request
-        scheduler.set_timesteps(p.num_inference_steps, device=device)
+        scheduler.set_timesteps(resolved(p.num_inference_steps, "num_inference_steps"), device=device)
         scheduler.set_begin_index(0)
         req.scheduler = scheduler
         req.timesteps = scheduler.timesteps
@@ -86,9 +94,9 @@ class WanBeforeDenoisingStage(BeforeDenoisingStage):
         shape = (
             p.batch_size,
             self.transformer.config.in_channels,
-            (p.num_frames - 1) // self.scale_temporal + 1,
-            p.height // self.scale_spatial,
-            p.width // self.scale_spatial,
+            (resolved(p.num_frames, "num_frames") - 1) // self.scale_temporal + 1,
+            resolved(p.height, "height") // self.scale_spatial,
+            resolved(p.width, "width") // self.scale_spatial,
         )
         req.latents = randn_tensor(shape, generator=req.generator, device=device, dtype=torch.float32)
         req.raw_latent_shape = tuple(shape)
@@ -144,8 +152,8 @@ class WanInference(InferenceSpec):
         return modules
 
     def sequence_length(self, req: Req, transformer: torch.nn.Module) -> int:
-        pt, ph, pw = transformer.config.patch_size
-        _, _, f, h, w = req.raw_latent_shape
+        pt, ph, pw = cast(Any, transformer).config.patch_size  # a diffusers model: its config
+        _, _, f, h, w = resolved(req.raw_latent_shape, "raw_latent_shape")
         return (f // pt) * (h // ph) * (w // pw)
 
     def decode_scale_shift(self, vae: Any, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,350 @@
+"""LLM training-step benchmark: Spindle's causal-LM task vs the plain loop a user writes with
+transformers + AdamW, on the same Qwen3-shaped model folder, token rows, seq_len and machine.
+
+    python bench/train_llm.py                          # CPU preset: 4 layers, 152k vocab, 2 x 1024 tokens
+    python bench/train_llm.py --preset qwen3-0.6b      # Qwen3-0.6B's shape on a GPU: MFU reported
+
+Variants (each run in its own spawned process(es), so peak memory is per variant: RSS on CPU,
+torch.cuda.max_memory_allocated on CUDA):
+  transformers         `AutoModelForCausalLM` + `model(input_ids, labels=input_ids).loss` + clip + torch AdamW
+                       (+ torch.autocast bf16 on CUDA): full [tokens, vocab] logits, transformers' loss
+  spindle_full_logits  Spindle's causal-LM task (model build, loss sum / valid tokens, clip, optimizer) with the
+                       stock transformers class: the same full-logits loss, inside Spindle
+  spindle              Spindle's causal-LM task with the family's class (patchgen-generated: chunked linear
+                       cross-entropy from the hidden states, never the full logits)
+  spindle_sp2          `spindle` with parallel.sp=2 on 2 processes (Ulysses SP), when 2 devices exist
+The rows are one document each (positions 0..seq_len-1), so every variant runs the same causal attention
+and predicts the same seq_len-1 tokens per row. Runs are interleaved (variant A, B, C, A, B, C, ...) so
+drifting machine load hits every variant alike; a run's step time is the median of its timed steps and a
+variant's the median over its runs. Prints a table, writes JSON (--out, default bench/results/).
+MFU (CUDA): 6 x matmul params (lm_head included, embedding lookup not) x tokens + 12 x layers x heads x
+head_dim x seq_len x tokens (attention, the PaLM / torchtitan convention), over the GPU's bf16 dense peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from spindle.testing.multiprocess import spawn  # noqa: E402
+
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
+QWEN3_VOCAB = 151936
+# name -> model config overrides + row shape. qwen3-0.6b: Qwen/Qwen3-0.6B's config.json shape.
+PRESETS = {
+    "cpu": dict(
+        model=dict(
+            hidden_size=256,
+            intermediate_size=768,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            vocab_size=QWEN3_VOCAB,
+            tie_word_embeddings=True,
+        ),
+        seq_len=1024,
+        batch=2,
+    ),
+    "qwen3-0.6b": dict(
+        model=dict(
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=QWEN3_VOCAB,
+            tie_word_embeddings=True,
+            max_position_embeddings=40960,
+            rope_theta=1000000,
+        ),
+        seq_len=4096,
+        batch=2,
+    ),
+}
+VARIANTS = ("transformers", "spindle_full_logits", "spindle", "spindle_sp2")
+
+
+def build_model_folder(a: argparse.Namespace, out: Path) -> Path:
+    """A random Qwen3 of the preset's shape as a transformers folder (config, safetensors, tokenizer)."""
+    from spindle.testing.tiny_llm import build_tiny_qwen3
+
+    return build_tiny_qwen3(out, seed=0, transformer=PRESETS[a.preset]["model"])
+
+
+def make_rows(a: argparse.Namespace, vocab: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab, (a.batch, a.seq_len), generator=g)
+
+
+def spindle_batch(ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The rows as Spindle's data pipeline emits them: global positions, pre-shifted labels."""
+    rows, seq_len = ids.shape
+    shift = torch.cat([ids[:, 1:], torch.full((rows, 1), -100)], dim=1)
+    return {
+        "input_ids": ids,
+        "position_ids": torch.arange(seq_len).expand(rows, seq_len).clone(),
+        "shift_labels": shift,
+    }
+
+
+def flops_per_step(a: argparse.Namespace, cfg: dict, n_params: int) -> float:
+    embed = cfg["vocab_size"] * cfg["hidden_size"]
+    matmul_params = n_params if cfg["tie_word_embeddings"] else n_params - embed  # tied: lm_head counted once
+    tokens = a.batch * a.seq_len
+    attn = 12 * cfg["num_hidden_layers"] * cfg["num_attention_heads"] * cfg["head_dim"] * a.seq_len
+    return (6 * matmul_params + attn) * tokens
+
+
+def _device(rank: int) -> torch.device:
+    return torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_memory(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux -> MiB
+
+
+def _timed(a: argparse.Namespace, device: torch.device, step) -> list[float]:
+    times = []
+    for i in range(a.warmup + a.steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        if i >= a.warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def transformers_loop(a: argparse.Namespace, folder: Path, device: torch.device) -> tuple[int, list[float], str]:
+    """What a user writes: load, `model(input_ids, labels=...)`, backward, clip, AdamW."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").to(device)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    ids = make_rows(a, model.config.vocab_size).to(device)
+    cuda = device.type == "cuda"
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    n_params = sum(p.numel() for p in model.parameters())
+    return n_params, _timed(a, device, step), f"{type(model).__module__}.{type(model).__name__}"
+
+
+def spindle_loop(
+    a: argparse.Namespace, folder: Path, device: torch.device, sp: int, stock: bool
+) -> tuple[int, list[float], str]:
+    """Spindle's causal-LM task: its model build (SP, FSDP2 when >1 process), loss sum over valid tokens,
+    the trainer's normalisation, clip and optimizer; `stock`: the stock transformers class instead of the
+    family's (full-logits loss)."""
+    from spindle.config import load_config
+    from spindle.distributed.fsdp import clip_grad_norm_
+    from spindle.distributed.mesh import ParallelDims, build_mesh
+    from spindle.train.optim import build_optimizer
+    from spindle.train.tasks.causal_lm import CausalLMTask
+
+    class StockClassTask(CausalLMTask):
+        def load_model(self):
+            from transformers import AutoModelForCausalLM
+
+            return AutoModelForCausalLM.from_pretrained(
+                self.cfg.model.path, dtype=torch.float32, attn_implementation="sdpa"
+            )
+
+    overrides = {
+        "model.path": folder,
+        "data.path": folder,  # unused: the bench feeds in-memory rows
+        "data.seq_len": a.seq_len,
+        "train.micro_batch_size": a.batch,
+        "train.global_batch_size": a.batch,
+        "train.lr": 1e-5,
+        "parallel.sp": sp,
+        "parallel.dp_shard": 1,
+    }
+    cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()])
+    mesh = build_mesh(ParallelDims(dp_shard=1, sp=sp))
+    precision = "bf16" if device.type == "cuda" else "no"
+    task = (StockClassTask if stock else CausalLMTask)(cfg, mesh, device, precision)
+    model = task.build_model()
+    optimizer = build_optimizer(model.parameters(), cfg.train)
+    batch = spindle_batch(make_rows(a, model.config.vocab_size))
+
+    def step():
+        units = task.loss_units(batch)
+        out = task.forward(model, batch, 0)
+        (out.loss_sum / units).backward()
+        clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    from torch.distributed.fsdp import FSDPModule
+
+    n_params = sum(p.numel() for p in model.parameters())  # an FSDP2 DTensor's numel is the full tensor's
+    # FSDP2 swaps in a subclass (FSDP<Class>); report the model class itself
+    cls = next(c for c in type(model).__mro__ if c.__name__.endswith("ForCausalLM") and not issubclass(c, FSDPModule))
+    return n_params, _timed(a, device, step), f"{cls.__module__}.{cls.__name__}"
+
+
+def _worker(rank: int, world: int, variant: str, a: argparse.Namespace, folder: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    device = _device(rank)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    if variant == "transformers":
+        n_params, times, cls = transformers_loop(a, Path(folder), device)
+    else:
+        sp = 2 if variant == "spindle_sp2" else 1
+        n_params, times, cls = spindle_loop(a, Path(folder), device, sp, stock=variant == "spindle_full_logits")
+    result = dict(n_params=n_params, step_times=times, peak_mem_mib=_peak_memory(device), model_class=cls)
+    Path(out_dir, f"{variant}_rank{rank}.json").write_text(json.dumps(result))
+    if dist.is_initialized() and world > 1:
+        dist.barrier()
+
+
+def run_variant(variant: str, a: argparse.Namespace, folder: Path) -> dict:
+    world = 2 if variant == "spindle_sp2" else 1
+    cuda = torch.cuda.is_available()
+    threads = a.threads or max(1, (os.cpu_count() or 1) // world)
+    with tempfile.TemporaryDirectory() as d:
+        spawn(_worker, world, variant, a, str(folder), d, threads=threads, backend="nccl" if cuda else "gloo")
+        ranks = [json.loads(Path(d, f"{variant}_rank{r}.json").read_text()) for r in range(world)]
+    step_times = [max(ts) for ts in zip(*(r["step_times"] for r in ranks), strict=True)]  # the slowest rank
+    return dict(
+        processes=world,
+        threads_per_process=threads,
+        n_params=ranks[0]["n_params"],
+        model_class=ranks[0]["model_class"],
+        step_s=statistics.median(step_times),
+        peak_mem_mib=max(r["peak_mem_mib"] for r in ranks),
+        step_times=step_times,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per row (default: the preset's)")
+    p.add_argument("--batch", type=int, default=None, help="rows per step (default: the preset's)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=2, help="interleaved runs per variant")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: cores / processes)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {VARIANTS}")
+    p.add_argument("--out", default=None, help="JSON results (default bench/results/train_llm[-PRESET].json)")
+    a = p.parse_args(argv)
+    preset = PRESETS[a.preset]
+    a.seq_len = a.seq_len or preset["seq_len"]
+    a.batch = a.batch or preset["batch"]
+    cuda = torch.cuda.is_available()
+    variants = [v.strip() for v in a.variants.split(",") if v.strip()]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; choose from {VARIANTS}")
+    if "spindle_sp2" in variants and cuda and torch.cuda.device_count() < 2:
+        variants.remove("spindle_sp2")  # SP needs 2 devices on CUDA
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = build_model_folder(a, Path(tmp) / "model")
+        runs: dict[str, list[dict]] = {v: [] for v in variants}
+        for _ in range(a.repeats):
+            for v in variants:
+                runs[v].append(run_variant(v, a, folder))
+
+    cfg = PRESETS[a.preset]["model"]
+    n_params = runs[variants[0]][0]["n_params"]
+    tokens = a.batch * a.seq_len
+    flops = flops_per_step(a, cfg, n_params)
+    device_name = torch.cuda.get_device_name(0) if cuda else f"cpu ({os.cpu_count()} cores)"
+    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in device_name), None) if cuda else None
+    results = []
+    for v in variants:
+        step_s = statistics.median(r["step_s"] for r in runs[v])
+        first = runs[v][0]
+        results.append(
+            dict(
+                variant=v,
+                processes=first["processes"],
+                model_class=first["model_class"],
+                step_s=step_s,
+                tokens_per_s=tokens / step_s,
+                peak_mem_mib=max(r["peak_mem_mib"] for r in runs[v]),
+                tflops_per_s=flops / step_s / 1e12,
+                mfu=(flops / step_s / first["processes"] / peak) if peak else None,
+                run_step_s=[r["step_s"] for r in runs[v]],
+            )
+        )
+    base = next((r for r in results if r["variant"] == "transformers"), results[0])
+    for r in results:
+        r["tokens_per_s_vs_transformers"] = r["tokens_per_s"] / base["tokens_per_s"]
+        r["peak_mem_vs_transformers"] = r["peak_mem_mib"] / base["peak_mem_mib"]
+    report = dict(
+        preset=a.preset,
+        device=device_name,
+        torch=torch.__version__,
+        precision="bf16 autocast" if cuda else "fp32",
+        model=dict(cfg, n_params=n_params),
+        batch=a.batch,
+        seq_len=a.seq_len,
+        steps=a.steps,
+        warmup=a.warmup,
+        repeats=a.repeats,
+        flops_per_step=flops,
+        results=results,
+    )
+
+    print(
+        f"{device_name} | Qwen3-shaped {n_params / 1e6:.1f}M params, vocab {cfg['vocab_size']} | {a.batch} x "
+        f"{a.seq_len} tokens | {report['precision']} | median of {a.repeats} interleaved runs x {a.steps} steps"
+    )
+    head = (
+        f"{'variant':<21}{'procs':>6}{'step s':>9}{'tokens/s':>10}{'vs tf':>7}{'peak MiB':>10}{'mem vs tf':>10}"
+        f"{'MFU':>7}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+        print(
+            f"{r['variant']:<21}{r['processes']:>6}{r['step_s']:>9.3f}{r['tokens_per_s']:>10.0f}"
+            f"{r['tokens_per_s_vs_transformers']:>7.2f}{r['peak_mem_mib']:>10.0f}{r['peak_mem_vs_transformers']:>10.2f}"
+            f"{mfu:>7}"
+        )
+    name = "train_llm.json" if a.preset == "cpu" else f"train_llm-{a.preset}.json"
+    out = Path(a.out or ROOT / "bench" / "results" / name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,372 @@
+"""Ulysses sequence parallelism (SP) for transformers LLMs, through transformers' own `AttentionInterface`.
+
+Each rank of an SP group holds a contiguous chunk of every row of the batch (`shard_batch`): its
+slice of `input_ids`, of the *global* `position_ids` (computed before the split, so RoPE sees the
+true positions) and of the pre-shifted labels. Everything in a decoder layer but attention is
+per-token, so it runs on the local chunk unchanged. Attention is the one place tokens meet: the
+function registered here (`ATTN_IMPLEMENTATION`) is called by the model's attention module with
+`[B, H, S/sp, D]` query/key/value, and
+
+    all-to-all: [B, H, S/sp, D] -> [B, H/sp, S, D]   (every rank: the whole sequence, H/sp heads)
+    inner attention (transformers' sdpa or flex_attention function) over the full sequence
+    all-to-all back: [B, S, H/sp, D] -> [B, S/sp, H, D]
+
+The all-to-all is an autograd function whose backward is the same all-to-all (with equal splits
+the exchange is its own transpose), so gradients flow back to the rank that owns each token.
+
+GQA: the all-to-all splits the key/value heads over the SP ranks too. With fewer KV heads than
+`sp` (or a count `sp` does not divide), the KV heads are repeated first, to the least count that
+`sp` divides, so each rank gets whole heads that match its query heads (`kv_repeat`).
+
+Masks: transformers builds its mask from the *local* chunk, which is wrong under SP (a chunk's
+queries must see the keys of the chunks before it, and packed documents must not see each other
+across chunk borders). Our implementation name is absent from transformers' mask registry, so the
+model passes no mask (`masking_utils._preprocess_mask_arguments` returns None for such names), and
+the mask is built here from the position ids of the FULL row: the local `position_ids` (which the
+decoder layer passes to attention) are all-gathered over the SP group once per forward (cached on
+the tensor's identity, so every layer and an activation-checkpoint recomputation reuse it), and a
+new document starts wherever the position does not follow its predecessor (the rule of
+transformers' `find_packed_sequence_indices`). A row with one document is plain causal attention.
+Padding masks are not used: rows are padded on the right, and under causal attention the pad
+tokens (labels -100) never affect a real token.
+
+Loss and gradient scaling: each SP rank's loss covers its own chunk (`loss_sharded_over_sp`), so
+the SP ranks' gradients *sum* to the row's gradient; FSDP's divide factor is the data-parallel
+size (`spindle.distributed.fsdp`). Both are checked against one process in
+tests/test_ulysses_attention.py.
+
+transformers is imported lazily (the trainer and `spindle.distributed` never import it at module
+import time).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ATTN_IMPLEMENTATION = "spindle_ulysses"
+INNER_IMPLEMENTATIONS = ("sdpa", "flex_attention")
+# Per-token tensors of a causal-LM batch, split along dim 1 (the sequence) by `shard_batch`.
+SEQUENCE_KEYS = ("input_ids", "position_ids", "shift_labels", "attention_mask")
+_CONTEXT_ATTR = "_spindle_sequence_parallel"
+
+
+# ---------------------------------------------------------------- layout checks
+
+
+def kv_repeat(num_heads: int, num_kv_heads: int, sp: int) -> int:
+    """How many times each KV head is repeated so that `sp` ranks each get whole, matching heads.
+
+    The least r with (num_kv_heads * r) divisible by sp and dividing num_heads (GQA grouping kept:
+    query head h still reads KV head h // (num_heads / num_kv_heads)). ValueError when none exists.
+    """
+    r = sp // math.gcd(num_kv_heads, sp)
+    if num_heads % (num_kv_heads * r):
+        raise ValueError(
+            f"sequence parallel cannot split {num_kv_heads} key/value heads (num_key_value_heads) over parallel.sp={sp} "
+            f"with {num_heads} query heads (num_attention_heads): repeating each KV head {r}x would give "
+            f"{num_kv_heads * r} KV heads, which do not divide the query heads (the KV heads must divide the query "
+            f"heads; check the config, or set parallel.sp to a divisor of {num_kv_heads})"
+        )
+    return r
+
+
+def check_layout(config: Any, sp: int, seq_len: int | None = None) -> None:
+    """Fail fast (ValueError naming the key) if `sp`-way Ulysses SP cannot run this transformers config.
+
+    `config`: a transformers config object or its `config.json` dict. `seq_len`: the row length
+    (`data.seq_len`) when known. No-op for sp == 1.
+    """
+    if sp < 1:
+        raise ValueError(f"parallel.sp must be >= 1, got {sp}")
+    if sp == 1:
+        return
+    get = config.get if isinstance(config, Mapping) else lambda key, default=None: getattr(config, key, default)
+    heads = get("num_attention_heads")
+    if not isinstance(heads, int):
+        raise ValueError(f"the model config has no integer num_attention_heads; cannot run parallel.sp={sp}")
+    kv_heads = get("num_key_value_heads") or heads
+    if heads % sp:
+        divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+        raise ValueError(
+            f"the model has {heads} attention heads (num_attention_heads), not divisible by parallel.sp={sp}: Ulysses "
+            f"SP gives each SP rank heads/sp heads; set parallel.sp to a divisor of {heads} ({divisors})"
+        )
+    kv_repeat(heads, kv_heads, sp)
+    if get("use_sliding_window") or any(t != "full_attention" for t in get("layer_types") or ()):
+        raise ValueError(
+            f"parallel.sp={sp}: Spindle's Ulysses attention supports full attention only, but the model has sliding-"
+            f"window layers (use_sliding_window / layer_types); set parallel.sp: 1"
+        )
+    if seq_len is not None and seq_len % sp:
+        raise ValueError(
+            f"data.seq_len={seq_len} is not divisible by parallel.sp={sp}: each SP rank holds an equal, contiguous "
+            f"chunk of every row; set data.seq_len to a multiple of {sp}"
+        )
+
+
+# ---------------------------------------------------------------- batch split
+
+
+def shard_batch(batch: Mapping[str, Any], sp_rank: int, sp: int) -> dict[str, Any]:
+    """This SP rank's contiguous chunk of every per-token tensor of a causal-LM batch.
+
+    Splits `SEQUENCE_KEYS` along dim 1; other entries pass through. `position_ids` are created
+    (0..S-1 per row) when absent, *before* the split, so each rank gets global positions. Unshifted
+    `labels` are turned into `shift_labels` (label of the next token, -100 at the row's end) before
+    the split too: after it, a chunk's last token's target lives on the next rank. ValueError naming
+    seq_len when the row length does not divide `sp`.
+    """
+    if sp == 1:
+        return dict(batch)
+    if "input_ids" not in batch:
+        raise ValueError("shard_batch: the batch has no 'input_ids' (the causal-LM batch keys are input_ids, ...)")
+    out = dict(batch)
+    input_ids = out["input_ids"]
+    rows, seq_len = input_ids.shape[:2]
+    if seq_len % sp:
+        raise ValueError(
+            f"the batch's rows have seq_len={seq_len} tokens, not divisible by parallel.sp={sp}: each SP rank holds an "
+            f"equal, contiguous chunk; set data.seq_len to a multiple of {sp}"
+        )
+    if out.get("position_ids") is None:
+        out["position_ids"] = torch.arange(seq_len, device=input_ids.device).expand(rows, seq_len)
+    if out.get("labels") is not None:
+        if out.get("shift_labels") is None:
+            labels = out["labels"]
+            out["shift_labels"] = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
+        del out["labels"]
+    chunk = seq_len // sp
+    for key in SEQUENCE_KEYS:
+        value = out.get(key)
+        if isinstance(value, torch.Tensor):
+            if value.ndim < 2 or value.shape[1] != seq_len:
+                raise ValueError(
+                    f"shard_batch: '{key}' has shape {tuple(value.shape)}; expected [rows, seq_len={seq_len}, ...]"
+                )
+            # contiguous: transformers' loss `.view`s the labels
+            out[key] = value[:, sp_rank * chunk : (sp_rank + 1) * chunk].contiguous()
+    return out
+
+
+# ---------------------------------------------------------------- all-to-all
+
+
+class _AllToAll(torch.autograd.Function):
+    """Equal-split all-to-all over dim 0 (chunk j goes to rank j); its backward is the same exchange."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        out = torch.empty_like(grad)
+        dist.all_to_all_single(out, grad, group=ctx.group)
+        return out, None
+
+
+def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup, sp: int) -> torch.Tensor:
+    """[B, H, S/sp, D] (this rank's tokens, all heads) -> [B, H/sp, S, D] (all tokens, this rank's heads)."""
+    b, h, s, d = x.shape
+    x = x.reshape(b, sp, h // sp, s, d).permute(1, 0, 2, 3, 4)  # [sp (dest rank), B, H/sp, S/sp, D]
+    x = _AllToAll.apply(x, group)  # [sp (source rank = sequence chunk), B, H/sp, S/sp, D]
+    return x.permute(1, 2, 0, 3, 4).reshape(b, h // sp, sp * s, d)
+
+
+def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup, sp: int) -> torch.Tensor:
+    """[B, S, H/sp, D] (attention output layout) -> [B, S/sp, H, D]: back to this rank's tokens, all heads."""
+    b, s, h, d = x.shape
+    x = x.reshape(b, sp, s // sp, h, d).permute(1, 0, 2, 3, 4)  # [sp (dest rank = chunk), B, S/sp, H/sp, D]
+    x = _AllToAll.apply(x, group)  # [sp (source rank = head group), B, S/sp, H/sp, D]
+    return x.permute(1, 2, 0, 3, 4).reshape(b, s // sp, sp * h, d)
+
+
+# ---------------------------------------------------------------- masks
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """[B, S] document index of each token (a document starts where the position does not follow its
+    predecessor), or None when every row is one document."""
+    first = position_ids[:, :1] - 1
+    starts = torch.diff(position_ids, prepend=first, dim=-1) != 1
+    docs = starts.cumsum(-1)
+    if bool((docs[:, -1] == docs[:, 0]).all()):
+        return None
+    return docs
+
+
+def document_causal_mask(docs: torch.Tensor) -> torch.Tensor:
+    """[B, 1, S, S] boolean mask (True = attend): causal and within the query's document."""
+    s = docs.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=docs.device).tril()
+    return (causal & (docs[:, :, None] == docs[:, None, :]))[:, None]
+
+
+def _flex_block_mask(docs: torch.Tensor):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (docs[b, q_idx] == docs[b, kv_idx])
+
+    b, s = docs.shape
+    return create_block_mask(mask_mod, b, None, s, s, device=docs.device)
+
+
+# ---------------------------------------------------------------- the attention function
+
+
+@dataclass
+class SequenceParallelContext:
+    """What the attention function needs, attached to the model's modules by `enable_sequence_parallel`."""
+
+    group: dist.ProcessGroup
+    size: int
+    inner: str  # the attention implementation run over the full sequence ("sdpa", "flex_attention")
+    _mask_key: torch.Tensor | None = field(default=None, repr=False)
+    _mask: Any = field(default=None, repr=False)
+
+    def mask_for(self, position_ids: torch.Tensor, batch: int) -> Any:
+        """The full-row mask for this forward (None: plain causal). Collective on a cache miss."""
+        if self._mask_key is position_ids:
+            return self._mask
+        local = position_ids.expand(batch, -1).contiguous()
+        chunks = [torch.empty_like(local) for _ in range(self.size)]
+        dist.all_gather(chunks, local, group=self.group)
+        docs = document_ids(torch.cat(chunks, dim=1))
+        if docs is None:
+            mask = None
+        elif self.inner == "flex_attention":
+            mask = _flex_block_mask(docs)
+        else:
+            mask = document_causal_mask(docs)
+        # Holding the key tensor keeps its identity from being reused by another forward's tensor.
+        self._mask_key, self._mask = position_ids, mask
+        return mask
+
+
+class _LocalHeads:
+    """The attention module as the inner attention function must see it on this rank: same
+    attributes, but the KV grouping of the heads this rank holds after the all-to-all."""
+
+    def __init__(self, module: torch.nn.Module, num_key_value_groups: int):
+        self._module = module
+        self.num_key_value_groups = num_key_value_groups
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+def ulysses_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: `[B, H, S/sp, D]` inputs -> `[B, S/sp, H, D]` output, attention
+    computed over the whole sequence of the SP group (module docstring)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ctx: SequenceParallelContext | None = getattr(module, _CONTEXT_ATTR, None)
+    if ctx is None:
+        raise RuntimeError(
+            f"{type(module).__name__} uses attn_implementation={ATTN_IMPLEMENTATION!r} but sequence parallel was not "
+            f"enabled on its model; call spindle.distributed.ulysses_attention.enable_sequence_parallel(model, sp_mesh)"
+        )
+    if attention_mask is not None:
+        raise ValueError(
+            "Spindle's Ulysses attention builds its own mask from the full row's position_ids; the model was given an "
+            "explicit attention mask (pass position_ids, and no attention_mask, under parallel.sp > 1)"
+        )
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError("Spindle's Ulysses attention supports full attention only (this layer has a sliding window)")
+    position_ids = kwargs.pop("position_ids", None)
+    if position_ids is None:
+        raise ValueError(
+            "Spindle's Ulysses attention needs the global position_ids of this rank's chunk (computed before the "
+            "sequence split, see shard_batch); the model was called without position_ids"
+        )
+    sp, group = ctx.size, ctx.group
+    heads, kv_heads = query.shape[1], key.shape[1]
+    repeat = kv_repeat(heads, kv_heads, sp)
+    if repeat > 1:
+        key = key.repeat_interleave(repeat, dim=1)
+        value = value.repeat_interleave(repeat, dim=1)
+    mask = ctx.mask_for(position_ids, query.shape[0])
+
+    query, key, value = (seq_to_heads(t, group, sp) for t in (query, key, value))
+    local = _LocalHeads(module, query.shape[1] // key.shape[1])
+    inner = ALL_ATTENTION_FUNCTIONS[ctx.inner]
+    out, _ = inner(local, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+    return heads_to_seq(out, group, sp), None
+
+
+# ---------------------------------------------------------------- enabling
+
+
+def register() -> None:
+    """Register `ulysses_attention_forward` under `ATTN_IMPLEMENTATION` (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, ulysses_attention_forward)
+
+
+def enable_sequence_parallel(model: torch.nn.Module, sp_mesh, inner: str | None = None) -> torch.nn.Module:
+    """Switch a transformers causal LM to Ulysses SP over `sp_mesh` (1-D; degree = its size), in place.
+
+    Call on every rank before FSDP. `inner`: the attention run over the full sequence; default the
+    model's current implementation when it is one of `INNER_IMPLEMENTATIONS`, else sdpa. Feed every
+    rank its `shard_batch` chunk of the same rows. A no-op when the SP size is 1.
+    """
+    sp = sp_mesh.size()
+    if sp == 1:
+        return model
+    if sp_mesh.ndim != 1:
+        raise ValueError(f"the sequence-parallel mesh must be 1-D, got {sp_mesh.ndim}-D {sp_mesh.mesh_dim_names}")
+    config = model.config
+    check_layout(config, sp)
+    current = config._attn_implementation
+    if inner is None:
+        inner = current if current in INNER_IMPLEMENTATIONS else "sdpa"
+    if inner not in INNER_IMPLEMENTATIONS:
+        raise ValueError(
+            f"the inner attention of sequence parallel must be one of {INNER_IMPLEMENTATIONS}, got {inner!r}"
+        )
+    register()
+    ctx = SequenceParallelContext(group=sp_mesh.get_group(), size=sp, inner=inner)
+    for module in model.modules():
+        setattr(module, _CONTEXT_ATTR, ctx)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return model
+
+
+def disable_sequence_parallel(model: torch.nn.Module, attn_implementation: str | None = None) -> torch.nn.Module:
+    """Back to single-process attention (e.g. to generate from the trained model), in place."""
+    ctx = getattr(model, _CONTEXT_ATTR, None)
+    if ctx is None:
+        return model
+    for module in model.modules():
+        if hasattr(module, _CONTEXT_ATTR):
+            delattr(module, _CONTEXT_ATTR)
+    model.set_attn_implementation(attn_implementation or ctx.inner)
+    return model
+
+
+def sequence_parallel_size(model: torch.nn.Module) -> int:
+    """The Ulysses degree applied to `model` (1 when SP is off)."""
+    ctx = getattr(model, _CONTEXT_ATTR, None)
+    return ctx.size if ctx is not None else 1

@@ -1,0 +1,173 @@
+"""Chunked linear cross-entropy: the causal-LM loss computed from hidden states, never from full logits.
+
+`lm_head(hidden)` for a whole packed batch is a [tokens, vocab] tensor (e.g. 32k tokens x 152k vocab in
+fp32 = 19 GB) that only exists to be reduced to one number. `linear_cross_entropy` instead walks the
+tokens in chunks: each chunk's logits are computed, upcast to fp32, reduced to the chunk's loss, and
+turned straight into that chunk's gradients for the hidden states and the weight (the fused-linear-CE
+trick of Liger and friends), so forward and backward together hold at most one chunk's logits.
+
+Pure torch on purpose: the patched transformers forwards (`spindle/models/*/generated/`) and the
+trainer call it without importing transformers here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+REDUCTIONS = ("sum", "mean")
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Sum of token cross-entropies of `hidden @ weight.T (+ bias)`; gradients are computed in forward.
+
+    Computing each chunk's gradient while its logits are live is what keeps the backward from holding
+    (or recomputing) every chunk's logits; backward only scales the stored gradients by the incoming
+    scalar gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, ignore_index, chunk_size, scale, need_grads):
+        n = hidden.shape[0]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if need_grads[0] else None
+        # fp32 accumulators: summing many chunks' low-precision partial products loses too much.
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grads[1] else None
+        grad_bias = (
+            torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+            if bias is not None and need_grads[2]
+            else None
+        )
+        for start in range(0, n, chunk_size):
+            end = min(start + chunk_size, n)
+            h = hidden[start:end]
+            y = labels[start:end]
+            # Logits in the input dtype (as nn.Linear computes them), then fp32 for the softmax.
+            logits = F.linear(h, weight, bias).float()
+            valid = y != ignore_index
+            safe_y = torch.where(valid, y, torch.zeros_like(y))
+            lse = torch.logsumexp(logits, dim=-1)
+            target_logit = logits.gather(1, safe_y.unsqueeze(1)).squeeze(1)
+            total += torch.where(valid, lse - target_logit, torch.zeros_like(lse)).sum()
+            if grad_hidden is None and grad_weight is None and grad_bias is None:
+                continue
+            # d(loss)/d(logits) = softmax - onehot(label), zero on ignored tokens, times the reduction scale.
+            grad_logits = logits.sub_(lse.unsqueeze(1)).exp_()
+            grad_logits.scatter_add_(1, safe_y.unsqueeze(1), torch.full_like(lse, -1.0).unsqueeze(1))
+            grad_logits.mul_((valid.to(grad_logits.dtype) * scale).unsqueeze(1))
+            if grad_hidden is not None:
+                grad_hidden[start:end] = (grad_logits @ weight.float()).to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight += grad_logits.T @ h.float()
+            if grad_bias is not None:
+                grad_bias += grad_logits.sum(0)
+            del logits, grad_logits
+        ctx.save_for_backward(
+            grad_hidden,
+            grad_weight.to(weight.dtype) if grad_weight is not None else None,
+            grad_bias.to(bias.dtype) if grad_bias is not None else None,
+        )
+        return total * scale
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        grads = [None if g is None else g * grad_output.to(g.dtype) for g in (grad_hidden, grad_weight, grad_bias)]
+        return grads[0], grads[1], grads[2], None, None, None, None, None
+
+
+def linear_cross_entropy(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    chunk_size: int = 1024,
+    reduction: str = "sum",
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Cross-entropy of `hidden_states @ weight.T (+ bias)` against `labels`, `chunk_size` tokens at a time.
+
+    hidden_states: [..., H]; weight: [V, H] (the lm_head weight); labels: [...], already shifted (the label
+    at position t is the token to predict at t), `ignore_index` entries contribute nothing.
+    reduction: "sum" over valid tokens, or "mean" over valid tokens (0 valid tokens -> loss 0 with zero
+    gradients, not NaN). Equals `F.cross_entropy(hidden @ weight.T, labels, reduction=...)` with the
+    logits upcast to fp32, without ever holding more than `chunk_size` x V logits.
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"linear_cross_entropy: reduction={reduction!r} is not one of {REDUCTIONS}")
+    if chunk_size < 1:
+        raise ValueError(f"linear_cross_entropy: chunk_size must be >= 1, got {chunk_size}")
+    if hidden_states.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"linear_cross_entropy: labels shape {tuple(labels.shape)} does not match hidden_states "
+            f"{tuple(hidden_states.shape)} without its last (hidden) dim; pass labels already shifted, one per position"
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden_states.shape[-1]:
+        raise ValueError(
+            f"linear_cross_entropy: weight must be [vocab, hidden={hidden_states.shape[-1]}], got {tuple(weight.shape)}"
+        )
+    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+    flat_labels = labels.reshape(-1).to(hidden.device)
+    if reduction == "mean":
+        # A host sync per call; the mean needs the count before the per-chunk gradients are scaled.
+        num_valid = int((flat_labels != ignore_index).sum())
+        scale = 1.0 / num_valid if num_valid > 0 else 0.0
+    else:
+        scale = 1.0
+    grad_on = torch.is_grad_enabled()
+    need_grads = (
+        grad_on and hidden.requires_grad,
+        grad_on and weight.requires_grad,
+        grad_on and bias is not None and bias.requires_grad,
+    )
+    return _ChunkedLinearCrossEntropy.apply(
+        hidden, weight, bias, flat_labels, ignore_index, chunk_size, scale, need_grads
+    )
+
+
+def causal_lm_loss(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    labels: torch.Tensor | None = None,
+    shift_labels: torch.Tensor | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    loss_reduction: str | None = None,
+    ignore_index: int = -100,
+    chunk_size: int = 1024,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The loss transformers' `ForCausalLMLoss` computes from logits, computed from hidden states instead.
+
+    `labels` are unshifted (stock semantics: position t predicts labels[t + 1]); `shift_labels`, when
+    given, are already shifted and win over `labels` (what Spindle's trainer passes for packed rows).
+    loss_reduction None: sum / num_items_in_batch when that is given, else the mean over valid tokens
+    (transformers' semantics); "sum": the plain sum over valid tokens (the caller normalises by a global
+    count); "mean": the mean over valid tokens.
+    """
+    if shift_labels is None:
+        if labels is None:
+            raise ValueError("causal_lm_loss: pass labels (unshifted) or shift_labels (already shifted)")
+        # Shift so that tokens < n predict n; the last position has nothing to predict.
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    if loss_reduction not in (None, *REDUCTIONS):
+        raise ValueError(f"loss_reduction={loss_reduction!r} is not one of None, 'sum', 'mean'")
+    if loss_reduction is None:
+        reduction = "sum" if num_items_in_batch is not None else "mean"
+    else:
+        reduction = loss_reduction
+    loss = linear_cross_entropy(
+        hidden_states,
+        weight,
+        shift_labels,
+        ignore_index=ignore_index,
+        chunk_size=chunk_size,
+        reduction=reduction,
+        bias=bias,
+    )
+    if loss_reduction is None and num_items_in_batch is not None:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss
