@@ -9,11 +9,27 @@ import torch
 from spindle.config import TrainConfig
 
 
+def fused_adamw_supported(params: list[torch.Tensor]) -> bool:
+    """torch has a fused (single-kernel) AdamW for the device of every parameter (CPU and CUDA here)."""
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    devices = set(_get_fused_kernels_supported_devices())
+    return bool(params) and all(p.device.type in devices and p.dtype.is_floating_point for p in params)
+
+
 def build_optimizer(params, cfg: TrainConfig) -> torch.optim.AdamW:
     params = [p for p in params if p.requires_grad]
-    # foreach is the fast path on CPU and CUDA and supports the DTensor params FSDP2 produces.
+    # fused: one kernel per parameter group for the whole update where the device has one (also for
+    # FSDP2's DTensor params); foreach (multi-tensor) otherwise.
+    fused = fused_adamw_supported(params)
     return torch.optim.AdamW(
-        params, lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay, foreach=True
+        params,
+        lr=cfg.lr,
+        betas=cfg.betas,
+        eps=cfg.adam_eps,
+        weight_decay=cfg.weight_decay,
+        fused=fused or None,
+        foreach=None if fused else True,
     )
 
 
