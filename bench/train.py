@@ -278,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(a.rounds):
         for v in variants:
             times[v] += run_variant(v, 1, a)
+            print(f"  {v}: step times {[round(t, 3) for t in times[v]]}", flush=True)  # partial results
             peaks[v] = max(peaks.get(v, 0.0), a._peak)
     results = [summarize(v, 1, times[v], peaks[v], a) for v in variants]
     if not a.no_sp and (not cuda or torch.cuda.device_count() >= 2):
