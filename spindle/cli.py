@@ -18,6 +18,8 @@ COMMANDS: dict[str, str] = {
     "demo": "spindle.commands.demo",
     "serve": "spindle.commands.serve",
     "patchgen": "spindle.commands.patchgen",
+    "precompute": "spindle.commands.precompute",
+    "plot": "spindle.commands.plot",
 }
 
 

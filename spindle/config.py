@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -39,6 +39,11 @@ class MediaDataConfig(Section):
     num_frames: int = Field(17, ge=1, description="frames sampled per video (images give 1)")
     skip_bad_samples: bool = Field(False, description="log and skip unreadable files instead of failing")
     shuffle: bool = True
+    precomputed: str | None = Field(
+        None,
+        description="folder written by `spindle precompute`: train on cached conditions; text encoders and VAE "
+        "are never loaded",
+    )
 
 
 class TextDataConfig(Section):
@@ -59,6 +64,37 @@ class TimestepConfig(Section):
     logit_std: float = 1.0
     mode_scale: float = 1.29
     shift: float = Field(1.0, gt=0, description="SD3/Wan sigma shift applied after sampling")
+
+
+class LoraConfig(Section):
+    """`train.lora:` train low-rank adapters (PEFT) instead of the full transformer."""
+
+    rank: int = Field(16, description="adapter rank r (> 0)")
+    alpha: float | None = Field(None, description="LoRA alpha; the update is scaled by alpha / rank (default: rank)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter input")
+    targets: list[str] | None = Field(
+        None,
+        description="module-name suffixes inside the transformer blocks (e.g. [to_q, to_v]); "
+        "default: every attention and feed-forward projection",
+    )
+
+    @model_validator(mode="after")
+    def _positive_rank(self) -> LoraConfig:
+        if self.rank <= 0:
+            raise ValueError(f"train.lora.rank must be a positive integer (e.g. 16); got {self.rank}")
+        return self
+
+
+class ValidationConfig(Section):
+    """`train.validation:` render samples from the in-training weights every N steps."""
+
+    every_steps: int = Field(0, ge=0, description="render every N optimizer steps (0: never)")
+    prompts: list[str] = Field(default_factory=list, description="one sample per prompt")
+    seed: int = Field(0, description="fixed seed: the same prompt is comparable across steps")
+    num_inference_steps: int = Field(20, ge=1)
+    size: tuple[int, int] | None = Field(None, description="[height, width]; default: data.resolution")
+    num_frames: int | None = Field(None, ge=1, description="video families; default: data.num_frames")
+    guidance_scale: float | None = Field(None, description="default: the family's sampling default")
 
 
 class TrainConfig(Section):
@@ -85,6 +121,9 @@ class TrainConfig(Section):
     loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = "none"
     timestep: TimestepConfig = TimestepConfig()
     log_every: int = Field(1, ge=1)
+    lora: LoraConfig | None = Field(None, description="train LoRA adapters only (see LoraConfig)")
+    validation: ValidationConfig = ValidationConfig()
+    tensorboard: bool = Field(True, description="write TensorBoard event files (when tensorboard is installed)")
 
 
 class CheckpointConfig(Section):
@@ -92,6 +131,10 @@ class CheckpointConfig(Section):
     resume: str = Field("none", description="none | auto (latest in output_dir) | path to a checkpoint folder")
     keep_last: int = Field(2, ge=1, description="resumable checkpoints kept on disk")
     export: bool = Field(True, description="export the model's standard folder (diffusers / transformers) at the end")
+
+
+class ExportConfig(Section):
+    merge_lora: bool = Field(False, description="with train.lora: also write the full pipeline with the LoRA fused")
 
 
 class ParallelConfig(Section):
@@ -109,6 +152,7 @@ class TrainJobConfig(Section):
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     parallel: ParallelConfig = ParallelConfig()
+    export: ExportConfig = ExportConfig()
 
     @model_validator(mode="after")
     def _batch_sizes(self) -> TrainJobConfig:
@@ -162,6 +206,8 @@ def _fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     for part in loc[:-1]:
         field = model.model_fields.get(str(part))
         ann = getattr(field, "annotation", None)
+        # `Section | None` (optional sections such as train.lora): look inside the union
+        ann = next((a for a in get_args(ann) if isinstance(a, type) and issubclass(a, BaseModel)), ann)
         if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
             return []
         model = ann

@@ -98,6 +98,16 @@ def make_config(tiny_wan, shapes_videos, tmp_path):
     return make
 
 
+def run_spindle(*args, timeout: float = 600):
+    """`python -m spindle ARGS...` in a subprocess (this tree's code via PYTHONPATH); -> CompletedProcess."""
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", "spindle", *map(str, args)], capture_output=True, text=True, timeout=timeout
+    )
+
+
 @dataclass
 class CliResult:
     returncode: int

@@ -171,3 +171,43 @@ def test_a_killed_save_is_never_resumed(tmp_path, moment):
     model, optimizer = _model_and_optimizer()
     ckpt.save_checkpoint(tmp_path, 2, model, optimizer, {})
     assert not partial.exists()
+
+
+# ---------------------------------------------------------------- the checkpoint's RNG state
+
+
+def test_checkpoint_rng_state_makes_a_resumed_lora_dropout_run_exact(make_config, tmp_path, monkeypatch):
+    """LoRA dropout draws its masks from the global generator: the RNG state saved in every
+    checkpoint is what lets a resumed run reproduce the uninterrupted one. Resumed without it
+    (torch.set_rng_state a no-op), the losses after the resume point differ."""
+    from spindle.train.metrics import read_metrics
+    from spindle.train.trainer import Trainer, train
+
+    common = dict(
+        train__max_steps=4,
+        train__global_batch_size=2,
+        train__lora="{rank: 4, alpha: 8, dropout: 0.5}",
+        checkpoint__every_steps=2,
+        checkpoint__export=False,
+    )
+    train(make_config(tmp_path / "straight", **common))
+    straight = [m["loss"] for m in read_metrics(tmp_path / "straight")]
+    original = Trainer.train_step
+
+    def crash_at_step_3(self):
+        if self.step == 3:
+            raise KeyboardInterrupt
+        return original(self)
+
+    def resumed(name: str) -> list[float]:
+        monkeypatch.setattr(Trainer, "train_step", crash_at_step_3)
+        with pytest.raises(KeyboardInterrupt):
+            train(make_config(tmp_path / name, **common))
+        monkeypatch.setattr(Trainer, "train_step", original)
+        train(make_config(tmp_path / name, checkpoint__resume="auto", **common))
+        return [m["loss"] for m in read_metrics(tmp_path / name)]
+
+    assert resumed("with_rng") == straight
+    monkeypatch.setattr(torch, "set_rng_state", lambda state: None)
+    without = resumed("without_rng")
+    assert without[:2] == straight[:2] and without[2:] != straight[2:]

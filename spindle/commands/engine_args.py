@@ -57,6 +57,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--ring", type=int, default=1, help="ring-attention degree; the sequence is split over ring x sp processes"
     )
     g.add_argument("--cfg-parallel", action="store_true", help="conditional / unconditional on different ranks")
+    g.add_argument("--lora", default=None, help="LoRA .safetensors file or folder (diffusers, ComfyUI/original layout)")
+    g.add_argument("--lora-scale", type=float, default=1.0, help="LoRA strength (default 1.0)")
 
 
 def parse_cache_options(items: list[str]) -> dict[str, Any]:
@@ -89,6 +91,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         sp=args.sp,
         ring=args.ring,
         cfg_parallel=args.cfg_parallel,
+        lora=args.lora,
+        lora_scale=args.lora_scale,
     )
 
 

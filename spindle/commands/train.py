@@ -4,7 +4,9 @@
 
 Overrides use dotted keys and YAML values, e.g. `train.lr=1e-4 data.resolution=[64,64]`.
 Outputs in train.output_dir: config.yaml (resolved), metrics.jsonl (one line per step),
-checkpoints/step-N/ (resumable, sharded), export/ (a diffusers pipeline / transformers model folder).
+tensorboard/ (event files, when tensorboard is installed), samples/step-N/ (train.validation),
+checkpoints/step-N/ (resumable, sharded), export/ (a diffusers pipeline / transformers model folder; with
+train.lora: export/lora/ with diffusers' and the original layout's LoRA files).
 With --nproc N the job re-launches itself under torchrun (gloo on CPU, NCCL on CUDA);
 `torchrun --nproc_per_node N -m spindle train CONFIG.yaml` works the same.
 """

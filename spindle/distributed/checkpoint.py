@@ -29,6 +29,12 @@ from torch.distributed.checkpoint.state_dict import (
 
 from spindle.distributed.mesh import barrier, is_main_process
 
+# Checkpoints hold what trains (every parameter with requires_grad, plus buffers) and the optimizer
+# state; a LoRA run's frozen base weights are read from the base model again on resume.
+_TRAINABLE = StateDictOptions(ignore_frozen_params=True)
+# Setting them back: the frozen ones are absent on purpose (not strict); every trainable one was
+# requested from DCP, whose load fails on a key the checkpoint lacks, so nothing goes missing silently.
+_SET_TRAINABLE = StateDictOptions(ignore_frozen_params=True, strict=False)
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TRAINER_STATE = "trainer_state.json"
 
@@ -103,7 +109,8 @@ def save_checkpoint(
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    # Frozen parameters (a LoRA run's base weights) are not saved: they come from the base checkpoint.
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.save(_rng_state(), tmp / f"rng-rank{rank}.pt")
@@ -120,10 +127,12 @@ def save_checkpoint(
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Collective. Restores model + optimizer in place (any world size); returns trainer_state."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE)
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_SET_TRAINABLE
+    )
     rank = dist.get_rank() if dist.is_initialized() else 0
     rng_file = path / f"rng-rank{rank}.pt"
     if not rng_file.is_file():  # resumed on more ranks than saved: new ranks take rank 0's stream
@@ -136,9 +145,10 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     return trainer_state
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Collective: gather the full (unsharded) model state dict on CPU; meaningful on rank 0."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+def full_state_dict(model: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """Collective: gather the full (unsharded) model state dict on CPU; meaningful on rank 0.
+    `trainable_only`: leave out frozen parameters (a LoRA run gathers only its adapters)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
     # with full_state_dict=True every value is a plain tensor (no DTensor, no nested dicts)
     return cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
 
@@ -186,8 +196,10 @@ def save_hf_safetensors(state_dict: dict[str, torch.Tensor], out: str | Path, ma
 
 def read_checkpoint_model(path: Path, template: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Read a checkpoint's model weights into a plain state dict shaped like `template` (1 process)."""
+    saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    # a LoRA checkpoint holds only the adapters: the template's other tensors stay the base weights
     sd = {k: v.detach().clone() for k, v in template.state_dict().items()}
-    dcp.load({"model": sd}, checkpoint_id=str(path))
+    dcp.load({"model": {k: v for k, v in sd.items() if f"model.{k}" in saved}}, checkpoint_id=str(path))
     return sd
 
 

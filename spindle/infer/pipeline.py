@@ -57,6 +57,8 @@ class EngineOptions:
     sp: int = 1  # Ulysses sequence-parallel degree (heads must divide it)
     ring: int = 1  # ring-attention degree: the sequence is split over ring x sp processes
     cfg_parallel: bool = False  # cond / uncond on different ranks (needs 2 x ring x sp processes)
+    lora: str | None = None  # a LoRA file / folder applied to the transformer (spindle.infer.lora)
+    lora_scale: float = 1.0
 
     def validate(self) -> None:
         from spindle.infer.caches import POLICIES, check_cache_options
@@ -84,6 +86,8 @@ class EngineOptions:
             )
         if isinstance(self.min_psnr, bool) or not isinstance(self.min_psnr, (int, float)) or self.min_psnr <= 0:
             raise ValueError(f"min_psnr must be a number of dB > 0; got {self.min_psnr!r}")
+        if not isinstance(self.lora_scale, (int, float)) or isinstance(self.lora_scale, bool):
+            raise ValueError(f"lora_scale must be a number; got {self.lora_scale!r}")
         for name in ("sp", "ring"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -205,6 +209,10 @@ class InferencePipeline:
         family = resolve_family(root)
         spec: InferenceSpec = family.inference_spec()
         components = load_components(root, spec, options)
+        if options.lora is not None:
+            from spindle.infer.lora import apply_lora_file
+
+            apply_lora_file(family, components, options.lora, options.lora_scale)
         return cls.build(spec, components, options, root=root)
 
     @classmethod

@@ -133,6 +133,18 @@ class TextDemoSpec:
 
 
 @dataclass(frozen=True)
+class ConformanceSpec:
+    """How the conformance suite (spindle/testing/conformance.py) exercises a family.
+
+    `parity_cases`: name -> keyword arguments valid both for the stock diffusers pipeline call and
+    for `DiffusionGenerator.generate` (with `seed`), small enough for a CPU test; at least one case
+    with classifier-free guidance and one without.
+    """
+
+    parity_cases: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class DiTFamily:
     name: str
     pipeline_classes: tuple[str, ...]
@@ -142,8 +154,13 @@ class DiTFamily:
     tiny_model: str | None = None  # "module:function(out, seed, **overrides)"
     detect: Callable[[Path], bool] | None = None
     demo: DemoSpec | None = None
+    conformance: ConformanceSpec | None = None
     extras: dict[str, Any] = field(default_factory=dict)
     task: str = "flow_matching"  # the training task (spindle.train.tasks.TASKS)
+    # "module:function": a diffusers-layout LoRA state dict (no "transformer." prefix) -> the same LoRA in
+    # the original model's key layout (ComfyUI / the original code); None: no such export for the family.
+    # Reading back goes through the family's diffusers pipeline class (`lora_state_dict`).
+    lora_original: str | None = None
 
     @property
     def export_hint(self) -> str:
@@ -151,6 +168,12 @@ class DiTFamily:
 
     def condition_model_cls(self) -> type[ConditionModel]:
         return import_object(self.condition_model)
+
+    def pipeline_class(self) -> Any:
+        """The family's diffusers pipeline class (LoRA loading and saving are its classmethods)."""
+        import diffusers
+
+        return getattr(diffusers, self.pipeline_classes[0])
 
     def inference_spec(self) -> Any:
         if self.inference is None:
@@ -316,8 +339,15 @@ class ConditionModel(ABC):
     @classmethod
     @abstractmethod
     def from_pretrained(
-        cls, root: str | Path, device: torch.device, dtype: torch.dtype, max_text_length: int = 512
-    ) -> ConditionModel: ...
+        cls,
+        root: str | Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_text_length: int = 512,
+        encoders: bool = True,
+    ) -> ConditionModel:
+        """`encoders=False`: for training on precomputed conditions; only what `training_inputs` needs
+        is loaded (never the text encoders' or the VAE's weights), and `encode` cannot run."""
 
     @abstractmethod
     def encode(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -326,6 +356,27 @@ class ConditionModel(ABC):
     @abstractmethod
     def training_inputs(self, conditions: dict[str, torch.Tensor], generators: list[torch.Generator]) -> dict[str, Any]:
         """Conditions + one generator per sample -> transformer forward kwargs + "target" + "sigmas"."""
+
+
+def encoder_placeholders(root: str | Path) -> dict[str, Any]:
+    """from_pretrained overrides that keep a pipeline's encoders out of memory: every model component
+    but the scheduler is None, except the VAE, built on the meta device from its config (its config
+    holds the latent scaling the training inputs use; its weights are never read)."""
+    import diffusers
+
+    from spindle.infer.pipeline import read_model_index
+
+    out: dict[str, Any] = {}
+    for name, entry in read_model_index(root).items():
+        if name.startswith("_") or not isinstance(entry, list) or name in ("scheduler", "transformer"):
+            continue
+        if name == "vae":
+            vae_cls = getattr(diffusers, entry[1])
+            with torch.device("meta"):
+                out[name] = vae_cls.from_config(vae_cls.load_config(Path(root) / "vae"))
+        else:
+            out[name] = None
+    return out
 
 
 class PipelineConditionModel(ConditionModel):
@@ -353,9 +404,12 @@ class PipelineConditionModel(ConditionModel):
         device: torch.device = torch.device("cpu"),
         dtype: torch.dtype = torch.float32,
         max_text_length: int = 512,
+        encoders: bool = True,
     ) -> Self:
-        pipe = import_object(cls.pipeline_class).from_pretrained(root, transformer=None, dtype=dtype)
-        pipe.to(device)
+        skip = {} if encoders else encoder_placeholders(root)
+        pipe = import_object(cls.pipeline_class).from_pretrained(root, transformer=None, dtype=dtype, **skip)
+        if encoders:
+            pipe.to(device)
         for module in pipe.components.values():
             if isinstance(module, torch.nn.Module):
                 module.requires_grad_(False).eval()

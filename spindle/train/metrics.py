@@ -1,4 +1,10 @@
-"""Per-step metrics: throughput, metrics.jsonl, and the progress bar."""
+"""Per-step metrics: throughput, metrics.jsonl, TensorBoard event files, and the progress bar.
+
+TensorBoard: `output_dir/tensorboard/` (next to metrics.jsonl) gets every scalar of the jsonl line
+under `train/<name>` and the validation samples under `samples/<prompt index>`; on by default
+(`train.tensorboard`) when the tensorboard package is installed, silently off when it is not.
+`tensorboard --logdir OUTPUT_DIR` shows the curves; `spindle plot OUTPUT_DIR` draws loss.png without it.
+"""
 
 from __future__ import annotations
 
@@ -22,15 +28,33 @@ def count_tokens(hidden_states: torch.Tensor, patch_size: Any) -> int:
     return int(math.prod(s // p for s, p in zip(spatial, patch, strict=True)))
 
 
-class MetricsLog:
-    """Appends one JSON line per step to metrics.jsonl (rank 0 only) and drives a tqdm bar."""
+def tensorboard_available() -> bool:
+    import importlib.util
 
-    def __init__(self, output_dir: Path, start_step: int, max_steps: int, enabled: bool):
+    return importlib.util.find_spec("tensorboard") is not None
+
+
+TENSORBOARD_DIR = "tensorboard"
+
+
+class MetricsLog:
+    """Appends one JSON line per step to metrics.jsonl (rank 0 only), mirrors it to TensorBoard, and
+    drives a tqdm bar."""
+
+    def __init__(self, output_dir: Path, start_step: int, max_steps: int, enabled: bool, tensorboard: bool = True):
         self.enabled = enabled
         self.path = output_dir / "metrics.jsonl"
         self.bar = tqdm(
             total=max_steps, initial=start_step, desc="train", unit="step", disable=not enabled, dynamic_ncols=True
         )
+        self.writer = None
+        if enabled and tensorboard and tensorboard_available():
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step: a resumed run drops the events of steps it will re-run (like metrics.jsonl)
+            self.writer = SummaryWriter(
+                str(output_dir / TENSORBOARD_DIR), purge_step=start_step + 1 if start_step else None
+            )
         self._t0 = time.perf_counter()
 
     def start_step(self) -> None:
@@ -65,10 +89,30 @@ class MetricsLog:
                 loss=f"{loss:.4f}", gnorm=f"{grad_norm:.3f}", lr=f"{lr:.2e}", samples_s=f"{record['samples_per_s']:.2f}"
             )
             self.bar.update(1)
+            if self.writer is not None:
+                for key, value in record.items():
+                    if key != "step" and isinstance(value, (int, float)):
+                        self.writer.add_scalar(f"train/{key}", value, step)
+                self.writer.flush()
         return record
+
+    def log_sample(self, step: int, index: int, frames: Any) -> None:
+        """A validation sample ([H, W, 3] image or [F, H, W, 3] video, floats in [0, 1]) to TensorBoard.
+        Videos go in as their frames side by side (TensorBoard's own video panel needs moviepy)."""
+        if self.writer is None:
+            return
+        import numpy as np
+
+        frames = np.asarray(frames, dtype=np.float32)
+        if frames.ndim == 4:
+            frames = np.concatenate(list(frames), axis=1)  # [H, F*W, 3]
+        self.writer.add_image(f"samples/{index}", frames.clip(0, 1), step, dataformats="HWC")
+        self.writer.flush()
 
     def close(self) -> None:
         self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 def read_metrics(output_dir: str | Path) -> list[dict]:

@@ -188,7 +188,13 @@ class Trainer:
         if resume is not None:
             self.restore(resume)
             last = resume
-        metrics = MetricsLog(self.output_dir, self.step, cfg.train.max_steps, enabled=is_main_process())
+        metrics = MetricsLog(
+            self.output_dir,
+            self.step,
+            cfg.train.max_steps,
+            enabled=is_main_process(),
+            tensorboard=cfg.train.tensorboard,
+        )
         try:
             while self.step < cfg.train.max_steps:
                 metrics.start_step()
@@ -196,6 +202,7 @@ class Trainer:
                 loss, grad_norm, samples, tokens, extra = self.train_step()
                 self.step += 1
                 metrics.end_step(self.step, loss, grad_norm, lr, samples, tokens, extra)
+                self.maybe_validate(metrics)
                 every = cfg.checkpoint.every_steps
                 if every and self.step % every == 0 and self.step < cfg.train.max_steps:
                     last = self.save()
@@ -207,6 +214,23 @@ class Trainer:
             last = self.save()
         export_dir = self.export(last) if cfg.checkpoint.export else None
         return TrainResult(self.output_dir, self.step, export_dir)
+
+    def maybe_validate(self, metrics: MetricsLog) -> None:
+        """`train.validation`: render samples every N steps without touching the training trajectory:
+        the RNG streams are forked (restored afterwards), the model runs in eval mode under no_grad and
+        goes back to train mode, and nothing reaches the optimizer."""
+        val = self.cfg.train.validation
+        if not val.every_steps or not val.prompts or self.step % val.every_steps:
+            return
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            self.model.eval()
+            try:
+                samples = self.task.validate(self.model, self.step, self.output_dir / "samples" / f"step-{self.step}")
+            finally:
+                self.model.train()
+        for index, frames in enumerate(samples):
+            metrics.log_sample(self.step, index, frames)
 
     def export(self, checkpoint_dir: Path) -> Path | None:
         return self.task.export(self.model, self.output_dir / "export")

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from spindle.models.base import DemoSpec, DiTFamily
+from spindle.models.base import ConformanceSpec, DemoSpec, DiTFamily
 
 
 def _looks_like_flux(root: Path) -> bool:
@@ -18,10 +18,36 @@ FAMILY = DiTFamily(
     condition_model="spindle.models.flux.condition:FluxConditionModel",
     inference="spindle.models.flux.pipeline:FLUX_INFERENCE",
     tiny_model="spindle.testing.tiny:build_tiny_flux",
+    lora_original="spindle.models.flux.lora:to_original",
     detect=_looks_like_flux,
     demo=DemoSpec(
         dataset="spindle.testing.synthetic:make_shapes_image_dataset",
         dataset_kwargs={"num_images": 16, "size": (32, 32)},
         sample_kwargs={"guidance_scale": 3.5},  # the embedded guidance the model was fine-tuned with
+    ),
+    conformance=ConformanceSpec(
+        parity_cases={
+            # Flux's guidance_scale is embedded guidance; classifier-free guidance is true_cfg_scale
+            "cfg": dict(
+                prompt="a red fox in the snow",
+                negative_prompt="blurry",
+                height=32,
+                width=32,
+                num_inference_steps=2,
+                guidance_scale=3.5,
+                true_cfg_scale=4.0,
+                max_sequence_length=16,
+                seed=7,
+            ),
+            "nocfg": dict(
+                prompt="a red fox in the snow",
+                height=32,
+                width=48,
+                num_inference_steps=3,
+                guidance_scale=4.0,
+                max_sequence_length=16,
+                seed=0,
+            ),
+        }
     ),
 )

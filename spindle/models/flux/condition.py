@@ -60,8 +60,9 @@ class FluxConditionModel(PipelineConditionModel):
         device: torch.device = torch.device("cpu"),
         dtype: torch.dtype = torch.float32,
         max_text_length: int = 512,
+        encoders: bool = True,
     ) -> FluxConditionModel:
-        model = super().from_pretrained(root, device, dtype, max_text_length)
+        model = super().from_pretrained(root, device, dtype, max_text_length, encoders)
         # The transformer is not loaded here; whether it embeds guidance is in its config.
         tcfg = json.loads((Path(root) / "transformer" / "config.json").read_text())
         model.guidance_embeds = bool(tcfg.get("guidance_embeds", False))

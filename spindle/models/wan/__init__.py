@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from spindle.models.base import DemoSpec, DiTFamily
+from spindle.models.base import ConformanceSpec, DemoSpec, DiTFamily
 
 
 def _looks_like_wan(root: Path) -> bool:
@@ -18,6 +18,7 @@ FAMILY = DiTFamily(
     condition_model="spindle.models.wan.condition:WanConditionModel",
     inference="spindle.models.wan.pipeline:WAN_INFERENCE",
     tiny_model="spindle.testing.tiny:build_tiny_wan",
+    lora_original="spindle.models.wan.lora:to_original",
     detect=_looks_like_wan,
     demo=DemoSpec(
         dataset="spindle.testing.synthetic:make_shapes_video_dataset",
@@ -25,5 +26,28 @@ FAMILY = DiTFamily(
         num_frames=9,
         sample_suffix=".mp4",
         sample_kwargs={"num_frames": 9, "guidance_scale": 1.0},
+    ),
+    conformance=ConformanceSpec(
+        parity_cases={
+            "cfg": dict(
+                prompt="a red fox in the snow",
+                negative_prompt="blurry",
+                height=32,
+                width=32,
+                num_frames=5,
+                num_inference_steps=2,
+                guidance_scale=5.0,
+                seed=0,
+            ),
+            "nocfg": dict(
+                prompt="a red fox in the snow",
+                height=32,
+                width=48,
+                num_frames=9,
+                num_inference_steps=3,
+                guidance_scale=1.0,
+                seed=7,
+            ),
+        }
     ),
 )

@@ -84,6 +84,12 @@ class TrainTask(ABC):
     def forward(self, model: torch.nn.Module, batch: Any, step: int) -> StepOutput:
         """The micro-batch's summed loss (differentiable) and counts."""
 
+    def validate(self, model: torch.nn.Module, step: int, out_dir: Path) -> list[Any]:
+        """Collective: render `train.validation` samples from the in-training model into `out_dir`
+        (rank 0 writes); -> the samples as float arrays in [0, 1] ([H, W, 3] or [F, H, W, 3]) for
+        TensorBoard. Called under no_grad, in eval mode, with the RNG state forked. Default: none."""
+        return []
+
     # ------------------------------------------------------------ output
 
     def state(self) -> dict[str, Any]:

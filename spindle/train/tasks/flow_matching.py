@@ -70,10 +70,9 @@ class FlowMatchingTask(TrainTask):
     # ------------------------------------------------------------ set-up
 
     def _build_condition(self) -> ConditionModel:
-        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
-        cond = self.family.condition_model_cls().from_pretrained(
-            self.cfg.model.path, device=self.device, dtype=dtype, max_text_length=self.cfg.model.max_text_length
-        )
+        # with a precomputed cache only the training-input side loads (no text encoder / VAE weights)
+        encoders = self.cfg.data.precomputed is None
+        cond = build_condition_model(self.cfg, self.family, self.device, self.precision, encoders=encoders)
         ts = self.cfg.train.timestep
         cond.timestep_sampling = TimestepSampling(
             scheme=ts.scheme,
@@ -89,6 +88,8 @@ class FlowMatchingTask(TrainTask):
         from spindle.distributed.fsdp import autocast_dtype, parallelize_transformer
 
         model = load_transformer(self.cfg.model.path, dtype=torch.float32).to(self.device)
+        if self.cfg.train.lora is not None:  # converters before SP / checkpointing / FSDP2
+            add_lora(model, self.cfg.train.lora)
         model.train()
         model = parallelize_transformer(
             model,
@@ -101,19 +102,25 @@ class FlowMatchingTask(TrainTask):
         return model
 
     def build_loader(self):
-        from spindle.data.datasets import build_dataset
+        from spindle.data.datasets import build_dataset, collate
         from spindle.data.loader import ResumableLoader
+        from spindle.data.precomputed import CachedConditions, cache_settings, collate_conditions
 
         data = self.cfg.data
-        dataset = build_dataset(data.path, tuple(data.resolution), data.num_frames, data.skip_bad_samples)
+        media = build_dataset(data.path, tuple(data.resolution), data.num_frames, data.skip_bad_samples)
+        source: Any = media
+        if data.precomputed is not None:  # the same samples, read as cached conditions
+            settings = cache_settings(self.cfg, self.family.name, condition_dtype(self.precision))
+            source = CachedConditions(data.precomputed, settings, media.samples)
         return ResumableLoader(
-            dataset,
+            source,
             self.cfg.train.micro_batch_size,
             dp_rank=self.mesh.dp_rank,
             dp_size=self.mesh.dims.dp_size,
             seed=self.cfg.train.seed,
             shuffle=data.shuffle,
             global_batch_size=self.cfg.train.global_batch_size,
+            collate_fn=collate if data.precomputed is None else collate_conditions,
         )
 
     # ------------------------------------------------------------ step
@@ -127,7 +134,10 @@ class FlowMatchingTask(TrainTask):
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def forward(self, model: torch.nn.Module, batch: dict[str, Any], step: int) -> StepOutput:
-        conditions = self.condition.encode(batch)
+        if "conditions" in batch:  # read from a precomputed cache
+            conditions = {k: v.to(self.device) for k, v in batch["conditions"].items()}
+        else:
+            conditions = self.condition.encode(batch)
         generators = [sample_generator(self.seed, step, int(i)) for i in batch["index"]]
         inputs = self.condition.training_inputs(conditions, generators)
         target = inputs.pop("target").to(self.device)
@@ -158,14 +168,29 @@ class FlowMatchingTask(TrainTask):
             check_sequence_parallel(model, sp, seq_len=tokens, ring=ring)
             check_split_inputs(model, sp * ring, inputs)
 
+    def validate(self, model: torch.nn.Module, step: int, out_dir: Path) -> list[Any]:
+        from spindle.train.validation import render_samples
+
+        return render_samples(self, model, step, out_dir)
+
     # ------------------------------------------------------------ export
 
     def state(self) -> dict[str, Any]:
-        return {"family": self.family.name}
+        lora = self.cfg.train.lora
+        return {"family": self.family.name, "lora": lora.model_dump() if lora is not None else None}
 
     def export(self, model: torch.nn.Module, out: Path) -> Path | None:
-        sd = ckpt.full_state_dict(model)
-        result = export_pipeline(self.cfg.model.path, sd, out) if is_main_process() else None
+        if self.cfg.train.lora is None:
+            sd = ckpt.full_state_dict(model)
+            result = export_pipeline(self.cfg.model.path, sd, out) if is_main_process() else None
+        else:
+            from spindle.train.lora import adapter_state_dict, lora_scale
+
+            sd = ckpt.full_state_dict(model, trainable_only=True)
+            result = None
+            if is_main_process():
+                adapters = adapter_state_dict(sd, lora_scale(model))
+                result = export_lora(self.family, self.cfg.model.path, adapters, out, self.cfg.export.merge_lora)
         barrier()
         return result
 
@@ -173,8 +198,82 @@ class FlowMatchingTask(TrainTask):
     def export_checkpoint(cls, checkpoint: Path, model_path: Path, out: Path) -> Path:
         if not (model_path / "model_index.json").is_file():
             raise FileNotFoundError(f"base model {model_path} has no model_index.json; pass --model PATH")
+        state = json.loads((checkpoint / ckpt.TRAINER_STATE).read_text())
         template = load_transformer(model_path)
-        return export_pipeline(model_path, ckpt.read_checkpoint_model(checkpoint, template), out)
+        if state.get("lora") is None:
+            return export_pipeline(model_path, ckpt.read_checkpoint_model(checkpoint, template), out)
+        from spindle.config import LoraConfig
+        from spindle.train.lora import adapter_state_dict, lora_scale
+
+        add_lora(template, LoraConfig(**state["lora"]))
+        adapters = adapter_state_dict(ckpt.read_checkpoint_model(checkpoint, template), lora_scale(template))
+        family = get_family(state["family"]) if state.get("family") else resolve_family(model_path)
+        return export_lora(family, model_path, adapters, out, merge=False)
+
+
+def condition_dtype(precision: str) -> torch.dtype:
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+def build_condition_model(
+    cfg: Any, family: Any, device: torch.device, precision: str, encoders: bool = True
+) -> ConditionModel:
+    """The family's frozen condition model for a job config (training and `spindle precompute`)."""
+    model: ConditionModel = family.condition_model_cls().from_pretrained(
+        cfg.model.path,
+        device=device,
+        dtype=condition_dtype(precision),
+        max_text_length=cfg.model.max_text_length,
+        encoders=encoders,
+    )
+    return model
+
+
+def add_lora(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
+    from spindle.distributed.fsdp import find_blocks
+    from spindle.train.lora import apply_lora
+
+    return apply_lora(model, find_blocks(model), lora)
+
+
+LORA_FILE = "pytorch_lora_weights.safetensors"  # diffusers' default weight name
+LORA_ORIGINAL_FILE = "original_layout_lora.safetensors"
+
+
+def export_lora(family: Any, base: str | Path, adapters: dict[str, torch.Tensor], out: str | Path, merge: bool) -> Path:
+    """Write `out/lora/` (diffusers' LoRA file + the original-layout file) and, with `merge`, `out/merged/`
+    (the full pipeline with the LoRA fused into the transformer). Written to `<out>.tmp`, then renamed.
+
+    `adapters`: diffusers-layout LoRA (`<module>.lora_A.weight`, alpha / rank folded into lora_B).
+    The diffusers file is written by the family pipeline's own `save_lora_weights`, so
+    `<Pipeline>.load_lora_weights(out/lora)` loads it in stock diffusers.
+    """
+    import logging
+
+    from safetensors.torch import save_file
+
+    from spindle.models.base import import_object
+
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    family.pipeline_class().save_lora_weights(tmp / "lora", transformer_lora_layers=adapters, weight_name=LORA_FILE)
+    if family.lora_original is not None:
+        try:
+            original = import_object(family.lora_original)(adapters)
+        except ValueError as e:  # targets outside the original layout: the diffusers file still serves
+            logging.getLogger("spindle.train").warning("no original-layout LoRA file written: %s", e)
+        else:
+            save_file(original, tmp / "lora" / LORA_ORIGINAL_FILE, metadata={"format": "pt", "family": family.name})
+    if merge:
+        model: Any = load_transformer(base)  # a diffusers ModelMixin (PEFT loader methods)
+        model.load_lora_adapter({f"transformer.{k}": v for k, v in adapters.items()}, prefix="transformer")
+        model.fuse_lora(lora_scale=1.0)
+        model.unload_lora()
+        export_pipeline(base, model.state_dict(), tmp / "merged")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
 
 
 def export_pipeline(source_root: str | Path, state_dict: dict[str, torch.Tensor], out: str | Path) -> Path:

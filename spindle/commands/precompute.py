@@ -1,0 +1,80 @@
+"""Encode a DiT training set once: the frozen condition model's latents and text embeddings to disk.
+
+  spindle precompute CONFIG.yaml --out DIR [key.sub=value ...] [--nproc N]
+
+Reads the training config (model, data, precision), runs the family's condition model (text
+encoders + VAE posterior mode) over every sample of data.path, sharded over ranks with --nproc,
+and writes DIR/samples/*.safetensors plus DIR/manifest.json keyed by sample, checkpoint and the
+settings that shape the conditions. Train on it with `data.precomputed: DIR`: the text encoders and
+the VAE are then never loaded. A stale or mismatched cache is refused, saying what differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HELP = "encode a DiT dataset's conditions (latents, text embeddings) once, for data.precomputed"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="the training YAML config (model:, data:, train:)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.resolution=[64,64]")
+    p.add_argument("--out", required=True, help="cache folder to write (data.precomputed)")
+    p.add_argument("--nproc", type=int, default=1, help="processes on this node (re-launches under torchrun)")
+
+
+def precompute(cfg: Any, out: str | Path) -> Path | None:
+    """Collective over the launched ranks (1 process without a launcher); -> the manifest on rank 0."""
+    import torch
+
+    from spindle.data.datasets import build_dataset, collate
+    from spindle.data.precomputed import cache_settings, write_manifest, write_sample
+    from spindle.distributed.mesh import barrier, init_distributed
+    from spindle.registry import get_family, resolve_family
+    from spindle.train.tasks.flow_matching import build_condition_model, condition_dtype
+    from spindle.train.trainer import local_device, resolve_precision
+
+    rank, world = init_distributed()
+    out = Path(out)
+    family = get_family(cfg.model.family) if cfg.model.family else resolve_family(cfg.model.path)
+    precision = resolve_precision(cfg.train.mixed_precision)
+    data = cfg.data
+    dataset = build_dataset(data.path, tuple(data.resolution), data.num_frames, skip_bad_samples=False)
+    device = local_device()
+    condition = build_condition_model(cfg, family, device, precision)
+    mine = range(rank, len(dataset), world)
+    start = time.perf_counter()
+    with torch.no_grad():
+        for n, index in enumerate(mine, start=1):
+            conditions = condition.encode(collate([dataset.load(index)]))
+            write_sample(out, index, {k: v[0] for k, v in conditions.items()})
+            if rank == 0:
+                print(f"\rencoded {n}/{len(mine)} samples on rank 0", end="", file=sys.stderr)
+    if rank == 0:
+        print(f" ({time.perf_counter() - start:.1f}s)", file=sys.stderr)
+    barrier()
+    manifest = None
+    if rank == 0:
+        manifest = write_manifest(out, cache_settings(cfg, family.name, condition_dtype(precision)), dataset.samples)
+    barrier()
+    return manifest
+
+
+def run(args: argparse.Namespace) -> int:
+    from spindle.config import load_config
+    from spindle.distributed.launch import maybe_relaunch
+
+    cfg = load_config(args.config, args.overrides)
+    if not hasattr(cfg.data, "precomputed"):
+        raise ValueError("spindle precompute encodes DiT (flow-matching) datasets; this config's model is not a DiT")
+    code = maybe_relaunch(args.nproc, args._argv)
+    if code is not None:
+        return code
+    manifest = precompute(cfg, args.out)
+    if manifest is not None:
+        print(f"wrote {manifest}; train with data.precomputed={Path(args.out)}")
+    return 0

@@ -1,0 +1,280 @@
+"""The conformance suite's checks: what every DiT family must pass to be registered.
+
+tests/test_conformance.py runs each check over every flow-matching family in the registry; a new
+family is its folder + its registration + passing these (docs/adding-a-model.md). Each check raises
+AssertionError naming the family and what differs, so the same functions also show that a broken
+family fails (tests/test_conformance.py::test_a_broken_family_fails_the_suite).
+
+What a family declares for the suite, next to its DemoSpec: a `ConformanceSpec` (spindle.models.base)
+with parity cases,
+keyword arguments valid both for the stock diffusers pipeline call and for Spindle's
+`DiffusionGenerator.generate` (at least one case with classifier-free guidance and one without).
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from spindle.models.base import DiTFamily, import_object, load_transformer
+
+PARITY_ATOL = 1e-5  # fp32 CPU, max abs difference of frames in [0, 1]
+SP_RTOL = 1e-5  # loss and gradients of a sequence-parallel layout against one process
+TEXT_TOKENS = 16  # model.max_text_length for every tiny check (divides the SP degrees used here)
+
+
+def build_tiny(family: DiTFamily, out: Path, seed: int = 0) -> Path:
+    if family.tiny_model is None:
+        raise AssertionError(f"family {family.name!r} has no tiny_model builder (DiTFamily.tiny_model)")
+    return Path(import_object(family.tiny_model)(out, seed=seed))
+
+
+# ---------------------------------------------------------------- checkpoint and inference
+
+
+def check_stock_load(family: DiTFamily, root: Path) -> None:
+    """The tiny checkpoint is a standard diffusers folder: stock `DiffusionPipeline` loads it as the
+    family's pipeline class, with the family's transformer class."""
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(root)
+    assert type(pipe).__name__ in family.pipeline_classes, (
+        f"{family.name}: stock diffusers loads {root} as {type(pipe).__name__}, not one of {family.pipeline_classes}"
+    )
+    transformer = type(pipe.transformer).__name__
+    assert transformer in family.transformer_classes, (
+        f"{family.name}: the checkpoint's transformer is {transformer}, not one of {family.transformer_classes}"
+    )
+
+
+def stock_output(root: Path, kwargs: dict[str, Any]) -> np.ndarray:
+    """What the stock diffusers pipeline returns for `kwargs` (+ `seed`), as numpy in [0, 1]."""
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(root)
+    pipe.set_progress_bar_config(disable=True)
+    kw = dict(kwargs)
+    seed = kw.pop("seed")
+    out = pipe(**kw, generator=torch.Generator().manual_seed(seed), output_type="np")
+    return np.asarray(out.frames if hasattr(out, "frames") else out.images)
+
+
+def check_inference_parity(
+    family: DiTFamily, root: Path, kwargs: dict[str, Any], *, cfg_batch: bool = True, atol: float = PARITY_ATOL
+) -> None:
+    """Spindle's staged engine, built from the family's own inference spec, gives the stock pipeline's
+    output for the same seed."""
+    from spindle.infer.generator import DiffusionGenerator
+    from spindle.infer.pipeline import EngineOptions, InferencePipeline, load_components
+
+    reference = stock_output(root, kwargs)
+    options = EngineOptions(cfg_batch=cfg_batch)
+    spec = family.inference_spec()
+    engine = InferencePipeline.build(spec, load_components(root, spec, options), options, root=root)
+    result = DiffusionGenerator(engine).generate(**kwargs)
+    assert result.frames.shape == reference.shape, (
+        f"{family.name}: Spindle output shape {result.frames.shape} != diffusers {reference.shape}"
+    )
+    diff = float(np.abs(result.frames - reference).max())
+    assert diff <= atol, f"{family.name}: Spindle differs from diffusers by {diff:.3g} (max abs) > {atol} for {kwargs}"
+
+
+# ---------------------------------------------------------------- training
+
+
+def training_batch(family: DiTFamily, samples: int = 2) -> dict[str, Any]:
+    """A raw loader batch at the family's demo size: pixels [B, 3, F, H, W] in [-1, 1], captions, indices."""
+    if family.demo is None:
+        raise AssertionError(f"family {family.name!r} has no DemoSpec (sizes the suite trains at)")
+    frames, (height, width) = family.demo.num_frames, family.demo.size
+    g = torch.Generator().manual_seed(0)
+    return {
+        "pixels": torch.rand(samples, 3, frames, height, width, generator=g) * 2 - 1,
+        "caption": ["a red circle moves left", "a blue square on the right"][:samples],
+        "index": torch.arange(samples),
+    }
+
+
+def training_inputs(family: DiTFamily, root: Path, condition: Any = None) -> dict[str, Any]:
+    """The transformer's training inputs (+ "target", "sigmas") for `training_batch`, at step 0."""
+    from spindle.train.tasks.flow_matching import sample_generator
+
+    if condition is None:
+        condition = family.condition_model_cls().from_pretrained(root, max_text_length=TEXT_TOKENS)
+    batch = training_batch(family)
+    generators = [sample_generator(0, 0, int(i)) for i in batch["index"]]
+    return condition.training_inputs(condition.encode(batch), generators)
+
+
+def check_training_inputs(family: DiTFamily, root: Path, condition: Any = None) -> None:
+    """The condition model's inputs are exactly forward kwargs of the transformer, and the target has
+    the shape of its prediction (so the flow-matching MSE compares like with like)."""
+    inputs = training_inputs(family, root, condition)
+    missing = {"target", "sigmas"} - set(inputs)
+    assert not missing, f"{family.name}: training_inputs must return {sorted(missing)}"
+    target, sigmas = inputs.pop("target"), inputs.pop("sigmas")
+    model = load_transformer(root)
+    params = inspect.signature(model.forward).parameters
+    unknown = sorted(set(inputs) - set(params))
+    assert not unknown, f"{family.name}: training inputs {unknown} are not arguments of {type(model).__name__}.forward"
+    with torch.no_grad():
+        pred = model(**inputs, return_dict=False)[0]
+    assert pred.shape == target.shape, f"{family.name}: prediction {tuple(pred.shape)} vs target {tuple(target.shape)}"
+    assert sigmas.shape == (target.shape[0],) and bool(((sigmas > 0) & (sigmas < 1)).all()), (
+        f"{family.name}: sigmas must be one value in (0, 1) per sample, got {sigmas}"
+    )
+
+
+def train_overrides(root: Path, data: Path, out: Path, family: DiTFamily, **extra: Any) -> list[str]:
+    assert family.demo is not None
+    values = {
+        "model.path": root,
+        "model.max_text_length": TEXT_TOKENS,
+        "data.path": data,
+        "data.resolution": list(family.demo.size),
+        "data.num_frames": family.demo.num_frames,
+        "train.output_dir": out,
+        "train.max_steps": 12,
+        "train.global_batch_size": 2,
+        "train.micro_batch_size": 2,
+        "train.lr": 3e-3,
+        "train.seed": 0,
+        "checkpoint.resume": "none",
+        **extra,
+    }
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def check_overfit(family: DiTFamily, losses: list[float]) -> None:
+    """A few samples, a high learning rate: the loss must clearly fall (the inputs carry signal)."""
+    first, last = np.mean(losses[:3]), np.mean(losses[-3:])
+    assert last < 0.8 * first, f"{family.name}: the loss did not fall when overfitting ({first:.4f} -> {last:.4f})"
+
+
+def check_export_round_trip(family: DiTFamily, base: Path, export: Path, trained: dict[str, torch.Tensor]) -> None:
+    """The export loads in stock diffusers as the family's pipeline, every tensor equal to the trained one
+    (which differs from the base checkpoint's), its config.json with diffusers' keys only."""
+    import json
+
+    from diffusers import DiffusionPipeline
+
+    keys = set(json.loads((export / "transformer" / "config.json").read_text()))
+    base_keys = set(json.loads((base / "transformer" / "config.json").read_text()))
+    assert keys == base_keys, f"{family.name}: exported config.json keys differ: {sorted(keys ^ base_keys)}"
+    pipe = DiffusionPipeline.from_pretrained(export)
+    assert type(pipe).__name__ in family.pipeline_classes, f"{family.name}: export loads as {type(pipe).__name__}"
+    exported = pipe.transformer.state_dict()
+    assert exported.keys() == trained.keys(), f"{family.name}: exported keys differ from the trained model's"
+    for key, value in trained.items():
+        assert torch.equal(exported[key], value), f"{family.name}: exported {key} differs from the trained tensor"
+    original = load_transformer(base).state_dict()
+    assert any(not torch.equal(original[k], trained[k]) for k in trained), f"{family.name}: training changed nothing"
+
+
+# ---------------------------------------------------------------- sequence parallel (spawned ranks)
+
+
+def _mse_step(model: torch.nn.Module, inputs: dict[str, Any], target: torch.Tensor) -> torch.Tensor:
+    pred = model(**inputs, return_dict=False)[0]
+    loss = torch.nn.functional.mse_loss(pred.float(), target.float())
+    loss.backward()
+    return loss.detach()
+
+
+def sp_reference(family: DiTFamily, root: Path) -> dict[str, Any]:
+    """One process: loss and gradients of one MSE step on the family's training inputs."""
+    inputs = training_inputs(family, root)
+    target, _ = inputs.pop("target"), inputs.pop("sigmas")
+    model = load_transformer(root)
+    loss = _mse_step(model, inputs, target)
+    return {
+        "loss": loss.item(),
+        "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+    }
+
+
+def sp_worker(rank: int, world: int, family_name: str, root: str, layouts: dict[str, dict[str, int]], out: str) -> None:
+    """Every layout in turn on the spawned ranks (all ranks see the same sample); rank 0 saves results."""
+    from spindle.distributed.fsdp import full_grads, parallelize_transformer
+    from spindle.distributed.mesh import ParallelDims, build_mesh
+    from spindle.registry import get_family
+
+    family = get_family(family_name)
+    inputs = training_inputs(family, Path(root))
+    target, _ = inputs.pop("target"), inputs.pop("sigmas")
+    results = {}
+    for name, dims in layouts.items():
+        mesh = build_mesh(ParallelDims(dp_shard=1, **dims))
+        model = parallelize_transformer(load_transformer(root), mesh, mixed_precision="no")
+        loss = _mse_step(model, dict(inputs), target)
+        results[name] = {"loss": loss.item(), "grads": full_grads(model)}
+    if rank == 0:
+        torch.save(results, out)
+
+
+def check_sequence_parallel(family: DiTFamily, reference: dict[str, Any], result: dict[str, Any], layout: str) -> None:
+    assert abs(result["loss"] - reference["loss"]) <= SP_RTOL * abs(reference["loss"]), (
+        f"{family.name} {layout}: loss {result['loss']} vs one process {reference['loss']}"
+    )
+    assert result["grads"].keys() == reference["grads"].keys()
+    for name, ref in reference["grads"].items():
+        got = result["grads"][name]
+        rel = ((got - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+        assert rel <= SP_RTOL, f"{family.name} {layout}: gradient of {name} differs by {rel:.2e} (relative)"
+
+
+# ---------------------------------------------------------------- precomputed conditions and LoRA
+
+
+def check_precomputed_condition_model(family: DiTFamily, root: Path) -> None:
+    """`encoders=False` (training on a `spindle precompute` cache) holds no encoder weights and turns
+    the conditions the full condition model encodes into exactly the same training inputs."""
+    from spindle.train.tasks.flow_matching import sample_generator
+
+    cls = family.condition_model_cls()
+    full = cls.from_pretrained(root, max_text_length=TEXT_TOKENS)
+    light = cls.from_pretrained(root, max_text_length=TEXT_TOKENS, encoders=False)
+    modules = getattr(getattr(light, "pipe", None), "components", {}).values()
+    resident = [p for m in modules if isinstance(m, torch.nn.Module) for p in m.parameters() if not p.is_meta]
+    assert not resident, f"{family.name}: the condition model with encoders=False loaded encoder weights"
+    batch = training_batch(family)
+    conditions = full.encode(batch)
+    a, b = (
+        m.training_inputs(conditions, [sample_generator(0, 0, int(i)) for i in batch["index"]]) for m in (full, light)
+    )
+    assert a.keys() == b.keys(), f"{family.name}: encoders=False gives other training inputs: {sorted(b)}"
+    for key, value in a.items():
+        same = torch.equal(value, b[key]) if torch.is_tensor(value) else value == b[key]
+        assert same, f"{family.name}: training input {key!r} differs with encoders=False"
+
+
+def check_lora_file_round_trip(family: DiTFamily, root: Path, out: Path) -> None:
+    """Default LoRA targets exist in the family's blocks (attention/feed-forward, no modulation), only
+    the adapters train, and the diffusers LoRA file written through the family pipeline's
+    `save_lora_weights` reads back through its `lora_state_dict` to the same tensors."""
+    from spindle.config import LoraConfig
+    from spindle.train.lora import adapter_state_dict, lora_scale
+    from spindle.train.tasks.flow_matching import add_lora
+
+    model = add_lora(load_transformer(root), LoraConfig(rank=2, alpha=4))
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable), (
+        f"{family.name}: parameters other than LoRA adapters train: {[n for n in trainable if '.lora_' not in n][:3]}"
+    )
+    assert not any(".norm" in n for n in trainable), f"{family.name}: modulation layers are default LoRA targets"
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn(p.shape, generator=g))
+    adapters = adapter_state_dict(model.state_dict(), lora_scale(model))
+    pipeline = family.pipeline_class()
+    pipeline.save_lora_weights(out, transformer_lora_layers=adapters)
+    back = {k.removeprefix("transformer."): v for k, v in pipeline.lora_state_dict(out).items()}
+    assert back.keys() == adapters.keys(), f"{family.name}: the LoRA file reads back with other keys"
+    for key, value in adapters.items():
+        assert torch.equal(back[key], value), f"{family.name}: LoRA tensor {key} differs after the round trip"

@@ -1,0 +1,138 @@
+"""LoRA through PEFT: which modules get adapters, injecting them, and reading the trained adapter back.
+
+Model-kind neutral: it needs a torch model with PEFT's injection hooks (diffusers' `add_adapter`, or
+plain `peft.inject_adapter_in_model`) and the list of its repeated blocks (`find_blocks`), so a
+causal-LM task can use it the same way the flow-matching task does.
+
+Targets. `train.lora.targets` entries are module-name suffixes (PEFT's rule: a module matches when
+its name equals the entry or ends with "." + entry), resolved here against the `nn.Linear` modules
+inside the transformer blocks to a list of full module names. PEFT is then given those exact names:
+a suffix like "proj_out" would otherwise also hit a top-level module of the same name (Flux's output
+projection, which the sequence-parallel plan hooks). The default is every `nn.Linear` in the blocks
+except the adaptive-norm modulation (`norm*` names): the attention and feed-forward projections.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from spindle.config import ConfigError
+
+ADAPTER = "default"  # PEFT's default adapter name (diffusers' loaders use it too)
+
+
+def block_linears(model: nn.Module, blocks: Sequence[nn.Module]) -> list[str]:
+    """Full names of the `nn.Linear` modules inside `blocks`, in model order."""
+    inside = {id(m) for block in blocks for m in block.modules()}
+    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and id(m) in inside]
+
+
+def _relative(name: str) -> str:
+    """'blocks.3.attn1.to_q' -> 'attn1.to_q' (the name inside its block, for messages and defaults)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[i + 1 :])
+    return name
+
+
+def _matches(name: str, target: str) -> bool:
+    return name == target or name.endswith("." + target)
+
+
+def resolve_targets(model: nn.Module, blocks: Sequence[nn.Module], targets: Sequence[str] | None) -> list[str]:
+    """Full names of the modules to adapt; an entry matching nothing names the closest module names."""
+    linears = block_linears(model, blocks)
+    if not targets:
+        default = [n for n in linears if not any(p.startswith("norm") for p in _relative(n).split("."))]
+        if not default:
+            raise ConfigError(f"{type(model).__name__}: no linear layers in its blocks to put LoRA adapters on")
+        return default
+    chosen: list[str] = []
+    relative = sorted({_relative(n) for n in linears})
+    for target in targets:
+        hits = [n for n in linears if _matches(n, target)]
+        if not hits:
+            close = difflib.get_close_matches(target, relative, n=5, cutoff=0.4) or relative[:8]
+            raise ConfigError(
+                f"train.lora.targets: {target!r} matches no linear layer in the transformer blocks of "
+                f"{type(model).__name__}; closest module names: {', '.join(close)}"
+            )
+        chosen.extend(n for n in hits if n not in chosen)
+    return chosen
+
+
+def peft_config(rank: int, alpha: float | None, dropout: float, target_modules: list[str]) -> Any:
+    from peft import LoraConfig
+
+    if rank <= 0:
+        raise ConfigError(f"train.lora.rank must be a positive integer; got {rank}")
+    return LoraConfig(
+        r=rank,
+        # PEFT annotates lora_alpha as int but scales by alpha / r in float; a float alpha works
+        lora_alpha=float(alpha if alpha is not None else rank),  # type: ignore[arg-type]
+        lora_dropout=dropout,
+        target_modules=target_modules,
+        init_lora_weights=True,  # B = 0: training starts exactly at the base model
+    )
+
+
+def apply_lora(model: nn.Module, blocks: Sequence[nn.Module], cfg: Any) -> nn.Module:
+    """Inject LoRA adapters (`cfg`: rank, alpha, dropout, targets) and freeze everything else, in place.
+
+    Call before sequence parallel, activation checkpointing and FSDP2 (PEFT wraps the Linear modules;
+    FSDP2 then shards base and adapter parameters of each block together, base ones frozen).
+    """
+    config = peft_config(cfg.rank, cfg.alpha, cfg.dropout, resolve_targets(model, blocks, cfg.targets))
+    model.requires_grad_(False)
+    add_adapter = getattr(model, "add_adapter", None)
+    if callable(add_adapter):  # diffusers / transformers models
+        add_adapter(config, adapter_name=ADAPTER)
+    else:
+        from peft import inject_adapter_in_model
+
+        inject_adapter_in_model(config, model, ADAPTER)
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_lora_name(name))
+    return model
+
+
+def is_lora_name(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def lora_scale(model: nn.Module) -> dict[str, float]:
+    """{module name: alpha / r} of every adapted module (the factor PEFT applies to B @ A)."""
+    from peft.tuners.lora import LoraLayer
+
+    return {name: float(m.scaling[ADAPTER]) for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
+def adapter_state_dict(full: dict[str, torch.Tensor], scales: dict[str, float]) -> dict[str, torch.Tensor]:
+    """Trained adapter weights in diffusers' LoRA layout, with alpha / r folded into `lora_B`.
+
+    `full`: a (gathered) state dict holding at least the adapter tensors (PEFT names,
+    `<module>.lora_A.default.weight`). -> `<module>.lora_A.weight` / `<module>.lora_B.weight`.
+    Folding the scale in makes the file mean the same thing to every loader (diffusers assumes
+    alpha = rank without metadata; the original-layout converters fold alpha the same way).
+    """
+    out: dict[str, torch.Tensor] = {}
+    for key, value in full.items():
+        if not is_lora_name(key):
+            continue
+        module, _, rest = key.partition(".lora_")
+        kind, adapter, param = rest.split(".", 2)  # "A", "default", "weight"
+        if adapter != ADAPTER:
+            continue
+        tensor = value.detach().to("cpu", torch.float32).clone()
+        if kind == "B":
+            tensor = tensor * scales[module]
+        out[f"{module}.lora_{kind}.{param}"] = tensor.contiguous()
+    if not out:
+        raise ValueError("the model holds no LoRA adapter weights to export")
+    return out

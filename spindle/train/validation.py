@@ -1,0 +1,70 @@
+"""Validation samples during DiT training, rendered by Spindle's own inference engine.
+
+The family's inference pipeline (`spindle.infer`) is built around the in-training transformer (as
+it is: sharded by FSDP2, with SP hooks, LoRA adapters), and the frozen components the condition
+model already holds (text encoders, VAE, scheduler; loaded once here when training reads a
+precomputed cache). Every rank runs the same requests (a sharded forward is collective) with the
+same fixed seed, so a prompt is comparable across steps; rank 0 writes
+`output_dir/samples/step-N/NN.png|mp4`. The trainer runs this with the RNG state forked and the
+model in eval mode under no_grad, so the training trajectory is unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from spindle.distributed.mesh import is_main_process
+
+
+def frozen_components(task: Any, spec: Any) -> dict[str, Any]:
+    """The inference components other than the transformer: the condition model's, else loaded once."""
+    names = [n for n in spec.components if n != spec.transformer_component]
+    pipe = getattr(getattr(task, "condition", None), "pipe", None)
+    if pipe is not None and all(getattr(pipe, n, None) is not None for n in names):
+        return {n: getattr(pipe, n) for n in names}
+    cached = getattr(task, "_validation_components", None)
+    if cached is None:
+        from spindle.infer.pipeline import load_component, read_model_index
+
+        root = Path(task.cfg.model.path)
+        index = read_model_index(root)
+        cached = {n: load_component(root, n, index.get(n), task.device, torch.float32) for n in names}
+        task._validation_components = cached
+    return cached
+
+
+@torch.no_grad()
+def render_samples(task: Any, model: torch.nn.Module, step: int, out_dir: Path) -> list[np.ndarray]:
+    """Render one sample per `train.validation.prompts` entry; -> the frames (rank 0 writes the files)."""
+    from spindle.infer.generator import DiffusionGenerator
+    from spindle.infer.pipeline import EngineOptions, InferencePipeline
+
+    cfg = task.cfg
+    val = cfg.train.validation
+    spec = task.family.inference_spec()
+    components = {**frozen_components(task, spec), spec.transformer_component: model}
+    pipeline = InferencePipeline.build(spec, components, EngineOptions(device=str(task.device)))
+    generator = DiffusionGenerator(pipeline)
+    height, width = val.size or tuple(cfg.data.resolution)
+    request: dict[str, Any] = dict(
+        height=height, width=width, num_inference_steps=val.num_inference_steps, seed=val.seed
+    )
+    if val.guidance_scale is not None:
+        request["guidance_scale"] = val.guidance_scale
+    if spec.media == "video":
+        request["num_frames"] = val.num_frames or cfg.data.num_frames
+    suffix = ".mp4" if spec.media == "video" else ".png"
+    samples = []
+    for index, prompt in enumerate(val.prompts):
+        result = generator.generate(prompt=prompt, **request)
+        if is_main_process():
+            result.save(out_dir / f"{index:02d}{suffix}", fps=spec.fps)
+        samples.append(result.frames[0])
+    if is_main_process():
+        (out_dir / "prompts.json").write_text(json.dumps({"step": step, "prompts": val.prompts, **request}, indent=2))
+    return samples

@@ -1,0 +1,143 @@
+"""The conformance suite: every DiT family in the registry passes the same checks
+(spindle/testing/conformance.py). A new family = its folder + registration + passing this module.
+
+Per family (parametrised over `registry.all_families()`): the tiny checkpoint loads in stock
+diffusers; inference equals the family's diffusers pipeline with and without classifier-free
+guidance (CFG batched and as two forwards); the condition model's training inputs are the
+transformer's forward arguments; a few samples overfit; the export loads in stock diffusers with
+every tensor equal to the trained one; Ulysses SP and ring attention on 2 processes equal one
+process (slow). And a broken family fails it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from spindle.config import load_config
+from spindle.models.base import import_object
+from spindle.registry import all_families, get_family
+from spindle.testing import conformance as suite
+
+FAMILIES = sorted(f.name for f in all_families() if f.task == "flow_matching")
+PARITY = [(f, case) for f in FAMILIES for case in sorted(get_family(f).conformance.parity_cases)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            built[name] = suite.build_tiny(get_family(name), tmp_path_factory.mktemp(name) / "model")
+        return built[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_declares_what_the_suite_needs(name):
+    family = get_family(name)
+    assert family.tiny_model and family.demo and family.inference and family.conformance, name
+    cases = family.conformance.parity_cases.values()
+    assert any("negative_prompt" in kw for kw in cases), f"{name}: no parity case with classifier-free guidance"
+    assert any("negative_prompt" not in kw for kw in cases), f"{name}: no parity case without guidance"
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_tiny_checkpoint_loads_in_stock_diffusers(name, tiny):
+    suite.check_stock_load(get_family(name), tiny(name))
+
+
+@pytest.mark.parametrize("cfg_batch", [True, False], ids=["cfg_batch", "two_forwards"])
+@pytest.mark.parametrize("name,case", PARITY, ids=[f"{f}-{c}" for f, c in PARITY])
+def test_inference_equals_the_diffusers_pipeline(name, case, cfg_batch, tiny):
+    family = get_family(name)
+    suite.check_inference_parity(family, tiny(name), family.conformance.parity_cases[case], cfg_batch=cfg_batch)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_training_inputs_are_the_transformers_arguments(name, tiny):
+    suite.check_training_inputs(get_family(name), tiny(name))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_overfits_and_exports_for_stock_diffusers(name, tiny, tmp_path):
+    from spindle.train.metrics import read_metrics
+    from spindle.train.trainer import Trainer
+
+    family = get_family(name)
+    data = import_object(family.demo.dataset)(tmp_path / "data", seed=0, **family.demo.dataset_kwargs)
+    trainer = Trainer(load_config(None, suite.train_overrides(tiny(name), data, tmp_path / "run", family)))
+    result = trainer.run()
+    suite.check_overfit(family, [m["loss"] for m in read_metrics(result.output_dir)])
+    trained = {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in trainer.model.state_dict().items()
+    }
+    suite.check_export_round_trip(family, tiny(name), result.export_dir, trained)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FAMILIES)
+def test_ulysses_and_ring_on_two_processes_equal_one(name, tiny, tmp_path):
+    from spindle.testing.multiprocess import spawn
+
+    family = get_family(name)
+    layouts = {"ulysses2": {"sp": 2}, "ring2": {"ring": 2}}
+    out = tmp_path / "sp.pt"
+    spawn(suite.sp_worker, 2, name, str(tiny(name)), layouts, str(out))
+    results = torch.load(out, weights_only=False)
+    reference = suite.sp_reference(family, tiny(name))
+    for layout in layouts:
+        suite.check_sequence_parallel(family, reference, results[layout], layout)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_precomputed_conditions_need_no_encoders(name, tiny):
+    suite.check_precomputed_condition_model(get_family(name), tiny(name))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_lora_targets_and_diffusers_lora_file(name, tiny, tmp_path):
+    suite.check_lora_file_round_trip(get_family(name), tiny(name), tmp_path / "lora")
+
+
+# ---------------------------------------------------------------- the suite can fail
+
+
+def test_a_broken_family_fails_the_suite(tiny):
+    """A family whose inference spec decodes with the wrong latent scale, and whose condition model
+    hands the transformer an argument it does not take, is caught by the checks above."""
+    wan = get_family("wan")
+    spec = wan.inference_spec()
+
+    class OffByAPercent(type(spec)):
+        def decode_scale_shift(self, vae, latents):
+            scale, shift = super().decode_scale_shift(vae, latents)
+            return scale * 1.01, shift
+
+    broken_spec = OffByAPercent()
+    module = type("BrokenModule", (), {"SPEC": broken_spec})
+    import sys
+
+    sys.modules["spindle_test_broken_family"] = module  # import_object resolves "module:attr"
+    broken = dataclasses.replace(wan, name="broken", inference="spindle_test_broken_family:SPEC")
+    case = wan.conformance.parity_cases["nocfg"]
+    try:
+        with pytest.raises(AssertionError, match="broken: Spindle differs from diffusers"):
+            suite.check_inference_parity(broken, tiny("wan"), case)
+    finally:
+        del sys.modules["spindle_test_broken_family"]
+
+    condition_cls = wan.condition_model_cls()
+
+    class ExtraInput(condition_cls):
+        def training_inputs(self, conditions, generators):
+            return {**super().training_inputs(conditions, generators), "attention_kwargs_typo": None}
+
+    with pytest.raises(AssertionError, match=r"broken: training inputs \['attention_kwargs_typo'\]"):
+        suite.check_training_inputs(
+            broken, tiny("wan"), condition=ExtraInput.from_pretrained(tiny("wan"), max_text_length=16)
+        )
