@@ -1,10 +1,13 @@
 """Latency of Spindle's staged engine vs the checkpoint's diffusers pipeline (WanPipeline, FluxPipeline), side by side.
 
 Same checkpoint, seed and parameters for every row. Modes:
-  exact         Spindle with two forwards per step (bit-for-bit the reference loop) vs diffusers
-  cfg_batch     Spindle, cond + uncond in one forward (the default)
+  exact         Spindle `exact=True` (bit for bit the reference loop) vs diffusers
+  default       Spindle's defaults (CFG batching, per-request prompt projections, oneDNN VAE convs) vs diffusers
   compile       regional torch.compile of the repeated blocks, both engines (warm-up not timed)
   cache         diffusers' first-block cache at each --thresholds value, both engines (PSNR vs exact)
+  best          best vs best: Spindle default + compile + `cache="auto"` (calibrated at --min-psnr) vs
+                diffusers + compile_repeated_blocks + the same cache hook and knobs (what a diffusers user
+                who knows its speed options runs), both also against stock diffusers, interleaved
   sp2           Spindle, Ulysses sequence parallel over 2 processes (torchrun, gloo/nccl)
   cfg_parallel  Spindle, cond / uncond on 2 processes
 
@@ -241,10 +244,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu" if not torch.cuda.is_available() else "wan1.3b")
     ap.add_argument("--root", default=None, help="checkpoint folder (built if missing; default: a temp folder)")
-    ap.add_argument("--modes", default="exact,cfg_batch,compile,cache,sp2,cfg_parallel")
+    ap.add_argument("--modes", default="exact,default,compile,cache,best,sp2,cfg_parallel")
     ap.add_argument("--thresholds", default="0.05,0.2", help="first-block cache thresholds")
     ap.add_argument("--steps", type=int, default=None, help="override the preset's denoising steps")
-    ap.add_argument("--repeats", type=int, default=2, help="timed runs per row (median)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per row (median)")
+    ap.add_argument("--min-psnr", type=float, default=30.0, help="best: the cache calibration's PSNR floor (dB)")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads for both engines")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write results here")
     ap.add_argument("--worker-options", default=None, help=argparse.SUPPRESS)
@@ -258,6 +263,8 @@ def main() -> None:
     from spindle import DiffusionGenerator
 
     modes = args.modes.split(",")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     p = PRESETS[args.preset]
     req = {**p["request"], **({"num_inference_steps": args.steps} if args.steps else {})}
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -284,17 +291,26 @@ def main() -> None:
             flush=True,
         )
 
-    def pair(mode: str, d_pipe, s_gen, **extra) -> None:
-        """Interleave diffusers and Spindle runs (ABAB...) so load changes on a shared machine hit both."""
-        d_times, s_times, d_out, s_out = [], [], None, None
+    def pair(mode: str, d_pipe, s_gen, stock=None, **extra) -> None:
+        """Interleave diffusers and Spindle runs (ABAB...) so load changes on a shared machine hit both.
+        `stock`: also interleave stock diffusers and report both engines against it."""
+        d_times, s_times, k_times, d_out, s_out = [], [], [], None, None
         for _ in range(args.repeats):
+            if stock is not None:
+                t, _ = timed(lambda: run_diffusers(stock, req, args.seed), 1)
+                k_times.append(t)
             t, d_out = timed(lambda: run_diffusers(d_pipe, req, args.seed), 1)
             d_times.append(t)
             t, s_out = timed(lambda: run_spindle(s_gen, req, args.seed), 1)
             s_times.append(t)
         d, s = statistics.median(d_times), statistics.median(s_times)
+        stages = {k: round(v, 4) for k, v in s_out.timings.items()}
         add(mode, "diffusers", d, d_out, d)
-        add(mode, "spindle", s, s_out.frames, d, stages={k: round(v, 4) for k, v in s_out.timings.items()}, **extra)
+        add(mode, "spindle", s, s_out.frames, d, stages=stages, **extra)
+        if stock is not None:
+            k = statistics.median(k_times)
+            add(f"{mode}/stock", "diffusers", d, d_out, k, baseline_kind="stock diffusers")
+            add(f"{mode}/stock", "spindle", s, s_out.frames, k, baseline_kind="stock diffusers", stages=stages)
 
     def spindle_gen(options: dict):
         gen = DiffusionGenerator.from_pretrained(
@@ -310,9 +326,9 @@ def main() -> None:
     ref = run_diffusers(pipe, req, args.seed)  # the exact reference output
 
     if "exact" in modes:
-        pair("exact", pipe, spindle_gen({"cfg_batch": False})[0])
-    if "cfg_batch" in modes:
-        pair("cfg_batch", pipe, spindle_gen({"cfg_batch": True})[0])
+        pair("exact", pipe, spindle_gen({"exact": True})[0])
+    if "default" in modes:
+        pair("default", pipe, spindle_gen({})[0])
     if "compile" in modes:
         cpipe = diffusers_pipe(root, dtype, device, vae_dtype)
         cpipe.transformer.compile_repeated_blocks()
@@ -322,6 +338,40 @@ def main() -> None:
         gen, s_warm = spindle_gen({"compile": True})
         pair("compile", cpipe, gen, warmup_s=round(s_warm, 2), diffusers_warmup_s=round(d_warm, 2))
         del cpipe, gen
+    if "best" in modes:
+        from spindle.infer.caches import build_config
+
+        t = time.perf_counter()
+        gen = DiffusionGenerator.from_pretrained(
+            root,
+            dtype=p["dtype"],
+            vae_dtype=p.get("vae_dtype", "float32"),
+            compile=True,
+            cache="auto",
+            min_psnr=args.min_psnr,
+        )
+        run_spindle(gen, req, args.seed)  # calibration (+ compilation)
+        s_setup = time.perf_counter() - t
+        choice = gen.cache_choice
+        print(f"  best: {choice.describe()} (setup {s_setup:.1f}s)", flush=True)
+        bpipe = diffusers_pipe(root, dtype, device, vae_dtype)
+        bpipe.transformer.compile_repeated_blocks()
+        if choice.name is not None:  # diffusers with the very hook and knobs Spindle chose
+            bpipe.transformer.enable_cache(
+                build_config(choice.name, choice.threshold, choice.options, lambda: bpipe.current_timestep)
+            )
+        run_diffusers(bpipe, req, args.seed, steps=1)  # compilation
+        pair(
+            "best",
+            bpipe,
+            gen,
+            stock=pipe,
+            cache=choice.name,
+            cache_knob=choice.threshold,
+            calibration_psnr=choice.psnr,
+            setup_s=round(s_setup, 1),
+        )
+        del bpipe, gen
     if "cache" in modes:
         from diffusers.hooks import FirstBlockCacheConfig
 

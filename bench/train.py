@@ -10,9 +10,14 @@ pooled text, embedded guidance); SP then goes through Flux's `_cp_plan`.
 
 Each variant runs in its own spawned process(es), so peak memory (RSS on CPU,
 torch.cuda.max_memory_allocated on CUDA) is per variant:
-  baseline     plain `WanTransformer3DModel` + AdamW (+ torch.autocast bf16 on CUDA), 1 process
-  spindle      `parallelize_transformer` on the 1-process mesh (no sharding to do: autocast bf16 on CUDA), 1 process
-  spindle_sp2  the same with parallel.sp=2 on 2 processes (both ranks get the same batch), when 2 devices exist
+  baseline          plain `WanTransformer3DModel` + AdamW (+ torch.autocast bf16 on CUDA), 1 process
+  baseline_compile  the same + diffusers' `compile_repeated_blocks()` (what a diffusers user can turn on), 1 process
+  spindle           `parallelize_transformer` on the 1-process mesh (no sharding to do: autocast bf16 on CUDA),
+                    Spindle's optimizer (fused AdamW where the device has it) and device-side clipping, 1 process
+  spindle_compile   the same with `compile=True` (train.compile: regional compile of each block), 1 process
+  spindle_sp2       `spindle` with parallel.sp=2 on 2 processes (both ranks get the same batch), when 2 devices exist
+`--rounds R` runs the 1-process variants R times, interleaved (A B C D, A B C D, ...), so load on a
+shared machine hits all of them; step times are medians over all rounds' steps.
 Prints a table and writes JSON (--out). MFU is reported on CUDA only (bf16 dense peak of the GPU).
 """
 
@@ -158,20 +163,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _loop(a, model, data, optimizer, device, clip, autocast: bool) -> list[float]:
+def _loop(a, model, data, optimizer, device, clip, autocast: bool, warmup: int) -> list[float]:
     times = []
-    for i in range(a.warmup + a.steps):
+    for i in range(warmup + a.steps):
         _sync(device)
         t0 = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             out = model(**{k: v for k, v in data.items() if k != "target"}, return_dict=False)[0]
         loss = torch.nn.functional.mse_loss(out.float(), data["target"])
         loss.backward()
-        clip(model.parameters(), 1.0)
+        norm = clip(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        float(loss), float(norm)  # both loops log these two scalars
         _sync(device)
-        if i >= a.warmup:
+        if i >= warmup:
             times.append(time.perf_counter() - t0)
     return times
 
@@ -188,44 +194,57 @@ def _worker(rank: int, world: int, variant: str, a: argparse.Namespace, out_dir:
     model = build_model(a, device)
     n_params = sum(p.numel() for p in model.parameters())
     data = make_data(a, device)
-    if variant == "baseline":
+    compile = variant.endswith("_compile")
+    warmup = a.warmup + (1 if compile else 0)  # the first step compiles forward and backward
+    if variant.startswith("baseline"):
+        if compile:
+            model.compile_repeated_blocks()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-        times = _loop(a, model, data, optimizer, device, torch.nn.utils.clip_grad_norm_, autocast=cuda)
+        times = _loop(a, model, data, optimizer, device, torch.nn.utils.clip_grad_norm_, autocast=cuda, warmup=warmup)
     else:
-        from spindle.distributed.fsdp import autocast_dtype, clip_grad_norm_, parallelize_transformer
+        from spindle.config import TrainConfig
+        from spindle.distributed.fsdp import autocast_dtype, clip_grad_norm_tensor_, parallelize_transformer
         from spindle.distributed.mesh import ParallelDims, build_mesh
+        from spindle.train.optim import build_optimizer
 
         sp = 2 if variant == "spindle_sp2" else 1
         mesh = build_mesh(ParallelDims(sp=sp))
         precision = "bf16" if cuda else "no"
-        parallelize_transformer(model, mesh, mixed_precision=precision, gradient_checkpointing=False)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        parallelize_transformer(model, mesh, mixed_precision=precision, gradient_checkpointing=False, compile=compile)
+        optimizer = build_optimizer(model.parameters(), TrainConfig(lr=1e-5))
         autocast = autocast_dtype(model, precision) is not None  # 1 process: no FSDP policy to cast
-        times = _loop(a, model, data, optimizer, device, clip_grad_norm_, autocast=autocast)
+        times = _loop(a, model, data, optimizer, device, clip_grad_norm_tensor_, autocast=autocast, warmup=warmup)
     result = dict(rank=rank, world=world, n_params=n_params, step_times=times, peak_mem_mib=_peak_memory(device))
     Path(out_dir, f"{variant}_rank{rank}.json").write_text(json.dumps(result))
     if dist.is_initialized() and world > 1:
         dist.barrier()
 
 
-def run_variant(variant: str, world: int, a: argparse.Namespace) -> dict:
+def run_variant(variant: str, world: int, a: argparse.Namespace) -> list[float]:
+    """One run of `variant`: -> its step times (a step ends when the slowest rank ends)."""
     with tempfile.TemporaryDirectory() as d:
         cuda = torch.cuda.is_available()
         threads = a.threads if a.threads else max(1, (os.cpu_count() or 1) // world)
         spawn(_worker, world, variant, a, d, threads=threads, backend="nccl" if cuda else "gloo")
         ranks = [json.loads(Path(d, f"{variant}_rank{r}.json").read_text()) for r in range(world)]
-    # A step ends when the slowest rank ends; each SP group processes one global batch.
-    step_times = [max(ts) for ts in zip(*(r["step_times"] for r in ranks), strict=True)]
-    mean = sum(step_times) / len(step_times)
+    a._n_params, a._peak = ranks[0]["n_params"], max(r["peak_mem_mib"] for r in ranks)
+    return [max(ts) for ts in zip(*(r["step_times"] for r in ranks), strict=True)]
+
+
+def summarize(variant: str, world: int, step_times: list[float], peak: float, a: argparse.Namespace) -> dict:
+    import statistics
+
+    threads = a.threads if a.threads else max(1, (os.cpu_count() or 1) // world)
+    mean = statistics.median(step_times)
     return dict(
         variant=variant,
         processes=world,
         threads_per_process=threads,
-        n_params=ranks[0]["n_params"],
+        n_params=a._n_params,
         step_s=mean,
         samples_per_s=a.batch / mean,
         tokens_per_s=a.batch * tokens_per_sample(a) / mean,
-        peak_mem_mib=max(r["peak_mem_mib"] for r in ranks),
+        peak_mem_mib=peak,
         step_times=step_times,
     )
 
@@ -247,14 +266,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: cores / processes)")
     p.add_argument("--no-sp", action="store_true", help="skip the 2-process SP run")
+    p.add_argument("--no-compile", action="store_true", help="skip the compiled variants")
+    p.add_argument("--rounds", type=int, default=1, help="interleaved runs of the 1-process variants")
     p.add_argument("--out", default=None, help="JSON results (default bench/results/train.json, train-flux.json)")
     a = p.parse_args(argv)
 
     cuda = torch.cuda.is_available()
-    variants = [("baseline", 1), ("spindle", 1)]
+    variants = ["baseline", "spindle"] + ([] if a.no_compile else ["baseline_compile", "spindle_compile"])
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    peaks: dict[str, float] = {}
+    for _ in range(a.rounds):
+        for v in variants:
+            times[v] += run_variant(v, 1, a)
+            print(f"  {v}: step times {[round(t, 3) for t in times[v]]}", flush=True)  # partial results
+            peaks[v] = max(peaks.get(v, 0.0), a._peak)
+    results = [summarize(v, 1, times[v], peaks[v], a) for v in variants]
     if not a.no_sp and (not cuda or torch.cuda.device_count() >= 2):
-        variants.append(("spindle_sp2", 2))
-    results = [run_variant(v, w, a) for v, w in variants]
+        results.append(summarize("spindle_sp2", 2, run_variant("spindle_sp2", 2, a), a._peak, a))
 
     base = results[0]
     n_params = base["n_params"]
@@ -279,20 +307,24 @@ def main(argv: list[str] | None = None) -> int:
         flops_per_step=flops,
         results=results,
     )
-    if len(results) > 2:
-        report["sp2_speedup_vs_spindle_1proc"] = results[0 + 2]["tokens_per_s"] / results[1]["tokens_per_s"]
+    by = {r["variant"]: r for r in results}
+    if "spindle_sp2" in by:
+        report["sp2_speedup_vs_spindle_1proc"] = by["spindle_sp2"]["tokens_per_s"] / by["spindle"]["tokens_per_s"]
+    if "spindle_compile" in by:  # best vs best: Spindle's compiled step vs diffusers' compile_repeated_blocks
+        report["best_vs_best"] = by["spindle_compile"]["tokens_per_s"] / by["baseline_compile"]["tokens_per_s"]
+        report["best_vs_plain_loop"] = by["spindle_compile"]["tokens_per_s"] / by["baseline"]["tokens_per_s"]
 
     print(
         f"{device_name} | {n_params / 1e6:.1f}M params | {a.batch} x {tokens_per_sample(a)} tokens | "
         f"{report['precision']} | {a.steps} steps after {a.warmup} warm-up"
     )
-    head = f"{'variant':<13}{'procs':>6}{'step s':>9}{'samples/s':>11}{'tokens/s':>10}{'vs base':>9}{'peak MiB':>10}{'MFU':>7}"
+    head = f"{'variant':<17}{'procs':>6}{'step s':>9}{'samples/s':>11}{'tokens/s':>10}{'vs base':>9}{'peak MiB':>10}{'MFU':>7}"
     print(head)
     print("-" * len(head))
     for r in results:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         print(
-            f"{r['variant']:<13}{r['processes']:>6}{r['step_s']:>9.3f}{r['samples_per_s']:>11.3f}"
+            f"{r['variant']:<17}{r['processes']:>6}{r['step_s']:>9.3f}{r['samples_per_s']:>11.3f}"
             f"{r['tokens_per_s']:>10.0f}{r['tokens_per_s_vs_baseline']:>9.2f}{r['peak_mem_mib']:>10.0f}{mfu:>7}"
         )
     out = Path(a.out or ROOT / "bench" / "results" / FAMILIES[a.family]["out"])

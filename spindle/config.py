@@ -112,6 +112,11 @@ class TrainConfig(Section):
     grad_clip: float = Field(1.0, ge=0, description="max grad norm; 0 disables clipping")
     seed: int = 0
     gradient_checkpointing: bool = False
+    compile: bool = Field(
+        False,
+        description="regional torch.compile of each repeated block (after SP and activation checkpointing, "
+        "before FSDP2); the first steps pay the compilation",
+    )
     mixed_precision: Literal["auto", "no", "bf16"] = Field("auto", description="auto: bf16 on CUDA, fp32 on CPU")
     loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = "none"
     timestep: TimestepConfig = TimestepConfig()

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import ast
+from typing import Any
+
+from spindle.infer.caches import CACHE_NAMES
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -10,14 +14,43 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, help="cpu / cuda (default: cuda if available)")
     g.add_argument("--dtype", default="float32", help="transformer + text encoder dtype (float32, bfloat16)")
     g.add_argument(
+        "--exact",
+        action="store_true",
+        help="reproduce diffusers bit for bit: turn off the default speed-ups (CFG batching, per-request prompt "
+        "projections, oneDNN VAE convolutions); cannot be combined with --compile or --cache",
+    )
+    g.add_argument(
         "--no-cfg-batch",
         dest="cfg_batch",
         action="store_false",
         help="run conditional and unconditional as two forwards (default: one batched forward)",
     )
     g.add_argument("--compile", action="store_true", help="torch.compile the repeated transformer blocks")
-    g.add_argument("--cache", choices=["fbc"], default=None, help="step caching: fbc = first-block cache")
-    g.add_argument("--cache-threshold", type=float, default=0.05, help="cache threshold (higher: faster, lossier)")
+    g.add_argument(
+        "--cache",
+        choices=CACHE_NAMES,
+        default=None,
+        help="step cache (diffusers hooks): fbc = first-block cache, mag = MagCache, taylorseer = TaylorSeer, "
+        "pab = pyramid attention broadcast, faster = FasterCache; auto = calibrate on the request and pick the "
+        "fastest policy above --min-psnr",
+    )
+    g.add_argument(
+        "--cache-threshold",
+        type=float,
+        default=None,
+        help="the cache's main knob: fbc/mag threshold (higher: faster, lossier), taylorseer cache_interval, "
+        "pab/faster spatial_attention_block_skip_range (default: the policy's)",
+    )
+    g.add_argument(
+        "--cache-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="another knob of the cache's diffusers config, e.g. max_skip_steps=2 (repeatable)",
+    )
+    g.add_argument(
+        "--min-psnr", type=float, default=30.0, help="--cache auto: quality floor in dB vs the uncached output"
+    )
     g.add_argument("--nproc", type=int, default=1, help="processes to launch (re-launches via torchrun)")
     g.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree (heads must divide it)")
     g.add_argument(
@@ -28,15 +61,33 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-scale", type=float, default=1.0, help="LoRA strength (default 1.0)")
 
 
+def parse_cache_options(items: list[str]) -> dict[str, Any]:
+    """`["max_skip_steps=2", "spatial_attention_timestep_skip_range=(100, 900)"]` -> dict (Python literals;
+    anything else stays a string)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--cache-option takes KEY=VALUE (e.g. max_skip_steps=2); got {item!r}")
+        try:
+            out[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            out[key.strip()] = value.strip()
+    return out
+
+
 def engine_options(args: argparse.Namespace) -> dict:
     """The `DiffusionGenerator.from_pretrained` keyword arguments the flags above stand for."""
     return dict(
         device=args.device,
         dtype=args.dtype,
+        exact=args.exact,
         cfg_batch=args.cfg_batch,
         compile=args.compile,
         cache=args.cache,
         cache_threshold=args.cache_threshold,
+        cache_options=parse_cache_options(args.cache_option),
+        min_psnr=args.min_psnr,
         sp=args.sp,
         ring=args.ring,
         cfg_parallel=args.cfg_parallel,

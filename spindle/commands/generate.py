@@ -3,10 +3,12 @@
   spindle generate --model PATH --prompt "a cat surfing" --height 480 --width 832 \\
       --num-frames 81 --steps 50 --guidance 5 --seed 0 --out out.mp4
 
-Speed options: CFG batching is on by default (--no-cfg-batch: two forwards per step); --compile
+Speed options: the exact ones are on by default (CFG batching, per-request prompt projections,
+oneDNN VAE convolutions; --exact turns them off and reproduces diffusers bit for bit); --compile
 (torch.compile of the repeated transformer blocks, after a warm-up run that is not timed); --cache
-fbc --cache-threshold T (diffusers' first-block cache; prints PSNR against the exact output unless
---no-psnr); --nproc N --sp S / --cfg-parallel (multi-process Ulysses SP / CFG parallel, via torchrun).
+NAME [--cache-threshold T] [--cache-option K=V] (diffusers' cache hooks; prints PSNR against the
+uncached output unless --no-psnr); --cache auto --min-psnr 30 (calibrates on the request, prints the
+choice); --nproc N --sp S / --cfg-parallel (multi-process Ulysses SP / CFG parallel, via torchrun).
 """
 
 from __future__ import annotations
@@ -81,6 +83,17 @@ def run(args: argparse.Namespace) -> int:
     )
     if gen.spec.media != "video":
         request.pop("num_frames")
+    if args.cache == "auto":
+        from spindle.infer.request import SamplingParams
+
+        calib = time.perf_counter()
+        choice = gen.calibrate_cache(SamplingParams(**{**request, "extra": {}}))
+        if main:
+            for t in choice.trials:
+                print(
+                    f"  calibration: {t['name']} {t['threshold']}: PSNR {t['psnr']:.2f} dB, denoising {t['seconds']:.2f}s"
+                )
+            print(choice.describe() + f" [calibration {time.perf_counter() - calib:.2f}s]")
     if args.compile:
         warm = time.perf_counter()
         gen.generate(**{**request, "num_inference_steps": 1, "seed": 0})
@@ -106,14 +119,16 @@ def run(args: argparse.Namespace) -> int:
     paths = result.save(args.out, fps=args.fps or gen.spec.fps)
     shape = "x".join(str(s) for s in result.frames.shape)
     print(f"wrote {', '.join(str(p) for p in paths)} ({shape}, seed {result.seed}, family {gen.family})")
-    if args.cache and args.psnr:
+    cache = gen.pipeline.denoising.cache
+    if cache is not None and args.psnr:
         if nproc == 1:
-            gen.transformer.disable_cache()
+            described = cache.describe()
+            gen.pipeline.denoising.set_cache(None)
             exact = gen.generate(**{**request, "seed": result.seed})
             print(
-                f"cache {args.cache} (threshold {args.cache_threshold}): PSNR "
-                f"{psnr(result.frames, exact.frames):.2f} dB vs exact; denoising {result.timings['denoising']:.2f}s "
-                f"cached vs {exact.timings['denoising']:.2f}s exact"
+                f"cache {described}: PSNR "
+                f"{psnr(result.frames, exact.frames):.2f} dB vs uncached; denoising {result.timings['denoising']:.2f}s "
+                f"cached vs {exact.timings['denoising']:.2f}s uncached"
             )
         else:
             print("cache: PSNR vs exact is reported for single-process runs only (run with --nproc 1)")

@@ -65,8 +65,9 @@ def psnr(a: np.ndarray, b: np.ndarray, data_range: float = 1.0) -> float:
 class DiffusionGenerator:
     """Loads a diffusers pipeline folder once and generates from it.
 
-    Engine options (see `EngineOptions`): device, dtype, vae_dtype, cfg_batch, compile, cache,
-    cache_threshold, sp, cfg_parallel.
+    Engine options (see `EngineOptions`): device, dtype, vae_dtype, exact, cfg_batch, fast_vae, compile,
+    cache, cache_threshold, cache_options, min_psnr, sp, cfg_parallel. With `cache="auto"` the first
+    request calibrates (`spindle.infer.calibrate`); `cache_choice` then says what was chosen.
     """
 
     def __init__(self, pipeline: InferencePipeline):
@@ -76,6 +77,8 @@ class DiffusionGenerator:
         self.options.check_common_fields()
         self.defaults = pipeline.spec.default_params(pipeline.components)
         self.defaults.extra = {**self.options.defaults(), **self.defaults.extra}
+        self.cache_choice = None  # spindle.infer.calibrate.CacheChoice once cache="auto" has calibrated
+        self._calibrate_first = pipeline.options.cache == "auto"
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **engine_options: Any) -> DiffusionGenerator:
@@ -171,12 +174,24 @@ class DiffusionGenerator:
         )
         return self.run(params, progress=progress, should_stop=should_stop)
 
+    def calibrate_cache(self, params: SamplingParams, min_psnr: float | None = None, policies=None):
+        """Pick and enable the fastest step cache keeping `min_psnr` dB (default: the engine's) on `params`."""
+        from spindle.infer.calibrate import calibrate_cache
+
+        if params.seed is None:
+            params = dataclasses.replace(params, seed=0)
+        self._calibrate_first = False  # calibration runs requests through `run` itself
+        self.cache_choice = calibrate_cache(self, params, min_psnr or self.pipeline.options.min_psnr, policies)
+        return self.cache_choice
+
     def run(
         self,
         params: SamplingParams,
         progress: Callable[[int, int], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
     ) -> GenerationResult:
+        if self._calibrate_first:
+            self.calibrate_cache(params)
         req = self.pipeline.run(self.make_request(params, progress, should_stop))
         frames = np.asarray(req.output, dtype=np.float32)
         return GenerationResult(

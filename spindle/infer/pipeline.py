@@ -5,8 +5,10 @@
 2. every component the spec needs is loaded with the class model_index.json names
    (`["diffusers", "AutoencoderKLWan"]` -> `diffusers.AutoencoderKLWan.from_pretrained(root/vae)`).
 3. stages: the family's BeforeDenoisingStage, the shared DenoisingStage and DecodingStage.
-4. speed options (`EngineOptions`): CFG batching, step caching (diffusers cache hooks),
-   regional `torch.compile`, and the multi-process modes (Ulysses SP, CFG parallel).
+4. speed options (`EngineOptions`): default-on exact ones (CFG batching, oneDNN VAE convolutions;
+   `exact=True` turns them off to reproduce diffusers bit for bit), step caching (diffusers cache
+   hooks, `spindle.infer.caches`), regional `torch.compile`, and the multi-process modes (Ulysses
+   SP, CFG parallel).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import importlib
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +29,6 @@ if TYPE_CHECKING:
     from diffusers import ModelMixin  # Any to mypy: diffusers is not followed (pyproject [tool.mypy])
 
 ALLOWED_LIBRARIES = ("diffusers", "transformers")
-CACHE_KINDS = ("fbc",)  # diffusers FirstBlockCacheConfig
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -45,10 +46,14 @@ class EngineOptions:
     device: str | None = None  # None: cuda if available, else cpu
     dtype: str = "float32"  # transformer + text encoder
     vae_dtype: str = "float32"
-    cfg_batch: bool = True  # cond + uncond in one forward
+    exact: bool = False  # reproduce diffusers bit for bit: no CFG batching, memoization or oneDNN VAE convolutions
+    cfg_batch: bool = True  # cond + uncond in one forward (off when exact)
+    fast_vae: bool = True  # oneDNN for the VAE's 3-D convolutions on CPU (spindle.infer.speedups; off when exact)
     compile: bool = False  # torch.compile of the transformer's repeated blocks
-    cache: str | None = None  # "fbc": first-block cache (diffusers hooks)
-    cache_threshold: float = 0.05
+    cache: str | None = None  # a step cache of spindle.infer.caches.CACHE_NAMES ("auto": calibrated)
+    cache_threshold: float | None = None  # the policy's main knob (None: its default)
+    cache_options: dict[str, Any] = field(default_factory=dict)  # more knobs of the policy's diffusers config
+    min_psnr: float = 30.0  # cache="auto": the quality floor (dB against the uncached output)
     sp: int = 1  # Ulysses sequence-parallel degree (heads must divide it)
     ring: int = 1  # ring-attention degree: the sequence is split over ring x sp processes
     cfg_parallel: bool = False  # cond / uncond on different ranks (needs 2 x ring x sp processes)
@@ -56,19 +61,45 @@ class EngineOptions:
     lora_scale: float = 1.0
 
     def validate(self) -> None:
+        from spindle.infer.caches import POLICIES, check_cache_options
+
         for name in ("dtype", "vae_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{name} must be one of {sorted(DTYPES)}; got {getattr(self, name)!r}")
-        if self.cache is not None and self.cache not in CACHE_KINDS:
-            raise ValueError(f"cache must be one of {CACHE_KINDS} (or None); got {self.cache!r}")
-        if not isinstance(self.cache_threshold, (int, float)) or self.cache_threshold < 0:
-            raise ValueError(f"cache_threshold must be a number >= 0; got {self.cache_threshold!r}")
+        if not isinstance(self.cache_options, dict):
+            raise ValueError(f"cache_options must be a dict of knob -> value; got {self.cache_options!r}")
+        check_cache_options(self.cache, self.cache_threshold, self.cache_options)
+        if self.exact and (self.compile or self.cache is not None):
+            raise ValueError(
+                "exact=True reproduces diffusers bit for bit, so it cannot be combined with "
+                f"{'compile' if self.compile else 'cache=' + repr(self.cache)}; drop one of them"
+            )
+        policy = POLICIES.get(self.cache)
+        if policy is not None and policy.needs_cfg_batch and (not self.cfg_batch or self.cfg_parallel):
+            raise ValueError(
+                f"cache={self.cache!r} approximates the unconditional half of a CFG-batched forward: "
+                "it needs cfg_batch=True and no cfg_parallel"
+            )
+        if self.cache == "auto" and self.world_size_needed > 1:
+            raise ValueError(
+                "cache='auto' calibrates in one process; pick the policy it printed for sp / ring / cfg_parallel"
+            )
+        if isinstance(self.min_psnr, bool) or not isinstance(self.min_psnr, (int, float)) or self.min_psnr <= 0:
+            raise ValueError(f"min_psnr must be a number of dB > 0; got {self.min_psnr!r}")
         if not isinstance(self.lora_scale, (int, float)) or isinstance(self.lora_scale, bool):
             raise ValueError(f"lora_scale must be a number; got {self.lora_scale!r}")
         for name in ("sp", "ring"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+
+    @property
+    def batch_cfg(self) -> bool:
+        return self.cfg_batch and not self.exact
+
+    @property
+    def onednn_vae(self) -> bool:
+        return self.fast_vae and not self.exact
 
     @property
     def world_size_needed(self) -> int:
@@ -121,16 +152,6 @@ def load_components(root: str | Path, spec: InferenceSpec, options: EngineOption
         dtype = DTYPES[options.vae_dtype] if name == spec.vae_component else DTYPES[options.dtype]
         out[name] = load_component(root, name, index.get(name), device, dtype)
     return out
-
-
-def apply_cache(transformer: ModelMixin, kind: str, threshold: float) -> None:
-    """Step caching with diffusers' own hooks (`enable_cache`)."""
-    if kind == "fbc":
-        from diffusers.hooks import FirstBlockCacheConfig
-
-        transformer.enable_cache(FirstBlockCacheConfig(threshold=float(threshold)))
-    else:
-        raise ValueError(f"unknown cache {kind!r}; choose one of {CACHE_KINDS}")
 
 
 def apply_compile(transformer: ModelMixin) -> None:
@@ -202,17 +223,21 @@ class InferencePipeline:
         mesh, cfg_group = None, None
         if options.world_size_needed > 1:
             mesh, cfg_group = setup_parallel(transformer, options)
-        if options.cache is not None:
-            apply_cache(transformer, options.cache, options.cache_threshold)
+        denoising = DenoisingStage(
+            transformer, spec, cfg_batch=options.batch_cfg, cfg_group=cfg_group, sp=options.sp, ring=options.ring
+        )
+        if options.cache not in (None, "auto"):  # "auto": DiffusionGenerator calibrates on the first request
+            denoising.set_cache(options.cache, options.cache_threshold, options.cache_options)
         if options.compile:
             apply_compile(transformer)
-        stages: list[Stage] = [
-            spec.make_before_denoising(components),
-            DenoisingStage(
-                transformer, spec, cfg_batch=options.cfg_batch, cfg_group=cfg_group, sp=options.sp, ring=options.ring
-            ),
-            DecodingStage(components[spec.vae_component], spec),
-        ]
+        vae = components[spec.vae_component]
+        if not options.exact:
+            from spindle.infer.speedups import memoize_constant_inputs, onednn_conv3d
+
+            memoize_constant_inputs(spec.request_constant_modules(transformer, compiled=options.compile))
+            if options.onednn_vae and options.torch_device().type == "cpu":
+                onednn_conv3d(vae)
+        stages: list[Stage] = [spec.make_before_denoising(components), denoising, DecodingStage(vae, spec)]
         return cls(spec, components, stages, options, root=root, mesh=mesh)
 
     def run(self, req: Req) -> Req:

@@ -134,6 +134,12 @@ class InferenceSpec:
         """Before a `degree`-way SP run: make every sequence the transformer's plan splits divisible by
         `degree` where the family can do so exactly (Qwen-Image pads its masked text). Default: nothing."""
 
+    def request_constant_modules(self, transformer: torch.nn.Module, compiled: bool) -> list[torch.nn.Module]:
+        """Transformer submodules whose input is the same at every step of a request (a function of the
+        prompt only): the engine computes them once per request (`speedups.memoize_constant_inputs`).
+        `compiled`: the repeated blocks are torch.compiled, so leave modules inside them alone."""
+        return []
+
     def sequence_length(self, req: Req, transformer: torch.nn.Module) -> int | None:
         """Tokens the transformer sees for this request (checked against the SP degree); None: unknown."""
         return None
@@ -218,8 +224,9 @@ class DenoisingStage(Stage):
     - `cfg_batch`: conditional and unconditional branches in one forward (batch 2B).
     - `cfg_group`: a process group of 2 ranks; rank 0 computes cond, rank 1 uncond, the noise
       predictions are all-gathered (CFG parallel). Every rank ends with the same latents.
-    - cache hooks (diffusers' `enable_cache`) are applied to the transformer by the pipeline; this
-      stage only names each call with `cache_context` and resets the cache state per request.
+    - `set_cache(name, threshold, options)`: a step cache (`spindle.infer.caches.StepCache`, diffusers'
+      hooks on the transformer); this stage names each call with `cache_context`, tells the hooks the
+      current timestep and resets their state per request, so requests never see each other's cache.
     """
 
     name = "denoising"
@@ -239,6 +246,18 @@ class DenoisingStage(Stage):
         self.cfg_group = cfg_group
         self.sp = sp
         self.ring = ring
+        self.cache: Any = None  # spindle.infer.caches.StepCache
+        self.current_timestep: float | None = None  # read by timestep-gated cache hooks (PAB, FasterCache)
+
+    def set_cache(self, name: str | None, threshold: float | None = None, options: dict | None = None) -> None:
+        """Replace the step cache (None: no cache)."""
+        from spindle.infer.caches import StepCache
+
+        if self.cache is not None:
+            self.cache.disable()
+            self.cache = None
+        if name is not None:
+            self.cache = StepCache(self.transformer, name, threshold, options, lambda: self.current_timestep)
 
     def _cache_context(self, name: str, req: Req, i: int) -> contextlib.AbstractContextManager[Any]:
         ctx = getattr(self.transformer, "cache_context", None)
@@ -271,13 +290,14 @@ class DenoisingStage(Stage):
             dist.all_gather(both, mine, group=self.cfg_group)
             cond, uncond = both
         elif self.cfg_batch:
-            kw = spec.batch_cfg_kwargs(
-                spec.denoiser_kwargs(req, latents, t, "cond"),
-                spec.denoiser_kwargs(req, latents, t, "uncond"),
-                batch_size=latents.shape[0],
-            )
+            branches = [spec.denoiser_kwargs(req, latents, t, b) for b in ("cond", "uncond")]
+            # FasterCache approximates the second half from the first: it wants [uncond; cond]
+            uncond_first = self.cache is not None and self.cache.policy.needs_cfg_batch
+            kw = spec.batch_cfg_kwargs(*(branches[::-1] if uncond_first else branches), batch_size=latents.shape[0])
             with self._cache_context("cfg_batch", req, i):
                 cond, uncond = self._forward(kw).chunk(2, dim=0)
+            if uncond_first:
+                cond, uncond = uncond, cond
         else:
             with self._cache_context("cond", req, i):
                 cond = self._forward(spec.denoiser_kwargs(req, latents, t, "cond"))
@@ -304,12 +324,26 @@ class DenoisingStage(Stage):
         self.check_sequence_parallel(req)
         if self.sp * self.ring > 1:  # the sequence-parallel group is sp (Ulysses) x ring
             self.spec.prepare_sequence_parallel(req, self.sp * self.ring)
+        total = len(timesteps)
+        if self.cache is not None:
+            self.cache.start_request(total)
         reset_cache = getattr(self.transformer, "_reset_stateful_cache", None)
         if reset_cache is not None:
             reset_cache()  # cache state never leaks across requests
+        try:
+            with self.cache.around_request() if self.cache is not None else contextlib.nullcontext():
+                req.latents = self.loop(req, latents, timesteps)
+        finally:
+            from spindle.infer.speedups import clear_memos
+
+            clear_memos(self.transformer)  # per-request prompt projections (default-on memoization)
+        return req
+
+    def loop(self, req: Req, latents: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
         total = len(timesteps)
         for i, t in enumerate(timesteps):
             req.check_cancelled()
+            self.current_timestep = float(t)
             noise_pred = self.predict(req, latents, t, i)
             if noise_pred.shape != latents.shape:
                 raise _contract(
@@ -322,8 +356,7 @@ class DenoisingStage(Stage):
             latents = req.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
             if req.progress is not None:
                 req.progress(i + 1, total)
-        req.latents = latents
-        return req
+        return latents
 
 
 class DecodingStage(Stage):

@@ -10,11 +10,27 @@ import torch
 from spindle.config import TrainConfig
 
 
+def fused_adamw_supported(params: list[torch.Tensor]) -> bool:
+    """torch has a fused (single-kernel) AdamW for the device of every parameter (CPU and CUDA here)."""
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    devices = set(_get_fused_kernels_supported_devices())
+    return bool(params) and all(p.device.type in devices and p.dtype.is_floating_point for p in params)
+
+
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:
-    trainable = [p for p in params if p.requires_grad]
-    # foreach is the fast path on CPU and CUDA and supports the DTensor params FSDP2 produces.
+    trainable: list[torch.Tensor] = [p for p in params if p.requires_grad]
+    # fused: one kernel per parameter group for the whole update where the device has one (also for
+    # FSDP2's DTensor params); foreach (multi-tensor) otherwise.
+    fused = fused_adamw_supported(trainable)
     return torch.optim.AdamW(
-        trainable, lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay, foreach=True
+        trainable,
+        lr=cfg.lr,
+        betas=cfg.betas,
+        eps=cfg.adam_eps,
+        weight_decay=cfg.weight_decay,
+        fused=fused or None,
+        foreach=None if fused else True,
     )
 
 

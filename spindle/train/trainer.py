@@ -138,33 +138,37 @@ class Trainer:
         is divided by the global unit count (see `spindle.train.tasks.base`). FSDP2 averages gradients
         over the data-parallel ranks, so each rank scales by dp_size to turn that average into the sum.
         """
-        from spindle.distributed.fsdp import clip_grad_norm_
+        from spindle.distributed.fsdp import clip_grad_norm_tensor_
 
         batches = [next(self.loader) for _ in range(self.accum)]
         dp_size = self.mesh.dims.dp_size
-        units = self._sum_over(
-            torch.tensor(float(sum(self.task.loss_units(b) for b in batches))), self.mesh.dp if dp_size > 1 else None
-        )
+        units = float(sum(self.task.loss_units(b) for b in batches))  # host counts: no device read
+        if dp_size > 1:  # the global count scales the loss before backward (one read with data parallel)
+            units = self._sum_over(torch.tensor(units), self.mesh.dp)
         scale = dp_size / max(units, 1.0)
         total_loss = torch.zeros((), device=self.device)
-        extra: dict[str, float] = {}
+        sums: dict[str, Any] = {}
         samples = tokens = 0
         for batch in batches:
             out = self.task.forward(self.model, batch, self.step)
             (out.loss_sum * scale).backward()
             total_loss += out.loss_sum.detach()
             samples, tokens = samples + out.samples, tokens + out.tokens
-            for key, value in out.metrics.items():
-                extra[key] = extra.get(key, 0.0) + float(value)
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
+            for key, value in out.metrics.items():  # kept on the device until logged
+                sums[key] = sums.get(key, 0.0) + (value.detach() if torch.is_tensor(value) else value)
+        # No host reads until the update is queued: the norm stays a tensor, clipping runs on the
+        # device; the logged scalars (loss, grad norm, task metrics) are read once each, at the end.
+        grad_norm = clip_grad_norm_tensor_(self.model.parameters(), self.cfg.train.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         loss_group = self._loss_group()
         loss = self._sum_over(total_loss, loss_group) / max(units, 1.0)
-        extra = {k: self._sum_over(torch.tensor(v), loss_group) / dp_size for k, v in extra.items()}
+        extra = {
+            k: self._sum_over(torch.as_tensor(v, device=self.device), loss_group) / dp_size for k, v in sums.items()
+        }
         extra.update(self.task.step_metrics())
-        return loss, grad_norm, samples * dp_size, tokens * dp_size, extra
+        return loss, float(grad_norm), samples * dp_size, tokens * dp_size, extra
 
     def _loss_group(self) -> DeviceMesh | None:
         """The ranks whose loss sums add up to the global batch's loss sum (None: this rank alone)."""

@@ -171,6 +171,17 @@ class WanInference(InferenceSpec):
             "return_dict": False,
         }
 
+    def request_constant_modules(self, transformer: torch.nn.Module, compiled: bool) -> list[torch.nn.Module]:
+        # The prompt embeddings enter through the text projection and each block's cross-attention
+        # key/value (+ its RMSNorm): the same every step. Fused projections (to_kv) stay as they are.
+        modules = [transformer.condition_embedder.text_embedder]
+        if not compiled:
+            for block in transformer.blocks:
+                attn = block.attn2
+                if not attn.fused_projections:
+                    modules += [attn.to_k, attn.to_v, attn.norm_k]
+        return modules
+
     def sequence_length(self, req: Req, transformer: torch.nn.Module) -> int:
         pt, ph, pw = cast(Any, transformer).config.patch_size  # a diffusers model: its config
         _, _, f, h, w = resolved(req.raw_latent_shape, "raw_latent_shape")

@@ -126,11 +126,11 @@ class CausalLMTask(TrainTask):
         return cls.from_pretrained(self.cfg.model.path, dtype=torch.float32, attn_implementation="sdpa")
 
     def build_model(self) -> torch.nn.Module:
-        from spindle.distributed.fsdp import apply_fsdp, autocast_dtype
+        from spindle.distributed.fsdp import apply_fsdp, autocast_dtype, compile_blocks
 
         model = self.load_model().to(self.device)
         model.train()
-        # Order (docs/architecture.md): SP -> activation checkpointing -> FSDP2.
+        # Order (docs/architecture.md): SP -> activation checkpointing -> compile -> FSDP2.
         if self.mesh.dims.sp > 1:
             from spindle.distributed import ulysses_attention
 
@@ -140,6 +140,8 @@ class CausalLMTask(TrainTask):
             # parameter names stay unchanged (no wrapper module in the FQNs, checkpoints, export).
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         self.parallelize_extra(model)
+        if self.cfg.train.compile:
+            compile_blocks(model)
         if self.mesh.world.size() > 1:  # one process: nothing to shard (spindle.distributed.fsdp)
             apply_fsdp(model, self.mesh, self.precision)
         self.autocast_dtype = autocast_dtype(model, self.precision)

@@ -96,6 +96,7 @@ class FlowMatchingTask(TrainTask):
             self.mesh,
             mixed_precision=self.precision,
             gradient_checkpointing=self.cfg.train.gradient_checkpointing,
+            compile=self.cfg.train.compile,
         )
         self.autocast_dtype = autocast_dtype(model, self.precision)
         return model

@@ -1,0 +1,82 @@
+"""`cache="auto"`: pick the fastest step cache whose output stays above a PSNR floor.
+
+On one calibration request (the user's own prompt template, size and step count), the uncached
+output is the reference; each policy then tries its knob values from the most aggressive down and
+keeps the first one whose output is at least `min_psnr` dB against the reference. The fastest of
+those (denoising seconds) wins; none passing means no cache. A knob that skips nothing (output
+identical to the reference) is not a candidate. MagCache's model-specific ratios are
+measured on the reference run itself (its calibration mode never skips, so that run is exact).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from spindle.infer.caches import POLICIES
+
+if TYPE_CHECKING:
+    from spindle.infer.generator import DiffusionGenerator
+    from spindle.infer.request import SamplingParams
+
+
+@dataclass
+class CacheChoice:
+    name: str | None  # None: no policy reached min_psnr
+    threshold: float | None
+    options: dict[str, Any]
+    psnr: float | None
+    seconds: float | None  # denoising seconds with the choice
+    reference_seconds: float  # denoising seconds without cache
+    min_psnr: float
+    trials: list[dict] = field(default_factory=list)
+
+    def describe(self) -> str:
+        if self.name is None:
+            return f"cache auto: no policy kept PSNR >= {self.min_psnr} dB on the calibration request; running uncached"
+        knob = POLICIES[self.name].knob
+        return (
+            f"cache auto: chose {self.name} ({knob}={self.threshold}): PSNR {self.psnr:.2f} dB >= {self.min_psnr} dB, "
+            f"denoising {self.seconds:.2f}s vs {self.reference_seconds:.2f}s uncached "
+            f"({len(self.trials)} trials)"
+        )
+
+
+def calibrate_cache(
+    gen: DiffusionGenerator, params: SamplingParams, min_psnr: float, policies: tuple[str, ...] | None = None
+) -> CacheChoice:
+    """Try the policies on `params` and leave the chosen one enabled on `gen`. -> the choice and every trial."""
+    from spindle.infer.generator import psnr
+
+    stage = gen.pipeline.denoising
+    stage.set_cache("mag")  # calibration mode: computes every block (exact) and measures MagCache's ratios
+    reference = gen.run(params)
+    mag_ratios = stage.cache.mag_ratios
+    stage.set_cache(None)
+    ref_seconds = reference.timings["denoising"]
+    trials: list[dict] = []
+    for name in policies or tuple(POLICIES):
+        policy = POLICIES[name]
+        if policy.needs_cfg_batch and (not stage.cfg_batch or stage.cfg_group is not None):
+            continue
+        options = {"mag_ratios": mag_ratios} if name == "mag" else {}
+        if name == "mag" and mag_ratios is None:
+            continue
+        for value in policy.candidates:  # most aggressive first: the first that passes is this policy's fastest
+            stage.set_cache(name, value, options)
+            out = gen.run(params)
+            value_db = psnr(out.frames, reference.frames)
+            trials.append(dict(name=name, threshold=value, psnr=value_db, seconds=out.timings["denoising"]))
+            if value_db >= min_psnr:
+                break
+    stage.set_cache(None)
+    # an output identical to the reference (infinite PSNR) skipped nothing: no speed-up to choose
+    passing = [t for t in trials if min_psnr <= t["psnr"] < float("inf")]
+    if not passing:
+        return CacheChoice(None, None, {}, None, None, ref_seconds, min_psnr, trials)
+    best = min(passing, key=lambda t: t["seconds"])
+    options = {"mag_ratios": mag_ratios} if best["name"] == "mag" else {}
+    stage.set_cache(best["name"], best["threshold"], options)
+    return CacheChoice(
+        best["name"], best["threshold"], options, best["psnr"], best["seconds"], ref_seconds, min_psnr, trials
+    )

@@ -1,0 +1,75 @@
+"""Default-on speed-ups that keep the output within 1e-5..1e-4 of diffusers (off with `exact=True`).
+
+- `onednn_conv3d(vae)`: on CPU, PyTorch's convolution dispatcher sends a batch-1 3-D convolution with
+  few channels (Wan's causal VAE decodes one latent frame at a time with 8-96 channels) to its
+  reference kernel `slow_conv3d` (im2col + GEMM) instead of oneDNN; its heuristic looks at
+  `N*C*D*H < 20480`, which such inputs always are. Calling oneDNN's convolution directly is ~7x
+  faster per layer here (measured: [1, 8, 6, 130, 130] x [8, 8, 3, 3, 3]: 153 ms -> 22 ms, one
+  thread) and agrees to float32 rounding (relative ~3e-6 per layer).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _onednn_conv_forward(conv: torch.nn.Conv3d):
+    def forward(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if input.device.type != "cpu" or input.dtype != torch.float32 or torch.is_grad_enabled():
+            return F.conv3d(input, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups)
+        return torch.mkldnn_convolution(input, weight, bias, conv.padding, conv.stride, conv.dilation, conv.groups)
+
+    return forward
+
+
+def onednn_conv3d(module: torch.nn.Module) -> int:
+    """Route the zero-padded `Conv3d`s under `module` through oneDNN on CPU float32 (inference only).
+    -> how many convolutions were switched. A no-op where oneDNN is unavailable or on other devices."""
+    if not torch.backends.mkldnn.is_available():
+        return 0
+    count = 0
+    for m in module.modules():
+        if isinstance(m, torch.nn.Conv3d) and m.padding_mode == "zeros" and isinstance(m.padding, tuple):
+            m._conv_forward = _onednn_conv_forward(m)  # instance attribute: shadows nn.Conv3d._conv_forward
+            count += 1
+    return count
+
+
+def memoize_constant_inputs(modules: list[torch.nn.Module], slots: int = 2) -> None:
+    """Reuse a module's output when it is called again with a bitwise-equal input (inference only).
+
+    Meant for modules whose input is the same for every denoising step of a request (Wan: the text
+    projection and each cross-attention's key/value projections of the prompt embeddings): they are
+    computed once per request and branch instead of once per step, with the same result by
+    construction (a hit needs `torch.equal` inputs). `slots` keeps cond and uncond apart when CFG
+    runs two forwards. `clear_memos` frees the entries after a request.
+    """
+    for module in modules:
+        if hasattr(module, "_spindle_memo"):
+            continue
+        original = module.forward
+        entries: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def forward(x: torch.Tensor, _original=original, _entries=entries) -> torch.Tensor:
+            if torch.is_grad_enabled():
+                return _original(x)
+            for inp, out in _entries:
+                if inp is x or (
+                    inp.shape == x.shape and inp.dtype == x.dtype and inp.device == x.device and torch.equal(inp, x)
+                ):
+                    return out
+            out = _original(x)
+            _entries.insert(0, (x, out))
+            del _entries[slots:]
+            return out
+
+        module.forward = forward  # instance attribute: nn.Module.__call__ dispatches to it
+        module._spindle_memo = entries
+
+
+def clear_memos(root: torch.nn.Module) -> None:
+    for m in root.modules():
+        memo = getattr(m, "_spindle_memo", None)
+        if memo is not None:
+            memo.clear()
