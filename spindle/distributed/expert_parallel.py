@@ -31,12 +31,12 @@ import fnmatch
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from spindle.distributed.mesh import Mesh
+from spindle.distributed.mesh import Mesh, ParallelDims
 
 
-def check_ep_layout(dims, num_experts: int) -> None:
+def check_ep_layout(dims: ParallelDims, num_experts: int) -> None:
     """Layouts EP supports (before launch); raises ValueError naming the field."""
     if dims.ep == 1:
         return
@@ -74,7 +74,7 @@ def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def _ep_plan(model: nn.Module) -> dict[str, str]:
-    plan = getattr(model.config, "base_model_ep_plan", None)
+    plan: dict[str, str] | None = getattr(model.config, "base_model_ep_plan", None)
     if not plan:
         raise ValueError(f"{type(model).__name__} declares no expert-parallel plan (config.base_model_ep_plan)")
     return plan
@@ -95,7 +95,7 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh) -> nn.Module:
     return model
 
 
-def shard_experts(model: nn.Module, mesh: Mesh, mp_policy) -> None:
+def shard_experts(model: nn.Module, mesh: Mesh, mp_policy: MixedPrecisionPolicy) -> None:
     """FSDP2 units for the experts of each MoE layer over `efsdp` (before the dense `apply_fsdp`).
 
     Gradients divide by the data-parallel size (module docstring); on gloo the custom factor needs
@@ -103,13 +103,13 @@ def shard_experts(model: nn.Module, mesh: Mesh, mp_policy) -> None:
     """
     efsdp = ep_meshes(mesh)[1]
     for experts in expert_modules(model).values():
-        fully_shard(experts, mesh=efsdp, mp_policy=mp_policy, reshard_after_forward=True)
-        experts.set_gradient_divide_factor(float(mesh.dims.dp_size))
+        sharded = fully_shard(experts, mesh=efsdp, mp_policy=mp_policy, reshard_after_forward=True)
+        sharded.set_gradient_divide_factor(float(mesh.dims.dp_size))
         if efsdp.device_type == "cpu" and efsdp.size() > 1:
             # gloo has no PREMUL_SUM; but on a 1-rank efsdp mesh (no collective) FSDP2's forced-sum
             # path divides twice (measured: expert grads at 1/dp_size of the 1-process ones), so
             # only where a reduction really runs.
-            experts.set_force_sum_reduction_for_comms(True)
+            sharded.set_force_sum_reduction_for_comms(True)
 
 
 def expert_param_names(model: nn.Module) -> list[str]:

@@ -85,9 +85,13 @@ class InferenceSpec:
     @property
     def options(self) -> FamilyOptions:
         """The family's declared sampling options (on its registered `FAMILY`)."""
+        from spindle.models.family import DiTFamily
         from spindle.registry import get_family
 
-        options: FamilyOptions = get_family(self.family).options
+        family = get_family(self.family)
+        if not isinstance(family, DiTFamily):
+            raise TypeError(f"family {self.family!r} is not a DiT family; it has no inference sampling options")
+        options: FamilyOptions = family.options
         return options
 
     @property

@@ -84,7 +84,7 @@ def request_error(e: RequestError, *, seconds_given: bool = False, option_names:
     """An engine `RequestError` -> 400 naming the HTTP field (a common one or a family option)."""
     field = getattr(e, "field", None)
     param = None
-    if field in option_names:
+    if field in tuple(option_names):
         param = field
     elif field in _ENGINE_FIELDS:
         param = _FIELD_FOR.get(field, field)

@@ -203,9 +203,13 @@ def sp_worker(rank: int, world: int, family_name: str, root: str, layouts: dict[
     """Every layout in turn on the spawned ranks (all ranks see the same sample); rank 0 saves results."""
     from spindle.distributed.fsdp import full_grads, parallelize_transformer
     from spindle.distributed.mesh import ParallelDims, build_mesh
-    from spindle.registry import dit_family_of
+    from spindle.registry import family_of
 
-    family = dit_family_of(root, family_name)
+    family = family_of(root, family_name)
+    if not isinstance(family, DiTFamily):
+        raise TypeError(
+            f"{family.name} is not a DiT family: sequence-parallel conformance covers diffusion transformers"
+        )
     inputs = training_inputs(family, Path(root))
     target, _ = inputs.pop("target"), inputs.pop("sigmas")
     results = {}
@@ -238,8 +242,9 @@ def check_precomputed_condition_model(family: DiTFamily, root: Path) -> None:
     from spindle.train.tasks.flow_matching import sample_generator
 
     cls = family.condition_model_cls()
-    full = cls.from_pretrained(root, max_text_length=TEXT_TOKENS)
-    light = cls.from_pretrained(root, max_text_length=TEXT_TOKENS, encoders=False)
+    cpu, fp32 = torch.device("cpu"), torch.float32
+    full = cls.from_pretrained(root, cpu, fp32, max_text_length=TEXT_TOKENS)
+    light = cls.from_pretrained(root, cpu, fp32, max_text_length=TEXT_TOKENS, encoders=False)
     modules = getattr(getattr(light, "pipe", None), "components", {}).values()
     resident = [p for m in modules if isinstance(m, torch.nn.Module) for p in m.parameters() if not p.is_meta]
     assert not resident, f"{family.name}: the condition model with encoders=False loaded encoder weights"

@@ -130,7 +130,7 @@ class Trainer:
 
     # ------------------------------------------------------------ loop
 
-    def train_step(self) -> tuple[float, float, int, int, dict]:
+    def train_step(self) -> tuple[float, float, int, int, dict[str, Any]]:
         """One optimizer step over `accum` micro-batches.
 
         -> (loss, grad_norm, samples, tokens, extra metrics) of the global batch. The loss is the mean

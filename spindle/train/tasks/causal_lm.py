@@ -48,8 +48,10 @@ EXPORT_MAX_SHARD_BYTES = 5 << 30  # transformers' default max_shard_size (5GB)
 TOKEN_KEYS = ("input_ids", "position_ids", "shift_labels")
 
 
-def causal_lm_output(model: torch.nn.Module, batch: dict[str, torch.Tensor], **model_kwargs: Any):
-    """The forward output of a batch of rows (input_ids, position_ids, shift_labels); `.loss` is the sum."""
+def causal_lm_output(model: torch.nn.Module, batch: dict[str, torch.Tensor], **model_kwargs: Any) -> Any:
+    """The forward output of a batch of rows (input_ids, position_ids, shift_labels); `.loss` is the sum.
+
+    -> the model's transformers `ModelOutput` (Any: mypy does not follow transformers)."""
     labels = batch["shift_labels"]
     return model(
         input_ids=batch["input_ids"],

@@ -11,9 +11,9 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,11 @@ from spindle.models.base import ConditionModel, TimestepSampling, load_transform
 from spindle.registry import get_family, resolve_family
 from spindle.train.metrics import count_tokens
 from spindle.train.tasks.base import StepOutput, TrainTask
+
+if TYPE_CHECKING:
+    from spindle.config import TrainJobConfig
+    from spindle.data.loader import ResumableLoader
+    from spindle.distributed.mesh import Mesh, ParallelDims
 
 
 def sample_generator(seed: int, step: int, sample_index: int) -> torch.Generator:
@@ -42,14 +47,15 @@ def loss_weights(sigmas: torch.Tensor, scheme: str) -> torch.Tensor | None:
         return None
     from diffusers.training_utils import compute_loss_weighting_for_sd3
 
-    return compute_loss_weighting_for_sd3(scheme, sigmas=sigmas)
+    weights: torch.Tensor = compute_loss_weighting_for_sd3(scheme, sigmas=sigmas)
+    return weights
 
 
 class FlowMatchingTask(TrainTask):
     name = "flow_matching"
     loss_sharded_over_sp = False  # diffusers CP gathers the output: every SP rank holds the whole loss
 
-    def __init__(self, cfg, mesh, device, precision):
+    def __init__(self, cfg: TrainJobConfig, mesh: Mesh, device: torch.device, precision: str) -> None:
         super().__init__(cfg, mesh, device, precision)
         self.family = get_family(cfg.model.family) if cfg.model.family else resolve_family(cfg.model.path)
         self.seed = cfg.train.seed
@@ -60,7 +66,7 @@ class FlowMatchingTask(TrainTask):
     # ------------------------------------------------------------ checks before launch
 
     @classmethod
-    def check_plan(cls, cfg, dims) -> None:
+    def check_plan(cls, cfg: TrainJobConfig, dims: ParallelDims) -> None:
         from spindle.distributed.context_parallel import check_sequence_parallel
 
         tcfg = Path(cfg.model.path) / "transformer" / "config.json"
@@ -101,7 +107,7 @@ class FlowMatchingTask(TrainTask):
         self.autocast_dtype = autocast_dtype(model, self.precision)
         return model
 
-    def build_loader(self):
+    def build_loader(self) -> ResumableLoader:
         from spindle.data.datasets import build_dataset, collate
         from spindle.data.loader import ResumableLoader
         from spindle.data.precomputed import CachedConditions, cache_settings, collate_conditions
@@ -128,7 +134,7 @@ class FlowMatchingTask(TrainTask):
     def loss_units(self, batch: dict[str, Any]) -> int:
         return len(batch["index"])  # the loss is a mean over samples
 
-    def _autocast(self):
+    def _autocast(self) -> AbstractContextManager[Any]:
         if self.autocast_dtype is None:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)

@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -24,22 +24,26 @@ import torch.distributed as dist
 from spindle.config import ConfigError
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.mesh import is_main_process
+from spindle.models.base import CausalLMFamily
 from spindle.models.qwen3_moe import conversion
-from spindle.registry import family_of
-from spindle.train.tasks.causal_lm import CausalLMTask, write_transformers_folder
+from spindle.train.tasks.causal_lm import CausalLMTask, language_model_family, write_transformers_folder
+
+if TYPE_CHECKING:
+    from spindle.config import TrainJobConfig
+    from spindle.distributed.mesh import Mesh, ParallelDims
 
 
 class MoECausalLMTask(CausalLMTask):
     name = "causal_lm_moe"
     supports_expert_parallel = True
 
-    def __init__(self, cfg, mesh, device, precision):
+    def __init__(self, cfg: TrainJobConfig, mesh: Mesh, device: torch.device, precision: str) -> None:
         super().__init__(cfg, mesh, device, precision)
         self.expert_layout = conversion.PER_EXPERT
         self._load: torch.Tensor | None = None  # [moe layers, experts] routed token counts this step
 
     @classmethod
-    def check_plan(cls, cfg, dims) -> None:
+    def check_plan(cls, cfg: TrainJobConfig, dims: ParallelDims) -> None:
         from transformers import AutoConfig
 
         from spindle.distributed.expert_parallel import check_ep_layout
@@ -101,7 +105,8 @@ class MoECausalLMTask(CausalLMTask):
         self._load = counts if self._load is None else self._load + counts
 
     @property
-    def family_config(self):
+    def family_config(self) -> Any:
+        """The checkpoint's transformers config (Any: mypy does not follow transformers)."""
         if not hasattr(self, "_family_config"):
             from transformers import AutoConfig
 
@@ -131,7 +136,9 @@ class MoECausalLMTask(CausalLMTask):
     def export(self, model: torch.nn.Module, out: Path) -> Path | None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        write_moe_folder(model, get_model_state_dict(model), self.cfg.model.path, out, self.expert_layout)
+        # a model's state dict holds tensors (DTensors under FSDP2/EP), not the nested values DCP's ValueType allows
+        state = cast("dict[str, torch.Tensor]", get_model_state_dict(model))
+        write_moe_folder(model, state, self.cfg.model.path, out, self.expert_layout)
         return out if is_main_process() else None
 
     @classmethod
@@ -139,13 +146,13 @@ class MoECausalLMTask(CausalLMTask):
         if not (model_path / "config.json").is_file():
             raise FileNotFoundError(f"base model {model_path} has no config.json; pass --model PATH")
         layout = conversion.expert_layout(model_path)
-        model = load_moe_model(family_of(model_path), model_path)
+        model = load_moe_model(language_model_family(model_path), model_path)
         state = ckpt.read_checkpoint_model(checkpoint, model)
         write_moe_folder(model, state, model_path, out, layout)
         return out
 
 
-def experts_implementation(config, device_type: str) -> str:
+def experts_implementation(config: Any, device_type: str) -> str:
     """transformers' fused experts kernel for this model: `grouped_mm` (one grouped GEMM per projection
     over the stacked weights), except on CPU when a weight row is not a multiple of 16 bytes, which the
     CPU grouped_mm kernel rejects ("strides should be multiple of 16 bytes"): then `batched_mm`
@@ -157,14 +164,18 @@ def experts_implementation(config, device_type: str) -> str:
     return "grouped_mm"
 
 
-def load_moe_model(family, path: str | Path, device_type: str = "cpu", **kwargs: Any) -> torch.nn.Module:
+def load_moe_model(
+    family: CausalLMFamily, path: str | Path, device_type: str = "cpu", **kwargs: Any
+) -> torch.nn.Module:
     """The family's MoE ForCausalLM from `path` in fp32, every expert loaded from the checkpoint or an error."""
     from transformers import AutoConfig
 
     conversion.expert_layout(path)  # validates expert keys and shapes before any weight is read
     conversion.register_conversion()
     impl = experts_implementation(AutoConfig.from_pretrained(path), device_type)
-    model, info = family.model_cls().from_pretrained(
+    cls: Any = family.model_cls()  # a transformers PreTrainedModel class (Any to mypy)
+    model: torch.nn.Module
+    model, info = cls.from_pretrained(
         path, dtype=torch.float32, output_loading_info=True, experts_implementation=impl, **kwargs
     )
     conversion.check_loading_info(info, str(path))
