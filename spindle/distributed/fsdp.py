@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -209,7 +209,8 @@ def clip_grad_norm_tensor_(
         # efsdp x ep units): one foreach norm cannot mix them; `clip_grad_norm_` combines per-mesh
         # norms (one host read).
         return torch.tensor(clip_grad_norm_(params, max_norm, norm_type))
-    total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=norm_type, error_if_nonfinite=False)
+    grads = [cast(torch.Tensor, p.grad) for p in params]  # params holds only those with a grad
+    total = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, error_if_nonfinite=False)
     if max_norm is not None and max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total.full_tensor() if isinstance(total, DTensor) else total

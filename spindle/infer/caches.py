@@ -19,7 +19,7 @@ import contextlib
 import dataclasses
 import io
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -33,8 +33,9 @@ class CachePolicy:
     config_class: str  # in diffusers.hooks
     knob: str  # the knob `cache_threshold` sets
     knob_type: type
-    candidates: tuple  # values `auto` tries, fastest (most skipping) first
-    defaults: dict = field(default_factory=dict)  # Spindle's defaults where diffusers' do not fit a short schedule
+    candidates: tuple[Any, ...]  # values `auto` tries, fastest (most skipping) first
+    # Spindle's defaults where diffusers' do not fit a short schedule
+    defaults: dict[str, Any] = field(default_factory=dict)
     needs_timestep: bool = False  # the config takes a `current_timestep_callback`
     needs_cfg_batch: bool = False  # the hook splits the batch into [uncond; cond]
 
@@ -88,7 +89,8 @@ CACHE_NAMES = (*POLICIES, "auto")
 def config_class(policy: CachePolicy) -> type:
     import diffusers.hooks
 
-    return getattr(diffusers.hooks, policy.config_class)
+    cls: type = getattr(diffusers.hooks, policy.config_class)
+    return cls
 
 
 def check_cache_options(name: str | None, threshold: float | None, options: dict[str, Any]) -> None:
@@ -120,7 +122,7 @@ def build_config(
     name: str,
     threshold: float | None = None,
     options: dict[str, Any] | None = None,
-    current_timestep: Callable[[], float] | None = None,
+    current_timestep: Callable[[], float | None] | None = None,
 ) -> Any:
     """The diffusers hook config for policy `name` with Spindle's defaults under `options`, the main knob
     set by `threshold`; usable on any diffusers transformer (`transformer.enable_cache(config)`), so the
@@ -155,12 +157,12 @@ class StepCache:
         name: str,
         threshold: float | None = None,
         options: dict[str, Any] | None = None,
-        current_timestep: Callable[[], float] | None = None,
+        current_timestep: Callable[[], float | None] | None = None,
     ):
         check_cache_options(name, threshold, options or {})
         if name == "auto":
             raise ValueError("cache='auto' is resolved by calibration (spindle.infer.calibrate), not applied directly")
-        self.transformer = transformer
+        self.transformer: Any = transformer  # a diffusers transformer (enable_cache / disable_cache)
         self.policy = POLICIES[name]
         self.name = name
         self.options = {**self.policy.defaults, **(options or {})}
@@ -202,7 +204,7 @@ class StepCache:
             self._enable(self._make_config(num_inference_steps=num_steps, mag_ratios=list(self.mag_ratios)))
 
     @contextlib.contextmanager
-    def around_request(self):
+    def around_request(self) -> Iterator[None]:
         """MagCache calibration prints the ratios it measured at the end of the schedule: read them there."""
         if self.name != "mag" or self.mag_ratios is not None:
             yield

@@ -29,7 +29,7 @@ class CacheChoice:
     seconds: float | None  # denoising seconds with the choice
     reference_seconds: float  # denoising seconds without cache
     min_psnr: float
-    trials: list[dict] = field(default_factory=list)
+    trials: list[dict[str, Any]] = field(default_factory=list)
 
     def describe(self) -> str:
         if self.name is None:
@@ -54,7 +54,7 @@ def calibrate_cache(
     mag_ratios = stage.cache.mag_ratios
     stage.set_cache(None)
     ref_seconds = reference.timings["denoising"]
-    trials: list[dict] = []
+    trials: list[dict[str, Any]] = []
     for name in policies or tuple(POLICIES):
         policy = POLICIES[name]
         if policy.needs_cfg_batch and (not stage.cfg_batch or stage.cfg_group is not None):

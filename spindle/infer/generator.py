@@ -19,6 +19,8 @@ from spindle.infer.request import Req, RequestLimits, SamplingParams
 if TYPE_CHECKING:
     from diffusers import ModelMixin  # Any to mypy: diffusers is not followed (pyproject [tool.mypy])
 
+    from spindle.infer.calibrate import CacheChoice
+
 
 @dataclass
 class GenerationResult:
@@ -77,7 +79,7 @@ class DiffusionGenerator:
         self.options.check_common_fields()
         self.defaults = pipeline.spec.default_params(pipeline.components)
         self.defaults.extra = {**self.options.defaults(), **self.defaults.extra}
-        self.cache_choice = None  # spindle.infer.calibrate.CacheChoice once cache="auto" has calibrated
+        self.cache_choice: CacheChoice | None = None  # set once cache="auto" has calibrated
         self._calibrate_first = pipeline.options.cache == "auto"
 
     @classmethod
@@ -174,7 +176,9 @@ class DiffusionGenerator:
         )
         return self.run(params, progress=progress, should_stop=should_stop)
 
-    def calibrate_cache(self, params: SamplingParams, min_psnr: float | None = None, policies=None):
+    def calibrate_cache(
+        self, params: SamplingParams, min_psnr: float | None = None, policies: tuple[str, ...] | None = None
+    ) -> CacheChoice:
         """Pick and enable the fastest step cache keeping `min_psnr` dB (default: the engine's) on `params`."""
         from spindle.infer.calibrate import calibrate_cache
 

@@ -74,7 +74,7 @@ class EngineOptions:
                 "exact=True reproduces diffusers bit for bit, so it cannot be combined with "
                 f"{'compile' if self.compile else 'cache=' + repr(self.cache)}; drop one of them"
             )
-        policy = POLICIES.get(self.cache)
+        policy = POLICIES.get(self.cache) if self.cache is not None else None
         if policy is not None and policy.needs_cfg_batch and (not self.cfg_batch or self.cfg_parallel):
             raise ValueError(
                 f"cache={self.cache!r} approximates the unconditional half of a CFG-batched forward: "

@@ -10,15 +10,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, cast
+
 import torch
 import torch.nn.functional as F
 
 
-def _onednn_conv_forward(conv: torch.nn.Conv3d):
+def _onednn_conv_forward(
+    conv: torch.nn.Conv3d,
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]:
     def forward(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if input.device.type != "cpu" or input.dtype != torch.float32 or torch.is_grad_enabled():
             return F.conv3d(input, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups)
-        return torch.mkldnn_convolution(input, weight, bias, conv.padding, conv.stride, conv.dilation, conv.groups)
+        padding = cast(tuple[int, ...], conv.padding)  # onednn_conv3d only patches convs with tuple padding
+        return torch.mkldnn_convolution(input, weight, bias, padding, conv.stride, conv.dilation, conv.groups)
 
     return forward
 
@@ -31,7 +37,8 @@ def onednn_conv3d(module: torch.nn.Module) -> int:
     count = 0
     for m in module.modules():
         if isinstance(m, torch.nn.Conv3d) and m.padding_mode == "zeros" and isinstance(m.padding, tuple):
-            m._conv_forward = _onednn_conv_forward(m)  # instance attribute: shadows nn.Conv3d._conv_forward
+            # instance attribute: shadows nn.Conv3d._conv_forward (setattr: mypy rejects assigning to a method)
+            setattr(m, "_conv_forward", _onednn_conv_forward(m))  # noqa: B010
             count += 1
     return count
 
@@ -51,21 +58,28 @@ def memoize_constant_inputs(modules: list[torch.nn.Module], slots: int = 2) -> N
         original = module.forward
         entries: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-        def forward(x: torch.Tensor, _original=original, _entries=entries) -> torch.Tensor:
+        def forward(
+            x: torch.Tensor,
+            _original: Callable[..., Any] = original,
+            _entries: list[tuple[torch.Tensor, torch.Tensor]] = entries,
+        ) -> torch.Tensor:
             if torch.is_grad_enabled():
-                return _original(x)
+                result: torch.Tensor = _original(x)
+                return result
             for inp, out in _entries:
                 if inp is x or (
                     inp.shape == x.shape and inp.dtype == x.dtype and inp.device == x.device and torch.equal(inp, x)
                 ):
                     return out
-            out = _original(x)
+            out = cast(torch.Tensor, _original(x))
             _entries.insert(0, (x, out))
             del _entries[slots:]
             return out
 
-        module.forward = forward  # instance attribute: nn.Module.__call__ dispatches to it
-        module._spindle_memo = entries
+        # instance attributes; setattr because mypy rejects assigning to a method and types
+        # nn.Module.__setattr__ values as Tensor | Module. nn.Module.__call__ dispatches to `forward`.
+        setattr(module, "forward", forward)  # noqa: B010
+        setattr(module, "_spindle_memo", entries)  # noqa: B010
 
 
 def clear_memos(root: torch.nn.Module) -> None:

@@ -253,7 +253,9 @@ class DenoisingStage(Stage):
         self.cache: Any = None  # spindle.infer.caches.StepCache
         self.current_timestep: float | None = None  # read by timestep-gated cache hooks (PAB, FasterCache)
 
-    def set_cache(self, name: str | None, threshold: float | None = None, options: dict | None = None) -> None:
+    def set_cache(
+        self, name: str | None, threshold: float | None = None, options: dict[str, Any] | None = None
+    ) -> None:
         """Replace the step cache (None: no cache)."""
         from spindle.infer.caches import StepCache
 
@@ -297,7 +299,8 @@ class DenoisingStage(Stage):
             branches = [spec.denoiser_kwargs(req, latents, t, b) for b in ("cond", "uncond")]
             # FasterCache approximates the second half from the first: it wants [uncond; cond]
             uncond_first = self.cache is not None and self.cache.policy.needs_cfg_batch
-            kw = spec.batch_cfg_kwargs(*(branches[::-1] if uncond_first else branches), batch_size=latents.shape[0])
+            first, second = branches[::-1] if uncond_first else branches
+            kw = spec.batch_cfg_kwargs(first, second, batch_size=latents.shape[0])
             with self._cache_context("cfg_batch", req, i):
                 cond, uncond = self._forward(kw).chunk(2, dim=0)
             if uncond_first:

@@ -22,7 +22,9 @@ class HostReads(TorchFunctionMode):
         super().__init__()
         self.calls: list[tuple[str, str]] = []  # (what, where)
 
-    def __torch_function__(self, func, types, args=(), kwargs=None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         name = getattr(func, "__name__", "")
         if name in READS:
             # the innermost caller outside torch and this module: the line that reads the tensor

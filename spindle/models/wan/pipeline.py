@@ -174,9 +174,10 @@ class WanInference(InferenceSpec):
     def request_constant_modules(self, transformer: torch.nn.Module, compiled: bool) -> list[torch.nn.Module]:
         # The prompt embeddings enter through the text projection and each block's cross-attention
         # key/value (+ its RMSNorm): the same every step. Fused projections (to_kv) stay as they are.
-        modules = [transformer.condition_embedder.text_embedder]
+        wan: Any = transformer  # diffusers WanTransformer3DModel
+        modules: list[torch.nn.Module] = [wan.condition_embedder.text_embedder]
         if not compiled:
-            for block in transformer.blocks:
+            for block in wan.blocks:
                 attn = block.attn2
                 if not attn.fused_projections:
                     modules += [attn.to_k, attn.to_v, attn.norm_k]
