@@ -24,6 +24,18 @@ def mfu_text(row: dict[str, Any]) -> str:
 Column = tuple[str, "str | Callable[[dict[str, Any]], Any]", str, str]
 
 
+def variant_columns(width: int) -> list[Column]:
+    """The columns every training table starts with: the variant (`width` wide), processes, step time."""
+    return [
+        ("variant", "variant", f"<{width}", ""),
+        ("procs", "processes", ">6", ""),
+        ("step s", "step_s", ">9", ".3f"),
+    ]
+
+
+MFU_COLUMN: Column = ("MFU", mfu_text, ">7", "")
+
+
 def print_table(columns: Sequence[Column], rows: Sequence[dict[str, Any]]) -> None:
     """A header, a rule and one line a row, each column `f"{value:{align_width}{number_format}}"`."""
     head = "".join(f"{title:{width}}" for title, _, width, _ in columns)

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import describe_device, mfu_text, peak_flops, print_table, rank_device, sync, write_report  # noqa: E402
+from bench import _common as common  # noqa: E402
 from spindle.testing.multiprocess import spawn  # noqa: E402
 
 
@@ -160,7 +160,7 @@ def _peak_memory(device: torch.device) -> float:
 def _loop(a, model, data, optimizer, device, clip, autocast: bool, warmup: int) -> list[float]:
     times = []
     for i in range(warmup + a.steps):
-        sync(device)
+        common.sync(device)
         t0 = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             out = model(**{k: v for k, v in data.items() if k != "target"}, return_dict=False)[0]
@@ -170,7 +170,7 @@ def _loop(a, model, data, optimizer, device, clip, autocast: bool, warmup: int) 
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         float(loss), float(norm)  # both loops log these two scalars
-        sync(device)
+        common.sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return times
@@ -179,7 +179,7 @@ def _loop(a, model, data, optimizer, device, clip, autocast: bool, warmup: int) 
 def _worker(rank: int, world: int, variant: str, a: argparse.Namespace, out_dir: str) -> None:
     import torch.distributed as dist
 
-    device = rank_device(rank)
+    device = common.rank_device(rank)
     cuda = device.type == "cuda"
     model = build_model(a, device)
     n_params = sum(p.numel() for p in model.parameters())
@@ -276,8 +276,8 @@ def main(argv: list[str] | None = None) -> int:
 
     base = results[0]
     n_params = base["n_params"]
-    device_name = describe_device()
-    peak = peak_flops(device_name, cuda)
+    device_name = common.describe_device()
+    peak = common.peak_flops(device_name, cuda)
     flops = flops_per_step(a, n_params)
     for r in results:
         r["tokens_per_s_vs_baseline"] = r["tokens_per_s"] / base["tokens_per_s"]
@@ -308,21 +308,19 @@ def main(argv: list[str] | None = None) -> int:
         f"{device_name} | {n_params / 1e6:.1f}M params | {a.batch} x {tokens_per_sample(a)} tokens | "
         f"{report['precision']} | {a.steps} steps after {a.warmup} warm-up"
     )
-    print_table(
+    common.print_table(
         [
-            ("variant", "variant", "<17", ""),
-            ("procs", "processes", ">6", ""),
-            ("step s", "step_s", ">9", ".3f"),
+            *common.variant_columns(17),
             ("samples/s", "samples_per_s", ">11", ".3f"),
             ("tokens/s", "tokens_per_s", ">10", ".0f"),
             ("vs base", "tokens_per_s_vs_baseline", ">9", ".2f"),
             ("peak MiB", "peak_mem_mib", ">10", ".0f"),
-            ("MFU", mfu_text, ">7", ""),
+            common.MFU_COLUMN,
         ],
         results,
     )
     out = Path(a.out or ROOT / "bench" / "results" / FAMILIES[a.family]["out"])
-    write_report(report, out)
+    common.write_report(report, out)
     return 0
 
 
