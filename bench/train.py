@@ -38,9 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench import _common as common  # noqa: E402
 from spindle.testing.multiprocess import spawn  # noqa: E402
-
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
 
 
 def model_config(a: argparse.Namespace) -> dict:
@@ -158,15 +157,10 @@ def _peak_memory(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux -> MiB
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _loop(a, model, data, optimizer, device, clip, autocast: bool, warmup: int) -> list[float]:
     times = []
     for i in range(warmup + a.steps):
-        _sync(device)
+        common.sync(device)
         t0 = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             out = model(**{k: v for k, v in data.items() if k != "target"}, return_dict=False)[0]
@@ -176,20 +170,16 @@ def _loop(a, model, data, optimizer, device, clip, autocast: bool, warmup: int) 
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         float(loss), float(norm)  # both loops log these two scalars
-        _sync(device)
+        common.sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return times
 
 
-def _device(rank: int) -> torch.device:
-    return torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
-
-
 def _worker(rank: int, world: int, variant: str, a: argparse.Namespace, out_dir: str) -> None:
     import torch.distributed as dist
 
-    device = _device(rank)
+    device = common.rank_device(rank)
     cuda = device.type == "cuda"
     model = build_model(a, device)
     n_params = sum(p.numel() for p in model.parameters())
@@ -286,8 +276,8 @@ def main(argv: list[str] | None = None) -> int:
 
     base = results[0]
     n_params = base["n_params"]
-    device_name = torch.cuda.get_device_name(0) if cuda else f"cpu ({os.cpu_count()} cores)"
-    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in device_name), None) if cuda else None
+    device_name = common.describe_device()
+    peak = common.peak_flops(device_name, cuda)
     flops = flops_per_step(a, n_params)
     for r in results:
         r["tokens_per_s_vs_baseline"] = r["tokens_per_s"] / base["tokens_per_s"]
@@ -318,19 +308,19 @@ def main(argv: list[str] | None = None) -> int:
         f"{device_name} | {n_params / 1e6:.1f}M params | {a.batch} x {tokens_per_sample(a)} tokens | "
         f"{report['precision']} | {a.steps} steps after {a.warmup} warm-up"
     )
-    head = f"{'variant':<17}{'procs':>6}{'step s':>9}{'samples/s':>11}{'tokens/s':>10}{'vs base':>9}{'peak MiB':>10}{'MFU':>7}"
-    print(head)
-    print("-" * len(head))
-    for r in results:
-        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
-        print(
-            f"{r['variant']:<17}{r['processes']:>6}{r['step_s']:>9.3f}{r['samples_per_s']:>11.3f}"
-            f"{r['tokens_per_s']:>10.0f}{r['tokens_per_s_vs_baseline']:>9.2f}{r['peak_mem_mib']:>10.0f}{mfu:>7}"
-        )
+    common.print_table(
+        [
+            *common.variant_columns(17),
+            ("samples/s", "samples_per_s", ">11", ".3f"),
+            ("tokens/s", "tokens_per_s", ">10", ".0f"),
+            ("vs base", "tokens_per_s_vs_baseline", ">9", ".2f"),
+            ("peak MiB", "peak_mem_mib", ">10", ".0f"),
+            common.MFU_COLUMN,
+        ],
+        results,
+    )
     out = Path(a.out or ROOT / "bench" / "results" / FAMILIES[a.family]["out"])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
+    common.write_report(report, out)
     return 0
 
 

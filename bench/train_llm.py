@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.train import PEAK_BF16_FLOPS, _device, _sync  # noqa: E402
+from bench import _common as common  # noqa: E402
 from spindle.testing.multiprocess import spawn  # noqa: E402
 
 QWEN3_VOCAB = 151936
@@ -138,10 +138,10 @@ def _timed(a: argparse.Namespace, device: torch.device, step) -> dict:
     before = _memory_mark(device)
     times = []
     for i in range(a.warmup + a.steps):
-        _sync(device)
+        common.sync(device)
         t0 = time.perf_counter()
         step()
-        _sync(device)
+        common.sync(device)
         if i >= a.warmup:
             times.append(time.perf_counter() - t0)
     peak = _memory_peak(device)
@@ -227,7 +227,7 @@ def spindle_loop(
 def _worker(rank: int, world: int, variant: str, a: argparse.Namespace, folder: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    device = _device(rank)
+    device = common.rank_device(rank)
     if variant == "transformers":
         n_params, timing, cls = transformers_loop(a, Path(folder), device)
     else:
@@ -295,8 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     n_params = runs[variants[0]][0]["n_params"]
     tokens = a.batch * a.seq_len
     flops = flops_per_step(a, cfg, n_params)
-    device_name = torch.cuda.get_device_name(0) if cuda else f"cpu ({os.cpu_count()} cores)"
-    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in device_name), None) if cuda else None
+    device_name = common.describe_device()
+    peak = common.peak_flops(device_name, cuda)
     results = []
     for v in variants:
         step_s = statistics.median(r["step_s"] for r in runs[v])
@@ -338,26 +338,21 @@ def main(argv: list[str] | None = None) -> int:
         f"{device_name} | Qwen3-shaped {n_params / 1e6:.1f}M params, vocab {cfg['vocab_size']} | {a.batch} x "
         f"{a.seq_len} tokens | {report['precision']} | median of {a.repeats} interleaved runs x {a.steps} steps"
     )
-    head = (
-        f"{'variant':<21}{'procs':>6}{'step s':>9}{'tokens/s':>10}{'vs tf':>7}{'peak MiB':>10}{'step MiB':>10}"
-        f"{'vs tf':>7}"
-        f"{'MFU':>7}"
+    common.print_table(
+        [
+            *common.variant_columns(21),
+            ("tokens/s", "tokens_per_s", ">10", ".0f"),
+            ("vs tf", "tokens_per_s_vs_transformers", ">7", ".2f"),
+            ("peak MiB", "peak_mem_mib", ">10", ".0f"),
+            ("step MiB", "step_mem_mib", ">10", ".0f"),
+            ("vs tf", "step_mem_vs_transformers", ">7", ".2f"),
+            common.MFU_COLUMN,
+        ],
+        results,
     )
-    print(head)
-    print("-" * len(head))
-    for r in results:
-        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
-        print(
-            f"{r['variant']:<21}{r['processes']:>6}{r['step_s']:>9.3f}{r['tokens_per_s']:>10.0f}"
-            f"{r['tokens_per_s_vs_transformers']:>7.2f}{r['peak_mem_mib']:>10.0f}{r['step_mem_mib']:>10.0f}"
-            f"{r['step_mem_vs_transformers']:>7.2f}"
-            f"{mfu:>7}"
-        )
     name = "train_llm.json" if a.preset == "cpu" else f"train_llm-{a.preset}.json"
     out = Path(a.out or ROOT / "bench" / "results" / name)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
+    common.write_report(report, out)
     return 0
 
 

@@ -98,13 +98,26 @@ def make_config(tiny_wan, shapes_videos, tmp_path):
     return make
 
 
-def run_spindle(*args, timeout: float = 600):
-    """`python -m spindle ARGS...` in a subprocess (this tree's code via PYTHONPATH); -> CompletedProcess."""
+def run_spindle(*args, timeout: float = 600, threads: int | None = None):
+    """`python -m spindle ARGS...` in a subprocess (this tree's code via PYTHONPATH); -> CompletedProcess.
+    `threads`: OMP_NUM_THREADS for it (1 for `--nproc` runs, whose workers share the cores)."""
+    import os
     import subprocess
     import sys
 
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
     return subprocess.run(
-        [sys.executable, "-m", "spindle", *map(str, args)], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "spindle", *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def generate_with_sp2(model: Path, out: Path, *extra: object):
+    """`spindle generate --nproc 2 --sp 2` (Ulysses SP over two torchrun workers) of a 32x48, 2-step
+    request written to `out`; -> CompletedProcess."""
+    size = ("--height", 32, "--width", 48, "--steps", 2, "--seed", 0)
+    sp = ("--nproc", 2, "--sp", 2, "--quiet")
+    return run_spindle(
+        "generate", "--model", model, "--prompt", "a windmill", *size, *extra, *sp, "--out", out, threads=1
     )
 
 

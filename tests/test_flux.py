@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from spindle.testing.conformance import check_generator_parity
 from spindle.testing.tiny import build_tiny_flux
 
 TOL = 1e-5
@@ -43,13 +44,6 @@ def flux_pipe(root):
     pipe = FluxPipeline.from_pretrained(root)
     pipe.set_progress_bar_config(disable=True)
     return pipe
-
-
-def diffusers_images(root, **kw) -> np.ndarray:
-    kw = dict(kw)
-    seed = kw.pop("seed")
-    kw.update(kw.pop("extra", {}))  # FluxPipeline takes true_cfg_scale as a keyword
-    return flux_pipe(root)(**kw, generator=torch.Generator().manual_seed(seed), output_type="np").images
 
 
 # ------------------------------------------------------------------ the tiny checkpoint
@@ -142,7 +136,7 @@ CASES = {
             guidance_scale=0.0,
             max_sequence_length=8,
             seed=5,
-            extra={"true_cfg_scale": 2.5},
+            true_cfg_scale=2.5,  # FluxPipeline and generate() both take it as a keyword
         ),
     ),
 }
@@ -151,19 +145,8 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("cfg_batch", [False, True], ids=["two_forwards", "cfg_batch"])
 def test_images_equal_diffusers(case, cfg_batch, request):
-    from spindle import DiffusionGenerator
-
     which, kw = CASES[case]
-    root = request.getfixturevalue(which)
-    ref = diffusers_images(root, **kw)
-    gen = DiffusionGenerator.from_pretrained(root, cfg_batch=cfg_batch)
-    kw = dict(kw)
-    extra = kw.pop("extra", {})
-    result = gen.generate(**kw, **extra)
-    assert gen.family == "flux" and result.media == "image"
-    assert result.frames.dtype == np.float32 and result.frames.shape == ref.shape
-    np.testing.assert_allclose(result.frames, ref, atol=TOL, rtol=0)
-    assert set(result.timings) == {"before_denoising", "denoising", "decoding"}
+    check_generator_parity("flux", request.getfixturevalue(which), kw, cfg_batch=cfg_batch)
 
 
 def test_true_cfg_batched_is_one_forward_of_two(tiny_flux):

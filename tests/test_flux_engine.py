@@ -3,15 +3,12 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
+from spindle.testing.multiprocess import generate_on_ranks
 from spindle.testing.tiny import build_tiny_flux
+from tests.conftest import generate_with_sp2
 
 # true CFG (negative prompt + true_cfg_scale) so the CFG modes have two branches to split
 KW = dict(
@@ -91,40 +88,12 @@ def test_compile_matches_eager(deep, exact):
     np.testing.assert_allclose(gen.generate(**KW).frames, exact, atol=1e-4, rtol=0)
 
 
-WORKER = """
-import json, sys
-import numpy as np
-import torch.distributed as dist
-from spindle import DiffusionGenerator
-root, out, options, kw = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
-gen = DiffusionGenerator.from_pretrained(root, **options)
-np.save(f"{out}.rank{dist.get_rank()}.npy", gen.generate(**kw).frames)
-dist.destroy_process_group()
-"""
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("options", [{"sp": 2}, {"cfg_parallel": True}], ids=["sp2", "cfg_parallel"])
 def test_multiprocess_equals_single_process(deep, exact, tmp_path, options):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    out = tmp_path / "images"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        str(script),
-        str(deep),
-        str(out),
-        json.dumps(options),
-        json.dumps(KW),
-    ]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stderr[-4000:]
-    for rank in range(2):
-        np.testing.assert_allclose(np.load(f"{out}.rank{rank}.npy"), exact, atol=1e-5, rtol=0)
+    frames, _ = generate_on_ranks(deep, options, KW, tmp_path)
+    for rank_frames in frames:
+        np.testing.assert_allclose(rank_frames, exact, atol=1e-5, rtol=0)
 
 
 @pytest.mark.slow
@@ -132,36 +101,6 @@ def test_cli_nproc_sp_writes_png(deep, tmp_path):
     from PIL import Image
 
     out = tmp_path / "sp.png"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "spindle",
-            "generate",
-            "--model",
-            str(deep),
-            "--prompt",
-            "a windmill",
-            "--height",
-            "32",
-            "--width",
-            "48",
-            "--steps",
-            "2",
-            "--seed",
-            "0",
-            "--nproc",
-            "2",
-            "--sp",
-            "2",
-            "--quiet",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    r = generate_with_sp2(deep, out)
     assert r.returncode == 0, r.stderr[-4000:]
     assert np.asarray(Image.open(out)).shape == (32, 48, 3)

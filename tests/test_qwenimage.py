@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from spindle.testing.conformance import check_generator_parity
 from spindle.testing.tiny import build_tiny_qwenimage
-
-TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -41,13 +40,6 @@ def qwen_pipe(root):
     pipe = QwenImagePipeline.from_pretrained(root)
     pipe.set_progress_bar_config(disable=True)
     return pipe
-
-
-def diffusers_images(root, **kw) -> np.ndarray:
-    kw = dict(kw)
-    seed = kw.pop("seed")
-    kw["num_images_per_prompt"] = kw.pop("num_outputs_per_prompt", 1)
-    return qwen_pipe(root)(**kw, generator=torch.Generator().manual_seed(seed), output_type="np").images
 
 
 # ------------------------------------------------------------------ the tiny checkpoint
@@ -169,16 +161,10 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("cfg_batch", [False, True], ids=["two_forwards", "cfg_batch"])
 def test_images_equal_diffusers(case, cfg_batch, request):
-    from spindle import DiffusionGenerator
-
     which, kw = CASES[case]
-    root = request.getfixturevalue(which)
-    ref = diffusers_images(root, **kw)
-    gen = DiffusionGenerator.from_pretrained(root, cfg_batch=cfg_batch)
-    result = gen.generate(**kw)
-    assert gen.family == "qwenimage" and result.media == "image"
-    assert result.frames.dtype == np.float32 and result.frames.shape == ref.shape
-    np.testing.assert_allclose(result.frames, ref, atol=TOL, rtol=0)
+    stock = {k: v for k, v in kw.items() if k != "num_outputs_per_prompt"}
+    stock["num_images_per_prompt"] = kw.get("num_outputs_per_prompt", 1)  # the pipeline's name for it
+    check_generator_parity("qwenimage", request.getfixturevalue(which), kw, cfg_batch=cfg_batch, stock_kwargs=stock)
 
 
 def test_true_cfg_batched_is_one_forward_of_two(tiny):
@@ -297,22 +283,14 @@ def test_generate_cli_option_errors_are_one_line(tiny, tmp_path):
 def test_multiprocess_equals_single_process(tiny, tmp_path, options):
     """Ulysses SP=2 through the `_cp_plan` (prompts of 9 and 10 tokens: padded with masked zeros to
     even counts) and CFG-parallel over 2 real processes equal one process."""
-    import os
-
     from spindle import DiffusionGenerator
-    from tests.test_flux_engine import WORKER
+    from spindle.testing.multiprocess import generate_on_ranks
 
     kw = dict(
         prompt="a small red fox", negative_prompt="blurry dark low quality picture", true_cfg_scale=3.0,
         height=32, width=48, num_inference_steps=2, seed=21,
     )  # fmt: skip
     exact = DiffusionGenerator.from_pretrained(tiny).generate(**kw).frames
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    out = tmp_path / "images"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
-           str(tiny), str(out), json.dumps(options), json.dumps(kw)]  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stderr[-4000:]
-    for rank in range(2):
-        np.testing.assert_allclose(np.load(f"{out}.rank{rank}.npy"), exact, atol=1e-5, rtol=0)
+    frames, _ = generate_on_ranks(tiny, options, kw, tmp_path)
+    for rank_frames in frames:
+        np.testing.assert_allclose(rank_frames, exact, atol=1e-5, rtol=0)

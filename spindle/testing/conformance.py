@@ -83,6 +83,25 @@ def check_inference_parity(
     assert diff <= atol, f"{family.name}: Spindle differs from diffusers by {diff:.3g} (max abs) > {atol} for {kwargs}"
 
 
+def check_generator_parity(
+    family: str, root: Path, kwargs: dict[str, Any], *, cfg_batch: bool, stock_kwargs: dict[str, Any] | None = None
+) -> None:
+    """`DiffusionGenerator.from_pretrained(root, cfg_batch=...).generate(**kwargs)` (the public API, the
+    family's default engine) gives the stock pipeline's images for `stock_kwargs` (default: the same
+    kwargs) within PARITY_ATOL, as float32 frames, with the three stages timed."""
+    from spindle.infer.generator import DiffusionGenerator
+
+    reference = stock_output(root, kwargs if stock_kwargs is None else stock_kwargs)
+    gen = DiffusionGenerator.from_pretrained(root, cfg_batch=cfg_batch)
+    result = gen.generate(**kwargs)
+    assert gen.family == family and result.media == "image", f"{root}: {gen.family} {result.media}, not {family}"
+    assert result.frames.dtype == np.float32 and result.frames.shape == reference.shape, (
+        f"{family}: Spindle frames {result.frames.dtype} {result.frames.shape} != diffusers {reference.shape}"
+    )
+    np.testing.assert_allclose(result.frames, reference, atol=PARITY_ATOL, rtol=0)
+    assert set(result.timings) == {"before_denoising", "denoising", "decoding"}, sorted(result.timings)
+
+
 # ---------------------------------------------------------------- training
 
 

@@ -58,3 +58,54 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1,
         join=True,
         start_method="spawn",
     )
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 600):
+    """`python -m torch.distributed.run --standalone --nproc-per-node=NPROC ARGS...` (one thread a
+    worker: the ranks share the machine's cores); -> the CompletedProcess, output captured."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+# A torchrun worker: DiffusionGenerator.from_pretrained(root, **options).generate(**kw) on every rank,
+# each rank's frames saved; with `unseeded`, a second 1-step request without a seed too.
+_GENERATE_WORKER = """
+import json, sys
+import numpy as np
+import torch.distributed as dist
+from spindle import DiffusionGenerator
+root, out, options, kw, unseeded = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4]), sys.argv[5]
+gen = DiffusionGenerator.from_pretrained(root, **options)
+np.save(f"{out}.rank{dist.get_rank()}.npy", gen.generate(**kw).frames)
+if unseeded == "1":
+    drawn = gen.generate(**{**kw, "seed": None, "num_inference_steps": 1})
+    np.save(f"{out}.drawn{dist.get_rank()}.npy", drawn.frames)
+dist.destroy_process_group()
+"""
+
+
+def generate_on_ranks(
+    root: str | os.PathLike, options: dict[str, Any], kw: dict[str, Any], workdir: str | os.PathLike, *,
+    nproc: int = 2, unseeded: bool = False,
+) -> tuple[list[Any], list[Any]]:  # fmt: skip
+    """`generate(**kw)` with the engine `options` (sp, ring, cfg_parallel ...) on `nproc` real torchrun
+    processes; -> (each rank's frames, each rank's frames of an unseeded 1-step request, [] unless
+    `unseeded`). Raises AssertionError with the workers' stderr when they fail."""
+    import json
+    from pathlib import Path
+
+    import numpy as np
+
+    workdir = Path(workdir)
+    script, out = workdir / "generate_worker.py", workdir / "frames"
+    script.write_text(_GENERATE_WORKER)
+    args = [str(script), str(root), str(out), json.dumps(options), json.dumps(kw), "1" if unseeded else "0"]
+    r = torchrun(nproc, *args)
+    assert r.returncode == 0, r.stderr[-4000:]
+    frames = [np.load(f"{out}.rank{rank}.npy") for rank in range(nproc)]
+    drawn = [np.load(f"{out}.drawn{rank}.npy") for rank in range(nproc)] if unseeded else []
+    return frames, drawn

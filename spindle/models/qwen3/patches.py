@@ -17,17 +17,20 @@ from transformers.modeling_utils import slice_logits_to_keep
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 
+from spindle.models.causal_lm_patch import causal_lm_loss_or_logits
 from spindle.patchgen import PatchConfig
-from spindle.train.losses import causal_lm_loss
 
 config = PatchConfig(source_module="transformers.models.qwen3.modeling_qwen3")
 config.add_import("spindle.train.losses", names=["causal_lm_loss"])
+config.add_helper(
+    causal_lm_loss_or_logits, description="the chunked loss or upstream's logits (spindle/models/causal_lm_patch.py)"
+)
 
 
 # Patch: Qwen3ForCausalLM.forward (upstream signature and decorators kept)
 #   1. pop Spindle's loss kwargs (shift_labels, loss_reduction) so the decoder never sees them;
 #   2. with labels or shift_labels: loss from hidden states via causal_lm_loss, logits=None;
-#      without: exactly upstream (lm_head on the logits_to_keep slice).
+#      without: exactly upstream (lm_head on the logits_to_keep slice): causal_lm_loss_or_logits.
 @config.override_method(
     "Qwen3ForCausalLM.forward",
     description="loss from hidden states with the chunked linear cross-entropy (no full logits)",
@@ -69,19 +72,7 @@ def causal_lm_forward(
     hidden_states = outputs.last_hidden_state
     hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
     # --- Patch.2: the chunked loss replaces lm_head + loss_function when there is something to learn.
-    loss = logits = None
-    if labels is None and shift_labels is None:
-        logits = self.lm_head(hidden_states)
-    else:
-        loss = causal_lm_loss(
-            hidden_states,
-            self.lm_head.weight,
-            labels=labels,
-            shift_labels=shift_labels,
-            num_items_in_batch=kwargs.get("num_items_in_batch"),
-            loss_reduction=loss_reduction,
-            ignore_index=kwargs.get("ignore_index", -100),
-        )
+    loss, logits = causal_lm_loss_or_logits(self, hidden_states, labels, shift_labels, loss_reduction, kwargs)
 
     return CausalLMOutputWithPast(
         loss=loss,

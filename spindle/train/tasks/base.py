@@ -19,6 +19,8 @@ over every unit of the global batch, however it is split into micro-batches, ran
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -58,6 +60,8 @@ class TrainTask(ABC):
         self.mesh = mesh
         self.device = device
         self.precision = precision
+        # The dtype build_model's parallelisation runs the forward under (torch.autocast); None: none.
+        self.autocast_dtype: torch.dtype | None = None
 
     # ------------------------------------------------------------ before any process starts
 
@@ -76,7 +80,29 @@ class TrainTask(ABC):
     def build_loader(self) -> ResumableLoader:
         """A resumable iterator of this rank's micro-batches (`state_dict` / `load_state_dict`)."""
 
+    def resumable_loader(self, dataset: Any, collate_fn: Callable[[list[Any]], Any]) -> ResumableLoader:
+        """`dataset` as this rank's share of the job's batches: micro/global batch size, seed and
+        shuffling from the config, the data-parallel rank and size from the mesh."""
+        from spindle.data.loader import ResumableLoader
+
+        return ResumableLoader(
+            dataset,
+            self.cfg.train.micro_batch_size,
+            dp_rank=self.mesh.dp_rank,
+            dp_size=self.mesh.dims.dp_size,
+            seed=self.cfg.train.seed,
+            shuffle=self.cfg.data.shuffle,
+            collate_fn=collate_fn,
+            global_batch_size=self.cfg.train.global_batch_size,
+        )
+
     # ------------------------------------------------------------ step
+
+    def _autocast(self) -> AbstractContextManager[Any]:
+        """The forward's autocast context: `self.autocast_dtype` on this device, or none."""
+        if self.autocast_dtype is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     @abstractmethod
     def loss_units(self, batch: Any) -> int:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -92,7 +91,6 @@ class CausalLMTask(TrainTask):
         super().__init__(cfg, mesh, device, precision)
         self.family = language_model_family(cfg.model.path, cfg.model.family)
         self.tokenizer = load_tokenizer(cfg.model.path)
-        self.autocast_dtype: torch.dtype | None = None
 
     # ------------------------------------------------------------ checks before launch
 
@@ -156,7 +154,6 @@ class CausalLMTask(TrainTask):
         return None
 
     def build_loader(self) -> ResumableLoader:
-        from spindle.data.loader import ResumableLoader
         from spindle.data.text import build_text_dataset, collate_rows
 
         data = self.cfg.data
@@ -178,26 +175,12 @@ class CausalLMTask(TrainTask):
                 log.warning(
                     "data: %d documents were longer than data.seq_len=%d and truncated", s.truncated, data.seq_len
                 )
-        return ResumableLoader(
-            dataset,
-            self.cfg.train.micro_batch_size,
-            dp_rank=self.mesh.dp_rank,
-            dp_size=self.mesh.dims.dp_size,
-            seed=self.cfg.train.seed,
-            shuffle=data.shuffle,
-            collate_fn=collate_rows,
-            global_batch_size=self.cfg.train.global_batch_size,
-        )
+        return self.resumable_loader(dataset, collate_rows)
 
     # ------------------------------------------------------------ step
 
     def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
         return int((batch["shift_labels"] != IGNORE_INDEX).sum())  # the whole rows, before any SP split
-
-    def _autocast(self) -> AbstractContextManager[Any]:
-        if self.autocast_dtype is None:
-            return nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def forward(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], step: int) -> StepOutput:
         rows = {k: batch[k].to(self.device) for k in TOKEN_KEYS}

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,7 +59,6 @@ class FlowMatchingTask(TrainTask):
         self.family = get_family(cfg.model.family) if cfg.model.family else resolve_family(cfg.model.path)
         self.seed = cfg.train.seed
         self.loss_weighting = cfg.train.loss_weighting
-        self.autocast_dtype: torch.dtype | None = None
         self.condition = self._build_condition()
 
     # ------------------------------------------------------------ checks before launch
@@ -109,7 +107,6 @@ class FlowMatchingTask(TrainTask):
 
     def build_loader(self) -> ResumableLoader:
         from spindle.data.datasets import build_dataset, collate
-        from spindle.data.loader import ResumableLoader
         from spindle.data.precomputed import CachedConditions, cache_settings, collate_conditions
 
         data = self.cfg.data
@@ -118,26 +115,12 @@ class FlowMatchingTask(TrainTask):
         if data.precomputed is not None:  # the same samples, read as cached conditions
             settings = cache_settings(self.cfg, self.family.name, condition_dtype(self.precision))
             source = CachedConditions(data.precomputed, settings, media.samples)
-        return ResumableLoader(
-            source,
-            self.cfg.train.micro_batch_size,
-            dp_rank=self.mesh.dp_rank,
-            dp_size=self.mesh.dims.dp_size,
-            seed=self.cfg.train.seed,
-            shuffle=data.shuffle,
-            global_batch_size=self.cfg.train.global_batch_size,
-            collate_fn=collate if data.precomputed is None else collate_conditions,
-        )
+        return self.resumable_loader(source, collate if data.precomputed is None else collate_conditions)
 
     # ------------------------------------------------------------ step
 
     def loss_units(self, batch: dict[str, Any]) -> int:
         return len(batch["index"])  # the loss is a mean over samples
-
-    def _autocast(self) -> AbstractContextManager[Any]:
-        if self.autocast_dtype is None:
-            return nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def forward(self, model: torch.nn.Module, batch: dict[str, Any], step: int) -> StepOutput:
         if "conditions" in batch:  # read from a precomputed cache

@@ -6,7 +6,8 @@
 #   regenerate:     spindle patchgen   (check: spindle patchgen --check)
 # Patches applied (kind, target, description):
 #   1. add_import spindle.train.losses
-#   2. override_method Qwen3ForCausalLM.forward - loss from hidden states with the chunked linear cross-entropy (no full logits)
+#   2. add_helper causal_lm_loss_or_logits - the chunked loss or upstream's logits (spindle/models/causal_lm_patch.py)
+#   3. override_method Qwen3ForCausalLM.forward - loss from hidden states with the chunked linear cross-entropy (no full logits)
 # ==================================================================================================
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
 #           This file was automatically generated from src/transformers/models/qwen3/modular_qwen3.py.
@@ -56,6 +57,28 @@ from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 
 # [PATCHED] add_import: names used by the patched code
 from spindle.train.losses import causal_lm_loss
+
+
+# [PATCHED] add_helper causal_lm_loss_or_logits: the chunked loss or upstream's logits (spindle/models/causal_lm_patch.py)
+def causal_lm_loss_or_logits(model, hidden_states, labels, shift_labels, loss_reduction, kwargs) -> tuple:
+    """(loss, logits) of a causal-LM head on `hidden_states` (already sliced to `logits_to_keep`).
+
+    Without `labels` or `shift_labels`: (None, upstream's logits), so `generate()` is unchanged.
+    Otherwise: (the chunked linear cross-entropy from the hidden states, None); the [tokens, vocab]
+    logits are never materialised. `kwargs` are the forward's transformers kwargs (read, not changed).
+    """
+    if labels is None and shift_labels is None:
+        return None, model.lm_head(hidden_states)
+    loss = causal_lm_loss(
+        hidden_states,
+        model.lm_head.weight,
+        labels=labels,
+        shift_labels=shift_labels,
+        num_items_in_batch=kwargs.get("num_items_in_batch"),
+        loss_reduction=loss_reduction,
+        ignore_index=kwargs.get("ignore_index", -100),
+    )
+    return loss, None
 
 
 @use_kernel_forward_from_hub("RMSNorm")
@@ -488,19 +511,7 @@ class Qwen3ForCausalLM(Qwen3PreTrainedModel, GenerationMixin):
         hidden_states = outputs.last_hidden_state
         hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
         # --- Patch.2: the chunked loss replaces lm_head + loss_function when there is something to learn.
-        loss = logits = None
-        if labels is None and shift_labels is None:
-            logits = self.lm_head(hidden_states)
-        else:
-            loss = causal_lm_loss(
-                hidden_states,
-                self.lm_head.weight,
-                labels=labels,
-                shift_labels=shift_labels,
-                num_items_in_batch=kwargs.get("num_items_in_batch"),
-                loss_reduction=loss_reduction,
-                ignore_index=kwargs.get("ignore_index", -100),
-            )
+        loss, logits = causal_lm_loss_or_logits(self, hidden_states, labels, shift_labels, loss_reduction, kwargs)
 
         return CausalLMOutputWithPast(
             loss=loss,

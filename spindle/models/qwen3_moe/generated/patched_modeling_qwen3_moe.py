@@ -6,8 +6,9 @@
 #   regenerate:     spindle patchgen   (check: spindle patchgen --check)
 # Patches applied (kind, target, description):
 #   1. add_import spindle.train.losses
-#   2. add_helper count_label_tokens
-#   3. override_method Qwen3MoeForCausalLM.forward - loss from hidden states with the chunked linear cross-entropy, plus upstream's router aux loss
+#   2. add_helper causal_lm_loss_or_logits - the chunked loss or upstream's logits (spindle/models/causal_lm_patch.py)
+#   3. add_helper count_label_tokens
+#   4. override_method Qwen3MoeForCausalLM.forward - loss from hidden states with the chunked linear cross-entropy, plus upstream's router aux loss
 # ==================================================================================================
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
 #           This file was automatically generated from src/transformers/models/qwen3_moe/modular_qwen3_moe.py.
@@ -59,6 +60,28 @@ from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 
 # [PATCHED] add_import: names used by the patched code
 from spindle.train.losses import causal_lm_loss
+
+
+# [PATCHED] add_helper causal_lm_loss_or_logits: the chunked loss or upstream's logits (spindle/models/causal_lm_patch.py)
+def causal_lm_loss_or_logits(model, hidden_states, labels, shift_labels, loss_reduction, kwargs) -> tuple:
+    """(loss, logits) of a causal-LM head on `hidden_states` (already sliced to `logits_to_keep`).
+
+    Without `labels` or `shift_labels`: (None, upstream's logits), so `generate()` is unchanged.
+    Otherwise: (the chunked linear cross-entropy from the hidden states, None); the [tokens, vocab]
+    logits are never materialised. `kwargs` are the forward's transformers kwargs (read, not changed).
+    """
+    if labels is None and shift_labels is None:
+        return None, model.lm_head(hidden_states)
+    loss = causal_lm_loss(
+        hidden_states,
+        model.lm_head.weight,
+        labels=labels,
+        shift_labels=shift_labels,
+        num_items_in_batch=kwargs.get("num_items_in_batch"),
+        loss_reduction=loss_reduction,
+        ignore_index=kwargs.get("ignore_index", -100),
+    )
+    return loss, None
 
 
 # [PATCHED] add_helper count_label_tokens
@@ -661,21 +684,9 @@ class Qwen3MoeForCausalLM(Qwen3MoePreTrainedModel, GenerationMixin):
         hidden_states = outputs.last_hidden_state
         hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
         # --- Patch.2: the chunked loss replaces lm_head + loss_function when there is something to learn.
-        loss = logits = None
         num_items_in_batch = kwargs.get("num_items_in_batch")
         ignore_index = kwargs.get("ignore_index", -100)
-        if labels is None and shift_labels is None:
-            logits = self.lm_head(hidden_states)
-        else:
-            loss = causal_lm_loss(
-                hidden_states,
-                self.lm_head.weight,
-                labels=labels,
-                shift_labels=shift_labels,
-                num_items_in_batch=num_items_in_batch,
-                loss_reduction=loss_reduction,
-                ignore_index=ignore_index,
-            )
+        loss, logits = causal_lm_loss_or_logits(self, hidden_states, labels, shift_labels, loss_reduction, kwargs)
 
         aux_loss = None
         if output_router_logits:
