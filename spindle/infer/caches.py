@@ -33,7 +33,9 @@ class CachePolicy:
     config_class: str  # in diffusers.hooks
     knob: str  # the knob `cache_threshold` sets
     knob_type: type
-    candidates: tuple[Any, ...]  # values `auto` tries, fastest (most skipping) first
+    # what `auto` tries, fastest (most skipping) first: a knob value, or (knob value, {option: value}) where
+    # the knob alone cannot skip more (MagCache's skips are capped by max_skip_steps, whatever the threshold)
+    candidates: tuple[Any, ...]
     # Spindle's defaults where diffusers' do not fit a short schedule
     defaults: dict[str, Any] = field(default_factory=dict)
     needs_timestep: bool = False  # the config takes a `current_timestep_callback`
@@ -49,7 +51,7 @@ POLICIES: dict[str, CachePolicy] = {
             "MagCacheConfig",
             "threshold",
             float,
-            (0.24, 0.12, 0.06, 0.03),
+            ((2.0, {"max_skip_steps": 6}), (1.0, {"max_skip_steps": 5}), (0.5, {"max_skip_steps": 4}), 0.24, 0.12, 0.06),
             # diffusers' retention of the first 20% of steps and at most 3 skips in a row (the paper's K)
             defaults={"max_skip_steps": 3, "retention_ratio": 0.2},
         ),
@@ -84,6 +86,11 @@ POLICIES: dict[str, CachePolicy] = {
     )
 }
 CACHE_NAMES = (*POLICIES, "auto")
+
+
+def candidate_settings(policy: CachePolicy) -> list[tuple[Any, dict[str, Any]]]:
+    """`policy.candidates` as (knob value, option overrides), most aggressive first."""
+    return [c if isinstance(c, tuple) else (c, {}) for c in policy.candidates]
 
 
 def config_class(policy: CachePolicy) -> type:

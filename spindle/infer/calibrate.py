@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from spindle.infer.caches import POLICIES
+from spindle.infer.caches import POLICIES, candidate_settings
 
 if TYPE_CHECKING:
     from spindle.infer.generator import DiffusionGenerator
@@ -34,9 +34,9 @@ class CacheChoice:
     def describe(self) -> str:
         if self.name is None:
             return f"cache auto: no policy kept PSNR >= {self.min_psnr} dB on the calibration request; running uncached"
-        knob = POLICIES[self.name].knob
+        knobs = {POLICIES[self.name].knob: self.threshold, **{k: v for k, v in self.options.items() if k != "mag_ratios"}}
         return (
-            f"cache auto: chose {self.name} ({knob}={self.threshold}): PSNR {self.psnr:.2f} dB >= {self.min_psnr} dB, "
+            f"cache auto: chose {self.name} ({', '.join(f'{k}={v}' for k, v in knobs.items())}): PSNR {self.psnr:.2f} dB >= {self.min_psnr} dB, "
             f"denoising {self.seconds:.2f}s vs {self.reference_seconds:.2f}s uncached "
             f"({len(self.trials)} trials)"
         )
@@ -59,14 +59,18 @@ def calibrate_cache(
         policy = POLICIES[name]
         if policy.needs_cfg_batch and (not stage.cfg_batch or stage.cfg_group is not None):
             continue
-        options = {"mag_ratios": mag_ratios} if name == "mag" else {}
+        measured = {"mag_ratios": mag_ratios} if name == "mag" else {}
         if name == "mag" and mag_ratios is None:
             continue
-        for value in policy.candidates:  # most aggressive first: the first that passes is this policy's fastest
+        # most aggressive first: the first that passes is this policy's fastest
+        for value, overrides in candidate_settings(policy):
+            options = {**overrides, **measured}
             stage.set_cache(name, value, options)
             out = gen.run(params)
             value_db = psnr(out.frames, reference.frames)
-            trials.append(dict(name=name, threshold=value, psnr=value_db, seconds=out.timings["denoising"]))
+            trials.append(
+                dict(name=name, threshold=value, options=overrides, psnr=value_db, seconds=out.timings["denoising"])
+            )
             if value_db >= min_psnr:
                 break
     stage.set_cache(None)
@@ -75,7 +79,7 @@ def calibrate_cache(
     if not passing:
         return CacheChoice(None, None, {}, None, None, ref_seconds, min_psnr, trials)
     best = min(passing, key=lambda t: t["seconds"])
-    options = {"mag_ratios": mag_ratios} if best["name"] == "mag" else {}
+    options = {**best["options"], **({"mag_ratios": mag_ratios} if best["name"] == "mag" else {})}
     stage.set_cache(best["name"], best["threshold"], options)
     return CacheChoice(
         best["name"], best["threshold"], options, best["psnr"], best["seconds"], ref_seconds, min_psnr, trials
