@@ -14,6 +14,10 @@ from typing import Any
 
 from spindle.infer.request import RequestLimits
 
+# Connections beyond `max_connections` that may stay open to be told 503 (or answer /health) while
+# every connection has a request in flight; they come out of the 64 descriptors kept spare below.
+OVERFLOW_CONNECTIONS = 16
+
 
 @dataclass(frozen=True)
 class ServeLimits:
@@ -24,8 +28,10 @@ class ServeLimits:
     arrived).
     `keep_alive_timeout`: seconds an idle keep-alive connection stays open between requests.
     `max_connections`: open connections; at the cap a new connection closes the longest-idle one
-    (no request in progress), or is itself closed when every connection is busy, so idle sockets
-    can never use up the file descriptors and `/health` keeps answering.
+    (no request in progress); when every connection is busy it answers its one request with 503 +
+    Retry-After (`/health` as usual) and closes (at most `OVERFLOW_CONNECTIONS` such at once, past
+    that it is closed unanswered). So idle sockets can never use up the file descriptors and
+    `/health` keeps answering.
     `max_results`: finished jobs (results, errors, cancelled statuses) kept at once; past it the
     oldest finished ones are dropped before their `--result-ttl` (410, as an expired id). Bounds
     the memory results take when many jobs finish within the TTL."""
@@ -50,7 +56,8 @@ class ServeLimits:
 
     def check_file_limit(self) -> None:
         """The connection cap must fit under the process's open-file limit (with room for the
-        model's files, logs and the listening socket), or descriptors run out before the cap acts."""
+        model's files, logs, the listening socket and the `OVERFLOW_CONNECTIONS` reserve), or
+        descriptors run out before the cap acts."""
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft != resource.RLIM_INFINITY and self.max_connections > soft - 64:
             raise ValueError(
