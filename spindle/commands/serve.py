@@ -63,7 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     limits = RequestLimits()
     serve_limits = ServeLimits()
     g = p.add_argument_group("limits (per request / per connection; 0 = no limit for the --max-* request bounds)")
-    g.add_argument("--max-pixels", type=int, default=limits.max_pixels, help="width x height of one output (%(default)s)")
+    g.add_argument(
+        "--max-pixels", type=int, default=limits.max_pixels, help="width x height of one output (%(default)s)"
+    )
     g.add_argument("--max-frames", type=int, default=limits.max_frames, help="frames of one video (%(default)s)")
     g.add_argument(
         "--max-steps", type=int, default=limits.max_steps, help="denoising steps of one request (%(default)s)"
@@ -71,7 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-prompt-chars", type=int, default=limits.max_prompt_chars, help="characters of a prompt (%(default)s)"
     )
-    g.add_argument("--max-outputs", type=int, default=limits.max_outputs, help="outputs of one request, n (%(default)s)")
+    g.add_argument(
+        "--max-outputs", type=int, default=limits.max_outputs, help="outputs of one request, n (%(default)s)"
+    )
     g.add_argument(
         "--max-body-bytes",
         type=int,

@@ -145,8 +145,9 @@ class JobStore:
         self._cond = threading.Condition(self._lock)
         self._jobs: dict[str, Job] = {}
         self._queue: collections.deque[Job] = collections.deque()
-        self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> "expired" / "dropped" / "deleted"
-        self._finished: collections.OrderedDict[str, None] = collections.OrderedDict()  # stored finished ids, oldest first
+        # id -> "expired" / "dropped" / "deleted", so that a gone id answers 410 saying why
+        self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._finished: collections.OrderedDict[str, None] = collections.OrderedDict()  # stored, oldest finished first
         self._running: Job | None = None
         self._closed = False
         self._durations: collections.deque[float] = collections.deque(maxlen=20)
