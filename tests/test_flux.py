@@ -253,6 +253,27 @@ def test_bad_requests_are_clear_errors(other, kw, message):
         gen.generate(**{**base, **kw})
 
 
+def test_flux_has_no_positional_range_to_check(other):
+    """FluxPosEmbed computes every rotary angle from the position id (no table to overrun, unlike
+    Wan's rope_max_seq_len or Qwen-Image's 4096 positions), so a size far past those is valid; what
+    Flux does bound (size multiple, images only, max_sequence_length <= 512) is checked above. Very
+    large sizes are past what the checkpoints were trained on, not past what runs: the server's
+    --max-pixels bounds them."""
+    from spindle import DiffusionGenerator
+    from spindle.infer import SamplingParams
+
+    gen = DiffusionGenerator.from_pretrained(other)
+    tall = 16 * 8200  # 8200 patch rows: past 4096 positions
+    assert gen.validate(SamplingParams(prompt="x", height=tall, width=16, num_inference_steps=1)).height == tall
+    rope = gen.transformer.pos_embed
+    cos, sin = rope(torch.tensor([[0.0, 8199.0, 0.0]]))  # image id (0, row, col) of the last row
+    d0, d1, _ = rope.axes_dim
+    freqs = 1.0 / rope.theta ** (torch.arange(0, d1, 2, dtype=torch.float64) / d1)
+    angles = (8199.0 * freqs).repeat_interleave(2)  # the row axis: the exact angles, not a clamped position
+    torch.testing.assert_close(cos[0, d0 : d0 + d1].double(), torch.cos(angles), atol=1e-6, rtol=0)
+    torch.testing.assert_close(sin[0, d0 : d0 + d1].double(), torch.sin(angles), atol=1e-6, rtol=0)
+
+
 def test_generate_cli_writes_png(tiny_flux, tmp_path):
     from PIL import Image
 

@@ -294,3 +294,38 @@ def test_multiprocess_equals_single_process(tiny, tmp_path, options):
     frames, _ = generate_on_ranks(tiny, options, kw, tmp_path)
     for rank_frames in frames:
         np.testing.assert_allclose(rank_frames, exact, atol=1e-5, rtol=0)
+
+def test_sizes_past_the_rotary_table_are_refused_naming_the_field(tiny, tmp_path, spindle_cli):
+    """diffusers' QwenEmbedRope has 4096 positions; the text's come after half the longer image
+    axis. The largest size that fits gets every text position; one patch more would leave the text
+    short of them (a failure mid-run), so validation refuses it, naming the field and the limit."""
+    from spindle import DiffusionGenerator
+    from spindle.infer import RequestError, SamplingParams
+
+    gen = DiffusionGenerator.from_pretrained(tiny)
+    rope, multiple, text = gen.transformer.pos_embed, 4, 512  # VAE x2 x 2x2 packing; the default text length
+    assert rope.pos_freqs.shape[0] == 4096
+    largest = ((4096 - text) * 2 + 1) * multiple  # 28676 px: 7169 patches, the text at 3584..4095
+    rows = largest // multiple
+    _, txt = rope([(1, rows, 1)], max_txt_seq_len=text, device=torch.device("cpu"))
+    assert txt.shape[0] == text
+    _, txt = rope([(1, rows + 1, 1)], max_txt_seq_len=text, device=torch.device("cpu"))
+    assert txt.shape[0] == text - 1  # diffusers' own table, one patch further: the text is short a position
+
+    base = dict(prompt="a cat", num_inference_steps=2, max_sequence_length=text)
+    assert gen.validate(SamplingParams(**base, height=largest, width=multiple)).height == largest
+    for field, size in (("height", dict(height=largest + multiple, width=multiple)),
+                        ("width", dict(height=multiple, width=largest + multiple))):  # fmt: skip
+        with pytest.raises(RequestError, match=rf"{field} is past this model's positional range") as e:
+            gen.validate(SamplingParams(**base, **size))
+        assert e.value.field == field
+        assert f"at most {largest} with max_sequence_length 512" in str(e.value) and "4096" in str(e.value)
+    # a shorter text makes room for the same size
+    assert gen.validate(SamplingParams(**{**base, "max_sequence_length": text - 1}, height=largest + multiple, width=4))
+    # `spindle generate` says the same in one line
+    r = spindle_cli(
+        "generate", "--model", tiny, "--prompt", "x", "--height", largest + multiple, "--width", multiple,
+        "--steps", 2, "--out", tmp_path / "o.png",
+    )  # fmt: skip
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "height is past this model's positional range" in r.stderr and f"at most {largest}" in r.stderr

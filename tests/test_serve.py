@@ -383,18 +383,60 @@ def test_finished_results_expire_and_delete(serve):
     a = s.client.post("/v1/videos", json={**KW, "seed": 1}).json()
     done = s.wait(a["id"])
     assert done["status"] == "completed" and done["expires_at"] - done["completed_at"] in (1, 2, 3)
+    finished = s.state.store.get(a["id"]).completed_at  # read now: under load job b may outlast a's 2 s
     assert s.client.get(f"/v1/videos/{a['id']}/content").status_code == 200
     b = s.client.post("/v1/videos", json={**KW, "seed": 2}).json()
     assert s.wait(b["id"])["status"] == "completed"
     r = s.client.delete(f"/v1/videos/{b['id']}")  # DELETE of a finished job deletes it
     assert r.status_code == 200 and r.json()["deleted"] is True
     assert_error(s.client.get(f"/v1/videos/{b['id']}"), 410, code="deleted")
-    finished = s.state.store.get(a["id"]).completed_at
     time.sleep(max(0.0, finished + 2.2 - time.time()))
     assert_error(s.client.get(f"/v1/videos/{a['id']}"), 410, "video_id", "expired")
     err = assert_error(s.client.get(f"/v1/videos/{a['id']}/content"), 410, "video_id", "expired")
     assert "--result-ttl" in err["message"]
     assert s.state.store.stats()["stored"] == 0
+
+
+def test_finished_results_past_max_results_drop_the_oldest_first(serve, gen):
+    from spindle.serve import ServeLimits
+
+    s = serve(limits=ServeLimits(max_results=2))
+    assert s.client.get("/health").json()["limits"]["max_results"] == 2
+    assert s.client.get("/v1/models").json()["data"][0]["limits"]["max_results"] == 2
+
+    def create(seed: int) -> str:
+        r = s.client.post("/v1/videos", json={**KW, "seed": seed})
+        assert r.status_code == 200, r.text
+        return r.json()["id"]
+
+    def status(job_id: str) -> int:
+        return s.client.get(f"/v1/videos/{job_id}").status_code
+
+    a = create(1)
+    assert s.wait(a)["status"] == "completed"
+    b = create(2)
+    assert s.wait(b)["status"] == "completed"
+    with gate(gen) as (entered, release):
+        c = create(3)
+        assert entered.wait(60)
+        d, e = create(4), create(5)  # c runs, d and e wait
+        assert s.client.delete(f"/v1/videos/{d}").json()["status"] == "cancelled"  # a third finished job
+        # a (the oldest finished) is dropped; the running and the waiting jobs are not, whatever their age
+        for path in (f"/v1/videos/{a}", f"/v1/videos/{a}/content"):
+            err = assert_error(s.client.get(path), 410, "video_id", "expired")
+            assert "--max-results" in err["message"] and "at most 2 finished results" in err["message"]
+        assert [status(x) for x in (b, c, d, e)] == [200, 200, 200, 200]
+        assert s.client.get(f"/v1/videos/{c}").json()["status"] == "in_progress"
+        assert s.client.get(f"/v1/videos/{e}").json()["status"] == "queued"
+        release.set()
+        assert s.wait(c)["status"] == "completed" and s.wait(e)["status"] == "completed"
+    # finish order b, d, c, e: the two newest stay
+    assert [status(x) for x in (a, b, d, c, e)] == [410, 410, 410, 200, 200]
+    assert s.client.get(f"/v1/videos/{e}/content").status_code == 200
+    queue = s.client.get("/health").json()["queue"]
+    assert queue["finished_stored"] == 2 and queue["dropped"] == 3
+    listed = s.client.get("/v1/videos").json()["data"]
+    assert [j["id"] for j in listed] == [e, c]
 
 
 def test_burst_of_concurrent_requests_loses_and_duplicates_nothing(serve, gen):

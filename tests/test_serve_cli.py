@@ -111,6 +111,8 @@ def test_bad_options_are_clear_errors(tiny_wan, tmp_path, spindle_cli):
     assert r.returncode == 2 and "--max-steps must be >= 0" in r.stderr
     r = serve("--model", str(tiny_wan), "--max-body-bytes", "10")
     assert r.returncode == 2 and "--max-body-bytes must be >= 1024" in r.stderr
+    r = serve("--model", str(tiny_wan), "--max-results", "0")
+    assert r.returncode == 2 and "--max-results must be >= 1; got 0" in r.stderr
     r = serve("--model", str(tiny_wan), "--max-connections", "100000000")
     assert r.returncode == 2 and "open-file limit" in r.stderr and "--max-connections" in r.stderr
 

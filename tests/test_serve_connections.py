@@ -41,6 +41,22 @@ def read_until_closed(sock: socket.socket, timeout: float = 10.0) -> bytes:
     return data
 
 
+def read_response(sock: socket.socket, timeout: float = 10.0) -> bytes:
+    """One whole response (head and Content-Length body) on a connection that stays open."""
+    sock.settimeout(timeout)
+    data = b""
+    while True:
+        head, sep, body = data.partition(b"\r\n\r\n")
+        if sep:
+            fields = head.lower().split(b"\r\n")
+            length = next(int(f.split(b":")[1]) for f in fields if f.startswith(b"content-length:"))
+            if len(body) >= length:
+                return data
+        chunk = sock.recv(65536)
+        assert chunk, f"closed mid-response: {data!r}"
+        data += chunk
+
+
 def closed_by_server(sock: socket.socket) -> bool:
     """Has the server closed this connection (EOF or reset waiting to be read)?"""
     sock.setblocking(False)
@@ -221,6 +237,56 @@ def test_idle_sockets_at_the_connection_cap_do_not_stop_health(gen):  # noqa: F8
             # and a real request still runs to the end
             job = s.client.post("/v1/videos", json={**KW, "num_frames": 1}).json()
             assert s.wait(job["id"])["status"] == "completed"
+        finally:
+            for sock in sockets:
+                sock.close()
+
+
+def test_at_the_cap_with_every_connection_busy_a_new_one_gets_503_and_health_answers(gen):  # noqa: F811
+    from spindle.serve.limits import OVERFLOW_CONNECTIONS
+
+    limits = ServeLimits(max_connections=2, request_timeout=60.0, keep_alive_timeout=60.0)
+    with LiveServer(build_app(gen, model_id="tiny-wan", limits=limits)) as s:
+        connections = s.server.server_state.connections
+        sockets = []
+        try:
+            # two requests in flight (head read, body still coming): every connection is busy
+            busy = [connect(s) for _ in range(2)]
+            sockets += busy
+            for sock in busy:
+                sock.sendall(post_head("/v1/videos", 12) + b'{"prompt": ')
+            wait_for(lambda: len(connections) == 2 and not any(c.idle for c in connections), what="busy connections")
+            # a request on a new connection: 503 JSON naming the limit, Retry-After, then closed
+            body = json.dumps({**KW, "num_frames": 1}).encode()
+            sock = connect(s)
+            sockets.append(sock)
+            sock.sendall(post_head("/v1/videos", len(body)) + body)
+            response = read_until_closed(sock)
+            status, err = status_and_json(response)
+            head = response.partition(b"\r\n\r\n")[0].lower().split(b"\r\n")
+            assert status == 503 and err["error"]["code"] == "too_many_connections", err
+            assert "--max-connections" in err["error"]["message"]
+            assert b"retry-after: 1" in head and b"connection: close" in head  # no job ran yet: the 1 s floor
+            # /health still answers on a new connection (and that connection closes after it)
+            sock = connect(s)
+            sockets.append(sock)
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            status, health = status_and_json(read_until_closed(sock))
+            assert status == 200 and health["status"] == "ok" and health["limits"]["max_connections"] == 2
+            assert s.state.store.counters["submitted"] == 0  # the refused request queued nothing
+            # silent connections fill the overflow reserve; past it a new connection is closed unanswered
+            silent = [connect(s) for _ in range(OVERFLOW_CONNECTIONS)]
+            sockets += silent
+            wait_for(lambda: len(connections) == 2 + OVERFLOW_CONNECTIONS, what="the overflow connections")
+            extra = connect(s)
+            sockets.append(extra)
+            wait_for(lambda: closed_by_server(extra), timeout=10, what="the connection past the reserve to close")
+            assert not any(closed_by_server(x) for x in silent)  # the reserve itself is left alone
+            # the busy requests were never touched: their bodies end and they are answered
+            for sock in busy:
+                sock.sendall(b"1")  # '{"prompt": 1': not JSON
+                status, err = status_and_json(read_response(sock))
+                assert status == 400 and err["error"]["param"] == "body", err
         finally:
             for sock in sockets:
                 sock.close()

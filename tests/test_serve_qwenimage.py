@@ -63,3 +63,13 @@ def test_family_option_errors_name_the_field(server):
     assert_error(c.post("/v1/images/generations", json={**base, "true_cfg_scale": "lots"}), 422, "true_cfg_scale")
     assert_error(c.post("/v1/images/generations", json={**base, "strength": 0.5}), 422, "strength")
     assert_error(c.post("/v1/images/generations", json={**base, "num_inference_steps": 1}), 400, "num_inference_steps")
+
+
+def test_a_size_past_the_rotary_table_is_a_400_naming_size(server):
+    # 4 x 28680 px: 114720 pixels, well under --max-pixels, but 7170 patch rows put the text past
+    # the model's 4096 rotary positions (see test_qwenimage)
+    submitted = server.state.store.counters["submitted"]
+    body = {"prompt": "x", "size": "4x28680", "num_inference_steps": 2}
+    err = assert_error(server.client.post("/v1/images/generations", json=body), 400, "size", "invalid_request")
+    assert "height is past this model's positional range" in err["message"] and "at most 28676" in err["message"]
+    assert server.state.store.counters["submitted"] == submitted  # refused before it was queued

@@ -8,9 +8,10 @@ Loads the model once, warms up (one short generation), then serves:
 GET /health, GET /v1/models, POST /v1/images/generations (image models), POST /v1/videos +
 GET/DELETE /v1/videos/{id} + GET /v1/videos/{id}/content (video models). Jobs run one at a time,
 in order; --max-queue bounds the waiting ones (over it: 429 + Retry-After); finished results are
-kept --result-ttl seconds. Limits (--max-pixels/-frames/-steps/-prompt-chars/-outputs/-body-bytes,
---request-timeout, --keep-alive-timeout, --max-connections) bound what one request or connection
-may take; /health and /v1/models report them. SIGTERM / Ctrl-C: new work gets 503 while job status
+kept --result-ttl seconds, at most --max-results of them (the oldest finished go first). Limits
+(--max-pixels/-frames/-steps/-prompt-chars/-outputs/-body-bytes, --request-timeout,
+--keep-alive-timeout, --max-connections) bound what one request or connection may take; /health
+and /v1/models report them. SIGTERM / Ctrl-C: new work gets 503 while job status
 stays readable, waiting jobs are cancelled, the running one may finish (--shutdown-grace seconds,
 then it is cancelled), pollers get --shutdown-linger seconds to read final statuses, exit 0.
 See docs/serving.md.
@@ -27,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 from spindle.commands.engine_args import add_engine_arguments, check_world_size, engine_options
-from spindle.infer.request import RequestLimits
+from spindle.infer.request import RequestLimits  # torch-free, as spindle.serve.limits: `--help` stays light
 from spindle.serve.limits import ServeLimits
 
 HELP = "serve a checkpoint over an OpenAI-compatible HTTP API (images / videos)"
@@ -62,31 +63,50 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     limits = RequestLimits()
     serve_limits = ServeLimits()
     g = p.add_argument_group("limits (per request / per connection; 0 = no limit for the --max-* request bounds)")
-    g.add_argument("--max-pixels", type=int, default=limits.max_pixels, help="width x height of one output")
-    g.add_argument("--max-frames", type=int, default=limits.max_frames, help="frames of one video")
-    g.add_argument("--max-steps", type=int, default=limits.max_steps, help="denoising steps of one request")
-    g.add_argument("--max-prompt-chars", type=int, default=limits.max_prompt_chars, help="characters of a prompt")
-    g.add_argument("--max-outputs", type=int, default=limits.max_outputs, help="outputs of one request (n)")
     g.add_argument(
-        "--max-body-bytes", type=int, default=serve_limits.max_body_bytes, help="request body size (413 beyond)"
+        "--max-pixels", type=int, default=limits.max_pixels, help="width x height of one output (%(default)s)"
+    )
+    g.add_argument("--max-frames", type=int, default=limits.max_frames, help="frames of one video (%(default)s)")
+    g.add_argument(
+        "--max-steps", type=int, default=limits.max_steps, help="denoising steps of one request (%(default)s)"
+    )
+    g.add_argument(
+        "--max-prompt-chars", type=int, default=limits.max_prompt_chars, help="characters of a prompt (%(default)s)"
+    )
+    g.add_argument(
+        "--max-outputs", type=int, default=limits.max_outputs, help="outputs of one request, n (%(default)s)"
+    )
+    g.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=serve_limits.max_body_bytes,
+        help="request body size; 413 beyond (%(default)s)",
     )
     g.add_argument(
         "--request-timeout",
         type=float,
         default=serve_limits.request_timeout,
-        help="seconds a client has to send a whole request; a half-sent one is closed",
+        help="seconds a client has to send a whole request; a half-sent one is closed (%(default)s)",
     )
     g.add_argument(
         "--keep-alive-timeout",
         type=float,
         default=serve_limits.keep_alive_timeout,
-        help="seconds an idle keep-alive connection stays open",
+        help="seconds an idle keep-alive connection stays open (%(default)s)",
     )
     g.add_argument(
         "--max-connections",
         type=int,
         default=serve_limits.max_connections,
-        help="open connections; at the cap a new one closes the longest-idle one",
+        help="open connections; at the cap a new one closes the longest-idle one, or answers 503 when every "
+        "connection has a request in flight (%(default)s)",
+    )
+    g.add_argument(
+        "--max-results",
+        type=int,
+        default=serve_limits.max_results,
+        help="finished jobs kept in memory; past it the oldest finished are dropped before --result-ttl "
+        "(then 410, as expired; %(default)s)",
     )
     p.add_argument(
         "--keep-frames",
@@ -230,6 +250,7 @@ def serve_limits(args: argparse.Namespace) -> ServeLimits:
             request_timeout=args.request_timeout,
             keep_alive_timeout=args.keep_alive_timeout,
             max_connections=args.max_connections,
+            max_results=args.max_results,
         )
     except ValueError as e:
         name = str(e).split(" ", 1)[0]

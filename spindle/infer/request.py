@@ -12,9 +12,10 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a Req is built: the CLI parser reads RequestLimits (`--help`)
+    import torch
 
 T = TypeVar("T")
 MAX_GUIDANCE = 100.0  # CFG scales in use are 1-20; far larger ones only blow the latents up
@@ -104,6 +105,12 @@ def _check_text(name: str, text: str) -> None:
         raise RequestError(
             f"{name} contains a lone surrogate code point; send valid Unicode text", field=name
         ) from None
+
+
+def _float32() -> torch.dtype:
+    import torch
+
+    return torch.float32
 
 
 class Cancelled(RuntimeError):
@@ -253,7 +260,7 @@ class Req:
     raw_latent_shape: tuple[int, ...] | None = None
     timesteps: torch.Tensor | None = None
     scheduler: Any = None  # a per-request copy of the checkpoint's scheduler (it is stateful)
-    model_dtype: torch.dtype = torch.float32  # the transformer's dtype (inputs are cast to it)
+    model_dtype: torch.dtype = field(default_factory=_float32)  # the transformer's dtype (inputs are cast to it)
     do_cfg: bool = False
     guidance_scale: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)  # family-specific conditioning (pooled embeds, ids, ...)

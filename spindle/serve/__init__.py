@@ -2,17 +2,37 @@
 
 `build_server(generator, ...)` wires a loaded `DiffusionGenerator` into an app; `spindle serve`
 (spindle/commands/serve.py) loads the model, warms up and runs it under uvicorn.
+
+The names below import lazily: `spindle serve --help` reads `spindle.serve.limits` (the limit
+defaults) without importing the worker, and with it torch.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from spindle.serve.jobs import Job, JobStore
-from spindle.serve.limits import ServeLimits
-from spindle.serve.worker import Engine, RankFanout, Worker
+if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports on first use
+    from spindle.serve.jobs import Job, JobStore
+    from spindle.serve.limits import ServeLimits
+    from spindle.serve.worker import Engine, RankFanout, Worker
+
+_LAZY = {
+    "Job": "spindle.serve.jobs",
+    "JobStore": "spindle.serve.jobs",
+    "ServeLimits": "spindle.serve.limits",
+    "Engine": "spindle.serve.worker",
+    "RankFanout": "spindle.serve.worker",
+    "Worker": "spindle.serve.worker",
+}
 
 __all__ = ["Engine", "Job", "JobStore", "RankFanout", "ServeLimits", "Worker", "build_app"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'spindle.serve' has no attribute {name!r}")
 
 
 def build_app(
@@ -33,10 +53,13 @@ def build_app(
     `app.state.serve` holds the engine, store, worker and limits. Serve it with
     `spindle.serve.server.make_server(app, ...)` (connection limits, draining SIGTERM)."""
     from spindle.serve.app import create_app
+    from spindle.serve.jobs import JobStore
+    from spindle.serve.limits import ServeLimits
+    from spindle.serve.worker import Engine, Worker
 
     limits = limits or ServeLimits()
     engine = Engine(generator, model_id=model_id, root=root, limits=limits.request)
-    store = JobStore(max_queue=max_queue, result_ttl=result_ttl)
+    store = JobStore(max_queue=max_queue, result_ttl=result_ttl, max_results=limits.max_results)
     worker = Worker(engine, store, fanout=fanout, keep_frames=keep_frames)
     return create_app(
         engine,

@@ -4,8 +4,10 @@ thread takes jobs in order (`next_job`) and reports back (`start` / `progress` /
 
 Statuses follow OpenAI's video jobs: queued -> in_progress -> completed | failed, plus cancelled
 (DELETE on a queued job, or a running job whose engine stopped between denoising steps).
-Finished jobs are kept `result_ttl` seconds after they finish, then dropped; an id that expired is
-remembered (bounded) so that it answers 410 instead of 404.
+Finished jobs are kept `result_ttl` seconds after they finish, then dropped, and at most
+`max_results` of them at once: past that the oldest finished ones are dropped early (never a queued
+or running job). An id that expired or was dropped is remembered (bounded) so that it answers 410,
+naming the option to raise, instead of 404.
 """
 
 from __future__ import annotations
@@ -118,22 +120,34 @@ class JobStore:
     `max_queue`: jobs that may wait (the running one not counted); one more -> `QueueFull` (429)
     with a Retry-After estimated from the queue ahead and the durations of recent completed jobs
     (see `retry_after`). `result_ttl`: seconds a finished job (its result, error or cancelled
-    status) stays readable.
+    status) stays readable. `max_results`: finished jobs kept at once; one more drops the job that
+    finished first (results are held in memory: this bounds them when many finish within the TTL).
     """
 
-    def __init__(self, max_queue: int = 16, result_ttl: float = 3600.0, clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        max_queue: int = 16,
+        result_ttl: float = 3600.0,
+        clock: Callable[[], float] = time.time,
+        max_results: int = 256,
+    ):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1; got {max_queue}")
         if result_ttl <= 0:
             raise ValueError(f"result_ttl must be > 0 seconds; got {result_ttl}")
+        if max_results < 1:
+            raise ValueError(f"max_results must be >= 1; got {max_results}")
         self.max_queue = max_queue
         self.result_ttl = result_ttl
+        self.max_results = max_results
         self.clock = clock
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._jobs: dict[str, Job] = {}
         self._queue: collections.deque[Job] = collections.deque()
-        self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> "expired" / "deleted"
+        # id -> "expired" / "dropped" / "deleted", so that a gone id answers 410 saying why
+        self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._finished: collections.OrderedDict[str, None] = collections.OrderedDict()  # stored, oldest finished first
         self._running: Job | None = None
         self._closed = False
         self._durations: collections.deque[float] = collections.deque(maxlen=20)
@@ -166,6 +180,16 @@ class JobStore:
                     raise APIError(
                         410,
                         f"{job_id} expired: results are kept {self.result_ttl:g} s after they finish (--result-ttl)",
+                        param="video_id",
+                        code="expired",
+                    )
+                if gone == "dropped":
+                    # the same answer as an expired id (410, code "expired"): the result is gone for
+                    # good either way; the message says which bound dropped it
+                    raise APIError(
+                        410,
+                        f"{job_id} expired: the server keeps at most {self.max_results} finished results and newer "
+                        "jobs finished after it (raise --max-results, or fetch results sooner)",
                         param="video_id",
                         code="expired",
                     )
@@ -227,8 +251,8 @@ class JobStore:
     def delete(self, job: Job) -> None:
         """Forget a finished job now (its result is freed)."""
         with self._lock:
-            if job.finished:
-                self._jobs.pop(job.id, None)
+            if job.finished and self._jobs.pop(job.id, None) is not None:
+                self._finished.pop(job.id, None)
                 self._remember_gone_locked(job.id, "deleted")
 
     def stats(self) -> dict[str, Any]:
@@ -238,6 +262,7 @@ class JobStore:
                 "running": self._running.id if self._running else None,
                 "max_queue": self.max_queue,
                 "stored": len(self._jobs),
+                "finished_stored": len(self._finished),
                 **dict(self.counters),
             }
 
@@ -304,6 +329,13 @@ class JobStore:
         job.completed_at = self.clock()
         job.expires_at = job.completed_at + self.result_ttl
         self.counters[status] += 1
+        if job.id in self._jobs:
+            self._finished[job.id] = None
+            while len(self._finished) > self.max_results:  # oldest finished first; never a queued or running job
+                dropped, _ = self._finished.popitem(last=False)
+                del self._jobs[dropped]
+                self._remember_gone_locked(dropped, "dropped")
+                self.counters["dropped"] += 1
         job._set_done()
         self._cond.notify_all()
 
@@ -326,6 +358,7 @@ class JobStore:
         for job_id, job in list(self._jobs.items()):
             if job.finished and job.expires_at is not None and job.expires_at <= now:
                 del self._jobs[job_id]
+                self._finished.pop(job_id, None)
                 self._remember_gone_locked(job_id, "expired")
 
     def _remember_gone_locked(self, job_id: str, reason: str) -> None:

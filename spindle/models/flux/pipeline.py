@@ -30,6 +30,9 @@ class FluxBeforeDenoisingStage(PipelineBeforeDenoisingStage):
     def validate(self, params: SamplingParams) -> None:
         super().validate(params)
         check_packed_image_request(params, self.vae_scale_factor, MAX_SEQUENCE_LENGTH, "Flux")
+        # No positional-range check (unlike Wan and Qwen-Image): FluxPosEmbed computes each rotary
+        # angle from the position id, with no table to overrun. Prompts past max_sequence_length T5
+        # tokens (or CLIP's 77) are truncated as in FluxPipeline, which logs it.
         # true_cfg_scale (type, bounds, needs a negative prompt) is checked by its declaration in FAMILY.options
 
     def latent_shape(self, p: SamplingParams) -> tuple[int, ...]:

@@ -47,6 +47,33 @@ class QwenImageBeforeDenoisingStage(PipelineBeforeDenoisingStage):
                 f"num_inference_steps must be >= 2 for this checkpoint's scheduler (shift_terminal="
                 f"{self.scheduler.config.shift_terminal}); got {params.num_inference_steps}"
             )
+        self.check_positions(params)
+
+    def check_positions(self, params: SamplingParams) -> None:
+        """Qwen-Image's rotary table (`QwenEmbedRope`) has a fixed number of positions (4096 in
+        diffusers). The image's patch rows and columns are centred on 0 (`scale_rope`), and the text
+        tokens take the positions after half the longer axis: `max(rows, cols) // 2 + text tokens`
+        must fit, or diffusers slices a short text table and the run fails mid-way (after the text
+        encoder ran). The text may be up to `max_sequence_length` tokens, so that is what is counted."""
+        table = getattr(getattr(self.transformer, "pos_embed", None), "pos_freqs", None)
+        if table is None:  # no fixed table in this transformer: nothing to overrun
+            return
+        positions = int(table.shape[0])
+        multiple = 2 * self.vae_scale_factor  # pixels per 2x2-packed patch
+        text = resolved(params.max_sequence_length, "max_sequence_length")
+        rows = resolved(params.height, "height") // multiple
+        cols = resolved(params.width, "width") // multiple
+        scale = 2 if self.transformer.pos_embed.scale_rope else 1
+        name, patches = ("height", rows) if rows >= cols else ("width", cols)
+        if patches // scale + text > positions:
+            largest = ((positions - text) * scale + scale - 1) * multiple
+            raise RequestError(
+                f"{name} is past this model's positional range: {patches} patches on that axis put the text's "
+                f"{text} positions (max_sequence_length) at {patches // scale}..{patches // scale + text - 1}, past "
+                f"the {positions} of the transformer's rotary table; at most {largest} with max_sequence_length "
+                f"{text} (or lower max_sequence_length)",
+                field=name,
+            )
 
     def encode(self, prompts: list[str], p: SamplingParams, device: torch.device, dtype: torch.dtype):
         embeds, mask = self.text_pipe.encode_prompt(
