@@ -1,5 +1,6 @@
 """Multi-process inference (gloo on CPU, real processes via torchrun) equals the single process:
-Ulysses sequence parallelism (--sp 2) and CFG parallelism (--cfg-parallel)."""
+Ulysses sequence parallelism (--sp 2), ring attention (--ring 2), both on 4 processes (--sp 2 --ring 2)
+and CFG parallelism (--cfg-parallel)."""
 
 from __future__ import annotations
 
@@ -53,20 +54,24 @@ def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize(
-    "options", [{"sp": 2}, {"ring": 2}, {"cfg_parallel": True}], ids=["sp2", "ring2", "cfg_parallel"]
+    "options",
+    [{"sp": 2}, {"ring": 2}, {"cfg_parallel": True}, {"sp": 2, "ring": 2}],
+    ids=["sp2", "ring2", "cfg_parallel", "sp2_ring2"],
 )
 def test_multiprocess_equals_single_process(tiny_wan, single, tmp_path, options):
+    """2 processes, and sp=2 x ring=2 (USP) on 4: every rank's frames equal one process."""
     import json
 
+    nproc = options.get("sp", 1) * options.get("ring", 1) * (2 if options.get("cfg_parallel") else 1)
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     out = tmp_path / "frames"
-    r = torchrun(2, str(script), str(tiny_wan), str(out), json.dumps(options), json.dumps(KW))
+    r = torchrun(nproc, str(script), str(tiny_wan), str(out), json.dumps(options), json.dumps(KW))
     assert r.returncode == 0, r.stderr[-4000:]
-    for rank in range(2):
+    for rank in range(nproc):
         frames = np.load(f"{out}.rank{rank}.npy")
         np.testing.assert_allclose(frames, single, atol=1e-5, rtol=0)
-    np.testing.assert_array_equal(np.load(f"{out}.drawn0.npy"), np.load(f"{out}.drawn1.npy"))
+        np.testing.assert_array_equal(np.load(f"{out}.drawn0.npy"), np.load(f"{out}.drawn{rank}.npy"))
 
 
 def test_cli_nproc_sp_writes_mp4(tiny_wan, tmp_path):

@@ -293,10 +293,13 @@ def test_generate_cli_option_errors_are_one_line(tiny, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("options", [{"sp": 2}, {"cfg_parallel": True}], ids=["sp2", "cfg_parallel"])
+@pytest.mark.parametrize(
+    "options", [{"sp": 2}, {"ring": 2}, {"cfg_parallel": True}], ids=["sp2", "ring2", "cfg_parallel"]
+)
 def test_multiprocess_equals_single_process(tiny, tmp_path, options):
-    """Ulysses SP=2 through the `_cp_plan` (prompts of 9 and 10 tokens: padded with masked zeros to
-    even counts) and CFG-parallel over 2 real processes equal one process."""
+    """Ulysses SP=2 and ring attention ring=2 through the `_cp_plan` (prompts of 9 and 10 tokens: padded
+    with masked zeros to even counts, a non-trivial text mask) and CFG-parallel over 2 real processes
+    equal one process."""
     import os
 
     from spindle import DiffusionGenerator

@@ -26,7 +26,9 @@ tests/test_ring_attention.py (canaries fail when diffusers fixes what they work 
    wraps the native backend: with a ring degree > 1 it runs diffusers' own templated ring with a
    forward op that returns (out, lse) from `aten._scaled_dot_product_flash_attention_for_cpu` and
    a backward op that recomputes each KV block's gradient against the global (out, lse), the
-   flash-attention backward. Everything else goes to the native backend unchanged.
+   flash-attention backward. Everything else goes to the native backend unchanged. A call with a key
+   mask (Qwen-Image's text padding) takes Spindle's own masked ring instead (see "key masks under
+   ring attention" below): diffusers' ring gives every KV chunk the local mask.
 
 Gradient scaling (see `spindle.distributed.fsdp`): every rank of an SP group computes the loss on
 the full gathered output, but `AllGatherFunction.backward` hands each rank only the gradient of
