@@ -374,7 +374,7 @@ class _MaskedRingAttention(torch.autograd.Function):
     by `mask[..., c * S:(c + 1) * S]` (S: the local KV length; `mask` covers all the ring's keys)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         query: torch.Tensor,
         key: torch.Tensor,
@@ -395,7 +395,7 @@ class _MaskedRingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         from torch.distributed import _functional_collectives as funcol
 
         query, key, value, mask, out, lse = ctx.saved_tensors
@@ -446,12 +446,14 @@ def _masked_context_parallel_attention(
     mask = _gather_key_mask(attn_mask, key, cp)
     scale = scale if scale is not None else query.shape[-1] ** -0.5
     ring = cp._ring_mesh.get_group()
+    ring_attention: Any = _MaskedRingAttention.apply  # torch leaves `apply` untyped
     if cp.ulysses_degree == 1:
-        return _MaskedRingAttention.apply(query, key, value, mask, scale, ring)
+        out: torch.Tensor = ring_attention(query, key, value, mask, scale, ring)
+        return out
     ulysses = cp._ulysses_mesh.get_group()
     q, k, v = (SeqAllToAllDim.apply(ulysses, x, 2, 1) for x in (query, key, value))
-    out = _MaskedRingAttention.apply(q, k, v, mask, scale, ring)
-    return SeqAllToAllDim.apply(ulysses, out, 1, 2)
+    out = SeqAllToAllDim.apply(ulysses, ring_attention(q, k, v, mask, scale, ring), 1, 2)
+    return out
 
 
 def install_cpu_ring_backend() -> None:
