@@ -161,7 +161,7 @@ def assert_matches_reference(res, ref, *, check_out):
     worst = max((rel(res["grads"][n], ref["grads"][n]), n) for n in ref["grads"])
     assert worst[0] < 1e-5, f"grad of {worst[1]} differs by {worst[0]:.2e} (relative)"
     # The grad norm is a float, identical on every rank, equal to the single-process norm.
-    assert res["norms"][0] == res["norms"][1] == res["norm"]
+    assert all(n == res["norm"] for n in res["norms"])
     assert math.isclose(res["norm"], ref["norm"], rel_tol=1e-5), (res["norm"], ref["norm"])
     # After a clipped SGD step, parameters and the next loss still match.
     worst = max((rel(res["params"][n], ref["params"][n]), n) for n in ref["params"])
@@ -173,6 +173,16 @@ def assert_matches_reference(res, ref, *, check_out):
             per = B // len(set(res["dp_ranks"]))
             lo = res["dp_ranks"][r] * per
             assert rel(out, ref["out"][lo : lo + per]) < 1e-5
+
+
+@pytest.mark.slow
+def test_ulysses_times_ring_on_four_processes_equals_one_process(tiny_wan, reference, tmp_path):
+    """sp=2 x ring=2 (USP, 4 processes): heads split over the Ulysses pair, the sequence over all four;
+    loss, every gradient, the clipped step and the gathered output equal one process."""
+    spawn(_worker, 4, str(tiny_wan), str(tmp_path), {"sp2_ring2": (1, 1, 2, 2, False)})
+    res = torch.load(tmp_path / "results.pt", weights_only=False)["sp2_ring2"]
+    assert res["sp"] == 4 and res["dp_ranks"] == [0, 0, 0, 0]
+    assert_matches_reference(res, reference, check_out=True)
 
 
 def test_sequence_parallel_2_equals_one_process(parallel_results, reference):

@@ -1,5 +1,6 @@
 """Multi-process inference (gloo on CPU, real processes via torchrun) equals the single process:
-Ulysses sequence parallelism (--sp 2) and CFG parallelism (--cfg-parallel)."""
+Ulysses sequence parallelism (--sp 2), ring attention (--ring 2), both on 4 processes (--sp 2 --ring 2)
+and CFG parallelism (--cfg-parallel)."""
 
 from __future__ import annotations
 
@@ -31,14 +32,19 @@ def single(tiny_wan):
 
 
 @pytest.mark.parametrize(
-    "options", [{"sp": 2}, {"ring": 2}, {"cfg_parallel": True}], ids=["sp2", "ring2", "cfg_parallel"]
+    "options",
+    [{"sp": 2}, {"ring": 2}, {"cfg_parallel": True}, {"sp": 2, "ring": 2}],
+    ids=["sp2", "ring2", "cfg_parallel", "sp2_ring2"],
 )
 def test_multiprocess_equals_single_process(tiny_wan, single, tmp_path, options):
-    frames, drawn = generate_on_ranks(tiny_wan, options, KW, tmp_path, unseeded=True)
+    """2 processes, and sp=2 x ring=2 (USP) on 4: every rank's frames equal one process."""
+    nproc = options.get("sp", 1) * options.get("ring", 1) * (2 if options.get("cfg_parallel") else 1)
+    frames, drawn = generate_on_ranks(tiny_wan, options, KW, tmp_path, nproc=nproc, unseeded=True)
     for rank_frames in frames:
         np.testing.assert_allclose(rank_frames, single, atol=1e-5, rtol=0)
     # no seed given: rank 0 draws one and every rank uses it (same noise on all ranks)
-    np.testing.assert_array_equal(drawn[0], drawn[1])
+    for rank_drawn in drawn[1:]:
+        np.testing.assert_array_equal(drawn[0], rank_drawn)
 
 
 def test_cli_nproc_sp_writes_mp4(tiny_wan, tmp_path):

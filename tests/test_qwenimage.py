@@ -279,10 +279,13 @@ def test_generate_cli_option_errors_are_one_line(tiny, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("options", [{"sp": 2}, {"cfg_parallel": True}], ids=["sp2", "cfg_parallel"])
+@pytest.mark.parametrize(
+    "options", [{"sp": 2}, {"ring": 2}, {"cfg_parallel": True}], ids=["sp2", "ring2", "cfg_parallel"]
+)
 def test_multiprocess_equals_single_process(tiny, tmp_path, options):
-    """Ulysses SP=2 through the `_cp_plan` (prompts of 9 and 10 tokens: padded with masked zeros to
-    even counts) and CFG-parallel over 2 real processes equal one process."""
+    """Ulysses SP=2 and ring attention ring=2 through the `_cp_plan` (prompts of 9 and 10 tokens: padded
+    with masked zeros to even counts, a non-trivial text mask) and CFG-parallel over 2 real processes
+    equal one process."""
     from spindle import DiffusionGenerator
     from spindle.testing.multiprocess import generate_on_ranks
 
@@ -294,6 +297,7 @@ def test_multiprocess_equals_single_process(tiny, tmp_path, options):
     frames, _ = generate_on_ranks(tiny, options, kw, tmp_path)
     for rank_frames in frames:
         np.testing.assert_allclose(rank_frames, exact, atol=1e-5, rtol=0)
+
 
 def test_sizes_past_the_rotary_table_are_refused_naming_the_field(tiny, tmp_path, spindle_cli):
     """diffusers' QwenEmbedRope has 4096 positions; the text's come after half the longer image

@@ -112,17 +112,25 @@ def test_video_pixels_and_odd_sizes_are_rejected(condition):
         condition.encode({"pixels": torch.zeros(1, 3, 1, 30, 32), "caption": ["x"], "index": [0]})
 
 
+@pytest.fixture(scope="module")
+def single_run(tiny, images, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("qwen_single") / "single"
+    run_cli(tiny, images, out, nproc=1)
+    return out
+
+
 @pytest.mark.slow
-def test_sequence_parallel_training_equals_one_process(tiny, images, tmp_path):
-    """Ulysses SP=2 through QwenImageTransformer2DModel's own `_cp_plan` (image and text tokens, the
-    text mask and the RoPE tables split over 2 ranks) trains exactly like one process."""
-    run_cli(tiny, images, tmp_path / "single", nproc=1)
-    run_cli(tiny, images, tmp_path / "sp2", nproc=2, parallel__sp=2, parallel__dp_shard=1)
-    a, b = read_metrics(tmp_path / "single"), read_metrics(tmp_path / "sp2")
+@pytest.mark.parametrize("layout", [{"parallel__sp": 2}, {"parallel__ring": 2}], ids=["sp2", "ring2"])
+def test_sequence_parallel_training_equals_one_process(tiny, images, single_run, tmp_path, layout):
+    """Ulysses SP=2 and ring attention ring=2 through QwenImageTransformer2DModel's own `_cp_plan` (image
+    and text tokens, the text mask and the RoPE tables split over 2 ranks; under ring every KV chunk is
+    attended with its own part of the text mask) train exactly like one process."""
+    run_cli(tiny, images, tmp_path / "sp2", nproc=2, parallel__dp_shard=1, **layout)
+    a, b = read_metrics(single_run), read_metrics(tmp_path / "sp2")
     assert len(a) == len(b) == 3
     for key in ("loss", "grad_norm"):
         assert [m[key] for m in b] == pytest.approx([m[key] for m in a], rel=1e-5), key
-    wa = load_file(tmp_path / "single" / "export" / "transformer" / "diffusion_pytorch_model.safetensors")
+    wa = load_file(single_run / "export" / "transformer" / "diffusion_pytorch_model.safetensors")
     wb = load_file(tmp_path / "sp2" / "export" / "transformer" / "diffusion_pytorch_model.safetensors")
     assert wa.keys() == wb.keys()
     for k in wa:

@@ -26,7 +26,9 @@ tests/test_ring_attention.py (canaries fail when diffusers fixes what they work 
    wraps the native backend: with a ring degree > 1 it runs diffusers' own templated ring with a
    forward op that returns (out, lse) from `aten._scaled_dot_product_flash_attention_for_cpu` and
    a backward op that recomputes each KV block's gradient against the global (out, lse), the
-   flash-attention backward. Everything else goes to the native backend unchanged.
+   flash-attention backward. Everything else goes to the native backend unchanged. A call with a key
+   mask (Qwen-Image's text padding) takes Spindle's own masked ring instead (see "key masks under
+   ring attention" below): diffusers' ring gives every KV chunk the local mask.
 
 Gradient scaling (see `spindle.distributed.fsdp`): every rank of an SP group computes the loss on
 the full gathered output, but `AllGatherFunction.backward` hands each rank only the gradient of
@@ -164,6 +166,21 @@ def _ring_ulysses_mesh(cp_mesh: DeviceMesh) -> DeviceMesh:
     return flat._unflatten(0, (ring, ulysses), ("ring", "ulysses"))
 
 
+def sequence_parallel_config(cp_mesh: DeviceMesh) -> Any:
+    """diffusers' `ParallelConfig` for ring x Ulysses over Spindle's sequence-parallel mesh `cp_mesh` (1-D:
+    Ulysses; 2-D: ("ring", "sp")), set up on our mesh and local device (collective: every rank calls it).
+    What the attention dispatcher receives as `parallel_config`."""
+    from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
+
+    ring, sp = (1, cp_mesh.size()) if cp_mesh.ndim == 1 else (cp_mesh.size(0), cp_mesh.size(1))
+    diffusers_mesh = _ring_ulysses_mesh(cp_mesh)
+    config = ParallelConfig(
+        context_parallel_config=ContextParallelConfig(ring_degree=ring, ulysses_degree=sp, mesh=diffusers_mesh)
+    )
+    config.setup(dist.get_rank(), dist.get_world_size(), _local_device(cp_mesh), mesh=diffusers_mesh)
+    return config
+
+
 def enable_sequence_parallel(
     transformer: torch.nn.Module, cp_mesh: DeviceMesh, plan: dict[str, Any] | None = None
 ) -> torch.nn.Module:
@@ -174,8 +191,6 @@ def enable_sequence_parallel(
     before FSDP (`fully_shard`) and on every rank (mesh set-up is collective). All ranks of the
     SP group must then be fed the same full-length inputs; each returns the full output.
     """
-    from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
-
     ring, sp = (1, cp_mesh.size()) if cp_mesh.ndim == 1 else (cp_mesh.size(0), cp_mesh.size(1))
     if ring * sp == 1:
         return transformer
@@ -187,17 +202,12 @@ def enable_sequence_parallel(
         )
     if ring > 1 and cp_mesh.device_type == "cpu":
         install_cpu_ring_backend()
+    config = sequence_parallel_config(cp_mesh)
 
-    diffusers_mesh = _ring_ulysses_mesh(cp_mesh)
-    config = ParallelConfig(
-        context_parallel_config=ContextParallelConfig(ring_degree=ring, ulysses_degree=sp, mesh=diffusers_mesh)
-    )
-
-    def resolve_on_our_mesh(_config: Any) -> ParallelConfig:
+    def resolve_on_our_mesh(_config: Any) -> Any:
         # CPU/gloo workaround (1): diffusers' `_resolve_parallel_config` computes the device as
         # `rank % torch.accelerator.device_count()` (ZeroDivisionError without an accelerator) and
-        # builds a world-wide mesh when none is given. Do its job with our mesh and local device.
-        config.setup(dist.get_rank(), dist.get_world_size(), _local_device(cp_mesh), mesh=diffusers_mesh)
+        # builds a world-wide mesh when none is given. Its job is done by `sequence_parallel_config`.
         transformer._parallel_config = config
         return config
 
@@ -229,6 +239,53 @@ def sequence_parallel_size(transformer: torch.nn.Module) -> int:
 # ---------------------------------------------------------------- CPU/gloo workaround (2): ring on CPU
 
 
+def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Attention logits [B, H, Sq, Skv] of fp32 [B, H, S, D] inputs; a bool mask keeps True keys, a float
+    mask is added (SDPA's conventions)."""
+    s = q @ k.transpose(-1, -2) * scale
+    if mask is None:
+        return s
+    return s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """The log-sum-exp to subtract: 0 where it is -inf (every key masked), so exp(-inf - 0) = 0, not NaN."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
+def _block_forward(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One KV block in fp32: [B, S, H, D] in -> (out [B, S, H, D], lse [B, S, H]); a query whose keys in
+    this block are all masked gets out 0 and lse -inf (it then contributes nothing to the merge)."""
+    q, k, v = (x.transpose(1, 2).float() for x in (query, key, value))
+    s = _scores(q, k, mask, scale)
+    lse = torch.logsumexp(s, -1, keepdim=True)
+    out = torch.exp(s - _finite(lse)) @ v
+    return out.transpose(1, 2), lse.squeeze(-1).transpose(1, 2)
+
+
+def _block_backward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    grad_out: torch.Tensor,
+    lse: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 gradients (q, k, v) of one KV block given the global (out, lse) over all blocks: the
+    flash-attention backward, P = exp(S - lse), dS = P * (dP - rowsum(dO * O)). Masked keys have P = 0."""
+    q, k, v, o, do = (x.transpose(1, 2).float() for x in (query, key, value, out, grad_out))
+    p = torch.exp(_scores(q, k, mask, scale) - _finite(lse.float().transpose(1, 2).unsqueeze(-1)))
+    grad_v = p.transpose(-1, -2) @ do
+    grad_s = p * (do @ v.transpose(-1, -2) - (do * o).sum(-1, keepdim=True))
+    grad_q = grad_s @ k * scale
+    grad_k = grad_s.transpose(-1, -2) @ q * scale
+    return grad_q.transpose(1, 2), grad_k.transpose(1, 2), grad_v.transpose(1, 2)
+
+
 def _ring_forward_op(
     ctx: Any,
     query: torch.Tensor,
@@ -246,7 +303,7 @@ def _ring_forward_op(
     """One ring block: [B, S, H, D] in -> (out [B, S, H, D], lse [B, S, H]) with the CPU flash kernel."""
     if attn_mask is not None or dropout_p or is_causal or enable_gqa:
         raise ValueError(
-            "ring attention on CPU supports plain (unmasked, non-causal, no dropout) attention only; "
+            "ring attention on CPU supports plain (non-causal, no dropout, no GQA) attention only; "
             "use parallel.ring: 1 (Ulysses only) for this model"
         )
     if _save_ctx:
@@ -269,19 +326,134 @@ def _ring_backward_op(
     lse: torch.Tensor,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, ...]:
-    """Gradients of one KV block given the global (out, lse) of the whole ring: the flash-attention
-    backward (P = exp(S - lse), dS = P * (dP - rowsum(dO * O))), computed in fp32."""
-    dtype = query.dtype
-    q, k, v, o, do = (x.permute(0, 2, 1, 3).float() for x in (query, key, value, out, grad_out))
-    scale = ctx.scale if ctx.scale is not None else q.shape[-1] ** -0.5
-    lse = lse.float().permute(0, 2, 1).unsqueeze(-1)  # [B, H, S, 1]
-    p = torch.exp(q @ k.transpose(-1, -2) * scale - lse)
-    grad_v = p.transpose(-1, -2) @ do
-    grad_p = do @ v.transpose(-1, -2)
-    grad_s = p * (grad_p - (do * o).sum(-1, keepdim=True))
-    grad_q = grad_s @ k * scale
-    grad_k = grad_s.transpose(-1, -2) @ q * scale
-    return tuple(g.permute(0, 2, 1, 3).to(dtype) for g in (grad_q, grad_k, grad_v))
+    """Gradients of one KV block given the global (out, lse) of the whole ring (`_block_backward`)."""
+    scale = ctx.scale if ctx.scale is not None else query.shape[-1] ** -0.5
+    grads = _block_backward(query, key, value, out, grad_out, lse, None, scale)
+    return tuple(g.to(query.dtype) for g in grads)
+
+
+# ---------------------------------------------------------------- key masks under ring attention
+#
+# diffusers' `TemplatedRingAttention` hands the *local* attn_mask to every KV chunk it visits (wrong as
+# soon as the chunk is another rank's) and none to the backward op; and its merge
+# `lse = prev_lse - logsigmoid(prev_lse - lse)` is NaN when the first chunk a rank visits has every key
+# masked for some query (-inf - -inf). Qwen-Image's joint attention carries a key-padding mask (its text
+# padding), so a masked call takes this path instead: the local key mask is all-gathered once over the
+# sequence-parallel group, and each KV chunk is attended (forward and backward) with its own slice of it,
+# in fp32 explicit math that works on any device; unmasked calls still run diffusers' templated ring.
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.wait_tensor(t) if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+def _gather_kv(key: torch.Tensor, value: torch.Tensor, group: Any, world: int) -> list[tuple[torch.Tensor, ...]]:
+    """Every ring rank's (key, value) chunk, in ring-rank order (one all-gather, as diffusers' ring)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    flat = torch.cat([key.flatten(), value.flatten()])
+    chunks = _wait(funcol.all_gather_tensor(flat, gather_dim=0, group=group)).chunk(world)
+    n = key.numel()
+    return [(c[:n].view_as(key), c[n:].view_as(value)) for c in chunks]
+
+
+def _merge(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Online-softmax merge of two partial results; safe when either (or both) lse is -inf."""
+    new = torch.logaddexp(lse, block_lse)
+    ref = _finite(new)
+    out = out * torch.exp(lse - ref).unsqueeze(-1) + block_out * torch.exp(block_lse - ref).unsqueeze(-1)
+    return out, new
+
+
+class _MaskedRingAttention(torch.autograd.Function):
+    """Ring attention of the local queries over the KV chunks of every rank of `group`, chunk c masked
+    by `mask[..., c * S:(c + 1) * S]` (S: the local KV length; `mask` covers all the ring's keys)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor,
+        scale: float,
+        group: Any,
+    ) -> torch.Tensor:
+        world = dist.get_world_size(group)
+        out = lse = None
+        for c, (k, v) in enumerate(_gather_kv(key, value, group, world)):
+            block = _block_forward(query, k, v, mask.chunk(world, -1)[c], scale)
+            out, lse = block if out is None or lse is None else _merge(out, lse, *block)
+        assert out is not None and lse is not None
+        out = out.to(query.dtype)
+        ctx.save_for_backward(query, key, value, mask, out, lse)
+        ctx.scale, ctx.group, ctx.world = scale, group, world
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        from torch.distributed import _functional_collectives as funcol
+
+        query, key, value, mask, out, lse = ctx.saved_tensors
+        grad_q = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+        grad_kv = []
+        for c, (k, v) in enumerate(_gather_kv(key, value, ctx.group, ctx.world)):
+            dq, dk, dv = _block_backward(query, k, v, out, grad_out, lse, mask.chunk(ctx.world, -1)[c], ctx.scale)
+            grad_q += dq
+            grad_kv.append(torch.cat([dk.flatten(), dv.flatten()]))
+        # Rank r computed every chunk's K/V gradient for its own queries: summed over the ring, chunk c's
+        # belongs to rank c (a reduce-scatter of the chunks in rank order).
+        mine = _wait(funcol.reduce_scatter_tensor(torch.cat(grad_kv), "sum", scatter_dim=0, group=ctx.group))
+        n = key.numel()
+        grad_k, grad_v = mine[:n].view_as(key), mine[n:].view_as(value)
+        return grad_q.to(query.dtype), grad_k.to(key.dtype), grad_v.to(value.dtype), None, None, None
+
+
+def _gather_key_mask(attn_mask: torch.Tensor, key: torch.Tensor, cp: Any) -> torch.Tensor:
+    """The local key mask ([B, S_local] or [B|1, 1, 1, S_local]) -> [B|1, 1, 1, S_local x ring x sp]: the
+    masks of all sequence-parallel ranks in the flattened ("ring", "ulysses") order the `_cp_plan` split
+    the sequence in, which is also the order of the KV chunks the ring visits after the Ulysses
+    all-to-all (ring chunk c = the sequences of ranks c x sp ... c x sp + sp - 1)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    mask = attn_mask[:, None, None, :] if attn_mask.ndim == 2 else attn_mask
+    batch, local = key.shape[0], key.shape[1]
+    if mask.ndim != 4 or mask.shape[1:3] != (1, 1) or mask.shape[0] not in (1, batch) or mask.shape[3] != local:
+        raise ValueError(
+            f"ring attention (parallel.ring > 1) takes a key mask of shape [batch, 1, 1, local keys] = "
+            f"[{batch}, 1, 1, {local}] (or [batch, local keys]), got {tuple(attn_mask.shape)}: a per-query or "
+            f"per-head mask cannot be split over ring ranks (each holds its own queries' rows for its own keys "
+            f"only); use parallel.ring: 1 (Ulysses, parallel.sp) for this model"
+        )
+    # bool travels as uint8 (not every backend reduces/gathers bool).
+    wire = mask.to(torch.uint8) if mask.dtype == torch.bool else mask
+    full = _wait(funcol.all_gather_tensor(wire.contiguous(), gather_dim=3, group=cp._flattened_mesh.get_group()))
+    return full.bool() if mask.dtype == torch.bool else full
+
+
+def _masked_context_parallel_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor, scale: float | None, cp: Any
+) -> torch.Tensor:
+    """Key-masked ring attention ([B, S_local, H, D] in and out), composed with Ulysses (USP) as diffusers'
+    `_templated_unified_attention`: all-to-all to (all of the ulysses group's sequence, H / sp heads),
+    the ring over that, all-to-all back."""
+    from diffusers.models.attention_dispatch import SeqAllToAllDim
+
+    mask = _gather_key_mask(attn_mask, key, cp)
+    scale = scale if scale is not None else query.shape[-1] ** -0.5
+    ring = cp._ring_mesh.get_group()
+    ring_attention: Any = _MaskedRingAttention.apply  # torch leaves `apply` untyped
+    if cp.ulysses_degree == 1:
+        out: torch.Tensor = ring_attention(query, key, value, mask, scale, ring)
+        return out
+    ulysses = cp._ulysses_mesh.get_group()
+    q, k, v = (SeqAllToAllDim.apply(ulysses, x, 2, 1) for x in (query, key, value))
+    out = SeqAllToAllDim.apply(ulysses, ring_attention(q, k, v, mask, scale, ring), 1, 2)
+    return out
 
 
 def install_cpu_ring_backend() -> None:
@@ -310,6 +482,13 @@ def install_cpu_ring_backend() -> None:
         if cp is None or cp.ring_degree == 1:
             return native(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
                           _parallel_config=_parallel_config)  # fmt: skip
+        if attn_mask is not None:
+            if dropout_p or is_causal or enable_gqa or return_lse:
+                raise ValueError(
+                    "masked ring attention supports plain (non-causal, no dropout, no GQA, no returned "
+                    "log-sum-exp) attention only; use parallel.ring: 1 (Ulysses only) for this model"
+                )
+            return _masked_context_parallel_attention(query, key, value, attn_mask, scale, cp)
         return ad._templated_context_parallel_attention(
             query,
             key,

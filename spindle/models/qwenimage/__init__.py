@@ -55,8 +55,8 @@ FAMILY = DiTFamily(
             ),
             "nocfg": dict(prompt="a red fox in the snow", height=32, width=48, num_inference_steps=3, seed=0),
         },
-        # Ring attention cannot take Qwen-Image's text mask: diffusers' ring applies one attn_mask to
-        # every rotated KV chunk, and the CPU ring op refuses masks (a clear error at parallel.ring > 1).
-        sequence_parallel=("ulysses2",),
+        # both layouts: the joint attention's text-padding mask goes through ring attention chunk by chunk
+        # (spindle.distributed.context_parallel, key masks under ring attention)
+        sequence_parallel=("ulysses2", "ring2"),
     ),
 )
