@@ -78,10 +78,10 @@ def _worker(rank: int, world: int, ring: int, out_dir: str) -> None:
     import torch.distributed as dist
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-    from spindle.distributed.context_parallel import install_cpu_ring_backend, sequence_parallel_config
+    from spindle.distributed.context_parallel import install_ring_backend, sequence_parallel_config
     from spindle.distributed.mesh import ParallelDims, build_mesh
 
-    install_cpu_ring_backend()
+    install_ring_backend()
     mesh = build_mesh(ParallelDims(dp_shard=1, sp=world // ring, ring=ring))
     config = sequence_parallel_config(mesh.cp)
     x = inputs()
@@ -157,3 +157,28 @@ def test_block_math_of_a_fully_masked_block_is_zero_not_nan():
         torch.testing.assert_close(merged, expected, rtol=0, atol=0)
     grads = _block_backward(q, k, v, other[0], x["w"][:, :4], other[1], mask, SCALE)
     assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+
+
+def test_ring_block_ops_per_device():
+    """Which per-block ops the ring runs: diffusers' cuDNN ring ops for CUDA half precision (its own
+    ring-capable backend), Spindle's elsewhere; and the fp32 block math Spindle's forward op uses off
+    CPU equals the CPU flash kernel it uses on CPU (out and log-sum-exp)."""
+    from types import SimpleNamespace
+
+    from diffusers.models import attention_dispatch as ad
+
+    from spindle.distributed import context_parallel as cp
+
+    cuda_bf16 = SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16)  # no GPU here: only the choice
+    assert cp._ring_ops(cuda_bf16) == (ad._cudnn_attention_forward_op, ad._cudnn_attention_backward_op)
+    for device, dtype in (("cuda", torch.float32), ("cpu", torch.float32), ("cpu", torch.bfloat16)):
+        query = SimpleNamespace(device=torch.device(device), dtype=dtype)
+        assert cp._ring_ops(query) == (cp._ring_forward_op, cp._ring_backward_op)
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 24, 3, 8, generator=g) for _ in range(3))  # [B, S, H, D]
+    out, lse = cp._ring_forward_op(SimpleNamespace(save_for_backward=lambda *t: None), q, k, v, scale=0.3,
+                                   return_lse=True)  # fmt: skip
+    block_out, block_lse = cp._block_forward(q, k, v, None, 0.3)
+    torch.testing.assert_close(block_out, out, atol=1e-5, rtol=0)
+    torch.testing.assert_close(block_lse, lse, atol=1e-5, rtol=0)

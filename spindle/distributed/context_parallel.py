@@ -22,11 +22,13 @@ tests/test_ring_attention.py (canaries fail when diffusers fixes what they work 
    the config ourselves (same steps: `ParallelConfig.setup` with our mesh) and let the rest of
    `enable_parallelism` (backend check, processors, `apply_context_parallel`) run unchanged.
 2. Ring attention needs each block's log-sum-exp, and diffusers' native (SDPA) backend, the only one
-   that runs on CPU, raises "Native attention does not support return_lse=True". `cpu_ring_backend`
-   wraps the native backend: with a ring degree > 1 it runs diffusers' own templated ring with a
-   forward op that returns (out, lse) from `aten._scaled_dot_product_flash_attention_for_cpu` and
-   a backward op that recomputes each KV block's gradient against the global (out, lse), the
-   flash-attention backward. Everything else goes to the native backend unchanged. A call with a key
+   that runs on CPU (and the default on GPU), raises "Native attention does not support
+   return_lse=True". `install_ring_backend` wraps the native backend: with a ring degree > 1 it runs
+   diffusers' own templated ring with per-block ops that return (out, lse) (`_ring_ops`): on CPU
+   `aten._scaled_dot_product_flash_attention_for_cpu` and a backward that recomputes each KV block's
+   gradient against the global (out, lse), the flash-attention backward; on CUDA in half precision
+   diffusers' own cuDNN ring ops (its `_native_cudnn` backend's); otherwise fp32 block math.
+   Everything else goes to the native backend unchanged. A call with a key
    mask (Qwen-Image's text padding) takes Spindle's own masked ring instead (see "key masks under
    ring attention" below): diffusers' ring gives every KV chunk the local mask.
 
@@ -200,8 +202,8 @@ def enable_sequence_parallel(
             f"{type(transformer).__name__} is not a diffusers ModelMixin; Spindle's sequence parallelism uses "
             f"diffusers' context-parallel hooks and attention dispatcher"
         )
-    if ring > 1 and cp_mesh.device_type == "cpu":
-        install_cpu_ring_backend()
+    if ring > 1:
+        install_ring_backend()
     config = sequence_parallel_config(cp_mesh)
 
     def resolve_on_our_mesh(_config: Any) -> Any:
@@ -300,18 +302,23 @@ def _ring_forward_op(
     _save_ctx: bool = True,
     _parallel_config: Any = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """One ring block: [B, S, H, D] in -> (out [B, S, H, D], lse [B, S, H]) with the CPU flash kernel."""
+    """One ring block: [B, S, H, D] in -> (out [B, S, H, D], lse [B, S, H]): the CPU flash kernel on CPU,
+    fp32 block math (`_block_forward`) on other devices."""
     if attn_mask is not None or dropout_p or is_causal or enable_gqa:
         raise ValueError(
-            "ring attention on CPU supports plain (non-causal, no dropout, no GQA) attention only; "
+            "ring attention supports plain (non-causal, no dropout, no GQA) attention only; "
             "use parallel.ring: 1 (Ulysses only) for this model"
         )
     if _save_ctx:
         ctx.save_for_backward(query, key, value)
         ctx.scale = scale
-    q, k, v = (x.permute(0, 2, 1, 3) for x in (query, key, value))
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
-    out, lse = out.permute(0, 2, 1, 3), lse.permute(0, 2, 1)
+    if query.device.type == "cpu":
+        q, k, v = (x.permute(0, 2, 1, 3) for x in (query, key, value))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
+        out, lse = out.permute(0, 2, 1, 3), lse.permute(0, 2, 1)
+    else:
+        out, lse = _block_forward(query, key, value, None, scale if scale is not None else query.shape[-1] ** -0.5)
+        out = out.to(query.dtype)
     return (out, lse) if return_lse else out
 
 
@@ -456,9 +463,20 @@ def _masked_context_parallel_attention(
     return out
 
 
-def install_cpu_ring_backend() -> None:
-    """Route diffusers' native attention backend through `_ring_forward_op` / `_ring_backward_op` when a
-    ring degree > 1 is configured (idempotent; every other call goes to the native backend unchanged)."""
+def _ring_ops(query: torch.Tensor) -> tuple[Any, Any]:
+    """(forward op, backward op) per ring block for `query`'s device and dtype: diffusers' own cuDNN ops on
+    CUDA in half precision (what its ring-capable `_native_cudnn` backend runs), else Spindle's."""
+    if query.device.type == "cuda" and query.dtype in (torch.float16, torch.bfloat16):
+        from diffusers.models import attention_dispatch as ad
+
+        return ad._cudnn_attention_forward_op, ad._cudnn_attention_backward_op
+    return _ring_forward_op, _ring_backward_op
+
+
+def install_ring_backend() -> None:
+    """Route diffusers' native attention backend through the ring ops of `_ring_ops` when a ring degree > 1
+    is configured, and key-masked calls through the masked ring (idempotent; every other call goes to the
+    native backend unchanged)."""
     from diffusers.models import attention_dispatch as ad
 
     registry = ad._AttentionBackendRegistry
@@ -489,6 +507,7 @@ def install_cpu_ring_backend() -> None:
                     "log-sum-exp) attention only; use parallel.ring: 1 (Ulysses only) for this model"
                 )
             return _masked_context_parallel_attention(query, key, value, attn_mask, scale, cp)
+        forward_op, backward_op = _ring_ops(query)
         return ad._templated_context_parallel_attention(
             query,
             key,
@@ -499,8 +518,8 @@ def install_cpu_ring_backend() -> None:
             scale,
             enable_gqa,
             return_lse,
-            forward_op=_ring_forward_op,
-            backward_op=_ring_backward_op,
+            forward_op=forward_op,
+            backward_op=backward_op,
             _parallel_config=_parallel_config,
         )
 

@@ -51,7 +51,14 @@ POLICIES: dict[str, CachePolicy] = {
             "MagCacheConfig",
             "threshold",
             float,
-            ((2.0, {"max_skip_steps": 6}), (1.0, {"max_skip_steps": 5}), (0.5, {"max_skip_steps": 4}), 0.24, 0.12, 0.06),
+            (
+                (2.0, {"max_skip_steps": 6}),
+                (1.0, {"max_skip_steps": 5}),
+                (0.5, {"max_skip_steps": 4}),
+                0.24,
+                0.12,
+                0.06,
+            ),
             # diffusers' retention of the first 20% of steps and at most 3 skips in a row (the paper's K)
             defaults={"max_skip_steps": 3, "retention_ratio": 0.2},
         ),

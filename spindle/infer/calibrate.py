@@ -34,7 +34,10 @@ class CacheChoice:
     def describe(self) -> str:
         if self.name is None:
             return f"cache auto: no policy kept PSNR >= {self.min_psnr} dB on the calibration request; running uncached"
-        knobs = {POLICIES[self.name].knob: self.threshold, **{k: v for k, v in self.options.items() if k != "mag_ratios"}}
+        knobs = {
+            POLICIES[self.name].knob: self.threshold,
+            **{k: v for k, v in self.options.items() if k != "mag_ratios"},
+        }
         return (
             f"cache auto: chose {self.name} ({', '.join(f'{k}={v}' for k, v in knobs.items())}): PSNR {self.psnr:.2f} dB >= {self.min_psnr} dB, "
             f"denoising {self.seconds:.2f}s vs {self.reference_seconds:.2f}s uncached "
