@@ -62,6 +62,44 @@ def test_step_one_loss_with_aux_and_grad_norm_equal_stock_transformers(tiny_qwen
     assert m["moe_load_imbalance"] >= 1.0
 
 
+def test_padding_is_out_of_the_aux_loss_and_the_load_as_in_stock_transformers_with_attention_mask(
+    tiny_qwen3_moe, tmp_path
+):
+    """`packing: false` rows of two documents of different lengths, one micro-batch: the padded row's
+    pad positions must not count in the router statistics, as stock does when given `attention_mask`."""
+    model, tok = stock(tiny_qwen3_moe)
+    texts = [TEXT, "the red circle"]
+    docs = [[*tok(t).input_ids, tok.eos_token_id] for t in texts]
+    seq_len = len(docs[0]) + 4  # both rows padded, the second by many positions
+    ids = torch.tensor([d + [tok.pad_token_id] * (seq_len - len(d)) for d in docs])
+    mask = torch.tensor([[1] * len(d) + [0] * (seq_len - len(d)) for d in docs])
+    data = tmp_path / "two.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    run(
+        tiny_qwen3_moe,
+        data,
+        tmp_path / "run",
+        data__packing=False,
+        data__shuffle=False,
+        data__seq_len=seq_len,
+        train__max_steps=1,
+        train__global_batch_size=2,
+        train__micro_batch_size=2,
+        checkpoint__export=False,
+    )
+    (m,) = read_metrics(tmp_path / "run")
+    out = model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100), output_router_logits=True)
+    out.loss.backward()
+    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    unmasked = model(ids, labels=ids, output_router_logits=True).aux_loss
+    assert abs(float(unmasked) - float(out.aux_loss)) > 1e-3 * float(out.aux_loss), "padding must move the aux loss"
+    assert m["aux_loss"] == pytest.approx(out.aux_loss.item(), rel=RTOL)
+    assert m["loss"] == pytest.approx(out.loss.item(), rel=RTOL)
+    assert m["grad_norm"] == pytest.approx(float(norm), rel=RTOL)
+    routed = int(mask.sum()) * model.config.num_experts_per_tok * 2  # real tokens x top-k x MoE layers
+    assert sum(m["moe_tokens_per_expert"]) == routed
+
+
 # ---------------------------------------------------------------- checkpoint conversion
 
 # pairwise-distinct dims, so a transposed or mixed-up tensor cannot pass a shape check
@@ -211,7 +249,7 @@ def test_export_writes_the_input_layout_and_loads_in_stock_transformers(layout, 
     [
         ({"ep": 3, "dp_shard": 3}, r"parallel.ep=3 must divide the model's num_experts=8"),
         ({"ep": 2, "dp_shard": 3}, r"parallel.ep=2 must be >= 1 and divide parallel.dp_shard=3"),
-        ({"ep": 2, "dp_shard": 2, "sp": 2}, r"parallel.sp=2"),
+        ({"ep": 2, "dp_shard": 2, "sp": 3}, r"heads \(num_attention_heads\), not divisible by parallel.sp=3"),
     ],
 )
 def test_bad_expert_parallel_layouts_are_refused_before_launch(parallel, message, tiny_qwen3_moe, tmp_path):

@@ -44,24 +44,26 @@ def check_ep_layout(dims: ParallelDims, num_experts: int) -> None:
         raise ValueError(
             f"parallel.ep={dims.ep} must divide the model's num_experts={num_experts} (each EP rank holds whole experts)"
         )
-    if dims.sp > 1:
-        raise ValueError(f"parallel.ep={dims.ep} with parallel.sp={dims.sp} is not supported yet; set one of them to 1")
-    if dims.dp_replicate > 1:
-        raise ValueError(
-            f"parallel.ep={dims.ep} with parallel.dp_replicate={dims.dp_replicate} (HSDP) is not supported yet; "
-            "use dp_shard for the data-parallel ranks"
-        )
 
 
 def ep_meshes(mesh: Mesh) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh]:
-    """-> (ep, efsdp, one): the expert-parallel group of this rank, the ranks holding the same experts,
-    and a 1-rank mesh (the "ranks sharing one batch" group transformers' EP takes; no TP here).
-    Collective on first call; cached on the Mesh."""
+    """-> (ep, experts_fsdp, one): the expert-parallel group of this rank; the mesh the experts' FSDP2
+    units shard over (the ranks holding the same experts: efsdp x ring x sp flattened, 2-D
+    (dp_replicate, that) under HSDP); and a 1-rank mesh (the "ranks sharing one batch" group
+    transformers' EP takes; no TP here). Collective on first call; cached on the Mesh.
+
+    The SP ranks of a group hold the same experts and different tokens of the same rows, so their
+    expert gradients must be summed too: the experts' FSDP2 mesh spans them, as the dense one does.
+    """
     cached = getattr(mesh, "_ep_meshes", None)
     if cached is None:
         dims = mesh.dims
-        split = mesh.world["dp_shard"]._unflatten(0, (dims.dp_shard // dims.ep, dims.ep), ("efsdp", "ep"))
-        cached = (split["ep"], split["efsdp"], mesh.world["sp"])
+        # (dp_replicate, dp_shard, ring, sp) -> (dp_replicate, efsdp, ep, one, ring, sp), one root mesh
+        split = mesh.world._unflatten(1, (dims.dp_shard // dims.ep, dims.ep, 1), ("efsdp", "ep", "one"))
+        experts_fsdp = split[("efsdp", "ring", "sp")]._flatten("efsdp_cp")
+        if dims.dp_replicate > 1:
+            experts_fsdp = DeviceMesh._concatenate([split["dp_replicate"], experts_fsdp])
+        cached = (split["ep"], experts_fsdp, split["one"])
         mesh._ep_meshes = cached  # type: ignore[attr-defined]
     return cached
 
