@@ -248,7 +248,7 @@ def test_export_writes_the_input_layout_and_loads_in_stock_transformers(layout, 
     "parallel,message",
     [
         ({"ep": 3, "dp_shard": 3}, r"parallel.ep=3 must divide the model's num_experts=8"),
-        ({"ep": 2, "dp_shard": 3}, r"parallel.ep=2 must be >= 1 and divide parallel.dp_shard=3"),
+        ({"ep": 2, "dp_shard": 3}, r"parallel.ep=2 must be >= 1 and divide parallel.dp_shard x parallel.sp = 3 x 1"),
         ({"ep": 2, "dp_shard": 2, "sp": 3}, r"heads \(num_attention_heads\), not divisible by parallel.sp=3"),
     ],
 )

@@ -47,23 +47,25 @@ def check_ep_layout(dims: ParallelDims, num_experts: int) -> None:
 
 
 def ep_meshes(mesh: Mesh) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh]:
-    """-> (ep, experts_fsdp, one): the expert-parallel group of this rank; the mesh the experts' FSDP2
-    units shard over (the ranks holding the same experts: efsdp x ring x sp flattened, 2-D
-    (dp_replicate, that) under HSDP); and a 1-rank mesh (the "ranks sharing one batch" group
-    transformers' EP takes; no TP here). Collective on first call; cached on the Mesh.
+    """-> (ep, efsdp, one): the expert-parallel group of this rank; the mesh the experts' FSDP2 units
+    shard over (the ranks holding the same experts; 2-D (dp_replicate, efsdp) under HSDP); and a
+    1-rank mesh (the "ranks sharing one batch" group transformers' EP takes; no TP here). Collective
+    on first call; cached on the Mesh.
 
-    The SP ranks of a group hold the same experts and different tokens of the same rows, so their
-    expert gradients must be summed too: the experts' FSDP2 mesh spans them, as the dense one does.
+    EP borrows from the flattened FSDP ranks `dp_shard x ring x sp` (as torchtitan does), inner:
+    with SP the EP group first spans the SP ranks of the same rows (the all-to-all stays on the
+    fastest links), then data-parallel ranks. Every rank of the FSDP mesh routes its own tokens, so
+    the gradient of an expert is complete once summed over its EP group (the all-to-all backward)
+    and over efsdp (FSDP2), whichever of those ranks are SP ranks.
     """
     cached = getattr(mesh, "_ep_meshes", None)
     if cached is None:
         dims = mesh.dims
-        # (dp_replicate, dp_shard, ring, sp) -> (dp_replicate, efsdp, ep, one, ring, sp), one root mesh
-        split = mesh.world._unflatten(1, (dims.dp_shard // dims.ep, dims.ep, 1), ("efsdp", "ep", "one"))
-        experts_fsdp = split[("efsdp", "ring", "sp")]._flatten("efsdp_cp")
-        if dims.dp_replicate > 1:
-            experts_fsdp = DeviceMesh._concatenate([split["dp_replicate"], experts_fsdp])
-        cached = (split["ep"], experts_fsdp, split["one"])
+        split = mesh.fsdp._unflatten(0, (dims.fsdp_size // dims.ep, dims.ep, 1), ("efsdp", "ep", "one"))
+        efsdp = split["efsdp"]
+        if dims.dp_replicate > 1:  # HSDP: experts replicated over dp_replicate, sharded over efsdp
+            efsdp = DeviceMesh._concatenate([mesh.world["dp_replicate"], efsdp])
+        cached = (split["ep"], efsdp, split["one"])
         mesh._ep_meshes = cached  # type: ignore[attr-defined]
     return cached
 

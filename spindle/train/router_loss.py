@@ -67,10 +67,10 @@ def load_balancing_loss(
     stats = router_statistics(gate_logits, num_experts, top_k, mask)
     counts, prob_sum, tokens = stats.counts.sum(dim=0), stats.prob_sum, stats.tokens
     if group is not None and dist.get_world_size(group) > 1:
-        from torch.distributed.nn.functional import all_reduce
+        from torch.distributed import _functional_collectives as funcol
 
         counts_tokens = torch.cat([counts, tokens.reshape(1)])
         dist.all_reduce(counts_tokens, group=group)
         counts, tokens = counts_tokens[:-1], counts_tokens[-1]
-        prob_sum = all_reduce(prob_sum, group=group)  # autograd: backward all-reduces the gradient
+        prob_sum = funcol.all_reduce(prob_sum, "sum", group)  # autograd: backward all-reduces the gradient
     return num_experts * torch.sum((counts / tokens) * (prob_sum / tokens))
