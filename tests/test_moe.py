@@ -100,6 +100,25 @@ def test_padding_is_out_of_the_aux_loss_and_the_load_as_in_stock_transformers_wi
     assert sum(m["moe_tokens_per_expert"]) == routed
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["no_mask", "padding_mask"])
+def test_router_aux_loss_and_its_gradient_equal_transformers(masked):
+    """spindle.train.router_loss (what the patched forward uses) against transformers' own function."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from spindle.train.router_loss import load_balancing_loss
+
+    gen = torch.Generator().manual_seed(0)
+    logits = [torch.randn(2 * 7, 8, generator=gen, requires_grad=True) for _ in range(3)]
+    mask = torch.tensor([[1] * 7, [1] * 3 + [0] * 4]) if masked else None
+    ours = load_balancing_loss(tuple(logits), 8, 2, mask)
+    grads_ours = torch.autograd.grad(ours, logits)
+    theirs = load_balancing_loss_func(tuple(logits), 8, 2, mask)
+    grads_theirs = torch.autograd.grad(theirs, logits)
+    assert float(ours) == pytest.approx(float(theirs), rel=RTOL)
+    for a, b in zip(grads_ours, grads_theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=1e-7)
+
+
 # ---------------------------------------------------------------- checkpoint conversion
 
 # pairwise-distinct dims, so a transposed or mixed-up tensor cannot pass a shape check

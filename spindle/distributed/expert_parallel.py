@@ -1,12 +1,16 @@
 """Expert parallelism (EP) for MoE transformers models, on Spindle's mesh.
 
-Layout. `parallel.ep` divides `dp_shard`: the dp_shard ranks are viewed as (efsdp, ep) (ep inner).
-Every rank is still a data-parallel rank with its own batch; the dense parameters stay FSDP2-sharded
-over the whole "fsdp" mesh as in the dense path. Each MoE layer's stacked experts (`gate_up_proj
-[E, 2I, H]`, `down_proj [E, H, I]`) become DTensors sharded on the expert dim over the `ep` mesh (a
-rank holds E/ep whole experts), and FSDP2 shards those again over the `efsdp` ranks that hold the
-same experts (2-D: FSDP over efsdp x EP, as FSDP2 composes with TP). DCP saves and loads the DTensors
-at any layout, so a checkpoint resumes at another `ep`.
+Layout. `parallel.ep` divides the FSDP ranks `dp_shard x ring x sp` (the flattened "fsdp" mesh),
+viewed as (efsdp, ep) (ep inner: with SP the EP group spans the SP ranks of the same rows first, as
+torchtitan borrows EP from dp_shard x cp). Every rank routes its own tokens (its rows, or with SP its
+slice of them); the dense parameters stay FSDP2-sharded over the whole "fsdp" mesh as in the dense
+path. Each MoE layer's stacked experts (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`) become
+DTensors sharded on the expert dim over the `ep` mesh (a rank holds E/ep whole experts), and FSDP2
+shards those again over the `efsdp` ranks that hold the same experts (2-D: FSDP over efsdp x EP, as
+FSDP2 composes with TP), replicated over `dp_replicate` (HSDP, 3-D). DCP saves and loads the DTensors
+at any layout, so a checkpoint resumes at another `ep`. (Carving EP out of dp_shard alone, with the
+experts sharded over efsdp x sp, gives the same gradients, but that flattened mesh interleaves with
+`ep` in the root mesh's dim order and DTensor cannot take the gradient norm on the combined mesh.)
 
 Token exchange: transformers' own EP building blocks (transformers.distributed.expert_parallel):
 `MoEParamShard` shards the expert weights and sets the module's local expert count, and
@@ -19,7 +23,7 @@ at load time, while Spindle's mesh, FSDP2 units, gradient scaling and DCP checkp
 experts too (docs/training.md, "Mixture of experts").
 
 Gradient scaling: an expert's gradient on its EP rank sums the contributions of the tokens of every
-rank of its EP group; FSDP2 then reduces over efsdp. The trainer scales each rank's loss by dp_size /
+rank of its EP group; FSDP2 then reduces over efsdp (and dp_replicate): every rank's tokens once. The trainer scales each rank's loss by dp_size /
 tokens, so the reduction must divide by dp_size, not by the efsdp size FSDP2 would use: the experts'
 FSDP units get `set_gradient_divide_factor(dp_size)`.
 """

@@ -59,11 +59,11 @@ def load_balancing_loss(
     top_k: int,
     mask: torch.Tensor | None = None,
     group: dist.ProcessGroup | None = None,
-) -> torch.Tensor | int:
+) -> torch.Tensor:
     """transformers' `load_balancing_loss_func` over the tokens of every rank of `group` (None: this
     rank's tokens only). Collective over `group`."""
     if gate_logits is None or not isinstance(gate_logits, tuple):
-        return 0  # as upstream: no router logits, no aux loss
+        return torch.zeros(())  # as upstream (which returns 0): no router logits, no aux loss
     stats = router_statistics(gate_logits, num_experts, top_k, mask)
     counts, prob_sum, tokens = stats.counts.sum(dim=0), stats.prob_sum, stats.tokens
     if group is not None and dist.get_world_size(group) > 1:
