@@ -113,10 +113,11 @@ def shard_experts(model: nn.Module, mesh: Mesh, mp_policy: MixedPrecisionPolicy)
     for experts in expert_modules(model).values():
         sharded = fully_shard(experts, mesh=efsdp, mp_policy=mp_policy, reshard_after_forward=True)
         sharded.set_gradient_divide_factor(float(mesh.dims.dp_size))
-        if efsdp.device_type == "cpu" and efsdp.size() > 1:
-            # gloo has no PREMUL_SUM; but on a 1-rank efsdp mesh (no collective) FSDP2's forced-sum
-            # path divides twice (measured: expert grads at 1/dp_size of the 1-process ones), so
-            # only where a reduction really runs.
+        if efsdp.device_type == "cpu" and efsdp.size(efsdp.ndim - 1) > 1:
+            # gloo has no PREMUL_SUM; but where the shard dim has 1 rank (no reduce-scatter) FSDP2's
+            # forced-sum path divides twice (measured: expert grads at 1/dp_size of the 1-process
+            # ones; under HSDP the replicate all-reduce still runs, and sums), so only where a
+            # reduce-scatter really runs.
             sharded.set_force_sum_reduction_for_comms(True)
 
 
