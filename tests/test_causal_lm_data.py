@@ -81,6 +81,8 @@ def test_no_packing_truncates_and_pads_one_document_per_row(tokenizer, tmp_path)
     assert long["shift_labels"][-1] == IGNORE_INDEX  # the cut document's last kept token predicts nothing
     assert short["input_ids"].tolist()[2:] == [tokenizer.pad_token_id] * 3
     assert short["shift_labels"].tolist() == [tokenizer.eos_token_id] + [IGNORE_INDEX] * 4
+    # padding is marked (the MoE router statistics skip it); the truncated row has none
+    assert short["attention_mask"].tolist() == [1, 1, 0, 0, 0] and long["attention_mask"].tolist() == [1] * 5
 
 
 @pytest.mark.parametrize(

@@ -62,6 +62,63 @@ def test_step_one_loss_with_aux_and_grad_norm_equal_stock_transformers(tiny_qwen
     assert m["moe_load_imbalance"] >= 1.0
 
 
+def test_padding_is_out_of_the_aux_loss_and_the_load_as_in_stock_transformers_with_attention_mask(
+    tiny_qwen3_moe, tmp_path
+):
+    """`packing: false` rows of two documents of different lengths, one micro-batch: the padded row's
+    pad positions must not count in the router statistics, as stock does when given `attention_mask`."""
+    model, tok = stock(tiny_qwen3_moe)
+    texts = [TEXT, "the red circle"]
+    docs = [[*tok(t).input_ids, tok.eos_token_id] for t in texts]
+    seq_len = len(docs[0]) + 4  # both rows padded, the second by many positions
+    ids = torch.tensor([d + [tok.pad_token_id] * (seq_len - len(d)) for d in docs])
+    mask = torch.tensor([[1] * len(d) + [0] * (seq_len - len(d)) for d in docs])
+    data = tmp_path / "two.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    run(
+        tiny_qwen3_moe,
+        data,
+        tmp_path / "run",
+        data__packing=False,
+        data__shuffle=False,
+        data__seq_len=seq_len,
+        train__max_steps=1,
+        train__global_batch_size=2,
+        train__micro_batch_size=2,
+        checkpoint__export=False,
+    )
+    (m,) = read_metrics(tmp_path / "run")
+    out = model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100), output_router_logits=True)
+    out.loss.backward()
+    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    unmasked = model(ids, labels=ids, output_router_logits=True).aux_loss
+    assert abs(float(unmasked) - float(out.aux_loss)) > 1e-3 * float(out.aux_loss), "padding must move the aux loss"
+    assert m["aux_loss"] == pytest.approx(out.aux_loss.item(), rel=RTOL)
+    assert m["loss"] == pytest.approx(out.loss.item(), rel=RTOL)
+    assert m["grad_norm"] == pytest.approx(float(norm), rel=RTOL)
+    routed = int(mask.sum()) * model.config.num_experts_per_tok * 2  # real tokens x top-k x MoE layers
+    assert sum(m["moe_tokens_per_expert"]) == routed
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["no_mask", "padding_mask"])
+def test_router_aux_loss_and_its_gradient_equal_transformers(masked):
+    """spindle.train.router_loss (what the patched forward uses) against transformers' own function."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from spindle.train.router_loss import load_balancing_loss
+
+    gen = torch.Generator().manual_seed(0)
+    logits = [torch.randn(2 * 7, 8, generator=gen, requires_grad=True) for _ in range(3)]
+    mask = torch.tensor([[1] * 7, [1] * 3 + [0] * 4]) if masked else None
+    ours = load_balancing_loss(tuple(logits), 8, 2, mask)
+    grads_ours = torch.autograd.grad(ours, logits)
+    theirs = load_balancing_loss_func(tuple(logits), 8, 2, mask)
+    grads_theirs = torch.autograd.grad(theirs, logits)
+    assert float(ours) == pytest.approx(float(theirs), rel=RTOL)
+    for a, b in zip(grads_ours, grads_theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=1e-7)
+
+
 # ---------------------------------------------------------------- checkpoint conversion
 
 # pairwise-distinct dims, so a transposed or mixed-up tensor cannot pass a shape check
@@ -210,8 +267,8 @@ def test_export_writes_the_input_layout_and_loads_in_stock_transformers(layout, 
     "parallel,message",
     [
         ({"ep": 3, "dp_shard": 3}, r"parallel.ep=3 must divide the model's num_experts=8"),
-        ({"ep": 2, "dp_shard": 3}, r"parallel.ep=2 must be >= 1 and divide parallel.dp_shard=3"),
-        ({"ep": 2, "dp_shard": 2, "sp": 2}, r"parallel.sp=2"),
+        ({"ep": 2, "dp_shard": 3}, r"parallel.ep=2 must be >= 1 and divide parallel.dp_shard x parallel.sp = 3 x 1"),
+        ({"ep": 2, "dp_shard": 2, "sp": 3}, r"heads \(num_attention_heads\), not divisible by parallel.sp=3"),
     ],
 )
 def test_bad_expert_parallel_layouts_are_refused_before_launch(parallel, message, tiny_qwen3_moe, tmp_path):

@@ -42,10 +42,16 @@ def single(tiny_qwen3_moe, lm_corpus, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("ep", [2, 1], ids=["ep2", "dp_shard2_ep1"])
-def test_two_processes_equal_one(ep, single, tiny_qwen3_moe, lm_corpus, tmp_path):
+@pytest.mark.parametrize(
+    "layout",
+    [{"parallel__ep": 2}, {"parallel__ep": 1}, {"parallel__sp": 2, "parallel__dp_shard": 1}],
+    ids=["ep2", "dp_shard2_ep1", "sp2"],
+)
+def test_two_processes_equal_one(layout, single, tiny_qwen3_moe, lm_corpus, tmp_path):
+    """sp2: each rank holds half of every row's tokens; the aux loss must come from the router statistics
+    summed over both (not each half's own), and the expert load must count each token once."""
     out = tmp_path / "run"
-    run_train(tiny_qwen3_moe, lm_corpus, out, nproc=2, parallel__ep=ep)
+    run_train(tiny_qwen3_moe, lm_corpus, out, nproc=2, **layout)
     assert_same_run(single, out)
 
 
@@ -54,6 +60,20 @@ def test_ep2_times_dp_shard2_equals_one_process(single, tiny_qwen3_moe, lm_corpu
     Micro-batches of 2 rows as in the 1-process run (the aux loss is per micro-batch, so the split must match)."""
     out = tmp_path / "run"
     run_train(tiny_qwen3_moe, lm_corpus, out, nproc=4, parallel__ep=2)
+    assert_same_run(single, out)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [{"parallel__ep": 2, "parallel__sp": 2}, {"parallel__ep": 2, "parallel__dp_replicate": 2, "parallel__dp_shard": 2}],
+    ids=["ep2_sp2", "hsdp_replicate2_ep2"],
+)
+def test_four_process_layouts_equal_one_process(layout, single, tiny_qwen3_moe, lm_corpus, tmp_path):
+    """ep2_sp2: the two SP ranks of a data-parallel rank hold the same experts and different tokens of the
+    same rows, so the experts' FSDP2 units reduce over them too. hsdp_replicate2_ep2: the experts are
+    replicated over dp_replicate and split over ep."""
+    out = tmp_path / "run"
+    run_train(tiny_qwen3_moe, lm_corpus, out, nproc=4, **layout)
     assert_same_run(single, out)
 
 

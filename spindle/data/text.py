@@ -9,7 +9,8 @@ Each line of a `.jsonl` file (or of every `.jsonl` under a folder, in sorted pat
   assistant turn (with the generation prompt) and up to its end, so any template works, with or
   without `{% generation %}` markers.
 
-Rows (`seq_len` tokens each) carry `input_ids`, `position_ids` and `shift_labels`: labels already
+Rows (`seq_len` tokens each) carry `input_ids`, `position_ids`, `shift_labels` and `attention_mask`
+(1 = a document's token, 0 = padding): labels already
 shifted (position t holds the token to predict at t), -100 where nothing is learned, including the
 last token of every document, so no position predicts across a document boundary. With packing,
 documents are laid end to end in file order, a document that does not fit the rest of a row starts
@@ -17,8 +18,11 @@ the next row, and positions restart at 0 per document: transformers builds the b
 mask from such position ids (`masking_utils.find_packed_sequence_indices`, when no attention mask
 and no cache is passed), so attention never crosses documents either. Padding continues the
 positions of the row's last document (it only follows real tokens, so causal attention keeps it
-out of them) and is never learned. Everything is a pure function of the files, the tokenizer and
-`seq_len`: every rank and every resume builds the same rows.
+out of them) and is never learned. `attention_mask` is not given to attention (it would hide the
+packed documents from transformers, and causal attention already keeps padding out of real tokens):
+it keeps padding out of per-token statistics, e.g. the MoE router's aux loss and expert load.
+Everything is a pure function of the files, the tokenizer and `seq_len`: every rank and every resume
+builds the same rows.
 """
 
 from __future__ import annotations
@@ -169,7 +173,7 @@ def shifted_labels(tokens: list[int], learn: list[bool]) -> list[int]:
 class _RowBuilder:
     def __init__(self, seq_len: int, pad_id: int):
         self.seq_len, self.pad_id = seq_len, pad_id
-        self.rows: list[tuple[list[int], list[int], list[int]]] = []
+        self.rows: list[tuple[list[int], list[int], list[int], list[int]]] = []
         self._reset()
 
     def _reset(self) -> None:
@@ -195,13 +199,14 @@ class _RowBuilder:
                 self.ids + [self.pad_id] * pad,
                 self.pos + list(range(last, last + pad)),
                 self.labels + [IGNORE_INDEX] * pad,
+                [1] * len(self.ids) + [0] * pad,
             )
         )
         self._reset()
 
 
 def build_rows(docs: list[Document], seq_len: int, pad_id: int, packing: bool = True) -> tuple[dict, int]:
-    """Documents -> {"input_ids", "position_ids", "shift_labels"}: [rows, seq_len] int64 tensors;
+    """Documents -> {"input_ids", "position_ids", "shift_labels", "attention_mask"}: [rows, seq_len] int64 tensors;
     -> (rows, documents truncated to seq_len)."""
     builder = _RowBuilder(seq_len, pad_id)
     truncated = 0
@@ -213,14 +218,15 @@ def build_rows(docs: list[Document], seq_len: int, pad_id: int, packing: bool = 
             builder.flush()
         builder.add(doc)
     builder.flush()
-    names = ("input_ids", "position_ids", "shift_labels")
+    names = ("input_ids", "position_ids", "shift_labels", "attention_mask")
     return {name: torch.tensor([row[i] for row in builder.rows], dtype=torch.long) for i, name in enumerate(names)}, (
         truncated
     )
 
 
 class TokenRows(Dataset):
-    """Fixed token rows; item i = {"input_ids", "position_ids", "shift_labels": [seq_len], "index": i}."""
+    """Fixed token rows; item i = {"input_ids", "position_ids", "shift_labels", "attention_mask": [seq_len],
+    "index": i}."""
 
     def __init__(self, rows: dict[str, torch.Tensor], stats: PackStats):
         self.rows = rows

@@ -1,12 +1,16 @@
 """Expert parallelism (EP) for MoE transformers models, on Spindle's mesh.
 
-Layout. `parallel.ep` divides `dp_shard`: the dp_shard ranks are viewed as (efsdp, ep) (ep inner).
-Every rank is still a data-parallel rank with its own batch; the dense parameters stay FSDP2-sharded
-over the whole "fsdp" mesh as in the dense path. Each MoE layer's stacked experts (`gate_up_proj
-[E, 2I, H]`, `down_proj [E, H, I]`) become DTensors sharded on the expert dim over the `ep` mesh (a
-rank holds E/ep whole experts), and FSDP2 shards those again over the `efsdp` ranks that hold the
-same experts (2-D: FSDP over efsdp x EP, as FSDP2 composes with TP). DCP saves and loads the DTensors
-at any layout, so a checkpoint resumes at another `ep`.
+Layout. `parallel.ep` divides the FSDP ranks `dp_shard x ring x sp` (the flattened "fsdp" mesh),
+viewed as (efsdp, ep) (ep inner: with SP the EP group spans the SP ranks of the same rows first, as
+torchtitan borrows EP from dp_shard x cp). Every rank routes its own tokens (its rows, or with SP its
+slice of them); the dense parameters stay FSDP2-sharded over the whole "fsdp" mesh as in the dense
+path. Each MoE layer's stacked experts (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`) become
+DTensors sharded on the expert dim over the `ep` mesh (a rank holds E/ep whole experts), and FSDP2
+shards those again over the `efsdp` ranks that hold the same experts (2-D: FSDP over efsdp x EP, as
+FSDP2 composes with TP), replicated over `dp_replicate` (HSDP, 3-D). DCP saves and loads the DTensors
+at any layout, so a checkpoint resumes at another `ep`. (Carving EP out of dp_shard alone, with the
+experts sharded over efsdp x sp, gives the same gradients, but that flattened mesh interleaves with
+`ep` in the root mesh's dim order and DTensor cannot take the gradient norm on the combined mesh.)
 
 Token exchange: transformers' own EP building blocks (transformers.distributed.expert_parallel):
 `MoEParamShard` shards the expert weights and sets the module's local expert count, and
@@ -19,7 +23,7 @@ at load time, while Spindle's mesh, FSDP2 units, gradient scaling and DCP checkp
 experts too (docs/training.md, "Mixture of experts").
 
 Gradient scaling: an expert's gradient on its EP rank sums the contributions of the tokens of every
-rank of its EP group; FSDP2 then reduces over efsdp. The trainer scales each rank's loss by dp_size /
+rank of its EP group; FSDP2 then reduces over efsdp (and dp_replicate): every rank's tokens once. The trainer scales each rank's loss by dp_size /
 tokens, so the reduction must divide by dp_size, not by the efsdp size FSDP2 would use: the experts'
 FSDP units get `set_gradient_divide_factor(dp_size)`.
 """
@@ -44,24 +48,28 @@ def check_ep_layout(dims: ParallelDims, num_experts: int) -> None:
         raise ValueError(
             f"parallel.ep={dims.ep} must divide the model's num_experts={num_experts} (each EP rank holds whole experts)"
         )
-    if dims.sp > 1:
-        raise ValueError(f"parallel.ep={dims.ep} with parallel.sp={dims.sp} is not supported yet; set one of them to 1")
-    if dims.dp_replicate > 1:
-        raise ValueError(
-            f"parallel.ep={dims.ep} with parallel.dp_replicate={dims.dp_replicate} (HSDP) is not supported yet; "
-            "use dp_shard for the data-parallel ranks"
-        )
 
 
 def ep_meshes(mesh: Mesh) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh]:
-    """-> (ep, efsdp, one): the expert-parallel group of this rank, the ranks holding the same experts,
-    and a 1-rank mesh (the "ranks sharing one batch" group transformers' EP takes; no TP here).
-    Collective on first call; cached on the Mesh."""
+    """-> (ep, efsdp, one): the expert-parallel group of this rank; the mesh the experts' FSDP2 units
+    shard over (the ranks holding the same experts; 2-D (dp_replicate, efsdp) under HSDP); and a
+    1-rank mesh (the "ranks sharing one batch" group transformers' EP takes; no TP here). Collective
+    on first call; cached on the Mesh.
+
+    EP borrows from the flattened FSDP ranks `dp_shard x ring x sp` (as torchtitan does), inner:
+    with SP the EP group first spans the SP ranks of the same rows (the all-to-all stays on the
+    fastest links), then data-parallel ranks. Every rank of the FSDP mesh routes its own tokens, so
+    the gradient of an expert is complete once summed over its EP group (the all-to-all backward)
+    and over efsdp (FSDP2), whichever of those ranks are SP ranks.
+    """
     cached = getattr(mesh, "_ep_meshes", None)
     if cached is None:
         dims = mesh.dims
-        split = mesh.world["dp_shard"]._unflatten(0, (dims.dp_shard // dims.ep, dims.ep), ("efsdp", "ep"))
-        cached = (split["ep"], split["efsdp"], mesh.world["sp"])
+        split = mesh.fsdp._unflatten(0, (dims.fsdp_size // dims.ep, dims.ep, 1), ("efsdp", "ep", "one"))
+        efsdp = split["efsdp"]
+        if dims.dp_replicate > 1:  # HSDP: experts replicated over dp_replicate, sharded over efsdp
+            efsdp = DeviceMesh._concatenate([mesh.world["dp_replicate"], efsdp])
+        cached = (split["ep"], efsdp, split["one"])
         mesh._ep_meshes = cached  # type: ignore[attr-defined]
     return cached
 
@@ -105,10 +113,11 @@ def shard_experts(model: nn.Module, mesh: Mesh, mp_policy: MixedPrecisionPolicy)
     for experts in expert_modules(model).values():
         sharded = fully_shard(experts, mesh=efsdp, mp_policy=mp_policy, reshard_after_forward=True)
         sharded.set_gradient_divide_factor(float(mesh.dims.dp_size))
-        if efsdp.device_type == "cpu" and efsdp.size() > 1:
-            # gloo has no PREMUL_SUM; but on a 1-rank efsdp mesh (no collective) FSDP2's forced-sum
-            # path divides twice (measured: expert grads at 1/dp_size of the 1-process ones), so
-            # only where a reduction really runs.
+        if efsdp.device_type == "cpu" and efsdp.size(efsdp.ndim - 1) > 1:
+            # gloo has no PREMUL_SUM; but where the shard dim has 1 rank (no reduce-scatter) FSDP2's
+            # forced-sum path divides twice (measured: expert grads at 1/dp_size of the 1-process
+            # ones; under HSDP the replicate all-reduce still runs, and sums), so only where a
+            # reduce-scatter really runs.
             sharded.set_force_sum_reduction_for_comms(True)
 
 

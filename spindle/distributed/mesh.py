@@ -5,8 +5,8 @@ sp (Ulysses). The sequence-parallel group is `ring x sp` ("cp", 2-D: diffusers' 
 Ulysses is innermost (its all-to-alls want the fastest links). FSDP shards parameters over the
 flattened `dp_shard x ring x sp` ("fsdp"); data is split over `dp_replicate x dp_shard` ("dp") only,
 so all ranks of a sequence-parallel group see the same sample.
-Expert parallelism (`ep`, MoE models) divides dp_shard: its meshes are built from `world["dp_shard"]`
-by spindle.distributed.expert_parallel, so the dense layout does not change with ep.
+Expert parallelism (`ep`, MoE models) divides the FSDP ranks `dp_shard x ring x sp`: its meshes are
+built from "fsdp" by spindle.distributed.expert_parallel, so the dense layout does not change with ep.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class ParallelDims:
     dp_shard: int = -1  # -1: whatever is left of the world size
     sp: int = 1  # Ulysses degree (heads are split over it)
     ring: int = 1  # ring-attention degree (the sequence is split over ring x sp)
-    ep: int = 1  # expert parallel: a divisor of dp_shard (spindle.distributed.expert_parallel)
+    ep: int = 1  # expert parallel: a divisor of dp_shard x ring x sp (spindle.distributed.expert_parallel)
 
     def resolve(self, world_size: int) -> ParallelDims:
         """Fill in dp_shard=-1 and check the product equals the world size."""
@@ -51,10 +51,11 @@ class ParallelDims:
                 f"sp={self.sp} = {self.dp_replicate * dp_shard * self.cp_size}, but the world size is {world_size}; "
                 f"make the product equal the number of processes (or set dp_shard: -1)"
             )
-        if self.ep < 1 or dp_shard % self.ep:
+        if self.ep < 1 or (dp_shard * self.cp_size) % self.ep:
             raise ValueError(
-                f"parallel.ep={self.ep} must be >= 1 and divide parallel.dp_shard={dp_shard}: expert-parallel ranks "
-                "are data-parallel ranks that split the experts between them"
+                f"parallel.ep={self.ep} must be >= 1 and divide parallel.dp_shard x parallel.sp = "
+                f"{dp_shard} x {self.sp}: expert-parallel ranks are the FSDP ranks (data-parallel and "
+                "sequence-parallel) that split the experts between them"
             )
         return ParallelDims(self.dp_replicate, dp_shard, self.sp, self.ring, self.ep)
 

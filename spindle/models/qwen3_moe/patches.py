@@ -5,8 +5,9 @@ the tests (docs/patchgen.md).
 
 Patched: `Qwen3MoeForCausalLM.forward` computes the token loss from the last hidden states with the
 chunked linear cross-entropy (spindle/train/losses.py), like the dense Qwen3 patch, and adds the
-router's load-balancing loss exactly as upstream does (`router_aux_loss_coef x
-load_balancing_loss_func` over the forward's router logits). The dense patch cannot be reused
+router's load-balancing loss as upstream does (`router_aux_loss_coef x load_balancing_loss_func` over
+the forward's router logits), through spindle.train.router_loss: the same formula, whose router
+statistics can be summed over a sequence-parallel group and masked for padding. The dense patch cannot be reused
 through `name_map`: upstream's MoE forward has `output_router_logits` and the aux term.
 
 Everything else is upstream: the fused experts (`Qwen3MoeExperts`, stacked `gate_up_proj` /
@@ -21,15 +22,16 @@ import torch
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
-from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 
 from spindle.models.causal_lm_patch import causal_lm_loss_or_logits
 from spindle.patchgen import PatchConfig
+from spindle.train.router_loss import load_balancing_loss
 
 config = PatchConfig(source_module="transformers.models.qwen3_moe.modeling_qwen3_moe")
 config.add_import("spindle.train.losses", names=["causal_lm_loss"])
+config.add_import("spindle.train.router_loss", names=["load_balancing_loss"])
 config.add_helper(
     causal_lm_loss_or_logits, description="the chunked loss or upstream's logits (spindle/models/causal_lm_patch.py)"
 )
@@ -44,10 +46,12 @@ def count_label_tokens(labels, shift_labels, ignore_index: int = -100) -> torch.
 
 
 # Patch: Qwen3MoeForCausalLM.forward (upstream signature and decorators kept)
-#   1. pop Spindle's loss kwargs (shift_labels, loss_reduction) so the decoder never sees them;
+#   1. pop Spindle's loss kwargs (shift_labels, loss_reduction, router_mask, router_group) so the
+#      decoder never sees them;
 #   2. with labels or shift_labels: token loss from hidden states via causal_lm_loss, logits=None;
 #      without: exactly upstream (lm_head on the logits_to_keep slice): causal_lm_loss_or_logits;
-#   3. the aux loss as upstream, weighted so that it survives Spindle's sum reduction (see docstring).
+#   3. the aux loss as upstream (spindle.train.router_loss: the same formula, its router statistics
+#      optionally reduced over an SP group), weighted so that it survives Spindle's sum reduction.
 @config.override_method(
     "Qwen3MoeForCausalLM.forward",
     description="loss from hidden states with the chunked linear cross-entropy, plus upstream's router aux loss",
@@ -67,7 +71,11 @@ def moe_causal_lm_forward(
 ) -> MoeCausalLMOutputWithPast:
     r"""
     Besides transformers' arguments, Spindle's loss arguments (as in the dense Qwen3 patch):
-    `shift_labels` (already shifted labels, used instead of `labels`) and `loss_reduction="sum"`.
+    `shift_labels` (already shifted labels, used instead of `labels`) and `loss_reduction="sum"`; and
+    for the router aux loss: `router_mask` ([rows, seq], 1 = real token: the padding mask the aux loss
+    uses instead of `attention_mask`, which is not passed to attention) and `router_group` (a process
+    group whose ranks hold the other tokens of the same rows, sequence parallelism: the router
+    statistics are summed over it, so the aux loss is the whole rows' one on every rank).
 
     The loss is upstream's `token loss + router_aux_loss_coef * aux_loss` whenever upstream computes
     it (mean token loss, `output_router_logits=True`). When the token loss is normalised by a count
@@ -80,6 +88,8 @@ def moe_causal_lm_forward(
     # --- Patch.1: Spindle's loss kwargs are for the loss only.
     shift_labels = kwargs.pop("shift_labels", None)
     loss_reduction = kwargs.pop("loss_reduction", None)
+    router_mask = kwargs.pop("router_mask", None)
+    router_group = kwargs.pop("router_group", None)
     output_router_logits = (
         output_router_logits if output_router_logits is not None else self.config.output_router_logits
     )
@@ -103,11 +113,12 @@ def moe_causal_lm_forward(
 
     aux_loss = None
     if output_router_logits:
-        aux_loss = load_balancing_loss_func(
+        aux_loss = load_balancing_loss(
             outputs.router_logits,
             self.num_experts,
             self.num_experts_per_tok,
-            attention_mask,
+            attention_mask if router_mask is None else router_mask,
+            group=router_group,
         )
         if loss is not None:
             # --- Patch.3: the aux term in the token loss's normalisation (1 for upstream's mean).

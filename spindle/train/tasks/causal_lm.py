@@ -45,6 +45,8 @@ IGNORE_INDEX = -100
 LOSS_SUM = {"num_items_in_batch": 1}
 EXPORT_MAX_SHARD_BYTES = 5 << 30  # transformers' default max_shard_size (5GB)
 TOKEN_KEYS = ("input_ids", "position_ids", "shift_labels")
+# Not given to attention (spindle.data.text): for task hooks that must skip padding (MoE router statistics).
+PADDING_MASK_KEY = "attention_mask"
 
 
 def causal_lm_output(model: torch.nn.Module, batch: dict[str, torch.Tensor], **model_kwargs: Any) -> Any:
@@ -183,7 +185,7 @@ class CausalLMTask(TrainTask):
         return int((batch["shift_labels"] != IGNORE_INDEX).sum())  # the whole rows, before any SP split
 
     def forward(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], step: int) -> StepOutput:
-        rows = {k: batch[k].to(self.device) for k in TOKEN_KEYS}
+        rows = {k: batch[k].to(self.device) for k in (*TOKEN_KEYS, PADDING_MASK_KEY) if k in batch}
         samples, tokens = rows["input_ids"].shape[0], rows["input_ids"].numel()
         if self.mesh.dims.sp > 1:
             from spindle.distributed import ulysses_attention
@@ -191,15 +193,16 @@ class CausalLMTask(TrainTask):
             # Positions and labels were computed on the whole rows; each SP rank keeps its chunk.
             rows = ulysses_attention.shard_batch(rows, self.mesh.sp_rank, self.mesh.dims.sp)
         with self._autocast():
-            out = causal_lm_output(model, rows, **self.model_kwargs())
-        return StepOutput(out.loss.float(), samples, tokens, self.output_metrics(out))
+            out = causal_lm_output(model, rows, **self.model_kwargs(rows))
+        return StepOutput(out.loss.float(), samples, tokens, self.output_metrics(out, rows))
 
-    def model_kwargs(self) -> dict[str, Any]:
-        """Extra keyword arguments of the training forward (e.g. output_router_logits for MoE)."""
+    def model_kwargs(self, rows: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Extra keyword arguments of the training forward of this rank's `rows` (after the SP split),
+        e.g. output_router_logits for MoE."""
         return {}
 
-    def output_metrics(self, out: Any) -> dict[str, float]:
-        """Scalars to log from a micro-batch's forward output (StepOutput.metrics)."""
+    def output_metrics(self, out: Any, rows: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Scalars to log from a micro-batch's forward output on this rank's `rows` (StepOutput.metrics)."""
         return {}
 
     # ------------------------------------------------------------ export

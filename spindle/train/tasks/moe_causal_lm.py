@@ -4,12 +4,17 @@
   (per-expert or fused layout; a missing expert, an unrecognised expert tensor or a wrong shape is an
   error naming the key), transformers' checkpoint conversion is made to apply to Spindle's patched
   class, and any missing/unexpected key after loading is an error (spindle.models.qwen3_moe.conversion).
-- Loss: the patched forward adds `router_aux_loss_coef x load_balancing_loss_func` exactly as
-  transformers does, weighted by the micro-batch's tokens so that it survives the trainer's
-  token-sum normalisation (spindle/models/qwen3_moe/patches.py). Logged apart as `aux_loss`.
-- Expert load: tokens routed to each expert per step over the global batch (`moe_tokens_per_expert`,
-  summed over the MoE layers) and the worst layer's max/mean (`moe_load_imbalance`) in metrics.jsonl.
-- Parallelism: `parallel.ep` (spindle.distributed.expert_parallel) on top of the dense path.
+- Loss: the patched forward adds `router_aux_loss_coef x load_balancing_loss_func` as transformers
+  does, weighted by the micro-batch's tokens so that it survives the trainer's token-sum
+  normalisation (spindle/models/qwen3_moe/patches.py). Padding (the rows' `attention_mask`) is kept
+  out of the router statistics, as upstream does when given `attention_mask`. With `parallel.sp` the
+  statistics are summed over the SP group first (spindle.train.router_loss), so every SP rank holds
+  the aux loss of the whole rows. Logged apart as `aux_loss`.
+- Expert load: real tokens routed to each expert per step over the global batch
+  (`moe_tokens_per_expert`, summed over the MoE layers; each rank counts its own tokens, summed over
+  every rank: data-parallel and SP) and the worst layer's max/mean (`moe_load_imbalance`).
+- Parallelism: `parallel.ep` (spindle.distributed.expert_parallel) and `parallel.sp` (Ulysses) on top
+  of the dense path.
 - Export: the layout the input checkpoint had (per-expert by default).
 """
 
@@ -26,7 +31,12 @@ from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.mesh import is_main_process
 from spindle.models.base import CausalLMFamily
 from spindle.models.qwen3_moe import conversion
-from spindle.train.tasks.causal_lm import CausalLMTask, language_model_family, write_transformers_folder
+from spindle.train.tasks.causal_lm import (
+    PADDING_MASK_KEY,
+    CausalLMTask,
+    language_model_family,
+    write_transformers_folder,
+)
 
 if TYPE_CHECKING:
     from spindle.config import TrainJobConfig
@@ -48,11 +58,6 @@ class MoECausalLMTask(CausalLMTask):
 
         from spindle.distributed.expert_parallel import check_ep_layout
 
-        if dims.sp > 1:
-            raise ConfigError(
-                f"parallel.sp={dims.sp}: sequence parallelism is not supported for mixture-of-experts models yet "
-                "(the router aux loss needs the whole row's router statistics); set parallel.sp: 1"
-            )
         super().check_plan(cfg, dims)  # the dense checks (ring refused for language models, ...)
         try:
             check_ep_layout(dims, AutoConfig.from_pretrained(cfg.model.path).num_experts)
@@ -78,30 +83,32 @@ class MoECausalLMTask(CausalLMTask):
 
     # ------------------------------------------------------------ step
 
-    def model_kwargs(self) -> dict[str, Any]:
-        return {"output_router_logits": True}
+    def model_kwargs(self, rows: dict[str, torch.Tensor]) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"output_router_logits": True}
+        if PADDING_MASK_KEY in rows:
+            kwargs["router_mask"] = rows[PADDING_MASK_KEY]
+        if self.mesh.dims.sp > 1:
+            # this rank holds a slice of every row: the aux loss sums the router statistics over the SP group
+            kwargs["router_group"] = self.mesh.sp.get_group()
+        return kwargs
 
-    def output_metrics(self, out: Any) -> dict[str, float]:
+    def output_metrics(self, out: Any, rows: dict[str, torch.Tensor]) -> dict[str, float]:
         from spindle.train.trainer import grad_accum_steps
 
-        self._count_load(out.router_logits)
-        # The trainer sums a metric over the step's micro-batches and averages it over the data-parallel
-        # ranks: dividing by the accumulation count makes that the mean over every micro-batch.
+        self._count_load(out.router_logits, rows.get(PADDING_MASK_KEY))
+        # The trainer sums a metric over the step's micro-batches and over its loss ranks (with SP: every
+        # SP rank, which all hold the same whole-row aux loss), then divides by the data-parallel size:
+        # dividing by the accumulation count and the SP size makes that the mean over every micro-batch.
         accum = grad_accum_steps(self.cfg, self.mesh.dims.dp_size)
-        return {"aux_loss": float(out.aux_loss.detach()) / accum}
+        return {"aux_loss": float(out.aux_loss.detach()) / (accum * self.mesh.dims.cp_size)}
 
     @torch.no_grad()
-    def _count_load(self, router_logits: tuple[torch.Tensor, ...]) -> None:
+    def _count_load(self, router_logits: tuple[torch.Tensor, ...], mask: torch.Tensor | None) -> None:
+        from spindle.train.router_loss import router_statistics
+
         config = self.family_config
-        counts = torch.stack(
-            [
-                torch.bincount(
-                    torch.topk(logits.float(), config.num_experts_per_tok, dim=-1).indices.reshape(-1),
-                    minlength=config.num_experts,
-                )
-                for logits in router_logits
-            ]
-        ).to(torch.float64)
+        stats = router_statistics(router_logits, config.num_experts, config.num_experts_per_tok, mask)
+        counts = stats.counts.to(torch.float64)
         self._load = counts if self._load is None else self._load + counts
 
     @property
@@ -117,10 +124,11 @@ class MoECausalLMTask(CausalLMTask):
         load, self._load = self._load, None
         if load is None:
             return {}
-        if dist.is_initialized() and self.mesh.dims.dp_size > 1:
+        if dist.is_initialized() and self.mesh.world.size() > 1:
+            # Every rank counted its own tokens (data-parallel ranks their rows, SP ranks their slices
+            # of the same rows): the global batch's load is the sum over the whole world.
             load = load.to(self.device)
-            for dim in range(self.mesh.dp.ndim):
-                dist.all_reduce(load, group=self.mesh.dp.get_group(dim))
+            dist.all_reduce(load)
         load = load.cpu()
         per_layer_imbalance = load.max(dim=1).values / load.mean(dim=1).clamp_min(1e-12)
         return {

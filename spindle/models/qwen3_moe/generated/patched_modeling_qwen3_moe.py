@@ -6,9 +6,10 @@
 #   regenerate:     spindle patchgen   (check: spindle patchgen --check)
 # Patches applied (kind, target, description):
 #   1. add_import spindle.train.losses
-#   2. add_helper causal_lm_loss_or_logits - the chunked loss or upstream's logits (spindle/models/causal_lm_patch.py)
-#   3. add_helper count_label_tokens
-#   4. override_method Qwen3MoeForCausalLM.forward - loss from hidden states with the chunked linear cross-entropy, plus upstream's router aux loss
+#   2. add_import spindle.train.router_loss
+#   3. add_helper causal_lm_loss_or_logits - the chunked loss or upstream's logits (spindle/models/causal_lm_patch.py)
+#   4. add_helper count_label_tokens
+#   5. override_method Qwen3MoeForCausalLM.forward - loss from hidden states with the chunked linear cross-entropy, plus upstream's router aux loss
 # ==================================================================================================
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
 #           This file was automatically generated from src/transformers/models/qwen3_moe/modular_qwen3_moe.py.
@@ -60,6 +61,7 @@ from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 
 # [PATCHED] add_import: names used by the patched code
 from spindle.train.losses import causal_lm_loss
+from spindle.train.router_loss import load_balancing_loss
 
 
 # [PATCHED] add_helper causal_lm_loss_or_logits: the chunked loss or upstream's logits (spindle/models/causal_lm_patch.py)
@@ -654,7 +656,11 @@ class Qwen3MoeForCausalLM(Qwen3MoePreTrainedModel, GenerationMixin):
     ) -> MoeCausalLMOutputWithPast:
         r"""
         Besides transformers' arguments, Spindle's loss arguments (as in the dense Qwen3 patch):
-        `shift_labels` (already shifted labels, used instead of `labels`) and `loss_reduction="sum"`.
+        `shift_labels` (already shifted labels, used instead of `labels`) and `loss_reduction="sum"`; and
+        for the router aux loss: `router_mask` ([rows, seq], 1 = real token: the padding mask the aux loss
+        uses instead of `attention_mask`, which is not passed to attention) and `router_group` (a process
+        group whose ranks hold the other tokens of the same rows, sequence parallelism: the router
+        statistics are summed over it, so the aux loss is the whole rows' one on every rank).
 
         The loss is upstream's `token loss + router_aux_loss_coef * aux_loss` whenever upstream computes
         it (mean token loss, `output_router_logits=True`). When the token loss is normalised by a count
@@ -667,6 +673,8 @@ class Qwen3MoeForCausalLM(Qwen3MoePreTrainedModel, GenerationMixin):
         # --- Patch.1: Spindle's loss kwargs are for the loss only.
         shift_labels = kwargs.pop("shift_labels", None)
         loss_reduction = kwargs.pop("loss_reduction", None)
+        router_mask = kwargs.pop("router_mask", None)
+        router_group = kwargs.pop("router_group", None)
         output_router_logits = (
             output_router_logits if output_router_logits is not None else self.config.output_router_logits
         )
@@ -690,11 +698,12 @@ class Qwen3MoeForCausalLM(Qwen3MoePreTrainedModel, GenerationMixin):
 
         aux_loss = None
         if output_router_logits:
-            aux_loss = load_balancing_loss_func(
+            aux_loss = load_balancing_loss(
                 outputs.router_logits,
                 self.num_experts,
                 self.num_experts_per_tok,
-                attention_mask,
+                attention_mask if router_mask is None else router_mask,
+                group=router_group,
             )
             if loss is not None:
                 # --- Patch.3: the aux term in the token loss's normalisation (1 for upstream's mean).
