@@ -75,6 +75,28 @@ def test_bad_options_are_clear_request_errors(name, tiny):
     suite.check_request_errors(get_family(name), tiny(name))
 
 
+def cache_case(name: str) -> dict:
+    """The family's CFG case with 3 steps: the step cache has two steps to skip."""
+    return {**get_family(name).conformance.parity_cases["cfg"], "num_inference_steps": 3}
+
+
+@pytest.mark.parametrize("cfg_batch", [True, False], ids=["cfg_batch", "two_forwards"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_step_cache_threshold_zero_is_exact(name, cfg_batch, tiny):
+    suite.check_step_cache_exact(get_family(name), tiny(name), cache_case(name), cfg_batch=cfg_batch)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_step_cache_large_threshold_skips_blocks(name, tiny):
+    suite.check_step_cache_skips(get_family(name), tiny(name), cache_case(name))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FAMILIES)
+def test_regional_compile_matches_eager(name, tiny):
+    suite.check_compile_matches_eager(get_family(name), tiny(name), cache_case(name))
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_condition_model_rejects_bad_pixels(name, tiny):
     suite.check_condition_rejects_bad_pixels(get_family(name), tiny(name))

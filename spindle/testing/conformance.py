@@ -449,3 +449,73 @@ def check_lora_file_round_trip(family: DiTFamily, root: Path, out: Path) -> None
     assert back.keys() == adapters.keys(), f"{family.name}: the LoRA file reads back with other keys"
     for key, value in adapters.items():
         assert torch.equal(back[key], value), f"{family.name}: LoRA tensor {key} differs after the round trip"
+
+
+# ---------------------------------------------------------------- engine speed options
+
+
+def repeated_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer's repeated blocks (diffusers `_repeated_blocks`: what regional compile compiles
+    and the first-block cache skips), in order."""
+    names = set(getattr(transformer, "_repeated_blocks", None) or ())
+    blocks = [m for m in transformer.modules() if type(m).__name__ in names]
+    assert blocks, f"{type(transformer).__name__} declares no _repeated_blocks"
+    return blocks
+
+
+def count_block_calls(transformer: torch.nn.Module) -> list[int]:
+    """A counter ([n]) of real block computations: calls of each repeated block's first attention
+    module (a block the step cache skips does not compute its attention)."""
+    from diffusers.models.attention import AttentionModuleMixin
+    from diffusers.models.attention_processor import Attention
+
+    calls = [0]
+    for block in repeated_blocks(transformer):
+        attn = next(m for m in block.modules() if isinstance(m, (Attention, AttentionModuleMixin)))
+        attn.register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def check_step_cache_exact(family: DiTFamily, root: Path, kwargs: dict[str, Any], *, cfg_batch: bool) -> None:
+    """First-block cache with threshold 0 computes every block of every forward and changes nothing."""
+    from spindle.infer.generator import DiffusionGenerator
+
+    exact = DiffusionGenerator.from_pretrained(root, cfg_batch=cfg_batch).generate(**kwargs).frames
+    gen = DiffusionGenerator.from_pretrained(root, cache="fbc", cache_threshold=0.0, cfg_batch=cfg_batch)
+    calls = count_block_calls(gen.transformer)
+    out = gen.generate(**kwargs).frames
+    forwards = kwargs["num_inference_steps"] * (1 if cfg_batch else 2)
+    blocks = len(repeated_blocks(gen.transformer))
+    assert calls[0] == blocks * forwards, f"{family.name}: {calls[0]} block calls, not {blocks} x {forwards}"
+    np.testing.assert_allclose(out, exact, atol=PARITY_ATOL, rtol=0, err_msg=f"{family.name}: cache threshold 0")
+
+
+def check_step_cache_skips(family: DiTFamily, root: Path, kwargs: dict[str, Any]) -> None:
+    """First-block cache with a huge threshold: step 0 computes every block, later steps only the first
+    (one batched CFG forward a step); the result is lossy but the same picture (PSNR), and the cache
+    state is reset per request (a second request repeats the first)."""
+    from spindle.infer import psnr
+    from spindle.infer.generator import DiffusionGenerator
+
+    exact = DiffusionGenerator.from_pretrained(root).generate(**kwargs).frames
+    gen = DiffusionGenerator.from_pretrained(root, cache="fbc", cache_threshold=1e6, cfg_batch=True)
+    calls = count_block_calls(gen.transformer)
+    out = gen.generate(**kwargs).frames
+    expected = len(repeated_blocks(gen.transformer)) + kwargs["num_inference_steps"] - 1
+    assert calls[0] == expected, f"{family.name}: {calls[0]} block calls with every later step cached, not {expected}"
+    value = psnr(out, exact)
+    assert np.isfinite(value) and 5.0 < value < 80.0, f"{family.name}: cached PSNR {value} dB"
+    calls[0] = 0
+    np.testing.assert_array_equal(gen.generate(**kwargs).frames, out, err_msg=f"{family.name}: cache not reset")
+    assert calls[0] == expected
+    assert psnr(exact, exact) == float("inf")
+
+
+def check_compile_matches_eager(family: DiTFamily, root: Path, kwargs: dict[str, Any]) -> None:
+    """Regional torch.compile compiles every repeated block and stays within 1e-4 of eager."""
+    from spindle.infer.generator import DiffusionGenerator
+
+    exact = DiffusionGenerator.from_pretrained(root).generate(**kwargs).frames
+    gen = DiffusionGenerator.from_pretrained(root, compile=True)
+    assert all(getattr(b, "_compiled_call_impl", None) is not None for b in repeated_blocks(gen.transformer))
+    np.testing.assert_allclose(gen.generate(**kwargs).frames, exact, atol=1e-4, rtol=0, err_msg=family.name)
