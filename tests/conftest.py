@@ -111,6 +111,61 @@ def run_spindle(*args, timeout: float = 600, threads: int | None = None):
     )
 
 
+def train_cli(model: Path, data: Path, out: Path, nproc: int, **train) -> None:
+    """`spindle train --nproc N` of an image family on the tiny model (3 steps, micro batch 1,
+    shuffled, exported) into `out`; `train` as in `train_overrides` (e.g. parallel__sp=2)."""
+    cfg = out.parent / f"{out.name}.yaml"
+    cfg.write_text("{}\n")
+    base = dict(data__num_frames=1, train__max_steps=3, train__micro_batch_size=1, checkpoint__export=True)
+    proc = run_spindle(
+        "train", cfg, *train_overrides(model, data, out, data__shuffle=True, **{**base, **train}), "--nproc", nproc
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def assert_same_training(a: Path, b: Path) -> None:
+    """Two training runs (output dirs) logged the same losses and grad norms (rel 1e-5) and exported
+    the same weights (1e-5): a parallel layout against one process."""
+    import pytest
+    import torch
+    from safetensors.torch import load_file
+
+    from spindle.train.metrics import read_metrics
+
+    ma, mb = read_metrics(a), read_metrics(b)
+    assert len(ma) == len(mb) > 0
+    for key in ("loss", "grad_norm"):
+        assert [m[key] for m in mb] == pytest.approx([m[key] for m in ma], rel=1e-5), key
+    weights = "export/transformer/diffusion_pytorch_model.safetensors"
+    wa, wb = load_file(a / weights), load_file(b / weights)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=1e-5, msg=k)
+
+
+def check_demo(family: str, out: Path) -> None:
+    """`spindle demo --family F --steps 30`: tiny model -> dataset -> fine-tune (the loss falls) ->
+    export the family's stock pipeline loads -> a sample of the demo size."""
+    import json
+    import statistics
+
+    import numpy as np
+    from PIL import Image
+
+    from spindle.registry import get_family
+    from spindle.train.metrics import read_metrics
+
+    spec = get_family(family)
+    pipeline = spec.pipeline_classes[0]
+    proc = run_spindle("demo", "--family", family, "--out", out, "--steps", 30)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"{pipeline}.from_pretrained loads it" in proc.stdout
+    losses = [m["loss"] for m in read_metrics(out / "run")]
+    assert statistics.mean(losses[-5:]) < 0.6 * statistics.mean(losses[:5])
+    assert np.asarray(Image.open(out / "sample.png")).shape == (*spec.demo.size, 3)
+    assert json.loads((out / "run" / "export" / "model_index.json").read_text())["_class_name"] == pipeline
+
+
 def generate_with_sp2(model: Path, out: Path, *extra: object):
     """`spindle generate --nproc 2 --sp 2` (Ulysses SP over two torchrun workers) of a 32x48, 2-step
     request written to `out`; -> CompletedProcess."""

@@ -1,12 +1,15 @@
 """The conformance suite: every DiT family in the registry passes the same checks
 (spindle/testing/conformance.py). A new family = its folder + registration + passing this module.
 
-Per family (parametrised over `registry.all_families()`): the tiny checkpoint loads in stock
-diffusers; inference equals the family's diffusers pipeline with and without classifier-free
-guidance (CFG batched and as two forwards); the condition model's training inputs are the
-transformer's forward arguments; a few samples overfit; the export loads in stock diffusers with
-every tensor equal to the trained one; Ulysses SP and ring attention on 2 processes equal one
-process (slow). And a broken family fails it.
+Per family (parametrised over `registry.all_families()`): `spindle tiny-model` writes a checkpoint
+the registry resolves; the tiny checkpoint loads in stock diffusers with the components its
+model_index.json names; inference equals the family's diffusers pipeline with and without
+classifier-free guidance (CFG batched and as two forwards; the batched step is one forward);
+declared options are checked with errors naming the family and field; the condition model refuses
+bad pixel shapes and its training inputs are the transformer's forward arguments; a few samples
+overfit, with the token throughput counted as inference counts tokens; the export loads in stock
+diffusers with every tensor equal to the trained one and Spindle on it equals diffusers; Ulysses SP
+and ring attention on 2 processes equal one process (slow). And a broken family fails it.
 """
 
 from __future__ import annotations
@@ -53,6 +56,53 @@ def test_inference_equals_the_diffusers_pipeline(name, case, cfg_batch, tiny):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
+def test_tiny_model_cli_writes_a_checkpoint_the_registry_resolves(name, tmp_path, spindle_cli):
+    from spindle.registry import resolve_family
+
+    r = spindle_cli("tiny-model", name, tmp_path / "m", "--seed", "1")
+    assert r.returncode == 0, r.stderr
+    assert resolve_family(tmp_path / "m").name == name
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_cfg_batch_is_one_forward_equal_to_two(name, tiny):
+    family = get_family(name)
+    suite.check_cfg_batch_is_one_forward(family, tiny(name), family.conformance.parity_cases["cfg"])
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_bad_options_are_clear_request_errors(name, tiny):
+    suite.check_request_errors(get_family(name), tiny(name))
+
+
+def cache_case(name: str) -> dict:
+    """The family's CFG case with 3 steps: the step cache has two steps to skip."""
+    return {**get_family(name).conformance.parity_cases["cfg"], "num_inference_steps": 3}
+
+
+@pytest.mark.parametrize("cfg_batch", [True, False], ids=["cfg_batch", "two_forwards"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_step_cache_threshold_zero_is_exact(name, cfg_batch, tiny):
+    suite.check_step_cache_exact(get_family(name), tiny(name), cache_case(name), cfg_batch=cfg_batch)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_step_cache_large_threshold_skips_blocks(name, tiny):
+    suite.check_step_cache_skips(get_family(name), tiny(name), cache_case(name))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FAMILIES)
+def test_regional_compile_matches_eager(name, tiny):
+    suite.check_compile_matches_eager(get_family(name), tiny(name), cache_case(name))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_condition_model_rejects_bad_pixels(name, tiny):
+    suite.check_condition_rejects_bad_pixels(get_family(name), tiny(name))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
 def test_training_inputs_are_the_transformers_arguments(name, tiny):
     suite.check_training_inputs(get_family(name), tiny(name))
 
@@ -66,11 +116,17 @@ def test_overfits_and_exports_for_stock_diffusers(name, tiny, tmp_path):
     data = import_object(family.demo.dataset)(tmp_path / "data", seed=0, **family.demo.dataset_kwargs)
     trainer = Trainer(load_config(None, suite.train_overrides(tiny(name), data, tmp_path / "run", family)))
     result = trainer.run()
-    suite.check_overfit(family, [m["loss"] for m in read_metrics(result.output_dir)])
+    records = read_metrics(result.output_dir)
+    suite.check_overfit(family, [m["loss"] for m in records])
+    # the throughput metrics count the tokens the transformer sees, as inference counts them
+    tokens = suite.inference_tokens(tiny(name), *family.demo.size, family.demo.num_frames)
+    assert records[0]["tokens_per_s"] / records[0]["samples_per_s"] == pytest.approx(tokens)
     trained = {
         k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in trainer.model.state_dict().items()
     }
     suite.check_export_round_trip(family, tiny(name), result.export_dir, trained)
+    # Spindle's engine on the export still equals the stock pipeline on it
+    suite.check_inference_parity(family, result.export_dir, family.conformance.parity_cases["nocfg"])
 
 
 @pytest.mark.slow

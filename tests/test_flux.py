@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from spindle.testing.conformance import check_generator_parity
+from spindle.testing.conformance import before_denoising, check_generator_parity, check_request_error
 from spindle.testing.tiny import build_tiny_flux
 
 TOL = 1e-5
@@ -49,27 +49,6 @@ def flux_pipe(root):
 # ------------------------------------------------------------------ the tiny checkpoint
 
 
-def test_stock_flux_pipeline_runs_tiny_checkpoint(tiny_flux):
-    from diffusers import AutoencoderKL, FluxTransformer2DModel
-    from transformers import CLIPTextModel, T5EncoderModel
-
-    pipe = flux_pipe(tiny_flux)
-    assert isinstance(pipe.transformer, FluxTransformer2DModel)
-    assert isinstance(pipe.vae, AutoencoderKL) and isinstance(pipe.text_encoder, CLIPTextModel)
-    assert isinstance(pipe.text_encoder_2, T5EncoderModel)
-    images = pipe(
-        "a red circle on the left",
-        height=32,
-        width=48,
-        num_inference_steps=2,
-        max_sequence_length=16,
-        output_type="np",
-        generator=torch.Generator().manual_seed(0),
-    ).images
-    assert images.shape == (1, 32, 48, 3)
-    assert np.isfinite(images).all() and images.std() > 0.01
-
-
 def test_tiny_flux_layout_and_configs(tiny_flux):
     index = json.loads((tiny_flux / "model_index.json").read_text())
     assert index["_class_name"] == "FluxPipeline"
@@ -98,14 +77,6 @@ def test_clip_tokenizer_has_bos_and_eos_for_pooling(tiny_flux):
     short = model(torch.tensor([ids[:10]])).pooler_output
     full = model(torch.tensor([ids])).pooler_output
     torch.testing.assert_close(short, full)
-
-
-def test_cli_tiny_model_flux(tmp_path, spindle_cli):
-    r = spindle_cli("tiny-model", "flux", tmp_path / "m", "--seed", "1")
-    assert r.returncode == 0, r.stderr
-    from spindle.registry import resolve_family
-
-    assert resolve_family(tmp_path / "m").name == "flux"
 
 
 # ------------------------------------------------------------------ parity with FluxPipeline
@@ -149,43 +120,14 @@ def test_images_equal_diffusers(case, cfg_batch, request):
     check_generator_parity("flux", request.getfixturevalue(which), kw, cfg_batch=cfg_batch)
 
 
-def test_true_cfg_batched_is_one_forward_of_two(tiny_flux):
-    from spindle import DiffusionGenerator
-    from spindle.infer import SamplingParams
-
-    gen = DiffusionGenerator.from_pretrained(tiny_flux)
-    req = gen.pipeline.stages[0](
-        gen.make_request(
-            SamplingParams(
-                prompt="a boat",
-                negative_prompt="ugly",
-                height=32,
-                width=32,
-                num_inference_steps=2,
-                seed=1,
-                max_sequence_length=16,
-                extra={"true_cfg_scale": 3.0},
-            )
-        )
-    )
+def test_true_cfg_scale_is_the_cfg_scale_and_guidance_stays_embedded(tiny_flux):
+    """true_cfg_scale is the scale the shared stage combines the two branches with; guidance_scale
+    (unset: FluxPipeline's 3.5) stays the embedded guidance. (That the batched CFG step is one forward
+    equal to two: tests/test_conformance.py::test_cfg_batch_is_one_forward_equal_to_two.)"""
+    kw = dict(prompt="a boat", negative_prompt="ugly", height=32, width=32, num_inference_steps=2, seed=1)
+    _, req = before_denoising(tiny_flux, {**kw, "max_sequence_length": 16, "true_cfg_scale": 3.0})
     assert req.do_cfg and req.guidance_scale == 3.0
-    assert torch.equal(req.extra["guidance"], torch.full((1,), 3.5))  # embedded guidance: the default 3.5
-    stage = gen.pipeline.denoising
-    calls = []
-    hook = gen.transformer.register_forward_pre_hook(
-        lambda m, a, k: calls.append(k["hidden_states"].shape[0]), with_kwargs=True
-    )
-    try:
-        t = req.timesteps[0]
-        with torch.no_grad():
-            stage.cfg_batch = False
-            two = stage.predict(req, req.latents, t, 0)
-            stage.cfg_batch = True
-            one = stage.predict(req, req.latents, t, 0)
-    finally:
-        hook.remove()
-    assert calls == [1, 1, 2]
-    torch.testing.assert_close(one, two, atol=1e-5, rtol=0)
+    assert torch.equal(req.extra["guidance"], torch.full((1,), 3.5))
 
 
 def test_batch_of_prompts_and_outputs_per_prompt(tiny_flux):
@@ -228,6 +170,15 @@ def test_defaults_are_flux_pipeline_defaults(tiny_flux):
 # ------------------------------------------------------------------ bad requests
 
 
+@pytest.fixture(scope="module")
+def other_gen(other):
+    from spindle import DiffusionGenerator
+
+    return DiffusionGenerator.from_pretrained(other)
+
+
+# what Flux's checkpoint bounds; the declared options (true_cfg_scale's type, bounds and rule), unknown
+# options and frames for an image family: tests/test_conformance.py::test_bad_options_are_clear_request_errors
 @pytest.mark.parametrize(
     "kw, message",
     [
@@ -236,21 +187,12 @@ def test_defaults_are_flux_pipeline_defaults(tiny_flux):
             r"height must be a positive multiple of 16 for this model \(VAE x8 x 2x2 packing\) \(got 40\); try 32 or 48",
         ),
         (dict(width=8), r"width must be a positive multiple of 16 .*\(got 8\); try 16"),
-        (dict(num_frames=5), r"num_frames must be left unset \(or 1\): Flux generates images"),
         (dict(max_sequence_length=513), r"max_sequence_length must be an integer between 1 and 512; got 513"),
-        (dict(true_cfg_scale=3.0), r"true_cfg_scale=3 enables CFG only with a negative_prompt"),
-        (dict(true_cfg_scale="3"), r"true_cfg_scale must be a number between 0 and 100 for flux; got '3'"),
-        (dict(strength=0.5), r"strength is not an option of flux \(its options: true_cfg_scale\)"),
     ],
 )
-def test_bad_requests_are_clear_errors(other, kw, message):
-    from spindle import DiffusionGenerator
-    from spindle.infer import RequestError
-
-    gen = DiffusionGenerator.from_pretrained(other)
+def test_bad_requests_are_clear_errors(other_gen, kw, message):
     base = dict(prompt="a cat", height=32, width=32, num_inference_steps=1, max_sequence_length=8, seed=0)
-    with pytest.raises(RequestError, match=message):
-        gen.generate(**{**base, **kw})
+    check_request_error(other_gen, {**base, **kw}, message)
 
 
 def test_flux_has_no_positional_range_to_check(other):

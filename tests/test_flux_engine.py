@@ -1,5 +1,6 @@
-"""Flux through every engine option Wan has: first-block cache, regional torch.compile, Ulysses SP
-(--sp 2, through FluxTransformer2DModel's `_cp_plan`) and CFG parallel over real processes."""
+"""Flux through the multi-process engine options: Ulysses SP (--sp 2, through FluxTransformer2DModel's
+`_cp_plan`) and CFG parallel over real processes. (First-block cache and regional compile: every
+family in tests/test_conformance.py.)"""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ KW = dict(
 
 @pytest.fixture(scope="module")
 def deep(tmp_path_factory):
-    """2 double-stream + 2 single-stream blocks, so that skipped blocks show clearly."""
+    """2 double-stream + 2 single-stream blocks."""
     return build_tiny_flux(
         tmp_path_factory.mktemp("flux_deep"), seed=1, transformer={"num_layers": 2, "num_single_layers": 2}
     )
@@ -37,55 +38,6 @@ def exact(deep):
     from spindle import DiffusionGenerator
 
     return DiffusionGenerator.from_pretrained(deep).generate(**KW).frames
-
-
-def count_block_calls(gen) -> list[int]:
-    """Real block computations (attention calls of both block kinds; a cached block skips them)."""
-    calls = [0]
-    t = gen.transformer
-    for block in [*t.transformer_blocks, *t.single_transformer_blocks]:
-        block.attn.register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
-    return calls
-
-
-@pytest.mark.parametrize("cfg_batch", [True, False], ids=["cfg_batch", "two_forwards"])
-def test_cache_threshold_zero_is_exact(deep, exact, cfg_batch):
-    from spindle import DiffusionGenerator
-
-    gen = DiffusionGenerator.from_pretrained(deep, cache="fbc", cache_threshold=0.0, cfg_batch=cfg_batch)
-    calls = count_block_calls(gen)
-    out = gen.generate(**KW).frames
-    forwards = KW["num_inference_steps"] * (1 if cfg_batch else 2)
-    assert calls[0] == 4 * forwards
-    np.testing.assert_allclose(out, exact, atol=1e-5, rtol=0)
-
-
-def test_cache_large_threshold_skips_blocks(deep, exact):
-    from spindle import DiffusionGenerator
-    from spindle.infer import psnr
-
-    gen = DiffusionGenerator.from_pretrained(deep, cache="fbc", cache_threshold=1e6)
-    calls = count_block_calls(gen)
-    out = gen.generate(**KW).frames
-    assert calls[0] == 4 + 2  # step 0: all 4 blocks; steps 1-2: the first block only
-    value = psnr(out, exact)
-    assert np.isfinite(value) and value > 5.0
-    calls[0] = 0
-    np.testing.assert_array_equal(gen.generate(**KW).frames, out)  # cache state reset per request
-    assert calls[0] == 6
-
-
-@pytest.mark.slow
-def test_compile_matches_eager(deep, exact):
-    from spindle import DiffusionGenerator
-
-    gen = DiffusionGenerator.from_pretrained(deep, compile=True)
-    t = gen.transformer
-    assert all(
-        getattr(b, "_compiled_call_impl", None) is not None
-        for b in [*t.transformer_blocks, *t.single_transformer_blocks]
-    )
-    np.testing.assert_allclose(gen.generate(**KW).frames, exact, atol=1e-4, rtol=0)
 
 
 @pytest.mark.slow

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from spindle.testing.conformance import check_generator_parity
+from spindle.testing.conformance import before_denoising, check_generator_parity, check_request_error
 from spindle.testing.tiny import build_tiny_qwenimage
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """VAE x2 (32x32 px -> 16x16 latents -> 64 image tokens), 2 blocks of 2 heads x 16."""
-    return build_tiny_qwenimage(tmp_path_factory.mktemp("qwenimage_tiny"), seed=0)
+def tiny(tiny_checkpoint):
+    """VAE x2 (32x32 px -> 16x16 latents -> 64 image tokens), 2 blocks of 2 heads x 16 (the session's)."""
+    return tiny_checkpoint("qwenimage")
 
 
 @pytest.fixture(scope="module")
@@ -43,28 +43,6 @@ def qwen_pipe(root):
 
 
 # ------------------------------------------------------------------ the tiny checkpoint
-
-
-def test_stock_qwenimage_pipeline_runs_tiny_checkpoint(tiny):
-    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    pipe = qwen_pipe(tiny)
-    assert isinstance(pipe.transformer, QwenImageTransformer2DModel)
-    assert isinstance(pipe.vae, AutoencoderKLQwenImage)
-    assert isinstance(pipe.text_encoder, Qwen2_5_VLForConditionalGeneration)
-    images = pipe(
-        "a red circle on the left",
-        negative_prompt="blurry",
-        true_cfg_scale=3.0,
-        height=32,
-        width=48,
-        num_inference_steps=2,
-        output_type="np",
-        generator=torch.Generator().manual_seed(0),
-    ).images
-    assert images.shape == (1, 32, 48, 3)
-    assert np.isfinite(images).all() and images.std() > 0.01
 
 
 def test_tiny_qwenimage_layout_and_configs(tiny):
@@ -100,37 +78,12 @@ def test_tokenizer_template_prefix_is_what_the_pipeline_drops(tiny):
     assert embeds.shape[:2] == mask.shape and mask.sum(1).tolist() == [2 + 5, 8 + 5]
 
 
-def test_cli_tiny_model_qwenimage(tmp_path):
-    r = subprocess.run(
-        [sys.executable, "-m", "spindle", "tiny-model", "qwenimage", str(tmp_path / "m"), "--seed", "1"],
-        capture_output=True,
-        text=True,
-    )
-    assert r.returncode == 0, r.stderr
-    from spindle.registry import resolve_family
-
-    assert resolve_family(tmp_path / "m").name == "qwenimage"
-
-
 # ------------------------------------------------------------------ parity with QwenImagePipeline
 
+# The tiny checkpoint's cases (no CFG; true CFG with a negative prompt longer than the prompt) run in
+# the conformance suite (tests/test_conformance.py::test_inference_equals_the_diffusers_pipeline);
+# these are a second configuration with batches of prompts of different lengths.
 CASES = {
-    "tiny_no_cfg": (
-        "tiny",
-        dict(prompt="a red fox in the snow", height=32, width=48, num_inference_steps=3, seed=0),
-    ),
-    "tiny_true_cfg": (
-        "tiny",
-        dict(
-            prompt="a red fox in the snow",
-            negative_prompt="blurry low quality",  # more tokens than the prompt's: padded when batched
-            true_cfg_scale=4.0,
-            height=32,
-            width=32,
-            num_inference_steps=2,
-            seed=7,
-        ),
-    ),
     "other_no_cfg_batch_of_lengths": (
         "other",
         dict(
@@ -167,40 +120,17 @@ def test_images_equal_diffusers(case, cfg_batch, request):
     check_generator_parity("qwenimage", request.getfixturevalue(which), kw, cfg_batch=cfg_batch, stock_kwargs=stock)
 
 
-def test_true_cfg_batched_is_one_forward_of_two(tiny):
-    """Prompts of different lengths: the batched forward pads the shorter (masked) and equals two."""
-    from spindle import DiffusionGenerator
-    from spindle.infer import SamplingParams
+def test_true_cfg_scale_is_the_cfg_scale_and_the_cfg_case_has_texts_of_two_lengths(tiny):
+    """true_cfg_scale is the scale the shared stage combines the branches with; the conformance suite's
+    CFG case has a negative prompt longer than the prompt, so its batched-CFG checks (one forward of
+    two, tests/test_conformance.py::test_cfg_batch_is_one_forward_equal_to_two, and parity) run with
+    the shorter text padded and masked."""
+    from spindle.registry import get_family
 
-    gen = DiffusionGenerator.from_pretrained(tiny)
-    params = SamplingParams(
-        prompt="a boat",
-        negative_prompt="ugly dark blurry picture of a boat",
-        height=32,
-        width=32,
-        num_inference_steps=2,
-        seed=1,
-        extra={"true_cfg_scale": 3.0},
-    )
-    req = gen.pipeline.stages[0](gen.make_request(params))
+    case = get_family("qwenimage").conformance.parity_cases["cfg"]
+    _, req = before_denoising(tiny, {**case, "true_cfg_scale": 3.0})
     assert req.do_cfg and req.guidance_scale == 3.0
     assert req.prompt_embeds.shape[1] < req.negative_prompt_embeds.shape[1]
-    stage = gen.pipeline.denoising
-    calls = []
-    hook = gen.transformer.register_forward_pre_hook(
-        lambda m, a, k: calls.append(tuple(k["encoder_hidden_states"].shape[:2])), with_kwargs=True
-    )
-    try:
-        t = req.timesteps[0]
-        stage.cfg_batch = False
-        two = stage.predict(req, req.latents, t, 0)
-        stage.cfg_batch = True
-        one = stage.predict(req, req.latents, t, 0)
-    finally:
-        hook.remove()
-    longest = req.negative_prompt_embeds.shape[1]
-    assert calls == [(1, req.prompt_embeds.shape[1]), (1, longest), (2, longest)]
-    torch.testing.assert_close(one, two, atol=1e-5, rtol=0)
 
 
 def test_defaults_are_qwenimage_pipeline_defaults(tiny):
@@ -216,6 +146,15 @@ def test_defaults_are_qwenimage_pipeline_defaults(tiny):
 # ------------------------------------------------------------------ bad requests
 
 
+@pytest.fixture(scope="module")
+def other_gen(other):
+    from spindle import DiffusionGenerator
+
+    return DiffusionGenerator.from_pretrained(other)
+
+
+# what Qwen-Image's checkpoint bounds; the declared options (true_cfg_scale's type, bounds and rule), unknown
+# options and frames for an image family: tests/test_conformance.py::test_bad_options_are_clear_request_errors
 @pytest.mark.parametrize(
     "kw, message",
     [
@@ -224,24 +163,13 @@ def test_defaults_are_qwenimage_pipeline_defaults(tiny):
             r"height must be a positive multiple of 8 for this model \(VAE x4 x 2x2 packing\) .*try 32 or 40",
         ),
         (dict(num_inference_steps=1), r"num_inference_steps must be >= 2 for this checkpoint's scheduler"),
-        (dict(num_frames=5), r"num_frames must be left unset \(or 1\): Qwen-Image generates images"),
         (dict(max_sequence_length=1025), r"max_sequence_length must be an integer between 1 and 1024; got 1025"),
-        (dict(true_cfg_scale=3.0), r"true_cfg_scale=3 enables CFG only with a negative_prompt"),
-        (
-            dict(true_cfg_scale=-1.0, negative_prompt="x"),
-            r"true_cfg_scale must be between 0 and 100 for qwenimage; got -1.0",
-        ),
-        (dict(strength=0.5), r"strength is not an option of qwenimage \(its options: true_cfg_scale\)"),
     ],
 )
-def test_bad_requests_are_clear_errors(other, kw, message):
-    from spindle import DiffusionGenerator
-    from spindle.infer import RequestError
-
-    gen = DiffusionGenerator.from_pretrained(other)
-    base = dict(prompt="a cat", height=32, width=32, num_inference_steps=2, seed=0)
-    with pytest.raises(RequestError, match=message):
-        gen.generate(**{**base, **kw})
+def test_bad_requests_are_clear_errors(other_gen, kw, message):
+    check_request_error(
+        other_gen, {**dict(prompt="a cat", height=32, width=32, num_inference_steps=2, seed=0), **kw}, message
+    )
 
 
 def spindle_generate(*args: str) -> subprocess.CompletedProcess:

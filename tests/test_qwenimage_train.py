@@ -1,39 +1,25 @@
 """Qwen-Image fine-tuning, what the conformance suite does not cover: training inputs follow
 diffusers' Qwen-Image conventions step by step (chat template + drop, masked variable-length text,
 packed latents, its shift), the text split under SP is checked, SP=2 with the CLI, the demo.
-(Overfit, export round trip into stock QwenImagePipeline: tests/test_conformance.py.)"""
+(Overfit, export round trip into stock QwenImagePipeline, refusing bad pixel shapes:
+tests/test_conformance.py.)"""
 
 from __future__ import annotations
 
-import json
-import statistics
-import subprocess
-import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from spindle.testing.tiny import build_tiny_qwenimage
-from spindle.train.metrics import read_metrics
-from tests.test_flux_train import run_cli
+from tests.conftest import assert_same_training, check_demo, train_cli
 
 SIZE = (32, 32)
 TEXT = 16  # model.max_text_length: divisible by the SP degree (the _cp_plan splits the text tokens)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return build_tiny_qwenimage(tmp_path_factory.mktemp("models") / "qwenimage", seed=0)
-
-
-@pytest.fixture(scope="module")
-def images(tmp_path_factory) -> Path:
-    from spindle.testing.synthetic import make_shapes_image_dataset
-
-    return make_shapes_image_dataset(tmp_path_factory.mktemp("data") / "shapes", num_images=8, size=SIZE)
+def tiny(tiny_checkpoint) -> Path:
+    return tiny_checkpoint("qwenimage")
 
 
 @pytest.fixture(scope="module")
@@ -105,57 +91,31 @@ def test_training_inputs_follow_diffusers_qwenimage_conventions(condition, tiny)
     assert padded.shape == inputs["target"].shape
 
 
-def test_video_pixels_and_odd_sizes_are_rejected(condition):
-    with pytest.raises(ValueError, match=r"Qwen-Image generates images: pixels must be \[B, C, 1, H, W\]"):
-        condition.encode({"pixels": torch.zeros(1, 3, 5, 32, 32), "caption": ["x"], "index": [0]})
-    with pytest.raises(ValueError, match="divisible by 4; got 30x32"):
-        condition.encode({"pixels": torch.zeros(1, 3, 1, 30, 32), "caption": ["x"], "index": [0]})
+# Refusing video pixels and sizes the VAE x packing does not divide:
+# tests/test_conformance.py::test_condition_model_rejects_bad_pixels
 
 
 @pytest.fixture(scope="module")
-def single_run(tiny, images, tmp_path_factory) -> Path:
+def single_run(tiny, shapes_images, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("qwen_single") / "single"
-    run_cli(tiny, images, out, nproc=1)
+    train_cli(tiny, shapes_images, out, nproc=1)
     return out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [{"parallel__sp": 2}, {"parallel__ring": 2}], ids=["sp2", "ring2"])
-def test_sequence_parallel_training_equals_one_process(tiny, images, single_run, tmp_path, layout):
+def test_sequence_parallel_training_equals_one_process(tiny, shapes_images, single_run, tmp_path, layout):
     """Ulysses SP=2 and ring attention ring=2 through QwenImageTransformer2DModel's own `_cp_plan` (image
     and text tokens, the text mask and the RoPE tables split over 2 ranks; under ring every KV chunk is
     attended with its own part of the text mask) train exactly like one process."""
-    run_cli(tiny, images, tmp_path / "sp2", nproc=2, parallel__dp_shard=1, **layout)
-    a, b = read_metrics(single_run), read_metrics(tmp_path / "sp2")
-    assert len(a) == len(b) == 3
-    for key in ("loss", "grad_norm"):
-        assert [m[key] for m in b] == pytest.approx([m[key] for m in a], rel=1e-5), key
-    wa = load_file(single_run / "export" / "transformer" / "diffusion_pytorch_model.safetensors")
-    wb = load_file(tmp_path / "sp2" / "export" / "transformer" / "diffusion_pytorch_model.safetensors")
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=1e-5, msg=k)
+    train_cli(tiny, shapes_images, tmp_path / "sp2", nproc=2, parallel__dp_shard=1, **layout)
+    assert_same_training(single_run, tmp_path / "sp2")
 
 
 @pytest.mark.slow
 def test_demo_family_qwenimage(tmp_path):
     """`spindle demo --family qwenimage`: tiny model -> png dataset -> fine-tune -> export -> png sample."""
-    from PIL import Image
-
-    out = tmp_path / "demo"
-    proc = subprocess.run(
-        [sys.executable, "-m", "spindle", "demo", "--family", "qwenimage", "--out", str(out), "--steps", "30"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "QwenImagePipeline.from_pretrained loads it" in proc.stdout
-    losses = [m["loss"] for m in read_metrics(out / "run")]
-    assert statistics.mean(losses[-5:]) < 0.6 * statistics.mean(losses[:5])
-    assert np.asarray(Image.open(out / "sample.png")).shape == (32, 32, 3)
-    index = json.loads((out / "run" / "export" / "model_index.json").read_text())
-    assert index["_class_name"] == "QwenImagePipeline"
+    check_demo("qwenimage", tmp_path / "demo")
 
 
 def test_text_length_not_divisible_by_sp_is_named(condition, tiny):

@@ -38,7 +38,11 @@ def build_tiny(family: DiTFamily, out: Path, seed: int = 0) -> Path:
 
 def check_stock_load(family: DiTFamily, root: Path) -> None:
     """The tiny checkpoint is a standard diffusers folder: stock `DiffusionPipeline` loads it as the
-    family's pipeline class, with the family's transformer class."""
+    family's pipeline class, with the family's transformer class and every model component (VAE, text
+    encoders) of the class its `model_index.json` names. (That the stock pipeline then runs it to
+    non-constant images of the requested size: `check_inference_parity`'s reference.)"""
+    import json
+
     from diffusers import DiffusionPipeline
 
     pipe = DiffusionPipeline.from_pretrained(root)
@@ -49,6 +53,14 @@ def check_stock_load(family: DiTFamily, root: Path) -> None:
     assert transformer in family.transformer_classes, (
         f"{family.name}: the checkpoint's transformer is {transformer}, not one of {family.transformer_classes}"
     )
+    index = json.loads((root / "model_index.json").read_text())
+    models = {
+        k: v[1] for k, v in index.items() if not k.startswith("_") and isinstance(getattr(pipe, k), torch.nn.Module)
+    }
+    assert {"transformer", "vae", "text_encoder"} <= set(models), f"{family.name}: model components {sorted(models)}"
+    for name, cls in models.items():
+        loaded = [c.__name__ for c in type(getattr(pipe, name)).__mro__]
+        assert cls in loaded, f"{family.name}: stock diffusers loads {name} as {loaded[0]}, model_index.json says {cls}"
 
 
 def stock_output(root: Path, kwargs: dict[str, Any]) -> np.ndarray:
@@ -63,6 +75,107 @@ def stock_output(root: Path, kwargs: dict[str, Any]) -> np.ndarray:
     return np.asarray(out.frames if hasattr(out, "frames") else out.images)
 
 
+def check_reference(family: str, reference: np.ndarray, kwargs: dict[str, Any]) -> None:
+    """The stock pipeline's output is an image/video of the requested size, finite and not constant
+    (parity with a blank or NaN reference would prove nothing)."""
+    size = tuple(reference.shape[-3:-1])
+    if "height" in kwargs and "width" in kwargs:
+        assert size == (kwargs["height"], kwargs["width"]), f"{family}: stock output is {size}, not the requested size"
+    assert np.isfinite(reference).all() and reference.std() > 0.01, f"{family}: stock output is blank or not finite"
+
+
+def sampling_params(kwargs: dict[str, Any]) -> Any:
+    """`generate(**kwargs)`-style keyword arguments -> SamplingParams (unknown names go to `extra`)."""
+    import dataclasses
+
+    from spindle.infer.request import SamplingParams
+
+    common = {f.name for f in dataclasses.fields(SamplingParams)} - {"extra"}
+    return SamplingParams(
+        **{k: v for k, v in kwargs.items() if k in common}, extra={k: v for k, v in kwargs.items() if k not in common}
+    )
+
+
+def before_denoising(root: Path, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """-> (the default `DiffusionGenerator` of `root`, the request for `kwargs` after the family's
+    before-denoising stage: latents, timesteps, prompt embeddings, CFG settings)."""
+    from spindle.infer.generator import DiffusionGenerator
+
+    gen = DiffusionGenerator.from_pretrained(root)
+    return gen, gen.pipeline.stages[0](gen.make_request(sampling_params(kwargs)))
+
+
+def check_cfg_batch_is_one_forward(family: DiTFamily, root: Path, kwargs: dict[str, Any]) -> tuple[int, int]:
+    """With classifier-free guidance, the batched step is one transformer forward of batch 2 and equals
+    the two forwards of batch 1 (cond, then uncond); text of different lengths (masked families) is
+    padded to the longer. -> the (cond, uncond) text lengths."""
+    gen, req = before_denoising(root, kwargs)
+    assert req.do_cfg, f"{family.name}: {kwargs} does not enable classifier-free guidance"
+    stage = gen.pipeline.denoising
+    calls: list[tuple[int, int]] = []
+
+    def record(module: Any, args: Any, kw: dict[str, Any]) -> None:
+        calls.append((kw["hidden_states"].shape[0], kw["encoder_hidden_states"].shape[1]))
+
+    hook = gen.transformer.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        t = req.timesteps[0]
+        with torch.no_grad():
+            stage.cfg_batch = False
+            two = stage.predict(req, req.latents, t, 0)
+            stage.cfg_batch = True
+            one = stage.predict(req, req.latents, t, 0)
+    finally:
+        hook.remove()
+    cond, uncond = req.prompt_embeds.shape[1], req.negative_prompt_embeds.shape[1]
+    assert calls == [(1, cond), (1, uncond), (2, max(cond, uncond))], f"{family.name}: transformer calls {calls}"
+    torch.testing.assert_close(one, two, atol=PARITY_ATOL, rtol=0, msg=f"{family.name}: batched CFG != two forwards")
+    return cond, uncond
+
+
+def check_request_error(gen: Any, kwargs: dict[str, Any], message: str) -> None:
+    """`gen.generate(**kwargs)` raises RequestError matching `message` (before running anything)."""
+    import pytest
+
+    from spindle.infer.request import RequestError
+
+    with pytest.raises(RequestError, match=message):
+        gen.generate(**kwargs)
+
+
+def check_request_errors(family: DiTFamily, root: Path) -> None:
+    """The declaration-driven request checks name the family and the field: an unknown option, each
+    declared option's type, bounds and rule, and frames asked of an image family."""
+    import re
+
+    from spindle.infer.generator import DiffusionGenerator
+    from spindle.infer.options import needs_negative_prompt
+
+    gen = DiffusionGenerator.from_pretrained(root)
+    base = {k: v for k, v in family.conformance.parity_cases["nocfg"].items()} if family.conformance else {}
+    known = ", ".join(family.options.names()) or "none"
+    check_request_error(
+        gen, {**base, "strength": 0.5}, rf"strength is not an option of {family.name} \(its options: {known}\)"
+    )
+    if gen.spec.media == "image":
+        check_request_error(
+            gen, {**base, "num_frames": 5}, r"num_frames must be left unset \(or 1\): .* generates images"
+        )
+    for option in family.options.extra:
+        name, bounds = option.name, re.escape(option.bounds())
+        kind = "a number" if option.type is float else f"a {option.type.__name__}"
+        check_request_error(gen, {**base, name: "3"}, rf"{name} must be {kind} {bounds} for {family.name}; got '3'")
+        if option.minimum is not None:
+            low = option.minimum - 1
+            check_request_error(
+                gen,
+                {**base, name: low, "negative_prompt": "x"},
+                rf"{name} must be {bounds} for {family.name}; got {low}",
+            )
+        if option.rule is needs_negative_prompt:
+            check_request_error(gen, {**base, name: 3.0}, rf"{name}=3 enables CFG only with a negative_prompt")
+
+
 def check_inference_parity(
     family: DiTFamily, root: Path, kwargs: dict[str, Any], *, cfg_batch: bool = True, atol: float = PARITY_ATOL
 ) -> None:
@@ -72,6 +185,7 @@ def check_inference_parity(
     from spindle.infer.pipeline import EngineOptions, InferencePipeline, load_components
 
     reference = stock_output(root, kwargs)
+    check_reference(family.name, reference, kwargs)
     options = EngineOptions(cfg_batch=cfg_batch)
     spec = family.inference_spec()
     engine = InferencePipeline.build(spec, load_components(root, spec, options), options, root=root)
@@ -92,6 +206,7 @@ def check_generator_parity(
     from spindle.infer.generator import DiffusionGenerator
 
     reference = stock_output(root, kwargs if stock_kwargs is None else stock_kwargs)
+    check_reference(family, reference, kwargs)
     gen = DiffusionGenerator.from_pretrained(root, cfg_batch=cfg_batch)
     result = gen.generate(**kwargs)
     assert gen.family == family and result.media == "image", f"{root}: {gen.family} {result.media}, not {family}"
@@ -148,6 +263,36 @@ def check_training_inputs(family: DiTFamily, root: Path, condition: Any = None) 
     assert sigmas.shape == (target.shape[0],) and bool(((sigmas > 0) & (sigmas < 1)).all()), (
         f"{family.name}: sigmas must be one value in (0, 1) per sample, got {sigmas}"
     )
+
+
+def check_condition_rejects_bad_pixels(family: DiTFamily, root: Path) -> None:
+    """The condition model refuses, with the shape in the message, a size the VAE x patching does not
+    divide and (image families) a video."""
+    import pytest
+
+    cls = family.condition_model_cls()
+    condition = cls.from_pretrained(root, torch.device("cpu"), torch.float32, max_text_length=TEXT_TOKENS)
+    assert family.demo is not None
+    frames, (height, width) = family.demo.num_frames, family.demo.size
+
+    def encode(*shape: int) -> None:
+        condition.encode({"pixels": torch.zeros(1, 3, *shape), "caption": ["x"], "index": [0]})
+
+    if frames == 1:
+        with pytest.raises(ValueError, match=r"generates images: pixels must be \[B, C, 1, H, W\]"):
+            encode(5, height, width)
+    with pytest.raises(ValueError, match=rf"divisible by \d+; got {height - 2}x{width}"):
+        encode(frames, height - 2, width)
+
+
+def inference_tokens(root: Path, height: int, width: int, num_frames: int) -> int:
+    """The tokens the transformer sees per sample at this size, as the inference engine counts them
+    (the family's before-denoising stage and `sequence_length`): an independent count for the trainer's."""
+    kw = dict(prompt="x", height=height, width=width, num_frames=num_frames, num_inference_steps=2, seed=0)
+    gen, req = before_denoising(root, kw)
+    tokens = gen.spec.sequence_length(req, gen.transformer)
+    assert tokens is not None, f"{gen.family}: its inference spec does not count the transformer's tokens"
+    return int(tokens)
 
 
 def train_overrides(root: Path, data: Path, out: Path, family: DiTFamily, **extra: Any) -> list[str]:
@@ -304,3 +449,73 @@ def check_lora_file_round_trip(family: DiTFamily, root: Path, out: Path) -> None
     assert back.keys() == adapters.keys(), f"{family.name}: the LoRA file reads back with other keys"
     for key, value in adapters.items():
         assert torch.equal(back[key], value), f"{family.name}: LoRA tensor {key} differs after the round trip"
+
+
+# ---------------------------------------------------------------- engine speed options
+
+
+def repeated_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer's repeated blocks (diffusers `_repeated_blocks`: what regional compile compiles
+    and the first-block cache skips), in order."""
+    names = set(getattr(transformer, "_repeated_blocks", None) or ())
+    blocks = [m for m in transformer.modules() if type(m).__name__ in names]
+    assert blocks, f"{type(transformer).__name__} declares no _repeated_blocks"
+    return blocks
+
+
+def count_block_calls(transformer: torch.nn.Module) -> list[int]:
+    """A counter ([n]) of real block computations: calls of each repeated block's first attention
+    module (a block the step cache skips does not compute its attention)."""
+    from diffusers.models.attention import AttentionModuleMixin
+    from diffusers.models.attention_processor import Attention
+
+    calls = [0]
+    for block in repeated_blocks(transformer):
+        attn = next(m for m in block.modules() if isinstance(m, (Attention, AttentionModuleMixin)))
+        attn.register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def check_step_cache_exact(family: DiTFamily, root: Path, kwargs: dict[str, Any], *, cfg_batch: bool) -> None:
+    """First-block cache with threshold 0 computes every block of every forward and changes nothing."""
+    from spindle.infer.generator import DiffusionGenerator
+
+    exact = DiffusionGenerator.from_pretrained(root, cfg_batch=cfg_batch).generate(**kwargs).frames
+    gen = DiffusionGenerator.from_pretrained(root, cache="fbc", cache_threshold=0.0, cfg_batch=cfg_batch)
+    calls = count_block_calls(gen.transformer)
+    out = gen.generate(**kwargs).frames
+    forwards = kwargs["num_inference_steps"] * (1 if cfg_batch else 2)
+    blocks = len(repeated_blocks(gen.transformer))
+    assert calls[0] == blocks * forwards, f"{family.name}: {calls[0]} block calls, not {blocks} x {forwards}"
+    np.testing.assert_allclose(out, exact, atol=PARITY_ATOL, rtol=0, err_msg=f"{family.name}: cache threshold 0")
+
+
+def check_step_cache_skips(family: DiTFamily, root: Path, kwargs: dict[str, Any]) -> None:
+    """First-block cache with a huge threshold: step 0 computes every block, later steps only the first
+    (one batched CFG forward a step); the result is lossy but the same picture (PSNR), and the cache
+    state is reset per request (a second request repeats the first)."""
+    from spindle.infer import psnr
+    from spindle.infer.generator import DiffusionGenerator
+
+    exact = DiffusionGenerator.from_pretrained(root).generate(**kwargs).frames
+    gen = DiffusionGenerator.from_pretrained(root, cache="fbc", cache_threshold=1e6, cfg_batch=True)
+    calls = count_block_calls(gen.transformer)
+    out = gen.generate(**kwargs).frames
+    expected = len(repeated_blocks(gen.transformer)) + kwargs["num_inference_steps"] - 1
+    assert calls[0] == expected, f"{family.name}: {calls[0]} block calls with every later step cached, not {expected}"
+    value = psnr(out, exact)
+    assert np.isfinite(value) and 5.0 < value < 80.0, f"{family.name}: cached PSNR {value} dB"
+    calls[0] = 0
+    np.testing.assert_array_equal(gen.generate(**kwargs).frames, out, err_msg=f"{family.name}: cache not reset")
+    assert calls[0] == expected
+    assert psnr(exact, exact) == float("inf")
+
+
+def check_compile_matches_eager(family: DiTFamily, root: Path, kwargs: dict[str, Any]) -> None:
+    """Regional torch.compile compiles every repeated block and stays within 1e-4 of eager."""
+    from spindle.infer.generator import DiffusionGenerator
+
+    exact = DiffusionGenerator.from_pretrained(root).generate(**kwargs).frames
+    gen = DiffusionGenerator.from_pretrained(root, compile=True)
+    assert all(getattr(b, "_compiled_call_impl", None) is not None for b in repeated_blocks(gen.transformer))
+    np.testing.assert_allclose(gen.generate(**kwargs).frames, exact, atol=1e-4, rtol=0, err_msg=family.name)
