@@ -119,3 +119,19 @@ def test_compile_cache_and_cfg_batching_together_match_eager(deep, gen, uncached
     out = fast.generate(**A).frames
     assert psnr(out, eager) >= 40.0  # float rounding of the compiled blocks may flip a skip decision
     assert psnr(out, uncached["A"]) >= 30.0
+
+
+def test_faster_cache_needs_a_spatial_output_and_auto_skips_it_for_packed_tokens(tiny_checkpoint):
+    """FasterCache splits the model output into 2-D frequencies: Flux's output is packed tokens
+    [B, S, C], so `cache="faster"` is a clear error there and `auto` calibrates without it (it used to
+    crash mid-calibration inside diffusers' hook on a 5-D permute)."""
+    from spindle import DiffusionGenerator
+
+    flux = tiny_checkpoint("flux")
+    with pytest.raises(ValueError, match=r"'faster'.*flux's transformer outputs packed tokens"):
+        DiffusionGenerator.from_pretrained(flux, cache="faster")
+    gen = DiffusionGenerator.from_pretrained(flux, cache="auto", min_psnr=30.0)
+    gen.generate(prompt="a red fox", negative_prompt="blurry", true_cfg_scale=4.0, height=32, width=32,
+                 num_inference_steps=6, seed=0)  # fmt: skip
+    tried = {t["name"] for t in gen.cache_choice.trials}
+    assert "faster" not in tried and {"fbc", "taylorseer"} <= tried

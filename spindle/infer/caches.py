@@ -40,6 +40,7 @@ class CachePolicy:
     defaults: dict[str, Any] = field(default_factory=dict)
     needs_timestep: bool = False  # the config takes a `current_timestep_callback`
     needs_cfg_batch: bool = False  # the hook splits the batch into [uncond; cond]
+    needs_spatial_output: bool = False  # the hook needs the output's layout (InferenceSpec.output_layout)
 
 
 POLICIES: dict[str, CachePolicy] = {
@@ -86,9 +87,10 @@ POLICIES: dict[str, CachePolicy] = {
             "spatial_attention_block_skip_range",
             int,
             (4, 3, 2),
-            defaults={"spatial_attention_timestep_skip_range": (-1, 950), "tensor_format": "BCFHW"},
+            defaults={"spatial_attention_timestep_skip_range": (-1, 950)},
             needs_timestep=True,
             needs_cfg_batch=True,
+            needs_spatial_output=True,
         ),
     )
 }

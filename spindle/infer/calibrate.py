@@ -62,6 +62,8 @@ def calibrate_cache(
         policy = POLICIES[name]
         if policy.needs_cfg_batch and (not stage.cfg_batch or stage.cfg_group is not None):
             continue
+        if policy.needs_spatial_output and stage.spec.output_layout is None:
+            continue
         measured = {"mag_ratios": mag_ratios} if name == "mag" else {}
         if name == "mag" and mag_ratios is None:
             continue

@@ -77,6 +77,9 @@ class InferenceSpec:
 
     family: str = ""
     media: str = "video"  # "video" (frames axis) or "image"
+    # the transformer output's layout in diffusers' FasterCache terms ("BCFHW", "BFCHW", "BCHW"); None when
+    # it is packed tokens [B, S, C] (Flux, Qwen-Image): FasterCache's 2-D frequency split cannot apply
+    output_layout: str | None = "BCFHW"
     components: tuple[str, ...] = ()  # model_index.json entries to load
     transformer_component: str = "transformer"
     vae_component: str = "vae"
@@ -263,6 +266,16 @@ class DenoisingStage(Stage):
             self.cache.disable()
             self.cache = None
         if name is not None:
+            from spindle.infer.caches import POLICIES
+
+            policy = POLICIES.get(name)
+            if policy is not None and policy.needs_spatial_output:
+                if self.spec.output_layout is None:
+                    raise ValueError(
+                        f"cache {name!r} splits the model output into spatial frequencies, but {self.spec.family}'s "
+                        "transformer outputs packed tokens [batch, tokens, channels]; use fbc, mag or taylorseer"
+                    )
+                options = {"tensor_format": self.spec.output_layout, **(options or {})}
             self.cache = StepCache(self.transformer, name, threshold, options, lambda: self.current_timestep)
 
     def _cache_context(self, name: str, req: Req, i: int) -> contextlib.AbstractContextManager[Any]:

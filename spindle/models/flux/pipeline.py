@@ -111,6 +111,7 @@ class FluxBeforeDenoisingStage(PipelineBeforeDenoisingStage):
 class FluxInference(InferenceSpec):
     family = "flux"
     media = "image"
+    output_layout = None  # packed latent tokens [B, S, C]
     components = ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2", "vae", "scheduler", "transformer")
     before_denoising_cls = FluxBeforeDenoisingStage
 

@@ -134,6 +134,7 @@ class QwenImageBeforeDenoisingStage(PipelineBeforeDenoisingStage):
 class QwenImageInference(InferenceSpec):
     family = "qwenimage"
     media = "image"
+    output_layout = None  # packed latent tokens [B, S, C]
     components = ("tokenizer", "text_encoder", "vae", "scheduler", "transformer")
     before_denoising_cls = QwenImageBeforeDenoisingStage
 
