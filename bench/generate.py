@@ -172,6 +172,10 @@ def diffusers_pipe(root: Path, dtype: torch.dtype, device: str, vae_dtype: torch
 
 def run_diffusers(pipe, req: dict, seed: int, steps: int | None = None) -> np.ndarray:
     kw = {**req, **({"num_inference_steps": steps} if steps else {})}
+    if getattr(pipe.transformer, "is_cache_enabled", False):
+        # diffusers' pipelines do not reset step-cache hooks per call (MagCache's step counter only wraps
+        # at its configured step count): a fresh state per request, as Spindle's engine does
+        pipe.transformer._reset_stateful_cache()
     out = pipe(**PROMPT, **kw, generator=torch.Generator().manual_seed(seed), output_type="np")
     return out.frames if hasattr(out, "frames") else out.images  # video / image pipelines
 
@@ -357,8 +361,13 @@ def main() -> None:
         bpipe = diffusers_pipe(root, dtype, device, vae_dtype)
         bpipe.transformer.compile_repeated_blocks()
         if choice.name is not None:  # diffusers with the very hook and knobs Spindle chose
+            # MagCache counts steps against its configured schedule (diffusers' default 28): this request's
+            options = {
+                **choice.options,
+                **({"num_inference_steps": req["num_inference_steps"]} if choice.name == "mag" else {}),
+            }
             bpipe.transformer.enable_cache(
-                build_config(choice.name, choice.threshold, choice.options, lambda: bpipe.current_timestep)
+                build_config(choice.name, choice.threshold, options, lambda: bpipe.current_timestep)
             )
         run_diffusers(bpipe, req, args.seed, steps=1)  # compilation
         pair(
