@@ -244,14 +244,16 @@ def test_lora_of_another_shape_is_refused(lora_run, tiny_wan, tmp_path):
 def test_flux_lora_trains_exports_and_loads_in_stock_diffusers(tmp_path):
     from diffusers import FluxPipeline
 
+    from spindle.config import load_config
     from spindle.infer.generator import DiffusionGenerator
     from spindle.testing.synthetic import make_shapes_image_dataset
     from spindle.testing.tiny import build_tiny_flux
-    from tests.test_flux_train import config
+    from tests.conftest import train_overrides
 
     tiny = build_tiny_flux(tmp_path / "flux", seed=0)
     images = make_shapes_image_dataset(tmp_path / "images", num_images=4, size=(32, 32))
-    cfg = config(tiny, images, tmp_path / "run", train__max_steps=2, train__global_batch_size=2, train__lora=LORA)
+    overrides = dict(data__num_frames=1, data__resolution=[32, 32], train__max_steps=2, train__global_batch_size=2)
+    cfg = load_config(None, train_overrides(tiny, images, tmp_path / "run", **overrides, train__lora=LORA))
     result = train(cfg)
     lora_dir = result.export_dir / "lora"
     assert (lora_dir / "original_layout_lora.safetensors").is_file()
