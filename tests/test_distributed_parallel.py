@@ -288,7 +288,7 @@ def test_ring_splits_the_sequence_not_the_heads():
 
 
 def test_stock_native_backend_still_cannot_ring_on_cpu():
-    """Canary for CPU/gloo workaround (2): when diffusers' native backend returns the log-sum-exp,
+    """Canary for workaround (2): when diffusers' native backend returns the log-sum-exp,
     spindle.distributed.context_parallel.install_ring_backend can go."""
     from diffusers.models.attention_dispatch import _native_attention_forward_op
 

@@ -12,9 +12,10 @@ is `ring x sp` (Spindle's 2-D "cp" mesh, diffusers' ("ring", "ulysses") mesh). H
 `sp` only; the token count must divide `ring x sp`. So a 3-head model runs sequence-parallel on 2
 processes with ring=2, and Wan2.1-1.3B's 12 heads run on 8 GPUs as sp=4 x ring=2.
 
-Every workaround for diffusers' accelerator assumptions lives in this module, each marked
-`CPU/gloo workaround` with the reason, each covered by tests/test_distributed_parallel.py or
-tests/test_ring_attention.py (canaries fail when diffusers fixes what they work around):
+Every workaround for diffusers' assumptions lives in this module, each marked `workaround (N)` with
+the reason (1 is CPU/gloo only; 2 applies on every device), each covered by
+tests/test_distributed_parallel.py or tests/test_ring_attention.py (canaries fail when diffusers
+fixes what they work around):
 
 1. `ModelMixin._resolve_parallel_config` derives the device as
    `rank % torch.accelerator.device_count()`, a ZeroDivisionError on a CPU-only machine, and it
@@ -168,13 +169,18 @@ def _ring_ulysses_mesh(cp_mesh: DeviceMesh) -> DeviceMesh:
     return flat._unflatten(0, (ring, ulysses), ("ring", "ulysses"))
 
 
+def _ring_and_ulysses(cp_mesh: DeviceMesh) -> tuple[int, int]:
+    """(ring degree, Ulysses degree) of Spindle's sequence-parallel mesh (1-D: Ulysses only)."""
+    return (1, cp_mesh.size()) if cp_mesh.ndim == 1 else (cp_mesh.size(0), cp_mesh.size(1))
+
+
 def sequence_parallel_config(cp_mesh: DeviceMesh) -> Any:
     """diffusers' `ParallelConfig` for ring x Ulysses over Spindle's sequence-parallel mesh `cp_mesh` (1-D:
     Ulysses; 2-D: ("ring", "sp")), set up on our mesh and local device (collective: every rank calls it).
     What the attention dispatcher receives as `parallel_config`."""
     from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
 
-    ring, sp = (1, cp_mesh.size()) if cp_mesh.ndim == 1 else (cp_mesh.size(0), cp_mesh.size(1))
+    ring, sp = _ring_and_ulysses(cp_mesh)
     diffusers_mesh = _ring_ulysses_mesh(cp_mesh)
     config = ParallelConfig(
         context_parallel_config=ContextParallelConfig(ring_degree=ring, ulysses_degree=sp, mesh=diffusers_mesh)
@@ -193,7 +199,7 @@ def enable_sequence_parallel(
     before FSDP (`fully_shard`) and on every rank (mesh set-up is collective). All ranks of the
     SP group must then be fed the same full-length inputs; each returns the full output.
     """
-    ring, sp = (1, cp_mesh.size()) if cp_mesh.ndim == 1 else (cp_mesh.size(0), cp_mesh.size(1))
+    ring, sp = _ring_and_ulysses(cp_mesh)
     if ring * sp == 1:
         return transformer
     check_sequence_parallel(transformer, sp, plan=plan, ring=ring)
@@ -207,7 +213,7 @@ def enable_sequence_parallel(
     config = sequence_parallel_config(cp_mesh)
 
     def resolve_on_our_mesh(_config: Any) -> Any:
-        # CPU/gloo workaround (1): diffusers' `_resolve_parallel_config` computes the device as
+        # workaround (1), CPU/gloo: diffusers' `_resolve_parallel_config` computes the device as
         # `rank % torch.accelerator.device_count()` (ZeroDivisionError without an accelerator) and
         # builds a world-wide mesh when none is given. Its job is done by `sequence_parallel_config`.
         transformer._parallel_config = config
@@ -238,7 +244,7 @@ def sequence_parallel_size(transformer: torch.nn.Module) -> int:
     return sp * ring
 
 
-# ---------------------------------------------------------------- CPU/gloo workaround (2): ring on CPU
+# ---------------------------------------------------------------- workaround (2): ring attention's per-block ops
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
@@ -392,8 +398,8 @@ class _MaskedRingAttention(torch.autograd.Function):
     ) -> torch.Tensor:
         world = dist.get_world_size(group)
         out = lse = None
-        for c, (k, v) in enumerate(_gather_kv(key, value, group, world)):
-            block = _block_forward(query, k, v, mask.chunk(world, -1)[c], scale)
+        for (k, v), chunk_mask in zip(_gather_kv(key, value, group, world), mask.chunk(world, -1), strict=True):
+            block = _block_forward(query, k, v, chunk_mask, scale)
             out, lse = block if out is None or lse is None else _merge(out, lse, *block)
         assert out is not None and lse is not None
         out = out.to(query.dtype)
@@ -408,8 +414,9 @@ class _MaskedRingAttention(torch.autograd.Function):
         query, key, value, mask, out, lse = ctx.saved_tensors
         grad_q = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
         grad_kv = []
-        for c, (k, v) in enumerate(_gather_kv(key, value, ctx.group, ctx.world)):
-            dq, dk, dv = _block_backward(query, k, v, out, grad_out, lse, mask.chunk(ctx.world, -1)[c], ctx.scale)
+        chunks = zip(_gather_kv(key, value, ctx.group, ctx.world), mask.chunk(ctx.world, -1), strict=True)
+        for (k, v), chunk_mask in chunks:
+            dq, dk, dv = _block_backward(query, k, v, out, grad_out, lse, chunk_mask, ctx.scale)
             grad_q += dq
             grad_kv.append(torch.cat([dk.flatten(), dv.flatten()]))
         # Rank r computed every chunk's K/V gradient for its own queries: summed over the ring, chunk c's

@@ -23,9 +23,9 @@ at load time, while Spindle's mesh, FSDP2 units, gradient scaling and DCP checkp
 experts too (docs/training.md, "Mixture of experts").
 
 Gradient scaling: an expert's gradient on its EP rank sums the contributions of the tokens of every
-rank of its EP group; FSDP2 then reduces over efsdp (and dp_replicate): every rank's tokens once. The trainer scales each rank's loss by dp_size /
-tokens, so the reduction must divide by dp_size, not by the efsdp size FSDP2 would use: the experts'
-FSDP units get `set_gradient_divide_factor(dp_size)`.
+rank of its EP group; FSDP2 then reduces over efsdp (and dp_replicate): every rank's tokens once.
+The trainer scales each rank's loss by dp_size / tokens, so the reduction must divide by dp_size,
+not by the efsdp size FSDP2 would use: the experts' FSDP units get `set_gradient_divide_factor(dp_size)`.
 """
 
 from __future__ import annotations

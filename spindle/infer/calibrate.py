@@ -38,8 +38,9 @@ class CacheChoice:
             POLICIES[self.name].knob: self.threshold,
             **{k: v for k, v in self.options.items() if k != "mag_ratios"},
         }
+        settings = ", ".join(f"{k}={v}" for k, v in knobs.items())
         return (
-            f"cache auto: chose {self.name} ({', '.join(f'{k}={v}' for k, v in knobs.items())}): PSNR {self.psnr:.2f} dB >= {self.min_psnr} dB, "
+            f"cache auto: chose {self.name} ({settings}): PSNR {self.psnr:.2f} dB >= {self.min_psnr} dB, "
             f"denoising {self.seconds:.2f}s vs {self.reference_seconds:.2f}s uncached "
             f"({len(self.trials)} trials)"
         )
@@ -60,9 +61,7 @@ def calibrate_cache(
     trials: list[dict[str, Any]] = []
     for name in policies or tuple(POLICIES):
         policy = POLICIES[name]
-        if policy.needs_cfg_batch and (not stage.cfg_batch or stage.cfg_group is not None):
-            continue
-        if policy.needs_spatial_output and stage.spec.output_layout is None:
+        if stage.cache_unavailable(name) is not None:
             continue
         measured = {"mag_ratios": mag_ratios} if name == "mag" else {}
         if name == "mag" and mag_ratios is None:

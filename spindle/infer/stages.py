@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
+from spindle.infer.caches import POLICIES, StepCache
 from spindle.infer.request import Req, RequestError, SamplingParams
 
 if TYPE_CHECKING:
@@ -260,23 +261,34 @@ class DenoisingStage(Stage):
         self, name: str | None, threshold: float | None = None, options: dict[str, Any] | None = None
     ) -> None:
         """Replace the step cache (None: no cache)."""
-        from spindle.infer.caches import StepCache
-
         if self.cache is not None:
             self.cache.disable()
             self.cache = None
         if name is not None:
-            from spindle.infer.caches import POLICIES
-
-            policy = POLICIES.get(name)
-            if policy is not None and policy.needs_spatial_output:
-                if self.spec.output_layout is None:
-                    raise ValueError(
-                        f"cache {name!r} splits the model output into spatial frequencies, but {self.spec.family}'s "
-                        "transformer outputs packed tokens [batch, tokens, channels]; use fbc, mag or taylorseer"
-                    )
+            reason = self.cache_unavailable(name)
+            if reason is not None:
+                raise ValueError(reason)
+            if name in POLICIES and POLICIES[name].needs_spatial_output:
                 options = {"tensor_format": self.spec.output_layout, **(options or {})}
             self.cache = StepCache(self.transformer, name, threshold, options, lambda: self.current_timestep)
+
+    def cache_unavailable(self, name: str) -> str | None:
+        """Why step-cache policy `name` cannot run on this stage (None: it can): `set_cache` raises it,
+        `cache="auto"` skips the policy."""
+        policy = POLICIES.get(name)
+        if policy is None:
+            return None  # "auto" / unknown names: StepCache's own checks say what is wrong
+        if policy.needs_cfg_batch and (not self.cfg_batch or self.cfg_group is not None):
+            return (
+                f"cache={name!r} approximates the unconditional half of a CFG-batched forward: "
+                "it needs cfg_batch=True and no cfg_parallel"
+            )
+        if policy.needs_spatial_output and self.spec.output_layout is None:
+            return (
+                f"cache {name!r} splits the model output into spatial frequencies, but {self.spec.family}'s "
+                "transformer outputs packed tokens [batch, tokens, channels]; use fbc, mag or taylorseer"
+            )
+        return None
 
     def _cache_context(self, name: str, req: Req, i: int) -> contextlib.AbstractContextManager[Any]:
         ctx = getattr(self.transformer, "cache_context", None)
