@@ -11,6 +11,10 @@ Same checkpoint, seed and parameters for every row. Modes:
   sp2           Spindle, Ulysses sequence parallel over 2 processes (torchrun, gloo/nccl)
   cfg_parallel  Spindle, cond / uncond on 2 processes
 
+Every engine runs in its own process, as a user runs it (`EngineProcess`): process-wide settings one
+engine makes (Spindle keeps freed host memory on CPU, `spindle.cpu_allocator`; compile caches) never
+reach the other. Only one process works at a time; the parent interleaves their requests.
+
 Checkpoints are random (no downloads here) but Wan-shaped: `--preset cpu` is small enough for a
 CPU and sized so that the DiT, not the VAE, dominates; `--preset wan1.3b` uses the Wan2.1-1.3B
 transformer and VAE shapes (needs a GPU: 480x832, 81 frames); `--preset flux-cpu` / `flux-gpu` are
@@ -22,9 +26,9 @@ FLUX.1-shaped (true CFG with a negative prompt, so every mode applies). Prints a
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -120,6 +124,7 @@ PRESETS = {
         dtype="float32",
     ),
 }
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2")  # per-preset overrides of the tiny builders
 WARMUP_STEPS = 2  # one step is a NaN schedule for Qwen-Image's shift_terminal scheduler (a RequestError here)
 PROMPT = dict(prompt="a red panda climbing a snowy tree, cinematic", negative_prompt="blurry, low quality")
@@ -183,6 +188,113 @@ def run_diffusers(pipe, req: dict, seed: int, steps: int | None = None) -> np.nd
 def run_spindle(gen, req: dict, seed: int, steps: int | None = None):
     kw = {**req, **({"num_inference_steps": steps} if steps else {})}
     return gen.generate(**PROMPT, **kw, seed=seed)
+
+
+# ---------------------------------------------------------------- one engine per process
+
+
+def _build_engine(kind: str, root: str, preset: str, options: dict, req: dict, seed: int) -> tuple[object, dict]:
+    """In the engine's process: load it, apply its speed options, warm it up. -> (engine, setup info)."""
+    p = PRESETS[preset]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    t = time.perf_counter()
+    if kind == "diffusers":
+        pipe = diffusers_pipe(Path(root), DTYPES[p["dtype"]], device, DTYPES[p.get("vae_dtype", "float32")])
+        if options.get("compile"):
+            pipe.transformer.compile_repeated_blocks()
+        if options.get("cache") is not None:
+            from spindle.infer.caches import build_config
+
+            name, threshold, knobs = options["cache"]
+            pipe.transformer.enable_cache(build_config(name, threshold, knobs, lambda: pipe.current_timestep))
+        run_diffusers(pipe, req, seed, steps=WARMUP_STEPS)  # warm-up (compilation with compile)
+        return pipe, {"setup_s": round(time.perf_counter() - t, 2)}
+    from spindle import DiffusionGenerator
+
+    gen = DiffusionGenerator.from_pretrained(root, dtype=p["dtype"], vae_dtype=p.get("vae_dtype", "float32"), **options)
+    info: dict = {}
+    if options.get("cache") == "auto":
+        run_spindle(gen, req, seed)  # calibration on this request (+ compilation)
+        c = gen.cache_choice
+        info["choice"] = dict(name=c.name, threshold=c.threshold, options=c.options, psnr=c.psnr, describe=c.describe())
+    else:
+        run_spindle(gen, req, seed, steps=WARMUP_STEPS)  # warm-up (compilation with compile)
+    info["setup_s"] = round(time.perf_counter() - t, 2)
+    return gen, info
+
+
+def _engine_main(conn, kind: str, root: str, preset: str, options: dict, req: dict, seed: int, threads) -> None:
+    """An engine process: build, report setup, then answer ("run", steps, out_path) until ("stop",)."""
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        engine, info = _build_engine(kind, root, preset, options, req, seed)
+    except BaseException as e:  # report, so the parent fails with the reason instead of hanging
+        conn.send(("error", f"{kind} {options}: {type(e).__name__}: {e}"))
+        raise
+    conn.send(("ready", info))
+    while True:
+        msg = conn.recv()
+        if msg[0] == "stop":
+            return
+        _, steps, out_path = msg
+        try:
+            sync()
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            t = time.perf_counter()
+            if kind == "diffusers":
+                frames, timings = run_diffusers(engine, req, seed, steps), {}
+            else:
+                res = run_spindle(engine, req, seed, steps)
+                frames, timings = res.frames, dict(res.timings)
+            sync()
+            dt = time.perf_counter() - t
+            timings["page_faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+            np.save(out_path, frames)  # not timed; a file, since video outputs are large for a pipe
+        except Exception as e:  # noqa: BLE001 - forwarded: the parent raises it with this message
+            conn.send(("error", f"{kind} {options}: {type(e).__name__}: {e}", {}))
+            continue
+        conn.send(("done", dt, timings))
+
+
+class EngineProcess:
+    """One engine (`kind` "diffusers" or "spindle" with `options`) loaded in its own spawned process."""
+
+    def __init__(self, kind: str, root: Path, args: argparse.Namespace, req: dict, options: dict, out_dir: Path):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.out = out_dir / f"{kind}-{os.getpid()}-{id(self)}.npy"
+        self.proc = ctx.Process(
+            target=_engine_main,
+            args=(child, kind, str(root), args.preset, options, req, args.seed, args.threads),
+            daemon=True,
+        )
+        self.proc.start()
+        status, self.info = self._recv()
+        if status != "ready":
+            raise RuntimeError(self.info)
+
+    def _recv(self):
+        while not self.conn.poll(5):
+            if not self.proc.is_alive():
+                raise RuntimeError(f"engine process exited with code {self.proc.exitcode}")
+        return self.conn.recv()
+
+    def run(self, steps: int | None = None) -> tuple[float, np.ndarray, dict]:
+        """One request, timed inside the engine's process: -> (seconds, frames, Spindle's stage timings)."""
+        self.conn.send(("run", steps, str(self.out)))
+        status, dt, timings = self._recv()
+        if status != "done":
+            raise RuntimeError(dt)
+        return dt, np.load(self.out), timings
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            self.conn.send(("stop",))
+            self.proc.join(60)
+        self.out.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------- multi-process worker
@@ -264,19 +376,26 @@ def main() -> None:
 
     import tempfile
 
-    from spindle import DiffusionGenerator
-
     modes = args.modes.split(",")
     if args.threads:
         torch.set_num_threads(args.threads)
     p = PRESETS[args.preset]
     req = {**p["request"], **({"num_inference_steps": args.steps} if args.steps else {})}
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[p["dtype"]]
-    vae_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[p.get("vae_dtype", "float32")]
     tmp = Path(tempfile.mkdtemp(prefix="spindle-bench-"))
     root = build_checkpoint(args.preset, Path(args.root) if args.root else tmp / "ckpt")
     rows: list[dict] = []
+    engines: list[EngineProcess] = []
+
+    def engine(kind: str, **options) -> EngineProcess:
+        e = EngineProcess(kind, root, args, req, options, tmp)
+        engines.append(e)
+        return e
+
+    def close(*es: EngineProcess) -> None:
+        for e in es:
+            e.close()
+            engines.remove(e)
 
     def add(mode: str, engine: str, total: float, frames: np.ndarray, baseline: float, **extra) -> None:
         row = {
@@ -295,119 +414,95 @@ def main() -> None:
             flush=True,
         )
 
-    def pair(mode: str, d_pipe, s_gen, stock=None, **extra) -> None:
-        """Interleave diffusers and Spindle runs (ABAB...) so load changes on a shared machine hit both.
-        `stock`: also interleave stock diffusers and report both engines against it."""
-        d_times, s_times, k_times, d_out, s_out = [], [], [], None, None
+    def pair(mode: str, d_eng: EngineProcess, s_eng: EngineProcess, with_stock: bool = False, **extra) -> None:
+        """Interleave diffusers and Spindle requests (ABAB...) so load changes on a shared machine hit both.
+        `with_stock`: also interleave stock diffusers and report both engines against it."""
+        d_times, s_times, k_times = [], [], []
         for _ in range(args.repeats):
-            if stock is not None:
-                t, _ = timed(lambda: run_diffusers(stock, req, args.seed), 1)
-                k_times.append(t)
-            t, d_out = timed(lambda: run_diffusers(d_pipe, req, args.seed), 1)
+            if with_stock:
+                k_times.append(stock.run()[0])
+            t, d_out, d_info = d_eng.run()
             d_times.append(t)
-            t, s_out = timed(lambda: run_spindle(s_gen, req, args.seed), 1)
+            t, s_out, timings = s_eng.run()
             s_times.append(t)
         d, s = statistics.median(d_times), statistics.median(s_times)
-        stages = {k: round(v, 4) for k, v in s_out.timings.items()}
-        add(mode, "diffusers", d, d_out, d)
-        add(mode, "spindle", s, s_out.frames, d, stages=stages, **extra)
-        if stock is not None:
+        stages = {k: round(v, 4) for k, v in timings.items() if k != "page_faults"}
+        # minor page faults of the last request in each process (fresh pages the kernel zero-fills)
+        add(mode, "diffusers", d, d_out, d, page_faults=d_info["page_faults"])
+        add(mode, "spindle", s, s_out, d, stages=stages, page_faults=timings["page_faults"], **extra)
+        if with_stock:
             k = statistics.median(k_times)
             add(f"{mode}/stock", "diffusers", d, d_out, k, baseline_kind="stock diffusers")
-            add(f"{mode}/stock", "spindle", s, s_out.frames, k, baseline_kind="stock diffusers", stages=stages)
-
-    def spindle_gen(options: dict):
-        gen = DiffusionGenerator.from_pretrained(
-            root, dtype=p["dtype"], vae_dtype=p.get("vae_dtype", "float32"), **options
-        )
-        t = time.perf_counter()
-        run_spindle(gen, req, args.seed, steps=WARMUP_STEPS)  # warm-up (compilation for --compile)
-        return gen, time.perf_counter() - t
+            add(f"{mode}/stock", "spindle", s, s_out, k, baseline_kind="stock diffusers", stages=stages)
 
     print(f"preset {args.preset} on {device} ({torch.get_num_threads()} threads): {json.dumps(req)}", flush=True)
-    pipe = diffusers_pipe(root, dtype, device, vae_dtype)
-    run_diffusers(pipe, req, args.seed, steps=WARMUP_STEPS)  # warm-up
-    ref = run_diffusers(pipe, req, args.seed)  # the exact reference output
+    try:
+        stock = engine("diffusers")
+        ref = stock.run()[1]  # the exact reference output
 
-    if "exact" in modes:
-        pair("exact", pipe, spindle_gen({"exact": True})[0])
-    if "default" in modes:
-        pair("default", pipe, spindle_gen({})[0])
-    if "compile" in modes:
-        cpipe = diffusers_pipe(root, dtype, device, vae_dtype)
-        cpipe.transformer.compile_repeated_blocks()
-        t = time.perf_counter()
-        run_diffusers(cpipe, req, args.seed, steps=WARMUP_STEPS)
-        d_warm = time.perf_counter() - t
-        gen, s_warm = spindle_gen({"compile": True})
-        pair("compile", cpipe, gen, warmup_s=round(s_warm, 2), diffusers_warmup_s=round(d_warm, 2))
-        del cpipe, gen
-    if "best" in modes:
-        from spindle.infer.caches import build_config
-
-        t = time.perf_counter()
-        gen = DiffusionGenerator.from_pretrained(
-            root,
-            dtype=p["dtype"],
-            vae_dtype=p.get("vae_dtype", "float32"),
-            compile=True,
-            cache="auto",
-            min_psnr=args.min_psnr,
-        )
-        run_spindle(gen, req, args.seed)  # calibration (+ compilation)
-        s_setup = time.perf_counter() - t
-        choice = gen.cache_choice
-        print(f"  best: {choice.describe()} (setup {s_setup:.1f}s)", flush=True)
-        bpipe = diffusers_pipe(root, dtype, device, vae_dtype)
-        bpipe.transformer.compile_repeated_blocks()
-        if choice.name is not None:  # diffusers with the very hook and knobs Spindle chose
-            # MagCache counts steps against its configured schedule (diffusers' default 28): this request's
-            options = {
-                **choice.options,
-                **({"num_inference_steps": req["num_inference_steps"]} if choice.name == "mag" else {}),
-            }
-            bpipe.transformer.enable_cache(
-                build_config(choice.name, choice.threshold, options, lambda: bpipe.current_timestep)
+        if "exact" in modes:
+            e = engine("spindle", exact=True)
+            pair("exact", stock, e)
+            close(e)
+        if "default" in modes:
+            e = engine("spindle")
+            pair("default", stock, e)
+            close(e)
+        if "compile" in modes:
+            d, e = engine("diffusers", compile=True), engine("spindle", compile=True)
+            pair("compile", d, e, warmup_s=e.info["setup_s"], diffusers_warmup_s=d.info["setup_s"])
+            close(d, e)
+        if "best" in modes:
+            e = engine("spindle", compile=True, cache="auto", min_psnr=args.min_psnr)
+            choice = e.info["choice"]
+            print(f"  best: {choice['describe']} (setup {e.info['setup_s']:.1f}s)", flush=True)
+            cache = None
+            if choice["name"] is not None:  # diffusers with the very hook and knobs Spindle chose
+                # MagCache counts steps against its configured schedule (diffusers' default 28): this request's
+                knobs = {
+                    **choice["options"],
+                    **({"num_inference_steps": req["num_inference_steps"]} if choice["name"] == "mag" else {}),
+                }
+                cache = (choice["name"], choice["threshold"], knobs)
+            d = engine("diffusers", compile=True, cache=cache)
+            pair(
+                "best",
+                d,
+                e,
+                with_stock=True,
+                cache=choice["name"],
+                cache_knob=choice["threshold"],
+                calibration_psnr=choice["psnr"],
+                setup_s=e.info["setup_s"],
             )
-        run_diffusers(bpipe, req, args.seed, steps=1)  # compilation
-        pair(
-            "best",
-            bpipe,
-            gen,
-            stock=pipe,
-            cache=choice.name,
-            cache_knob=choice.threshold,
-            calibration_psnr=choice.psnr,
-            setup_s=round(s_setup, 1),
-        )
-        del bpipe, gen
-    if "cache" in modes:
-        from diffusers.hooks import FirstBlockCacheConfig
-
-        for thr in [float(x) for x in args.thresholds.split(",")]:
-            cpipe = diffusers_pipe(root, dtype, device, vae_dtype)
-            cpipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=thr))
-            run_diffusers(cpipe, req, args.seed, steps=WARMUP_STEPS)
-            pair(f"cache@{thr}", cpipe, spindle_gen({"cache": "fbc", "cache_threshold": thr})[0])
-            del cpipe
-    one_proc = None
-    for mode, options in (("sp2", {"sp": 2}), ("cfg_parallel", {"cfg_parallel": True})):
-        if mode in modes:
-            if one_proc is None:
-                one_proc = spindle_gen({"cfg_batch": True})[0]
-            info = run_multiprocess(args, root, options, mode, tmp)
-            # right after the multi-process run, so both see the same machine load
-            single, _ = timed(functools.partial(run_spindle, one_proc, req, args.seed), args.repeats)
-            add(
-                mode,
-                "spindle",
-                info["total"],
-                info["frames"],
-                single,
-                processes=2,
-                baseline_kind="spindle 1 process",
-                stages={k: round(v, 4) for k, v in info["timings"].items()},
-            )
+            close(d, e)
+        if "cache" in modes:
+            for thr in [float(x) for x in args.thresholds.split(",")]:
+                d = engine("diffusers", cache=("fbc", thr, {}))
+                e = engine("spindle", cache="fbc", cache_threshold=thr)
+                pair(f"cache@{thr}", d, e)
+                close(d, e)
+        one_proc = None
+        for mode, options in (("sp2", {"sp": 2}), ("cfg_parallel", {"cfg_parallel": True})):
+            if mode in modes:
+                if one_proc is None:
+                    one_proc = engine("spindle", cfg_batch=True)
+                info = run_multiprocess(args, root, options, mode, tmp)
+                # right after the multi-process run, so both see the same machine load
+                single = statistics.median(one_proc.run()[0] for _ in range(args.repeats))
+                add(
+                    mode,
+                    "spindle",
+                    info["total"],
+                    info["frames"],
+                    single,
+                    processes=2,
+                    baseline_kind="spindle 1 process",
+                    stages={k: round(v, 4) for k, v in info["timings"].items()},
+                )
+    finally:
+        for e in list(engines):
+            close(e)
 
     print()
     header = (

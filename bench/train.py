@@ -13,7 +13,8 @@ torch.cuda.max_memory_allocated on CUDA) is per variant:
   baseline          plain `WanTransformer3DModel` + AdamW (+ torch.autocast bf16 on CUDA), 1 process
   baseline_compile  the same + diffusers' `compile_repeated_blocks()` (what a diffusers user can turn on), 1 process
   spindle           `parallelize_transformer` on the 1-process mesh (no sharding to do: autocast bf16 on CUDA),
-                    Spindle's optimizer (fused AdamW where the device has it) and device-side clipping, 1 process
+                    Spindle's optimizer (fused AdamW where the device has it), device-side clipping and, on
+                    CPU, freed host memory kept in the process (`spindle.cpu_allocator`), 1 process
   spindle_compile   the same with `compile=True` (train.compile: regional compile of each block), 1 process
   spindle_sp2       `spindle` with parallel.sp=2 on 2 processes (both ranks get the same batch), when 2 devices exist
 `--rounds R` runs the 1-process variants R times, interleaved (A B C D, A B C D, ...), so load on a
@@ -193,10 +194,13 @@ def _worker(rank: int, world: int, variant: str, a: argparse.Namespace, out_dir:
         times = _loop(a, model, data, optimizer, device, torch.nn.utils.clip_grad_norm_, autocast=cuda, warmup=warmup)
     else:
         from spindle.config import TrainConfig
+        from spindle.cpu_allocator import keep_freed_memory
         from spindle.distributed.fsdp import autocast_dtype, clip_grad_norm_tensor_, parallelize_transformer
         from spindle.distributed.mesh import ParallelDims, build_mesh
         from spindle.train.optim import build_optimizer
 
+        if not cuda:
+            keep_freed_memory()  # as Spindle's Trainer does on CPU (train.keep_freed_memory)
         sp = 2 if variant == "spindle_sp2" else 1
         mesh = build_mesh(ParallelDims(sp=sp))
         precision = "bf16" if cuda else "no"

@@ -117,6 +117,11 @@ class TrainConfig(Section):
         description="regional torch.compile of each repeated block (after SP and activation checkpointing, "
         "before FSDP2); the first steps pay the compilation",
     )
+    keep_freed_memory: bool = Field(
+        True,
+        description="on CPU, keep freed host memory in the process instead of returning it to the OS "
+        "(spindle.cpu_allocator): the step's buffers are not page-faulted in again at every step",
+    )
     mixed_precision: Literal["auto", "no", "bf16"] = Field("auto", description="auto: bf16 on CUDA, fp32 on CPU")
     loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = "none"
     timestep: TimestepConfig = TimestepConfig()

@@ -25,6 +25,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="run conditional and unconditional as two forwards (default: one batched forward)",
     )
+    g.add_argument(
+        "--no-keep-freed-memory",
+        dest="keep_freed_memory",
+        action="store_false",
+        help="on CPU, let glibc hand freed memory back to the OS (default: keep it in the process so tensors "
+        "are not page-faulted in again at every step; the output is the same)",
+    )
     g.add_argument("--compile", action="store_true", help="torch.compile the repeated transformer blocks")
     g.add_argument(
         "--cache",
@@ -83,6 +90,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         dtype=args.dtype,
         exact=args.exact,
         cfg_batch=args.cfg_batch,
+        keep_freed_memory=args.keep_freed_memory,
         compile=args.compile,
         cache=args.cache,
         cache_threshold=args.cache_threshold,

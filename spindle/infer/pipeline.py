@@ -6,7 +6,8 @@
    (`["diffusers", "AutoencoderKLWan"]` -> `diffusers.AutoencoderKLWan.from_pretrained(root/vae)`).
 3. stages: the family's BeforeDenoisingStage, the shared DenoisingStage and DecodingStage.
 4. speed options (`EngineOptions`): default-on exact ones (CFG batching, oneDNN VAE convolutions;
-   `exact=True` turns them off to reproduce diffusers bit for bit), step caching (diffusers cache
+   `exact=True` turns them off to reproduce diffusers bit for bit; on CPU, freed host memory is kept
+   in the process, `spindle.cpu_allocator`, which changes no number), step caching (diffusers cache
    hooks, `spindle.infer.caches`), regional `torch.compile`, and the multi-process modes (Ulysses
    SP, CFG parallel).
 """
@@ -59,6 +60,8 @@ class EngineOptions:
     cfg_parallel: bool = False  # cond / uncond on different ranks (needs 2 x ring x sp processes)
     lora: str | None = None  # a LoRA file / folder applied to the transformer (spindle.infer.lora)
     lora_scale: float = 1.0
+    # on CPU: keep freed host memory in the process (spindle.cpu_allocator; bit-identical, not turned off by exact)
+    keep_freed_memory: bool = True
 
     def validate(self) -> None:
         from spindle.infer.caches import POLICIES, check_cache_options
@@ -220,6 +223,10 @@ class InferencePipeline:
         cls, spec: InferenceSpec, components: dict[str, Any], options: EngineOptions, root: Path | None = None
     ) -> InferencePipeline:
         transformer = components[spec.transformer_component]
+        if options.keep_freed_memory and options.torch_device().type == "cpu":
+            from spindle.cpu_allocator import keep_freed_memory
+
+            keep_freed_memory()
         mesh, cfg_group = None, None
         if options.world_size_needed > 1:
             mesh, cfg_group = setup_parallel(transformer, options)

@@ -83,6 +83,10 @@ class Trainer:
         check_parallel_plan(cfg, dist.get_world_size() if dist.is_initialized() else launcher_world_size() or 1)
         self.mesh: Mesh = build_mesh(ParallelDims(**cfg.parallel.model_dump()))
         self.device = local_device()
+        if cfg.train.keep_freed_memory and self.device.type == "cpu":
+            from spindle.cpu_allocator import keep_freed_memory
+
+            keep_freed_memory()  # a step frees and re-allocates the same buffers: no page faults for them
         self.accum = grad_accum_steps(cfg, self.mesh.dims.dp_size)
         self.precision = resolve_precision(cfg.train.mixed_precision)
         torch.manual_seed(cfg.train.seed)
