@@ -256,8 +256,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--frames", type=int, default=4)
     p.add_argument("--height", type=int, default=32)
     p.add_argument("--width", type=int, default=32)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=4)
+    # untimed steps first: compilation, and on CPU the first steps of a process also grow the malloc
+    # heap (page faults a long run does not pay), so fewer than 3 measures a start-up transient
+    p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: cores / processes)")
     p.add_argument("--no-sp", action="store_true", help="skip the 2-process SP run")
     p.add_argument("--no-compile", action="store_true", help="skip the compiled variants")

@@ -17,7 +17,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--exact",
         action="store_true",
         help="reproduce diffusers bit for bit: turn off the default speed-ups (CFG batching, per-request prompt "
-        "projections, oneDNN VAE convolutions); cannot be combined with --compile or --cache",
+        "projections, oneDNN VAE convolutions and feed-forward Linear + GELU); cannot be combined with --compile "
+        "or --cache",
     )
     g.add_argument(
         "--no-cfg-batch",

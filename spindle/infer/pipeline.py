@@ -5,7 +5,8 @@
 2. every component the spec needs is loaded with the class model_index.json names
    (`["diffusers", "AutoencoderKLWan"]` -> `diffusers.AutoencoderKLWan.from_pretrained(root/vae)`).
 3. stages: the family's BeforeDenoisingStage, the shared DenoisingStage and DecodingStage.
-4. speed options (`EngineOptions`): default-on exact ones (CFG batching, oneDNN VAE convolutions;
+4. speed options (`EngineOptions`): default-on exact ones (CFG batching, oneDNN VAE convolutions and
+   feed-forward Linear + GELU;
    `exact=True` turns them off to reproduce diffusers bit for bit; on CPU, freed host memory is kept
    in the process, `spindle.cpu_allocator`, which changes no number), step caching (diffusers cache
    hooks, `spindle.infer.caches`), regional `torch.compile`, and the multi-process modes (Ulysses
@@ -47,9 +48,10 @@ class EngineOptions:
     device: str | None = None  # None: cuda if available, else cpu
     dtype: str = "float32"  # transformer + text encoder
     vae_dtype: str = "float32"
-    exact: bool = False  # reproduce diffusers bit for bit: no CFG batching, memoization or oneDNN VAE convolutions
+    exact: bool = False  # reproduce diffusers bit for bit: no CFG batching, memoization or oneDNN VAE / feed-forward
     cfg_batch: bool = True  # cond + uncond in one forward (off when exact)
     fast_vae: bool = True  # oneDNN for the VAE's 3-D convolutions on CPU (spindle.infer.speedups; off when exact)
+    fast_mlp: bool = True  # on CPU, each feed-forward's Linear + GELU as one oneDNN call (speedups; off when exact)
     compile: bool = False  # torch.compile of the transformer's repeated blocks
     cache: str | None = None  # a step cache of spindle.infer.caches.CACHE_NAMES ("auto": calibrated)
     cache_threshold: float | None = None  # the policy's main knob (None: its default)
@@ -239,11 +241,14 @@ class InferencePipeline:
             apply_compile(transformer)
         vae = components[spec.vae_component]
         if not options.exact:
-            from spindle.infer.speedups import memoize_constant_inputs, onednn_conv3d
+            from spindle.infer.speedups import memoize_constant_inputs, onednn_conv3d, onednn_linear_gelu
 
             memoize_constant_inputs(spec.request_constant_modules(transformer, compiled=options.compile))
             if options.onednn_vae and options.torch_device().type == "cpu":
                 onednn_conv3d(vae)
+            if options.fast_mlp and not options.compile and options.torch_device().type == "cpu":
+                # (compiled blocks: inductor makes its own choice of GEMM and fusion)
+                onednn_linear_gelu(transformer, spec.linear_gelu_pairs(transformer))
         stages: list[Stage] = [spec.make_before_denoising(components), denoising, DecodingStage(vae, spec)]
         return cls(spec, components, stages, options, root=root, mesh=mesh)
 

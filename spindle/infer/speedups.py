@@ -6,11 +6,15 @@
   `N*C*D*H < 20480`, which such inputs always are. Calling oneDNN's convolution directly is ~7x
   faster per layer here (measured: [1, 8, 6, 130, 130] x [8, 8, 3, 3, 3]: 153 ms -> 22 ms, one
   thread) and agrees to float32 rounding (relative ~3e-6 per layer).
+- `onednn_linear_gelu(transformer, pairs)`: on CPU, a Linear followed by a GELU (the feed-forward
+  input projection of every DiT block) runs as one oneDNN matmul with GELU as its post-op instead of
+  an MKL GEMM and a second pass over a [tokens, 4 x dim] tensor. Measured on the flux-cpu preset's
+  transformer step: 285 -> 266 ms (1.07x), output within 1e-6 of the unfused pair.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
@@ -87,3 +91,45 @@ def clear_memos(root: torch.nn.Module) -> None:
         memo = getattr(m, "_spindle_memo", None)
         if memo is not None:
             memo.clear()
+
+
+def _fused_linear_gelu(
+    linear: torch.nn.Linear, approximate: str, activation: Callable[[torch.Tensor], torch.Tensor]
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_grad_enabled():
+            return activation(F.linear(x, linear.weight, linear.bias))
+        y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+            x.reshape(-1, x.shape[-1]), linear.weight, linear.bias, "gelu", [], approximate
+        )
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    return forward
+
+
+def onednn_linear_gelu(module: torch.nn.Module, pairs: Sequence[tuple[torch.nn.Module, str, str]] = ()) -> int:
+    """Fuse Linear -> GELU under `module` into one oneDNN call on CPU float32 inference (elsewhere the
+    pair runs as before). Found: diffusers' `GELU` activation modules (`proj` + gelu: the feed-forward
+    of Wan, Flux's double-stream and Qwen-Image blocks), plus `pairs` the family names as (owner,
+    linear attribute, GELU attribute) where the two are separate modules (Flux's single-stream
+    `proj_mlp` -> `act_mlp`): the linear then applies the GELU and the activation becomes Identity.
+    Only plain `nn.Linear`s (not LoRA-wrapped ones). -> how many pairs were fused."""
+    from diffusers.models.activations import GELU as DiffusersGELU
+
+    if not torch.backends.mkldnn.is_available():
+        return 0
+    count = 0
+    for m in module.modules():
+        if isinstance(m, DiffusersGELU) and type(m.proj) is torch.nn.Linear and not hasattr(m, "_spindle_fused"):
+            gelu = m.gelu
+            setattr(m, "forward", _fused_linear_gelu(m.proj, m.approximate, gelu))  # noqa: B010
+            setattr(m, "_spindle_fused", True)  # noqa: B010
+            count += 1
+    for owner, linear_name, act_name in pairs:
+        linear, act = getattr(owner, linear_name), getattr(owner, act_name)
+        if type(linear) is not torch.nn.Linear or not isinstance(act, torch.nn.GELU):
+            continue
+        setattr(linear, "forward", _fused_linear_gelu(linear, act.approximate, act))  # noqa: B010
+        setattr(owner, act_name, torch.nn.Identity())
+        count += 1
+    return count

@@ -148,6 +148,12 @@ class InferenceSpec:
         `compiled`: the repeated blocks are torch.compiled, so leave modules inside them alone."""
         return []
 
+    def linear_gelu_pairs(self, transformer: torch.nn.Module) -> list[tuple[torch.nn.Module, str, str]]:
+        """(owner, linear attribute, GELU attribute) where a block applies a Linear then a separate GELU
+        module (`speedups.onednn_linear_gelu` fuses them; diffusers' `GELU` modules are found without
+        this). Default: none."""
+        return []
+
     def sequence_length(self, req: Req, transformer: torch.nn.Module) -> int | None:
         """Tokens the transformer sees for this request (checked against the SP degree); None: unknown."""
         return None

@@ -150,6 +150,11 @@ class FluxInference(InferenceSpec):
         _, _, h, w = resolved(req.raw_latent_shape, "raw_latent_shape")
         return (h // 2) * (w // 2)
 
+    def linear_gelu_pairs(self, transformer: torch.nn.Module) -> list[tuple[torch.nn.Module, str, str]]:
+        # single-stream blocks: act_mlp(proj_mlp(x)), two modules (the double-stream ones use diffusers' GELU)
+        flux: Any = transformer  # diffusers FluxTransformer2DModel
+        return [(block, "proj_mlp", "act_mlp") for block in flux.single_transformer_blocks]
+
     def post_denoising(self, latents: torch.Tensor, req: Req) -> torch.Tensor:
         from diffusers import FluxPipeline
 
