@@ -12,6 +12,7 @@ import io
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,6 +20,7 @@ from spindle.config import load_config
 
 TINY_SIZE = (32, 32)
 TINY_FRAMES = 9
+TINY_TEXT = 16  # model.max_text_length of the tiny runs (divides the SP degrees the tests use)
 
 
 @pytest.fixture(scope="session")
@@ -71,11 +73,39 @@ def shapes_videos(tmp_path_factory) -> Path:
     )
 
 
+@pytest.fixture(scope="module")
+def tiny_condition(tiny_checkpoint) -> Callable[[str], Any]:
+    """`tiny_condition(family)`: the family's condition model (the training side: VAE, text encoders)
+    on its tiny checkpoint with model.max_text_length TINY_TEXT; built once per module and family."""
+    built: dict[str, Any] = {}
+
+    def get(family: str) -> Any:
+        if family not in built:
+            from spindle.registry import get_family
+
+            cls = get_family(family).condition_model_cls()
+            built[family] = cls.from_pretrained(tiny_checkpoint(family), max_text_length=TINY_TEXT)
+        return built[family]
+
+    return get
+
+
+def encode_two_samples(condition: Any, captions: list[str], num_frames: int = 1) -> tuple[dict, dict]:
+    """Two training samples as the data loader batches them (seeded pixels in [-1, 1] of shape
+    [2, 3, num_frames, *TINY_SIZE], `captions`, dataset indices 3 and 5) -> (batch, condition.encode(batch))."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    pixels = torch.rand(2, 3, num_frames, *TINY_SIZE, generator=g) * 2 - 1
+    batch = {"pixels": pixels, "caption": captions, "index": [3, 5]}
+    return batch, condition.encode(batch)
+
+
 def train_overrides(model: Path, data: Path, output_dir: Path, **train) -> list[str]:
     """Dotted overrides for a short CPU training run on the tiny model."""
     values = {
         "model.path": model,
-        "model.max_text_length": 16,
+        "model.max_text_length": TINY_TEXT,
         "data.path": data,
         "data.resolution": list(TINY_SIZE),
         "data.num_frames": TINY_FRAMES,
