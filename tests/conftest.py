@@ -23,6 +23,22 @@ TINY_FRAMES = 9
 TINY_TEXT = 16  # model.max_text_length of the tiny runs (divides the SP degrees the tests use)
 
 
+# A Flux request with true CFG (negative prompt + true_cfg_scale): the CFG modes (batched, two
+# forwards, CFG-parallel ranks) have two branches to combine. tests/test_infer_defaults.py and
+# tests/test_flux_engine.py run it on their own tiny checkpoints.
+FLUX_TRUE_CFG = dict(
+    prompt="a windmill at sunset",
+    negative_prompt="blurry",
+    height=32,
+    width=48,
+    num_inference_steps=3,
+    guidance_scale=3.5,
+    max_sequence_length=16,
+    seed=21,
+    true_cfg_scale=3.0,
+)
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Callable[[str], Path]:
     """`tiny_checkpoint(family)` -> that family's tiny checkpoint: its registered `tiny_model`
