@@ -319,3 +319,38 @@ def lm_overrides(model: Path, data: Path, output_dir: Path, **values) -> list[st
     }
     base.update({k.replace("__", "."): v for k, v in values.items()})
     return [f"{k}={v}" for k, v in base.items()]
+
+
+def lm_train(model: Path, data: Path, out: Path, **overrides) -> tuple[Any, Any]:
+    """A causal-LM training run in this process (`lm_overrides`); -> (trainer, result)."""
+    from spindle.train.trainer import Trainer
+
+    trainer = Trainer(load_config(None, lm_overrides(model, data, out, **overrides)))
+    return trainer, trainer.run()
+
+
+def lm_stock(path: Path) -> tuple[Any, Any]:
+    """Stock transformers on a causal-LM folder: (the fp32 model, its tokenizer)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path)
+
+
+def one_step_metrics(model: Path, texts: list[str], out: Path, seq_len: int, **overrides) -> dict[str, Any]:
+    """One optimizer step of Spindle over the text documents `texts`, unpacked rows in the order given,
+    all in one micro-batch (what a stock forward of the same rows computes) -> that step's metrics."""
+    import json
+
+    from spindle.train.metrics import read_metrics
+
+    data = out / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    batch = len(texts)
+    lm_train(
+        model, data, out / "run", data__packing=False, data__shuffle=False, data__seq_len=seq_len,
+        train__max_steps=1, train__global_batch_size=batch, train__micro_batch_size=batch,
+        checkpoint__export=False, **overrides,
+    )  # fmt: skip
+    (metrics,) = read_metrics(out / "run")
+    return metrics
