@@ -6,8 +6,9 @@ the registry resolves; the tiny checkpoint loads in stock diffusers with the com
 model_index.json names; inference equals the family's diffusers pipeline with and without
 classifier-free guidance (CFG batched and as two forwards; the batched step is one forward);
 declared options are checked with errors naming the family and field; the default request is the
-diffusers pipeline's call defaults; `spindle generate` writes the png generate() returns (image families); the condition model refuses
-bad pixel shapes and its training inputs are the transformer's forward arguments; a few samples
+diffusers pipeline's call defaults; `spindle generate` writes the png generate() returns (image
+families); the condition model refuses bad pixel shapes and its training inputs are the
+transformer's forward arguments; a few samples
 overfit, with the token throughput counted as inference counts tokens; the export loads in stock
 diffusers with every tensor equal to the trained one and Spindle on it equals diffusers; Ulysses SP
 and ring attention on 2 processes equal one process (slow). And a broken family fails it.
