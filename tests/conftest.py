@@ -12,6 +12,7 @@ import io
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,6 +20,23 @@ from spindle.config import load_config
 
 TINY_SIZE = (32, 32)
 TINY_FRAMES = 9
+TINY_TEXT = 16  # model.max_text_length of the tiny runs (divides the SP degrees the tests use)
+
+
+# A Flux request with true CFG (negative prompt + true_cfg_scale): the CFG modes (batched, two
+# forwards, CFG-parallel ranks) have two branches to combine. tests/test_infer_defaults.py and
+# tests/test_flux_engine.py run it on their own tiny checkpoints.
+FLUX_TRUE_CFG = dict(
+    prompt="a windmill at sunset",
+    negative_prompt="blurry",
+    height=32,
+    width=48,
+    num_inference_steps=3,
+    guidance_scale=3.5,
+    max_sequence_length=16,
+    seed=21,
+    true_cfg_scale=3.0,
+)
 
 
 @pytest.fixture(scope="session")
@@ -71,11 +89,39 @@ def shapes_videos(tmp_path_factory) -> Path:
     )
 
 
+@pytest.fixture(scope="module")
+def tiny_condition(tiny_checkpoint) -> Callable[[str], Any]:
+    """`tiny_condition(family)`: the family's condition model (the training side: VAE, text encoders)
+    on its tiny checkpoint with model.max_text_length TINY_TEXT; built once per module and family."""
+    built: dict[str, Any] = {}
+
+    def get(family: str) -> Any:
+        if family not in built:
+            from spindle.registry import get_family
+
+            cls = get_family(family).condition_model_cls()
+            built[family] = cls.from_pretrained(tiny_checkpoint(family), max_text_length=TINY_TEXT)
+        return built[family]
+
+    return get
+
+
+def encode_two_samples(condition: Any, captions: list[str], num_frames: int = 1) -> tuple[dict, dict]:
+    """Two training samples as the data loader batches them (seeded pixels in [-1, 1] of shape
+    [2, 3, num_frames, *TINY_SIZE], `captions`, dataset indices 3 and 5) -> (batch, condition.encode(batch))."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    pixels = torch.rand(2, 3, num_frames, *TINY_SIZE, generator=g) * 2 - 1
+    batch = {"pixels": pixels, "caption": captions, "index": [3, 5]}
+    return batch, condition.encode(batch)
+
+
 def train_overrides(model: Path, data: Path, output_dir: Path, **train) -> list[str]:
     """Dotted overrides for a short CPU training run on the tiny model."""
     values = {
         "model.path": model,
-        "model.max_text_length": 16,
+        "model.max_text_length": TINY_TEXT,
         "data.path": data,
         "data.resolution": list(TINY_SIZE),
         "data.num_frames": TINY_FRAMES,
@@ -273,3 +319,38 @@ def lm_overrides(model: Path, data: Path, output_dir: Path, **values) -> list[st
     }
     base.update({k.replace("__", "."): v for k, v in values.items()})
     return [f"{k}={v}" for k, v in base.items()]
+
+
+def lm_train(model: Path, data: Path, out: Path, **overrides) -> tuple[Any, Any]:
+    """A causal-LM training run in this process (`lm_overrides`); -> (trainer, result)."""
+    from spindle.train.trainer import Trainer
+
+    trainer = Trainer(load_config(None, lm_overrides(model, data, out, **overrides)))
+    return trainer, trainer.run()
+
+
+def lm_stock(path: Path) -> tuple[Any, Any]:
+    """Stock transformers on a causal-LM folder: (the fp32 model, its tokenizer)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path)
+
+
+def one_step_metrics(model: Path, texts: list[str], out: Path, seq_len: int, **overrides) -> dict[str, Any]:
+    """One optimizer step of Spindle over the text documents `texts`, unpacked rows in the order given,
+    all in one micro-batch (what a stock forward of the same rows computes) -> that step's metrics."""
+    import json
+
+    from spindle.train.metrics import read_metrics
+
+    data = out / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    batch = len(texts)
+    lm_train(
+        model, data, out / "run", data__packing=False, data__shuffle=False, data__seq_len=seq_len,
+        train__max_steps=1, train__global_batch_size=batch, train__micro_batch_size=batch,
+        checkpoint__export=False, **overrides,
+    )  # fmt: skip
+    (metrics,) = read_metrics(out / "run")
+    return metrics

@@ -12,23 +12,9 @@ import torch
 
 from spindle.config import ConfigError, load_config
 from spindle.train.metrics import read_metrics
-from tests.conftest import lm_overrides
+from tests.conftest import lm_overrides, lm_stock, lm_train, one_step_metrics
 
 RTOL = 1e-5
-
-
-def stock(path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path)
-
-
-def run(model, data, out, **overrides):
-    from spindle.train.trainer import Trainer
-
-    trainer = Trainer(load_config(None, lm_overrides(model, data, out, **overrides)))
-    result = trainer.run()
-    return trainer, result
 
 
 # ---------------------------------------------------------------- tiny models
@@ -46,7 +32,7 @@ def test_cli_tiny_model_loads_in_stock_transformers(family, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert AutoConfig.from_pretrained(out).model_type == family
-    model, tok = stock(out)
+    model, tok = lm_stock(out)
     assert type(model).__name__ == {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[family]
     assert 3e5 < sum(p.numel() for p in model.parameters()) < 2e6
     assert tok.chat_template and tok.eos_token_id is not None
@@ -81,7 +67,7 @@ def test_packed_row_loss_equals_documents_computed_separately(attn, tiny_qwen3, 
     from spindle.data.text import build_text_dataset
     from spindle.train.tasks.causal_lm import causal_lm_loss_sum
 
-    _, tok = stock(tiny_qwen3)
+    _, tok = lm_stock(tiny_qwen3)
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32, attn_implementation=attn)
     texts = ["the red circle moves left on a gray background", "a blue square", "then the big yellow star moves up"]
     f = tmp_path / "d.jsonl"
@@ -105,21 +91,8 @@ def test_packed_row_loss_equals_documents_computed_separately(attn, tiny_qwen3, 
 def test_step_one_loss_and_grad_norm_equal_stock_transformers(family, tiny_qwen3, tiny_llama, tmp_path):
     path = {"qwen3": tiny_qwen3, "llama": tiny_llama}[family]
     text = "the red circle moves left on a gray background . then the red circle moves right ."
-    data = tmp_path / "one.jsonl"
-    data.write_text(json.dumps({"text": text}) + "\n")
-    run(
-        path,
-        data,
-        tmp_path / "run",
-        data__packing=False,
-        data__seq_len=32,  # longer than the sample: padded rows must not change the loss
-        train__max_steps=1,
-        train__global_batch_size=1,
-        train__micro_batch_size=1,
-        checkpoint__export=False,
-    )
-    (m,) = read_metrics(tmp_path / "run")
-    model, tok = stock(path)
+    m = one_step_metrics(path, [text], tmp_path, seq_len=32)  # longer than the sample: padding must not count
+    model, tok = lm_stock(path)
     ids = torch.tensor([[*tok(text).input_ids, tok.eos_token_id]])
     assert ids.shape[1] < 32
     loss = model(ids, labels=ids).loss
@@ -135,7 +108,7 @@ def test_loss_is_the_global_token_mean_whatever_the_micro_batches(tiny_qwen3, lm
     from spindle.data.loader import ResumableLoader
     from spindle.data.text import build_text_dataset, collate_rows
 
-    _, tok = stock(tiny_qwen3)
+    _, tok = lm_stock(tiny_qwen3)
     ds = build_text_dataset(lm_corpus, tok, seq_len=48, packing=False)
     loader = ResumableLoader(ds, 2, dp_rank=0, dp_size=1, seed=0, collate_fn=collate_rows)
     counts = {int((next(loader)["shift_labels"] != -100).sum()) for _ in range(4)}
@@ -144,7 +117,9 @@ def test_loss_is_the_global_token_mean_whatever_the_micro_batches(tiny_qwen3, lm
     series = {}
     for micro in (8, 2, 1):
         out = tmp_path / f"mb{micro}"
-        run(tiny_qwen3, lm_corpus, out, data__packing=False, train__micro_batch_size=micro, checkpoint__export=False)
+        lm_train(
+            tiny_qwen3, lm_corpus, out, data__packing=False, train__micro_batch_size=micro, checkpoint__export=False
+        )
         series[micro] = read_metrics(out)
     for micro in (2, 1):
         for key in ("loss", "grad_norm"):
@@ -158,7 +133,7 @@ def test_loss_is_the_global_token_mean_whatever_the_micro_batches(tiny_qwen3, lm
 def test_export_loads_in_stock_transformers_with_every_tensor_equal(tiny_qwen3, lm_corpus, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    trainer, result = run(tiny_qwen3, lm_corpus, tmp_path / "run", train__max_steps=2)
+    trainer, result = lm_train(tiny_qwen3, lm_corpus, tmp_path / "run", train__max_steps=2)
     export = result.export_dir
     assert sorted(p.name for p in export.glob("*.safetensors")) == ["model-00001-of-00001.safetensors"]
     assert not (export / "sharded").exists()
@@ -168,7 +143,7 @@ def test_export_loads_in_stock_transformers_with_every_tensor_equal(tiny_qwen3, 
     assert exported.keys() == trained.keys()
     for key, value in trained.items():
         assert torch.equal(exported[key], value.detach().cpu()), key
-    base = stock(tiny_qwen3)[0].state_dict()
+    base = lm_stock(tiny_qwen3)[0].state_dict()
     assert any(not torch.equal(base[k], trained[k]) for k in trained), "training changed nothing"
     tok = AutoTokenizer.from_pretrained(export)
     ids = loaded.generate(**tok("the red circle", return_tensors="pt"), max_new_tokens=4, do_sample=False)
@@ -191,7 +166,7 @@ def test_export_is_split_into_shards_that_stock_transformers_reassembles(tiny_ll
 
     from spindle.train.tasks.causal_lm import write_transformers_folder
 
-    model, _ = stock(tiny_llama)
+    model, _ = lm_stock(tiny_llama)
     out = tmp_path / "sharded"
     write_transformers_folder(model, model.state_dict(), tiny_llama, out, max_shard_bytes=200_000)
     shards = sorted(out.glob("model-*.safetensors"))
@@ -213,8 +188,8 @@ def test_text_data_config_errors_name_the_key(tiny_qwen3, lm_corpus, tmp_path):
 
 
 def test_gradient_checkpointing_gives_the_same_run(tiny_llama, lm_corpus, tmp_path):
-    run(tiny_llama, lm_corpus, tmp_path / "plain", train__max_steps=2, checkpoint__export=False)
-    run(
+    lm_train(tiny_llama, lm_corpus, tmp_path / "plain", train__max_steps=2, checkpoint__export=False)
+    lm_train(
         tiny_llama,
         lm_corpus,
         tmp_path / "ac",

@@ -5,8 +5,10 @@ Per family (parametrised over `registry.all_families()`): `spindle tiny-model` w
 the registry resolves; the tiny checkpoint loads in stock diffusers with the components its
 model_index.json names; inference equals the family's diffusers pipeline with and without
 classifier-free guidance (CFG batched and as two forwards; the batched step is one forward);
-declared options are checked with errors naming the family and field; the condition model refuses
-bad pixel shapes and its training inputs are the transformer's forward arguments; a few samples
+declared options are checked with errors naming the family and field; the default request is the
+diffusers pipeline's call defaults; `spindle generate` writes the png generate() returns (image
+families); the condition model refuses bad pixel shapes and its training inputs are the
+transformer's forward arguments; a few samples
 overfit, with the token throughput counted as inference counts tokens; the export loads in stock
 diffusers with every tensor equal to the trained one and Spindle on it equals diffusers; Ulysses SP
 and ring attention on 2 processes equal one process (slow). And a broken family fails it.
@@ -53,6 +55,45 @@ def test_tiny_checkpoint_loads_in_stock_diffusers(name, tiny):
 def test_inference_equals_the_diffusers_pipeline(name, case, cfg_batch, tiny):
     family = get_family(name)
     suite.check_inference_parity(family, tiny(name), family.conformance.parity_cases[case], cfg_batch=cfg_batch)
+
+
+# Spindle's default request per family: the diffusers pipeline's __call__ defaults (Flux and
+# Qwen-Image: default_sample_size 128 x the tiny VAE's factor 2; Wan's pipeline names its size).
+# check_default_params also reads them off the pipeline, so a stale row here fails.
+DEFAULTS = {
+    "flux": dict(
+        height=256, width=256, num_frames=None, num_inference_steps=28, guidance_scale=3.5, max_sequence_length=512,
+        extra={"true_cfg_scale": 1.0},  # FluxPipeline's: no true CFG
+    ),
+    "qwenimage": dict(
+        height=256, width=256, negative_prompt=None, num_inference_steps=50, max_sequence_length=512,
+        extra={"true_cfg_scale": 4.0},  # QwenImagePipeline's, which runs only with a negative prompt
+    ),
+    "wan": dict(height=480, width=832, num_frames=81, num_inference_steps=50, guidance_scale=5.0),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_defaults_are_the_diffusers_pipeline_defaults(name, tiny):
+    assert name in DEFAULTS, f"{name}: add the family's diffusers pipeline call defaults to DEFAULTS"
+    suite.check_default_params(get_family(name), tiny(name), DEFAULTS[name])
+
+
+# `spindle generate` requests per image family, each with a flag of its own (Flux's embedded
+# --guidance, Qwen-Image's --true-cfg-scale). A video family's mp4 is lossy: tests/test_infer_cli.py.
+IMAGE_FAMILIES = [f for f in FAMILIES if get_family(f).inference_spec().media == "image"]
+CLI_CASES = {
+    "flux": dict(prompt="a cat", height=32, width=48, num_inference_steps=2, guidance_scale=3.5, seed=4),
+    "qwenimage": dict(
+        prompt="a fox", negative_prompt="blurry", true_cfg_scale=2.5, height=32, width=48, num_inference_steps=2, seed=4
+    ),
+}
+
+
+@pytest.mark.parametrize("name", IMAGE_FAMILIES)
+def test_generate_cli_writes_the_generated_png(name, tiny, tmp_path):
+    assert name in CLI_CASES, f"{name}: add a `spindle generate` request to CLI_CASES"
+    suite.check_generate_cli_png(get_family(name), tiny(name), tmp_path / f"{name}.png", CLI_CASES[name])
 
 
 @pytest.mark.parametrize("name", FAMILIES)

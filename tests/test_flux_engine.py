@@ -9,20 +9,9 @@ import pytest
 
 from spindle.testing.multiprocess import generate_on_ranks
 from spindle.testing.tiny import build_tiny_flux
-from tests.conftest import generate_with_sp2
+from tests.conftest import FLUX_TRUE_CFG, generate_with_sp2
 
-# true CFG (negative prompt + true_cfg_scale) so the CFG modes have two branches to split
-KW = dict(
-    prompt="a windmill at sunset",
-    negative_prompt="blurry",
-    height=32,
-    width=48,
-    num_inference_steps=3,
-    guidance_scale=3.5,
-    max_sequence_length=16,
-    seed=21,
-    true_cfg_scale=3.0,
-)
+KW = FLUX_TRUE_CFG  # true CFG, so the CFG modes have two branches to split
 
 
 @pytest.fixture(scope="module")

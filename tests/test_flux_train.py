@@ -7,16 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import assert_same_training, check_demo, train_cli
-
-SIZE = (32, 32)
+from tests.conftest import assert_same_training, check_demo, encode_two_samples, train_cli
 
 
 @pytest.fixture(scope="module")
-def condition(tiny_flux):
-    from spindle.models.flux.condition import FluxConditionModel
-
-    return FluxConditionModel.from_pretrained(tiny_flux, max_text_length=16)
+def condition(tiny_condition):
+    return tiny_condition("flux")
 
 
 def test_training_inputs_follow_diffusers_flux_conventions(condition, tiny_flux):
@@ -29,10 +25,8 @@ def test_training_inputs_follow_diffusers_flux_conventions(condition, tiny_flux)
     from spindle.train.tasks.flow_matching import sample_generator
 
     pipe = condition.pipe
-    g = torch.Generator().manual_seed(0)
-    pixels = torch.rand(2, 3, 1, *SIZE, generator=g) * 2 - 1
-    batch = {"pixels": pixels, "caption": ["a red circle", "a blue square on the left"], "index": [3, 5]}
-    cond = condition.encode(batch)
+    batch, cond = encode_two_samples(condition, ["a red circle", "a blue square on the left"])
+    pixels = batch["pixels"]
 
     vae = pipe.vae
     x0 = (vae.encode(pixels[:, :, 0]).latent_dist.mode() - vae.config.shift_factor) * vae.config.scaling_factor

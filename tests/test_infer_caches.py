@@ -135,3 +135,21 @@ def test_faster_cache_needs_a_spatial_output_and_auto_skips_it_for_packed_tokens
                  num_inference_steps=6, seed=0)  # fmt: skip
     tried = {t["name"] for t in gen.cache_choice.trials}
     assert "faster" not in tried and {"fbc", "taylorseer"} <= tried
+
+
+def test_faster_cache_without_cfg_batch_is_refused_before_and_after_loading(tiny_wan):
+    """FasterCache approximates the unconditional half of a CFG-batched forward. The engine options
+    refuse it without CFG batching before anything loads, and the denoising stage (a cache set on an
+    engine built without it; what `auto` skips) says the same, from one definition."""
+    from spindle import DiffusionGenerator
+
+    message = "cache='faster' approximates the unconditional half of a CFG-batched forward"
+    with pytest.raises(ValueError, match=message):
+        DiffusionGenerator.from_pretrained(tiny_wan, cache="faster", cfg_batch=False)
+    stage = DiffusionGenerator.from_pretrained(tiny_wan, cfg_batch=False).pipeline.denoising
+    assert stage.cache_unavailable("faster").startswith(message)
+    with pytest.raises(ValueError, match=message):
+        stage.set_cache("faster")
+    assert stage.cache is None
+    stage.cfg_batch = True  # the same stage with CFG batching takes it
+    assert stage.cache_unavailable("faster") is None

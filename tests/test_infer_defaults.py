@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from spindle.testing.tiny import build_tiny_flux, build_tiny_wan
+from tests.conftest import FLUX_TRUE_CFG
 
 CASES = {
     "wan": dict(
@@ -24,17 +25,7 @@ CASES = {
         guidance_scale=5.0,
         seed=4,
     ),
-    "flux": dict(
-        prompt="a windmill at sunset",
-        negative_prompt="blurry",
-        height=32,
-        width=48,
-        num_inference_steps=3,
-        guidance_scale=3.5,
-        max_sequence_length=16,
-        seed=21,
-        true_cfg_scale=3.0,
-    ),
+    "flux": FLUX_TRUE_CFG,
 }
 
 

@@ -97,7 +97,8 @@ def test_cli_parser_imports_no_torch():
 
 
 def test_registered_families_declare_their_options():
-    from spindle.registry import get_family
+    from spindle.models.family import DiTFamily
+    from spindle.registry import all_families, get_family
 
     assert [o.name for o in get_family("flux").options.extra] == ["true_cfg_scale"]
     assert get_family("flux").options.defaults() == {"true_cfg_scale": 1.0}
@@ -112,6 +113,10 @@ def test_registered_families_declare_their_options():
     help_text = " ".join(sub.choices["generate"].format_help().split())
     assert "--true-cfg-scale" in help_text and "flux default 1.0, qwenimage default 4.0" in help_text
     assert "flux: embedded guidance" in help_text and "wan: classifier-free guidance scale" in help_text
+    # --guidance names the diffusion families only: language models are not generated with it
+    guidance = help_text.split("--guidance GUIDANCE guidance_scale;")[1].split("--seed")[0]
+    named = {f.name for f in all_families() if f"{f.name}: " in guidance}
+    assert named == {f.name for f in all_families() if isinstance(f, DiTFamily)} == {"flux", "qwenimage", "wan"}
 
 
 def test_request_fields_come_from_the_declaration():

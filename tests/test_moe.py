@@ -4,51 +4,22 @@ naming the key), export into stock transformers in the input's layout."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from spindle.config import load_config
-from spindle.train.metrics import read_metrics
-from tests.conftest import lm_overrides
+from tests.conftest import lm_overrides, lm_stock, lm_train, one_step_metrics
 
 RTOL = 1e-5
 TEXT = "the red circle moves left on a gray background . then the red circle moves right ."
 
 
-def run(model, data, out, **overrides):
-    from spindle.train.trainer import Trainer
-
-    trainer = Trainer(load_config(None, lm_overrides(model, data, out, **overrides)))
-    return trainer, trainer.run()
-
-
-def stock(path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path)
-
-
 def test_step_one_loss_with_aux_and_grad_norm_equal_stock_transformers(tiny_qwen3_moe, tmp_path):
-    model, tok = stock(tiny_qwen3_moe)
+    model, tok = lm_stock(tiny_qwen3_moe)
     ids = torch.tensor([[*tok(TEXT).input_ids, tok.eos_token_id]])
-    data = tmp_path / "one.jsonl"
-    data.write_text(json.dumps({"text": TEXT}) + "\n")
     # seq_len = the sample: the router statistics cover every position of a row (as stock's do without
     # an attention mask), so a padded row would route its padding too.
-    run(
-        tiny_qwen3_moe,
-        data,
-        tmp_path / "run",
-        data__packing=False,
-        data__seq_len=ids.shape[1],
-        train__max_steps=1,
-        train__global_batch_size=1,
-        train__micro_batch_size=1,
-        checkpoint__export=False,
-    )
-    (m,) = read_metrics(tmp_path / "run")
+    m = one_step_metrics(tiny_qwen3_moe, [TEXT], tmp_path, seq_len=ids.shape[1])
     out = model(ids, labels=ids, output_router_logits=True)
     out.loss.backward()
     norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
@@ -67,27 +38,13 @@ def test_padding_is_out_of_the_aux_loss_and_the_load_as_in_stock_transformers_wi
 ):
     """`packing: false` rows of two documents of different lengths, one micro-batch: the padded row's
     pad positions must not count in the router statistics, as stock does when given `attention_mask`."""
-    model, tok = stock(tiny_qwen3_moe)
+    model, tok = lm_stock(tiny_qwen3_moe)
     texts = [TEXT, "the red circle"]
     docs = [[*tok(t).input_ids, tok.eos_token_id] for t in texts]
     seq_len = len(docs[0]) + 4  # both rows padded, the second by many positions
     ids = torch.tensor([d + [tok.pad_token_id] * (seq_len - len(d)) for d in docs])
     mask = torch.tensor([[1] * len(d) + [0] * (seq_len - len(d)) for d in docs])
-    data = tmp_path / "two.jsonl"
-    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    run(
-        tiny_qwen3_moe,
-        data,
-        tmp_path / "run",
-        data__packing=False,
-        data__shuffle=False,
-        data__seq_len=seq_len,
-        train__max_steps=1,
-        train__global_batch_size=2,
-        train__micro_batch_size=2,
-        checkpoint__export=False,
-    )
-    (m,) = read_metrics(tmp_path / "run")
+    m = one_step_metrics(tiny_qwen3_moe, texts, tmp_path, seq_len=seq_len)
     out = model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100), output_router_logits=True)
     out.loss.backward()
     norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
@@ -239,7 +196,7 @@ def test_export_writes_the_input_layout_and_loads_in_stock_transformers(layout, 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = small_moe if layout == "per_expert" else rewrite(small_moe, tmp_path / "fused", fuse)
-    trainer, result = run(src, lm_corpus, tmp_path / "run", train__max_steps=2)
+    trainer, result = lm_train(src, lm_corpus, tmp_path / "run", train__max_steps=2)
     written = {}
     for shard in result.export_dir.glob("*.safetensors"):
         written.update(load_file(shard))

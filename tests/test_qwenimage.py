@@ -1,6 +1,6 @@
 """Qwen-Image family: tiny checkpoint in stock diffusers (Qwen2.5-VL text encoder, chat-template
 tokenizer), inference parity with QwenImagePipeline (fp32 CPU, 1e-5) with and without true CFG and
-with variable-length prompts in one batch, request validation, `spindle generate` to png."""
+with variable-length prompts in one batch, request validation, `spindle generate`'s one-line errors."""
 
 from __future__ import annotations
 
@@ -133,14 +133,9 @@ def test_true_cfg_scale_is_the_cfg_scale_and_the_cfg_case_has_texts_of_two_lengt
     assert req.prompt_embeds.shape[1] < req.negative_prompt_embeds.shape[1]
 
 
-def test_defaults_are_qwenimage_pipeline_defaults(tiny):
-    from spindle import DiffusionGenerator
-
-    d = DiffusionGenerator.from_pretrained(tiny).defaults
-    # QwenImagePipeline: default_sample_size 128 x VAE factor (2 here), 50 steps, 512 text tokens,
-    # true_cfg_scale 4 (which runs only with a negative prompt)
-    assert (d.height, d.width, d.num_inference_steps, d.max_sequence_length) == (256, 256, 50, 512)
-    assert d.negative_prompt is None and d.extra == {"true_cfg_scale": 4.0}
+# The defaults (QwenImagePipeline's call defaults) and `spindle generate --true-cfg-scale` writing the
+# generated png: tests/test_conformance.py (test_defaults_are_the_diffusers_pipeline_defaults,
+# test_generate_cli_writes_the_generated_png).
 
 
 # ------------------------------------------------------------------ bad requests
@@ -174,27 +169,6 @@ def test_bad_requests_are_clear_errors(other_gen, kw, message):
 
 def spindle_generate(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "spindle", "generate", *args], capture_output=True, text=True)
-
-
-def test_generate_cli_true_cfg_writes_png(tiny, tmp_path):
-    """The family's own option is a CLI flag (--true-cfg-scale), from its declaration."""
-    from PIL import Image
-
-    from spindle import DiffusionGenerator
-
-    out = tmp_path / "fox.png"
-    kw = dict(prompt="a fox", negative_prompt="blurry", height=32, width=48, num_inference_steps=2, seed=4)
-    r = spindle_generate(
-        "--model", str(tiny), "--prompt", "a fox", "--negative-prompt", "blurry", "--true-cfg-scale", "2.5",
-        "--height", "32", "--width", "48", "--steps", "2", "--seed", "4", "--out", str(out),
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    assert "family qwenimage" in r.stdout
-    image = np.asarray(Image.open(out))
-    frames = DiffusionGenerator.from_pretrained(tiny).generate(**kw, true_cfg_scale=2.5).frames
-    assert image.shape == (32, 48, 3) and np.abs(image.astype(np.float32) - frames[0] * 255).max() <= 1.0
-    default = DiffusionGenerator.from_pretrained(tiny).generate(**kw).frames  # true_cfg_scale 4: differs
-    assert np.abs(default - frames).max() > 1e-3
 
 
 def test_generate_cli_option_errors_are_one_line(tiny, tmp_path):

@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import assert_same_training, check_demo, train_cli
+from tests.conftest import TINY_TEXT, assert_same_training, check_demo, encode_two_samples, train_cli
 
-SIZE = (32, 32)
-TEXT = 16  # model.max_text_length: divisible by the SP degree (the _cp_plan splits the text tokens)
+TEXT = TINY_TEXT  # model.max_text_length: divisible by the SP degree (the _cp_plan splits the text tokens)
 
 
 @pytest.fixture(scope="module")
@@ -23,10 +22,8 @@ def tiny(tiny_checkpoint) -> Path:
 
 
 @pytest.fixture(scope="module")
-def condition(tiny):
-    from spindle.models.qwenimage.condition import QwenImageConditionModel
-
-    return QwenImageConditionModel.from_pretrained(tiny, max_text_length=TEXT)
+def condition(tiny_condition):
+    return tiny_condition("qwenimage")
 
 
 def test_training_inputs_follow_diffusers_qwenimage_conventions(condition, tiny):
@@ -43,10 +40,9 @@ def test_training_inputs_follow_diffusers_qwenimage_conventions(condition, tiny)
     from spindle.train.tasks.flow_matching import sample_generator
 
     pipe = condition.pipe
-    g = torch.Generator().manual_seed(0)
-    pixels = torch.rand(2, 3, 1, *SIZE, generator=g) * 2 - 1
     captions = ["a red circle", "a big blue square moves on the left"]
-    cond = condition.encode({"pixels": pixels, "caption": captions, "index": [3, 5]})
+    batch, cond = encode_two_samples(condition, captions)
+    pixels = batch["pixels"]
 
     vae = pipe.vae
     shape = (1, vae.config.z_dim, 1, 1, 1)

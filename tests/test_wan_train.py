@@ -13,14 +13,12 @@ import inspect
 import pytest
 import torch
 
-from tests.conftest import TINY_FRAMES, TINY_SIZE
+from tests.conftest import TINY_FRAMES, encode_two_samples
 
 
 @pytest.fixture(scope="module")
-def condition(tiny_wan):
-    from spindle.models.wan.condition import WanConditionModel
-
-    return WanConditionModel.from_pretrained(tiny_wan, max_text_length=16)
+def condition(tiny_condition):
+    return tiny_condition("wan")
 
 
 def test_training_inputs_follow_diffusers_wan_conventions(condition, tiny_wan):
@@ -32,10 +30,8 @@ def test_training_inputs_follow_diffusers_wan_conventions(condition, tiny_wan):
     from spindle.train.tasks.flow_matching import sample_generator
 
     pipe = condition.pipe
-    g = torch.Generator().manual_seed(0)
-    pixels = torch.rand(2, 3, TINY_FRAMES, *TINY_SIZE, generator=g) * 2 - 1
-    batch = {"pixels": pixels, "caption": ["a red circle", "a blue square moves up"], "index": [3, 5]}
-    cond = condition.encode(batch)
+    batch, cond = encode_two_samples(condition, ["a red circle", "a blue square moves up"], TINY_FRAMES)
+    pixels = batch["pixels"]
 
     # latents: the VAE posterior mode, normalised with the inverse of WanPipeline's pre-decode step
     # (`latents / (1 / std) + mean`), so decoding a training latent gives the training video back

@@ -42,6 +42,16 @@ class CachePolicy:
     needs_cfg_batch: bool = False  # the hook splits the batch into [uncond; cond]
     needs_spatial_output: bool = False  # the hook needs the output's layout (InferenceSpec.output_layout)
 
+    def cfg_unavailable(self, cfg_batch: bool, cfg_parallel: bool) -> str | None:
+        """Why this policy cannot run with these CFG settings (None: it can). One definition for
+        `EngineOptions.validate` (before the engine is built) and `DenoisingStage.cache_unavailable`."""
+        if self.needs_cfg_batch and (not cfg_batch or cfg_parallel):
+            return (
+                f"cache={self.name!r} approximates the unconditional half of a CFG-batched forward: "
+                "it needs cfg_batch=True and no cfg_parallel"
+            )
+        return None
+
 
 POLICIES: dict[str, CachePolicy] = {
     p.name: p

@@ -153,16 +153,22 @@ def needs_negative_prompt(value: Any, params: SamplingParams) -> str | None:
 # ---------------------------------------------------------------- readers: CLI and HTTP
 
 
-def _families_options(families: Iterable[Any] | None = None) -> dict[str, list[tuple[str, Option]]]:
-    """option name -> [(family name, Option)] over the registered families (the declarations are
-    light: reading them imports no model code)."""
+def _sampling_families(families: Iterable[Any] | None = None) -> list[Any]:
+    """The families (default: the registered ones) that declare sampling options: the diffusion
+    families `spindle generate` and the server run; language models declare none."""
     if families is None:
         from spindle.registry import all_families
 
         families = all_families()
+    return [f for f in families if isinstance(getattr(f, "options", None), FamilyOptions)]
+
+
+def _families_options(families: Iterable[Any] | None = None) -> dict[str, list[tuple[str, Option]]]:
+    """option name -> [(family name, Option)] over the families with sampling options (the
+    declarations are light: reading them imports no model code)."""
     out: dict[str, list[tuple[str, Option]]] = {}
-    for fam in families:
-        for opt in getattr(fam, "options", FamilyOptions()).extra:
+    for fam in _sampling_families(families):
+        for opt in fam.options.extra:
             out.setdefault(opt.name, []).append((fam.name, opt))
     for name, decls in out.items():
         if len({o.type for _, o in decls}) > 1:
@@ -189,12 +195,8 @@ def option_values(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def guidance_help(families: Iterable[Any] | None = None) -> str:
-    """What `guidance_scale` means, per family."""
-    if families is None:
-        from spindle.registry import all_families
-
-        families = all_families()
-    return "; ".join(f"{f.name}: {getattr(f, 'options', FamilyOptions()).guidance}" for f in families)
+    """What `guidance_scale` means, per family with sampling options (not the language models)."""
+    return "; ".join(f"{f.name}: {f.options.guidance}" for f in _sampling_families(families))
 
 
 def request_fields(options: FamilyOptions) -> dict[str, Any]:

@@ -80,11 +80,9 @@ class EngineOptions:
                 f"{'compile' if self.compile else 'cache=' + repr(self.cache)}; drop one of them"
             )
         policy = POLICIES.get(self.cache) if self.cache is not None else None
-        if policy is not None and policy.needs_cfg_batch and (not self.cfg_batch or self.cfg_parallel):
-            raise ValueError(
-                f"cache={self.cache!r} approximates the unconditional half of a CFG-batched forward: "
-                "it needs cfg_batch=True and no cfg_parallel"
-            )
+        reason = policy.cfg_unavailable(self.cfg_batch, self.cfg_parallel) if policy is not None else None
+        if reason is not None:
+            raise ValueError(reason)  # early: the denoising stage (which checks it again) does not exist yet
         if self.cache == "auto" and self.world_size_needed > 1:
             raise ValueError(
                 "cache='auto' calibrates in one process; pick the policy it printed for sp / ring / cfg_parallel"

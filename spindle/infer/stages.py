@@ -284,11 +284,9 @@ class DenoisingStage(Stage):
         policy = POLICIES.get(name)
         if policy is None:
             return None  # "auto" / unknown names: StepCache's own checks say what is wrong
-        if policy.needs_cfg_batch and (not self.cfg_batch or self.cfg_group is not None):
-            return (
-                f"cache={name!r} approximates the unconditional half of a CFG-batched forward: "
-                "it needs cfg_batch=True and no cfg_parallel"
-            )
+        reason = policy.cfg_unavailable(self.cfg_batch, cfg_parallel=self.cfg_group is not None)
+        if reason is not None:
+            return reason
         if policy.needs_spatial_output and self.spec.output_layout is None:
             return (
                 f"cache {name!r} splits the model output into spatial frequencies, but {self.spec.family}'s "

@@ -105,6 +105,29 @@ def before_denoising(root: Path, kwargs: dict[str, Any]) -> tuple[Any, Any]:
     return gen, gen.pipeline.stages[0](gen.make_request(sampling_params(kwargs)))
 
 
+def check_default_params(family: DiTFamily, root: Path, expected: dict[str, Any]) -> None:
+    """Spindle's default request (`DiffusionGenerator.defaults`) has the `expected` values (`extra`:
+    the family options' defaults), and they are the stock pipeline's: every one the pipeline's
+    `__call__` gives a default is that default, and a size it leaves to the checkpoint (None) is its
+    `default_sample_size` x `vae_scale_factor`."""
+    from spindle.infer.generator import DiffusionGenerator
+
+    defaults = DiffusionGenerator.from_pretrained(root).defaults
+    got = {k: getattr(defaults, k) for k in expected}
+    assert got == expected, f"{family.name}: Spindle's default params {got}, expected {expected}"
+    pipeline_cls = family.pipeline_class()
+    call = inspect.signature(pipeline_cls.__call__).parameters
+    pipe: Any = None
+    for name, value in {**{k: v for k, v in expected.items() if k != "extra"}, **expected.get("extra", {})}.items():
+        stock = call[name].default if name in call else None
+        if stock is None and name in ("height", "width"):
+            if pipe is None:
+                pipe = pipeline_cls.from_pretrained(root)
+            stock = pipe.default_sample_size * pipe.vae_scale_factor
+        if stock is not None:
+            assert value == stock, f"{family.name}: default {name} is {value}, {pipeline_cls.__name__}'s is {stock}"
+
+
 def check_cfg_batch_is_one_forward(family: DiTFamily, root: Path, kwargs: dict[str, Any]) -> tuple[int, int]:
     """With classifier-free guidance, the batched step is one transformer forward of batch 2 and equals
     the two forwards of batch 1 (cond, then uncond); text of different lengths (masked families) is
@@ -215,6 +238,45 @@ def check_generator_parity(
     )
     np.testing.assert_allclose(result.frames, reference, atol=PARITY_ATOL, rtol=0)
     assert set(result.timings) == {"before_denoising", "denoising", "decoding"}, sorted(result.timings)
+
+
+# ---------------------------------------------------------------- the CLI
+
+CLI_FLAGS = {"num_inference_steps": "--steps", "guidance_scale": "--guidance"}  # the rest: --field-name
+
+
+def check_generate_cli_png(family: DiTFamily, root: Path, out: Path, kwargs: dict[str, Any]) -> None:
+    """`spindle generate` (a real process, as users run it) with the flags for `kwargs` (generate()'s
+    keyword arguments, family options included) names the family and writes a png holding what
+    `DiffusionGenerator.generate(**kwargs)` returns, to the 8-bit rounding. A family option in `kwargs`
+    must change generate()'s image (a case that sets it to no effect tests nothing); on a tiny model
+    that change can be under the png's rounding, so a dropped flag shows in the family's one-line
+    option errors (e.g. tests/test_qwenimage.py::test_generate_cli_option_errors_are_one_line)."""
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    from spindle.infer.generator import DiffusionGenerator
+
+    flags = [str(a) for k, v in kwargs.items() for a in (CLI_FLAGS.get(k, "--" + k.replace("_", "-")), v)]
+    command = [sys.executable, "-m", "spindle", "generate", "--model", str(root), *flags, "--out", str(out)]
+    r = subprocess.run(command, capture_output=True, text=True)
+    assert r.returncode == 0, f"{family.name}: {' '.join(command[2:])} failed: {r.stderr[-3000:]}"
+    assert f"family {family.name}" in r.stdout, f"{family.name}: the output does not name the family: {r.stdout}"
+    image = np.asarray(Image.open(out))
+    size = (kwargs["height"], kwargs["width"], 3)
+    assert image.shape == size and image.dtype == np.uint8 and image.std() > 1, (
+        f"{family.name}: the png is {image.shape} {image.dtype} (std {image.std():.2f}), not a {size} uint8 image"
+    )
+    gen = DiffusionGenerator.from_pretrained(root)
+    frames = gen.generate(**kwargs).frames
+    diff = np.abs(image.astype(np.float32) - frames[0] * 255).max()
+    assert diff <= 1.0, f"{family.name}: the png differs from generate()'s image by {diff} of 255"
+    for name in family.options.names():
+        if name in kwargs:
+            default = gen.generate(**{k: v for k, v in kwargs.items() if k != name}).frames
+            assert np.abs(default - frames).max() > 1e-3, f"{family.name}: {name} changes nothing; pick another value"
 
 
 # ---------------------------------------------------------------- training
