@@ -2,7 +2,10 @@
 
 Same checkpoint, seed and parameters for every row. Modes:
   exact         Spindle `exact=True` (bit for bit the reference loop) vs diffusers
-  default       Spindle's defaults (CFG batching, per-request prompt projections, oneDNN VAE convs) vs diffusers
+  default       Spindle's defaults (CFG batching, per-request prompt projections, oneDNN VAE convs and
+                feed-forward Linear + GELU, freed host memory kept on CPU) vs diffusers
+  kept_memory   Spindle's defaults vs diffusers in a process with the same allocator setting
+                (`spindle.cpu_allocator.keep_freed_memory`): how much of `default` is not the allocator
   compile       regional torch.compile of the repeated blocks, both engines (warm-up not timed)
   cache         diffusers' first-block cache at each --thresholds value, both engines (PSNR vs exact)
   best          best vs best: Spindle default + compile + `cache="auto"` (calibrated at --min-psnr) vs
@@ -199,6 +202,10 @@ def _build_engine(kind: str, root: str, preset: str, options: dict, req: dict, s
     device = "cuda" if torch.cuda.is_available() else "cpu"
     t = time.perf_counter()
     if kind == "diffusers":
+        if options.get("keep_freed_memory"):
+            from spindle.cpu_allocator import keep_freed_memory
+
+            keep_freed_memory()
         pipe = diffusers_pipe(Path(root), DTYPES[p["dtype"]], device, DTYPES[p.get("vae_dtype", "float32")])
         if options.get("compile"):
             pipe.transformer.compile_repeated_blocks()
@@ -360,7 +367,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu" if not torch.cuda.is_available() else "wan1.3b")
     ap.add_argument("--root", default=None, help="checkpoint folder (built if missing; default: a temp folder)")
-    ap.add_argument("--modes", default="exact,default,compile,cache,best,sp2,cfg_parallel")
+    ap.add_argument("--modes", default="exact,default,kept_memory,compile,cache,best,sp2,cfg_parallel")
     ap.add_argument("--thresholds", default="0.05,0.2", help="first-block cache thresholds")
     ap.add_argument("--steps", type=int, default=None, help="override the preset's denoising steps")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per row (median)")
@@ -448,6 +455,10 @@ def main() -> None:
             e = engine("spindle")
             pair("default", stock, e)
             close(e)
+        if "kept_memory" in modes:
+            d, e = engine("diffusers", keep_freed_memory=True), engine("spindle")
+            pair("kept_memory", d, e)
+            close(d, e)
         if "compile" in modes:
             d, e = engine("diffusers", compile=True), engine("spindle", compile=True)
             pair("compile", d, e, warmup_s=e.info["setup_s"], diffusers_warmup_s=d.info["setup_s"])
