@@ -158,10 +158,12 @@ def _peak_memory(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux -> MiB
 
 
-def _loop(a, model, data, optimizer, device, clip, autocast: bool, warmup: int) -> list[float]:
-    times = []
+def _loop(a, model, data, optimizer, device, clip, autocast: bool, warmup: int) -> tuple[list[float], list[int]]:
+    """-> (seconds, minor page faults) of each timed step."""
+    times, faults = [], []
     for i in range(warmup + a.steps):
         common.sync(device)
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             out = model(**{k: v for k, v in data.items() if k != "target"}, return_dict=False)[0]
@@ -174,7 +176,8 @@ def _loop(a, model, data, optimizer, device, clip, autocast: bool, warmup: int) 
         common.sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    return times
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+    return times, faults
 
 
 def _worker(rank: int, world: int, variant: str, a: argparse.Namespace, out_dir: str) -> None:
@@ -191,7 +194,9 @@ def _worker(rank: int, world: int, variant: str, a: argparse.Namespace, out_dir:
         if compile:
             model.compile_repeated_blocks()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-        times = _loop(a, model, data, optimizer, device, torch.nn.utils.clip_grad_norm_, autocast=cuda, warmup=warmup)
+        times, faults = _loop(
+            a, model, data, optimizer, device, torch.nn.utils.clip_grad_norm_, autocast=cuda, warmup=warmup
+        )
     else:
         from spindle.config import TrainConfig
         from spindle.cpu_allocator import keep_freed_memory
@@ -207,8 +212,17 @@ def _worker(rank: int, world: int, variant: str, a: argparse.Namespace, out_dir:
         parallelize_transformer(model, mesh, mixed_precision=precision, gradient_checkpointing=False, compile=compile)
         optimizer = build_optimizer(model.parameters(), TrainConfig(lr=1e-5))
         autocast = autocast_dtype(model, precision) is not None  # 1 process: no FSDP policy to cast
-        times = _loop(a, model, data, optimizer, device, clip_grad_norm_tensor_, autocast=autocast, warmup=warmup)
-    result = dict(rank=rank, world=world, n_params=n_params, step_times=times, peak_mem_mib=_peak_memory(device))
+        times, faults = _loop(
+            a, model, data, optimizer, device, clip_grad_norm_tensor_, autocast=autocast, warmup=warmup
+        )
+    result = dict(
+        rank=rank,
+        world=world,
+        n_params=n_params,
+        step_times=times,
+        page_faults=faults,
+        peak_mem_mib=_peak_memory(device),
+    )
     Path(out_dir, f"{variant}_rank{rank}.json").write_text(json.dumps(result))
     if dist.is_initialized() and world > 1:
         dist.barrier()
@@ -222,10 +236,13 @@ def run_variant(variant: str, world: int, a: argparse.Namespace) -> list[float]:
         spawn(_worker, world, variant, a, d, threads=threads, backend="nccl" if cuda else "gloo")
         ranks = [json.loads(Path(d, f"{variant}_rank{r}.json").read_text()) for r in range(world)]
     a._n_params, a._peak = ranks[0]["n_params"], max(r["peak_mem_mib"] for r in ranks)
+    a._faults = ranks[0]["page_faults"]  # rank 0's minor page faults per timed step
     return [max(ts) for ts in zip(*(r["step_times"] for r in ranks), strict=True)]
 
 
-def summarize(variant: str, world: int, step_times: list[float], peak: float, a: argparse.Namespace) -> dict:
+def summarize(
+    variant: str, world: int, step_times: list[float], faults: list[int], peak: float, a: argparse.Namespace
+) -> dict:
     import statistics
 
     threads = a.threads if a.threads else max(1, (os.cpu_count() or 1) // world)
@@ -239,6 +256,7 @@ def summarize(variant: str, world: int, step_times: list[float], peak: float, a:
         samples_per_s=a.batch / mean,
         tokens_per_s=a.batch * tokens_per_sample(a) / mean,
         peak_mem_mib=peak,
+        page_faults_per_step=statistics.median(faults),  # fresh pages the kernel zero-fills (CPU: see cpu_allocator)
         step_times=step_times,
     )
 
@@ -270,15 +288,18 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     variants = ["baseline", "spindle"] + ([] if a.no_compile else ["baseline_compile", "spindle_compile"])
     times: dict[str, list[float]] = {v: [] for v in variants}
+    faults: dict[str, list[int]] = {v: [] for v in variants}
     peaks: dict[str, float] = {}
     for _ in range(a.rounds):
         for v in variants:
             times[v] += run_variant(v, 1, a)
+            faults[v] += a._faults
             print(f"  {v}: step times {[round(t, 3) for t in times[v]]}", flush=True)  # partial results
             peaks[v] = max(peaks.get(v, 0.0), a._peak)
-    results = [summarize(v, 1, times[v], peaks[v], a) for v in variants]
+    results = [summarize(v, 1, times[v], faults[v], peaks[v], a) for v in variants]
     if not a.no_sp and (not cuda or torch.cuda.device_count() >= 2):
-        results.append(summarize("spindle_sp2", 2, run_variant("spindle_sp2", 2, a), a._peak, a))
+        sp_times = run_variant("spindle_sp2", 2, a)
+        results.append(summarize("spindle_sp2", 2, sp_times, a._faults, a._peak, a))
 
     base = results[0]
     n_params = base["n_params"]
@@ -321,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
             ("tokens/s", "tokens_per_s", ">10", ".0f"),
             ("vs base", "tokens_per_s_vs_baseline", ">9", ".2f"),
             ("peak MiB", "peak_mem_mib", ">10", ".0f"),
+            ("faults/step", "page_faults_per_step", ">12", ".0f"),
             common.MFU_COLUMN,
         ],
         results,
