@@ -127,7 +127,6 @@ PRESETS = {
         dtype="float32",
     ),
 }
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2")  # per-preset overrides of the tiny builders
 WARMUP_STEPS = 2  # one step is a NaN schedule for Qwen-Image's shift_terminal scheduler (a RequestError here)
 PROMPT = dict(prompt="a red panda climbing a snowy tree, cinematic", negative_prompt="blurry, low quality")
@@ -202,6 +201,8 @@ def _build_engine(kind: str, root: str, preset: str, options: dict, req: dict, s
     device = "cuda" if torch.cuda.is_available() else "cpu"
     t = time.perf_counter()
     if kind == "diffusers":
+        from spindle.infer.pipeline import DTYPES
+
         if options.get("keep_freed_memory"):
             from spindle.cpu_allocator import keep_freed_memory
 

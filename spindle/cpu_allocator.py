@@ -32,12 +32,10 @@ _MMAP_THRESHOLDS = (2**30, 32 * 2**20)
 _applied: bool | None = None  # None: not asked yet in this process
 
 
-def keep_freed_memory(enabled: bool = True) -> bool:
+def keep_freed_memory() -> bool:
     """Raise glibc's mmap and trim thresholds for this process (once; later calls are no-ops).
-    -> whether the settings are in force. `enabled=False` changes nothing and returns False."""
+    -> whether the settings are in force."""
     global _applied
-    if not enabled:
-        return bool(_applied)
     if _applied is not None:
         return _applied
     _applied = False

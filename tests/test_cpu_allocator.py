@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(
 FAULTS = """
 import json, resource, torch
 from spindle import cpu_allocator
-kept = cpu_allocator.keep_freed_memory({keep})
+kept = cpu_allocator.keep_freed_memory() if {keep} else cpu_allocator.is_kept()
 torch.manual_seed(0)
 x, w1, w2 = torch.randn(4096, 1024), torch.randn(1024, 4096), torch.randn(4096, 1024)
 def step():

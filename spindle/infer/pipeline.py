@@ -6,11 +6,10 @@
    (`["diffusers", "AutoencoderKLWan"]` -> `diffusers.AutoencoderKLWan.from_pretrained(root/vae)`).
 3. stages: the family's BeforeDenoisingStage, the shared DenoisingStage and DecodingStage.
 4. speed options (`EngineOptions`): default-on exact ones (CFG batching, oneDNN VAE convolutions and
-   feed-forward Linear + GELU;
-   `exact=True` turns them off to reproduce diffusers bit for bit; on CPU, freed host memory is kept
-   in the process, `spindle.cpu_allocator`, which changes no number), step caching (diffusers cache
-   hooks, `spindle.infer.caches`), regional `torch.compile`, and the multi-process modes (Ulysses
-   SP, CFG parallel).
+   feed-forward Linear + GELU; `exact=True` turns them off to reproduce diffusers bit for bit; on
+   CPU, freed host memory is kept in the process, `spindle.cpu_allocator`, which changes no number),
+   step caching (diffusers cache hooks, `spindle.infer.caches`), regional `torch.compile`, and the
+   multi-process modes (Ulysses SP, CFG parallel).
 """
 
 from __future__ import annotations
