@@ -14,8 +14,7 @@ torch.cuda.max_memory_allocated on CUDA) is per variant:
   baseline_compile  the same + diffusers' `compile_repeated_blocks()` (what a diffusers user can turn on), 1 process
   spindle           `parallelize_transformer` on the 1-process mesh (no sharding to do: autocast bf16 on CUDA),
                     Spindle's optimizer (fused AdamW where the device has it), device-side clipping and, on
-                    CPU, freed host memory kept in the process (`spindle.cpu_allocator`) and the linears'
-                    GEMMs on oneDNN (`spindle.onednn_linear`), as the trainer does by default, 1 process
+                    CPU, freed host memory kept in the process (`spindle.cpu_allocator`), 1 process
   spindle_compile   the same with `compile=True` (train.compile: regional compile of each block), 1 process
   spindle_sp2       `spindle` with parallel.sp=2 on 2 processes (both ranks get the same batch), when 2 devices exist
 `--rounds R` runs the 1-process variants R times, interleaved (A B C D, A B C D, ...), so load on a
@@ -173,7 +172,7 @@ def _loop(a, model, data, optimizer, device, clip, autocast: bool, warmup: int) 
         norm = clip(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        float(loss.detach()), float(norm)  # both loops log these two scalars
+        float(loss), float(norm)  # both loops log these two scalars
         common.sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
@@ -205,11 +204,8 @@ def _worker(rank: int, world: int, variant: str, a: argparse.Namespace, out_dir:
         from spindle.distributed.mesh import ParallelDims, build_mesh
         from spindle.train.optim import build_optimizer
 
-        if not cuda:  # as Spindle's trainer does on CPU: train.keep_freed_memory, train.onednn_linear
-            from spindle.onednn_linear import use_onednn_linears
-
-            keep_freed_memory()
-            use_onednn_linears(model)
+        if not cuda:
+            keep_freed_memory()  # as Spindle's Trainer does on CPU (train.keep_freed_memory)
         sp = 2 if variant == "spindle_sp2" else 1
         mesh = build_mesh(ParallelDims(sp=sp))
         precision = "bf16" if cuda else "no"

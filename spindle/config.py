@@ -122,11 +122,6 @@ class TrainConfig(Section):
         description="on CPU, keep freed host memory in the process instead of returning it to the OS "
         "(spindle.cpu_allocator): the step's buffers are not page-faulted in again at every step",
     )
-    onednn_linear: bool = Field(
-        True,
-        description="on CPU float32, run the linears' forward and backward GEMMs on oneDNN instead of MKL "
-        "(spindle.onednn_linear; faster where MKL's sgemm is slow, e.g. AMD CPUs); losses agree within 1e-5",
-    )
     mixed_precision: Literal["auto", "no", "bf16"] = Field("auto", description="auto: bf16 on CUDA, fp32 on CPU")
     loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = "none"
     timestep: TimestepConfig = TimestepConfig()

@@ -80,15 +80,6 @@ class TrainTask(ABC):
     def build_loader(self) -> ResumableLoader:
         """A resumable iterator of this rank's micro-batches (`state_dict` / `load_state_dict`)."""
 
-    def use_cpu_kernels(self, model: torch.nn.Module) -> None:
-        """CPU float32 training: the linears' forward and backward GEMMs on oneDNN
-        (`train.onednn_linear`, spindle.onednn_linear). Call on the loaded model before SP,
-        checkpointing, compile and FSDP2 wrap it (a class swap in place: names are unchanged)."""
-        if self.cfg.train.onednn_linear and self.device.type == "cpu" and self.precision != "bf16":
-            from spindle.onednn_linear import use_onednn_linears
-
-            use_onednn_linears(model)
-
     def resumable_loader(self, dataset: Any, collate_fn: Callable[[list[Any]], Any]) -> ResumableLoader:
         """`dataset` as this rank's share of the job's batches: micro/global batch size, seed and
         shuffling from the config, the data-parallel rank and size from the mesh."""

@@ -131,7 +131,6 @@ class CausalLMTask(TrainTask):
         from spindle.distributed.fsdp import apply_fsdp, autocast_dtype, compile_blocks
 
         model = self.load_model().to(self.device)
-        self.use_cpu_kernels(model)
         model.train()
         # Order (docs/architecture.md): SP -> activation checkpointing -> compile -> FSDP2.
         if self.mesh.dims.sp > 1:

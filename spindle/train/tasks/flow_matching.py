@@ -94,7 +94,6 @@ class FlowMatchingTask(TrainTask):
         model = load_transformer(self.cfg.model.path, dtype=torch.float32).to(self.device)
         if self.cfg.train.lora is not None:  # converters before SP / checkpointing / FSDP2
             add_lora(model, self.cfg.train.lora)
-        self.use_cpu_kernels(model)
         model.train()
         model = parallelize_transformer(
             model,
