@@ -172,7 +172,7 @@ def _loop(a, model, data, optimizer, device, clip, autocast: bool, warmup: int) 
         norm = clip(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        float(loss), float(norm)  # both loops log these two scalars
+        float(loss.detach()), float(norm)  # both loops log these two scalars
         common.sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
