@@ -41,6 +41,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from spindle.api import load_generator
+
 PRESETS = {
     "cpu": dict(
         transformer=dict(
@@ -147,7 +149,7 @@ def sync() -> None:
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    from spindle.infer.generator import psnr as _psnr
+    from spindle.infer.quality import psnr as _psnr
 
     return _psnr(a, b)
 
@@ -217,9 +219,8 @@ def _build_engine(kind: str, root: str, preset: str, options: dict, req: dict, s
             pipe.transformer.enable_cache(build_config(name, threshold, knobs, lambda: pipe.current_timestep))
         run_diffusers(pipe, req, seed, steps=WARMUP_STEPS)  # warm-up (compilation with compile)
         return pipe, {"setup_s": round(time.perf_counter() - t, 2)}
-    from spindle import DiffusionGenerator
 
-    gen = DiffusionGenerator.from_pretrained(root, dtype=p["dtype"], vae_dtype=p.get("vae_dtype", "float32"), **options)
+    gen = load_generator(root, dtype=p["dtype"], vae_dtype=p.get("vae_dtype", "float32"), **options)
     info: dict = {}
     if options.get("cache") == "auto":
         run_spindle(gen, req, seed)  # calibration on this request (+ compilation)
@@ -312,13 +313,9 @@ def worker(args: argparse.Namespace) -> None:
     """Runs under torchrun: one Spindle multi-process mode; rank 0 writes timings + frames."""
     import torch.distributed as dist
 
-    from spindle import DiffusionGenerator
-
     p = PRESETS[args.preset]
     options = json.loads(args.worker_options)
-    gen = DiffusionGenerator.from_pretrained(
-        args.root, dtype=p["dtype"], vae_dtype=p.get("vae_dtype", "float32"), **options
-    )
+    gen = load_generator(args.root, dtype=p["dtype"], vae_dtype=p.get("vae_dtype", "float32"), **options)
     req = {**p["request"], **({"num_inference_steps": args.steps} if args.steps else {})}
     run_spindle(gen, req, args.seed, steps=WARMUP_STEPS)  # warm-up
     dt, res = timed(lambda: run_spindle(gen, req, args.seed), args.repeats)

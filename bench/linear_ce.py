@@ -2,7 +2,7 @@
 
 Each row runs in a fresh process (so peak RSS is its own): `full` builds the [tokens, vocab] fp32
 logits and calls F.cross_entropy (what transformers' ForCausalLMLoss does); `chunk=K` is
-`spindle.train.losses.linear_cross_entropy` with chunk_size K. Peak = max RSS during forward+backward
+`spindle.ops.losses.linear_cross_entropy` with chunk_size K. Peak = max RSS during forward+backward
 minus RSS with the inputs allocated. Prints a markdown table and optionally writes JSON.
 
   python bench/linear_ce.py --tokens 2048 --hidden 512 --vocab 32768 --json bench-linear-ce.json
@@ -28,7 +28,7 @@ def run_one(args) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from spindle.train.losses import linear_cross_entropy
+    from spindle.ops.losses import linear_cross_entropy
 
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)

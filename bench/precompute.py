@@ -19,10 +19,10 @@ from pathlib import Path
 
 CHILD = r"""
 import json, resource, sys
-from spindle.config import load_config
-from spindle.train.trainer import Trainer
-cfg = load_config(None, json.loads(sys.argv[1]))
-trainer = Trainer(cfg)
+from spindle.api import load_job_config
+from spindle.api import make_trainer
+cfg = load_job_config(None, json.loads(sys.argv[1]))
+trainer = make_trainer(cfg)
 pipe = trainer.task.condition.pipe
 cond_bytes = sum(
     p.numel() * p.element_size()
@@ -39,8 +39,8 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/spindle-bench-precompute")
     args = ap.parse_args()
     out = Path(args.out)
-    from spindle.testing.synthetic import make_shapes_video_dataset
-    from spindle.testing.tiny import build_tiny_wan
+    from spindle.data.synthetic import make_shapes_video_dataset
+    from spindle.models.wan.tiny import build_tiny_wan
 
     model = out / "wan"
     if not (model / "model_index.json").is_file():

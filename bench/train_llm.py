@@ -81,7 +81,7 @@ VARIANTS = ("transformers", "spindle_full_logits", "spindle", "spindle_sp2")
 
 def build_model_folder(a: argparse.Namespace, out: Path) -> Path:
     """A random Qwen3 of the preset's shape as a transformers folder (config, safetensors, tokenizer)."""
-    from spindle.testing.tiny_llm import build_tiny_qwen3
+    from spindle.models.qwen3.tiny import build_tiny_qwen3
 
     return build_tiny_qwen3(out, seed=0, transformer=PRESETS[a.preset]["model"])
 
@@ -176,7 +176,7 @@ def spindle_loop(
     """Spindle's causal-LM task: its model build (SP, FSDP2 when >1 process), loss sum over valid tokens,
     the trainer's normalisation, clip and optimizer; `stock`: the stock transformers class instead of the
     family's (full-logits loss)."""
-    from spindle.config import load_config
+    from spindle.api import load_job_config
     from spindle.distributed.fsdp import clip_grad_norm_
     from spindle.distributed.mesh import ParallelDims, build_mesh
     from spindle.train.optim import build_optimizer
@@ -200,7 +200,7 @@ def spindle_loop(
         "parallel.sp": sp,
         "parallel.dp_shard": 1,
     }
-    cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()])
+    cfg = load_job_config(None, [f"{k}={v}" for k, v in overrides.items()])
     mesh = build_mesh(ParallelDims(dp_shard=1, sp=sp))
     precision = "bf16" if device.type == "cuda" else "no"
     task = (StockClassTask if stock else CausalLMTask)(cfg, mesh, device, precision)

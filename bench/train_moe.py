@@ -90,8 +90,7 @@ def write_corpus(path: Path, rows: int, words: int) -> Path:
 
 
 def worker(rank: int, world: int, model: str, data: str, out: str, preset: dict, variant: dict, result: str) -> None:
-    from spindle.config import load_config
-    from spindle.train.trainer import Trainer
+    from spindle.api import load_job_config, make_trainer
 
     overrides = {
         "model.path": model,
@@ -107,7 +106,7 @@ def worker(rank: int, world: int, model: str, data: str, out: str, preset: dict,
         "parallel.dp_shard": world,
         "parallel.ep": variant["ep"],
     }
-    trainer = Trainer(load_config(None, [f"{k}={v}" for k, v in overrides.items()]))
+    trainer = make_trainer(load_job_config(None, [f"{k}={v}" for k, v in overrides.items()]))
     if variant["experts"]:
         trainer.model.config._experts_implementation = variant["experts"]  # read by every experts forward
     if torch.cuda.is_available():
@@ -142,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     preset = PRESETS[args.preset]
 
-    from spindle.testing.tiny_llm import build_tiny_qwen3_moe
+    from spindle.models.qwen3_moe.tiny import build_tiny_qwen3_moe
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

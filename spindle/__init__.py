@@ -4,6 +4,10 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):  # lazy: `import spindle` stays light
+    if name == "load_generator":  # spindle.load_generator(path, **engine_options) -> DiffusionGenerator
+        from spindle.api import load_generator
+
+        return load_generator
     if name == "DiffusionGenerator":
         from spindle.infer.generator import DiffusionGenerator
 

@@ -182,27 +182,11 @@ class CausalLMJobConfig(TrainJobConfig):
     data: TextDataConfig
 
 
-# training task name (a family's `task`) -> its job schema
-JOB_CONFIGS: dict[str, type[TrainJobConfig]] = {
-    "flow_matching": DiTJobConfig,
-    "causal_lm": CausalLMJobConfig,
-    "causal_lm_moe": CausalLMJobConfig,  # same data and sections; parallel.ep matters
-}
+class ModelSection(Section):
+    """Only the `model:` section of a job (what the entry point reads to find the family, hence the schema)."""
 
-
-class _ModelSection(Section):
+    model_config = ConfigDict(extra="ignore")
     model: ModelConfig
-
-
-def job_config_class(raw: dict[str, Any]) -> type[TrainJobConfig]:
-    """The schema of a raw job config: the task of the family its `model:` section names or points at."""
-    from spindle.registry import family_of
-
-    model = validate_config({"model": raw.get("model")} if "model" in raw else {}, _ModelSection).model
-    task = family_of(model.path, model.family).task
-    if task not in JOB_CONFIGS:
-        raise ConfigError(f"no config schema for training task {task!r} (known: {', '.join(sorted(JOB_CONFIGS))})")
-    return JOB_CONFIGS[task]
 
 
 # ---------------------------------------------------------------- loading and errors
@@ -271,13 +255,18 @@ def load_raw(path: str | Path) -> dict[str, Any]:
     return raw
 
 
-def load_config(path: str | Path | None, overrides: Sequence[str] = (), model: type[BaseModel] | None = None) -> Any:
-    """YAML file + dotted overrides -> the validated job config. Without `model`, the schema is the
-    one of the task the checkpoint's family trains with (so `data:` is checked for that kind)."""
+def load_raw_config(path: str | Path | None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """YAML file (or nothing) + dotted overrides -> the raw mapping, not yet validated."""
     raw = load_raw(path) if path is not None else {}
     for override in overrides:
         apply_override(raw, override)
-    return validate_config(raw, model or job_config_class(raw))
+    return raw
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str], model: type[BaseModel]) -> Any:
+    """YAML file + dotted overrides -> the config validated against `model`. A training job's schema
+    follows the family the checkpoint is (its task's `config_class`): `spindle.api.load_job_config`."""
+    return validate_config(load_raw_config(path, overrides), model)
 
 
 def dump_config(cfg: BaseModel, path: str | Path) -> None:

@@ -1,9 +1,10 @@
-"""Family registry: family name / diffusers `_class_name` / transformers `model_type` -> family spec, lazily.
+"""Family registry: family name / diffusers `_class_name` / transformers `model_type` -> family record, lazily.
 
-A family package (`spindle/models/<family>/__init__.py`) defines `FAMILY` (a `DiTFamily`, or an
-LLM family spec with `model_types`); every family names its training task (`family.task`, see
+A family package (`spindle/models/<family>/__init__.py`) defines `FAMILY` (a record of
+`spindle.contracts.family`); every family names its training task (`family.task`, see
 `spindle.train.tasks`). The registry knows only the module paths, so importing Spindle imports no
-model code.
+model code. Only entry points (the CLI commands, `spindle.api`) use it: they resolve the family and
+pass it to the engines, which never look a family up themselves.
 """
 
 from __future__ import annotations
@@ -11,12 +12,11 @@ from __future__ import annotations
 import importlib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import Any, TypeAlias
 
-if TYPE_CHECKING:
-    from spindle.models.family import CausalLMFamily, DiTFamily
+from spindle.contracts.family import CausalLMFamily, DiTFamily
 
-Family: TypeAlias = "DiTFamily | CausalLMFamily"
+Family: TypeAlias = DiTFamily | CausalLMFamily
 
 # name -> module defining FAMILY. Adding a family: one line here, one folder under models/.
 BUILTIN_FAMILIES: dict[str, str] = {
@@ -82,8 +82,6 @@ def resolve_family(root: str | Path) -> Family:
     `_class_name`, then each family's detector (for renamed or hand-assembled local folders).
     A transformers folder (config.json with `model_type`): the family declaring that model type.
     """
-    from spindle.models.base import DiTFamily
-
     root = Path(root)
     index_path = root / "model_index.json"
     if not root.is_dir():
@@ -116,3 +114,14 @@ def resolve_family(root: str | Path) -> Family:
         f"no Spindle family serves {root} (pipeline class {pipeline_cls!r}, transformer class "
         f"{transformer_cls!r}); known families: {known}"
     )
+
+
+def dit_family_of(path: str | Path, name: str | None = None) -> DiTFamily:
+    """The DiT family of a diffusers pipeline folder (or the one named), for the inference engine."""
+    family = family_of(path, name)
+    if not isinstance(family, DiTFamily):
+        raise UnknownModelError(
+            f"{path} is a {family.name} {family.kind} model: Spindle's generate/serve engine runs diffusion models "
+            "only; load the folder with transformers (AutoModelForCausalLM.from_pretrained) to generate text"
+        )
+    return family

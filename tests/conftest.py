@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from spindle.config import load_config
+from spindle.api import load_job_config
 
 TINY_SIZE = (32, 32)
 TINY_FRAMES = 9
@@ -48,7 +48,7 @@ def tiny_checkpoint(tmp_path_factory) -> Callable[[str], Path]:
 
     def get(family: str) -> Path:
         if family not in built:
-            from spindle.models.base import import_object
+            from spindle.contracts.family import import_object
             from spindle.registry import get_family
 
             spec = get_family(family)
@@ -75,14 +75,14 @@ def tiny_flux(tiny_checkpoint) -> Path:
 @pytest.fixture(scope="session")
 def shapes_images(tmp_path_factory) -> Path:
     """8 captioned 32x32 png images of moving-shape scenes (image families' training data)."""
-    from spindle.testing.synthetic import make_shapes_image_dataset
+    from spindle.data.synthetic import make_shapes_image_dataset
 
     return make_shapes_image_dataset(tmp_path_factory.mktemp("data") / "shapes_images", num_images=8, size=TINY_SIZE)
 
 
 @pytest.fixture(scope="session")
 def shapes_videos(tmp_path_factory) -> Path:
-    from spindle.testing.synthetic import make_shapes_video_dataset
+    from spindle.data.synthetic import make_shapes_video_dataset
 
     return make_shapes_video_dataset(
         tmp_path_factory.mktemp("data") / "shapes", num_videos=8, num_frames=TINY_FRAMES, size=TINY_SIZE
@@ -139,7 +139,9 @@ def train_overrides(model: Path, data: Path, output_dir: Path, **train) -> list[
 @pytest.fixture
 def make_config(tiny_wan, shapes_videos, tmp_path):
     def make(output_dir: Path | None = None, **overrides):
-        return load_config(None, train_overrides(tiny_wan, shapes_videos, output_dir or tmp_path / "run", **overrides))
+        return load_job_config(
+            None, train_overrides(tiny_wan, shapes_videos, output_dir or tmp_path / "run", **overrides)
+        )
 
     return make
 
@@ -272,7 +274,7 @@ def tiny_llama(tiny_checkpoint) -> Path:
 def tiny_qwen3_moe(tmp_path_factory) -> Path:
     """Tiny Qwen3-MoE (8 experts, top-2, per-expert layout), 2 layers; an aux coefficient large enough
     that a wrong aux loss shows in the step loss and grad norm."""
-    from spindle.testing.tiny_llm import build_tiny_qwen3_moe
+    from spindle.models.qwen3_moe.tiny import build_tiny_qwen3_moe
 
     overrides = {"num_hidden_layers": 2, "router_aux_loss_coef": 0.1}
     return build_tiny_qwen3_moe(tmp_path_factory.mktemp("models") / "qwen3_moe", seed=0, transformer=overrides)
@@ -296,7 +298,7 @@ def lm_corpus(tmp_path_factory) -> Path:
     """A folder of text and chat JSONL: documents of uneven lengths and uneven learned-token counts."""
     import json
 
-    from spindle.testing.synthetic import make_text_corpus
+    from spindle.data.synthetic import make_text_corpus
 
     out = make_text_corpus(tmp_path_factory.mktemp("data") / "lm", num_docs=20, seed=0)
     chats = [json.dumps({"messages": m}) for m in CHAT_LINES * 2]
@@ -323,9 +325,9 @@ def lm_overrides(model: Path, data: Path, output_dir: Path, **values) -> list[st
 
 def lm_train(model: Path, data: Path, out: Path, **overrides) -> tuple[Any, Any]:
     """A causal-LM training run in this process (`lm_overrides`); -> (trainer, result)."""
-    from spindle.train.trainer import Trainer
+    from spindle.api import make_trainer
 
-    trainer = Trainer(load_config(None, lm_overrides(model, data, out, **overrides)))
+    trainer = make_trainer(load_job_config(None, lm_overrides(model, data, out, **overrides)))
     return trainer, trainer.run()
 
 

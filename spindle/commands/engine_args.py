@@ -85,7 +85,7 @@ def parse_cache_options(items: list[str]) -> dict[str, Any]:
 
 
 def engine_options(args: argparse.Namespace) -> dict:
-    """The `DiffusionGenerator.from_pretrained` keyword arguments the flags above stand for."""
+    """The `spindle.api.load_generator` keyword arguments the flags above stand for."""
     return dict(
         device=args.device,
         dtype=args.dtype,

@@ -31,7 +31,8 @@ def run(args: argparse.Namespace) -> int:
     path = ckpt.resolve_checkpoint_arg(args.checkpoint)
     state = json.loads((path / ckpt.TRAINER_STATE).read_text())
     model_path = Path(args.model or state["model_path"])
-    task = get_task(state.get("task") or family_of(model_path, state.get("family")).task)
-    out = task.export_checkpoint(path, model_path, Path(args.out))
+    family = family_of(model_path, state.get("family"))
+    task = get_task(state.get("task") or family.task)
+    out = task.export_checkpoint(family, path, model_path, Path(args.out))
     print(f"exported step {state['step']} of {path} to {out}")
     return 0

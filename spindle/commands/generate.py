@@ -19,6 +19,7 @@ import time
 
 from spindle.commands.engine_args import add_engine_arguments, check_world_size, engine_options
 from spindle.infer.options import add_option_arguments, guidance_help, option_values
+from spindle.registry import all_families
 
 HELP = "generate a video/image from a diffusers checkpoint (staged engine)"
 
@@ -35,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--width", type=int, default=None, help="width in pixels")
     p.add_argument("--num-frames", type=int, default=None, help="number of frames (video families)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps")
-    p.add_argument("--guidance", type=float, default=None, help=f"guidance_scale; {guidance_help()}")
+    p.add_argument("--guidance", type=float, default=None, help=f"guidance_scale; {guidance_help(all_families())}")
     p.add_argument("--seed", type=int, default=None, help="seed (random if omitted; printed)")
     p.add_argument("--out", required=True, help="output file: .mp4 for video, .png for images")
     p.add_argument("--fps", type=int, default=None, help="frames per second of the mp4 (default: the family's)")
@@ -45,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="with --cache: skip the exact reference run that measures PSNR",
     )
-    add_option_arguments(p)  # the families' declared sampling options (--true-cfg-scale, ...)
+    add_option_arguments(p, all_families())  # the families' declared sampling options (--true-cfg-scale, ...)
     add_engine_arguments(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -63,12 +64,14 @@ def run(args: argparse.Namespace) -> int:
     if code is not None:
         return code
 
-    from spindle.infer.generator import DiffusionGenerator, psnr
     from spindle.infer.pipeline import is_main_rank
+    from spindle.infer.quality import psnr
 
     main = is_main_rank()
     start = time.perf_counter()
-    gen = DiffusionGenerator.from_pretrained(args.model, **engine_options(args))
+    from spindle.api import load_generator
+
+    gen = load_generator(args.model, **engine_options(args))
     load_s = time.perf_counter() - start
     request = dict(
         prompt=args.prompt,
@@ -84,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     if gen.spec.media != "video":
         request.pop("num_frames")
     if args.cache == "auto":
-        from spindle.infer.request import SamplingParams
+        from spindle.contracts.request import SamplingParams
 
         calib = time.perf_counter()
         choice = gen.calibrate_cache(SamplingParams(**{**request, "extra": {}}))

@@ -34,13 +34,13 @@ def precompute(cfg: Any, out: str | Path) -> Path | None:
     from spindle.data.datasets import build_dataset, collate
     from spindle.data.precomputed import cache_settings, write_manifest, write_sample
     from spindle.distributed.mesh import barrier, init_distributed
-    from spindle.registry import get_family, resolve_family
+    from spindle.registry import family_of
     from spindle.train.tasks.flow_matching import build_condition_model, condition_dtype
     from spindle.train.trainer import local_device, resolve_precision
 
     rank, world = init_distributed()
     out = Path(out)
-    family = get_family(cfg.model.family) if cfg.model.family else resolve_family(cfg.model.path)
+    family = family_of(cfg.model.path, cfg.model.family)
     precision = resolve_precision(cfg.train.mixed_precision)
     data = cfg.data
     dataset = build_dataset(data.path, tuple(data.resolution), data.num_frames, skip_bad_samples=False)
@@ -65,10 +65,10 @@ def precompute(cfg: Any, out: str | Path) -> Path | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from spindle.config import load_config
+    from spindle.api import load_job_config
     from spindle.distributed.launch import maybe_relaunch
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_job_config(args.config, args.overrides)
     if not hasattr(cfg.data, "precomputed"):
         raise ValueError("spindle precompute encodes DiT (flow-matching) datasets; this config's model is not a DiT")
     code = maybe_relaunch(args.nproc, args._argv)

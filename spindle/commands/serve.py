@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 from spindle.commands.engine_args import add_engine_arguments, check_world_size, engine_options
-from spindle.infer.request import RequestLimits  # torch-free, as spindle.serve.limits: `--help` stays light
+from spindle.contracts.request import RequestLimits  # torch-free, as spindle.serve.limits: `--help` stays light
 from spindle.serve.limits import ServeLimits
 
 HELP = "serve a checkpoint over an OpenAI-compatible HTTP API (images / videos)"
@@ -172,9 +172,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s")
     log = logging.getLogger("spindle.serve")
 
-    from spindle.infer.generator import DiffusionGenerator
+    from spindle.api import load_generator
 
-    gen = DiffusionGenerator.from_pretrained(args.model, **engine_options(args))
+    gen = load_generator(args.model, **engine_options(args))
     fanout = None
     if world > 1:
         from spindle.serve.worker import RankFanout

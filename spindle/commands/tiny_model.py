@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from spindle.models.base import import_object
+    from spindle.contracts.family import import_object
     from spindle.registry import get_family
 
     family = get_family(args.family)

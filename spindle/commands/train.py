@@ -25,21 +25,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from spindle.config import load_config
+    from spindle.api import check_job_plan, load_job_config
     from spindle.distributed.launch import launcher_world_size, maybe_relaunch
-    from spindle.train.trainer import check_parallel_plan
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_job_config(args.config, args.overrides)
     # Fail on an impossible parallel layout here, once, before any process is launched.
     world = launcher_world_size() or args.nproc
-    check_parallel_plan(cfg, world)
+    check_job_plan(cfg, world)
     code = maybe_relaunch(args.nproc, args._argv)
     if code is not None:
         return code
     import torch.distributed as dist
 
+    from spindle.api import train
     from spindle.distributed.mesh import is_main_process
-    from spindle.train.trainer import train
 
     result = train(cfg)
     if is_main_process():

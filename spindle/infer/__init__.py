@@ -1,8 +1,9 @@
 """Staged inference engine: BeforeDenoising (per family) -> Denoising -> Decoding (shared).
 
 Public API: `DiffusionGenerator`, `GenerationResult`, `SamplingParams`, `RequestError`, `Cancelled`.
-Everything imports lazily, so `import spindle.infer` (and `spindle.infer.options`, which the CLI
-reads to build its flags) stays free of torch.
+Load a checkpoint with `spindle.api.load_generator(path)` (it resolves the family). Everything imports
+lazily, so `import spindle.infer` (and `spindle.infer.options`, which the CLI reads to build its flags)
+stays free of torch.
 """
 
 from __future__ import annotations
@@ -11,26 +12,28 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__ imports on first use
-    from spindle.infer.generator import DiffusionGenerator, GenerationResult, psnr
+    from spindle.contracts.request import Cancelled, Req, RequestError, SamplingParams
+    from spindle.contracts.stage import BeforeDenoisingStage, InferenceSpec, Stage
+    from spindle.infer.generator import DiffusionGenerator, GenerationResult
     from spindle.infer.pipeline import EngineOptions, InferencePipeline
-    from spindle.infer.request import Cancelled, Req, RequestError, SamplingParams
-    from spindle.infer.stages import BeforeDenoisingStage, DecodingStage, DenoisingStage, InferenceSpec, Stage
+    from spindle.infer.quality import psnr
+    from spindle.infer.stages import DecodingStage, DenoisingStage
 
 _LAZY = {
-    "Cancelled": "spindle.infer.request",
-    "Req": "spindle.infer.request",
-    "RequestError": "spindle.infer.request",
-    "SamplingParams": "spindle.infer.request",
+    "Cancelled": "spindle.contracts.request",
+    "Req": "spindle.contracts.request",
+    "RequestError": "spindle.contracts.request",
+    "SamplingParams": "spindle.contracts.request",
     "DiffusionGenerator": "spindle.infer.generator",
     "GenerationResult": "spindle.infer.generator",
-    "psnr": "spindle.infer.generator",
+    "psnr": "spindle.infer.quality",
     "EngineOptions": "spindle.infer.pipeline",
     "InferencePipeline": "spindle.infer.pipeline",
-    "InferenceSpec": "spindle.infer.stages",
-    "BeforeDenoisingStage": "spindle.infer.stages",
+    "InferenceSpec": "spindle.contracts.stage",
+    "BeforeDenoisingStage": "spindle.contracts.stage",
     "DenoisingStage": "spindle.infer.stages",
     "DecodingStage": "spindle.infer.stages",
-    "Stage": "spindle.infer.stages",
+    "Stage": "spindle.contracts.stage",
 }
 
 # Literal strings (not `*_LAZY`): static tools read `__all__` without running the module.

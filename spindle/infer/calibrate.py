@@ -11,13 +11,21 @@ measured on the reference run itself (its calibration mode never skips, so that 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from spindle.infer.caches import POLICIES, candidate_settings
+from spindle.infer.quality import psnr
 
 if TYPE_CHECKING:
-    from spindle.infer.generator import DiffusionGenerator
-    from spindle.infer.request import SamplingParams
+    from spindle.contracts.request import SamplingParams
+
+
+class Generator(Protocol):
+    """What calibration uses of a `spindle.infer.generator.DiffusionGenerator` (which calls it)."""
+
+    pipeline: Any
+
+    def run(self, params: SamplingParams) -> Any: ...
 
 
 @dataclass
@@ -47,11 +55,9 @@ class CacheChoice:
 
 
 def calibrate_cache(
-    gen: DiffusionGenerator, params: SamplingParams, min_psnr: float, policies: tuple[str, ...] | None = None
+    gen: Generator, params: SamplingParams, min_psnr: float, policies: tuple[str, ...] | None = None
 ) -> CacheChoice:
     """Try the policies on `params` and leave the chosen one enabled on `gen`. -> the choice and every trial."""
-    from spindle.infer.generator import psnr
-
     stage = gen.pipeline.denoising
     stage.set_cache("mag")  # calibration mode: computes every block (exact) and measures MagCache's ratios
     reference = gen.run(params)

@@ -12,13 +12,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from spindle.contracts.request import Req, RequestLimits, SamplingParams
 from spindle.data.media import write_image, write_video
 from spindle.infer.pipeline import EngineOptions, InferencePipeline
-from spindle.infer.request import Req, RequestLimits, SamplingParams
 
 if TYPE_CHECKING:
     from diffusers import ModelMixin  # Any to mypy: diffusers is not followed (pyproject [tool.mypy])
 
+    from spindle.contracts.family import DiTFamily
     from spindle.infer.calibrate import CacheChoice
 
 
@@ -58,12 +59,6 @@ class GenerationResult:
         return paths
 
 
-def psnr(a: np.ndarray, b: np.ndarray, data_range: float = 1.0) -> float:
-    """Peak signal-to-noise ratio in dB of `a` against `b` (inf when identical)."""
-    mse = float(np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2))
-    return float("inf") if mse == 0 else 10.0 * np.log10(data_range**2 / mse)
-
-
 class DiffusionGenerator:
     """Loads a diffusers pipeline folder once and generates from it.
 
@@ -75,7 +70,7 @@ class DiffusionGenerator:
     def __init__(self, pipeline: InferencePipeline):
         self.pipeline = pipeline
         self.spec = pipeline.spec
-        self.options = self.spec.options  # the family's declared sampling options
+        self.options = self.spec.options  # the family's declared sampling options (its record's `options`)
         self.options.check_common_fields()
         self.defaults = pipeline.spec.default_params(pipeline.components)
         self.defaults.extra = {**self.options.defaults(), **self.defaults.extra}
@@ -83,12 +78,13 @@ class DiffusionGenerator:
         self._calibrate_first = pipeline.options.cache == "auto"
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, **engine_options: Any) -> DiffusionGenerator:
+    def from_pretrained(cls, path: str | Path, family: DiTFamily, **engine_options: Any) -> DiffusionGenerator:
+        """Load with `family`'s inference spec (resolved by the caller: `spindle.api.load_generator`)."""
         known = {f.name for f in dataclasses.fields(EngineOptions)}
         unknown = sorted(set(engine_options) - known)
         if unknown:
             raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
-        return cls(InferencePipeline.from_pretrained(path, EngineOptions(**engine_options)))
+        return cls(InferencePipeline.from_pretrained(path, family, EngineOptions(**engine_options)))
 
     @property
     def family(self) -> str:

@@ -1,7 +1,7 @@
 """Compose the stages of a family and load its components from `model_index.json`.
 
-`InferencePipeline.from_pretrained(root, options)`:
-1. `spindle.registry.resolve_family(root)` -> the family; its `inference_spec()` -> `InferenceSpec`.
+`InferencePipeline.from_pretrained(root, family, options)`:
+1. the family (resolved by the entry point, `spindle.api.load_pipeline`); its `inference_spec()` -> `InferenceSpec`.
 2. every component the spec needs is loaded with the class model_index.json names
    (`["diffusers", "AutoencoderKLWan"]` -> `diffusers.AutoencoderKLWan.from_pretrained(root/vae)`).
 3. stages: the family's BeforeDenoisingStage, the shared DenoisingStage and DecodingStage.
@@ -23,11 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from spindle.infer.request import Req
-from spindle.infer.stages import BeforeDenoisingStage, DecodingStage, DenoisingStage, InferenceSpec, Stage
+from spindle.contracts.request import Req
+from spindle.contracts.stage import BeforeDenoisingStage, InferenceSpec, Stage
+from spindle.infer.stages import DecodingStage, DenoisingStage
 
 if TYPE_CHECKING:
     from diffusers import ModelMixin  # Any to mypy: diffusers is not followed (pyproject [tool.mypy])
+
+    from spindle.contracts.family import DiTFamily
 
 ALLOWED_LIBRARIES = ("diffusers", "transformers")
 DTYPES = {
@@ -202,13 +205,14 @@ class InferencePipeline:
         return next(s for s in self.stages if isinstance(s, DenoisingStage))
 
     @classmethod
-    def from_pretrained(cls, root: str | Path, options: EngineOptions | None = None) -> InferencePipeline:
-        from spindle.registry import resolve_family
-
+    def from_pretrained(
+        cls, root: str | Path, family: DiTFamily, options: EngineOptions | None = None
+    ) -> InferencePipeline:
+        """Load the checkpoint at `root` with `family`'s inference spec (the entry point resolved the
+        family: `spindle.api.load_pipeline`)."""
         options = options or EngineOptions()
         options.validate()
         root = Path(root)
-        family = resolve_family(root)
         spec: InferenceSpec = family.inference_spec()
         components = load_components(root, spec, options)
         if options.lora is not None:

@@ -1,208 +1,20 @@
-"""Stages of the inference engine and the callbacks a family gives the shared ones.
-
-Request flow (SGLang-diffusion's hybrid style):
-
-    family BeforeDenoisingStage  ->  DenoisingStage (shared)  ->  DecodingStage (shared)
-
-The shared stages never branch on the family. Whatever differs between families goes through an
-`InferenceSpec` (one per family, in `spindle/models/<family>/pipeline.py`):
-
-- `denoiser_kwargs(req, latents, t, branch)`: the transformer's forward kwargs for one step and one
-  CFG branch ("cond" / "uncond"); extra conditioning (pooled embeddings, image ids, embedded
-  guidance) comes from `req.extra`.
-- `batch_cfg_kwargs(cond, uncond)`: how the two branches become one forward (default: concatenate
-  every per-sample tensor along the batch, keep shared tensors such as position ids once).
-- `post_denoising(latents, req)`: e.g. unpack packed latents back to the VAE layout.
-- `decode_scale_shift(vae, latents)`: `(scale, shift)` with `vae_input = latents / scale + shift`.
-- `postprocess(decoded, req)`: VAE output -> float32 numpy in [0, 1] (diffusers' `output_type="np"`).
-"""
+"""The shared stages of the inference engine: denoising and decoding (the stage contract, `Stage`,
+`BeforeDenoisingStage` and `InferenceSpec`, is in `spindle.contracts.stage`)."""
 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
+from spindle.contracts.request import Req, RequestError
+from spindle.contracts.stage import InferenceSpec, Stage, check_batch_tensor, contract_error
 from spindle.infer.caches import POLICIES, StepCache
-from spindle.infer.request import Req, RequestError, SamplingParams
 
 if TYPE_CHECKING:
     import torch.distributed as dist
     from diffusers import ModelMixin  # Any to mypy: diffusers is not followed (pyproject [tool.mypy])
-
-    from spindle.infer.options import FamilyOptions
-
-
-class Stage:
-    """One step of the pipeline: `forward(req) -> req`. `name` keys the per-stage timing."""
-
-    name: ClassVar[str] = "stage"
-
-    def forward(self, req: Req) -> Req:
-        raise NotImplementedError
-
-    def __call__(self, req: Req) -> Req:
-        with torch.no_grad():
-            return self.forward(req)
-
-
-class BeforeDenoisingStage(Stage):
-    """Model-specific pre-processing: validate, encode prompt(s), prepare latents and timesteps.
-
-    A subclass is built with the loaded components (`components[name]` as named in model_index.json)
-    and must leave on the Req every field DenoisingStage reads: `latents`, `timesteps`, `scheduler`,
-    `prompt_embeds` (+ `negative_prompt_embeds` when `do_cfg`), `guidance_scale`, `model_dtype`,
-    `raw_latent_shape`, plus whatever its spec's `denoiser_kwargs` needs in `req.extra`.
-    """
-
-    name = "before_denoising"
-
-    def __init__(self, components: dict[str, Any], spec: InferenceSpec):
-        self.components = components
-        self.spec = spec
-
-    def validate(self, params: SamplingParams) -> None:
-        """Raise `RequestError` for requests this model cannot serve (no silent rounding)."""
-        params.validate_common()
-
-    def latent_shape(self, params: SamplingParams) -> tuple[int, ...] | None:
-        """The `raw_latent_shape` `forward` makes for these (validated) params, or None when unknown.
-        Lets the checks that depend on it (the sequence-parallel split) run before a job is queued."""
-        return None
-
-
-class InferenceSpec:
-    """What a family plugs into the shared engine. Subclass per family; override the callbacks."""
-
-    family: str = ""
-    media: str = "video"  # "video" (frames axis) or "image"
-    # the transformer output's layout in diffusers' FasterCache terms ("BCFHW", "BFCHW", "BCHW"); None when
-    # it is packed tokens [B, S, C] (Flux, Qwen-Image): FasterCache's 2-D frequency split cannot apply
-    output_layout: str | None = "BCFHW"
-    components: tuple[str, ...] = ()  # model_index.json entries to load
-    transformer_component: str = "transformer"
-    vae_component: str = "vae"
-    before_denoising_cls: type[BeforeDenoisingStage] = BeforeDenoisingStage
-
-    @property
-    def options(self) -> FamilyOptions:
-        """The family's declared sampling options (on its registered `FAMILY`)."""
-        from spindle.models.family import DiTFamily
-        from spindle.registry import get_family
-
-        family = get_family(self.family)
-        if not isinstance(family, DiTFamily):
-            raise TypeError(f"family {self.family!r} is not a DiT family; it has no inference sampling options")
-        options: FamilyOptions = family.options
-        return options
-
-    @property
-    def fps(self) -> int | None:
-        """Native frame rate of a video family (mp4 writing, seconds -> frames), as declared."""
-        return self.options.fps
-
-    def default_params(self, components: dict[str, Any]) -> SamplingParams:
-        return SamplingParams()
-
-    def check_checkpoint(self, model_index: dict[str, Any]) -> None:
-        """Raise for checkpoint variants of the family this spec cannot serve."""
-
-    def make_before_denoising(self, components: dict[str, Any]) -> BeforeDenoisingStage:
-        return self.before_denoising_cls(components, self)
-
-    # --- DenoisingStage callbacks
-    def denoiser_kwargs(self, req: Req, latents: torch.Tensor, t: torch.Tensor, branch: str) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def batch_cfg_kwargs(self, cond: dict[str, Any], uncond: dict[str, Any], batch_size: int) -> dict[str, Any]:
-        """Merge the two branches into one forward: per-sample tensors (leading dim == batch_size) are
-        concatenated [cond; uncond]; anything else must be identical in both and is passed once."""
-        merged: dict[str, Any] = {}
-        for key in cond.keys() | uncond.keys():
-            a, b = cond.get(key), uncond.get(key)
-            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.ndim >= 1 and a.shape[0] == batch_size:
-                if a.shape != b.shape:
-                    raise ValueError(
-                        f"cannot batch CFG: {key!r} has shape {tuple(a.shape)} (cond) vs {tuple(b.shape)} (uncond)"
-                    )
-                merged[key] = torch.cat([a, b], dim=0)
-            elif (
-                a is b
-                or (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b))
-                or (not isinstance(a, torch.Tensor) and a == b)
-            ):
-                merged[key] = a
-            else:
-                raise ValueError(f"cannot batch CFG: {key!r} differs between cond and uncond and is not per-sample")
-        return merged
-
-    def prepare_sequence_parallel(self, req: Req, degree: int) -> None:
-        """Before a `degree`-way SP run: make every sequence the transformer's plan splits divisible by
-        `degree` where the family can do so exactly (Qwen-Image pads its masked text). Default: nothing."""
-
-    def request_constant_modules(self, transformer: torch.nn.Module, compiled: bool) -> list[torch.nn.Module]:
-        """Transformer submodules whose input is the same at every step of a request (a function of the
-        prompt only): the engine computes them once per request (`speedups.memoize_constant_inputs`).
-        `compiled`: the repeated blocks are torch.compiled, so leave modules inside them alone."""
-        return []
-
-    def linear_gelu_pairs(self, transformer: torch.nn.Module) -> list[tuple[torch.nn.Module, str, str]]:
-        """(owner, linear attribute, GELU attribute) where a block applies a Linear then a separate GELU
-        module (`speedups.onednn_linear_gelu` fuses them; diffusers' `GELU` modules are found without
-        this). Default: none."""
-        return []
-
-    def sequence_length(self, req: Req, transformer: torch.nn.Module) -> int | None:
-        """Tokens the transformer sees for this request (checked against the SP degree); None: unknown."""
-        return None
-
-    def model_output(self, out: Any) -> torch.Tensor:
-        sample: torch.Tensor = out[0] if isinstance(out, (tuple, list)) else out.sample
-        return sample
-
-    def combine_cfg(self, cond: torch.Tensor, uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
-        return uncond + guidance_scale * (cond - uncond)
-
-    # --- DecodingStage callbacks
-    def post_denoising(self, latents: torch.Tensor, req: Req) -> torch.Tensor:
-        return latents
-
-    def decode_scale_shift(self, vae: Any, latents: torch.Tensor) -> tuple[Any, Any]:
-        cfg = vae.config
-        return getattr(cfg, "scaling_factor", 1.0), getattr(cfg, "shift_factor", None) or 0.0
-
-    def postprocess(self, decoded: torch.Tensor, req: Req) -> np.ndarray:
-        """VAE output in [-1, 1] -> float32 numpy in [0, 1]: [B, F, H, W, 3] (video) or [B, H, W, 3]."""
-        if decoded.ndim == 5:
-            from diffusers.video_processor import VideoProcessor
-
-            video: np.ndarray = VideoProcessor().postprocess_video(decoded, output_type="np")
-            return video
-        from diffusers.image_processor import VaeImageProcessor
-
-        image: np.ndarray = VaeImageProcessor().postprocess(decoded, output_type="np")
-        return image
-
-
-class StageContractError(RuntimeError):
-    """A family's stage or callback broke the contract of the shared stages (a bug in the family,
-    not in the request): the message names the family, the stage and the `Req` field."""
-
-
-def _contract(spec: InferenceSpec, where: str, field: str, problem: str) -> StageContractError:
-    family = spec.family or type(spec).__name__
-    return StageContractError(f"family {family!r}: {where} left Req.{field} {problem}")
-
-
-def _batch_tensor(req: Req, spec: InferenceSpec, field: str, value: Any, batch: int, where: str) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise _contract(spec, where, field, f"as {type(value).__name__}; DenoisingStage needs a tensor")
-    if value.ndim < 2 or value.shape[0] != batch:
-        raise _contract(
-            spec, where, field, f"with shape {tuple(value.shape)}; DenoisingStage needs [batch={batch}, ...]"
-        )
 
 
 def check_denoising_inputs(req: Req, spec: InferenceSpec) -> None:
@@ -213,22 +25,24 @@ def check_denoising_inputs(req: Req, spec: InferenceSpec) -> None:
     where = f"{spec.before_denoising_cls.__name__}"
     batch = req.params.batch_size
     latents = req.latents
-    _batch_tensor(req, spec, "latents", latents, batch, where)
+    check_batch_tensor(req, spec, "latents", latents, batch, where)
     if not isinstance(latents, torch.Tensor) or not latents.is_floating_point():
-        raise _contract(spec, where, "latents", f"as {getattr(latents, 'dtype', latents)}; DenoisingStage needs floats")
+        raise contract_error(
+            spec, where, "latents", f"as {getattr(latents, 'dtype', latents)}; DenoisingStage needs floats"
+        )
     steps = req.timesteps
     if not isinstance(steps, torch.Tensor) or steps.ndim != 1 or len(steps) == 0:
-        raise _contract(spec, where, "timesteps", f"as {steps!r:.80}; DenoisingStage needs a non-empty 1-D tensor")
+        raise contract_error(spec, where, "timesteps", f"as {steps!r:.80}; DenoisingStage needs a non-empty 1-D tensor")
     if not callable(getattr(req.scheduler, "step", None)):
-        raise _contract(spec, where, "scheduler", f"as {type(req.scheduler).__name__}; it needs a scheduler.step")
-    _batch_tensor(req, spec, "prompt_embeds", req.prompt_embeds, batch, where)
+        raise contract_error(spec, where, "scheduler", f"as {type(req.scheduler).__name__}; it needs a scheduler.step")
+    check_batch_tensor(req, spec, "prompt_embeds", req.prompt_embeds, batch, where)
     if req.do_cfg:
-        _batch_tensor(req, spec, "negative_prompt_embeds", req.negative_prompt_embeds, batch, where + " (CFG on)")
+        check_batch_tensor(req, spec, "negative_prompt_embeds", req.negative_prompt_embeds, batch, where + " (CFG on)")
     if isinstance(req.guidance_scale, bool) or not isinstance(req.guidance_scale, (int, float)):
-        raise _contract(spec, where, "guidance_scale", f"as {req.guidance_scale!r}; DenoisingStage needs a number")
+        raise contract_error(spec, where, "guidance_scale", f"as {req.guidance_scale!r}; DenoisingStage needs a number")
     shape = req.raw_latent_shape
     if not isinstance(shape, tuple) or not shape or shape[0] != batch:
-        raise _contract(spec, where, "raw_latent_shape", f"as {shape!r}; DecodingStage needs (batch={batch}, ...)")
+        raise contract_error(spec, where, "raw_latent_shape", f"as {shape!r}; DecodingStage needs (batch={batch}, ...)")
 
 
 class DenoisingStage(Stage):
@@ -352,8 +166,10 @@ class DenoisingStage(Stage):
         except ValueError as e:
             raise RequestError(str(e), field="height") from e  # the token count follows the size (and frames)
 
-    def forward(self, req: Req) -> Req:
+    def check_inputs(self, req: Req) -> None:
         check_denoising_inputs(req, self.spec)
+
+    def forward(self, req: Req) -> Req:
         latents, timesteps = req.latents, req.timesteps
         if latents is None or timesteps is None:  # checked above; narrows the types
             raise RuntimeError("DenoisingStage needs req.latents and req.timesteps")
@@ -382,7 +198,7 @@ class DenoisingStage(Stage):
             self.current_timestep = float(t)
             noise_pred = self.predict(req, latents, t, i)
             if noise_pred.shape != latents.shape:
-                raise _contract(
+                raise contract_error(
                     self.spec,
                     "denoiser_kwargs / model_output",
                     "latents",
@@ -404,13 +220,17 @@ class DecodingStage(Stage):
         self.vae = vae
         self.spec = spec
 
-    def forward(self, req: Req) -> Req:
-        req.check_cancelled()
+    def check_inputs(self, req: Req) -> None:
         if req.latents is None:
             raise RuntimeError("DecodingStage needs req.latents: the DenoisingStage before it sets them")
+
+    def forward(self, req: Req) -> Req:
+        req.check_cancelled()
+        if req.latents is None:  # checked by check_inputs; narrows the type
+            raise RuntimeError("DecodingStage needs req.latents")
         latents = self.spec.post_denoising(req.latents, req)
         if req.raw_latent_shape is None or tuple(latents.shape) != tuple(req.raw_latent_shape):
-            raise _contract(
+            raise contract_error(
                 self.spec,
                 "post_denoising",
                 "latents",
@@ -423,11 +243,14 @@ class DecodingStage(Stage):
         latents = latents / scale + shift
         decoded = self.vae.decode(latents, return_dict=False)[0]
         req.output = self.spec.postprocess(decoded, req)
-        if len(req.output) != req.params.batch_size:
-            raise _contract(
+        return req
+
+    def check_outputs(self, req: Req) -> None:
+        if req.output is None or len(req.output) != req.params.batch_size:
+            count = "no" if req.output is None else len(req.output)
+            raise contract_error(
                 self.spec,
                 "postprocess",
                 "output",
-                f"with {len(req.output)} items for a batch of {req.params.batch_size} (one image or video each)",
+                f"with {count} items for a batch of {req.params.batch_size} (one image or video each)",
             )
-        return req

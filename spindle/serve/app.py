@@ -32,8 +32,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from spindle.contracts.request import RequestError, SamplingParams
 from spindle.infer.options import given_options, request_model
-from spindle.infer.request import RequestError, SamplingParams
 from spindle.serve.bodies import ClientGone, parse_fields, read_body
 from spindle.serve.jobs import Job, JobStore, ShuttingDown
 from spindle.serve.limits import ServeLimits

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from spindle.infer.request import SamplingParams
+from spindle.contracts.request import SamplingParams
 from spindle.serve.schemas import TERMINAL_STATUSES, APIError, JobStatus, safe_text
 
 log = logging.getLogger("spindle.serve")

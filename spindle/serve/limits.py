@@ -3,7 +3,7 @@ engine's validation before a job is queued) and what one connection may hold (bo
 send a request, idle time, open connections). All are `spindle serve` options and are reported by
 `GET /health` and `GET /v1/models`, as is how many finished results the job store keeps.
 
-Torch-free (as `spindle.infer.request`): the CLI parser reads the defaults for `spindle serve --help`."""
+Torch-free (as `spindle.contracts.request`): the CLI parser reads the defaults for `spindle serve --help`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import resource
 from dataclasses import dataclass, field
 from typing import Any
 
-from spindle.infer.request import RequestLimits
+from spindle.contracts.request import RequestLimits
 
 # Connections beyond `max_connections` that may stay open to be told 503 (or answer /health) while
 # every connection has a request in flight; they come out of the 64 descriptors kept spare below.

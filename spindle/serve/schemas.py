@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from spindle.infer.request import short_repr
+from spindle.contracts.request import short_repr
 
 JobStatus = Literal["queued", "in_progress", "completed", "failed", "cancelled"]
 TERMINAL_STATUSES = ("completed", "failed", "cancelled")

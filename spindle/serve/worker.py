@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from spindle.infer.request import Cancelled, RequestError, RequestLimits, SamplingParams
+from spindle.contracts.request import Cancelled, RequestError, RequestLimits, SamplingParams
 from spindle.serve.jobs import Job, JobStore
 
 log = logging.getLogger("spindle.serve")

@@ -20,7 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from spindle.models.base import DiTFamily, import_object, load_transformer
+from spindle.api import load_generator
+from spindle.contracts.family import DiTFamily, import_object
+from spindle.train.tasks.flow_matching import load_transformer
 
 PARITY_ATOL = 1e-5  # fp32 CPU, max abs difference of frames in [0, 1]
 SP_RTOL = 1e-5  # loss and gradients of a sequence-parallel layout against one process
@@ -88,7 +90,7 @@ def sampling_params(kwargs: dict[str, Any]) -> Any:
     """`generate(**kwargs)`-style keyword arguments -> SamplingParams (unknown names go to `extra`)."""
     import dataclasses
 
-    from spindle.infer.request import SamplingParams
+    from spindle.contracts.request import SamplingParams
 
     common = {f.name for f in dataclasses.fields(SamplingParams)} - {"extra"}
     return SamplingParams(
@@ -99,9 +101,8 @@ def sampling_params(kwargs: dict[str, Any]) -> Any:
 def before_denoising(root: Path, kwargs: dict[str, Any]) -> tuple[Any, Any]:
     """-> (the default `DiffusionGenerator` of `root`, the request for `kwargs` after the family's
     before-denoising stage: latents, timesteps, prompt embeddings, CFG settings)."""
-    from spindle.infer.generator import DiffusionGenerator
 
-    gen = DiffusionGenerator.from_pretrained(root)
+    gen = load_generator(root)
     return gen, gen.pipeline.stages[0](gen.make_request(sampling_params(kwargs)))
 
 
@@ -110,9 +111,8 @@ def check_default_params(family: DiTFamily, root: Path, expected: dict[str, Any]
     the family options' defaults), and they are the stock pipeline's: every one the pipeline's
     `__call__` gives a default is that default, and a size it leaves to the checkpoint (None) is its
     `default_sample_size` x `vae_scale_factor`."""
-    from spindle.infer.generator import DiffusionGenerator
 
-    defaults = DiffusionGenerator.from_pretrained(root).defaults
+    defaults = load_generator(root).defaults
     got = {k: getattr(defaults, k) for k in expected}
     assert got == expected, f"{family.name}: Spindle's default params {got}, expected {expected}"
     pipeline_cls = family.pipeline_class()
@@ -160,7 +160,7 @@ def check_request_error(gen: Any, kwargs: dict[str, Any], message: str) -> None:
     """`gen.generate(**kwargs)` raises RequestError matching `message` (before running anything)."""
     import pytest
 
-    from spindle.infer.request import RequestError
+    from spindle.contracts.request import RequestError
 
     with pytest.raises(RequestError, match=message):
         gen.generate(**kwargs)
@@ -171,10 +171,9 @@ def check_request_errors(family: DiTFamily, root: Path) -> None:
     declared option's type, bounds and rule, and frames asked of an image family."""
     import re
 
-    from spindle.infer.generator import DiffusionGenerator
-    from spindle.infer.options import needs_negative_prompt
+    from spindle.contracts.options import needs_negative_prompt
 
-    gen = DiffusionGenerator.from_pretrained(root)
+    gen = load_generator(root)
     base = {k: v for k, v in family.conformance.parity_cases["nocfg"].items()} if family.conformance else {}
     known = ", ".join(family.options.names()) or "none"
     check_request_error(
@@ -223,14 +222,13 @@ def check_inference_parity(
 def check_generator_parity(
     family: str, root: Path, kwargs: dict[str, Any], *, cfg_batch: bool, stock_kwargs: dict[str, Any] | None = None
 ) -> None:
-    """`DiffusionGenerator.from_pretrained(root, cfg_batch=...).generate(**kwargs)` (the public API, the
+    """`load_generator(root, cfg_batch=...).generate(**kwargs)` (the public API, the
     family's default engine) gives the stock pipeline's images for `stock_kwargs` (default: the same
     kwargs) within PARITY_ATOL, as float32 frames, with the three stages timed."""
-    from spindle.infer.generator import DiffusionGenerator
 
     reference = stock_output(root, kwargs if stock_kwargs is None else stock_kwargs)
     check_reference(family, reference, kwargs)
-    gen = DiffusionGenerator.from_pretrained(root, cfg_batch=cfg_batch)
+    gen = load_generator(root, cfg_batch=cfg_batch)
     result = gen.generate(**kwargs)
     assert gen.family == family and result.media == "image", f"{root}: {gen.family} {result.media}, not {family}"
     assert result.frames.dtype == np.float32 and result.frames.shape == reference.shape, (
@@ -257,8 +255,6 @@ def check_generate_cli_png(family: DiTFamily, root: Path, out: Path, kwargs: dic
 
     from PIL import Image
 
-    from spindle.infer.generator import DiffusionGenerator
-
     flags = [str(a) for k, v in kwargs.items() for a in (CLI_FLAGS.get(k, "--" + k.replace("_", "-")), v)]
     command = [sys.executable, "-m", "spindle", "generate", "--model", str(root), *flags, "--out", str(out)]
     r = subprocess.run(command, capture_output=True, text=True)
@@ -269,7 +265,7 @@ def check_generate_cli_png(family: DiTFamily, root: Path, out: Path, kwargs: dic
     assert image.shape == size and image.dtype == np.uint8 and image.std() > 1, (
         f"{family.name}: the png is {image.shape} {image.dtype} (std {image.std():.2f}), not a {size} uint8 image"
     )
-    gen = DiffusionGenerator.from_pretrained(root)
+    gen = load_generator(root)
     frames = gen.generate(**kwargs).frames
     diff = np.abs(image.astype(np.float32) - frames[0] * 255).max()
     assert diff <= 1.0, f"{family.name}: the png differs from generate()'s image by {diff} of 255"
@@ -540,10 +536,9 @@ def count_block_calls(transformer: torch.nn.Module) -> list[int]:
 
 def check_step_cache_exact(family: DiTFamily, root: Path, kwargs: dict[str, Any], *, cfg_batch: bool) -> None:
     """First-block cache with threshold 0 computes every block of every forward and changes nothing."""
-    from spindle.infer.generator import DiffusionGenerator
 
-    exact = DiffusionGenerator.from_pretrained(root, cfg_batch=cfg_batch).generate(**kwargs).frames
-    gen = DiffusionGenerator.from_pretrained(root, cache="fbc", cache_threshold=0.0, cfg_batch=cfg_batch)
+    exact = load_generator(root, cfg_batch=cfg_batch).generate(**kwargs).frames
+    gen = load_generator(root, cache="fbc", cache_threshold=0.0, cfg_batch=cfg_batch)
     calls = count_block_calls(gen.transformer)
     out = gen.generate(**kwargs).frames
     forwards = kwargs["num_inference_steps"] * (1 if cfg_batch else 2)
@@ -557,10 +552,9 @@ def check_step_cache_skips(family: DiTFamily, root: Path, kwargs: dict[str, Any]
     (one batched CFG forward a step); the result is lossy but the same picture (PSNR), and the cache
     state is reset per request (a second request repeats the first)."""
     from spindle.infer import psnr
-    from spindle.infer.generator import DiffusionGenerator
 
-    exact = DiffusionGenerator.from_pretrained(root).generate(**kwargs).frames
-    gen = DiffusionGenerator.from_pretrained(root, cache="fbc", cache_threshold=1e6, cfg_batch=True)
+    exact = load_generator(root).generate(**kwargs).frames
+    gen = load_generator(root, cache="fbc", cache_threshold=1e6, cfg_batch=True)
     calls = count_block_calls(gen.transformer)
     out = gen.generate(**kwargs).frames
     expected = len(repeated_blocks(gen.transformer)) + kwargs["num_inference_steps"] - 1
@@ -575,9 +569,8 @@ def check_step_cache_skips(family: DiTFamily, root: Path, kwargs: dict[str, Any]
 
 def check_compile_matches_eager(family: DiTFamily, root: Path, kwargs: dict[str, Any]) -> None:
     """Regional torch.compile compiles every repeated block and stays within 1e-4 of eager."""
-    from spindle.infer.generator import DiffusionGenerator
 
-    exact = DiffusionGenerator.from_pretrained(root).generate(**kwargs).frames
-    gen = DiffusionGenerator.from_pretrained(root, compile=True)
+    exact = load_generator(root).generate(**kwargs).frames
+    gen = load_generator(root, compile=True)
     assert all(getattr(b, "_compiled_call_impl", None) is not None for b in repeated_blocks(gen.transformer))
     np.testing.assert_allclose(gen.generate(**kwargs).frames, exact, atol=1e-4, rtol=0, err_msg=family.name)

@@ -71,15 +71,15 @@ def torchrun(nproc: int, *args: str, timeout: float = 600):
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 
-# A torchrun worker: DiffusionGenerator.from_pretrained(root, **options).generate(**kw) on every rank,
+# A torchrun worker: load_generator(root, **options).generate(**kw) on every rank,
 # each rank's frames saved; with `unseeded`, a second 1-step request without a seed too.
 _GENERATE_WORKER = """
 import json, sys
 import numpy as np
 import torch.distributed as dist
-from spindle import DiffusionGenerator
+from spindle.api import load_generator
 root, out, options, kw, unseeded = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4]), sys.argv[5]
-gen = DiffusionGenerator.from_pretrained(root, **options)
+gen = load_generator(root, **options)
 np.save(f"{out}.rank{dist.get_rank()}.npy", gen.generate(**kw).frames)
 if unseeded == "1":
     drawn = gen.generate(**{**kw, "seed": None, "num_inference_steps": 1})

@@ -18,13 +18,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from spindle.config import ConfigError, TrainJobConfig, dump_config
+from spindle.contracts.task import TrainTask
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.launch import launcher_world_size
 from spindle.distributed.mesh import Mesh, ParallelDims, build_mesh, device_type, is_main_process
 from spindle.train.metrics import MetricsLog
 from spindle.train.optim import build_optimizer, build_scheduler
-from spindle.train.tasks import task_for
-from spindle.train.tasks.base import TrainTask
 
 log = logging.getLogger("spindle.train")
 
@@ -62,25 +61,29 @@ def grad_accum_steps(cfg: TrainJobConfig, dp_size: int) -> int:
     return cfg.train.global_batch_size // per_step
 
 
-def check_parallel_plan(cfg: TrainJobConfig, world_size: int) -> ParallelDims:
+def check_parallel_plan(cfg: TrainJobConfig, family: Any, task: type[TrainTask], world_size: int) -> ParallelDims:
     """Validate the parallel layout against the world size and the model, before any heavy work."""
     dims = ParallelDims(**cfg.parallel.model_dump()).resolve(world_size)
     grad_accum_steps(cfg, dims.dp_size)
-    task = task_for(cfg)
     if dims.ep > 1 and not task.supports_expert_parallel:
         raise ConfigError(
             f"parallel.ep={dims.ep}: expert parallelism needs a mixture-of-experts model ({task.name} task has "
             "no experts); set parallel.ep: 1"
         )
-    task.check_plan(cfg, dims)
+    task.check_plan(cfg, family, dims)
     return dims
 
 
 class Trainer:
-    def __init__(self, cfg: TrainJobConfig):
+    """The loop for one job: `cfg` validated against `task.config_class`, `family` the record of the model
+    it trains (the entry point resolves both: `spindle.api.make_trainer`)."""
+
+    def __init__(self, cfg: TrainJobConfig, family: Any, task: type[TrainTask]):
         self.cfg = cfg
+        self.family = family
         self.output_dir = Path(cfg.train.output_dir)
-        check_parallel_plan(cfg, dist.get_world_size() if dist.is_initialized() else launcher_world_size() or 1)
+        world = dist.get_world_size() if dist.is_initialized() else launcher_world_size() or 1
+        check_parallel_plan(cfg, family, task, world)
         self.mesh: Mesh = build_mesh(ParallelDims(**cfg.parallel.model_dump()))
         self.device = local_device()
         if cfg.train.keep_freed_memory and self.device.type == "cpu":
@@ -90,7 +93,7 @@ class Trainer:
         self.accum = grad_accum_steps(cfg, self.mesh.dims.dp_size)
         self.precision = resolve_precision(cfg.train.mixed_precision)
         torch.manual_seed(cfg.train.seed)
-        self.task: TrainTask = task_for(cfg)(cfg, self.mesh, self.device, self.precision)
+        self.task: TrainTask = task(cfg, family, self.mesh, self.device, self.precision)
         self.model = self.task.build_model()
         self.optimizer = build_optimizer(self.model.parameters(), cfg.train)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
@@ -139,7 +142,7 @@ class Trainer:
 
         -> (loss, grad_norm, samples, tokens, extra metrics) of the global batch. The loss is the mean
         over every loss unit (sample, valid token) of the global batch: each micro-batch's summed loss
-        is divided by the global unit count (see `spindle.train.tasks.base`). FSDP2 averages gradients
+        is divided by the global unit count (see `spindle.contracts.task`). FSDP2 averages gradients
         over the data-parallel ranks, so each rank scales by dp_size to turn that average into the sum.
         """
         from spindle.distributed.fsdp import clip_grad_norm_tensor_
@@ -258,5 +261,5 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
     path.write_text("".join(line + "\n" for line in kept))
 
 
-def train(cfg: TrainJobConfig) -> TrainResult:
-    return Trainer(cfg).run()
+def train(cfg: TrainJobConfig, family: Any, task: type[TrainTask]) -> TrainResult:
+    return Trainer(cfg, family, task).run()

@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-from spindle.infer.options import FamilyOptions, Option, needs_negative_prompt
-from spindle.models.family import ConformanceSpec, DemoSpec, DiTFamily
+from spindle.contracts.family import ConformanceSpec, DemoSpec, DiTFamily
+from spindle.contracts.options import FamilyOptions, Option, needs_negative_prompt
 
 
 def _looks_like_flux(root: Path) -> bool:
@@ -12,32 +12,35 @@ def _looks_like_flux(root: Path) -> bool:
     return tcfg.is_file() and '"pooled_projection_dim"' in tcfg.read_text() and (root / "text_encoder_2").is_dir()
 
 
+# sampling options (CLI flags, HTTP fields); the family's inference spec declares the same object
+OPTIONS = FamilyOptions(
+    extra=(
+        Option(
+            "true_cfg_scale",
+            float,
+            default=1.0,  # FluxPipeline's default: no true CFG
+            minimum=0.0,
+            maximum=100.0,  # as guidance_scale (request.MAX_GUIDANCE): larger scales only blow latents up
+            help="true classifier-free guidance scale, with a negative prompt",
+            rule=needs_negative_prompt,
+        ),
+    ),
+    guidance="embedded guidance of guidance-distilled checkpoints (FLUX.1-dev; ignored by schnell-style ones); "
+    "CFG is true_cfg_scale",
+)
+
 FAMILY = DiTFamily(
     name="flux",
     pipeline_classes=("FluxPipeline",),
     transformer_classes=("FluxTransformer2DModel",),
     condition_model="spindle.models.flux.condition:FluxConditionModel",
-    inference="spindle.models.flux.pipeline:FLUX_INFERENCE",
-    tiny_model="spindle.testing.tiny:build_tiny_flux",
+    inference="spindle.models.flux.inference:FLUX_INFERENCE",
+    tiny_model="spindle.models.flux.tiny:build_tiny_flux",
     lora_original="spindle.models.flux.lora:to_original",
     detect=_looks_like_flux,
-    options=FamilyOptions(
-        extra=(
-            Option(
-                "true_cfg_scale",
-                float,
-                default=1.0,  # FluxPipeline's default: no true CFG
-                minimum=0.0,
-                maximum=100.0,  # as guidance_scale (request.MAX_GUIDANCE): larger scales only blow latents up
-                help="true classifier-free guidance scale, with a negative prompt",
-                rule=needs_negative_prompt,
-            ),
-        ),
-        guidance="embedded guidance of guidance-distilled checkpoints (FLUX.1-dev; ignored by schnell-style ones); "
-        "CFG is true_cfg_scale",
-    ),
+    options=OPTIONS,
     demo=DemoSpec(
-        dataset="spindle.testing.synthetic:make_shapes_image_dataset",
+        dataset="spindle.data.synthetic:make_shapes_image_dataset",
         dataset_kwargs={"num_images": 16, "size": (32, 32)},
         sample_kwargs={"guidance_scale": 3.5},  # the embedded guidance the model was fine-tuned with
     ),

@@ -16,12 +16,9 @@ from typing import Any
 
 import torch
 
-from spindle.models.base import (
-    PackedImageConditionModel,
-    flow_matching_pair,
-    resolution_shift,
-    sample_sigmas,
-)
+from spindle.models.shared.condition import PackedImageConditionModel
+from spindle.models.shared.latents import resolution_shift
+from spindle.train.tasks.flow_matching_math import flow_matching_pair, sample_sigmas
 
 # The embedded guidance value used for training guidance-distilled checkpoints (diffusers' Flux
 # training scripts default to 3.5, which is also FluxPipeline's default guidance_scale).

@@ -4,7 +4,7 @@ Regenerate with `spindle patchgen` after editing, read generated/patched_modelin
 tests (docs/patchgen.md). Llama reuses these patches through name_map (../llama/patches.py).
 
 Patched: `Qwen3ForCausalLM.forward` computes the loss from the last hidden states with the chunked
-linear cross-entropy (spindle/train/losses.py) instead of materialising [tokens, vocab] logits.
+linear cross-entropy (spindle/ops/losses.py) instead of materialising [tokens, vocab] logits.
 transformers has no hook for that: its loss_function receives logits.
 """
 
@@ -17,13 +17,14 @@ from transformers.modeling_utils import slice_logits_to_keep
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 
-from spindle.models.causal_lm_patch import causal_lm_loss_or_logits
+from spindle.models.shared.causal_lm_patch import causal_lm_loss_or_logits
 from spindle.patchgen import PatchConfig
 
 config = PatchConfig(source_module="transformers.models.qwen3.modeling_qwen3")
-config.add_import("spindle.train.losses", names=["causal_lm_loss"])
+config.add_import("spindle.ops.losses", names=["causal_lm_loss"])
 config.add_helper(
-    causal_lm_loss_or_logits, description="the chunked loss or upstream's logits (spindle/models/causal_lm_patch.py)"
+    causal_lm_loss_or_logits,
+    description="the chunked loss or upstream's logits (spindle/models/shared/causal_lm_patch.py)",
 )
 
 

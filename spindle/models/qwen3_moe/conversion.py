@@ -171,3 +171,17 @@ def to_layout(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], layou
     from transformers.core_model_loading import revert_weight_conversion
 
     return revert_weight_conversion(model, state_dict)
+
+
+class Qwen3MoeCheckpoints:
+    """The family's `CheckpointAdapter` (spindle.contracts.family): the functions above, as the MoE task
+    reaches them through `FAMILY.adapter()`."""
+
+    default_layout = PER_EXPERT
+    layout = staticmethod(expert_layout)
+    register = staticmethod(register_conversion)
+    check_loading_info = staticmethod(check_loading_info)
+    to_layout = staticmethod(to_layout)
+
+
+ADAPTER = Qwen3MoeCheckpoints()

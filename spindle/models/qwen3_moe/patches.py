@@ -4,9 +4,9 @@ Regenerate with `spindle patchgen` after editing, read generated/patched_modelin
 the tests (docs/patchgen.md).
 
 Patched: `Qwen3MoeForCausalLM.forward` computes the token loss from the last hidden states with the
-chunked linear cross-entropy (spindle/train/losses.py), like the dense Qwen3 patch, and adds the
+chunked linear cross-entropy (spindle/ops/losses.py), like the dense Qwen3 patch, and adds the
 router's load-balancing loss as upstream does (`router_aux_loss_coef x load_balancing_loss_func` over
-the forward's router logits), through spindle.train.router_loss: the same formula, whose router
+the forward's router logits), through spindle.ops.router_loss: the same formula, whose router
 statistics can be summed over a sequence-parallel group and masked for padding. The dense patch cannot be reused
 through `name_map`: upstream's MoE forward has `output_router_logits` and the aux term.
 
@@ -25,15 +25,16 @@ from transformers.modeling_utils import slice_logits_to_keep
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 
-from spindle.models.causal_lm_patch import causal_lm_loss_or_logits
+from spindle.models.shared.causal_lm_patch import causal_lm_loss_or_logits
+from spindle.ops.router_loss import load_balancing_loss
 from spindle.patchgen import PatchConfig
-from spindle.train.router_loss import load_balancing_loss
 
 config = PatchConfig(source_module="transformers.models.qwen3_moe.modeling_qwen3_moe")
-config.add_import("spindle.train.losses", names=["causal_lm_loss"])
-config.add_import("spindle.train.router_loss", names=["load_balancing_loss"])
+config.add_import("spindle.ops.losses", names=["causal_lm_loss"])
+config.add_import("spindle.ops.router_loss", names=["load_balancing_loss"])
 config.add_helper(
-    causal_lm_loss_or_logits, description="the chunked loss or upstream's logits (spindle/models/causal_lm_patch.py)"
+    causal_lm_loss_or_logits,
+    description="the chunked loss or upstream's logits (spindle/models/shared/causal_lm_patch.py)",
 )
 
 
@@ -50,7 +51,7 @@ def count_label_tokens(labels, shift_labels, ignore_index: int = -100) -> torch.
 #      decoder never sees them;
 #   2. with labels or shift_labels: token loss from hidden states via causal_lm_loss, logits=None;
 #      without: exactly upstream (lm_head on the logits_to_keep slice): causal_lm_loss_or_logits;
-#   3. the aux loss as upstream (spindle.train.router_loss: the same formula, its router statistics
+#   3. the aux loss as upstream (spindle.ops.router_loss: the same formula, its router statistics
 #      optionally reduced over an SP group), weighted so that it survives Spindle's sum reduction.
 @config.override_method(
     "Qwen3MoeForCausalLM.forward",

@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-from spindle.infer.options import FamilyOptions, Option, needs_negative_prompt
-from spindle.models.family import ConformanceSpec, DemoSpec, DiTFamily
+from spindle.contracts.family import ConformanceSpec, DemoSpec, DiTFamily
+from spindle.contracts.options import FamilyOptions, Option, needs_negative_prompt
 
 
 def _looks_like_qwenimage(root: Path) -> bool:
@@ -12,31 +12,33 @@ def _looks_like_qwenimage(root: Path) -> bool:
     return vae_cfg.is_file() and '"AutoencoderKLQwenImage"' in vae_cfg.read_text()
 
 
+# sampling options (CLI flags, HTTP fields); the family's inference spec declares the same object
+OPTIONS = FamilyOptions(
+    extra=(
+        Option(
+            "true_cfg_scale",
+            float,
+            default=4.0,  # QwenImagePipeline's default: CFG runs once a negative_prompt is given
+            minimum=0.0,
+            maximum=100.0,  # as guidance_scale (request.MAX_GUIDANCE): larger scales only blow latents up
+            help="true classifier-free guidance scale, with a negative prompt",
+            rule=needs_negative_prompt,
+        ),
+    ),
+    guidance="embedded guidance of guidance-distilled variants (ignored by Qwen-Image itself); CFG is true_cfg_scale",
+)
+
 FAMILY = DiTFamily(
     name="qwenimage",
     pipeline_classes=("QwenImagePipeline",),
     transformer_classes=("QwenImageTransformer2DModel",),
     condition_model="spindle.models.qwenimage.condition:QwenImageConditionModel",
-    inference="spindle.models.qwenimage.pipeline:QWENIMAGE_INFERENCE",
-    tiny_model="spindle.testing.tiny:build_tiny_qwenimage",
+    inference="spindle.models.qwenimage.inference:QWENIMAGE_INFERENCE",
+    tiny_model="spindle.models.qwenimage.tiny:build_tiny_qwenimage",
     detect=_looks_like_qwenimage,
-    options=FamilyOptions(
-        extra=(
-            Option(
-                "true_cfg_scale",
-                float,
-                default=4.0,  # QwenImagePipeline's default: CFG runs once a negative_prompt is given
-                minimum=0.0,
-                maximum=100.0,  # as guidance_scale (request.MAX_GUIDANCE): larger scales only blow latents up
-                help="true classifier-free guidance scale, with a negative prompt",
-                rule=needs_negative_prompt,
-            ),
-        ),
-        guidance="embedded guidance of guidance-distilled variants (ignored by Qwen-Image itself); CFG is "
-        "true_cfg_scale",
-    ),
+    options=OPTIONS,
     demo=DemoSpec(
-        dataset="spindle.testing.synthetic:make_shapes_image_dataset",
+        dataset="spindle.data.synthetic:make_shapes_image_dataset",
         dataset_kwargs={"num_images": 16, "size": (32, 32)},
         sample_kwargs={"negative_prompt": "", "true_cfg_scale": 4.0},
     ),

@@ -19,13 +19,9 @@ from typing import Any
 
 import torch
 
-from spindle.models.base import (
-    PackedImageConditionModel,
-    flow_matching_pair,
-    latent_stats,
-    resolution_shift,
-    sample_sigmas,
-)
+from spindle.models.shared.condition import PackedImageConditionModel
+from spindle.models.shared.latents import latent_stats, resolution_shift
+from spindle.train.tasks.flow_matching_math import flow_matching_pair, sample_sigmas
 
 # QwenImagePipeline's prompt limit (`max_sequence_length` must be <= 1024 there).
 MAX_SEQUENCE_LENGTH = 1024

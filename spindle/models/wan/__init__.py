@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-from spindle.infer.options import FamilyOptions
-from spindle.models.family import ConformanceSpec, DemoSpec, DiTFamily
+from spindle.contracts.family import ConformanceSpec, DemoSpec, DiTFamily
+from spindle.contracts.options import FamilyOptions
 
 
 def _looks_like_wan(root: Path) -> bool:
@@ -12,19 +12,22 @@ def _looks_like_wan(root: Path) -> bool:
     return vae_cfg.is_file() and '"AutoencoderKLWan"' in vae_cfg.read_text()
 
 
+# sampling options (CLI flags, HTTP fields); the family's inference spec declares the same object
+# Wan2.1 is trained on 16 fps video; its VAE compresses time 4x, so num_frames = 4k + 1
+OPTIONS = FamilyOptions(fps=16, frame_multiple=4)
+
 FAMILY = DiTFamily(
     name="wan",
     pipeline_classes=("WanPipeline",),
     transformer_classes=("WanTransformer3DModel",),
     condition_model="spindle.models.wan.condition:WanConditionModel",
-    inference="spindle.models.wan.pipeline:WAN_INFERENCE",
-    tiny_model="spindle.testing.tiny:build_tiny_wan",
+    inference="spindle.models.wan.inference:WAN_INFERENCE",
+    tiny_model="spindle.models.wan.tiny:build_tiny_wan",
     lora_original="spindle.models.wan.lora:to_original",
     detect=_looks_like_wan,
-    # Wan2.1 is trained on 16 fps video; its VAE compresses time 4x, so num_frames = 4k + 1
-    options=FamilyOptions(fps=16, frame_multiple=4),
+    options=OPTIONS,
     demo=DemoSpec(
-        dataset="spindle.testing.synthetic:make_shapes_video_dataset",
+        dataset="spindle.data.synthetic:make_shapes_video_dataset",
         dataset_kwargs={"num_videos": 16, "num_frames": 9, "size": (32, 32)},
         num_frames=9,
         sample_suffix=".mp4",

@@ -6,7 +6,9 @@ from typing import Any
 
 import torch
 
-from spindle.models.base import PipelineConditionModel, flow_matching_pair, latent_stats, sample_sigmas
+from spindle.models.shared.condition import PipelineConditionModel
+from spindle.models.shared.latents import latent_stats
+from spindle.train.tasks.flow_matching_math import flow_matching_pair, sample_sigmas
 
 
 class WanConditionModel(PipelineConditionModel):

@@ -1,13 +1,13 @@
-"""Training tasks: one per model kind (see `base.TrainTask`). A family names its task; the trainer
-looks it up here, lazily, so importing the trainer imports no model library."""
+"""Training tasks: one per model kind (the contract is `spindle.contracts.task.TrainTask`). A family
+record names its task; the entry point looks the task up here, lazily, so importing the trainer imports
+no model library. The task class names its own job schema (`config_class`): this is the one registry."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from spindle.config import TrainJobConfig
-    from spindle.train.tasks.base import TrainTask
+    from spindle.contracts.task import TrainTask
 
 # task name -> "module:Class". A family's `task` field names one of these.
 TASKS: dict[str, str] = {
@@ -18,16 +18,9 @@ TASKS: dict[str, str] = {
 
 
 def get_task(name: str) -> type[TrainTask]:
-    from spindle.models.base import import_object
+    from spindle.contracts.family import import_object
 
     if name not in TASKS:
         raise ValueError(f"unknown training task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
     task: type[TrainTask] = import_object(TASKS[name])
     return task
-
-
-def task_for(cfg: TrainJobConfig) -> type[TrainTask]:
-    """The task class of the family that `cfg.model` names or points at."""
-    from spindle.registry import family_of
-
-    return get_task(family_of(cfg.model.path, cfg.model.family).task)

@@ -1,140 +1,25 @@
-"""The task contract: what the generic trainer delegates to a model kind.
-
-Like torchtitan's train spec hands its trainer a parallelize function, a loss, a dataloader and a
-state-dict adapter, a task owns everything that differs between model kinds (a DiT trained by flow
-matching, a causal LM trained on next-token loss): building and parallelising the model, its data,
-its loss, and its export. The trainer (`spindle.train.trainer`) owns the mesh, the optimizer and
-schedule, accumulation, clipping, metrics and checkpoints, and never imports diffusers or
-transformers.
-
-Loss normalisation (the one rule every task follows): `forward` returns the *sum* of its per-unit
-losses over the micro-batch on this rank, and `loss_units(batch)` says how many units that sum
-covers (samples for a DiT, valid label tokens for an LM), counted on the whole batch the rank was
-given (before any sequence split). The trainer adds the units of all micro-batches of the step
-over the data-parallel ranks and divides by that global count, so the step's loss is the mean
-over every unit of the global batch, however it is split into micro-batches, ranks and SP chunks
-(no gradient-accumulation loss bug).
-"""
+"""What the training tasks share beyond the contract (`spindle.contracts.task.TrainTask`)."""
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any
 
-import torch
-
-if TYPE_CHECKING:
-    from spindle.config import TrainJobConfig
-    from spindle.data.loader import ResumableLoader
-    from spindle.distributed.mesh import Mesh, ParallelDims
+from spindle.contracts.task import TrainTask
+from spindle.data.loader import ResumableLoader
 
 
-@dataclass
-class StepOutput:
-    """One micro-batch's forward on one rank."""
-
-    loss_sum: torch.Tensor  # differentiable sum of per-unit losses (see the module docstring)
-    samples: int  # samples in the micro-batch (for throughput)
-    tokens: int  # model tokens processed (for throughput)
-    # extra scalars to log (summed over the step's micro-batches, averaged over data-parallel ranks)
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
-class TrainTask(ABC):
-    """One model kind's training: model, data, loss, export. One instance per trainer."""
-
-    name: ClassVar[str]
-    # True when each rank of a sequence-parallel group computes the loss of its own sequence chunk
-    # only (so the logged loss is summed over SP ranks too); False when every SP rank holds the loss
-    # of the whole sample (diffusers CP gathers the output before the loss).
-    loss_sharded_over_sp: ClassVar[bool] = False
-    # True when the task can run `parallel.ep > 1` (expert parallelism; MoE models).
-    supports_expert_parallel: ClassVar[bool] = False
-
-    def __init__(self, cfg: TrainJobConfig, mesh: Mesh, device: torch.device, precision: str):
-        self.cfg = cfg
-        self.mesh = mesh
-        self.device = device
-        self.precision = precision
-        # The dtype build_model's parallelisation runs the forward under (torch.autocast); None: none.
-        self.autocast_dtype: torch.dtype | None = None
-
-    # ------------------------------------------------------------ before any process starts
-
-    @classmethod
-    def check_plan(cls, cfg: TrainJobConfig, dims: ParallelDims) -> None:
-        """Static checks of the parallel layout against the model (cheap: config files only)."""
-        return None
-
-    # ------------------------------------------------------------ set-up
-
-    @abstractmethod
-    def build_model(self) -> torch.nn.Module:
-        """Load the trainable model on `self.device`, parallelised on `self.mesh`, in train mode."""
-
-    @abstractmethod
-    def build_loader(self) -> ResumableLoader:
-        """A resumable iterator of this rank's micro-batches (`state_dict` / `load_state_dict`)."""
-
-    def resumable_loader(self, dataset: Any, collate_fn: Callable[[list[Any]], Any]) -> ResumableLoader:
-        """`dataset` as this rank's share of the job's batches: micro/global batch size, seed and
-        shuffling from the config, the data-parallel rank and size from the mesh."""
-        from spindle.data.loader import ResumableLoader
-
-        return ResumableLoader(
-            dataset,
-            self.cfg.train.micro_batch_size,
-            dp_rank=self.mesh.dp_rank,
-            dp_size=self.mesh.dims.dp_size,
-            seed=self.cfg.train.seed,
-            shuffle=self.cfg.data.shuffle,
-            collate_fn=collate_fn,
-            global_batch_size=self.cfg.train.global_batch_size,
-        )
-
-    # ------------------------------------------------------------ step
-
-    def _autocast(self) -> AbstractContextManager[Any]:
-        """The forward's autocast context: `self.autocast_dtype` on this device, or none."""
-        if self.autocast_dtype is None:
-            return nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
-
-    @abstractmethod
-    def loss_units(self, batch: Any) -> int:
-        """How many units the loss of `batch` averages over (samples, valid tokens, ...)."""
-
-    @abstractmethod
-    def forward(self, model: torch.nn.Module, batch: Any, step: int) -> StepOutput:
-        """The micro-batch's summed loss (differentiable) and counts."""
-
-    def step_metrics(self) -> dict[str, Any]:
-        """Collective, after each optimizer step on every rank: values for the step's metrics.jsonl line
-        that the per-micro-batch `StepOutput.metrics` sums cannot express (e.g. MoE expert load over the
-        global batch: counts per expert and their max/mean). Default: none."""
-        return {}
-
-    def validate(self, model: torch.nn.Module, step: int, out_dir: Path) -> list[Any]:
-        """Collective: render `train.validation` samples from the in-training model into `out_dir`
-        (rank 0 writes); -> the samples as float arrays in [0, 1] ([H, W, 3] or [F, H, W, 3]) for
-        TensorBoard. Called under no_grad, in eval mode, with the RNG state forked. Default: none."""
-        return []
-
-    # ------------------------------------------------------------ output
-
-    def state(self) -> dict[str, Any]:
-        """Extra JSON-able facts saved in every checkpoint's trainer_state.json."""
-        return {}
-
-    @abstractmethod
-    def export(self, model: torch.nn.Module, out: Path) -> Path | None:
-        """Collective: write the trained model in the input's standard layout; the folder on rank 0."""
-
-    @classmethod
-    @abstractmethod
-    def export_checkpoint(cls, checkpoint: Path, model_path: Path, out: Path) -> Path:
-        """One process: export a (possibly sharded) training checkpoint (`spindle export`)."""
+def resumable_loader(task: TrainTask, dataset: Any, collate_fn: Callable[[list[Any]], Any]) -> ResumableLoader:
+    """`dataset` as this rank's share of the job's batches: micro/global batch size, seed and
+    shuffling from the task's config, the data-parallel rank and size from its mesh."""
+    cfg = task.cfg
+    return ResumableLoader(
+        dataset,
+        cfg.train.micro_batch_size,
+        dp_rank=task.mesh.dp_rank,
+        dp_size=task.mesh.dims.dp_size,
+        seed=cfg.train.seed,
+        shuffle=cfg.data.shuffle,
+        collate_fn=collate_fn,
+        global_batch_size=cfg.train.global_batch_size,
+    )

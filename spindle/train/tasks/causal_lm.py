@@ -22,15 +22,14 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from spindle.config import ConfigError
+from spindle.config import CausalLMJobConfig, ConfigError
+from spindle.contracts.family import CausalLMFamily
+from spindle.contracts.task import StepOutput, TrainTask
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.mesh import barrier, is_main_process
-from spindle.models.base import CausalLMFamily
-from spindle.registry import family_of
-from spindle.train.tasks.base import StepOutput, TrainTask
+from spindle.train.tasks.base import resumable_loader
 
 if TYPE_CHECKING:
-    from spindle.config import TrainJobConfig
     from spindle.data.loader import ResumableLoader
     from spindle.distributed.mesh import Mesh, ParallelDims
 
@@ -77,27 +76,29 @@ def load_tokenizer(path: str | Path) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
-def language_model_family(path: str | Path, name: str | None = None) -> CausalLMFamily:
-    family = family_of(path, name)
-    if not isinstance(family, CausalLMFamily):
-        raise ConfigError(f"model {path} is a {family.name} diffusion model, not a causal language model")
-    return family
-
-
 class CausalLMTask(TrainTask):
     name = "causal_lm"
+    config_class = CausalLMJobConfig
     # With Ulysses SP each rank holds a chunk of the sequence and computes that chunk's loss only.
     loss_sharded_over_sp = True
 
-    def __init__(self, cfg: TrainJobConfig, mesh: Mesh, device: torch.device, precision: str) -> None:
-        super().__init__(cfg, mesh, device, precision)
-        self.family = language_model_family(cfg.model.path, cfg.model.family)
+    cfg: CausalLMJobConfig
+    family: CausalLMFamily
+
+    def __init__(
+        self, cfg: CausalLMJobConfig, family: CausalLMFamily, mesh: Mesh, device: torch.device, precision: str
+    ) -> None:
+        if not isinstance(family, CausalLMFamily):
+            raise ConfigError(
+                f"model {cfg.model.path} is a {family.name} {family.kind} model, not a causal language model"
+            )
+        super().__init__(cfg, family, mesh, device, precision)
         self.tokenizer = load_tokenizer(cfg.model.path)
 
     # ------------------------------------------------------------ checks before launch
 
     @classmethod
-    def check_plan(cls, cfg: TrainJobConfig, dims: ParallelDims) -> None:
+    def check_plan(cls, cfg: CausalLMJobConfig, family: CausalLMFamily, dims: ParallelDims) -> None:
         # DiT-only training options must not be silently ignored on a language model.
         if cfg.train.lora is not None:
             raise ConfigError("train.lora: LoRA is implemented for DiT families only so far; remove train.lora")
@@ -177,7 +178,7 @@ class CausalLMTask(TrainTask):
                 log.warning(
                     "data: %d documents were longer than data.seq_len=%d and truncated", s.truncated, data.seq_len
                 )
-        return self.resumable_loader(dataset, collate_rows)
+        return resumable_loader(self, dataset, collate_rows)
 
     # ------------------------------------------------------------ step
 
@@ -218,10 +219,10 @@ class CausalLMTask(TrainTask):
         return out if is_main_process() else None
 
     @classmethod
-    def export_checkpoint(cls, checkpoint: Path, model_path: Path, out: Path) -> Path:
+    def export_checkpoint(cls, family: CausalLMFamily, checkpoint: Path, model_path: Path, out: Path) -> Path:
         if not (model_path / "config.json").is_file():
             raise FileNotFoundError(f"base model {model_path} has no config.json; pass --model PATH")
-        model_cls: Any = language_model_family(model_path).model_cls()
+        model_cls: Any = family.model_cls()
         model = model_cls.from_pretrained(model_path, dtype=torch.float32)
         state = ckpt.read_checkpoint_model(checkpoint, model)
         write_transformers_folder(model, state, model_path, out)

@@ -17,17 +17,37 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from spindle.config import DiTJobConfig
+from spindle.contracts.condition import ConditionModel
+from spindle.contracts.family import DiTFamily, import_object
+from spindle.contracts.task import StepOutput, TrainTask
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.mesh import barrier, is_main_process
-from spindle.models.base import ConditionModel, TimestepSampling, load_transformer
-from spindle.registry import get_family, resolve_family
 from spindle.train.metrics import count_tokens
-from spindle.train.tasks.base import StepOutput, TrainTask
+from spindle.train.tasks.base import resumable_loader
+from spindle.train.tasks.flow_matching_math import TimestepSampling
 
 if TYPE_CHECKING:
-    from spindle.config import TrainJobConfig
     from spindle.data.loader import ResumableLoader
     from spindle.distributed.mesh import Mesh, ParallelDims
+
+
+def load_transformer(root: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Load the diffusers transformer class named in `root/transformer/config.json`."""
+    import json
+
+    import diffusers
+
+    tdir = Path(root) / "transformer"
+    cfg_path = tdir / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{cfg_path} not found: the checkpoint has no transformer component")
+    cls_name = json.loads(cfg_path.read_text())["_class_name"]
+    cls = getattr(diffusers, cls_name, None)
+    if cls is None:
+        raise ValueError(f"{cfg_path} names {cls_name!r}, which diffusers {diffusers.__version__} does not provide")
+    model: torch.nn.Module = cls.from_pretrained(tdir, dtype=dtype)
+    return model
 
 
 def sample_generator(seed: int, step: int, sample_index: int) -> torch.Generator:
@@ -52,11 +72,16 @@ def loss_weights(sigmas: torch.Tensor, scheme: str) -> torch.Tensor | None:
 
 class FlowMatchingTask(TrainTask):
     name = "flow_matching"
+    config_class = DiTJobConfig
     loss_sharded_over_sp = False  # diffusers CP gathers the output: every SP rank holds the whole loss
 
-    def __init__(self, cfg: TrainJobConfig, mesh: Mesh, device: torch.device, precision: str) -> None:
-        super().__init__(cfg, mesh, device, precision)
-        self.family = get_family(cfg.model.family) if cfg.model.family else resolve_family(cfg.model.path)
+    cfg: DiTJobConfig
+    family: DiTFamily
+
+    def __init__(self, cfg: DiTJobConfig, family: DiTFamily, mesh: Mesh, device: torch.device, precision: str) -> None:
+        if not isinstance(family, DiTFamily):
+            raise TypeError(f"the flow-matching task trains DiT families; {family.name} is a {family.kind} family")
+        super().__init__(cfg, family, mesh, device, precision)
         self.seed = cfg.train.seed
         self.loss_weighting = cfg.train.loss_weighting
         self.condition = self._build_condition()
@@ -64,7 +89,7 @@ class FlowMatchingTask(TrainTask):
     # ------------------------------------------------------------ checks before launch
 
     @classmethod
-    def check_plan(cls, cfg: TrainJobConfig, dims: ParallelDims) -> None:
+    def check_plan(cls, cfg: DiTJobConfig, family: DiTFamily, dims: ParallelDims) -> None:
         from spindle.distributed.context_parallel import check_sequence_parallel
 
         tcfg = Path(cfg.model.path) / "transformer" / "config.json"
@@ -110,12 +135,13 @@ class FlowMatchingTask(TrainTask):
         from spindle.data.precomputed import CachedConditions, cache_settings, collate_conditions
 
         data = self.cfg.data
-        media = build_dataset(data.path, tuple(data.resolution), data.num_frames, data.skip_bad_samples)
+        height, width = data.resolution
+        media = build_dataset(data.path, (height, width), data.num_frames, data.skip_bad_samples)
         source: Any = media
         if data.precomputed is not None:  # the same samples, read as cached conditions
             settings = cache_settings(self.cfg, self.family.name, condition_dtype(self.precision))
             source = CachedConditions(data.precomputed, settings, media.samples)
-        return self.resumable_loader(source, collate if data.precomputed is None else collate_conditions)
+        return resumable_loader(self, source, collate if data.precomputed is None else collate_conditions)
 
     # ------------------------------------------------------------ step
 
@@ -184,7 +210,7 @@ class FlowMatchingTask(TrainTask):
         return result
 
     @classmethod
-    def export_checkpoint(cls, checkpoint: Path, model_path: Path, out: Path) -> Path:
+    def export_checkpoint(cls, family: DiTFamily, checkpoint: Path, model_path: Path, out: Path) -> Path:
         if not (model_path / "model_index.json").is_file():
             raise FileNotFoundError(f"base model {model_path} has no model_index.json; pass --model PATH")
         state = json.loads((checkpoint / ckpt.TRAINER_STATE).read_text())
@@ -196,7 +222,6 @@ class FlowMatchingTask(TrainTask):
 
         add_lora(template, LoraConfig(**state["lora"]))
         adapters = adapter_state_dict(ckpt.read_checkpoint_model(checkpoint, template), lora_scale(template))
-        family = get_family(state["family"]) if state.get("family") else resolve_family(model_path)
         return export_lora(family, model_path, adapters, out, merge=False)
 
 
@@ -240,8 +265,6 @@ def export_lora(family: Any, base: str | Path, adapters: dict[str, torch.Tensor]
     import logging
 
     from safetensors.torch import save_file
-
-    from spindle.models.base import import_object
 
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")

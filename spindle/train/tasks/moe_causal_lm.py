@@ -3,12 +3,12 @@
 - Load: the expert tensors of the checkpoint are validated from the safetensors headers first
   (per-expert or fused layout; a missing expert, an unrecognised expert tensor or a wrong shape is an
   error naming the key), transformers' checkpoint conversion is made to apply to Spindle's patched
-  class, and any missing/unexpected key after loading is an error (spindle.models.qwen3_moe.conversion).
+  class, and any missing/unexpected key after loading is an error (the family's checkpoint adapter, `CausalLMFamily.adapter()`).
 - Loss: the patched forward adds `router_aux_loss_coef x load_balancing_loss_func` as transformers
   does, weighted by the micro-batch's tokens so that it survives the trainer's token-sum
   normalisation (spindle/models/qwen3_moe/patches.py). Padding (the rows' `attention_mask`) is kept
   out of the router statistics, as upstream does when given `attention_mask`. With `parallel.sp` the
-  statistics are summed over the SP group first (spindle.train.router_loss), so every SP rank holds
+  statistics are summed over the SP group first (spindle.ops.router_loss), so every SP rank holds
   the aux loss of the whole rows. Logged apart as `aux_loss`.
 - Expert load: real tokens routed to each expert per step over the global batch
   (`moe_tokens_per_expert`, summed over the MoE layers; each rank counts its own tokens, summed over
@@ -26,39 +26,45 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.distributed as dist
 
-from spindle.config import ConfigError
+from spindle.config import CausalLMJobConfig, ConfigError
+from spindle.contracts.family import CausalLMFamily, CheckpointAdapter
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.mesh import is_main_process
-from spindle.models.base import CausalLMFamily
-from spindle.models.qwen3_moe import conversion
-from spindle.train.tasks.causal_lm import (
-    PADDING_MASK_KEY,
-    CausalLMTask,
-    language_model_family,
-    write_transformers_folder,
-)
+from spindle.train.tasks.causal_lm import PADDING_MASK_KEY, CausalLMTask, write_transformers_folder
 
 if TYPE_CHECKING:
-    from spindle.config import TrainJobConfig
     from spindle.distributed.mesh import Mesh, ParallelDims
+
+
+def checkpoint_adapter(family: CausalLMFamily) -> CheckpointAdapter:
+    """The MoE family's checkpoint adapter (expert layouts): every MoE family must declare one."""
+    adapter = family.adapter()
+    if adapter is None:
+        raise ConfigError(
+            f"family {family.name!r} trains with the MoE task but declares no checkpoint_adapter for its expert tensors"
+        )
+    return adapter
 
 
 class MoECausalLMTask(CausalLMTask):
     name = "causal_lm_moe"
     supports_expert_parallel = True
 
-    def __init__(self, cfg: TrainJobConfig, mesh: Mesh, device: torch.device, precision: str) -> None:
-        super().__init__(cfg, mesh, device, precision)
-        self.expert_layout = conversion.PER_EXPERT
+    def __init__(
+        self, cfg: CausalLMJobConfig, family: CausalLMFamily, mesh: Mesh, device: torch.device, precision: str
+    ) -> None:
+        super().__init__(cfg, family, mesh, device, precision)
+        self.adapter = checkpoint_adapter(family)
+        self.expert_layout = self.adapter.default_layout
         self._load: torch.Tensor | None = None  # [moe layers, experts] routed token counts this step
 
     @classmethod
-    def check_plan(cls, cfg: TrainJobConfig, dims: ParallelDims) -> None:
+    def check_plan(cls, cfg: CausalLMJobConfig, family: CausalLMFamily, dims: ParallelDims) -> None:
         from transformers import AutoConfig
 
         from spindle.distributed.expert_parallel import check_ep_layout
 
-        super().check_plan(cfg, dims)  # the dense checks (ring refused for language models, ...)
+        super().check_plan(cfg, family, dims)  # the dense checks (ring refused for language models, ...)
         try:
             check_ep_layout(dims, AutoConfig.from_pretrained(cfg.model.path).num_experts)
         except ValueError as e:
@@ -70,7 +76,7 @@ class MoECausalLMTask(CausalLMTask):
         return load_moe_model(self.family, self.cfg.model.path, self.device.type, attn_implementation="sdpa")
 
     def build_model(self) -> torch.nn.Module:
-        self.expert_layout = conversion.expert_layout(self.cfg.model.path)
+        self.expert_layout = self.adapter.layout(self.cfg.model.path)
         return super().build_model()
 
     def parallelize_extra(self, model: torch.nn.Module) -> None:
@@ -104,7 +110,7 @@ class MoECausalLMTask(CausalLMTask):
 
     @torch.no_grad()
     def _count_load(self, router_logits: tuple[torch.Tensor, ...], mask: torch.Tensor | None) -> None:
-        from spindle.train.router_loss import router_statistics
+        from spindle.ops.router_loss import router_statistics
 
         config = self.family_config
         stats = router_statistics(router_logits, config.num_experts, config.num_experts_per_tok, mask)
@@ -146,17 +152,18 @@ class MoECausalLMTask(CausalLMTask):
 
         # a model's state dict holds tensors (DTensors under FSDP2/EP), not the nested values DCP's ValueType allows
         state = cast("dict[str, torch.Tensor]", get_model_state_dict(model))
-        write_moe_folder(model, state, self.cfg.model.path, out, self.expert_layout)
+        write_moe_folder(self.adapter, model, state, self.cfg.model.path, out, self.expert_layout)
         return out if is_main_process() else None
 
     @classmethod
-    def export_checkpoint(cls, checkpoint: Path, model_path: Path, out: Path) -> Path:
+    def export_checkpoint(cls, family: CausalLMFamily, checkpoint: Path, model_path: Path, out: Path) -> Path:
         if not (model_path / "config.json").is_file():
             raise FileNotFoundError(f"base model {model_path} has no config.json; pass --model PATH")
-        layout = conversion.expert_layout(model_path)
-        model = load_moe_model(language_model_family(model_path), model_path)
+        adapter = checkpoint_adapter(family)
+        layout = adapter.layout(model_path)
+        model = load_moe_model(family, model_path)
         state = ckpt.read_checkpoint_model(checkpoint, model)
-        write_moe_folder(model, state, model_path, out, layout)
+        write_moe_folder(adapter, model, state, model_path, out, layout)
         return out
 
 
@@ -178,20 +185,26 @@ def load_moe_model(
     """The family's MoE ForCausalLM from `path` in fp32, every expert loaded from the checkpoint or an error."""
     from transformers import AutoConfig
 
-    conversion.expert_layout(path)  # validates expert keys and shapes before any weight is read
-    conversion.register_conversion()
+    adapter = checkpoint_adapter(family)
+    adapter.layout(path)  # validates expert keys and shapes before any weight is read
+    adapter.register()
     impl = experts_implementation(AutoConfig.from_pretrained(path), device_type)
     cls: Any = family.model_cls()  # a transformers PreTrainedModel class (Any to mypy)
     model: torch.nn.Module
     model, info = cls.from_pretrained(
         path, dtype=torch.float32, output_loading_info=True, experts_implementation=impl, **kwargs
     )
-    conversion.check_loading_info(info, str(path))
+    adapter.check_loading_info(info, str(path))
     return model
 
 
 def write_moe_folder(
-    model: torch.nn.Module, state_dict: dict[str, torch.Tensor], source: str | Path, out: str | Path, layout: str
+    adapter: CheckpointAdapter,
+    model: torch.nn.Module,
+    state_dict: dict[str, torch.Tensor],
+    source: str | Path,
+    out: str | Path,
+    layout: str,
 ) -> None:
     """Collective: `write_transformers_folder` with the experts in `layout`.
 
@@ -203,4 +216,4 @@ def write_moe_folder(
     expert_keys = set(expert_param_names(model))
     experts = {k: to_full(v).detach().cpu() for k, v in state_dict.items() if k in expert_keys}
     dense = {k: v for k, v in state_dict.items() if k not in expert_keys}
-    write_transformers_folder(model, {**dense, **conversion.to_layout(model, experts, layout)}, source, out)
+    write_transformers_folder(model, {**dense, **adapter.to_layout(model, experts, layout)}, source, out)

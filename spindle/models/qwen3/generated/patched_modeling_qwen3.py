@@ -5,8 +5,8 @@
 #   config:         spindle/models/qwen3/patches.py
 #   regenerate:     spindle patchgen   (check: spindle patchgen --check)
 # Patches applied (kind, target, description):
-#   1. add_import spindle.train.losses
-#   2. add_helper causal_lm_loss_or_logits - the chunked loss or upstream's logits (spindle/models/causal_lm_patch.py)
+#   1. add_import spindle.ops.losses
+#   2. add_helper causal_lm_loss_or_logits - the chunked loss or upstream's logits (spindle/models/shared/causal_lm_patch.py)
 #   3. override_method Qwen3ForCausalLM.forward - loss from hidden states with the chunked linear cross-entropy (no full logits)
 # ==================================================================================================
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
@@ -56,10 +56,10 @@ from transformers.utils.output_capturing import capture_outputs
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 
 # [PATCHED] add_import: names used by the patched code
-from spindle.train.losses import causal_lm_loss
+from spindle.ops.losses import causal_lm_loss
 
 
-# [PATCHED] add_helper causal_lm_loss_or_logits: the chunked loss or upstream's logits (spindle/models/causal_lm_patch.py)
+# [PATCHED] add_helper causal_lm_loss_or_logits: the chunked loss or upstream's logits (spindle/models/shared/causal_lm_patch.py)
 def causal_lm_loss_or_logits(model, hidden_states, labels, shift_labels, loss_reduction, kwargs) -> tuple:
     """(loss, logits) of a causal-LM head on `hidden_states` (already sliced to `logits_to_keep`).
 

@@ -5,9 +5,9 @@
 #   config:         spindle/models/qwen3_moe/patches.py
 #   regenerate:     spindle patchgen   (check: spindle patchgen --check)
 # Patches applied (kind, target, description):
-#   1. add_import spindle.train.losses
-#   2. add_import spindle.train.router_loss
-#   3. add_helper causal_lm_loss_or_logits - the chunked loss or upstream's logits (spindle/models/causal_lm_patch.py)
+#   1. add_import spindle.ops.losses
+#   2. add_import spindle.ops.router_loss
+#   3. add_helper causal_lm_loss_or_logits - the chunked loss or upstream's logits (spindle/models/shared/causal_lm_patch.py)
 #   4. add_helper count_label_tokens
 #   5. override_method Qwen3MoeForCausalLM.forward - loss from hidden states with the chunked linear cross-entropy, plus upstream's router aux loss
 # ==================================================================================================
@@ -60,11 +60,11 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 
 # [PATCHED] add_import: names used by the patched code
-from spindle.train.losses import causal_lm_loss
-from spindle.train.router_loss import load_balancing_loss
+from spindle.ops.losses import causal_lm_loss
+from spindle.ops.router_loss import load_balancing_loss
 
 
-# [PATCHED] add_helper causal_lm_loss_or_logits: the chunked loss or upstream's logits (spindle/models/causal_lm_patch.py)
+# [PATCHED] add_helper causal_lm_loss_or_logits: the chunked loss or upstream's logits (spindle/models/shared/causal_lm_patch.py)
 def causal_lm_loss_or_logits(model, hidden_states, labels, shift_labels, loss_reduction, kwargs) -> tuple:
     """(loss, logits) of a causal-LM head on `hidden_states` (already sliced to `logits_to_keep`).
 

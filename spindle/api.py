@@ -1,0 +1,89 @@
+"""Spindle's Python entry points: what a script (or a CLI command) calls.
+
+Each resolves the family of a checkpoint or a job through the registry and hands the family record to
+the engines, which never look a family up themselves (docs/architecture.md):
+
+    gen = load_generator("Wan2.1-T2V-1.3B-Diffusers", dtype="bfloat16")   # -> infer.DiffusionGenerator
+    cfg = load_job_config("configs/wan_tiny.yaml", ["train.max_steps=10"])   # validated for its family's task
+    result = train(cfg)                                                       # -> train.trainer.TrainResult
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from spindle.config import ConfigError, ModelSection, TrainJobConfig, load_raw_config, validate_config
+from spindle.registry import Family, dit_family_of, family_of
+from spindle.train.tasks import TASKS, get_task
+
+if TYPE_CHECKING:
+    from spindle.contracts.task import TrainTask
+    from spindle.infer.generator import DiffusionGenerator
+    from spindle.infer.pipeline import EngineOptions, InferencePipeline
+    from spindle.train.trainer import Trainer, TrainResult
+
+
+# ---------------------------------------------------------------- training
+
+
+def job_family(raw_or_cfg: dict[str, Any] | TrainJobConfig) -> Family:
+    """The family a job trains: `model.family` when given, else detected from `model.path`."""
+    if isinstance(raw_or_cfg, TrainJobConfig):
+        model = raw_or_cfg.model
+    else:
+        section = {"model": raw_or_cfg.get("model")} if "model" in raw_or_cfg else {}
+        model = validate_config(section, ModelSection).model
+    return family_of(model.path, model.family)
+
+
+def job_task(family: Family) -> type[TrainTask]:
+    if family.task not in TASKS:
+        raise ConfigError(f"family {family.name!r} names training task {family.task!r}; known: {', '.join(TASKS)}")
+    return get_task(family.task)
+
+
+def load_job_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Any:
+    """YAML + dotted overrides -> the job config, validated against the schema of the task that the
+    checkpoint's family trains with (so `data:` is checked for that kind of model)."""
+    raw = load_raw_config(path, overrides)
+    return validate_config(raw, job_task(job_family(raw)).config_class)
+
+
+def check_job_plan(cfg: TrainJobConfig, world_size: int) -> None:
+    """The parallel layout against the world size and the model, before any process is launched."""
+    from spindle.train.trainer import check_parallel_plan
+
+    family = job_family(cfg)
+    check_parallel_plan(cfg, family, job_task(family), world_size)
+
+
+def make_trainer(cfg: TrainJobConfig) -> Trainer:
+    from spindle.train.trainer import Trainer
+
+    family = job_family(cfg)
+    return Trainer(cfg, family, job_task(family))
+
+
+def train(cfg: TrainJobConfig) -> TrainResult:
+    return make_trainer(cfg).run()
+
+
+# ---------------------------------------------------------------- inference
+
+
+def load_pipeline(
+    root: str | Path, options: EngineOptions | None = None, family: str | None = None
+) -> InferencePipeline:
+    from spindle.infer.pipeline import InferencePipeline
+
+    return InferencePipeline.from_pretrained(root, dit_family_of(root, family), options)
+
+
+def load_generator(root: str | Path, family: str | None = None, **engine_options: Any) -> DiffusionGenerator:
+    """A `DiffusionGenerator` for the diffusers pipeline folder `root` (engine options as keywords:
+    dtype, compile, cache, sp, lora, ...; see `spindle.infer.pipeline.EngineOptions`)."""
+    from spindle.infer.generator import DiffusionGenerator
+
+    return DiffusionGenerator.from_pretrained(root, dit_family_of(root, family), **engine_options)

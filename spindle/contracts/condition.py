@@ -1,0 +1,38 @@
+"""The condition-model contract of a DiT family: its frozen components (text encoders, VAE, scheduler),
+never sharded, whose `encode` is a pure function of the data (so `spindle precompute` can cache it)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class ConditionModel(ABC):
+    """Frozen condition components of a family; pure functions of the data (precomputable)."""
+
+    # how training draws sigmas (`spindle.train.tasks.flow_matching_math.TimestepSampling`)
+    timestep_sampling: Any
+
+    @classmethod
+    @abstractmethod
+    def from_pretrained(
+        cls,
+        root: str | Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_text_length: int = 512,
+        encoders: bool = True,
+    ) -> ConditionModel:
+        """`encoders=False`: for training on precomputed conditions; only what `training_inputs` needs
+        is loaded (never the text encoders' or the VAE's weights), and `encode` cannot run."""
+
+    @abstractmethod
+    def encode(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Raw batch {"pixels": [B,C,F,H,W] in [-1,1], "caption": list[str]} -> conditions."""
+
+    @abstractmethod
+    def training_inputs(self, conditions: dict[str, torch.Tensor], generators: list[torch.Generator]) -> dict[str, Any]:
+        """Conditions + one generator per sample -> transformer forward kwargs + "target" + "sigmas"."""

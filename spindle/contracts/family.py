@@ -1,0 +1,217 @@
+"""Family records: what a family registers (`DiTFamily`, `CausalLMFamily`), with its demo and
+conformance specs and its checkpoint adapter.
+
+Light (no torch, no diffusers at import), so the CLI can read every family's declarations (e.g. its
+sampling options, for `spindle generate` flags) without importing model code; the heavy parts are
+dotted paths ("module:attr") resolved by `import_object`. Each record says its `kind`; the kinds to
+come (image-conditioned DiT, VLM, omni) are new records here, and the engines dispatch on the task a
+record names, never on a family name."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from spindle.contracts.options import FamilyOptions
+
+if TYPE_CHECKING:
+    from spindle.contracts.condition import ConditionModel
+
+
+class CheckpointAdapter(Protocol):
+    """How a family's checkpoint layout maps onto the model Spindle trains, both ways (torchtitan's
+    state-dict adapter): checked before any weights load, converted on load and back on export, so an
+    export keeps the input's layout. Reached through the family record, never imported by a task."""
+
+    default_layout: str  # the layout of a checkpoint written from scratch
+
+    def layout(self, folder: str | Path) -> str:
+        """The checkpoint folder's validated layout; raises naming the tensor that does not fit."""
+        ...
+
+    def register(self) -> None:
+        """Install the load-time conversion (e.g. transformers' conversion mapping); idempotent."""
+        ...
+
+    def check_loading_info(self, info: dict[str, Any], where: str) -> None:
+        """Raise when a load left tensors missing, unexpected or mismatched."""
+        ...
+
+    def to_layout(self, model: Any, state_dict: dict[str, Any], layout: str) -> dict[str, Any]:
+        """The trained state dict in the checkpoint's `layout` (what export writes)."""
+        ...
+
+
+def import_object(path: str) -> Any:
+    """'package.module:attr' -> attr (keeps family registration free of heavy imports)."""
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+@dataclass(frozen=True)
+class DemoSpec:
+    """What `spindle demo --family NAME` trains on and samples for a DiT family (no family branches
+    in the command: it calls `write_data`, `train_config` and `sample` on the family's spec)."""
+
+    dataset: str  # "module:function(out, seed=..., **dataset_kwargs)" writing a captioned media folder
+    dataset_kwargs: dict[str, Any] = field(default_factory=dict)
+    size: tuple[int, int] = (32, 32)  # (height, width) for training and the sample
+    num_frames: int = 1  # data.num_frames (1 for image families)
+    sample_suffix: str = ".png"  # ".mp4" for video families
+    sample_kwargs: dict[str, Any] = field(default_factory=dict)  # extra generate() arguments
+
+    def write_data(self, out: Path, seed: int) -> Path:
+        path: Path = import_object(self.dataset)(out, seed=seed, **self.dataset_kwargs)
+        return path
+
+    def train_config(self, model: Path, data: Path, output_dir: Path, steps: int, seed: int) -> dict[str, Any]:
+        return {
+            "model": {"path": str(model), "max_text_length": 16},
+            "data": {"path": str(data), "resolution": list(self.size), "num_frames": self.num_frames},
+            "train": {
+                "output_dir": str(output_dir),
+                "max_steps": steps,
+                "global_batch_size": 4,
+                "micro_batch_size": 4,
+                "lr": 2e-3,
+                "warmup_steps": 10,
+                "lr_schedule": "cosine",
+                "min_lr_ratio": 0.1,
+                "seed": seed,
+                "timestep": {"scheme": "logit_normal"},
+            },
+            "checkpoint": {"every_steps": 50, "resume": "none"},
+        }
+
+
+@dataclass(frozen=True)
+class TextDemoSpec:
+    """`spindle demo` for a causal-LM family: a built-in text corpus, a short fine-tune, a continuation."""
+
+    prompt: str = "the red circle"
+    seq_len: int = 64
+    max_new_tokens: int = 12
+
+    dataset: str = "spindle.data.synthetic:make_text_corpus"  # "module:function(out, seed=...)" writing JSONL
+
+    def write_data(self, out: Path, seed: int) -> Path:
+        path: Path = import_object(self.dataset)(out, seed=seed)
+        return path
+
+    def train_config(self, model: Path, data: Path, output_dir: Path, steps: int, seed: int) -> dict[str, Any]:
+        return {
+            "model": {"path": str(model)},
+            "data": {"path": str(data), "seq_len": self.seq_len},
+            "train": {
+                "output_dir": str(output_dir),
+                "max_steps": steps,
+                "global_batch_size": 4,
+                "micro_batch_size": 4,
+                "lr": 3e-3,
+                "warmup_steps": 5,
+                "lr_schedule": "cosine",
+                "min_lr_ratio": 0.1,
+                "seed": seed,
+            },
+            "checkpoint": {"every_steps": 50, "resume": "none"},
+        }
+
+
+@dataclass(frozen=True)
+class ConformanceSpec:
+    """How the conformance suite (spindle/testing/conformance.py, tests/conformance/) exercises a family.
+
+    `parity_cases`: name -> keyword arguments valid both for the stock diffusers pipeline call and
+    for `DiffusionGenerator.generate` (with `seed`), small enough for a CPU test; at least one case
+    with classifier-free guidance and one without.
+    """
+
+    parity_cases: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # the 2-process layouts the family trains with, checked equal to one process: "ulysses2"
+    # (parallel.sp=2) and "ring2" (parallel.ring=2). A family leaves one out only with the reason.
+    sequence_parallel: tuple[str, ...] = ("ulysses2", "ring2")
+
+
+@dataclass(frozen=True)
+class DiTFamily:
+    """A diffusion transformer family served from a diffusers pipeline folder (model_index.json)."""
+
+    kind: ClassVar[str] = "dit"
+    name: str
+    pipeline_classes: tuple[str, ...]
+    transformer_classes: tuple[str, ...]
+    condition_model: str  # "module:Class" of a ConditionModel subclass
+    inference: str | None = None  # "module:object" of the family's inference spec (infer/)
+    tiny_model: str | None = None  # "module:function(out, seed, **overrides)"
+    detect: Callable[[Path], bool] | None = None
+    demo: DemoSpec | None = None
+    conformance: ConformanceSpec | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+    task: str = "flow_matching"  # the training task (a key of spindle.train.tasks.TASKS)
+    options: FamilyOptions = field(default_factory=FamilyOptions)  # sampling options (CLI flags, HTTP fields)
+    # "module:function": a diffusers-layout LoRA state dict (no "transformer." prefix) -> the same LoRA in
+    # the original model's key layout (ComfyUI / the original code); None: no such export for the family.
+    # Reading back goes through the family's diffusers pipeline class (`lora_state_dict`).
+    lora_original: str | None = None
+
+    @property
+    def export_hint(self) -> str:
+        return f"diffusers.{self.pipeline_classes[0]}.from_pretrained loads it"
+
+    def condition_model_cls(self) -> type[ConditionModel]:
+        cls: type[ConditionModel] = import_object(self.condition_model)
+        return cls
+
+    def pipeline_class(self) -> Any:
+        """The family's diffusers pipeline class (LoRA loading and saving are its classmethods)."""
+        import diffusers
+
+        return getattr(diffusers, self.pipeline_classes[0])
+
+    def inference_spec(self) -> Any:
+        if self.inference is None:
+            raise NotImplementedError(f"family {self.name!r} has no inference support yet")
+        return import_object(self.inference)
+
+
+@dataclass(frozen=True)
+class CausalLMFamily:
+    """A decoder-only language model family served from a transformers folder (config.json `model_type`).
+
+    `model_class` is the ForCausalLM class the task loads ("module:Class"): the family's patchgen-generated
+    class where a patch is needed (its forward takes the same loss arguments as transformers' own). The
+    registry resolves a folder to the family listing its `model_type`.
+    """
+
+    kind: ClassVar[str] = "causal_lm"
+    name: str
+    model_types: tuple[str, ...]
+    model_class: str  # "module:Class" of the ForCausalLM to train
+    tiny_model: str | None = None  # "module:function(out, seed, transformer=overrides)"
+    demo: TextDemoSpec | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+    task: str = "causal_lm"  # the training task (a key of spindle.train.tasks.TASKS)
+    # "module:object": the family's `CheckpointAdapter` (checkpoint layout checks and conversion, e.g. per-expert
+    # <-> fused MoE tensors); None: the checkpoint loads as the model class expects, with no conversion
+    checkpoint_adapter: str | None = None
+
+    @property
+    def export_hint(self) -> str:
+        return "transformers.AutoModelForCausalLM.from_pretrained loads it"
+
+    def model_cls(self) -> type:
+        cls: type = import_object(self.model_class)
+        return cls
+
+    def adapter(self) -> CheckpointAdapter | None:
+        """The family's checkpoint adapter, or None when its checkpoints need no conversion."""
+        return None if self.checkpoint_adapter is None else import_object(self.checkpoint_adapter)
+
+    def inference_spec(self) -> Any:
+        raise NotImplementedError(
+            f"{self.name} is a language model: Spindle's generate/serve engine runs diffusion models only; "
+            "load the exported folder with transformers (AutoModelForCausalLM.from_pretrained) to generate text"
+        )

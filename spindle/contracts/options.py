@@ -1,0 +1,141 @@
+"""Family sampling options: each family declares them once, typed; the CLI and the server read them.
+
+A family's `FamilyOptions` (on its family record, so it is known without loading the model) says:
+
+- `extra`: its own knobs beyond the common `SamplingParams` fields, each an `Option` (name, type,
+  default, bounds, help, an optional cross-field rule). They travel in `SamplingParams.extra`.
+- `guidance`: what the common `guidance_scale` means for this family (CFG scale for Wan, the
+  *embedded* guidance for Flux, ignored by non-distilled Qwen-Image), shown in help texts.
+- `fps` / `frame_multiple`: a video family's native frame rate (mp4 writing, seconds -> frames) and
+  the frame-count rule `num_frames = k * frame_multiple + 1`.
+
+The readers (CLI flags, HTTP fields) are in `spindle.infer.options`; the engine calls
+`FamilyOptions.validate` once per request (`DiffusionGenerator.validate`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from spindle.contracts.request import SamplingParams
+
+_TYPES = (bool, int, float, str)
+
+
+def _request_error(message: str) -> Exception:
+    from spindle.contracts.request import RequestError  # imported here: request.py needs torch
+
+    return RequestError(message)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One family-specific sampling option (a key of `SamplingParams.extra`)."""
+
+    name: str
+    type: type  # bool, int, float or str
+    default: Any
+    help: str
+    minimum: float | None = None
+    maximum: float | None = None
+    # A rule across fields, checked when the user gives the option: (value, the user's params) ->
+    # an error message, or None when fine.
+    rule: Callable[[Any, SamplingParams], str | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.type not in _TYPES:
+            raise TypeError(f"option {self.name!r}: type must be one of {[t.__name__ for t in _TYPES]}")
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def bounds(self) -> str:
+        if self.minimum is not None and self.maximum is not None:
+            return f"between {self.minimum:g} and {self.maximum:g}"
+        if self.minimum is not None:
+            return f">= {self.minimum:g}"
+        if self.maximum is not None:
+            return f"<= {self.maximum:g}"
+        return ""
+
+    def check(self, value: Any, family: str) -> Any:
+        """The value as this option's type (an int is a valid float), or RequestError naming it."""
+        ok = isinstance(value, self.type) and not (self.type is not bool and isinstance(value, bool))
+        if self.type is float and isinstance(value, int) and not isinstance(value, bool):
+            value, ok = float(value), True
+        if not ok:
+            raise _request_error(
+                f"{self.name} must be {'a number' if self.type is float else 'a ' + self.type.__name__}"
+                f"{' ' + self.bounds() if self.bounds() else ''} for {family}; got {value!r}"
+            )
+        if self.type is float and not math.isfinite(value):
+            raise _request_error(f"{self.name} must be a finite number for {family}; got {value!r}")
+        low, high = self.minimum, self.maximum
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise _request_error(f"{self.name} must be {self.bounds()} for {family}; got {value!r}")
+        return value
+
+
+@dataclass(frozen=True)
+class FamilyOptions:
+    """A family's sampling options (see the module docstring)."""
+
+    extra: tuple[Option, ...] = ()
+    guidance: str = "classifier-free guidance scale (> 1 enables CFG)"
+    fps: int | None = None
+    frame_multiple: int | None = None
+
+    def __post_init__(self) -> None:
+        names = [o.name for o in self.extra]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"family options {repeated} are declared twice")
+
+    def check_common_fields(self) -> None:
+        """An option must not shadow a common `SamplingParams` field (run when an engine loads; kept
+        out of the constructor so that declaring options imports no torch)."""
+        from spindle.contracts.request import SamplingParams
+
+        common = {f.name for f in dataclasses.fields(SamplingParams)}
+        clash = sorted(set(self.names()) & common)
+        if clash:
+            raise ValueError(f"family options {clash} repeat a common SamplingParams field")
+
+    def names(self) -> list[str]:
+        return [o.name for o in self.extra]
+
+    def defaults(self) -> dict[str, Any]:
+        return {o.name: o.default for o in self.extra}
+
+    def validate(self, params: SamplingParams, family: str) -> SamplingParams:
+        """Check the family options the user gave (`params.extra`, before defaults are merged):
+        unknown names, types, bounds, then each option's rule. -> params with the values typed."""
+        by_name = {o.name: o for o in self.extra}
+        unknown = sorted(set(params.extra) - set(by_name))
+        if unknown:
+            known = ", ".join(self.names()) or "none"
+            raise _request_error(f"{unknown[0]} is not an option of {family} (its options: {known})")
+        typed = {k: by_name[k].check(v, family) for k, v in params.extra.items()}
+        params = dataclasses.replace(params, extra=typed)
+        for name, value in typed.items():
+            rule = by_name[name].rule
+            message = rule(value, params) if rule is not None else None
+            if message:
+                raise _request_error(f"{name}: {message}")
+        return params
+
+
+def needs_negative_prompt(value: Any, params: SamplingParams) -> str | None:
+    """Rule for a true-CFG scale: diffusers silently skips CFG without a negative prompt; say so."""
+    if value > 1 and params.negative_prompt is None:
+        return (
+            f"true_cfg_scale={value:g} enables CFG only with a negative_prompt (diffusers would silently skip "
+            'it); pass negative_prompt ("" for an empty one) or set true_cfg_scale to 1'
+        )
+    return None

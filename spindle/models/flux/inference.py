@@ -1,0 +1,169 @@
+"""FLUX.1 text-to-image inference: its BeforeDenoisingStage, the shared stages' callbacks, defaults.
+
+Mirrors diffusers' `FluxPipeline.__call__` up to the denoising loop: prompt encoding (pooled CLIP +
+T5) is the pipeline's own `encode_prompt`, latents and image ids its `prepare_latents` (random
+latents in the VAE layout, 2x2-packed), timesteps its sigmas with the resolution-dependent shift
+`mu`. `guidance_scale` is what it is in FluxPipeline: the *embedded* guidance of guidance-distilled
+checkpoints (FLUX.1-dev), ignored by the others. True classifier-free guidance is
+`extra["true_cfg_scale"] > 1` with a `negative_prompt`, run by the shared DenoisingStage (batched,
+two forwards, or CFG-parallel), exactly FluxPipeline's `true_cfg_scale`.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import torch
+
+from spindle.contracts.request import Req, SamplingParams, resolved
+from spindle.contracts.stage import InferenceSpec
+from spindle.models.flux import OPTIONS
+from spindle.models.shared.inference import PipelineBeforeDenoisingStage, check_packed_image_request
+from spindle.models.shared.latents import resolution_shift
+
+MAX_SEQUENCE_LENGTH = 512  # FluxPipeline's limit for the T5 prompt
+
+
+class FluxBeforeDenoisingStage(PipelineBeforeDenoisingStage):
+    pipeline_class = "diffusers:FluxPipeline"
+
+    def validate(self, params: SamplingParams) -> None:
+        super().validate(params)
+        check_packed_image_request(params, self.vae_scale_factor, MAX_SEQUENCE_LENGTH, "Flux")
+        # No positional-range check (unlike Wan and Qwen-Image): FluxPosEmbed computes each rotary
+        # angle from the position id, with no table to overrun. Prompts past max_sequence_length T5
+        # tokens (or CLIP's 77) are truncated as in FluxPipeline, which logs it.
+        # true_cfg_scale (type, bounds, needs a negative prompt) is checked by its declaration in FAMILY.options
+
+    def latent_shape(self, p: SamplingParams) -> tuple[int, ...]:
+        return (
+            p.batch_size,
+            self.transformer.config.in_channels // 4,  # packed 2x2 in the transformer's input
+            resolved(p.height, "height") // self.vae_scale_factor,
+            resolved(p.width, "width") // self.vae_scale_factor,
+        )
+
+    def encode(self, prompts: list[str], p: SamplingParams, device: torch.device) -> tuple[torch.Tensor, ...]:
+        return self.text_pipe.encode_prompt(
+            prompt=prompts,
+            prompt_2=None,
+            device=device,
+            num_images_per_prompt=p.num_outputs_per_prompt,
+            max_sequence_length=p.max_sequence_length,
+        )
+
+    def forward(self, req: Req) -> Req:
+        p = req.params
+        self.validate(p)
+        device = req.device
+        true_cfg = float(p.extra["true_cfg_scale"])
+        req.do_cfg = true_cfg > 1 and p.negative_prompt is not None
+        req.guidance_scale = true_cfg  # the CFG scale the shared DenoisingStage combines with
+        dtype = self.transformer.dtype
+        req.model_dtype = dtype
+
+        embeds, pooled, txt_ids = self.encode(p.prompts, p, device)
+        req.prompt_embeds = embeds.to(dtype)
+        req.extra.update(pooled=pooled.to(dtype), txt_ids=txt_ids.to(dtype))
+        if req.do_cfg:
+            negative = p.negative_prompt
+            negative = [negative] * len(p.prompts) if isinstance(negative, str) else negative
+            neg_embeds, neg_pooled, neg_txt_ids = self.encode(resolved(negative, "negative_prompt"), p, device)
+            req.negative_prompt_embeds = neg_embeds.to(dtype)
+            req.extra.update(negative_pooled=neg_pooled.to(dtype), negative_txt_ids=neg_txt_ids.to(dtype))
+
+        num_channels = self.transformer.config.in_channels // 4
+        latents, img_ids = self.text_pipe.prepare_latents(
+            p.batch_size,
+            num_channels,
+            resolved(p.height, "height"),
+            resolved(p.width, "width"),
+            torch.float32,
+            device,
+            req.generator,
+        )
+        req.latents = latents
+        req.extra["img_ids"] = img_ids.to(dtype)
+        req.raw_latent_shape = self.latent_shape(p)
+
+        if self.transformer.config.guidance_embeds:
+            guidance = torch.full(
+                [1], float(resolved(p.guidance_scale, "guidance_scale")), device=device, dtype=torch.float32
+            )
+            req.extra["guidance"] = guidance.expand(latents.shape[0])
+        else:
+            req.extra["guidance"] = None
+
+        from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
+
+        steps = resolved(p.num_inference_steps, "num_inference_steps")
+        sigmas: np.ndarray | None = np.linspace(1.0, 1 / steps, steps)
+        if getattr(self.scheduler.config, "use_flow_sigmas", False):
+            sigmas = None
+        mu, _ = resolution_shift(self.scheduler, latents.shape[1])
+        scheduler = copy.deepcopy(self.scheduler)  # schedulers are stateful: one copy per request
+        req.timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
+        scheduler.set_begin_index(0)
+        req.scheduler = scheduler
+        return req
+
+
+class FluxInference(InferenceSpec):
+    options = OPTIONS
+    family = "flux"
+    media = "image"
+    output_layout = None  # packed latent tokens [B, S, C]
+    components = ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2", "vae", "scheduler", "transformer")
+    before_denoising_cls = FluxBeforeDenoisingStage
+
+    def default_params(self, components: dict[str, Any]) -> SamplingParams:
+        # diffusers FluxPipeline.__call__ defaults: 128 latent pixels x VAE factor, 28 steps, guidance 3.5.
+        size = 128 * 2 ** (len(components["vae"].config.block_out_channels) - 1)
+        return SamplingParams(
+            negative_prompt=None,
+            height=size,
+            width=size,
+            num_inference_steps=28,
+            guidance_scale=3.5,
+            max_sequence_length=MAX_SEQUENCE_LENGTH,
+        )
+
+    def check_checkpoint(self, model_index: dict) -> None:
+        if (model_index.get("image_encoder") or [None])[0]:
+            raise NotImplementedError("Flux checkpoints with an IP-Adapter image encoder are not supported yet")
+
+    def denoiser_kwargs(self, req: Req, latents: torch.Tensor, t: torch.Tensor, branch: str) -> dict[str, Any]:
+        cond = branch == "cond"
+        x = req.extra
+        return {
+            "hidden_states": latents.to(req.model_dtype),
+            "timestep": t.expand(latents.shape[0]).to(latents.dtype) / 1000,
+            "guidance": x["guidance"],
+            "pooled_projections": x["pooled"] if cond else x["negative_pooled"],
+            "encoder_hidden_states": req.prompt_embeds if cond else req.negative_prompt_embeds,
+            "txt_ids": x["txt_ids"] if cond else x["negative_txt_ids"],
+            "img_ids": x["img_ids"],
+            "joint_attention_kwargs": None,
+            "return_dict": False,
+        }
+
+    def sequence_length(self, req: Req, transformer: torch.nn.Module) -> int:
+        _, _, h, w = resolved(req.raw_latent_shape, "raw_latent_shape")
+        return (h // 2) * (w // 2)
+
+    def linear_gelu_pairs(self, transformer: torch.nn.Module) -> list[tuple[torch.nn.Module, str, str]]:
+        # single-stream blocks: act_mlp(proj_mlp(x)), two modules (the double-stream ones use diffusers' GELU)
+        flux: Any = transformer  # diffusers FluxTransformer2DModel
+        return [(block, "proj_mlp", "act_mlp") for block in flux.single_transformer_blocks]
+
+    def post_denoising(self, latents: torch.Tensor, req: Req) -> torch.Tensor:
+        from diffusers import FluxPipeline
+
+        height, width = resolved(req.params.height, "height"), resolved(req.params.width, "width")
+        vae_scale = height // resolved(req.raw_latent_shape, "raw_latent_shape")[2]
+        return FluxPipeline._unpack_latents(latents, height, width, vae_scale)
+
+
+FLUX_INFERENCE = FluxInference()

@@ -1,0 +1,117 @@
+"""A tiny random Qwen-Image pipeline in the diffusers layout (`spindle tiny-model qwenimage`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from spindle.models.shared.tiny import random_latent_stats, seeded
+from spindle.models.shared.tokenizers import save_qwen_prompt_tokenizer
+
+QWENIMAGE_TRANSFORMER = dict(
+    patch_size=2,
+    in_channels=16,  # VAE z_dim x 2x2 packing
+    out_channels=4,  # VAE z_dim
+    num_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    guidance_embeds=False,
+    axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
+)
+QWENIMAGE_VAE = dict(
+    base_dim=8,
+    z_dim=4,
+    dim_mult=[1, 1],
+    num_res_blocks=1,
+    temperal_downsample=[False],  # one downsampling stage: x2 spatial (the real one: 3 stages, x8)
+)
+# Qwen2.5-VL text model (the part Qwen-Image reads) and a minimal vision tower (saved, never run).
+QWENIMAGE_TEXT = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},  # sums to head_dim / 2
+)
+QWENIMAGE_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, fullatt_block_indexes=[0])
+# Qwen-Image's scheduler config: dynamic (resolution-dependent) shift with exponential time shift.
+QWENIMAGE_SCHEDULER = dict(
+    num_train_timesteps=1000,
+    shift=1.0,
+    use_dynamic_shifting=True,
+    base_shift=0.5,
+    max_shift=0.9,
+    base_image_seq_len=256,
+    max_image_seq_len=8192,
+    shift_terminal=0.02,
+    time_shift_type="exponential",
+)
+QWEN_CHAT_TOKENS = ["<|im_start|>", "<|im_end|>"]
+QWEN_PAD_TOKEN = "<|endoftext|>"
+# the words of QwenImagePipeline's prompt template, so that its system prefix is real tokens
+QWEN_TEMPLATE_WORDS = (
+    "system user assistant describe image detailing color size texture quantity text spatial relationships "
+    "objects background"
+).split()
+
+
+def build_tiny_qwenimage(
+    out: str | Path,
+    seed: int = 0,
+    transformer: dict | None = None,
+    vae: dict | None = None,
+    text_encoder: dict | None = None,
+) -> Path:
+    """Write a tiny random Qwen-Image pipeline (`QwenImagePipeline` layout) to `out`; return its path.
+
+    A Qwen2.5-VL text encoder (`Qwen2_5_VLForConditionalGeneration`, the class the pipeline loads)
+    with a chat-template tokenizer built locally, `AutoencoderKLQwenImage` with non-trivial latent
+    mean/std, `QwenImageTransformer2DModel`, the dynamic-shift scheduler. Overrides merge into the
+    defaults (`text_encoder`: the text config); the transformer's text width, input and output
+    channels follow the encoder and the VAE.
+    """
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    out = Path(out)
+    tcfg = {**QWENIMAGE_TRANSFORMER, **(transformer or {})}
+    vcfg = {**QWENIMAGE_VAE, **(vae or {})}
+    ecfg = {**QWENIMAGE_TEXT, **(text_encoder or {})}
+    if tcfg["in_channels"] % 4:
+        raise ValueError(f"Qwen-Image in_channels must be 4 x VAE z_dim (2x2 packing); got {tcfg['in_channels']}")
+    vcfg["z_dim"] = tcfg["out_channels"] = tcfg["in_channels"] // 4
+    vcfg["latents_mean"], vcfg["latents_std"] = random_latent_stats(vcfg["z_dim"], seed)
+    tcfg["joint_attention_dim"] = ecfg["hidden_size"]
+
+    vocab = save_qwen_prompt_tokenizer(out / "tokenizer", QWEN_CHAT_TOKENS, QWEN_PAD_TOKEN, QWEN_TEMPLATE_WORDS)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(out / "tokenizer")
+    special = {name: tokenizer.convert_tokens_to_ids(name) for name in (*QWEN_CHAT_TOKENS, QWEN_PAD_TOKEN)}
+    text_config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=vocab,
+            bos_token_id=special[QWEN_PAD_TOKEN],
+            eos_token_id=special["<|im_end|>"],
+            pad_token_id=special[QWEN_PAD_TOKEN],
+            **ecfg,
+        ),
+        vision_config=dict(out_hidden_size=ecfg["hidden_size"], **QWENIMAGE_VISION),
+        # vision placeholders outside the text vocabulary: a text-only prompt never contains them
+        image_token_id=vocab,
+        video_token_id=vocab + 1,
+        vision_start_token_id=vocab + 2,
+        vision_end_token_id=vocab + 3,
+    )
+    pipe = QwenImagePipeline(
+        tokenizer=tokenizer,
+        text_encoder=seeded(seed, lambda: Qwen2_5_VLForConditionalGeneration(text_config).eval()),
+        vae=seeded(seed + 1, lambda: AutoencoderKLQwenImage(**vcfg).eval()),
+        scheduler=FlowMatchEulerDiscreteScheduler(**QWENIMAGE_SCHEDULER),
+        transformer=seeded(seed + 2, lambda: QwenImageTransformer2DModel(**tcfg).eval()),
+    )
+    pipe.save_pretrained(out, safe_serialization=True)
+    return out

@@ -1,0 +1,126 @@
+"""Condition models built on a family's own diffusers pipeline (loaded without its transformer)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from spindle.contracts.condition import ConditionModel
+from spindle.contracts.family import import_object
+from spindle.train.tasks.flow_matching_math import TimestepSampling
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11 on
+
+
+def frames_as_images(pixels: torch.Tensor, family: str) -> torch.Tensor:
+    """[B, C, 1, H, W] (the loader's layout; images have one frame) -> [B, C, H, W] for image families."""
+    if pixels.ndim == 4:
+        return pixels
+    if pixels.ndim != 5 or pixels.shape[2] != 1:
+        raise ValueError(
+            f"{family} generates images: pixels must be [B, C, 1, H, W] (one frame), got {tuple(pixels.shape)}; "
+            f"train on an image dataset or set data.num_frames: 1"
+        )
+    return pixels[:, :, 0]
+
+
+def encoder_placeholders(root: str | Path) -> dict[str, Any]:
+    """from_pretrained overrides that keep a pipeline's encoders out of memory: every model component
+    but the scheduler is None, except the VAE, built on the meta device from its config (its config
+    holds the latent scaling the training inputs use; its weights are never read)."""
+    import diffusers
+
+    from spindle.infer.pipeline import read_model_index
+
+    out: dict[str, Any] = {}
+    for name, entry in read_model_index(root).items():
+        if name.startswith("_") or not isinstance(entry, list) or name in ("scheduler", "transformer"):
+            continue
+        if name == "vae":
+            vae_cls = getattr(diffusers, entry[1])
+            with torch.device("meta"):
+                out[name] = vae_cls.from_config(vae_cls.load_config(Path(root) / "vae"))
+        else:
+            out[name] = None
+    return out
+
+
+class PipelineConditionModel(ConditionModel):
+    """A condition model that wraps the family's own diffusers pipeline, loaded without its transformer.
+
+    Prompt encoding, latent packing and the like are then the reference pipeline's own methods, so
+    training sees exactly the inputs the reference pipeline computes at inference. Subclasses name
+    the pipeline class (`pipeline_class = "diffusers:WanPipeline"`) and implement `encode` and
+    `training_inputs`.
+    """
+
+    pipeline_class: str = ""
+
+    def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, max_text_length: int = 512):
+        self.pipe = pipe
+        self.device = device
+        self.dtype = dtype
+        self.max_text_length = max_text_length
+        self.timestep_sampling = TimestepSampling(num_train_timesteps=pipe.scheduler.config.num_train_timesteps)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        root: str | Path,
+        device: torch.device = torch.device("cpu"),
+        dtype: torch.dtype = torch.float32,
+        max_text_length: int = 512,
+        encoders: bool = True,
+    ) -> Self:
+        skip = {} if encoders else encoder_placeholders(root)
+        pipe = import_object(cls.pipeline_class).from_pretrained(root, transformer=None, dtype=dtype, **skip)
+        if encoders:
+            pipe.to(device)
+        for module in pipe.components.values():
+            if isinstance(module, torch.nn.Module):
+                module.requires_grad_(False).eval()
+        return cls(pipe, torch.device(device), dtype, max_text_length)
+
+    @torch.no_grad()
+    def vae_latents(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Pixels in [-1, 1] -> the VAE posterior's mode: deterministic, so conditions can be precomputed."""
+        return self.pipe.vae.encode(pixels.to(self.device, self.dtype)).latent_dist.mode()
+
+
+class PackedImageConditionModel(PipelineConditionModel):
+    """An image family whose transformer takes 2x2-packed latent tokens (Flux, Qwen-Image): image
+    pixels checked against VAE factor x 2, latents packed by the pipeline's own `_pack_latents`.
+    Subclasses set `label` (for messages) and implement `encode_prompts`, `normalize` and
+    `training_inputs`."""
+
+    label: str = ""
+
+    def check_pixel_shape(self, shape: torch.Size) -> None:
+        height, width = shape[-2:]
+        multiple = 2 * self.pipe.vae_scale_factor  # VAE downsampling x 2x2 packing
+        if height % multiple or width % multiple:
+            raise ValueError(f"{self.label} needs height and width divisible by {multiple}; got {height}x{width}")
+
+    def normalize(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Image pixels [B, C, H, W] in [-1, 1] -> the family's normalized latents [B, c, h, w]."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def encode_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[B, C, 1, H, W] or [B, C, H, W] in [-1, 1] -> normalized VAE latents [B, c, H/s, W/s] (the mode)."""
+        pixels = frames_as_images(pixels, self.label)
+        self.check_pixel_shape(pixels.shape)
+        return self.normalize(pixels)
+
+    def encode(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        return {"latents": self.encode_pixels(batch["pixels"]), **self.encode_prompts(batch["caption"])}
+
+    def encode_prompts(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def pack(self, latents: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = latents.shape
+        return self.pipe._pack_latents(latents, b, c, h, w)

@@ -1,0 +1,197 @@
+"""Wan text-to-video inference: its BeforeDenoisingStage, the shared stages' callbacks, defaults.
+
+Mirrors diffusers' `WanPipeline.__call__` up to the denoising loop (prompt encoding is the
+pipeline's own `encode_prompt`, latents come from `randn_tensor` with the request's generator,
+timesteps from the checkpoint's scheduler), so outputs equal the reference pipeline's for a seed.
+Unlike diffusers, sizes and frame counts the model cannot take are errors, not silently rounded.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, cast
+
+import torch
+
+from spindle.contracts.request import (
+    Req,
+    RequestError,
+    SamplingParams,
+    check_int_range,
+    check_size,
+    resolved,
+    suggest,
+)
+from spindle.contracts.stage import BeforeDenoisingStage, InferenceSpec
+from spindle.models.shared.latents import mean_std_scale_shift
+from spindle.models.wan import OPTIONS
+
+
+class WanBeforeDenoisingStage(BeforeDenoisingStage):
+    def __init__(self, components: dict[str, Any], spec: InferenceSpec):
+        from diffusers import WanPipeline
+
+        super().__init__(components, spec)
+        # A WanPipeline without transformer: only its `encode_prompt` is used, so embeddings are
+        # computed by exactly the reference code (prompt cleaning, padding to max length, ...).
+        self.text_pipe = WanPipeline(
+            tokenizer=components["tokenizer"],
+            text_encoder=components["text_encoder"],
+            vae=components["vae"],
+            scheduler=components["scheduler"],
+            transformer=None,
+        )
+        self.transformer = components["transformer"]
+        self.scheduler = components["scheduler"]
+        vae_cfg = components["vae"].config
+        self.scale_temporal = vae_cfg.scale_factor_temporal
+        if spec.options.frame_multiple not in (None, self.scale_temporal):
+            raise ValueError(
+                f"this Wan checkpoint's VAE compresses time {self.scale_temporal}x, but the family declares "
+                f"num_frames = {spec.options.frame_multiple}k+1; Spindle serves Wan2.1-style VAEs"
+            )
+        self.scale_spatial = vae_cfg.scale_factor_spatial
+        patch = self.transformer.config.patch_size
+        self.h_multiple = self.scale_spatial * patch[1]
+        self.w_multiple = self.scale_spatial * patch[2]
+
+    def validate(self, params: SamplingParams) -> None:
+        super().validate(params)
+        check_size(params, self.h_multiple, self.w_multiple, f"VAE x{self.scale_spatial} x patch")
+        n, k = params.num_frames, self.scale_temporal
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1 or (n - 1) % k:
+            hint = f"; try {suggest(n, k, offset=1)}" if isinstance(n, int) and not isinstance(n, bool) else ""
+            raise RequestError(
+                f"num_frames must be {k}k+1 (1, {k + 1}, {2 * k + 1}, {3 * k + 1}, ...) for this model's VAE "
+                f"(got {n!r}){hint}"
+            )
+        check_int_range("max_sequence_length", params.max_sequence_length, minimum=1)
+        self.check_positions(params)
+
+    def check_positions(self, params: SamplingParams) -> None:
+        """The transformer's rotary table covers `rope_max_seq_len` positions per axis (frames,
+        height, width in patches); diffusers slices it without a check, so a longer axis fails
+        mid-run. Refuse it here, naming the field and the largest value that fits."""
+        limit = self.transformer.config.rope_max_seq_len
+        p_t, p_h, p_w = self.transformer.config.patch_size
+        k = self.scale_temporal
+        frames = resolved(params.num_frames, "num_frames")
+        height, width = resolved(params.height, "height"), resolved(params.width, "width")
+        axes = (
+            ("num_frames", ((frames - 1) // k + 1) // p_t, (limit * p_t - 1) * k + 1),
+            ("height", height // self.scale_spatial // p_h, limit * self.h_multiple),
+            ("width", width // self.scale_spatial // p_w, limit * self.w_multiple),
+        )
+        for name, positions, largest in axes:
+            if positions > limit:
+                raise RequestError(
+                    f"{name} is past this model's positional range ({positions} positions on that axis; the "
+                    f"transformer's rope_max_seq_len is {limit}): at most {largest}",
+                    field=name,
+                )
+
+    def latent_shape(self, p: SamplingParams) -> tuple[int, ...]:
+        return (
+            p.batch_size,
+            self.transformer.config.in_channels,
+            (resolved(p.num_frames, "num_frames") - 1) // self.scale_temporal + 1,
+            resolved(p.height, "height") // self.scale_spatial,
+            resolved(p.width, "width") // self.scale_spatial,
+        )
+
+    def forward(self, req: Req) -> Req:
+        p = req.params
+        self.validate(p)
+        device = req.device
+        prompts = p.prompts
+        negative = p.negative_prompt
+        if p.do_cfg:
+            negative = [negative or ""] * len(prompts) if not isinstance(negative, list) else negative
+        prompt_embeds, negative_embeds = self.text_pipe.encode_prompt(
+            prompt=prompts,
+            negative_prompt=negative if p.do_cfg else None,
+            do_classifier_free_guidance=p.do_cfg,
+            num_videos_per_prompt=p.num_outputs_per_prompt,
+            max_sequence_length=p.max_sequence_length,
+            device=device,
+        )
+        dtype = self.transformer.dtype
+        req.model_dtype = dtype
+        req.prompt_embeds = prompt_embeds.to(dtype)
+        req.negative_prompt_embeds = negative_embeds.to(dtype) if negative_embeds is not None else None
+        req.do_cfg = p.do_cfg
+        req.guidance_scale = float(resolved(p.guidance_scale, "guidance_scale"))
+
+        scheduler = copy.deepcopy(self.scheduler)  # schedulers are stateful: one copy per request
+        scheduler.set_timesteps(resolved(p.num_inference_steps, "num_inference_steps"), device=device)
+        scheduler.set_begin_index(0)
+        req.scheduler = scheduler
+        req.timesteps = scheduler.timesteps
+
+        from diffusers.utils.torch_utils import randn_tensor
+
+        shape = self.latent_shape(p)
+        req.latents = randn_tensor(shape, generator=req.generator, device=device, dtype=torch.float32)
+        req.raw_latent_shape = tuple(shape)
+        return req
+
+
+class WanInference(InferenceSpec):
+    options = OPTIONS
+    family = "wan"
+    media = "video"
+    components = ("tokenizer", "text_encoder", "vae", "scheduler", "transformer")
+    before_denoising_cls = WanBeforeDenoisingStage
+
+    def default_params(self, components: dict[str, Any]) -> SamplingParams:
+        # diffusers WanPipeline.__call__ defaults (negative prompt None -> "").
+        return SamplingParams(
+            negative_prompt="",
+            height=480,
+            width=832,
+            num_frames=81,
+            num_inference_steps=50,
+            guidance_scale=5.0,
+            max_sequence_length=512,
+        )
+
+    def check_checkpoint(self, model_index: dict) -> None:
+        if model_index.get("boundary_ratio") is not None or (model_index.get("transformer_2") or [None])[0]:
+            raise NotImplementedError(
+                "two-expert Wan2.2 checkpoints (transformer_2 / boundary_ratio) are not supported yet; "
+                "Spindle serves single-transformer Wan2.1-style WanPipeline folders"
+            )
+        if model_index.get("expand_timesteps"):
+            raise NotImplementedError("Wan2.2 TI2V (expand_timesteps=True) checkpoints are not supported yet")
+
+    def denoiser_kwargs(self, req: Req, latents: torch.Tensor, t: torch.Tensor, branch: str) -> dict[str, Any]:
+        return {
+            "hidden_states": latents.to(req.model_dtype),
+            "timestep": t.expand(latents.shape[0]),
+            "encoder_hidden_states": req.prompt_embeds if branch == "cond" else req.negative_prompt_embeds,
+            "attention_kwargs": None,
+            "return_dict": False,
+        }
+
+    def request_constant_modules(self, transformer: torch.nn.Module, compiled: bool) -> list[torch.nn.Module]:
+        # The prompt embeddings enter through the text projection and each block's cross-attention
+        # key/value (+ its RMSNorm): the same every step. Fused projections (to_kv) stay as they are.
+        wan: Any = transformer  # diffusers WanTransformer3DModel
+        modules: list[torch.nn.Module] = [wan.condition_embedder.text_embedder]
+        if not compiled:
+            for block in wan.blocks:
+                attn = block.attn2
+                if not attn.fused_projections:
+                    modules += [attn.to_k, attn.to_v, attn.norm_k]
+        return modules
+
+    def sequence_length(self, req: Req, transformer: torch.nn.Module) -> int:
+        pt, ph, pw = cast(Any, transformer).config.patch_size  # a diffusers model: its config
+        _, _, f, h, w = resolved(req.raw_latent_shape, "raw_latent_shape")
+        return (f // pt) * (h // ph) * (w // pw)
+
+    def decode_scale_shift(self, vae: Any, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return mean_std_scale_shift(vae, latents)
+
+
+WAN_INFERENCE = WanInference()

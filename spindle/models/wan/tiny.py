@@ -1,0 +1,64 @@
+"""A tiny random Wan2.1 T2V pipeline in the diffusers layout (`spindle tiny-model wan`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from spindle.models.shared.tiny import random_latent_stats, seeded
+from spindle.models.shared.tokenizers import save_tokenizer
+
+WAN_TRANSFORMER = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=4,
+    attention_head_dim=16,
+    in_channels=4,
+    out_channels=4,
+    text_dim=32,
+    freq_dim=32,
+    ffn_dim=128,
+    num_layers=2,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    rope_max_seq_len=64,
+)
+WAN_VAE = dict(base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
+WAN_TEXT = dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, relative_attention_num_buckets=8)
+WAN_SCHEDULER = dict(shift=3.0, num_train_timesteps=1000)
+
+
+def build_tiny_wan(
+    out: str | Path,
+    seed: int = 0,
+    transformer: dict | None = None,
+    vae: dict | None = None,
+    text_encoder: dict | None = None,
+) -> Path:
+    """Write a tiny random Wan2.1 T2V pipeline to `out` and return its path.
+
+    Overrides are merged into the default component configs, e.g. `transformer={"num_layers": 4}`.
+    """
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
+
+    out = Path(out)
+    tcfg = {**WAN_TRANSFORMER, **(transformer or {})}
+    vcfg = {**WAN_VAE, **(vae or {})}
+    ecfg = {**WAN_TEXT, **(text_encoder or {})}
+    if tcfg["in_channels"] != vcfg["z_dim"]:
+        vcfg["z_dim"] = tcfg["in_channels"]
+    tcfg["text_dim"] = ecfg["d_model"]
+    vcfg["latents_mean"], vcfg["latents_std"] = random_latent_stats(vcfg["z_dim"], seed)
+
+    tok_dir = out / "tokenizer"
+    vocab_size = save_tokenizer(tok_dir)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_dir)
+    text_config = UMT5Config(vocab_size=vocab_size, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, **ecfg)
+    pipe = WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=seeded(seed, lambda: UMT5EncoderModel(text_config).eval()),
+        vae=seeded(seed + 1, lambda: AutoencoderKLWan(**vcfg).eval()),
+        scheduler=FlowMatchEulerDiscreteScheduler(**WAN_SCHEDULER),
+        transformer=seeded(seed + 2, lambda: WanTransformer3DModel(**tcfg).eval()),
+    )
+    pipe.save_pretrained(out, safe_serialization=True)
+    return out

@@ -1,0 +1,78 @@
+"""Flow-matching math of the DiT training task: how sigmas are drawn, shifted, and how the noisy input
+and the velocity target are built. Families' condition models call these (`training_inputs`); every
+random draw goes through the per-sample generators the task passes in."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+TIMESTEP_SCHEMES = ("uniform", "logit_normal", "mode")
+
+
+@dataclass
+class TimestepSampling:
+    """How training draws sigma in (0, 1). `shift` applies the SD3/Wan shift s*t / (1 + (s-1)*t)."""
+
+    scheme: str = "uniform"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    mode_scale: float = 1.29
+    shift: float = 1.0
+    num_train_timesteps: int = 1000
+
+
+def sample_sigmas(
+    cfg: TimestepSampling,
+    generators: list[torch.Generator],
+    shift_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """One sigma per sample, each drawn from that sample's own generator (see `flow_matching_pair`).
+
+    `shift_fn`: the family's own shift of the drawn sigmas (e.g. Flux's resolution-dependent shift,
+    `resolution_shift`); it applies only while the static `cfg.shift` is 1 (an explicit static
+    shift in the training config takes precedence).
+    """
+    from diffusers.training_utils import compute_density_for_timestep_sampling
+
+    if cfg.scheme not in TIMESTEP_SCHEMES:
+        raise ValueError(f"unknown timestep scheme {cfg.scheme!r}; choose one of {TIMESTEP_SCHEMES}")
+    u = torch.cat(
+        [
+            compute_density_for_timestep_sampling(
+                weighting_scheme=cfg.scheme,
+                batch_size=1,
+                logit_mean=cfg.logit_mean,
+                logit_std=cfg.logit_std,
+                mode_scale=cfg.mode_scale,
+                generator=g,
+            )
+            for g in generators
+        ]
+    ).clamp(0.0, 1.0)
+    if shift_fn is not None and cfg.shift == 1.0:
+        return shift_fn(u)
+    return shift_sigmas(u, cfg.shift)
+
+
+def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
+    if shift == 1.0:
+        return sigmas
+    return shift * sigmas / (1 + (shift - 1) * sigmas)
+
+
+def flow_matching_pair(
+    x0: torch.Tensor, sigmas: torch.Tensor, generators: list[torch.Generator]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rectified flow: x_t = (1 - s) x0 + s * noise, velocity target = noise - x0.
+
+    Noise comes from one CPU generator per sample, so a sample gets the same noise whichever rank or
+    micro-batch it lands on: data-parallel and resumed runs reproduce single-process runs exactly.
+    """
+    from diffusers.utils.torch_utils import randn_tensor
+
+    noise = randn_tensor(tuple(x0.shape), generator=generators, dtype=torch.float32).to(x0.device, x0.dtype)
+    s = sigmas.to(x0.device, x0.dtype).view(-1, *([1] * (x0.ndim - 1)))
+    return (1.0 - s) * x0 + s * noise, noise - x0

@@ -1,0 +1,236 @@
+"""The conformance suite: every DiT family in the registry passes the same checks
+(spindle/testing/conformance.py). A new family = its folder + registration + passing this module.
+
+Per family (parametrised over `registry.all_families()`): `spindle tiny-model` writes a checkpoint
+the registry resolves; the tiny checkpoint loads in stock diffusers with the components its
+model_index.json names; inference equals the family's diffusers pipeline with and without
+classifier-free guidance (CFG batched and as two forwards; the batched step is one forward);
+declared options are checked with errors naming the family and field; the default request is the
+diffusers pipeline's call defaults; `spindle generate` writes the png generate() returns (image
+families); the condition model refuses bad pixel shapes and its training inputs are the
+transformer's forward arguments; a few samples
+overfit, with the token throughput counted as inference counts tokens; the export loads in stock
+diffusers with every tensor equal to the trained one and Spindle on it equals diffusers; Ulysses SP
+and ring attention on 2 processes equal one process (slow). And a broken family fails it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from spindle.api import load_job_config
+from spindle.contracts.family import import_object
+from spindle.registry import all_families, get_family
+from spindle.testing import conformance as suite
+
+FAMILIES = sorted(f.name for f in all_families() if f.task == "flow_matching")
+PARITY = [(f, case) for f in FAMILIES for case in sorted(get_family(f).conformance.parity_cases)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    """`tiny(name)`: the family's seed-0 tiny checkpoint, built once per session (tests/conftest.py)."""
+    return tiny_checkpoint
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_declares_what_the_suite_needs(name):
+    family = get_family(name)
+    assert family.tiny_model and family.demo and family.inference and family.conformance, name
+    cases = family.conformance.parity_cases.values()
+    assert any("negative_prompt" in kw for kw in cases), f"{name}: no parity case with classifier-free guidance"
+    assert any("negative_prompt" not in kw for kw in cases), f"{name}: no parity case without guidance"
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_tiny_checkpoint_loads_in_stock_diffusers(name, tiny):
+    suite.check_stock_load(get_family(name), tiny(name))
+
+
+@pytest.mark.parametrize("cfg_batch", [True, False], ids=["cfg_batch", "two_forwards"])
+@pytest.mark.parametrize("name,case", PARITY, ids=[f"{f}-{c}" for f, c in PARITY])
+def test_inference_equals_the_diffusers_pipeline(name, case, cfg_batch, tiny):
+    family = get_family(name)
+    suite.check_inference_parity(family, tiny(name), family.conformance.parity_cases[case], cfg_batch=cfg_batch)
+
+
+# Spindle's default request per family: the diffusers pipeline's __call__ defaults (Flux and
+# Qwen-Image: default_sample_size 128 x the tiny VAE's factor 2; Wan's pipeline names its size).
+# check_default_params also reads them off the pipeline, so a stale row here fails.
+DEFAULTS = {
+    "flux": dict(
+        height=256, width=256, num_frames=None, num_inference_steps=28, guidance_scale=3.5, max_sequence_length=512,
+        extra={"true_cfg_scale": 1.0},  # FluxPipeline's: no true CFG
+    ),
+    "qwenimage": dict(
+        height=256, width=256, negative_prompt=None, num_inference_steps=50, max_sequence_length=512,
+        extra={"true_cfg_scale": 4.0},  # QwenImagePipeline's, which runs only with a negative prompt
+    ),
+    "wan": dict(height=480, width=832, num_frames=81, num_inference_steps=50, guidance_scale=5.0),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_defaults_are_the_diffusers_pipeline_defaults(name, tiny):
+    assert name in DEFAULTS, f"{name}: add the family's diffusers pipeline call defaults to DEFAULTS"
+    suite.check_default_params(get_family(name), tiny(name), DEFAULTS[name])
+
+
+# `spindle generate` requests per image family, each with a flag of its own (Flux's embedded
+# --guidance, Qwen-Image's --true-cfg-scale). A video family's mp4 is lossy: tests/test_infer_cli.py.
+IMAGE_FAMILIES = [f for f in FAMILIES if get_family(f).inference_spec().media == "image"]
+CLI_CASES = {
+    "flux": dict(prompt="a cat", height=32, width=48, num_inference_steps=2, guidance_scale=3.5, seed=4),
+    "qwenimage": dict(
+        prompt="a fox", negative_prompt="blurry", true_cfg_scale=2.5, height=32, width=48, num_inference_steps=2, seed=4
+    ),
+}
+
+
+@pytest.mark.parametrize("name", IMAGE_FAMILIES)
+def test_generate_cli_writes_the_generated_png(name, tiny, tmp_path):
+    assert name in CLI_CASES, f"{name}: add a `spindle generate` request to CLI_CASES"
+    suite.check_generate_cli_png(get_family(name), tiny(name), tmp_path / f"{name}.png", CLI_CASES[name])
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_tiny_model_cli_writes_a_checkpoint_the_registry_resolves(name, tmp_path, spindle_cli):
+    from spindle.registry import resolve_family
+
+    r = spindle_cli("tiny-model", name, tmp_path / "m", "--seed", "1")
+    assert r.returncode == 0, r.stderr
+    assert resolve_family(tmp_path / "m").name == name
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_cfg_batch_is_one_forward_equal_to_two(name, tiny):
+    family = get_family(name)
+    suite.check_cfg_batch_is_one_forward(family, tiny(name), family.conformance.parity_cases["cfg"])
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_bad_options_are_clear_request_errors(name, tiny):
+    suite.check_request_errors(get_family(name), tiny(name))
+
+
+def cache_case(name: str) -> dict:
+    """The family's CFG case with 3 steps: the step cache has two steps to skip."""
+    return {**get_family(name).conformance.parity_cases["cfg"], "num_inference_steps": 3}
+
+
+@pytest.mark.parametrize("cfg_batch", [True, False], ids=["cfg_batch", "two_forwards"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_step_cache_threshold_zero_is_exact(name, cfg_batch, tiny):
+    suite.check_step_cache_exact(get_family(name), tiny(name), cache_case(name), cfg_batch=cfg_batch)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_step_cache_large_threshold_skips_blocks(name, tiny):
+    suite.check_step_cache_skips(get_family(name), tiny(name), cache_case(name))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FAMILIES)
+def test_regional_compile_matches_eager(name, tiny):
+    suite.check_compile_matches_eager(get_family(name), tiny(name), cache_case(name))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_condition_model_rejects_bad_pixels(name, tiny):
+    suite.check_condition_rejects_bad_pixels(get_family(name), tiny(name))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_training_inputs_are_the_transformers_arguments(name, tiny):
+    suite.check_training_inputs(get_family(name), tiny(name))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_overfits_and_exports_for_stock_diffusers(name, tiny, tmp_path):
+    from spindle.api import make_trainer
+    from spindle.train.metrics import read_metrics
+
+    family = get_family(name)
+    data = import_object(family.demo.dataset)(tmp_path / "data", seed=0, **family.demo.dataset_kwargs)
+    trainer = make_trainer(load_job_config(None, suite.train_overrides(tiny(name), data, tmp_path / "run", family)))
+    result = trainer.run()
+    records = read_metrics(result.output_dir)
+    suite.check_overfit(family, [m["loss"] for m in records])
+    # the throughput metrics count the tokens the transformer sees, as inference counts them
+    tokens = suite.inference_tokens(tiny(name), *family.demo.size, family.demo.num_frames)
+    assert records[0]["tokens_per_s"] / records[0]["samples_per_s"] == pytest.approx(tokens)
+    trained = {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in trainer.model.state_dict().items()
+    }
+    suite.check_export_round_trip(family, tiny(name), result.export_dir, trained)
+    # Spindle's engine on the export still equals the stock pipeline on it
+    suite.check_inference_parity(family, result.export_dir, family.conformance.parity_cases["nocfg"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FAMILIES)
+def test_ulysses_and_ring_on_two_processes_equal_one(name, tiny, tmp_path):
+    from spindle.testing.multiprocess import spawn
+
+    family = get_family(name)
+    layouts = {"ulysses2": {"sp": 2}, "ring2": {"ring": 2}}
+    layouts = {k: v for k, v in layouts.items() if k in family.conformance.sequence_parallel}
+    assert "ulysses2" in layouts, f"{name}: every family must train with Ulysses SP"
+    out = tmp_path / "sp.pt"
+    spawn(suite.sp_worker, 2, name, str(tiny(name)), layouts, str(out))
+    results = torch.load(out, weights_only=False)
+    reference = suite.sp_reference(family, tiny(name))
+    for layout in layouts:
+        suite.check_sequence_parallel(family, reference, results[layout], layout)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_precomputed_conditions_need_no_encoders(name, tiny):
+    suite.check_precomputed_condition_model(get_family(name), tiny(name))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_lora_targets_and_diffusers_lora_file(name, tiny, tmp_path):
+    suite.check_lora_file_round_trip(get_family(name), tiny(name), tmp_path / "lora")
+
+
+# ---------------------------------------------------------------- the suite can fail
+
+
+def test_a_broken_family_fails_the_suite(tiny):
+    """A family whose inference spec decodes with the wrong latent scale, and whose condition model
+    hands the transformer an argument it does not take, is caught by the checks above."""
+    wan = get_family("wan")
+    spec = wan.inference_spec()
+
+    class OffByAPercent(type(spec)):
+        def decode_scale_shift(self, vae, latents):
+            scale, shift = super().decode_scale_shift(vae, latents)
+            return scale * 1.01, shift
+
+    broken_spec = OffByAPercent()
+    module = type("BrokenModule", (), {"SPEC": broken_spec})
+    import sys
+
+    sys.modules["spindle_test_broken_family"] = module  # import_object resolves "module:attr"
+    broken = dataclasses.replace(wan, name="broken", inference="spindle_test_broken_family:SPEC")
+    case = wan.conformance.parity_cases["nocfg"]
+    try:
+        with pytest.raises(AssertionError, match="broken: Spindle differs from diffusers"):
+            suite.check_inference_parity(broken, tiny("wan"), case)
+    finally:
+        del sys.modules["spindle_test_broken_family"]
+
+    condition_cls = wan.condition_model_cls()
+
+    class ExtraInput(condition_cls):
+        def training_inputs(self, conditions, generators):
+            return {**super().training_inputs(conditions, generators), "attention_kwargs_typo": None}
+
+    with pytest.raises(AssertionError, match=r"broken: training inputs \['attention_kwargs_typo'\]"):
+        suite.check_training_inputs(
+            broken, tiny("wan"), condition=ExtraInput.from_pretrained(tiny("wan"), max_text_length=16)
+        )

@@ -1,0 +1,139 @@
+"""Python API of the engine: registry lookup, validation errors, defaults, progress/cancel, save."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from spindle.api import load_generator
+
+SMALL = dict(prompt="a lighthouse", height=32, width=32, num_frames=5, num_inference_steps=2, guidance_scale=3.0)
+
+
+@pytest.fixture(scope="module")
+def gen(tiny_wan):
+
+    return load_generator(tiny_wan)
+
+
+def test_import_spindle_is_light():
+    code = (
+        "import sys, spindle; assert 'torch' not in sys.modules and 'diffusers' not in sys.modules; "
+        "print(spindle.DiffusionGenerator.__name__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "DiffusionGenerator"
+
+
+def test_infer_all_lists_exactly_the_public_names_and_each_resolves():
+    import spindle.contracts.request as request
+    import spindle.infer as infer
+
+    eager = {"Cancelled", "Req", "RequestError", "SamplingParams"}
+    assert all(getattr(request, n) is getattr(infer, n) for n in eager)
+    assert sorted(infer.__all__) == sorted(eager | set(infer._LAZY))
+    namespace: dict = {}
+    exec("from spindle.infer import *", namespace)
+    assert all(namespace[n] is getattr(infer, n) for n in infer.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        infer.nope  # noqa: B018 - the attribute access is what is tested
+
+
+def test_family(gen):
+    """(The defaults, WanPipeline's call defaults: tests/test_conformance.py::test_defaults_are_the_diffusers_pipeline_defaults.)"""
+    assert gen.family == "wan"
+
+
+def test_renamed_folder_is_detected_and_unknown_class_is_refused(tiny_wan, tmp_path):
+    from spindle.registry import UnknownModelError
+
+    renamed = tmp_path / "renamed"
+    shutil.copytree(tiny_wan, renamed)
+    index = json.loads((renamed / "model_index.json").read_text())
+    index["_class_name"] = "MyLocalVideoPipeline"
+    (renamed / "model_index.json").write_text(json.dumps(index))
+    # the pipeline class is unknown: the family is found from the transformer's class
+    out = load_generator(renamed).generate(**SMALL, seed=0)
+    assert out.frames.shape == (1, 5, 32, 32, 3)
+
+    alien = tmp_path / "alien"
+    alien.mkdir()
+    (alien / "model_index.json").write_text(json.dumps({"_class_name": "StableAudioPipeline"}))
+    with pytest.raises(UnknownModelError, match=r"known families: .*wan \(WanPipeline"):
+        load_generator(alien)
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(height=30), r"height must be a positive multiple of 16 .*got 30.*try 16 or 32"),
+        (dict(width=40), r"width must be a positive multiple of 16 .*got 40.*try 32 or 48"),
+        (dict(height=0), r"height must be a positive multiple of 16"),
+        (dict(num_frames=6), r"num_frames must be 4k\+1 \(1, 5, 9, 13, \.\.\.\).*got 6.*try 5 or 9"),
+        (dict(num_frames=0), r"num_frames must be 4k\+1"),
+        (dict(num_inference_steps=0), r"num_inference_steps must be >= 1; got 0"),
+        (dict(num_inference_steps=2.5), r"num_inference_steps must be an integer"),
+        (dict(prompt=""), r"prompt must be a non-empty string"),
+        (dict(prompt="   "), r"prompt must be a non-empty string"),
+        (dict(prompt=[]), r"prompt is required"),
+        (dict(guidance_scale=-1.0), r"guidance_scale must be >= 0"),
+        (dict(prompt=["a", "b"], negative_prompt=["x"]), r"negative_prompt has 1 entries but prompt has 2"),
+        (dict(seed=-3), r"seed must be >= 0"),
+    ],
+)
+def test_bad_requests_say_what_is_allowed(gen, bad, match):
+    from spindle.infer import RequestError
+
+    with pytest.raises(RequestError, match=match):
+        gen.generate(**{**SMALL, **bad})
+    assert issubclass(RequestError, ValueError)
+
+
+def test_unknown_engine_option(tiny_wan):
+
+    with pytest.raises(ValueError, match=r"unknown engine option\(s\) \['cahce'\]"):
+        load_generator(tiny_wan, cahce="fbc")
+
+
+def test_progress_seed_and_cancel(gen):
+    from spindle.infer import Cancelled
+
+    seen = []
+    a = gen.generate(**SMALL, progress=lambda i, n: seen.append((i, n)))
+    assert seen == [(1, 2), (2, 2)]
+    assert isinstance(a.seed, int)
+    b = gen.generate(**SMALL, seed=a.seed)  # the reported seed reproduces the output
+    np.testing.assert_array_equal(a.frames, b.frames)
+
+    steps = []
+    with pytest.raises(Cancelled):
+        gen.generate(**SMALL, seed=0, progress=lambda i, n: steps.append(i), should_stop=lambda: len(steps) >= 1)
+    assert steps == [1]
+
+
+def test_save_mp4_png_and_batches(gen, tmp_path):
+    import av
+    from PIL import Image
+
+    res = gen.generate(**{**SMALL, "num_frames": 9, "width": 48}, seed=0)
+    (path,) = res.save(tmp_path / "v.mp4")
+    with av.open(str(path)) as c:
+        frames = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
+    assert len(frames) == 9 and frames[0].shape == (32, 48, 3)
+    # lossy codec, but the content is the generated video
+    assert np.abs(frames[0] / 255.0 - res.frames[0, 0]).mean() < 0.1
+
+    one = gen.generate(**{**SMALL, "num_frames": 1}, seed=0)
+    (png,) = one.save(tmp_path / "f.png")
+    img = np.asarray(Image.open(png))
+    assert img.shape == (32, 32, 3)
+    assert np.abs(img / 255.0 - one.frames[0, 0]).max() <= 1 / 255 + 1e-6
+
+    two = gen.generate(**SMALL, num_outputs_per_prompt=2, seed=0)
+    paths = two.save(tmp_path / "b.mp4")
+    assert [p.name for p in paths] == ["b_0.mp4", "b_1.mp4"] and all(p.is_file() for p in paths)

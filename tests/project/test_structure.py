@@ -1,0 +1,140 @@
+"""The package's import structure (docs/architecture.md, "Rules"), read from the source: module-level and
+function-level imports (TYPE_CHECKING blocks included) all count.
+
+- no import cycle;
+- production code never imports `spindle.testing`;
+- `spindle.contracts` imports nothing of Spindle outside itself (the leaf every layer may import);
+- the engines (`infer/`, `train/`, `distributed/`, `serve/`) never import the registry or a family
+  module: entry points resolve the family and pass it in;
+- `spindle.ops` (numerics that generated modeling code imports) imports nothing above it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "spindle"
+ENGINES = ("spindle.infer", "spindle.train", "spindle.distributed", "spindle.serve")
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def read_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in PACKAGE.rglob("*.py") if "generated" not in p.parts}
+
+
+def imported(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The Spindle modules `name` imports anywhere in its body (the longest known module a name refers to)."""
+    is_package = path.name == "__init__.py"
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = name.split(".") if is_package else name.split(".")[:-1]
+                parts = parts[: len(parts) - (node.level - 1)]
+                base = ".".join([*parts, *([base] if base else [])])
+            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+        for target in targets:
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name and target.startswith("spindle"):
+                out.add(target)
+    return out
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    modules = read_modules()
+    return {name: imported(name, path, modules) for name, path in modules.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_no_import_cycle(graph):
+    assert cycles(graph) == []
+
+
+def test_the_cycle_check_sees_function_level_imports(tmp_path):
+    """The checker itself: a cycle closed only by an import inside a function is found."""
+    (tmp_path / "a.py").write_text("import spindle.b\n")
+    (tmp_path / "b.py").write_text("def f():\n    from spindle import a\n")
+    modules = {"spindle.a": tmp_path / "a.py", "spindle.b": tmp_path / "b.py"}
+    g = {n: imported(n, p, modules) for n, p in modules.items()}
+    assert cycles(g) == [["spindle.a", "spindle.b"]]
+
+
+def test_production_never_imports_testing(graph):
+    offenders = {m: sorted(t for t in ts if inside(t, "spindle.testing")) for m, ts in graph.items()}
+    assert {m: t for m, t in offenders.items() if t and not inside(m, "spindle.testing")} == {}
+
+
+def test_contracts_import_nothing_of_spindle(graph):
+    leaks = {m: sorted(t for t in ts if not inside(t, "spindle.contracts")) for m, ts in graph.items()}
+    assert {m: t for m, t in leaks.items() if t and inside(m, "spindle.contracts")} == {}
+
+
+def test_engines_never_import_the_registry_or_a_family(graph):
+    def forbidden(target: str) -> bool:
+        # a family folder (spindle.models.<family>); spindle.models.shared holds no family's code
+        return target == "spindle.registry" or (
+            inside(target, "spindle.models") and not inside(target, "spindle.models.shared")
+        )
+
+    leaks = {m: sorted(t for t in ts if forbidden(t)) for m, ts in graph.items() if m.startswith(ENGINES)}
+    assert {m: t for m, t in leaks.items() if t} == {}
+
+
+def test_ops_import_nothing_above_them(graph):
+    leaks = {
+        m: sorted(t for t in ts if not inside(t, "spindle.ops")) for m, ts in graph.items() if inside(m, "spindle.ops")
+    }
+    assert {m: t for m, t in leaks.items() if t} == {}

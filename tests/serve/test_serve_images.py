@@ -1,0 +1,109 @@
+"""`POST /v1/images/generations` with an image family (the tiny Flux checkpoint) over real HTTP,
+including the official openai client's `images.generate(...)`."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+
+from spindle.api import load_generator
+from spindle.serve import build_app
+from tests.serve.test_serve import LiveServer, assert_error
+
+
+@pytest.fixture(scope="module")
+def flux(tiny_flux):
+
+    return load_generator(tiny_flux, device="cpu"), tiny_flux
+
+
+@pytest.fixture(scope="module")
+def server(flux):
+    gen, root = flux
+    with LiveServer(build_app(gen, model_id="tiny-flux", root=str(root))) as s:
+        yield s
+
+
+def png_array(b64: str) -> np.ndarray:
+    from PIL import Image
+
+    data = base64.b64decode(b64)
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+
+
+def to_uint8(frames: np.ndarray) -> np.ndarray:
+    return (np.clip(frames, 0.0, 1.0) * 255.0).round().astype(np.uint8)
+
+
+def test_openai_client_images_generate(server, flux):
+    import openai
+
+    gen, _ = flux
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    out = client.images.generate(
+        prompt="a lighthouse on a cliff",
+        n=2,
+        size="32x32",
+        response_format="b64_json",
+        extra_body={"num_inference_steps": 2, "seed": 4},
+    )
+    assert isinstance(out.created, int) and len(out.data) == 2
+    images = np.stack([png_array(d.b64_json) for d in out.data])
+    assert images.shape == (2, 32, 32, 3)
+    ref = gen.generate(
+        prompt="a lighthouse on a cliff", height=32, width=32, num_inference_steps=2, seed=4, num_outputs_per_prompt=2
+    ).frames
+    np.testing.assert_array_equal(images, to_uint8(ref))  # PNG is lossless: exactly the engine's output
+    assert server.state.store.stats()["stored"] == 0  # image results are not kept after the response
+
+
+def test_images_over_httpx_and_errors(server):
+    c = server.client
+    r = c.post(
+        "/v1/images/generations",
+        json={
+            "prompt": "a red door",
+            "size": "32x32",
+            "num_inference_steps": 2,
+            "seed": 1,
+            "negative_prompt": "dark",
+            "guidance_scale": 2.0,
+        },
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert set(body) >= {"created", "data"} and len(body["data"]) == 1 and body["seed"] == 1
+    assert png_array(body["data"][0]["b64_json"]).shape == (32, 32, 3)
+
+    assert_error(c.post("/v1/images/generations", json={"prompt": "x", "size": "32by32"}), 400, "size")
+    assert_error(c.post("/v1/images/generations", json={"prompt": "x", "size": "30x32"}), 400, "size")
+    assert_error(
+        c.post("/v1/images/generations", json={"prompt": "x", "response_format": "url"}), 400, "response_format"
+    )
+    assert_error(c.post("/v1/images/generations", json={"prompt": "x", "n": 0}), 422, "n")
+    assert_error(c.post("/v1/images/generations", json={"prompt": "x", "steps": 2}), 422, "steps")
+    # an image model answers /v1/videos with a pointer to the images endpoint
+    err = assert_error(c.post("/v1/videos", json={"prompt": "x", "size": "32x32"}), 400, "model", "use_images_endpoint")
+    assert "/v1/images/generations" in err["message"]
+
+
+def test_a_failing_image_request_gets_500_and_the_next_works(server, flux):
+    gen, _ = flux
+    state = {"armed": True}
+
+    def fault(module, args, kwargs):
+        if state.pop("armed", False):
+            raise RuntimeError("injected fault")
+
+    handle = gen.transformer.register_forward_pre_hook(fault, with_kwargs=True)
+    try:
+        req = {"prompt": "a boat", "size": "32x32", "num_inference_steps": 2, "seed": 2}
+        err = assert_error(server.client.post("/v1/images/generations", json=req), 500, code="generation_failed")
+        assert "injected fault" in err["message"] and err["type"] == "server_error"
+        assert server.client.post("/v1/images/generations", json=req).status_code == 200
+    finally:
+        handle.remove()

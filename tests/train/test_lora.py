@@ -1,0 +1,285 @@
+"""LoRA fine-tuning: only adapters train, exports load in stock diffusers, original layout round-trips."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from spindle.api import load_generator, make_trainer, train
+from spindle.config import ConfigError
+from spindle.train.metrics import read_metrics
+from spindle.train.trainer import Trainer
+
+LORA = "{rank: 4, alpha: 8}"
+SAMPLE = dict(prompt="a red circle moves left", height=32, width=32, num_frames=5, num_inference_steps=2)
+
+
+@pytest.fixture(scope="module")
+def lora_run(tiny_wan, shapes_videos, tmp_path_factory):
+    """3 LoRA steps on the tiny Wan with a merged export too; -> (trainer, result)."""
+    from spindle.api import load_job_config
+    from tests.conftest import train_overrides
+
+    out = tmp_path_factory.mktemp("lora") / "run"
+    overrides = train_overrides(
+        tiny_wan, shapes_videos, out, train__max_steps=3, train__global_batch_size=2, train__lora=LORA
+    )
+    cfg = load_job_config(None, [*overrides, "export.merge_lora=true"])
+    trainer = make_trainer(cfg)
+    return trainer, trainer.run()
+
+
+def test_only_adapters_train_and_base_stays_bit_identical(lora_run, tiny_wan):
+    trainer, result = lora_run
+    model = trainer.model
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    in_optimizer = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert in_optimizer == {id(p) for n, p in model.named_parameters() if n in trainable}
+
+    base = load_file(tiny_wan / "transformer" / "diffusion_pytorch_model.safetensors")
+    current = {n.replace(".base_layer", ""): p for n, p in model.state_dict().items() if n not in trainable}
+    assert current.keys() == base.keys()
+    for key, value in base.items():
+        assert torch.equal(current[key], value), f"base tensor {key} changed"
+    ups = [p for n, p in model.named_parameters() if ".lora_B." in n]
+    assert any(p.abs().max() > 0 for p in ups), "the adapters did not train (lora_B still zero)"
+
+    # the checkpoint holds only the adapters (plus their optimizer state)
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = result.output_dir / "checkpoints" / "step-000003"
+    saved = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    model_keys = {k[len("model.") :] for k in saved if k.startswith("model.")}
+    assert model_keys == trainable
+    assert json.loads((ckpt / "trainer_state.json").read_text())["lora"]["rank"] == 4
+
+
+def _stock_frames(root, lora=None, fuse=False):
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(root)
+    if lora is not None:
+        pipe.load_lora_weights(lora)
+    return pipe(**SAMPLE, guidance_scale=1.0, output_type="np", generator=torch.Generator().manual_seed(0)).frames
+
+
+def _spindle_frames(root, num_frames=SAMPLE["num_frames"], **options):
+
+    gen = load_generator(root, device="cpu", **options)
+    return gen.generate(**{**SAMPLE, "num_frames": num_frames}, guidance_scale=1.0, seed=0).frames
+
+
+def test_diffusers_export_loads_in_stock_diffusers_like_generate_lora(lora_run, tiny_wan):
+    _, result = lora_run
+    lora_dir = result.export_dir / "lora"
+    stock = _stock_frames(tiny_wan, lora=lora_dir)
+    ours = _spindle_frames(tiny_wan, lora=str(lora_dir))
+    assert np.abs(stock - ours).max() <= 1e-5
+    base = _spindle_frames(tiny_wan)
+    assert np.abs(base - ours).max() > 1e-4, "the LoRA changed nothing"
+    # the original-layout file, read by diffusers' converter inside --lora, gives the same frames
+    original = _spindle_frames(tiny_wan, lora=str(lora_dir / "original_layout_lora.safetensors"))
+    assert np.abs(original - ours).max() <= 1e-5
+    # scale 0 switches the adapter off
+    off = _spindle_frames(tiny_wan, lora=str(lora_dir), lora_scale=0.0)
+    assert np.abs(off - base).max() <= 1e-6
+    # the merged pipeline folder (LoRA fused into the weights) loads in stock diffusers alone
+    merged = _stock_frames(result.export_dir / "merged")
+    assert np.abs(merged - ours).max() <= 1e-4
+
+
+def test_adapter_file_equals_trained_adapters(lora_run):
+    trainer, result = lora_run
+    exported = load_file(result.export_dir / "lora" / "pytorch_lora_weights.safetensors")
+    scale = 8 / 4  # alpha / rank, folded into lora_B
+    params = dict(trainer.model.named_parameters())
+    assert len(exported) == sum(1 for n in params if ".lora_" in n)
+    for key, value in exported.items():
+        name = key.removeprefix("transformer.").replace(".lora_A.", ".lora_A.default.")
+        name = name.replace(".lora_B.", ".lora_B.default.")
+        expected = params[name].detach() * (scale if ".lora_B." in key else 1.0)
+        assert torch.equal(value, expected), key
+
+
+def test_wan_original_layout_round_trips_through_diffusers(lora_run):
+    from diffusers import WanPipeline
+
+    _, result = lora_run
+    ours = load_file(result.export_dir / "lora" / "pytorch_lora_weights.safetensors")
+    original_file = result.export_dir / "lora" / "original_layout_lora.safetensors"
+    assert all(k.startswith("diffusion_model.blocks.") for k in load_file(original_file))
+    back = WanPipeline.lora_state_dict(load_file(original_file))
+    assert back.keys() == ours.keys()
+    assert all(torch.equal(back[k], ours[k]) for k in ours)
+
+
+def test_flux_original_layout_round_trips_through_diffusers():
+    """At FLUX.1's real projection sizes (diffusers' kohya reader hard-codes them for fused linear1):
+    q/k/v and the single blocks' q/k/v/mlp are fused in the original layout and split back exactly."""
+    from diffusers import FluxPipeline
+
+    from spindle.models.flux.lora import to_original
+
+    g = torch.Generator().manual_seed(0)
+    inner, mlp, r = 3072, 12288, 2
+    double = {
+        **{f"attn.{p}": (inner, inner) for p in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")},
+        "attn.to_out.0": (inner, inner),
+        "attn.to_add_out": (inner, inner),
+        "ff.net.0.proj": (inner, 4 * inner),
+        "ff.net.2": (4 * inner, inner),
+        "ff_context.net.0.proj": (inner, 4 * inner),
+        "ff_context.net.2": (4 * inner, inner),
+    }
+    single = {**{f"attn.{p}": (inner, inner) for p in ("to_q", "to_k", "to_v")}, "proj_mlp": (inner, mlp)}
+    single["proj_out"] = (inner + mlp, inner)
+    ours = {}
+    for prefix, table in (("transformer_blocks.0", double), ("single_transformer_blocks.1", single)):
+        for module, (fan_in, fan_out) in table.items():
+            ours[f"{prefix}.{module}.lora_A.weight"] = torch.randn(r, fan_in, generator=g)
+            ours[f"{prefix}.{module}.lora_B.weight"] = torch.randn(fan_out, r, generator=g)
+    original = to_original(ours)
+    assert "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight" in original
+    assert original["lora_unet_single_blocks_1_linear1.lora_down.weight"].shape == (4 * r, inner)
+    back = FluxPipeline.lora_state_dict(original)
+    back = {k.removeprefix("transformer."): v for k, v in back.items()}
+    assert back.keys() == ours.keys()
+    assert all(torch.equal(back[k], ours[k]) for k in ours)
+
+
+def test_lora_resume_is_exact(make_config, tmp_path, monkeypatch):
+    common = dict(train__max_steps=4, train__global_batch_size=2, checkpoint__every_steps=2, checkpoint__export=False)
+    train(make_config(tmp_path / "straight", train__lora=LORA, **common))
+    original = Trainer.train_step
+
+    def crash_at_step_3(self):
+        if self.step == 3:
+            raise KeyboardInterrupt
+        return original(self)
+
+    monkeypatch.setattr(Trainer, "train_step", crash_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        train(make_config(tmp_path / "resumed", train__lora=LORA, **common))
+    monkeypatch.setattr(Trainer, "train_step", original)
+    train(make_config(tmp_path / "resumed", train__lora=LORA, checkpoint__resume="auto", **common))
+    straight = [(m["loss"], m["grad_norm"]) for m in read_metrics(tmp_path / "straight")]
+    resumed = [(m["loss"], m["grad_norm"]) for m in read_metrics(tmp_path / "resumed")]
+    assert resumed == straight
+
+
+def test_lora_with_activation_checkpointing_gives_the_same_run(make_config, tmp_path):
+    common = dict(train__max_steps=2, train__global_batch_size=2, train__lora=LORA, checkpoint__export=False)
+    train(make_config(tmp_path / "plain", **common))
+    train(make_config(tmp_path / "ckpt", train__gradient_checkpointing=True, **common))
+    for key in ("loss", "grad_norm"):
+        plain = [m[key] for m in read_metrics(tmp_path / "plain")]
+        assert [m[key] for m in read_metrics(tmp_path / "ckpt")] == pytest.approx(plain, rel=1e-6), key
+
+
+def test_export_cli_writes_the_lora_of_a_checkpoint(lora_run, tmp_path):
+    from tests.conftest import run_spindle
+
+    _, result = lora_run
+    out = tmp_path / "exported"
+    proc = run_spindle("export", result.output_dir, "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    a = load_file(result.export_dir / "lora" / "pytorch_lora_weights.safetensors")
+    b = load_file(out / "lora" / "pytorch_lora_weights.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_unknown_target_names_the_closest_modules(make_config):
+    cfg = make_config(train__lora="{rank: 4, targets: [to_qq]}")
+    with pytest.raises(ConfigError, match=r"'to_qq' matches no linear layer.*attn1\.to_q"):
+        make_trainer(cfg)
+
+
+@pytest.mark.parametrize("rank", [0, -2])
+def test_rank_must_be_positive(make_config, rank):
+    with pytest.raises(ConfigError, match=r"train\.lora\.rank must be a positive integer"):
+        make_config(train__lora=f"{{rank: {rank}}}")
+
+
+def test_lora_for_another_family_is_refused(tiny_wan, tmp_path):
+
+    flux_lora = tmp_path / "flux_lora.safetensors"
+    save_file(
+        {
+            "transformer.single_transformer_blocks.0.proj_mlp.lora_A.weight": torch.zeros(4, 32),
+            "transformer.single_transformer_blocks.0.proj_mlp.lora_B.weight": torch.zeros(64, 4),
+        },
+        str(flux_lora),
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"flux_lora\.safetensors does not fit this wan checkpoint.*single_transformer_blocks.*another model family",
+    ):
+        load_generator(tiny_wan, device="cpu", lora=str(flux_lora))
+
+
+def test_lora_of_another_shape_is_refused(lora_run, tiny_wan, tmp_path):
+
+    _, result = lora_run
+    ours = load_file(result.export_dir / "lora" / "pytorch_lora_weights.safetensors")
+    wide = {k: torch.cat([v, v], dim=1) if ".lora_A." in k else v for k, v in ours.items()}  # other in_features
+    path = tmp_path / "wide.safetensors"
+    save_file(wide, str(path))
+    with pytest.raises(ValueError, match=r"(?s)wide\.safetensors does not fit this wan checkpoint.*size mismatch"):
+        load_generator(tiny_wan, device="cpu", lora=str(path))
+
+
+# ---------------------------------------------------------------- Flux and the CLI
+
+
+def test_flux_lora_trains_exports_and_loads_in_stock_diffusers(tmp_path):
+    from diffusers import FluxPipeline
+
+    from spindle.api import load_job_config
+    from spindle.data.synthetic import make_shapes_image_dataset
+    from spindle.models.flux.tiny import build_tiny_flux
+    from tests.conftest import train_overrides
+
+    tiny = build_tiny_flux(tmp_path / "flux", seed=0)
+    images = make_shapes_image_dataset(tmp_path / "images", num_images=4, size=(32, 32))
+    overrides = dict(data__num_frames=1, data__resolution=[32, 32], train__max_steps=2, train__global_batch_size=2)
+    cfg = load_job_config(None, train_overrides(tiny, images, tmp_path / "run", **overrides, train__lora=LORA))
+    result = train(cfg)
+    lora_dir = result.export_dir / "lora"
+    assert (lora_dir / "original_layout_lora.safetensors").is_file()
+    original = load_file(lora_dir / "original_layout_lora.safetensors")
+    assert any(k.startswith("lora_unet_single_blocks_0_linear1.") for k in original)
+
+    request = dict(prompt="a red circle", height=32, width=32, num_inference_steps=2, guidance_scale=3.5)
+    pipe = FluxPipeline.from_pretrained(tiny)
+    pipe.load_lora_weights(lora_dir)
+    stock = pipe(**request, output_type="np", generator=torch.Generator().manual_seed(0)).images
+    gen = load_generator(tiny, device="cpu", lora=str(lora_dir))
+    ours = gen.generate(**request, seed=0).frames
+    assert np.abs(stock - ours).max() <= 1e-5
+    base = load_generator(tiny, device="cpu").generate(**request, seed=0).frames
+    assert np.abs(base - ours).max() > 1e-4, "the LoRA changed nothing"
+
+
+def test_generate_cli_applies_lora(lora_run, tiny_wan, tmp_path):
+    from PIL import Image
+
+    from tests.conftest import run_spindle
+
+    _, result = lora_run
+    out = tmp_path / "frame.png"
+    request = ["--prompt", SAMPLE["prompt"], "--height", "32", "--width", "32", "--num-frames", "1"]
+    request += ["--steps", "2", "--guidance", "1", "--seed", "0", "--quiet"]
+    lora = ["--lora", str(result.export_dir / "lora"), "--lora-scale", "0.5"]
+    proc = run_spindle("generate", "--model", tiny_wan, *request, *lora, "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    api = _spindle_frames(tiny_wan, num_frames=1, lora=str(result.export_dir / "lora"), lora_scale=0.5)
+    written = np.asarray(Image.open(out).convert("RGB"), dtype=np.float32) / 255
+    assert np.abs(written - api[0, 0]).max() <= 1 / 255 + 1e-6  # png rounding only
