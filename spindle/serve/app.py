@@ -20,6 +20,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
@@ -71,9 +72,21 @@ def create_app(
 
 
 def document_bodies(app: FastAPI, state: ServeState) -> None:
-    """A route that reads its own body (`state.reads_body`) is documented with the served family's
-    request model (its options as fields), not only the base model its router was declared with."""
-    for route in app.routes:
-        base = getattr(getattr(route, "endpoint", None), "body_model", None)
-        if isinstance(route, APIRoute) and base is not None:
-            route.openapi_extra = body_schema(state.request_model(base))
+    """A route that reads its own body (`state.reads_body`) gets it documented in the app's OpenAPI
+    schema with the served family's request model (its options as fields). Done on the schema, not
+    on the routes: the routers are module-level and shared by every app."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = build()  # (FastAPI keeps it as app.openapi_schema: patched once, served as patched)
+        for router in ROUTERS:
+            for route in router.routes:
+                base = getattr(getattr(route, "endpoint", None), "body_model", None)
+                if isinstance(route, APIRoute) and base is not None:
+                    for method in route.methods or ():
+                        schema["paths"][route.path][method.lower()].update(body_schema(state.request_model(base)))
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to customise the schema
