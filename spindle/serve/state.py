@@ -82,8 +82,10 @@ class ServeState:
             raise RequestValidationError(e.errors()) from None
 
 
-def get_state(request: Request) -> ServeState:
-    """The app's `ServeState` (set by `create_app`)."""
+async def get_state(request: Request) -> ServeState:
+    """The app's `ServeState` (set by `create_app`). `async`: FastAPI runs a plain `def` dependency
+    in its thread pool, ~0.2 ms a request (GET /health p50 on loopback, 2-core CPU: 0.75 ms with a
+    `def`, 0.57 ms with this, 0.52 ms reading `request.app.state` in the route)."""
     state: ServeState = request.app.state.serve
     return state
 
