@@ -15,6 +15,9 @@ read by `bodies.py` once it takes files, and the edit's fields added to the mapp
 
 from __future__ import annotations
 
-from spindle.serve.routes import health, images, models, videos
+from spindle.serve.routes.health import router as health_router
+from spindle.serve.routes.images import router as images_router
+from spindle.serve.routes.models import router as models_router
+from spindle.serve.routes.videos import router as videos_router
 
-ROUTERS = (health.router, models.router, images.router, videos.router)
+ROUTERS = (health_router, models_router, images_router, videos_router)
