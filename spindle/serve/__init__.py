@@ -2,7 +2,7 @@
 fan-out), the job store, the worker thread, and the FastAPI app assembled from one router per
 resource (`routes/`).
 
-`build_server(generator, ...)` wires a loaded `DiffusionGenerator` into an app; `spindle serve`
+`build_app(generator, ...)` wires a loaded `DiffusionGenerator` into an app; `spindle serve`
 (spindle/commands/serve.py) loads the model, warms up and runs it under uvicorn.
 
 The names below import lazily: `spindle serve --help` reads `spindle.serve.limits` (the limit

@@ -1,6 +1,7 @@
 """The job store: a bounded FIFO queue of generation jobs with statuses, progress, cancellation and
 expiry of finished results. Thread-safe; the HTTP handlers (event loop) submit and read, one worker
-thread takes jobs in order (`next_job`) and reports back (`start` / `progress` / `finish`).
+thread takes jobs in order (`next_job`) and reports back (`start` / `progress` / `finish`);
+a route awaits a job's end with `wait_done` without blocking the event loop.
 
 Statuses follow OpenAI's video jobs: queued -> in_progress -> completed | failed, plus cancelled
 (DELETE on a queued job, or a running job whose engine stopped between denoising steps).
