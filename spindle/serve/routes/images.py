@@ -81,8 +81,8 @@ async def images_generations(request: Request, state: State):
             param="model",
             code="use_videos_endpoint",
         )
+    params = sampling_params(body, engine).params  # (the model check first: a wrong model is the bigger mistake)
     refuse_unhonoured(body)
-    params = sampling_params(body, engine).params
     job = store.submit(Job(kind="image", params=params, model=engine.model_id))
     try:
         gone = await wait_done_or_gone(job, request)
