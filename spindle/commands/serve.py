@@ -157,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"{args.model}/model_index.json not found: --model must be a diffusers pipeline folder")
     warmup_size = None
     if args.warmup_size:
-        from spindle.serve.schemas import APIError, parse_size
+        from spindle.serve.errors import APIError
+        from spindle.serve.params import parse_size
 
         try:
             warmup_size = parse_size(args.warmup_size)
@@ -177,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
     gen = load_generator(args.model, **engine_options(args))
     fanout = None
     if world > 1:
-        from spindle.serve.worker import RankFanout
+        from spindle.serve.engine import RankFanout
 
         fanout = RankFanout()
         if fanout.rank != 0:

@@ -1,6 +1,8 @@
-"""OpenAI-compatible HTTP serving (`spindle serve`): FastAPI app, job store, worker, rank fan-out.
+"""OpenAI-compatible HTTP serving (`spindle serve`): the served model (`Engine`, with the rank
+fan-out), the job store, the worker thread, and the FastAPI app assembled from one router per
+resource (`routes/`).
 
-`build_server(generator, ...)` wires a loaded `DiffusionGenerator` into an app; `spindle serve`
+`build_app(generator, ...)` wires a loaded `DiffusionGenerator` into an app; `spindle serve`
 (spindle/commands/serve.py) loads the model, warms up and runs it under uvicorn.
 
 The names below import lazily: `spindle serve --help` reads `spindle.serve.limits` (the limit
@@ -13,16 +15,17 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports on first use
+    from spindle.serve.engine import Engine, RankFanout
     from spindle.serve.jobs import Job, JobStore
     from spindle.serve.limits import ServeLimits
-    from spindle.serve.worker import Engine, RankFanout, Worker
+    from spindle.serve.worker import Worker
 
 _LAZY = {
     "Job": "spindle.serve.jobs",
     "JobStore": "spindle.serve.jobs",
     "ServeLimits": "spindle.serve.limits",
-    "Engine": "spindle.serve.worker",
-    "RankFanout": "spindle.serve.worker",
+    "Engine": "spindle.serve.engine",
+    "RankFanout": "spindle.serve.engine",
     "Worker": "spindle.serve.worker",
 }
 
@@ -53,14 +56,15 @@ def build_app(
     `app.state.serve` holds the engine, store, worker and limits. Serve it with
     `spindle.serve.server.make_server(app, ...)` (connection limits, draining SIGTERM)."""
     from spindle.serve.app import create_app
+    from spindle.serve.engine import Engine
     from spindle.serve.jobs import JobStore
     from spindle.serve.limits import ServeLimits
-    from spindle.serve.worker import Engine, Worker
+    from spindle.serve.worker import Worker
 
     limits = limits or ServeLimits()
-    engine = Engine(generator, model_id=model_id, root=root, limits=limits.request)
+    engine = Engine(generator, model_id=model_id, root=root, limits=limits.request, fanout=fanout)
     store = JobStore(max_queue=max_queue, result_ttl=result_ttl, max_results=limits.max_results)
-    worker = Worker(engine, store, fanout=fanout, keep_frames=keep_frames)
+    worker = Worker(engine, store, keep_frames=keep_frames)
     return create_app(
         engine,
         store,

@@ -15,7 +15,7 @@ from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
-from spindle.serve.schemas import APIError, safe_text
+from spindle.serve.errors import APIError, ClientGone, safe_text
 
 # integer literals longer than this become floats (inf past ~308 digits): Python refuses int() of
 # more than 4300 digits with a ValueError, and no field takes numbers that large anyway; the
@@ -23,10 +23,6 @@ from spindle.serve.schemas import APIError, safe_text
 _MAX_INT_DIGITS = 100
 DISCARD_SECONDS = 2.0  # how long an oversize body is read (and dropped) before the 413 goes out
 _CLOSE = {"Connection": "close"}  # the rest of an unread body must not be taken for a next request
-
-
-class ClientGone(Exception):
-    """The client closed its connection before the answer (nothing to answer, nothing to log)."""
 
 
 async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes:
@@ -92,18 +88,19 @@ def _too_large(max_bytes: int) -> APIError:
     )
 
 
-def parse_fields(raw: bytes, content_type: str) -> dict[str, Any]:
-    """A request body -> its fields: JSON (the default), multipart/form-data (what the openai client
-    sends to /videos) or urlencoded. `content_type` is the header as sent (a multipart boundary is
-    case-sensitive, so it is never lower-cased)."""
+def parse_fields(raw: bytes, content_type: str) -> tuple[dict[str, Any], bool]:
+    """A request body -> (its fields, typed?): JSON (the default; typed: numbers are numbers),
+    multipart/form-data (what the openai client sends to /videos) or urlencoded (not typed: every
+    value is text). `content_type` is the header as sent (a multipart boundary is case-sensitive,
+    so it is never lower-cased)."""
     media = content_type.split(";", 1)[0].strip().lower()
     if media == "multipart/form-data":
-        return _parse_multipart(raw, content_type)
+        return _parse_multipart(raw, content_type), False
     if media == "application/x-www-form-urlencoded" and not raw.lstrip().startswith(b"{"):
         # (curl -d '{...}' without -H sends JSON labelled urlencoded: that is read as JSON)
         text = _decode(raw, "utf-8", "body")
-        return {k: v[-1] for k, v in urllib.parse.parse_qs(text, keep_blank_values=True).items()}
-    return parse_json_object(raw)
+        return {k: v[-1] for k, v in urllib.parse.parse_qs(text, keep_blank_values=True).items()}, False
+    return parse_json_object(raw), True
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """The job store: a bounded FIFO queue of generation jobs with statuses, progress, cancellation and
 expiry of finished results. Thread-safe; the HTTP handlers (event loop) submit and read, one worker
-thread takes jobs in order (`next_job`) and reports back (`start` / `progress` / `finish`).
+thread takes jobs in order (`next_job`) and reports back (`start` / `progress` / `finish`);
+a route awaits a job's end with `wait_done` without blocking the event loop.
 
 Statuses follow OpenAI's video jobs: queued -> in_progress -> completed | failed, plus cancelled
 (DELETE on a queued job, or a running job whose engine stopped between denoising steps).
@@ -12,6 +13,7 @@ naming the option to raise, instead of 404.
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import collections
 import logging
@@ -24,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spindle.contracts.request import SamplingParams
-from spindle.serve.schemas import TERMINAL_STATUSES, APIError, JobStatus, safe_text
+from spindle.serve.errors import APIError, safe_text
+from spindle.serve.schemas import TERMINAL_STATUSES, JobStatus
 
 log = logging.getLogger("spindle.serve")
 
@@ -365,3 +368,23 @@ class JobStore:
         self._gone[job_id] = reason
         while len(self._gone) > 10000:
             self._gone.popitem(last=False)
+
+
+async def wait_done(job: Job, timeout: float | None = None) -> bool:
+    """Await the job's end from the event loop, without blocking it (or a thread). -> finished?"""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[None] = loop.create_future()
+
+    def resolve() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    def done(_job: Job) -> None:
+        loop.call_soon_threadsafe(resolve)
+
+    job.add_done_callback(done)
+    try:
+        await asyncio.wait_for(asyncio.shield(fut), timeout)
+        return True
+    except asyncio.TimeoutError:
+        return job.finished

@@ -29,8 +29,8 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from spindle.serve.errors import error_body
 from spindle.serve.limits import OVERFLOW_CONNECTIONS, ServeLimits
-from spindle.serve.schemas import error_body
 
 
 def _json_bytes(message: str, type: str, code: str) -> bytes:

@@ -512,3 +512,20 @@ def test_retry_after_is_the_queue_ahead_times_recent_completed_job_times():
     for _ in range(2):
         store.submit(Job(kind="video", params=SamplingParams(prompt="p"), model="m"))
     assert store.retry_after() == 8  # 2 waiting x 4 s, nothing running
+
+
+def test_video_requests_name_the_served_model_and_refuse_booleans(serve):
+    s = serve()
+    r = s.client.post("/v1/videos", json={**KW, "model": "sora-2"})
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "tiny-wan"
+    err = assert_error(s.client.post("/v1/videos", json={**KW, "model": "dall-e-3"}), 404, "model", "model_not_found")
+    assert "'tiny-wan'" in err["message"] and "'sora-2'" in err["message"]
+    for name, value in [("num_frames", True), ("num_frames", "5"), ("num_inference_steps", "2"), ("seed", True)]:
+        assert_error(s.client.post("/v1/videos", json={**KW, name: value}), 422, name)
+    no_frames = {k: v for k, v in KW.items() if k != "num_frames"}
+    assert_error(s.client.post("/v1/videos", json={**no_frames, "seconds": True}), 422, "seconds")
+    err = assert_error(s.client.post("/v1/videos", json={**no_frames, "seconds": 20}), 400, "seconds")
+    assert err["message"].startswith("seconds: num_frames is 321;")  # the frames `seconds` asked for, named as sent
+    assert s.state.store.counters["submitted"] == 1
+    assert s.wait(r.json()["id"])["status"] == "completed"

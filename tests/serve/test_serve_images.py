@@ -107,3 +107,70 @@ def test_a_failing_image_request_gets_500_and_the_next_works(server, flux):
         assert server.client.post("/v1/images/generations", json=req).status_code == 200
     finally:
         handle.remove()
+
+
+def test_numeric_fields_refuse_booleans_and_numeric_strings(server):
+    """`true` or `"2"` is never read as 1 or 2: a 422 naming the field (JSON is typed; forms are
+    text and read leniently, see test_serve.py's openai-client test)."""
+    c = server.client
+    submitted = server.state.store.counters["submitted"]
+    base = {"prompt": "x", "size": "32x32", "num_inference_steps": 1}
+    for name in ("num_inference_steps", "n", "seed", "guidance_scale", "true_cfg_scale"):  # the last: Flux's option
+        for value in (True, "2"):
+            err = assert_error(c.post("/v1/images/generations", json={**base, name: value}), 422, name)
+            assert err["type"] == "invalid_request_error"
+    assert server.state.store.counters["submitted"] == submitted  # none of them was queued
+
+
+def test_the_model_field_names_the_served_model_or_an_openai_default(server):
+    c = server.client
+    base = {"prompt": "a kite", "size": "32x32", "num_inference_steps": 1, "seed": 0}
+    for name in ("tiny-flux", "dall-e-2", "dall-e-3", "gpt-image-1"):
+        r = c.post("/v1/images/generations", json={**base, "model": name})
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == "tiny-flux"  # who answered: the served id, whatever alias was named
+    submitted = server.state.store.counters["submitted"]
+    for name in ("flux-pro", "sora-2"):  # another model; a video default on an image server
+        err = assert_error(c.post("/v1/images/generations", json={**base, "model": name}), 404, "model")
+        assert err["code"] == "model_not_found" and "'tiny-flux'" in err["message"] and name in err["message"]
+        assert "'dall-e-3'" in err["message"]  # the names that do reach it
+    assert server.state.store.counters["submitted"] == submitted  # refused before it was queued
+    card = c.get("/v1/models").json()["data"][0]
+    assert card["id"] == "tiny-flux" and "dall-e-3" in card["aliases"] and "sora-2" not in card["aliases"]
+    assert c.get("/v1/models/dall-e-3").json()["id"] == "tiny-flux"
+    assert_error(c.get("/v1/models/sora-2"), 404, "model", "model_not_found")
+
+
+def test_openai_knobs_are_honoured_or_refused_never_ignored(server):
+    c = server.client
+    base = {"prompt": "a kite", "size": "32x32", "num_inference_steps": 1, "seed": 0}
+    for quality in ("auto", "standard"):  # OpenAI's defaults: the model's own settings
+        assert c.post("/v1/images/generations", json={**base, "quality": quality}).status_code == 200
+    submitted = server.state.store.counters["submitted"]
+    for field, value in [
+        ("quality", "hd"),
+        ("quality", "high"),
+        ("style", "natural"),
+        ("background", "transparent"),
+        ("output_compression", 50),
+        ("output_format", "webp"),
+    ]:
+        err = assert_error(c.post("/v1/images/generations", json={**base, field: value}), 400, field)
+        assert err["code"] == "unsupported_parameter" and err["message"].startswith(f"{field}: ")
+    err = assert_error(c.post("/v1/images/generations", json={**base, "quality": "hd"}), 400, "quality")
+    assert "num_inference_steps" in err["message"]  # what to set instead
+    assert server.state.store.counters["submitted"] == submitted
+
+
+def test_engine_errors_name_the_openai_field(server):
+    c = server.client
+    err = assert_error(c.post("/v1/images/generations", json={"prompt": "x", "size": "32x32", "n": 11}), 400, "n")
+    assert err["message"].startswith("n is 11;") and "num_outputs_per_prompt" not in err["message"]
+    err = assert_error(c.post("/v1/images/generations", json={"prompt": "x", "size": "30x32"}), 400, "size")
+    assert err["message"].startswith("size: width must be")
+
+
+def test_openapi_documents_the_served_familys_options(server):
+    schema = server.client.get("/openapi.json").json()
+    body = schema["paths"]["/v1/images/generations"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert {"prompt", "n", "quality", "true_cfg_scale"} <= set(body["properties"])

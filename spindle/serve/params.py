@@ -1,0 +1,123 @@
+"""A generation request body -> the engine's `SamplingParams`: the one mapping every generation
+route uses (images and videos today; edits and per-request adapters add their fields here).
+
+OpenAI's fields are read as OpenAI defines them (`size` "WIDTHxHEIGHT", `n` outputs, `seconds` of
+video at the model's fps), the request's `model` must name the served model (or an OpenAI default
+name, below), and the result is validated by the engine against the model and the server's limits
+before any job exists, so every refusal is a 4xx naming the HTTP field.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from spindle.contracts.request import RequestError, SamplingParams, short_repr
+from spindle.infer.options import given_options
+from spindle.serve.errors import APIError, request_error, safe_text
+from spindle.serve.schemas import GenerationRequest, ImageGenerationRequest, VideoCreateRequest
+
+if TYPE_CHECKING:
+    from spindle.serve.engine import Engine
+
+# The model names OpenAI's clients and examples send by default, per media: a request naming one is
+# served by the loaded model (a client written for OpenAI works unchanged). Any other name that is
+# not the served model's id is refused: the client asked for a model this server does not have.
+OPENAI_MODEL_ALIASES: dict[str, tuple[str, ...]] = {
+    "image": ("dall-e-2", "dall-e-3", "gpt-image-1", "gpt-image-1-mini"),
+    "video": ("sora-2", "sora-2-pro"),
+}
+
+# at most 9 digits a side: int() of a 5000-digit string is refused by Python (ValueError), and
+# anything past 9 digits is beyond every pixel limit anyway
+_SIZE = re.compile(r"^\s*(\d{1,9})\s*[xX×]\s*(\d{1,9})\s*$")
+
+
+def parse_size(size: str | None) -> tuple[int, int] | None:
+    """OpenAI's `size` "WIDTHxHEIGHT" -> (width, height); None / "auto" -> None (model default)."""
+    if size is None or (isinstance(size, str) and size.strip().lower() == "auto"):
+        return None
+    m = _SIZE.match(size) if isinstance(size, str) else None
+    if not m:
+        raise APIError(
+            400,
+            f"size must be 'WIDTHxHEIGHT' in pixels (e.g. '832x480') or 'auto'; got {short_repr(size)}",
+            param="size",
+            code="invalid_size",
+        )
+    width, height = int(m.group(1)), int(m.group(2))
+    if width < 1 or height < 1:
+        raise APIError(
+            400, f"size must have a positive width and height; got {size}", param="size", code="invalid_size"
+        )
+    return width, height
+
+
+def model_aliases(engine: Engine) -> list[str]:
+    """The other names a request's `model` may give the served model (OpenAI's defaults for its media)."""
+    return [a for a in OPENAI_MODEL_ALIASES.get(engine.media, ()) if a != engine.model_id]
+
+
+def check_model(requested: str | None, engine: Engine) -> None:
+    """A request's `model` must be the served model's id or one of its aliases (None: the served
+    model). Anything else is a 404 naming `model` and the names this server answers to."""
+    if requested is None or requested == engine.model_id or requested in model_aliases(engine):
+        return
+    also = ", ".join(repr(a) for a in model_aliases(engine))
+    raise APIError(
+        404,
+        f"model {safe_text(requested)!r} is not served here; this server serves {engine.model_id!r}"
+        f" ({engine.family}, {engine.media})" + (f"; OpenAI's default names {also} also reach it" if also else ""),
+        param="model",
+        code="model_not_found",
+    )
+
+
+@dataclass
+class Planned:
+    """A validated request: the params a job runs with (defaults filled, seed drawn) and notes
+    for the client (e.g. how `seconds` became a frame count)."""
+
+    params: SamplingParams
+    notes: list[str] = field(default_factory=list)
+
+
+def sampling_params(body: GenerationRequest, engine: Engine) -> Planned:
+    """The one body -> params mapping: the common fields, the media's own (`n` for images;
+    `num_frames` or `seconds` for videos) and the served family's options, validated by the engine.
+    Raises `APIError` naming the HTTP field."""
+    check_model(body.model, engine)
+    notes: list[str] = []
+    outputs, num_frames, seconds_given = 1, None, False
+    if isinstance(body, ImageGenerationRequest):
+        outputs = body.n or 1
+    if isinstance(body, VideoCreateRequest):
+        num_frames = body.num_frames
+        if body.seconds is not None:
+            if num_frames is not None:
+                raise APIError(
+                    400, "seconds: give either num_frames or seconds, not both", param="seconds", code="invalid_request"
+                )
+            seconds_given = True
+            num_frames, note = engine.frames_for_seconds(body.seconds)
+            if note:
+                notes.append(note)
+    size = parse_size(body.size)
+    options = engine.spec.options
+    params = SamplingParams(
+        prompt=body.prompt,
+        negative_prompt=body.negative_prompt,
+        width=size[0] if size else None,
+        height=size[1] if size else None,
+        num_frames=num_frames,
+        num_inference_steps=body.num_inference_steps,
+        guidance_scale=body.guidance_scale,
+        seed=body.seed,
+        num_outputs_per_prompt=outputs,
+        extra=given_options(body, options),
+    )
+    try:
+        return Planned(engine.validate(params), notes)
+    except RequestError as e:
+        raise request_error(e, seconds_given=seconds_given, option_names=options.names()) from None

@@ -1,0 +1,116 @@
+"""What every route shares: `ServeState` (the engine, the job store, the worker, the limits and the
+shutdown settings), reached by a route through the `State` dependency (`app.state.serve`), and
+reading a request body bounded and validated against the served family's request model."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
+
+from fastapi import Depends, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+
+from spindle.infer.options import request_model
+from spindle.serve.bodies import parse_fields, read_body
+from spindle.serve.engine import Engine
+from spindle.serve.jobs import JobStore, ShuttingDown
+from spindle.serve.limits import ServeLimits
+from spindle.serve.worker import Worker
+
+log = logging.getLogger("spindle.serve")
+
+M = TypeVar("M", bound=BaseModel)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class ServeState:
+    """What the routes share: the engine, the store, the worker and settings."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        store: JobStore,
+        worker: Worker,
+        limits: ServeLimits,
+        shutdown_grace: float,
+        shutdown_linger: float,
+        cancel_wait: float,
+    ):
+        self.engine = engine
+        self.store = store
+        self.worker = worker
+        self.limits = limits
+        self.shutdown_grace = shutdown_grace
+        self.shutdown_linger = shutdown_linger
+        self.cancel_wait = cancel_wait
+        self.created = int(time.time())
+        self.shutting_down = False
+        self._request_models: dict[type[BaseModel], type[BaseModel]] = {}
+
+    async def drain(self) -> None:
+        """Graceful stop (SIGTERM): new work gets 503 at once while job status stays readable; the
+        waiting jobs are cancelled, the running one gets `shutdown_grace` s to finish and is then
+        cancelled (a waiting image request answers 503 JSON); then `shutdown_linger` s more so that
+        pollers read the final statuses, and the server may exit."""
+        self.shutting_down = True
+        log.info("shutting down: %s", self.store.stats())
+        await asyncio.to_thread(self.worker.stop, self.shutdown_grace)
+        log.info("worker stopped; %s; answering status for %g s more", self.store.stats(), self.shutdown_linger)
+        await asyncio.sleep(self.shutdown_linger)
+
+    def request_model(self, base: type[M]) -> type[M]:
+        """`base` with the served family's declared options (e.g. `true_cfg_scale`) as fields."""
+        if base not in self._request_models:
+            self._request_models[base] = request_model(base, self.engine.spec.options)
+        return self._request_models[base]  # type: ignore[return-value]  # (built from `base` above)
+
+    async def read_request(self, request: Request, base: type[M]) -> M:
+        """The request body, bounded and decoded (`bodies.py`), validated against `base` extended
+        with the family's options. A JSON body is validated strictly (a number field refuses `true`
+        and `"2"`); a form body leniently, since a form carries nothing but text."""
+        if self.shutting_down:
+            raise ShuttingDown(headers={"Connection": "close"})
+        raw = await read_body(request, self.limits.max_body_bytes, self.limits.request_timeout)
+        data, typed = parse_fields(raw, request.headers.get("content-type", ""))
+        try:
+            return self.request_model(base).model_validate(data, strict=None if typed else False)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+
+
+async def get_state(request: Request) -> ServeState:
+    """The app's `ServeState` (set by `create_app`). `async`: FastAPI runs a plain `def` dependency
+    in its thread pool, ~0.2 ms a request (GET /health p50 on loopback, 2-core CPU: 0.75 ms with a
+    `def`, 0.57 ms with this, 0.52 ms reading `request.app.state` in the route)."""
+    state: ServeState = request.app.state.serve
+    return state
+
+
+State = Annotated[ServeState, Depends(get_state)]
+
+
+def reads_body(base: type[BaseModel]) -> Callable[[F], F]:
+    """Marks a route that reads its own body with `ServeState.read_request(request, base)` (bounded,
+    and not by FastAPI, which would read it unbounded): `create_app` documents the body in OpenAPI
+    with the served family's options."""
+
+    def mark(endpoint: F) -> F:
+        endpoint.body_model = base  # type: ignore[attr-defined]  # read by app.document_bodies
+        return endpoint
+
+    return mark
+
+
+def body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """OpenAPI `requestBody` for a route's `openapi_extra`: JSON or a form, both with `model`'s fields."""
+    schema = model.model_json_schema()
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": schema}, "multipart/form-data": {"schema": schema}},
+        }
+    }
