@@ -48,6 +48,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from spindle.ops.ring_attention import block_backward, block_forward, merge_blocks
+
 _HEAD_KEYS = ("num_attention_heads", "num_heads", "heads")
 
 
@@ -247,53 +249,6 @@ def sequence_parallel_size(transformer: torch.nn.Module) -> int:
 # ---------------------------------------------------------------- workaround (2): ring attention's per-block ops
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """Attention logits [B, H, Sq, Skv] of fp32 [B, H, S, D] inputs; a bool mask keeps True keys, a float
-    mask is added (SDPA's conventions)."""
-    s = q @ k.transpose(-1, -2) * scale
-    if mask is None:
-        return s
-    return s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
-
-
-def _finite(lse: torch.Tensor) -> torch.Tensor:
-    """The log-sum-exp to subtract: 0 where it is -inf (every key masked), so exp(-inf - 0) = 0, not NaN."""
-    return lse.masked_fill(lse == float("-inf"), 0.0)
-
-
-def _block_forward(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One KV block in fp32: [B, S, H, D] in -> (out [B, S, H, D], lse [B, S, H]); a query whose keys in
-    this block are all masked gets out 0 and lse -inf (it then contributes nothing to the merge)."""
-    q, k, v = (x.transpose(1, 2).float() for x in (query, key, value))
-    s = _scores(q, k, mask, scale)
-    lse = torch.logsumexp(s, -1, keepdim=True)
-    out = torch.exp(s - _finite(lse)) @ v
-    return out.transpose(1, 2), lse.squeeze(-1).transpose(1, 2)
-
-
-def _block_backward(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    out: torch.Tensor,
-    grad_out: torch.Tensor,
-    lse: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 gradients (q, k, v) of one KV block given the global (out, lse) over all blocks: the
-    flash-attention backward, P = exp(S - lse), dS = P * (dP - rowsum(dO * O)). Masked keys have P = 0."""
-    q, k, v, o, do = (x.transpose(1, 2).float() for x in (query, key, value, out, grad_out))
-    p = torch.exp(_scores(q, k, mask, scale) - _finite(lse.float().transpose(1, 2).unsqueeze(-1)))
-    grad_v = p.transpose(-1, -2) @ do
-    grad_s = p * (do @ v.transpose(-1, -2) - (do * o).sum(-1, keepdim=True))
-    grad_q = grad_s @ k * scale
-    grad_k = grad_s.transpose(-1, -2) @ q * scale
-    return grad_q.transpose(1, 2), grad_k.transpose(1, 2), grad_v.transpose(1, 2)
-
-
 def _ring_forward_op(
     ctx: Any,
     query: torch.Tensor,
@@ -309,7 +264,7 @@ def _ring_forward_op(
     _parallel_config: Any = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One ring block: [B, S, H, D] in -> (out [B, S, H, D], lse [B, S, H]): the CPU flash kernel on CPU,
-    fp32 block math (`_block_forward`) on other devices."""
+    fp32 block math (`spindle.ops.ring_attention.block_forward`) on other devices."""
     if attn_mask is not None or dropout_p or is_causal or enable_gqa:
         raise ValueError(
             "ring attention supports plain (non-causal, no dropout, no GQA) attention only; "
@@ -323,7 +278,7 @@ def _ring_forward_op(
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
         out, lse = out.permute(0, 2, 1, 3), lse.permute(0, 2, 1)
     else:
-        out, lse = _block_forward(query, key, value, None, scale if scale is not None else query.shape[-1] ** -0.5)
+        out, lse = block_forward(query, key, value, None, scale if scale is not None else query.shape[-1] ** -0.5)
         out = out.to(query.dtype)
     return (out, lse) if return_lse else out
 
@@ -339,9 +294,9 @@ def _ring_backward_op(
     lse: torch.Tensor,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, ...]:
-    """Gradients of one KV block given the global (out, lse) of the whole ring (`_block_backward`)."""
+    """Gradients of one KV block given the global (out, lse) of the whole ring (`spindle.ops.ring_attention.block_backward`)."""
     scale = ctx.scale if ctx.scale is not None else query.shape[-1] ** -0.5
-    grads = _block_backward(query, key, value, out, grad_out, lse, None, scale)
+    grads = block_backward(query, key, value, out, grad_out, lse, None, scale)
     return tuple(g.to(query.dtype) for g in grads)
 
 
@@ -372,16 +327,6 @@ def _gather_kv(key: torch.Tensor, value: torch.Tensor, group: Any, world: int) -
     return [(c[:n].view_as(key), c[n:].view_as(value)) for c in chunks]
 
 
-def _merge(
-    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Online-softmax merge of two partial results; safe when either (or both) lse is -inf."""
-    new = torch.logaddexp(lse, block_lse)
-    ref = _finite(new)
-    out = out * torch.exp(lse - ref).unsqueeze(-1) + block_out * torch.exp(block_lse - ref).unsqueeze(-1)
-    return out, new
-
-
 class _MaskedRingAttention(torch.autograd.Function):
     """Ring attention of the local queries over the KV chunks of every rank of `group`, chunk c masked
     by `mask[..., c * S:(c + 1) * S]` (S: the local KV length; `mask` covers all the ring's keys)."""
@@ -399,8 +344,8 @@ class _MaskedRingAttention(torch.autograd.Function):
         world = dist.get_world_size(group)
         out = lse = None
         for (k, v), chunk_mask in zip(_gather_kv(key, value, group, world), mask.chunk(world, -1), strict=True):
-            block = _block_forward(query, k, v, chunk_mask, scale)
-            out, lse = block if out is None or lse is None else _merge(out, lse, *block)
+            block = block_forward(query, k, v, chunk_mask, scale)
+            out, lse = block if out is None or lse is None else merge_blocks(out, lse, *block)
         assert out is not None and lse is not None
         out = out.to(query.dtype)
         ctx.save_for_backward(query, key, value, mask, out, lse)
@@ -416,7 +361,7 @@ class _MaskedRingAttention(torch.autograd.Function):
         grad_kv = []
         chunks = zip(_gather_kv(key, value, ctx.group, ctx.world), mask.chunk(ctx.world, -1), strict=True)
         for (k, v), chunk_mask in chunks:
-            dq, dk, dv = _block_backward(query, k, v, out, grad_out, lse, chunk_mask, ctx.scale)
+            dq, dk, dv = block_backward(query, k, v, out, grad_out, lse, chunk_mask, ctx.scale)
             grad_q += dq
             grad_kv.append(torch.cat([dk.flatten(), dv.flatten()]))
         # Rank r computed every chunk's K/V gradient for its own queries: summed over the ring, chunk c's

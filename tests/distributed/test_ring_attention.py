@@ -59,11 +59,11 @@ def stock_ring(x: dict[str, torch.Tensor], mask: torch.Tensor, lo: int, hi: int,
     import torch.distributed as dist
     from diffusers.models.attention_dispatch import _templated_context_parallel_attention
 
-    from spindle.distributed.context_parallel import _block_forward
+    from spindle.ops.ring_attention import block_forward
 
     def masked_op(ctx, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
                   return_lse=False, _save_ctx=True, _parallel_config=None):  # fmt: skip
-        return _block_forward(q, k, v, attn_mask, scale)
+        return block_forward(q, k, v, attn_mask, scale)
 
     stock = _templated_context_parallel_attention(
         *(x[n][:, lo:hi] for n in "qkv"), mask[..., lo:hi], scale=SCALE, forward_op=masked_op, backward_op=None,
@@ -143,19 +143,19 @@ def test_masked_ring_times_ulysses_on_four_processes_equals_sdpa(tmp_path):
 def test_block_math_of_a_fully_masked_block_is_zero_not_nan():
     """One KV block whose keys are all masked for a query: out 0, lse -inf, gradients 0 (no NaN);
     merged with another block it leaves that block's result unchanged."""
-    from spindle.distributed.context_parallel import _block_backward, _block_forward, _merge
+    from spindle.ops.ring_attention import block_backward, block_forward, merge_blocks
 
     x = inputs()
     q, k, v = (x[n][:, :4] for n in "qkv")
     mask = torch.zeros(B, 1, 1, 4, dtype=torch.bool)
-    out, lse = _block_forward(q, k, v, mask, SCALE)
+    out, lse = block_forward(q, k, v, mask, SCALE)
     assert torch.equal(out, torch.zeros_like(out)) and (lse == float("-inf")).all()
-    other = _block_forward(q, k, v, None, SCALE)
-    for merged, expected in zip(_merge(out, lse, *other), other, strict=True):
+    other = block_forward(q, k, v, None, SCALE)
+    for merged, expected in zip(merge_blocks(out, lse, *other), other, strict=True):
         torch.testing.assert_close(merged, expected, rtol=0, atol=0)
-    for merged, expected in zip(_merge(*other, out, lse), other, strict=True):
+    for merged, expected in zip(merge_blocks(*other, out, lse), other, strict=True):
         torch.testing.assert_close(merged, expected, rtol=0, atol=0)
-    grads = _block_backward(q, k, v, other[0], x["w"][:, :4], other[1], mask, SCALE)
+    grads = block_backward(q, k, v, other[0], x["w"][:, :4], other[1], mask, SCALE)
     assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
 
 
@@ -179,6 +179,6 @@ def test_ring_block_ops_per_device():
     q, k, v = (torch.randn(2, 24, 3, 8, generator=g) for _ in range(3))  # [B, S, H, D]
     out, lse = cp._ring_forward_op(SimpleNamespace(save_for_backward=lambda *t: None), q, k, v, scale=0.3,
                                    return_lse=True)  # fmt: skip
-    block_out, block_lse = cp._block_forward(q, k, v, None, 0.3)
+    block_out, block_lse = cp.block_forward(q, k, v, None, 0.3)
     torch.testing.assert_close(block_out, out, atol=1e-5, rtol=0)
     torch.testing.assert_close(block_lse, lse, atol=1e-5, rtol=0)
