@@ -39,9 +39,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """argparse, plus dotted overrides anywhere: `spindle train CONFIG --nproc 2 key=value` (argparse alone
+    stops filling `overrides` at the first flag and calls what follows unrecognized)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides") and not any(e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.parse_args(argv)  # argparse's own message for what is really unrecognized (exit 2)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     args._argv = list(sys.argv[1:] if argv is None else argv)  # for commands that re-launch themselves
     if args.command is None:
         parser.print_help()
