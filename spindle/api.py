@@ -48,7 +48,14 @@ def load_job_config(path: str | Path | None, overrides: Sequence[str] = ()) -> A
     """YAML + dotted overrides -> the job config, validated against the schema of the task that the
     checkpoint's family trains with (so `data:` is checked for that kind of model)."""
     raw = load_raw_config(path, overrides)
-    return validate_config(raw, job_task(job_family(raw)).config_class)
+    family = job_family(raw)
+    task = job_task(family)
+    try:
+        return validate_config(raw, task.config_class)
+    except ConfigError as e:
+        # the keys a job takes follow the kind of model the checkpoint is: say which it was detected as
+        detected = f"model {raw['model'].get('path')} is a {family.name} {family.kind} checkpoint"
+        raise ConfigError(f"{detected}, so the config follows the {task.name} task's schema; {e}") from None
 
 
 def check_job_plan(cfg: TrainJobConfig, world_size: int) -> None:
