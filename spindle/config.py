@@ -205,12 +205,38 @@ def _fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     return list(model.model_fields)
 
 
+# names other training tools use for a key, for did-you-mean where spelling alone finds nothing
+KNOWN_ALIASES: dict[str, str] = {
+    "learning_rate": "lr",
+    "lr_scheduler": "lr_schedule",
+    "lr_scheduler_type": "lr_schedule",
+    "scheduler": "lr_schedule",
+    "batch_size": "global_batch_size",
+    "train_batch_size": "global_batch_size",
+    "per_device_train_batch_size": "micro_batch_size",
+    "num_train_steps": "max_steps",
+    "steps": "max_steps",
+    "gradient_clipping": "grad_clip",
+    "max_grad_norm": "grad_clip",
+    "warmup": "warmup_steps",
+    "output": "output_dir",
+    "precision": "mixed_precision",
+    "max_seq_len": "seq_len",
+    "max_length": "seq_len",
+    "cutoff_len": "seq_len",
+}
+
+
 def _describe(err: dict[str, Any], root: type[BaseModel]) -> str:
     loc = tuple(err["loc"])
     key = ".".join(str(p) for p in loc) or "<root>"
+    if not loc and err["type"] == "value_error":
+        # a check across sections (a model validator): its message names the keys; the input is the whole config
+        return str(err["msg"]).removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
         valid = _fields_at(root, loc)
-        close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
+        alias = KNOWN_ALIASES.get(str(loc[-1]))
+        close = [alias] if alias in valid else difflib.get_close_matches(str(loc[-1]), valid, n=1)
         hint = f"; did you mean '{'.'.join(map(str, (*loc[:-1], close[0])))}'?" if close else ""
         return f"unknown key '{key}'{hint} (valid keys here: {', '.join(valid)})"
     if err["type"] == "missing":

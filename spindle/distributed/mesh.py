@@ -51,6 +51,12 @@ class ParallelDims:
                 f"sp={self.sp} = {self.dp_replicate * dp_shard * self.cp_size}, but the world size is {world_size}; "
                 f"make the product equal the number of processes (or set dp_shard: -1)"
             )
+        if self.ep > 1 and dp_shard * self.cp_size < self.ep:
+            # the usual cause: an EP config (configs/qwen3_moe_tiny.yaml) started without its launcher flag
+            raise ValueError(
+                f"parallel.ep={self.ep} splits the experts over {self.ep} processes, but this job has {world_size}; "
+                f"run with --nproc {self.ep * self.dp_replicate} (or a multiple), or set parallel.ep=1"
+            )
         if self.ep < 1 or (dp_shard * self.cp_size) % self.ep:
             raise ValueError(
                 f"parallel.ep={self.ep} must be >= 1 and divide parallel.dp_shard x parallel.sp = "

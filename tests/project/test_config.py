@@ -31,6 +31,32 @@ def test_unknown_key_names_path_and_suggestion(BASE):
     assert "did you mean 'train.lr'" in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "given,expected",
+    [
+        ("train.learning_rate=1e-4", "train.lr"),
+        ("train.batch_size=4", "train.global_batch_size"),
+        ("data.max_seq_len=64", None),
+    ],
+)
+def test_names_from_other_tools_suggest_spindles_key(BASE, given, expected):
+    """Spelling alone does not lead from learning_rate to lr: the names other trainers use are known."""
+    with pytest.raises(ConfigError) as e:
+        load_job_config(None, [*BASE, given])
+    key = given.partition("=")[0]
+    assert f"unknown key '{key}'" in str(e.value)
+    if expected:
+        assert f"did you mean '{expected}'" in str(e.value)
+
+
+def test_a_check_across_keys_names_them_without_dumping_the_config(BASE):
+    with pytest.raises(ConfigError) as e:
+        load_job_config(None, [*BASE, "train.global_batch_size=3", "train.micro_batch_size=2"])
+    message = str(e.value)
+    assert "train.global_batch_size (3) must be a multiple of train.micro_batch_size (2)" in message
+    assert "<root>" not in message and "'model'" not in message and len(message) < 200
+
+
 def test_unknown_section_suggests_section(BASE):
     with pytest.raises(ConfigError, match="did you mean 'checkpoint'"):
         load_job_config(None, [*BASE, "checkpoints.every_steps=5"])

@@ -226,6 +226,12 @@ def test_export_writes_the_input_layout_and_loads_in_stock_transformers(layout, 
         ({"ep": 3, "dp_shard": 3}, r"parallel.ep=3 must divide the model's num_experts=8"),
         ({"ep": 2, "dp_shard": 3}, r"parallel.ep=2 must be >= 1 and divide parallel.dp_shard x parallel.sp = 3 x 1"),
         ({"ep": 2, "dp_shard": 2, "sp": 3}, r"heads \(num_attention_heads\), not divisible by parallel.sp=3"),
+        # the shipped EP config started without --nproc: say how to launch it
+        (
+            {"ep": 2},
+            r"parallel.ep=2 splits the experts over 2 processes, but this job has 1; run with --nproc 2 .*"
+            r"or set parallel.ep=1",
+        ),
     ],
 )
 def test_bad_expert_parallel_layouts_are_refused_before_launch(parallel, message, tiny_qwen3_moe, tmp_path):
