@@ -4,7 +4,7 @@
 
 Overrides use dotted keys and YAML values, e.g. `train.lr=1e-4 data.resolution=[64,64]`.
 Outputs in train.output_dir: config.yaml (resolved), metrics.jsonl (one line per step),
-tensorboard/ (event files, when tensorboard is installed), samples/step-N/ (train.validation),
+tensorboard/ (event files, when tensorboard is installed), samples/step-000N/ (train.validation, named like the checkpoints),
 checkpoints/step-N/ (resumable, sharded), export/ (a diffusers pipeline / transformers model folder; with
 train.lora: export/lora/ with diffusers' and the original layout's LoRA files).
 With --nproc N the job re-launches itself under torchrun (gloo on CPU, NCCL on CUDA);

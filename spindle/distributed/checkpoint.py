@@ -36,6 +36,11 @@ _TRAINABLE = StateDictOptions(ignore_frozen_params=True)
 # requested from DCP, whose load fails on a key the checkpoint lacks, so nothing goes missing silently.
 _SET_TRAINABLE = StateDictOptions(ignore_frozen_params=True, strict=False)
 STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def step_dirname(step: int) -> str:
+    """`step-000100`: the name of a step's folder, for checkpoints and validation samples alike (sorts by step)."""
+    return f"step-{step:06d}"
 TRAINER_STATE = "trainer_state.json"
 
 
@@ -102,7 +107,7 @@ def save_checkpoint(
     Partial folders (`*.tmp`) left by a save that crashed or was killed are removed first: they are
     never resumed from (`list_checkpoints` ignores them) and would otherwise pile up.
     """
-    final = checkpoint_root(output_dir) / f"step-{step:06d}"
+    final = checkpoint_root(output_dir) / step_dirname(step)
     tmp = final.with_name(final.name + ".tmp")
     if is_main_process():
         for stale in checkpoint_root(output_dir).glob("step-*.tmp"):

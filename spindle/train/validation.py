@@ -5,7 +5,7 @@ it is: sharded by FSDP2, with SP hooks, LoRA adapters), and the frozen component
 model already holds (text encoders, VAE, scheduler; loaded once here when training reads a
 precomputed cache). Every rank runs the same requests (a sharded forward is collective) with the
 same fixed seed, so a prompt is comparable across steps; rank 0 writes
-`output_dir/samples/step-N/NN.png|mp4`. The trainer runs this with the RNG state forked and the
+`output_dir/samples/step-000N/NN.png|mp4`. The trainer runs this with the RNG state forked and the
 model in eval mode under no_grad, so the training trajectory is unchanged.
 """
 

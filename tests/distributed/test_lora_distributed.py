@@ -55,5 +55,5 @@ def sample_frames(out: Path) -> torch.Tensor:
     from spindle.data.media import read_video
 
     files = sorted((out / "samples").rglob("*.mp4"))
-    assert [f.relative_to(out).as_posix() for f in files] == ["samples/step-3/00.mp4"]
+    assert [f.relative_to(out).as_posix() for f in files] == ["samples/step-000003/00.mp4"]
     return read_video(files[0], 5, (32, 32))

@@ -31,11 +31,11 @@ def validated(tiny_wan, shapes_videos, tmp_path_factory):
 
 def test_samples_appear_at_the_right_steps(validated):
     samples = validated.output_dir / "samples"
-    assert sorted(p.name for p in samples.iterdir()) == ["step-2"]
-    assert sorted(p.name for p in (samples / "step-2").iterdir()) == ["00.mp4", "01.mp4", "prompts.json"]
+    assert sorted(p.name for p in samples.iterdir()) == ["step-000002"]
+    assert sorted(p.name for p in (samples / "step-000002").iterdir()) == ["00.mp4", "01.mp4", "prompts.json"]
     from spindle.data.media import probe_video
 
-    frames, _, height, width = probe_video(samples / "step-2" / "00.mp4")
+    frames, _, height, width = probe_video(samples / "step-000002" / "00.mp4")
     assert (frames, height, width) == (5, 32, 32)
 
 
