@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
             name, help=module.HELP, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
         )
         module.add_arguments(p)
+        p.add_argument(
+            "--verbose", action="store_true", help="show the libraries' own logs, progress bars and warnings"
+        )
         p.set_defaults(_module=module)
     return parser
 
@@ -57,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    if not args.verbose:
+        from spindle.quiet import quiet_libraries
+
+        quiet_libraries(loads_models=getattr(args._module, "LOADS_MODELS", True))
     try:
         return int(args._module.run(args) or 0)
     except KeyboardInterrupt:

@@ -245,7 +245,7 @@ def spindle_cli() -> Callable[..., CliResult]:
         from spindle.cli import main
 
         out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), library_output_restored():
             try:
                 code = main([str(a) for a in args])
             except SystemExit as e:  # argparse usage errors exit(2) like the real command
@@ -253,6 +253,32 @@ def spindle_cli() -> Callable[..., CliResult]:
         return CliResult(code, out.getvalue(), err.getvalue())
 
     return run
+
+
+@contextlib.contextmanager
+def library_output_restored():
+    """The process-wide output settings a command changes (spindle.quiet: environment, warning filters,
+    diffusers' and transformers' verbosity and progress bars) put back afterwards, so an in-process
+    command leaves the rest of the session as it found it."""
+    import os
+    import warnings
+
+    from diffusers.utils import logging as dlog
+    from transformers.utils import logging as tlog
+
+    env, filters = dict(os.environ), list(warnings.filters)
+    levels = dlog.get_verbosity(), tlog.get_verbosity()
+    bars = dlog.is_progress_bar_enabled(), tlog.is_progress_bar_enabled()
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+        warnings.filters[:] = filters
+        dlog.set_verbosity(levels[0])
+        tlog.set_verbosity(levels[1])
+        for lib, on in zip((dlog, tlog), bars, strict=True):
+            lib.enable_progress_bar() if on else lib.disable_progress_bar()
 
 
 # ---------------------------------------------------------------- language models

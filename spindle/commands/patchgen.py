@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+LOADS_MODELS = False  # no diffusers import just to silence it (spindle.quiet)
 HELP = "regenerate patched transformers modeling files (generated/), or --check them for drift"
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+LOADS_MODELS = False  # no diffusers import just to silence it (spindle.quiet)
 HELP = "plot a run's loss (raw + smoothed) and learning rate to loss.png"
 
 

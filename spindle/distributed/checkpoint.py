@@ -41,6 +41,8 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 def step_dirname(step: int) -> str:
     """`step-000100`: the name of a step's folder, for checkpoints and validation samples alike (sorts by step)."""
     return f"step-{step:06d}"
+
+
 TRAINER_STATE = "trainer_state.json"
 
 

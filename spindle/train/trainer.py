@@ -241,7 +241,9 @@ class Trainer:
         with torch.random.fork_rng(devices=devices), torch.no_grad():
             self.model.eval()
             try:
-                samples = self.task.validate(self.model, self.step, self.output_dir / "samples" / ckpt.step_dirname(self.step))
+                samples = self.task.validate(
+                    self.model, self.step, self.output_dir / "samples" / ckpt.step_dirname(self.step)
+                )
             finally:
                 self.model.train()
         for index, frames in enumerate(samples):

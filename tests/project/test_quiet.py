@@ -1,0 +1,35 @@
+"""Quiet by default: the libraries' progress bars and known-harmless warnings stay out of a command's
+output unless `--verbose` asks for them (spindle.quiet)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import run_spindle
+
+
+@pytest.mark.slow  # two fresh interpreters
+def test_library_progress_bars_only_with_verbose(tmp_path):
+    quiet = run_spindle("tiny-model", "qwen3", tmp_path / "a")
+    verbose = run_spindle("tiny-model", "qwen3", tmp_path / "b", "--verbose")
+    assert quiet.returncode == 0 and verbose.returncode == 0, quiet.stderr + verbose.stderr
+    # transformers' save_pretrained prints this bar; the quiet run shows nothing of the libraries
+    assert "Writing model shards" in verbose.stderr
+    assert "Writing model shards" not in quiet.stderr and quiet.stderr.strip() == "", quiet.stderr
+
+
+def test_harmless_warnings_are_filtered_and_others_kept(recwarn):
+    import warnings
+
+    from spindle.quiet import quiet_libraries
+    from tests.conftest import library_output_restored
+
+    with library_output_restored():
+        quiet_libraries(loads_models=False)
+        warnings.warn(
+            "Accessing config attribute `boundary_ratio` directly via 'WanPipeline' object attribute is deprecated",
+            FutureWarning,
+            stacklevel=1,
+        )
+        warnings.warn("something Spindle does not know", UserWarning, stacklevel=1)
+    assert [str(w.message) for w in recwarn] == ["something Spindle does not know"]
