@@ -54,6 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:  # user errors: one clear line, no traceback
         print(f"spindle {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        from spindle.distributed.integrity import is_disk_full
+
+        if not is_disk_full(e):
+            raise
+        print(f"spindle {args.command}: error: {e}", file=sys.stderr)  # says where, and that the run resumes
+        return 1
 
 
 if __name__ == "__main__":

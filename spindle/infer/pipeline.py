@@ -204,11 +204,13 @@ class InferencePipeline:
     @classmethod
     def from_pretrained(cls, root: str | Path, options: EngineOptions | None = None) -> InferencePipeline:
         from spindle.registry import resolve_family
+        from spindle.weight_files import check_weight_files
 
         options = options or EngineOptions()
         options.validate()
         root = Path(root)
         family = resolve_family(root)
+        check_weight_files(root)  # a damaged file is named here, not as a bare SafetensorError mid-load
         spec: InferenceSpec = family.inference_spec()
         components = load_components(root, spec, options)
         if options.lora is not None:
