@@ -223,7 +223,7 @@ def save_checkpoint(
     writer = ManifestFileSystemWriter(tmp)
     try:
         _write_checkpoint(tmp, step, model, optimizer, trainer_state, writer)
-    except Exception as e:
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
         if not (is_disk_full(e) or (writer.write_error is not None and is_disk_full(writer.write_error))):
             raise
         shutil.rmtree(tmp, ignore_errors=True)  # frees the space the partial save took

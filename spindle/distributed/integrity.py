@@ -49,14 +49,19 @@ class DiskFullError(OSError):
 
 
 def is_disk_full(exc: BaseException) -> bool:
-    """True when `exc` (or an exception it was raised from) is ENOSPC/EDQUOT. torch's C++ writers
-    turn a failed write into a RuntimeError ("unexpected pos ..."), so the message is checked too."""
+    """True when `exc` (or an exception it was raised from, or a rank's failure that DCP's
+    CheckpointException wraps) is ENOSPC/EDQUOT. torch's C++ writers turn a failed write into a
+    RuntimeError ("unexpected pos ..."), so the message is checked too."""
     seen: BaseException | None = exc
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno in _DISK_FULL:
             return True
         if "No space left on device" in str(seen) or "Disk quota exceeded" in str(seen):
             return True
+        for failure in getattr(seen, "failures", {}).values():  # {rank: (exception, traceback)}
+            wrapped = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(wrapped, BaseException) and is_disk_full(wrapped):
+                return True
         seen = seen.__cause__ or seen.__context__
     return False
 

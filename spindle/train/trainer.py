@@ -90,6 +90,9 @@ class Trainer:
         if is_main_process() and not held_by_our_launcher(self.output_dir):
             self.lock.acquire()
         try:
+            # Which checkpoint to resume from, verified before the model is built: a damaged explicit
+            # checkpoint.resume is an error naming the file; `auto` skips damaged ones.
+            self.resume_from = ckpt.resolve_resume(cfg.checkpoint.resume, self.output_dir)
             self._build(cfg)
         except BaseException:
             self.lock.release()
@@ -215,11 +218,10 @@ class Trainer:
         if is_main_process():
             self.output_dir.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.output_dir / "config.yaml")
-        resume = ckpt.resolve_resume(cfg.checkpoint.resume, self.output_dir)
         last: Path | None = None
-        if resume is not None:
-            self.restore(resume)
-            last = resume
+        if self.resume_from is not None:
+            self.restore(self.resume_from)
+            last = self.resume_from
         if is_main_process():
             # The record starts where training starts: lines of steps that will run again (after the
             # checkpoint resumed from, or all of them when starting over) would repeat their steps.
