@@ -427,16 +427,25 @@ def _steps(out: Path) -> int:
         return 0
 
 
-def _stopped_within(pids: dict[int, int], seconds: float) -> list[int]:
-    """The processes of `pids` ({pid: start time}) still alive after `seconds`."""
+def _alive(pids: dict[int, int]) -> list[int]:
     from spindle.distributed.launch import process_start_time
 
-    deadline = time.monotonic() + seconds
-    while True:
-        left = [pid for pid, t in pids.items() if process_start_time(pid) == t]
-        if not left or time.monotonic() > deadline:
-            return left
+    return [pid for pid, t in pids.items() if process_start_time(pid) == t]
+
+
+def _stopped_within(pids: dict[int, int], seconds: float) -> list[int]:
+    """The processes of `pids` ({pid: start time}) still alive after `seconds`."""
+    start = time.monotonic()
+    while (left := _alive(pids)) and time.monotonic() - start < seconds:
         time.sleep(0.2)
+    print(f"stopped in {time.monotonic() - start:.1f} s" if not left else f"{left} still alive")
+    return left
+
+
+def _kill_all(pids: dict[int, int]) -> None:
+    """Test cleanup: whatever of a job is left (after a failed assertion) must not outlive the test."""
+    for pid in _alive(pids):
+        os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.slow
@@ -449,13 +458,14 @@ def test_signals_to_the_launcher_stop_the_whole_job(tmp_path, tiny_wan, shapes_v
     out = tmp_path / "run"
     long_run = dict(train__max_steps=10_000, checkpoint__every_steps=2, train__micro_batch_size=1)
     first = _launch(tmp_path, tiny_wan, shapes_videos, out, "first", **long_run)
+    job = {first.pid: process_start_time(first.pid)}
     try:
         _wait_for(lambda: ckpt.list_checkpoints(out) and _steps(out) >= 3, first, tmp_path / "first.log")
         cfg = tmp_path / "c.yaml"
         second = spindle_cli("train", cfg, *train_overrides(tiny_wan, shapes_videos, out, **long_run), "--nproc", 2)
         assert second.returncode == 2 and f"in use by a live run (pid {first.pid}" in second.stderr
 
-        job = {first.pid: process_start_time(first.pid), **descendants(first.pid)}
+        job.update(descendants(first.pid))
         assert len(job) >= 4, job  # launcher, torchrun, two workers
         first.send_signal(signal.SIGTERM)
         assert _stopped_within(job, 20) == [], (tmp_path / "first.log").read_text()[-3000:]
@@ -464,20 +474,22 @@ def test_signals_to_the_launcher_stop_the_whole_job(tmp_path, tiny_wan, shapes_v
         newest = ckpt.list_checkpoints(out)[-1]
         assert ckpt.verify_checkpoint(newest) == []
     finally:
-        first.kill()
+        _kill_all(job)
 
     resumed_at = ckpt.checkpoint_step(newest)
     again = _launch(tmp_path, tiny_wan, shapes_videos, out, "again", checkpoint__resume="auto", **long_run)
+    job = {again.pid: process_start_time(again.pid)}
     try:
         log = tmp_path / "again.log"
-        _wait_for(lambda: _steps(out) >= resumed_at + 2, again, log)
-        assert [m["step"] for m in read_metrics(out)][: resumed_at + 1] == list(range(1, resumed_at + 2))
-        job = {again.pid: process_start_time(again.pid), **descendants(again.pid)}
+        # a checkpoint newer than the one resumed from can only come from the resumed run
+        _wait_for(lambda: ckpt.checkpoint_step(ckpt.list_checkpoints(out)[-1]) > resumed_at, again, log)
+        assert [m["step"] for m in read_metrics(out)][: resumed_at + 2] == list(range(1, resumed_at + 3))
+        job.update(descendants(again.pid))
         assert len(job) >= 4, job
         again.kill()
         assert _stopped_within(job, 20) == [], log.read_text()[-3000:]
     finally:
-        again.kill()
+        _kill_all(job)
     assert json.loads((out / LOCK_FILE).read_text())["pid"] == again.pid  # stale: its holder is gone
     with OutputLock(out):
         pass
