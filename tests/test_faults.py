@@ -493,3 +493,39 @@ def test_signals_to_the_launcher_stop_the_whole_job(tmp_path, tiny_wan, shapes_v
     assert json.loads((out / LOCK_FILE).read_text())["pid"] == again.pid  # stale: its holder is gone
     with OutputLock(out):
         pass
+
+
+STUBBORN_JOB = """
+import signal, subprocess, sys, time
+ignore = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(60)"
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+# like torchrun's workers: a session of its own, out of reach of the launcher's process group
+child = subprocess.Popen([sys.executable, "-c", ignore], start_new_session=True, stdout=subprocess.PIPE)
+child.stdout.readline()
+open(sys.argv[1], "w").write(str(child.pid))
+time.sleep(60)
+"""
+
+
+def test_a_job_that_ignores_the_signal_is_killed_after_the_grace_period(tmp_path):
+    """The launcher's bound: a job (and a worker in its own session) that ignores SIGTERM is killed
+    `grace_s` after the signal, and the launcher exits 128 + SIGTERM."""
+    import threading
+
+    from spindle.distributed.launch import process_start_time, run_job
+
+    pid_file = tmp_path / "child.pid"
+
+    def signal_once_started():
+        while not pid_file.exists() or not pid_file.read_text():
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)  # to this process: the launcher's handler forwards it
+
+    threading.Thread(target=signal_once_started, daemon=True).start()
+    start = time.monotonic()
+    code = run_job([sys.executable, "-c", STUBBORN_JOB, str(pid_file)], grace_s=1.0)
+    child = int(pid_file.read_text())
+    assert code == 128 + signal.SIGTERM
+    assert process_start_time(child) is None, "the worker outlived the grace period"
+    assert time.monotonic() - start < 30
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the launcher's handlers are gone again
