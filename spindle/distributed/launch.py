@@ -176,10 +176,11 @@ def run_job(cmd: list[str], grace_s: float = STOP_GRACE_S) -> int:
 
 
 def _supervise(proc: subprocess.Popen[bytes], received: list[int], grace_s: float) -> int:
-    job: dict[int, int] = {}  # every process of the job seen so far: torchrun reparents nothing to us
+    # The job's processes, listed when a signal arrives (torchrun still waits for its workers then):
+    # workers in sessions of their own outlive a killed torchrun, so they are tracked by PID.
+    job: dict[int, int] = {}
     deadline: float | None = None
     seen_signals = 0
-    last_scan = 0.0
     while True:
         try:
             code: int | None = proc.wait(timeout=0.2)
@@ -195,9 +196,6 @@ def _supervise(proc: subprocess.Popen[bytes], received: list[int], grace_s: floa
             else:  # signalled again: no more patience
                 deadline = now
             seen_signals = len(received)
-        elif code is None and now - last_scan > 2.0:
-            job.update(descendants(proc.pid))
-            last_scan = now
         if code is not None and deadline is None:
             return code  # torchrun ended on its own, after waiting for its workers
         left = {pid: t for pid, t in job.items() if process_start_time(pid) == t}
