@@ -54,12 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:  # user errors: one clear line, no traceback
         print(f"spindle {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except OSError as e:
+    except BaseException as e:  # a full disk, also inside DCP's CheckpointException (a BaseException)
         from spindle.distributed.integrity import is_disk_full
 
         if not is_disk_full(e):
             raise
-        print(f"spindle {args.command}: error: {e}", file=sys.stderr)  # says where, and that the run resumes
+        print(f"spindle {args.command}: error: {e}", file=sys.stderr)  # ours say where, and what to do
         return 1
 
 

@@ -349,7 +349,16 @@ def save_hf_safetensors(state_dict: dict[str, torch.Tensor], out: str | Path, ma
         save_distributed=True,
         enable_consolidation=True,
     )
-    dcp.save(state_dict, storage_writer=writer)
+    try:
+        dcp.save(state_dict, storage_writer=writer)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        if not is_disk_full(e):
+            raise
+        raise DiskFullError(
+            f"No space left on device while exporting to {out} (the export there is incomplete; the checkpoints "
+            "are intact); free space, then export again with `spindle export RUN --out DIR`",
+            out,
+        ) from e
     barrier()
     if is_main_process():
         shutil.rmtree(out / SHARDED_DIR_NAME, ignore_errors=True)  # the per-rank pieces, now consolidated
