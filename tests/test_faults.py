@@ -529,3 +529,27 @@ def test_a_job_that_ignores_the_signal_is_killed_after_the_grace_period(tmp_path
     assert process_start_time(child) is None, "the worker outlived the grace period"
     assert time.monotonic() - start < 30
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the launcher's handlers are gone again
+
+
+def test_a_worker_exits_when_its_launcher_is_gone(tmp_path):
+    """The worker side alone (no torchrun between, so no parent-death signal helps): a process
+    that watches a launcher PID exits, saying why, once that process is SIGKILLed."""
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    worker_code = (
+        "import time; from spindle.distributed.launch import watch_launcher; watch_launcher(); "
+        "print('watching', flush=True); time.sleep(60)"
+    )
+    env = {**os.environ, "SPINDLE_LAUNCHER_PID": str(launcher.pid)}
+    worker = subprocess.Popen(
+        [sys.executable, "-c", worker_code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert worker.stdout.readline() == "watching\n"
+        launcher.kill()
+        launcher.wait()
+        _, err = worker.communicate(timeout=20)
+        assert worker.returncode == 1
+        assert f"the launcher (pid {launcher.pid}) is gone; stopping this worker" in err
+    finally:
+        launcher.kill()
+        worker.kill()

@@ -232,9 +232,11 @@ def watch_launcher() -> None:
     set_parent_death_signal(signal.SIGTERM)
     pid = int(value)
     started = process_start_time(pid)
+    if started is None:  # the launcher waits for us, so it runs: we just cannot see it (no /proc access)
+        return
 
     def watch() -> None:
-        while started is not None and process_start_time(pid) == started:
+        while process_start_time(pid) == started:
             time.sleep(_WATCH_POLL_S)
         print(f"spindle: the launcher (pid {pid}) is gone; stopping this worker (pid {os.getpid()})", file=sys.stderr)
         os._exit(1)  # no cleanup: the peers are going too, and a checkpoint in flight stays a .tmp
