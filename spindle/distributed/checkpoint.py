@@ -104,7 +104,8 @@ def verify_checkpoint(path: Path) -> list[str]:
     except CheckpointError as e:
         return [str(e)]
     if manifest is None:
-        log.warning("%s has no %s (an older Spindle wrote it): its files are not verified", path, MANIFEST)
+        if is_main_process():
+            log.warning("%s has no %s (an older Spindle wrote it): its files are not verified", path, MANIFEST)
         try:
             read_trainer_state(path)
         except CheckpointError as e:
@@ -144,17 +145,18 @@ def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
         for path in reversed(list_checkpoints(output_dir)):
             problems = verify_checkpoint(path)
             if not problems:
-                if damaged:
+                if damaged and is_main_process():
                     log.warning("resuming from %s, the newest intact checkpoint", path)
                 return path
             aside = _move_aside(path)
             damaged.append(f"{path.name}: {problems[0]}")
-            log.warning(
-                "checkpoint %s is damaged: %s; skipping it (moved to %s) and trying the one before",
-                path,
-                "; ".join(problems),
-                aside,
-            )
+            if is_main_process():  # every rank knows; one says it
+                log.warning(
+                    "checkpoint %s is damaged: %s; skipping it (moved to %s) and trying the one before",
+                    path,
+                    "; ".join(problems),
+                    aside,
+                )
         if damaged:
             raise CheckpointError(
                 f"every checkpoint in {checkpoint_root(output_dir)} is damaged ({'; '.join(damaged)}); "
