@@ -149,26 +149,39 @@ def set_parent_death_signal(sig: int) -> None:
 
 
 def _torchrun_preexec() -> None:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)  # blocked in the launcher while it forks
     set_parent_death_signal(signal.SIGTERM)  # the launcher killed outright: torchrun stops its workers
 
 
 def run_job(cmd: list[str], grace_s: float = STOP_GRACE_S) -> int:
     """Run the torchrun command `cmd` as this launcher's job (see the module doc); -> its exit code."""
     env = {**os.environ, LAUNCHER_PID_ENV: str(os.getpid())}
-    # Its own session: a terminal's Ctrl-C reaches only the launcher, which forwards it once.
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_torchrun_preexec)
     received: list[int] = []
+    forwarded = [0]
+    started: list[subprocess.Popen[bytes]] = []
 
-    def forward(signum: int, frame: object) -> None:
+    def forward(signum: int, frame: object) -> None:  # Python runs it in the main thread, between bytecodes
         received.append(signum)
-        try:
-            proc.send_signal(signum)
-        except ProcessLookupError:
-            pass
+        for proc in started:
+            forwarded[0] += 1
+            try:
+                proc.send_signal(signum)
+            except ProcessLookupError:
+                pass
 
     handlers = threading.current_thread() is threading.main_thread()  # signal.signal works only there
     previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED} if handlers else {}
     try:
+        # Held back while torchrun starts: one arriving meanwhile is delivered, and forwarded, after.
+        signal.pthread_sigmask(signal.SIG_BLOCK, _FORWARDED)
+        try:
+            # Its own session: a terminal's Ctrl-C reaches only the launcher, which forwards it once.
+            proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_torchrun_preexec)
+            started.append(proc)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)
+        if len(received) > forwarded[0]:  # caught (by another thread) before torchrun could get it
+            proc.send_signal(received[-1])
         return _supervise(proc, received, grace_s)
     finally:
         for sig, handler in previous.items():
