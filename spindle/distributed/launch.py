@@ -221,7 +221,8 @@ def _supervise(proc: subprocess.Popen[bytes], received: list[int], grace_s: floa
 
 def _kill(proc: subprocess.Popen[bytes], left: dict[int, int], grace_s: float) -> None:
     print(f"spindle: the job did not stop within {grace_s:.0f} s; killing {len(left) + 1} processes", file=sys.stderr)
-    for pid, started in {**descendants(proc.pid), **left}.items():
+    doomed = {**descendants(proc.pid), **left}
+    for pid, started in doomed.items():
         if process_start_time(pid) == started:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -229,6 +230,10 @@ def _kill(proc: subprocess.Popen[bytes], left: dict[int, int], grace_s: float) -
                 pass
     proc.kill()
     proc.wait()
+    # SIGKILL takes effect asynchronously: return once the job is really gone (bounded all the same)
+    deadline = time.monotonic() + 5.0
+    while any(process_start_time(pid) == t for pid, t in doomed.items()) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 _watching = False
