@@ -15,6 +15,8 @@
 - one run per output folder: a live holder is refused, a dead one's lock is taken over.
 - signals (slow, one pair of launches): SIGTERM to `spindle train --nproc 2` stops the whole job,
   SIGKILL to it too (the workers notice), and a second run on the held folder is refused meanwhile.
+  Without torchrun (small stand-in processes): the grace-period kill, a worker's launcher watchdog,
+  and SIGHUP under `nohup`.
 """
 
 from __future__ import annotations
@@ -553,3 +555,24 @@ def test_a_worker_exits_when_its_launcher_is_gone(tmp_path):
     finally:
         launcher.kill()
         worker.kill()
+
+
+LAUNCHER = """
+import signal, sys
+from spindle.distributed.launch import run_job
+if sys.argv[1] == "nohup":
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+sys.exit(run_job([sys.executable, "-c", "import time; print('started', flush=True); time.sleep(4)"], grace_s=1))
+"""
+
+
+@pytest.mark.parametrize("mode", ["plain", "nohup"])
+def test_sighup_stops_the_job_unless_the_launcher_ignores_it(mode):
+    """SIGHUP (a closed terminal) stops the job; under `nohup` (SIGHUP ignored) it keeps running."""
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, mode], stdout=subprocess.PIPE, text=True)
+    try:
+        assert launcher.stdout.readline() == "started\n"
+        launcher.send_signal(signal.SIGHUP)
+        assert launcher.wait(timeout=30) == (0 if mode == "nohup" else 128 + signal.SIGHUP)
+    finally:
+        launcher.kill()

@@ -170,7 +170,9 @@ def run_job(cmd: list[str], grace_s: float = STOP_GRACE_S) -> int:
                 pass
 
     handlers = threading.current_thread() is threading.main_thread()  # signal.signal works only there
-    previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED} if handlers else {}
+    # A signal this process ignores stays ignored (`nohup` ignores SIGHUP, a background job SIGINT).
+    wanted = [sig for sig in _FORWARDED if handlers and signal.getsignal(sig) is not signal.SIG_IGN]
+    previous = {sig: signal.signal(sig, forward) for sig in wanted}
     try:
         # Held back while torchrun starts: one arriving meanwhile is delivered, and forwarded, after.
         signal.pthread_sigmask(signal.SIG_BLOCK, _FORWARDED)
