@@ -34,6 +34,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
 from spindle.distributed import checkpoint as ckpt
@@ -112,6 +113,11 @@ def test_flipped_bytes_in_the_newest_checkpoint_fall_back_and_resume_exactly(
     assert result.last_step == 8
     assert [m["step"] for m in read_metrics(out)] == list(range(1, 9))
     assert [m["loss"] for m in read_metrics(out)] == straight_losses  # exact on CPU fp32
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()  # steps 4-6 ran twice: the first run's events of them are purged
+    logged = events.Scalars("train/loss")
+    assert [e.step for e in logged] == list(range(1, 9))
+    assert [e.value for e in logged] == pytest.approx(straight_losses, rel=1e-6)  # stored as float32
     # the damaged one is kept aside for inspection; keep_last counts only the good ones
     assert (ckpt.checkpoint_root(out) / "step-000006.damaged").is_dir()
     kept = ckpt.list_checkpoints(out)
@@ -280,8 +286,6 @@ def test_a_torn_last_metrics_line_does_not_block_resume(make_config, tmp_path, m
 
 
 def test_a_crash_before_the_first_checkpoint_leaves_no_stale_lines(make_config, tmp_path, monkeypatch):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     out = tmp_path / "run"
     crashed_run(make_config, out, monkeypatch, at_step=3)  # steps 1, 2 logged; no checkpoint yet
     assert [m["step"] for m in read_metrics(out)] == [1, 2]
