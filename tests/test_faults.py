@@ -163,6 +163,8 @@ def test_each_kind_of_damage_is_named_and_the_previous_checkpoint_used(tmp_path,
         ckpt.resolve_resume(str(bad), tmp_path)
     assert str(file) in str(err.value) and says in str(err.value) and "resume=auto" in str(err.value)
     assert bad.is_dir()
+    with pytest.raises(CheckpointError, match="use an earlier checkpoint"):  # `spindle export` of it
+        ckpt.resolve_checkpoint_arg(bad)
 
     with caplog.at_level(logging.WARNING, logger="spindle.train"):
         assert ckpt.resolve_resume("auto", tmp_path) == good
