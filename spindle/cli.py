@@ -72,6 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:  # user errors: one clear line, no traceback
         print(f"spindle {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BaseException as e:  # a full disk, also inside DCP's CheckpointException (a BaseException)
+        from spindle.distributed.integrity import is_disk_full
+
+        if not is_disk_full(e):
+            raise
+        print(f"spindle {args.command}: error: {e}", file=sys.stderr)  # ours say where, and what to do
+        return 1
 
 
 if __name__ == "__main__":

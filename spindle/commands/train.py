@@ -8,7 +8,8 @@ tensorboard/ (event files, when tensorboard is installed), samples/step-000N/ (t
 checkpoints/step-N/ (resumable, sharded), export/ (a diffusers pipeline / transformers model folder; with
 train.lora: export/lora/ with diffusers' and the original layout's LoRA files).
 With --nproc N the job re-launches itself under torchrun (gloo on CPU, NCCL on CUDA);
-`torchrun --nproc_per_node N -m spindle train CONFIG.yaml` works the same.
+`torchrun --nproc_per_node N -m spindle train CONFIG.yaml` works the same. SIGTERM, SIGINT or SIGHUP
+to `spindle` stop the whole job; a second run into an output folder a live run holds is refused.
 """
 
 from __future__ import annotations
@@ -26,12 +27,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from spindle.api import check_job_plan, load_job_config
-    from spindle.distributed.launch import launcher_world_size, maybe_relaunch
+    from spindle.distributed.launch import launcher_world_size, maybe_relaunch, under_launcher
+    from spindle.train.output_lock import OutputLock
 
     cfg = load_job_config(args.config, args.overrides)
     # Fail on an impossible parallel layout here, once, before any process is launched.
     world = launcher_world_size() or args.nproc
     check_job_plan(cfg, world)
+    if args.nproc > 1 and not under_launcher():
+        # The launcher holds the output folder for its workers: it is the process that lives as
+        # long as the job, and the one a second run can check (spindle.train.output_lock).
+        with OutputLock(cfg.train.output_dir):
+            return int(maybe_relaunch(args.nproc, args._argv) or 0)
     code = maybe_relaunch(args.nproc, args._argv)
     if code is not None:
         return code

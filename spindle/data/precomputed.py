@@ -105,7 +105,10 @@ def check_cache(root: Path, settings: dict[str, Any], samples: list[Sample]) -> 
     fix = "rerun `spindle precompute CONFIG --out DIR` with this run's config"
     if not path.is_file():
         raise FileNotFoundError(f"data.precomputed: {path} not found (an unfinished or missing cache); {fix}")
-    manifest = json.loads(path.read_text())
+    try:
+        manifest = json.loads(path.read_bytes())
+    except ValueError as e:
+        raise StaleCacheError(f"data.precomputed: {path} is not valid JSON ({e}); {fix}") from None
     if manifest.get("format") != FORMAT:
         raise StaleCacheError(
             f"data.precomputed: {root} has cache format {manifest.get('format')}, not {FORMAT}; {fix}"
@@ -141,9 +144,17 @@ class CachedConditions(Dataset):
         return len(self.entries)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        return {"conditions": load_file(str(self.root / self.entries[index]["file"])), "index": index}
+        path = self.root / self.entries[index]["file"]
+        try:
+            conditions = load_file(str(path))
+        except (SafetensorError, OSError) as e:  # the bare error names no file
+            raise StaleCacheError(
+                f"data.precomputed: {path} is damaged or missing ({e}); rerun `spindle precompute CONFIG --out DIR`"
+            ) from None
+        return {"conditions": conditions, "index": index}
 
 
 def collate_conditions(items: list[dict[str, Any]]) -> dict[str, Any]:

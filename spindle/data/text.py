@@ -7,7 +7,12 @@ Each line of a `.jsonl` file (or of every `.jsonl` under a folder, in sorted pat
 - `{"messages": [{"role": ..., "content": ...}, ...]}`: the tokenizer's chat template; only the
   assistant turns are learned. Assistant spans are found by rendering the conversation up to each
   assistant turn (with the generation prompt) and up to its end, so any template works, with or
-  without `{% generation %}` markers.
+  without `{% generation %}` markers. A message the template does not render (a role it does not
+  know: Qwen's template renders user/system/assistant/tool and silently drops anything else) is an
+  error naming `file:line` and the template's roles; a template that prints any role accepts any.
+
+Lines are UTF-8; a line that is not is reported as `file:line` like any bad line, and skipped
+with `data.skip_bad_samples: true`.
 
 Rows (`seq_len` tokens each) carry `input_ids`, `position_ids`, `shift_labels` and `attention_mask`
 (1 = a document's token, 0 = padding): labels already
@@ -27,8 +32,10 @@ builds the same rows.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,11 +105,43 @@ def _check_messages(messages: Any) -> None:
         raise ValueError('"messages" has no assistant turn: there is nothing to learn')
 
 
+# `message.role == "user"`, `message['role'] != 'tool'`, `"system" == message.role`, `role in ["a", "b"]`
+_ROLE_TEST = re.compile(r"""role(?:['"]\])?\s*[!=]=\s*['"]([^'"]+)['"]""")
+_ROLE_TEST_REVERSED = re.compile(r"""['"]([^'"]+)['"]\s*[!=]=\s*[\w.]*(?:\[['"])?role\b""")
+_ROLE_IN = re.compile(r"""role(?:['"]\])?\s+in\s+[\[(]([^\])]*)[\])]""")
+
+
+@functools.lru_cache(maxsize=8)
+def template_roles(template: str) -> frozenset[str]:
+    """The roles a chat template tests for; empty when it tests none (it renders any role as given)."""
+    roles = set(_ROLE_TEST.findall(template)) | set(_ROLE_TEST_REVERSED.findall(template))
+    for group in _ROLE_IN.findall(template):
+        roles |= set(re.findall(r"""['"]([^'"]+)['"]""", group))
+    return frozenset(roles)
+
+
+def _check_roles(messages: list[dict], tokenizer: Any) -> None:
+    """Every message reaches the rendered text: the conversation is rendered once with each content
+    replaced by a marker, so a role the template skips is caught whatever the template looks like."""
+    probe = [{**m, "content": f"SPINDLEPROBE{i}Q"} for i, m in enumerate(messages)]
+    text = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=False)
+    for i, m in enumerate(messages):
+        if f"SPINDLEPROBE{i}Q" not in text:
+            template = tokenizer.chat_template
+            source = template if isinstance(template, str) else " ".join(map(str, dict(template).values()))
+            known = ", ".join(sorted(template_roles(source))) or "?"
+            raise ValueError(
+                f"messages[{i}] has role {m['role']!r}, which the tokenizer's chat template does not render "
+                f"(its content would be dropped); use one of the template's roles: {known}"
+            )
+
+
 def chat_document(messages: Any, tokenizer: Any) -> tuple[list[int], list[bool]]:
     """Chat template tokens, learned only inside assistant turns (prefix rendering, see the module doc)."""
     _check_messages(messages)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError('the tokenizer has no chat_template, so chat lines cannot be rendered; use {"text"} lines')
+    _check_roles(messages, tokenizer)
 
     def render(msgs: list[dict], generation_prompt: bool) -> list[int]:
         if not msgs and generation_prompt is False:
@@ -126,7 +165,13 @@ def chat_document(messages: Any, tokenizer: Any) -> tuple[list[int], list[bool]]
     return tokens, learn
 
 
-def parse_line(line: str, tokenizer: Any) -> tuple[list[int], list[bool]]:
+def parse_line(raw: bytes | str, tokenizer: Any) -> tuple[list[int], list[bool]]:
+    try:
+        line = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"not UTF-8 (byte 0x{e.object[e.start]:02x} at byte {e.start + 1}); re-save the file as UTF-8"
+        ) from None
     if not line.strip():
         raise ValueError("empty line")
     try:
@@ -143,7 +188,7 @@ def read_documents(path: str | Path, tokenizer: Any, skip_bad_samples: bool = Fa
     docs: list[Document] = []
     skipped = 0
     for file in jsonl_files(path):
-        with file.open(encoding="utf-8") as f:
+        with file.open("rb") as f:  # decoded line by line: one bad byte is one bad line, not a crash
             for number, line in enumerate(f, start=1):
                 where = f"{file}:{number}"
                 try:

@@ -28,6 +28,9 @@ def read_lora_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str,
         raise FileNotFoundError(
             f"LoRA {path} not found: pass a .safetensors file or a folder with pytorch_lora_weights.safetensors"
         )
+    from spindle.weight_files import check_weight_files
+
+    check_weight_files(path)
     with safe_open(str(path), framework="pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
 

@@ -210,9 +210,12 @@ class InferencePipeline:
     ) -> InferencePipeline:
         """Load the checkpoint at `root` with `family`'s inference spec (the entry point resolved the
         family: `spindle.api.load_pipeline`)."""
+        from spindle.weight_files import check_weight_files
+
         options = options or EngineOptions()
         options.validate()
         root = Path(root)
+        check_weight_files(root)  # a damaged file is named here, not as a bare SafetensorError mid-load
         spec: InferenceSpec = family.inference_spec()
         components = load_components(root, spec, options)
         if options.lora is not None:

@@ -4,11 +4,16 @@ TensorBoard: `output_dir/tensorboard/` (next to metrics.jsonl) gets every scalar
 under `train/<name>` and the validation samples under `samples/<prompt index>`; on by default
 (`train.tensorboard`) when the tensorboard package is installed, silently off when it is not.
 `tensorboard --logdir OUTPUT_DIR` shows the curves; `spindle plot OUTPUT_DIR` draws loss.png without it.
+
+Both records start where training starts: a resumed run drops the lines and events of steps it will
+run again, a run starting over drops them all. A torn last line (an append cut short by a crash or
+a full disk) is dropped with a warning; a damaged line before it is an error naming `file:line`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -16,6 +21,11 @@ from typing import Any
 
 import torch
 from tqdm import tqdm
+
+from spindle.distributed.integrity import DiskFullError, is_disk_full
+
+METRICS_FILE = "metrics.jsonl"
+log = logging.getLogger("spindle.train")
 
 
 def count_tokens(hidden_states: torch.Tensor, patch_size: Any) -> int:
@@ -43,7 +53,7 @@ class MetricsLog:
 
     def __init__(self, output_dir: Path, start_step: int, max_steps: int, enabled: bool, tensorboard: bool = True):
         self.enabled = enabled
-        self.path = output_dir / "metrics.jsonl"
+        self.path = output_dir / METRICS_FILE
         self.bar = tqdm(
             total=max_steps, initial=start_step, desc="train", unit="step", disable=not enabled, dynamic_ncols=True
         )
@@ -51,10 +61,9 @@ class MetricsLog:
         if enabled and tensorboard and tensorboard_available():
             from torch.utils.tensorboard import SummaryWriter
 
-            # purge_step: a resumed run drops the events of steps it will re-run (like metrics.jsonl)
-            self.writer = SummaryWriter(
-                str(output_dir / TENSORBOARD_DIR), purge_step=start_step + 1 if start_step else None
-            )
+            # purge_step: readers drop earlier events of the steps this run will (re-)run, like
+            # metrics.jsonl (all of them when starting over)
+            self.writer = SummaryWriter(str(output_dir / TENSORBOARD_DIR), purge_step=start_step + 1)
         self._t0 = time.perf_counter()
 
     def start_step(self) -> None:
@@ -83,8 +92,17 @@ class MetricsLog:
             **(extra or {}),
         }
         if self.enabled:
-            with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+            try:
+                with self.path.open("a") as f:
+                    f.write(json.dumps(record) + "\n")
+            except OSError as e:
+                if not is_disk_full(e):
+                    raise
+                raise DiskFullError(
+                    f"No space left on device while appending step {step} to {self.path}; free space, then run "
+                    "again with checkpoint.resume=auto (the torn line is dropped on resume)",
+                    self.path,
+                ) from e
             self.bar.set_postfix(
                 loss=f"{loss:.4f}", gnorm=f"{grad_norm:.3f}", lr=f"{lr:.2e}", samples_s=f"{record['samples_per_s']:.2f}"
             )
@@ -115,6 +133,45 @@ class MetricsLog:
             self.writer.close()
 
 
+def _parse_lines(path: Path) -> tuple[list[tuple[str, dict[str, Any]]], bool]:
+    """-> ([(line, record)], whether a torn last line was dropped). A damaged line before the last
+    one is a ValueError naming file:line."""
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    parsed: list[tuple[str, dict[str, Any]]] = []
+    for i, raw in enumerate(lines[: last + 1]):
+        if not raw.strip():
+            continue
+        try:
+            text = raw.decode("utf-8")
+            record = json.loads(text)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError("not an object with an integer step")
+        except ValueError as e:
+            if i == last and not data.endswith(b"\n"):  # an append cut short (a line is written with its newline)
+                log.warning("%s:%d: dropping a torn last line (%r...)", path, i + 1, raw[:40])
+                return parsed, True
+            raise ValueError(
+                f"{path}:{i + 1}: not a metrics record ({e}); delete or fix the line (each line is one step's JSON)"
+            ) from None
+        parsed.append((text, record))
+    return parsed, False
+
+
 def read_metrics(output_dir: str | Path) -> list[dict[str, Any]]:
-    path = Path(output_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The records of a run's metrics.jsonl, one per step (a torn last line is left out)."""
+    return [record for _, record in _parse_lines(Path(output_dir) / METRICS_FILE)[0]]
+
+
+def truncate_metrics(output_dir: Path, last_step: int) -> None:
+    """Keep only the lines of steps up to `last_step` (those a resumed run does not run again)."""
+    path = output_dir / METRICS_FILE
+    if not path.is_file():
+        return
+    parsed, torn = _parse_lines(path)
+    kept = [line for line, record in parsed if record["step"] <= last_step]
+    if torn or len(kept) < len(parsed):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(path)  # a crash here leaves the old file or the new one, never half of one

@@ -22,8 +22,10 @@ from spindle.contracts.task import TrainTask
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.launch import launcher_world_size
 from spindle.distributed.mesh import Mesh, ParallelDims, build_mesh, device_type, is_main_process
-from spindle.train.metrics import MetricsLog
+from spindle.train.metrics import MetricsLog, truncate_metrics
 from spindle.train.optim import build_optimizer, build_scheduler
+from spindle.train.output_lock import OutputLock, held_by_our_launcher
+from spindle.weight_files import check_weight_files
 
 log = logging.getLogger("spindle.train")
 
@@ -85,6 +87,22 @@ class Trainer:
         world = dist.get_world_size() if dist.is_initialized() else launcher_world_size() or 1
         check_parallel_plan(cfg, family, task, world)
         self.mesh: Mesh = build_mesh(ParallelDims(**cfg.parallel.model_dump()))
+        # One run per output folder, checked before the model is built (`spindle.train.output_lock`);
+        # under `spindle train --nproc N` the launcher holds it for its workers.
+        self.lock = OutputLock(self.output_dir)
+        if is_main_process() and not held_by_our_launcher(self.output_dir):
+            self.lock.acquire()
+        try:
+            # Which checkpoint to resume from, verified before the model is built: a damaged explicit
+            # checkpoint.resume is an error naming the file; `auto` skips damaged ones.
+            self.resume_from = ckpt.resolve_resume(cfg.checkpoint.resume, self.output_dir)
+            self._build(cfg, family, task)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _build(self, cfg: TrainJobConfig, family: Any, task: type[TrainTask]) -> None:
+        check_weight_files(cfg.model.path)
         self.device = local_device()
         if cfg.train.keep_freed_memory and self.device.type == "cpu":
             from spindle.cpu_allocator import keep_freed_memory
@@ -122,7 +140,6 @@ class Trainer:
         self.loader.load_state_dict({"epoch": data["epoch"], "position": data["samples_in_epoch"] // per_round})
         self.step = state["step"]
         if is_main_process():
-            _truncate_metrics(self.output_dir / "metrics.jsonl", self.step)
             log.info("resumed from %s at step %d", path, self.step)
 
     def save(self) -> Path:
@@ -194,15 +211,24 @@ class Trainer:
         return float(value)
 
     def run(self) -> TrainResult:
+        try:
+            return self._run()
+        finally:
+            self.lock.release()
+
+    def _run(self) -> TrainResult:
         cfg = self.cfg
         if is_main_process():
             self.output_dir.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.output_dir / "config.yaml")
-        resume = ckpt.resolve_resume(cfg.checkpoint.resume, self.output_dir)
         last: Path | None = None
-        if resume is not None:
-            self.restore(resume)
-            last = resume
+        if self.resume_from is not None:
+            self.restore(self.resume_from)
+            last = self.resume_from
+        if is_main_process():
+            # The record starts where training starts: lines of steps that will run again (after the
+            # checkpoint resumed from, or all of them when starting over) would repeat their steps.
+            truncate_metrics(self.output_dir, self.step)
         metrics = MetricsLog(
             self.output_dir,
             self.step,
@@ -251,16 +277,6 @@ class Trainer:
 
     def export(self, checkpoint_dir: Path) -> Path | None:
         return self.task.export(self.model, self.output_dir / "export")
-
-
-def _truncate_metrics(path: Path, last_step: int) -> None:
-    """On resume, drop metric lines of steps that will be re-run (written after the checkpoint)."""
-    import json
-
-    if not path.is_file():
-        return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
-    path.write_text("".join(line + "\n" for line in kept))
 
 
 def train(cfg: TrainJobConfig, family: Any, task: type[TrainTask]) -> TrainResult:

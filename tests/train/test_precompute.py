@@ -89,3 +89,12 @@ def test_unfinished_cache_is_refused(make_config, tmp_path):
     (tmp_path / "c" / "samples").mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match=r"manifest\.json not found.*spindle precompute"):
         make_trainer(make_config(data__precomputed=tmp_path / "c", **COMMON))
+
+
+def test_a_damaged_cache_file_is_named(cache, make_config, tmp_path):
+    damaged = tmp_path / "c"
+    shutil.copytree(cache, damaged)
+    for sample in (damaged / "samples").iterdir():  # every one: whichever the loader reads first
+        sample.write_bytes(sample.read_bytes()[:100])
+    with pytest.raises(StaleCacheError, match=r"samples/\d{8}\.safetensors is damaged or missing .*spindle precompute"):
+        train(make_config(tmp_path / "run", data__precomputed=damaged, **COMMON))

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import errno
 import subprocess
 import sys
 import textwrap
@@ -119,12 +120,12 @@ def test_a_failing_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     model, optimizer = _model_and_optimizer()
     good = ckpt.save_checkpoint(tmp_path, 1, model, optimizer, {"note": "good"})
 
-    def failing_writer(state, checkpoint_id):
-        (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"half a shard")
-        raise OSError("No space left on device")
+    def failing_writer(state, storage_writer):
+        (Path(storage_writer.path) / "__0_0.distcp").write_bytes(b"half a shard")
+        raise OSError(errno.EIO, "Input/output error")  # a full disk is tests/test_faults.py's
 
     monkeypatch.setattr(ckpt.dcp, "save", failing_writer)
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(OSError, match="Input/output"):
         ckpt.save_checkpoint(tmp_path, 2, model, optimizer, {"note": "bad"})
     monkeypatch.undo()
 
