@@ -583,3 +583,19 @@ def test_sighup_stops_the_job_unless_the_launcher_ignores_it(mode):
         assert launcher.wait(timeout=30) == (0 if mode == "nohup" else 128 + signal.SIGHUP)
     finally:
         launcher.kill()
+
+
+def test_a_language_model_without_its_tokenizer_is_refused_before_work(spindle_cli, tiny_qwen3, lm_corpus, tmp_path):
+    """transformers would fail late and obliquely (a missing sentencepiece, every label masked)."""
+    import shutil
+
+    from tests.conftest import lm_overrides
+
+    bare = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_qwen3, bare, ignore=shutil.ignore_patterns("tokenizer*", "chat_template*"))
+    cfg_args = lm_overrides(bare, lm_corpus, tmp_path / "run")
+    config = tmp_path / "job.yaml"
+    config.write_text("model:\n  path: " + str(bare) + "\n")
+    result = spindle_cli("train", config, *cfg_args)
+    assert result.returncode == 2, result.stderr
+    assert f"{bare} has no tokenizer (tokenizer.json" in result.stderr and "Traceback" not in result.stderr

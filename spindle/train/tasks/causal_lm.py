@@ -70,6 +70,22 @@ def causal_lm_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -
     return loss
 
 
+# What AutoTokenizer can build a tokenizer from: a fast tokenizer file, a sentencepiece model, or a BPE pair.
+TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"))
+
+
+def check_tokenizer_files(path: str | Path) -> None:
+    """Before any work: the model folder carries its tokenizer. Without it, transformers fails late and
+    obliquely (a missing sentencepiece, or every label masked); say which folder lacks what."""
+    folder = Path(path)
+    if not any(all((folder / name).is_file() for name in names) for names in TOKENIZER_FILES):
+        wanted = " or ".join(" + ".join(names) for names in TOKENIZER_FILES)
+        raise ConfigError(
+            f"{folder} has no tokenizer ({wanted}): copy the tokenizer files of the base model into it "
+            "(AutoTokenizer.from_pretrained(BASE).save_pretrained(FOLDER))"
+        )
+
+
 def load_tokenizer(path: str | Path) -> Any:
     from transformers import AutoTokenizer
 
@@ -99,6 +115,7 @@ class CausalLMTask(TrainTask):
 
     @classmethod
     def check_plan(cls, cfg: CausalLMJobConfig, family: CausalLMFamily, dims: ParallelDims) -> None:
+        check_tokenizer_files(cfg.model.path)
         # DiT-only training options must not be silently ignored on a language model.
         if cfg.train.lora is not None:
             raise ConfigError("train.lora: LoRA is implemented for DiT families only so far; remove train.lora")
