@@ -59,11 +59,18 @@ class TextDataConfig(Section):
 
 
 class TimestepConfig(Section):
-    scheme: Literal["uniform", "logit_normal", "mode"] = "uniform"
-    logit_mean: float = 0.0
-    logit_std: float = 1.0
-    mode_scale: float = 1.29
-    shift: float = Field(1.0, gt=0, description="SD3/Wan sigma shift applied after sampling")
+    """`train.timestep:` how flow-matching training draws sigma in (0, 1); the one definition the config and
+    the flow-matching math (`spindle.train.tasks.flow_matching_math.sample_sigmas`) share."""
+
+    scheme: Literal["uniform", "logit_normal", "mode"] = Field(
+        "uniform", description="density of the drawn sigmas (diffusers' compute_density_for_timestep_sampling)"
+    )
+    logit_mean: float = Field(0.0, description="logit_normal: mean of the normal before the sigmoid")
+    logit_std: float = Field(1.0, description="logit_normal: standard deviation of the normal before the sigmoid")
+    mode_scale: float = Field(1.29, description="mode: the scale of the mode-seeking density")
+    shift: float = Field(
+        1.0, gt=0, description="SD3/Wan sigma shift s*t / (1 + (s-1)*t) applied after sampling (1: the family's own)"
+    )
 
 
 class LoraConfig(Section):
