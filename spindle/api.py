@@ -20,8 +20,9 @@ from spindle.train.tasks import TASKS, get_task
 
 if TYPE_CHECKING:
     from spindle.contracts.task import TrainTask
+    from spindle.engine_config import EngineConfig
     from spindle.infer.generator import DiffusionGenerator
-    from spindle.infer.pipeline import EngineOptions, InferencePipeline
+    from spindle.infer.pipeline import InferencePipeline
     from spindle.train.trainer import Trainer, TrainResult
 
 
@@ -74,7 +75,7 @@ def train(cfg: TrainJobConfig) -> TrainResult:
 
 
 def load_pipeline(
-    root: str | Path, options: EngineOptions | None = None, family: str | None = None
+    root: str | Path, options: EngineConfig | None = None, family: str | None = None
 ) -> InferencePipeline:
     from spindle.infer.pipeline import InferencePipeline
 
@@ -82,8 +83,9 @@ def load_pipeline(
 
 
 def load_generator(root: str | Path, family: str | None = None, **engine_options: Any) -> DiffusionGenerator:
-    """A `DiffusionGenerator` for the diffusers pipeline folder `root` (engine options as keywords:
-    dtype, compile, cache, sp, lora, ...; see `spindle.infer.pipeline.EngineOptions`)."""
+    """A `DiffusionGenerator` for the diffusers pipeline folder `root`. Engine options are keywords, the
+    fields of `spindle.engine_config.EngineConfig` (dtype, compile, cache, sp, lora, ...); a bad value or
+    an unknown name raises `ConfigError` naming it (and the closest valid option) before anything loads."""
     from spindle.infer.generator import DiffusionGenerator
 
     return DiffusionGenerator.from_pretrained(root, dit_family_of(root, family), **engine_options)

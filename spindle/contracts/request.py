@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-if TYPE_CHECKING:  # torch is imported where a Req is built: the CLI parser reads RequestLimits (`--help`)
+if TYPE_CHECKING:  # torch is imported where a Req is built: `--help` reads spindle.engine_config, which imports this
     import torch
 
 T = TypeVar("T")
@@ -34,66 +34,6 @@ def short_repr(value: Any, limit: int = 80) -> str:
     """`repr(value)` cut to `limit` characters: error messages never echo a huge input back."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[: limit - 15]}... ({len(text)} chars)"
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """Upper bounds on what one request may ask for, checked before it is queued (a server's
-    `--max-*` options). They bound memory and time per job: latents and activations grow with
-    pixels x frames, the run time with steps, the text encoder's input and every stored job with the
-    prompt. `None` disables a bound (the Python API's default: no limits)."""
-
-    max_pixels: int | None = 2048 * 2048  # width x height of one output
-    max_frames: int | None = 257
-    max_steps: int | None = 200
-    max_prompt_chars: int | None = 4000
-    max_outputs: int | None = 10  # outputs (prompts x num_outputs_per_prompt) of one request
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{f.name} must be a positive integer or None; got {value!r}")
-
-    def as_dict(self) -> dict[str, int | None]:
-        return dataclasses.asdict(self)
-
-    def check(self, params: SamplingParams) -> None:
-        """Raise `RequestError` naming the field for a request past a limit (after `validate_common`)."""
-        if self.max_prompt_chars is not None:
-            for name in ("prompt", "negative_prompt"):
-                value = getattr(params, name)
-                texts = [value] if isinstance(value, str) else list(value or [])
-                longest = max((len(t) for t in texts), default=0)
-                if longest > self.max_prompt_chars:
-                    raise RequestError(
-                        f"{name} is {longest} characters; this server takes at most {self.max_prompt_chars} "
-                        "(--max-prompt-chars)",
-                        field=name,
-                    )
-        _check_max("num_inference_steps", params.num_inference_steps, self.max_steps, "--max-steps")
-        _check_max("num_outputs_per_prompt", params.batch_size, self.max_outputs, "--max-outputs")
-        if params.num_frames is not None:
-            _check_max("num_frames", params.num_frames, self.max_frames, "--max-frames")
-        h, w = params.height, params.width
-        if self.max_pixels is not None and isinstance(h, int) and isinstance(w, int) and h * w > self.max_pixels:
-            raise RequestError(
-                f"width x height = {w}x{h} = {w * h} pixels; this server takes at most {self.max_pixels} pixels per "
-                "output (--max-pixels)",
-                field="width",
-            )
-
-
-NO_LIMITS = RequestLimits(None, None, None, None, None)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_max(name: str, value: Any, maximum: int | None, option: str) -> None:
-    if maximum is not None and _is_int(value) and value > maximum:
-        raise RequestError(f"{name} is {value}; this server takes at most {maximum} ({option})", field=name)
 
 
 def _check_text(name: str, text: str) -> None:

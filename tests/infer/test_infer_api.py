@@ -94,10 +94,16 @@ def test_bad_requests_say_what_is_allowed(gen, bad, match):
     assert issubclass(RequestError, ValueError)
 
 
-def test_unknown_engine_option(tiny_wan):
+def test_unknown_engine_option_names_the_closest(tiny_wan):
+    """A typo in a keyword engine option fails before anything loads, naming the option it resembles."""
+    from spindle.config import ConfigError
 
-    with pytest.raises(ValueError, match=r"unknown engine option\(s\) \['cahce'\]"):
+    with pytest.raises(ConfigError, match=r"unknown engine option 'cahce'; did you mean 'cache'\?"):
         load_generator(tiny_wan, cahce="fbc")
+    with pytest.raises(ConfigError, match=r"unknown engine option 'vae_dtpye'; did you mean 'vae_dtype'\?"):
+        load_generator(tiny_wan, vae_dtpye="bfloat16")
+    with pytest.raises(ConfigError, match=r"dtype must be one of 'float32', .*; got 'float33'"):
+        load_generator(tiny_wan, dtype="float33")
 
 
 def test_progress_seed_and_cancel(gen):
