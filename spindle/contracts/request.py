@@ -23,11 +23,11 @@ MAX_GUIDANCE = 100.0  # CFG scales in use are 1-20; far larger ones only blow th
 
 class RequestError(ValueError):
     """A request the model cannot serve; the message names the field and what is allowed.
-    `field`: the request field at fault (default: the message's first word, which names it)."""
+    `field`: the request field at fault (the server's error body names it), given by every raise site."""
 
-    def __init__(self, message: str, field: str | None = None):
+    def __init__(self, message: str, field: str):
         super().__init__(message)
-        self.field = field or message.split(" ", 1)[0].strip(":,;")
+        self.field = field
 
 
 def short_repr(value: Any, limit: int = 80) -> str:
@@ -99,48 +99,54 @@ class SamplingParams:
         """Checks every family shares; a family's BeforeDenoisingStage adds its own (sizes, frames)."""
         prompts = self.prompts
         if not isinstance(self.prompt, (str, list)) or not prompts:
-            raise RequestError("prompt is required: a non-empty string (or a non-empty list of strings)")
+            raise RequestError(
+                "prompt is required: a non-empty string (or a non-empty list of strings)", field="prompt"
+            )
         for p in prompts:
             if not isinstance(p, str) or not p.strip():
-                raise RequestError(f"prompt must be a non-empty string; got {short_repr(p)}")
+                raise RequestError(f"prompt must be a non-empty string; got {short_repr(p)}", field="prompt")
             _check_text("prompt", p)
         if self.negative_prompt is not None:
             negs = [self.negative_prompt] if isinstance(self.negative_prompt, str) else self.negative_prompt
             if not isinstance(negs, list) or not all(isinstance(n, str) for n in negs):
-                raise RequestError("negative_prompt must be a string or a list of strings")
+                raise RequestError("negative_prompt must be a string or a list of strings", field="negative_prompt")
             for n in negs:
                 _check_text("negative_prompt", n)
             if not isinstance(self.negative_prompt, str) and len(negs) != len(prompts):
                 raise RequestError(
                     f"negative_prompt has {len(negs)} entries but prompt has {len(prompts)}; give one per prompt "
-                    "(or a single string for all)"
+                    "(or a single string for all)",
+                    field="negative_prompt",
                 )
         _check_int("num_inference_steps", self.num_inference_steps, minimum=1)
         _check_int("num_outputs_per_prompt", self.num_outputs_per_prompt, minimum=1)
         if isinstance(self.guidance_scale, bool) or not isinstance(self.guidance_scale, (int, float)):
             raise RequestError(
-                f"guidance_scale must be a number (> 1 enables CFG); got {short_repr(self.guidance_scale)}"
+                f"guidance_scale must be a number (> 1 enables CFG); got {short_repr(self.guidance_scale)}",
+                field="guidance_scale",
             )
         if not math.isfinite(self.guidance_scale) or self.guidance_scale > MAX_GUIDANCE:
             raise RequestError(
                 f"guidance_scale must be a finite number <= {MAX_GUIDANCE:g} (past ~20 outputs saturate); "
-                f"got {self.guidance_scale}"
+                f"got {self.guidance_scale}",
+                field="guidance_scale",
             )
         if self.guidance_scale < 0:
             raise RequestError(
-                f"guidance_scale must be >= 0 (> 1 enables CFG, <= 1 disables it); got {self.guidance_scale}"
+                f"guidance_scale must be >= 0 (> 1 enables CFG, <= 1 disables it); got {self.guidance_scale}",
+                field="guidance_scale",
             )
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=0)
             if self.seed >= 2**63:  # torch's manual_seed range
-                raise RequestError(f"seed must be < 2**63; got {short_repr(self.seed)}")
+                raise RequestError(f"seed must be < 2**63; got {short_repr(self.seed)}", field="seed")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(f"{name} must be an integer >= {minimum}; got {short_repr(value)}")
+        raise RequestError(f"{name} must be an integer >= {minimum}; got {short_repr(value)}", field=name)
     if value < minimum:
-        raise RequestError(f"{name} must be >= {minimum}; got {value}")
+        raise RequestError(f"{name} must be >= {minimum}; got {value}", field=name)
 
 
 def suggest(value: int, multiple: int, offset: int = 0) -> str:
@@ -157,7 +163,8 @@ def check_multiple(name: str, value: Any, multiple: int, why: str) -> None:
     if not is_int or value < multiple or value % multiple:
         hint = f"; try {suggest(value, multiple)}" if is_int else ""
         raise RequestError(
-            f"{name} must be a positive multiple of {multiple} for this model ({why}) (got {short_repr(value)}){hint}"
+            f"{name} must be a positive multiple of {multiple} for this model ({why}) (got {short_repr(value)}){hint}",
+            field=name,
         )
 
 
@@ -170,7 +177,9 @@ def check_size(params: SamplingParams, h_multiple: int, w_multiple: int, why: st
 def resolved(value: T | None, name: str) -> T:
     """A field the family's defaults fill (`merged_with`) before its stage reads it; None: no default."""
     if value is None:
-        raise RequestError(f"{name} is required for this model (it has no default); give {name} in the request")
+        raise RequestError(
+            f"{name} is required for this model (it has no default); give {name} in the request", field=name
+        )
     return value
 
 
@@ -183,7 +192,7 @@ def check_int_range(name: str, value: Any, minimum: int, maximum: int | None = N
         or value < minimum
         or (maximum is not None and value > maximum)
     ):
-        raise RequestError(f"{name} must be an integer {bounds}; got {short_repr(value)}")
+        raise RequestError(f"{name} must be an integer {bounds}; got {short_repr(value)}", field=name)
 
 
 @dataclass

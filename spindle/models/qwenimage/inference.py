@@ -42,7 +42,8 @@ class QwenImageBeforeDenoisingStage(PipelineBeforeDenoisingStage):
             # stretching the schedule to its terminal sigma divides by zero with one step (NaN image)
             raise RequestError(
                 f"num_inference_steps must be >= 2 for this checkpoint's scheduler (shift_terminal="
-                f"{self.scheduler.config.shift_terminal}); got {params.num_inference_steps}"
+                f"{self.scheduler.config.shift_terminal}); got {params.num_inference_steps}",
+                field="num_inference_steps",
             )
         self.check_positions(params)
 

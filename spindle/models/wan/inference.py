@@ -63,7 +63,8 @@ class WanBeforeDenoisingStage(BeforeDenoisingStage):
             hint = f"; try {suggest(n, k, offset=1)}" if isinstance(n, int) and not isinstance(n, bool) else ""
             raise RequestError(
                 f"num_frames must be {k}k+1 (1, {k + 1}, {2 * k + 1}, {3 * k + 1}, ...) for this model's VAE "
-                f"(got {n!r}){hint}"
+                f"(got {n!r}){hint}",
+                field="num_frames",
             )
         check_int_range("max_sequence_length", params.max_sequence_length, minimum=1)
         self.check_positions(params)
