@@ -210,8 +210,12 @@ class Req:
     timesteps: torch.Tensor | None = None
     scheduler: Any = None  # a per-request copy of the checkpoint's scheduler (it is stateful)
     model_dtype: torch.dtype = field(default_factory=_float32)  # the transformer's dtype (inputs are cast to it)
-    do_cfg: bool = False
-    guidance_scale: float = 1.0
+    # guidance, each by what it does (the request's `guidance_scale` means one or the other by family):
+    do_cfg: bool = False  # classifier-free guidance runs (a cond and an uncond branch per step)
+    cfg_scale: float = 1.0  # the CFG scale DenoisingStage combines the two branches with (`combine_cfg`)
+    # the guidance value a guidance-distilled transformer takes as an input (its `guidance=` argument, one per
+    # sample), passed by the family's `denoiser_kwargs`; None: the transformer embeds no guidance
+    embedded_guidance: torch.Tensor | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # family-specific conditioning (pooled embeds, ids, ...)
     # set by DecodingStage
     output: Any = None

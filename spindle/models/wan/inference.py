@@ -121,7 +121,7 @@ class WanBeforeDenoisingStage(BeforeDenoisingStage):
         req.prompt_embeds = prompt_embeds.to(dtype)
         req.negative_prompt_embeds = negative_embeds.to(dtype) if negative_embeds is not None else None
         req.do_cfg = p.do_cfg
-        req.guidance_scale = float(resolved(p.guidance_scale, "guidance_scale"))
+        req.cfg_scale = float(resolved(p.guidance_scale, "guidance_scale"))  # Wan's guidance_scale is the CFG scale
 
         scheduler = copy.deepcopy(self.scheduler)  # schedulers are stateful: one copy per request
         scheduler.set_timesteps(resolved(p.num_inference_steps, "num_inference_steps"), device=device)
