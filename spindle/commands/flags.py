@@ -38,7 +38,7 @@ def flag_names(section: type[OptionSection]) -> dict[str, str]:
     return {name: flag_name(name, info) for name, info in section.model_fields.items()}
 
 
-def _without_none(annotation: Any) -> tuple[Any, bool]:
+def unwrap_optional(annotation: Any) -> tuple[Any, bool]:
     """(`X`, True) for `X | None`; (annotation, False) otherwise; constraints (`Annotated`) dropped."""
     optional = False
     if get_origin(annotation) in (Union, types.UnionType):
@@ -79,7 +79,7 @@ def add_section_arguments(group: Any, section: type[OptionSection]) -> None:
     """One flag per field of `section` on `group` (a parser or an argument group); nested sections are
     skipped. The flag's `dest` is the field name."""
     for name, info in section.model_fields.items():
-        annotation, optional = _without_none(info.annotation)
+        annotation, optional = unwrap_optional(info.annotation)
         if _is_section(annotation):
             continue
         flag, default = flag_name(name, info), _default(info)
@@ -112,7 +112,7 @@ def section_values(args: argparse.Namespace, section: type[OptionSection]) -> di
         if not hasattr(args, name):
             continue
         value = getattr(args, name)
-        annotation, _ = _without_none(info.annotation)
+        annotation, _ = unwrap_optional(info.annotation)
         if get_origin(annotation) is dict or annotation is dict:
             value = parse_key_values(flag_name(name, info), value)
         out[name] = value

@@ -9,7 +9,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import pytest
 
-from spindle.commands.flags import _without_none, flag_names, section_from_args, section_values
+from spindle.commands.flags import unwrap_optional, flag_names, section_from_args, section_values
 from spindle.commands.reference import DOC, cli_reference
 from spindle.config import ConfigError, OptionSection
 from spindle.engine_config import EngineConfig, RequestLimits, ServeLimits
@@ -30,7 +30,7 @@ def command_parser(command: str) -> argparse.ArgumentParser:
 def other_value(section: type[OptionSection], name: str) -> tuple[list[str], Any]:
     """Command-line words that set field `name` to a value other than its default, and that value."""
     info = section.model_fields[name]
-    kind, _ = _without_none(info.annotation)
+    kind, _ = unwrap_optional(info.annotation)
     flag = flag_names(section)[name]
     default = section().model_dump()[name]
     if kind is bool:
@@ -50,7 +50,7 @@ def test_every_field_has_a_flag_that_sets_it(command):
     by_flag = {s: a for a in parser._actions for s in a.option_strings}
     for section in SECTIONS[command]:
         for name, info in section.model_fields.items():
-            kind, _ = _without_none(info.annotation)
+            kind, _ = unwrap_optional(info.annotation)
             if isinstance(kind, type) and issubclass(kind, OptionSection):
                 continue  # a nested section: its own fields have the flags
             flag = flag_names(section)[name]
