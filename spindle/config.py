@@ -14,6 +14,8 @@ from typing import Any, ClassVar, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from spindle.contracts.request import short_repr
+
 
 class ConfigError(ValueError):
     """A configuration problem the user can fix; the message names the key and the fix."""
@@ -275,8 +277,7 @@ def _describe_option(err: dict[str, Any], model: type[OptionSection], name: Call
     key = ".".join(str(p) for p in err["loc"])
     shown = name(key) if key else ""
     kind, ctx = err["type"], err.get("ctx", {})
-    got = repr(err.get("input"))
-    got = got if len(got) <= 80 else got[:65] + f"... ({len(got)} chars)"
+    got = short_repr(err.get("input"))
     if kind == "extra_forbidden":
         valid = list(model.model_fields)
         close = difflib.get_close_matches(key, valid, n=1)

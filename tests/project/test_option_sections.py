@@ -9,7 +9,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import pytest
 
-from spindle.commands.flags import unwrap_optional, flag_names, section_from_args, section_values
+from spindle.commands.flags import flag_names, section_from_args, section_values, unwrap_optional
 from spindle.commands.reference import DOC, cli_reference
 from spindle.config import ConfigError, OptionSection
 from spindle.engine_config import EngineConfig, RequestLimits, ServeLimits
