@@ -20,8 +20,9 @@ from spindle.train.tasks import TASKS, get_task
 
 if TYPE_CHECKING:
     from spindle.contracts.task import TrainTask
+    from spindle.engine_config import EngineConfig
     from spindle.infer.generator import DiffusionGenerator
-    from spindle.infer.pipeline import EngineOptions, InferencePipeline
+    from spindle.infer.pipeline import InferencePipeline
     from spindle.train.trainer import Trainer, TrainResult
 
 
@@ -53,6 +54,8 @@ def load_job_config(path: str | Path | None, overrides: Sequence[str] = ()) -> A
     try:
         return validate_config(raw, task.config_class)
     except ConfigError as e:
+        if "unknown key" not in str(e):
+            raise
         # the keys a job takes follow the kind of model the checkpoint is: say which it was detected as
         detected = f"model {raw['model'].get('path')} is a {family.name} {family.kind} checkpoint"
         raise ConfigError(f"{detected}, so the config follows the {task.name} task's schema; {e}") from None
@@ -81,7 +84,7 @@ def train(cfg: TrainJobConfig) -> TrainResult:
 
 
 def load_pipeline(
-    root: str | Path, options: EngineOptions | None = None, family: str | None = None
+    root: str | Path, options: EngineConfig | None = None, family: str | None = None
 ) -> InferencePipeline:
     from spindle.infer.pipeline import InferencePipeline
 
@@ -89,8 +92,9 @@ def load_pipeline(
 
 
 def load_generator(root: str | Path, family: str | None = None, **engine_options: Any) -> DiffusionGenerator:
-    """A `DiffusionGenerator` for the diffusers pipeline folder `root` (engine options as keywords:
-    dtype, compile, cache, sp, lora, ...; see `spindle.infer.pipeline.EngineOptions`)."""
+    """A `DiffusionGenerator` for the diffusers pipeline folder `root`. Engine options are keywords, the
+    fields of `spindle.engine_config.EngineConfig` (dtype, compile, cache, sp, lora, ...); a bad value or
+    an unknown name raises `ConfigError` naming it (and the closest valid option) before anything loads."""
     from spindle.infer.generator import DiffusionGenerator
 
     return DiffusionGenerator.from_pretrained(root, dit_family_of(root, family), **engine_options)

@@ -7,12 +7,14 @@ closest valid key. The resolved config is written next to the run's outputs.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from spindle.contracts.request import short_repr
 
 
 class ConfigError(ValueError):
@@ -21,6 +23,40 @@ class ConfigError(ValueError):
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class OptionSection(Section):
+    """A section given as keyword options (the Python API: `load_generator(path, cache="fbc")`) or as
+    command-line flags generated from its fields (`spindle.commands.flags`), rather than from YAML.
+    Strict (no "2" for 2, no True for 1) and frozen. Bad values raise `ConfigError` in one line naming
+    the option (a typo: the closest valid one), before any work; `from_values(values, name)` names it
+    as the caller spells it (a flag: `--max-steps`)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    noun: ClassVar[str] = "option"  # what the error messages call one field ("unknown engine option ...")
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as e:
+            errors = [dict(err) for err in e.errors()]
+            raise OptionError(describe_option_errors(errors, type(self)), errors) from None
+
+    @classmethod
+    def from_values(cls, values: dict[str, Any], name: Callable[[str], str] = str) -> Any:
+        """`cls(**values)` with errors naming each field as `name(field)` spells it."""
+        try:
+            return cls(**values)
+        except OptionError as e:
+            raise OptionError(describe_option_errors(e.errors, cls, name), e.errors) from None
+
+
+class OptionError(ConfigError):
+    """A bad option of an `OptionSection`; `errors`: pydantic's error records (to name them another way)."""
+
+    def __init__(self, message: str, errors: list[dict[str, Any]]):
+        super().__init__(message)
+        self.errors = errors
 
 
 class ModelConfig(Section):
@@ -59,11 +95,18 @@ class TextDataConfig(Section):
 
 
 class TimestepConfig(Section):
-    scheme: Literal["uniform", "logit_normal", "mode"] = "uniform"
-    logit_mean: float = 0.0
-    logit_std: float = 1.0
-    mode_scale: float = 1.29
-    shift: float = Field(1.0, gt=0, description="SD3/Wan sigma shift applied after sampling")
+    """`train.timestep:` how flow-matching training draws sigma in (0, 1); the one definition the config and
+    the flow-matching math (`spindle.train.tasks.flow_matching_math.sample_sigmas`) share."""
+
+    scheme: Literal["uniform", "logit_normal", "mode"] = Field(
+        "uniform", description="density of the drawn sigmas (diffusers' compute_density_for_timestep_sampling)"
+    )
+    logit_mean: float = Field(0.0, description="logit_normal: mean of the normal before the sigmoid")
+    logit_std: float = Field(1.0, description="logit_normal: standard deviation of the normal before the sigmoid")
+    mode_scale: float = Field(1.29, description="mode: the scale of the mode-seeking density")
+    shift: float = Field(
+        1.0, gt=0, description="SD3/Wan sigma shift s*t / (1 + (s-1)*t) applied after sampling (1: the family's own)"
+    )
 
 
 class LoraConfig(Section):
@@ -242,6 +285,38 @@ def _describe(err: dict[str, Any], root: type[BaseModel]) -> str:
     if err["type"] == "missing":
         return f"missing required key '{key}'"
     return f"'{key}': {err['msg']} (got {err.get('input')!r})"
+
+
+_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+_BOUND_KEYS = {"greater_than": "gt", "greater_than_equal": "ge", "less_than": "lt", "less_than_equal": "le"}
+
+
+def describe_option_errors(
+    errors: list[dict[str, Any]], model: type[OptionSection], name: Callable[[str], str] = str
+) -> str:
+    """One line for the errors of an `OptionSection`: `cache must be one of 'fbc', ...; got 'nope'`,
+    `unknown engine option 'cahce'; did you mean 'cache'?`."""
+    return "; ".join(_describe_option(err, model, name) for err in errors)
+
+
+def _describe_option(err: dict[str, Any], model: type[OptionSection], name: Callable[[str], str]) -> str:
+    key = ".".join(str(p) for p in err["loc"])
+    shown = name(key) if key else ""
+    kind, ctx = err["type"], err.get("ctx", {})
+    got = short_repr(err.get("input"))
+    if kind == "extra_forbidden":
+        valid = list(model.model_fields)
+        close = difflib.get_close_matches(key, valid, n=1)
+        hint = f"; did you mean {name(close[0])!r}?" if close else ""
+        return f"unknown {model.noun} {shown!r}{hint} (valid: {', '.join(map(name, valid))})"
+    if kind in _BOUNDS:
+        return f"{shown} must be {_BOUNDS[kind]} {ctx[_BOUND_KEYS[kind]]}; got {got}"
+    if kind == "literal_error":
+        return f"{shown} must be one of {ctx['expected']}; got {got}"
+    if kind == "value_error":  # a validator's own message: it names the fields itself (model level) or follows the name
+        message = str(ctx.get("error", err["msg"]))
+        return f"{shown} {message}" if shown else message
+    return f"{shown}: {err['msg'][0].lower()}{err['msg'][1:]}; got {got}"
 
 
 def validate_config(raw: dict[str, Any], model: type[BaseModel]) -> Any:

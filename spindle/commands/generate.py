@@ -17,7 +17,7 @@ import argparse
 import sys
 import time
 
-from spindle.commands.engine_args import add_engine_arguments, check_world_size, engine_options
+from spindle.commands.engine_args import add_engine_arguments, check_world_size, engine_config
 from spindle.infer.options import add_option_arguments, guidance_help, option_values
 from spindle.registry import all_families
 
@@ -59,6 +59,7 @@ def _format_timings(timings: dict[str, float]) -> str:
 def run(args: argparse.Namespace) -> int:
     from spindle.distributed.launch import maybe_relaunch
 
+    engine = engine_config(args)  # bad engine flags fail here, before a launch or a load
     nproc, _ = check_world_size(args)
     code = maybe_relaunch(nproc, args._argv)  # parent of --nproc N > 1: re-run under torchrun
     if code is not None:
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     from spindle.api import load_generator
 
-    gen = load_generator(args.model, **engine_options(args))
+    gen = load_generator(args.model, **dict(engine))
     load_s = time.perf_counter() - start
     request = dict(
         prompt=args.prompt,

@@ -27,9 +27,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from spindle.commands.engine_args import add_engine_arguments, check_world_size, engine_options
-from spindle.contracts.request import RequestLimits  # torch-free, as spindle.serve.limits: `--help` stays light
-from spindle.serve.limits import ServeLimits
+from spindle.commands.engine_args import add_engine_arguments, check_world_size, engine_config
+from spindle.commands.flags import add_section_arguments, section_from_args
+from spindle.engine_config import RequestLimits, ServeLimits  # torch-free: `--help` stays light
 
 HELP = "serve a checkpoint over an OpenAI-compatible HTTP API (images / videos)"
 
@@ -60,54 +60,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=3.0,
         help="on SIGTERM, seconds job status stays readable after the last job ended (default 3)",
     )
-    limits = RequestLimits()
-    serve_limits = ServeLimits()
-    g = p.add_argument_group("limits (per request / per connection; 0 = no limit for the --max-* request bounds)")
-    g.add_argument(
-        "--max-pixels", type=int, default=limits.max_pixels, help="width x height of one output (%(default)s)"
+    g = p.add_argument_group(
+        "limits (spindle.engine_config.RequestLimits / ServeLimits: per request / per connection; "
+        "0 = no limit for the --max-* request bounds)"
     )
-    g.add_argument("--max-frames", type=int, default=limits.max_frames, help="frames of one video (%(default)s)")
-    g.add_argument(
-        "--max-steps", type=int, default=limits.max_steps, help="denoising steps of one request (%(default)s)"
-    )
-    g.add_argument(
-        "--max-prompt-chars", type=int, default=limits.max_prompt_chars, help="characters of a prompt (%(default)s)"
-    )
-    g.add_argument(
-        "--max-outputs", type=int, default=limits.max_outputs, help="outputs of one request, n (%(default)s)"
-    )
-    g.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=serve_limits.max_body_bytes,
-        help="request body size; 413 beyond (%(default)s)",
-    )
-    g.add_argument(
-        "--request-timeout",
-        type=float,
-        default=serve_limits.request_timeout,
-        help="seconds a client has to send a whole request; a half-sent one is closed (%(default)s)",
-    )
-    g.add_argument(
-        "--keep-alive-timeout",
-        type=float,
-        default=serve_limits.keep_alive_timeout,
-        help="seconds an idle keep-alive connection stays open (%(default)s)",
-    )
-    g.add_argument(
-        "--max-connections",
-        type=int,
-        default=serve_limits.max_connections,
-        help="open connections; at the cap a new one closes the longest-idle one, or answers 503 when every "
-        "connection has a request in flight (%(default)s)",
-    )
-    g.add_argument(
-        "--max-results",
-        type=int,
-        default=serve_limits.max_results,
-        help="finished jobs kept in memory; past it the oldest finished are dropped before --result-ttl "
-        "(then 410, as expired; %(default)s)",
-    )
+    add_section_arguments(g, RequestLimits)
+    add_section_arguments(g, ServeLimits)
     p.add_argument(
         "--keep-frames",
         action="store_true",
@@ -146,6 +104,7 @@ def _relaunch(nproc: int, argv: list[str]) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    engine = engine_config(args)  # bad engine flags fail here, before a launch or a load
     world, launched = check_world_size(args)
     for name in ("max_queue", "warmup_frames", "warmup_steps"):
         if getattr(args, name) < 1:
@@ -175,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
 
     from spindle.api import load_generator
 
-    gen = load_generator(args.model, **engine_options(args))
+    gen = load_generator(args.model, **dict(engine))
     fanout = None
     if world > 1:
         from spindle.serve.engine import RankFanout
@@ -235,27 +194,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def serve_limits(args: argparse.Namespace) -> ServeLimits:
-    """The limit options -> `ServeLimits` (a --max-* request bound of 0 means none); errors name the option."""
-    request = {}
-    for name in ("max_pixels", "max_frames", "max_steps", "max_prompt_chars", "max_outputs"):
-        value = getattr(args, name)
-        if value < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: no limit); got {value}")
-        request[name] = value or None
+    """The limit flags -> `ServeLimits` (a --max-* request bound of 0 means none); errors name the flag."""
     if args.shutdown_linger < 0:
         raise ValueError(f"--shutdown-linger must be >= 0 seconds; got {args.shutdown_linger}")
-    try:
-        limits = ServeLimits(
-            request=RequestLimits(**request),
-            max_body_bytes=args.max_body_bytes,
-            request_timeout=args.request_timeout,
-            keep_alive_timeout=args.keep_alive_timeout,
-            max_connections=args.max_connections,
-            max_results=args.max_results,
-        )
-    except ValueError as e:
-        name = str(e).split(" ", 1)[0]
-        raise ValueError(f"--{name.replace('_', '-')}{str(e)[len(name) :]}") from None
+    limits: ServeLimits = section_from_args(args, ServeLimits, request=section_from_args(args, RequestLimits))
     limits.check_file_limit()
     return limits
 

@@ -13,7 +13,7 @@ import torch
 class ConditionModel(ABC):
     """Frozen condition components of a family; pure functions of the data (precomputable)."""
 
-    # how training draws sigmas (`spindle.train.tasks.flow_matching_math.TimestepSampling`)
+    # how training draws sigmas (the job's `train.timestep`, a `spindle.config.TimestepConfig`)
     timestep_sampling: Any
 
     @classmethod

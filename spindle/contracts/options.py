@@ -27,10 +27,10 @@ if TYPE_CHECKING:
 _TYPES = (bool, int, float, str)
 
 
-def _request_error(message: str) -> Exception:
-    from spindle.contracts.request import RequestError  # imported here: request.py needs torch
+def _request_error(message: str, field: str) -> Exception:
+    from spindle.contracts.request import RequestError  # imported here: request.py imports this module's users
 
-    return RequestError(message)
+    return RequestError(message, field=field)
 
 
 @dataclass(frozen=True)
@@ -72,13 +72,14 @@ class Option:
         if not ok:
             raise _request_error(
                 f"{self.name} must be {'a number' if self.type is float else 'a ' + self.type.__name__}"
-                f"{' ' + self.bounds() if self.bounds() else ''} for {family}; got {value!r}"
+                f"{' ' + self.bounds() if self.bounds() else ''} for {family}; got {value!r}",
+                self.name,
             )
         if self.type is float and not math.isfinite(value):
-            raise _request_error(f"{self.name} must be a finite number for {family}; got {value!r}")
+            raise _request_error(f"{self.name} must be a finite number for {family}; got {value!r}", self.name)
         low, high = self.minimum, self.maximum
         if (low is not None and value < low) or (high is not None and value > high):
-            raise _request_error(f"{self.name} must be {self.bounds()} for {family}; got {value!r}")
+            raise _request_error(f"{self.name} must be {self.bounds()} for {family}; got {value!r}", self.name)
         return value
 
 
@@ -120,14 +121,14 @@ class FamilyOptions:
         unknown = sorted(set(params.extra) - set(by_name))
         if unknown:
             known = ", ".join(self.names()) or "none"
-            raise _request_error(f"{unknown[0]} is not an option of {family} (its options: {known})")
+            raise _request_error(f"{unknown[0]} is not an option of {family} (its options: {known})", unknown[0])
         typed = {k: by_name[k].check(v, family) for k, v in params.extra.items()}
         params = dataclasses.replace(params, extra=typed)
         for name, value in typed.items():
             rule = by_name[name].rule
             message = rule(value, params) if rule is not None else None
             if message:
-                raise _request_error(f"{name}: {message}")
+                raise _request_error(f"{name}: {message}", name)
         return params
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-if TYPE_CHECKING:  # torch is imported where a Req is built: the CLI parser reads RequestLimits (`--help`)
+if TYPE_CHECKING:  # torch is imported where a Req is built: `--help` reads spindle.engine_config, which imports this
     import torch
 
 T = TypeVar("T")
@@ -23,77 +23,17 @@ MAX_GUIDANCE = 100.0  # CFG scales in use are 1-20; far larger ones only blow th
 
 class RequestError(ValueError):
     """A request the model cannot serve; the message names the field and what is allowed.
-    `field`: the request field at fault (default: the message's first word, which names it)."""
+    `field`: the request field at fault (the server's error body names it), given by every raise site."""
 
-    def __init__(self, message: str, field: str | None = None):
+    def __init__(self, message: str, field: str):
         super().__init__(message)
-        self.field = field or message.split(" ", 1)[0].strip(":,;")
+        self.field = field
 
 
 def short_repr(value: Any, limit: int = 80) -> str:
     """`repr(value)` cut to `limit` characters: error messages never echo a huge input back."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[: limit - 15]}... ({len(text)} chars)"
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """Upper bounds on what one request may ask for, checked before it is queued (a server's
-    `--max-*` options). They bound memory and time per job: latents and activations grow with
-    pixels x frames, the run time with steps, the text encoder's input and every stored job with the
-    prompt. `None` disables a bound (the Python API's default: no limits)."""
-
-    max_pixels: int | None = 2048 * 2048  # width x height of one output
-    max_frames: int | None = 257
-    max_steps: int | None = 200
-    max_prompt_chars: int | None = 4000
-    max_outputs: int | None = 10  # outputs (prompts x num_outputs_per_prompt) of one request
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{f.name} must be a positive integer or None; got {value!r}")
-
-    def as_dict(self) -> dict[str, int | None]:
-        return dataclasses.asdict(self)
-
-    def check(self, params: SamplingParams) -> None:
-        """Raise `RequestError` naming the field for a request past a limit (after `validate_common`)."""
-        if self.max_prompt_chars is not None:
-            for name in ("prompt", "negative_prompt"):
-                value = getattr(params, name)
-                texts = [value] if isinstance(value, str) else list(value or [])
-                longest = max((len(t) for t in texts), default=0)
-                if longest > self.max_prompt_chars:
-                    raise RequestError(
-                        f"{name} is {longest} characters; this server takes at most {self.max_prompt_chars} "
-                        "(--max-prompt-chars)",
-                        field=name,
-                    )
-        _check_max("num_inference_steps", params.num_inference_steps, self.max_steps, "--max-steps")
-        _check_max("num_outputs_per_prompt", params.batch_size, self.max_outputs, "--max-outputs")
-        if params.num_frames is not None:
-            _check_max("num_frames", params.num_frames, self.max_frames, "--max-frames")
-        h, w = params.height, params.width
-        if self.max_pixels is not None and isinstance(h, int) and isinstance(w, int) and h * w > self.max_pixels:
-            raise RequestError(
-                f"width x height = {w}x{h} = {w * h} pixels; this server takes at most {self.max_pixels} pixels per "
-                "output (--max-pixels)",
-                field="width",
-            )
-
-
-NO_LIMITS = RequestLimits(None, None, None, None, None)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_max(name: str, value: Any, maximum: int | None, option: str) -> None:
-    if maximum is not None and _is_int(value) and value > maximum:
-        raise RequestError(f"{name} is {value}; this server takes at most {maximum} ({option})", field=name)
 
 
 def _check_text(name: str, text: str) -> None:
@@ -159,48 +99,54 @@ class SamplingParams:
         """Checks every family shares; a family's BeforeDenoisingStage adds its own (sizes, frames)."""
         prompts = self.prompts
         if not isinstance(self.prompt, (str, list)) or not prompts:
-            raise RequestError("prompt is required: a non-empty string (or a non-empty list of strings)")
+            raise RequestError(
+                "prompt is required: a non-empty string (or a non-empty list of strings)", field="prompt"
+            )
         for p in prompts:
             if not isinstance(p, str) or not p.strip():
-                raise RequestError(f"prompt must be a non-empty string; got {short_repr(p)}")
+                raise RequestError(f"prompt must be a non-empty string; got {short_repr(p)}", field="prompt")
             _check_text("prompt", p)
         if self.negative_prompt is not None:
             negs = [self.negative_prompt] if isinstance(self.negative_prompt, str) else self.negative_prompt
             if not isinstance(negs, list) or not all(isinstance(n, str) for n in negs):
-                raise RequestError("negative_prompt must be a string or a list of strings")
+                raise RequestError("negative_prompt must be a string or a list of strings", field="negative_prompt")
             for n in negs:
                 _check_text("negative_prompt", n)
             if not isinstance(self.negative_prompt, str) and len(negs) != len(prompts):
                 raise RequestError(
                     f"negative_prompt has {len(negs)} entries but prompt has {len(prompts)}; give one per prompt "
-                    "(or a single string for all)"
+                    "(or a single string for all)",
+                    field="negative_prompt",
                 )
         _check_int("num_inference_steps", self.num_inference_steps, minimum=1)
         _check_int("num_outputs_per_prompt", self.num_outputs_per_prompt, minimum=1)
         if isinstance(self.guidance_scale, bool) or not isinstance(self.guidance_scale, (int, float)):
             raise RequestError(
-                f"guidance_scale must be a number (> 1 enables CFG); got {short_repr(self.guidance_scale)}"
+                f"guidance_scale must be a number (> 1 enables CFG); got {short_repr(self.guidance_scale)}",
+                field="guidance_scale",
             )
         if not math.isfinite(self.guidance_scale) or self.guidance_scale > MAX_GUIDANCE:
             raise RequestError(
                 f"guidance_scale must be a finite number <= {MAX_GUIDANCE:g} (past ~20 outputs saturate); "
-                f"got {self.guidance_scale}"
+                f"got {self.guidance_scale}",
+                field="guidance_scale",
             )
         if self.guidance_scale < 0:
             raise RequestError(
-                f"guidance_scale must be >= 0 (> 1 enables CFG, <= 1 disables it); got {self.guidance_scale}"
+                f"guidance_scale must be >= 0 (> 1 enables CFG, <= 1 disables it); got {self.guidance_scale}",
+                field="guidance_scale",
             )
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=0)
             if self.seed >= 2**63:  # torch's manual_seed range
-                raise RequestError(f"seed must be < 2**63; got {short_repr(self.seed)}")
+                raise RequestError(f"seed must be < 2**63; got {short_repr(self.seed)}", field="seed")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(f"{name} must be an integer >= {minimum}; got {short_repr(value)}")
+        raise RequestError(f"{name} must be an integer >= {minimum}; got {short_repr(value)}", field=name)
     if value < minimum:
-        raise RequestError(f"{name} must be >= {minimum}; got {value}")
+        raise RequestError(f"{name} must be >= {minimum}; got {value}", field=name)
 
 
 def suggest(value: int, multiple: int, offset: int = 0) -> str:
@@ -217,7 +163,8 @@ def check_multiple(name: str, value: Any, multiple: int, why: str) -> None:
     if not is_int or value < multiple or value % multiple:
         hint = f"; try {suggest(value, multiple)}" if is_int else ""
         raise RequestError(
-            f"{name} must be a positive multiple of {multiple} for this model ({why}) (got {short_repr(value)}){hint}"
+            f"{name} must be a positive multiple of {multiple} for this model ({why}) (got {short_repr(value)}){hint}",
+            field=name,
         )
 
 
@@ -230,7 +177,9 @@ def check_size(params: SamplingParams, h_multiple: int, w_multiple: int, why: st
 def resolved(value: T | None, name: str) -> T:
     """A field the family's defaults fill (`merged_with`) before its stage reads it; None: no default."""
     if value is None:
-        raise RequestError(f"{name} is required for this model (it has no default); give {name} in the request")
+        raise RequestError(
+            f"{name} is required for this model (it has no default); give {name} in the request", field=name
+        )
     return value
 
 
@@ -243,7 +192,7 @@ def check_int_range(name: str, value: Any, minimum: int, maximum: int | None = N
         or value < minimum
         or (maximum is not None and value > maximum)
     ):
-        raise RequestError(f"{name} must be an integer {bounds}; got {short_repr(value)}")
+        raise RequestError(f"{name} must be an integer {bounds}; got {short_repr(value)}", field=name)
 
 
 @dataclass
@@ -261,8 +210,12 @@ class Req:
     timesteps: torch.Tensor | None = None
     scheduler: Any = None  # a per-request copy of the checkpoint's scheduler (it is stateful)
     model_dtype: torch.dtype = field(default_factory=_float32)  # the transformer's dtype (inputs are cast to it)
-    do_cfg: bool = False
-    guidance_scale: float = 1.0
+    # guidance, each by what it does (the request's `guidance_scale` means one or the other by family):
+    do_cfg: bool = False  # classifier-free guidance runs (a cond and an uncond branch per step)
+    cfg_scale: float = 1.0  # the CFG scale DenoisingStage combines the two branches with (`combine_cfg`)
+    # the guidance value a guidance-distilled transformer takes as an input (its `guidance=` argument, one per
+    # sample), passed by the family's `denoiser_kwargs`; None: the transformer embeds no guidance
+    embedded_guidance: torch.Tensor | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # family-specific conditioning (pooled embeds, ids, ...)
     # set by DecodingStage
     output: Any = None

@@ -8,8 +8,8 @@ The shared stages (`spindle.infer.stages`) never branch on the family. Whatever 
 families goes through an `InferenceSpec` (one per family, in `spindle/models/<family>/inference.py`):
 
 - `denoiser_kwargs(req, latents, t, branch)`: the transformer's forward kwargs for one step and one
-  CFG branch ("cond" / "uncond"); extra conditioning (pooled embeddings, image ids, embedded
-  guidance) comes from `req.extra`.
+  CFG branch ("cond" / "uncond"); the embedded guidance of a guidance-distilled transformer is
+  `req.embedded_guidance`, other conditioning (pooled embeddings, image ids) comes from `req.extra`.
 - `batch_cfg_kwargs(cond, uncond)`: how the two branches become one forward (default: concatenate
   every per-sample tensor along the batch, keep shared tensors such as position ids once).
 - `post_denoising(latents, req)`: e.g. unpack packed latents back to the VAE layout.
@@ -62,7 +62,7 @@ class BeforeDenoisingStage(Stage):
 
     A subclass is built with the loaded components (`components[name]` as named in model_index.json)
     and must leave on the Req every field DenoisingStage reads: `latents`, `timesteps`, `scheduler`,
-    `prompt_embeds` (+ `negative_prompt_embeds` when `do_cfg`), `guidance_scale`, `model_dtype`,
+    `prompt_embeds` (+ `negative_prompt_embeds` when `do_cfg`), `cfg_scale`, `model_dtype`,
     `raw_latent_shape`, plus whatever its spec's `denoiser_kwargs` needs in `req.extra`.
     """
 
@@ -161,8 +161,8 @@ class InferenceSpec:
         sample: torch.Tensor = out[0] if isinstance(out, (tuple, list)) else out.sample
         return sample
 
-    def combine_cfg(self, cond: torch.Tensor, uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
-        return uncond + guidance_scale * (cond - uncond)
+    def combine_cfg(self, cond: torch.Tensor, uncond: torch.Tensor, cfg_scale: float) -> torch.Tensor:
+        return uncond + cfg_scale * (cond - uncond)
 
     # --- DecodingStage callbacks
     def post_denoising(self, latents: torch.Tensor, req: Req) -> torch.Tensor:

@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__ imports on first use
     from spindle.contracts.request import Cancelled, Req, RequestError, SamplingParams
     from spindle.contracts.stage import BeforeDenoisingStage, InferenceSpec, Stage
+    from spindle.engine_config import EngineConfig
     from spindle.infer.generator import DiffusionGenerator, GenerationResult
-    from spindle.infer.pipeline import EngineOptions, InferencePipeline
+    from spindle.infer.pipeline import InferencePipeline
     from spindle.infer.quality import psnr
     from spindle.infer.stages import DecodingStage, DenoisingStage
 
@@ -27,7 +28,7 @@ _LAZY = {
     "DiffusionGenerator": "spindle.infer.generator",
     "GenerationResult": "spindle.infer.generator",
     "psnr": "spindle.infer.quality",
-    "EngineOptions": "spindle.infer.pipeline",
+    "EngineConfig": "spindle.engine_config",
     "InferencePipeline": "spindle.infer.pipeline",
     "InferenceSpec": "spindle.contracts.stage",
     "BeforeDenoisingStage": "spindle.contracts.stage",
@@ -44,7 +45,7 @@ __all__ = [
     "DecodingStage",
     "DenoisingStage",
     "DiffusionGenerator",
-    "EngineOptions",
+    "EngineConfig",
     "GenerationResult",
     "InferencePipeline",
     "InferenceSpec",

@@ -21,7 +21,7 @@ import io
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 if TYPE_CHECKING:  # the CLI imports CACHE_NAMES to parse flags: keep torch out of that path
     import torch
@@ -44,7 +44,7 @@ class CachePolicy:
 
     def cfg_unavailable(self, cfg_batch: bool, cfg_parallel: bool) -> str | None:
         """Why this policy cannot run with these CFG settings (None: it can). One definition for
-        `EngineOptions.validate` (before the engine is built) and `DenoisingStage.cache_unavailable`."""
+        `EngineConfig` (validated before the engine is built) and `DenoisingStage.cache_unavailable`."""
         if self.needs_cfg_batch and (not cfg_batch or cfg_parallel):
             return (
                 f"cache={self.name!r} approximates the unconditional half of a CFG-batched forward: "
@@ -104,7 +104,10 @@ POLICIES: dict[str, CachePolicy] = {
         ),
     )
 }
-CACHE_NAMES = (*POLICIES, "auto")
+# the names an engine option may give (`EngineConfig.cache`): every policy, and "auto" (calibrated);
+# tests/project/test_option_sections.py checks that the two lists agree
+CacheName = Literal["fbc", "mag", "taylorseer", "pab", "faster", "auto"]
+CACHE_NAMES: tuple[str, ...] = get_args(CacheName)
 
 
 def candidate_settings(policy: CachePolicy) -> list[tuple[Any, dict[str, Any]]]:

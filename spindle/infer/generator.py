@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from spindle.contracts.request import Req, RequestLimits, SamplingParams
+from spindle.contracts.request import Req, SamplingParams
 from spindle.data.media import write_image, write_video
-from spindle.infer.pipeline import EngineOptions, InferencePipeline
+from spindle.engine_config import EngineConfig, RequestLimits
+from spindle.infer.pipeline import InferencePipeline
 
 if TYPE_CHECKING:
     from diffusers import ModelMixin  # Any to mypy: diffusers is not followed (pyproject [tool.mypy])
@@ -62,8 +63,8 @@ class GenerationResult:
 class DiffusionGenerator:
     """Loads a diffusers pipeline folder once and generates from it.
 
-    Engine options (see `EngineOptions`): device, dtype, vae_dtype, exact, cfg_batch, fast_vae, compile,
-    cache, cache_threshold, cache_options, min_psnr, sp, cfg_parallel. With `cache="auto"` the first
+    Engine options: the fields of `spindle.engine_config.EngineConfig` (device, dtype, exact, compile,
+    cache, sp, lora, ...), given as keywords. With `cache="auto"` the first
     request calibrates (`spindle.infer.calibrate`); `cache_choice` then says what was chosen.
     """
 
@@ -80,11 +81,8 @@ class DiffusionGenerator:
     @classmethod
     def from_pretrained(cls, path: str | Path, family: DiTFamily, **engine_options: Any) -> DiffusionGenerator:
         """Load with `family`'s inference spec (resolved by the caller: `spindle.api.load_generator`)."""
-        known = {f.name for f in dataclasses.fields(EngineOptions)}
-        unknown = sorted(set(engine_options) - known)
-        if unknown:
-            raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
-        return cls(InferencePipeline.from_pretrained(path, family, EngineOptions(**engine_options)))
+        options = EngineConfig(**engine_options)  # a bad or unknown option fails here, before any loading
+        return cls(InferencePipeline.from_pretrained(path, family, options))
 
     @property
     def family(self) -> str:

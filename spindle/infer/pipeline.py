@@ -5,7 +5,7 @@
 2. every component the spec needs is loaded with the class model_index.json names
    (`["diffusers", "AutoencoderKLWan"]` -> `diffusers.AutoencoderKLWan.from_pretrained(root/vae)`).
 3. stages: the family's BeforeDenoisingStage, the shared DenoisingStage and DecodingStage.
-4. speed options (`EngineOptions`): default-on exact ones (CFG batching, oneDNN VAE convolutions and
+4. speed options (`spindle.engine_config.EngineConfig`): default-on exact ones (CFG batching, oneDNN VAE convolutions and
    feed-forward Linear + GELU; `exact=True` turns them off to reproduce diffusers bit for bit; on
    CPU, freed host memory is kept in the process, `spindle.cpu_allocator`, which changes no number),
    step caching (diffusers cache hooks, `spindle.infer.caches`), regional `torch.compile`, and the
@@ -17,7 +17,6 @@ from __future__ import annotations
 import importlib
 import json
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +24,7 @@ import torch
 
 from spindle.contracts.request import Req
 from spindle.contracts.stage import BeforeDenoisingStage, InferenceSpec, Stage
+from spindle.engine_config import EngineConfig
 from spindle.infer.stages import DecodingStage, DenoisingStage
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from spindle.contracts.family import DiTFamily
 
 ALLOWED_LIBRARIES = ("diffusers", "transformers")
-DTYPES = {
+DTYPES = {  # the names `spindle.engine_config.DType` allows
     "float32": torch.float32,
     "fp32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -41,79 +41,6 @@ DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
-
-
-@dataclass
-class EngineOptions:
-    """How the engine runs a checkpoint (not what it generates; that is `SamplingParams`)."""
-
-    device: str | None = None  # None: cuda if available, else cpu
-    dtype: str = "float32"  # transformer + text encoder
-    vae_dtype: str = "float32"
-    exact: bool = False  # reproduce diffusers bit for bit: no CFG batching, memoization or oneDNN VAE / feed-forward
-    cfg_batch: bool = True  # cond + uncond in one forward (off when exact)
-    fast_vae: bool = True  # oneDNN for the VAE's 3-D convolutions on CPU (spindle.infer.speedups; off when exact)
-    fast_mlp: bool = True  # on CPU, each feed-forward's Linear + GELU as one oneDNN call (speedups; off when exact)
-    compile: bool = False  # torch.compile of the transformer's repeated blocks
-    cache: str | None = None  # a step cache of spindle.infer.caches.CACHE_NAMES ("auto": calibrated)
-    cache_threshold: float | None = None  # the policy's main knob (None: its default)
-    cache_options: dict[str, Any] = field(default_factory=dict)  # more knobs of the policy's diffusers config
-    min_psnr: float = 30.0  # cache="auto": the quality floor (dB against the uncached output)
-    sp: int = 1  # Ulysses sequence-parallel degree (heads must divide it)
-    ring: int = 1  # ring-attention degree: the sequence is split over ring x sp processes
-    cfg_parallel: bool = False  # cond / uncond on different ranks (needs 2 x ring x sp processes)
-    lora: str | None = None  # a LoRA file / folder applied to the transformer (spindle.infer.lora)
-    lora_scale: float = 1.0
-    # on CPU: keep freed host memory in the process (spindle.cpu_allocator; bit-identical, not turned off by exact)
-    keep_freed_memory: bool = True
-
-    def validate(self) -> None:
-        from spindle.infer.caches import POLICIES, check_cache_options
-
-        for name in ("dtype", "vae_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise ValueError(f"{name} must be one of {sorted(DTYPES)}; got {getattr(self, name)!r}")
-        if not isinstance(self.cache_options, dict):
-            raise ValueError(f"cache_options must be a dict of knob -> value; got {self.cache_options!r}")
-        check_cache_options(self.cache, self.cache_threshold, self.cache_options)
-        if self.exact and (self.compile or self.cache is not None):
-            raise ValueError(
-                "exact=True reproduces diffusers bit for bit, so it cannot be combined with "
-                f"{'compile' if self.compile else 'cache=' + repr(self.cache)}; drop one of them"
-            )
-        policy = POLICIES.get(self.cache) if self.cache is not None else None
-        reason = policy.cfg_unavailable(self.cfg_batch, self.cfg_parallel) if policy is not None else None
-        if reason is not None:
-            raise ValueError(reason)  # early: the denoising stage (which checks it again) does not exist yet
-        if self.cache == "auto" and self.world_size_needed > 1:
-            raise ValueError(
-                "cache='auto' calibrates in one process; pick the policy it printed for sp / ring / cfg_parallel"
-            )
-        if isinstance(self.min_psnr, bool) or not isinstance(self.min_psnr, (int, float)) or self.min_psnr <= 0:
-            raise ValueError(f"min_psnr must be a number of dB > 0; got {self.min_psnr!r}")
-        if not isinstance(self.lora_scale, (int, float)) or isinstance(self.lora_scale, bool):
-            raise ValueError(f"lora_scale must be a number; got {self.lora_scale!r}")
-        for name in ("sp", "ring"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
-
-    @property
-    def batch_cfg(self) -> bool:
-        return self.cfg_batch and not self.exact
-
-    @property
-    def onednn_vae(self) -> bool:
-        return self.fast_vae and not self.exact
-
-    @property
-    def world_size_needed(self) -> int:
-        return self.sp * self.ring * (2 if self.cfg_parallel else 1)
-
-    def torch_device(self) -> torch.device:
-        if self.device is None:
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
 
 
 def read_model_index(root: str | Path) -> dict[str, Any]:
@@ -147,7 +74,7 @@ def load_component(root: Path, name: str, entry: Any, device: torch.device, dtyp
     return loader.from_pretrained(path)
 
 
-def load_components(root: str | Path, spec: InferenceSpec, options: EngineOptions) -> dict[str, Any]:
+def load_components(root: str | Path, spec: InferenceSpec, options: EngineConfig) -> dict[str, Any]:
     root = Path(root)
     index = read_model_index(root)
     spec.check_checkpoint(index)
@@ -180,7 +107,7 @@ class InferencePipeline:
         spec: InferenceSpec,
         components: dict[str, Any],
         stages: list[Stage],
-        options: EngineOptions,
+        options: EngineConfig,
         root: Path | None = None,
         mesh: Any = None,
     ):
@@ -206,14 +133,13 @@ class InferencePipeline:
 
     @classmethod
     def from_pretrained(
-        cls, root: str | Path, family: DiTFamily, options: EngineOptions | None = None
+        cls, root: str | Path, family: DiTFamily, options: EngineConfig | None = None
     ) -> InferencePipeline:
         """Load the checkpoint at `root` with `family`'s inference spec (the entry point resolved the
         family: `spindle.api.load_pipeline`)."""
         from spindle.weight_files import check_weight_files
 
-        options = options or EngineOptions()
-        options.validate()
+        options = options or EngineConfig()  # validated when built
         root = Path(root)
         check_weight_files(root)  # a damaged file is named here, not as a bare SafetensorError mid-load
         spec: InferenceSpec = family.inference_spec()
@@ -226,7 +152,7 @@ class InferencePipeline:
 
     @classmethod
     def build(
-        cls, spec: InferenceSpec, components: dict[str, Any], options: EngineOptions, root: Path | None = None
+        cls, spec: InferenceSpec, components: dict[str, Any], options: EngineConfig, root: Path | None = None
     ) -> InferencePipeline:
         transformer = components[spec.transformer_component]
         if options.keep_freed_memory and options.torch_device().type == "cpu":
@@ -279,7 +205,7 @@ def is_main_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def setup_parallel(transformer: torch.nn.Module, options: EngineOptions) -> tuple[Any, Any]:
+def setup_parallel(transformer: torch.nn.Module, options: EngineConfig) -> tuple[Any, Any]:
     """Mesh for the multi-process modes; -> (mesh, cfg process group or None).
 
     Mesh dims (spindle.distributed.mesh): `sp` = Ulysses degree, `ring` = ring-attention degree; the

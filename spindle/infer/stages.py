@@ -21,7 +21,7 @@ def check_denoising_inputs(req: Req, spec: InferenceSpec) -> None:
     """What DenoisingStage reads, as the family's BeforeDenoisingStage must leave it (StageContractError
     naming the family and the field otherwise): float latents of the request's batch size, a non-empty
     1-D `timesteps`, a scheduler with `step`, prompt embeddings (and negative ones under CFG) per
-    sample, a numeric `guidance_scale`, `raw_latent_shape` with the same batch size."""
+    sample, a numeric `cfg_scale`, `raw_latent_shape` with the same batch size."""
     where = f"{spec.before_denoising_cls.__name__}"
     batch = req.params.batch_size
     latents = req.latents
@@ -38,8 +38,8 @@ def check_denoising_inputs(req: Req, spec: InferenceSpec) -> None:
     check_batch_tensor(req, spec, "prompt_embeds", req.prompt_embeds, batch, where)
     if req.do_cfg:
         check_batch_tensor(req, spec, "negative_prompt_embeds", req.negative_prompt_embeds, batch, where + " (CFG on)")
-    if isinstance(req.guidance_scale, bool) or not isinstance(req.guidance_scale, (int, float)):
-        raise contract_error(spec, where, "guidance_scale", f"as {req.guidance_scale!r}; DenoisingStage needs a number")
+    if isinstance(req.cfg_scale, bool) or not isinstance(req.cfg_scale, (int, float)):
+        raise contract_error(spec, where, "cfg_scale", f"as {req.cfg_scale!r}; DenoisingStage needs a number")
     shape = req.raw_latent_shape
     if not isinstance(shape, tuple) or not shape or shape[0] != batch:
         raise contract_error(spec, where, "raw_latent_shape", f"as {shape!r}; DecodingStage needs (batch={batch}, ...)")
@@ -153,7 +153,7 @@ class DenoisingStage(Stage):
                 cond = self._forward(spec.denoiser_kwargs(req, latents, t, "cond"))
             with self._cache_context("uncond", req, i):
                 uncond = self._forward(spec.denoiser_kwargs(req, latents, t, "uncond"))
-        return spec.combine_cfg(cond, uncond, req.guidance_scale)
+        return spec.combine_cfg(cond, uncond, req.cfg_scale)
 
     def check_sequence_parallel(self, req: Req) -> None:
         if self.sp * self.ring == 1:

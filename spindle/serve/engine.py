@@ -26,7 +26,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from spindle.contracts.request import Cancelled, RequestLimits, SamplingParams
+from spindle.contracts.request import Cancelled, SamplingParams
+from spindle.engine_config import RequestLimits
 
 log = logging.getLogger("spindle.serve")
 

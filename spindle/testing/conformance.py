@@ -203,12 +203,13 @@ def check_inference_parity(
 ) -> None:
     """Spindle's staged engine, built from the family's own inference spec, gives the stock pipeline's
     output for the same seed."""
+    from spindle.engine_config import EngineConfig
     from spindle.infer.generator import DiffusionGenerator
-    from spindle.infer.pipeline import EngineOptions, InferencePipeline, load_components
+    from spindle.infer.pipeline import InferencePipeline, load_components
 
     reference = stock_output(root, kwargs)
     check_reference(family.name, reference, kwargs)
-    options = EngineOptions(cfg_batch=cfg_batch)
+    options = EngineConfig(cfg_batch=cfg_batch)
     spec = family.inference_spec()
     engine = InferencePipeline.build(spec, load_components(root, spec, options), options, root=root)
     result = DiffusionGenerator(engine).generate(**kwargs)

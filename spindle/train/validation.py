@@ -41,14 +41,15 @@ def frozen_components(task: Any, spec: Any) -> dict[str, Any]:
 @torch.no_grad()
 def render_samples(task: Any, model: torch.nn.Module, step: int, out_dir: Path) -> list[np.ndarray]:
     """Render one sample per `train.validation.prompts` entry; -> the frames (rank 0 writes the files)."""
+    from spindle.engine_config import EngineConfig
     from spindle.infer.generator import DiffusionGenerator
-    from spindle.infer.pipeline import EngineOptions, InferencePipeline
+    from spindle.infer.pipeline import InferencePipeline
 
     cfg = task.cfg
     val = cfg.train.validation
     spec = task.family.inference_spec()
     components = {**frozen_components(task, spec), spec.transformer_component: model}
-    pipeline = InferencePipeline.build(spec, components, EngineOptions(device=str(task.device)))
+    pipeline = InferencePipeline.build(spec, components, EngineConfig(device=str(task.device)))
     generator = DiffusionGenerator(pipeline)
     height, width = val.size or tuple(cfg.data.resolution)
     request: dict[str, Any] = dict(

@@ -125,8 +125,9 @@ def test_true_cfg_scale_is_the_cfg_scale_and_guidance_stays_embedded(tiny_flux):
     equal to two: tests/test_conformance.py::test_cfg_batch_is_one_forward_equal_to_two.)"""
     kw = dict(prompt="a boat", negative_prompt="ugly", height=32, width=32, num_inference_steps=2, seed=1)
     _, req = before_denoising(tiny_flux, {**kw, "max_sequence_length": 16, "true_cfg_scale": 3.0})
-    assert req.do_cfg and req.guidance_scale == 3.0
-    assert torch.equal(req.extra["guidance"], torch.full((1,), 3.5))
+    assert req.do_cfg and req.cfg_scale == 3.0
+    assert torch.equal(req.embedded_guidance, torch.full((1,), 3.5))
+    assert "guidance" not in req.extra  # one place for it: the Req field the transformer's guidance= reads
 
 
 def test_batch_of_prompts_and_outputs_per_prompt(tiny_flux):

@@ -89,15 +89,39 @@ def test_renamed_folder_is_detected_and_unknown_class_is_refused(tiny_wan, tmp_p
 def test_bad_requests_say_what_is_allowed(gen, bad, match):
     from spindle.infer import RequestError
 
-    with pytest.raises(RequestError, match=match):
+    with pytest.raises(RequestError, match=match) as e:
         gen.generate(**{**SMALL, **bad})
     assert issubclass(RequestError, ValueError)
+    # the field at fault is named by the raise site (the server's 400 names it), never guessed from the message
+    assert e.value.field == ("negative_prompt" if "negative_prompt" in bad else next(iter(bad)))
 
 
-def test_unknown_engine_option(tiny_wan):
+def test_request_error_needs_its_field():
+    from spindle.infer import RequestError
 
-    with pytest.raises(ValueError, match=r"unknown engine option\(s\) \['cahce'\]"):
+    with pytest.raises(TypeError, match="field"):
+        RequestError("width x height = 64x64 is too many pixels")  # type: ignore[call-arg]  # leaving field out is the point
+    assert RequestError("width x height = 64x64 is too many pixels", field="width").field == "width"
+
+
+def test_a_family_option_error_names_the_option(gen):
+    from spindle.infer import RequestError
+
+    with pytest.raises(RequestError, match="not an option of wan") as e:
+        gen.generate(**SMALL, true_cfg_scale=2.0)
+    assert e.value.field == "true_cfg_scale"
+
+
+def test_unknown_engine_option_names_the_closest(tiny_wan):
+    """A typo in a keyword engine option fails before anything loads, naming the option it resembles."""
+    from spindle.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"unknown engine option 'cahce'; did you mean 'cache'\?"):
         load_generator(tiny_wan, cahce="fbc")
+    with pytest.raises(ConfigError, match=r"unknown engine option 'vae_dtpye'; did you mean 'vae_dtype'\?"):
+        load_generator(tiny_wan, vae_dtpye="bfloat16")
+    with pytest.raises(ConfigError, match=r"dtype must be one of 'float32', .*; got 'float33'"):
+        load_generator(tiny_wan, dtype="float33")
 
 
 def test_progress_seed_and_cancel(gen):

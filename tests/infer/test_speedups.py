@@ -72,8 +72,8 @@ def test_fused_feed_forward_keeps_the_unfused_path_for_training(flux_transformer
     [({}, True), ({"exact": True}, False), ({"fast_mlp": False}, False), ({"compile": True}, False)],
 )
 def test_engine_fuses_by_default_on_cpu(tiny_flux, options, fused):
-    from spindle.infer.pipeline import EngineOptions
+    from spindle.engine_config import EngineConfig
 
-    pipeline = load_pipeline(tiny_flux, EngineOptions(device="cpu", **options))
+    pipeline = load_pipeline(tiny_flux, EngineConfig(device="cpu", **options))
     marked = [m for m in pipeline.transformer.modules() if getattr(m, "_spindle_fused", False)]
     assert bool(marked) is fused

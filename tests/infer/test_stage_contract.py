@@ -8,7 +8,8 @@ import pytest
 
 from spindle.contracts.request import Req
 from spindle.contracts.stage import StageContractError
-from spindle.infer.pipeline import EngineOptions, InferencePipeline, load_components
+from spindle.engine_config import EngineConfig
+from spindle.infer.pipeline import InferencePipeline, load_components
 from spindle.models.flux.inference import FluxBeforeDenoisingStage, FluxInference
 
 KW = dict(prompt="a cat", height=32, width=32, num_inference_steps=2, max_sequence_length=8, seed=0)
@@ -19,13 +20,13 @@ def components(tmp_path_factory):
     from spindle.models.flux.tiny import build_tiny_flux
 
     root = build_tiny_flux(tmp_path_factory.mktemp("flux_contract"), seed=0)
-    return load_components(root, FluxInference(), EngineOptions())
+    return load_components(root, FluxInference(), EngineConfig())
 
 
 def run(spec, components, **kw):
     from spindle.infer.generator import DiffusionGenerator
 
-    gen = DiffusionGenerator(InferencePipeline.build(spec, components, EngineOptions()))
+    gen = DiffusionGenerator(InferencePipeline.build(spec, components, EngineConfig()))
     return gen.generate(**{**KW, **kw})
 
 

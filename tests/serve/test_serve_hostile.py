@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from spindle.contracts.request import RequestLimits
+from spindle.engine_config import RequestLimits
 from spindle.serve import ServeLimits, build_app
 from tests.serve.test_serve import LiveServer, assert_error, gen  # noqa: F401 - `gen`: the tiny Wan generator fixture
 from tests.serve.test_serve_images import flux  # noqa: F401 - the tiny Flux generator fixture

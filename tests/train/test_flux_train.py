@@ -65,8 +65,8 @@ def test_training_inputs_follow_diffusers_flux_conventions(condition, tiny_flux)
 
 
 def test_static_shift_from_config_replaces_resolution_shift(condition):
+    from spindle.config import TimestepConfig
     from spindle.train.tasks.flow_matching import sample_generator
-    from spindle.train.tasks.flow_matching_math import TimestepSampling
 
     cond = {
         "latents": torch.zeros(1, 4, 16, 16),
@@ -75,9 +75,9 @@ def test_static_shift_from_config_replaces_resolution_shift(condition):
     }
     saved = condition.timestep_sampling
     try:
-        condition.timestep_sampling = TimestepSampling(shift=3.0)
+        condition.timestep_sampling = TimestepConfig(shift=3.0)
         static = condition.training_inputs(cond, [sample_generator(0, 0, 0)])["sigmas"]
-        condition.timestep_sampling = TimestepSampling(shift=1.0)
+        condition.timestep_sampling = TimestepConfig(shift=1.0)
         dynamic = condition.training_inputs(cond, [sample_generator(0, 0, 0)])["sigmas"]
     finally:
         condition.timestep_sampling = saved

@@ -60,7 +60,7 @@ class FluxBeforeDenoisingStage(PipelineBeforeDenoisingStage):
         device = req.device
         true_cfg = float(p.extra["true_cfg_scale"])
         req.do_cfg = true_cfg > 1 and p.negative_prompt is not None
-        req.guidance_scale = true_cfg  # the CFG scale the shared DenoisingStage combines with
+        req.cfg_scale = true_cfg  # the CFG scale the shared DenoisingStage combines with
         dtype = self.transformer.dtype
         req.model_dtype = dtype
 
@@ -88,13 +88,11 @@ class FluxBeforeDenoisingStage(PipelineBeforeDenoisingStage):
         req.extra["img_ids"] = img_ids.to(dtype)
         req.raw_latent_shape = self.latent_shape(p)
 
-        if self.transformer.config.guidance_embeds:
+        if self.transformer.config.guidance_embeds:  # Flux's guidance_scale is the embedded guidance
             guidance = torch.full(
                 [1], float(resolved(p.guidance_scale, "guidance_scale")), device=device, dtype=torch.float32
             )
-            req.extra["guidance"] = guidance.expand(latents.shape[0])
-        else:
-            req.extra["guidance"] = None
+            req.embedded_guidance = guidance.expand(latents.shape[0])
 
         from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
 
@@ -140,7 +138,7 @@ class FluxInference(InferenceSpec):
         return {
             "hidden_states": latents.to(req.model_dtype),
             "timestep": t.expand(latents.shape[0]).to(latents.dtype) / 1000,
-            "guidance": x["guidance"],
+            "guidance": req.embedded_guidance,
             "pooled_projections": x["pooled"] if cond else x["negative_pooled"],
             "encoder_hidden_states": req.prompt_embeds if cond else req.negative_prompt_embeds,
             "txt_ids": x["txt_ids"] if cond else x["negative_txt_ids"],

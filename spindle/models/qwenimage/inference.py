@@ -42,7 +42,8 @@ class QwenImageBeforeDenoisingStage(PipelineBeforeDenoisingStage):
             # stretching the schedule to its terminal sigma divides by zero with one step (NaN image)
             raise RequestError(
                 f"num_inference_steps must be >= 2 for this checkpoint's scheduler (shift_terminal="
-                f"{self.scheduler.config.shift_terminal}); got {params.num_inference_steps}"
+                f"{self.scheduler.config.shift_terminal}); got {params.num_inference_steps}",
+                field="num_inference_steps",
             )
         self.check_positions(params)
 
@@ -87,7 +88,7 @@ class QwenImageBeforeDenoisingStage(PipelineBeforeDenoisingStage):
         device = req.device
         true_cfg = float(p.extra["true_cfg_scale"])
         req.do_cfg = true_cfg > 1 and p.negative_prompt is not None  # QwenImagePipeline's rule
-        req.guidance_scale = true_cfg  # the CFG scale the shared DenoisingStage combines with
+        req.cfg_scale = true_cfg  # the CFG scale the shared DenoisingStage combines with
         dtype = self.transformer.dtype
         req.model_dtype = dtype
 
@@ -109,12 +110,10 @@ class QwenImageBeforeDenoisingStage(PipelineBeforeDenoisingStage):
         # as QwenImagePipeline: one entry per prompt (RoPE reads the first; all images share a size)
         req.extra["img_shapes"] = [[(1, h // 2, w // 2)]] * len(p.prompts)
 
-        if self.transformer.config.guidance_embeds:
+        if self.transformer.config.guidance_embeds:  # guidance_scale is the embedded guidance of distilled variants
             scale = float(resolved(p.guidance_scale, "guidance_scale"))
             guidance = torch.full([1], scale, device=device, dtype=torch.float32)
-            req.extra["guidance"] = guidance.expand(req.latents.shape[0])
-        else:
-            req.extra["guidance"] = None
+            req.embedded_guidance = guidance.expand(req.latents.shape[0])
 
         from diffusers.pipelines.qwenimage.pipeline_qwenimage import retrieve_timesteps
 
@@ -156,7 +155,7 @@ class QwenImageInference(InferenceSpec):
         return {
             "hidden_states": latents.to(req.model_dtype),
             "timestep": t.expand(latents.shape[0]).to(latents.dtype) / 1000,
-            "guidance": x["guidance"],
+            "guidance": req.embedded_guidance,
             "encoder_hidden_states": req.prompt_embeds if cond else req.negative_prompt_embeds,
             "encoder_hidden_states_mask": x["prompt_mask"] if cond else x["negative_mask"],
             "img_shapes": x["img_shapes"],
@@ -185,9 +184,9 @@ class QwenImageInference(InferenceSpec):
             padded, req.extra[mask_name] = pad_text(embeds, req.extra[mask_name], length)
             setattr(req, embeds_name, padded)
 
-    def combine_cfg(self, cond: torch.Tensor, uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+    def combine_cfg(self, cond: torch.Tensor, uncond: torch.Tensor, cfg_scale: float) -> torch.Tensor:
         """QwenImagePipeline's true CFG: the guided prediction rescaled to the conditional one's norm."""
-        combined = uncond + guidance_scale * (cond - uncond)
+        combined = uncond + cfg_scale * (cond - uncond)
         return combined * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
 
     def sequence_length(self, req: Req, transformer: torch.nn.Module) -> int:

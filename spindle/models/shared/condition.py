@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from spindle.config import TimestepConfig
 from spindle.contracts.condition import ConditionModel
 from spindle.contracts.family import import_object
-from spindle.train.tasks.flow_matching_math import TimestepSampling
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self from Python 3.11 on
@@ -64,7 +64,8 @@ class PipelineConditionModel(ConditionModel):
         self.device = device
         self.dtype = dtype
         self.max_text_length = max_text_length
-        self.timestep_sampling = TimestepSampling(num_train_timesteps=pipe.scheduler.config.num_train_timesteps)
+        self.timestep_sampling = TimestepConfig()  # the job's `train.timestep` replaces it (FlowMatchingTask)
+        self.num_train_timesteps: int = pipe.scheduler.config.num_train_timesteps
 
     @classmethod
     def from_pretrained(

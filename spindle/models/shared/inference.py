@@ -32,5 +32,8 @@ def check_packed_image_request(params: Any, vae_scale_factor: int, max_sequence_
     multiple = 2 * vae_scale_factor
     check_size(params, multiple, multiple, f"VAE x{vae_scale_factor} x 2x2 packing")
     if params.num_frames not in (None, 1):
-        raise RequestError(f"num_frames must be left unset (or 1): {label} generates images; got {params.num_frames!r}")
+        raise RequestError(
+            f"num_frames must be left unset (or 1): {label} generates images; got {params.num_frames!r}",
+            field="num_frames",
+        )
     check_int_range("max_sequence_length", params.max_sequence_length, minimum=1, maximum=max_sequence_length)

@@ -59,7 +59,7 @@ class WanConditionModel(PipelineConditionModel):
         noisy, target = flow_matching_pair(x0, sigmas, generators)
         return {
             "hidden_states": noisy,
-            "timestep": (sigmas * self.timestep_sampling.num_train_timesteps).to(x0.device),
+            "timestep": (sigmas * self.num_train_timesteps).to(x0.device),
             "encoder_hidden_states": conditions["prompt_embeds"].to(x0.device),
             "target": target,
             "sigmas": sigmas,

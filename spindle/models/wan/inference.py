@@ -63,7 +63,8 @@ class WanBeforeDenoisingStage(BeforeDenoisingStage):
             hint = f"; try {suggest(n, k, offset=1)}" if isinstance(n, int) and not isinstance(n, bool) else ""
             raise RequestError(
                 f"num_frames must be {k}k+1 (1, {k + 1}, {2 * k + 1}, {3 * k + 1}, ...) for this model's VAE "
-                f"(got {n!r}){hint}"
+                f"(got {n!r}){hint}",
+                field="num_frames",
             )
         check_int_range("max_sequence_length", params.max_sequence_length, minimum=1)
         self.check_positions(params)
@@ -120,7 +121,7 @@ class WanBeforeDenoisingStage(BeforeDenoisingStage):
         req.prompt_embeds = prompt_embeds.to(dtype)
         req.negative_prompt_embeds = negative_embeds.to(dtype) if negative_embeds is not None else None
         req.do_cfg = p.do_cfg
-        req.guidance_scale = float(resolved(p.guidance_scale, "guidance_scale"))
+        req.cfg_scale = float(resolved(p.guidance_scale, "guidance_scale"))  # Wan's guidance_scale is the CFG scale
 
         scheduler = copy.deepcopy(self.scheduler)  # schedulers are stateful: one copy per request
         scheduler.set_timesteps(resolved(p.num_inference_steps, "num_inference_steps"), device=device)

@@ -25,7 +25,6 @@ from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.mesh import barrier, is_main_process
 from spindle.train.metrics import count_tokens
 from spindle.train.tasks.base import resumable_loader
-from spindle.train.tasks.flow_matching_math import TimestepSampling
 
 if TYPE_CHECKING:
     from spindle.data.loader import ResumableLoader
@@ -102,15 +101,7 @@ class FlowMatchingTask(TrainTask):
         # with a precomputed cache only the training-input side loads (no text encoder / VAE weights)
         encoders = self.cfg.data.precomputed is None
         cond = build_condition_model(self.cfg, self.family, self.device, self.precision, encoders=encoders)
-        ts = self.cfg.train.timestep
-        cond.timestep_sampling = TimestepSampling(
-            scheme=ts.scheme,
-            logit_mean=ts.logit_mean,
-            logit_std=ts.logit_std,
-            mode_scale=ts.mode_scale,
-            shift=ts.shift,
-            num_train_timesteps=cond.timestep_sampling.num_train_timesteps,
-        )
+        cond.timestep_sampling = self.cfg.train.timestep
         return cond
 
     def build_model(self) -> torch.nn.Module:

@@ -5,31 +5,18 @@ random draw goes through the per-sample generators the task passes in."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-TIMESTEP_SCHEMES = ("uniform", "logit_normal", "mode")
-
-
-@dataclass
-class TimestepSampling:
-    """How training draws sigma in (0, 1). `shift` applies the SD3/Wan shift s*t / (1 + (s-1)*t)."""
-
-    scheme: str = "uniform"
-    logit_mean: float = 0.0
-    logit_std: float = 1.0
-    mode_scale: float = 1.29
-    shift: float = 1.0
-    num_train_timesteps: int = 1000
+from spindle.config import TimestepConfig
 
 
 def sample_sigmas(
-    cfg: TimestepSampling,
+    cfg: TimestepConfig,
     generators: list[torch.Generator],
     shift_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """One sigma per sample, each drawn from that sample's own generator (see `flow_matching_pair`).
+    """One sigma per sample (`cfg`: the job's `train.timestep`; its `scheme` is checked by the config), each drawn from that sample's own generator (see `flow_matching_pair`).
 
     `shift_fn`: the family's own shift of the drawn sigmas (e.g. Flux's resolution-dependent shift,
     `resolution_shift`); it applies only while the static `cfg.shift` is 1 (an explicit static
@@ -37,8 +24,6 @@ def sample_sigmas(
     """
     from diffusers.training_utils import compute_density_for_timestep_sampling
 
-    if cfg.scheme not in TIMESTEP_SCHEMES:
-        raise ValueError(f"unknown timestep scheme {cfg.scheme!r}; choose one of {TIMESTEP_SCHEMES}")
     u = torch.cat(
         [
             compute_density_for_timestep_sampling(

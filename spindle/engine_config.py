@@ -1,0 +1,243 @@
+"""Typed sections of what a user sets to run a checkpoint rather than train one: how the engine runs it
+(`EngineConfig`), what one request may ask for (`RequestLimits`) and what one server connection may hold
+(`ServeLimits`). Same system as the training config (`spindle.config`): pydantic fields with their
+constraints and descriptions; `spindle generate` / `spindle serve` flags and docs/cli.md are generated from
+these fields (`spindle.commands.flags`), and the Python API takes the same names as keywords
+(`spindle.api.load_generator(path, cache="fbc")`), rejecting a typo by naming the closest option.
+
+Torch-free: `spindle generate --help` / `spindle serve --help` read the fields.
+"""
+
+from __future__ import annotations
+
+import resource
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Field, model_validator
+
+from spindle.config import OptionSection
+from spindle.contracts.request import RequestError, SamplingParams
+from spindle.infer.caches import CacheName
+
+if TYPE_CHECKING:
+    import torch
+
+# names of the torch dtypes an engine loads weights in (`spindle.infer.pipeline.DTYPES` maps them)
+DType = Literal["float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
+
+# Connections beyond `max_connections` that may stay open to be told 503 (or answer /health) while
+# every connection has a request in flight; they come out of the 64 descriptors kept spare below.
+OVERFLOW_CONNECTIONS = 16
+
+
+class EngineConfig(OptionSection):
+    """How the engine runs a checkpoint (not what it generates; that is `SamplingParams`)."""
+
+    noun = "engine option"
+
+    device: str | None = Field(None, description="cpu / cuda / cuda:N (default: cuda if available, else cpu)")
+    dtype: DType = Field("float32", description="transformer + text encoder dtype")
+    vae_dtype: DType = Field("float32", description="VAE dtype")
+    exact: bool = Field(
+        False,
+        description="reproduce diffusers bit for bit: turn off the default speed-ups (CFG batching, per-request "
+        "prompt projections, oneDNN VAE convolutions and feed-forward Linear + GELU); cannot be combined with "
+        "compile or cache",
+    )
+    cfg_batch: bool = Field(
+        True,
+        description="conditional and unconditional in one batched forward (no: two forwards; off with exact)",
+    )
+    fast_vae: bool = Field(
+        True, description="on CPU, oneDNN for the VAE's 3-D convolutions (spindle.infer.speedups; off with exact)"
+    )
+    fast_mlp: bool = Field(
+        True,
+        description="on CPU, each feed-forward's Linear + GELU as one oneDNN call (spindle.infer.speedups; off "
+        "with exact or compile)",
+    )
+    compile: bool = Field(False, description="torch.compile the repeated transformer blocks")
+    cache: CacheName | None = Field(
+        None,
+        description="step cache (diffusers hooks): fbc = first-block cache, mag = MagCache, taylorseer = "
+        "TaylorSeer, pab = pyramid attention broadcast, faster = FasterCache; auto = calibrate on the first "
+        "request and pick the fastest policy above min_psnr",
+    )
+    cache_threshold: float | None = Field(
+        None,
+        ge=0,
+        description="the cache's main knob: fbc/mag threshold (higher: faster, lossier), taylorseer "
+        "cache_interval, pab/faster spatial_attention_block_skip_range (default: the policy's)",
+    )
+    cache_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="more knobs of the cache's diffusers config, e.g. max_skip_steps=2",
+        json_schema_extra={"flag": "--cache-option"},  # one KEY=VALUE per flag, repeatable
+    )
+    min_psnr: float = Field(30.0, gt=0, description="cache auto: the quality floor in dB against the uncached output")
+    sp: int = Field(1, ge=1, description="Ulysses sequence-parallel degree (heads must divide it)")
+    ring: int = Field(1, ge=1, description="ring-attention degree; the sequence is split over ring x sp processes")
+    cfg_parallel: bool = Field(
+        False, description="conditional / unconditional on different ranks (needs 2 x ring x sp processes)"
+    )
+    lora: str | None = Field(
+        None, description="LoRA .safetensors file or folder applied to the transformer (diffusers or original layout)"
+    )
+    lora_scale: float = Field(1.0, description="LoRA strength")
+    keep_freed_memory: bool = Field(
+        True,
+        description="on CPU, keep freed host memory in the process (spindle.cpu_allocator) so tensors are not "
+        "page-faulted in again at every step; the output is the same (no: glibc hands it back to the OS)",
+    )
+
+    @model_validator(mode="after")
+    def _combinations(self) -> EngineConfig:
+        from spindle.infer.caches import POLICIES, check_cache_options
+
+        check_cache_options(self.cache, self.cache_threshold, self.cache_options)
+        if self.exact and (self.compile or self.cache is not None):
+            raise ValueError(
+                "exact=True reproduces diffusers bit for bit, so it cannot be combined with "
+                f"{'compile' if self.compile else 'cache=' + repr(self.cache)}; drop one of them"
+            )
+        policy = POLICIES.get(self.cache) if self.cache is not None else None
+        reason = policy.cfg_unavailable(self.cfg_batch, self.cfg_parallel) if policy is not None else None
+        if reason is not None:
+            raise ValueError(reason)  # early: the denoising stage (which checks it again) does not exist yet
+        if self.cache == "auto" and self.world_size_needed > 1:
+            raise ValueError(
+                "cache='auto' calibrates in one process; pick the policy it printed for sp / ring / cfg_parallel"
+            )
+        return self
+
+    @property
+    def batch_cfg(self) -> bool:
+        return self.cfg_batch and not self.exact
+
+    @property
+    def onednn_vae(self) -> bool:
+        return self.fast_vae and not self.exact
+
+    @property
+    def world_size_needed(self) -> int:
+        return self.sp * self.ring * (2 if self.cfg_parallel else 1)
+
+    def torch_device(self) -> torch.device:
+        import torch
+
+        if self.device is None:
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+
+def _zero_is_none(value: Any) -> Any:
+    """A request bound of 0 means none (the command line has no None); below 0 is a mistake."""
+    if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
+        if value < 0:
+            raise ValueError(f"must be >= 0 (0: no limit); got {value}")
+        return None
+    return value
+
+
+# a per-request bound: a positive integer, or None / 0 for no bound
+Bound = Annotated[Annotated[int, Field(ge=1)] | None, BeforeValidator(_zero_is_none)]
+
+
+class RequestLimits(OptionSection):
+    """Upper bounds on what one request may ask for, checked before it is queued (a server's `--max-*`
+    options). They bound memory and time per job: latents and activations grow with pixels x frames, the
+    run time with steps, the text encoder's input and every stored job with the prompt. None (or 0)
+    disables a bound; the Python API checks none unless given limits."""
+
+    noun = "request limit"
+
+    max_pixels: Bound = Field(2048 * 2048, description="width x height of one output")
+    max_frames: Bound = Field(257, description="frames of one video")
+    max_steps: Bound = Field(200, description="denoising steps of one request")
+    max_prompt_chars: Bound = Field(4000, description="characters of a prompt")
+    max_outputs: Bound = Field(10, description="outputs of one request (prompts x num_outputs_per_prompt, n)")
+
+    def as_dict(self) -> dict[str, int | None]:
+        return self.model_dump()
+
+    def check(self, params: SamplingParams) -> None:
+        """Raise `RequestError` naming the field for a request past a limit (after `validate_common`)."""
+        if self.max_prompt_chars is not None:
+            for name in ("prompt", "negative_prompt"):
+                value = getattr(params, name)
+                texts = [value] if isinstance(value, str) else list(value or [])
+                longest = max((len(t) for t in texts), default=0)
+                if longest > self.max_prompt_chars:
+                    raise RequestError(
+                        f"{name} is {longest} characters; this server takes at most {self.max_prompt_chars} "
+                        "(--max-prompt-chars)",
+                        field=name,
+                    )
+        _check_max("num_inference_steps", params.num_inference_steps, self.max_steps, "--max-steps")
+        _check_max("num_outputs_per_prompt", params.batch_size, self.max_outputs, "--max-outputs")
+        if params.num_frames is not None:
+            _check_max("num_frames", params.num_frames, self.max_frames, "--max-frames")
+        h, w = params.height, params.width
+        if self.max_pixels is not None and isinstance(h, int) and isinstance(w, int) and h * w > self.max_pixels:
+            raise RequestError(
+                f"width x height = {w}x{h} = {w * h} pixels; this server takes at most {self.max_pixels} pixels per "
+                "output (--max-pixels)",
+                field="width",
+            )
+
+
+def _check_max(name: str, value: Any, maximum: int | None, option: str) -> None:
+    if maximum is not None and isinstance(value, int) and not isinstance(value, bool) and value > maximum:
+        raise RequestError(f"{name} is {value}; this server takes at most {maximum} ({option})", field=name)
+
+
+class ServeLimits(OptionSection):
+    """What one server connection may hold, and the per-request bounds (`request`). All are `spindle
+    serve` options and are reported by `GET /health` and `GET /v1/models`.
+
+    At `max_connections` a new connection closes the longest-idle one (no request in progress); when
+    every connection is busy it answers its one request with 503 + Retry-After (`/health` as usual) and
+    closes (at most `OVERFLOW_CONNECTIONS` such at once, past that it is closed unanswered). So idle
+    sockets can never use up the file descriptors and `/health` keeps answering."""
+
+    noun = "server limit"
+
+    request: RequestLimits = Field(
+        default_factory=RequestLimits, description="per-request bounds (pixels, frames, steps, prompt, outputs)"
+    )
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="request body size; 413 beyond")
+    request_timeout: float = Field(
+        30.0,
+        gt=0,
+        description="seconds a client has to send a whole request (headers and body) once it has started one or "
+        "opened a connection; a half-sent one is closed (408 when the headers arrived)",
+    )
+    keep_alive_timeout: float = Field(
+        5.0, gt=0, description="seconds an idle keep-alive connection stays open between requests"
+    )
+    max_connections: int = Field(
+        256,
+        ge=2,
+        description="open connections; at the cap a new one closes the longest-idle one, or answers 503 when "
+        "every connection has a request in flight",
+    )
+    max_results: int = Field(
+        256,
+        ge=1,
+        description="finished jobs (results, errors, cancelled statuses) kept in memory; past it the oldest "
+        "finished are dropped before --result-ttl (then 410, as expired)",
+    )
+
+    def check_file_limit(self) -> None:
+        """The connection cap must fit under the process's open-file limit (with room for the model's
+        files, logs, the listening socket and the `OVERFLOW_CONNECTIONS` reserve), or descriptors run out
+        before the cap acts."""
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and self.max_connections > soft - 64:
+            raise ValueError(
+                f"--max-connections {self.max_connections} does not fit the open-file limit ({soft}, ulimit -n) "
+                f"with 64 to spare: lower it to {max(2, soft - 64)} or raise the limit"
+            )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.request.as_dict(), **self.model_dump(exclude={"request"})}
