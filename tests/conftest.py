@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from spindle.api import load_job_config
+from spindle.testing.causal_lm_conformance import REFERENCE_RUN, STEP_ONE_TEXT
 
 TINY_SIZE = (32, 32)
 TINY_FRAMES = 9
@@ -42,7 +43,8 @@ FLUX_TRUE_CFG = dict(
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Callable[[str], Path]:
     """`tiny_checkpoint(family)` -> that family's tiny checkpoint: its registered `tiny_model`
-    builder with the default configs and seed 0, built on first use and shared by the session.
+    builder with seed 0 and the default configs (a causal-LM family: with its conformance spec's
+    `tiny_overrides`), built on first use and shared by the session.
     Tests parametrised over the registry use this; `tiny_wan` / `tiny_flux` are two of them."""
     built: dict[str, Path] = {}
 
@@ -54,7 +56,10 @@ def tiny_checkpoint(tmp_path_factory) -> Callable[[str], Path]:
             spec = get_family(family)
             if spec.tiny_model is None:
                 raise ValueError(f"family {family!r} registers no tiny_model builder")
-            built[family] = import_object(spec.tiny_model)(tmp_path_factory.mktemp("models") / family, seed=0)
+            # a causal-LM family's conformance spec may declare config overrides (e.g. fewer MoE layers)
+            overrides = getattr(spec.conformance, "tiny_overrides", None)
+            extra = {"transformer": overrides} if overrides else {}
+            built[family] = import_object(spec.tiny_model)(tmp_path_factory.mktemp("models") / family, seed=0, **extra)
         return built[family]
 
     return get
@@ -271,13 +276,10 @@ def tiny_llama(tiny_checkpoint) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen3_moe(tmp_path_factory) -> Path:
-    """Tiny Qwen3-MoE (8 experts, top-2, per-expert layout), 2 layers; an aux coefficient large enough
-    that a wrong aux loss shows in the step loss and grad norm."""
-    from spindle.models.qwen3_moe.tiny import build_tiny_qwen3_moe
-
-    overrides = {"num_hidden_layers": 2, "router_aux_loss_coef": 0.1}
-    return build_tiny_qwen3_moe(tmp_path_factory.mktemp("models") / "qwen3_moe", seed=0, transformer=overrides)
+def tiny_qwen3_moe(tiny_checkpoint) -> Path:
+    """`tiny_checkpoint("qwen3_moe")`: 8 experts, top-2, per-expert layout, 2 layers, and an aux coefficient
+    large enough that a wrong aux loss shows in the step loss and grad norm (its conformance overrides)."""
+    return tiny_checkpoint("qwen3_moe")
 
 
 CHAT_LINES = [
@@ -331,14 +333,6 @@ def lm_train(model: Path, data: Path, out: Path, **overrides) -> tuple[Any, Any]
     return trainer, trainer.run()
 
 
-def lm_stock(path: Path) -> tuple[Any, Any]:
-    """Stock transformers on a causal-LM folder: (the fp32 model, its tokenizer)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path)
-
-
 def one_step_metrics(model: Path, texts: list[str], out: Path, seq_len: int, **overrides) -> dict[str, Any]:
     """One optimizer step of Spindle over the text documents `texts`, unpacked rows in the order given,
     all in one micro-batch (what a stock forward of the same rows computes) -> that step's metrics."""
@@ -356,3 +350,43 @@ def one_step_metrics(model: Path, texts: list[str], out: Path, seq_len: int, **o
     )  # fmt: skip
     (metrics,) = read_metrics(out / "run")
     return metrics
+
+
+def lm_train_cli(model: Path, data: Path, out: Path, nproc: int, **overrides) -> None:
+    """`spindle train --nproc N` of a causal LM (`lm_overrides`) into `out`, in real processes (torchrun)."""
+    cfg = out.parent / f"{out.name}.yaml"
+    cfg.write_text("{}\n")
+    proc = run_spindle("train", cfg, *lm_overrides(model, data, out, **overrides), "--nproc", nproc, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="session")
+def lm_reference_run(tiny_checkpoint, lm_corpus, tmp_path_factory) -> Callable[[str], Path]:
+    """`lm_reference_run(family)`: the output dir of one process training the family's tiny checkpoint
+    (`REFERENCE_RUN`: 4 steps, exported), run once per session: what every parallel layout must equal
+    (the conformance suite's and the per-family distributed tests')."""
+    runs: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in runs:
+            out = tmp_path_factory.mktemp(f"{family}_reference") / "run"
+            lm_train_cli(tiny_checkpoint(family), lm_corpus, out, 1, **REFERENCE_RUN)
+            runs[family] = out
+        return runs[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def lm_step_one(tiny_checkpoint, tmp_path_factory) -> Callable[[str], dict[str, Any]]:
+    """`lm_step_one(family)`: the metrics of Spindle's first step over `STEP_ONE_TEXT` as one row of
+    seq_len 32 (longer than the text: its padding must not count), run once per session."""
+    metrics: dict[str, dict[str, Any]] = {}
+
+    def get(family: str) -> dict[str, Any]:
+        if family not in metrics:
+            out = tmp_path_factory.mktemp(f"{family}_step_one")
+            metrics[family] = one_step_metrics(tiny_checkpoint(family), [STEP_ONE_TEXT], out, seq_len=32)
+        return metrics[family]
+
+    return get

@@ -136,6 +136,25 @@ class ConformanceSpec:
 
 
 @dataclass(frozen=True)
+class CausalLMConformanceSpec:
+    """How the conformance suite (spindle/testing/causal_lm_conformance.py, tests/conformance/) exercises a
+    causal-LM family. The defaults fit a dense family; a family changes a field only with the reason."""
+
+    # transformers config overrides of the tiny checkpoint the tests use (`tiny_checkpoint(family)`),
+    # e.g. an MoE router aux coefficient large enough that a wrong aux loss shows in the step loss
+    tiny_overrides: dict[str, Any] = field(default_factory=dict)
+    # extra keyword arguments of the stock transformers forward whose `loss` Spindle's step loss equals
+    # (MoE: {"output_router_logits": True}, which adds the router aux loss as Spindle's task does)
+    stock_loss_kwargs: dict[str, Any] = field(default_factory=dict)
+    # step metrics equal to the same-named output of that stock forward (MoE: "aux_loss")
+    stock_outputs: tuple[str, ...] = ()
+    # the 2-process layouts the family trains with, checked equal to one process: "dp_shard2"
+    # (parallel.dp_shard=2) and "sp2" (parallel.sp=2); "ep2" (parallel.ep=2) joins them when the family's
+    # task supports expert parallelism. A family leaves one out only with the reason.
+    parallel: tuple[str, ...] = ("dp_shard2", "sp2")
+
+
+@dataclass(frozen=True)
 class DiTFamily:
     """A diffusion transformer family served from a diffusers pipeline folder (model_index.json)."""
 
@@ -192,6 +211,7 @@ class CausalLMFamily:
     model_class: str  # "module:Class" of the ForCausalLM to train
     tiny_model: str | None = None  # "module:function(out, seed, transformer=overrides)"
     demo: TextDemoSpec | None = None
+    conformance: CausalLMConformanceSpec = field(default_factory=CausalLMConformanceSpec)
     extras: dict[str, Any] = field(default_factory=dict)
     task: str = "causal_lm"  # the training task (a key of spindle.train.tasks.TASKS)
     # "module:object": the family's `CheckpointAdapter` (checkpoint layout checks and conversion, e.g. per-expert
