@@ -11,23 +11,21 @@ two forwards, or CFG-parallel), exactly FluxPipeline's `true_cfg_scale`.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
-import numpy as np
 import torch
 
 from spindle.contracts.request import Req, SamplingParams, resolved
 from spindle.contracts.stage import InferenceSpec
 from spindle.models.flux import OPTIONS
 from spindle.models.shared.inference import PipelineBeforeDenoisingStage, check_packed_image_request
-from spindle.models.shared.latents import resolution_shift
 
 MAX_SEQUENCE_LENGTH = 512  # FluxPipeline's limit for the T5 prompt
 
 
 class FluxBeforeDenoisingStage(PipelineBeforeDenoisingStage):
     pipeline_class = "diffusers:FluxPipeline"
+    scheduler_may_own_sigmas = True  # FluxPipeline: a scheduler with use_flow_sigmas picks its own
 
     def validate(self, params: SamplingParams) -> None:
         super().validate(params)
@@ -88,25 +86,11 @@ class FluxBeforeDenoisingStage(PipelineBeforeDenoisingStage):
         req.extra["img_ids"] = img_ids.to(dtype)
         req.raw_latent_shape = self.latent_shape(p)
 
-        if self.transformer.config.guidance_embeds:
-            guidance = torch.full(
-                [1], float(resolved(p.guidance_scale, "guidance_scale")), device=device, dtype=torch.float32
-            )
-            req.extra["guidance"] = guidance.expand(latents.shape[0])
-        else:
-            req.extra["guidance"] = None
+        self.set_embedded_guidance(req, device)
 
         from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
 
-        steps = resolved(p.num_inference_steps, "num_inference_steps")
-        sigmas: np.ndarray | None = np.linspace(1.0, 1 / steps, steps)
-        if getattr(self.scheduler.config, "use_flow_sigmas", False):
-            sigmas = None
-        mu, _ = resolution_shift(self.scheduler, latents.shape[1])
-        scheduler = copy.deepcopy(self.scheduler)  # schedulers are stateful: one copy per request
-        req.timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
-        scheduler.set_begin_index(0)
-        req.scheduler = scheduler
+        self.set_timesteps(req, device, retrieve_timesteps)
         return req
 
 

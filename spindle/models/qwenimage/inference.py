@@ -15,7 +15,6 @@ zeros (`batch_cfg_kwargs`), which the joint attention never looks at.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import numpy as np
@@ -26,7 +25,7 @@ from spindle.contracts.stage import InferenceSpec
 from spindle.models.qwenimage import OPTIONS
 from spindle.models.qwenimage.condition import MAX_SEQUENCE_LENGTH, pad_text
 from spindle.models.shared.inference import PipelineBeforeDenoisingStage, check_packed_image_request
-from spindle.models.shared.latents import mean_std_scale_shift, resolution_shift
+from spindle.models.shared.latents import mean_std_scale_shift
 
 
 class QwenImageBeforeDenoisingStage(PipelineBeforeDenoisingStage):
@@ -109,22 +108,11 @@ class QwenImageBeforeDenoisingStage(PipelineBeforeDenoisingStage):
         # as QwenImagePipeline: one entry per prompt (RoPE reads the first; all images share a size)
         req.extra["img_shapes"] = [[(1, h // 2, w // 2)]] * len(p.prompts)
 
-        if self.transformer.config.guidance_embeds:
-            scale = float(resolved(p.guidance_scale, "guidance_scale"))
-            guidance = torch.full([1], scale, device=device, dtype=torch.float32)
-            req.extra["guidance"] = guidance.expand(req.latents.shape[0])
-        else:
-            req.extra["guidance"] = None
+        self.set_embedded_guidance(req, device)
 
         from diffusers.pipelines.qwenimage.pipeline_qwenimage import retrieve_timesteps
 
-        steps = resolved(p.num_inference_steps, "num_inference_steps")
-        mu, _ = resolution_shift(self.scheduler, req.latents.shape[1])
-        scheduler = copy.deepcopy(self.scheduler)  # schedulers are stateful: one copy per request
-        sigmas = np.linspace(1.0, 1 / steps, steps)
-        req.timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
-        scheduler.set_begin_index(0)
-        req.scheduler = scheduler
+        self.set_timesteps(req, device, retrieve_timesteps)
         return req
 
 
