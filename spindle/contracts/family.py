@@ -133,6 +133,16 @@ class ConformanceSpec:
     # the 2-process layouts the family trains with, checked equal to one process: "ulysses2"
     # (parallel.sp=2) and "ring2" (parallel.ring=2). A family leaves one out only with the reason.
     sequence_parallel: tuple[str, ...] = ("ulysses2", "ring2")
+    # Spindle's default request on the tiny checkpoint: the diffusers pipeline's __call__ defaults
+    # (`extra`: the family options'). The suite also reads them off the pipeline, so a stale value fails.
+    default_params: dict[str, Any] = field(default_factory=dict)
+    # requests the tiny checkpoint refuses for what the checkpoint bounds (sizes, frames, text length,
+    # scheduler): (generate() keyword arguments over the "nocfg" case, the RequestError message as a
+    # regex); the suite adds the rows every family shares (spindle.testing.conformance.COMMON_REQUEST_ERRORS)
+    request_errors: tuple[tuple[dict[str, Any], str], ...] = ()
+    # image families: a `spindle generate` request (generate() keyword arguments) using a flag of the
+    # family's own, which the suite runs as a real process and compares with generate()'s image
+    cli_case: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ grad norm 1e-5 relative; weights 1e-4 absolute after AdamW steps at lr 1e-3).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch
 
 from spindle.contracts.family import CausalLMFamily
 
-TOL = {"rtol": 1e-5, "atol": 1e-6}  # the patched class against stock transformers, same weights
+TOL_RTOL, TOL_ATOL = 1e-5, 1e-6  # the patched class against stock transformers, same weights
 RTOL = 1e-5  # Spindle's step metrics against stock transformers / one process
 WEIGHT_ATOL = 1e-4  # exported weights of a parallel layout against one process after AdamW at lr 1e-3
 STEP_ONE_TEXT = "the red circle moves left on a gray background . then the red circle moves right ."
@@ -128,6 +129,11 @@ def token_batch(vocab: int, seed: int = 0, batch: int = 2, seq: int = 12) -> tup
     return input_ids, labels
 
 
+def prefixed(prefix: str) -> Callable[[str], str]:
+    """An `assert_close` message: `prefix` before torch's own description of the difference."""
+    return lambda message: f"{prefix}: {message}"
+
+
 def _loss_and_grads(model: Any, **kwargs: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)
     out = model(**kwargs)
@@ -138,14 +144,16 @@ def _loss_and_grads(model: Any, **kwargs: Any) -> tuple[Any, dict[str, torch.Ten
 def check_same_loss_and_grads(
     family: CausalLMFamily, stock_model: Any, patched: Any, stock_kwargs: dict[str, Any], patched_kwargs: dict[str, Any]
 ) -> None:
-    """The patched model's loss and every gradient equal stock's (TOL), and its loss path builds no logits."""
+    """The patched model's loss and every gradient equal stock's (rtol TOL_RTOL, atol TOL_ATOL), and its loss path builds no logits."""
     want, want_grads = _loss_and_grads(stock_model, **stock_kwargs)
     got, got_grads = _loss_and_grads(patched, **patched_kwargs)
-    torch.testing.assert_close(got.loss, want.loss, **TOL, msg=lambda m: f"{family.name} loss: {m}")
+    torch.testing.assert_close(got.loss, want.loss, rtol=TOL_RTOL, atol=TOL_ATOL, msg=prefixed(f"{family.name} loss"))
     assert got.logits is None, f"{family.name}: the loss path built [tokens, vocab] logits"
     assert got_grads.keys() == want_grads.keys(), f"{family.name}: {sorted(got_grads.keys() ^ want_grads.keys())}"
     for name, grad in want_grads.items():
-        torch.testing.assert_close(got_grads[name], grad, **TOL, msg=lambda m, n=name: f"{family.name} {n}: {m}")
+        torch.testing.assert_close(
+            got_grads[name], grad, rtol=TOL_RTOL, atol=TOL_ATOL, msg=prefixed(f"{family.name} {name} grad")
+        )
 
 
 @torch.no_grad()
@@ -159,7 +167,7 @@ def check_logits_and_generate(family: CausalLMFamily, stock_model: Any, patched:
     torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=0)
     last = patched(input_ids=input_ids, logits_to_keep=1).logits
     assert last.shape == (2, 1, vocab), f"{family.name}: logits_to_keep=1 gives {tuple(last.shape)}"
-    torch.testing.assert_close(last, want.logits[:, -1:], **TOL)
+    torch.testing.assert_close(last, want.logits[:, -1:], rtol=TOL_RTOL, atol=TOL_ATOL)
     gen = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
     assert torch.equal(patched.generate(input_ids, **gen), stock_model.generate(input_ids, **gen)), family.name
 

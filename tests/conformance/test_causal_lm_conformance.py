@@ -151,6 +151,9 @@ def test_export_loads_in_stock_transformers_with_every_tensor_equal(name, tiny_c
 @pytest.mark.slow
 @pytest.mark.parametrize("name,layout", LAYOUTS, ids=[f"{n}-{layout}" for n, layout in LAYOUTS])
 def test_two_processes_equal_one(name, layout, tiny_checkpoint, lm_corpus, lm_reference_run, tmp_path):
+    """The same steps, loss, grad norm (and declared stock outputs: an MoE's aux loss from the router
+    statistics of all the ranks' tokens, not each rank's own; its expert load counting each token once)
+    and exported weights as one process."""
     nproc, overrides = suite.LAYOUTS[layout]
     out = tmp_path / "run"
     lm_train_cli(tiny_checkpoint(name), lm_corpus, out, nproc, **suite.REFERENCE_RUN, **overrides)
