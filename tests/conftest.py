@@ -18,10 +18,12 @@ import pytest
 
 from spindle.api import load_job_config
 from spindle.testing.causal_lm_conformance import REFERENCE_RUN, STEP_ONE_TEXT
+from spindle.testing.conformance import TEXT_TOKENS
+from spindle.testing.multiprocess import dotted_overrides, run_spindle
 
 TINY_SIZE = (32, 32)
 TINY_FRAMES = 9
-TINY_TEXT = 16  # model.max_text_length of the tiny runs (divides the SP degrees the tests use)
+TINY_TEXT = TEXT_TOKENS  # model.max_text_length of the tiny runs (divides the SP degrees the tests use)
 
 
 # A Flux request with true CFG (negative prompt + true_cfg_scale): the CFG modes (batched, two
@@ -50,16 +52,13 @@ def tiny_checkpoint(tmp_path_factory) -> Callable[[str], Path]:
 
     def get(family: str) -> Path:
         if family not in built:
-            from spindle.contracts.family import import_object
             from spindle.registry import get_family
+            from spindle.testing.tiny import build_tiny
 
-            spec = get_family(family)
-            if spec.tiny_model is None:
-                raise ValueError(f"family {family!r} registers no tiny_model builder")
             # a causal-LM family's conformance spec may declare config overrides (e.g. fewer MoE layers)
-            overrides = getattr(spec.conformance, "tiny_overrides", None)
+            overrides = getattr(get_family(family).conformance, "tiny_overrides", None)
             extra = {"transformer": overrides} if overrides else {}
-            built[family] = import_object(spec.tiny_model)(tmp_path_factory.mktemp("models") / family, seed=0, **extra)
+            built[family] = build_tiny(family, tmp_path_factory.mktemp("models") / family, seed=0, **extra)
         return built[family]
 
     return get
@@ -123,8 +122,8 @@ def encode_two_samples(condition: Any, captions: list[str], num_frames: int = 1)
 
 
 def train_overrides(model: Path, data: Path, output_dir: Path, **train) -> list[str]:
-    """Dotted overrides for a short CPU training run on the tiny model."""
-    values = {
+    """Dotted overrides for a short CPU training run on the tiny model (`train__max_steps=3` style keys)."""
+    base = {
         "model.path": model,
         "model.max_text_length": TINY_TEXT,
         "data.path": data,
@@ -137,8 +136,7 @@ def train_overrides(model: Path, data: Path, output_dir: Path, **train) -> list[
         "train.lr": 1e-3,
         "checkpoint.resume": "none",
     }
-    values.update({k.replace("__", "."): v for k, v in train.items()})
-    return [f"{k}={v}" for k, v in values.items()]
+    return dotted_overrides(base, **train)
 
 
 @pytest.fixture
@@ -151,29 +149,55 @@ def make_config(tiny_wan, shapes_videos, tmp_path):
     return make
 
 
-def run_spindle(*args, timeout: float = 600, threads: int | None = None):
-    """`python -m spindle ARGS...` in a subprocess (this tree's code via PYTHONPATH); -> CompletedProcess.
-    `threads`: OMP_NUM_THREADS for it (1 for `--nproc` runs, whose workers share the cores)."""
-    import os
-    import subprocess
-    import sys
+@contextlib.contextmanager
+def failing_next_forward(model: Any, message: str = "injected fault") -> Any:
+    """Within the block, the next forward of `model` raises RuntimeError(message); later ones run."""
+    state = {"armed": True}
 
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
-    return subprocess.run(
-        [sys.executable, "-m", "spindle", *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env
-    )
+    def fault(module, args, kwargs):
+        if state.pop("armed", False):
+            raise RuntimeError(message)
+
+    handle = model.register_forward_pre_hook(fault, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def train_interrupted(make_config: Callable[..., Any], out: Path, monkeypatch: Any, step: int, **overrides) -> None:
+    """`train(make_config(out, **overrides))` interrupted (KeyboardInterrupt, as Ctrl-C) when step `step`
+    begins; the trainer is restored after, so the caller can resume the run (`checkpoint__resume="auto"`)."""
+    from spindle.api import train
+    from spindle.train.trainer import Trainer
+
+    original = Trainer.train_step
+
+    def crash(self):
+        if self.step == step:
+            raise KeyboardInterrupt
+        return original(self)
+
+    monkeypatch.setattr(Trainer, "train_step", crash)
+    with pytest.raises(KeyboardInterrupt):
+        train(make_config(out, **overrides))
+    monkeypatch.setattr(Trainer, "train_step", original)
+
+
+def spindle_train(out: Path, nproc: int, overrides: list[str]) -> None:
+    """`spindle train --nproc N` (torchrun workers, or one process) of an empty config file next to `out`
+    with the dotted `overrides`; asserts it succeeded."""
+    cfg = out.parent / f"{out.name}.yaml"
+    cfg.write_text("{}\n")
+    proc = run_spindle("train", cfg, *overrides, "--nproc", nproc, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 def train_cli(model: Path, data: Path, out: Path, nproc: int, **train) -> None:
     """`spindle train --nproc N` of an image family on the tiny model (3 steps, micro batch 1,
     shuffled, exported) into `out`; `train` as in `train_overrides` (e.g. parallel__sp=2)."""
-    cfg = out.parent / f"{out.name}.yaml"
-    cfg.write_text("{}\n")
     base = dict(data__num_frames=1, train__max_steps=3, train__micro_batch_size=1, checkpoint__export=True)
-    proc = run_spindle(
-        "train", cfg, *train_overrides(model, data, out, data__shuffle=True, **{**base, **train}), "--nproc", nproc
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    spindle_train(out, nproc, train_overrides(model, data, out, data__shuffle=True, **{**base, **train}))
 
 
 def assert_same_training(a: Path, b: Path) -> None:
@@ -321,8 +345,7 @@ def lm_overrides(model: Path, data: Path, output_dir: Path, **values) -> list[st
         "train.lr": 1e-3,
         "checkpoint.resume": "none",
     }
-    base.update({k.replace("__", "."): v for k, v in values.items()})
-    return [f"{k}={v}" for k, v in base.items()]
+    return dotted_overrides(base, **values)
 
 
 def lm_train(model: Path, data: Path, out: Path, **overrides) -> tuple[Any, Any]:
@@ -354,10 +377,7 @@ def one_step_metrics(model: Path, texts: list[str], out: Path, seq_len: int, **o
 
 def lm_train_cli(model: Path, data: Path, out: Path, nproc: int, **overrides) -> None:
     """`spindle train --nproc N` of a causal LM (`lm_overrides`) into `out`, in real processes (torchrun)."""
-    cfg = out.parent / f"{out.name}.yaml"
-    cfg.write_text("{}\n")
-    proc = run_spindle("train", cfg, *lm_overrides(model, data, out, **overrides), "--nproc", nproc, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    spindle_train(out, nproc, lm_overrides(model, data, out, **overrides))
 
 
 @pytest.fixture(scope="session")

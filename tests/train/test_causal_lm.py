@@ -4,8 +4,6 @@ invariance under micro-batching, sharded exports, gradient checkpointing, config
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,7 +12,7 @@ from spindle.api import load_job_config
 from spindle.config import ConfigError
 from spindle.testing.causal_lm_conformance import stock as lm_stock
 from spindle.train.metrics import read_metrics
-from tests.conftest import lm_overrides, lm_train
+from tests.conftest import lm_overrides, lm_train, run_spindle
 
 RTOL = 1e-5
 
@@ -126,12 +124,7 @@ def test_gradient_checkpointing_gives_the_same_run(tiny_llama, lm_corpus, tmp_pa
 
 def test_demo_qwen3_trains_exports_and_continues_text(tmp_path):
     out = tmp_path / "demo"
-    proc = subprocess.run(
-        [sys.executable, "-m", "spindle", "demo", "--family", "qwen3", "--out", str(out), "--steps", "30"],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    proc = run_spindle("demo", "--family", "qwen3", "--out", out, "--steps", 30, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     losses = [m["loss"] for m in read_metrics(out / "run")]
     assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5
