@@ -229,15 +229,14 @@ def test_lora_of_another_shape_is_refused(lora_run, tiny_wan, tmp_path):
 # ---------------------------------------------------------------- Flux and the CLI
 
 
-def test_flux_lora_trains_exports_and_loads_in_stock_diffusers(tmp_path):
+def test_flux_lora_trains_exports_and_loads_in_stock_diffusers(tiny_flux, tmp_path):
     from diffusers import FluxPipeline
 
     from spindle.api import load_job_config
     from spindle.data.synthetic import make_shapes_image_dataset
-    from spindle.models.flux.tiny import build_tiny_flux
     from tests.conftest import train_overrides
 
-    tiny = build_tiny_flux(tmp_path / "flux", seed=0)
+    tiny = tiny_flux
     images = make_shapes_image_dataset(tmp_path / "images", num_images=4, size=(32, 32))
     overrides = dict(data__num_frames=1, data__resolution=[32, 32], train__max_steps=2, train__global_batch_size=2)
     cfg = load_job_config(None, train_overrides(tiny, images, tmp_path / "run", **overrides, train__lora=LORA))
