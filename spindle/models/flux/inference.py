@@ -87,10 +87,7 @@ class FluxBeforeDenoisingStage(PipelineBeforeDenoisingStage):
         req.raw_latent_shape = self.latent_shape(p)
 
         self.set_embedded_guidance(req, device)
-
-        from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
-
-        self.set_timesteps(req, device, retrieve_timesteps)
+        self.set_timesteps(req, device)
         return req
 
 

@@ -109,10 +109,7 @@ class QwenImageBeforeDenoisingStage(PipelineBeforeDenoisingStage):
         req.extra["img_shapes"] = [[(1, h // 2, w // 2)]] * len(p.prompts)
 
         self.set_embedded_guidance(req, device)
-
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage import retrieve_timesteps
-
-        self.set_timesteps(req, device, retrieve_timesteps)
+        self.set_timesteps(req, device)
         return req
 
 

@@ -4,6 +4,7 @@ diffusers pipeline, and the request checks of 2x2-packed image families."""
 from __future__ import annotations
 
 import copy
+import importlib
 from typing import Any
 
 import numpy as np
@@ -43,10 +44,12 @@ class PipelineBeforeDenoisingStage(BeforeDenoisingStage):
         else:
             req.extra["guidance"] = None
 
-    def set_timesteps(self, req: Req, device: Any, retrieve_timesteps: Any) -> None:
+    def set_timesteps(self, req: Req, device: Any) -> None:
         """`req.timesteps` and `req.scheduler` (a per-request copy: schedulers are stateful) as the
         reference pipeline computes them: linear sigmas 1 -> 1/steps, shifted for the request's image
-        token count (`req.latents` packed [B, S, C]); `retrieve_timesteps` is the pipeline module's."""
+        token count (`req.latents` packed [B, S, C]), through the pipeline module's `retrieve_timesteps`."""
+        module = importlib.import_module(type(self.text_pipe).__module__)
+        retrieve_timesteps = module.retrieve_timesteps
         assert req.latents is not None, "set req.latents before the timesteps (the shift reads its token count)"
         steps = resolved(req.params.num_inference_steps, "num_inference_steps")
         sigmas: np.ndarray | None = np.linspace(1.0, 1 / steps, steps)
