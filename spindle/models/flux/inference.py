@@ -16,9 +16,12 @@ from typing import Any
 import torch
 
 from spindle.contracts.request import Req, SamplingParams, resolved
-from spindle.contracts.stage import InferenceSpec
 from spindle.models.flux import OPTIONS
-from spindle.models.shared.inference import PipelineBeforeDenoisingStage, check_packed_image_request
+from spindle.models.shared.inference import (
+    PackedImageInference,
+    PipelineBeforeDenoisingStage,
+    check_packed_image_request,
+)
 
 MAX_SEQUENCE_LENGTH = 512  # FluxPipeline's limit for the T5 prompt
 
@@ -91,11 +94,10 @@ class FluxBeforeDenoisingStage(PipelineBeforeDenoisingStage):
         return req
 
 
-class FluxInference(InferenceSpec):
+class FluxInference(PackedImageInference):
     options = OPTIONS
     family = "flux"
-    media = "image"
-    output_layout = None  # packed latent tokens [B, S, C]
+    pipeline_class = FluxBeforeDenoisingStage.pipeline_class
     components = ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2", "vae", "scheduler", "transformer")
     before_denoising_cls = FluxBeforeDenoisingStage
 
@@ -130,21 +132,10 @@ class FluxInference(InferenceSpec):
             "return_dict": False,
         }
 
-    def sequence_length(self, req: Req, transformer: torch.nn.Module) -> int:
-        _, _, h, w = resolved(req.raw_latent_shape, "raw_latent_shape")
-        return (h // 2) * (w // 2)
-
     def linear_gelu_pairs(self, transformer: torch.nn.Module) -> list[tuple[torch.nn.Module, str, str]]:
         # single-stream blocks: act_mlp(proj_mlp(x)), two modules (the double-stream ones use diffusers' GELU)
         flux: Any = transformer  # diffusers FluxTransformer2DModel
         return [(block, "proj_mlp", "act_mlp") for block in flux.single_transformer_blocks]
-
-    def post_denoising(self, latents: torch.Tensor, req: Req) -> torch.Tensor:
-        from diffusers import FluxPipeline
-
-        height, width = resolved(req.params.height, "height"), resolved(req.params.width, "width")
-        vae_scale = height // resolved(req.raw_latent_shape, "raw_latent_shape")[2]
-        return FluxPipeline._unpack_latents(latents, height, width, vae_scale)
 
 
 FLUX_INFERENCE = FluxInference()

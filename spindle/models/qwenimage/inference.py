@@ -21,10 +21,13 @@ import numpy as np
 import torch
 
 from spindle.contracts.request import Req, RequestError, SamplingParams, resolved
-from spindle.contracts.stage import InferenceSpec
 from spindle.models.qwenimage import OPTIONS
 from spindle.models.qwenimage.condition import MAX_SEQUENCE_LENGTH, pad_text
-from spindle.models.shared.inference import PipelineBeforeDenoisingStage, check_packed_image_request
+from spindle.models.shared.inference import (
+    PackedImageInference,
+    PipelineBeforeDenoisingStage,
+    check_packed_image_request,
+)
 from spindle.models.shared.latents import mean_std_scale_shift
 
 
@@ -113,11 +116,10 @@ class QwenImageBeforeDenoisingStage(PipelineBeforeDenoisingStage):
         return req
 
 
-class QwenImageInference(InferenceSpec):
+class QwenImageInference(PackedImageInference):
     options = OPTIONS
     family = "qwenimage"
-    media = "image"
-    output_layout = None  # packed latent tokens [B, S, C]
+    pipeline_class = QwenImageBeforeDenoisingStage.pipeline_class
     components = ("tokenizer", "text_encoder", "vae", "scheduler", "transformer")
     before_denoising_cls = QwenImageBeforeDenoisingStage
 
@@ -174,17 +176,6 @@ class QwenImageInference(InferenceSpec):
         """QwenImagePipeline's true CFG: the guided prediction rescaled to the conditional one's norm."""
         combined = uncond + guidance_scale * (cond - uncond)
         return combined * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
-
-    def sequence_length(self, req: Req, transformer: torch.nn.Module) -> int:
-        _, _, _, h, w = resolved(req.raw_latent_shape, "raw_latent_shape")
-        return (h // 2) * (w // 2)
-
-    def post_denoising(self, latents: torch.Tensor, req: Req) -> torch.Tensor:
-        from diffusers import QwenImagePipeline
-
-        height, width = resolved(req.params.height, "height"), resolved(req.params.width, "width")
-        vae_scale = height // resolved(req.raw_latent_shape, "raw_latent_shape")[3]
-        return QwenImagePipeline._unpack_latents(latents, height, width, vae_scale)
 
     def decode_scale_shift(self, vae: Any, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return mean_std_scale_shift(vae, latents)

@@ -12,7 +12,7 @@ import torch
 
 from spindle.contracts.family import import_object
 from spindle.contracts.request import Req, RequestError, check_int_range, check_size, resolved
-from spindle.contracts.stage import BeforeDenoisingStage
+from spindle.contracts.stage import BeforeDenoisingStage, InferenceSpec
 from spindle.models.shared.latents import resolution_shift
 
 
@@ -60,6 +60,26 @@ class PipelineBeforeDenoisingStage(BeforeDenoisingStage):
         req.timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
         scheduler.set_begin_index(0)
         req.scheduler = scheduler
+
+
+class PackedImageInference(InferenceSpec):
+    """The inference spec of an image family whose transformer takes 2x2-packed latent tokens (Flux,
+    Qwen-Image): its token count and the unpacking back to the VAE layout, by the pipeline's own
+    `_unpack_latents` (`pipeline_class`, as the before-denoising stage names it)."""
+
+    media = "image"
+    output_layout = None  # packed latent tokens [B, S, C]
+    pipeline_class: str = ""
+
+    def sequence_length(self, req: Req, transformer: torch.nn.Module) -> int:
+        h, w = resolved(req.raw_latent_shape, "raw_latent_shape")[-2:]  # [B, C, (F,) h, w]
+        return (h // 2) * (w // 2)
+
+    def post_denoising(self, latents: torch.Tensor, req: Req) -> torch.Tensor:
+        height, width = resolved(req.params.height, "height"), resolved(req.params.width, "width")
+        vae_scale = height // resolved(req.raw_latent_shape, "raw_latent_shape")[-2]
+        unpacked: torch.Tensor = import_object(self.pipeline_class)._unpack_latents(latents, height, width, vae_scale)
+        return unpacked
 
 
 def check_packed_image_request(params: Any, vae_scale_factor: int, max_sequence_length: int, label: str) -> None:
