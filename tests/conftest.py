@@ -17,10 +17,13 @@ from typing import Any
 import pytest
 
 from spindle.api import load_job_config
+from spindle.testing.causal_lm_conformance import REFERENCE_RUN, STEP_ONE_TEXT
+from spindle.testing.conformance import TEXT_TOKENS
+from spindle.testing.multiprocess import dotted_overrides, run_spindle
 
 TINY_SIZE = (32, 32)
 TINY_FRAMES = 9
-TINY_TEXT = 16  # model.max_text_length of the tiny runs (divides the SP degrees the tests use)
+TINY_TEXT = TEXT_TOKENS  # model.max_text_length of the tiny runs (divides the SP degrees the tests use)
 
 
 # A Flux request with true CFG (negative prompt + true_cfg_scale): the CFG modes (batched, two
@@ -42,19 +45,20 @@ FLUX_TRUE_CFG = dict(
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Callable[[str], Path]:
     """`tiny_checkpoint(family)` -> that family's tiny checkpoint: its registered `tiny_model`
-    builder with the default configs and seed 0, built on first use and shared by the session.
+    builder with seed 0 and the default configs (a causal-LM family: with its conformance spec's
+    `tiny_overrides`), built on first use and shared by the session.
     Tests parametrised over the registry use this; `tiny_wan` / `tiny_flux` are two of them."""
     built: dict[str, Path] = {}
 
     def get(family: str) -> Path:
         if family not in built:
-            from spindle.contracts.family import import_object
             from spindle.registry import get_family
+            from spindle.testing.tiny import build_tiny
 
-            spec = get_family(family)
-            if spec.tiny_model is None:
-                raise ValueError(f"family {family!r} registers no tiny_model builder")
-            built[family] = import_object(spec.tiny_model)(tmp_path_factory.mktemp("models") / family, seed=0)
+            # a causal-LM family's conformance spec may declare config overrides (e.g. fewer MoE layers)
+            overrides = getattr(get_family(family).conformance, "tiny_overrides", None)
+            extra = {"transformer": overrides} if overrides else {}
+            built[family] = build_tiny(family, tmp_path_factory.mktemp("models") / family, seed=0, **extra)
         return built[family]
 
     return get
@@ -118,8 +122,8 @@ def encode_two_samples(condition: Any, captions: list[str], num_frames: int = 1)
 
 
 def train_overrides(model: Path, data: Path, output_dir: Path, **train) -> list[str]:
-    """Dotted overrides for a short CPU training run on the tiny model."""
-    values = {
+    """Dotted overrides for a short CPU training run on the tiny model (`train__max_steps=3` style keys)."""
+    base = {
         "model.path": model,
         "model.max_text_length": TINY_TEXT,
         "data.path": data,
@@ -132,8 +136,7 @@ def train_overrides(model: Path, data: Path, output_dir: Path, **train) -> list[
         "train.lr": 1e-3,
         "checkpoint.resume": "none",
     }
-    values.update({k.replace("__", "."): v for k, v in train.items()})
-    return [f"{k}={v}" for k, v in values.items()]
+    return dotted_overrides(base, **train)
 
 
 @pytest.fixture
@@ -146,29 +149,55 @@ def make_config(tiny_wan, shapes_videos, tmp_path):
     return make
 
 
-def run_spindle(*args, timeout: float = 600, threads: int | None = None):
-    """`python -m spindle ARGS...` in a subprocess (this tree's code via PYTHONPATH); -> CompletedProcess.
-    `threads`: OMP_NUM_THREADS for it (1 for `--nproc` runs, whose workers share the cores)."""
-    import os
-    import subprocess
-    import sys
+@contextlib.contextmanager
+def failing_next_forward(model: Any, message: str = "injected fault") -> Any:
+    """Within the block, the next forward of `model` raises RuntimeError(message); later ones run."""
+    state = {"armed": True}
 
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
-    return subprocess.run(
-        [sys.executable, "-m", "spindle", *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env
-    )
+    def fault(module, args, kwargs):
+        if state.pop("armed", False):
+            raise RuntimeError(message)
+
+    handle = model.register_forward_pre_hook(fault, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def train_interrupted(make_config: Callable[..., Any], out: Path, monkeypatch: Any, step: int, **overrides) -> None:
+    """`train(make_config(out, **overrides))` interrupted (KeyboardInterrupt, as Ctrl-C) when step `step`
+    begins; the trainer is restored after, so the caller can resume the run (`checkpoint__resume="auto"`)."""
+    from spindle.api import train
+    from spindle.train.trainer import Trainer
+
+    original = Trainer.train_step
+
+    def crash(self):
+        if self.step == step:
+            raise KeyboardInterrupt
+        return original(self)
+
+    monkeypatch.setattr(Trainer, "train_step", crash)
+    with pytest.raises(KeyboardInterrupt):
+        train(make_config(out, **overrides))
+    monkeypatch.setattr(Trainer, "train_step", original)
+
+
+def spindle_train(out: Path, nproc: int, overrides: list[str]) -> None:
+    """`spindle train --nproc N` (torchrun workers, or one process) of an empty config file next to `out`
+    with the dotted `overrides`; asserts it succeeded."""
+    cfg = out.parent / f"{out.name}.yaml"
+    cfg.write_text("{}\n")
+    proc = run_spindle("train", cfg, *overrides, "--nproc", nproc, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 def train_cli(model: Path, data: Path, out: Path, nproc: int, **train) -> None:
     """`spindle train --nproc N` of an image family on the tiny model (3 steps, micro batch 1,
     shuffled, exported) into `out`; `train` as in `train_overrides` (e.g. parallel__sp=2)."""
-    cfg = out.parent / f"{out.name}.yaml"
-    cfg.write_text("{}\n")
     base = dict(data__num_frames=1, train__max_steps=3, train__micro_batch_size=1, checkpoint__export=True)
-    proc = run_spindle(
-        "train", cfg, *train_overrides(model, data, out, data__shuffle=True, **{**base, **train}), "--nproc", nproc
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    spindle_train(out, nproc, train_overrides(model, data, out, data__shuffle=True, **{**base, **train}))
 
 
 def assert_same_training(a: Path, b: Path) -> None:
@@ -297,13 +326,10 @@ def tiny_llama(tiny_checkpoint) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen3_moe(tmp_path_factory) -> Path:
-    """Tiny Qwen3-MoE (8 experts, top-2, per-expert layout), 2 layers; an aux coefficient large enough
-    that a wrong aux loss shows in the step loss and grad norm."""
-    from spindle.models.qwen3_moe.tiny import build_tiny_qwen3_moe
-
-    overrides = {"num_hidden_layers": 2, "router_aux_loss_coef": 0.1}
-    return build_tiny_qwen3_moe(tmp_path_factory.mktemp("models") / "qwen3_moe", seed=0, transformer=overrides)
+def tiny_qwen3_moe(tiny_checkpoint) -> Path:
+    """`tiny_checkpoint("qwen3_moe")`: 8 experts, top-2, per-expert layout, 2 layers, and an aux coefficient
+    large enough that a wrong aux loss shows in the step loss and grad norm (its conformance overrides)."""
+    return tiny_checkpoint("qwen3_moe")
 
 
 CHAT_LINES = [
@@ -345,8 +371,7 @@ def lm_overrides(model: Path, data: Path, output_dir: Path, **values) -> list[st
         "train.lr": 1e-3,
         "checkpoint.resume": "none",
     }
-    base.update({k.replace("__", "."): v for k, v in values.items()})
-    return [f"{k}={v}" for k, v in base.items()]
+    return dotted_overrides(base, **values)
 
 
 def lm_train(model: Path, data: Path, out: Path, **overrides) -> tuple[Any, Any]:
@@ -355,14 +380,6 @@ def lm_train(model: Path, data: Path, out: Path, **overrides) -> tuple[Any, Any]
 
     trainer = make_trainer(load_job_config(None, lm_overrides(model, data, out, **overrides)))
     return trainer, trainer.run()
-
-
-def lm_stock(path: Path) -> tuple[Any, Any]:
-    """Stock transformers on a causal-LM folder: (the fp32 model, its tokenizer)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path)
 
 
 def one_step_metrics(model: Path, texts: list[str], out: Path, seq_len: int, **overrides) -> dict[str, Any]:
@@ -382,3 +399,40 @@ def one_step_metrics(model: Path, texts: list[str], out: Path, seq_len: int, **o
     )  # fmt: skip
     (metrics,) = read_metrics(out / "run")
     return metrics
+
+
+def lm_train_cli(model: Path, data: Path, out: Path, nproc: int, **overrides) -> None:
+    """`spindle train --nproc N` of a causal LM (`lm_overrides`) into `out`, in real processes (torchrun)."""
+    spindle_train(out, nproc, lm_overrides(model, data, out, **overrides))
+
+
+@pytest.fixture(scope="session")
+def lm_reference_run(tiny_checkpoint, lm_corpus, tmp_path_factory) -> Callable[[str], Path]:
+    """`lm_reference_run(family)`: the output dir of one process training the family's tiny checkpoint
+    (`REFERENCE_RUN`: 4 steps, exported), run once per session: what every parallel layout must equal
+    (the conformance suite's and the per-family distributed tests')."""
+    runs: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in runs:
+            out = tmp_path_factory.mktemp(f"{family}_reference") / "run"
+            lm_train_cli(tiny_checkpoint(family), lm_corpus, out, 1, **REFERENCE_RUN)
+            runs[family] = out
+        return runs[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def lm_step_one(tiny_checkpoint, tmp_path_factory) -> Callable[[str], dict[str, Any]]:
+    """`lm_step_one(family)`: the metrics of Spindle's first step over `STEP_ONE_TEXT` as one row of
+    seq_len 32 (longer than the text: its padding must not count), run once per session."""
+    metrics: dict[str, dict[str, Any]] = {}
+
+    def get(family: str) -> dict[str, Any]:
+        if family not in metrics:
+            out = tmp_path_factory.mktemp(f"{family}_step_one")
+            metrics[family] = one_step_metrics(tiny_checkpoint(family), [STEP_ONE_TEXT], out, seq_len=32)
+        return metrics[family]
+
+    return get

@@ -133,6 +133,35 @@ class ConformanceSpec:
     # the 2-process layouts the family trains with, checked equal to one process: "ulysses2"
     # (parallel.sp=2) and "ring2" (parallel.ring=2). A family leaves one out only with the reason.
     sequence_parallel: tuple[str, ...] = ("ulysses2", "ring2")
+    # Spindle's default request on the tiny checkpoint: the diffusers pipeline's __call__ defaults
+    # (`extra`: the family options'). The suite also reads them off the pipeline, so a stale value fails.
+    default_params: dict[str, Any] = field(default_factory=dict)
+    # requests the tiny checkpoint refuses for what the checkpoint bounds (sizes, frames, text length,
+    # scheduler): (generate() keyword arguments over the "nocfg" case, the RequestError message as a
+    # regex); the suite adds the rows every family shares (spindle.testing.conformance.COMMON_REQUEST_ERRORS)
+    request_errors: tuple[tuple[dict[str, Any], str], ...] = ()
+    # image families: a `spindle generate` request (generate() keyword arguments) using a flag of the
+    # family's own, which the suite runs as a real process and compares with generate()'s image
+    cli_case: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class CausalLMConformanceSpec:
+    """How the conformance suite (spindle/testing/causal_lm_conformance.py, tests/conformance/) exercises a
+    causal-LM family. The defaults fit a dense family; a family changes a field only with the reason."""
+
+    # transformers config overrides of the tiny checkpoint the tests use (`tiny_checkpoint(family)`),
+    # e.g. an MoE router aux coefficient large enough that a wrong aux loss shows in the step loss
+    tiny_overrides: dict[str, Any] = field(default_factory=dict)
+    # extra keyword arguments of the stock transformers forward whose `loss` Spindle's step loss equals
+    # (MoE: {"output_router_logits": True}, which adds the router aux loss as Spindle's task does)
+    stock_loss_kwargs: dict[str, Any] = field(default_factory=dict)
+    # step metrics equal to the same-named output of that stock forward (MoE: "aux_loss")
+    stock_outputs: tuple[str, ...] = ()
+    # the 2-process layouts the family trains with, checked equal to one process: "dp_shard2"
+    # (parallel.dp_shard=2) and "sp2" (parallel.sp=2); "ep2" (parallel.ep=2) joins them when the family's
+    # task supports expert parallelism. A family leaves one out only with the reason.
+    parallel: tuple[str, ...] = ("dp_shard2", "sp2")
 
 
 @dataclass(frozen=True)
@@ -192,6 +221,7 @@ class CausalLMFamily:
     model_class: str  # "module:Class" of the ForCausalLM to train
     tiny_model: str | None = None  # "module:function(out, seed, transformer=overrides)"
     demo: TextDemoSpec | None = None
+    conformance: CausalLMConformanceSpec = field(default_factory=CausalLMConformanceSpec)
     extras: dict[str, Any] = field(default_factory=dict)
     task: str = "causal_lm"  # the training task (a key of spindle.train.tasks.TASKS)
     # "module:object": the family's `CheckpointAdapter` (checkpoint layout checks and conversion, e.g. per-expert

@@ -21,18 +21,12 @@ import numpy as np
 import torch
 
 from spindle.api import load_generator
-from spindle.contracts.family import DiTFamily, import_object
+from spindle.contracts.family import DiTFamily
 from spindle.train.tasks.flow_matching import load_transformer
 
 PARITY_ATOL = 1e-5  # fp32 CPU, max abs difference of frames in [0, 1]
 SP_RTOL = 1e-5  # loss and gradients of a sequence-parallel layout against one process
 TEXT_TOKENS = 16  # model.max_text_length for every tiny check (divides the SP degrees used here)
-
-
-def build_tiny(family: DiTFamily, out: Path, seed: int = 0) -> Path:
-    if family.tiny_model is None:
-        raise AssertionError(f"family {family.name!r} has no tiny_model builder (DiTFamily.tiny_model)")
-    return Path(import_object(family.tiny_model)(out, seed=seed))
 
 
 # ---------------------------------------------------------------- checkpoint and inference
@@ -156,14 +150,38 @@ def check_cfg_batch_is_one_forward(family: DiTFamily, root: Path, kwargs: dict[s
     return cond, uncond
 
 
-def check_request_error(gen: Any, kwargs: dict[str, Any], message: str) -> None:
-    """`gen.generate(**kwargs)` raises RequestError matching `message` (before running anything)."""
+def check_request_error(gen: Any, kwargs: dict[str, Any], message: str, field: str | None = None) -> None:
+    """`gen.generate(**kwargs)` raises RequestError matching `message` (before running anything), naming
+    `field` (given by the raise site, never guessed from the message: the server's 400 names it)."""
     import pytest
 
     from spindle.contracts.request import RequestError
 
-    with pytest.raises(RequestError, match=message):
+    with pytest.raises(RequestError, match=message) as err:
         gen.generate(**kwargs)
+    if field is not None:
+        assert err.value.field == field, f"{message}: RequestError.field is {err.value.field!r}, not {field!r}"
+
+
+# bad requests every family refuses the same way (SamplingParams.validate_common): (generate() keyword
+# arguments over the family's "nocfg" case, the RequestError message as a regex). A family's own rows
+# (what its checkpoint bounds) are its ConformanceSpec.request_errors.
+COMMON_REQUEST_ERRORS: tuple[tuple[dict[str, Any], str], ...] = (
+    (dict(num_inference_steps=0), r"num_inference_steps must be >= 1; got 0"),
+    (dict(num_inference_steps=2.5), r"num_inference_steps must be an integer"),
+    (dict(prompt=""), r"prompt must be a non-empty string"),
+    (dict(prompt="   "), r"prompt must be a non-empty string"),
+    (dict(prompt=[]), r"prompt is required"),
+    (dict(guidance_scale=-1.0), r"guidance_scale must be >= 0"),
+    (dict(prompt=["a", "b"], negative_prompt=["x"]), r"negative_prompt has 1 entries but prompt has 2"),
+    (dict(seed=-3), r"seed must be >= 0"),
+)
+
+
+def request_error_cases(family: DiTFamily) -> list[tuple[dict[str, Any], str]]:
+    """The shared rows, then the family's own (`ConformanceSpec.request_errors`)."""
+    own = family.conformance.request_errors if family.conformance else ()
+    return [*COMMON_REQUEST_ERRORS, *own]
 
 
 def check_request_errors(family: DiTFamily, root: Path) -> None:
@@ -251,15 +269,14 @@ def check_generate_cli_png(family: DiTFamily, root: Path, out: Path, kwargs: dic
     must change generate()'s image (a case that sets it to no effect tests nothing); on a tiny model
     that change can be under the png's rounding, so a dropped flag shows in the family's one-line
     option errors (e.g. tests/test_qwenimage.py::test_generate_cli_option_errors_are_one_line)."""
-    import subprocess
-    import sys
-
     from PIL import Image
 
+    from spindle.testing.multiprocess import run_spindle
+
     flags = [str(a) for k, v in kwargs.items() for a in (CLI_FLAGS.get(k, "--" + k.replace("_", "-")), v)]
-    command = [sys.executable, "-m", "spindle", "generate", "--model", str(root), *flags, "--out", str(out)]
-    r = subprocess.run(command, capture_output=True, text=True)
-    assert r.returncode == 0, f"{family.name}: {' '.join(command[2:])} failed: {r.stderr[-3000:]}"
+    command = ["generate", "--model", str(root), *flags, "--out", str(out)]
+    r = run_spindle(*command)
+    assert r.returncode == 0, f"{family.name}: spindle {' '.join(command)} failed: {r.stderr[-3000:]}"
     assert f"family {family.name}" in r.stdout, f"{family.name}: the output does not name the family: {r.stdout}"
     image = np.asarray(Image.open(out))
     size = (kwargs["height"], kwargs["width"], 3)
@@ -352,26 +369,6 @@ def inference_tokens(root: Path, height: int, width: int, num_frames: int) -> in
     tokens = gen.spec.sequence_length(req, gen.transformer)
     assert tokens is not None, f"{gen.family}: its inference spec does not count the transformer's tokens"
     return int(tokens)
-
-
-def train_overrides(root: Path, data: Path, out: Path, family: DiTFamily, **extra: Any) -> list[str]:
-    assert family.demo is not None
-    values = {
-        "model.path": root,
-        "model.max_text_length": TEXT_TOKENS,
-        "data.path": data,
-        "data.resolution": list(family.demo.size),
-        "data.num_frames": family.demo.num_frames,
-        "train.output_dir": out,
-        "train.max_steps": 12,
-        "train.global_batch_size": 2,
-        "train.micro_batch_size": 2,
-        "train.lr": 3e-3,
-        "train.seed": 0,
-        "checkpoint.resume": "none",
-        **extra,
-    }
-    return [f"{k}={v}" for k, v in values.items()]
 
 
 def check_overfit(family: DiTFamily, losses: list[float]) -> None:

@@ -60,6 +60,25 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1,
     )
 
 
+def run_spindle(*args: object, timeout: float = 600, threads: int | None = None) -> Any:
+    """`python -m spindle ARGS...` in a subprocess (this tree's code via PYTHONPATH); -> CompletedProcess.
+    `threads`: OMP_NUM_THREADS for it (1 for `--nproc` runs, whose workers share the cores)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
+    return subprocess.run(
+        [sys.executable, "-m", "spindle", *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def dotted_overrides(base: dict[str, Any], **values: Any) -> list[str]:
+    """`base` ({"train.lr": 1e-3, ...}) updated with `values` (`train__lr=...` style keys) -> the dotted
+    `key=value` overrides `spindle train` and `load_job_config` take."""
+    merged = {**base, **{k.replace("__", "."): v for k, v in values.items()}}
+    return [f"{k}={v}" for k, v in merged.items()]
+
+
 def torchrun(nproc: int, *args: str, timeout: float = 600):
     """`python -m torch.distributed.run --standalone --nproc-per-node=NPROC ARGS...` (one thread a
     worker: the ranks share the machine's cores); -> the CompletedProcess, output captured."""

@@ -3,7 +3,6 @@ folder), by family name."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +16,3 @@ def build_tiny(family: str, out: str | Path, seed: int = 0, **overrides: Any) ->
         raise ValueError(f"family {family!r} registers no tiny_model builder")
     path: Path = import_object(record.tiny_model)(out, seed=seed, **overrides)
     return path
-
-
-def read_model_index(root: str | Path) -> dict[str, Any]:
-    index: dict[str, Any] = json.loads((Path(root) / "model_index.json").read_text())
-    return index

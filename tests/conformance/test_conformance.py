@@ -21,10 +21,11 @@ import dataclasses
 import pytest
 import torch
 
-from spindle.api import load_job_config
+from spindle.api import load_generator, load_job_config
 from spindle.contracts.family import import_object
 from spindle.registry import all_families, get_family
 from spindle.testing import conformance as suite
+from tests.conftest import train_overrides
 
 FAMILIES = sorted(f.name for f in all_families() if f.task == "flow_matching")
 PARITY = [(f, case) for f in FAMILIES for case in sorted(get_family(f).conformance.parity_cases)]
@@ -40,6 +41,9 @@ def tiny(tiny_checkpoint):
 def test_family_declares_what_the_suite_needs(name):
     family = get_family(name)
     assert family.tiny_model and family.demo and family.inference and family.conformance, name
+    assert family.conformance.default_params, f"{name}: declare the diffusers pipeline's call defaults"
+    if family.inference_spec().media == "image":
+        assert family.conformance.cli_case, f"{name}: declare a `spindle generate` request (cli_case)"
     cases = family.conformance.parity_cases.values()
     assert any("negative_prompt" in kw for kw in cases), f"{name}: no parity case with classifier-free guidance"
     assert any("negative_prompt" not in kw for kw in cases), f"{name}: no parity case without guidance"
@@ -57,43 +61,21 @@ def test_inference_equals_the_diffusers_pipeline(name, case, cfg_batch, tiny):
     suite.check_inference_parity(family, tiny(name), family.conformance.parity_cases[case], cfg_batch=cfg_batch)
 
 
-# Spindle's default request per family: the diffusers pipeline's __call__ defaults (Flux and
-# Qwen-Image: default_sample_size 128 x the tiny VAE's factor 2; Wan's pipeline names its size).
-# check_default_params also reads them off the pipeline, so a stale row here fails.
-DEFAULTS = {
-    "flux": dict(
-        height=256, width=256, num_frames=None, num_inference_steps=28, guidance_scale=3.5, max_sequence_length=512,
-        extra={"true_cfg_scale": 1.0},  # FluxPipeline's: no true CFG
-    ),
-    "qwenimage": dict(
-        height=256, width=256, negative_prompt=None, num_inference_steps=50, max_sequence_length=512,
-        extra={"true_cfg_scale": 4.0},  # QwenImagePipeline's, which runs only with a negative prompt
-    ),
-    "wan": dict(height=480, width=832, num_frames=81, num_inference_steps=50, guidance_scale=5.0),
-}  # fmt: skip
-
-
 @pytest.mark.parametrize("name", FAMILIES)
 def test_defaults_are_the_diffusers_pipeline_defaults(name, tiny):
-    assert name in DEFAULTS, f"{name}: add the family's diffusers pipeline call defaults to DEFAULTS"
-    suite.check_default_params(get_family(name), tiny(name), DEFAULTS[name])
+    family = get_family(name)
+    suite.check_default_params(family, tiny(name), family.conformance.default_params)
 
 
-# `spindle generate` requests per image family, each with a flag of its own (Flux's embedded
-# --guidance, Qwen-Image's --true-cfg-scale). A video family's mp4 is lossy: tests/test_infer_cli.py.
+# `spindle generate` per image family (its ConformanceSpec.cli_case, with a flag of its own). A video
+# family's mp4 is lossy: tests/infer/test_infer_cli.py.
 IMAGE_FAMILIES = [f for f in FAMILIES if get_family(f).inference_spec().media == "image"]
-CLI_CASES = {
-    "flux": dict(prompt="a cat", height=32, width=48, num_inference_steps=2, guidance_scale=3.5, seed=4),
-    "qwenimage": dict(
-        prompt="a fox", negative_prompt="blurry", true_cfg_scale=2.5, height=32, width=48, num_inference_steps=2, seed=4
-    ),
-}
 
 
 @pytest.mark.parametrize("name", IMAGE_FAMILIES)
 def test_generate_cli_writes_the_generated_png(name, tiny, tmp_path):
-    assert name in CLI_CASES, f"{name}: add a `spindle generate` request to CLI_CASES"
-    suite.check_generate_cli_png(get_family(name), tiny(name), tmp_path / f"{name}.png", CLI_CASES[name])
+    family = get_family(name)
+    suite.check_generate_cli_png(family, tiny(name), tmp_path / f"{name}.png", family.conformance.cli_case)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -109,6 +91,37 @@ def test_tiny_model_cli_writes_a_checkpoint_the_registry_resolves(name, tmp_path
 def test_cfg_batch_is_one_forward_equal_to_two(name, tiny):
     family = get_family(name)
     suite.check_cfg_batch_is_one_forward(family, tiny(name), family.conformance.parity_cases["cfg"])
+
+
+BAD_REQUESTS = [(f, i) for f in FAMILIES for i in range(len(suite.request_error_cases(get_family(f))))]
+
+
+@pytest.fixture(scope="module")
+def generator(tiny):
+    """`generator(name)`: `load_generator` of the family's tiny checkpoint, once per module."""
+    built = {}
+
+    def get(name):
+        if name not in built:
+            built[name] = load_generator(tiny(name))
+        return built[name]
+
+    return get
+
+
+def bad_request_id(name: str, row: int) -> str:
+    kw = suite.request_error_cases(get_family(name))[row][0]
+    return f"{name}-" + "-".join(f"{k}={v!r}" for k, v in kw.items())
+
+
+@pytest.mark.parametrize("name,row", BAD_REQUESTS, ids=[bad_request_id(f, i) for f, i in BAD_REQUESTS])
+def test_bad_requests_are_clear_errors(name, row, generator):
+    """The shared bad-request table: the rows every family refuses alike, then the family's own rows
+    (what its checkpoint bounds), each a RequestError naming the field, raised before any work."""
+    family = get_family(name)
+    kw, message = suite.request_error_cases(family)[row]
+    field = "negative_prompt" if "negative_prompt" in kw else next(iter(kw))  # the field the row makes bad
+    suite.check_request_error(generator(name), {**family.conformance.parity_cases["nocfg"], **kw}, message, field)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -155,7 +168,13 @@ def test_overfits_and_exports_for_stock_diffusers(name, tiny, tmp_path):
 
     family = get_family(name)
     data = import_object(family.demo.dataset)(tmp_path / "data", seed=0, **family.demo.dataset_kwargs)
-    trainer = make_trainer(load_job_config(None, suite.train_overrides(tiny(name), data, tmp_path / "run", family)))
+    # a few samples at the family's demo size, a high learning rate: the loss must clearly fall
+    overrides = train_overrides(
+        tiny(name), data, tmp_path / "run",
+        data__resolution=list(family.demo.size), data__num_frames=family.demo.num_frames,
+        train__max_steps=12, train__global_batch_size=2, train__micro_batch_size=2, train__lr=3e-3, train__seed=0,
+    )  # fmt: skip
+    trainer = make_trainer(load_job_config(None, overrides))
     result = trainer.run()
     records = read_metrics(result.output_dir)
     suite.check_overfit(family, [m["loss"] for m in records])

@@ -1,7 +1,10 @@
-"""Qwen3-MoE with expert parallelism on real torchrun workers (gloo, CPU) equals one process.
+"""Qwen3-MoE with expert parallelism on real torchrun workers (gloo, CPU) equals one process: what the
+conformance suite does not cover (its 2-process ep=2, dp_shard=2 (ep=1) and SP=2 runs:
+tests/conformance/test_causal_lm_conformance.py).
 
-Same 3 steps, global batch 8 of unpadded chat/text rows; only the layout differs. fp32 CPU: per-step
-loss and grad norm 1e-5 relative; exported weights 1e-4 absolute after AdamW at lr 1e-3.
+Every run trains the suite's reference run (`REFERENCE_RUN`: 4 steps, global batch 8 of unpacked chat/text
+rows); only the layout differs. fp32 CPU: per-step loss, aux loss and grad norm 1e-5 relative, the same
+expert load; exported weights 1e-4 absolute after AdamW at lr 1e-3.
 """
 
 from __future__ import annotations
@@ -10,57 +13,25 @@ from pathlib import Path
 
 import pytest
 
+from spindle.registry import get_family
+from spindle.testing.causal_lm_conformance import REFERENCE_RUN, check_same_run, exported_weights
 from spindle.train.metrics import read_metrics
-from tests.distributed.test_causal_lm_distributed import exported
-from tests.distributed.test_causal_lm_distributed import run_train as run_lm
+from tests.conftest import lm_train_cli
 
 pytestmark = pytest.mark.slow
-RTOL = 1e-5
-WEIGHT_ATOL = 1e-4
-STEPS = 3
-
-
-def run_train(model: Path, data: Path, out: Path, nproc: int, **overrides) -> None:
-    run_lm(model, data, out, nproc, **{"train__max_steps": STEPS, **overrides})
 
 
 def assert_same_run(a: Path, b: Path) -> None:
-    ma, mb = read_metrics(a), read_metrics(b)
-    for key in ("loss", "grad_norm", "aux_loss"):
-        assert [m[key] for m in mb] == pytest.approx([m[key] for m in ma], rel=RTOL), key
-    assert [m["moe_tokens_per_expert"] for m in mb] == [m["moe_tokens_per_expert"] for m in ma]
-    wa, wb = exported(a), exported(b)
-    assert wa.keys() == wb.keys() and any(".experts.0.gate_proj.weight" in k for k in wa)
-    worst = max(wa, key=lambda k: (wb[k] - wa[k]).abs().max().item())
-    assert (wb[worst] - wa[worst]).abs().max().item() <= WEIGHT_ATOL, worst
+    check_same_run(get_family("qwen3_moe"), a, b)
+    assert any(".experts.0.gate_proj.weight" in k for k in exported_weights(a)), "the export is not per-expert"
 
 
-@pytest.fixture(scope="module")
-def single(tiny_qwen3_moe, lm_corpus, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("moe_single") / "run"
-    run_train(tiny_qwen3_moe, lm_corpus, out, nproc=1)
-    return out
-
-
-@pytest.mark.parametrize(
-    "layout",
-    [{"parallel__ep": 2}, {"parallel__ep": 1}, {"parallel__sp": 2, "parallel__dp_shard": 1}],
-    ids=["ep2", "dp_shard2_ep1", "sp2"],
-)
-def test_two_processes_equal_one(layout, single, tiny_qwen3_moe, lm_corpus, tmp_path):
-    """sp2: each rank holds half of every row's tokens; the aux loss must come from the router statistics
-    summed over both (not each half's own), and the expert load must count each token once."""
-    out = tmp_path / "run"
-    run_train(tiny_qwen3_moe, lm_corpus, out, nproc=2, **layout)
-    assert_same_run(single, out)
-
-
-def test_ep2_times_dp_shard2_equals_one_process(single, tiny_qwen3_moe, lm_corpus, tmp_path):
+def test_ep2_times_dp_shard2_equals_one_process(lm_reference_run, tiny_qwen3_moe, lm_corpus, tmp_path):
     """4 ranks: experts split over ep=2 and FSDP2-sharded over the 2 ranks holding the same experts.
     Micro-batches of 2 rows as in the 1-process run (the aux loss is per micro-batch, so the split must match)."""
     out = tmp_path / "run"
-    run_train(tiny_qwen3_moe, lm_corpus, out, nproc=4, parallel__ep=2)
-    assert_same_run(single, out)
+    lm_train_cli(tiny_qwen3_moe, lm_corpus, out, 4, **REFERENCE_RUN, parallel__ep=2)
+    assert_same_run(lm_reference_run("qwen3_moe"), out)
 
 
 @pytest.mark.parametrize(
@@ -68,18 +39,19 @@ def test_ep2_times_dp_shard2_equals_one_process(single, tiny_qwen3_moe, lm_corpu
     [{"parallel__ep": 2, "parallel__sp": 2}, {"parallel__ep": 2, "parallel__dp_replicate": 2, "parallel__dp_shard": 2}],
     ids=["ep2_sp2", "hsdp_replicate2_ep2"],
 )
-def test_four_process_layouts_equal_one_process(layout, single, tiny_qwen3_moe, lm_corpus, tmp_path):
+def test_four_process_layouts_equal_one_process(layout, lm_reference_run, tiny_qwen3_moe, lm_corpus, tmp_path):
     """ep2_sp2: the two SP ranks of a data-parallel rank hold the same experts and different tokens of the
     same rows, so the experts' FSDP2 units reduce over them too. hsdp_replicate2_ep2: the experts are
     replicated over dp_replicate and split over ep."""
     out = tmp_path / "run"
-    run_train(tiny_qwen3_moe, lm_corpus, out, nproc=4, **layout)
-    assert_same_run(single, out)
+    lm_train_cli(tiny_qwen3_moe, lm_corpus, out, 4, **REFERENCE_RUN, **layout)
+    assert_same_run(lm_reference_run("qwen3_moe"), out)
 
 
-def test_resume_an_ep2_checkpoint_at_ep1(single, tiny_qwen3_moe, lm_corpus, tmp_path):
+def test_resume_an_ep2_checkpoint_at_ep1(lm_reference_run, tiny_qwen3_moe, lm_corpus, tmp_path):
     out = tmp_path / "run"
-    run_train(tiny_qwen3_moe, lm_corpus, out, nproc=2, parallel__ep=2, train__max_steps=2, checkpoint__export=False)
-    run_train(tiny_qwen3_moe, lm_corpus, out, nproc=1, checkpoint__resume="auto")
-    assert [m["step"] for m in read_metrics(out)] == list(range(1, STEPS + 1))
-    assert_same_run(single, out)
+    first = {**REFERENCE_RUN, "train__max_steps": 2, "checkpoint__export": False}
+    lm_train_cli(tiny_qwen3_moe, lm_corpus, out, 2, **first, parallel__ep=2)
+    lm_train_cli(tiny_qwen3_moe, lm_corpus, out, 1, **REFERENCE_RUN, checkpoint__resume="auto")
+    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]
+    assert_same_run(lm_reference_run("qwen3_moe"), out)

@@ -10,32 +10,24 @@ fraction of lr; typical differences are ~3e-6, the bound is a tenth of one step.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
 from spindle.train.metrics import read_metrics
-from tests.conftest import train_overrides
+from tests.conftest import run_spindle, spindle_train, train_overrides
 
 pytestmark = pytest.mark.slow
 RTOL = 1e-5
 WEIGHT_ATOL = 1e-4
 
 
-def run_train(model: Path, data: Path, out: Path, nproc: int, **overrides) -> subprocess.CompletedProcess:
-    cfg = out.parent / f"{out.name}.yaml"
-    cfg.write_text(yaml.safe_dump({}))
+def run_train(model: Path, data: Path, out: Path, nproc: int, **overrides) -> None:
+    """`spindle train --nproc N` of the tiny video model: 4 steps, micro batch 1, shuffled, exported."""
     base = dict(train__max_steps=4, train__micro_batch_size=1, checkpoint__export=True, data__shuffle=True)
-    args = train_overrides(model, data, out, **{**base, **overrides})
-    cmd = [sys.executable, "-m", "spindle", "train", str(cfg), *args, "--nproc", str(nproc)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+    spindle_train(out, nproc, train_overrides(model, data, out, **{**base, **overrides}))
 
 
 def series(out: Path, key: str) -> list[float]:
@@ -121,11 +113,6 @@ def test_sequence_not_divisible_by_sp_names_token_count(tiny_wan, shapes_videos,
         data__resolution=[16, 16],
         train__micro_batch_size=1,
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "spindle", "train", str(cfg), *args, "--nproc", "2"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_spindle("train", cfg, *args, "--nproc", 2, timeout=300)
     assert proc.returncode != 0
     assert "3 tokens, which is not divisible by parallel.sp=2" in proc.stderr + proc.stdout

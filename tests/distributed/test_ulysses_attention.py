@@ -60,7 +60,7 @@ def attention_module(heads: int, kv_heads: int):
     return Qwen3Attention(config, layer_idx=0)
 
 
-def tiny_qwen3(kv_heads: int):
+def small_qwen3_model(kv_heads: int):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
@@ -135,7 +135,7 @@ def _worker(rank: int, world: int, out: str) -> None:
             results[name].update({f"d{n}": gather(t.grad, 2) for n, t in zip("qkv", (q, k, v), strict=True)})
 
     for name, (_, kv_heads, packed) in MODEL_CASES.items():
-        model = tiny_qwen3(kv_heads)
+        model = small_qwen3_model(kv_heads)
         enable_sequence_parallel(model, mesh)
         local = shard_batch(lm_batch(packed), rank, world)
         loss = lm_loss_sum(model, local)
@@ -195,7 +195,7 @@ def test_packed_reference_differs_from_plain_causal(sp_results):
 @pytest.mark.parametrize("case", list(MODEL_CASES))
 def test_sp_model_loss_and_grads_equal_one_process(sp_results, case):
     _, kv_heads, packed = MODEL_CASES[case]
-    model = tiny_qwen3(kv_heads)
+    model = small_qwen3_model(kv_heads)
     loss = lm_loss_sum(model, lm_batch(packed))
     loss.backward()
     got = sp_results[case]

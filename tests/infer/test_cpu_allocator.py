@@ -70,18 +70,9 @@ def test_engine_keeps_freed_memory_on_cpu_unless_told_not_to(tiny_wan):
 
 def test_cli_flag_turns_it_off():
     from spindle.cli import build_parser
-    from spindle.commands.engine_args import engine_options
+    from spindle.commands.engine_args import engine_config
 
     parser = build_parser()
-    assert (
-        engine_options(parser.parse_args(["generate", "--model", "m", "--prompt", "p", "--out", "o.png"]))[
-            "keep_freed_memory"
-        ]
-        is True
-    )
-    assert (
-        engine_options(
-            parser.parse_args(["generate", "--model", "m", "--prompt", "p", "--out", "o.png", "--no-keep-freed-memory"])
-        )["keep_freed_memory"]
-        is False
-    )
+    base = ["generate", "--model", "m", "--prompt", "p", "--out", "o.png"]
+    assert engine_config(parser.parse_args(base)).keep_freed_memory is True
+    assert engine_config(parser.parse_args([*base, "--no-keep-freed-memory"])).keep_freed_memory is False

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
-
-def spindle(*args):
-    return subprocess.run([sys.executable, "-m", "spindle", *map(str, args)], capture_output=True, text=True)
+from tests.conftest import run_spindle
 
 
 def test_generate_writes_mp4(tiny_wan, tmp_path):
     import av
 
     out = tmp_path / "out.mp4"
-    r = spindle(
+    r = run_spindle(
         "generate",
         "--model",
         tiny_wan,

@@ -5,8 +5,6 @@ with variable-length prompts in one batch, request validation, `spindle generate
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -15,6 +13,7 @@ import torch
 from spindle.api import load_generator
 from spindle.models.qwenimage.tiny import build_tiny_qwenimage
 from spindle.testing.conformance import before_denoising, check_generator_parity, check_request_error
+from tests.conftest import run_spindle
 
 
 @pytest.fixture(scope="module")
@@ -149,32 +148,21 @@ def other_gen(other):
     return load_generator(other)
 
 
-# what Qwen-Image's checkpoint bounds; the declared options (true_cfg_scale's type, bounds and rule), unknown
-# options and frames for an image family: tests/test_conformance.py::test_bad_options_are_clear_request_errors
-@pytest.mark.parametrize(
-    "kw, message",
-    [
-        (
-            dict(height=36),
-            r"height must be a positive multiple of 8 for this model \(VAE x4 x 2x2 packing\) .*try 32 or 40",
-        ),
-        (dict(num_inference_steps=1), r"num_inference_steps must be >= 2 for this checkpoint's scheduler"),
-        (dict(max_sequence_length=1025), r"max_sequence_length must be an integer between 1 and 1024; got 1025"),
-    ],
-)
-def test_bad_requests_are_clear_errors(other_gen, kw, message):
+# The bad-request table (the rows every family shares, and what Qwen-Image's tiny checkpoint bounds: its
+# ConformanceSpec.request_errors), the declared options, unknown options and frames for an image family:
+# tests/conformance/test_conformance.py (test_bad_requests_are_clear_errors, test_bad_options_are_clear_request_errors).
+def test_the_size_multiple_follows_the_checkpoints_vae(other_gen):
+    """The other checkpoint's VAE downsamples x4 (the tiny one's x2): the multiple is read from the checkpoint."""
     check_request_error(
-        other_gen, {**dict(prompt="a cat", height=32, width=32, num_inference_steps=2, seed=0), **kw}, message
+        other_gen,
+        dict(prompt="a cat", height=36, width=32, num_inference_steps=2, seed=0),
+        r"height must be a positive multiple of 8 for this model \(VAE x4 x 2x2 packing\) .*try 32 or 40",
     )
 
 
-def spindle_generate(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "spindle", "generate", *args], capture_output=True, text=True)
-
-
 def test_generate_cli_option_errors_are_one_line(tiny, tmp_path):
-    r = spindle_generate(
-        "--model", str(tiny), "--prompt", "x", "--true-cfg-scale", "3", "--height", "32", "--width", "32",
+    r = run_spindle(
+        "generate", "--model", str(tiny), "--prompt", "x", "--true-cfg-scale", "3", "--height", "32", "--width", "32",
         "--steps", "2", "--out", str(tmp_path / "o.png"),
     )  # fmt: skip
     assert r.returncode == 2 and "Traceback" not in r.stderr

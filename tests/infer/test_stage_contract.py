@@ -16,11 +16,8 @@ KW = dict(prompt="a cat", height=32, width=32, num_inference_steps=2, max_sequen
 
 
 @pytest.fixture(scope="module")
-def components(tmp_path_factory):
-    from spindle.models.flux.tiny import build_tiny_flux
-
-    root = build_tiny_flux(tmp_path_factory.mktemp("flux_contract"), seed=0)
-    return load_components(root, FluxInference(), EngineConfig())
+def components(tiny_flux):
+    return load_components(tiny_flux, FluxInference(), EngineConfig())
 
 
 def run(spec, components, **kw):

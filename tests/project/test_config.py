@@ -1,14 +1,12 @@
 """Config errors name the bad key (with a did-you-mean) before any work starts."""
 
 import re
-import subprocess
-import sys
 
 import pytest
 
 from spindle.api import load_job_config
 from spindle.config import ConfigError, apply_override
-from tests.conftest import train_overrides
+from tests.conftest import run_spindle, train_overrides
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +93,7 @@ def test_malformed_override():
 def test_yaml_file_and_cli_error_exit(tmp_path, wan_folder):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"model: {{path: {wan_folder}}}\ndata: {{path: /d, resolutoin: [64, 64]}}\n")
-    proc = subprocess.run([sys.executable, "-m", "spindle", "train", str(cfg)], capture_output=True, text=True)
+    proc = run_spindle("train", cfg)
     assert proc.returncode == 2
     assert "unknown key 'data.resolutoin'; did you mean 'data.resolution'?" in proc.stderr
     assert "Traceback" not in proc.stderr

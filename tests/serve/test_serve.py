@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import io
 import itertools
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,14 +22,10 @@ import pytest
 from spindle.api import load_generator
 from spindle.serve import build_app
 from spindle.serve.server import make_server
+from spindle.testing.multiprocess import free_port
+from tests.conftest import failing_next_forward
 
 KW = dict(prompt="a red kite over the sea", size="32x32", num_frames=5, num_inference_steps=2, guidance_scale=4.0)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LiveServer:
@@ -337,14 +332,7 @@ def test_overload_gets_429_with_retry_after_and_jobs_run_in_order(serve, gen):
 
 def test_a_failing_job_fails_alone(serve, gen):
     s = serve()
-    state = {"armed": True}
-
-    def fault(module, args, kwargs):
-        if state.pop("armed", False):
-            raise RuntimeError("injected fault in the transformer")
-
-    handle = gen.transformer.register_forward_pre_hook(fault, with_kwargs=True)
-    try:
+    with failing_next_forward(gen.transformer, "injected fault in the transformer"):
         bad = s.client.post("/v1/videos", json={**KW, "seed": 5}).json()
         good = s.client.post("/v1/videos", json={**KW, "seed": 6}).json()
         failed = s.wait(bad["id"])
@@ -355,8 +343,6 @@ def test_a_failing_job_fails_alone(serve, gen):
         assert s.wait(good["id"])["status"] == "completed"
         assert s.client.get(f"/v1/videos/{good['id']}/content").status_code == 200
         assert s.client.get("/health").status_code == 200
-    finally:
-        handle.remove()
 
 
 def test_a_failing_done_callback_is_logged_and_the_others_still_run(caplog):

@@ -166,12 +166,10 @@ def test_sigterm_drains_then_exits_0(tiny_wan, tmp_path):
         s.log.close()
 
 
-def test_sigterm_answers_in_flight_image_requests_with_json(tmp_path):
+def test_sigterm_answers_in_flight_image_requests_with_json(tiny_flux, tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
-    from spindle.models.flux.tiny import build_tiny_flux
-
-    root = build_tiny_flux(tmp_path / "flux", seed=0)
+    root = tiny_flux
     s = ServeProcess(root, "--shutdown-grace", "1", "--max-steps", "1000", log_path=tmp_path / "serve.log")
     try:
         client = s.wait_ready()

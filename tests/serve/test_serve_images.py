@@ -11,6 +11,7 @@ import pytest
 
 from spindle.api import load_generator
 from spindle.serve import build_app
+from tests.conftest import failing_next_forward
 from tests.serve.test_serve import LiveServer, assert_error
 
 
@@ -93,20 +94,11 @@ def test_images_over_httpx_and_errors(server):
 
 def test_a_failing_image_request_gets_500_and_the_next_works(server, flux):
     gen, _ = flux
-    state = {"armed": True}
-
-    def fault(module, args, kwargs):
-        if state.pop("armed", False):
-            raise RuntimeError("injected fault")
-
-    handle = gen.transformer.register_forward_pre_hook(fault, with_kwargs=True)
-    try:
+    with failing_next_forward(gen.transformer):
         req = {"prompt": "a boat", "size": "32x32", "num_inference_steps": 2, "seed": 2}
         err = assert_error(server.client.post("/v1/images/generations", json=req), 500, code="generation_failed")
         assert "injected fault" in err["message"] and err["type"] == "server_error"
         assert server.client.post("/v1/images/generations", json=req).status_code == 200
-    finally:
-        handle.remove()
 
 
 def test_numeric_fields_refuse_booleans_and_numeric_strings(server):

@@ -1,6 +1,6 @@
 """Qwen-Image served through `POST /v1/images/generations` over real HTTP: the official openai
-client's `images.generate(...)`, and the family's own option (`true_cfg_scale`) as a request field
-generated from its declaration."""
+client's `images.generate(...)` with the family's own option (`true_cfg_scale`) as a request field
+generated from its declaration (its errors: tests/serve/test_serve_family_options.py)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,8 @@ from tests.serve.test_serve_images import png_array, to_uint8
 
 
 @pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    from spindle.models.qwenimage.tiny import build_tiny_qwenimage
-
-    root = build_tiny_qwenimage(tmp_path_factory.mktemp("models") / "qwenimage", seed=0)
+def qwen(tiny_checkpoint):
+    root = tiny_checkpoint("qwenimage")
     return load_generator(root, device="cpu"), root
 
 
@@ -52,17 +50,11 @@ def test_openai_client_images_generate_with_true_cfg(server, qwen):
     assert not np.array_equal(to_uint8(default), images)
 
 
-def test_family_option_errors_name_the_field(server):
-    c = server.client
-    base = {"prompt": "x", "size": "32x32", "num_inference_steps": 2}
-    err = assert_error(c.post("/v1/images/generations", json={**base, "true_cfg_scale": 3}), 400, "true_cfg_scale")
-    assert "negative_prompt" in err["message"]
-    bad = {**base, "negative_prompt": "", "true_cfg_scale": -2}
-    err = assert_error(c.post("/v1/images/generations", json=bad), 400, "true_cfg_scale")
-    assert "between 0 and 100 for qwenimage" in err["message"]
-    assert_error(c.post("/v1/images/generations", json={**base, "true_cfg_scale": "lots"}), 422, "true_cfg_scale")
-    assert_error(c.post("/v1/images/generations", json={**base, "strength": 0.5}), 422, "strength")
-    assert_error(c.post("/v1/images/generations", json={**base, "num_inference_steps": 1}), 400, "num_inference_steps")
+# true_cfg_scale's type, bounds and rule, and unknown options, as request fields: the shared table,
+# tests/serve/test_serve_family_options.py
+def test_the_schedulers_step_minimum_is_a_400_naming_the_field(server):
+    body = {"prompt": "x", "size": "32x32", "num_inference_steps": 1}
+    assert_error(server.client.post("/v1/images/generations", json=body), 400, "num_inference_steps")
 
 
 def test_a_size_past_the_rotary_table_is_a_400_naming_size(server):

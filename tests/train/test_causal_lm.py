@@ -1,60 +1,25 @@
-"""Causal-LM training on one process: tiny models, loss parity with stock transformers, document masking,
-loss invariance under micro-batching, export into stock transformers, config errors, the demo."""
+"""Causal-LM training on one process, what the conformance suite does not cover: document masking, loss
+invariance under micro-batching, sharded exports, gradient checkpointing, config errors, the demo."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from spindle.api import load_job_config
 from spindle.config import ConfigError
+from spindle.testing.causal_lm_conformance import stock as lm_stock
 from spindle.train.metrics import read_metrics
-from tests.conftest import lm_overrides, lm_stock, lm_train, one_step_metrics
+from tests.conftest import lm_overrides, lm_train, run_spindle
 
 RTOL = 1e-5
 
 
-# ---------------------------------------------------------------- tiny models
-
-
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_cli_tiny_model_loads_in_stock_transformers(family, tmp_path):
-    from transformers import AutoConfig
-
-    out = tmp_path / family
-    proc = subprocess.run(
-        [sys.executable, "-m", "spindle", "tiny-model", family, str(out), "--seed", "3"],
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert AutoConfig.from_pretrained(out).model_type == family
-    model, tok = lm_stock(out)
-    assert type(model).__name__ == {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[family]
-    assert 3e5 < sum(p.numel() for p in model.parameters()) < 2e6
-    assert tok.chat_template and tok.eos_token_id is not None
-    chat = tok.apply_chat_template(
-        [{"role": "user", "content": "what colour"}], add_generation_prompt=True, return_dict=True, return_tensors="pt"
-    )
-    assert tok.unk_token_id not in tok("the red circle moves left").input_ids
-    ids = model.generate(**chat, max_new_tokens=3, do_sample=False)
-    assert ids.shape[1] > chat["input_ids"].shape[1]
-
-
-def test_registry_resolves_transformers_folders_by_model_type(tiny_qwen3, tiny_llama, tmp_path):
-    from spindle.registry import UnknownModelError, resolve_family
-
-    assert resolve_family(tiny_qwen3).name == "qwen3"
-    assert resolve_family(tiny_llama).name == "llama"
-    other = tmp_path / "gpt2"
-    other.mkdir()
-    (other / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(UnknownModelError, match=r"'gpt2'.*known model types: llama, qwen3"):
-        resolve_family(other)
+# The tiny checkpoints (stock load, `spindle tiny-model`, the registry's model_type lookup), the patched
+# classes against stock transformers, step-1 loss and grad norm against stock and the export round trip
+# run for every causal-LM family in the conformance suite (tests/conformance/test_causal_lm_conformance.py).
 
 
 # ---------------------------------------------------------------- loss
@@ -88,21 +53,6 @@ def test_packed_row_loss_equals_documents_computed_separately(attn, tiny_qwen3, 
     assert float(crossing) != pytest.approx(float(separate), rel=1e-3)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_step_one_loss_and_grad_norm_equal_stock_transformers(family, tiny_qwen3, tiny_llama, tmp_path):
-    path = {"qwen3": tiny_qwen3, "llama": tiny_llama}[family]
-    text = "the red circle moves left on a gray background . then the red circle moves right ."
-    m = one_step_metrics(path, [text], tmp_path, seq_len=32)  # longer than the sample: padding must not count
-    model, tok = lm_stock(path)
-    ids = torch.tensor([[*tok(text).input_ids, tok.eos_token_id]])
-    assert ids.shape[1] < 32
-    loss = model(ids, labels=ids).loss
-    loss.backward()
-    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
-    assert m["loss"] == pytest.approx(loss.item(), rel=RTOL)
-    assert m["grad_norm"] == pytest.approx(float(norm), rel=RTOL)
-
-
 def test_loss_is_the_global_token_mean_whatever_the_micro_batches(tiny_qwen3, lm_corpus, tmp_path):
     """Global batch 8 as 1x8, 4x2 and 8x1 micro-batches: the same step losses and grad norms, with
     rows holding very different numbers of learned tokens (chat rows learn only the assistant turns)."""
@@ -129,37 +79,6 @@ def test_loss_is_the_global_token_mean_whatever_the_micro_batches(tiny_qwen3, lm
 
 
 # ---------------------------------------------------------------- export
-
-
-def test_export_loads_in_stock_transformers_with_every_tensor_equal(tiny_qwen3, lm_corpus, tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    trainer, result = lm_train(tiny_qwen3, lm_corpus, tmp_path / "run", train__max_steps=2)
-    export = result.export_dir
-    assert sorted(p.name for p in export.glob("*.safetensors")) == ["model-00001-of-00001.safetensors"]
-    assert not (export / "sharded").exists()
-    loaded = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
-    trained = trainer.model.state_dict()
-    exported = loaded.state_dict()
-    assert exported.keys() == trained.keys()
-    for key, value in trained.items():
-        assert torch.equal(exported[key], value.detach().cpu()), key
-    base = lm_stock(tiny_qwen3)[0].state_dict()
-    assert any(not torch.equal(base[k], trained[k]) for k in trained), "training changed nothing"
-    tok = AutoTokenizer.from_pretrained(export)
-    ids = loaded.generate(**tok("the red circle", return_tensors="pt"), max_new_tokens=4, do_sample=False)
-    assert ids.shape[1] == 3 + 4 or ids[0, -1] in loaded.generation_config.eos_token_id
-
-    # `spindle export` of the final checkpoint writes the same weights on one process.
-    cli = tmp_path / "cli_export"
-    proc = subprocess.run(
-        [sys.executable, "-m", "spindle", "export", str(result.output_dir), "--out", str(cli)],
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stderr
-    again = AutoModelForCausalLM.from_pretrained(cli, dtype=torch.float32).state_dict()
-    assert all(torch.equal(again[k], exported[k]) for k in exported)
 
 
 def test_export_is_split_into_shards_that_stock_transformers_reassembles(tiny_llama, tmp_path):
@@ -205,12 +124,7 @@ def test_gradient_checkpointing_gives_the_same_run(tiny_llama, lm_corpus, tmp_pa
 
 def test_demo_qwen3_trains_exports_and_continues_text(tmp_path):
     out = tmp_path / "demo"
-    proc = subprocess.run(
-        [sys.executable, "-m", "spindle", "demo", "--family", "qwen3", "--out", str(out), "--steps", "30"],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    proc = run_spindle("demo", "--family", "qwen3", "--out", out, "--steps", 30, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     losses = [m["loss"] for m in read_metrics(out / "run")]
     assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5

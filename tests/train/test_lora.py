@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from spindle.api import load_generator, make_trainer, train
 from spindle.config import ConfigError
 from spindle.train.metrics import read_metrics
-from spindle.train.trainer import Trainer
+from tests.conftest import train_interrupted
 
 LORA = "{rank: 4, alpha: 8}"
 SAMPLE = dict(prompt="a red circle moves left", height=32, width=32, num_frames=5, num_inference_steps=2)
@@ -155,17 +155,7 @@ def test_flux_original_layout_round_trips_through_diffusers():
 def test_lora_resume_is_exact(make_config, tmp_path, monkeypatch):
     common = dict(train__max_steps=4, train__global_batch_size=2, checkpoint__every_steps=2, checkpoint__export=False)
     train(make_config(tmp_path / "straight", train__lora=LORA, **common))
-    original = Trainer.train_step
-
-    def crash_at_step_3(self):
-        if self.step == 3:
-            raise KeyboardInterrupt
-        return original(self)
-
-    monkeypatch.setattr(Trainer, "train_step", crash_at_step_3)
-    with pytest.raises(KeyboardInterrupt):
-        train(make_config(tmp_path / "resumed", train__lora=LORA, **common))
-    monkeypatch.setattr(Trainer, "train_step", original)
+    train_interrupted(make_config, tmp_path / "resumed", monkeypatch, 3, train__lora=LORA, **common)
     train(make_config(tmp_path / "resumed", train__lora=LORA, checkpoint__resume="auto", **common))
     straight = [(m["loss"], m["grad_norm"]) for m in read_metrics(tmp_path / "straight")]
     resumed = [(m["loss"], m["grad_norm"]) for m in read_metrics(tmp_path / "resumed")]
@@ -239,15 +229,14 @@ def test_lora_of_another_shape_is_refused(lora_run, tiny_wan, tmp_path):
 # ---------------------------------------------------------------- Flux and the CLI
 
 
-def test_flux_lora_trains_exports_and_loads_in_stock_diffusers(tmp_path):
+def test_flux_lora_trains_exports_and_loads_in_stock_diffusers(tiny_flux, tmp_path):
     from diffusers import FluxPipeline
 
     from spindle.api import load_job_config
     from spindle.data.synthetic import make_shapes_image_dataset
-    from spindle.models.flux.tiny import build_tiny_flux
     from tests.conftest import train_overrides
 
-    tiny = build_tiny_flux(tmp_path / "flux", seed=0)
+    tiny = tiny_flux
     images = make_shapes_image_dataset(tmp_path / "images", num_images=4, size=(32, 32))
     overrides = dict(data__num_frames=1, data__resolution=[32, 32], train__max_steps=2, train__global_batch_size=2)
     cfg = load_job_config(None, train_overrides(tiny, images, tmp_path / "run", **overrides, train__lora=LORA))

@@ -8,26 +8,24 @@ import pytest
 import torch
 
 from spindle.api import load_job_config
-from tests.conftest import lm_overrides, lm_stock, lm_train, one_step_metrics
+from spindle.testing.causal_lm_conformance import STEP_ONE_TEXT
+from spindle.testing.causal_lm_conformance import stock as lm_stock
+from tests.conftest import lm_overrides, lm_train, one_step_metrics
 
 RTOL = 1e-5
-TEXT = "the red circle moves left on a gray background . then the red circle moves right ."
 
 
-def test_step_one_loss_with_aux_and_grad_norm_equal_stock_transformers(tiny_qwen3_moe, tmp_path):
+def test_step_one_expert_load_counts_every_routing_once(tiny_qwen3_moe, lm_step_one):
+    """Step 1's loss, aux loss and grad norm equal stock transformers' with output_router_logits: the
+    conformance suite (tests/conformance/test_causal_lm_conformance.py, the family's stock_outputs). The
+    same run's expert load: every (token, top-k) routing of both MoE layers counted once, the row's
+    padding (seq_len 32) not at all."""
     model, tok = lm_stock(tiny_qwen3_moe)
-    ids = torch.tensor([[*tok(TEXT).input_ids, tok.eos_token_id]])
-    # seq_len = the sample: the router statistics cover every position of a row (as stock's do without
-    # an attention mask), so a padded row would route its padding too.
-    m = one_step_metrics(tiny_qwen3_moe, [TEXT], tmp_path, seq_len=ids.shape[1])
+    ids = torch.tensor([[*tok(STEP_ONE_TEXT).input_ids, tok.eos_token_id]])
+    assert ids.shape[1] < 32
     out = model(ids, labels=ids, output_router_logits=True)
-    out.loss.backward()
-    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
-    assert model.config.router_aux_loss_coef * float(out.aux_loss) > 1e-3 * float(out.loss), "aux must matter"
-    assert m["loss"] == pytest.approx(out.loss.item(), rel=RTOL)
-    assert m["aux_loss"] == pytest.approx(out.aux_loss.item(), rel=RTOL)
-    assert m["grad_norm"] == pytest.approx(float(norm), rel=RTOL)
-    # expert load: every (token, top-k) routing of both MoE layers counted once
+    assert model.config.router_aux_loss_coef * out.aux_loss.item() > 1e-3 * out.loss.item(), "aux must matter"
+    m = lm_step_one("qwen3_moe")
     routed = ids.shape[1] * model.config.num_experts_per_tok * 2
     assert sum(m["moe_tokens_per_expert"]) == routed and len(m["moe_tokens_per_expert"]) == 8
     assert m["moe_load_imbalance"] >= 1.0
@@ -39,7 +37,7 @@ def test_padding_is_out_of_the_aux_loss_and_the_load_as_in_stock_transformers_wi
     """`packing: false` rows of two documents of different lengths, one micro-batch: the padded row's
     pad positions must not count in the router statistics, as stock does when given `attention_mask`."""
     model, tok = lm_stock(tiny_qwen3_moe)
-    texts = [TEXT, "the red circle"]
+    texts = [STEP_ONE_TEXT, "the red circle"]
     docs = [[*tok(t).input_ids, tok.eos_token_id] for t in texts]
     seq_len = len(docs[0]) + 4  # both rows padded, the second by many positions
     ids = torch.tensor([d + [tok.pad_token_id] * (seq_len - len(d)) for d in docs])
@@ -190,12 +188,13 @@ def test_unrecognised_expert_tensor_raises_naming_the_key(small_moe, tmp_path):
 # ---------------------------------------------------------------- export
 
 
-@pytest.mark.parametrize("layout", ["per_expert", "fused"])
-def test_export_writes_the_input_layout_and_loads_in_stock_transformers(layout, small_moe, lm_corpus, tmp_path):
+# The per-expert layout (what stock save_pretrained writes) exports per-expert and loads in stock transformers:
+# the conformance suite (test_export_loads_in_stock_transformers_with_every_tensor_equal[qwen3_moe]).
+def test_a_fused_checkpoint_exports_fused_and_loads_in_stock_transformers(small_moe, lm_corpus, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    src = small_moe if layout == "per_expert" else rewrite(small_moe, tmp_path / "fused", fuse)
+    src = rewrite(small_moe, tmp_path / "fused", fuse)
     trainer, result = lm_train(src, lm_corpus, tmp_path / "run", train__max_steps=2)
     written = {}
     for shard in result.export_dir.glob("*.safetensors"):

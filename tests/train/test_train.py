@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import re
 import statistics
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,7 +12,7 @@ from safetensors.torch import load_file
 
 from spindle.api import make_trainer, train
 from spindle.train.metrics import read_metrics
-from spindle.train.trainer import Trainer
+from tests.conftest import run_spindle, train_interrupted
 
 
 def test_overfit_loss_falls(make_config, tmp_path):
@@ -53,17 +51,7 @@ def test_interrupted_run_resumes_to_identical_losses(make_config, tmp_path, monk
     )
     train(make_config(tmp_path / "straight", **common))
 
-    original = Trainer.train_step
-
-    def crash_at_step_7(self):
-        if self.step == 7:
-            raise KeyboardInterrupt
-        return original(self)
-
-    monkeypatch.setattr(Trainer, "train_step", crash_at_step_7)
-    with pytest.raises(KeyboardInterrupt):
-        train(make_config(tmp_path / "resumed", **common))
-    monkeypatch.setattr(Trainer, "train_step", original)
+    train_interrupted(make_config, tmp_path / "resumed", monkeypatch, 7, **common)
     ckpts = sorted(p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir())
     assert ckpts == ["step-000003", "step-000006"]  # no partial (.tmp) checkpoint left behind
     train(make_config(tmp_path / "resumed", checkpoint__resume="auto", **common))
@@ -114,11 +102,7 @@ def test_export_cli_matches_end_of_training_export(make_config, tmp_path):
     cfg = make_config(train__max_steps=2)
     result = train(cfg)
     out = tmp_path / "cli_export"
-    proc = subprocess.run(
-        [sys.executable, "-m", "spindle", "export", str(cfg.train.output_dir), "--out", str(out)],
-        capture_output=True,
-        text=True,
-    )
+    proc = run_spindle("export", cfg.train.output_dir, "--out", out)
     assert proc.returncode == 0, proc.stderr
     a = load_file(result.export_dir / "transformer" / "diffusion_pytorch_model.safetensors")
     b = load_file(out / "transformer" / "diffusion_pytorch_model.safetensors")

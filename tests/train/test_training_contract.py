@@ -24,7 +24,7 @@ from torch import nn
 from spindle.api import load_job_config
 from spindle.distributed import checkpoint as ckpt
 from spindle.registry import all_families
-from spindle.train.trainer import Trainer
+from tests.conftest import train_interrupted
 
 DIT_FAMILIES = sorted(f.name for f in all_families() if f.task == "flow_matching")
 
@@ -194,18 +194,9 @@ def test_checkpoint_rng_state_makes_a_resumed_lora_dropout_run_exact(make_config
     )
     train(make_config(tmp_path / "straight", **common))
     straight = [m["loss"] for m in read_metrics(tmp_path / "straight")]
-    original = Trainer.train_step
-
-    def crash_at_step_3(self):
-        if self.step == 3:
-            raise KeyboardInterrupt
-        return original(self)
 
     def resumed(name: str) -> list[float]:
-        monkeypatch.setattr(Trainer, "train_step", crash_at_step_3)
-        with pytest.raises(KeyboardInterrupt):
-            train(make_config(tmp_path / name, **common))
-        monkeypatch.setattr(Trainer, "train_step", original)
+        train_interrupted(make_config, tmp_path / name, monkeypatch, 3, **common)
         train(make_config(tmp_path / name, checkpoint__resume="auto", **common))
         return [m["loss"] for m in read_metrics(tmp_path / name)]
 

@@ -67,6 +67,27 @@ FAMILY = DiTFamily(
                 max_sequence_length=16,
                 seed=0,
             ),
-        }
+        },
+        # default_sample_size 128 x the tiny VAE's factor 2
+        default_params=dict(
+            height=256,
+            width=256,
+            num_frames=None,
+            num_inference_steps=28,
+            guidance_scale=3.5,
+            max_sequence_length=512,
+            extra={"true_cfg_scale": 1.0},  # FluxPipeline's: no true CFG
+        ),
+        request_errors=(
+            (
+                dict(height=30),
+                r"height must be a positive multiple of 4 for this model \(VAE x2 x 2x2 packing\) \(got 30\); "
+                r"try 28 or 32",
+            ),
+            (dict(width=2), r"width must be a positive multiple of 4 .*\(got 2\); try 4"),
+            (dict(max_sequence_length=513), r"max_sequence_length must be an integer between 1 and 512; got 513"),
+        ),
+        # the embedded --guidance flag
+        cli_case=dict(prompt="a cat", height=32, width=48, num_inference_steps=2, guidance_scale=3.5, seed=4),
     ),
 )

@@ -17,8 +17,6 @@ from typing import Any
 import torch
 
 from spindle.models.shared.condition import PackedImageConditionModel
-from spindle.models.shared.latents import resolution_shift
-from spindle.train.tasks.flow_matching_math import flow_matching_pair, sample_sigmas
 
 # The embedded guidance value used for training guidance-distilled checkpoints (diffusers' Flux
 # training scripts default to 3.5, which is also FluxPipeline's default guidance_scale).
@@ -50,20 +48,10 @@ class FluxConditionModel(PackedImageConditionModel):
         self.guidance_embeds = guidance_embeds
         self.guidance = guidance
 
-    @classmethod
-    def from_pretrained(
-        cls,
-        root: str | Path,
-        device: torch.device = torch.device("cpu"),
-        dtype: torch.dtype = torch.float32,
-        max_text_length: int = 512,
-        encoders: bool = True,
-    ) -> FluxConditionModel:
-        model = super().from_pretrained(root, device, dtype, max_text_length, encoders)
+    def read_checkpoint(self, root: Path) -> None:
         # The transformer is not loaded here; whether it embeds guidance is in its config.
-        tcfg = json.loads((Path(root) / "transformer" / "config.json").read_text())
-        model.guidance_embeds = bool(tcfg.get("guidance_embeds", False))
-        return model
+        tcfg = json.loads((root / "transformer" / "config.json").read_text())
+        self.guidance_embeds = bool(tcfg.get("guidance_embeds", False))
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -81,9 +69,7 @@ class FluxConditionModel(PackedImageConditionModel):
     def training_inputs(self, conditions: dict[str, torch.Tensor], generators: list[torch.Generator]) -> dict[str, Any]:
         x0 = conditions["latents"]
         b, _, h, w = x0.shape
-        _, shift = resolution_shift(self.pipe.scheduler, (h // 2) * (w // 2))
-        sigmas = sample_sigmas(self.timestep_sampling, generators, shift_fn=shift)
-        noisy, target = flow_matching_pair(x0, sigmas, generators)
+        noisy, target, sigmas = self.noisy_pair(x0, generators)
         embeds = conditions["prompt_embeds"].to(x0.device)
         guidance = torch.full((b,), self.guidance, device=x0.device) if self.guidance_embeds else None
         return {

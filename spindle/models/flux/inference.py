@@ -11,23 +11,24 @@ two forwards, or CFG-parallel), exactly FluxPipeline's `true_cfg_scale`.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
-import numpy as np
 import torch
 
 from spindle.contracts.request import Req, SamplingParams, resolved
-from spindle.contracts.stage import InferenceSpec
 from spindle.models.flux import OPTIONS
-from spindle.models.shared.inference import PipelineBeforeDenoisingStage, check_packed_image_request
-from spindle.models.shared.latents import resolution_shift
+from spindle.models.shared.inference import (
+    PackedImageInference,
+    PipelineBeforeDenoisingStage,
+    check_packed_image_request,
+)
 
 MAX_SEQUENCE_LENGTH = 512  # FluxPipeline's limit for the T5 prompt
 
 
 class FluxBeforeDenoisingStage(PipelineBeforeDenoisingStage):
     pipeline_class = "diffusers:FluxPipeline"
+    scheduler_may_own_sigmas = True  # FluxPipeline: a scheduler with use_flow_sigmas picks its own
 
     def validate(self, params: SamplingParams) -> None:
         super().validate(params)
@@ -88,31 +89,15 @@ class FluxBeforeDenoisingStage(PipelineBeforeDenoisingStage):
         req.extra["img_ids"] = img_ids.to(dtype)
         req.raw_latent_shape = self.latent_shape(p)
 
-        if self.transformer.config.guidance_embeds:  # Flux's guidance_scale is the embedded guidance
-            guidance = torch.full(
-                [1], float(resolved(p.guidance_scale, "guidance_scale")), device=device, dtype=torch.float32
-            )
-            req.embedded_guidance = guidance.expand(latents.shape[0])
-
-        from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
-
-        steps = resolved(p.num_inference_steps, "num_inference_steps")
-        sigmas: np.ndarray | None = np.linspace(1.0, 1 / steps, steps)
-        if getattr(self.scheduler.config, "use_flow_sigmas", False):
-            sigmas = None
-        mu, _ = resolution_shift(self.scheduler, latents.shape[1])
-        scheduler = copy.deepcopy(self.scheduler)  # schedulers are stateful: one copy per request
-        req.timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
-        scheduler.set_begin_index(0)
-        req.scheduler = scheduler
+        self.set_embedded_guidance(req, device)
+        self.set_timesteps(req, device)
         return req
 
 
-class FluxInference(InferenceSpec):
+class FluxInference(PackedImageInference):
     options = OPTIONS
     family = "flux"
-    media = "image"
-    output_layout = None  # packed latent tokens [B, S, C]
+    pipeline_class = FluxBeforeDenoisingStage.pipeline_class
     components = ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2", "vae", "scheduler", "transformer")
     before_denoising_cls = FluxBeforeDenoisingStage
 
@@ -147,21 +132,10 @@ class FluxInference(InferenceSpec):
             "return_dict": False,
         }
 
-    def sequence_length(self, req: Req, transformer: torch.nn.Module) -> int:
-        _, _, h, w = resolved(req.raw_latent_shape, "raw_latent_shape")
-        return (h // 2) * (w // 2)
-
     def linear_gelu_pairs(self, transformer: torch.nn.Module) -> list[tuple[torch.nn.Module, str, str]]:
         # single-stream blocks: act_mlp(proj_mlp(x)), two modules (the double-stream ones use diffusers' GELU)
         flux: Any = transformer  # diffusers FluxTransformer2DModel
         return [(block, "proj_mlp", "act_mlp") for block in flux.single_transformer_blocks]
-
-    def post_denoising(self, latents: torch.Tensor, req: Req) -> torch.Tensor:
-        from diffusers import FluxPipeline
-
-        height, width = resolved(req.params.height, "height"), resolved(req.params.width, "width")
-        vae_scale = height // resolved(req.raw_latent_shape, "raw_latent_shape")[2]
-        return FluxPipeline._unpack_latents(latents, height, width, vae_scale)
 
 
 FLUX_INFERENCE = FluxInference()

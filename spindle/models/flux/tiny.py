@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from spindle.models.shared.tiny import seeded
+from spindle.models.shared.tiny import save_seeded_pipeline, seeded
 from spindle.models.shared.tokenizers import save_tokenizer
 
 FLUX_TRANSFORMER = dict(
@@ -91,14 +91,15 @@ def build_tiny_flux(
     t5_vocab = save_tokenizer(out / "tokenizer_2")
     clip_config = CLIPTextConfig(vocab_size=clip_vocab, pad_token_id=0, eos_token_id=1, bos_token_id=3, **ccfg)
     t5_config = T5Config(vocab_size=t5_vocab, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, **ecfg)
-    pipe = FluxPipeline(
+    return save_seeded_pipeline(
+        FluxPipeline,
+        out,
+        seed,
         tokenizer=PreTrainedTokenizerFast.from_pretrained(out / "tokenizer"),
         tokenizer_2=PreTrainedTokenizerFast.from_pretrained(out / "tokenizer_2"),
-        text_encoder=seeded(seed, lambda: CLIPTextModel(clip_config).eval()),
+        text_encoder=lambda: CLIPTextModel(clip_config).eval(),
         text_encoder_2=seeded(seed + 3, lambda: T5EncoderModel(t5_config).eval()),
-        vae=seeded(seed + 1, lambda: AutoencoderKL(**vcfg).eval()),
+        vae=lambda: AutoencoderKL(**vcfg).eval(),
         scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER),
-        transformer=seeded(seed + 2, lambda: FluxTransformer2DModel(**tcfg).eval()),
+        transformer=lambda: FluxTransformer2DModel(**tcfg).eval(),
     )
-    pipe.save_pretrained(out, safe_serialization=True)
-    return out

@@ -1,7 +1,7 @@
 """Qwen3-MoE causal LMs (transformers `model_type` "qwen3_moe", `Qwen3MoeForCausalLM`), trained by the MoE
 causal-LM task (spindle/train/tasks/moe_causal_lm.py): fused experts, expert parallelism, router aux loss."""
 
-from spindle.contracts.family import CausalLMFamily, TextDemoSpec
+from spindle.contracts.family import CausalLMConformanceSpec, CausalLMFamily, TextDemoSpec
 
 FAMILY = CausalLMFamily(
     name="qwen3_moe",
@@ -12,4 +12,11 @@ FAMILY = CausalLMFamily(
     demo=TextDemoSpec(),
     task="causal_lm_moe",
     checkpoint_adapter="spindle.models.qwen3_moe.conversion:ADAPTER",  # per-expert <-> fused expert tensors
+    conformance=CausalLMConformanceSpec(
+        # 2 layers keep the suite fast; an aux coefficient of 0.1 makes a wrong aux loss show in the step loss
+        tiny_overrides={"num_hidden_layers": 2, "router_aux_loss_coef": 0.1},
+        # Spindle's MoE loss is stock's with output_router_logits: token loss + coef x router aux loss
+        stock_loss_kwargs={"output_router_logits": True},
+        stock_outputs=("aux_loss",),
+    ),
 )

@@ -60,5 +60,32 @@ FAMILY = DiTFamily(
         # both layouts: the joint attention's text-padding mask goes through ring attention chunk by chunk
         # (spindle.distributed.context_parallel, key masks under ring attention)
         sequence_parallel=("ulysses2", "ring2"),
+        # default_sample_size 128 x the tiny VAE's factor 2
+        default_params=dict(
+            height=256,
+            width=256,
+            negative_prompt=None,
+            num_inference_steps=50,
+            max_sequence_length=512,
+            extra={"true_cfg_scale": 4.0},  # QwenImagePipeline's, which runs only with a negative prompt
+        ),
+        request_errors=(
+            (
+                dict(height=34),
+                r"height must be a positive multiple of 4 for this model \(VAE x2 x 2x2 packing\) .*try 32 or 36",
+            ),
+            (dict(num_inference_steps=1), r"num_inference_steps must be >= 2 for this checkpoint's scheduler"),
+            (dict(max_sequence_length=1025), r"max_sequence_length must be an integer between 1 and 1024; got 1025"),
+        ),
+        # the --true-cfg-scale flag
+        cli_case=dict(
+            prompt="a fox",
+            negative_prompt="blurry",
+            true_cfg_scale=2.5,
+            height=32,
+            width=48,
+            num_inference_steps=2,
+            seed=4,
+        ),
     ),
 )

@@ -20,8 +20,7 @@ from typing import Any
 import torch
 
 from spindle.models.shared.condition import PackedImageConditionModel
-from spindle.models.shared.latents import latent_stats, resolution_shift
-from spindle.train.tasks.flow_matching_math import flow_matching_pair, sample_sigmas
+from spindle.models.shared.latents import latent_stats
 
 # QwenImagePipeline's prompt limit (`max_sequence_length` must be <= 1024 there).
 MAX_SEQUENCE_LENGTH = 1024
@@ -69,10 +68,8 @@ class QwenImageConditionModel(PackedImageConditionModel):
     def training_inputs(self, conditions: dict[str, torch.Tensor], generators: list[torch.Generator]) -> dict[str, Any]:
         x0 = conditions["latents"]
         b, _, h, w = x0.shape
-        _, shift = resolution_shift(self.pipe.scheduler, (h // 2) * (w // 2))
-        sigmas = sample_sigmas(self.timestep_sampling, generators, shift_fn=shift)
         # noise [B, C, h, w] has the element order of the pipeline's [B, 1, C, h, w] draw
-        noisy, target = flow_matching_pair(x0, sigmas, generators)
+        noisy, target, sigmas = self.noisy_pair(x0, generators)
         return {
             "hidden_states": self.pack(noisy),
             "timestep": sigmas.to(x0.device, x0.dtype),  # the pipeline passes t / 1000 = sigma

@@ -15,18 +15,20 @@ zeros (`batch_cfg_kwargs`), which the joint attention never looks at.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import numpy as np
 import torch
 
 from spindle.contracts.request import Req, RequestError, SamplingParams, resolved
-from spindle.contracts.stage import InferenceSpec
 from spindle.models.qwenimage import OPTIONS
 from spindle.models.qwenimage.condition import MAX_SEQUENCE_LENGTH, pad_text
-from spindle.models.shared.inference import PipelineBeforeDenoisingStage, check_packed_image_request
-from spindle.models.shared.latents import mean_std_scale_shift, resolution_shift
+from spindle.models.shared.inference import (
+    PackedImageInference,
+    PipelineBeforeDenoisingStage,
+    check_packed_image_request,
+)
+from spindle.models.shared.latents import mean_std_scale_shift
 
 
 class QwenImageBeforeDenoisingStage(PipelineBeforeDenoisingStage):
@@ -110,28 +112,15 @@ class QwenImageBeforeDenoisingStage(PipelineBeforeDenoisingStage):
         # as QwenImagePipeline: one entry per prompt (RoPE reads the first; all images share a size)
         req.extra["img_shapes"] = [[(1, h // 2, w // 2)]] * len(p.prompts)
 
-        if self.transformer.config.guidance_embeds:  # guidance_scale is the embedded guidance of distilled variants
-            scale = float(resolved(p.guidance_scale, "guidance_scale"))
-            guidance = torch.full([1], scale, device=device, dtype=torch.float32)
-            req.embedded_guidance = guidance.expand(req.latents.shape[0])
-
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage import retrieve_timesteps
-
-        steps = resolved(p.num_inference_steps, "num_inference_steps")
-        mu, _ = resolution_shift(self.scheduler, req.latents.shape[1])
-        scheduler = copy.deepcopy(self.scheduler)  # schedulers are stateful: one copy per request
-        sigmas = np.linspace(1.0, 1 / steps, steps)
-        req.timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
-        scheduler.set_begin_index(0)
-        req.scheduler = scheduler
+        self.set_embedded_guidance(req, device)
+        self.set_timesteps(req, device)
         return req
 
 
-class QwenImageInference(InferenceSpec):
+class QwenImageInference(PackedImageInference):
     options = OPTIONS
     family = "qwenimage"
-    media = "image"
-    output_layout = None  # packed latent tokens [B, S, C]
+    pipeline_class = QwenImageBeforeDenoisingStage.pipeline_class
     components = ("tokenizer", "text_encoder", "vae", "scheduler", "transformer")
     before_denoising_cls = QwenImageBeforeDenoisingStage
 
@@ -188,17 +177,6 @@ class QwenImageInference(InferenceSpec):
         """QwenImagePipeline's true CFG: the guided prediction rescaled to the conditional one's norm."""
         combined = uncond + cfg_scale * (cond - uncond)
         return combined * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
-
-    def sequence_length(self, req: Req, transformer: torch.nn.Module) -> int:
-        _, _, _, h, w = resolved(req.raw_latent_shape, "raw_latent_shape")
-        return (h // 2) * (w // 2)
-
-    def post_denoising(self, latents: torch.Tensor, req: Req) -> torch.Tensor:
-        from diffusers import QwenImagePipeline
-
-        height, width = resolved(req.params.height, "height"), resolved(req.params.width, "width")
-        vae_scale = height // resolved(req.raw_latent_shape, "raw_latent_shape")[3]
-        return QwenImagePipeline._unpack_latents(latents, height, width, vae_scale)
 
     def decode_scale_shift(self, vae: Any, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return mean_std_scale_shift(vae, latents)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from spindle.models.shared.tiny import random_latent_stats, seeded
+from spindle.models.shared.tiny import random_latent_stats, save_seeded_pipeline
 from spindle.models.shared.tokenizers import save_qwen_prompt_tokenizer
 
 QWENIMAGE_TRANSFORMER = dict(
@@ -106,12 +106,13 @@ def build_tiny_qwenimage(
         vision_start_token_id=vocab + 2,
         vision_end_token_id=vocab + 3,
     )
-    pipe = QwenImagePipeline(
+    return save_seeded_pipeline(
+        QwenImagePipeline,
+        out,
+        seed,
         tokenizer=tokenizer,
-        text_encoder=seeded(seed, lambda: Qwen2_5_VLForConditionalGeneration(text_config).eval()),
-        vae=seeded(seed + 1, lambda: AutoencoderKLQwenImage(**vcfg).eval()),
+        text_encoder=lambda: Qwen2_5_VLForConditionalGeneration(text_config).eval(),
+        vae=lambda: AutoencoderKLQwenImage(**vcfg).eval(),
         scheduler=FlowMatchEulerDiscreteScheduler(**QWENIMAGE_SCHEDULER),
-        transformer=seeded(seed + 2, lambda: QwenImageTransformer2DModel(**tcfg).eval()),
+        transformer=lambda: QwenImageTransformer2DModel(**tcfg).eval(),
     )
-    pipe.save_pretrained(out, safe_serialization=True)
-    return out

@@ -10,6 +10,8 @@ import torch
 from spindle.config import TimestepConfig
 from spindle.contracts.condition import ConditionModel
 from spindle.contracts.family import import_object
+from spindle.models.shared.latents import resolution_shift
+from spindle.train.tasks.flow_matching_math import flow_matching_pair, sample_sigmas
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self from Python 3.11 on
@@ -83,7 +85,13 @@ class PipelineConditionModel(ConditionModel):
         for module in pipe.components.values():
             if isinstance(module, torch.nn.Module):
                 module.requires_grad_(False).eval()
-        return cls(pipe, torch.device(device), dtype, max_text_length)
+        model = cls(pipe, torch.device(device), dtype, max_text_length)
+        model.read_checkpoint(Path(root))
+        return model
+
+    def read_checkpoint(self, root: Path) -> None:
+        """Read what the family needs from the checkpoint folder beyond the loaded pipeline (e.g. the
+        transformer's config, since the transformer is not loaded here). Default: nothing."""
 
     @torch.no_grad()
     def vae_latents(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -121,6 +129,18 @@ class PackedImageConditionModel(PipelineConditionModel):
 
     def encode_prompts(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         raise NotImplementedError
+
+    def noisy_pair(
+        self, x0: torch.Tensor, generators: list[torch.Generator]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Normalized latents [B, c, h, w] -> (noisy, target, sigmas): per-sample sigmas shifted for the
+        packed token count (h/2 x w/2), noise drawn in the VAE layout (the element order of the
+        pipeline's draw), all from the per-sample generators."""
+        _, _, h, w = x0.shape
+        _, shift = resolution_shift(self.pipe.scheduler, (h // 2) * (w // 2))
+        sigmas = sample_sigmas(self.timestep_sampling, generators, shift_fn=shift)
+        noisy, target = flow_matching_pair(x0, sigmas, generators)
+        return noisy, target, sigmas
 
     def pack(self, latents: torch.Tensor) -> torch.Tensor:
         b, c, h, w = latents.shape

@@ -3,11 +3,17 @@ diffusers pipeline, and the request checks of 2x2-packed image families."""
 
 from __future__ import annotations
 
+import copy
+import importlib
 from typing import Any
 
+import numpy as np
+import torch
+
 from spindle.contracts.family import import_object
-from spindle.contracts.request import RequestError, check_int_range, check_size
-from spindle.contracts.stage import BeforeDenoisingStage
+from spindle.contracts.request import Req, RequestError, check_int_range, check_size, resolved
+from spindle.contracts.stage import BeforeDenoisingStage, InferenceSpec
+from spindle.models.shared.latents import resolution_shift
 
 
 class PipelineBeforeDenoisingStage(BeforeDenoisingStage):
@@ -16,6 +22,8 @@ class PipelineBeforeDenoisingStage(BeforeDenoisingStage):
     latent helpers are the reference code (`self.text_pipe`)."""
 
     pipeline_class: str = ""
+    # FluxPipeline lets a scheduler configured with `use_flow_sigmas` choose its own sigmas; others pass theirs
+    scheduler_may_own_sigmas: bool = False
 
     def __init__(self, components: dict[str, Any], spec: Any):
         super().__init__(components, spec)
@@ -24,6 +32,54 @@ class PipelineBeforeDenoisingStage(BeforeDenoisingStage):
         self.transformer = components[spec.transformer_component]
         self.scheduler = components["scheduler"]
         self.vae_scale_factor = self.text_pipe.vae_scale_factor
+
+    def set_embedded_guidance(self, req: Req, device: Any) -> None:
+        """`req.embedded_guidance`: the guidance scale per sample for a guidance-distilled transformer
+        (`guidance_embeds`), else None (as the reference pipelines)."""
+        assert req.latents is not None, "set req.latents before the guidance (one value per sample)"
+        if self.transformer.config.guidance_embeds:
+            scale = float(resolved(req.params.guidance_scale, "guidance_scale"))
+            guidance = torch.full([1], scale, device=device, dtype=torch.float32)
+            req.embedded_guidance = guidance.expand(req.latents.shape[0])
+        else:
+            req.embedded_guidance = None
+
+    def set_timesteps(self, req: Req, device: Any) -> None:
+        """`req.timesteps` and `req.scheduler` (a per-request copy: schedulers are stateful) as the
+        reference pipeline computes them: linear sigmas 1 -> 1/steps, shifted for the request's image
+        token count (`req.latents` packed [B, S, C]), through the pipeline module's `retrieve_timesteps`."""
+        module = importlib.import_module(type(self.text_pipe).__module__)
+        retrieve_timesteps = module.retrieve_timesteps
+        assert req.latents is not None, "set req.latents before the timesteps (the shift reads its token count)"
+        steps = resolved(req.params.num_inference_steps, "num_inference_steps")
+        sigmas: np.ndarray | None = np.linspace(1.0, 1 / steps, steps)
+        if self.scheduler_may_own_sigmas and getattr(self.scheduler.config, "use_flow_sigmas", False):
+            sigmas = None
+        mu, _ = resolution_shift(self.scheduler, req.latents.shape[1])
+        scheduler = copy.deepcopy(self.scheduler)
+        req.timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
+        scheduler.set_begin_index(0)
+        req.scheduler = scheduler
+
+
+class PackedImageInference(InferenceSpec):
+    """The inference spec of an image family whose transformer takes 2x2-packed latent tokens (Flux,
+    Qwen-Image): its token count and the unpacking back to the VAE layout, by the pipeline's own
+    `_unpack_latents` (`pipeline_class`, as the before-denoising stage names it)."""
+
+    media = "image"
+    output_layout = None  # packed latent tokens [B, S, C]
+    pipeline_class: str = ""
+
+    def sequence_length(self, req: Req, transformer: torch.nn.Module) -> int:
+        h, w = resolved(req.raw_latent_shape, "raw_latent_shape")[-2:]  # [B, C, (F,) h, w]
+        return (h // 2) * (w // 2)
+
+    def post_denoising(self, latents: torch.Tensor, req: Req) -> torch.Tensor:
+        height, width = resolved(req.params.height, "height"), resolved(req.params.width, "width")
+        vae_scale = height // resolved(req.raw_latent_shape, "raw_latent_shape")[-2]
+        unpacked: torch.Tensor = import_object(self.pipeline_class)._unpack_latents(latents, height, width, vae_scale)
+        return unpacked
 
 
 def check_packed_image_request(params: Any, vae_scale_factor: int, max_sequence_length: int, label: str) -> None:

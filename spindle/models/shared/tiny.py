@@ -5,6 +5,7 @@ their checkpoints locally, in the exact standard layouts, and the real loading c
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,3 +22,26 @@ def random_latent_stats(z_dim: int, seed: int) -> tuple[list[float], list[float]
 def seeded(seed: int, build: Callable[[], Any]) -> Any:
     torch.manual_seed(seed)
     return build()
+
+
+def save_seeded_pipeline(
+    pipeline_cls: Any,
+    out: str | Path,
+    seed: int,
+    *,
+    text_encoder: Callable[[], Any],
+    vae: Callable[[], Any],
+    transformer: Callable[[], Any],
+    **parts: Any,
+) -> Path:
+    """`pipeline_cls(**parts, text_encoder=..., vae=..., transformer=...)` saved to `out` (safetensors), its
+    models built seeded with seed, seed + 1 and seed + 2 (each on its own, so `--seed` reproduces a
+    checkpoint); a family's further models (a second text encoder) come built in `parts`."""
+    pipe = pipeline_cls(
+        **parts,
+        text_encoder=seeded(seed, text_encoder),
+        vae=seeded(seed + 1, vae),
+        transformer=seeded(seed + 2, transformer),
+    )
+    pipe.save_pretrained(out, safe_serialization=True)
+    return Path(out)

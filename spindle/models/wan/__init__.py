@@ -54,6 +54,15 @@ FAMILY = DiTFamily(
                 guidance_scale=1.0,
                 seed=7,
             ),
-        }
+        },
+        request_errors=(
+            (dict(height=30), r"height must be a positive multiple of 16 .*got 30.*try 16 or 32"),
+            (dict(width=40), r"width must be a positive multiple of 16 .*got 40.*try 32 or 48"),
+            (dict(height=0), r"height must be a positive multiple of 16"),
+            (dict(num_frames=6), r"num_frames must be 4k\+1 \(1, 5, 9, 13, \.\.\.\).*got 6.*try 5 or 9"),
+            (dict(num_frames=0), r"num_frames must be 4k\+1"),
+        ),
+        # WanPipeline's __call__ names its size
+        default_params=dict(height=480, width=832, num_frames=81, num_inference_steps=50, guidance_scale=5.0),
     ),
 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from spindle.models.shared.tiny import random_latent_stats, seeded
+from spindle.models.shared.tiny import random_latent_stats, save_seeded_pipeline
 from spindle.models.shared.tokenizers import save_tokenizer
 
 WAN_TRANSFORMER = dict(
@@ -53,12 +53,13 @@ def build_tiny_wan(
     vocab_size = save_tokenizer(tok_dir)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_dir)
     text_config = UMT5Config(vocab_size=vocab_size, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, **ecfg)
-    pipe = WanPipeline(
+    return save_seeded_pipeline(
+        WanPipeline,
+        out,
+        seed,
         tokenizer=tokenizer,
-        text_encoder=seeded(seed, lambda: UMT5EncoderModel(text_config).eval()),
-        vae=seeded(seed + 1, lambda: AutoencoderKLWan(**vcfg).eval()),
+        text_encoder=lambda: UMT5EncoderModel(text_config).eval(),
+        vae=lambda: AutoencoderKLWan(**vcfg).eval(),
         scheduler=FlowMatchEulerDiscreteScheduler(**WAN_SCHEDULER),
-        transformer=seeded(seed + 2, lambda: WanTransformer3DModel(**tcfg).eval()),
+        transformer=lambda: WanTransformer3DModel(**tcfg).eval(),
     )
-    pipe.save_pretrained(out, safe_serialization=True)
-    return out
