@@ -124,7 +124,10 @@ class VisionProcessor:
     def video(self, path: Path) -> Vision:
         from spindle.data.video_patches import read_video_patches
 
-        return read_video_patches(path, self.image_processor, self.options.fps, self.options.max_frames)
+        pixel_values, grid, seconds = read_video_patches(
+            path, self.image_processor, self.options.fps, self.options.max_frames
+        )
+        return Vision("video", pixel_values, grid, second_per_grid=seconds)
 
     def tokens(self, vision: list[Vision]) -> list[int]:
         """How many placeholder tokens each vision input expands to."""

@@ -48,10 +48,11 @@ def frame_patches(frames: list[Any], image_processor: Any) -> tuple[torch.Tensor
     return pixel_values, torch.tensor([len(steps), int(grid[1]), int(grid[2])])
 
 
-def read_video_patches(path: Path, image_processor: Any, fps: float, max_frames: int) -> Any:
-    """A video file -> `spindle.data.multimodal.Vision` (kind "video", seconds per temporal grid step)."""
+def read_video_patches(
+    path: Path, image_processor: Any, fps: float, max_frames: int
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """A video file -> (pixel_values, grid_thw, seconds per temporal grid step)."""
     from spindle.data.media import MediaError, decode_frames, probe_video
-    from spindle.data.multimodal import Vision
 
     if not path.is_file():
         raise ValueError(f"video {path} not found")
@@ -64,4 +65,4 @@ def read_video_patches(path: Path, image_processor: Any, fps: float, max_frames:
         raise ValueError(f"video {path} cannot be decoded ({e})") from None
     pixel_values, grid = frame_patches(frames, image_processor)
     sampled_fps = len(indices) / total * (video_fps or fps)
-    return Vision("video", pixel_values, grid, second_per_grid=tp / sampled_fps)
+    return pixel_values, grid, tp / sampled_fps

@@ -53,7 +53,7 @@ def test_registry_resolves_transformers_folders_by_model_type(tiny_qwen3, tiny_l
     other = tmp_path / "gpt2"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(UnknownModelError, match=r"'gpt2'.*known model types: llama, qwen3"):
+    with pytest.raises(UnknownModelError, match=r"'gpt2'.*known model types: llama, qwen2_5_vl, qwen3"):
         resolve_family(other)
 
 
