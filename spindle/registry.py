@@ -25,6 +25,7 @@ BUILTIN_FAMILIES: dict[str, str] = {
     "qwen2_5_vl": "spindle.models.qwen2_5_vl",
     "qwen3": "spindle.models.qwen3",
     "qwen3_moe": "spindle.models.qwen3_moe",
+    "qwen3_vl": "spindle.models.qwen3_vl",
     "qwenimage": "spindle.models.qwenimage",
     "wan": "spindle.models.wan",
 }

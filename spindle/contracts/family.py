@@ -242,6 +242,7 @@ class VLMFamily(CausalLMFamily):
             "language": ("model.language_model.", "lm_head."),
         }
     )
+    videos: bool = True  # False: the data path refuses video parts (naming the family)
     task: str = "vlm"
 
     def __post_init__(self) -> None:

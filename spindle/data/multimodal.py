@@ -93,13 +93,22 @@ class VisionOptions:
 class VisionProcessor:
     """The model's tokenizer, image processor and token ids: conversation -> tokens + vision inputs."""
 
-    def __init__(self, model_path: str | Path, tokenizer: Any, config: Any, rope_index: Any, options: VisionOptions):
+    def __init__(
+        self,
+        model_path: str | Path,
+        tokenizer: Any,
+        config: Any,
+        rope_index: Any,
+        options: VisionOptions,
+        videos: bool = True,
+    ):
         from transformers import AutoImageProcessor
 
         # The processor's own min_pixels/max_pixels keywords (they override its config's `size`).
         kwargs = {k: v for k, v in (("min_pixels", options.min_pixels), ("max_pixels", options.max_pixels)) if v}
         self.image_processor = AutoImageProcessor.from_pretrained(model_path, **kwargs)
         self.tokenizer, self.config, self.rope_index, self.options = tokenizer, config, rope_index, options
+        self.videos = videos  # False: the family's data path does not reproduce its video processing yet
         self.merge_size = int(self.image_processor.merge_size)
         self.pad_token = {
             "image": tokenizer.convert_ids_to_tokens(config.image_token_id),
@@ -122,6 +131,11 @@ class VisionProcessor:
         return Vision("image", out["pixel_values"], out["image_grid_thw"][0])
 
     def video(self, path: Path) -> Vision:
+        if not self.videos:
+            raise ValueError(
+                f"video {path.name}: video parts are not supported for {self.config.model_type} models yet (their "
+                "processor writes frame timestamps into the text); use images or frames as images"
+            )
         from spindle.data.video_patches import read_video_patches
 
         pixel_values, grid, seconds = read_video_patches(

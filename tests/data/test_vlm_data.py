@@ -41,13 +41,19 @@ def make_processor(model: Path, parts, **options) -> VisionProcessor:
 
 
 def stock_processor(model: Path):
-    """transformers' Qwen2_5_VLProcessor on the PIL image processor. Its constructor insists on a video
-    processor, which needs torchvision (not installable here): the class check is skipped for that
-    argument only, and only images are processed, which is the stock code path for images."""
-    from transformers import AutoImageProcessor, AutoTokenizer
+    """transformers' processor of the model (Qwen2_5_VLProcessor, Qwen3VLProcessor) on the PIL image
+    processor. Its constructor insists on a video processor, which needs torchvision (not installable
+    here): the class check is skipped for that argument only, and only images are processed, which is
+    the stock code path for images."""
+    from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
     from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 
-    class ImagesOnlyProcessor(Qwen2_5_VLProcessor):
+    stock_cls = {"qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor}[
+        AutoConfig.from_pretrained(model).model_type
+    ]
+
+    class ImagesOnlyProcessor(stock_cls):  # type: ignore[valid-type,misc]
         def check_argument_for_proper_class(self, argument_name, argument):
             if argument_name == "video_processor" and argument is None:
                 return None
@@ -89,24 +95,32 @@ def two_image_conversation(folder: Path) -> dict:
     }
 
 
-def test_tokens_pixels_and_positions_equal_the_stock_processor_and_model(tiny_qwen2_5_vl, parts, tmp_path):
-    from transformers import AutoModelForImageTextToText
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_tokens_pixels_and_positions_equal_the_stock_processor_and_model(family, tiny_checkpoint, tmp_path):
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
+    from spindle.registry import get_family
+
+    model_path = tiny_checkpoint(family)
     obj = two_image_conversation(tmp_path)
-    processor = make_processor(tiny_qwen2_5_vl, parts)
+    config = AutoConfig.from_pretrained(model_path)
+    fam = get_family(family)
+    processor = VisionProcessor(
+        model_path, AutoTokenizer.from_pretrained(model_path), config, fam.rope_index_fn(), VisionOptions()
+    )
     doc, cut = conversation_document(obj, tmp_path, processor, 4096, "x:1")
     assert not cut
 
-    stock = stock_processor(tiny_qwen2_5_vl)
+    stock = stock_processor(model_path)
     text = stock.apply_chat_template(obj["messages"], tokenize=False)
     images = [Image.open(tmp_path / n).convert("RGB") for n in ("a.png", "b.png")]
     ref = stock(text=[text], images=images, return_tensors="pt")
     assert doc.tokens == ref["input_ids"][0].tolist()
     torch.testing.assert_close(torch.cat([v.pixel_values for v in doc.vision]), ref["pixel_values"], rtol=0, atol=0)
     assert torch.equal(torch.stack([v.grid_thw for v in doc.vision]), ref["image_grid_thw"])
-    assert [v.grid_thw.tolist() for v in doc.vision] == [[1, 2, 4], [1, 4, 2]]  # max_pixels caps both
+    assert len({tuple(v.grid_thw.tolist()) for v in doc.vision}) == 2  # two sizes, each capped by max_pixels
 
-    model = AutoModelForImageTextToText.from_pretrained(tiny_qwen2_5_vl)
+    model = AutoModelForImageTextToText.from_pretrained(model_path)
     positions, _ = model.model.get_rope_index(
         ref["input_ids"], mm_token_type_ids=ref["mm_token_type_ids"], image_grid_thw=ref["image_grid_thw"]
     )
@@ -290,3 +304,30 @@ def test_video_conversation_samples_frames_by_fps_and_positions_follow_time(tiny
     t_pos = doc.positions[0, vid]
     # temporal positions step by tokens_per_second * seconds per grid (the model's rule): 2 per patch here
     assert sorted(set((t_pos - t_pos.min()).tolist())) == [0, 2, 4]
+
+
+def test_qwen3_vl_refuses_video_parts_naming_the_line(tiny_checkpoint, tmp_path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from spindle.data.media import write_video
+    from spindle.registry import get_family
+
+    model = tiny_checkpoint("qwen3_vl")
+    family = get_family("qwen3_vl")
+    write_video(tmp_path / "clip.mp4", np.zeros((4, 32, 32, 3), dtype=np.uint8), fps=4)
+    line = {
+        "messages": [
+            {"role": "user", "content": [{"type": "video", "video": "clip.mp4"}]},
+            {"role": "assistant", "content": "Nothing."},
+        ]
+    }
+    processor = VisionProcessor(
+        model,
+        AutoTokenizer.from_pretrained(model),
+        AutoConfig.from_pretrained(model),
+        family.rope_index_fn(),
+        VisionOptions(),
+        videos=family.videos,
+    )
+    with pytest.raises(TextDataError, match=r"bad.jsonl:1: video clip.mp4: video parts are not supported for qwen3_vl"):
+        build_conversation_dataset(write_lines(tmp_path, line), processor, SEQ)

@@ -3,7 +3,8 @@ decoder layers with one rank's micro-batches text-only (its vision tower runs th
 forward, so the FSDP2 collectives match and nothing hangs), and Ulysses SP over the language model
 (3-D positions computed on whole documents before the split, vision filled in before the cut).
 
-Each run trains the same 2 steps of the tiny Qwen2.5-VL on 4 conversations, one per row, in order
+Each run trains the same 2 steps of a tiny Qwen2.5-VL / Qwen3-VL (deepstack features cut with the sequence
+under SP, and part of the dummy forward) on 4 conversations, one per row, in order
 (image, text-only, image, text-only): global batch 2 in micro-batches of 1, so with dp_shard=2 rank 1
 only ever sees text-only rows. Loss and grad norm match one process to 1e-5 relative, the exported
 weights to 1e-5.
@@ -42,22 +43,31 @@ def data(vlm_conversations, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def single(tiny_qwen2_5_vl, data, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("single") / "run"
-    run_train(tiny_qwen2_5_vl, data, out, nproc=1)
-    return out
+def singles(data, tiny_checkpoint, tmp_path_factory):
+    """family -> its one-process run (made on first use)."""
+    runs: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in runs:
+            runs[family] = tmp_path_factory.mktemp(f"single_{family}") / "run"
+            run_train(tiny_checkpoint(family), data, runs[family], nproc=1)
+        return runs[family]
+
+    return get
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 @pytest.mark.parametrize(
     "layout",
     [{"parallel__dp_shard": 2}, {"parallel__sp": 2, "parallel__dp_shard": 1}],
     ids=["dp_shard2_text_only_rank", "sp2"],
 )
-def test_layout_equals_one_process(layout, single, tiny_qwen2_5_vl, data, tmp_path):
+def test_layout_equals_one_process(layout, family, singles, tiny_checkpoint, data, tmp_path):
     from safetensors.torch import load_file
 
+    single = singles(family)
     out = tmp_path / "run"
-    run_train(tiny_qwen2_5_vl, data, out, nproc=2, **layout)
+    run_train(tiny_checkpoint(family), data, out, nproc=2, **layout)
     ma, mb = read_metrics(single), read_metrics(out)
     assert [m["step"] for m in mb] == list(range(1, STEPS + 1))
     for key in ("loss", "grad_norm"):

@@ -11,12 +11,17 @@ import torch
 QWEN_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>", "<|video_pad|>", "<|vision_end|>")
 
 
-def test_tiny_qwen2_5_vl_loads_in_stock_transformers(tiny_qwen2_5_vl):
+@pytest.mark.parametrize(
+    ("family", "cls"),
+    [("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"), ("qwen3_vl", "Qwen3VLForConditionalGeneration")],
+)
+def test_tiny_vlm_loads_in_stock_transformers(family, cls, tiny_checkpoint):
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
-    model = AutoModelForImageTextToText.from_pretrained(tiny_qwen2_5_vl)
-    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
-    tok = AutoTokenizer.from_pretrained(tiny_qwen2_5_vl)
+    path = tiny_checkpoint(family)
+    model = AutoModelForImageTextToText.from_pretrained(path)
+    assert type(model).__name__ == cls
+    tok = AutoTokenizer.from_pretrained(path)
     for token in (*QWEN_TOKENS, "<|endoftext|>"):
         ids = tok(token, add_special_tokens=False)["input_ids"]
         assert len(ids) == 1 and tok.convert_ids_to_tokens(ids[0]) == token, token  # one special token each
@@ -26,7 +31,7 @@ def test_tiny_qwen2_5_vl_loads_in_stock_transformers(tiny_qwen2_5_vl):
     # byte-level: any text round-trips, no unknown tokens
     text = "Ünïcode & emoji 🙂 survive"
     assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
-    processor = AutoImageProcessor.from_pretrained(tiny_qwen2_5_vl)  # the PIL backend: no torchvision
+    processor = AutoImageProcessor.from_pretrained(path)  # the PIL backend: no torchvision
     assert processor.merge_size == model.config.vision_config.spatial_merge_size
     assert processor.patch_size == model.config.vision_config.patch_size
 

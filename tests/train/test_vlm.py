@@ -48,6 +48,12 @@ def subset(conversations: Path, out: Path, lines: list[int]) -> Path:
     return path
 
 
+@pytest.fixture(params=["qwen2_5_vl", "qwen3_vl"])
+def vlm_model(request, tiny_checkpoint) -> Path:
+    """Each VLM family's tiny checkpoint."""
+    return tiny_checkpoint(request.param)
+
+
 def stock_inputs(model_path: Path, data: Path) -> list[dict]:
     """Each conversation of `data` as stock transformers takes it: the Qwen2.5-VL processor's input_ids,
     pixel_values, image_grid_thw, mm_token_type_ids (tests/data/test_vlm_data.py proves these equal
@@ -61,7 +67,7 @@ def stock_inputs(model_path: Path, data: Path) -> list[dict]:
     stock = stock_processor(model_path)
     config = AutoConfig.from_pretrained(model_path)
     ours = VisionProcessor(
-        model_path, stock.tokenizer, config, get_family("qwen2_5_vl").rope_index_fn(), VisionOptions()
+        model_path, stock.tokenizer, config, get_family(config.model_type).rope_index_fn(), VisionOptions()
     )
     out = []
     for line in data.read_text().splitlines():
@@ -94,46 +100,46 @@ def grad_norm(model) -> float:
     )
 
 
-def test_step1_loss_and_grad_norm_equal_stock_transformers(tiny_qwen2_5_vl, vlm_conversations, tmp_path):
+def test_step1_loss_and_grad_norm_equal_stock_transformers(vlm_model, vlm_conversations, tmp_path):
     data = subset(vlm_conversations, tmp_path / "data", [0])
-    trainer, _ = vlm_train(tiny_qwen2_5_vl, data, tmp_path / "run", data__packing=False, train__max_steps=1)
+    trainer, _ = vlm_train(vlm_model, data, tmp_path / "run", data__packing=False, train__max_steps=1)
     assert trainer.loader.dataset.stats.truncated == 0
     logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
 
-    (inputs,) = stock_inputs(tiny_qwen2_5_vl, data)
+    (inputs,) = stock_inputs(vlm_model, data)
     assert "pixel_values" in inputs
-    model = stock_model(tiny_qwen2_5_vl)
+    model = stock_model(vlm_model)
     loss = model(**inputs).loss
     loss.backward()
     assert logged["loss"] == pytest.approx(float(loss), rel=1e-5)
     assert logged["grad_norm"] == pytest.approx(grad_norm(model), rel=1e-4)
 
 
-def test_packed_row_loss_equals_the_documents_losses(tiny_qwen2_5_vl, vlm_conversations, tmp_path):
+def test_packed_row_loss_equals_the_documents_losses(vlm_model, vlm_conversations, tmp_path):
     """Three conversations (two with an image, one text-only) in one packed row: the summed loss equals
     the sum of stock transformers' per-conversation losses, so neither attention nor 3-D positions cross
     documents."""
     data = subset(vlm_conversations, tmp_path / "data", [0, 3, 1])
-    cfg = load_job_config(None, vlm_overrides(tiny_qwen2_5_vl, data, tmp_path / "run", data__seq_len=256))
+    cfg = load_job_config(None, vlm_overrides(vlm_model, data, tmp_path / "run", data__seq_len=256))
     trainer = make_trainer(cfg)
     assert trainer.loader.dataset.stats.rows == 1
     batch = next(trainer.loader)
     assert batch["image_grid_thw"].shape[0] == 2
     packed = trainer.task.forward(trainer.model, batch, 0).loss_sum
 
-    model = stock_model(tiny_qwen2_5_vl)
+    model = stock_model(vlm_model)
     total = torch.zeros(())
-    for inputs in stock_inputs(tiny_qwen2_5_vl, data):
+    for inputs in stock_inputs(vlm_model, data):
         n = int((inputs["labels"][:, 1:] != -100).sum())
         total = total + model(**inputs).loss * n
     torch.testing.assert_close(packed, total, rtol=1e-5, atol=0)
 
 
-def test_text_only_batch_runs_the_vision_tower_with_zero_weight(tiny_qwen2_5_vl, vlm_conversations, tmp_path):
+def test_text_only_batch_runs_the_vision_tower_with_zero_weight(vlm_model, vlm_conversations, tmp_path):
     """A micro-batch with no image still runs the vision tower (what keeps FSDP2's collectives in step across
     ranks): its parameters get a gradient, all zeros, and the loss is stock transformers' text-only loss."""
     data = subset(vlm_conversations, tmp_path / "data", [0, 3])  # line 3 is text-only
-    trainer = make_trainer(load_job_config(None, vlm_overrides(tiny_qwen2_5_vl, data, tmp_path / "run")))
+    trainer = make_trainer(load_job_config(None, vlm_overrides(vlm_model, data, tmp_path / "run", data__packing=False)))
     next(trainer.loader)
     batch = next(trainer.loader)
     assert "pixel_values" not in batch
@@ -142,9 +148,9 @@ def test_text_only_batch_runs_the_vision_tower_with_zero_weight(tiny_qwen2_5_vl,
     vision = [p for n, p in trainer.model.named_parameters() if n.startswith("model.visual.")]
     assert all(p.grad is not None and not p.grad.any() for p in vision)
 
-    inputs = stock_inputs(tiny_qwen2_5_vl, data)[1]
+    inputs = stock_inputs(vlm_model, data)[1]
     n = int((inputs["labels"][:, 1:] != -100).sum())
-    torch.testing.assert_close(out.loss_sum, stock_model(tiny_qwen2_5_vl)(**inputs).loss * n, rtol=1e-5, atol=0)
+    torch.testing.assert_close(out.loss_sum, stock_model(vlm_model)(**inputs).loss * n, rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize(
@@ -192,14 +198,14 @@ def test_freezing_every_part_is_refused(tiny_qwen2_5_vl, vlm_conversations, tmp_
         load_job_config(None, vlm_overrides(tiny_qwen2_5_vl, vlm_conversations, tmp_path, train__freeze='["eyes"]'))
 
 
-def test_export_loads_in_stock_transformers_and_generates_from_an_image(tiny_qwen2_5_vl, vlm_conversations, tmp_path):
+def test_export_loads_in_stock_transformers_and_generates_from_an_image(vlm_model, vlm_conversations, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
-    trainer, _ = vlm_train(tiny_qwen2_5_vl, vlm_conversations, tmp_path / "run", train__max_steps=2)
+    trainer, _ = vlm_train(vlm_model, vlm_conversations, tmp_path / "run", train__max_steps=2)
     export = tmp_path / "run" / "export"
     written = load_file(export / "model-00001-of-00001.safetensors")
-    assert written.keys() == load_file(tiny_qwen2_5_vl / "model.safetensors").keys()  # the input's key layout
+    assert written.keys() == load_file(vlm_model / "model.safetensors").keys()  # the input's key layout
     model = AutoModelForImageTextToText.from_pretrained(export)
     trained = trainer.model.state_dict()
     for k, v in model.state_dict().items():

@@ -51,6 +51,19 @@ QWEN_VL_CHAT_TEMPLATE = (
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# Qwen3-VL's chat template for string and image/video-part messages (its checkpoints ship a longer one with
+# tool calls and reasoning, which renders these conversations the same): no default system turn.
+QWEN3_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 # Words the byte-level BPE learns merges for (the rest falls back to bytes, as in any byte-level BPE).
 _CORPUS = (
     "You are a helpful assistant. What colour is the shape in the picture? Describe the image. "
@@ -59,7 +72,9 @@ _CORPUS = (
 )
 
 
-def save_qwen_bpe_tokenizer(out: Path, vocab_size: int = 384, model_max_length: int = 32768) -> Any:
+def save_qwen_bpe_tokenizer(
+    out: Path, vocab_size: int = 384, model_max_length: int = 32768, chat_template: str = QWEN_VL_CHAT_TEMPLATE
+) -> Any:
     """A byte-level BPE tokenizer (Qwen's pre-tokenizer regex, no prefix space) trained locally on a few
     sentences, with Qwen's special tokens and Qwen-VL's chat template; -> the loaded transformers tokenizer."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -89,7 +104,7 @@ def save_qwen_bpe_tokenizer(out: Path, vocab_size: int = 384, model_max_length: 
         "pad_token": "<|endoftext|>",
         "padding_side": "right",
         "split_special_tokens": False,
-        "chat_template": QWEN_VL_CHAT_TEMPLATE,
+        "chat_template": chat_template,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return AutoTokenizer.from_pretrained(out)
@@ -129,14 +144,16 @@ def build_tiny_vlm(
     transformer: dict | None = None,
     min_pixels: int = 28 * 28,
     max_pixels: int = 56 * 56,
+    chat_template: str = QWEN_VL_CHAT_TEMPLATE,
+    processor: dict[str, Any] | None = None,
 ) -> Path:
     """Write a tiny random `model_type` image-text-to-text model + tokenizer + image processor config to
     `out`; returns `out`. `transformer`: overrides merged last, top level or under "text_config" /
-    "vision_config"."""
+    "vision_config". `processor`: preprocessor_config.json fields over Qwen2-VL's defaults."""
     from transformers import AutoConfig, AutoModelForImageTextToText, GenerationConfig
 
     out = Path(out)
-    tokenizer = save_qwen_bpe_tokenizer(out)
+    tokenizer = save_qwen_bpe_tokenizer(out, chat_template=chat_template)
     over = dict(transformer or {})
     text_cfg = {
         **text,
@@ -173,5 +190,6 @@ def build_tiny_vlm(
         min_pixels=min_pixels,
         max_pixels=max_pixels,
         size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
+        **(processor or {}),
     )
     return out

@@ -68,7 +68,9 @@ class VisionStep:
         grid = torch.tensor([[1, self.merge_size, self.merge_size]], device=like.device)
         pixels = torch.zeros(self.merge_size**2, patch_dim, device=like.device, dtype=like.dtype)
         out = tower(pixels, grid_thw=grid)
-        zero: torch.Tensor = out.pooler_output.sum() * 0.0
+        # every output the model uses (deepstack features too: Qwen3-VL), so every parameter gets its gradient
+        used = [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
+        zero: torch.Tensor = sum(t.sum() for t in used) * 0.0
         return zero
 
     def __call__(
@@ -82,6 +84,12 @@ class VisionStep:
             part = slice(self.sp_rank * chunk, (self.sp_rank + 1) * chunk)
             embeds = embeds[:, part]
             kwargs["position_ids"] = kwargs["position_ids"][..., part].contiguous()
+            mask = kwargs.get("visual_pos_masks")
+            if mask is not None:  # deepstack (Qwen3-VL): the vision features of this chunk's vision tokens
+                order = mask.flatten().cumsum(0).view(mask.shape) - 1  # row-major index among vision tokens
+                mine = order[:, part][mask[:, part]]
+                kwargs["visual_pos_masks"] = mask[:, part]
+                kwargs["deepstack_visual_embeds"] = [e[mine] for e in kwargs["deepstack_visual_embeds"]]
         kwargs["inputs_embeds"] = embeds
         return args, kwargs
 
@@ -141,7 +149,9 @@ class VLMTask(CausalLMTask):
         data = self.cfg.data
         options = VisionOptions(data.min_pixels, data.max_pixels, data.fps, data.max_frames)
         config = AutoConfig.from_pretrained(self.cfg.model.path)
-        processor = VisionProcessor(self.cfg.model.path, self.tokenizer, config, self.family.rope_index_fn(), options)
+        processor = VisionProcessor(
+            self.cfg.model.path, self.tokenizer, config, self.family.rope_index_fn(), options, self.family.videos
+        )
         dataset = build_conversation_dataset(data.path, processor, data.seq_len, data.packing, data.skip_bad_samples)
         s = dataset.stats
         self.dataset_kinds = {k for k, n in (("image", s.images), ("video", s.videos)) if n}
