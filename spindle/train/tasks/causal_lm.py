@@ -102,8 +102,6 @@ class CausalLMTask(TrainTask):
     @classmethod
     def check_plan(cls, cfg: CausalLMJobConfig, family: CausalLMFamily, dims: ParallelDims) -> None:
         # DiT-only training options must not be silently ignored on a language model.
-        if cfg.train.lora is not None:
-            raise ConfigError("train.lora: LoRA is implemented for DiT families only so far; remove train.lora")
         if cfg.train.validation.every_steps and cfg.train.validation.prompts:
             raise ConfigError(
                 "train.validation renders image/video samples (DiT families); for a language model set "
@@ -140,6 +138,10 @@ class CausalLMTask(TrainTask):
 
         model = self.load_model().to(self.device)
         model.train()
+        if self.cfg.train.lora is not None:  # adapters before SP / checkpointing / FSDP2 (spindle.train.lora)
+            from spindle.train.lora import apply_lora
+
+            apply_lora(model, self.lora_blocks(self.family, model), self.cfg.train.lora)
         # Order (docs/architecture.md): SP -> activation checkpointing -> compile -> FSDP2.
         if self.mesh.dims.sp > 1:
             from spindle.distributed import ulysses_attention
@@ -157,6 +159,13 @@ class CausalLMTask(TrainTask):
         self.autocast_dtype = autocast_dtype(model, self.precision)
         trained: torch.nn.Module = model
         return trained
+
+    @classmethod
+    def lora_blocks(cls, family: CausalLMFamily, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """The blocks whose linear layers `train.lora.targets` selects from (default: all of them)."""
+        from spindle.distributed.fsdp import find_blocks
+
+        return find_blocks(model)
 
     def sequence_parallel_module(self, model: torch.nn.Module) -> torch.nn.Module:
         """The transformers model whose attention Ulysses SP replaces (the decoder stack)."""
@@ -220,10 +229,26 @@ class CausalLMTask(TrainTask):
     # ------------------------------------------------------------ export
 
     def state(self) -> dict[str, Any]:
-        return {"family": self.family.name}
+        lora = self.cfg.train.lora
+        return {"family": self.family.name, "lora": lora.model_dump() if lora is not None else None}
 
     def export(self, model: torch.nn.Module, out: Path) -> Path | None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        if self.cfg.train.lora is not None:
+            from spindle.train.lora import adapter_state_dict, lora_scale
+            from spindle.train.tasks.lm_lora import export_lm_lora
+
+            sd = ckpt.full_state_dict(model, trainable_only=True)  # collective: the adapters only
+            result = None
+            if is_main_process():
+                adapters = adapter_state_dict(sd, lora_scale(model))
+                merge = self.cfg.export.merge_lora
+                result = export_lm_lora(
+                    self.family.model_cls(), self.cfg.model.path, adapters, out, merge, self.export_files
+                )
+            barrier()
+            return result
 
         state = self.export_layout(model, cast("dict[str, torch.Tensor]", get_model_state_dict(model)))
         write_transformers_folder(model, state, self.cfg.model.path, out, extra_files=self.export_files)
@@ -240,6 +265,15 @@ class CausalLMTask(TrainTask):
             raise FileNotFoundError(f"base model {model_path} has no config.json; pass --model PATH")
         model_cls: Any = family.model_cls()
         model = model_cls.from_pretrained(model_path, dtype=torch.float32)
+        lora = json.loads((checkpoint / ckpt.TRAINER_STATE).read_text()).get("lora")
+        if lora is not None:
+            from spindle.config import LoraConfig
+            from spindle.train.lora import adapter_state_dict, apply_lora, lora_scale
+            from spindle.train.tasks.lm_lora import export_lm_lora
+
+            apply_lora(model, cls.lora_blocks(family, model), LoraConfig(**lora))
+            adapters = adapter_state_dict(ckpt.read_checkpoint_model(checkpoint, model), lora_scale(model))
+            return export_lm_lora(model_cls, model_path, adapters, out, merge=False, extra_files=cls.export_files)
         state = cls.export_layout(model, ckpt.read_checkpoint_model(checkpoint, model))
         write_transformers_folder(model, state, model_path, out, extra_files=cls.export_files)
         return out

@@ -113,6 +113,11 @@ class VLMTask(CausalLMTask):
     def check_plan(cls, cfg: CausalLMJobConfig, family: CausalLMFamily, dims: ParallelDims) -> None:
         super().check_plan(cfg, family, dims)
         assert isinstance(cfg, VLMJobConfig) and isinstance(family, VLMFamily), "the VLM task's own schema"
+        if cfg.train.lora is not None and cfg.train.freeze:
+            raise ConfigError(
+                "train.freeze with train.lora: LoRA already freezes every base weight and trains adapters on the "
+                "language model's layers; remove train.freeze"
+            )
         if set(cfg.train.freeze) >= set(family.parts):
             raise ConfigError(f"train.freeze={cfg.train.freeze} freezes every part: nothing is left to train")
 
@@ -130,6 +135,13 @@ class VLMTask(CausalLMTask):
             if self.family.part_of(name) in frozen:
                 param.requires_grad_(False)
         return model
+
+    @classmethod
+    def lora_blocks(cls, family: CausalLMFamily, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """LoRA adapts the language model's decoder layers (not the vision tower)."""
+        assert isinstance(family, VLMFamily)
+        inside = {id(m) for m in module_at(model, family.language_model).modules()}
+        return [b for b in super().lora_blocks(family, model) if id(b) in inside]
 
     def sequence_parallel_module(self, model: torch.nn.Module) -> torch.nn.Module:
         return module_at(model, self.family.language_model)
