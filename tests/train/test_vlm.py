@@ -224,3 +224,48 @@ def test_export_loads_in_stock_transformers_and_generates_from_an_image(vlm_mode
         input_ids=ids, mm_token_type_ids=mm_types, **pixels, max_new_tokens=5, do_sample=False, min_new_tokens=5
     )
     assert out.shape == (1, ids.shape[1] + 5) and torch.equal(out[:, : ids.shape[1]], ids)
+
+
+def test_video_conversation_step1_equals_stock_transformers(tiny_qwen2_5_vl, tmp_path):
+    """A video conversation (no stock video processor here: Spindle's patches and tokens, the stock model's
+    own 3-D positions from mm_token_type_ids and second_per_grid_ts): step-1 loss and grad norm."""
+    import numpy as np
+    from transformers import AutoConfig, AutoTokenizer
+
+    from spindle.data.media import write_video
+    from spindle.data.multimodal import VisionOptions, VisionProcessor, collate_vision, conversation_document
+    from spindle.models.shared.vlm_rope import mm_token_types
+    from spindle.registry import get_family
+
+    data = tmp_path / "data"
+    data.mkdir()
+    frames = np.stack([np.full((56, 56, 3), 20 * i, dtype=np.uint8) for i in range(12)])
+    write_video(data / "clip.mp4", frames, fps=4)
+    line = {
+        "messages": [
+            {"role": "user", "content": [{"type": "video", "video": "clip.mp4"}, {"type": "text", "text": "What?"}]},
+            {"role": "assistant", "content": "It gets brighter."},
+        ]
+    }
+    (data / "data.jsonl").write_text(json.dumps(line) + "\n")
+    vlm_train(tiny_qwen2_5_vl, data / "data.jsonl", tmp_path / "run", data__packing=False, train__max_steps=1)
+    logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+
+    config = AutoConfig.from_pretrained(tiny_qwen2_5_vl)
+    processor = VisionProcessor(
+        tiny_qwen2_5_vl,
+        AutoTokenizer.from_pretrained(tiny_qwen2_5_vl),
+        config,
+        get_family("qwen2_5_vl").rope_index_fn(),
+        VisionOptions(),
+    )
+    doc, _ = conversation_document(line, data, processor, 4096, "x")
+    ids = torch.tensor([doc.tokens])
+    labels = torch.tensor([[t if keep else -100 for t, keep in zip(doc.tokens, doc.learn, strict=True)]])
+    model = stock_model(tiny_qwen2_5_vl)
+    vision = collate_vision(doc.vision)
+    assert "pixel_values_videos" in vision
+    loss = model(input_ids=ids, mm_token_type_ids=mm_token_types(config, ids), labels=labels, **vision).loss
+    loss.backward()
+    assert logged["loss"] == pytest.approx(float(loss), rel=1e-5)
+    assert logged["grad_norm"] == pytest.approx(grad_norm(model), rel=1e-4)
