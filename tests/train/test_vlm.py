@@ -269,3 +269,31 @@ def test_video_conversation_step1_equals_stock_transformers(tiny_qwen2_5_vl, tmp
     loss.backward()
     assert logged["loss"] == pytest.approx(float(loss), rel=1e-5)
     assert logged["grad_norm"] == pytest.approx(grad_norm(model), rel=1e-4)
+
+
+def test_gradient_checkpointing_equals_the_plain_run(tiny_qwen2_5_vl, vlm_conversations, tmp_path):
+    """Activation checkpointing recomputes vision blocks and decoder layers (with the language-model hook):
+    the same losses and grad norms as without it."""
+    runs = []
+    for ac in (False, True):
+        out = tmp_path / f"ac_{ac}"
+        vlm_train(tiny_qwen2_5_vl, vlm_conversations, out, train__max_steps=2, train__gradient_checkpointing=ac)
+        runs.append([json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()])
+    for key in ("loss", "grad_norm"):
+        assert [m[key] for m in runs[1]] == pytest.approx([m[key] for m in runs[0]], rel=1e-5), key
+
+
+def test_cli_names_the_bad_line_before_training(tiny_qwen2_5_vl, tmp_path, spindle_cli):
+    data = tmp_path / "data.jsonl"
+    line = {
+        "messages": [
+            {"role": "user", "content": [{"type": "image", "image": "gone.png"}]},
+            {"role": "assistant", "content": "A square."},
+        ]
+    }
+    data.write_text(json.dumps(line) + "\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("{}")
+    r = spindle_cli("train", cfg, *vlm_overrides(tiny_qwen2_5_vl, data, tmp_path / "o"))
+    assert r.returncode == 2
+    assert f"{data}:1: image" in r.stderr and "gone.png not found" in r.stderr and "Traceback" not in r.stderr
