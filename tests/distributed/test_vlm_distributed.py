@@ -76,3 +76,22 @@ def test_layout_equals_one_process(layout, family, singles, tiny_checkpoint, dat
     assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=1e-5, msg=k)
+
+
+def test_lora_dp_shard2_equals_one_process(tiny_qwen2_5_vl, data, tmp_path):
+    """LoRA adapters inside the FSDP2 units (frozen base sharded with them), a text-only rank, and the
+    collective adapter gather of the export: the same losses, grad norms and PEFT adapter file."""
+    from safetensors.torch import load_file
+
+    lora = dict(train__lora='{"rank": 4}', train__lr=1e-2)
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_train(tiny_qwen2_5_vl, data, one, nproc=1, **lora)
+    run_train(tiny_qwen2_5_vl, data, two, nproc=2, parallel__dp_shard=2, **lora)
+    ma, mb = read_metrics(one), read_metrics(two)
+    for key in ("loss", "grad_norm"):
+        assert [m[key] for m in mb] == pytest.approx([m[key] for m in ma], rel=1e-5), key
+    adapters = "export/lora/adapter_model.safetensors"
+    wa, wb = load_file(one / adapters), load_file(two / adapters)
+    assert wa.keys() == wb.keys() and len(wa) > 0
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=1e-5, msg=k)
