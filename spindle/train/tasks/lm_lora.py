@@ -61,8 +61,7 @@ def export_lm_lora(
     `adapters`: `<module>.lora_A.weight` / `<module>.lora_B.weight` with alpha / rank folded into lora_B
     (`spindle.train.lora.adapter_state_dict`)."""
     from safetensors.torch import save_file
-
-    from spindle.train.tasks.causal_lm import load_tokenizer
+    from transformers import AutoTokenizer
 
     base, out = Path(base), Path(out)
     tmp = out.with_name(out.name + ".tmp")
@@ -71,7 +70,7 @@ def export_lm_lora(
     lora.mkdir(parents=True)
     save_file({PEFT_PREFIX + k: v.contiguous() for k, v in adapters.items()}, lora / "adapter_model.safetensors")
     peft_adapter_config(base, adapters).save_pretrained(lora)
-    tokenizer = load_tokenizer(base)
+    tokenizer = AutoTokenizer.from_pretrained(base)
     tokenizer.save_pretrained(lora)
     for name in extra_files:
         if (base / name).is_file():
