@@ -23,7 +23,7 @@ def trained_only_adapters(trainer) -> set[str]:
     return states
 
 
-def test_qwen3_lora_exports_a_peft_folder_and_a_merged_model(tiny_qwen3, lm_corpus, tmp_path):
+def test_qwen3_lora_exports_a_peft_folder_and_a_merged_model(tiny_qwen3, lm_corpus, tmp_path, spindle_cli):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -41,6 +41,14 @@ def test_qwen3_lora_exports_a_peft_folder_and_a_merged_model(tiny_qwen3, lm_corp
         merged = AutoModelForCausalLM.from_pretrained(export / "merged").eval()
         torch.testing.assert_close(merged(input_ids=ids).logits, ours, rtol=0, atol=1e-5)
     assert json.loads((export / "lora" / "adapter_config.json").read_text())["r"] == 4
+
+    # `spindle export` of the LoRA checkpoint writes the same adapters on one process.
+    from safetensors.torch import load_file
+
+    r = spindle_cli("export", tmp_path / "run", "--out", tmp_path / "cli")
+    assert r.returncode == 0, r.stderr
+    a, b = (load_file(d / "lora" / "adapter_model.safetensors") for d in (export, tmp_path / "cli"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_vlm_lora_adapts_the_language_model_only(tiny_qwen2_5_vl, vlm_conversations, tmp_path):

@@ -198,7 +198,9 @@ def test_freezing_every_part_is_refused(tiny_qwen2_5_vl, vlm_conversations, tmp_
         load_job_config(None, vlm_overrides(tiny_qwen2_5_vl, vlm_conversations, tmp_path, train__freeze='["eyes"]'))
 
 
-def test_export_loads_in_stock_transformers_and_generates_from_an_image(vlm_model, vlm_conversations, tmp_path):
+def test_export_loads_in_stock_transformers_and_generates_from_an_image(
+    vlm_model, vlm_conversations, tmp_path, spindle_cli
+):
     from safetensors.torch import load_file
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
@@ -224,6 +226,13 @@ def test_export_loads_in_stock_transformers_and_generates_from_an_image(vlm_mode
         input_ids=ids, mm_token_type_ids=mm_types, **pixels, max_new_tokens=5, do_sample=False, min_new_tokens=5
     )
     assert out.shape == (1, ids.shape[1] + 5) and torch.equal(out[:, : ids.shape[1]], ids)
+
+    # `spindle export` of the final checkpoint writes the same folder on one process.
+    r = spindle_cli("export", tmp_path / "run", "--out", tmp_path / "cli")
+    assert r.returncode == 0, r.stderr
+    again = load_file(tmp_path / "cli" / "model-00001-of-00001.safetensors")
+    assert again.keys() == written.keys() and all(torch.equal(again[k], written[k]) for k in written)
+    assert (tmp_path / "cli" / "preprocessor_config.json").is_file()
 
 
 def test_video_conversation_step1_equals_stock_transformers(tiny_qwen2_5_vl, tmp_path):
