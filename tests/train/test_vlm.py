@@ -306,3 +306,10 @@ def test_cli_names_the_bad_line_before_training(tiny_qwen2_5_vl, tmp_path, spind
     r = spindle_cli("train", cfg, *vlm_overrides(tiny_qwen2_5_vl, data, tmp_path / "o"))
     assert r.returncode == 2
     assert f"{data}:1: image" in r.stderr and "gone.png not found" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_shipped_vlm_config_is_a_valid_vlm_job():
+    from spindle.config import VLMJobConfig, load_raw, validate_config
+
+    cfg = validate_config(load_raw(Path(__file__).parents[2] / "configs" / "qwen2_5_vl_7b.yaml"), VLMJobConfig)
+    assert cfg.data.packing and cfg.train.freeze == ["vision"]
