@@ -94,6 +94,19 @@ class TextDataConfig(Section):
     shuffle: bool = True
 
 
+class VLMDataConfig(TextDataConfig):
+    """`data:` of VLM jobs: image/video conversation JSONL (spindle.data.multimodal)."""
+
+    path: str = Field(
+        description='a .jsonl file or a folder of them; lines {"messages": [...]} with image/video content parts, '
+        'or {"images": [...], "conversations": [...]} with <image> placeholders; media paths relative to the file'
+    )
+    min_pixels: int | None = Field(None, ge=1, description="image processor's minimum pixels per image/frame")
+    max_pixels: int | None = Field(None, ge=1, description="image processor's maximum pixels per image/frame")
+    fps: float = Field(2.0, gt=0, description="video frames sampled per second")
+    max_frames: int = Field(16, ge=1, description="most frames sampled per video")
+
+
 class TimestepConfig(Section):
     """`train.timestep:` how flow-matching training draws sigma in (0, 1); the one definition the config and
     the flow-matching math (`spindle.train.tasks.flow_matching_math.sample_sigmas`) share."""
@@ -223,6 +236,24 @@ class CausalLMJobConfig(TrainJobConfig):
     """A causal-LM (next-token) job."""
 
     data: TextDataConfig
+
+
+VLMPart = Literal["vision", "aligner", "language"]
+
+
+class VLMTrainConfig(TrainConfig):
+    freeze: list[VLMPart] = Field(
+        default_factory=list,
+        description="parts that are not trained (no gradient, no optimizer state): vision (the vision tower), "
+        "aligner (the merger into the language model), language (the language model and its head)",
+    )
+
+
+class VLMJobConfig(CausalLMJobConfig):
+    """A vision-language model job (next-token loss on image/video conversations)."""
+
+    data: VLMDataConfig
+    train: VLMTrainConfig = VLMTrainConfig()
 
 
 class ModelSection(Section):

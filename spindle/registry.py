@@ -14,16 +14,18 @@ import json
 from pathlib import Path
 from typing import Any, TypeAlias
 
-from spindle.contracts.family import CausalLMFamily, DiTFamily
+from spindle.contracts.family import CausalLMFamily, DiTFamily, VLMFamily
 
-Family: TypeAlias = DiTFamily | CausalLMFamily
+Family: TypeAlias = DiTFamily | CausalLMFamily | VLMFamily
 
 # name -> module defining FAMILY. Adding a family: one line here, one folder under models/.
 BUILTIN_FAMILIES: dict[str, str] = {
     "flux": "spindle.models.flux",
     "llama": "spindle.models.llama",
+    "qwen2_5_vl": "spindle.models.qwen2_5_vl",
     "qwen3": "spindle.models.qwen3",
     "qwen3_moe": "spindle.models.qwen3_moe",
+    "qwen3_vl": "spindle.models.qwen3_vl",
     "qwenimage": "spindle.models.qwenimage",
     "wan": "spindle.models.wan",
 }

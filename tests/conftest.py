@@ -326,6 +326,22 @@ def tiny_llama(tiny_checkpoint) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen2_5_vl(tiny_checkpoint) -> Path:
+    """`tiny_checkpoint("qwen2_5_vl")`: a transformers Qwen2.5-VL folder (config, safetensors, byte-level BPE
+    tokenizer with Qwen's specials and chat template, preprocessor_config.json)."""
+    return tiny_checkpoint("qwen2_5_vl")
+
+
+@pytest.fixture(scope="session")
+def vlm_conversations(tmp_path_factory) -> Path:
+    """8 image conversations (56x84 shapes images, 2 image tokens each) as OpenAI/Qwen messages JSONL;
+    every 4th is text-only."""
+    from spindle.data.synthetic import make_image_conversations
+
+    return make_image_conversations(tmp_path_factory.mktemp("vlm_data"), 8, size=(56, 84), text_only_every=4)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_moe(tiny_checkpoint) -> Path:
     """`tiny_checkpoint("qwen3_moe")`: 8 experts, top-2, per-expert layout, 2 layers, and an aux coefficient
     large enough that a wrong aux loss shows in the step loss and grad norm (its conformance overrides)."""

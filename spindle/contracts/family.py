@@ -1,4 +1,4 @@
-"""Family records: what a family registers (`DiTFamily`, `CausalLMFamily`), with its demo and
+"""Family records: what a family registers (`DiTFamily`, `CausalLMFamily`, `VLMFamily`), with its demo and
 conformance specs and its checkpoint adapter.
 
 Light (no torch, no diffusers at import), so the CLI can read every family's declarations (e.g. its
@@ -244,4 +244,60 @@ class CausalLMFamily:
         raise NotImplementedError(
             f"{self.name} is a language model: Spindle's generate/serve engine runs diffusion models only; "
             "load the exported folder with transformers (AutoModelForCausalLM.from_pretrained) to generate text"
+        )
+
+
+@dataclass(frozen=True)
+class VLMFamily(CausalLMFamily):
+    """A vision-language model family served from a transformers folder (config.json `model_type`, a
+    tokenizer with a chat template, preprocessor_config.json for the image processor): a causal LM
+    whose input embeddings carry a vision tower's output, so it shares the causal-LM record's fields.
+
+    `model_class` is the ForConditionalGeneration class. `parts`: the trainable parts by module-name
+    prefix (what `train.freeze` names); a parameter belongs to the part with the longest matching prefix,
+    so the aligner inside the vision tower's module is its own part. `rope_index` computes a document's
+    multimodal (3-D) RoPE positions exactly as the model does, without the model (the data path calls it
+    per document).
+    """
+
+    kind: ClassVar[str] = "vlm"
+    # "module:function(config, input_ids [1, L], image_grid_thw, video_grid_thw, second_per_grid_ts) -> [3, 1, L]"
+    rope_index: str = ""
+    vision_tower: str = "model.visual"  # the vision encoder module (the dummy forward of text-only batches)
+    language_model: str = "model.language_model"  # the decoder stack (where Ulysses SP splits the sequence)
+    parts: dict[str, tuple[str, ...]] = field(
+        default_factory=lambda: {
+            "vision": ("model.visual.",),
+            "aligner": ("model.visual.merger.",),
+            "language": ("model.language_model.", "lm_head."),
+        }
+    )
+    videos: bool = True  # False: the data path refuses video parts (naming the family)
+    task: str = "vlm"
+
+    def __post_init__(self) -> None:
+        if not self.rope_index:
+            raise ValueError(f"VLM family {self.name!r} must name its rope_index function")
+
+    @property
+    def export_hint(self) -> str:
+        return "transformers.AutoModelForImageTextToText.from_pretrained loads it"
+
+    def rope_index_fn(self) -> Callable[..., Any]:
+        fn: Callable[..., Any] = import_object(self.rope_index)
+        return fn
+
+    def part_of(self, param_name: str) -> str | None:
+        """The part (a key of `parts`) a parameter belongs to: the longest matching prefix; None: no part."""
+        best: tuple[int, str | None] = (0, None)
+        for part, prefixes in self.parts.items():
+            for prefix in prefixes:
+                if param_name.startswith(prefix) and len(prefix) > best[0]:
+                    best = (len(prefix), part)
+        return best[1]
+
+    def inference_spec(self) -> Any:
+        raise NotImplementedError(
+            f"{self.name} is a vision-language model: Spindle's generate/serve engine runs diffusion models only; "
+            "load the exported folder with transformers (AutoModelForImageTextToText.from_pretrained) to generate"
         )

@@ -240,6 +240,27 @@ def read_media(path: str | os.PathLike[str], num_frames: int, resolution: tuple[
     )
 
 
+def decode_frames(path: str | os.PathLike[str], indices: list[int]) -> list[Image.Image]:
+    """The frames at `indices` (sorted, unique), RGB at the video's own size, in one decode pass."""
+    path = Path(path)
+    _check_readable(path)
+    wanted, kept = set(indices), {}
+    container, stream = _open_video(path)
+    try:
+        for i, frame in enumerate(container.decode(stream)):
+            if i in wanted:
+                kept[i] = _to_rgb(frame.to_image())
+            if i >= max(indices):
+                break
+    except av.FFmpegError as exc:
+        raise MediaError(path, f"corrupt video stream ({exc})") from exc
+    finally:
+        container.close()
+    if len(kept) < len(wanted):
+        raise MediaError(path, f"only {len(kept)} of the {len(wanted)} sampled frames could be decoded")
+    return [kept[i] for i in indices]
+
+
 def probe_video(path: str | os.PathLike[str]) -> tuple[int, float, int, int]:
     """(num_frames, fps, width, height) of a video's first video stream, without decoding it."""
     path = Path(path)

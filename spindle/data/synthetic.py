@@ -12,6 +12,7 @@ import itertools
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -178,3 +179,44 @@ def make_text_corpus(out: str | Path, num_docs: int = 96, seed: int = 0) -> Path
         lines.append(json.dumps({"text": text}))
     (out / "corpus.jsonl").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     return out
+
+
+def make_image_conversations(
+    out: str | Path,
+    num_conversations: int = 8,
+    size: tuple[int, int] = (56, 56),
+    text_only_every: int = 0,
+    seed: int = 0,
+) -> Path:
+    """Write `conversations.jsonl` (OpenAI/Qwen messages with an image part, images beside it) into `out`.
+
+    Each conversation shows one shapes image and asks its colour and shape; with `text_only_every=k`
+    every k-th conversation has no image (string contents). Returns the JSONL file.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    images = make_shapes_image_dataset(out / "images", num_images=num_conversations, size=size, seed=seed)
+    lines = []
+    for i in range(num_conversations):
+        caption = (images / f"image_{i:03d}.txt").read_text().strip()
+        messages: list[dict[str, Any]]
+        if text_only_every and i % text_only_every == text_only_every - 1:
+            messages = [
+                {"role": "user", "content": "Which way does the shape move?"},
+                {"role": "assistant", "content": "The small yellow ball bounces to the right."},
+            ]
+        else:
+            messages = [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "image": f"images/image_{i:03d}.png"},
+                        {"type": "text", "text": "What colour is the shape in the picture?"},
+                    ],
+                },
+                {"role": "assistant", "content": caption[0].upper() + caption[1:] + "."},
+            ]
+        lines.append(json.dumps({"messages": messages}))
+    path = out / "conversations.jsonl"
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path

@@ -36,6 +36,7 @@ import functools
 import json
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,6 +150,15 @@ def chat_document(messages: Any, tokenizer: Any) -> tuple[list[int], list[bool]]
         text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
         return _encode(tokenizer, text, special=False)  # templates write their own special tokens
 
+    return learn_assistant_turns(messages, render)
+
+
+def learn_assistant_turns(
+    messages: list[dict], render: Callable[[list[dict], bool], list[int]]
+) -> tuple[list[int], list[bool]]:
+    """The conversation's tokens, learned only inside assistant turns. `render(prefix, generation_prompt)`
+    tokenizes a prefix of the conversation; each assistant turn spans from the prefix before it rendered
+    with the generation prompt to the prefix that ends with it (see the module doc)."""
     tokens = render(messages, False)
     learn = [False] * len(tokens)
     for i, m in enumerate(messages):

@@ -146,10 +146,9 @@ def test_shipped_configs_are_valid_causal_lm_jobs(name):
     "overrides,message",
     [
         ({"parallel__ring": 2, "parallel__dp_shard": 1}, "set parallel.ring: 1"),
-        ({"train__lora": {"rank": 4}}, "remove train.lora"),
         ({"train__validation": {"every_steps": 1, "prompts": ["a"]}}, "train.validation.every_steps: 0"),
     ],
-    ids=["ring", "lora", "validation"],
+    ids=["ring", "validation"],
 )
 def test_dit_only_options_are_refused_for_language_models_before_launch(
     overrides, message, tiny_qwen3, lm_corpus, tmp_path, spindle_cli

@@ -14,6 +14,7 @@ TASKS: dict[str, str] = {
     "flow_matching": "spindle.train.tasks.flow_matching:FlowMatchingTask",
     "causal_lm": "spindle.train.tasks.causal_lm:CausalLMTask",
     "causal_lm_moe": "spindle.train.tasks.moe_causal_lm:MoECausalLMTask",
+    "vlm": "spindle.train.tasks.vlm:VLMTask",
 }
 
 

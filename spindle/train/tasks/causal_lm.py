@@ -100,6 +100,8 @@ class CausalLMTask(TrainTask):
 
     cfg: CausalLMJobConfig
     family: CausalLMFamily
+    # Files copied from the input folder into an export besides config, weights and tokenizer.
+    export_files: tuple[str, ...] = ()
 
     def __init__(
         self, cfg: CausalLMJobConfig, family: CausalLMFamily, mesh: Mesh, device: torch.device, precision: str
@@ -117,8 +119,6 @@ class CausalLMTask(TrainTask):
     def check_plan(cls, cfg: CausalLMJobConfig, family: CausalLMFamily, dims: ParallelDims) -> None:
         check_tokenizer_files(cfg.model.path)
         # DiT-only training options must not be silently ignored on a language model.
-        if cfg.train.lora is not None:
-            raise ConfigError("train.lora: LoRA is implemented for DiT families only so far; remove train.lora")
         if cfg.train.validation.every_steps and cfg.train.validation.prompts:
             raise ConfigError(
                 "train.validation renders image/video samples (DiT families); for a language model set "
@@ -134,9 +134,14 @@ class CausalLMTask(TrainTask):
 
             config = json.loads((Path(cfg.model.path) / "config.json").read_text())
             try:
-                ulysses_attention.check_layout(config, dims.sp, cfg.data.seq_len)
+                ulysses_attention.check_layout(cls.text_config(config), dims.sp, cfg.data.seq_len)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+
+    @classmethod
+    def text_config(cls, config: dict[str, Any]) -> dict[str, Any]:
+        """The language model's part of a config.json (what Ulysses SP splits the heads of)."""
+        return config
 
     # ------------------------------------------------------------ set-up
 
@@ -150,11 +155,15 @@ class CausalLMTask(TrainTask):
 
         model = self.load_model().to(self.device)
         model.train()
+        if self.cfg.train.lora is not None:  # adapters before SP / checkpointing / FSDP2 (spindle.train.lora)
+            from spindle.train.lora import apply_lora
+
+            apply_lora(model, self.lora_blocks(self.family, model), self.cfg.train.lora)
         # Order (docs/architecture.md): SP -> activation checkpointing -> compile -> FSDP2.
         if self.mesh.dims.sp > 1:
             from spindle.distributed import ulysses_attention
 
-            ulysses_attention.enable_sequence_parallel(model, self.mesh.sp)
+            ulysses_attention.enable_sequence_parallel(self.sequence_parallel_module(model), self.mesh.sp)
         if self.cfg.train.gradient_checkpointing:
             # Non-reentrant: FSDP2's per-layer all-gather hooks fire again in the recomputation, and
             # parameter names stay unchanged (no wrapper module in the FQNs, checkpoints, export).
@@ -167,6 +176,17 @@ class CausalLMTask(TrainTask):
         self.autocast_dtype = autocast_dtype(model, self.precision)
         trained: torch.nn.Module = model
         return trained
+
+    @classmethod
+    def lora_blocks(cls, family: CausalLMFamily, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """The blocks whose linear layers `train.lora.targets` selects from (default: all of them)."""
+        from spindle.distributed.fsdp import find_blocks
+
+        return find_blocks(model)
+
+    def sequence_parallel_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The transformers model whose attention Ulysses SP replaces (the decoder stack)."""
+        return model
 
     def parallelize_extra(self, model: torch.nn.Module) -> None:
         """Model-specific parallelism applied after SP and activation checkpointing, before the dense
@@ -226,14 +246,35 @@ class CausalLMTask(TrainTask):
     # ------------------------------------------------------------ export
 
     def state(self) -> dict[str, Any]:
-        return {"family": self.family.name}
+        lora = self.cfg.train.lora
+        return {"family": self.family.name, "lora": lora.model_dump() if lora is not None else None}
 
     def export(self, model: torch.nn.Module, out: Path) -> Path | None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        state = cast("dict[str, torch.Tensor]", get_model_state_dict(model))
-        write_transformers_folder(model, state, self.cfg.model.path, out)
+        if self.cfg.train.lora is not None:
+            from spindle.train.lora import adapter_state_dict, lora_scale
+            from spindle.train.tasks.lm_lora import export_lm_lora
+
+            sd = ckpt.full_state_dict(model, trainable_only=True)  # collective: the adapters only
+            result = None
+            if is_main_process():
+                adapters = adapter_state_dict(sd, lora_scale(model))
+                merge = self.cfg.export.merge_lora
+                result = export_lm_lora(
+                    self.family.model_cls(), self.cfg.model.path, adapters, out, merge, self.export_files
+                )
+            barrier()
+            return result
+
+        state = self.export_layout(model, cast("dict[str, torch.Tensor]", get_model_state_dict(model)))
+        write_transformers_folder(model, state, self.cfg.model.path, out, extra_files=self.export_files)
         return out if is_main_process() else None
+
+    @classmethod
+    def export_layout(cls, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The trained state dict under the names the checkpoint format uses (default: the model's own)."""
+        return state
 
     @classmethod
     def export_checkpoint(cls, family: CausalLMFamily, checkpoint: Path, model_path: Path, out: Path) -> Path:
@@ -241,8 +282,17 @@ class CausalLMTask(TrainTask):
             raise FileNotFoundError(f"base model {model_path} has no config.json; pass --model PATH")
         model_cls: Any = family.model_cls()
         model = model_cls.from_pretrained(model_path, dtype=torch.float32)
-        state = ckpt.read_checkpoint_model(checkpoint, model)
-        write_transformers_folder(model, state, model_path, out)
+        lora = json.loads((checkpoint / ckpt.TRAINER_STATE).read_text()).get("lora")
+        if lora is not None:
+            from spindle.config import LoraConfig
+            from spindle.train.lora import adapter_state_dict, apply_lora, lora_scale
+            from spindle.train.tasks.lm_lora import export_lm_lora
+
+            apply_lora(model, cls.lora_blocks(family, model), LoraConfig(**lora))
+            adapters = adapter_state_dict(ckpt.read_checkpoint_model(checkpoint, model), lora_scale(model))
+            return export_lm_lora(model_cls, model_path, adapters, out, merge=False, extra_files=cls.export_files)
+        state = cls.export_layout(model, ckpt.read_checkpoint_model(checkpoint, model))
+        write_transformers_folder(model, state, model_path, out, extra_files=cls.export_files)
         return out
 
 
@@ -259,8 +309,10 @@ def write_transformers_folder(
     source: str | Path,
     out: str | Path,
     max_shard_bytes: int = EXPORT_MAX_SHARD_BYTES,
+    extra_files: tuple[str, ...] = (),
 ) -> None:
-    """Collective: `out` = config.json + generation_config.json + tokenizer + sharded safetensors.
+    """Collective: `out` = config.json + generation_config.json + tokenizer + sharded safetensors, plus
+    `extra_files` of the source folder that exist (e.g. a VLM's preprocessor_config.json).
 
     Weights are written shard by shard from every rank (`ckpt.save_hf_safetensors`) into `<out>.tmp`,
     which is renamed to `out` when complete. Config and generation config are the model's own
@@ -278,6 +330,9 @@ def write_transformers_folder(
         if getattr(hf_model, "generation_config", None) is not None:
             hf_model.generation_config.save_pretrained(tmp)
         load_tokenizer(source).save_pretrained(tmp)
+        for name in extra_files:
+            if (Path(source) / name).is_file():
+                shutil.copy2(Path(source) / name, tmp / name)
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
     barrier()

@@ -65,6 +65,11 @@ class MoECausalLMTask(CausalLMTask):
         from spindle.distributed.expert_parallel import check_ep_layout
 
         super().check_plan(cfg, family, dims)  # the dense checks (ring refused for language models, ...)
+        if cfg.train.lora is not None:
+            raise ConfigError(
+                "train.lora: LoRA is not implemented for mixture-of-experts models yet (the experts are fused "
+                "parameters, not linear layers); remove train.lora"
+            )
         try:
             check_ep_layout(dims, AutoConfig.from_pretrained(cfg.model.path).num_experts)
         except ValueError as e:

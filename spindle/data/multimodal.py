@@ -1,0 +1,441 @@
+"""Image/video conversation JSONL -> token rows with vision inputs for VLM training.
+
+Each line of a `.jsonl` file (or of every `.jsonl` under a folder, in sorted path order) is one
+conversation, in one of two formats:
+
+- OpenAI/Qwen messages: `{"messages": [{"role": ..., "content": ...}]}`, the content a string or a
+  list of parts `{"type": "image", "image": PATH}`, `{"type": "video", "video": PATH}`,
+  `{"type": "text", "text": ...}`;
+- LLaVA/ShareGPT: `{"images": [PATH, ...], "conversations": [{"from": "human"|"gpt"|"system",
+  "value": "<image>\\n..."}]}` (or `"messages"` with string contents), one `<image>` (`<video>` with
+  `"videos"`) placeholder per file, in order.
+
+Paths are relative to the JSONL file. Images go through the model's image processor (its
+`preprocessor_config.json`, `min_pixels`/`max_pixels` settable); videos are decoded with PyAV, frames
+sampled by `fps`/`max_frames`, and patched as the stock Qwen-VL video processor does. The chat template
+renders the conversation with one `<|image_pad|>` (`<|video_pad|>`) per image (video), which is then
+expanded to the image's `grid_thw.prod() // merge_size**2` tokens, as the stock processor does. Only
+assistant turns are learned (`spindle.data.text.learn_assistant_turns`).
+
+Rows hold `input_ids`, `position_ids` [4, seq_len] (row 0: text positions, restarting per document,
+from which transformers builds the block-diagonal packed mask; rows 1-3: the model's 3-D RoPE positions
+of each document, computed by the family's `rope_index`), `shift_labels`, `attention_mask`, and the
+rows' vision inputs (`pixel_values` + `image_grid_thw`, `pixel_values_videos` + `video_grid_thw` +
+`second_per_grid_ts`) in token order. Packing follows `spindle.data.text`: documents end to end, a
+document that does not fit starts the next row; `packing: false` gives one document per row. A
+conversation longer than `seq_len` is cut at `seq_len` only when no vision token is cut; otherwise it
+is a `file:line` error (or a counted skip with `skip_bad_samples`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from spindle.data.text import IGNORE_INDEX, TextDataError, jsonl_files, learn_assistant_turns, shifted_labels
+
+log = logging.getLogger("spindle.data")
+
+IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER = "<image>", "<video>"  # the LLaVA/ShareGPT placeholders
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+@dataclass
+class Vision:
+    """One image or video after patching: what the vision tower takes."""
+
+    kind: str  # "image" | "video"
+    pixel_values: torch.Tensor  # [patches, channels * temporal_patch * patch * patch]
+    grid_thw: torch.Tensor  # [3]
+    second_per_grid: float = 1.0  # videos: seconds per temporal grid step (mrope temporal spacing)
+
+
+@dataclass
+class MMDocument:
+    tokens: list[int]
+    learn: list[bool]
+    positions: torch.Tensor  # [3, len(tokens)] multimodal RoPE positions
+    vision: list[Vision]  # in token order
+    source: str  # "file:line"
+
+
+@dataclass
+class MMStats:
+    documents: int
+    rows: int
+    truncated: int  # conversations cut at seq_len (text only was cut)
+    skipped: int  # bad lines skipped (data.skip_bad_samples)
+    label_tokens: int
+    images: int
+    videos: int
+
+
+@dataclass
+class VisionOptions:
+    """How images and videos become patches (data.min_pixels, max_pixels, fps, max_frames)."""
+
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    fps: float = 2.0
+    max_frames: int = 16
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- the processor side
+
+
+class VisionProcessor:
+    """The model's tokenizer, image processor and token ids: conversation -> tokens + vision inputs."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        tokenizer: Any,
+        config: Any,
+        rope_index: Any,
+        options: VisionOptions,
+        videos: bool = True,
+    ):
+        from transformers import AutoImageProcessor
+
+        # The processor's own min_pixels/max_pixels keywords (they override its config's `size`).
+        kwargs = {k: v for k, v in (("min_pixels", options.min_pixels), ("max_pixels", options.max_pixels)) if v}
+        self.image_processor = AutoImageProcessor.from_pretrained(model_path, **kwargs)
+        self.tokenizer, self.config, self.rope_index, self.options = tokenizer, config, rope_index, options
+        self.videos = videos  # False: the family's data path does not reproduce its video processing yet
+        self.merge_size = int(self.image_processor.merge_size)
+        self.pad_token = {
+            "image": tokenizer.convert_ids_to_tokens(config.image_token_id),
+            "video": tokenizer.convert_ids_to_tokens(config.video_token_id),
+        }
+        if not getattr(tokenizer, "chat_template", None):
+            raise TextDataError(f"the tokenizer of {model_path} has no chat_template; VLM data needs one")
+
+    def image(self, path: Path) -> Vision:
+        from PIL import Image, UnidentifiedImageError
+
+        if not path.is_file():
+            raise ValueError(f"image {path} not found")
+        try:
+            with Image.open(path) as img:
+                rgb = img.convert("RGB")
+        except (UnidentifiedImageError, OSError) as e:
+            raise ValueError(f"image {path} cannot be decoded ({e})") from None
+        out = self.image_processor(images=[rgb], return_tensors="pt")
+        return Vision("image", out["pixel_values"], out["image_grid_thw"][0])
+
+    def video(self, path: Path) -> Vision:
+        if not self.videos:
+            raise ValueError(
+                f"video {path.name}: video parts are not supported for {self.config.model_type} models yet (their "
+                "processor writes frame timestamps into the text); use images or frames as images"
+            )
+        from spindle.data.video_patches import read_video_patches
+
+        pixel_values, grid, seconds = read_video_patches(
+            path, self.image_processor, self.options.fps, self.options.max_frames
+        )
+        return Vision("video", pixel_values, grid, second_per_grid=seconds)
+
+    def tokens(self, vision: list[Vision]) -> list[int]:
+        """How many placeholder tokens each vision input expands to."""
+        return [int(v.grid_thw.prod()) // self.merge_size**2 for v in vision]
+
+    def render(self, messages: list[dict], vision: list[Vision], generation_prompt: bool) -> list[int]:
+        """The template's text with every pad token expanded to its input's token count, tokenized."""
+        if not messages and not generation_prompt:
+            return []
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        # Each pad token takes the next vision input of its kind, in order (as the stock processor does).
+        counts: dict[str, list[int]] = {"image": [], "video": []}
+        for v, n in zip(vision, self.tokens(vision), strict=True):
+            counts[v.kind].append(n)
+        pieces: list[str] = []
+        rest = text
+        while found := [(rest.find(self.pad_token[k]), k) for k in ("image", "video") if self.pad_token[k] in rest]:
+            at, kind = min(found)
+            if not counts[kind]:
+                raise ValueError(f"the conversation has more {kind} placeholders than {kind}s")
+            pieces += [rest[:at], self.pad_token[kind] * counts[kind].pop(0)]
+            rest = rest[at + len(self.pad_token[kind]) :]
+        pieces.append(rest)
+        return list(self.tokenizer("".join(pieces), add_special_tokens=False)["input_ids"])
+
+    def positions(self, tokens: list[int], vision: list[Vision]) -> torch.Tensor:
+        """The document's [3, L] multimodal RoPE positions (the family's `rope_index`: the model's code)."""
+
+        def grids(kind: str) -> torch.Tensor | None:
+            g = [v.grid_thw for v in vision if v.kind == kind]
+            return torch.stack(g) if g else None
+
+        videos = [v for v in vision if v.kind == "video"]
+        seconds = torch.tensor([v.second_per_grid for v in videos]) if videos else None
+        ids = torch.tensor([tokens], dtype=torch.long)
+        pos: torch.Tensor = self.rope_index(self.config, ids, grids("image"), grids("video"), seconds)
+        return pos[:, 0]
+
+
+# ---------------------------------------------------------------- parsing
+
+
+def _check_path(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{what} must be a file path string, got {value!r}")
+    return value
+
+
+def _parts_from_string(text: str, images: list[str], videos: list[str]) -> list[dict]:
+    """A LLaVA/ShareGPT string with <image>/<video> placeholders -> content parts, taking files in order."""
+    parts: list[dict] = []
+    rest = text
+    while True:
+        found = [(rest.find(p), p) for p in (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER) if p in rest]
+        if not found:
+            break
+        at, placeholder = min(found)
+        if rest[:at]:
+            parts.append({"type": "text", "text": rest[:at]})
+        kind, files = ("image", images) if placeholder == IMAGE_PLACEHOLDER else ("video", videos)
+        if not files:
+            raise ValueError(f"more {placeholder} placeholders than {kind} files in the line's {kind}s list")
+        parts.append({"type": kind, kind: files.pop(0)})
+        rest = rest[at + len(placeholder) :]
+    if rest:
+        parts.append({"type": "text", "text": rest})
+    return parts
+
+
+def normalise_conversation(obj: Any) -> list[dict]:
+    """Either accepted format -> messages with string or content-part contents (media paths as given)."""
+    if not isinstance(obj, dict):
+        raise ValueError('each line must be a JSON object with "messages" or "conversations"')
+    images = [_check_path(p, "images[]") for p in obj.get("images", [])]
+    videos = [_check_path(p, "videos[]") for p in obj.get("videos", [])]
+    n_images, n_videos = len(images), len(videos)
+    if "conversations" in obj:
+        turns = obj["conversations"]
+        if not isinstance(turns, list) or not turns:
+            raise ValueError('"conversations" must be a non-empty list of {"from", "value"} objects')
+        raw = []
+        for i, t in enumerate(turns):
+            if not isinstance(t, dict) or t.get("from") not in SHAREGPT_ROLES or not isinstance(t.get("value"), str):
+                raise ValueError(f'conversations[{i}] must be {{"from": human|gpt|system, "value": string}}, got {t!r}')
+            raw.append({"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]})
+    elif "messages" in obj:
+        raw = obj["messages"]
+        if not isinstance(raw, list) or not raw:
+            raise ValueError('"messages" must be a non-empty list of {"role", "content"} objects')
+    else:
+        raise ValueError('each line must have "messages" (OpenAI/Qwen format) or "conversations" (ShareGPT)')
+    messages = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError(f'messages[{i}] must be an object with a string "role", got {m!r}')
+        content = m.get("content")
+        if isinstance(content, str):
+            if n_images or n_videos:  # LLaVA style: placeholders in strings
+                content = _parts_from_string(content, images, videos)
+        elif isinstance(content, list):
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind not in ("text", "image", "video"):
+                    raise ValueError(f'messages[{i}].content[{j}] must have "type" text, image or video, got {part!r}')
+                if kind == "text" and not isinstance(part.get("text"), str):
+                    raise ValueError(f'messages[{i}].content[{j}] of type text needs a string "text"')
+                if kind != "text":
+                    _check_path(part.get(kind), f"messages[{i}].content[{j}].{kind}")
+        else:
+            raise ValueError(f"messages[{i}].content must be a string or a list of content parts")
+        messages.append({"role": m["role"], "content": content})
+    if images or videos:
+        left = f"{len(images)} image(s)" if images else f"{len(videos)} video(s)"
+        raise ValueError(f"{left} listed but never placed: add one placeholder per file")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError("the conversation has no assistant turn: there is nothing to learn")
+    return messages
+
+
+def media_parts(messages: list[dict]) -> list[tuple[str, str]]:
+    """(kind, path) of every image/video part, in order."""
+    return [
+        (part["type"], part[part["type"]])
+        for m in messages
+        if isinstance(m["content"], list)
+        for part in m["content"]
+        if part["type"] != "text"
+    ]
+
+
+def conversation_document(
+    obj: Any, base: Path, processor: VisionProcessor, seq_len: int, where: str
+) -> tuple[MMDocument, bool]:
+    """One line -> (document, whether its text tail was cut to seq_len)."""
+    messages = normalise_conversation(obj)
+    vision = [
+        processor.image(base / path) if kind == "image" else processor.video(base / path)
+        for kind, path in media_parts(messages)
+    ]
+
+    def render(prefix: list[dict], generation_prompt: bool) -> list[int]:
+        # a prefix holds the first k media of the conversation
+        return processor.render(prefix, vision[: len(media_parts(prefix))], generation_prompt)
+
+    tokens, learn = learn_assistant_turns(messages, render)
+    vision_ids = {processor.config.image_token_id, processor.config.video_token_id}
+    counted = sum(t in vision_ids for t in tokens)
+    if counted != sum(processor.tokens(vision)):
+        raise ValueError("the chat template did not place one pad token per image/video part")
+    positions = processor.positions(tokens, vision)
+    cut = len(tokens) > seq_len
+    if cut:
+        if any(t in vision_ids for t in tokens[seq_len:]):
+            raise ValueError(
+                f"the conversation is {len(tokens)} tokens, longer than data.seq_len={seq_len}, and cutting it would "
+                "cut image/video tokens; raise data.seq_len or lower data.max_pixels / data.max_frames"
+            )
+        tokens, learn, positions = tokens[:seq_len], learn[:seq_len], positions[:, :seq_len]
+    if not any(learn[1:]):
+        raise ValueError("no assistant token is left to learn within data.seq_len")
+    return MMDocument(tokens, learn, positions, vision, where), cut
+
+
+def read_conversations(
+    path: str | Path, processor: VisionProcessor, seq_len: int, skip_bad_samples: bool = False
+) -> tuple[list[MMDocument], int, int]:
+    """Every conversation of the JSONL file(s) at `path`; -> (documents, truncated, bad lines skipped)."""
+    docs: list[MMDocument] = []
+    truncated = skipped = 0
+    for file in jsonl_files(path):
+        with file.open(encoding="utf-8") as f:
+            for number, line in enumerate(f, start=1):
+                where = f"{file}:{number}"
+                try:
+                    if not line.strip():
+                        raise ValueError("empty line")
+                    try:
+                        obj = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+                    doc, cut = conversation_document(obj, file.parent, processor, seq_len, where)
+                except ValueError as e:
+                    if not skip_bad_samples:
+                        raise TextDataError(
+                            f"{where}: {e} (fix the line, or set data.skip_bad_samples: true)"
+                        ) from None
+                    log.warning("skipping %s: %s", where, e)
+                    skipped += 1
+                    continue
+                docs.append(doc)
+                truncated += cut
+    if not docs:
+        raise TextDataError(f"data.path {path} has no usable conversations ({skipped} bad lines skipped)")
+    return docs, truncated, skipped
+
+
+# ---------------------------------------------------------------- rows
+
+TOKEN_KEYS = ("input_ids", "position_ids", "shift_labels", "attention_mask")
+
+
+def pack(docs: list[MMDocument], seq_len: int, packing: bool) -> list[list[MMDocument]]:
+    """Documents -> rows of documents: end to end in order, a document that does not fit starts a row."""
+    rows: list[list[MMDocument]] = []
+    used = seq_len
+    for doc in docs:
+        if not packing or used + len(doc.tokens) > seq_len:
+            rows.append([])
+            used = 0
+        rows[-1].append(doc)
+        used += len(doc.tokens)
+    return rows
+
+
+def row_tensors(docs: list[MMDocument], seq_len: int, pad_id: int) -> dict[str, Any]:
+    """One row: token tensors [seq_len] ([4, seq_len] positions) and its vision inputs in token order."""
+    ids = [t for d in docs for t in d.tokens]
+    text_pos = [p for d in docs for p in range(len(d.tokens))]
+    labels = [y for d in docs for y in shifted_labels(d.tokens, d.learn)]
+    mrope = torch.cat([d.positions for d in docs], dim=1)
+    pad = seq_len - len(ids)
+    # Padding continues the last document's positions (see spindle.data.text): never learned, and causal
+    # attention keeps it out of the real tokens.
+    text_pos += list(range(text_pos[-1] + 1, text_pos[-1] + 1 + pad))
+    mrope = torch.cat([mrope, mrope.max() + 1 + torch.arange(pad).expand(3, pad)], dim=1)
+    row: dict[str, Any] = {
+        "input_ids": torch.tensor(ids + [pad_id] * pad),
+        "position_ids": torch.cat([torch.tensor(text_pos)[None], mrope]),
+        "shift_labels": torch.tensor(labels + [IGNORE_INDEX] * pad),
+        "attention_mask": torch.tensor([1] * len(ids) + [0] * pad),
+    }
+    vision = [v for d in docs for v in d.vision]
+    row["vision"] = vision
+    return row
+
+
+class ConversationRows(Dataset):
+    """Fixed rows; item i = the row's tensors (`TOKEN_KEYS`) + "vision" (list of `Vision`) + "index"."""
+
+    def __init__(self, rows: list[dict[str, Any]], stats: MMStats):
+        self.rows, self.stats = rows, stats
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {**self.rows[index], "index": index}
+
+
+def collate_vision(vision: list[Vision]) -> dict[str, torch.Tensor]:
+    """Vision inputs in token order -> the model's keyword arguments (only the kinds present)."""
+    out: dict[str, torch.Tensor] = {}
+    images = [v for v in vision if v.kind == "image"]
+    videos = [v for v in vision if v.kind == "video"]
+    if images:
+        out["pixel_values"] = torch.cat([v.pixel_values for v in images])
+        out["image_grid_thw"] = torch.stack([v.grid_thw for v in images])
+    if videos:
+        out["pixel_values_videos"] = torch.cat([v.pixel_values for v in videos])
+        out["video_grid_thw"] = torch.stack([v.grid_thw for v in videos])
+        out["second_per_grid_ts"] = torch.tensor([v.second_per_grid for v in videos])
+    return out
+
+
+def collate_conversations(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Rows -> [B, seq_len] tensors, `position_ids` [4, B, seq_len] (the model's layout), the vision
+    inputs of all rows in row-major token order (how the model fills them in), "index": [B]."""
+    out = {k: torch.stack([s[k] for s in samples]) for k in TOKEN_KEYS}
+    out["position_ids"] = out["position_ids"].permute(1, 0, 2).contiguous()
+    out.update(collate_vision([v for s in samples for v in s["vision"]]))
+    out["index"] = torch.tensor([s["index"] for s in samples])
+    return out
+
+
+def build_conversation_dataset(
+    path: str | Path,
+    processor: VisionProcessor,
+    seq_len: int,
+    packing: bool = True,
+    skip_bad_samples: bool = False,
+) -> ConversationRows:
+    docs, truncated, skipped = read_conversations(path, processor, seq_len, skip_bad_samples)
+    tok = processor.tokenizer
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    rows = [row_tensors(group, seq_len, pad_id) for group in pack(docs, seq_len, packing)]
+    label_tokens = sum(int((r["shift_labels"] != IGNORE_INDEX).sum()) for r in rows)
+    vision = [v for d in docs for v in d.vision]
+    stats = MMStats(
+        documents=len(docs),
+        rows=len(rows),
+        truncated=truncated,
+        skipped=skipped,
+        label_tokens=label_tokens,
+        images=sum(v.kind == "image" for v in vision),
+        videos=sum(v.kind == "video" for v in vision),
+    )
+    return ConversationRows(rows, stats)

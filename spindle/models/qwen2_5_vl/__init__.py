@@ -1,0 +1,12 @@
+"""Qwen2.5-VL vision-language models (transformers `model_type` "qwen2_5_vl",
+`Qwen2_5_VLForConditionalGeneration`), trained by the VLM task on image/video conversations."""
+
+from spindle.contracts.family import VLMFamily
+
+FAMILY = VLMFamily(
+    name="qwen2_5_vl",
+    model_types=("qwen2_5_vl",),
+    model_class="transformers:Qwen2_5_VLForConditionalGeneration",
+    rope_index="spindle.models.qwen2_5_vl.rope:rope_index",
+    tiny_model="spindle.models.qwen2_5_vl.tiny:build_tiny_qwen2_5_vl",
+)

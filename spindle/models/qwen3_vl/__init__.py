@@ -1,0 +1,19 @@
+"""Qwen3-VL vision-language models (transformers `model_type` "qwen3_vl", `Qwen3VLForConditionalGeneration`),
+trained by the VLM task on image conversations. Videos are refused: Qwen3-VL's processor writes each
+frame's timestamp into the text, which the data path does not reproduce yet."""
+
+from spindle.contracts.family import VLMFamily
+
+FAMILY = VLMFamily(
+    name="qwen3_vl",
+    model_types=("qwen3_vl",),
+    model_class="transformers:Qwen3VLForConditionalGeneration",
+    rope_index="spindle.models.qwen3_vl.rope:rope_index",
+    tiny_model="spindle.models.qwen3_vl.tiny:build_tiny_qwen3_vl",
+    parts={
+        "vision": ("model.visual.",),
+        "aligner": ("model.visual.merger.", "model.visual.deepstack_merger_list."),
+        "language": ("model.language_model.", "lm_head."),
+    },
+    videos=False,
+)

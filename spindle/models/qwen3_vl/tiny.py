@@ -1,0 +1,53 @@
+"""A tiny random Qwen3-VL in the transformers layout (`spindle tiny-model qwen3_vl`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from spindle.models.shared.tiny_vlm import QWEN3_VL_CHAT_TEMPLATE, build_tiny_vlm
+
+# Qwen3-VL's structure, scaled down: q/k-normed GQA decoder with interleaved mrope, a vision tower with
+# learned (interpolated) position embeddings, 16-pixel patches merged 2x2, one deepstack layer.
+TINY_TEXT = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": [2, 3, 3],
+        "mrope_interleaved": True,
+    },
+)
+TINY_VISION = dict(
+    depth=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    patch_size=16,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    num_position_embeddings=16,
+    deepstack_visual_indexes=[0],
+)
+# Qwen3-VL's processor: 0.5 mean/std normalisation, 32-pixel merged patches.
+PROCESSOR = dict(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+
+
+def build_tiny_qwen3_vl(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
+    return build_tiny_vlm(
+        "qwen3_vl",
+        out,
+        TINY_TEXT,
+        TINY_VISION,
+        seed=seed,
+        transformer=transformer,
+        min_pixels=32 * 32,
+        max_pixels=64 * 64,
+        chat_template=QWEN3_VL_CHAT_TEMPLATE,
+        processor=PROCESSOR,
+    )

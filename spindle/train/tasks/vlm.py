@@ -1,0 +1,214 @@
+"""The VLM task: a transformers image-text-to-text model (Qwen2.5-VL ...) trained on next-token loss
+over image/video conversations. It is the causal-LM task (`CausalLMTask`: loading, activation
+checkpointing, FSDP2 per block from `_no_split_modules` — vision blocks and decoder layers —, the summed
+loss, export) with what vision adds:
+
+- Data: `spindle.data.multimodal` rows (per-document 3-D RoPE positions with text positions in row 0,
+  so packed documents never attend to each other; vision inputs in token order).
+- Freezing: `train.freeze` names parts of the family (`VLMFamily.parts`: vision, aligner, language);
+  their parameters get `requires_grad=False` before FSDP, so they carry no gradient and no optimizer
+  state (the optimizer takes trainable parameters only).
+- A hook on the language model's input (`VisionStep`), inside the model's own forward so FSDP2's root
+  hooks stay in charge: (1) a micro-batch without an image (or video) still runs the vision tower on
+  a dummy input, its output added with weight zero, so every data-parallel rank runs the same FSDP2
+  collectives of the vision blocks in forward and backward (no hang, no gradient change); (2) under
+  Ulysses SP, the full sequence's embeddings (vision filled back in) and positions (computed on whole
+  documents, before the split) are cut to this rank's chunk, so the vision tower runs on every SP rank
+  over the whole sample (at the image sizes of fine-tuning it costs far less than the decoder; vision
+  SP is not implemented) and the language model runs on the chunk.
+- Export: the causal-LM transformers folder plus the image processor's preprocessor_config.json; the
+  tokenizer carries the chat template. `AutoModelForImageTextToText.from_pretrained` loads it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from spindle.config import CausalLMJobConfig, ConfigError, VLMJobConfig
+from spindle.contracts.family import CausalLMFamily, VLMFamily
+from spindle.contracts.task import StepOutput
+from spindle.distributed.mesh import is_main_process
+from spindle.train.tasks.base import resumable_loader
+from spindle.train.tasks.causal_lm import CausalLMTask, causal_lm_output
+
+if TYPE_CHECKING:
+    from spindle.data.loader import ResumableLoader
+    from spindle.distributed.mesh import Mesh, ParallelDims
+
+log = logging.getLogger("spindle.train")
+
+# The vision inputs of a batch (spindle.data.multimodal.collate_vision), passed to the model as they are.
+VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+# Which vision call each kind of input makes: images and videos each run the tower once per forward.
+KIND_INPUT = {"image": "pixel_values", "video": "pixel_values_videos"}
+
+
+def module_at(model: torch.nn.Module, dotted: str) -> torch.nn.Module:
+    module: torch.nn.Module = model.get_submodule(dotted)
+    return module
+
+
+class VisionStep:
+    """The language-model input hook (module docstring); the task sets `missing` per micro-batch."""
+
+    def __init__(self, vision_tower: torch.nn.Module, merge_size: int, sp_rank: int, sp: int):
+        self.vision_tower, self.merge_size = vision_tower, merge_size
+        self.sp_rank, self.sp = sp_rank, sp
+        self.missing = 0  # vision calls this micro-batch lacks (kinds in the dataset but not in the batch)
+
+    def dummy_vision(self, like: torch.Tensor) -> torch.Tensor:
+        """Zero times the tower's output on the smallest input (one merged token): its FSDP2 all-gathers and
+        reduce-scatters run, and nothing changes numerically."""
+        tower: Any = self.vision_tower
+        cfg = tower.config
+        patch_dim = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
+        grid = torch.tensor([[1, self.merge_size, self.merge_size]], device=like.device)
+        pixels = torch.zeros(self.merge_size**2, patch_dim, device=like.device, dtype=like.dtype)
+        out = tower(pixels, grid_thw=grid)
+        # every output the model uses (deepstack features too: Qwen3-VL), so every parameter gets its gradient
+        used = [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
+        zero: torch.Tensor = sum(t.sum() for t in used) * 0.0
+        return zero
+
+    def __call__(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        embeds = kwargs["inputs_embeds"]
+        for _ in range(self.missing):
+            embeds = embeds + self.dummy_vision(embeds).to(embeds.dtype)
+        if self.sp > 1:
+            chunk = embeds.shape[1] // self.sp
+            part = slice(self.sp_rank * chunk, (self.sp_rank + 1) * chunk)
+            embeds = embeds[:, part]
+            kwargs["position_ids"] = kwargs["position_ids"][..., part].contiguous()
+            mask = kwargs.get("visual_pos_masks")
+            if mask is not None:  # deepstack (Qwen3-VL): the vision features of this chunk's vision tokens
+                order = mask.flatten().cumsum(0).view(mask.shape) - 1  # row-major index among vision tokens
+                mine = order[:, part][mask[:, part]]
+                kwargs["visual_pos_masks"] = mask[:, part]
+                kwargs["deepstack_visual_embeds"] = [e[mine] for e in kwargs["deepstack_visual_embeds"]]
+        kwargs["inputs_embeds"] = embeds
+        return args, kwargs
+
+
+class VLMTask(CausalLMTask):
+    name = "vlm"
+    config_class = VLMJobConfig
+    export_files = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+
+    cfg: VLMJobConfig
+    family: VLMFamily
+
+    def __init__(self, cfg: VLMJobConfig, family: VLMFamily, mesh: Mesh, device: torch.device, precision: str) -> None:
+        if not isinstance(family, VLMFamily):
+            raise ConfigError(f"model {cfg.model.path} is a {family.name} {family.kind} model, not a VLM")
+        super().__init__(cfg, family, mesh, device, precision)
+        self.vision_step: VisionStep | None = None
+        self.dataset_kinds: set[str] = set()
+
+    @classmethod
+    def check_plan(cls, cfg: CausalLMJobConfig, family: CausalLMFamily, dims: ParallelDims) -> None:
+        super().check_plan(cfg, family, dims)
+        assert isinstance(cfg, VLMJobConfig) and isinstance(family, VLMFamily), "the VLM task's own schema"
+        if cfg.train.lora is not None and cfg.train.freeze:
+            raise ConfigError(
+                "train.freeze with train.lora: LoRA already freezes every base weight and trains adapters on the "
+                "language model's layers; remove train.freeze"
+            )
+        if set(cfg.train.freeze) >= set(family.parts):
+            raise ConfigError(f"train.freeze={cfg.train.freeze} freezes every part: nothing is left to train")
+
+    @classmethod
+    def text_config(cls, config: dict[str, Any]) -> dict[str, Any]:
+        text: dict[str, Any] = config.get("text_config") or config
+        return text
+
+    # ------------------------------------------------------------ set-up
+
+    def load_model(self) -> Any:
+        model = super().load_model()
+        frozen = set(self.cfg.train.freeze)
+        for name, param in model.named_parameters():
+            if self.family.part_of(name) in frozen:
+                param.requires_grad_(False)
+        return model
+
+    @classmethod
+    def lora_blocks(cls, family: CausalLMFamily, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """LoRA adapts the language model's decoder layers (not the vision tower)."""
+        assert isinstance(family, VLMFamily)
+        inside = {id(m) for m in module_at(model, family.language_model).modules()}
+        return [b for b in super().lora_blocks(family, model) if id(b) in inside]
+
+    def sequence_parallel_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        return module_at(model, self.family.language_model)
+
+    def parallelize_extra(self, model: torch.nn.Module) -> None:
+        tower = module_at(model, self.family.vision_tower)
+        merge = int(getattr(tower, "spatial_merge_size", 1))
+        self.vision_step = VisionStep(tower, merge, self.mesh.sp_rank, self.mesh.dims.sp)
+        language = module_at(model, self.family.language_model)
+        language.register_forward_pre_hook(self.vision_step, with_kwargs=True)
+
+    def build_loader(self) -> ResumableLoader:
+        from transformers import AutoConfig
+
+        from spindle.data.multimodal import VisionOptions, VisionProcessor, build_conversation_dataset
+
+        data = self.cfg.data
+        options = VisionOptions(data.min_pixels, data.max_pixels, data.fps, data.max_frames)
+        config = AutoConfig.from_pretrained(self.cfg.model.path)
+        processor = VisionProcessor(
+            self.cfg.model.path, self.tokenizer, config, self.family.rope_index_fn(), options, self.family.videos
+        )
+        dataset = build_conversation_dataset(data.path, processor, data.seq_len, data.packing, data.skip_bad_samples)
+        s = dataset.stats
+        self.dataset_kinds = {k for k, n in (("image", s.images), ("video", s.videos)) if n}
+        if is_main_process():
+            log.info(
+                "data: %d conversations (%d images, %d videos) -> %d rows of %d tokens (%s), %d label tokens; "
+                "%d cut to seq_len, %d bad lines skipped",
+                s.documents,
+                s.images,
+                s.videos,
+                s.rows,
+                data.seq_len,
+                "packed" if data.packing else "one conversation per row",
+                s.label_tokens,
+                s.truncated,
+                s.skipped,
+            )
+        from spindle.data.multimodal import collate_conversations
+
+        return resumable_loader(self, dataset, collate_conversations)
+
+    @classmethod
+    def export_layout(cls, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """transformers renames the checkpoint keys of VLMs on load (`model.layers.*` ->
+        `model.language_model.layers.*`, `visual.*` -> `model.visual.*`); its save_pretrained writes the
+        original names back, and so does the export (the input's layout)."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        reverted: dict[str, torch.Tensor] = revert_weight_conversion(model, state)
+        return reverted
+
+    # ------------------------------------------------------------ step
+
+    def forward(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], step: int) -> StepOutput:
+        ids = batch["input_ids"]
+        rows = {k: batch[k].to(self.device) for k in ("input_ids", "position_ids", "shift_labels")}
+        vision = {k: batch[k].to(self.device) for k in VISION_KEYS if k in batch}
+        if self.mesh.dims.sp > 1:
+            # Labels are cut here; input ids and positions stay whole (the model fills the vision embeddings
+            # into the full sequence) and the language-model hook cuts embeddings and positions.
+            chunk = ids.shape[1] // self.mesh.dims.sp
+            start = self.mesh.sp_rank * chunk
+            rows["shift_labels"] = rows["shift_labels"][:, start : start + chunk].contiguous()
+        assert self.vision_step is not None, "build_model installs the vision hook"
+        self.vision_step.missing = sum(KIND_INPUT[k] not in vision for k in self.dataset_kinds)
+        with self._autocast():
+            out = causal_lm_output(model, rows, **vision)
+        return StepOutput(out.loss.float(), ids.shape[0], ids.numel())
