@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 from spindle.data.datasets import MediaDataset, Sample, build_dataset, collate
+from spindle.data.media_check import DataCheckError
 from spindle.data.loader import ResumableLoader
 from spindle.data.media import (
     MediaError,
@@ -266,15 +267,24 @@ def test_skip_bad_samples(tmp_path: Path, video_folder: Path, caplog: pytest.Log
     bad = corrupt_file(tmp_path / "clip_001.mp4")
     (tmp_path / "clip_001.txt").write_text("a black box")
 
-    strict = build_dataset(tmp_path, (8, 8), 5)
-    with pytest.raises(MediaError, match=r"clip_001\.mp4"):
-        strict[1]
+    with pytest.raises(DataCheckError, match=r"clip_001\.mp4"):  # found when the dataset is built
+        build_dataset(tmp_path, (8, 8), 5)
 
-    lenient = build_dataset(tmp_path, (8, 8), 5, skip_bad_samples=True)
+    with caplog.at_level(logging.WARNING, logger="spindle.data.datasets"):
+        lenient = build_dataset(tmp_path, (8, 8), 5, skip_bad_samples=True)
+    assert "skipping 1 of 3 samples (clip_001.mp4)" in caplog.text
+    assert lenient.skipped_files == [bad]
+    assert [s.path.name for s in lenient.samples] == ["clip_000.mp4", "clip_002.mp4"]
+
+
+def test_a_sample_that_goes_bad_while_training_is_skipped(tmp_path: Path, video_folder: Path, caplog) -> None:
+    """The up-front check passed, then a file changed: MediaDataset skips it at load time too."""
+    samples = [Sample(shutil.copy(video_folder / f"clip_00{i}.mp4", tmp_path / f"c{i}.mp4"), f"c{i}") for i in range(3)]
+    lenient = MediaDataset(samples, (8, 8), 5, skip_bad_samples=True)
+    bad = corrupt_file(samples[1].path)
     with caplog.at_level(logging.WARNING, logger="spindle.data.datasets"):
         item = lenient[1]
     assert item["index"] == 2  # the next good sample, deterministically
-    assert item["caption"] == (video_folder / "clip_002.txt").read_text().strip()
     assert lenient.num_skipped == 1
     assert str(bad) in caplog.text
     lenient[1]  # known bad: not decoded again, not counted twice

@@ -130,13 +130,34 @@ class FlowMatchingTask(TrainTask):
         self.autocast_dtype = autocast_dtype(model, self.precision)
         return model
 
+    @classmethod
+    def check_data(cls, cfg: DiTJobConfig) -> None:
+        from spindle.data.datasets import build_dataset
+
+        data = cfg.data
+        if data.precomputed is None:  # every file decoded once (cached): one report before the model loads
+            build_dataset(data.path, data.resolution, data.num_frames, data.skip_bad_samples)
+
+    def data_stats(self) -> dict[str, Any]:
+        return dict(getattr(self, "_data_stats", {}))
+
     def build_loader(self) -> ResumableLoader:
         from spindle.data.datasets import build_dataset, collate
         from spindle.data.precomputed import CachedConditions, cache_settings, collate_conditions
 
         data = self.cfg.data
         height, width = data.resolution
-        media = build_dataset(data.path, (height, width), data.num_frames, data.skip_bad_samples)
+        # with precomputed conditions the media is never decoded, so it is not checked either; the
+        # skipped files were named by check_data, before the model was built
+        media = build_dataset(
+            data.path,
+            (height, width),
+            data.num_frames,
+            data.skip_bad_samples,
+            check=data.precomputed is None,
+            warn_skipped=False,
+        )
+        self._data_stats = {"rows": len(media), "samples": len(media), "skipped": len(media.skipped_files)}
         source: Any = media
         if data.precomputed is not None:  # the same samples, read as cached conditions
             settings = cache_settings(self.cfg, self.family.name, condition_dtype(self.precision))
