@@ -13,7 +13,6 @@ import torch
 from PIL import Image
 
 from spindle.data.datasets import MediaDataset, Sample, build_dataset, collate
-from spindle.data.media_check import DataCheckError
 from spindle.data.loader import ResumableLoader
 from spindle.data.media import (
     MediaError,
@@ -26,6 +25,7 @@ from spindle.data.media import (
     write_image,
     write_video,
 )
+from spindle.data.media_check import DataCheckError
 from spindle.data.synthetic import (
     BACKGROUNDS,
     make_shapes_image_dataset,
@@ -204,7 +204,7 @@ def test_folder_dataset_recursive_with_captions(tmp_path: Path, video_folder: Pa
 
 def test_missing_caption_names_txt(tmp_path: Path) -> None:
     gray_ramp_video(tmp_path / "lonely.mp4")
-    with pytest.raises(MediaError, match=r"lonely\.txt"):
+    with pytest.raises(DataCheckError, match=r"lonely\.txt: caption file missing for lonely\.mp4"):
         build_dataset(tmp_path, (8, 8), 5)
 
 
@@ -256,7 +256,7 @@ def test_manifest_bad_line_names_line(tmp_path: Path, bad_line: str, message: st
 def test_manifest_missing_file_is_reported(tmp_path: Path) -> None:
     manifest = tmp_path / "m.jsonl"
     manifest.write_text(json.dumps({"path": "gone.mp4", "caption": "a"}) + "\n")
-    with pytest.raises(MediaError, match=r"gone\.mp4"):
+    with pytest.raises(DataCheckError, match=r"gone\.mp4: file does not exist"):
         build_dataset(manifest, (8, 8), 5)
 
 
