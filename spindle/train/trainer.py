@@ -307,10 +307,13 @@ class Trainer:
         export = self.output_dir / "export"
         export_dir = export if export.is_dir() else None
         if is_main_process():
+            exported = (
+                str(export_dir) if export_dir else f"none (write one with `spindle export {self.output_dir} --out DIR`)"
+            )
             say(
                 f"run already complete: step {self.resume_step} of train.max_steps={self.cfg.train.max_steps} "
-                f"(checkpoint {self.resume_from}); export: {export_dir or 'none'}. Raise train.max_steps to "
-                "train further, or set a new train.output_dir for a new run"
+                f"(checkpoint {self.resume_from}); export: {exported}. Raise train.max_steps to train further, "
+                "or set a new train.output_dir for a new run"
             )
         return TrainResult(self.output_dir, self.resume_step, export_dir, already_complete=True)
 
