@@ -37,6 +37,11 @@ def run(args: argparse.Namespace) -> int:
     world = launcher_world_size() or args.nproc
     check_job_plan(cfg, world)
     if args.nproc > 1 and not under_launcher():
+        from spindle.distributed.checkpoint import list_checkpoints
+        from spindle.train.run_record import check_before_launch
+
+        check_before_launch(cfg, bool(list_checkpoints(cfg.train.output_dir)))
+    if args.nproc > 1 and not under_launcher():
         # The launcher holds the output folder for its workers: it is the process that lives as
         # long as the job, and the one a second run can check (spindle.train.output_lock).
         with OutputLock(cfg.train.output_dir):

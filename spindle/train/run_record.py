@@ -116,3 +116,11 @@ def schedule_steps(record: dict[str, Any] | None, cfg: TrainJobConfig, force: bo
     if record is None or force or not isinstance(record.get("schedule_steps"), int):
         return cfg.train.max_steps
     return int(record["schedule_steps"])
+
+
+def check_before_launch(cfg: TrainJobConfig, has_checkpoint: bool) -> None:
+    """The same-run check of `checkpoint.resume=auto` in the process that launches the workers (one
+    line for the user, exit 2, instead of one error per rank). The trainer checks again, exactly."""
+    if cfg.checkpoint.resume == "auto" and has_checkpoint:
+        output_dir = Path(cfg.train.output_dir)
+        check_same_run(read_run_record(output_dir), cfg, output_dir)

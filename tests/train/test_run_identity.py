@@ -110,3 +110,11 @@ def test_the_run_summarises_itself(tiny_qwen3, lm_corpus, tmp_path, spindle_cli)
     assert end["seconds"] > 0 and end["samples_per_s"] > 0 and end["peak_memory"]["gib"] > 0
     assert f"data: documents {data['documents']}, rows {data['rows']}" in done.stdout
     assert "parameters:" in done.stdout and "done: 3 steps" in done.stdout
+
+
+def test_with_nproc_the_refusal_comes_before_any_worker_starts(finished_run, tmp_path, spindle_cli):
+    """`--nproc 2`: the launching process refuses (one line, exit 2) before torchrun would start."""
+    config, overrides = finished_run
+    refused = spindle_cli("train", config, *overrides, "train.seed=1", "--nproc", "2")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1
+    assert "train.seed: 0 -> 1" in refused.stderr
