@@ -67,17 +67,14 @@ def format_start(summary: dict[str, Any]) -> str:
     data = ", ".join(f"{k} {v}" for k, v in summary["data"].items())
     params = summary["parameters"]
     mesh = summary["mesh"]
-    layout = (
-        "; ".join(f"{name}={mesh['dims'][name]} ({role})" for name, role in mesh["roles"].items())
-        or "one process, no parallelism"
-    )
+    layout = "; ".join(f"{name}={mesh['dims'][name]} ({role})" for name, role in mesh["roles"].items())
     resume = summary["resume"]
     lines = [
         f"run: {summary['family']} ({summary['task']} task), {summary['max_steps']} steps of "
         f"{summary['global_batch_size']} samples, precision {summary['precision']}",
         f"data: {data or 'no counts'}" + (f"; {summary['epochs']} epochs" if summary["epochs"] is not None else ""),
         f"parameters: {params['trainable']:,} trainable, {params['frozen']:,} frozen",
-        f"mesh: {mesh['world']} process(es): {layout}",
+        f"mesh: {mesh['world']} processes: {layout}" if mesh["world"] > 1 else "mesh: one process, no parallelism",
         f"start: step {resume['step']}" + (f" (checkpoint {resume['checkpoint']})" if resume["checkpoint"] else ""),
         "outputs: " + ", ".join(f"{k} {v}" for k, v in summary["outputs"].items()),
         *(f"{key}: {value}" for key, value in summary["extra"].items()),

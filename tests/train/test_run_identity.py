@@ -118,3 +118,29 @@ def test_with_nproc_the_refusal_comes_before_any_worker_starts(finished_run, tmp
     refused = spindle_cli("train", config, *overrides, "train.seed=1", "--nproc", "2")
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1
     assert "train.seed: 0 -> 1" in refused.stderr
+
+
+def test_the_summary_says_what_each_mesh_dimension_does():
+    from spindle.distributed.mesh import ParallelDims
+    from spindle.train.run_summary import format_start, mesh_layout
+
+    mesh = mesh_layout(ParallelDims(dp_replicate=2, dp_shard=2, ep=2).resolve(4))
+    assert mesh["world"] == 4 and sorted(mesh["roles"]) == ["dp_replicate", "dp_shard", "ep"]
+    start = dict(
+        family="qwen3_moe",
+        task="moe_causal_lm",
+        max_steps=3,
+        global_batch_size=8,
+        precision="bf16",
+        data={"rows": 4},
+        epochs=6.0,
+        parameters={"trainable": 10, "frozen": 5},
+        mesh=mesh,
+        resume={"step": 2, "checkpoint": "out/checkpoints/step-000002"},
+        outputs={"folder": "out"},
+        extra={"peak_memory_after_load_gib": 1.5},
+    )
+    text = format_start(start)
+    assert "mesh: 4 processes: dp_replicate=2 (HSDP" in text and "ep=2 (expert parallel" in text
+    assert "start: step 2 (checkpoint out/checkpoints/step-000002)" in text
+    assert text.endswith("peak_memory_after_load_gib: 1.5")  # extra fields: one line each

@@ -1,8 +1,10 @@
-"""A small word-level tokenizer built locally, saved in the Hugging Face `tokenizer.json` layout.
+"""Tokenizers built locally for the tiny checkpoints, saved in the Hugging Face `tokenizer.json` layout.
 
-Real checkpoints ship trained tokenizers; tiny test checkpoints cannot download one, so we build a
-deterministic vocabulary that covers the demo captions and common English, with an <unk> fallback.
-It loads through `transformers.AutoTokenizer` like any other fast tokenizer.
+Real checkpoints ship trained tokenizers; tiny test checkpoints cannot download one. The DiT text
+encoders (T5, CLIP, Qwen-Image's prompt encoder) get a deterministic word-level vocabulary covering
+the demo captions and common English, with an <unk> fallback. The language models get byte-level BPE
+(`build_byte_level_bpe`), as the real Qwen and Llama 3 tokenizers are: any text round-trips. Both
+load through `transformers.AutoTokenizer` like any other fast tokenizer.
 """
 
 from __future__ import annotations
@@ -52,12 +54,7 @@ def build_tokenizer(extra_words: list[str] | None = None, bos_token: str | None 
     return tok
 
 
-# A ChatML-style template (what Qwen checkpoints ship); loss masking finds the assistant turns by
-# rendering prefixes of the conversation, so the template needs no special markers.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# Words of the tests' and demo's chats (in the byte-level vocabularies' training text).
 CHAT_WORDS = [
     "system",
     "user",
@@ -73,42 +70,6 @@ CHAT_WORDS = [
     "yes",
     "no",
 ]
-CHAT_SPECIALS = ["<|im_start|>", "<|im_end|>"]
-
-
-def save_chat_tokenizer(out: Path, model_max_length: int = 2048, bos_token: str | None = None) -> Tokenizer:
-    """A language model's tokenizer: word-level vocabulary, ChatML chat template, eos `</s>`, and no
-    special tokens added by `tokenizer(text)` unless `bos_token` is given (Llama-style `<s> $A`).
-
-    Writes tokenizer.json + tokenizer_config.json (with the chat template) into `out`; returns the tokenizer.
-    """
-    from tokenizers import AddedToken
-
-    out.mkdir(parents=True, exist_ok=True)
-    vocab = build_vocab(CHAT_SPECIALS + CHAT_WORDS, bos_token)
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace()])
-    specials = [*SPECIALS, *CHAT_SPECIALS, *([bos_token] if bos_token else [])]
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    if bos_token:
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos_token} $A", special_tokens=[(bos_token, vocab[bos_token])]
-        )
-    tok.decoder = decoders.WordPiece(prefix="##")
-    tok.save(str(out / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": model_max_length,
-        "pad_token": "<pad>",
-        "eos_token": "</s>",
-        "unk_token": "<unk>",
-        **({"bos_token": bos_token} if bos_token else {}),
-        "padding_side": "right",
-        "chat_template": CHAT_TEMPLATE,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    return tok
 
 
 def save_tokenizer(out: Path, model_max_length: int = 512, bos_token: str | None = None) -> int:
