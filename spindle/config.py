@@ -189,7 +189,11 @@ class TrainConfig(Section):
 
 class CheckpointConfig(Section):
     every_steps: int = Field(0, ge=0, description="save a resumable checkpoint every N steps (0: only at the end)")
-    resume: str = Field("none", description="none | auto (latest in output_dir) | path to a checkpoint folder")
+    resume: str = Field(
+        "none",
+        description="none | auto (latest in output_dir; refused when a key that defines the run changed) | force "
+        "(latest, whatever changed) | path to a checkpoint folder",
+    )
     keep_last: int = Field(2, ge=1, description="resumable checkpoints kept on disk")
     export: bool = Field(True, description="export the model's standard folder (diffusers / transformers) at the end")
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, TypeAlias
 
 from spindle.contracts.family import CausalLMFamily, DiTFamily, VLMFamily
+from spindle.export_record import is_lora_folder, lora_usage, read_export_record
 
 Family: TypeAlias = DiTFamily | CausalLMFamily | VLMFamily
 
@@ -93,6 +94,8 @@ def resolve_family(root: str | Path) -> Family:
     if not index_path.is_file():
         if (root / "config.json").is_file():
             return _resolve_transformers_folder(root)
+        if is_lora_folder(root):  # an exported LoRA given where a model goes: say how to use it
+            raise FileNotFoundError(lora_usage(root, read_export_record(root).get("base_model")))
         raise FileNotFoundError(
             f"{index_path} not found: model.path must be a diffusers pipeline folder (model_index.json) or a "
             "transformers model folder (config.json with model_type)"

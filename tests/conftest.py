@@ -26,6 +26,17 @@ TINY_FRAMES = 9
 TINY_TEXT = TEXT_TOKENS  # model.max_text_length of the tiny runs (divides the SP degrees the tests use)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def data_check_cache(tmp_path_factory) -> Path:
+    """The media-data check cache (`spindle.data.media_check`) of this test session, not the user's
+    (set in the environment, so `spindle` subprocesses use it too)."""
+    import os
+
+    folder = tmp_path_factory.mktemp("data-check-cache")
+    os.environ["SPINDLE_CACHE_DIR"] = str(folder)
+    return folder
+
+
 # A Flux request with true CFG (negative prompt + true_cfg_scale): the CFG modes (batched, two
 # forwards, CFG-parallel ranks) have two branches to combine. tests/test_infer_defaults.py and
 # tests/test_flux_engine.py run it on their own tiny checkpoints.

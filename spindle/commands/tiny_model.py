@@ -2,7 +2,9 @@
 
 DiT families (wan, flux): a diffusers pipeline folder that stock diffusers loads
 (`WanPipeline.from_pretrained(OUT)`). Language models (qwen3, llama, qwen3_moe): a ~1M-parameter transformers
-folder with a locally built tokenizer and chat template (`AutoModelForCausalLM.from_pretrained(OUT)`).
+folder with a byte-level BPE tokenizer (any UTF-8 text round-trips, no <unk>) carrying the family's special
+tokens and chat template (Qwen3: <|im_start|>/<|im_end|> turns, <think> handling; Llama 3:
+<|begin_of_text|>, <|start_header_id|> turns, <|eot_id|>) (`AutoModelForCausalLM.from_pretrained(OUT)`).
 Tests, the demo and the benchmarks use them because real weights cannot be downloaded here.
 """
 

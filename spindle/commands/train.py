@@ -3,7 +3,9 @@
   spindle train CONFIG.yaml [key.sub=value ...] [--nproc N]
 
 Overrides use dotted keys and YAML values, e.g. `train.lr=1e-4 data.resolution=[64,64]`.
-Outputs in train.output_dir: config.yaml (resolved), metrics.jsonl (one line per step),
+Outputs in train.output_dir: config.yaml (resolved), run.json (the keys that define the run: a resume with
+any of them changed is refused unless checkpoint.resume=force), summary.json (the start- and end-of-run
+summaries printed), metrics.jsonl (one line per step),
 tensorboard/ (event files, when tensorboard is installed), samples/step-000N/ (train.validation, named like the checkpoints),
 checkpoints/step-N/ (resumable, sharded), export/ (a diffusers pipeline / transformers model folder; with
 train.lora: export/lora/ with diffusers' and the original layout's LoRA files).
@@ -35,6 +37,11 @@ def run(args: argparse.Namespace) -> int:
     world = launcher_world_size() or args.nproc
     check_job_plan(cfg, world)
     if args.nproc > 1 and not under_launcher():
+        from spindle.distributed.checkpoint import list_checkpoints
+        from spindle.train.run_record import check_before_launch
+
+        check_before_launch(cfg, bool(list_checkpoints(cfg.train.output_dir)))
+    if args.nproc > 1 and not under_launcher():
         # The launcher holds the output folder for its workers: it is the process that lives as
         # long as the job, and the one a second run can check (spindle.train.output_lock).
         with OutputLock(cfg.train.output_dir):
@@ -48,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from spindle.distributed.mesh import is_main_process
 
     result = train(cfg)
-    if is_main_process():
+    if is_main_process() and not result.already_complete:  # a complete run said so itself
         print(f"trained {result.last_step} steps; outputs in {result.output_dir}")
         if result.export_dir:
             print(f"exported: {result.export_dir}")

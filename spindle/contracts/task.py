@@ -74,6 +74,12 @@ class TrainTask(ABC):
         """Static checks of the parallel layout against the model (cheap: config files only)."""
         return None
 
+    @classmethod
+    def check_data(cls, cfg: Any) -> None:
+        """Check the whole dataset before any model is built (e.g. decode every media file once); raise
+        one error listing every unusable sample. Default: none (the data is checked as it is built)."""
+        return None
+
     # ------------------------------------------------------------ set-up
 
     @abstractmethod
@@ -83,6 +89,12 @@ class TrainTask(ABC):
     @abstractmethod
     def build_loader(self) -> Any:
         """A resumable iterator of this rank's micro-batches (`state_dict` / `load_state_dict`)."""
+
+    def data_stats(self) -> dict[str, Any]:
+        """After `build_loader`: JSON-able counts of the data for the run summary. `rows`, when given, is
+        the number of rows (samples) an epoch has, from which the summary computes the epochs that
+        `train.max_steps` implies; the rest (documents, truncated, skipped ...) is shown as it is."""
+        return {}
 
     # ------------------------------------------------------------ step
 

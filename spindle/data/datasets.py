@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import Dataset
 
 from spindle.data.media import MEDIA_EXTENSIONS, MediaError, is_media_path, read_media
+from spindle.data.media_check import DataCheckError, Problem, find_problems
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ class MediaDataset(Dataset):
         self.num_frames = int(num_frames)
         self.skip_bad_samples = skip_bad_samples
         self._bad: set[int] = set()
+        # files `build_dataset` left out before training (data.skip_bad_samples), for the run summary
+        self.skipped_files: list[Path] = []
 
     @property
     def num_skipped(self) -> int:
@@ -127,23 +130,33 @@ def _is_hidden(path: Path, root: Path) -> bool:
     return any(part.startswith(".") for part in path.relative_to(root).parts)
 
 
-def scan_folder(folder: str | os.PathLike[str]) -> list[Sample]:
-    """Media files below `folder` (recursive, sorted, hidden entries ignored) with their captions."""
+def list_folder(folder: str | os.PathLike[str]) -> tuple[list[Sample], list[Problem]]:
+    """Media files below `folder` (recursive, sorted, hidden entries ignored) with their captions, and
+    the media files whose caption file is missing or empty (named by that caption file)."""
     folder = Path(folder)
     media = sorted(
         (p for p in folder.rglob("*") if p.is_file() and is_media_path(p) and not _is_hidden(p, folder)),
         key=lambda p: p.relative_to(folder).as_posix(),
     )
-    samples = []
+    samples, problems = [], []
     for path in media:
         caption_file = path.with_suffix(".txt")
         if not caption_file.is_file():
-            raise MediaError(
-                caption_file,
-                f"caption file missing for {path.name}",
-                f"Write the caption of {path} into {caption_file}, or remove the media file.",
-            )
-        samples.append(Sample(path, caption_file.read_text(encoding="utf-8").strip()))
+            problems.append(Problem(caption_file, f"caption file missing for {path.name}"))
+            continue
+        caption = caption_file.read_text(encoding="utf-8").strip()
+        if not caption:
+            problems.append(Problem(caption_file, f"empty caption for {path.name}"))
+            continue
+        samples.append(Sample(path, caption))
+    return samples, problems
+
+
+def scan_folder(folder: str | os.PathLike[str]) -> list[Sample]:
+    """Media files below `folder` with their captions; a missing or empty caption is an error naming it."""
+    samples, problems = list_folder(folder)
+    if problems:
+        raise MediaError(problems[0].path, problems[0].reason, "Write the caption into it, or remove the media file.")
     return samples
 
 
@@ -200,23 +213,45 @@ def build_dataset(
     resolution: tuple[int, int],
     num_frames: int,
     skip_bad_samples: bool = False,
+    check: bool = True,
+    warn_skipped: bool = True,
 ) -> MediaDataset:
     """A MediaDataset from a folder (captions in same-name .txt files) or a .jsonl manifest.
 
-    Listing errors (missing folder, caption or listed file, bad manifest line) are raised here, at
-    start-up, rather than hours into training; decode errors surface when a sample is loaded.
+    Everything is checked here, at start-up, rather than hours into training: listing errors (missing
+    folder, bad manifest line) raise at once; with `check`, every sample is decoded once
+    (`spindle.data.media_check`, cached) and every unusable one (missing or empty caption, missing,
+    corrupt or undecodable file) is listed in one DataCheckError, or, with `skip_bad_samples`, left
+    out, counted (`skipped_files`) and, with `warn_skipped`, named in one warning. Without `check`
+    (training on precomputed conditions, whose media is not decoded) only the listing is checked.
     """
     path = Path(path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"dataset path {path} does not exist (set data.path to a folder or a .jsonl manifest)")
     if path.is_dir():
-        samples = scan_folder(path)
+        samples, problems = list_folder(path)
     elif path.suffix.lower() == ".jsonl":
-        samples = read_manifest(path)
-        if not skip_bad_samples:
+        listed = read_manifest(path)
+        samples = [s for s in listed if s.caption]
+        problems = [Problem(s.path, f"empty caption in {path.name}") for s in listed if not s.caption]
+        if not check and not skip_bad_samples:
             _check_files_exist(samples, path)
     else:
         raise ValueError(f"dataset path {path} must be a folder or a .jsonl manifest")
-    if not samples:
+    total = len(samples) + len(problems)
+    if not total:
         raise ValueError(f"dataset {path} has no samples (media extensions: {', '.join(sorted(MEDIA_EXTENSIONS))})")
-    return MediaDataset(samples, resolution, num_frames, skip_bad_samples=skip_bad_samples)
+    if check:
+        bad = find_problems(samples, resolution, num_frames)
+        problems += [Problem(samples[i].path, reason) for i, reason in sorted(bad.items())]
+        samples = [s for i, s in enumerate(samples) if i not in bad]
+    if problems and not skip_bad_samples:
+        raise DataCheckError(path, sorted(problems, key=lambda p: str(p.path)), total)
+    if not samples:
+        raise DataCheckError(path, problems, total)  # skipping every sample leaves nothing to train on
+    if problems and warn_skipped:
+        shown = ", ".join(p.path.name for p in problems[:5]) + (" ..." if len(problems) > 5 else "")
+        logger.warning("data.skip_bad_samples: skipping %d of %d samples (%s)", len(problems), total, shown)
+    dataset = MediaDataset(samples, resolution, num_frames, skip_bad_samples=skip_bad_samples)
+    dataset.skipped_files = [p.path for p in problems]
+    return dataset

@@ -138,8 +138,9 @@ def _refuse_partial(path: Path) -> None:
 
 
 def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
-    """Collective. `none` -> None, `auto` -> the newest checkpoint that verifies (or None when there
-    is none), else an explicit folder, which must verify.
+    """Collective. `none` -> None, `auto` (or `force`: the same checkpoint; the trainer then skips the
+    same-run check) -> the newest checkpoint that verifies (or None when there is none), else an
+    explicit folder, which must verify.
 
     `auto` skips a damaged checkpoint with a warning naming it and the damaged file, and moves it
     aside (`step-N.damaged`): kept for inspection, but no longer listed, resumed or counted by
@@ -147,7 +148,7 @@ def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
     """
     if resume == "none":
         return None
-    if resume == "auto":
+    if resume in ("auto", "force"):
         damaged: list[str] = []
         for path in reversed(list_checkpoints(output_dir)):
             problems = verify_checkpoint(path)
@@ -175,7 +176,7 @@ def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
     if not (path / MANIFEST).is_file() and not (path / TRAINER_STATE).is_file():
         raise FileNotFoundError(
             f"checkpoint.resume={resume!r} is not a complete Spindle checkpoint (no {MANIFEST}); "
-            f"use 'auto', 'none' or a folder like {checkpoint_root(output_dir)}/step-000100"
+            f"use 'auto', 'force', 'none' or a folder like {checkpoint_root(output_dir)}/step-000100"
         )
     if problems := verify_checkpoint(path):
         raise CheckpointError(

@@ -15,6 +15,7 @@ import torch
 from spindle.contracts.request import Req, SamplingParams
 from spindle.data.media import write_image, write_video
 from spindle.engine_config import EngineConfig, RequestLimits
+from spindle.export_record import trained_text_length
 from spindle.infer.pipeline import InferencePipeline
 
 if TYPE_CHECKING:
@@ -75,6 +76,11 @@ class DiffusionGenerator:
         self.options.check_common_fields()
         self.defaults = pipeline.spec.default_params(pipeline.components)
         self.defaults.extra = {**self.options.defaults(), **self.defaults.extra}
+        # The text length the weights were trained with, when the export (or its LoRA) records it
+        # (`spindle.export_record`): the default max_sequence_length, so samples match validation.
+        self.trained_text_length = trained_text_length(pipeline.root, pipeline.options.lora)
+        if self.trained_text_length is not None and self.defaults.max_sequence_length is not None:
+            self.defaults.max_sequence_length = self.trained_text_length
         self.cache_choice: CacheChoice | None = None  # set once cache="auto" has calibrated
         self._calibrate_first = pipeline.options.cache == "auto"
 

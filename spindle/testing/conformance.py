@@ -220,12 +220,17 @@ def check_inference_parity(
     family: DiTFamily, root: Path, kwargs: dict[str, Any], *, cfg_batch: bool = True, atol: float = PARITY_ATOL
 ) -> None:
     """Spindle's staged engine, built from the family's own inference spec, gives the stock pipeline's
-    output for the same seed."""
+    output for the same seed. On an export that records its trained text length (`spindle.json`), the
+    engine's default max_sequence_length is that length: the stock pipeline is given the same, as the
+    export's docs tell a diffusers user to."""
     from spindle.engine_config import EngineConfig
+    from spindle.export_record import trained_text_length
     from spindle.infer.generator import DiffusionGenerator
     from spindle.infer.pipeline import InferencePipeline, load_components
 
-    reference = stock_output(root, kwargs)
+    trained = trained_text_length(root)
+    stock_kwargs = kwargs if trained is None else {"max_sequence_length": trained, **kwargs}
+    reference = stock_output(root, stock_kwargs)
     check_reference(family.name, reference, kwargs)
     options = EngineConfig(cfg_batch=cfg_batch)
     spec = family.inference_spec()

@@ -25,6 +25,17 @@ from spindle.distributed.mesh import Mesh, ParallelDims, build_mesh, device_type
 from spindle.train.metrics import MetricsLog, truncate_metrics
 from spindle.train.optim import build_optimizer, build_scheduler
 from spindle.train.output_lock import OutputLock, held_by_our_launcher
+from spindle.train.run_record import check_same_run, read_run_record, schedule_steps, write_run_record
+from spindle.train.run_summary import (
+    EndTracker,
+    epochs_for,
+    format_end,
+    format_start,
+    mesh_layout,
+    parameter_counts,
+    say,
+    write_summary,
+)
 from spindle.weight_files import check_weight_files
 
 log = logging.getLogger("spindle.train")
@@ -39,6 +50,8 @@ class TrainResult:
     output_dir: Path
     last_step: int
     export_dir: Path | None
+    # True when the run was already at train.max_steps: nothing was trained or written
+    already_complete: bool = False
 
 
 def resolve_precision(mixed_precision: str) -> str:
@@ -96,10 +109,29 @@ class Trainer:
             # Which checkpoint to resume from, verified before the model is built: a damaged explicit
             # checkpoint.resume is an error naming the file; `auto` skips damaged ones.
             self.resume_from = ckpt.resolve_resume(cfg.checkpoint.resume, self.output_dir)
-            self._build(cfg, family, task)
+            self._check_resume(cfg)
+            # Extra start-of-run summary fields (name -> JSON-able value) other steps measure.
+            self.summary_extra: dict[str, Any] = {}
+            if not self.already_complete:
+                task.check_data(cfg)  # the whole dataset, before the model is built
+                self._build(cfg, family, task)
         except BaseException:
             self.lock.release()
             raise
+
+    def _check_resume(self, cfg: TrainJobConfig) -> None:
+        """A resume continues the same run (`spindle.train.run_record`): the keys that define it are
+        unchanged (unless checkpoint.resume=force) and the schedule keeps its original length; a run
+        already at max_steps is complete (nothing is built, trained or written)."""
+        self.force = cfg.checkpoint.resume == "force"
+        self.resume_step = ckpt.checkpoint_step(self.resume_from) if self.resume_from is not None else 0
+        # the folder of the run the checkpoint belongs to (an explicit checkpoint may be another run's)
+        run_dir = self.resume_from.parent.parent if self.resume_from is not None else self.output_dir
+        self.run_record = read_run_record(run_dir) if self.resume_from is not None else None
+        if self.resume_from is not None and not self.force:
+            check_same_run(self.run_record, cfg, run_dir)
+        self.schedule_steps = schedule_steps(self.run_record, cfg, self.force)
+        self.already_complete = self.resume_from is not None and self.resume_step >= cfg.train.max_steps
 
     def _build(self, cfg: TrainJobConfig, family: Any, task: type[TrainTask]) -> None:
         check_weight_files(cfg.model.path)
@@ -114,7 +146,10 @@ class Trainer:
         self.task: TrainTask = task(cfg, family, self.mesh, self.device, self.precision)
         self.model = self.task.build_model()
         self.optimizer = build_optimizer(self.model.parameters(), cfg.train)
-        self.scheduler = build_scheduler(self.optimizer, cfg.train)
+        # the run's original schedule length on resume: extending max_steps does not make the lr jump
+        self.scheduler = build_scheduler(
+            self.optimizer, cfg.train.model_copy(update={"max_steps": self.schedule_steps})
+        )
         self.loader = self.task.build_loader()
         self.step = 0
 
@@ -140,7 +175,7 @@ class Trainer:
         self.loader.load_state_dict({"epoch": data["epoch"], "position": data["samples_in_epoch"] // per_round})
         self.step = state["step"]
         if is_main_process():
-            log.info("resumed from %s at step %d", path, self.step)
+            say(f"resumed from step {self.step} (checkpoint {path})")
 
     def save(self) -> Path:
         return ckpt.save_checkpoint(
@@ -218,13 +253,19 @@ class Trainer:
 
     def _run(self) -> TrainResult:
         cfg = self.cfg
+        if self.already_complete:
+            return self._complete()
         if is_main_process():
             self.output_dir.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.output_dir / "config.yaml")
+            if self.resume_from is None or self.force or self.run_record is None:
+                write_run_record(self.output_dir, cfg, self.schedule_steps)
         last: Path | None = None
         if self.resume_from is not None:
             self.restore(self.resume_from)
             last = self.resume_from
+        self.start_summary()
+        tracker = EndTracker(self.step)
         if is_main_process():
             # The record starts where training starts: lines of steps that will run again (after the
             # checkpoint resumed from, or all of them when starting over) would repeat their steps.
@@ -242,6 +283,7 @@ class Trainer:
                 lr = float(self.scheduler.get_last_lr()[0])  # LambdaLR: plain floats
                 loss, grad_norm, samples, tokens, extra = self.train_step()
                 self.step += 1
+                tracker.step(loss, samples, tokens)
                 metrics.end_step(self.step, loss, grad_norm, lr, samples, tokens, extra)
                 self.maybe_validate(metrics)
                 every = cfg.checkpoint.every_steps
@@ -254,7 +296,57 @@ class Trainer:
             # could lose the last good checkpoint, and it would hold the same state.
             last = self.save()
         export_dir = self.export(last) if cfg.checkpoint.export else None
+        if is_main_process():
+            end = tracker.finish(self.step)
+            write_summary(self.output_dir, end=end)
+            say(format_end(end))
         return TrainResult(self.output_dir, self.step, export_dir)
+
+    def _complete(self) -> TrainResult:
+        """The run is already at max_steps: say so and touch nothing (config.yaml, records, checkpoints)."""
+        export = self.output_dir / "export"
+        export_dir = export if export.is_dir() else None
+        if is_main_process():
+            exported = (
+                str(export_dir) if export_dir else f"none (write one with `spindle export {self.output_dir} --out DIR`)"
+            )
+            say(
+                f"run already complete: step {self.resume_step} of train.max_steps={self.cfg.train.max_steps} "
+                f"(checkpoint {self.resume_from}); export: {exported}. Raise train.max_steps to train further, "
+                "or set a new train.output_dir for a new run"
+            )
+        return TrainResult(self.output_dir, self.resume_step, export_dir, already_complete=True)
+
+    def start_summary(self) -> dict[str, Any]:
+        """Rank 0 prints what the run is about to do, and writes it to summary.json (`run_summary`)."""
+        cfg = self.cfg
+        trainable, frozen = parameter_counts(self.model)
+        data = self.task.data_stats()
+        val = cfg.train.validation
+        outputs = {"folder": str(self.output_dir), "checkpoints": str(ckpt.checkpoint_root(self.output_dir))}
+        if val.every_steps and val.prompts:
+            outputs["samples"] = str(self.output_dir / "samples")
+        if cfg.checkpoint.export:
+            outputs["export"] = str(self.output_dir / "export")
+        summary = {
+            "family": self.family.name,
+            "task": self.task.name,
+            "max_steps": cfg.train.max_steps,
+            "schedule_steps": self.schedule_steps,
+            "global_batch_size": cfg.train.global_batch_size,
+            "data": data,
+            "epochs": epochs_for(cfg.train.max_steps, cfg.train.global_batch_size, data),
+            "parameters": {"trainable": trainable, "frozen": frozen},
+            "mesh": mesh_layout(self.mesh.dims),
+            "precision": self.precision,
+            "resume": {"step": self.step, "checkpoint": str(self.resume_from) if self.resume_from else None},
+            "outputs": outputs,
+            "extra": dict(self.summary_extra),
+        }
+        if is_main_process():
+            write_summary(self.output_dir, start=summary)
+            say(format_start(summary))
+        return summary
 
     def maybe_validate(self, metrics: MetricsLog) -> None:
         """`train.validation`: render samples every N steps without touching the training trajectory:

@@ -42,7 +42,8 @@ def test_chat_line_learns_only_assistant_turns(tokenizer, tmp_path):
     rendered = tokenizer.apply_chat_template(messages, tokenize=False)
     assert doc.tokens == tokenizer(rendered, add_special_tokens=False).input_ids
     learned = tokenizer.decode([t for t, keep in zip(doc.tokens, doc.learn, strict=True) if keep])
-    assert learned == "left then right then up <|im_end|> a square <|im_end|>"
+    # each assistant turn to its end: the text, <|im_end|> and the template's newline after it
+    assert learned == "left then right then up<|im_end|>\na square<|im_end|>\n"
 
 
 def test_packing_restarts_positions_and_never_predicts_across_documents(tokenizer, tmp_path):

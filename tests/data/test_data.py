@@ -25,6 +25,7 @@ from spindle.data.media import (
     write_image,
     write_video,
 )
+from spindle.data.media_check import DataCheckError
 from spindle.data.synthetic import (
     BACKGROUNDS,
     make_shapes_image_dataset,
@@ -203,7 +204,7 @@ def test_folder_dataset_recursive_with_captions(tmp_path: Path, video_folder: Pa
 
 def test_missing_caption_names_txt(tmp_path: Path) -> None:
     gray_ramp_video(tmp_path / "lonely.mp4")
-    with pytest.raises(MediaError, match=r"lonely\.txt"):
+    with pytest.raises(DataCheckError, match=r"lonely\.txt: caption file missing for lonely\.mp4"):
         build_dataset(tmp_path, (8, 8), 5)
 
 
@@ -255,7 +256,7 @@ def test_manifest_bad_line_names_line(tmp_path: Path, bad_line: str, message: st
 def test_manifest_missing_file_is_reported(tmp_path: Path) -> None:
     manifest = tmp_path / "m.jsonl"
     manifest.write_text(json.dumps({"path": "gone.mp4", "caption": "a"}) + "\n")
-    with pytest.raises(MediaError, match=r"gone\.mp4"):
+    with pytest.raises(DataCheckError, match=r"gone\.mp4: file does not exist"):
         build_dataset(manifest, (8, 8), 5)
 
 
@@ -266,15 +267,24 @@ def test_skip_bad_samples(tmp_path: Path, video_folder: Path, caplog: pytest.Log
     bad = corrupt_file(tmp_path / "clip_001.mp4")
     (tmp_path / "clip_001.txt").write_text("a black box")
 
-    strict = build_dataset(tmp_path, (8, 8), 5)
-    with pytest.raises(MediaError, match=r"clip_001\.mp4"):
-        strict[1]
+    with pytest.raises(DataCheckError, match=r"clip_001\.mp4"):  # found when the dataset is built
+        build_dataset(tmp_path, (8, 8), 5)
 
-    lenient = build_dataset(tmp_path, (8, 8), 5, skip_bad_samples=True)
+    with caplog.at_level(logging.WARNING, logger="spindle.data.datasets"):
+        lenient = build_dataset(tmp_path, (8, 8), 5, skip_bad_samples=True)
+    assert "skipping 1 of 3 samples (clip_001.mp4)" in caplog.text
+    assert lenient.skipped_files == [bad]
+    assert [s.path.name for s in lenient.samples] == ["clip_000.mp4", "clip_002.mp4"]
+
+
+def test_a_sample_that_goes_bad_while_training_is_skipped(tmp_path: Path, video_folder: Path, caplog) -> None:
+    """The up-front check passed, then a file changed: MediaDataset skips it at load time too."""
+    samples = [Sample(shutil.copy(video_folder / f"clip_00{i}.mp4", tmp_path / f"c{i}.mp4"), f"c{i}") for i in range(3)]
+    lenient = MediaDataset(samples, (8, 8), 5, skip_bad_samples=True)
+    bad = corrupt_file(samples[1].path)
     with caplog.at_level(logging.WARNING, logger="spindle.data.datasets"):
         item = lenient[1]
     assert item["index"] == 2  # the next good sample, deterministically
-    assert item["caption"] == (video_folder / "clip_002.txt").read_text().strip()
     assert lenient.num_skipped == 1
     assert str(bad) in caplog.text
     lenient[1]  # known bad: not decoded again, not counted twice

@@ -347,6 +347,10 @@ def test_non_utf8_jsonl_line_is_named_and_skippable(tmp_path, tiny_qwen3):
 
 
 # Qwen's template renders a fixed set of roles; any other role's content is silently dropped.
+ANY_ROLE_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 QWEN_LIKE_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message.role == 'user' or message.role == 'system' %}<|im_start|>{{ message.role }}\n"
@@ -367,12 +371,18 @@ def test_a_chat_role_the_template_does_not_render_is_named(tmp_path, tiny_qwen3)
     narrated = [{"role": "narrator", "content": "the square moves"}, *good]
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in (good, narrated)))
-    assert len(read_documents(data, tok)[0]) == 2  # the tiny ChatML template renders any role
+    # the tiny Qwen3 template, like Qwen3's own, renders system/user/assistant/tool only
+    with pytest.raises(TextDataError, match=rf"{data}:2: messages\[0\] has role 'narrator'") as err:
+        read_documents(data, tok)
+    assert "assistant, system, tool, user" in str(err.value)
 
     tok.chat_template = QWEN_LIKE_TEMPLATE
     with pytest.raises(TextDataError, match=rf"{data}:2: messages\[0\] has role 'narrator'") as err:
         read_documents(data, tok)
     assert "assistant, system, user" in str(err.value)
+
+    tok.chat_template = ANY_ROLE_TEMPLATE
+    assert len(read_documents(data, tok)[0]) == 2  # a template that prints any role accepts any
 
 
 # ---------------------------------------------------------------- one run per output folder

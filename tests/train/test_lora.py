@@ -12,10 +12,19 @@ from safetensors.torch import load_file, save_file
 from spindle.api import load_generator, make_trainer, train
 from spindle.config import ConfigError
 from spindle.train.metrics import read_metrics
-from tests.conftest import train_interrupted
+from tests.conftest import TINY_TEXT, train_interrupted
 
 LORA = "{rank: 4, alpha: 8}"
-SAMPLE = dict(prompt="a red circle moves left", height=32, width=32, num_frames=5, num_inference_steps=2)
+# max_sequence_length: the stock pipeline's default is 512; Spindle's, on a LoRA export, the length it
+# was trained with (TINY_TEXT, recorded in its spindle.json): both given the same here
+SAMPLE = dict(
+    prompt="a red circle moves left",
+    height=32,
+    width=32,
+    num_frames=5,
+    num_inference_steps=2,
+    max_sequence_length=TINY_TEXT,
+)
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +255,9 @@ def test_flux_lora_trains_exports_and_loads_in_stock_diffusers(tiny_flux, tmp_pa
     original = load_file(lora_dir / "original_layout_lora.safetensors")
     assert any(k.startswith("lora_unet_single_blocks_0_linear1.") for k in original)
 
-    request = dict(prompt="a red circle", height=32, width=32, num_inference_steps=2, guidance_scale=3.5)
+    request = dict(
+        prompt="a red circle", height=32, width=32, num_inference_steps=2, guidance_scale=3.5, max_sequence_length=16
+    )
     pipe = FluxPipeline.from_pretrained(tiny)
     pipe.load_lora_weights(lora_dir)
     stock = pipe(**request, output_type="np", generator=torch.Generator().manual_seed(0)).images
@@ -272,3 +283,25 @@ def test_generate_cli_applies_lora(lora_run, tiny_wan, tmp_path):
     api = _spindle_frames(tiny_wan, num_frames=1, lora=str(result.export_dir / "lora"), lora_scale=0.5)
     written = np.asarray(Image.open(out).convert("RGB"), dtype=np.float32) / 255
     assert np.abs(written - api[0, 0]).max() <= 1 / 255 + 1e-6  # png rounding only
+
+
+def test_the_lora_export_says_how_to_use_it(lora_run, tiny_wan, spindle_cli, tmp_path):
+    """The LoRA folder names its base model and the exact lines that use it; given as --model it is
+    explained in one line (exit 2); generate defaults to the text length it was trained with."""
+    _, result = lora_run
+    lora_dir = (result.export_dir / "lora").resolve()
+    base = str(tiny_wan.resolve())
+    card = (lora_dir / "README.md").read_text()
+    assert f"spindle generate --model {base} --lora {lora_dir} " in card
+    assert f'diffusers.WanPipeline.from_pretrained("{base}")' in card
+    assert f'pipe.load_lora_weights("{lora_dir}")' in card and f"max_sequence_length={TINY_TEXT}" in card
+    record = json.loads((lora_dir / "spindle.json").read_text())
+    assert record == {"base_model": base, "family": "wan", "max_text_length": TINY_TEXT}
+
+    proc = spindle_cli("generate", "--model", lora_dir, "--prompt", "a cat", "--out", tmp_path / "x.png")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert "is a LoRA (pytorch_lora_weights.safetensors), not a model" in proc.stderr
+    assert f"spindle generate --model {base} --lora {lora_dir}" in proc.stderr
+
+    assert load_generator(tiny_wan, device="cpu", lora=str(lora_dir)).defaults.max_sequence_length == TINY_TEXT
+    assert load_generator(tiny_wan, device="cpu").defaults.max_sequence_length == 512  # no record: the family's

@@ -122,11 +122,11 @@ def test_bad_video_in_dataset_names_the_file(make_config, shapes_videos, tmp_pat
     data = tmp_path / "data"
     shutil.copytree(shapes_videos, data)
     (data / "clip_002.mp4").write_bytes(b"not a video at all")
-    from spindle.data.media import MediaError
+    from spindle.data.media_check import DataCheckError
 
     cfg = make_config(data__path=data, train__max_steps=3, checkpoint__export=False, data__shuffle=False)
-    with pytest.raises(MediaError, match=re.escape("clip_002.mp4")):
-        train(cfg)
+    with pytest.raises(DataCheckError, match=re.escape("clip_002.mp4: unreadable video")):
+        train(cfg)  # found by the up-front check, before the model is built
 
     cfg = make_config(
         tmp_path / "skip",
@@ -138,7 +138,8 @@ def test_bad_video_in_dataset_names_the_file(make_config, shapes_videos, tmp_pat
     )
     trainer = make_trainer(cfg)
     trainer.run()
-    assert trainer.loader.dataset.num_skipped >= 1
+    assert trainer.loader.dataset.skipped_files == [data / "clip_002.mp4"]  # left out before training
+    assert trainer.loader.dataset.num_skipped == 0  # so never met while training
 
 
 def test_gradient_checkpointing_gives_the_same_run(make_config, tmp_path):

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from spindle.models.shared.tiny_llm import build_tiny_causal_lm
+from spindle.models.shared.tiny_llm import LLAMA3_TOKENIZER, build_tiny_causal_lm
 
 TINY_DEFAULTS = dict(tie_word_embeddings=False)
 
 
 def build_tiny_llama(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
-    # Llama tokenizers prepend <s> to every text: exercises "tokenizer(text) with its own special tokens".
+    # Llama 3 tokenizers prepend <|begin_of_text|> to every text: exercises "tokenizer(text) with its own
+    # special tokens".
     return build_tiny_causal_lm(
-        "llama", out, seed=seed, transformer=transformer, bos_token="<s>", defaults=TINY_DEFAULTS
+        "llama", out, seed=seed, transformer=transformer, tokenizer_spec=LLAMA3_TOKENIZER, defaults=TINY_DEFAULTS
     )

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from spindle.models.shared.tiny_llm import build_tiny_causal_lm
+from spindle.models.shared.tiny_llm import QWEN3_TOKENIZER, build_tiny_causal_lm
 
 # Qwen3-0.6B ties its embeddings.
 TINY_DEFAULTS = dict(tie_word_embeddings=True)
 
 
 def build_tiny_qwen3(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
-    return build_tiny_causal_lm("qwen3", out, seed=seed, transformer=transformer, defaults=TINY_DEFAULTS)
+    return build_tiny_causal_lm(
+        "qwen3", out, seed=seed, transformer=transformer, tokenizer_spec=QWEN3_TOKENIZER, defaults=TINY_DEFAULTS
+    )

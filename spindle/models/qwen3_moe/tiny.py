@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from spindle.models.shared.tiny_llm import build_tiny_causal_lm
+from spindle.models.shared.tiny_llm import QWEN3_TOKENIZER, build_tiny_causal_lm
 
 # Qwen3-30B-A3B's MoE shape, scaled down: every layer sparse, 8 experts, top-2, untied embeddings.
 TINY_DEFAULTS = dict(
@@ -15,4 +15,6 @@ TINY_DEFAULTS = dict(
 def build_tiny_qwen3_moe(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
     # Saved by stock save_pretrained: the per-expert layout (experts.{j}.gate_proj.weight ...) real
     # Qwen3-MoE checkpoints have, which transformers fuses on load.
-    return build_tiny_causal_lm("qwen3_moe", out, seed=seed, transformer=transformer, defaults=TINY_DEFAULTS)
+    return build_tiny_causal_lm(
+        "qwen3_moe", out, seed=seed, transformer=transformer, tokenizer_spec=QWEN3_TOKENIZER, defaults=TINY_DEFAULTS
+    )

@@ -1,8 +1,10 @@
-"""A small word-level tokenizer built locally, saved in the Hugging Face `tokenizer.json` layout.
+"""Tokenizers built locally for the tiny checkpoints, saved in the Hugging Face `tokenizer.json` layout.
 
-Real checkpoints ship trained tokenizers; tiny test checkpoints cannot download one, so we build a
-deterministic vocabulary that covers the demo captions and common English, with an <unk> fallback.
-It loads through `transformers.AutoTokenizer` like any other fast tokenizer.
+Real checkpoints ship trained tokenizers; tiny test checkpoints cannot download one. The DiT text
+encoders (T5, CLIP, Qwen-Image's prompt encoder) get a deterministic word-level vocabulary covering
+the demo captions and common English, with an <unk> fallback. The language models get byte-level BPE
+(`build_byte_level_bpe`), as the real Qwen and Llama 3 tokenizers are: any text round-trips. Both
+load through `transformers.AutoTokenizer` like any other fast tokenizer.
 """
 
 from __future__ import annotations
@@ -52,12 +54,7 @@ def build_tokenizer(extra_words: list[str] | None = None, bos_token: str | None 
     return tok
 
 
-# A ChatML-style template (what Qwen checkpoints ship); loss masking finds the assistant turns by
-# rendering prefixes of the conversation, so the template needs no special markers.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# Words of the tests' and demo's chats (in the byte-level vocabularies' training text).
 CHAT_WORDS = [
     "system",
     "user",
@@ -73,42 +70,6 @@ CHAT_WORDS = [
     "yes",
     "no",
 ]
-CHAT_SPECIALS = ["<|im_start|>", "<|im_end|>"]
-
-
-def save_chat_tokenizer(out: Path, model_max_length: int = 2048, bos_token: str | None = None) -> Tokenizer:
-    """A language model's tokenizer: word-level vocabulary, ChatML chat template, eos `</s>`, and no
-    special tokens added by `tokenizer(text)` unless `bos_token` is given (Llama-style `<s> $A`).
-
-    Writes tokenizer.json + tokenizer_config.json (with the chat template) into `out`; returns the tokenizer.
-    """
-    from tokenizers import AddedToken
-
-    out.mkdir(parents=True, exist_ok=True)
-    vocab = build_vocab(CHAT_SPECIALS + CHAT_WORDS, bos_token)
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace()])
-    specials = [*SPECIALS, *CHAT_SPECIALS, *([bos_token] if bos_token else [])]
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    if bos_token:
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos_token} $A", special_tokens=[(bos_token, vocab[bos_token])]
-        )
-    tok.decoder = decoders.WordPiece(prefix="##")
-    tok.save(str(out / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": model_max_length,
-        "pad_token": "<pad>",
-        "eos_token": "</s>",
-        "unk_token": "<unk>",
-        **({"bos_token": bos_token} if bos_token else {}),
-        "padding_side": "right",
-        "chat_template": CHAT_TEMPLATE,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    return tok
 
 
 def save_tokenizer(out: Path, model_max_length: int = 512, bos_token: str | None = None) -> int:
@@ -163,3 +124,74 @@ def save_qwen_prompt_tokenizer(
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=2))
     return tok.get_vocab_size()
+
+
+# ---------------------------------------------------------------- byte-level BPE (language models)
+
+# What the tiny byte-level vocabularies are trained on: the demo/test vocabulary as sentences, so the
+# tiny models' data is a few tokens per word (like a real tokenizer on English) while any other text
+# still encodes, byte by byte.
+# Each word both after a space (" red") and at the start of a text or line ("red").
+BPE_CORPUS = [" ".join(COMMON_WORDS + CHAT_WORDS), "\n".join(COMMON_WORDS + CHAT_WORDS), "Hello, world! It is 1 2 3."]
+
+
+def build_byte_level_bpe(
+    special_tokens: list[str],
+    added_tokens: list[str] = (),  # type: ignore[assignment]
+    vocab_size: int = 2048,
+    bos_token: str | None = None,
+) -> Tokenizer:
+    """A GPT-2-style byte-level BPE tokenizer, as the Qwen and Llama 3 families ship: every UTF-8 string
+    encodes (the 256 byte symbols are in the vocabulary, so there is no <unk>) and decodes back exactly
+    (no normaliser). The merges are trained on `BPE_CORPUS` up to `vocab_size`.
+
+    `special_tokens` come first in the vocabulary (ids 0..) and are skipped by decode(skip_special_tokens);
+    `added_tokens` are single tokens that stay in decoded text (Qwen3's <think>). With `bos_token`,
+    `tokenizer(text)` prepends it (Llama 3's `<|begin_of_text|> $A`). Shared by the LLM families'
+    `tiny.py` (one builder for every byte-level tiny tokenizer; a VLM's can reuse it)."""
+    from tokenizers import AddedToken, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(BPE_CORPUS, trainer=trainer)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
+    if bos_token:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos_token} $A", special_tokens=[(bos_token, tok.token_to_id(bos_token))]
+        )
+    else:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tok
+
+
+def save_byte_level_tokenizer(
+    out: Path,
+    special_tokens: list[str],
+    chat_template: str,
+    specials: dict[str, str | None],
+    added_tokens: list[str] = (),  # type: ignore[assignment]
+    model_max_length: int = 2048,
+) -> Tokenizer:
+    """`build_byte_level_bpe` written into `out` as tokenizer.json + tokenizer_config.json with the chat
+    template and the special-token roles in `specials` (bos_token, eos_token, pad_token: token or None)."""
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_byte_level_bpe(special_tokens, added_tokens, bos_token=specials.get("bos_token"))
+    tok.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": model_max_length,
+        **specials,
+        "padding_side": "right",
+        "clean_up_tokenization_spaces": False,
+        "chat_template": chat_template,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return tok

@@ -199,6 +199,13 @@ class CausalLMTask(TrainTask):
         data = self.cfg.data
         dataset = build_text_dataset(data.path, self.tokenizer, data.seq_len, data.packing, data.skip_bad_samples)
         s = dataset.stats
+        self._data_stats = {
+            "documents": s.documents,
+            "rows": s.rows,
+            "label_tokens": s.label_tokens,
+            "truncated": s.truncated,
+            "skipped": s.skipped,
+        }
         if is_main_process():
             log.info(
                 "data: %d documents -> %d rows of %d tokens (%s), %d label tokens; %d truncated to seq_len, "
@@ -216,6 +223,9 @@ class CausalLMTask(TrainTask):
                     "data: %d documents were longer than data.seq_len=%d and truncated", s.truncated, data.seq_len
                 )
         return resumable_loader(self, dataset, collate_rows)
+
+    def data_stats(self) -> dict[str, Any]:
+        return dict(getattr(self, "_data_stats", {}))
 
     # ------------------------------------------------------------ step
 

@@ -23,6 +23,7 @@ from spindle.contracts.family import DiTFamily, import_object
 from spindle.contracts.task import StepOutput, TrainTask
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.mesh import barrier, is_main_process
+from spindle.export_record import EXPORT_RECORD, LORA_WEIGHTS, write_export_record, write_lora_card
 from spindle.train.metrics import count_tokens
 from spindle.train.tasks.base import resumable_loader
 
@@ -121,13 +122,34 @@ class FlowMatchingTask(TrainTask):
         self.autocast_dtype = autocast_dtype(model, self.precision)
         return model
 
+    @classmethod
+    def check_data(cls, cfg: DiTJobConfig) -> None:
+        from spindle.data.datasets import build_dataset
+
+        data = cfg.data
+        if data.precomputed is None:  # every file decoded once (cached): one report before the model loads
+            build_dataset(data.path, data.resolution, data.num_frames, data.skip_bad_samples)
+
+    def data_stats(self) -> dict[str, Any]:
+        return dict(getattr(self, "_data_stats", {}))
+
     def build_loader(self) -> ResumableLoader:
         from spindle.data.datasets import build_dataset, collate
         from spindle.data.precomputed import CachedConditions, cache_settings, collate_conditions
 
         data = self.cfg.data
         height, width = data.resolution
-        media = build_dataset(data.path, (height, width), data.num_frames, data.skip_bad_samples)
+        # with precomputed conditions the media is never decoded, so it is not checked either; the
+        # skipped files were named by check_data, before the model was built
+        media = build_dataset(
+            data.path,
+            (height, width),
+            data.num_frames,
+            data.skip_bad_samples,
+            check=data.precomputed is None,
+            warn_skipped=False,
+        )
+        self._data_stats = {"rows": len(media), "samples": len(media), "skipped": len(media.skipped_files)}
         source: Any = media
         if data.precomputed is not None:  # the same samples, read as cached conditions
             settings = cache_settings(self.cfg, self.family.name, condition_dtype(self.precision))
@@ -183,12 +205,17 @@ class FlowMatchingTask(TrainTask):
 
     def state(self) -> dict[str, Any]:
         lora = self.cfg.train.lora
-        return {"family": self.family.name, "lora": lora.model_dump() if lora is not None else None}
+        return {
+            "family": self.family.name,
+            "lora": lora.model_dump() if lora is not None else None,
+            "max_text_length": self.cfg.model.max_text_length,  # recorded in exports (spindle.export_record)
+        }
 
     def export(self, model: torch.nn.Module, out: Path) -> Path | None:
         if self.cfg.train.lora is None:
             sd = ckpt.full_state_dict(model)
-            result = export_pipeline(self.cfg.model.path, sd, out) if is_main_process() else None
+            trained = {"family": self.family.name, "max_text_length": self.cfg.model.max_text_length}
+            result = export_pipeline(self.cfg.model.path, sd, out, trained) if is_main_process() else None
         else:
             from spindle.train.lora import adapter_state_dict, lora_scale
 
@@ -196,7 +223,14 @@ class FlowMatchingTask(TrainTask):
             result = None
             if is_main_process():
                 adapters = adapter_state_dict(sd, lora_scale(model))
-                result = export_lora(self.family, self.cfg.model.path, adapters, out, self.cfg.export.merge_lora)
+                result = export_lora(
+                    self.family,
+                    self.cfg.model.path,
+                    adapters,
+                    out,
+                    self.cfg.export.merge_lora,
+                    max_text_length=self.cfg.model.max_text_length,
+                )
         barrier()
         return result
 
@@ -206,14 +240,16 @@ class FlowMatchingTask(TrainTask):
             raise FileNotFoundError(f"base model {model_path} has no model_index.json; pass --model PATH")
         state = json.loads((checkpoint / ckpt.TRAINER_STATE).read_text())
         template = load_transformer(model_path)
+        text_length = state.get("max_text_length")  # None: a checkpoint from before it was recorded
         if state.get("lora") is None:
-            return export_pipeline(model_path, ckpt.read_checkpoint_model(checkpoint, template), out)
+            trained = {"family": family.name, "max_text_length": text_length}
+            return export_pipeline(model_path, ckpt.read_checkpoint_model(checkpoint, template), out, trained)
         from spindle.config import LoraConfig
         from spindle.train.lora import adapter_state_dict, lora_scale
 
         add_lora(template, LoraConfig(**state["lora"]))
         adapters = adapter_state_dict(ckpt.read_checkpoint_model(checkpoint, template), lora_scale(template))
-        return export_lora(family, model_path, adapters, out, merge=False)
+        return export_lora(family, model_path, adapters, out, merge=False, max_text_length=text_length)
 
 
 def condition_dtype(precision: str) -> torch.dtype:
@@ -241,13 +277,22 @@ def add_lora(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
     return apply_lora(model, find_blocks(model), lora)
 
 
-LORA_FILE = "pytorch_lora_weights.safetensors"  # diffusers' default weight name
+LORA_FILE = LORA_WEIGHTS
 LORA_ORIGINAL_FILE = "original_layout_lora.safetensors"
 
 
-def export_lora(family: Any, base: str | Path, adapters: dict[str, torch.Tensor], out: str | Path, merge: bool) -> Path:
-    """Write `out/lora/` (diffusers' LoRA file + the original-layout file) and, with `merge`, `out/merged/`
-    (the full pipeline with the LoRA fused into the transformer). Written to `<out>.tmp`, then renamed.
+def export_lora(
+    family: Any,
+    base: str | Path,
+    adapters: dict[str, torch.Tensor],
+    out: str | Path,
+    merge: bool,
+    max_text_length: int | None = None,
+) -> Path:
+    """Write `out/lora/` (diffusers' LoRA file + the original-layout file, `spindle.json` naming the base
+    model and the trained text length, and a README.md model card with the lines that use it) and, with
+    `merge`, `out/merged/` (the full pipeline with the LoRA fused into the transformer). Written to
+    `<out>.tmp`, then renamed.
 
     `adapters`: diffusers-layout LoRA (`<module>.lora_A.weight`, alpha / rank folded into lora_B).
     The diffusers file is written by the family pipeline's own `save_lora_weights`, so
@@ -268,19 +313,34 @@ def export_lora(family: Any, base: str | Path, adapters: dict[str, torch.Tensor]
             logging.getLogger("spindle.train").warning("no original-layout LoRA file written: %s", e)
         else:
             save_file(original, tmp / "lora" / LORA_ORIGINAL_FILE, metadata={"format": "pt", "family": family.name})
+    base_path = str(Path(base).resolve())
+    trained = {"family": family.name, "max_text_length": max_text_length}
+    write_export_record(tmp / "lora", base_model=base_path, **trained)
+    write_lora_card(
+        tmp / "lora",
+        family.name,
+        base_path,
+        family.pipeline_classes[0],
+        max_text_length,
+        lora_dir=str(out.resolve() / "lora"),
+        media=family.inference_spec().media if family.inference else "image",
+    )
     if merge:
         model: Any = load_transformer(base)  # a diffusers ModelMixin (PEFT loader methods)
         model.load_lora_adapter({f"transformer.{k}": v for k, v in adapters.items()}, prefix="transformer")
         model.fuse_lora(lora_scale=1.0)
         model.unload_lora()
-        export_pipeline(base, model.state_dict(), tmp / "merged")
+        export_pipeline(base, model.state_dict(), tmp / "merged", trained)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
 
 
-def export_pipeline(source_root: str | Path, state_dict: dict[str, torch.Tensor], out: str | Path) -> Path:
-    """Write a diffusers pipeline folder: every component of `source_root`, with the trained transformer.
+def export_pipeline(
+    source_root: str | Path, state_dict: dict[str, torch.Tensor], out: str | Path, trained: dict[str, Any] | None = None
+) -> Path:
+    """Write a diffusers pipeline folder: every component of `source_root`, with the trained transformer,
+    and `trained` (how it was trained) as `spindle.json` (`spindle.export_record`).
 
     The transformer is rebuilt from its own diffusers config and saved with diffusers' `save_pretrained`,
     so `config.json` carries only diffusers keys and stock diffusers loads the folder with no Spindle code.
@@ -301,6 +361,9 @@ def export_pipeline(source_root: str | Path, state_dict: dict[str, torch.Tensor]
             f"trained weights do not fit {cls.__name__}: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
     model.save_pretrained(tmp / "transformer", safe_serialization=True)
+    (tmp / EXPORT_RECORD).unlink(missing_ok=True)  # the source's record describes another training
+    if trained is not None:
+        write_export_record(tmp, **trained)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
