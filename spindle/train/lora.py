@@ -15,7 +15,8 @@ except the adaptive-norm modulation (`norm*` names): the attention and feed-forw
 from __future__ import annotations
 
 import difflib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -100,6 +101,31 @@ def apply_lora(model: nn.Module, blocks: Sequence[nn.Module], cfg: Any) -> nn.Mo
     for name, param in model.named_parameters():
         param.requires_grad_(is_lora_name(name))
     return model
+
+
+@contextmanager
+def adapters_on_host() -> Iterator[None]:
+    """Inject adapters into a model whose base weights are on the meta device (sharded loading) with
+    real adapter weights: PEFT moves each new adapter to its base layer's device, which would turn the
+    freshly initialised values into meta tensors. Under this context an adapter whose base layer is on
+    meta stays where PEFT created it, on the host, initialised from the global RNG exactly as in the
+    full-load path; FSDP2 then shards it with the base weights, and the loader keeps its values."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    original = BaseTunerLayer._move_adapter_to_device_of_base_layer
+
+    def move_unless_meta(self: Any, adapter_name: str, device: torch.device | None = None) -> None:
+        base = self.get_base_layer()
+        weight = getattr(base, "weight", None)
+        if device is None and isinstance(weight, torch.Tensor) and weight.is_meta:
+            return
+        original(self, adapter_name, device)
+
+    BaseTunerLayer._move_adapter_to_device_of_base_layer = move_unless_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        BaseTunerLayer._move_adapter_to_device_of_base_layer = original  # type: ignore[method-assign]
 
 
 def is_lora_name(name: str) -> bool:
