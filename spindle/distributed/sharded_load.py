@@ -15,9 +15,9 @@ holds another layout (e.g. per-expert MoE tensors read into the fused `gate_up_p
 
 Strict (issue 24.3): a parameter missing from the checkpoint, a checkpoint tensor the model does not
 have, or a shape that differs is a `CheckpointMismatchError` naming the key, raised from the headers
-before any weight is read (`check_checkpoint_keys`). Parameters that already hold values when loading
-starts (LoRA adapters initialised on the host, spindle.train.lora) are kept, not read. Persistent
-buffers are read when the checkpoint has them, else keep the library's value.
+before any weight is read (`check_checkpoint_keys`). Parameters the checkpoint cannot have (LoRA
+adapters: `fresh`) get storage only and are initialised by their owner (spindle.train.lora.init_adapters).
+Persistent buffers are read when the checkpoint has them, else keep the library's value.
 
 No diffusers or transformers import here.
 """
@@ -103,16 +103,22 @@ def _reader(checkpoint: SafetensorsCheckpoint, key: str) -> Callable[[Region], t
     return lambda region: checkpoint.read(key, region)
 
 
+def checkpoint_key(name: str) -> str:
+    """The checkpoint key of a model parameter: PEFT (LoRA) moves a wrapped layer's own weights under
+    `base_layer.`, which the base checkpoint does not have."""
+    return name.replace(".base_layer.", ".")
+
+
 def model_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    """{name: global shape} of the model's parameters (tied ones once), meta or sharded alike."""
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+    """{checkpoint key: global shape} of the model's parameters (tied ones once), meta or sharded alike."""
+    return {checkpoint_key(name): tuple(p.shape) for name, p in model.named_parameters()}
 
 
 def _aliases(model: nn.Module) -> set[str]:
     """Second names of tied parameters (lm_head.weight tied to the embeddings) and buffer names: a
     checkpoint may hold them, the model reads them through the first name or keeps its own value."""
     tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
-    return tied | {n for n, _ in model.named_buffers()}
+    return {checkpoint_key(n) for n in tied} | {checkpoint_key(n) for n, _ in model.named_buffers()}
 
 
 def check_checkpoint_keys(
@@ -204,17 +210,27 @@ def materialize(model: nn.Module, device: torch.device) -> set[str]:
 
 
 @torch.no_grad()
-def load_sharded(model: nn.Module, sources: dict[str, TensorSource], device: torch.device, where: str) -> None:
+def load_sharded(
+    model: nn.Module,
+    sources: dict[str, TensorSource],
+    device: torch.device,
+    where: str,
+    fresh: Callable[[str], bool] | None = None,
+) -> None:
     """Fill the model's meta parameters with this rank's slices of `sources`, one tensor at a time;
-    persistent buffers the checkpoint holds are read too. Strict (`check_checkpoint_keys`)."""
-    keep = {n for n, p in model.named_parameters() if not p.is_meta}
+    persistent buffers the checkpoint holds are read too. Strict (`check_checkpoint_keys`). Parameters
+    for which `fresh(name)` is true (adapters) are not in the checkpoint: they get storage only, for
+    the caller to initialise."""
+    is_fresh = fresh or (lambda name: False)
+    keep = {checkpoint_key(n) for n, p in model.named_parameters() if not p.is_meta or is_fresh(n)}
     check_checkpoint_keys(model, sources, where, keep)
     for name in sorted(materialize(model, device)):
-        _fill(model.get_parameter(name), sources[name])
-    persistent = {n for n, _ in model.state_dict().items()}
+        if not is_fresh(name):
+            _fill(model.get_parameter(name), sources[checkpoint_key(name)])
+    persistent = set(model.state_dict())
     for name, buf in model.named_buffers():
-        if name in sources and name in persistent:
-            _fill(buf, sources[name])
+        if checkpoint_key(name) in sources and name in persistent:
+            _fill(buf, sources[checkpoint_key(name)])
 
 
 def _fill(t: torch.Tensor, source: TensorSource) -> None:

@@ -15,8 +15,9 @@ except the adaptive-norm modulation (`norm*` names): the attention and feed-forw
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+import hashlib
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -103,29 +104,29 @@ def apply_lora(model: nn.Module, blocks: Sequence[nn.Module], cfg: Any) -> nn.Mo
     return model
 
 
-@contextmanager
-def adapters_on_host() -> Iterator[None]:
-    """Inject adapters into a model whose base weights are on the meta device (sharded loading) with
-    real adapter weights: PEFT moves each new adapter to its base layer's device, which would turn the
-    freshly initialised values into meta tensors. Under this context an adapter whose base layer is on
-    meta stays where PEFT created it, on the host, initialised from the global RNG exactly as in the
-    full-load path; FSDP2 then shards it with the base weights, and the loader keeps its values."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
+@torch.no_grad()
+def init_adapters(model: nn.Module, seed: int) -> None:
+    """Initialise every LoRA adapter: A uniform in +-1/sqrt(in_features) (PEFT's default, kaiming-uniform
+    with a=sqrt(5)), B zero (training starts exactly at the base model), each A from a generator keyed on
+    (seed, module name). Keyed, not drawn from the global RNG in injection order, so that the values do
+    not depend on where the adapters were created: on the host (full load) or on the meta device, then
+    materialised shard by shard (sharded load: PEFT puts adapters on their base layer's device). Each
+    rank computes an adapter's full A (rank x in_features, small) and keeps its own shard."""
+    from peft.tuners.lora import LoraLayer
 
-    original = BaseTunerLayer._move_adapter_to_device_of_base_layer
+    from spindle.distributed.sharded_load import local_region
 
-    def move_unless_meta(self: Any, adapter_name: str, device: torch.device | None = None) -> None:
-        base = self.get_base_layer()
-        weight = getattr(base, "weight", None)
-        if device is None and isinstance(weight, torch.Tensor) and weight.is_meta:
-            return
-        original(self, adapter_name, device)
-
-    BaseTunerLayer._move_adapter_to_device_of_base_layer = move_unless_meta  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        BaseTunerLayer._move_adapter_to_device_of_base_layer = original  # type: ignore[method-assign]
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLayer) or ADAPTER not in module.lora_A:
+            continue
+        a, b = module.lora_A[ADAPTER].weight, module.lora_B[ADAPTER].weight
+        digest = hashlib.blake2b(f"lora:{seed}:{name}".encode(), digest_size=8).digest()
+        generator = torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+        bound = 1.0 / math.sqrt(a.shape[1])
+        full = torch.empty(tuple(a.shape)).uniform_(-bound, bound, generator=generator)
+        local, region = local_region(a)
+        local.copy_(full[region])
+        local_region(b)[0].zero_()
 
 
 def is_lora_name(name: str) -> bool:

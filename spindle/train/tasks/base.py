@@ -38,6 +38,8 @@ def build_parallel_model(
     checkpoint: Callable[[], dict[str, TensorSource]],
     load_full: Callable[[], torch.nn.Module],
     convert: Callable[[torch.nn.Module], Any] | None = None,
+    fresh: Callable[[str], bool] | None = None,
+    init_fresh: Callable[[torch.nn.Module], None] | None = None,
 ) -> torch.nn.Module:
     """The trainable model of a task, loaded and parallelized on `task.mesh`, in train mode.
 
@@ -45,8 +47,9 @@ def build_parallel_model(
     `checkpoint()` -> the checkpoint's tensors as the model holds them (`SafetensorsCheckpoint.sources`,
     after the family adapter's layout conversion); `load_full()` loads the whole model the library's
     way (`model.sharded_load: false`, today's path before sharded loading); `convert` changes the
-    model before parallelizing (LoRA adapters: initialised on the host in both paths, so the same
-    global RNG draws give the same adapters).
+    model before parallelizing (LoRA adapters); the parameters it adds are not in the checkpoint
+    (`fresh(name)` says which) and `init_fresh` gives them their initial values after loading, the
+    same in both paths (spindle.train.lora.init_adapters).
 
     Sharded (default): skeleton -> convert -> parallelize on meta -> each rank reads its shards
     (spindle.distributed.sharded_load). Full: the whole model on every rank -> convert -> parallelize.
@@ -61,17 +64,11 @@ def build_parallel_model(
     where = str(cfg.model.path)
     sources = checkpoint()
     model = build_empty()
-    if cfg.model.sharded_load:
-        if convert is not None:
-            from spindle.train.lora import adapters_on_host
-
-            with adapters_on_host():
-                convert(model)
-    else:
+    if not cfg.model.sharded_load:
         check_checkpoint_keys(model, sources, where)  # strict on this path too, before reading weights
         model = load_full().to(task.device)
-        if convert is not None:
-            convert(model)
+    if convert is not None:
+        convert(model)
     model.train()
     parallelize(
         model,
@@ -82,6 +79,8 @@ def build_parallel_model(
         compile=cfg.train.compile,
     )
     if cfg.model.sharded_load:
-        load_sharded(model, sources, task.device, where)
+        load_sharded(model, sources, task.device, where, fresh)
+    if init_fresh is not None:
+        init_fresh(model)
     task.autocast_dtype = autocast_dtype(model, task.precision)
     return model

@@ -129,6 +129,7 @@ class FlowMatchingTask(TrainTask):
 
     def build_model(self) -> torch.nn.Module:
         from spindle.distributed.sharded_load import SafetensorsCheckpoint
+        from spindle.train.lora import init_adapters, is_lora_name
 
         root = self.cfg.model.path
         lora = self.cfg.train.lora
@@ -139,6 +140,8 @@ class FlowMatchingTask(TrainTask):
             checkpoint=lambda: SafetensorsCheckpoint(Path(root) / "transformer").sources(),
             load_full=lambda: load_transformer(root, dtype=torch.float32),
             convert=None if lora is None else lambda model: add_lora(model, lora),  # converters before SP / FSDP2
+            fresh=is_lora_name,
+            init_fresh=None if lora is None else lambda model: init_adapters(model, self.seed),
         )
 
     def build_loader(self) -> ResumableLoader:
