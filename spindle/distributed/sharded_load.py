@@ -221,6 +221,10 @@ def load_sharded(
     persistent buffers the checkpoint holds are read too. Strict (`check_checkpoint_keys`). Parameters
     for which `fresh(name)` is true (adapters) are not in the checkpoint: they get storage only, for
     the caller to initialise."""
+    if not any(p.is_meta for p in model.parameters()):
+        raise ValueError(
+            f"{type(model).__name__}: sharded loading expects a model built on the meta device (empty_weights)"
+        )
     is_fresh = fresh or (lambda name: False)
     keep = {checkpoint_key(n) for n, p in model.named_parameters() if not p.is_meta or is_fresh(n)}
     check_checkpoint_keys(model, sources, where, keep)

@@ -64,15 +64,18 @@ def results(tiny_checkpoint, tiny_qwen3_moe, shapes_videos, shapes_images, lm_co
         image = {} if family == "wan" else {"data__num_frames": 1}
         data = shapes_videos if family == "wan" else shapes_images
         cases[family] = train_overrides(tiny_checkpoint(family), data, out / family, **image)
+    # train.seed differs from the tiny checkpoints' seed: a model left at its random initialisation
+    # (nothing read) must not equal the checkpoint by coincidence
+    seed = {"train__seed": 7}
     for family in LM:
-        cases[family] = lm_overrides(tiny_checkpoint(family), lm_corpus, out / family)
-    cases["qwen3_moe"] = lm_overrides(tiny_qwen3_moe, lm_corpus, out / "moe")  # per-expert -> fused
-    cases["qwen3_moe_ep2"] = lm_overrides(tiny_qwen3_moe, lm_corpus, out / "moe_ep2", parallel__ep=2)
+        cases[family] = lm_overrides(tiny_checkpoint(family), lm_corpus, out / family, **seed)
+    cases["qwen3_moe"] = lm_overrides(tiny_qwen3_moe, lm_corpus, out / "moe", **seed)  # per-expert -> fused
+    cases["qwen3_moe_ep2"] = lm_overrides(tiny_qwen3_moe, lm_corpus, out / "moe_ep2", parallel__ep=2, **seed)
     cases["wan_lora"] = train_overrides(tiny_checkpoint("wan"), shapes_videos, out / "lora", train__lora=LORA)
     runs = {
         "wan_lora": train_overrides(tiny_checkpoint("wan"), shapes_videos, out, train__max_steps=2, train__lora=LORA),
-        "qwen3": lm_overrides(tiny_checkpoint("qwen3"), lm_corpus, out, train__max_steps=2),
-        "qwen3_moe_ep2": lm_overrides(tiny_qwen3_moe, lm_corpus, out, train__max_steps=2, parallel__ep=2),
+        "qwen3": lm_overrides(tiny_checkpoint("qwen3"), lm_corpus, out, train__max_steps=2, **seed),
+        "qwen3_moe_ep2": lm_overrides(tiny_qwen3_moe, lm_corpus, out, train__max_steps=2, parallel__ep=2, **seed),
     }
     spawn(_worker, 2, cases, runs, str(out))
     return torch.load(out / "results.pt")

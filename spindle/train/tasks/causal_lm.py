@@ -139,17 +139,21 @@ class CausalLMTask(TrainTask):
 
     def empty_model(self) -> torch.nn.Module:
         """The family's ForCausalLM built from config.json alone, as `load_model` would build it (fp32, sdpa,
-        the folder's generation config); under `empty_weights()` its parameters are on meta."""
+        tied embeddings, the folder's generation config), its parameters on the meta device."""
         from transformers import AutoConfig, GenerationConfig
+
+        from spindle.distributed.sharded_load import empty_weights
 
         path = Path(self.cfg.model.path)
         cls: Any = self.family.model_cls()
-        model = cls._from_config(
-            AutoConfig.from_pretrained(path),
-            dtype=torch.float32,
-            attn_implementation="sdpa",
-            **self.model_init_kwargs(),
-        )
+        with empty_weights():
+            model = cls._from_config(
+                AutoConfig.from_pretrained(path),
+                dtype=torch.float32,
+                attn_implementation="sdpa",
+                **self.model_init_kwargs(),
+            )
+        # outside empty_weights, whose parameter registration makes a new tensor: tying must keep one
         model.tie_weights()  # `from_pretrained` ties after loading (config.tie_word_embeddings); `_from_config` not
         if (path / "generation_config.json").is_file():
             model.generation_config = GenerationConfig.from_pretrained(path)
