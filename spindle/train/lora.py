@@ -119,7 +119,9 @@ def init_adapters(model: nn.Module, seed: int) -> None:
     for name, module in model.named_modules():
         if not isinstance(module, LoraLayer) or ADAPTER not in module.lora_A:
             continue
-        a, b = module.lora_A[ADAPTER].weight, module.lora_B[ADAPTER].weight
+        layer: Any = module  # PEFT's LoraLayer: its adapter dicts are not typed as modules of Linear
+        a: torch.Tensor = layer.lora_A[ADAPTER].weight
+        b: torch.Tensor = layer.lora_B[ADAPTER].weight
         digest = hashlib.blake2b(f"lora:{seed}:{name}".encode(), digest_size=8).digest()
         generator = torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
         bound = 1.0 / math.sqrt(a.shape[1])
