@@ -239,13 +239,13 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "ranks"}), flush=True)
     columns: list[common.Column] = [
-        ("model", "model", "<6", ""),
-        ("path", "path", "<8", ""),
-        ("procs", "processes", ">5", ""),
-        ("fp32 GB", "fp32_gb", ">8", ".2f"),
-        ("before GB", "max_rss_before_gb", ">9", ".2f"),
-        ("load peak", "max_load_peak_gb", ">9", ".2f"),
-        ("step peak", "max_step_peak_gb", ">9", ".2f"),
+        ("model", "model", "<7", ""),
+        ("path", "path", "<9", ""),
+        ("procs", "processes", ">6", ""),
+        ("fp32 GB", "fp32_gb", ">9", ".2f"),
+        ("before GB", "max_rss_before_gb", ">11", ".2f"),
+        ("load peak GB", "max_load_peak_gb", ">14", ".2f"),
+        ("step peak GB", "max_step_peak_gb", ">14", ".2f"),
     ]
     common.print_table(columns, rows)
     report = {"preset": args.preset, "device": common.describe_device(), "rows": rows}
