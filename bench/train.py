@@ -200,8 +200,9 @@ def _worker(rank: int, world: int, variant: str, a: argparse.Namespace, out_dir:
     else:
         from spindle.config import TrainConfig
         from spindle.cpu_allocator import keep_freed_memory
-        from spindle.distributed.fsdp import autocast_dtype, clip_grad_norm_tensor_, parallelize_transformer
+        from spindle.distributed.fsdp import autocast_dtype, clip_grad_norm_tensor_
         from spindle.distributed.mesh import ParallelDims, build_mesh
+        from spindle.distributed.parallelize import parallelize_transformer
         from spindle.train.optim import build_optimizer
 
         if not cuda:

@@ -64,6 +64,11 @@ class ModelConfig(Section):
         description="diffusers pipeline folder (model_index.json) or transformers model folder (config.json)"
     )
     family: str | None = Field(None, description="force a family instead of detecting it from model_index.json")
+    sharded_load: bool = Field(
+        True,
+        description="build the model on the meta device, parallelize it, then read each rank's shards only "
+        "(false: every rank loads the whole model first)",
+    )
     max_text_length: int = Field(512, ge=1, description="text tokens per prompt (padded/truncated)")
 
 

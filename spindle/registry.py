@@ -60,8 +60,54 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def family_of(path: str | Path, name: str | None = None) -> Family:
-    """The family named `name`, else the one that serves the checkpoint at `path`."""
-    return get_family(name) if name else resolve_family(path)
+    """The family named `name` (refused when the checkpoint at `path` is not one of its models), else the
+    one that serves the checkpoint at `path`."""
+    if not name:
+        return resolve_family(path)
+    family = get_family(name)
+    check_family_matches(family, Path(path))
+    return family
+
+
+def check_family_matches(family: Family, root: Path) -> None:
+    """A forced family must serve the checkpoint: a transformers folder's `model_type` is one the family
+    lists; a diffusers folder's pipeline or transformer class is the family's, or its detector accepts
+    the folder. Otherwise loading would fill the gaps with defaults (a GPT-2 folder as qwen3)."""
+    if not root.is_dir():
+        return  # the loaders name the missing folder
+    if isinstance(family, CausalLMFamily):
+        if not (root / "config.json").is_file():
+            raise UnknownModelError(
+                f"model.family={family.name} is a language model family, but {root} has no config.json"
+            )
+        model_type = _read_json(root / "config.json").get("model_type")
+        if model_type not in family.model_types:
+            raise UnknownModelError(
+                f"model.family={family.name} serves transformers model_type {', '.join(family.model_types)}, but "
+                f"{root}/config.json has model_type {model_type!r}; remove model.family to detect the family, or "
+                "point model.path at a checkpoint of that family"
+            )
+        return
+    index_path = root / "model_index.json"
+    if not index_path.is_file():
+        raise UnknownModelError(
+            f"model.family={family.name} is a diffusion family, but {root} has no model_index.json "
+            "(a diffusers pipeline folder)"
+        )
+    pipeline_cls = _read_json(index_path).get("_class_name")
+    tcfg_path = root / "transformer" / "config.json"
+    transformer_cls = _read_json(tcfg_path).get("_class_name") if tcfg_path.is_file() else None
+    if (
+        pipeline_cls in family.pipeline_classes
+        or transformer_cls in family.transformer_classes
+        or (family.detect is not None and family.detect(root))
+    ):
+        return
+    raise UnknownModelError(
+        f"model.family={family.name} serves pipelines {', '.join(family.pipeline_classes)}, but {index_path} names "
+        f"{pipeline_cls!r} (transformer {transformer_cls!r}); remove model.family to detect the family, or point "
+        "model.path at a checkpoint of that family"
+    )
 
 
 def _resolve_transformers_folder(root: Path) -> Family:

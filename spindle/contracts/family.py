@@ -44,6 +44,12 @@ class CheckpointAdapter(Protocol):
         """The trained state dict in the checkpoint's `layout` (what export writes)."""
         ...
 
+    def load_sources(self, sources: dict[str, Any]) -> dict[str, Any]:
+        """Sharded loading: {checkpoint key: (shape, read(region))} -> the same for the model's keys (e.g.
+        per-expert tensors read as the fused ones, region by region); keys already in the model's
+        layout pass through (spindle.distributed.sharded_load)."""
+        ...
+
 
 def import_object(path: str) -> Any:
     """'package.module:attr' -> attr (keeps family registration free of heavy imports)."""

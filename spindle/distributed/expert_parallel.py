@@ -50,28 +50,11 @@ def check_ep_layout(dims: ParallelDims, num_experts: int) -> None:
         )
 
 
-def ep_meshes(mesh: Mesh) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh]:
-    """-> (ep, efsdp, one): the expert-parallel group of this rank; the mesh the experts' FSDP2 units
-    shard over (the ranks holding the same experts; 2-D (dp_replicate, efsdp) under HSDP); and a
-    1-rank mesh (the "ranks sharing one batch" group transformers' EP takes; no TP here). Collective
-    on first call; cached on the Mesh.
-
-    EP borrows from the flattened FSDP ranks `dp_shard x ring x sp` (as torchtitan does), inner:
-    with SP the EP group first spans the SP ranks of the same rows (the all-to-all stays on the
-    fastest links), then data-parallel ranks. Every rank of the FSDP mesh routes its own tokens, so
-    the gradient of an expert is complete once summed over its EP group (the all-to-all backward)
-    and over efsdp (FSDP2), whichever of those ranks are SP ranks.
-    """
-    cached = getattr(mesh, "_ep_meshes", None)
-    if cached is None:
-        dims = mesh.dims
-        split = mesh.fsdp._unflatten(0, (dims.fsdp_size // dims.ep, dims.ep, 1), ("efsdp", "ep", "one"))
-        efsdp = split["efsdp"]
-        if dims.dp_replicate > 1:  # HSDP: experts replicated over dp_replicate, sharded over efsdp
-            efsdp = DeviceMesh._concatenate([mesh.world["dp_replicate"], efsdp])
-        cached = (split["ep"], efsdp, split["one"])
-        mesh._ep_meshes = cached  # type: ignore[attr-defined]
-    return cached
+def _ep_meshes(mesh: Mesh) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh]:
+    """-> (ep, efsdp, one) of the mesh (built by spindle.distributed.mesh.build_mesh when ep > 1)."""
+    if mesh.ep is None or mesh.efsdp is None or mesh.ep_one is None:
+        raise ValueError("expert parallelism needs parallel.ep > 1 (the mesh has no expert-parallel sub-meshes)")
+    return mesh.ep, mesh.efsdp, mesh.ep_one
 
 
 def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -92,7 +75,7 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh) -> nn.Module:
     """Shard the experts over `ep` and install the all-to-all dispatch (in place; before FSDP2)."""
     from transformers.distributed.expert_parallel import apply_expert_parallelism
 
-    ep, _, one = ep_meshes(mesh)
+    ep, _, one = _ep_meshes(mesh)
     plan = _ep_plan(model)
     names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_modules()]
     # transformers' plan uses "layers.*" patterns relative to the base model: expand to this model's names.
@@ -109,7 +92,7 @@ def shard_experts(model: nn.Module, mesh: Mesh, mp_policy: MixedPrecisionPolicy)
     Gradients divide by the data-parallel size (module docstring); on gloo the custom factor needs
     sum-only collectives (see spindle.distributed.fsdp.apply_fsdp).
     """
-    efsdp = ep_meshes(mesh)[1]
+    efsdp = _ep_meshes(mesh)[1]
     for experts in expert_modules(model).values():
         sharded = fully_shard(experts, mesh=efsdp, mp_policy=mp_policy, reshard_after_forward=True)
         sharded.set_gradient_divide_factor(float(mesh.dims.dp_size))

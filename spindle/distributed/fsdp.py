@@ -1,9 +1,5 @@
-"""FSDP2 (`fully_shard`), activation checkpointing and gradient clipping for diffusers transformers.
-
-`parallelize_transformer` is the one entry point the trainer calls, after loading the transformer
-and before building the optimizer:
-
-    CP (diffusers Ulysses/ring hooks, if sp x ring > 1) -> activation checkpointing -> FSDP2 (blocks, then root)
+"""FSDP2 (`fully_shard`) and gradient clipping. The order FSDP2 is applied in, after SP, EP,
+activation checkpointing and compile, is spindle.distributed.parallelize's.
 
 FSDP2 shards over `dp_shard x ring x sp` ("fsdp" mesh); with `dp_replicate > 1` it is HSDP over the 2-D
 (dp_replicate, fsdp) mesh. On a 1-process world there is nothing to shard and it is skipped:
@@ -19,74 +15,29 @@ its own sequence chunk (diffusers' `AllGatherFunction.backward` returns the loca
 gradient, and the Ulysses all-to-all backward routes the rest), so the SP ranks' gradients *sum* to
 the gradient of that sample. Averaging them would halve it; the divide factor must be the number of
 distinct samples' ranks, `dp_replicate x dp_shard`. Checked numerically in
-tests/test_distributed_parallel.py against single-process gradients.
+tests/distributed/test_distributed_parallel.py against single-process gradients.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from spindle.distributed.context_parallel import enable_sequence_parallel
+from spindle.distributed.blocks import find_blocks
 from spindle.distributed.mesh import Mesh
 
 MIXED_PRECISION = ("no", "fp32", "bf16")
-_BLOCK_LIST_NAMES = ("blocks", "transformer_blocks", "single_transformer_blocks", "layers")
 
 
-def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated transformer blocks of a diffusers model, found generically (no per-family code).
-
-    First the model's own declaration (`_no_split_modules` / `_repeated_blocks`: class names of the
-    blocks); else the children of ModuleList attributes named like blocks. Outermost matches only.
-    """
-    names = set(getattr(model, "_no_split_modules", None) or ()) | set(getattr(model, "_repeated_blocks", None) or ())
-    blocks: list[nn.Module] = []
-    if names:
-        inside: set[int] = set()
-        for module in model.modules():
-            if id(module) in inside or module is model:
-                continue
-            if type(module).__name__ in names:
-                blocks.append(module)
-                inside.update(id(m) for m in module.modules())
-    if not blocks:
-        for attr in _BLOCK_LIST_NAMES:
-            children = getattr(model, attr, None)
-            if isinstance(children, nn.ModuleList):
-                blocks.extend(children)
-    if not blocks:
-        raise ValueError(
-            f"cannot find the transformer blocks of {type(model).__name__}: it declares no `_no_split_modules` and has "
-            f"no ModuleList named one of {_BLOCK_LIST_NAMES}"
-        )
-    return blocks
-
-
-def fsdp_mesh(mesh: Mesh) -> DeviceMesh:
-    """The mesh FSDP2 shards over: 1-D "fsdp" (dp_shard x sp), or 2-D (dp_replicate, fsdp) for HSDP."""
-    if mesh.dims.dp_replicate == 1:
-        return mesh.fsdp
-    cached = getattr(mesh, "_hsdp_mesh", None)
-    if cached is None:
-        # Slicing the flattened "fsdp" dim off the root mesh is deprecated (torch 2.11); an
-        # unflattened view of the flattened world keeps one root mesh and the same rank layout
-        # (world is row-major over (dp_replicate, dp_shard, sp)). Collective: every rank calls it.
-        flat = mesh.world._flatten("world_flat")
-        cached = flat._unflatten(0, (mesh.dims.dp_replicate, mesh.dims.fsdp_size), ("dp_replicate", "fsdp"))
-        mesh._hsdp_mesh = cached  # type: ignore[attr-defined]
-    return cached
-
-
-def _mp_policy(mixed_precision: str | None) -> MixedPrecisionPolicy:
+def mp_policy(mixed_precision: str | None) -> MixedPrecisionPolicy:
+    """FSDP2's mixed-precision policy for `train.mixed_precision`; raises on an unknown value."""
     mp = (mixed_precision or "no").lower()
     if mp not in MIXED_PRECISION:
         raise ValueError(f"mixed_precision must be one of {MIXED_PRECISION}, got {mixed_precision!r}")
@@ -97,12 +48,16 @@ def _mp_policy(mixed_precision: str | None) -> MixedPrecisionPolicy:
 
 
 def apply_fsdp(
-    transformer: nn.Module, mesh: Mesh, mixed_precision: str | None = "no", reshard_after_forward: bool = True
+    transformer: nn.Module,
+    mesh: Mesh,
+    mixed_precision: str | None = "no",
+    reshard_after_forward: bool = True,
+    block_names: tuple[str, ...] = (),
 ) -> nn.Module:
     """FSDP2 `fully_shard` on each repeated block, then on the root (in place; returns the model)."""
-    dmesh = fsdp_mesh(mesh)
-    policy = _mp_policy(mixed_precision)
-    for block in find_blocks(transformer):
+    dmesh = mesh.shard
+    policy = mp_policy(mixed_precision)
+    for block in find_blocks(transformer, block_names):
         fully_shard(block, mesh=dmesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     # Root too with an explicit flag: FSDP2's default (None) keeps the root's params unsharded after
     # forward, so after a no-grad forward (validation, sampling) `model.parameters()` would be plain
@@ -120,70 +75,6 @@ def apply_fsdp(
                     # Gloo"); sum-only collectives + FSDP's own post-division give the same result.
                     module.set_force_sum_reduction_for_comms(True)
     return transformer
-
-
-def apply_activation_checkpointing(transformer: nn.Module) -> nn.Module:
-    """Recompute each transformer block in backward, through diffusers' own gradient checkpointing.
-
-    Why diffusers' `enable_gradient_checkpointing()` rather than torch's `checkpoint_wrapper`: it
-    checkpoints exactly one block per call (the model's forward wraps each block), it uses
-    non-reentrant `torch.utils.checkpoint` around `block.__call__` so FSDP2's per-block
-    all-gather hooks fire again in the recomputation, it keeps parameter names unchanged
-    (`checkpoint_wrapper` inserts `_checkpoint_wrapped_module.` into every FQN, which would leak
-    into optimizer state, DCP keys and export), and it leaves the modules the CP plan hooks into
-    (`blocks.0`, `rope`, `proj_out`) in place. The CP split of `blocks.0` runs inside the
-    recomputed region, which is fine: it is a local slice, not a collective; the Ulysses
-    all-to-alls inside attention are re-run in the same order on every rank.
-    """
-    if not getattr(transformer, "_supports_gradient_checkpointing", False):
-        raise ValueError(
-            f"{type(transformer).__name__} does not support gradient checkpointing (diffusers "
-            f"`_supports_gradient_checkpointing` is False); set train.gradient_checkpointing: false"
-        )
-    model: Any = transformer  # a diffusers ModelMixin (checked above); its API is not on nn.Module
-    model.enable_gradient_checkpointing()
-    return transformer
-
-
-def compile_blocks(model: nn.Module) -> int:
-    """Regional compilation: `torch.compile` each repeated block in place (`nn.Module.compile`, as
-    diffusers' `compile_repeated_blocks` does), so parameter names stay unchanged (checkpoints,
-    export) and one block's compiled code serves all of them. Call after SP and activation
-    checkpointing (the checkpoint wraps the compiled block) and before FSDP2 (dynamo skips FSDP2's
-    hooks; torchtitan's order). -> the number of blocks compiled."""
-    blocks = find_blocks(model)
-    if not blocks:
-        raise ValueError(f"{type(model).__name__} has no repeated blocks to compile; set train.compile: false")
-    for block in blocks:
-        block.compile()
-    return len(blocks)
-
-
-def parallelize_transformer(
-    transformer: nn.Module,
-    mesh: Mesh,
-    *,
-    mixed_precision: str | None = "no",
-    gradient_checkpointing: bool = False,
-    compile: bool = False,
-    cp_plan: dict[str, Any] | None = None,
-    reshard_after_forward: bool = True,
-) -> nn.Module:
-    """CP (if sp > 1) -> activation checkpointing -> regional compile -> FSDP2, in place; returns the model.
-
-    Call on every rank, after loading the (full, same-on-every-rank) transformer and before
-    building the optimizer. Feed every rank of an SP group the same batch.
-    """
-    _mp_policy(mixed_precision)  # validate before any work
-    if mesh.dims.cp_size > 1:
-        enable_sequence_parallel(transformer, mesh.cp, plan=cp_plan)
-    if gradient_checkpointing:
-        apply_activation_checkpointing(transformer)
-    if compile:
-        compile_blocks(transformer)
-    if mesh.world.size() == 1:  # nothing to shard (module docstring)
-        return transformer
-    return apply_fsdp(transformer, mesh, mixed_precision, reshard_after_forward=reshard_after_forward)
 
 
 def autocast_dtype(transformer: nn.Module, mixed_precision: str | None) -> torch.dtype | None:

@@ -6,7 +6,10 @@ Ulysses is innermost (its all-to-alls want the fastest links). FSDP shards param
 flattened `dp_shard x ring x sp` ("fsdp"); data is split over `dp_replicate x dp_shard` ("dp") only,
 so all ranks of a sequence-parallel group see the same sample.
 Expert parallelism (`ep`, MoE models) divides the FSDP ranks `dp_shard x ring x sp`: its meshes are
-built from "fsdp" by spindle.distributed.expert_parallel, so the dense layout does not change with ep.
+views of "fsdp" (see `build_mesh`), so the dense layout does not change with ep.
+
+Every sub-mesh is built here, once, in `build_mesh` (collective: every rank calls it): FSDP2,
+HSDP, sequence parallel and expert parallel code take them from the `Mesh`, never build their own.
 """
 
 from __future__ import annotations
@@ -110,6 +113,14 @@ class Mesh:
     fsdp: DeviceMesh  # parameter sharding: dp_shard x ring x sp (flattened)
     sp: DeviceMesh  # Ulysses sequence parallel group
     cp: DeviceMesh  # the whole sequence-parallel group, 2-D (ring, sp)
+    # What FSDP2 shards over: `fsdp` (1-D), or 2-D (dp_replicate, fsdp) for HSDP.
+    shard: DeviceMesh
+    # Expert parallelism (None when ep == 1): this rank's EP group; the mesh the experts' FSDP2 units
+    # shard over (ranks holding the same experts; 2-D (dp_replicate, efsdp) under HSDP); and a 1-rank
+    # mesh (the "ranks sharing one batch" group transformers' EP takes: no TP here).
+    ep: DeviceMesh | None = None
+    efsdp: DeviceMesh | None = None
+    ep_one: DeviceMesh | None = None
 
     @property
     def dp_rank(self) -> int:
@@ -132,7 +143,24 @@ def build_mesh(dims: ParallelDims) -> Mesh:
     # Keep the flattened meshes ourselves: slicing flattened dims off the root mesh is deprecated.
     dp = world[("dp_replicate", "dp_shard")]._flatten("dp")
     fsdp = world[("dp_shard", "ring", "sp")]._flatten("fsdp")
-    return Mesh(dims, world, dp=dp, fsdp=fsdp, sp=world["sp"], cp=world[("ring", "sp")])
+    shard = fsdp
+    if dims.dp_replicate > 1:
+        # HSDP. Slicing the flattened "fsdp" dim off the root mesh is deprecated (torch 2.11); an
+        # unflattened view of the flattened world keeps one root mesh and the same rank layout
+        # (world is row-major over (dp_replicate, dp_shard, ring, sp)).
+        flat = world._flatten("world_flat")
+        shard = flat._unflatten(0, (dims.dp_replicate, dims.fsdp_size), ("dp_replicate", "fsdp"))
+    mesh = Mesh(dims, world, dp=dp, fsdp=fsdp, sp=world["sp"], cp=world[("ring", "sp")], shard=shard)
+    if dims.ep > 1:
+        # EP borrows from the flattened FSDP ranks, inner (as torchtitan does): with SP the EP group
+        # first spans the SP ranks of the same rows (the all-to-all stays on the fastest links), then
+        # data-parallel ranks (spindle.distributed.expert_parallel).
+        split = fsdp._unflatten(0, (dims.fsdp_size // dims.ep, dims.ep, 1), ("efsdp", "ep", "one"))
+        efsdp = split["efsdp"]
+        if dims.dp_replicate > 1:  # HSDP: experts replicated over dp_replicate, sharded over efsdp
+            efsdp = DeviceMesh._concatenate([world["dp_replicate"], efsdp])
+        mesh.ep, mesh.efsdp, mesh.ep_one = split["ep"], efsdp, split["one"]
+    return mesh
 
 
 def barrier() -> None:

@@ -24,6 +24,7 @@ import torch
 
 from spindle.contracts.request import Req
 from spindle.contracts.stage import BeforeDenoisingStage, InferenceSpec, Stage
+from spindle.distributed.blocks import compile_blocks
 from spindle.engine_config import EngineConfig
 from spindle.infer.stages import DecodingStage, DenoisingStage
 
@@ -84,19 +85,6 @@ def load_components(root: str | Path, spec: InferenceSpec, options: EngineConfig
         dtype = DTYPES[options.vae_dtype] if name == spec.vae_component else DTYPES[options.dtype]
         out[name] = load_component(root, name, index.get(name), device, dtype)
     return out
-
-
-def apply_compile(transformer: ModelMixin) -> None:
-    """Regional compilation: `torch.compile` each repeated block (diffusers `_repeated_blocks`)."""
-    if getattr(transformer, "_repeated_blocks", None):
-        transformer.compile_repeated_blocks()
-        return
-    blocks = [m for m in transformer.children() if isinstance(m, torch.nn.ModuleList)]
-    if not blocks:
-        raise ValueError(f"{type(transformer).__name__} has no repeated blocks to compile")
-    for modules in blocks:
-        for block in modules:
-            block.compile()
 
 
 class InferencePipeline:
@@ -168,7 +156,7 @@ class InferencePipeline:
         if options.cache not in (None, "auto"):  # "auto": DiffusionGenerator calibrates on the first request
             denoising.set_cache(options.cache, options.cache_threshold, options.cache_options)
         if options.compile:
-            apply_compile(transformer)
+            compile_blocks(transformer)  # regional compile: the helper training uses too
         vae = components[spec.vae_component]
         if not options.exact:
             from spindle.infer.speedups import memoize_constant_inputs, onednn_conv3d, onednn_linear_gelu

@@ -426,8 +426,9 @@ def sp_reference(family: DiTFamily, root: Path) -> dict[str, Any]:
 
 def sp_worker(rank: int, world: int, family_name: str, root: str, layouts: dict[str, dict[str, int]], out: str) -> None:
     """Every layout in turn on the spawned ranks (all ranks see the same sample); rank 0 saves results."""
-    from spindle.distributed.fsdp import full_grads, parallelize_transformer
+    from spindle.distributed.fsdp import full_grads
     from spindle.distributed.mesh import ParallelDims, build_mesh
+    from spindle.distributed.parallelize import parallelize_transformer
     from spindle.registry import family_of
 
     family = family_of(root, family_name)

@@ -15,6 +15,8 @@ except the adaptive-norm modulation (`norm*` names): the attention and feed-forw
 from __future__ import annotations
 
 import difflib
+import hashlib
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -100,6 +102,33 @@ def apply_lora(model: nn.Module, blocks: Sequence[nn.Module], cfg: Any) -> nn.Mo
     for name, param in model.named_parameters():
         param.requires_grad_(is_lora_name(name))
     return model
+
+
+@torch.no_grad()
+def init_adapters(model: nn.Module, seed: int) -> None:
+    """Initialise every LoRA adapter: A uniform in +-1/sqrt(in_features) (PEFT's default, kaiming-uniform
+    with a=sqrt(5)), B zero (training starts exactly at the base model), each A from a generator keyed on
+    (seed, module name). Keyed, not drawn from the global RNG in injection order, so that the values do
+    not depend on where the adapters were created: on the host (full load) or on the meta device, then
+    materialised shard by shard (sharded load: PEFT puts adapters on their base layer's device). Each
+    rank computes an adapter's full A (rank x in_features, small) and keeps its own shard."""
+    from peft.tuners.lora import LoraLayer
+
+    from spindle.distributed.sharded_load import local_region
+
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLayer) or ADAPTER not in module.lora_A:
+            continue
+        layer: Any = module  # PEFT's LoraLayer: its adapter dicts are not typed as modules of Linear
+        a: torch.Tensor = layer.lora_A[ADAPTER].weight
+        b: torch.Tensor = layer.lora_B[ADAPTER].weight
+        digest = hashlib.blake2b(f"lora:{seed}:{name}".encode(), digest_size=8).digest()
+        generator = torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+        bound = 1.0 / math.sqrt(a.shape[1])
+        full = torch.empty(tuple(a.shape)).uniform_(-bound, bound, generator=generator)
+        local, region = local_region(a)
+        local.copy_(full[region])
+        local_region(b)[0].zero_()
 
 
 def is_lora_name(name: str) -> bool:

@@ -64,8 +64,9 @@ def _worker(rank: int, world: int, root: str, out_dir: str, cases: dict) -> None
     from torch.distributed.tensor import DTensor
 
     from spindle.distributed.context_parallel import sequence_parallel_size
-    from spindle.distributed.fsdp import clip_grad_norm_, full_grads, parallelize_transformer
+    from spindle.distributed.fsdp import clip_grad_norm_, full_grads
     from spindle.distributed.mesh import build_mesh
+    from spindle.distributed.parallelize import parallelize_transformer
     from spindle.train.tasks.flow_matching import load_transformer
 
     edges = {}
@@ -334,9 +335,11 @@ def test_one_process_is_the_degenerate_mesh(tiny_wan):
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
+    from spindle.distributed.blocks import find_blocks
     from spindle.distributed.context_parallel import enable_sequence_parallel, sequence_parallel_size
-    from spindle.distributed.fsdp import clip_grad_norm_, find_blocks, full_grads, parallelize_transformer
+    from spindle.distributed.fsdp import clip_grad_norm_, full_grads
     from spindle.distributed.mesh import build_mesh
+    from spindle.distributed.parallelize import parallelize_transformer
     from spindle.train.tasks.flow_matching import load_transformer
 
     owns_group = not dist.is_initialized()
@@ -378,8 +381,9 @@ def test_bf16_mixed_precision_policy(tiny_wan):
     use); `parallelize_transformer` on one process skips FSDP and asks for autocast instead."""
     import torch.distributed as dist
 
-    from spindle.distributed.fsdp import apply_fsdp, autocast_dtype, full_grads, parallelize_transformer
+    from spindle.distributed.fsdp import apply_fsdp, autocast_dtype, full_grads
     from spindle.distributed.mesh import build_mesh
+    from spindle.distributed.parallelize import parallelize_transformer
     from spindle.train.tasks.flow_matching import load_transformer
 
     owns_group = not dist.is_initialized()

@@ -58,7 +58,7 @@ def test_compiled_blocks_train_like_eager(make_config, tmp_path):
     train(make_config(tmp_path / "eager", **common))
     cfg = make_config(tmp_path / "compiled", train__compile=True, **common)
     trainer = make_trainer(cfg)
-    from spindle.distributed.fsdp import find_blocks
+    from spindle.distributed.blocks import find_blocks
 
     assert all(getattr(b, "_compiled_call_impl", None) is not None for b in find_blocks(trainer.model))
     trainer.run()

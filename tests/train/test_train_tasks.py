@@ -17,6 +17,8 @@ def test_trainer_and_distributed_import_no_model_library():
         "import sys\n"
         "import spindle.train.trainer, spindle.train.tasks, spindle.distributed.fsdp, spindle.distributed.checkpoint\n"
         "import spindle.distributed.context_parallel, spindle.distributed.mesh, spindle.config, spindle.registry\n"
+        "import spindle.distributed.parallelize, spindle.distributed.sharded_load, spindle.distributed.blocks\n"
+        "import spindle.distributed.expert_parallel, spindle.contracts.parallel\n"
         "bad = sorted(m for m in ('diffusers', 'transformers') if m in sys.modules)\n"
         "assert not bad, bad\n"
     )

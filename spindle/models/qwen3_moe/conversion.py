@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -173,6 +174,59 @@ def to_layout(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], layou
     return revert_weight_conversion(model, state_dict)
 
 
+Region = tuple[slice, ...]
+Source = tuple[tuple[int, ...], Callable[[Region], torch.Tensor]]
+
+
+def load_sources(sources: dict[str, Source]) -> dict[str, Source]:
+    """Sharded loading (spindle.distributed.sharded_load): per-expert tensors read as the fused
+    `gate_up_proj [E, 2I, H]` (gate rows then up rows, transformers' load-time mapping) and
+    `down_proj [E, H, I]`. A region reads only the experts and rows it covers, one expert at a time,
+    so a rank holding E/ep experts reads those experts' bytes only. Fused checkpoints pass through."""
+    out: dict[str, Source] = {}
+    per_expert: dict[str, dict[int, dict[str, Source]]] = {}
+    for key, source in sources.items():
+        m = _EXPERT_KEY.match(key)
+        rest = m.group("rest").split(".") if m else []
+        if m and len(rest) == 3 and rest[0].isdigit() and rest[2] == "weight":
+            per_expert.setdefault(m.group("prefix"), {}).setdefault(int(rest[0]), {})[rest[1]] = source
+        else:
+            out[key] = source
+    for prefix, experts in per_expert.items():
+        count = len(experts)
+        gate = [experts[j]["gate_proj"] for j in range(count)]
+        up = [experts[j]["up_proj"] for j in range(count)]
+        down = [experts[j]["down_proj"] for j in range(count)]
+        inter, hidden = gate[0][0]
+        out[f"{prefix}.gate_up_proj"] = ((count, 2 * inter, hidden), _fused_gate_up(gate, up, inter))
+        out[f"{prefix}.down_proj"] = ((count, *down[0][0]), _stacked(down))
+    return out
+
+
+def _stacked(parts: list[Source]) -> Callable[[Region], torch.Tensor]:
+    def read(region: Region) -> torch.Tensor:
+        experts, rest = region[0], region[1:]
+        return torch.stack([parts[j][1](rest) for j in range(experts.start, experts.stop)])
+
+    return read
+
+
+def _fused_gate_up(gate: list[Source], up: list[Source], inter: int) -> Callable[[Region], torch.Tensor]:
+    def read(region: Region) -> torch.Tensor:
+        experts, rows, cols = region
+        pieces = []
+        for j in range(experts.start, experts.stop):
+            parts = []
+            if rows.start < inter:  # gate rows
+                parts.append(gate[j][1]((slice(rows.start, min(rows.stop, inter)), cols)))
+            if rows.stop > inter:  # up rows
+                parts.append(up[j][1]((slice(max(rows.start - inter, 0), rows.stop - inter), cols)))
+            pieces.append(torch.cat(parts))
+        return torch.stack(pieces)
+
+    return read
+
+
 class Qwen3MoeCheckpoints:
     """The family's `CheckpointAdapter` (spindle.contracts.family): the functions above, as the MoE task
     reaches them through `FAMILY.adapter()`."""
@@ -182,6 +236,7 @@ class Qwen3MoeCheckpoints:
     register = staticmethod(register_conversion)
     check_loading_info = staticmethod(check_loading_info)
     to_layout = staticmethod(to_layout)
+    load_sources = staticmethod(load_sources)
 
 
 ADAPTER = Qwen3MoeCheckpoints()

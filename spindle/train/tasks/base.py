@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
+
+from spindle.contracts.parallel import ParallelPlan
 from spindle.contracts.task import TrainTask
 from spindle.data.loader import ResumableLoader
+
+if TYPE_CHECKING:
+    from spindle.distributed.sharded_load import TensorSource
 
 
 def resumable_loader(task: TrainTask, dataset: Any, collate_fn: Callable[[list[Any]], Any]) -> ResumableLoader:
@@ -23,3 +29,58 @@ def resumable_loader(task: TrainTask, dataset: Any, collate_fn: Callable[[list[A
         collate_fn=collate_fn,
         global_batch_size=cfg.train.global_batch_size,
     )
+
+
+def build_parallel_model(
+    task: TrainTask,
+    plan: ParallelPlan,
+    build_empty: Callable[[], torch.nn.Module],
+    checkpoint: Callable[[], dict[str, TensorSource]],
+    load_full: Callable[[], torch.nn.Module],
+    convert: Callable[[torch.nn.Module], Any] | None = None,
+    fresh: Callable[[str], bool] | None = None,
+    init_fresh: Callable[[torch.nn.Module], None] | None = None,
+) -> torch.nn.Module:
+    """The trainable model of a task, loaded and parallelized on `task.mesh`, in train mode.
+
+    `build_empty()` builds the model's skeleton with its parameters on meta (`empty_weights()`);
+    `checkpoint()` -> the checkpoint's tensors as the model holds them (`SafetensorsCheckpoint.sources`,
+    after the family adapter's layout conversion); `load_full()` loads the whole model the library's
+    way (`model.sharded_load: false`, today's path before sharded loading); `convert` changes the
+    model before parallelizing (LoRA adapters); the parameters it adds are not in the checkpoint
+    (`fresh(name)` says which) and `init_fresh` gives them their initial values after loading, the
+    same in both paths (spindle.train.lora.init_adapters).
+
+    Sharded (default): skeleton -> convert -> parallelize on meta -> each rank reads its shards
+    (spindle.distributed.sharded_load). Full: the whole model on every rank -> convert -> parallelize.
+    Both refuse a checkpoint whose tensors do not match the model, naming the key, before reading
+    any weight.
+    """
+    from spindle.distributed.fsdp import autocast_dtype
+    from spindle.distributed.parallelize import parallelize
+    from spindle.distributed.sharded_load import check_checkpoint_keys, load_sharded
+
+    cfg = task.cfg
+    where = str(cfg.model.path)
+    sources = checkpoint()
+    model = build_empty()
+    if not cfg.model.sharded_load:
+        check_checkpoint_keys(model, sources, where)  # strict on this path too, before reading weights
+        model = load_full().to(task.device)
+    if convert is not None:
+        convert(model)
+    model.train()
+    parallelize(
+        model,
+        task.mesh,
+        plan,
+        mixed_precision=task.precision,
+        gradient_checkpointing=cfg.train.gradient_checkpointing,
+        compile=cfg.train.compile,
+    )
+    if cfg.model.sharded_load:
+        load_sharded(model, sources, task.device, where, fresh)
+    if init_fresh is not None:
+        init_fresh(model)
+    task.autocast_dtype = autocast_dtype(model, task.precision)
+    return model

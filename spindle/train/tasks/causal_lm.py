@@ -1,9 +1,10 @@
 """The causal-LM task: a transformers ForCausalLM trained on next-token loss from text/chat JSONL.
 
 - Model: the family's ForCausalLM class (`CausalLMFamily.model_class`: stock transformers, or the
-  family's patchgen-generated class with the chunked loss) loaded from the transformers folder in fp32;
-  activation checkpointing through transformers' own (non-reentrant); FSDP2 per decoder layer then
-  root (`_no_split_modules`), HSDP with dp_replicate; bf16 `MixedPrecisionPolicy` on CUDA.
+  family's patchgen-generated class with the chunked loss), built on meta, parallelized by the one path
+  (spindle.distributed.parallelize: Ulysses SP, transformers' non-reentrant activation checkpointing,
+  compile, FSDP2 per decoder layer then root, HSDP with dp_replicate), then each rank reads its shards
+  in fp32 (spindle.distributed.sharded_load; `model.sharded_load: false` loads the whole model first).
 - Data: `spindle.data.text` rows (packed documents, per-document positions, pre-shifted labels).
 - Loss: the model's own loss path asked for a *sum* over valid tokens (see `LOSS_SUM`); the trainer
   divides by the valid-token count of the global batch (`loss_units`), so the step loss is the mean
@@ -24,14 +25,16 @@ import torch
 
 from spindle.config import CausalLMJobConfig, ConfigError
 from spindle.contracts.family import CausalLMFamily
+from spindle.contracts.parallel import ParallelPlan
 from spindle.contracts.task import StepOutput, TrainTask
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.mesh import barrier, is_main_process
-from spindle.train.tasks.base import resumable_loader
+from spindle.train.tasks.base import build_parallel_model, resumable_loader
 
 if TYPE_CHECKING:
     from spindle.data.loader import ResumableLoader
     from spindle.distributed.mesh import Mesh, ParallelDims
+    from spindle.distributed.sharded_load import TensorSource
 
 log = logging.getLogger("spindle.train")
 
@@ -148,50 +151,75 @@ class CausalLMTask(TrainTask):
     def load_model(self) -> Any:
         """The family's ForCausalLM from the transformers folder, fp32 (master weights), sdpa attention."""
         cls: Any = self.family.model_cls()
-        return cls.from_pretrained(self.cfg.model.path, dtype=torch.float32, attn_implementation="sdpa")
+        return cls.from_pretrained(
+            self.cfg.model.path, dtype=torch.float32, attn_implementation="sdpa", **self.model_init_kwargs()
+        )
+
+    def model_init_kwargs(self) -> dict[str, Any]:
+        """Extra keyword arguments of the model's construction (both load paths)."""
+        return {}
+
+    def empty_model(self) -> torch.nn.Module:
+        """The family's ForCausalLM built from config.json alone, as `load_model` would build it (fp32, sdpa,
+        tied embeddings, the folder's generation config), its parameters on the meta device."""
+        from transformers import AutoConfig, GenerationConfig
+
+        from spindle.distributed.sharded_load import empty_weights
+
+        path = Path(self.cfg.model.path)
+        cls: Any = self.family.model_cls()
+        with empty_weights():
+            model = cls._from_config(
+                AutoConfig.from_pretrained(path),
+                dtype=torch.float32,
+                attn_implementation="sdpa",
+                **self.model_init_kwargs(),
+            )
+        # outside empty_weights, whose parameter registration makes a new tensor: tying must keep one
+        model.tie_weights()  # `from_pretrained` ties after loading (config.tie_word_embeddings); `_from_config` not
+        if (path / "generation_config.json").is_file():
+            model.generation_config = GenerationConfig.from_pretrained(path)
+        built: torch.nn.Module = model
+        return built
+
+    def checkpoint_sources(self) -> dict[str, TensorSource]:
+        """The checkpoint's tensors as the model holds them."""
+        from spindle.distributed.sharded_load import SafetensorsCheckpoint
+
+        return SafetensorsCheckpoint(self.cfg.model.path).sources()
+
+    def parallel_plan(self) -> ParallelPlan:
+        return ParallelPlan("transformers")
 
     def build_model(self) -> torch.nn.Module:
-        from spindle.distributed.fsdp import apply_fsdp, autocast_dtype, compile_blocks
+        from spindle.train.lora import init_adapters, is_lora_name
 
-        model = self.load_model().to(self.device)
-        model.train()
-        if self.cfg.train.lora is not None:  # adapters before SP / checkpointing / FSDP2 (spindle.train.lora)
+        lora = self.cfg.train.lora
+        return build_parallel_model(
+            self,
+            self.parallel_plan(),
+            build_empty=self.empty_model,
+            checkpoint=self.checkpoint_sources,
+            load_full=self.load_model,
+            convert=self.prepare_model,
+            fresh=None if lora is None else is_lora_name,
+            init_fresh=None if lora is None else lambda model: init_adapters(model, self.cfg.train.seed),
+        )
+
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        """What changes the model before it is parallelized, on either load path (its parameters may be
+        on meta): LoRA adapters on `lora_blocks` (spindle.train.lora; their values are set after loading)."""
+        if self.cfg.train.lora is not None:
             from spindle.train.lora import apply_lora
 
             apply_lora(model, self.lora_blocks(self.family, model), self.cfg.train.lora)
-        # Order (docs/architecture.md): SP -> activation checkpointing -> compile -> FSDP2.
-        if self.mesh.dims.sp > 1:
-            from spindle.distributed import ulysses_attention
-
-            ulysses_attention.enable_sequence_parallel(self.sequence_parallel_module(model), self.mesh.sp)
-        if self.cfg.train.gradient_checkpointing:
-            # Non-reentrant: FSDP2's per-layer all-gather hooks fire again in the recomputation, and
-            # parameter names stay unchanged (no wrapper module in the FQNs, checkpoints, export).
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        self.parallelize_extra(model)
-        if self.cfg.train.compile:
-            compile_blocks(model)
-        if self.mesh.world.size() > 1:  # one process: nothing to shard (spindle.distributed.fsdp)
-            apply_fsdp(model, self.mesh, self.precision)
-        self.autocast_dtype = autocast_dtype(model, self.precision)
-        trained: torch.nn.Module = model
-        return trained
 
     @classmethod
     def lora_blocks(cls, family: CausalLMFamily, model: torch.nn.Module) -> list[torch.nn.Module]:
         """The blocks whose linear layers `train.lora.targets` selects from (default: all of them)."""
-        from spindle.distributed.fsdp import find_blocks
+        from spindle.distributed.blocks import find_blocks
 
         return find_blocks(model)
-
-    def sequence_parallel_module(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The transformers model whose attention Ulysses SP replaces (the decoder stack)."""
-        return model
-
-    def parallelize_extra(self, model: torch.nn.Module) -> None:
-        """Model-specific parallelism applied after SP and activation checkpointing, before the dense
-        FSDP2 units (e.g. expert parallelism and the experts' own FSDP2 units, moe_causal_lm.py)."""
-        return None
 
     def build_loader(self) -> ResumableLoader:
         from spindle.data.text import build_text_dataset, collate_rows

@@ -20,33 +20,47 @@ import torch.nn.functional as F
 from spindle.config import DiTJobConfig
 from spindle.contracts.condition import ConditionModel
 from spindle.contracts.family import DiTFamily, import_object
+from spindle.contracts.parallel import ParallelPlan
 from spindle.contracts.task import StepOutput, TrainTask
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.mesh import barrier, is_main_process
 from spindle.export_record import EXPORT_RECORD, LORA_WEIGHTS, write_export_record, write_lora_card
 from spindle.train.metrics import count_tokens
-from spindle.train.tasks.base import resumable_loader
+from spindle.train.tasks.base import build_parallel_model, resumable_loader
 
 if TYPE_CHECKING:
     from spindle.data.loader import ResumableLoader
     from spindle.distributed.mesh import Mesh, ParallelDims
 
 
-def load_transformer(root: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """Load the diffusers transformer class named in `root/transformer/config.json`."""
-    import json
-
+def transformer_class(root: str | Path) -> Any:
+    """The diffusers transformer class named in `root/transformer/config.json`."""
     import diffusers
 
-    tdir = Path(root) / "transformer"
-    cfg_path = tdir / "config.json"
+    cfg_path = Path(root) / "transformer" / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path} not found: the checkpoint has no transformer component")
     cls_name = json.loads(cfg_path.read_text())["_class_name"]
     cls = getattr(diffusers, cls_name, None)
     if cls is None:
         raise ValueError(f"{cfg_path} names {cls_name!r}, which diffusers {diffusers.__version__} does not provide")
-    model: torch.nn.Module = cls.from_pretrained(tdir, dtype=dtype)
+    return cls
+
+
+def load_transformer(root: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Load the diffusers transformer of the pipeline folder `root` (every weight, on the host)."""
+    model: torch.nn.Module = transformer_class(root).from_pretrained(Path(root) / "transformer", dtype=dtype)
+    return model
+
+
+def transformer_from_config(root: str | Path) -> torch.nn.Module:
+    """The transformer of `root` built from its config alone, fp32, its parameters on the meta device
+    (no weight read; buffers computed as diffusers computes them)."""
+    from spindle.distributed.sharded_load import empty_weights
+
+    cls = transformer_class(root)
+    with empty_weights():
+        model: torch.nn.Module = cls.from_config(cls.load_config(Path(root) / "transformer"))
     return model
 
 
@@ -106,21 +120,21 @@ class FlowMatchingTask(TrainTask):
         return cond
 
     def build_model(self) -> torch.nn.Module:
-        from spindle.distributed.fsdp import autocast_dtype, parallelize_transformer
+        from spindle.distributed.sharded_load import SafetensorsCheckpoint
+        from spindle.train.lora import init_adapters, is_lora_name
 
-        model = load_transformer(self.cfg.model.path, dtype=torch.float32).to(self.device)
-        if self.cfg.train.lora is not None:  # converters before SP / checkpointing / FSDP2
-            add_lora(model, self.cfg.train.lora)
-        model.train()
-        model = parallelize_transformer(
-            model,
-            self.mesh,
-            mixed_precision=self.precision,
-            gradient_checkpointing=self.cfg.train.gradient_checkpointing,
-            compile=self.cfg.train.compile,
+        root = self.cfg.model.path
+        lora = self.cfg.train.lora
+        return build_parallel_model(
+            self,
+            ParallelPlan("diffusers"),
+            build_empty=lambda: transformer_from_config(root),
+            checkpoint=lambda: SafetensorsCheckpoint(Path(root) / "transformer").sources(),
+            load_full=lambda: load_transformer(root, dtype=torch.float32),
+            convert=None if lora is None else lambda model: add_lora(model, lora),  # converters before SP / FSDP2
+            fresh=is_lora_name,
+            init_fresh=None if lora is None else lambda model: init_adapters(model, self.seed),
         )
-        self.autocast_dtype = autocast_dtype(model, self.precision)
-        return model
 
     @classmethod
     def check_data(cls, cfg: DiTJobConfig) -> None:
@@ -271,7 +285,7 @@ def build_condition_model(
 
 
 def add_lora(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
-    from spindle.distributed.fsdp import find_blocks
+    from spindle.distributed.blocks import find_blocks
     from spindle.train.lora import apply_lora
 
     return apply_lora(model, find_blocks(model), lora)

@@ -28,12 +28,14 @@ import torch.distributed as dist
 
 from spindle.config import CausalLMJobConfig, ConfigError
 from spindle.contracts.family import CausalLMFamily, CheckpointAdapter
+from spindle.contracts.parallel import ParallelPlan
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.mesh import is_main_process
 from spindle.train.tasks.causal_lm import PADDING_MASK_KEY, CausalLMTask, write_transformers_folder
 
 if TYPE_CHECKING:
     from spindle.distributed.mesh import Mesh, ParallelDims
+    from spindle.distributed.sharded_load import TensorSource
 
 
 def checkpoint_adapter(family: CausalLMFamily) -> CheckpointAdapter:
@@ -80,17 +82,20 @@ class MoECausalLMTask(CausalLMTask):
     def load_model(self) -> torch.nn.Module:
         return load_moe_model(self.family, self.cfg.model.path, self.device.type, attn_implementation="sdpa")
 
+    def model_init_kwargs(self) -> dict[str, Any]:
+        return {"experts_implementation": experts_implementation(self.family_config, self.device.type)}
+
+    def checkpoint_sources(self) -> dict[str, TensorSource]:
+        # per-expert checkpoints read straight into the fused gate_up_proj / down_proj (the family's adapter)
+        return self.adapter.load_sources(super().checkpoint_sources())
+
+    def parallel_plan(self) -> ParallelPlan:
+        return ParallelPlan("transformers", expert_parallel=True)
+
     def build_model(self) -> torch.nn.Module:
-        self.expert_layout = self.adapter.layout(self.cfg.model.path)
+        self.expert_layout = self.adapter.layout(self.cfg.model.path)  # validates expert keys and shapes first
+        self.adapter.register()
         return super().build_model()
-
-    def parallelize_extra(self, model: torch.nn.Module) -> None:
-        from spindle.distributed import expert_parallel as ep
-        from spindle.distributed.fsdp import _mp_policy
-
-        if self.mesh.dims.ep > 1:
-            ep.apply_expert_parallel(model, self.mesh)
-            ep.shard_experts(model, self.mesh, _mp_policy(self.precision))
 
     # ------------------------------------------------------------ step
 

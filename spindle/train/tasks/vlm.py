@@ -29,6 +29,7 @@ import torch
 
 from spindle.config import CausalLMJobConfig, ConfigError, VLMJobConfig
 from spindle.contracts.family import CausalLMFamily, VLMFamily
+from spindle.contracts.parallel import ParallelPlan
 from spindle.contracts.task import StepOutput
 from spindle.distributed.mesh import is_main_process
 from spindle.train.tasks.base import resumable_loader
@@ -37,6 +38,7 @@ from spindle.train.tasks.causal_lm import CausalLMTask, causal_lm_output
 if TYPE_CHECKING:
     from spindle.data.loader import ResumableLoader
     from spindle.distributed.mesh import Mesh, ParallelDims
+    from spindle.distributed.sharded_load import TensorSource
 
 log = logging.getLogger("spindle.train")
 
@@ -128,14 +130,6 @@ class VLMTask(CausalLMTask):
 
     # ------------------------------------------------------------ set-up
 
-    def load_model(self) -> Any:
-        model = super().load_model()
-        frozen = set(self.cfg.train.freeze)
-        for name, param in model.named_parameters():
-            if self.family.part_of(name) in frozen:
-                param.requires_grad_(False)
-        return model
-
     @classmethod
     def lora_blocks(cls, family: CausalLMFamily, model: torch.nn.Module) -> list[torch.nn.Module]:
         """LoRA adapts the language model's decoder layers (not the vision tower)."""
@@ -143,10 +137,35 @@ class VLMTask(CausalLMTask):
         inside = {id(m) for m in module_at(model, family.language_model).modules()}
         return [b for b in super().lora_blocks(family, model) if id(b) in inside]
 
-    def sequence_parallel_module(self, model: torch.nn.Module) -> torch.nn.Module:
-        return module_at(model, self.family.language_model)
+    def checkpoint_sources(self) -> dict[str, TensorSource]:
+        """The checkpoint's tensors under the model's names: transformers renames VLM keys on load
+        (`model.layers.*` -> `model.language_model.layers.*`, `visual.*` -> `model.visual.*`); its own
+        reverse mapping (`export_layout`) on the meta skeleton's names gives the correspondence."""
+        from transformers.core_model_loading import revert_weight_conversion
 
-    def parallelize_extra(self, model: torch.nn.Module) -> None:
+        sources = super().checkpoint_sources()
+        model = self.empty_model()
+        state = {k: torch.empty(v.shape, device="meta") for k, v in model.state_dict().items()}
+        by_id = {id(t): k for k, t in state.items()}
+        renamed = {by_id[id(t)]: ck for ck, t in revert_weight_conversion(model, state).items() if id(t) in by_id}
+        taken = set(renamed.values())
+        out = {name: sources[ck] for name, ck in renamed.items() if ck in sources}
+        out.update({k: v for k, v in sources.items() if k not in taken})  # unmapped keys: named by the check
+        return out
+
+    def parallel_plan(self) -> ParallelPlan:
+        # Ulysses SP replaces the language model's attention only; the vision tower keeps its own
+        return ParallelPlan("transformers", sequence_parallel_module=self.family.language_model)
+
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        """Before parallelizing, on either load path: `train.freeze` (frozen parts get no gradient, so no
+        optimizer state), LoRA (the base task's), and the language model's pre-hook that fills the vision
+        embeddings in (a dummy vision forward on a text-only micro-batch; the rank's chunk under SP)."""
+        super().prepare_model(model)
+        frozen = set(self.cfg.train.freeze)
+        for name, param in model.named_parameters():
+            if self.family.part_of(name) in frozen:
+                param.requires_grad_(False)
         tower = module_at(model, self.family.vision_tower)
         merge = int(getattr(tower, "spatial_merge_size", 1))
         self.vision_step = VisionStep(tower, merge, self.mesh.sp_rank, self.mesh.dims.sp)
