@@ -25,6 +25,7 @@ from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.mesh import barrier, is_main_process
 from spindle.train.metrics import count_tokens
 from spindle.train.tasks.base import resumable_loader
+from spindle.train.precision import ExportDtypes, export_dtypes
 from spindle.train.tasks.flow_matching_math import TimestepSampling
 
 if TYPE_CHECKING:
@@ -195,9 +196,11 @@ class FlowMatchingTask(TrainTask):
         return {"family": self.family.name, "lora": lora.model_dump() if lora is not None else None}
 
     def export(self, model: torch.nn.Module, out: Path) -> Path | None:
+        root = self.cfg.model.path
+        dtypes = export_dtypes(self.cfg.export.dtype, Path(root) / "transformer")
         if self.cfg.train.lora is None:
             sd = ckpt.full_state_dict(model)
-            result = export_pipeline(self.cfg.model.path, sd, out) if is_main_process() else None
+            result = export_pipeline(root, sd, out, dtypes) if is_main_process() else None
         else:
             from spindle.train.lora import adapter_state_dict, lora_scale
 
@@ -205,24 +208,27 @@ class FlowMatchingTask(TrainTask):
             result = None
             if is_main_process():
                 adapters = adapter_state_dict(sd, lora_scale(model))
-                result = export_lora(self.family, self.cfg.model.path, adapters, out, self.cfg.export.merge_lora)
+                result = export_lora(self.family, root, adapters, out, self.cfg.export.merge_lora, dtypes)
         barrier()
         return result
 
     @classmethod
-    def export_checkpoint(cls, family: DiTFamily, checkpoint: Path, model_path: Path, out: Path) -> Path:
+    def export_checkpoint(
+        cls, family: DiTFamily, checkpoint: Path, model_path: Path, out: Path, dtype: str = "auto"
+    ) -> Path:
         if not (model_path / "model_index.json").is_file():
             raise FileNotFoundError(f"base model {model_path} has no model_index.json; pass --model PATH")
+        dtypes = export_dtypes(dtype, model_path / "transformer")
         state = json.loads((checkpoint / ckpt.TRAINER_STATE).read_text())
         template = load_transformer(model_path)
         if state.get("lora") is None:
-            return export_pipeline(model_path, ckpt.read_checkpoint_model(checkpoint, template), out)
+            return export_pipeline(model_path, ckpt.read_checkpoint_model(checkpoint, template), out, dtypes)
         from spindle.config import LoraConfig
         from spindle.train.lora import adapter_state_dict, lora_scale
 
         add_lora(template, LoraConfig(**state["lora"]))
         adapters = adapter_state_dict(ckpt.read_checkpoint_model(checkpoint, template), lora_scale(template))
-        return export_lora(family, model_path, adapters, out, merge=False)
+        return export_lora(family, model_path, adapters, out, merge=False, dtypes=dtypes)
 
 
 def condition_dtype(precision: str) -> torch.dtype:
@@ -254,9 +260,20 @@ LORA_FILE = "pytorch_lora_weights.safetensors"  # diffusers' default weight name
 LORA_ORIGINAL_FILE = "original_layout_lora.safetensors"
 
 
-def export_lora(family: Any, base: str | Path, adapters: dict[str, torch.Tensor], out: str | Path, merge: bool) -> Path:
+def export_lora(
+    family: Any,
+    base: str | Path,
+    adapters: dict[str, torch.Tensor],
+    out: str | Path,
+    merge: bool,
+    dtypes: ExportDtypes | None = None,
+) -> Path:
     """Write `out/lora/` (diffusers' LoRA file + the original-layout file) and, with `merge`, `out/merged/`
     (the full pipeline with the LoRA fused into the transformer). Written to `<out>.tmp`, then renamed.
+
+    `dtypes` (default: the base transformer's, `export.dtype: auto`): the adapters are written in its
+    default dtype (they have no counterpart in the base); the merged transformer tensor by tensor.
+    The fusion itself runs in fp32.
 
     `adapters`: diffusers-layout LoRA (`<module>.lora_A.weight`, alpha / rank folded into lora_B).
     The diffusers file is written by the family pipeline's own `save_lora_weights`, so
@@ -266,6 +283,9 @@ def export_lora(family: Any, base: str | Path, adapters: dict[str, torch.Tensor]
 
     from safetensors.torch import save_file
 
+    dtypes = dtypes or export_dtypes("auto", Path(base) / "transformer")
+    fused_source = adapters
+    adapters = {k: v.to(dtypes.default) for k, v in adapters.items()}
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -279,36 +299,46 @@ def export_lora(family: Any, base: str | Path, adapters: dict[str, torch.Tensor]
             save_file(original, tmp / "lora" / LORA_ORIGINAL_FILE, metadata={"format": "pt", "family": family.name})
     if merge:
         model: Any = load_transformer(base)  # a diffusers ModelMixin (PEFT loader methods)
-        model.load_lora_adapter({f"transformer.{k}": v for k, v in adapters.items()}, prefix="transformer")
+        model.load_lora_adapter({f"transformer.{k}": v for k, v in fused_source.items()}, prefix="transformer")
         model.fuse_lora(lora_scale=1.0)
         model.unload_lora()
-        export_pipeline(base, model.state_dict(), tmp / "merged")
+        export_pipeline(base, model.state_dict(), tmp / "merged", dtypes)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
 
 
-def export_pipeline(source_root: str | Path, state_dict: dict[str, torch.Tensor], out: str | Path) -> Path:
+def export_pipeline(
+    source_root: str | Path, state_dict: dict[str, torch.Tensor], out: str | Path, dtypes: ExportDtypes | None = None
+) -> Path:
     """Write a diffusers pipeline folder: every component of `source_root`, with the trained transformer.
 
     The transformer is rebuilt from its own diffusers config and saved with diffusers' `save_pretrained`,
     so `config.json` carries only diffusers keys and stock diffusers loads the folder with no Spindle code.
-    Written to `<out>.tmp` first, then renamed.
+    Its tensors are written in `dtypes` (default: as the source transformer stores them, `export.dtype:
+    auto`), converted one tensor at a time into a model built on the meta device: no second full-size
+    copy of the weights besides `state_dict`. Written to `<out>.tmp` first, then renamed.
     """
     import diffusers
 
     source_root, out = Path(source_root), Path(out)
+    dtypes = dtypes or export_dtypes("auto", source_root / "transformer")
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(source_root, tmp, ignore=shutil.ignore_patterns("transformer"))
     config = json.loads((source_root / "transformer" / "config.json").read_text())
     cls = getattr(diffusers, config["_class_name"])
-    model = cls.from_config(cls.load_config(source_root / "transformer"))
-    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    with torch.device("meta"):
+        model = cls.from_config(cls.load_config(source_root / "transformer"))
+    expected = set(model.state_dict())
+    missing, unexpected = sorted(expected - state_dict.keys()), sorted(state_dict.keys() - expected)
     if missing or unexpected:
         raise RuntimeError(
             f"trained weights do not fit {cls.__name__}: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
+    # assign: each meta tensor becomes the converted trained tensor (fresh storage, or the tensor itself
+    # when its dtype already matches); non-persistent buffers stay on meta and are not saved.
+    model.load_state_dict(dtypes.cast_all(state_dict), assign=True)
     model.save_pretrained(tmp / "transformer", safe_serialization=True)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
