@@ -67,6 +67,18 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cfg-parallel", action="store_true", help="conditional / unconditional on different ranks")
     g.add_argument("--lora", default=None, help="LoRA .safetensors file or folder (diffusers, ComfyUI/original layout)")
     g.add_argument("--lora-scale", type=float, default=1.0, help="LoRA strength (default 1.0)")
+    g.add_argument(
+        "--blocks-to-swap",
+        type=int,
+        default=0,
+        metavar="N",
+        help="keep the last N transformer blocks in host memory and stream them to the device with prefetch "
+        "(for models bigger than the device; same output)",
+    )
+    g.add_argument(
+        "--text-encoder-offload", action="store_true", help="text encoders on the host, on the device only to encode"
+    )
+    g.add_argument("--vae-tiling", action="store_true", help="tiled (and sliced) VAE decoding, diffusers' own")
 
 
 def parse_cache_options(items: list[str]) -> dict[str, Any]:
@@ -102,6 +114,9 @@ def engine_options(args: argparse.Namespace) -> dict:
         cfg_parallel=args.cfg_parallel,
         lora=args.lora,
         lora_scale=args.lora_scale,
+        blocks_to_swap=args.blocks_to_swap,
+        text_encoder_offload=args.text_encoder_offload,
+        vae_tiling=args.vae_tiling,
     )
 
 

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from diffusers import ModelMixin  # Any to mypy: diffusers is not followed (pyproject [tool.mypy])
 
     from spindle.contracts.family import DiTFamily
+    from spindle.infer.offload import ModuleOffload
 
 ALLOWED_LIBRARIES = ("diffusers", "transformers")
 DTYPES = {
@@ -66,6 +67,11 @@ class EngineOptions:
     lora_scale: float = 1.0
     # on CPU: keep freed host memory in the process (spindle.cpu_allocator; bit-identical, not turned off by exact)
     keep_freed_memory: bool = True
+    # Offload (spindle.infer.offload; outputs unchanged): the last N transformer blocks live in host memory and
+    # are streamed to the device with a one-block prefetch (0: off)
+    blocks_to_swap: int = 0
+    text_encoder_offload: bool = False  # text encoders on the host, on the device only while they encode
+    vae_tiling: bool = False  # diffusers' enable_tiling (+ enable_slicing): VAE memory bounded by the tile
 
     def validate(self) -> None:
         from spindle.infer.caches import POLICIES, check_cache_options
@@ -97,6 +103,18 @@ class EngineOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+        self._validate_offload()
+
+    def _validate_offload(self) -> None:
+        n = self.blocks_to_swap
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"blocks_to_swap must be an integer >= 0 (0: off); got {n!r}")
+        for name in ("text_encoder_offload", "vae_tiling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false; got {getattr(self, name)!r}")
+        if n and self.compile:
+            # the compiled block would trace the hooks that swap its weights
+            raise ValueError("blocks_to_swap cannot be combined with compile; drop one of them")
 
     @property
     def batch_cfg(self) -> bool:
@@ -172,6 +190,22 @@ def apply_compile(transformer: ModelMixin) -> None:
             block.compile()
 
 
+def apply_offload(spec: InferenceSpec, components: dict[str, Any], options: EngineOptions) -> dict[str, ModuleOffload]:
+    """The offload options (spindle.infer.offload) on the loaded components; -> the streams by component."""
+    from spindle.infer.offload import enable_vae_tiling, offload_text_encoders, swap_blocks
+
+    device = options.torch_device()
+    out: dict[str, ModuleOffload] = {}
+    if options.blocks_to_swap:
+        name = spec.transformer_component
+        out[name] = swap_blocks(components[name], options.blocks_to_swap, device)
+    if options.text_encoder_offload:
+        out.update(offload_text_encoders(components, device))
+    if options.vae_tiling:
+        enable_vae_tiling(components[spec.vae_component])
+    return out
+
+
 class InferencePipeline:
     """Stages + loaded components of one checkpoint. `run(req)` times each stage into `req.timings`."""
 
@@ -191,6 +225,7 @@ class InferencePipeline:
         self.root = root
         self.mesh = mesh
         self.device = options.torch_device()
+        self.offloads: dict[str, ModuleOffload] = {}  # what `apply_offload` streams, by component
 
     @property
     def transformer(self) -> ModelMixin:
@@ -250,8 +285,11 @@ class InferencePipeline:
             if options.fast_mlp and not options.compile and options.torch_device().type == "cpu":
                 # (compiled blocks: inductor makes its own choice of GEMM and fusion)
                 onednn_linear_gelu(transformer, spec.linear_gelu_pairs(transformer))
+        offloads = apply_offload(spec, components, options)
         stages: list[Stage] = [spec.make_before_denoising(components), denoising, DecodingStage(vae, spec)]
-        return cls(spec, components, stages, options, root=root, mesh=mesh)
+        pipeline = cls(spec, components, stages, options, root=root, mesh=mesh)
+        pipeline.offloads = offloads
+        return pipeline
 
     def run(self, req: Req) -> Req:
         def sync() -> None:  # stage timings on CUDA need the queued kernels finished
