@@ -64,7 +64,9 @@ def test_bf16_dit_full_export_keeps_each_tensors_dtype_and_loads_in_stock_diffus
     for name, value in trainer.model.state_dict().items():
         want = value.detach().to(source[name])
         assert torch.equal(exported[name], want), name
-        changed += not torch.equal(want, load_file(bf16_wan / "transformer" / "diffusion_pytorch_model.safetensors")[name])
+        changed += not torch.equal(
+            want, load_file(bf16_wan / "transformer" / "diffusion_pytorch_model.safetensors")[name]
+        )
     assert changed, "training changed no exported tensor"
     pipe = WanPipeline.from_pretrained(result.export_dir, dtype=torch.bfloat16)
     assert pipe.transformer.dtype == torch.bfloat16

@@ -24,8 +24,8 @@ from spindle.contracts.task import StepOutput, TrainTask
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.mesh import barrier, is_main_process
 from spindle.train.metrics import count_tokens
-from spindle.train.tasks.base import resumable_loader
 from spindle.train.precision import ExportDtypes, export_dtypes
+from spindle.train.tasks.base import resumable_loader
 from spindle.train.tasks.flow_matching_math import TimestepSampling
 
 if TYPE_CHECKING:
