@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from spindle.distributed.context_parallel import enable_sequence_parallel
@@ -96,18 +96,39 @@ def _mp_policy(mixed_precision: str | None) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
+def offload_policy(cpu_offload: bool, device_type: str) -> OffloadPolicy:
+    """`train.cpu_offload`: FSDP2's CPUOffloadPolicy keeps the sharded parameters, their gradients and
+    hence the optimizer state in host memory; each unit's shards are copied to the device for its
+    all-gather, gradients come back after the reduce-scatter, and the optimizer steps on the host.
+    Pinned host memory (asynchronous copies) needs an accelerator; on a CPU-only machine host and
+    device are the same and the policy only changes where FSDP2 keeps its buffers (same numbers)."""
+    if not cpu_offload:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=device_type == "cuda")
+
+
 def apply_fsdp(
-    transformer: nn.Module, mesh: Mesh, mixed_precision: str | None = "no", reshard_after_forward: bool = True
+    transformer: nn.Module,
+    mesh: Mesh,
+    mixed_precision: str | None = "no",
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
 ) -> nn.Module:
-    """FSDP2 `fully_shard` on each repeated block, then on the root (in place; returns the model)."""
+    """FSDP2 `fully_shard` on each repeated block, then on the root (in place; returns the model).
+    `cpu_offload`: shards, gradients and optimizer state in host memory (`offload_policy`)."""
     dmesh = fsdp_mesh(mesh)
     policy = _mp_policy(mixed_precision)
+    offload = offload_policy(cpu_offload, dmesh.device_type)
     for block in find_blocks(transformer):
-        fully_shard(block, mesh=dmesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(
+            block, mesh=dmesh, mp_policy=policy, reshard_after_forward=reshard_after_forward, offload_policy=offload
+        )
     # Root too with an explicit flag: FSDP2's default (None) keeps the root's params unsharded after
     # forward, so after a no-grad forward (validation, sampling) `model.parameters()` would be plain
     # tensors until the next backward, and a state dict taken then would not be sharded.
-    fully_shard(transformer, mesh=dmesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(
+        transformer, mesh=dmesh, mp_policy=policy, reshard_after_forward=reshard_after_forward, offload_policy=offload
+    )
 
     dp_size = mesh.dims.dp_size
     if dp_size != dmesh.size():  # sp > 1: divide by the data-parallel size only (module docstring)
@@ -168,11 +189,13 @@ def parallelize_transformer(
     compile: bool = False,
     cp_plan: dict[str, Any] | None = None,
     reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
 ) -> nn.Module:
     """CP (if sp > 1) -> activation checkpointing -> regional compile -> FSDP2, in place; returns the model.
 
     Call on every rank, after loading the (full, same-on-every-rank) transformer and before
-    building the optimizer. Feed every rank of an SP group the same batch.
+    building the optimizer. Feed every rank of an SP group the same batch. `cpu_offload` applies
+    FSDP2 even on one process: offloading is done by FSDP2's units.
     """
     _mp_policy(mixed_precision)  # validate before any work
     if mesh.dims.cp_size > 1:
@@ -181,9 +204,11 @@ def parallelize_transformer(
         apply_activation_checkpointing(transformer)
     if compile:
         compile_blocks(transformer)
-    if mesh.world.size() == 1:  # nothing to shard (module docstring)
+    if mesh.world.size() == 1 and not cpu_offload:  # nothing to shard (module docstring)
         return transformer
-    return apply_fsdp(transformer, mesh, mixed_precision, reshard_after_forward=reshard_after_forward)
+    return apply_fsdp(
+        transformer, mesh, mixed_precision, reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload
+    )
 
 
 def autocast_dtype(transformer: nn.Module, mixed_precision: str | None) -> torch.dtype | None:

@@ -111,3 +111,38 @@ def export_dtypes(setting: str, source: str | Path) -> ExportDtypes:
     source = Path(source)
     default = _dominant(source) or _config_dtype(source) or torch.float32
     return ExportDtypes(default, stored_float_dtypes(source))
+
+
+def frozen_dtype(setting: str, precision: str) -> torch.dtype:
+    """`train.frozen_dtype` against the run's resolved mixed precision ("bf16" / "no"): the dtype frozen
+    parameters are stored in. auto: the compute precision. bfloat16 without bf16 compute would feed
+    bf16 weights to fp32 matmuls: refused, naming both keys."""
+    if setting == "auto":
+        return torch.bfloat16 if precision == "bf16" else torch.float32
+    if setting == "bfloat16" and precision != "bf16":
+        raise ConfigError(
+            "train.frozen_dtype: bfloat16 stores frozen weights for bf16 compute, but this run computes in fp32 "
+            f"(train.mixed_precision resolves to {precision!r}); set train.mixed_precision: bf16 or "
+            "train.frozen_dtype: auto"
+        )
+    if setting not in ("float32", "bfloat16"):
+        raise ConfigError(f"train.frozen_dtype must be auto, float32 or bfloat16; got {setting!r}")
+    return EXPORT_DTYPES[setting]
+
+
+def store_frozen(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Store `model`'s frozen floating parameters (requires_grad False: a LoRA run's base weights) in
+    `dtype`, in place, before parallelisation (works on meta tensors too). Trainable parameters keep
+    fp32 master weights. Modules the model keeps in fp32 (diffusers / transformers
+    `_keep_in_fp32_modules`: norms, time embedders, modulation tables) are left alone, as a
+    from_pretrained in that dtype would. -> the number of parameters converted."""
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    converted = 0
+    for name, param in model.named_parameters():
+        if param.requires_grad or not param.is_floating_point() or param.dtype == dtype:
+            continue
+        if keep & set(name.split(".")):
+            continue
+        param.data = param.data.to(dtype)
+        converted += 1
+    return converted

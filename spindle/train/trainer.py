@@ -22,8 +22,10 @@ from spindle.contracts.task import TrainTask
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.launch import launcher_world_size
 from spindle.distributed.mesh import Mesh, ParallelDims, build_mesh, device_type, is_main_process
+from spindle.train.memory import PeakMemory, report_peak_memory
 from spindle.train.metrics import MetricsLog
 from spindle.train.optim import build_optimizer, build_scheduler
+from spindle.train.precision import frozen_dtype
 
 log = logging.getLogger("spindle.train")
 
@@ -92,9 +94,12 @@ class Trainer:
             keep_freed_memory()  # a step frees and re-allocates the same buffers: no page faults for them
         self.accum = grad_accum_steps(cfg, self.mesh.dims.dp_size)
         self.precision = resolve_precision(cfg.train.mixed_precision)
+        frozen_dtype(cfg.train.frozen_dtype, self.precision)  # a bad combination fails before any load
         torch.manual_seed(cfg.train.seed)
         self.task: TrainTask = task(cfg, family, self.mesh, self.device, self.precision)
         self.model = self.task.build_model()
+        # peak memory per rank, logged by rank 0: after load here, after the first step in `run`
+        self.peak_memory: dict[str, list[PeakMemory]] = {"after load": report_peak_memory("after load", self.device)}
         self.optimizer = build_optimizer(self.model.parameters(), cfg.train)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.loader = self.task.build_loader()
@@ -216,6 +221,9 @@ class Trainer:
                 lr = float(self.scheduler.get_last_lr()[0])  # LambdaLR: plain floats
                 loss, grad_norm, samples, tokens, extra = self.train_step()
                 self.step += 1
+                if len(self.peak_memory) == 1:  # the first step of this process (of a resumed run too)
+                    when = f"after step {self.step}"
+                    self.peak_memory[when] = report_peak_memory(when, self.device)
                 metrics.end_step(self.step, loss, grad_norm, lr, samples, tokens, extra)
                 self.maybe_validate(metrics)
                 every = cfg.checkpoint.every_steps

@@ -147,8 +147,9 @@ class CausalLMTask(TrainTask):
         self.parallelize_extra(model)
         if self.cfg.train.compile:
             compile_blocks(model)
-        if self.mesh.world.size() > 1:  # one process: nothing to shard (spindle.distributed.fsdp)
-            apply_fsdp(model, self.mesh, self.precision)
+        # one process: nothing to shard (spindle.distributed.fsdp), unless FSDP2 is to offload to the host
+        if self.mesh.world.size() > 1 or self.cfg.train.cpu_offload:
+            apply_fsdp(model, self.mesh, self.precision, cpu_offload=self.cfg.train.cpu_offload)
         self.autocast_dtype = autocast_dtype(model, self.precision)
         trained: torch.nn.Module = model
         return trained

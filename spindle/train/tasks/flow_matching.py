@@ -24,7 +24,7 @@ from spindle.contracts.task import StepOutput, TrainTask
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.mesh import barrier, is_main_process
 from spindle.train.metrics import count_tokens
-from spindle.train.precision import ExportDtypes, export_dtypes
+from spindle.train.precision import ExportDtypes, export_dtypes, frozen_dtype, store_frozen
 from spindle.train.tasks.base import resumable_loader
 from spindle.train.tasks.flow_matching_math import TimestepSampling
 
@@ -120,6 +120,7 @@ class FlowMatchingTask(TrainTask):
         model = load_transformer(self.cfg.model.path, dtype=torch.float32).to(self.device)
         if self.cfg.train.lora is not None:  # converters before SP / checkpointing / FSDP2
             add_lora(model, self.cfg.train.lora)
+            store_frozen(model, frozen_dtype(self.cfg.train.frozen_dtype, self.precision))  # the base weights
         model.train()
         model = parallelize_transformer(
             model,
@@ -127,6 +128,7 @@ class FlowMatchingTask(TrainTask):
             mixed_precision=self.precision,
             gradient_checkpointing=self.cfg.train.gradient_checkpointing,
             compile=self.cfg.train.compile,
+            cpu_offload=self.cfg.train.cpu_offload,
         )
         self.autocast_dtype = autocast_dtype(model, self.precision)
         return model

@@ -66,6 +66,11 @@ class MoECausalLMTask(CausalLMTask):
         from spindle.distributed.expert_parallel import check_ep_layout
 
         super().check_plan(cfg, family, dims)  # the dense checks (ring refused for language models, ...)
+        if cfg.train.cpu_offload:
+            # the experts' own FSDP2 units (spindle.distributed.expert_parallel) take no offload policy yet
+            raise ConfigError(
+                "train.cpu_offload is not supported for mixture-of-experts models yet; set train.cpu_offload: false"
+            )
         try:
             check_ep_layout(dims, AutoConfig.from_pretrained(cfg.model.path).num_experts)
         except ValueError as e:
