@@ -11,7 +11,8 @@ since the process started) on the same random Wan-shaped checkpoint:
   train/lora_bf16_frozen   the same with the frozen base in bf16 (frozen_dtype auto)
   train/lora_cpu_offload   bf16 frozen base + train.cpu_offload (FSDP2 CPUOffloadPolicy)
 
-Columns: host peak RSS, device peak (CUDA only), the transformer-block bytes resident on the device at
+Freed host memory goes back to the OS (`keep_freed_memory` off), so "host end" (RSS while the model
+is alive, at the end) is live memory. Columns: host peak RSS, host end RSS, device peak (CUDA only), the transformer-block bytes resident on the device at
 once (block swap's own count; on CPU host and device are the same memory, so this column is the one
 that shows what swapping saves there), the frozen-parameter bytes, and seconds.
 
@@ -54,6 +55,23 @@ PRESETS = {
         text_encoder=dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4),
         request=dict(height=128, width=128, num_frames=9, num_inference_steps=4, guidance_scale=5.0),
         train=dict(resolution=[64, 64], num_frames=9, steps=2),
+        dtype="float32",
+    ),
+    "cpu-large": dict(  # 12 blocks 768 wide (~115M transformer parameters, 0.46 GB fp32): frozen_dtype shows in RSS
+        transformer=dict(
+            num_layers=12,
+            num_attention_heads=12,
+            attention_head_dim=64,
+            ffn_dim=3072,
+            in_channels=16,
+            out_channels=16,
+            freq_dim=64,
+            rope_max_seq_len=256,
+        ),
+        vae=dict(base_dim=8, z_dim=16),
+        text_encoder=dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4),
+        request=dict(height=64, width=64, num_frames=5, num_inference_steps=2, guidance_scale=5.0),
+        train=dict(resolution=[32, 32], num_frames=5, steps=2),
         dtype="float32",
     ),
     "wan1.3b": dict(  # Wan2.1-T2V-1.3B transformer + VAE shapes; a thin random text encoder of width 4096
@@ -121,6 +139,16 @@ def host_peak_gb() -> float:
     return host_peak_bytes() / 1e9
 
 
+def host_now_gb() -> float:
+    """Resident set size now (Linux /proc), after glibc's malloc_trim: freed heap chunks (tensors of a
+    few MB are heap-allocated) go back to the OS, so what remains is what is alive."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 1e9
+
+
 def device_peak_gb() -> float | None:
     import torch
 
@@ -135,14 +163,15 @@ def infer_child(preset: str, root: Path, options: dict) -> dict:
     if options.get("blocks_to_swap") == "all":
         options = {**options, "blocks_to_swap": p["transformer"]["num_layers"]}
     start = time.perf_counter()
-    gen = load_generator(root, dtype=p["dtype"], **options)
+    gen = load_generator(root, dtype=p["dtype"], keep_freed_memory=False, **options)
     blocks = find_blocks(gen.transformer)
     gen.generate(prompt="a red panda climbing a snowy tree", seed=0, **p["request"])
     seconds = time.perf_counter() - start
     swap = gen.pipeline.offloads.get("transformer")
     block_bytes = sum(t.numel() * t.element_size() for b in blocks for t in [*b.parameters(), *b.buffers()])
     resident = swap.max_resident_bytes + block_bytes - sum(swap.unit_bytes) if swap is not None else block_bytes
-    return dict(resident_block_gb=resident / 1e9, frozen_gb=None, seconds=seconds)
+    # host_now_gb: measured while the generator is alive (its weights, caches)
+    return dict(resident_block_gb=resident / 1e9, frozen_gb=None, seconds=seconds, host_now_gb=host_now_gb())
 
 
 def train_child(preset: str, root: Path, overrides: list[str], work: Path) -> dict:
@@ -167,6 +196,7 @@ def train_child(preset: str, root: Path, overrides: list[str], work: Path) -> di
             "train.mixed_precision=bf16",
             "train.tensorboard=false",
             "checkpoint.export=false",
+            "train.keep_freed_memory=false",
             *overrides,
         ],
     )
@@ -178,7 +208,11 @@ def train_child(preset: str, root: Path, overrides: list[str], work: Path) -> di
     frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
     after_load = trainer.peak_memory["after load"][0]
     return dict(
-        resident_block_gb=None, frozen_gb=frozen_bytes / 1e9, seconds=seconds, load_host_gb=after_load.host_peak_gb
+        resident_block_gb=None,
+        frozen_gb=frozen_bytes / 1e9,
+        seconds=seconds,
+        load_host_gb=after_load.host_peak_gb,
+        host_now_gb=host_now_gb(),  # while the trainer (model, optimizer state) is alive
     )
 
 
@@ -226,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     columns: list[common.Column] = [
         ("variant", "variant", "<26", ""),
         ("host peak GB", lambda r: gb(r["host_peak_gb"]), ">13", ""),
+        ("host end GB", lambda r: gb(r["host_now_gb"]), ">12", ""),
         ("device peak GB", lambda r: gb(r["device_peak_gb"]), ">15", ""),
         ("blocks on device GB", lambda r: gb(r["resident_block_gb"]), ">20", ""),
         ("frozen GB", lambda r: gb(r["frozen_gb"]), ">10", ""),

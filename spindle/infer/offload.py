@@ -13,8 +13,8 @@ first for the next denoising step), on a side CUDA stream from pinned memory, as
 
 The arithmetic is untouched (the same kernels read the same values), so outputs equal the
 non-offloaded run exactly. On a CPU-only machine host and device are the same memory: the units
-are still copied in and dropped (a fresh tensor per onload), which exercises the mechanics but
-saves nothing.
+are still copied in and dropped (a fresh tensor per onload, the loaded weights serve as the host
+copies), which exercises the mechanics but saves nothing.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class ModuleOffload:
         for unit in self.units:
             pairs = []
             for tensor in [*unit.parameters(), *unit.buffers()]:
-                host = tensor.detach().to("cpu", copy=True)
+                host = tensor.detach().to("cpu")  # already in host memory (CPU engine): no second copy
                 if self.cuda:
                     host = host.pin_memory()  # page-locked: the copy to the device can run asynchronously
                 tensor.data = host  # the device copy (if any) is released here
