@@ -184,6 +184,16 @@ class TrainConfig(Section):
         "(spindle.cpu_allocator): the step's buffers are not page-faulted in again at every step",
     )
     mixed_precision: Literal["auto", "no", "bf16"] = Field("auto", description="auto: bf16 on CUDA, fp32 on CPU")
+    frozen_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="storage dtype of frozen parameters (a LoRA run's base weights); auto: the compute precision "
+        "(bf16 under mixed_precision bf16, else fp32); bfloat16 needs mixed_precision bf16",
+    )
+    cpu_offload: bool = Field(
+        False,
+        description="FSDP2 CPUOffloadPolicy: sharded parameters, gradients and optimizer state live in host memory, "
+        "copied to the device per block for forward and backward (for models bigger than the device)",
+    )
     loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = "none"
     timestep: TimestepConfig = TimestepConfig()
     log_every: int = Field(1, ge=1)
@@ -205,6 +215,11 @@ class CheckpointConfig(Section):
 
 class ExportConfig(Section):
     merge_lora: bool = Field(False, description="with train.lora: also write the full pipeline with the LoRA fused")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="dtype of the exported weights; auto: each tensor as the input checkpoint stored it "
+        "(bf16 in -> bf16 out; new tensors such as LoRA adapters in the checkpoint's main dtype)",
+    )
 
 
 class ParallelConfig(Section):

@@ -89,6 +89,18 @@ class EngineConfig(OptionSection):
         description="on CPU, keep freed host memory in the process (spindle.cpu_allocator) so tensors are not "
         "page-faulted in again at every step; the output is the same (no: glibc hands it back to the OS)",
     )
+    blocks_to_swap: int = Field(
+        0,
+        ge=0,
+        description="keep the last N transformer blocks in host memory and stream them to the device with a "
+        "one-block prefetch (spindle.infer.offload; for models bigger than the device; same output; 0: off)",
+    )
+    text_encoder_offload: bool = Field(
+        False, description="text encoders stay on the host and visit the device only while they encode"
+    )
+    vae_tiling: bool = Field(
+        False, description="diffusers' own tiled (and sliced) VAE decoding: VAE memory bounded by the tile"
+    )
 
     @model_validator(mode="after")
     def _combinations(self) -> EngineConfig:
@@ -108,6 +120,9 @@ class EngineConfig(OptionSection):
             raise ValueError(
                 "cache='auto' calibrates in one process; pick the policy it printed for sp / ring / cfg_parallel"
             )
+        if self.blocks_to_swap and self.compile:
+            # the compiled block would trace the hooks that swap its weights
+            raise ValueError("blocks_to_swap cannot be combined with compile; drop one of them")
         return self
 
     @property

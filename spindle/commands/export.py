@@ -4,7 +4,8 @@
 
 The export is the training task's: for a DiT, a diffusers pipeline folder (the base checkpoint's
 components plus the trained transformer) that stock diffusers loads (`WanPipeline.from_pretrained(DIR)`);
-for a language model, a transformers folder. No Spindle code is needed to load either. Works on one
+for a language model, a transformers folder. The weights are written in the base checkpoint's precision
+(`--dtype` overrides). No Spindle code is needed to load either. Works on one
 process whatever world size the checkpoint was saved with.
 """
 
@@ -21,6 +22,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a checkpoint folder (OUTPUT_DIR/checkpoints/step-N) or a run's OUTPUT_DIR")
     p.add_argument("--out", required=True, help="destination folder")
     p.add_argument("--model", default=None, help="base model folder (default: the one the run trained from)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="dtype of the written weights (default auto: as the base checkpoint stores them; bf16 in -> bf16 out)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,6 +40,6 @@ def run(args: argparse.Namespace) -> int:
     model_path = Path(args.model or state["model_path"])
     family = family_of(model_path, state.get("family"))
     task = get_task(state.get("task") or family.task)
-    out = task.export_checkpoint(family, path, model_path, Path(args.out))
+    out = task.export_checkpoint(family, path, model_path, Path(args.out), dtype=args.dtype)
     print(f"exported step {state['step']} of {path} to {out}")
     return 0

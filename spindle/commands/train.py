@@ -27,6 +27,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=1, help="processes on this node (re-launches under torchrun)")
 
 
+def show_run_log() -> None:
+    """The trainer's INFO lines (data statistics, peak memory per rank, resume) on stderr; the trainer
+    logs them from rank 0 only. Left alone when the caller configured logging already."""
+    import logging
+
+    logger = logging.getLogger("spindle.train")
+    if logger.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
 def run(args: argparse.Namespace) -> int:
     from spindle.api import check_job_plan, load_job_config
     from spindle.distributed.launch import launcher_world_size, maybe_relaunch, under_launcher
@@ -54,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
     from spindle.api import train
     from spindle.distributed.mesh import is_main_process
 
+    show_run_log()
     result = train(cfg)
     if is_main_process() and not result.already_complete:  # a complete run said so itself
         print(f"trained {result.last_step} steps; outputs in {result.output_dir}")

@@ -136,5 +136,6 @@ class TrainTask(ABC):
 
     @classmethod
     @abstractmethod
-    def export_checkpoint(cls, family: Any, checkpoint: Path, model_path: Path, out: Path) -> Path:
-        """One process: export a (possibly sharded) training checkpoint (`spindle export`)."""
+    def export_checkpoint(cls, family: Any, checkpoint: Path, model_path: Path, out: Path, dtype: str = "auto") -> Path:
+        """One process: export a (possibly sharded) training checkpoint (`spindle export`); `dtype` as
+        `export.dtype` (auto: the base checkpoint's own precision)."""

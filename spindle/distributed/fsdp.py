@@ -27,7 +27,7 @@ from typing import cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from spindle.distributed.blocks import find_blocks
@@ -47,22 +47,40 @@ def mp_policy(mixed_precision: str | None) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
+def offload_policy(cpu_offload: bool, device_type: str) -> OffloadPolicy:
+    """`train.cpu_offload`: FSDP2's CPUOffloadPolicy keeps the sharded parameters, their gradients and
+    hence the optimizer state in host memory; each unit's shards are copied to the device for its
+    all-gather, gradients come back after the reduce-scatter, and the optimizer steps on the host.
+    Pinned host memory (asynchronous copies) needs an accelerator; on a CPU-only machine host and
+    device are the same and the policy only changes where FSDP2 keeps its buffers (same numbers)."""
+    if not cpu_offload:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=device_type == "cuda")
+
+
 def apply_fsdp(
     transformer: nn.Module,
     mesh: Mesh,
     mixed_precision: str | None = "no",
     reshard_after_forward: bool = True,
     block_names: tuple[str, ...] = (),
+    cpu_offload: bool = False,
 ) -> nn.Module:
-    """FSDP2 `fully_shard` on each repeated block, then on the root (in place; returns the model)."""
+    """FSDP2 `fully_shard` on each repeated block, then on the root (in place; returns the model).
+    `cpu_offload`: shards, gradients and optimizer state in host memory (`offload_policy`)."""
     dmesh = mesh.shard
     policy = mp_policy(mixed_precision)
+    offload = offload_policy(cpu_offload, dmesh.device_type)
     for block in find_blocks(transformer, block_names):
-        fully_shard(block, mesh=dmesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(
+            block, mesh=dmesh, mp_policy=policy, reshard_after_forward=reshard_after_forward, offload_policy=offload
+        )
     # Root too with an explicit flag: FSDP2's default (None) keeps the root's params unsharded after
     # forward, so after a no-grad forward (validation, sampling) `model.parameters()` would be plain
     # tensors until the next backward, and a state dict taken then would not be sharded.
-    fully_shard(transformer, mesh=dmesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(
+        transformer, mesh=dmesh, mp_policy=policy, reshard_after_forward=reshard_after_forward, offload_policy=offload
+    )
 
     dp_size = mesh.dims.dp_size
     if dp_size != dmesh.size():  # sp > 1: divide by the data-parallel size only (module docstring)

@@ -33,10 +33,12 @@ def parallelize(
     gradient_checkpointing: bool = False,
     compile: bool = False,
     reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
 ) -> nn.Module:
     """Apply the plan in place on every rank, before the optimizer is built; -> the model.
 
-    Feed every rank of an SP group the same batch.
+    Feed every rank of an SP group the same batch. `cpu_offload` (FSDP2's CPUOffloadPolicy) applies
+    FSDP2 even on one process: offloading is done by FSDP2's units.
     """
     policy = mp_policy(mixed_precision)  # validate before any work
     dims = mesh.dims
@@ -58,13 +60,15 @@ def parallelize(
         apply_activation_checkpointing(model, plan.library)
     if compile:
         compile_blocks(model, plan.blocks)
-    if mesh.world.size() == 1:  # nothing to shard (spindle.distributed.fsdp)
+    if mesh.world.size() == 1 and not cpu_offload:  # nothing to shard (spindle.distributed.fsdp)
         return model
+    if cpu_offload and plan.expert_parallel and dims.ep > 1:
+        raise ValueError("train.cpu_offload: the experts' own FSDP2 units take no offload policy yet; set it false")
     if plan.expert_parallel and dims.ep > 1:
         from spindle.distributed.expert_parallel import shard_experts
 
         shard_experts(model, mesh, policy)  # the experts' own units first, inside their blocks
-    return apply_fsdp(model, mesh, mixed_precision, reshard_after_forward, plan.blocks)
+    return apply_fsdp(model, mesh, mixed_precision, reshard_after_forward, plan.blocks, cpu_offload=cpu_offload)
 
 
 def apply_activation_checkpointing(model: nn.Module, library: str) -> nn.Module:
@@ -101,6 +105,7 @@ def parallelize_transformer(
     compile: bool = False,
     cp_plan: dict[str, Any] | None = None,
     reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
 ) -> nn.Module:
     """`parallelize` with a diffusers transformer's plan (tests, benches, the conformance suite)."""
     return parallelize(
@@ -111,4 +116,5 @@ def parallelize_transformer(
         gradient_checkpointing=gradient_checkpointing,
         compile=compile,
         reshard_after_forward=reshard_after_forward,
+        cpu_offload=cpu_offload,
     )

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from diffusers import ModelMixin  # Any to mypy: diffusers is not followed (pyproject [tool.mypy])
 
     from spindle.contracts.family import DiTFamily
+    from spindle.infer.offload import ModuleOffload
 
 ALLOWED_LIBRARIES = ("diffusers", "transformers")
 DTYPES = {  # the names `spindle.engine_config.DType` allows
@@ -87,6 +88,22 @@ def load_components(root: str | Path, spec: InferenceSpec, options: EngineConfig
     return out
 
 
+def apply_offload(spec: InferenceSpec, components: dict[str, Any], options: EngineConfig) -> dict[str, ModuleOffload]:
+    """The offload options (spindle.infer.offload) on the loaded components; -> the streams by component."""
+    from spindle.infer.offload import enable_vae_tiling, offload_text_encoders, swap_blocks
+
+    device = options.torch_device()
+    out: dict[str, ModuleOffload] = {}
+    if options.blocks_to_swap:
+        name = spec.transformer_component
+        out[name] = swap_blocks(components[name], options.blocks_to_swap, device)
+    if options.text_encoder_offload:
+        out.update(offload_text_encoders(components, device))
+    if options.vae_tiling:
+        enable_vae_tiling(components[spec.vae_component])
+    return out
+
+
 class InferencePipeline:
     """Stages + loaded components of one checkpoint. `run(req)` times each stage into `req.timings`."""
 
@@ -106,6 +123,7 @@ class InferencePipeline:
         self.root = root
         self.mesh = mesh
         self.device = options.torch_device()
+        self.offloads: dict[str, ModuleOffload] = {}  # what `apply_offload` streams, by component
 
     @property
     def transformer(self) -> ModelMixin:
@@ -167,8 +185,11 @@ class InferencePipeline:
             if options.fast_mlp and not options.compile and options.torch_device().type == "cpu":
                 # (compiled blocks: inductor makes its own choice of GEMM and fusion)
                 onednn_linear_gelu(transformer, spec.linear_gelu_pairs(transformer))
+        offloads = apply_offload(spec, components, options)
         stages: list[Stage] = [spec.make_before_denoising(components), denoising, DecodingStage(vae, spec)]
-        return cls(spec, components, stages, options, root=root, mesh=mesh)
+        pipeline = cls(spec, components, stages, options, root=root, mesh=mesh)
+        pipeline.offloads = offloads
+        return pipeline
 
     def run(self, req: Req) -> Req:
         def sync() -> None:  # stage timings on CUDA need the queued kernels finished

@@ -22,9 +22,11 @@ from spindle.contracts.task import TrainTask
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.launch import launcher_world_size
 from spindle.distributed.mesh import Mesh, ParallelDims, build_mesh, device_type, is_main_process
+from spindle.train.memory import PeakMemory, report_peak_memory
 from spindle.train.metrics import MetricsLog, truncate_metrics
 from spindle.train.optim import build_optimizer, build_scheduler
 from spindle.train.output_lock import OutputLock, held_by_our_launcher
+from spindle.train.precision import frozen_dtype
 from spindle.train.run_record import check_same_run, read_run_record, schedule_steps, write_run_record
 from spindle.train.run_summary import (
     EndTracker,
@@ -142,9 +144,12 @@ class Trainer:
             keep_freed_memory()  # a step frees and re-allocates the same buffers: no page faults for them
         self.accum = grad_accum_steps(cfg, self.mesh.dims.dp_size)
         self.precision = resolve_precision(cfg.train.mixed_precision)
+        frozen_dtype(cfg.train.frozen_dtype, self.precision)  # a bad combination fails before any load
         torch.manual_seed(cfg.train.seed)
         self.task: TrainTask = task(cfg, family, self.mesh, self.device, self.precision)
         self.model = self.task.build_model()
+        # peak memory per rank, logged by rank 0: after load here, after the first step in `run`
+        self.peak_memory: dict[str, list[PeakMemory]] = {"after load": report_peak_memory("after load", self.device)}
         self.optimizer = build_optimizer(self.model.parameters(), cfg.train)
         # the run's original schedule length on resume: extending max_steps does not make the lr jump
         self.scheduler = build_scheduler(
@@ -284,6 +289,9 @@ class Trainer:
                 loss, grad_norm, samples, tokens, extra = self.train_step()
                 self.step += 1
                 tracker.step(loss, samples, tokens)
+                if len(self.peak_memory) == 1:  # the first step of this process (of a resumed run too)
+                    when = f"after step {self.step}"
+                    self.peak_memory[when] = report_peak_memory(when, self.device)
                 metrics.end_step(self.step, loss, grad_norm, lr, samples, tokens, extra)
                 self.maybe_validate(metrics)
                 every = cfg.checkpoint.every_steps

@@ -77,6 +77,7 @@ def build_parallel_model(
         mixed_precision=task.precision,
         gradient_checkpointing=cfg.train.gradient_checkpointing,
         compile=cfg.train.compile,
+        cpu_offload=cfg.train.cpu_offload,
     )
     if cfg.model.sharded_load:
         load_sharded(model, sources, task.device, where, fresh)

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import shutil
@@ -29,6 +30,7 @@ from spindle.contracts.parallel import ParallelPlan
 from spindle.contracts.task import StepOutput, TrainTask
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.mesh import barrier, is_main_process
+from spindle.train.precision import check_export_dtype, export_dtypes
 from spindle.train.tasks.base import build_parallel_model, resumable_loader
 
 if TYPE_CHECKING:
@@ -306,7 +308,9 @@ class CausalLMTask(TrainTask):
             return result
 
         state = self.export_layout(model, cast("dict[str, torch.Tensor]", get_model_state_dict(model)))
-        write_transformers_folder(model, state, self.cfg.model.path, out, extra_files=self.export_files)
+        write_transformers_folder(
+            model, state, self.cfg.model.path, out, extra_files=self.export_files, dtype=self.cfg.export.dtype
+        )
         return out if is_main_process() else None
 
     @classmethod
@@ -315,9 +319,12 @@ class CausalLMTask(TrainTask):
         return state
 
     @classmethod
-    def export_checkpoint(cls, family: CausalLMFamily, checkpoint: Path, model_path: Path, out: Path) -> Path:
+    def export_checkpoint(
+        cls, family: CausalLMFamily, checkpoint: Path, model_path: Path, out: Path, dtype: str = "auto"
+    ) -> Path:
         if not (model_path / "config.json").is_file():
             raise FileNotFoundError(f"base model {model_path} has no config.json; pass --model PATH")
+        check_export_dtype(dtype)
         model_cls: Any = family.model_cls()
         model = model_cls.from_pretrained(model_path, dtype=torch.float32)
         lora = json.loads((checkpoint / ckpt.TRAINER_STATE).read_text()).get("lora")
@@ -330,7 +337,7 @@ class CausalLMTask(TrainTask):
             adapters = adapter_state_dict(ckpt.read_checkpoint_model(checkpoint, model), lora_scale(model))
             return export_lm_lora(model_cls, model_path, adapters, out, merge=False, extra_files=cls.export_files)
         state = cls.export_layout(model, ckpt.read_checkpoint_model(checkpoint, model))
-        write_transformers_folder(model, state, model_path, out, extra_files=cls.export_files)
+        write_transformers_folder(model, state, model_path, out, extra_files=cls.export_files, dtype=dtype)
         return out
 
 
@@ -348,23 +355,30 @@ def write_transformers_folder(
     out: str | Path,
     max_shard_bytes: int = EXPORT_MAX_SHARD_BYTES,
     extra_files: tuple[str, ...] = (),
+    dtype: str = "auto",
 ) -> None:
     """Collective: `out` = config.json + generation_config.json + tokenizer + sharded safetensors, plus
     `extra_files` of the source folder that exist (e.g. a VLM's preprocessor_config.json).
 
     Weights are written shard by shard from every rank (`ckpt.save_hf_safetensors`) into `<out>.tmp`,
-    which is renamed to `out` when complete. Config and generation config are the model's own
-    (transformers' `save_pretrained` of them), the tokenizer is the source folder's.
+    which is renamed to `out` when complete, each tensor in its `export.dtype` (`spindle.train.precision`;
+    auto: as the source folder stores it); a DTensor converts only this rank's shard. Config and generation
+    config are the model's own (transformers' `save_pretrained` of them) with the config's `dtype` set to
+    the weights' main dtype, so `from_pretrained(dtype="auto")` loads them as written; the tokenizer is the
+    source folder's.
     """
+    dtypes = export_dtypes(dtype, source)
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     if is_main_process():
         shutil.rmtree(tmp, ignore_errors=True)
     barrier()
-    ckpt.save_hf_safetensors(unique_weights(model, state_dict), tmp, max_shard_bytes)
+    ckpt.save_hf_safetensors(dtypes.cast_all(unique_weights(model, state_dict)), tmp, max_shard_bytes)
     if is_main_process():
         hf_model: Any = model  # a transformers PreTrainedModel
-        hf_model.config.save_pretrained(tmp)
+        config = copy.deepcopy(hf_model.config)  # the training model's own config stays fp32
+        config.dtype = dtypes.default
+        config.save_pretrained(tmp)
         if getattr(hf_model, "generation_config", None) is not None:
             hf_model.generation_config.save_pretrained(tmp)
         load_tokenizer(source).save_pretrained(tmp)

@@ -26,6 +26,7 @@ from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.mesh import barrier, is_main_process
 from spindle.export_record import EXPORT_RECORD, LORA_WEIGHTS, write_export_record, write_lora_card
 from spindle.train.metrics import count_tokens
+from spindle.train.precision import ExportDtypes, export_dtypes, frozen_dtype, store_frozen
 from spindle.train.tasks.base import build_parallel_model, resumable_loader
 
 if TYPE_CHECKING:
@@ -131,10 +132,18 @@ class FlowMatchingTask(TrainTask):
             build_empty=lambda: transformer_from_config(root),
             checkpoint=lambda: SafetensorsCheckpoint(Path(root) / "transformer").sources(),
             load_full=lambda: load_transformer(root, dtype=torch.float32),
-            convert=None if lora is None else lambda model: add_lora(model, lora),  # converters before SP / FSDP2
+            convert=None if lora is None else self.add_adapters,  # converters before SP / FSDP2
             fresh=is_lora_name,
             init_fresh=None if lora is None else lambda model: init_adapters(model, self.seed),
         )
+
+    def add_adapters(self, model: torch.nn.Module) -> None:
+        """LoRA adapters before SP / checkpointing / FSDP2; the frozen base weights stored in
+        `train.frozen_dtype` (on meta too: sharded loading reads into each parameter's dtype)."""
+        lora = self.cfg.train.lora
+        if lora is not None:
+            add_lora(model, lora)
+            store_frozen(model, frozen_dtype(self.cfg.train.frozen_dtype, self.precision))
 
     @classmethod
     def check_data(cls, cfg: DiTJobConfig) -> None:
@@ -226,10 +235,12 @@ class FlowMatchingTask(TrainTask):
         }
 
     def export(self, model: torch.nn.Module, out: Path) -> Path | None:
+        root = self.cfg.model.path
+        dtypes = export_dtypes(self.cfg.export.dtype, Path(root) / "transformer")
         if self.cfg.train.lora is None:
             sd = ckpt.full_state_dict(model)
             trained = {"family": self.family.name, "max_text_length": self.cfg.model.max_text_length}
-            result = export_pipeline(self.cfg.model.path, sd, out, trained) if is_main_process() else None
+            result = export_pipeline(root, sd, out, trained, dtypes) if is_main_process() else None
         else:
             from spindle.train.lora import adapter_state_dict, lora_scale
 
@@ -244,26 +255,30 @@ class FlowMatchingTask(TrainTask):
                     out,
                     self.cfg.export.merge_lora,
                     max_text_length=self.cfg.model.max_text_length,
+                    dtypes=dtypes,
                 )
         barrier()
         return result
 
     @classmethod
-    def export_checkpoint(cls, family: DiTFamily, checkpoint: Path, model_path: Path, out: Path) -> Path:
+    def export_checkpoint(
+        cls, family: DiTFamily, checkpoint: Path, model_path: Path, out: Path, dtype: str = "auto"
+    ) -> Path:
         if not (model_path / "model_index.json").is_file():
             raise FileNotFoundError(f"base model {model_path} has no model_index.json; pass --model PATH")
+        dtypes = export_dtypes(dtype, model_path / "transformer")
         state = json.loads((checkpoint / ckpt.TRAINER_STATE).read_text())
         template = load_transformer(model_path)
         text_length = state.get("max_text_length")  # None: a checkpoint from before it was recorded
         if state.get("lora") is None:
             trained = {"family": family.name, "max_text_length": text_length}
-            return export_pipeline(model_path, ckpt.read_checkpoint_model(checkpoint, template), out, trained)
+            return export_pipeline(model_path, ckpt.read_checkpoint_model(checkpoint, template), out, trained, dtypes)
         from spindle.config import LoraConfig
         from spindle.train.lora import adapter_state_dict, lora_scale
 
         add_lora(template, LoraConfig(**state["lora"]))
         adapters = adapter_state_dict(ckpt.read_checkpoint_model(checkpoint, template), lora_scale(template))
-        return export_lora(family, model_path, adapters, out, merge=False, max_text_length=text_length)
+        return export_lora(family, model_path, adapters, out, merge=False, max_text_length=text_length, dtypes=dtypes)
 
 
 def condition_dtype(precision: str) -> torch.dtype:
@@ -302,11 +317,16 @@ def export_lora(
     out: str | Path,
     merge: bool,
     max_text_length: int | None = None,
+    dtypes: ExportDtypes | None = None,
 ) -> Path:
     """Write `out/lora/` (diffusers' LoRA file + the original-layout file, `spindle.json` naming the base
     model and the trained text length, and a README.md model card with the lines that use it) and, with
     `merge`, `out/merged/` (the full pipeline with the LoRA fused into the transformer). Written to
     `<out>.tmp`, then renamed.
+
+    `dtypes` (default: the base transformer's, `export.dtype: auto`): the adapters are written in its
+    default dtype (they have no counterpart in the base); the merged transformer tensor by tensor.
+    The fusion itself runs in fp32.
 
     `adapters`: diffusers-layout LoRA (`<module>.lora_A.weight`, alpha / rank folded into lora_B).
     The diffusers file is written by the family pipeline's own `save_lora_weights`, so
@@ -316,6 +336,9 @@ def export_lora(
 
     from safetensors.torch import save_file
 
+    dtypes = dtypes or export_dtypes("auto", Path(base) / "transformer")
+    fused_source = adapters
+    adapters = {k: v.to(dtypes.default) for k, v in adapters.items()}
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -341,39 +364,51 @@ def export_lora(
     )
     if merge:
         model: Any = load_transformer(base)  # a diffusers ModelMixin (PEFT loader methods)
-        model.load_lora_adapter({f"transformer.{k}": v for k, v in adapters.items()}, prefix="transformer")
+        model.load_lora_adapter({f"transformer.{k}": v for k, v in fused_source.items()}, prefix="transformer")
         model.fuse_lora(lora_scale=1.0)
         model.unload_lora()
-        export_pipeline(base, model.state_dict(), tmp / "merged", trained)
+        export_pipeline(base, model.state_dict(), tmp / "merged", trained, dtypes)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
 
 
 def export_pipeline(
-    source_root: str | Path, state_dict: dict[str, torch.Tensor], out: str | Path, trained: dict[str, Any] | None = None
+    source_root: str | Path,
+    state_dict: dict[str, torch.Tensor],
+    out: str | Path,
+    trained: dict[str, Any] | None = None,
+    dtypes: ExportDtypes | None = None,
 ) -> Path:
     """Write a diffusers pipeline folder: every component of `source_root`, with the trained transformer,
     and `trained` (how it was trained) as `spindle.json` (`spindle.export_record`).
 
     The transformer is rebuilt from its own diffusers config and saved with diffusers' `save_pretrained`,
     so `config.json` carries only diffusers keys and stock diffusers loads the folder with no Spindle code.
-    Written to `<out>.tmp` first, then renamed.
+    Its tensors are written in `dtypes` (default: as the source transformer stores them, `export.dtype:
+    auto`), converted one tensor at a time into a model built on the meta device: no second full-size
+    copy of the weights besides `state_dict`. Written to `<out>.tmp` first, then renamed.
     """
     import diffusers
 
     source_root, out = Path(source_root), Path(out)
+    dtypes = dtypes or export_dtypes("auto", source_root / "transformer")
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(source_root, tmp, ignore=shutil.ignore_patterns("transformer"))
     config = json.loads((source_root / "transformer" / "config.json").read_text())
     cls = getattr(diffusers, config["_class_name"])
-    model = cls.from_config(cls.load_config(source_root / "transformer"))
-    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    with torch.device("meta"):
+        model = cls.from_config(cls.load_config(source_root / "transformer"))
+    expected = set(model.state_dict())
+    missing, unexpected = sorted(expected - state_dict.keys()), sorted(state_dict.keys() - expected)
     if missing or unexpected:
         raise RuntimeError(
             f"trained weights do not fit {cls.__name__}: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
+    # assign: each meta tensor becomes the converted trained tensor (fresh storage, or the tensor itself
+    # when its dtype already matches); non-persistent buffers stay on meta and are not saved.
+    model.load_state_dict(dtypes.cast_all(state_dict), assign=True)
     model.save_pretrained(tmp / "transformer", safe_serialization=True)
     (tmp / EXPORT_RECORD).unlink(missing_ok=True)  # the source's record describes another training
     if trained is not None:

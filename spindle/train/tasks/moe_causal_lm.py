@@ -31,6 +31,7 @@ from spindle.contracts.family import CausalLMFamily, CheckpointAdapter
 from spindle.contracts.parallel import ParallelPlan
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.mesh import is_main_process
+from spindle.train.precision import check_export_dtype
 from spindle.train.tasks.causal_lm import PADDING_MASK_KEY, CausalLMTask, write_transformers_folder
 
 if TYPE_CHECKING:
@@ -71,6 +72,11 @@ class MoECausalLMTask(CausalLMTask):
             raise ConfigError(
                 "train.lora: LoRA is not implemented for mixture-of-experts models yet (the experts are fused "
                 "parameters, not linear layers); remove train.lora"
+            )
+        if cfg.train.cpu_offload:
+            # the experts' own FSDP2 units (spindle.distributed.expert_parallel) take no offload policy yet
+            raise ConfigError(
+                "train.cpu_offload is not supported for mixture-of-experts models yet; set train.cpu_offload: false"
             )
         try:
             check_ep_layout(dims, AutoConfig.from_pretrained(cfg.model.path).num_experts)
@@ -162,18 +168,23 @@ class MoECausalLMTask(CausalLMTask):
 
         # a model's state dict holds tensors (DTensors under FSDP2/EP), not the nested values DCP's ValueType allows
         state = cast("dict[str, torch.Tensor]", get_model_state_dict(model))
-        write_moe_folder(self.adapter, model, state, self.cfg.model.path, out, self.expert_layout)
+        write_moe_folder(
+            self.adapter, model, state, self.cfg.model.path, out, self.expert_layout, dtype=self.cfg.export.dtype
+        )
         return out if is_main_process() else None
 
     @classmethod
-    def export_checkpoint(cls, family: CausalLMFamily, checkpoint: Path, model_path: Path, out: Path) -> Path:
+    def export_checkpoint(
+        cls, family: CausalLMFamily, checkpoint: Path, model_path: Path, out: Path, dtype: str = "auto"
+    ) -> Path:
         if not (model_path / "config.json").is_file():
             raise FileNotFoundError(f"base model {model_path} has no config.json; pass --model PATH")
+        check_export_dtype(dtype)
         adapter = checkpoint_adapter(family)
         layout = adapter.layout(model_path)
         model = load_moe_model(family, model_path)
         state = ckpt.read_checkpoint_model(checkpoint, model)
-        write_moe_folder(adapter, model, state, model_path, out, layout)
+        write_moe_folder(adapter, model, state, model_path, out, layout, dtype=dtype)
         return out
 
 
@@ -215,8 +226,9 @@ def write_moe_folder(
     source: str | Path,
     out: str | Path,
     layout: str,
+    dtype: str = "auto",
 ) -> None:
-    """Collective: `write_transformers_folder` with the experts in `layout`.
+    """Collective: `write_transformers_folder` with the experts in `layout`, weights in `dtype` (`export.dtype`).
 
     Expert tensors (DTensors under EP/FSDP2) are gathered whole, one tensor at a time, and converted
     by transformers' own reverse mapping; dense tensors stay sharded and are written rank by rank.
@@ -226,4 +238,4 @@ def write_moe_folder(
     expert_keys = set(expert_param_names(model))
     experts = {k: to_full(v).detach().cpu() for k, v in state_dict.items() if k in expert_keys}
     dense = {k: v for k, v in state_dict.items() if k not in expert_keys}
-    write_transformers_folder(model, {**dense, **adapter.to_layout(model, experts, layout)}, source, out)
+    write_transformers_folder(model, {**dense, **adapter.to_layout(model, experts, layout)}, source, out, dtype=dtype)
