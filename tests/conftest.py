@@ -38,8 +38,8 @@ def data_check_cache(tmp_path_factory) -> Path:
 
 
 # A Flux request with true CFG (negative prompt + true_cfg_scale): the CFG modes (batched, two
-# forwards, CFG-parallel ranks) have two branches to combine. tests/test_infer_defaults.py and
-# tests/test_flux_engine.py run it on their own tiny checkpoints.
+# forwards, CFG-parallel ranks) have two branches to combine. tests/infer/test_infer_defaults.py and
+# tests/infer/test_flux_engine.py run it on their own tiny checkpoints.
 FLUX_TRUE_CFG = dict(
     prompt="a windmill at sunset",
     negative_prompt="blurry",

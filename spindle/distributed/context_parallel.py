@@ -14,7 +14,7 @@ processes with ring=2, and Wan2.1-1.3B's 12 heads run on 8 GPUs as sp=4 x ring=2
 
 Every workaround for diffusers' assumptions lives in this module, each marked `workaround (N)` with
 the reason (1 is CPU/gloo only; 2 applies on every device), each covered by
-tests/test_distributed_parallel.py or tests/test_ring_attention.py (canaries fail when diffusers
+tests/distributed/test_distributed_parallel.py or tests/distributed/test_ring_attention.py (canaries fail when diffusers
 fixes what they work around):
 
 1. `ModelMixin._resolve_parallel_config` derives the device as

@@ -33,7 +33,7 @@ tokens (labels -100) never affect a real token.
 Loss and gradient scaling: each SP rank's loss covers its own chunk (`loss_sharded_over_sp`), so
 the SP ranks' gradients *sum* to the row's gradient; FSDP's divide factor is the data-parallel
 size (`spindle.distributed.fsdp`). Both are checked against one process in
-tests/test_ulysses_attention.py.
+tests/distributed/test_ulysses_attention.py.
 
 transformers is imported lazily (the trainer and `spindle.distributed` never import it at module
 import time).

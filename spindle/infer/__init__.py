@@ -38,7 +38,7 @@ _LAZY = {
 }
 
 # Literal strings (not `*_LAZY`): static tools read `__all__` without running the module.
-# tests/test_infer_api.py checks that it lists exactly the eager names plus `_LAZY`.
+# tests/infer/test_infer_api.py checks that it lists exactly the eager names plus `_LAZY`.
 __all__ = [
     "BeforeDenoisingStage",
     "Cancelled",

@@ -1,9 +1,9 @@
 """The conformance suite's checks: what every DiT family must pass to be registered.
 
-tests/test_conformance.py runs each check over every flow-matching family in the registry; a new
+tests/conformance/test_conformance.py runs each check over every flow-matching family in the registry; a new
 family is its folder + its registration + passing these (docs/adding-a-model.md). Each check raises
 AssertionError naming the family and what differs, so the same functions also show that a broken
-family fails (tests/test_conformance.py::test_a_broken_family_fails_the_suite).
+family fails (tests/conformance/test_conformance.py::test_a_broken_family_fails_the_suite).
 
 What a family declares for the suite, next to its DemoSpec: a `ConformanceSpec` (spindle.models.base)
 with parity cases,
@@ -273,7 +273,7 @@ def check_generate_cli_png(family: DiTFamily, root: Path, out: Path, kwargs: dic
     `DiffusionGenerator.generate(**kwargs)` returns, to the 8-bit rounding. A family option in `kwargs`
     must change generate()'s image (a case that sets it to no effect tests nothing); on a tiny model
     that change can be under the png's rounding, so a dropped flag shows in the family's one-line
-    option errors (e.g. tests/test_qwenimage.py::test_generate_cli_option_errors_are_one_line)."""
+    option errors (e.g. tests/infer/test_qwenimage.py::test_generate_cli_option_errors_are_one_line)."""
     from PIL import Image
 
     from spindle.testing.multiprocess import run_spindle

@@ -1,6 +1,6 @@
 """LoRA training under torchrun (gloo on CPU): sp=2 and dp_shard=2 equal one process.
 
-Same bounds as tests/test_train_distributed.py: per-step loss and grad norm within 1e-5 relative,
+Same bounds as tests/distributed/test_train_distributed.py: per-step loss and grad norm within 1e-5 relative,
 exported adapters within 1e-4 absolute (only the adapters train; FSDP2 shards frozen base weights too).
 The runs also render a validation sample at the last step through the sharded / SP model: rank 0
 writes it, and it matches the one-process sample up to mp4 coding.

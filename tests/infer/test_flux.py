@@ -122,7 +122,7 @@ def test_images_equal_diffusers(case, cfg_batch, request):
 def test_true_cfg_scale_is_the_cfg_scale_and_guidance_stays_embedded(tiny_flux):
     """true_cfg_scale is the scale the shared stage combines the two branches with; guidance_scale
     (unset: FluxPipeline's 3.5) stays the embedded guidance. (That the batched CFG step is one forward
-    equal to two: tests/test_conformance.py::test_cfg_batch_is_one_forward_equal_to_two.)"""
+    equal to two: tests/conformance/test_conformance.py::test_cfg_batch_is_one_forward_equal_to_two.)"""
     kw = dict(prompt="a boat", negative_prompt="ugly", height=32, width=32, num_inference_steps=2, seed=1)
     _, req = before_denoising(tiny_flux, {**kw, "max_sequence_length": 16, "true_cfg_scale": 3.0})
     assert req.do_cfg and req.cfg_scale == 3.0
@@ -150,7 +150,7 @@ def test_batch_of_prompts_and_outputs_per_prompt(tiny_flux):
 
 
 # The defaults (FluxPipeline's call defaults) and `spindle generate` writing the generated png:
-# tests/test_conformance.py (test_defaults_are_the_diffusers_pipeline_defaults,
+# tests/conformance/test_conformance.py (test_defaults_are_the_diffusers_pipeline_defaults,
 # test_generate_cli_writes_the_generated_png).
 
 

@@ -1,6 +1,6 @@
 """Flux through the multi-process engine options: Ulysses SP (--sp 2, through FluxTransformer2DModel's
 `_cp_plan`) and CFG parallel over real processes. (First-block cache and regional compile: every
-family in tests/test_conformance.py.)"""
+family in tests/conformance/test_conformance.py.)"""
 
 from __future__ import annotations
 

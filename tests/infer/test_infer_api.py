@@ -45,7 +45,7 @@ def test_infer_all_lists_exactly_the_public_names_and_each_resolves():
 
 
 def test_family(gen):
-    """(The defaults, WanPipeline's call defaults: tests/test_conformance.py::test_defaults_are_the_diffusers_pipeline_defaults.)"""
+    """(The defaults, WanPipeline's call defaults: tests/conformance/test_conformance.py::test_defaults_are_the_diffusers_pipeline_defaults.)"""
     assert gen.family == "wan"
 
 

@@ -1,6 +1,6 @@
 """Spindle's staged engine equals stock diffusers WanPipeline for the same seed (fp32 CPU, 1e-5).
 
-The tiny checkpoint's parity cases run in the conformance suite (tests/test_conformance.py); these
+The tiny checkpoint's parity cases run in the conformance suite (tests/conformance/test_conformance.py); these
 are the Wan-specific second configuration (other sizes, layers, heads, text encoder)."""
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def test_frames_equal_diffusers(case, cfg_batch, request):
     assert set(result.timings) == {"before_denoising", "denoising", "decoding"}
 
 
-# One batched CFG forward per step equal to two: tests/test_conformance.py::test_cfg_batch_is_one_forward_equal_to_two
+# One batched CFG forward per step equal to two: tests/conformance/test_conformance.py::test_cfg_batch_is_one_forward_equal_to_two
 
 
 def test_batch_of_prompts_and_outputs_per_prompt(tiny_wan):

@@ -1,6 +1,6 @@
 """Speed options from the command line: `spindle generate --cache fbc` reports the PSNR against
 the uncached result. (The first-block cache's exactness at threshold 0, its skipping and per-request
-reset, and regional compile against eager run for every family in tests/test_conformance.py:
+reset, and regional compile against eager run for every family in tests/conformance/test_conformance.py:
 test_step_cache_threshold_zero_is_exact, test_step_cache_large_threshold_skips_blocks,
 test_regional_compile_matches_eager.)"""
 

@@ -81,7 +81,7 @@ def test_tokenizer_template_prefix_is_what_the_pipeline_drops(tiny):
 # ------------------------------------------------------------------ parity with QwenImagePipeline
 
 # The tiny checkpoint's cases (no CFG; true CFG with a negative prompt longer than the prompt) run in
-# the conformance suite (tests/test_conformance.py::test_inference_equals_the_diffusers_pipeline);
+# the conformance suite (tests/conformance/test_conformance.py::test_inference_equals_the_diffusers_pipeline);
 # these are a second configuration with batches of prompts of different lengths.
 CASES = {
     "other_no_cfg_batch_of_lengths": (
@@ -123,7 +123,7 @@ def test_images_equal_diffusers(case, cfg_batch, request):
 def test_true_cfg_scale_is_the_cfg_scale_and_the_cfg_case_has_texts_of_two_lengths(tiny):
     """true_cfg_scale is the scale the shared stage combines the branches with; the conformance suite's
     CFG case has a negative prompt longer than the prompt, so its batched-CFG checks (one forward of
-    two, tests/test_conformance.py::test_cfg_batch_is_one_forward_equal_to_two, and parity) run with
+    two, tests/conformance/test_conformance.py::test_cfg_batch_is_one_forward_equal_to_two, and parity) run with
     the shorter text padded and masked."""
     from spindle.registry import get_family
 
@@ -135,7 +135,7 @@ def test_true_cfg_scale_is_the_cfg_scale_and_the_cfg_case_has_texts_of_two_lengt
 
 
 # The defaults (QwenImagePipeline's call defaults) and `spindle generate --true-cfg-scale` writing the
-# generated png: tests/test_conformance.py (test_defaults_are_the_diffusers_pipeline_defaults,
+# generated png: tests/conformance/test_conformance.py (test_defaults_are_the_diffusers_pipeline_defaults,
 # test_generate_cli_writes_the_generated_png).
 
 

@@ -88,7 +88,7 @@ def test_static_shift_from_config_replaces_resolution_shift(condition):
 
 # Refusing video pixels and sizes the VAE x packing does not divide, overfitting (with the token
 # throughput) and the export round trip into stock FluxPipeline (Spindle on the export equal to it):
-# tests/test_conformance.py (test_condition_model_rejects_bad_pixels, test_overfits_and_exports_for_stock_diffusers).
+# tests/conformance/test_conformance.py (test_condition_model_rejects_bad_pixels, test_overfits_and_exports_for_stock_diffusers).
 
 
 # ------------------------------------------------------------------ multi-process (torchrun, gloo)

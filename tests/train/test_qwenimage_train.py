@@ -2,7 +2,7 @@
 diffusers' Qwen-Image conventions step by step (chat template + drop, masked variable-length text,
 packed latents, its shift), the text split under SP is checked, SP=2 with the CLI, the demo.
 (Overfit, export round trip into stock QwenImagePipeline, refusing bad pixel shapes:
-tests/test_conformance.py.)"""
+tests/conformance/test_conformance.py.)"""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def test_training_inputs_follow_diffusers_qwenimage_conventions(condition, tiny)
 
 
 # Refusing video pixels and sizes the VAE x packing does not divide:
-# tests/test_conformance.py::test_condition_model_rejects_bad_pixels
+# tests/conformance/test_conformance.py::test_condition_model_rejects_bad_pixels
 
 
 @pytest.fixture(scope="module")

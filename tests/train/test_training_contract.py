@@ -122,7 +122,7 @@ def test_a_failing_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 
     def failing_writer(state, storage_writer):
         (Path(storage_writer.path) / "__0_0.distcp").write_bytes(b"half a shard")
-        raise OSError(errno.EIO, "Input/output error")  # a full disk is tests/test_faults.py's
+        raise OSError(errno.EIO, "Input/output error")  # a full disk is tests/train/test_faults.py's
 
     monkeypatch.setattr(ckpt.dcp, "save", failing_writer)
     with pytest.raises(OSError, match="Input/output"):
