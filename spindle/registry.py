@@ -26,6 +26,7 @@ BUILTIN_FAMILIES: dict[str, str] = {
     "qwen3_moe": "spindle.models.qwen3_moe",
     "qwenimage": "spindle.models.qwenimage",
     "wan": "spindle.models.wan",
+    "wan_i2v": "spindle.models.wan_i2v",
 }
 
 

@@ -29,18 +29,10 @@ from spindle.models.wan import OPTIONS
 
 class WanBeforeDenoisingStage(BeforeDenoisingStage):
     def __init__(self, components: dict[str, Any], spec: InferenceSpec):
-        from diffusers import WanPipeline
-
         super().__init__(components, spec)
-        # A WanPipeline without transformer: only its `encode_prompt` is used, so embeddings are
-        # computed by exactly the reference code (prompt cleaning, padding to max length, ...).
-        self.text_pipe = WanPipeline(
-            tokenizer=components["tokenizer"],
-            text_encoder=components["text_encoder"],
-            vae=components["vae"],
-            scheduler=components["scheduler"],
-            transformer=None,
-        )
+        # The family's pipeline without transformer: its `encode_prompt` (and, for I2V, its image
+        # encoding and `prepare_latents`) is the reference code (prompt cleaning, padding, ...).
+        self.text_pipe = self.make_reference_pipe(components)
         self.transformer = components["transformer"]
         self.scheduler = components["scheduler"]
         vae_cfg = components["vae"].config
@@ -54,6 +46,17 @@ class WanBeforeDenoisingStage(BeforeDenoisingStage):
         patch = self.transformer.config.patch_size
         self.h_multiple = self.scale_spatial * patch[1]
         self.w_multiple = self.scale_spatial * patch[2]
+
+    def make_reference_pipe(self, components: dict[str, Any]) -> Any:
+        from diffusers import WanPipeline
+
+        return WanPipeline(
+            tokenizer=components["tokenizer"],
+            text_encoder=components["text_encoder"],
+            vae=components["vae"],
+            scheduler=components["scheduler"],
+            transformer=None,
+        )
 
     def validate(self, params: SamplingParams) -> None:
         super().validate(params)
@@ -90,10 +93,15 @@ class WanBeforeDenoisingStage(BeforeDenoisingStage):
                     field=name,
                 )
 
+    @property
+    def latent_channels(self) -> int:
+        """Channels of the denoised latents (the transformer's input may carry conditioning channels too)."""
+        return int(self.transformer.config.in_channels)
+
     def latent_shape(self, p: SamplingParams) -> tuple[int, ...]:
         return (
             p.batch_size,
-            self.transformer.config.in_channels,
+            self.latent_channels,
             (resolved(p.num_frames, "num_frames") - 1) // self.scale_temporal + 1,
             resolved(p.height, "height") // self.scale_spatial,
             resolved(p.width, "width") // self.scale_spatial,
