@@ -133,7 +133,6 @@ class FamilyOptions:
                 raise _request_error(f"{name}: {message}")
         return params
 
-
     def check_images(self, images: Any, family: str) -> list[Any] | None:
         """The request's conditioning images, counted against `images` and read into RGB PIL images
         (`load_image`); a RequestError naming `image` otherwise. A single image may be given bare."""

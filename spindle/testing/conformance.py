@@ -26,7 +26,12 @@ from spindle.train.tasks.flow_matching import load_transformer
 
 PARITY_ATOL = 1e-5  # fp32 CPU, max abs difference of frames in [0, 1]
 SP_RTOL = 1e-5  # loss and gradients of a sequence-parallel layout against one process
-TEXT_TOKENS = 16  # model.max_text_length for every tiny check (divides the SP degrees used here)
+TEXT_TOKENS = 16  # model.max_text_length for the tiny checks (divides the SP degrees used here)
+
+
+def text_tokens(family: DiTFamily) -> int:
+    """model.max_text_length for `family`'s checks: TEXT_TOKENS unless its transformer fixes the length."""
+    return family.conformance.text_tokens if family.conformance is not None else TEXT_TOKENS
 
 
 def build_tiny(family: DiTFamily, out: Path, seed: int = 0) -> Path:
@@ -297,7 +302,7 @@ def training_inputs(family: DiTFamily, root: Path, condition: Any = None) -> dic
 
     if condition is None:
         condition = family.condition_model_cls().from_pretrained(
-            root, torch.device("cpu"), torch.float32, max_text_length=TEXT_TOKENS
+            root, torch.device("cpu"), torch.float32, max_text_length=text_tokens(family)
         )
     batch = training_batch(family)
     generators = [sample_generator(0, 0, int(i)) for i in batch["index"]]
@@ -329,7 +334,7 @@ def check_condition_rejects_bad_pixels(family: DiTFamily, root: Path) -> None:
     import pytest
 
     cls = family.condition_model_cls()
-    condition = cls.from_pretrained(root, torch.device("cpu"), torch.float32, max_text_length=TEXT_TOKENS)
+    condition = cls.from_pretrained(root, torch.device("cpu"), torch.float32, max_text_length=text_tokens(family))
     assert family.demo is not None
     frames, (height, width) = family.demo.num_frames, family.demo.size
 
@@ -346,8 +351,14 @@ def check_condition_rejects_bad_pixels(family: DiTFamily, root: Path) -> None:
 def inference_tokens(root: Path, height: int, width: int, num_frames: int) -> int:
     """The tokens the transformer sees per sample at this size, as the inference engine counts them
     (the family's before-denoising stage and `sequence_length`): an independent count for the trainer's."""
+    from spindle.contracts.request import Req
+
     kw = dict(prompt="x", height=height, width=width, num_frames=num_frames, num_inference_steps=2, seed=0)
-    gen, req = before_denoising(root, kw)
+    gen = load_generator(root)
+    params = sampling_params(kw).merged_with(gen.defaults)  # (no conditioning image needed to count tokens)
+    req = Req(
+        params=params, device=gen.pipeline.device, raw_latent_shape=gen.pipeline.before_denoising.latent_shape(params)
+    )
     tokens = gen.spec.sequence_length(req, gen.transformer)
     assert tokens is not None, f"{gen.family}: its inference spec does not count the transformer's tokens"
     return int(tokens)
@@ -357,7 +368,7 @@ def train_overrides(root: Path, data: Path, out: Path, family: DiTFamily, **extr
     assert family.demo is not None
     values = {
         "model.path": root,
-        "model.max_text_length": TEXT_TOKENS,
+        "model.max_text_length": text_tokens(family),
         "data.path": data,
         "data.resolution": list(family.demo.size),
         "data.num_frames": family.demo.num_frames,
@@ -465,8 +476,8 @@ def check_precomputed_condition_model(family: DiTFamily, root: Path) -> None:
 
     cls = family.condition_model_cls()
     cpu, fp32 = torch.device("cpu"), torch.float32
-    full = cls.from_pretrained(root, cpu, fp32, max_text_length=TEXT_TOKENS)
-    light = cls.from_pretrained(root, cpu, fp32, max_text_length=TEXT_TOKENS, encoders=False)
+    full = cls.from_pretrained(root, cpu, fp32, max_text_length=text_tokens(family))
+    light = cls.from_pretrained(root, cpu, fp32, max_text_length=text_tokens(family), encoders=False)
     modules = getattr(getattr(light, "pipe", None), "components", {}).values()
     resident = [p for m in modules if isinstance(m, torch.nn.Module) for p in m.parameters() if not p.is_meta]
     assert not resident, f"{family.name}: the condition model with encoders=False loaded encoder weights"

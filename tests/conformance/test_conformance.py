@@ -70,6 +70,7 @@ DEFAULTS = {
         extra={"true_cfg_scale": 4.0},  # QwenImagePipeline's, which runs only with a negative prompt
     ),
     "wan": dict(height=480, width=832, num_frames=81, num_inference_steps=50, guidance_scale=5.0),
+    "wan_i2v": dict(height=480, width=832, num_frames=81, num_inference_steps=50, guidance_scale=5.0),
 }  # fmt: skip
 
 

@@ -36,8 +36,12 @@ def build_tiny_wan_i2v(
 ) -> Path:
     """Write a tiny random Wan2.1 I2V pipeline (`WanImageToVideoPipeline`) to `out` and return its path.
     Overrides are merged into the default component configs."""
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline
-    from diffusers import WanTransformer3DModel
+    from diffusers import (
+        AutoencoderKLWan,
+        FlowMatchEulerDiscreteScheduler,
+        WanImageToVideoPipeline,
+        WanTransformer3DModel,
+    )
     from transformers import (
         CLIPImageProcessor,
         CLIPVisionConfig,
