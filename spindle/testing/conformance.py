@@ -426,10 +426,20 @@ def sp_reference(family: DiTFamily, root: Path) -> dict[str, Any]:
     target, _ = inputs.pop("target"), inputs.pop("sigmas")
     model = load_transformer(root)
     loss = _mse_step(model, inputs, target)
-    return {
-        "loss": loss.item(),
-        "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    # the same step in float64: how far one fp32 process is from exact, per gradient (the noise floor)
+    exact = load_transformer(root).double()
+    _mse_step(
+        exact,
+        {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()},
+        target.double(),
+    )
+    fp32_error = {
+        n: ((grads[n].double() - p.grad).norm() / p.grad.norm().clamp_min(1e-30)).item()
+        for n, p in exact.named_parameters()
+        if p.grad is not None
     }
+    return {"loss": loss.item(), "grads": grads, "fp32_error": fp32_error}
 
 
 def sp_worker(rank: int, world: int, family_name: str, root: str, layouts: dict[str, dict[str, int]], out: str) -> None:
@@ -463,7 +473,10 @@ def check_sequence_parallel(family: DiTFamily, reference: dict[str, Any], result
     for name, ref in reference["grads"].items():
         got = result["grads"][name]
         rel = ((got - ref).norm() / ref.norm().clamp_min(1e-12)).item()
-        assert rel <= SP_RTOL, f"{family.name} {layout}: gradient of {name} differs by {rel:.2e} (relative)"
+        # a gradient that nearly cancels (Wan I2V's cross-attention keys over 512 mostly-padding text tokens)
+        # is rounding noise even in one process: hold SP to twice one process's own fp32 error there
+        rtol = max(SP_RTOL, 2 * reference["fp32_error"][name])
+        assert rel <= rtol, f"{family.name} {layout}: gradient of {name} differs by {rel:.2e} (relative)"
 
 
 # ---------------------------------------------------------------- precomputed conditions and LoRA
