@@ -105,3 +105,30 @@ def test_text_length_other_than_512_is_refused(tiny_wan_i2v):
 
     with pytest.raises(ValueError, match=r"model.max_text_length must be 512 for Wan I2V \(got 16\)"):
         WanI2VConditionModel.from_pretrained(tiny_wan_i2v, max_text_length=16)
+
+
+def test_validation_samples_take_their_conditioning_images(tiny_wan_i2v, shapes_videos, tmp_path):
+    import numpy as np
+
+    from spindle.api import load_job_config, make_trainer
+    from spindle.data.media import read_video
+    from tests.conftest import train_overrides
+
+    frame = build_dataset(shapes_videos, SIZE, FRAMES).load(2)["pixels"][:, 0]
+    tensor_to_image(frame).save(tmp_path / "first.png")
+    overrides = train_overrides(
+        tiny_wan_i2v, shapes_videos, tmp_path / "run", model__max_text_length=TEXT_LENGTH, train__max_steps=1,
+        train__validation__every_steps=1, train__validation__num_inference_steps=2,
+        train__validation__prompts='["a red circle"]', train__validation__num_frames=5,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"train.validation.images: wan_i2v needs a conditioning image per"):
+        make_trainer(load_job_config(None, overrides))
+    result = make_trainer(
+        load_job_config(None, [*overrides, f'train.validation.images=["{tmp_path / "first.png"}"]'])
+    ).run()
+    sample = result.output_dir / "samples" / "step-1" / "00.mp4"
+    video = read_video(sample, 5, SIZE)  # [3, F, H, W] in [-1, 1]
+    assert video.shape == (3, 5, *SIZE)
+    assert np.isfinite(video.numpy()).all()
+    prompts = json.loads((result.output_dir / "samples" / "step-1" / "prompts.json").read_text())
+    assert prompts["images"] == [str(tmp_path / "first.png")]

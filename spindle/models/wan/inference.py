@@ -165,12 +165,12 @@ class WanInference(InferenceSpec):
 
     def check_checkpoint(self, model_index: dict) -> None:
         if model_index.get("boundary_ratio") is not None or (model_index.get("transformer_2") or [None])[0]:
-            raise NotImplementedError(
+            raise ValueError(
                 "two-expert Wan2.2 checkpoints (transformer_2 / boundary_ratio) are not supported yet; "
-                "Spindle serves single-transformer Wan2.1-style WanPipeline folders"
+                "Spindle serves single-transformer Wan2.1-style folders"
             )
         if model_index.get("expand_timesteps"):
-            raise NotImplementedError("Wan2.2 TI2V (expand_timesteps=True) checkpoints are not supported yet")
+            raise ValueError("Wan2.2 TI2V (expand_timesteps=True) checkpoints are not supported yet")
 
     def denoiser_kwargs(self, req: Req, latents: torch.Tensor, t: torch.Tensor, branch: str) -> dict[str, Any]:
         return {
