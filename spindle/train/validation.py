@@ -67,5 +67,7 @@ def render_samples(task: Any, model: torch.nn.Module, step: int, out_dir: Path) 
             result.save(out_dir / f"{index:02d}{suffix}", fps=spec.fps)
         samples.append(result.frames[0])
     if is_main_process():
-        (out_dir / "prompts.json").write_text(json.dumps({"step": step, "prompts": val.prompts, "images": val.images, **request}, indent=2))
+        (out_dir / "prompts.json").write_text(
+            json.dumps({"step": step, "prompts": val.prompts, "images": val.images, **request}, indent=2)
+        )
     return samples

@@ -54,7 +54,7 @@ def family_task(request, tmp_path_factory, tiny_checkpoint):
         None,
         [
             f"model.path={root}",
-            "model.max_text_length=16",
+            f"model.max_text_length={family.demo.text_tokens}",
             "data.path=unused",
             f"data.resolution={list(demo.size)}",
             f"data.num_frames={demo.num_frames}",

@@ -148,7 +148,7 @@ class WanInference(InferenceSpec):
     options = OPTIONS
     family = "wan"
     media = "video"
-    components = ("tokenizer", "text_encoder", "vae", "scheduler", "transformer")
+    components: tuple[str, ...] = ("tokenizer", "text_encoder", "vae", "scheduler", "transformer")
     before_denoising_cls = WanBeforeDenoisingStage
 
     def default_params(self, components: dict[str, Any]) -> SamplingParams:

@@ -61,9 +61,10 @@ def build_tiny_wan_i2v(
         "in_channels": 2 * z + MASK_CHANNELS,
         "out_channels": z,
         "image_dim": icfg["hidden_size"],
-        "added_kv_proj_dim": WAN_TRANSFORMER["num_attention_heads"] * WAN_TRANSFORMER["attention_head_dim"],
         **(transformer or {}),
     }
+    # the cross-attention's image key/value project the image tokens to the attention width
+    tcfg.setdefault("added_kv_proj_dim", tcfg["num_attention_heads"] * tcfg["attention_head_dim"])
     tcfg["text_dim"] = ecfg["d_model"]
     vcfg["latents_mean"], vcfg["latents_std"] = random_latent_stats(z, seed)
 
