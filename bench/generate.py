@@ -19,7 +19,8 @@ engine makes (Spindle keeps freed host memory on CPU, `spindle.cpu_allocator`; c
 reach the other. Only one process works at a time; the parent interleaves their requests.
 
 Checkpoints are random (no downloads here) but Wan-shaped: `--preset cpu` is small enough for a
-CPU and sized so that the DiT, not the VAE, dominates; `--preset wan1.3b` uses the Wan2.1-1.3B
+CPU and sized so that the DiT, not the VAE, dominates (`--preset i2v-cpu`: the same for Wan2.1 I2V
+against stock WanImageToVideoPipeline); `--preset wan1.3b` uses the Wan2.1-1.3B
 transformer and VAE shapes (needs a GPU: 480x832, 81 frames); `--preset flux-cpu` / `flux-gpu` are
 FLUX.1-shaped (true CFG with a negative prompt, so every mode applies). Prints a table and writes JSON.
 
@@ -77,6 +78,26 @@ PRESETS = {
         request=dict(height=480, width=832, num_frames=81, num_inference_steps=50, guidance_scale=5.0),
         dtype="bfloat16",
     ),
+    # Wan2.1 I2V (family "wan_i2v"): the "cpu" preset's shapes with the I2V input (16 + 4 + 16 channels), a
+    # CLIP image encoder, 512 text tokens (its transformer's fixed split) and a conditioning image
+    "i2v-cpu": dict(
+        family="wan_i2v",
+        transformer=dict(
+            num_layers=8,
+            num_attention_heads=8,
+            attention_head_dim=32,
+            ffn_dim=1024,
+            in_channels=36,
+            out_channels=16,
+            freq_dim=64,
+            rope_max_seq_len=256,
+        ),
+        vae=dict(base_dim=8, z_dim=16),
+        text_encoder=dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4),
+        request=dict(height=128, width=128, num_frames=9, num_inference_steps=8, guidance_scale=5.0),
+        image=(96, 160),  # the conditioning image's (height, width): the pipeline resizes it
+        dtype="float32",
+    ),
     # FLUX.1 (family "flux"): true CFG (true_cfg_scale + negative prompt) so the CFG modes apply too.
     "flux-cpu": dict(
         family="flux",
@@ -132,6 +153,17 @@ PRESETS = {
 COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2")  # per-preset overrides of the tiny builders
 WARMUP_STEPS = 2  # one step is a NaN schedule for Qwen-Image's shift_terminal scheduler (a RequestError here)
 PROMPT = dict(prompt="a red panda climbing a snowy tree, cinematic", negative_prompt="blurry, low quality")
+
+
+def preset_request(p: dict, args: argparse.Namespace) -> dict:
+    """The preset's request (+ --steps); an image-conditioned preset gets its seeded conditioning image."""
+    req = {**p["request"], **({"num_inference_steps": args.steps} if args.steps else {})}
+    if "image" in p:  # the same image for both engines (and every process of the multi-process modes)
+        from PIL import Image
+
+        pixels = np.random.default_rng(args.seed).integers(0, 256, (*p["image"], 3), dtype=np.uint8)
+        req["image"] = Image.fromarray(pixels)
+    return req
 
 
 def build_checkpoint(preset: str, root: Path) -> Path:
@@ -316,7 +348,7 @@ def worker(args: argparse.Namespace) -> None:
     p = PRESETS[args.preset]
     options = json.loads(args.worker_options)
     gen = load_generator(args.root, dtype=p["dtype"], vae_dtype=p.get("vae_dtype", "float32"), **options)
-    req = {**p["request"], **({"num_inference_steps": args.steps} if args.steps else {})}
+    req = preset_request(p, args)
     run_spindle(gen, req, args.seed, steps=WARMUP_STEPS)  # warm-up
     dt, res = timed(lambda: run_spindle(gen, req, args.seed), args.repeats)
     if dist.get_rank() == 0:
@@ -385,7 +417,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     p = PRESETS[args.preset]
-    req = {**p["request"], **({"num_inference_steps": args.steps} if args.steps else {})}
+    req = preset_request(p, args)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tmp = Path(tempfile.mkdtemp(prefix="spindle-bench-"))
     root = build_checkpoint(args.preset, Path(args.root) if args.root else tmp / "ckpt")
@@ -440,7 +472,10 @@ def main() -> None:
             add(f"{mode}/stock", "diffusers", d, d_out, k, baseline_kind="stock diffusers")
             add(f"{mode}/stock", "spindle", s, s_out, k, baseline_kind="stock diffusers", stages=stages)
 
-    print(f"preset {args.preset} on {device} ({torch.get_num_threads()} threads): {json.dumps(req)}", flush=True)
+    print(
+        f"preset {args.preset} on {device} ({torch.get_num_threads()} threads): {json.dumps(req, default=str)}",
+        flush=True,
+    )
     try:
         stock = engine("diffusers")
         ref = stock.run()[1]  # the exact reference output

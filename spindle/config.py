@@ -156,6 +156,10 @@ class ValidationConfig(Section):
     size: tuple[int, int] | None = Field(None, description="[height, width]; default: data.resolution")
     num_frames: int | None = Field(None, ge=1, description="video families; default: data.num_frames")
     guidance_scale: float | None = Field(None, description="default: the family's sampling default")
+    images: list[str] = Field(
+        default_factory=list,
+        description="image-to-video families: the conditioning image file of each prompt (one per prompt)",
+    )
 
 
 class TrainConfig(Section):

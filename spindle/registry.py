@@ -29,6 +29,7 @@ BUILTIN_FAMILIES: dict[str, str] = {
     "qwen3_vl": "spindle.models.qwen3_vl",
     "qwenimage": "spindle.models.qwenimage",
     "wan": "spindle.models.wan",
+    "wan_i2v": "spindle.models.wan_i2v",
 }
 
 
@@ -124,11 +125,24 @@ def _resolve_transformers_folder(root: Path) -> Family:
     )
 
 
+def _is_diffusers_pipeline(class_name: str) -> bool:
+    """`class_name` names a pipeline class of the installed diffusers (not a local, renamed one)."""
+    import diffusers
+
+    try:
+        cls = getattr(diffusers, class_name)
+    except (AttributeError, ImportError):  # unknown name, or a pipeline whose optional dependency is missing
+        return class_name in getattr(diffusers, "_import_structure", {}).get("pipelines", ())
+    return isinstance(cls, type) and issubclass(cls, diffusers.DiffusionPipeline)
+
+
 def resolve_family(root: str | Path) -> Family:
     """Find the family serving a checkpoint folder.
 
-    A diffusers pipeline folder (model_index.json): pipeline `_class_name`, then the transformer's
-    `_class_name`, then each family's detector (for renamed or hand-assembled local folders).
+    A diffusers pipeline folder (model_index.json): pipeline `_class_name`; a diffusers pipeline class
+    no family serves is refused here, before any weight loads; a class diffusers does not know (a
+    renamed or hand-assembled local folder) falls back to the transformer's `_class_name`, then to each
+    family's detector.
     A transformers folder (config.json with `model_type`): the family declaring that model type.
     """
     root = Path(root)
@@ -154,6 +168,15 @@ def resolve_family(root: str | Path) -> Family:
     for fam in dit:
         if pipeline_cls in fam.pipeline_classes:
             return fam
+    if isinstance(pipeline_cls, str) and _is_diffusers_pipeline(pipeline_cls):
+        # A real diffusers pipeline that no family serves (e.g. WanVideoToVideoPipeline around a
+        # WanTransformer3DModel) must not fall through to a family matched by its transformer: that family
+        # would build the wrong inputs and fail late, after loading every weight.
+        supported = sorted(c for f in dit for c in f.pipeline_classes)
+        raise UnknownModelError(
+            f"{root}: diffusers pipeline class {pipeline_cls!r} is not served by Spindle; supported pipeline "
+            f"classes: {', '.join(supported)}"
+        )
     for fam in dit:
         if transformer_cls in fam.transformer_classes:
             return fam

@@ -82,6 +82,13 @@ def tiny_wan(tiny_checkpoint) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_wan_i2v(tiny_checkpoint) -> Path:
+    """Wan2.1 I2V layout: tiny_wan's components + CLIP vision encoder and image processor, transformer
+    with 2 x 4 + 4 input channels and an image projection."""
+    return tiny_checkpoint("wan_i2v")
+
+
+@pytest.fixture(scope="session")
 def tiny_flux(tiny_checkpoint) -> Path:
     """FLUX.1-dev style: embedded guidance, VAE x2 (32x32 px -> 64 image tokens)."""
     return tiny_checkpoint("flux")

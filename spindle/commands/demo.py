@@ -84,11 +84,18 @@ def sample_dit(demo: Any, export_dir: Path, data: Path, out: Path, seed: int) ->
     """Generate from a DiT export with the first caption of the demo data; -> what to print."""
     from spindle.api import load_generator
 
-    caption = sorted(data.glob("*.txt"))[0].read_text().strip()
+    caption_file = sorted(data.glob("*.txt"))[0]
+    caption = caption_file.read_text().strip()
     path = out / f"sample{demo.sample_suffix}"
     gen = load_generator(export_dir)
+    conditioning: dict[str, Any] = {}
+    if gen.options.images[0]:  # an image-conditioned family: the caption's clip's first frame
+        conditioning["image"] = first_frame(
+            next(p for p in sorted(data.iterdir()) if p.stem == caption_file.stem and p != caption_file), demo.size
+        )
     result = gen.generate(
         prompt=caption,
+        **conditioning,
         height=demo.size[0],
         width=demo.size[1],
         num_inference_steps=20,
@@ -101,6 +108,13 @@ def sample_dit(demo: Any, export_dir: Path, data: Path, out: Path, seed: int) ->
         "  (the tiny checkpoint's VAE and text encoders are random, so the sample shows what the DiT learned\n"
         "   in latent space, not recognisable shapes: the falling loss is the signal)"
     )
+
+
+def first_frame(path: Path, size: tuple[int, int]) -> Any:
+    """The first frame of a clip at the demo size, as the uint8 RGB image a user would pass."""
+    from spindle.data.media import read_media, tensor_to_image
+
+    return tensor_to_image(read_media(path, 1, size)[:, 0])
 
 
 def sample_text(demo: Any, export_dir: Path, out: Path) -> str:

@@ -38,6 +38,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None, help="denoising steps")
     p.add_argument("--guidance", type=float, default=None, help=f"guidance_scale; {guidance_help(all_families())}")
     p.add_argument("--seed", type=int, default=None, help="seed (random if omitted; printed)")
+    p.add_argument(
+        "--image",
+        action="append",
+        default=None,
+        metavar="PATH",
+        help="conditioning image file (image-to-video: the first frame); repeat for families taking several",
+    )
     p.add_argument("--out", required=True, help="output file: .mp4 for video, .png for images")
     p.add_argument("--fps", type=int, default=None, help="frames per second of the mp4 (default: the family's)")
     p.add_argument(
@@ -83,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         num_inference_steps=args.steps,
         guidance_scale=args.guidance,
         seed=args.seed,
+        image=args.image,
         **option_values(args),
     )
     if gen.spec.media != "video":

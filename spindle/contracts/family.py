@@ -68,6 +68,7 @@ class DemoSpec:
     num_frames: int = 1  # data.num_frames (1 for image families)
     sample_suffix: str = ".png"  # ".mp4" for video families
     sample_kwargs: dict[str, Any] = field(default_factory=dict)  # extra generate() arguments
+    text_tokens: int = 16  # model.max_text_length (a family whose transformer fixes the text length sets it)
 
     def write_data(self, out: Path, seed: int) -> Path:
         path: Path = import_object(self.dataset)(out, seed=seed, **self.dataset_kwargs)
@@ -75,7 +76,7 @@ class DemoSpec:
 
     def train_config(self, model: Path, data: Path, output_dir: Path, steps: int, seed: int) -> dict[str, Any]:
         return {
-            "model": {"path": str(model), "max_text_length": 16},
+            "model": {"path": str(model), "max_text_length": self.text_tokens},
             "data": {"path": str(data), "resolution": list(self.size), "num_frames": self.num_frames},
             "train": {
                 "output_dir": str(output_dir),
@@ -132,7 +133,8 @@ class ConformanceSpec:
 
     `parity_cases`: name -> keyword arguments valid both for the stock diffusers pipeline call and
     for `DiffusionGenerator.generate` (with `seed`), small enough for a CPU test; at least one case
-    with classifier-free guidance and one without.
+    with classifier-free guidance and one without. A family taking conditioning images
+    (`FamilyOptions.images`) gets the suite's seeded test image(s) as `image` in every case.
     """
 
     parity_cases: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -149,6 +151,9 @@ class ConformanceSpec:
     # image families: a `spindle generate` request (generate() keyword arguments) using a flag of the
     # family's own, which the suite runs as a real process and compares with generate()'s image
     cli_case: dict[str, Any] | None = None
+    # model.max_text_length of the suite's condition models and training runs (small, divisible by the SP
+    # degrees); a family whose transformer fixes the text length (Wan I2V: 512) declares that length
+    text_tokens: int = 16
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,9 @@ class FamilyOptions:
     guidance: str = "classifier-free guidance scale (> 1 enables CFG)"
     fps: int | None = None
     frame_multiple: int | None = None
+    # how many conditioning images a request takes (`SamplingParams.image`): (minimum, maximum);
+    # (0, 0) for text-to-X families, (1, 1) for image-to-video
+    images: tuple[int, int] = (0, 0)
 
     def __post_init__(self) -> None:
         names = [o.name for o in self.extra]
@@ -123,13 +126,31 @@ class FamilyOptions:
             known = ", ".join(self.names()) or "none"
             raise _request_error(f"{unknown[0]} is not an option of {family} (its options: {known})", unknown[0])
         typed = {k: by_name[k].check(v, family) for k, v in params.extra.items()}
-        params = dataclasses.replace(params, extra=typed)
+        params = dataclasses.replace(params, extra=typed, image=self.check_images(params.image, family))
         for name, value in typed.items():
             rule = by_name[name].rule
             message = rule(value, params) if rule is not None else None
             if message:
                 raise _request_error(f"{name}: {message}", name)
         return params
+
+    def check_images(self, images: Any, family: str) -> list[Any] | None:
+        """The request's conditioning images, counted against `images` and read into RGB PIL images
+        (`load_image`); a RequestError naming `image` otherwise. A single image may be given bare."""
+        from spindle.contracts.request import load_image
+
+        low, high = self.images
+        if images is None or (isinstance(images, list) and not images):
+            if low:
+                raise _request_error(f"image is required for {family}: give {low} conditioning image(s)", "image")
+            return None
+        if not high:
+            raise _request_error(f"image is not taken by {family} (it generates from text alone); drop it", "image")
+        items = images if isinstance(images, (list, tuple)) else [images]
+        if not low <= len(items) <= high:
+            want = str(low) if low == high else f"{low} to {high}"
+            raise _request_error(f"image: {family} takes {want} conditioning image(s); got {len(items)}", "image")
+        return [load_image(item) for item in items]
 
 
 def needs_negative_prompt(value: Any, params: SamplingParams) -> str | None:

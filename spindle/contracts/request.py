@@ -71,6 +71,9 @@ class SamplingParams:
     seed: int | None = None
     num_outputs_per_prompt: int = 1
     max_sequence_length: int | None = None
+    # conditioning images (image-to-video, image edits): PIL images, uint8 [H, W, 3] arrays or file paths;
+    # how many a family takes is its `FamilyOptions.images`; `load_images` reads them into RGB PIL images
+    image: list[Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # family-specific knobs
 
     def merged_with(self, defaults: SamplingParams) -> SamplingParams:
@@ -140,6 +143,43 @@ class SamplingParams:
             _check_int("seed", self.seed, minimum=0)
             if self.seed >= 2**63:  # torch's manual_seed range
                 raise RequestError(f"seed must be < 2**63; got {short_repr(self.seed)}", field="seed")
+
+
+def load_image(value: Any, name: str = "image") -> Any:
+    """One conditioning image -> an RGB `PIL.Image.Image`. Takes a PIL image, a uint8 numpy array
+    [H, W, 3] (or [H, W] grey) or a file path; anything else, or a file that cannot be decoded, is a
+    `RequestError` naming the field. Pixels are never rescaled: float arrays are refused, not rounded."""
+    from pathlib import Path
+
+    import numpy as np
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(value, Image.Image):
+        image = value
+    elif isinstance(value, (str, Path)):
+        try:
+            with Image.open(value) as opened:
+                opened.load()
+                image = opened.copy()
+        except FileNotFoundError:
+            raise RequestError(f"{name} file {str(value)!r} does not exist", field=name) from None
+        except (UnidentifiedImageError, OSError, ValueError) as e:
+            raise RequestError(f"{name} file {str(value)!r} cannot be read as an image ({e})", field=name) from None
+    elif isinstance(value, np.ndarray):
+        if value.dtype != np.uint8 or value.ndim not in (2, 3) or (value.ndim == 3 and value.shape[2] != 3):
+            raise RequestError(
+                f"{name} array must be uint8 of shape [H, W, 3] (or [H, W]); got {value.dtype} {tuple(value.shape)}",
+                field=name,
+            )
+        image = Image.fromarray(value)
+    else:
+        raise RequestError(
+            f"{name} must be a PIL image, a uint8 [H, W, 3] array or an image file path; got {short_repr(value)}",
+            field=name,
+        )
+    if image.width < 1 or image.height < 1:
+        raise RequestError(f"{name} is empty ({image.width}x{image.height} pixels)", field=name)
+    return image if image.mode == "RGB" else image.convert("RGB")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

@@ -2,7 +2,8 @@
 
 Folder layout: media files anywhere below the folder, each with its caption in a same-name `.txt`
 next to it (`clips/cat.mp4` + `clips/cat.txt`). Manifest layout: one JSON object per line,
-`{"path": "clips/cat.mp4", "caption": "a cat"}`, with relative paths resolved against the manifest's
+`{"path": "clips/cat.mp4", "caption": "a cat"}` (+ optional `"image": "frames/cat.png"`, the sample's
+conditioning image for image-to-video families), with relative paths resolved against the manifest's
 folder (so a dataset folder can be moved or mounted elsewhere).
 
 Samples are listed in a sorted, deterministic order: every data-parallel rank builds the same list,
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from spindle.data.media import MEDIA_EXTENSIONS, MediaError, is_media_path, read_media
+from spindle.data.media import IMAGE_EXTENSIONS, MEDIA_EXTENSIONS, MediaError, is_image_path, is_media_path, read_media
 from spindle.data.media_check import DataCheckError, Problem, find_problems
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ logger = logging.getLogger(__name__)
 class Sample:
     path: Path
     caption: str
+    image: Path | None = None  # a conditioning image (image-conditioned families; default: the first frame)
 
 
 class MediaDataset(Dataset):
@@ -75,7 +77,10 @@ class MediaDataset(Dataset):
         """Decode one sample with no skipping (raises MediaError for a bad file)."""
         sample = self.samples[index]
         pixels = read_media(sample.path, self.num_frames, self.resolution)
-        return {"pixels": pixels, "caption": sample.caption, "index": index}
+        out = {"pixels": pixels, "caption": sample.caption, "index": index}
+        if sample.image is not None:  # resized and cropped as the clip's frames are: [3, H, W]
+            out["image"] = read_media(sample.image, 1, self.resolution)[:, 0]
+        return out
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         n = len(self.samples)
@@ -116,11 +121,14 @@ def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
             f"cannot batch samples {[s['index'] for s in samples]} with different {detail}. "
             "Use micro_batch_size=1 or keep images and videos in separate datasets."
         )
-    return {
+    batch = {
         "pixels": torch.stack([s["pixels"] for s in samples]),
         "caption": [s["caption"] for s in samples],
         "index": torch.tensor([int(s["index"]) for s in samples], dtype=torch.long),
     }
+    if any("image" in s for s in samples):  # conditioning images; a sample without one conditions on its first frame
+        batch["image"] = torch.stack([s["image"] if "image" in s else s["pixels"][:, 0] for s in samples])
+    return batch
 
 
 # ----------------------------------------------------------------------------- listing
@@ -182,7 +190,20 @@ def _manifest_entry(manifest: Path, lineno: int, line: str) -> Sample:
             f"unsupported extension {path.suffix!r} ({where})",
             f"Supported: {', '.join(sorted(MEDIA_EXTENSIONS))}.",
         )
-    return Sample(path, entry["caption"].strip())
+    image = None
+    if "image" in entry:  # optional: the sample's conditioning image (image-to-video)
+        if not isinstance(entry["image"], str):
+            raise ValueError(f"{where}: 'image' must be a string path; got {type(entry['image']).__name__}")
+        image = Path(entry["image"]).expanduser()
+        if not image.is_absolute():
+            image = manifest.parent / image
+        if not is_image_path(image):
+            raise MediaError(
+                image,
+                f"'image' must be an image file; unsupported extension {image.suffix!r} ({where})",
+                f"Supported: {', '.join(sorted(IMAGE_EXTENSIONS))}.",
+            )
+    return Sample(path, entry["caption"].strip(), image)
 
 
 def read_manifest(manifest: str | os.PathLike[str]) -> list[Sample]:
@@ -197,7 +218,7 @@ def read_manifest(manifest: str | os.PathLike[str]) -> list[Sample]:
 
 
 def _check_files_exist(samples: list[Sample], source: Path) -> None:
-    missing = [s.path for s in samples if not s.path.is_file()]
+    missing = [p for s in samples for p in (s.path, s.image) if p is not None and not p.is_file()]
     if missing:
         shown = ", ".join(str(p) for p in missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise MediaError(

@@ -111,6 +111,13 @@ def frames_to_tensor(frames: list[Image.Image]) -> torch.Tensor:
     return tensor.div_(127.5).sub_(1.0)
 
 
+def tensor_to_image(frame: torch.Tensor) -> Image.Image:
+    """A [3, H, W] frame in [-1, 1] (as `frames_to_tensor` decodes uint8 pixels) -> the uint8 RGB image it
+    came from (exact: the rounding undoes the float arithmetic). What a user would pass as an input image."""
+    array = ((frame.detach().float().cpu().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    return Image.fromarray(np.ascontiguousarray(array.permute(1, 2, 0).numpy()))
+
+
 def sample_frame_indices(total: int, num_frames: int) -> list[int]:
     """`num_frames` evenly spaced indices in [0, total), repeating frames when total < num_frames."""
     if total <= 0:

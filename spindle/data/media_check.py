@@ -52,14 +52,22 @@ def cache_dir() -> Path:
     return Path(root) / "data-checks"
 
 
+def _files(sample: Any) -> list[Path]:
+    """The files a sample reads: its media, and its conditioning image when it names one (image-to-video)."""
+    image = getattr(sample, "image", None)
+    return [sample.path] if image is None else [sample.path, image]
+
+
+def _stat(path: Path) -> list[Any]:
+    try:
+        st = path.stat()
+        return [str(path), st.st_size, st.st_mtime_ns]
+    except OSError:
+        return [str(path), None, None]
+
+
 def _fingerprint(samples: Sequence[Any], settings: dict[str, Any]) -> str:
-    entries = []
-    for s in samples:
-        try:
-            st = s.path.stat()
-            entries.append([str(s.path), st.st_size, st.st_mtime_ns, s.caption])
-        except OSError:
-            entries.append([str(s.path), None, None, s.caption])
+    entries = [[*(x for f in _files(s) for x in _stat(f)), s.caption] for s in samples]
     blob = json.dumps({"samples": entries, "settings": settings}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -67,8 +75,11 @@ def _fingerprint(samples: Sequence[Any], settings: dict[str, Any]) -> str:
 def _problem(sample: Any, resolution: tuple[int, int], num_frames: int) -> str | None:
     try:
         read_media(sample.path, num_frames, resolution)
+        image = getattr(sample, "image", None)
+        if image is not None:  # the conditioning image, decoded as the loader will (one frame)
+            read_media(image, 1, resolution)
     except MediaError as e:
-        return e.problem
+        return e.problem if e.path == sample.path else f"conditioning image {e.path}: {e.problem}"
     return None
 
 
@@ -92,7 +103,7 @@ def _write_cache(path: Path, bad: dict[int, str]) -> None:
 
 def find_problems(samples: Sequence[Any], resolution: tuple[int, int], num_frames: int) -> dict[int, str]:
     """{sample index: what is wrong} for the unusable samples, from the cache when nothing changed."""
-    settings = {"resolution": list(resolution), "num_frames": num_frames, "version": 1}
+    settings = {"resolution": list(resolution), "num_frames": num_frames, "version": 2}
     cache = cache_dir() / f"{_fingerprint(samples, settings)}.json"
     bad = _read_cache(cache)
     if bad is None:

@@ -68,7 +68,11 @@ def cache_settings(cfg: Any, family: str, dtype: torch.dtype) -> dict[str, Any]:
 def sample_key(sample: Sample) -> str:
     stat = sample.path.stat()
     caption = hashlib.sha256(sample.caption.encode()).hexdigest()[:16]
-    return f"{sample.path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{caption}"
+    key = f"{sample.path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{caption}"
+    if sample.image is not None:  # the conditioning image is part of the cached conditions
+        image = sample.image.stat()
+        key += f"|{sample.image.resolve()}|{image.st_size}|{image.st_mtime_ns}"
+    return key
 
 
 def sample_file(index: int) -> str:

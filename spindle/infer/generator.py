@@ -155,12 +155,15 @@ class DiffusionGenerator:
         seed: int | None = None,
         num_outputs_per_prompt: int = 1,
         max_sequence_length: int | None = None,
+        image: Any = None,
         progress: Callable[[int, int], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
         **extra: Any,
     ) -> GenerationResult:
         """Generate; `progress(step, total)` is called after each denoising step, `should_stop()` is
-        checked before each step (a True raises `Cancelled`). `seed=None` draws one (reported back)."""
+        checked before each step (a True raises `Cancelled`). `seed=None` draws one (reported back).
+        `image`: the conditioning image(s) of an image-conditioned family (a PIL image, a uint8 array, a
+        path, or a list of them)."""
         params = SamplingParams(
             prompt=prompt,
             negative_prompt=negative_prompt,
@@ -172,6 +175,7 @@ class DiffusionGenerator:
             seed=seed,
             num_outputs_per_prompt=num_outputs_per_prompt,
             max_sequence_length=max_sequence_length,
+            image=None if image is None else list(image) if isinstance(image, (list, tuple)) else [image],
             extra=extra,
         )
         return self.run(params, progress=progress, should_stop=should_stop)

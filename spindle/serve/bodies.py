@@ -11,6 +11,8 @@ import email.policy
 import email.utils
 import json
 import urllib.parse
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
@@ -88,14 +90,28 @@ def _too_large(max_bytes: int) -> APIError:
     )
 
 
-def parse_fields(raw: bytes, content_type: str) -> tuple[dict[str, Any], bool]:
+@dataclass(frozen=True)
+class UploadedFile:
+    """A file part of a multipart body (a form field the route declares as a file, e.g. `input_reference`)."""
+
+    filename: str
+    content_type: str
+    data: bytes = field(repr=False)
+
+    def __repr__(self) -> str:  # what a validation error echoes: never the bytes
+        return f"<file {self.filename!r} ({self.content_type}, {len(self.data)} bytes)>"
+
+
+def parse_fields(raw: bytes, content_type: str, file_fields: Iterable[str] = ()) -> tuple[dict[str, Any], bool]:
     """A request body -> (its fields, typed?): JSON (the default; typed: numbers are numbers),
     multipart/form-data (what the openai client sends to /videos) or urlencoded (not typed: every
     value is text). `content_type` is the header as sent (a multipart boundary is case-sensitive,
-    so it is never lower-cased)."""
+    so it is never lower-cased). A multipart file part is an `UploadedFile` for a field named in
+    `file_fields` (the route's file fields: /v1/videos `input_reference`, edits' images) and a 400
+    naming the field otherwise."""
     media = content_type.split(";", 1)[0].strip().lower()
     if media == "multipart/form-data":
-        return _parse_multipart(raw, content_type), False
+        return _parse_multipart(raw, content_type, frozenset(file_fields)), False
     if media == "application/x-www-form-urlencoded" and not raw.lstrip().startswith(b"{"):
         # (curl -d '{...}' without -H sends JSON labelled urlencoded: that is read as JSON)
         text = _decode(raw, "utf-8", "body")
@@ -140,7 +156,7 @@ def _decode(raw: bytes, charset: str, param: str) -> str:
         ) from None
 
 
-def _parse_multipart(raw: bytes, content_type: str) -> dict[str, Any]:
+def _parse_multipart(raw: bytes, content_type: str, file_fields: frozenset[str]) -> dict[str, Any]:
     """Stdlib email parsing (FastAPI's form support needs python-multipart). The email package is
     lenient: what it cannot make sense of becomes a body without parts, refused here."""
     if "boundary=" not in content_type.lower():
@@ -167,14 +183,18 @@ def _parse_multipart(raw: bytes, content_type: str) -> dict[str, Any]:
         if not name:
             continue
         name = safe_text(name)
-        if part.get_filename() is not None:
-            raise APIError(
-                400,
-                f"{name}: file uploads are not supported (text-to-video only)",
-                param=name,
-                code="unsupported_parameter",
-            )
         payload = part.get_payload(decode=True)
+        filename = part.get_filename()
+        if filename is not None:
+            if name not in file_fields:
+                takes = f"; this endpoint takes files as {', '.join(sorted(file_fields))}" if file_fields else ""
+                raise APIError(
+                    400, f"{name}: a file upload is not taken here{takes}", param=name, code="unsupported_parameter"
+                )
+            if not isinstance(payload, bytes):
+                raise APIError(400, f"{name}: the file part has no content", param=name, code="invalid_body")
+            fields[name] = UploadedFile(safe_text(filename), part.get_content_type(), payload)
+            continue
         if not isinstance(payload, bytes):  # a nested multipart part has no bytes of its own
             raise APIError(400, f"{name}: a form field must be text", param=name, code="invalid_body")
         fields[name] = _decode(payload, part.get_content_charset() or "utf-8", name)

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("spindle.serve")
 
 # engine field -> the HTTP field that is the same value under another name: the message says the HTTP name
-_RENAMED = {"num_outputs_per_prompt": "n"}
+_RENAMED = {"num_outputs_per_prompt": "n", "image": "input_reference"}
 # engine field -> the HTTP field it is a part of (`size` is "WIDTHxHEIGHT"): the message is prefixed with it
 _PART_OF = {"height": "size", "width": "size"}
 # the common engine fields a request body carries (under their own name unless listed above)
@@ -39,6 +39,7 @@ _ENGINE_FIELDS = (
     "width",
     "num_frames",
     "max_sequence_length",
+    "image",
 )
 
 
@@ -124,7 +125,7 @@ def request_error(e: RequestError, *, seconds_given: bool = False, option_names:
         if field == "num_frames" and seconds_given:
             param = "seconds"  # the engine's frame count was computed from `seconds`
         if field in _RENAMED:
-            message = re.sub(rf"\b{field}\b", param, message)
+            message = re.sub(rf"\b{field}\b", param, message, count=1)  # the leading name (not "image(s)")
         elif param != field and not message.startswith(param):
             message = f"{param}: {message}"
     return APIError(400, message, param=param, code="invalid_request")

@@ -14,7 +14,7 @@ boolean).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -77,8 +77,17 @@ class ImagesResponse(BaseModel):
 class VideoCreateRequest(GenerationRequest):
     """`POST /v1/videos` (OpenAI Videos API; JSON, or the multipart form the openai client sends)."""
 
+    file_fields: ClassVar[tuple[str, ...]] = ("input_reference",)  # multipart file parts taken (bodies.py)
+
     seconds: float | None = Field(default=None, gt=0, le=3600, allow_inf_nan=False, strict=False)
     num_frames: int | None = Field(default=None, ge=1)
+    # OpenAI's image reference (image-to-video models): a multipart file, or a base64 data URL in JSON;
+    # decoded and checked in params.py (every problem a 400 naming this field)
+    input_reference: Any = Field(
+        default=None,
+        description="the conditioning image (image-to-video models): a multipart file upload or a "
+        "'data:image/png;base64,...' URL",
+    )
 
     @field_validator("seconds", mode="before")
     @classmethod

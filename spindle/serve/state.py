@@ -75,7 +75,7 @@ class ServeState:
         if self.shutting_down:
             raise ShuttingDown(headers={"Connection": "close"})
         raw = await read_body(request, self.limits.max_body_bytes, self.limits.request_timeout)
-        data, typed = parse_fields(raw, request.headers.get("content-type", ""))
+        data, typed = parse_fields(raw, request.headers.get("content-type", ""), getattr(base, "file_fields", ()))
         try:
             return self.request_model(base).model_validate(data, strict=None if typed else False)
         except ValidationError as e:

@@ -26,7 +26,12 @@ from spindle.train.tasks.flow_matching import load_transformer
 
 PARITY_ATOL = 1e-5  # fp32 CPU, max abs difference of frames in [0, 1]
 SP_RTOL = 1e-5  # loss and gradients of a sequence-parallel layout against one process
-TEXT_TOKENS = 16  # model.max_text_length for every tiny check (divides the SP degrees used here)
+TEXT_TOKENS = 16  # model.max_text_length for the tiny checks (divides the SP degrees used here)
+
+
+def text_tokens(family: DiTFamily) -> int:
+    """model.max_text_length for `family`'s checks: TEXT_TOKENS unless its transformer fixes the length."""
+    return family.conformance.text_tokens if family.conformance is not None else TEXT_TOKENS
 
 
 # ---------------------------------------------------------------- checkpoint and inference
@@ -320,7 +325,7 @@ def training_inputs(family: DiTFamily, root: Path, condition: Any = None) -> dic
 
     if condition is None:
         condition = family.condition_model_cls().from_pretrained(
-            root, torch.device("cpu"), torch.float32, max_text_length=TEXT_TOKENS
+            root, torch.device("cpu"), torch.float32, max_text_length=text_tokens(family)
         )
     batch = training_batch(family)
     generators = [sample_generator(0, 0, int(i)) for i in batch["index"]]
@@ -352,7 +357,7 @@ def check_condition_rejects_bad_pixels(family: DiTFamily, root: Path) -> None:
     import pytest
 
     cls = family.condition_model_cls()
-    condition = cls.from_pretrained(root, torch.device("cpu"), torch.float32, max_text_length=TEXT_TOKENS)
+    condition = cls.from_pretrained(root, torch.device("cpu"), torch.float32, max_text_length=text_tokens(family))
     assert family.demo is not None
     frames, (height, width) = family.demo.num_frames, family.demo.size
 
@@ -369,8 +374,14 @@ def check_condition_rejects_bad_pixels(family: DiTFamily, root: Path) -> None:
 def inference_tokens(root: Path, height: int, width: int, num_frames: int) -> int:
     """The tokens the transformer sees per sample at this size, as the inference engine counts them
     (the family's before-denoising stage and `sequence_length`): an independent count for the trainer's."""
+    from spindle.contracts.request import Req
+
     kw = dict(prompt="x", height=height, width=width, num_frames=num_frames, num_inference_steps=2, seed=0)
-    gen, req = before_denoising(root, kw)
+    gen = load_generator(root)
+    params = sampling_params(kw).merged_with(gen.defaults)  # (no conditioning image needed to count tokens)
+    req = Req(
+        params=params, device=gen.pipeline.device, raw_latent_shape=gen.pipeline.before_denoising.latent_shape(params)
+    )
     tokens = gen.spec.sequence_length(req, gen.transformer)
     assert tokens is not None, f"{gen.family}: its inference spec does not count the transformer's tokens"
     return int(tokens)
@@ -418,10 +429,20 @@ def sp_reference(family: DiTFamily, root: Path) -> dict[str, Any]:
     target, _ = inputs.pop("target"), inputs.pop("sigmas")
     model = load_transformer(root)
     loss = _mse_step(model, inputs, target)
-    return {
-        "loss": loss.item(),
-        "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    # the same step in float64: how far one fp32 process is from exact, per gradient (the noise floor)
+    exact = load_transformer(root).double()
+    _mse_step(
+        exact,
+        {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()},
+        target.double(),
+    )
+    fp32_error = {
+        n: ((grads[n].double() - p.grad).norm() / p.grad.norm().clamp_min(1e-30)).item()
+        for n, p in exact.named_parameters()
+        if p.grad is not None
     }
+    return {"loss": loss.item(), "grads": grads, "fp32_error": fp32_error}
 
 
 def sp_worker(rank: int, world: int, family_name: str, root: str, layouts: dict[str, dict[str, int]], out: str) -> None:
@@ -456,7 +477,10 @@ def check_sequence_parallel(family: DiTFamily, reference: dict[str, Any], result
     for name, ref in reference["grads"].items():
         got = result["grads"][name]
         rel = ((got - ref).norm() / ref.norm().clamp_min(1e-12)).item()
-        assert rel <= SP_RTOL, f"{family.name} {layout}: gradient of {name} differs by {rel:.2e} (relative)"
+        # a gradient that nearly cancels (Wan I2V's cross-attention keys over 512 mostly-padding text tokens)
+        # is rounding noise even in one process: hold SP to twice one process's own fp32 error there
+        rtol = max(SP_RTOL, 2 * reference["fp32_error"][name])
+        assert rel <= rtol, f"{family.name} {layout}: gradient of {name} differs by {rel:.2e} (relative)"
 
 
 # ---------------------------------------------------------------- precomputed conditions and LoRA
@@ -469,8 +493,8 @@ def check_precomputed_condition_model(family: DiTFamily, root: Path) -> None:
 
     cls = family.condition_model_cls()
     cpu, fp32 = torch.device("cpu"), torch.float32
-    full = cls.from_pretrained(root, cpu, fp32, max_text_length=TEXT_TOKENS)
-    light = cls.from_pretrained(root, cpu, fp32, max_text_length=TEXT_TOKENS, encoders=False)
+    full = cls.from_pretrained(root, cpu, fp32, max_text_length=text_tokens(family))
+    light = cls.from_pretrained(root, cpu, fp32, max_text_length=text_tokens(family), encoders=False)
     modules = getattr(getattr(light, "pipe", None), "components", {}).values()
     resident = [p for m in modules if isinstance(m, torch.nn.Module) for p in m.parameters() if not p.is_meta]
     assert not resident, f"{family.name}: the condition model with encoders=False loaded encoder weights"

@@ -62,10 +62,13 @@ def render_samples(task: Any, model: torch.nn.Module, step: int, out_dir: Path) 
     suffix = ".mp4" if spec.media == "video" else ".png"
     samples = []
     for index, prompt in enumerate(val.prompts):
-        result = generator.generate(prompt=prompt, **request)
+        image = {"image": val.images[index]} if val.images else {}  # (checked one per prompt before launch)
+        result = generator.generate(prompt=prompt, **image, **request)
         if is_main_process():
             result.save(out_dir / f"{index:02d}{suffix}", fps=spec.fps)
         samples.append(result.frames[0])
     if is_main_process():
-        (out_dir / "prompts.json").write_text(json.dumps({"step": step, "prompts": val.prompts, **request}, indent=2))
+        (out_dir / "prompts.json").write_text(
+            json.dumps({"step": step, "prompts": val.prompts, "images": val.images, **request}, indent=2)
+        )
     return samples

@@ -63,9 +63,40 @@ def test_renamed_folder_is_detected_and_unknown_class_is_refused(tiny_wan, tmp_p
 
     alien = tmp_path / "alien"
     alien.mkdir()
-    (alien / "model_index.json").write_text(json.dumps({"_class_name": "StableAudioPipeline"}))
+    (alien / "model_index.json").write_text(json.dumps({"_class_name": "MyLocalAudioPipeline"}))
     with pytest.raises(UnknownModelError, match=r"known families: .*wan \(WanPipeline"):
         load_generator(alien)
+
+
+def test_unserved_diffusers_pipeline_is_refused_before_loading(tiny_wan, shapes_videos, tmp_path, spindle_cli):
+    """A diffusers pipeline class no family serves is refused by generate, serve and train, naming the class
+    and the supported ones, even though its transformer class is one a family serves (WanVideoToVideoPipeline
+    wraps WanTransformer3DModel). The weights are removed: a refusal that loaded anything would fail otherwise."""
+    from spindle.registry import UnknownModelError
+    from tests.conftest import train_overrides
+
+    v2v = tmp_path / "v2v"
+    shutil.copytree(tiny_wan, v2v)
+    index = json.loads((v2v / "model_index.json").read_text())
+    index["_class_name"] = "WanVideoToVideoPipeline"
+    (v2v / "model_index.json").write_text(json.dumps(index))
+    for weights in v2v.glob("*/*.safetensors"):
+        weights.unlink()
+    match = r"'WanVideoToVideoPipeline' is not served by Spindle; supported pipeline classes: .*WanPipeline"
+    with pytest.raises(UnknownModelError, match=match):
+        load_generator(v2v)
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("{}\n")
+    train = ("train", cfg, *train_overrides(v2v, shapes_videos, tmp_path / "run"))
+    for args in (
+        ("generate", "--model", v2v, "--prompt", "a fox", "--out", tmp_path / "o.mp4"),
+        ("serve", "--model", v2v),
+        train,
+    ):
+        result = spindle_cli(*args)
+        assert result.returncode == 2, (args, result)
+        assert "'WanVideoToVideoPipeline' is not served by Spindle" in result.stderr, (args, result.stderr)
+        assert "Traceback" not in result.stderr
 
 
 def test_request_error_is_a_value_error():

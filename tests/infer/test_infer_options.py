@@ -111,7 +111,9 @@ def test_registered_families_declare_their_options():
     # --guidance names the diffusion families only: language models are not generated with it
     guidance = help_text.split("--guidance GUIDANCE guidance_scale;")[1].split("--seed")[0]
     named = {f.name for f in all_families() if f"{f.name}: " in guidance}
-    assert named == {f.name for f in all_families() if isinstance(f, DiTFamily)} == {"flux", "qwenimage", "wan"}
+    assert (
+        named == {f.name for f in all_families() if isinstance(f, DiTFamily)} == {"flux", "qwenimage", "wan", "wan_i2v"}
+    )
 
 
 def test_request_fields_come_from_the_declaration():

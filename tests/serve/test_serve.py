@@ -282,6 +282,28 @@ def test_openai_client_videos_create_retrieve_download(serve):
     assert frames.shape == (65, 32, 32, 3)  # 4 s x 16 fps = 64 -> 65 (4k+1)
 
 
+def test_text_to_video_model_refuses_an_input_reference(serve):
+    import base64
+
+    from PIL import Image
+
+    s = serve()
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buf, "PNG")
+    for r in (
+        s.client.post(
+            "/v1/videos", files={"prompt": (None, "a"), "input_reference": ("a.png", buf.getvalue(), "image/png")}
+        ),
+        s.client.post(
+            "/v1/videos",
+            json={**KW, "input_reference": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()},
+        ),
+    ):
+        err = assert_error(r, 400, "input_reference", "invalid_request")
+        assert "input_reference is not taken by wan" in err["message"], err
+
+
 def test_cancel_queued_and_running_jobs(serve, gen):
     s = serve()
     with gate(gen) as (entered, release):

@@ -119,6 +119,7 @@ VIDEO_CASES = [
     ("multipart-steps-huge", multipart({**OK, "num_inference_steps": "100000"}), FORM, 400, "num_inference_steps"),
     (
         "multipart-file-upload",
+        b'--B\r\nContent-Disposition: form-data; name="prompt"\r\n\r\na\r\n'
         b'--B\r\nContent-Disposition: form-data; name="input_reference"; filename="a.png"\r\n\r\nPNG\r\n--B--\r\n',
         "multipart/form-data; boundary=B",
         400,

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import subprocess
 import sys
 import textwrap
@@ -32,14 +33,17 @@ DIT_FAMILIES = sorted(f.name for f in all_families() if f.task == "flow_matching
 class Recorder(nn.Module):
     """Stands in for the transformer: records the inputs the task feeds it."""
 
-    def __init__(self):
+    def __init__(self, out_channels: int | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(()))
+        self.out_channels = out_channels  # an input carrying conditioning channels (Wan I2V) predicts fewer
         self.calls: list[dict[str, torch.Tensor]] = []
 
     def forward(self, hidden_states, timestep, return_dict=False, **kwargs):
         self.calls.append({"hidden_states": hidden_states.detach().clone(), "timestep": timestep.detach().clone()})
-        return (hidden_states * self.weight,)
+        sliced = self.out_channels is not None and hidden_states.ndim == 5  # [B, C, F, H, W] (not packed tokens)
+        out = hidden_states[:, : self.out_channels] if sliced else hidden_states
+        return (out * self.weight,)
 
 
 @pytest.fixture(scope="module", params=DIT_FAMILIES)
@@ -55,7 +59,7 @@ def family_task(request, tmp_path_factory, tiny_checkpoint):
         None,
         [
             f"model.path={root}",
-            "model.max_text_length=16",
+            f"model.max_text_length={family.demo.text_tokens}",
             "data.path=unused",
             f"data.resolution={list(demo.size)}",
             f"data.num_frames={demo.num_frames}",
@@ -63,6 +67,8 @@ def family_task(request, tmp_path_factory, tiny_checkpoint):
         ],
     )
     task = FlowMatchingTask(cfg, family, build_mesh(ParallelDims()), torch.device("cpu"), "no")
+    tcfg = json.loads((root / "transformer" / "config.json").read_text())
+    task.recorder_channels = tcfg["out_channels"] if tcfg.get("out_channels") != tcfg.get("in_channels") else None
     return task, demo
 
 
@@ -71,7 +77,7 @@ def draws(task, demo, indices: list[int], step: int) -> tuple[torch.Tensor, torc
     pixels = torch.linspace(-1, 1, 3 * demo.num_frames * demo.size[0] * demo.size[1])
     pixels = pixels.view(1, 3, demo.num_frames, *demo.size).expand(len(indices), -1, -1, -1, -1).contiguous()
     batch = {"pixels": pixels, "caption": ["a red circle"] * len(indices), "index": torch.tensor(indices)}
-    model = Recorder()
+    model = Recorder(task.recorder_channels)
     task.forward(model, batch, step)
     return model.calls[0]["hidden_states"], model.calls[0]["timestep"].reshape(len(indices), -1)[:, 0]
 

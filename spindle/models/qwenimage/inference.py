@@ -84,6 +84,12 @@ class QwenImageBeforeDenoisingStage(PipelineBeforeDenoisingStage):
         )
         return embeds.to(dtype), mask
 
+    def latent_shape(self, p: SamplingParams) -> tuple[int, ...]:
+        """The VAE layout of the latents `forward` prepares: [B, C, 1, h, w] (a 3-D VAE, one frame)."""
+        h = resolved(p.height, "height") // self.vae_scale_factor
+        w = resolved(p.width, "width") // self.vae_scale_factor
+        return (p.batch_size, self.transformer.config.in_channels // 4, 1, h, w)
+
     def forward(self, req: Req) -> Req:
         p = req.params
         self.validate(p)
@@ -107,8 +113,8 @@ class QwenImageBeforeDenoisingStage(PipelineBeforeDenoisingStage):
         req.latents = self.text_pipe.prepare_latents(
             p.batch_size, num_channels, height, width, torch.float32, device, req.generator
         )
-        h, w = height // self.vae_scale_factor, width // self.vae_scale_factor
-        req.raw_latent_shape = (p.batch_size, num_channels, 1, h, w)
+        req.raw_latent_shape = self.latent_shape(p)
+        h, w = req.raw_latent_shape[-2:]
         # as QwenImagePipeline: one entry per prompt (RoPE reads the first; all images share a size)
         req.extra["img_shapes"] = [[(1, h // 2, w // 2)]] * len(p.prompts)
 

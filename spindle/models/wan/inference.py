@@ -29,18 +29,10 @@ from spindle.models.wan import OPTIONS
 
 class WanBeforeDenoisingStage(BeforeDenoisingStage):
     def __init__(self, components: dict[str, Any], spec: InferenceSpec):
-        from diffusers import WanPipeline
-
         super().__init__(components, spec)
-        # A WanPipeline without transformer: only its `encode_prompt` is used, so embeddings are
-        # computed by exactly the reference code (prompt cleaning, padding to max length, ...).
-        self.text_pipe = WanPipeline(
-            tokenizer=components["tokenizer"],
-            text_encoder=components["text_encoder"],
-            vae=components["vae"],
-            scheduler=components["scheduler"],
-            transformer=None,
-        )
+        # The family's pipeline without transformer: its `encode_prompt` (and, for I2V, its image
+        # encoding and `prepare_latents`) is the reference code (prompt cleaning, padding, ...).
+        self.text_pipe = self.make_reference_pipe(components)
         self.transformer = components["transformer"]
         self.scheduler = components["scheduler"]
         vae_cfg = components["vae"].config
@@ -54,6 +46,17 @@ class WanBeforeDenoisingStage(BeforeDenoisingStage):
         patch = self.transformer.config.patch_size
         self.h_multiple = self.scale_spatial * patch[1]
         self.w_multiple = self.scale_spatial * patch[2]
+
+    def make_reference_pipe(self, components: dict[str, Any]) -> Any:
+        from diffusers import WanPipeline
+
+        return WanPipeline(
+            tokenizer=components["tokenizer"],
+            text_encoder=components["text_encoder"],
+            vae=components["vae"],
+            scheduler=components["scheduler"],
+            transformer=None,
+        )
 
     def validate(self, params: SamplingParams) -> None:
         super().validate(params)
@@ -91,10 +94,15 @@ class WanBeforeDenoisingStage(BeforeDenoisingStage):
                     field=name,
                 )
 
+    @property
+    def latent_channels(self) -> int:
+        """Channels of the denoised latents (the transformer's input may carry conditioning channels too)."""
+        return int(self.transformer.config.in_channels)
+
     def latent_shape(self, p: SamplingParams) -> tuple[int, ...]:
         return (
             p.batch_size,
-            self.transformer.config.in_channels,
+            self.latent_channels,
             (resolved(p.num_frames, "num_frames") - 1) // self.scale_temporal + 1,
             resolved(p.height, "height") // self.scale_spatial,
             resolved(p.width, "width") // self.scale_spatial,
@@ -141,7 +149,7 @@ class WanInference(InferenceSpec):
     options = OPTIONS
     family = "wan"
     media = "video"
-    components = ("tokenizer", "text_encoder", "vae", "scheduler", "transformer")
+    components: tuple[str, ...] = ("tokenizer", "text_encoder", "vae", "scheduler", "transformer")
     before_denoising_cls = WanBeforeDenoisingStage
 
     def default_params(self, components: dict[str, Any]) -> SamplingParams:
@@ -158,12 +166,12 @@ class WanInference(InferenceSpec):
 
     def check_checkpoint(self, model_index: dict) -> None:
         if model_index.get("boundary_ratio") is not None or (model_index.get("transformer_2") or [None])[0]:
-            raise NotImplementedError(
+            raise ValueError(
                 "two-expert Wan2.2 checkpoints (transformer_2 / boundary_ratio) are not supported yet; "
-                "Spindle serves single-transformer Wan2.1-style WanPipeline folders"
+                "Spindle serves single-transformer Wan2.1-style folders"
             )
         if model_index.get("expand_timesteps"):
-            raise NotImplementedError("Wan2.2 TI2V (expand_timesteps=True) checkpoints are not supported yet")
+            raise ValueError("Wan2.2 TI2V (expand_timesteps=True) checkpoints are not supported yet")
 
     def denoiser_kwargs(self, req: Req, latents: torch.Tensor, t: torch.Tensor, branch: str) -> dict[str, Any]:
         return {

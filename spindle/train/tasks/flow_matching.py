@@ -110,6 +110,12 @@ class FlowMatchingTask(TrainTask):
         tcfg = Path(cfg.model.path) / "transformer" / "config.json"
         if dims.cp_size > 1 and tcfg.is_file():
             check_sequence_parallel(json.loads(tcfg.read_text()), dims.sp, ring=dims.ring)
+        check_validation_images(cfg, family)
+        index = Path(cfg.model.path) / "model_index.json"
+        if index.is_file() and family.inference is not None:
+            # checkpoint variants the family cannot serve (Wan2.2 two-expert / TI2V folders) are not trained
+            # either: one expert over all timesteps would train with exit 0 and export what nothing can load
+            family.inference_spec().check_checkpoint(json.loads(index.read_text()))
 
     # ------------------------------------------------------------ set-up
 
@@ -279,6 +285,25 @@ class FlowMatchingTask(TrainTask):
         add_lora(template, LoraConfig(**state["lora"]))
         adapters = adapter_state_dict(ckpt.read_checkpoint_model(checkpoint, template), lora_scale(template))
         return export_lora(family, model_path, adapters, out, merge=False, max_text_length=text_length, dtypes=dtypes)
+
+
+def check_validation_images(cfg: DiTJobConfig, family: DiTFamily) -> None:
+    """`train.validation.images`: one existing image file per prompt for a family that takes conditioning
+    images, none for one that does not (checked before launch, not at the first validation step)."""
+    val = cfg.train.validation
+    takes = family.options.images[1] > 0
+    if not val.every_steps or not val.prompts:
+        return
+    if not takes and val.images:
+        raise ValueError(f"train.validation.images: {family.name} generates from text alone; remove the images")
+    if takes and len(val.images) != len(val.prompts):
+        raise ValueError(
+            f"train.validation.images: {family.name} needs a conditioning image per validation prompt; got "
+            f"{len(val.images)} image(s) for {len(val.prompts)} prompt(s)"
+        )
+    for path in val.images:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"train.validation.images: {path} does not exist")
 
 
 def condition_dtype(precision: str) -> torch.dtype:

@@ -1,0 +1,73 @@
+"""Wan2.1 I2V's frozen condition components: Wan's (UMT5 text encoder, Wan VAE, flow-matching scheduler)
+plus the conditioning image, encoded exactly as `WanImageToVideoPipeline` encodes it at inference.
+
+The conditioning image of a sample is the clip's first frame, or the file its manifest entry names
+(`"image": path`; the loader puts it in `batch["image"]`). Each image goes through the pipeline's own
+code as the uint8 RGB image a user would pass: `encode_image` (CLIP penultimate hidden states) and
+`prepare_latents` (the VAE-encoded conditioning video, first frame then zeros, with the frame mask).
+Training targets are T2V's; the transformer input concatenates [noisy latents, mask, conditioning latents].
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from spindle.data.media import tensor_to_image
+from spindle.models.wan.condition import WanConditionModel
+from spindle.models.wan_i2v import TEXT_LENGTH
+
+
+class WanI2VConditionModel(WanConditionModel):
+    pipeline_class = "diffusers:WanImageToVideoPipeline"
+
+    def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, max_text_length: int = TEXT_LENGTH):
+        super().__init__(pipe, device, dtype, max_text_length)
+        # image_encoder is None only in a folder without one (Wan2.2 I2V) or when loaded without encoders
+        self.takes_image_embeds = pipe.image_encoder is not None or pipe.image_processor is not None
+        if max_text_length != TEXT_LENGTH:
+            raise ValueError(
+                f"model.max_text_length must be {TEXT_LENGTH} for Wan I2V (got {max_text_length}): its transformer "
+                f"reads the last {TEXT_LENGTH} context tokens as text and the rest as the image; set "
+                f"model.max_text_length: {TEXT_LENGTH}"
+            )
+
+    @torch.no_grad()
+    def encode_images(self, images: torch.Tensor, num_frames: int) -> dict[str, torch.Tensor]:
+        """Conditioning images [B, 3, H, W] in [-1, 1] -> {"condition": [B, 4 + z, f, h, w]} (+ "image_embeds")."""
+        pipe = self.pipe
+        height, width = images.shape[-2:]
+        conditions, embeds = [], []
+        for frame in images:
+            image = tensor_to_image(frame)
+            if self.takes_image_embeds:
+                embeds.append(pipe.encode_image(image, self.device).to(self.dtype))
+            pixels = pipe.video_processor.preprocess(image, height=height, width=width).to(self.device, torch.float32)
+            # One image per call: prepare_latents repeats its image's latents over `batch_size`. The noise
+            # it would draw is unused here (training draws its own per sample), so pass a placeholder.
+            placeholder = torch.empty(0, device=self.device)
+            _, condition = pipe.prepare_latents(
+                pixels, 1, self.latents_mean.shape[1], height, width, num_frames, torch.float32, self.device,
+                None, placeholder,
+            )  # fmt: skip
+            conditions.append(condition.to(self.dtype))
+        out = {"condition": torch.cat(conditions)}
+        if embeds:
+            out["image_embeds"] = torch.cat(embeds)
+        return out
+
+    def encode(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        pixels = batch["pixels"]
+        images = batch.get("image")
+        if images is None:  # the default conditioning image: each clip's first frame
+            images = pixels[:, :, 0]
+        return {**super().encode(batch), **self.encode_images(images, pixels.shape[2])}
+
+    def training_inputs(self, conditions: dict[str, torch.Tensor], generators: list[torch.Generator]) -> dict[str, Any]:
+        inputs = super().training_inputs(conditions, generators)
+        noisy = inputs["hidden_states"]
+        inputs["hidden_states"] = torch.cat([noisy, conditions["condition"].to(noisy)], dim=1)
+        if "image_embeds" in conditions:
+            inputs["encoder_hidden_states_image"] = conditions["image_embeds"].to(noisy.device)
+        return inputs

@@ -1,0 +1,116 @@
+"""Wan2.1 image-to-video inference: Wan's BeforeDenoisingStage plus the conditioning image.
+
+Mirrors diffusers' `WanImageToVideoPipeline.__call__` up to the denoising loop: the prompt through its
+`encode_prompt`, the image through its `encode_image` (CLIP penultimate hidden states) and its
+`video_processor.preprocess` (resized to the request's height x width, as the pipeline does), then its
+own `prepare_latents` (noise from the request's generator, the VAE-encoded conditioning video and the
+frame mask). Each step the transformer sees [latents, mask, conditioning latents] on the channel axis.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from spindle.contracts.request import Req, RequestError, SamplingParams, resolved
+from spindle.models.wan.inference import WanBeforeDenoisingStage, WanInference
+from spindle.models.wan_i2v import OPTIONS, TEXT_LENGTH
+
+
+class WanI2VBeforeDenoisingStage(WanBeforeDenoisingStage):
+    def make_reference_pipe(self, components: dict[str, Any]) -> Any:
+        from diffusers import WanImageToVideoPipeline
+
+        return WanImageToVideoPipeline(
+            tokenizer=components["tokenizer"],
+            text_encoder=components["text_encoder"],
+            vae=components["vae"],
+            scheduler=components["scheduler"],
+            image_processor=components.get("image_processor"),
+            image_encoder=components.get("image_encoder"),
+            transformer=None,
+        )
+
+    @property
+    def latent_channels(self) -> int:
+        return int(self.components["vae"].config.z_dim)
+
+    @property
+    def takes_image_embeds(self) -> bool:
+        """Wan2.1 I2V transformers project CLIP image embeddings (`image_dim`); Wan2.2 ones take none."""
+        return self.transformer.config.image_dim is not None
+
+    def validate(self, params: SamplingParams) -> None:
+        super().validate(params)
+        if self.takes_image_embeds and params.max_sequence_length != TEXT_LENGTH:
+            raise RequestError(
+                f"max_sequence_length must be {TEXT_LENGTH} for this model: its transformer reads the last "
+                f"{TEXT_LENGTH} context tokens as text and the rest as image (got {params.max_sequence_length!r})",
+                field="max_sequence_length",
+            )
+        if not params.image:
+            raise RequestError(
+                "image is required: this is an image-to-video model; give the first frame", field="image"
+            )
+
+    def forward(self, req: Req) -> Req:
+        req = super().forward(req)  # prompts, scheduler, timesteps, and the noise (req.latents)
+        p = req.params
+        pipe = self.text_pipe
+        image = resolved(p.image, "image")[0]
+        batch = p.batch_size
+        if self.takes_image_embeds:
+            embeds = pipe.encode_image(image, req.device)
+            # the pipeline repeats by the prompt count; per output keeps num_outputs_per_prompt > 1 valid
+            req.extra["image_embeds"] = embeds.repeat(batch, 1, 1).to(req.model_dtype)
+        height, width = resolved(p.height, "height"), resolved(p.width, "width")
+        pixels = pipe.video_processor.preprocess(image, height=height, width=width).to(req.device, torch.float32)
+        latents, condition = pipe.prepare_latents(
+            pixels,
+            batch,
+            self.latent_channels,
+            height,
+            width,
+            resolved(p.num_frames, "num_frames"),
+            torch.float32,
+            req.device,
+            req.generator,
+            req.latents,
+        )
+        req.latents = latents
+        req.extra["condition"] = condition
+        return req
+
+
+class WanI2VInference(WanInference):
+    options = OPTIONS
+    family = "wan_i2v"
+    components = ("tokenizer", "text_encoder", "image_processor", "image_encoder", "vae", "scheduler", "transformer")
+    before_denoising_cls = WanI2VBeforeDenoisingStage
+
+    def default_params(self, components: dict[str, Any]) -> SamplingParams:
+        return super().default_params(components)  # WanImageToVideoPipeline.__call__ has WanPipeline's defaults
+
+    def denoiser_kwargs(self, req: Req, latents: torch.Tensor, t: torch.Tensor, branch: str) -> dict[str, Any]:
+        kwargs = super().denoiser_kwargs(req, latents, t, branch)
+        kwargs["hidden_states"] = torch.cat([latents, req.extra["condition"]], dim=1).to(req.model_dtype)
+        kwargs["encoder_hidden_states_image"] = req.extra.get("image_embeds")
+        return kwargs
+
+    def request_constant_modules(self, transformer: torch.nn.Module, compiled: bool) -> list[torch.nn.Module]:
+        # The image embeddings enter like the prompt's: their projection and each cross-attention's image
+        # key/value (+ its RMSNorm) are the same every step.
+        modules = super().request_constant_modules(transformer, compiled)
+        wan: Any = transformer  # diffusers WanTransformer3DModel
+        if wan.condition_embedder.image_embedder is not None:
+            modules.append(wan.condition_embedder.image_embedder)
+            if not compiled:
+                for block in wan.blocks:
+                    attn = block.attn2
+                    if not attn.fused_projections and attn.add_k_proj is not None:
+                        modules += [attn.add_k_proj, attn.add_v_proj, attn.norm_added_k]
+        return modules
+
+
+WAN_I2V_INFERENCE = WanI2VInference()

@@ -1,0 +1,92 @@
+"""A tiny random Wan2.1 I2V pipeline in the diffusers layout (`spindle tiny-model wan_i2v`).
+
+The Wan T2V tiny components (`spindle.models.wan.tiny`) plus what image-to-video adds: a CLIP vision
+encoder with its image processor, and a transformer whose input carries the conditioning channels
+(latents + 4 frame-mask channels + VAE-encoded conditioning video: 36 = 16 + 4 + 16 at real size)
+with an image projection (`image_dim`) and the cross-attention's image key/value (`added_kv_proj_dim`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from spindle.models.shared.tiny import random_latent_stats, seeded
+from spindle.models.shared.tokenizers import save_tokenizer
+from spindle.models.wan.tiny import WAN_SCHEDULER, WAN_TEXT, WAN_TRANSFORMER, WAN_VAE
+
+CLIP_VISION = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=3,  # the pipeline takes the penultimate layer's hidden states
+    num_attention_heads=4,
+    image_size=32,
+    patch_size=16,
+)
+MASK_CHANNELS = 4  # the frame mask: one channel per frame the VAE folds into a latent frame
+
+
+def build_tiny_wan_i2v(
+    out: str | Path,
+    seed: int = 0,
+    transformer: dict | None = None,
+    vae: dict | None = None,
+    text_encoder: dict | None = None,
+    image_encoder: dict | None = None,
+) -> Path:
+    """Write a tiny random Wan2.1 I2V pipeline (`WanImageToVideoPipeline`) to `out` and return its path.
+    Overrides are merged into the default component configs."""
+    from diffusers import (
+        AutoencoderKLWan,
+        FlowMatchEulerDiscreteScheduler,
+        WanImageToVideoPipeline,
+        WanTransformer3DModel,
+    )
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        CLIPVisionModel,
+        PreTrainedTokenizerFast,
+        UMT5Config,
+        UMT5EncoderModel,
+    )
+
+    out = Path(out)
+    vcfg = {**WAN_VAE, **(vae or {})}
+    ecfg = {**WAN_TEXT, **(text_encoder or {})}
+    icfg = {**CLIP_VISION, **(image_encoder or {})}
+    z = vcfg["z_dim"]
+    tcfg = {
+        **WAN_TRANSFORMER,
+        "in_channels": 2 * z + MASK_CHANNELS,
+        "out_channels": z,
+        "image_dim": icfg["hidden_size"],
+        **(transformer or {}),
+    }
+    # the cross-attention's image key/value project the image tokens to the attention width
+    tcfg.setdefault("added_kv_proj_dim", tcfg["num_attention_heads"] * tcfg["attention_head_dim"])
+    tcfg["text_dim"] = ecfg["d_model"]
+    vcfg["latents_mean"], vcfg["latents_std"] = random_latent_stats(z, seed)
+
+    tok_dir = out / "tokenizer"
+    vocab_size = save_tokenizer(tok_dir)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_dir)
+    text_config = UMT5Config(vocab_size=vocab_size, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, **ecfg)
+    size = icfg["image_size"]
+    pipe = WanImageToVideoPipeline(
+        tokenizer=tokenizer,
+        text_encoder=seeded(seed, lambda: UMT5EncoderModel(text_config).eval()),
+        vae=seeded(seed + 1, lambda: AutoencoderKLWan(**vcfg).eval()),
+        scheduler=FlowMatchEulerDiscreteScheduler(**WAN_SCHEDULER),
+        image_processor=CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size}),
+        image_encoder=seeded(seed + 3, lambda: CLIPVisionModel(CLIPVisionConfig(**icfg)).eval()),
+        transformer=seeded(seed + 2, lambda: WanTransformer3DModel(**tcfg).eval()),
+    )
+    pipe.save_pretrained(out, safe_serialization=True)
+    # Without torchvision transformers builds the PIL variant of CLIPImageProcessor, and the pipeline
+    # records that class; real checkpoints name CLIPImageProcessor (which loads as the PIL one here).
+    index_path = out / "model_index.json"
+    index = json.loads(index_path.read_text())
+    index["image_processor"] = ["transformers", "CLIPImageProcessor"]
+    index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return out
