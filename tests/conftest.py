@@ -202,13 +202,14 @@ def train_interrupted(make_config: Callable[..., Any], out: Path, monkeypatch: A
     monkeypatch.setattr(Trainer, "train_step", original)
 
 
-def spindle_train(out: Path, nproc: int, overrides: list[str]) -> None:
+def spindle_train(out: Path, nproc: int, overrides: list[str]):
     """`spindle train --nproc N` (torchrun workers, or one process) of an empty config file next to `out`
-    with the dotted `overrides`; asserts it succeeded."""
+    with the dotted `overrides`; asserts it succeeded; -> the CompletedProcess (its output)."""
     cfg = out.parent / f"{out.name}.yaml"
     cfg.write_text("{}\n")
     proc = run_spindle("train", cfg, *overrides, "--nproc", nproc, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
 
 
 def train_cli(model: Path, data: Path, out: Path, nproc: int, **train) -> None:

@@ -75,12 +75,14 @@ def run(args: argparse.Namespace) -> int:
     from spindle.infer.pipeline import is_main_rank
     from spindle.infer.quality import psnr
 
-    main = is_main_rank()
     start = time.perf_counter()
     from spindle.api import load_generator
 
     gen = load_generator(args.model, **dict(engine))
     load_s = time.perf_counter() - start
+    # after loading: a multi-process engine joins its process group there, and only rank 0 writes the output
+    # (every rank writing the same file raced on its atomic rename)
+    main = is_main_rank()
     request = dict(
         prompt=args.prompt,
         negative_prompt=args.negative_prompt,

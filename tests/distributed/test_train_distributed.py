@@ -24,10 +24,11 @@ RTOL = 1e-5
 WEIGHT_ATOL = 1e-4
 
 
-def run_train(model: Path, data: Path, out: Path, nproc: int, **overrides) -> None:
-    """`spindle train --nproc N` of the tiny video model: 4 steps, micro batch 1, shuffled, exported."""
+def run_train(model: Path, data: Path, out: Path, nproc: int, **overrides):
+    """`spindle train --nproc N` of the tiny video model: 4 steps, micro batch 1, shuffled, exported;
+    -> the CompletedProcess (its output)."""
     base = dict(train__max_steps=4, train__micro_batch_size=1, checkpoint__export=True, data__shuffle=True)
-    spindle_train(out, nproc, train_overrides(model, data, out, **{**base, **overrides}))
+    return spindle_train(out, nproc, train_overrides(model, data, out, **{**base, **overrides}))
 
 
 def series(out: Path, key: str) -> list[float]:

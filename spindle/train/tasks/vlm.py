@@ -48,6 +48,18 @@ VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_g
 KIND_INPUT = {"image": "pixel_values", "video": "pixel_values_videos"}
 
 
+def checkpoint_names(model: torch.nn.Module) -> dict[str, str]:
+    """{the model's state-dict name: its name in the checkpoint}: transformers renames VLM keys on load
+    (`model.layers.*` -> `model.language_model.layers.*`, `visual.*` -> `model.visual.*`); its own reverse
+    mapping (what `save_pretrained` applies) run on meta stand-ins gives the correspondence, unchanged
+    names included."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    state = {k: torch.empty(v.shape, device="meta") for k, v in model.state_dict().items()}
+    by_id = {id(t): k for k, t in state.items()}
+    return {by_id[id(t)]: ck for ck, t in revert_weight_conversion(model, state).items() if id(t) in by_id}
+
+
 def module_at(model: torch.nn.Module, dotted: str) -> torch.nn.Module:
     module: torch.nn.Module = model.get_submodule(dotted)
     return module
@@ -138,16 +150,9 @@ class VLMTask(CausalLMTask):
         return [b for b in super().lora_blocks(family, model) if id(b) in inside]
 
     def checkpoint_sources(self) -> dict[str, TensorSource]:
-        """The checkpoint's tensors under the model's names: transformers renames VLM keys on load
-        (`model.layers.*` -> `model.language_model.layers.*`, `visual.*` -> `model.visual.*`); its own
-        reverse mapping (`export_layout`) on the meta skeleton's names gives the correspondence."""
-        from transformers.core_model_loading import revert_weight_conversion
-
+        """The checkpoint's tensors under the model's names (`checkpoint_names`)."""
         sources = super().checkpoint_sources()
-        model = self.empty_model()
-        state = {k: torch.empty(v.shape, device="meta") for k, v in model.state_dict().items()}
-        by_id = {id(t): k for k, t in state.items()}
-        renamed = {by_id[id(t)]: ck for ck, t in revert_weight_conversion(model, state).items() if id(t) in by_id}
+        renamed = checkpoint_names(self.empty_model())
         taken = set(renamed.values())
         out = {name: sources[ck] for name, ck in renamed.items() if ck in sources}
         out.update({k: v for k, v in sources.items() if k not in taken})  # unmapped keys: named by the check
@@ -206,13 +211,20 @@ class VLMTask(CausalLMTask):
 
     @classmethod
     def export_layout(cls, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """transformers renames the checkpoint keys of VLMs on load (`model.layers.*` ->
-        `model.language_model.layers.*`, `visual.*` -> `model.visual.*`); its save_pretrained writes the
-        original names back, and so does the export (the input's layout)."""
-        from transformers.core_model_loading import revert_weight_conversion
+        """The trained state under the checkpoint's names (the input's layout), as `save_pretrained` writes
+        them. The names come from a meta skeleton of the model's own class: transformers' reverse mapping
+        renames nothing on an FSDP2-wrapped model (its class is FSDP's subclass)."""
+        from transformers import PreTrainedModel
 
-        reverted: dict[str, torch.Tensor] = revert_weight_conversion(model, state)
-        return reverted
+        from spindle.distributed.sharded_load import empty_weights
+
+        base: Any = next(
+            c for c in type(model).__mro__ if issubclass(c, PreTrainedModel) and not c.__name__.startswith("FSDP")
+        )
+        with empty_weights():
+            skeleton = base._from_config(model.config)
+        names = checkpoint_names(skeleton)
+        return {names.get(k, k): v for k, v in state.items()}
 
     # ------------------------------------------------------------ step
 
