@@ -7,6 +7,38 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+# Wan-shaped tiny checkpoints the inference and memory benches build (spindle.models.wan.tiny overrides):
+# the small CPU shape and Wan2.1-T2V-1.3B's transformer + VAE with a thin random text encoder of width 4096.
+WAN_SMALL = dict(
+    transformer=dict(
+        num_layers=8,
+        num_attention_heads=8,
+        attention_head_dim=32,
+        ffn_dim=1024,
+        in_channels=16,
+        out_channels=16,
+        freq_dim=64,
+        rope_max_seq_len=256,
+    ),
+    vae=dict(base_dim=8, z_dim=16),
+    text_encoder=dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4),
+)
+WAN_1_3B = dict(
+    transformer=dict(
+        num_layers=30,
+        num_attention_heads=12,
+        attention_head_dim=128,
+        ffn_dim=8960,
+        in_channels=16,
+        out_channels=16,
+        freq_dim=256,
+        rope_max_seq_len=1024,
+        eps=1e-6,
+    ),
+    vae=dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2),
+    text_encoder=dict(d_model=4096, d_kv=64, d_ff=256, num_layers=2, num_heads=8),
+)
+
 # Dense bf16 peak of one device, by a substring of its CUDA name (MFU's denominator).
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
 

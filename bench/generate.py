@@ -42,39 +42,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from spindle.api import load_generator
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import _common as common  # noqa: E402
+from spindle.api import load_generator  # noqa: E402
 
 PRESETS = {
     "cpu": dict(
-        transformer=dict(
-            num_layers=8,
-            num_attention_heads=8,
-            attention_head_dim=32,
-            ffn_dim=1024,
-            in_channels=16,
-            out_channels=16,
-            freq_dim=64,
-            rope_max_seq_len=256,
-        ),
-        vae=dict(base_dim=8, z_dim=16),
-        text_encoder=dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4),
+        **common.WAN_SMALL,
         request=dict(height=128, width=128, num_frames=9, num_inference_steps=8, guidance_scale=5.0),
         dtype="float32",
     ),
     "wan1.3b": dict(  # Wan2.1-T2V-1.3B transformer + VAE shapes; a thin random text encoder of width 4096
-        transformer=dict(
-            num_layers=30,
-            num_attention_heads=12,
-            attention_head_dim=128,
-            ffn_dim=8960,
-            in_channels=16,
-            out_channels=16,
-            freq_dim=256,
-            rope_max_seq_len=1024,
-            eps=1e-6,
-        ),
-        vae=dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2),
-        text_encoder=dict(d_model=4096, d_kv=64, d_ff=256, num_layers=2, num_heads=8),
+        **common.WAN_1_3B,
         request=dict(height=480, width=832, num_frames=81, num_inference_steps=50, guidance_scale=5.0),
         dtype="bfloat16",
     ),
@@ -82,18 +64,9 @@ PRESETS = {
     # CLIP image encoder, 512 text tokens (its transformer's fixed split) and a conditioning image
     "i2v-cpu": dict(
         family="wan_i2v",
-        transformer=dict(
-            num_layers=8,
-            num_attention_heads=8,
-            attention_head_dim=32,
-            ffn_dim=1024,
-            in_channels=36,
-            out_channels=16,
-            freq_dim=64,
-            rope_max_seq_len=256,
-        ),
-        vae=dict(base_dim=8, z_dim=16),
-        text_encoder=dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4),
+        transformer={**common.WAN_SMALL["transformer"], "in_channels": 36},
+        vae=common.WAN_SMALL["vae"],
+        text_encoder=common.WAN_SMALL["text_encoder"],
         request=dict(height=128, width=128, num_frames=9, num_inference_steps=8, guidance_scale=5.0),
         image=(96, 160),  # the conditioning image's (height, width): the pipeline resizes it
         dtype="float32",

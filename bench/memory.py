@@ -38,21 +38,9 @@ if str(ROOT) not in sys.path:
 
 from bench import _common as common  # noqa: E402
 
-WAN_SMALL = dict(  # bench/generate.py's cpu preset
-    num_layers=8,
-    num_attention_heads=8,
-    attention_head_dim=32,
-    ffn_dim=1024,
-    in_channels=16,
-    out_channels=16,
-    freq_dim=64,
-    rope_max_seq_len=256,
-)
 PRESETS = {
     "cpu": dict(
-        transformer=WAN_SMALL,
-        vae=dict(base_dim=8, z_dim=16),
-        text_encoder=dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4),
+        **common.WAN_SMALL,
         request=dict(height=128, width=128, num_frames=9, num_inference_steps=4, guidance_scale=5.0),
         train=dict(resolution=[64, 64], num_frames=9, steps=2),
         dtype="float32",
@@ -75,19 +63,7 @@ PRESETS = {
         dtype="float32",
     ),
     "wan1.3b": dict(  # Wan2.1-T2V-1.3B transformer + VAE shapes; a thin random text encoder of width 4096
-        transformer=dict(
-            num_layers=30,
-            num_attention_heads=12,
-            attention_head_dim=128,
-            ffn_dim=8960,
-            in_channels=16,
-            out_channels=16,
-            freq_dim=256,
-            rope_max_seq_len=1024,
-            eps=1e-6,
-        ),
-        vae=dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2),
-        text_encoder=dict(d_model=4096, d_kv=64, d_ff=256, num_layers=2, num_heads=8),
+        **common.WAN_1_3B,
         request=dict(height=480, width=832, num_frames=81, num_inference_steps=4, guidance_scale=5.0),
         train=dict(resolution=[480, 832], num_frames=33, steps=2),
         dtype="bfloat16",
