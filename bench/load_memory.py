@@ -11,7 +11,7 @@ figure is that configuration's own. Per rank it reports
   load_peak_gb     the peak resident memory (VmHWM) while building the trainer: model, load, parallelize
   step_peak_gb     the peak resident memory during the first optimizer step (VmHWM reset after load)
   cuda_load_gb / cuda_step_gb   torch.cuda.max_memory_allocated after load / during step 1 (CUDA only)
-The model is trained fully (no LoRA), fp32 master weights, one step of one sample per rank. The
+The model is trained fully (`--lora RANK`: LoRA adapters on the frozen base instead), fp32 master weights, one step of one sample per rank. The
 checkpoints are random, written in bf16 in the standard layouts (a diffusers pipeline folder with a
 sharded transformer; a transformers folder with sharded safetensors), tensor by tensor from a meta
 model, so writing a 32B-shaped checkpoint never holds it in memory. Prints a table, writes JSON (--out).
@@ -48,6 +48,20 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "qwen3": dict(
             hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
             num_key_value_heads=4, head_dim=64, vocab_size=32768, tie_word_embeddings=False,
+        ),
+    },
+    # issue 26's measured case: a 0.34B-parameter Wan transformer (bf16 on disk, 1.3 GB in fp32); run it with
+    # --lora --world 2 --models wan and compare with `--preset tiny` (the baseline the issue subtracts).
+    "wan-0.34b": {
+        "wan": dict(
+            num_attention_heads=8, attention_head_dim=128, ffn_dim=4096, num_layers=20, in_channels=16,
+            out_channels=16, text_dim=4096, freq_dim=256, rope_max_seq_len=1024,
+        ),
+    },
+    "tiny": {
+        "wan": dict(
+            num_attention_heads=2, attention_head_dim=8, ffn_dim=32, num_layers=2, in_channels=16,
+            out_channels=16, text_dim=4096, freq_dim=256, rope_max_seq_len=1024,
         ),
     },
     # Wan2.1-T2V-14B's transformer and Qwen3-32B's config.json shapes (text encoder and tokenizer stay tiny).
@@ -172,8 +186,9 @@ def _worker(rank: int, world: int, overrides: list[str], out: str) -> None:
     Path(out, f"rank{rank}.json").write_text(json.dumps(row))
 
 
-def job_overrides(kind: str, model: Path, data: Path, out: Path, sharded: bool, world: int) -> list[str]:
+def job_overrides(kind: str, model: Path, data: Path, out: Path, sharded: bool, world: int, lora: int) -> list[str]:
     common_ = [
+        *([f"train.lora.rank={lora}"] if lora else []),
         f"model.path={model}",
         f"model.sharded_load={sharded}",
         f"data.path={data}",
@@ -196,6 +211,9 @@ def main() -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--models", nargs="+", default=["wan", "qwen3"], choices=["wan", "qwen3"])
     parser.add_argument("--world", nargs="+", type=int, default=[1, 2, 4])
+    parser.add_argument("--lora", type=int, default=0, metavar="RANK", help="train LoRA adapters of this rank")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="extra job-config overrides")
+    parser.add_argument("--paths", nargs="+", default=["sharded", "full"], choices=["sharded", "full"])
     parser.add_argument("--work", type=Path, default=None, help="folder for the checkpoints (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "load_memory.json")
     args = parser.parse_args()
@@ -205,6 +223,10 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="spindle-load-memory-"))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     rows = []
+    if missing := [k for k in args.models if k not in PRESETS[args.preset]]:
+        parser.error(
+            f"--preset {args.preset} has no {' / '.join(missing)} shape; pass --models {' '.join(PRESETS[args.preset])}"
+        )
     for kind in args.models:
         shape = PRESETS[args.preset][kind]
         model = work / kind
@@ -217,10 +239,10 @@ def main() -> None:
         )
         params = _count_params(model, kind)
         for world in args.world:
-            for sharded in (True, False):
+            for sharded in (p == "sharded" for p in args.paths):
                 out = work / f"run-{kind}-{world}-{sharded}"
                 out.mkdir(parents=True, exist_ok=True)
-                overrides = job_overrides(kind, model, data, out / "train", sharded, world)
+                overrides = [*job_overrides(kind, model, data, out / "train", sharded, world, args.lora), *args.set]
                 spawn(_worker, world, overrides, str(out), backend=backend)
                 ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
                 row = {
@@ -228,6 +250,7 @@ def main() -> None:
                     "params_b": params / 1e9,
                     "fp32_gb": params * 4 / GB,
                     "path": "sharded" if sharded else "full",
+                    "lora_rank": args.lora,
                     "processes": world,
                     "ranks": ranks,
                     **{
@@ -248,7 +271,13 @@ def main() -> None:
         ("step peak GB", "max_step_peak_gb", ">14", ".2f"),
     ]
     common.print_table(columns, rows)
-    report = {"preset": args.preset, "device": common.describe_device(), "rows": rows}
+    report = {
+        "preset": args.preset,
+        "lora_rank": args.lora,
+        "overrides": args.set,
+        "device": common.describe_device(),
+        "rows": rows,
+    }
     common.write_report(report, args.out)
 
 

@@ -337,10 +337,16 @@ def shard_plan(state_dict: dict[str, torch.Tensor], max_shard_bytes: int) -> dic
     return plan
 
 
-def save_hf_safetensors(state_dict: dict[str, torch.Tensor], out: str | Path, max_shard_bytes: int = 5 << 30) -> None:
+def save_hf_safetensors(
+    state_dict: dict[str, torch.Tensor],
+    out: str | Path,
+    max_shard_bytes: int = 5 << 30,
+    weights_name: str = "model.safetensors",
+) -> None:
     """Collective: write `state_dict` (plain tensors or FSDP2 DTensors) as Hugging Face sharded safetensors.
 
-    `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json` in `out`, each file at most
+    `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json` in `out` (`weights_name`
+    renames them: diffusers' `diffusion_pytorch_model.safetensors`), each file at most
     `max_shard_bytes` (one bigger tensor gets a file of its own). Every rank writes only its own
     parameter shards (DCP's `HuggingFaceStorageWriter`, `save_distributed=True`) and rank 0 then
     consolidates the per-rank files into the final ones tensor by tensor; the whole model is never
@@ -372,6 +378,53 @@ def save_hf_safetensors(state_dict: dict[str, torch.Tensor], out: str | Path, ma
     barrier()
     if is_main_process():
         shutil.rmtree(out / SHARDED_DIR_NAME, ignore_errors=True)  # the per-rank pieces, now consolidated
+        if weights_name != "model.safetensors":
+            rename_weight_files(out, "model.safetensors", weights_name)
+    barrier()
+
+
+def rename_weight_files(folder: Path, old: str, new: str) -> None:
+    """Rename a sharded safetensors set (`<old stem>-0000i-of-0000n.safetensors` + its index) to `new`'s
+    stem, rewriting the index's weight map (DCP's writer names them after transformers' convention).
+    A set of one file becomes `new` itself with no index, as `save_pretrained` writes a small model."""
+    old_stem, new_stem = old.removesuffix(".safetensors"), new.removesuffix(".safetensors")
+    index_path = folder / f"{old}.index.json"
+    index = json.loads(index_path.read_text())
+    files = set(index["weight_map"].values())
+    if len(files) == 1:
+        (folder / files.pop()).rename(folder / new)
+        index_path.unlink()
+        return
+    renamed = {f: new_stem + f.removeprefix(old_stem) for f in files}
+    for src, dst in renamed.items():
+        (folder / src).rename(folder / dst)
+    index["weight_map"] = {k: renamed[f] for k, f in index["weight_map"].items()}
+    (folder / f"{new}.index.json").write_text(json.dumps(index, indent=2))
+    index_path.unlink()
+
+
+def saved_model_tensors(path: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """{fqn: (full shape, dtype)} of every model tensor a checkpoint holds, from its metadata alone
+    (nothing is read; the sizes are the whole tensors', whatever world size saved them)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {
+        key.removeprefix("model."): (m.size, m.properties.dtype)
+        for key, m in meta.items()
+        if key.startswith("model.") and isinstance(m, TensorStorageMetadata)
+    }
+
+
+def read_model_tensors(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """Read only the model tensors `names` of a checkpoint, whole, on one process (DCP reads each
+    tensor's byte ranges from every rank's file; the rest of the checkpoint is not touched)."""
+    saved = saved_model_tensors(path)
+    if missing := [n for n in names if n not in saved]:
+        raise CheckpointError(f"{path} holds no model tensor {missing[0]!r} ({len(missing)} missing)")
+    tensors = {n: torch.empty(saved[n][0], dtype=saved[n][1]) for n in names}
+    dcp.load({"model": tensors}, checkpoint_id=str(path))
+    return tensors
 
 
 def read_checkpoint_model(path: Path, template: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
@@ -108,6 +109,48 @@ def test_export_cli_matches_end_of_training_export(make_config, tmp_path):
     b = load_file(out / "transformer" / "diffusion_pytorch_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert (out / "model_index.json").read_text() == (result.export_dir / "model_index.json").read_text()
+
+
+def test_streamed_export_of_a_checkpoint_writes_sharded_files_stock_diffusers_loads(make_config, tmp_path):
+    """`spindle export` never builds the model: shard by shard from the checkpoint, into the sharded layout
+    (`*-0000i-of-0000n.safetensors` + index) `save_pretrained` writes for a big model."""
+    from diffusers import WanTransformer3DModel
+
+    from spindle.distributed import checkpoint as ckpt
+    from spindle.train.precision import export_dtypes
+    from spindle.train.streamed_export import checkpoint_then_base, write_streamed
+    from spindle.train.tasks.flow_matching import transformer_from_config
+
+    cfg = make_config(train__max_steps=2)
+    result = train(cfg)
+    checkpoint = ckpt.list_checkpoints(cfg.train.output_dir)[-1]
+    base = Path(cfg.model.path) / "transformer"
+    expected = transformer_from_config(cfg.model.path).state_dict()
+    out = tmp_path / "sharded"
+    read = checkpoint_then_base(checkpoint, base)
+    write_streamed(expected, read, out, "diffusion_pytorch_model.safetensors", export_dtypes("auto", base), 20_000)
+    index = json.loads((out / "diffusion_pytorch_model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    per_file = {f: sum(1 for v in index["weight_map"].values() if v == f) for f in files}
+    assert len(files) > 2  # a bigger tensor gets a file of its own; the others stay under the bound
+    assert all((out / f).stat().st_size < 20_000 + 4096 for f, n in per_file.items() if n > 1)
+    (out / "config.json").write_text((base / "config.json").read_text())
+    loaded = WanTransformer3DModel.from_pretrained(out).state_dict()
+    whole = load_file(result.export_dir / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert loaded.keys() == whole.keys() and all(torch.equal(loaded[k], whole[k]) for k in whole)
+
+
+def test_export_names_a_checkpoint_from_another_base_model(make_config, tmp_path):
+    cfg = make_config(train__max_steps=1, checkpoint__export=False)
+    train(cfg)
+    other = tmp_path / "other"
+    from spindle.models.wan.tiny import build_tiny_wan
+
+    build_tiny_wan(other, transformer={"num_layers": 1})
+    proc = run_spindle("export", cfg.train.output_dir, "--out", tmp_path / "x", "--model", other)
+    assert proc.returncode != 0
+    assert "another base model" in proc.stderr and "unexpected" in proc.stderr, proc.stderr
+    assert not (tmp_path / "x").exists() and not (tmp_path / "x.tmp").exists()
 
 
 def test_export_cli_rejects_non_checkpoint(tmp_path, spindle_cli):

@@ -12,7 +12,7 @@ import hashlib
 import json
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -244,25 +244,23 @@ class FlowMatchingTask(TrainTask):
         root = self.cfg.model.path
         dtypes = export_dtypes(self.cfg.export.dtype, Path(root) / "transformer")
         if self.cfg.train.lora is None:
-            sd = ckpt.full_state_dict(model)
             trained = {"family": self.family.name, "max_text_length": self.cfg.model.max_text_length}
-            result = export_pipeline(root, sd, out, trained, dtypes) if is_main_process() else None
-        else:
-            from spindle.train.lora import adapter_state_dict, lora_scale
+            return export_pipeline_sharded(root, model, out, trained, dtypes)
+        from spindle.train.lora import adapter_state_dict, lora_scale
 
-            sd = ckpt.full_state_dict(model, trainable_only=True)
-            result = None
-            if is_main_process():
-                adapters = adapter_state_dict(sd, lora_scale(model))
-                result = export_lora(
-                    self.family,
-                    self.cfg.model.path,
-                    adapters,
-                    out,
-                    self.cfg.export.merge_lora,
-                    max_text_length=self.cfg.model.max_text_length,
-                    dtypes=dtypes,
-                )
+        sd = ckpt.full_state_dict(model, trainable_only=True)  # collective: the adapters only
+        result = None
+        if is_main_process():
+            adapters = adapter_state_dict(sd, lora_scale(model))
+            result = export_lora(
+                self.family,
+                self.cfg.model.path,
+                adapters,
+                out,
+                self.cfg.export.merge_lora,
+                max_text_length=self.cfg.model.max_text_length,
+                dtypes=dtypes,
+            )
         barrier()
         return result
 
@@ -270,20 +268,30 @@ class FlowMatchingTask(TrainTask):
     def export_checkpoint(
         cls, family: DiTFamily, checkpoint: Path, model_path: Path, out: Path, dtype: str = "auto"
     ) -> Path:
+        """One process, without building the model: the trained tensors are streamed from the checkpoint
+        (`spindle.train.streamed_export`), a LoRA run's adapters read by name."""
+        from spindle.train.lora import adapter_state_dict, is_lora_name
+        from spindle.train.streamed_export import checkpoint_then_base, write_streamed
+
         if not (model_path / "model_index.json").is_file():
             raise FileNotFoundError(f"base model {model_path} has no model_index.json; pass --model PATH")
         dtypes = export_dtypes(dtype, model_path / "transformer")
         state = json.loads((checkpoint / ckpt.TRAINER_STATE).read_text())
-        template = load_transformer(model_path)
         text_length = state.get("max_text_length")  # None: a checkpoint from before it was recorded
+        trained = {"family": family.name, "max_text_length": text_length}
+        saved = ckpt.saved_model_tensors(checkpoint)
         if state.get("lora") is None:
-            trained = {"family": family.name, "max_text_length": text_length}
-            return export_pipeline(model_path, ckpt.read_checkpoint_model(checkpoint, template), out, trained, dtypes)
-        from spindle.config import LoraConfig
-        from spindle.train.lora import adapter_state_dict, lora_scale
-
-        add_lora(template, LoraConfig(**state["lora"]))
-        adapters = adapter_state_dict(ckpt.read_checkpoint_model(checkpoint, template), lora_scale(template))
+            expected = transformer_from_config(model_path).state_dict()
+            check_state_names(set(expected), set(saved), model_path, require_all=False)
+            tmp = start_pipeline_export(model_path, out)
+            read = checkpoint_then_base(checkpoint, model_path / "transformer")
+            write_streamed(expected, read, tmp / "transformer", DIFFUSERS_WEIGHTS, dtypes)
+            return finish_pipeline_export(model_path, tmp, out, trained)
+        lora = state["lora"]
+        scale = float(lora["alpha"] if lora.get("alpha") is not None else lora["rank"]) / lora["rank"]
+        names = [n for n in saved if is_lora_name(n)]
+        scales = {n.partition(".lora_")[0]: scale for n in names}
+        adapters = adapter_state_dict(ckpt.read_model_tensors(checkpoint, names), scales)
         return export_lora(family, model_path, adapters, out, merge=False, max_text_length=text_length, dtypes=dtypes)
 
 
@@ -398,6 +406,68 @@ def export_lora(
     return out
 
 
+DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
+
+
+def check_state_names(expected: set[str], got: set[str], source_root: str | Path, require_all: bool = True) -> None:
+    """The trained tensor names against the base transformer's (`require_all`: every one present)."""
+    missing = sorted(expected - got) if require_all else []
+    unexpected = sorted(got - expected)
+    if missing or unexpected:
+        cls = transformer_class(source_root).__name__
+        raise RuntimeError(
+            f"trained weights do not fit {cls} of {source_root}: missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]}; was the run trained from another base model? pass --model PATH"
+        )
+
+
+def start_pipeline_export(source_root: str | Path, out: str | Path) -> Path:
+    """`<out>.tmp` holding every component of `source_root` but the transformer (which the caller writes)."""
+    tmp = Path(out).with_name(Path(out).name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source_root, tmp, ignore=shutil.ignore_patterns("transformer"))
+    return tmp
+
+
+def finish_pipeline_export(source_root: str | Path, tmp: Path, out: str | Path, trained: dict[str, Any] | None) -> Path:
+    """Complete `tmp` (the transformer's diffusers config where the writer left none, `spindle.json`)
+    and rename it to `out`."""
+    config = tmp / "transformer" / "config.json"
+    if not config.is_file():  # the trained transformer has the base one's architecture: its config as is
+        shutil.copy2(Path(source_root) / "transformer" / "config.json", config)
+    (tmp / EXPORT_RECORD).unlink(missing_ok=True)  # the source's record describes another training
+    if trained is not None:
+        write_export_record(tmp, **trained)
+    out = Path(out)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def export_pipeline_sharded(
+    source_root: str | Path,
+    model: torch.nn.Module,
+    out: str | Path,
+    trained: dict[str, Any] | None,
+    dtypes: ExportDtypes,
+) -> Path | None:
+    """Collective: the pipeline folder with the trained (FSDP2-sharded) transformer, each rank writing
+    its own parameter shards (`ckpt.save_hf_safetensors`): the whole model is never gathered on one
+    rank. Returns the folder on rank 0, None elsewhere."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state = cast("dict[str, torch.Tensor]", get_model_state_dict(model))  # DTensors: no gather
+    check_state_names(set(transformer_from_config(source_root).state_dict()), set(state), source_root)
+    tmp = Path(out).with_name(Path(out).name + ".tmp")
+    if is_main_process():
+        start_pipeline_export(source_root, out)
+    barrier()
+    ckpt.save_hf_safetensors(dtypes.cast_all(state), tmp / "transformer", weights_name=DIFFUSERS_WEIGHTS)
+    result = finish_pipeline_export(source_root, tmp, out, trained) if is_main_process() else None
+    barrier()
+    return result
+
+
 def export_pipeline(
     source_root: str | Path,
     state_dict: dict[str, torch.Tensor],
@@ -405,8 +475,9 @@ def export_pipeline(
     trained: dict[str, Any] | None = None,
     dtypes: ExportDtypes | None = None,
 ) -> Path:
-    """Write a diffusers pipeline folder: every component of `source_root`, with the trained transformer,
-    and `trained` (how it was trained) as `spindle.json` (`spindle.export_record`).
+    """Write a diffusers pipeline folder from an in-memory transformer state dict (one process): every
+    component of `source_root`, with the trained transformer, and `trained` (how it was trained) as
+    `spindle.json` (`spindle.export_record`).
 
     The transformer is rebuilt from its own diffusers config and saved with diffusers' `save_pretrained`,
     so `config.json` carries only diffusers keys and stock diffusers loads the folder with no Spindle code.
@@ -416,28 +487,16 @@ def export_pipeline(
     """
     import diffusers
 
-    source_root, out = Path(source_root), Path(out)
+    source_root = Path(source_root)
     dtypes = dtypes or export_dtypes("auto", source_root / "transformer")
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(source_root, tmp, ignore=shutil.ignore_patterns("transformer"))
+    tmp = start_pipeline_export(source_root, out)
     config = json.loads((source_root / "transformer" / "config.json").read_text())
     cls = getattr(diffusers, config["_class_name"])
     with torch.device("meta"):
         model = cls.from_config(cls.load_config(source_root / "transformer"))
-    expected = set(model.state_dict())
-    missing, unexpected = sorted(expected - state_dict.keys()), sorted(state_dict.keys() - expected)
-    if missing or unexpected:
-        raise RuntimeError(
-            f"trained weights do not fit {cls.__name__}: missing {missing[:5]}, unexpected {unexpected[:5]}"
-        )
+    check_state_names(set(model.state_dict()), set(state_dict), source_root)
     # assign: each meta tensor becomes the converted trained tensor (fresh storage, or the tensor itself
     # when its dtype already matches); non-persistent buffers stay on meta and are not saved.
     model.load_state_dict(dtypes.cast_all(state_dict), assign=True)
     model.save_pretrained(tmp / "transformer", safe_serialization=True)
-    (tmp / EXPORT_RECORD).unlink(missing_ok=True)  # the source's record describes another training
-    if trained is not None:
-        write_export_record(tmp, **trained)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
+    return finish_pipeline_export(source_root, tmp, out, trained)
