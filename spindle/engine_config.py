@@ -1,6 +1,7 @@
 """Typed sections of what a user sets to run a checkpoint rather than train one: how the engine runs it
-(`EngineConfig`), what one request may ask for (`RequestLimits`) and what one server connection may hold
-(`ServeLimits`). Same system as the training config (`spindle.config`): pydantic fields with their
+(`EngineConfig`), what one request may ask for (`RequestLimits`), what one server connection may hold
+(`ServeLimits`) and how `spindle serve` itself runs (`ServeSettings`: address, queue, results, shutdown,
+warm-up). Same system as the training config (`spindle.config`): pydantic fields with their
 constraints and descriptions; `spindle generate` / `spindle serve` flags and docs/cli.md are generated from
 these fields (`spindle.commands.flags`), and the Python API takes the same names as keywords
 (`spindle.api.load_generator(path, cache="fbc")`), rejecting a typo by naming the closest option.
@@ -256,3 +257,29 @@ class ServeLimits(OptionSection):
 
     def as_dict(self) -> dict[str, Any]:
         return {**self.request.as_dict(), **self.model_dump(exclude={"request"})}
+
+
+class ServeSettings(OptionSection):
+    """How `spindle serve` runs: where it listens, its queue and results, how it shuts down and warms up."""
+
+    noun = "serve setting"
+
+    host: str = Field("127.0.0.1", description="bind address")
+    port: int = Field(30000, ge=0, le=65535, description="port (0: any free port)")
+    served_model_name: str | None = Field(None, description="model id in /v1/models (default: the folder name)")
+    max_queue: int = Field(16, ge=1, description="jobs that may wait; one more gets 429")
+    result_ttl: float = Field(3600.0, gt=0, description="seconds a finished job's result is kept (then 410)")
+    shutdown_grace: float = Field(
+        30.0, ge=0, description="on SIGTERM, seconds the running job may take to finish before it is cancelled"
+    )
+    shutdown_linger: float = Field(
+        3.0, ge=0, description="on SIGTERM, seconds job status stays readable after the last job ended"
+    )
+    keep_frames: bool = Field(
+        False, description="also keep each result's float32 frames (GET .../content?variant=npy; memory heavy)"
+    )
+    warmup: bool = Field(True, description="run one small generation before accepting requests")
+    warmup_size: str | None = Field(None, description="warm-up size WxH (default: the model's default size)")
+    warmup_frames: int = Field(1, ge=1, description="warm-up frame count for video models")
+    warmup_steps: int = Field(1, ge=1, description="warm-up denoising steps")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from spindle.commands.engine_args import add_engine_arguments, check_world_size, engine_config
 from spindle.commands.flags import add_section_arguments, section_from_args
-from spindle.engine_config import RequestLimits, ServeLimits  # torch-free: `--help` stays light
+from spindle.engine_config import RequestLimits, ServeLimits, ServeSettings  # torch-free: `--help` stays light
 
 HELP = "serve a checkpoint over an OpenAI-compatible HTTP API (images / videos)"
 
@@ -38,44 +38,13 @@ PIDFILE_ENV = "SPINDLE_SERVE_PIDFILE"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="diffusers pipeline folder (with model_index.json)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=30000, help="port (default 30000)")
-    p.add_argument("--served-model-name", default=None, help="model id in /v1/models (default: the folder name)")
-    p.add_argument("--max-queue", type=int, default=16, help="jobs that may wait; one more gets 429 (default 16)")
-    p.add_argument(
-        "--result-ttl",
-        type=float,
-        default=3600.0,
-        help="seconds a finished job's result is kept (then 410; default 3600)",
-    )
-    p.add_argument(
-        "--shutdown-grace",
-        type=float,
-        default=30.0,
-        help="on SIGTERM, seconds the running job may take to finish before it is cancelled",
-    )
-    p.add_argument(
-        "--shutdown-linger",
-        type=float,
-        default=3.0,
-        help="on SIGTERM, seconds job status stays readable after the last job ended (default 3)",
-    )
+    add_section_arguments(p.add_argument_group("server (spindle.engine_config.ServeSettings)"), ServeSettings)
     g = p.add_argument_group(
         "limits (spindle.engine_config.RequestLimits / ServeLimits: per request / per connection; "
         "0 = no limit for the --max-* request bounds)"
     )
     add_section_arguments(g, RequestLimits)
     add_section_arguments(g, ServeLimits)
-    p.add_argument(
-        "--keep-frames",
-        action="store_true",
-        help="also keep each result's float32 frames (GET .../content?variant=npy; memory heavy)",
-    )
-    p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up generation")
-    p.add_argument("--warmup-size", default=None, help="warm-up size WxH (default: the model's default size)")
-    p.add_argument("--warmup-frames", type=int, default=1, help="warm-up frame count for video models (default 1)")
-    p.add_argument("--warmup-steps", type=int, default=1, help="warm-up denoising steps (default 1)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     # engine options: as `spindle generate`
     add_engine_arguments(p)
 
@@ -106,21 +75,17 @@ def _relaunch(nproc: int, argv: list[str]) -> int:
 def run(args: argparse.Namespace) -> int:
     engine = engine_config(args)  # bad engine flags fail here, before a launch or a load
     world, launched = check_world_size(args)
-    for name in ("max_queue", "warmup_frames", "warmup_steps"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
-    if args.result_ttl <= 0:
-        raise ValueError(f"--result-ttl must be > 0 seconds; got {args.result_ttl}")
+    settings: ServeSettings = section_from_args(args, ServeSettings)
     limits = serve_limits(args)
     if not (Path(args.model) / "model_index.json").is_file():
         raise FileNotFoundError(f"{args.model}/model_index.json not found: --model must be a diffusers pipeline folder")
     warmup_size = None
-    if args.warmup_size:
+    if settings.warmup_size:
         from spindle.serve.errors import APIError
         from spindle.serve.params import parse_size
 
         try:
-            warmup_size = parse_size(args.warmup_size)
+            warmup_size = parse_size(settings.warmup_size)
         except APIError as e:
             raise ValueError(f"--warmup-size: {e.message}") from None
     if not launched and args.nproc > 1:
@@ -129,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0 and os.environ.get(PIDFILE_ENV):
         Path(os.environ[PIDFILE_ENV]).write_text(str(os.getpid()))
-    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s")
+    logging.basicConfig(level=settings.log_level.upper(), format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s")
     log = logging.getLogger("spindle.serve")
 
     from spindle.api import load_generator
@@ -152,23 +117,23 @@ def run(args: argparse.Namespace) -> int:
     from spindle.serve import build_app
     from spindle.serve.server import make_server
 
-    model_id = args.served_model_name or Path(args.model).resolve().name
+    model_id = settings.served_model_name or Path(args.model).resolve().name
     app = build_app(
         gen,
         model_id=model_id,
         root=str(Path(args.model).resolve()),
-        max_queue=args.max_queue,
-        result_ttl=args.result_ttl,
-        keep_frames=args.keep_frames,
+        max_queue=settings.max_queue,
+        result_ttl=settings.result_ttl,
+        keep_frames=settings.keep_frames,
         fanout=fanout,
-        shutdown_grace=args.shutdown_grace,
-        shutdown_linger=args.shutdown_linger,
+        shutdown_grace=settings.shutdown_grace,
+        shutdown_linger=settings.shutdown_linger,
         limits=limits,
     )
     state = app.state.serve
     try:
-        if args.warmup:
-            params = state.engine.warmup_params(warmup_size, args.warmup_frames, args.warmup_steps)
+        if settings.warmup:
+            params = state.engine.warmup_params(warmup_size, settings.warmup_frames, settings.warmup_steps)
             seconds = state.worker.warmup(params)
             log.info(
                 "warm-up (%sx%s, %s frames, %d steps): %.2f s",
@@ -178,25 +143,23 @@ def run(args: argparse.Namespace) -> int:
                 params.num_inference_steps,
                 seconds,
             )
-        server = make_server(app, host=args.host, port=args.port, log_level=args.log_level)
+        server = make_server(app, host=settings.host, port=settings.port, log_level=settings.log_level)
         # uvicorn re-raises the signal that stopped it once it has shut down gracefully; with these
         # no-op handlers that re-raise does nothing and a clean stop exits 0.
         signal.signal(signal.SIGTERM, lambda s, f: None)
         signal.signal(signal.SIGINT, lambda s, f: None)
         server.run()
         if not getattr(server, "started", False):
-            log.error("the server did not start (is %s:%d free?)", args.host, args.port)
+            log.error("the server did not start (is %s:%d free?)", settings.host, settings.port)
             return 1
         return 0
     finally:
-        state.worker.stop(args.shutdown_grace)  # idempotent; releases the other ranks if serving never began
+        state.worker.stop(settings.shutdown_grace)  # idempotent; releases the other ranks if serving never began
         _destroy()
 
 
 def serve_limits(args: argparse.Namespace) -> ServeLimits:
     """The limit flags -> `ServeLimits` (a --max-* request bound of 0 means none); errors name the flag."""
-    if args.shutdown_linger < 0:
-        raise ValueError(f"--shutdown-linger must be >= 0 seconds; got {args.shutdown_linger}")
     limits: ServeLimits = section_from_args(args, ServeLimits, request=section_from_args(args, RequestLimits))
     limits.check_file_limit()
     return limits

@@ -12,11 +12,11 @@ import pytest
 from spindle.commands.flags import flag_names, section_from_args, section_values, unwrap_optional
 from spindle.commands.reference import DOC, cli_reference
 from spindle.config import ConfigError, OptionSection
-from spindle.engine_config import EngineConfig, RequestLimits, ServeLimits
+from spindle.engine_config import EngineConfig, RequestLimits, ServeLimits, ServeSettings
 
 SECTIONS: dict[str, tuple[type[OptionSection], ...]] = {
     "generate": (EngineConfig,),
-    "serve": (EngineConfig, RequestLimits, ServeLimits),
+    "serve": (EngineConfig, RequestLimits, ServeLimits, ServeSettings),
 }
 
 
@@ -70,6 +70,15 @@ def test_every_field_has_a_flag_that_sets_it(command):
 
 def _required(command: str) -> list[str]:
     return ["--model", "m", "--prompt", "p", "--out", "o"] if command == "generate" else ["--model", "m"]
+
+
+def test_every_serve_flag_but_the_model_and_launcher_comes_from_a_section():
+    """`spindle serve`'s own settings (address, queue, results, shutdown, warm-up) are `ServeSettings`
+    fields like the engine options and limits, not hand-written flags."""
+    generated = {flag for section in SECTIONS["serve"] for flag in flag_names(section).values()}
+    generated |= {f"--no-{flag[2:]}" for flag in generated}
+    flags = {s for a in command_parser("serve")._actions for s in a.option_strings}
+    assert flags - generated == {"-h", "--help", "--model", "--nproc", "--verbose"}
 
 
 def test_flags_without_a_hand_written_mapping_reach_the_engine():
