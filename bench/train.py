@@ -199,14 +199,14 @@ def _worker(rank: int, world: int, variant: str, a: argparse.Namespace, out_dir:
         )
     else:
         from spindle.config import TrainConfig
-        from spindle.cpu_allocator import keep_freed_memory
+        from spindle.cpu_allocator import bound_freed_memory
         from spindle.distributed.fsdp import autocast_dtype, clip_grad_norm_tensor_
         from spindle.distributed.mesh import ParallelDims, build_mesh
         from spindle.distributed.parallelize import parallelize_transformer
         from spindle.train.optim import build_optimizer
 
         if not cuda:
-            keep_freed_memory()  # as Spindle's Trainer does on CPU (train.keep_freed_memory)
+            bound_freed_memory()  # as Spindle's Trainer does on CPU by default (train.keep_freed_memory: false)
         sp = 2 if variant == "spindle_sp2" else 1
         mesh = build_mesh(ParallelDims(sp=sp))
         precision = "bf16" if cuda else "no"

@@ -183,9 +183,10 @@ class TrainConfig(Section):
         "before FSDP2); the first steps pay the compilation",
     )
     keep_freed_memory: bool = Field(
-        True,
+        False,
         description="on CPU, keep freed host memory in the process instead of returning it to the OS "
-        "(spindle.cpu_allocator): the step's buffers are not page-faulted in again at every step",
+        "(spindle.cpu_allocator): fewer page faults in the first steps, but a fragmented heap that never "
+        "shrinks (2.5x the peak RSS measured on a 0.34B Wan LoRA run); off: freed memory goes back at once",
     )
     mixed_precision: Literal["auto", "no", "bf16"] = Field("auto", description="auto: bf16 on CUDA, fp32 on CPU")
     frozen_dtype: Literal["auto", "float32", "bfloat16"] = Field(

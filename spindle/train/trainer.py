@@ -138,10 +138,11 @@ class Trainer:
     def _build(self, cfg: TrainJobConfig, family: Any, task: type[TrainTask]) -> None:
         check_weight_files(cfg.model.path)
         self.device = local_device()
-        if cfg.train.keep_freed_memory and self.device.type == "cpu":
-            from spindle.cpu_allocator import keep_freed_memory
+        if self.device.type == "cpu":
+            from spindle.cpu_allocator import bound_freed_memory, keep_freed_memory
 
-            keep_freed_memory()  # a step frees and re-allocates the same buffers: no page faults for them
+            # RSS bounds what fits on a host; see spindle.cpu_allocator for the measured trade-off
+            keep_freed_memory() if cfg.train.keep_freed_memory else bound_freed_memory()
         self.accum = grad_accum_steps(cfg, self.mesh.dims.dp_size)
         self.precision = resolve_precision(cfg.train.mixed_precision)
         frozen_dtype(cfg.train.frozen_dtype, self.precision)  # a bad combination fails before any load

@@ -49,7 +49,9 @@ def render_samples(task: Any, model: torch.nn.Module, step: int, out_dir: Path) 
     val = cfg.train.validation
     spec = task.family.inference_spec()
     components = {**frozen_components(task, spec), spec.transformer_component: model}
-    pipeline = InferencePipeline.build(spec, components, EngineConfig(device=str(task.device)))
+    pipeline = InferencePipeline.build(
+        spec, components, EngineConfig(device=str(task.device), keep_freed_memory=task.cfg.train.keep_freed_memory)
+    )
     generator = DiffusionGenerator(pipeline)
     height, width = val.size or tuple(cfg.data.resolution)
     request: dict[str, Any] = dict(

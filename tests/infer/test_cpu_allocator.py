@@ -76,3 +76,34 @@ def test_cli_flag_turns_it_off():
     base = ["generate", "--model", "m", "--prompt", "p", "--out", "o.png"]
     assert engine_config(parser.parse_args(base)).keep_freed_memory is True
     assert engine_config(parser.parse_args([*base, "--no-keep-freed-memory"])).keep_freed_memory is False
+
+
+TRAINER_MEMORY = """
+import json, torch
+from spindle import cpu_allocator
+from spindle.api import load_job_config, make_trainer
+cpu_allocator.keep_freed_memory()  # as an engine loaded earlier in the same process leaves it
+make_trainer(load_job_config(None, {overrides!r}))
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+before = rss()
+t = torch.ones(64, 2**20)  # 256 MiB, freed below
+del t
+print(json.dumps(dict(kept=cpu_allocator.is_kept(), grown=rss() - before)))
+"""
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["default", "keep"])
+def test_trainer_returns_freed_host_memory_unless_told_to_keep_it(keep, tiny_wan, shapes_videos, tmp_path):
+    """Training RSS is what bounds the model size on a host: by default a freed buffer goes back to the
+    OS at once (even after an engine in the same process kept memory); `train.keep_freed_memory` keeps it."""
+    from tests.conftest import train_overrides
+
+    overrides = train_overrides(tiny_wan, shapes_videos, tmp_path / "run", train__keep_freed_memory=keep)
+    result = run_python(TRAINER_MEMORY.format(overrides=overrides))
+    assert result["kept"] is keep
+    if keep:
+        assert result["grown"] > 200 * 2**20  # the heap holds the freed 256 MiB
+    else:
+        assert result["grown"] < 16 * 2**20
