@@ -7,8 +7,11 @@ DTensor shards, in the parameters' (training) dtype. No rank ever holds the whol
     parallelize(model, mesh, plan)           # SP / EP / checkpointing / compile / FSDP2, on meta
     load_sharded(model, sources, device)     # per rank: its slice of each tensor, one at a time
 
-Per-rank memory during load ~ (model / sharding degree) + one tensor's slice: `safe_open(...).get_slice`
-reads the requested rows only (the file is memory-mapped). `sources` maps each model key to its global
+Per-rank memory during load ~ (model / sharding degree) + one tensor's slice: a block of whole rows (FSDP2's
+dim-0 shard, an EP rank's experts) is read with a plain file read at its byte offset into the tensor's
+storage, so the file's pages stay in the page cache and are not counted in the process's RSS (a memory
+map would keep every page the rank touched resident until the file is closed: half of a bf16 checkpoint
+per rank at dp_shard=2); any other region is read through `safe_open(...).get_slice`. `sources` maps each model key to its global
 shape and a reader of a region of it: the checkpoint's own tensors (`checkpoint_sources`, diffusers and
 transformers sharded indexes both), after the family's `CheckpointAdapter.load_sources` when the model
 holds another layout (e.g. per-expert MoE tensors read into the fused `gate_up_proj` / `down_proj`).
@@ -73,6 +76,7 @@ class SafetensorsCheckpoint:
         self._handles: dict[str, Any] = {}
         self.files: dict[str, str] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self._offsets: dict[str, tuple[int, torch.dtype]] = {}  # key -> (byte offset of its data, dtype)
         for name in files:
             path = self.folder / name
             if not path.is_file():
@@ -82,14 +86,34 @@ class SafetensorsCheckpoint:
             for key in handle.keys():
                 self.files[key] = name
                 self.shapes[key] = tuple(handle.get_slice(key).get_shape())
+            self._offsets.update(_data_offsets(path))
 
     def read(self, key: str, region: Region) -> torch.Tensor:
         """The values of `region` of tensor `key` (only those bytes are read)."""
         if any(s.stop - s.start <= 0 for s in region):  # an empty shard (uneven split): nothing to read
             sl = self._handles[self.files[key]].get_slice(key)
             return torch.empty([s.stop - s.start for s in region], dtype=_DTYPES.get(sl.get_dtype(), torch.float32))
+        rows = _row_block(region, self.shapes[key])
+        if rows is not None and key in self._offsets:
+            return self._read_rows(key, rows)
         tensor: torch.Tensor = self._handles[self.files[key]].get_slice(key)[region]
         return tensor
+
+    def _read_rows(self, key: str, rows: slice) -> torch.Tensor:
+        shape = self.shapes[key]
+        start, dtype = self._offsets[key]
+        row_bytes = dtype.itemsize * int(torch.Size(shape[1:]).numel())
+        out = torch.empty((rows.stop - rows.start, *shape[1:]), dtype=dtype)
+        with open(self.folder / self.files[key], "rb", buffering=0) as f:
+            f.seek(start + rows.start * row_bytes)
+            view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+            got = 0
+            while got < len(view):  # readinto may return fewer bytes than asked
+                n = f.readinto(view[got:])
+                if not n:
+                    raise OSError(f"{self.folder / self.files[key]} ended inside tensor {key!r}; the file is truncated")
+                got += n
+        return out
 
     def sources(self) -> dict[str, TensorSource]:
         """{key: (shape, reader)} of every tensor in the checkpoint."""
@@ -97,6 +121,27 @@ class SafetensorsCheckpoint:
 
 
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
+def _data_offsets(path: Path) -> dict[str, tuple[int, torch.dtype]]:
+    """{key: (absolute byte offset of its data, dtype)} from a safetensors header (floating dtypes only)."""
+    with path.open("rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+    return {
+        key: (8 + length + info["data_offsets"][0], _DTYPES[info["dtype"]])
+        for key, info in header.items()
+        if key != "__metadata__" and info["dtype"] in _DTYPES
+    }
+
+
+def _row_block(region: Region, shape: tuple[int, ...]) -> slice | None:
+    """`region`'s rows when it is a block of whole rows (contiguous bytes in a row-major file), else None."""
+    if not shape or len(region) != len(shape) or any(r.step not in (None, 1) for r in region):
+        return None
+    if any((r.start or 0, r.stop) != (0, n) for r, n in zip(region[1:], shape[1:], strict=True)):
+        return None
+    return slice(region[0].start or 0, shape[0] if region[0].stop is None else region[0].stop)
 
 
 def _reader(checkpoint: SafetensorsCheckpoint, key: str) -> Callable[[Region], torch.Tensor]:

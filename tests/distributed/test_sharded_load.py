@@ -99,3 +99,40 @@ def test_training_from_a_sharded_load_logs_the_old_paths_losses(results, run):
     sharded, full = results[f"run:{run}"][True], results[f"run:{run}"][False]
     assert len(sharded) == len(full) == 2
     assert [x for step in sharded for x in step] == pytest.approx([x for step in full for x in step], rel=RTOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_blocks_are_read_at_their_byte_offset_equal_to_the_mapped_slice(dtype, tmp_path):
+    """An FSDP2 shard (whole rows) is read with a plain file read, not through a memory map that would
+    keep the pages resident; it equals safetensors' own slice, and other regions still read as before."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from spindle.distributed.sharded_load import SafetensorsCheckpoint
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(7, 5, 3, generator=g).to(dtype), "b": torch.randn(11, generator=g).to(dtype)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    ckpt = SafetensorsCheckpoint(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        for key, region in [
+            ("a", (slice(2, 6), slice(0, 5), slice(0, 3))),
+            ("a", (slice(0, 7), slice(0, 5), slice(0, 3))),
+            ("a", (slice(1, 3), slice(1, 4), slice(0, 3))),  # not whole rows: the mapped slice
+            ("b", (slice(4, 11),)),
+        ]:
+            got = ckpt.read(key, region)
+            assert got.dtype == dtype and torch.equal(got, f.get_slice(key)[region]), (key, region)
+
+
+def test_a_truncated_file_is_named_when_a_row_block_runs_past_its_end(tmp_path):
+    from safetensors.torch import save_file
+
+    from spindle.distributed.sharded_load import SafetensorsCheckpoint
+
+    save_file({"a": torch.ones(64, 64)}, str(tmp_path / "model.safetensors"))
+    ckpt = SafetensorsCheckpoint(tmp_path)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-1000])
+    with pytest.raises(OSError, match=r"model.safetensors ended inside tensor 'a'; the file is truncated"):
+        ckpt.read("a", (slice(32, 64), slice(0, 64)))
