@@ -106,7 +106,7 @@ class SafetensorsCheckpoint:
         out = torch.empty((rows.stop - rows.start, *shape[1:]), dtype=dtype)
         with open(self.folder / self.files[key], "rb", buffering=0) as f:
             f.seek(start + rows.start * row_bytes)
-            view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+            view = memoryview(out.view(torch.uint8).numpy().reshape(-1))  # type: ignore[arg-type]  # ndarray is a buffer
             got = 0
             while got < len(view):  # readinto may return fewer bytes than asked
                 n = f.readinto(view[got:])
