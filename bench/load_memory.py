@@ -175,12 +175,14 @@ def _worker(rank: int, world: int, overrides: list[str], out: str) -> None:
     row: dict[str, Any] = {"rank": rank, "rss_before_gb": _status_kb("VmRSS") / GB * 1024}
     trainer = make_trainer(load_job_config(None, overrides))
     row["load_peak_gb"] = _status_kb("VmHWM") / GB * 1024
+    row["rss_after_load_gb"] = _status_kb("VmRSS") / GB * 1024
     if cuda:
         row["cuda_load_gb"] = torch.cuda.max_memory_allocated() / GB
         torch.cuda.reset_peak_memory_stats()
     _reset_peak()
     trainer.train_step()  # one optimizer step (no checkpoint or export: not what is measured)
     row["step_peak_gb"] = _status_kb("VmHWM") / GB * 1024
+    row["rss_after_step_gb"] = _status_kb("VmRSS") / GB * 1024
     if cuda:
         row["cuda_step_gb"] = torch.cuda.max_memory_allocated() / GB
     Path(out, f"rank{rank}.json").write_text(json.dumps(row))
@@ -255,7 +257,15 @@ def main() -> None:
                     "ranks": ranks,
                     **{
                         f"max_{k}": max(r[k] for r in ranks)
-                        for k in ("rss_before_gb", "load_peak_gb", "step_peak_gb", "cuda_load_gb", "cuda_step_gb")
+                        for k in (
+                            "rss_before_gb",
+                            "load_peak_gb",
+                            "rss_after_load_gb",
+                            "step_peak_gb",
+                            "rss_after_step_gb",
+                            "cuda_load_gb",
+                            "cuda_step_gb",
+                        )
                         if k in ranks[0]
                     },
                 }
