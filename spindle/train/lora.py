@@ -142,6 +142,19 @@ def lora_scale(model: nn.Module) -> dict[str, float]:
     return {name: float(m.scaling[ADAPTER]) for name, m in model.named_modules() if isinstance(m, LoraLayer)}
 
 
+def checkpoint_adapters(checkpoint: Any, lora: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A LoRA run's adapters in diffusers' layout (`adapter_state_dict`), read by name from a saved
+    checkpoint (`lora`: the run's recorded `train.lora`); no model is built. Every adapted module has
+    the run's alpha / rank (`peft_config` sets one for all)."""
+    from spindle.distributed import checkpoint as ckpt
+
+    scale = float(lora["alpha"] if lora.get("alpha") is not None else lora["rank"]) / lora["rank"]
+    names = [n for n in ckpt.saved_model_tensors(checkpoint) if is_lora_name(n)]
+    return adapter_state_dict(
+        ckpt.read_model_tensors(checkpoint, names), {n.partition(".lora_")[0]: scale for n in names}
+    )
+
+
 def adapter_state_dict(full: dict[str, torch.Tensor], scales: dict[str, float]) -> dict[str, torch.Tensor]:
     """Trained adapter weights in diffusers' LoRA layout, with alpha / r folded into `lora_B`.
 

@@ -91,10 +91,11 @@ def write_streamed(
     weights_name: str,
     dtypes: ExportDtypes,
     max_shard_bytes: int = 5 << 30,
+    single_file: bool = True,
 ) -> None:
     """Write the tensors named (and shaped) by `expected` (meta tensors are fine) as `out/<stem>-0000i-of-
-    0000n.safetensors` + `<weights_name>.index.json` (one shard: `out/<weights_name>`), reading each
-    shard's tensors with `read`."""
+    0000n.safetensors` + `<weights_name>.index.json` (one shard and `single_file`: `out/<weights_name>`,
+    as diffusers' `save_pretrained` writes it), reading each shard's tensors with `read`."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
@@ -112,12 +113,12 @@ def write_streamed(
                 )
         cast = {n: dtypes.cast(n, tensors[n]).contiguous() for n in names}
         # one shard: the single unindexed file `save_pretrained` writes for a model of that size
-        file = weights_name if len(shards) == 1 else f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors"
+        file = weights_name if single_file and len(shards) == 1 else f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors"
         save_file(cast, str(out / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(names, file))
         total += sum(t.numel() * t.element_size() for t in cast.values())
         del tensors, cast  # one shard in memory at a time
-    if len(shards) == 1:
+    if single_file and len(shards) == 1:
         return
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / f"{weights_name}.index.json").write_text(json.dumps(index, indent=2))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from unittest import mock
 
 import pytest
 import torch
@@ -75,7 +76,9 @@ def test_bf16_dit_full_export_keeps_each_tensors_dtype_and_loads_in_stock_diffus
     from spindle.cli import main
 
     out = tmp_path / "fp32"
-    assert main(["export", str(result.output_dir), "--out", str(out), "--dtype", "float32"]) == 0
+    # the offline export streams the checkpoint: it never builds (loads) the transformer
+    with mock.patch("diffusers.ModelMixin.from_pretrained", side_effect=AssertionError("model built")):
+        assert main(["export", str(result.output_dir), "--out", str(out), "--dtype", "float32"]) == 0
     fp32 = load_file(out / "transformer" / "diffusion_pytorch_model.safetensors")
     for name, value in trainer.model.state_dict().items():
         assert fp32[name].dtype == torch.float32 and torch.equal(fp32[name], value.detach()), name
@@ -127,7 +130,9 @@ def test_bf16_llm_export_is_bf16_and_loads_in_stock_transformers(bf16_qwen3, lm_
     from spindle.cli import main
 
     out = tmp_path / "fp32"
-    assert main(["export", str(result.output_dir), "--out", str(out), "--dtype", "float32"]) == 0
+    # the offline export streams the checkpoint: it never builds (loads) the model
+    with mock.patch("transformers.PreTrainedModel.from_pretrained", side_effect=AssertionError("model built")):
+        assert main(["export", str(result.output_dir), "--out", str(out), "--dtype", "float32"]) == 0
     fp32 = AutoModelForCausalLM.from_pretrained(out, dtype="auto")
     assert {p.dtype for p in fp32.parameters()} == {torch.float32}
     for key, value in trainer.model.state_dict().items():

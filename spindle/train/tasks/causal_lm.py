@@ -30,7 +30,7 @@ from spindle.contracts.parallel import ParallelPlan
 from spindle.contracts.task import StepOutput, TrainTask
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.mesh import barrier, is_main_process
-from spindle.train.precision import check_export_dtype, export_dtypes
+from spindle.train.precision import ExportDtypes, check_export_dtype, export_dtypes
 from spindle.train.tasks.base import build_parallel_model, resumable_loader
 
 if TYPE_CHECKING:
@@ -326,19 +326,61 @@ class CausalLMTask(TrainTask):
             raise FileNotFoundError(f"base model {model_path} has no config.json; pass --model PATH")
         check_export_dtype(dtype)
         model_cls: Any = family.model_cls()
-        model = model_cls.from_pretrained(model_path, dtype=torch.float32)
         lora = json.loads((checkpoint / ckpt.TRAINER_STATE).read_text()).get("lora")
-        if lora is not None:
-            from spindle.config import LoraConfig
-            from spindle.train.lora import adapter_state_dict, apply_lora, lora_scale
+        if lora is not None:  # the adapters alone, read by name: no model is built
+            from spindle.train.lora import checkpoint_adapters
             from spindle.train.tasks.lm_lora import export_lm_lora
 
-            apply_lora(model, cls.lora_blocks(family, model), LoraConfig(**lora))
-            adapters = adapter_state_dict(ckpt.read_checkpoint_model(checkpoint, model), lora_scale(model))
+            adapters = checkpoint_adapters(checkpoint, lora)
             return export_lm_lora(model_cls, model_path, adapters, out, merge=False, extra_files=cls.export_files)
+        if cls.export_streamed(model_cls, checkpoint, model_path, out, dtype):
+            return out
+        model = model_cls.from_pretrained(model_path, dtype=torch.float32)
         state = cls.export_layout(model, ckpt.read_checkpoint_model(checkpoint, model))
         write_transformers_folder(model, state, model_path, out, extra_files=cls.export_files, dtype=dtype)
         return out
+
+    @classmethod
+    def export_streamed(cls, model_cls: Any, checkpoint: Path, model_path: Path, out: Path, dtype: str) -> bool:
+        """Write the export shard by shard from the checkpoint (`spindle.train.streamed_export`) when the
+        export layout only renames the model's tensors (the names are found on a meta model); -> False
+        when it transforms them (a MoE's fused experts split per expert), for the caller to build the model."""
+        from transformers import AutoConfig
+
+        from spindle.distributed.sharded_load import empty_weights
+        from spindle.train.streamed_export import SafetensorsFolder, write_streamed
+
+        with empty_weights():
+            model = model_cls._from_config(AutoConfig.from_pretrained(model_path))
+        state = model.state_dict()
+        fqn_of = {id(t): k for k, t in state.items()}
+        layout = unique_weights(model, cls.export_layout(model, state))
+        if not all(id(t) in fqn_of for t in layout.values()):
+            return False
+        fqn = {name: fqn_of[id(t)] for name, t in layout.items()}
+        saved = set(ckpt.saved_model_tensors(checkpoint))
+        if unknown := sorted(saved - set(state)):
+            raise RuntimeError(
+                f"the checkpoint's tensors do not fit {model_cls.__name__} of {model_path}: unexpected {unknown[:5]}; "
+                "was the run trained from another base model? pass --model PATH"
+            )
+        base = SafetensorsFolder(model_path)
+
+        def read(names: list[str]) -> dict[str, torch.Tensor]:
+            trained = [n for n in names if fqn[n] in saved]
+            tensors = ckpt.read_model_tensors(checkpoint, [fqn[n] for n in trained]) if trained else {}
+            out = {n: tensors[fqn[n]] for n in trained}
+            if rest := [n for n in names if fqn[n] not in saved]:  # not trained: the base file's, by its own name
+                out.update(base.read(rest))
+            return out
+
+        dtypes = export_dtypes(dtype, model_path)
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        # indexed even as one file, as the in-training export (DCP's writer) names it
+        write_streamed(layout, read, tmp, "model.safetensors", dtypes, EXPORT_MAX_SHARD_BYTES, single_file=False)
+        finish_transformers_folder(model, dtypes, model_path, tmp, out, cls.export_files)
+        return True
 
 
 def unique_weights(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -375,16 +417,24 @@ def write_transformers_folder(
     barrier()
     ckpt.save_hf_safetensors(dtypes.cast_all(unique_weights(model, state_dict)), tmp, max_shard_bytes)
     if is_main_process():
-        hf_model: Any = model  # a transformers PreTrainedModel
-        config = copy.deepcopy(hf_model.config)  # the training model's own config stays fp32
-        config.dtype = dtypes.default
-        config.save_pretrained(tmp)
-        if getattr(hf_model, "generation_config", None) is not None:
-            hf_model.generation_config.save_pretrained(tmp)
-        load_tokenizer(source).save_pretrained(tmp)
-        for name in extra_files:
-            if (Path(source) / name).is_file():
-                shutil.copy2(Path(source) / name, tmp / name)
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
+        finish_transformers_folder(model, dtypes, source, tmp, out, extra_files)
     barrier()
+
+
+def finish_transformers_folder(
+    model: torch.nn.Module, dtypes: ExportDtypes, source: str | Path, tmp: Path, out: Path, extra_files: tuple[str, ...]
+) -> None:
+    """Beside the weights in `tmp`: the config (its `dtype` the weights' main one), generation config,
+    the source's tokenizer and `extra_files`; then `tmp` becomes `out`."""
+    hf_model: Any = model  # a transformers PreTrainedModel
+    config = copy.deepcopy(hf_model.config)  # the training model's own config stays fp32
+    config.dtype = dtypes.default
+    config.save_pretrained(tmp)
+    if getattr(hf_model, "generation_config", None) is not None:
+        hf_model.generation_config.save_pretrained(tmp)
+    load_tokenizer(source).save_pretrained(tmp)
+    for name in extra_files:
+        if (Path(source) / name).is_file():
+            shutil.copy2(Path(source) / name, tmp / name)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)

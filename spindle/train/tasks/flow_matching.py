@@ -270,7 +270,7 @@ class FlowMatchingTask(TrainTask):
     ) -> Path:
         """One process, without building the model: the trained tensors are streamed from the checkpoint
         (`spindle.train.streamed_export`), a LoRA run's adapters read by name."""
-        from spindle.train.lora import adapter_state_dict, is_lora_name
+        from spindle.train.lora import checkpoint_adapters
         from spindle.train.streamed_export import checkpoint_then_base, write_streamed
 
         if not (model_path / "model_index.json").is_file():
@@ -287,11 +287,7 @@ class FlowMatchingTask(TrainTask):
             read = checkpoint_then_base(checkpoint, model_path / "transformer")
             write_streamed(expected, read, tmp / "transformer", DIFFUSERS_WEIGHTS, dtypes)
             return finish_pipeline_export(model_path, tmp, out, trained)
-        lora = state["lora"]
-        scale = float(lora["alpha"] if lora.get("alpha") is not None else lora["rank"]) / lora["rank"]
-        names = [n for n in saved if is_lora_name(n)]
-        scales = {n.partition(".lora_")[0]: scale for n in names}
-        adapters = adapter_state_dict(ckpt.read_model_tensors(checkpoint, names), scales)
+        adapters = checkpoint_adapters(checkpoint, state["lora"])
         return export_lora(family, model_path, adapters, out, merge=False, max_text_length=text_length, dtypes=dtypes)
 
 
