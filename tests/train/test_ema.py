@@ -205,3 +205,21 @@ def test_export_cli_refuses_ema_of_a_run_without_one(make_config, spindle_cli, t
     proc = spindle_cli("export", result.output_dir, "--out", tmp_path / "o", "--weights", "ema")
     assert proc.returncode == 2
     assert "holds no EMA (its run had no train.ema); use --weights trained" in proc.stderr
+
+
+def test_causal_lm_ema_exports_beside_in_a_transformers_folder(tiny_qwen3, lm_corpus, tmp_path):
+    """The EMA is the trainer's, not a task's: a causal-LM run keeps one too, and `both` writes it as
+    `export/ema/`, a transformers folder stock transformers loads with `subfolder="ema"`."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import lm_train
+
+    trainer, result = lm_train(tiny_qwen3, lm_corpus, tmp_path / "run", export__weights="both", **EMA)
+    ema, trained = trainer.ema.state_dict(), trainable(trainer.model)
+    model = AutoModelForCausalLM.from_pretrained(result.export_dir, subfolder="ema", dtype=torch.float32)
+    loaded = dict(model.named_parameters())
+    assert all(torch.equal(loaded[k], v) for k, v in ema.items() if k in loaded)
+    assert {k for k in ema if k in loaded} == set(loaded)  # (a tied head is one parameter)
+    plain = dict(AutoModelForCausalLM.from_pretrained(result.export_dir, dtype=torch.float32).named_parameters())
+    assert all(torch.equal(plain[k], trained[k]) for k in plain)
+    assert any(not torch.equal(plain[k], ema[k]) for k in plain)
