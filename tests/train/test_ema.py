@@ -223,3 +223,23 @@ def test_causal_lm_ema_exports_beside_in_a_transformers_folder(tiny_qwen3, lm_co
     plain = dict(AutoModelForCausalLM.from_pretrained(result.export_dir, dtype=torch.float32).named_parameters())
     assert all(torch.equal(plain[k], trained[k]) for k in plain)
     assert any(not torch.equal(plain[k], ema[k]) for k in plain)
+
+
+def test_the_tiny_configs_ema_example_is_a_valid_config():
+    """The commented `train.ema` / `export.weights` lines of the tiny configs, uncommented, validate."""
+    from pathlib import Path
+
+    import yaml
+
+    from spindle.api import job_task
+    from spindle.config import validate_config
+    from spindle.registry import get_family
+
+    configs = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*_tiny.yaml"))
+    examples = [p for p in configs if "# ema:" in p.read_text()]
+    assert {p.stem.removesuffix("_tiny") for p in examples} >= {"wan", "flux", "qwenimage", "qwen3"}
+    for path in examples:
+        text = path.read_text().replace("  # ema:", "  ema:").replace("# export:\n#   weights:", "export:\n  weights:")
+        raw = yaml.safe_load(text)
+        cfg = validate_config(raw, job_task(get_family(path.stem.removesuffix("_tiny"))).config_class)
+        assert cfg.train.ema is not None and cfg.export_weights == "both", path.name
