@@ -113,7 +113,7 @@ def test_ema_export_loads_in_stock_diffusers(make_config, tmp_path, spindle_cli)
     assert not (out / "transformer_ema").exists()
 
 
-def test_lora_ema_exports_beside_the_adapters(make_config):
+def test_lora_ema_exports_beside_the_adapters(make_config, spindle_cli, tmp_path):
     from diffusers import WanPipeline
 
     from spindle.export_record import LORA_WEIGHTS
@@ -130,6 +130,12 @@ def test_lora_ema_exports_beside_the_adapters(make_config):
     trained = load_file(result.export_dir / "lora" / LORA_WEIGHTS)
     assert trained.keys() == {f"transformer.{k}" for k in expected}
     assert any(not torch.equal(trained[f"transformer.{k}"], v) for k, v in expected.items())
+    # `spindle export` of the LoRA checkpoint writes the same files
+    out = tmp_path / "cli"
+    assert spindle_cli("export", result.output_dir, "--out", out).returncode == 0
+    for folder in ("lora", "lora_ema"):
+        a, b = load_file(out / folder / LORA_WEIGHTS), load_file(result.export_dir / folder / LORA_WEIGHTS)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), folder
 
 
 def test_validation_renders_with_the_ema(make_config, monkeypatch):
@@ -207,7 +213,7 @@ def test_export_cli_refuses_ema_of_a_run_without_one(make_config, spindle_cli, t
     assert "holds no EMA (its run had no train.ema); use --weights trained" in proc.stderr
 
 
-def test_causal_lm_ema_exports_beside_in_a_transformers_folder(tiny_qwen3, lm_corpus, tmp_path):
+def test_causal_lm_ema_exports_beside_in_a_transformers_folder(tiny_qwen3, lm_corpus, tmp_path, spindle_cli):
     """The EMA is the trainer's, not a task's: a causal-LM run keeps one too, and `both` writes it as
     `export/ema/`, a transformers folder stock transformers loads with `subfolder="ema"`."""
     from transformers import AutoModelForCausalLM
@@ -223,6 +229,11 @@ def test_causal_lm_ema_exports_beside_in_a_transformers_folder(tiny_qwen3, lm_co
     plain = dict(AutoModelForCausalLM.from_pretrained(result.export_dir, dtype=torch.float32).named_parameters())
     assert all(torch.equal(plain[k], trained[k]) for k in plain)
     assert any(not torch.equal(plain[k], ema[k]) for k in plain)
+    # `spindle export --weights ema` of the checkpoint: the average in the transformers folder itself
+    out = tmp_path / "cli"
+    assert spindle_cli("export", result.output_dir, "--out", out, "--weights", "ema").returncode == 0
+    again = dict(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).named_parameters())
+    assert all(torch.equal(again[k], loaded[k]) for k in loaded) and not (out / "ema").exists()
 
 
 def test_the_tiny_configs_ema_example_is_a_valid_config():
