@@ -128,6 +128,22 @@ def build_ema(model: torch.nn.Module, config: EmaConfig | None) -> WeightsEMA | 
     return None if config is None else WeightsEMA(model, config)
 
 
+def ema_checkpoint_state(ema: WeightsEMA | None, path: Path | None = None) -> dict[str, dict[str, torch.Tensor]]:
+    """The checkpoint's `extra` state (`spindle.distributed.checkpoint`): the EMA's namespace, to save, or
+    to load from `path` when it holds one. A checkpoint without one (`checkpoint.resume=force` of a run
+    that had no `train.ema`: `run.json` refuses it otherwise) gives {} and a warning: the caller starts
+    the average from the loaded weights."""
+    from spindle.distributed.checkpoint import saved_namespaces
+
+    if ema is None:
+        return {}
+    if path is not None and EMA_STATE not in saved_namespaces(path):
+        if is_main_process():
+            log.warning("checkpoint %s holds no EMA: train.ema starts from its weights", path)
+        return {}
+    return {EMA_STATE: ema.state_dict()}
+
+
 def export_weights(
     weights: str,
     out: Path,

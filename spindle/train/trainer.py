@@ -23,7 +23,7 @@ from spindle.contracts.task import TrainTask
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.launch import launcher_world_size
 from spindle.distributed.mesh import Mesh, ParallelDims, build_mesh, device_type, is_main_process
-from spindle.train.ema import EMA_STATE, build_ema, export_weights
+from spindle.train.ema import build_ema, ema_checkpoint_state, export_weights
 from spindle.train.memory import PeakMemory, report_peak_memory
 from spindle.train.metrics import MetricsLog, truncate_metrics
 from spindle.train.optim import build_optimizer, build_scheduler
@@ -178,18 +178,10 @@ class Trainer:
             "export_weights": self.cfg.export_weights,
         }
 
-    def _extra_state(self, path: Path | None = None) -> dict[str, dict[str, torch.Tensor]]:
-        """The sharded state beside model and optimizer: the EMA (when `path`, the checkpoint to load, has one)."""
-        if self.ema is None or (path is not None and EMA_STATE not in ckpt.saved_namespaces(path)):
-            return {}
-        return {EMA_STATE: self.ema.state_dict()}
-
     def restore(self, path: Path) -> None:
-        extra = self._extra_state(path)
-        if self.ema is not None and not extra and is_main_process():  # (checkpoint.resume=force only: run.json)
-            log.warning("checkpoint %s holds no EMA: train.ema starts from its weights", path)
+        extra = ema_checkpoint_state(self.ema, path)
         state = ckpt.load_checkpoint(path, self.model, self.optimizer, extra)
-        if self.ema is not None and not extra:
+        if self.ema is not None and not extra:  # a forced resume of a run without one: from the loaded weights
             self.ema = build_ema(self.model, self.cfg.train.ema)
         self.scheduler.load_state_dict(state["lr_scheduler"])
         per_round = self.cfg.train.micro_batch_size * self.mesh.dims.dp_size
@@ -207,7 +199,7 @@ class Trainer:
             self.optimizer,
             self.trainer_state(),
             keep_last=self.cfg.checkpoint.keep_last,
-            extra=self._extra_state(),
+            extra=ema_checkpoint_state(self.ema),
         )
 
     # ------------------------------------------------------------ loop
