@@ -93,6 +93,12 @@ class WeightsEMA:
             # e + (1 - decay) * (w - e): diffusers' and torch's AveragedModel's form of the same update
             torch._foreach_lerp_(self._locals, weights, 1.0 - decay)
 
+    def describe(self, export: str) -> str:
+        """One line for the run's start summary."""
+        c = self.config
+        every = "every step" if c.every == 1 else f"every {c.every} steps"
+        return f"decay {c.decay} {every} after step {c.start_step} (fp32); export: {export} weights"
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The averages (DTensors where the weights are): what the checkpoint saves and loads in place."""
         return self.shadow

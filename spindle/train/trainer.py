@@ -159,6 +159,8 @@ class Trainer:
         )
         self.loader = self.task.build_loader()
         self.ema = build_ema(self.model, cfg.train.ema)  # `train.ema`: sharded like the weights (spindle.train.ema)
+        if self.ema is not None:
+            self.summary_extra["ema"] = self.ema.describe(cfg.export_weights)
         self.step = 0
 
     # ------------------------------------------------------------ state

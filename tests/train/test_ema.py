@@ -96,6 +96,8 @@ def test_ema_export_loads_in_stock_diffusers(make_config, tmp_path, spindle_cli)
     trainer = make_trainer(make_config(train__max_steps=3, export__weights="both", **EMA))
     result = trainer.run()
     ema, trained = trainer.ema.state_dict(), trainable(trainer.model)
+    summary = json.loads((result.output_dir / "summary.json").read_text())
+    assert summary["start"]["extra"]["ema"] == "decay 0.8 every 2 steps after step 1 (fp32); export: both weights"
 
     transformer_ema = WanTransformer3DModel.from_pretrained(result.export_dir, subfolder="transformer_ema")
     assert all(torch.equal(transformer_ema.state_dict()[k], v) for k, v in ema.items())
