@@ -78,7 +78,6 @@ class WeightsEMA:
             self.shadow: dict[str, torch.Tensor] = {
                 fqn: param.detach().to(torch.float32, copy=True) for fqn, param in zip(names, self.params, strict=True)
             }
-        self._locals = [_local(t) for t in self.shadow.values()]
 
     @torch.no_grad()
     def update(self, step: int) -> None:
@@ -88,10 +87,14 @@ class WeightsEMA:
             return
         weights = [_local(p).to(torch.float32) for p in self.params]
         if decay == 0.0:
-            torch._foreach_copy_(self._locals, weights)
+            torch._foreach_copy_(self._shards(), weights)
         else:
             # e + (1 - decay) * (w - e): diffusers' and torch's AveragedModel's form of the same update
-            torch._foreach_lerp_(self._locals, weights, 1.0 - decay)
+            torch._foreach_lerp_(self._shards(), weights, 1.0 - decay)
+
+    def _shards(self) -> list[torch.Tensor]:
+        """This rank's pieces of the averages (taken each time: a checkpoint load may hand new tensors)."""
+        return [_local(t) for t in self.shadow.values()]
 
     def describe(self, export: str) -> str:
         """One line for the run's start summary."""
@@ -112,7 +115,7 @@ class WeightsEMA:
         with torch.no_grad():
             local = [_local(p) for p in self.params]
             saved = [t.clone() for t in local]
-            torch._foreach_copy_(local, self._locals)
+            torch._foreach_copy_(local, self._shards())
         try:
             yield
         finally:
