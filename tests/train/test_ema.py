@@ -117,12 +117,13 @@ def test_ema_export_loads_in_stock_diffusers(make_config, tmp_path, spindle_cli)
 
 
 def test_lora_ema_exports_beside_the_adapters(make_config, spindle_cli, tmp_path):
-    from diffusers import WanPipeline
+    from diffusers import WanPipeline, WanTransformer3DModel
 
     from spindle.export_record import LORA_WEIGHTS
     from spindle.train.lora import adapter_state_dict, lora_scale
 
-    trainer = make_trainer(make_config(train__max_steps=3, train__lora__rank=4, export__weights="both", **EMA))
+    overrides = dict(train__max_steps=3, train__lora__rank=4, export__weights="both", export__merge_lora=True, **EMA)
+    trainer = make_trainer(make_config(**overrides))
     result = trainer.run()
     expected = adapter_state_dict(trainer.ema.state_dict(), lora_scale(trainer.model))
     loaded = WanPipeline.lora_state_dict(result.export_dir / "lora_ema")  # stock diffusers' reader
@@ -133,6 +134,11 @@ def test_lora_ema_exports_beside_the_adapters(make_config, spindle_cli, tmp_path
     trained = load_file(result.export_dir / "lora" / LORA_WEIGHTS)
     assert trained.keys() == {f"transformer.{k}" for k in expected}
     assert any(not torch.equal(trained[f"transformer.{k}"], v) for k, v in expected.items())
+    # merge_lora: the pipeline with the trained LoRA fused, and the EMA's fused transformer beside it
+    merged = result.export_dir / "merged"
+    fused = WanTransformer3DModel.from_pretrained(merged, subfolder="transformer").state_dict()
+    fused_ema = WanTransformer3DModel.from_pretrained(merged, subfolder="transformer_ema").state_dict()
+    assert fused.keys() == fused_ema.keys() and any(not torch.equal(fused[k], fused_ema[k]) for k in fused)
     # `spindle export` of the LoRA checkpoint writes the same files
     out = tmp_path / "cli"
     assert spindle_cli("export", result.output_dir, "--out", out).returncode == 0
