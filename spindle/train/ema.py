@@ -193,4 +193,14 @@ def place_beside(out: Path, side: Path, beside: dict[str, str]) -> None:
             shutil.rmtree(destination, ignore_errors=True)
             destination.parent.mkdir(parents=True, exist_ok=True)
             moved.rename(destination)
+            repoint_cards(destination, moved.resolve(), destination.resolve())
     shutil.rmtree(side, ignore_errors=True)
+
+
+def repoint_cards(folder: Path, old: Path, new: Path) -> None:
+    """A model card (README.md) the EMA's export wrote names the folder it was written to, with the lines
+    that load it; name the folder it now lies in."""
+    for card in folder.rglob("README.md"):
+        text = card.read_text()
+        if str(old) in text:
+            card.write_text(text.replace(str(old), str(new)))

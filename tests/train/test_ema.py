@@ -134,6 +134,8 @@ def test_lora_ema_exports_beside_the_adapters(make_config, spindle_cli, tmp_path
     trained = load_file(result.export_dir / "lora" / LORA_WEIGHTS)
     assert trained.keys() == {f"transformer.{k}" for k in expected}
     assert any(not torch.equal(trained[f"transformer.{k}"], v) for k, v in expected.items())
+    card = (result.export_dir / "lora_ema" / "README.md").read_text()  # its lines load it where it lies
+    assert f'load_lora_weights("{(result.export_dir / "lora_ema").resolve()}")' in card and ".tmp" not in card
     # merge_lora: the pipeline with the trained LoRA fused, and the EMA's fused transformer beside it
     merged = result.export_dir / "merged"
     fused = WanTransformer3DModel.from_pretrained(merged, subfolder="transformer").state_dict()
