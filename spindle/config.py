@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from spindle.contracts.request import short_repr
 
@@ -156,10 +156,28 @@ class ValidationConfig(Section):
     size: tuple[int, int] | None = Field(None, description="[height, width]; default: data.resolution")
     num_frames: int | None = Field(None, ge=1, description="video families; default: data.num_frames")
     guidance_scale: float | None = Field(None, description="default: the family's sampling default")
+    use_ema: bool = Field(False, description="render with the EMA of the weights (needs train.ema) instead of them")
     images: list[str] = Field(
         default_factory=list,
         description="image-to-video families: the conditioning image file of each prompt (one per prompt)",
     )
+
+
+class EmaConfig(Section):
+    """`train.ema:` keep an exponential moving average of the trained weights (`spindle.train.ema`).
+    `train.ema: true` takes these defaults."""
+
+    decay: float = Field(
+        0.999,
+        gt=0,
+        lt=1,
+        description="weight of the previous average at each update, in (0, 1): ema = decay * ema + (1 - decay) * "
+        "weights; it averages over about every / (1 - decay) steps (0.999 and every 1: the last ~1000 steps)",
+    )
+    start_step: int = Field(
+        0, ge=0, description="until this optimizer step the average is the weights themselves; it averages after"
+    )
+    every: int = Field(1, ge=1, description="update the average every N optimizer steps after start_step")
 
 
 class TrainConfig(Section):
@@ -203,8 +221,29 @@ class TrainConfig(Section):
     timestep: TimestepConfig = TimestepConfig()
     log_every: int = Field(1, ge=1)
     lora: LoraConfig | None = Field(None, description="train LoRA adapters only (see LoraConfig)")
+    ema: EmaConfig | None = Field(
+        None,
+        description="keep an EMA of the trained weights (see EmaConfig); true: the defaults; with LoRA, of the "
+        "adapters",
+    )
     validation: ValidationConfig = ValidationConfig()
     tensorboard: bool = Field(True, description="write TensorBoard event files (when tensorboard is installed)")
+
+    @field_validator("ema", mode="before")
+    @classmethod
+    def _ema_switch(cls, value: Any) -> Any:
+        """`train.ema: true` -> the defaults, `false` -> off (a mapping gives the keys)."""
+        if value is True:
+            return {}
+        if value is False:
+            return None
+        if value is not None and not isinstance(value, dict | EmaConfig):
+            hint = f"; for a decay of {value}, set train.ema.decay={value}" if isinstance(value, float) else ""
+            raise ValueError(
+                f"train.ema must be true, false or a mapping of decay, start_step, every (e.g. {{decay: 0.999}}); "
+                f"got {value!r}{hint}"
+            )
+        return value
 
 
 class CheckpointConfig(Section):
@@ -224,6 +263,12 @@ class ExportConfig(Section):
         "auto",
         description="dtype of the exported weights; auto: each tensor as the input checkpoint stored it "
         "(bf16 in -> bf16 out; new tensors such as LoRA adapters in the checkpoint's main dtype)",
+    )
+    weights: Literal["trained", "ema", "both"] | None = Field(
+        None,
+        description="which weights the export holds (ema and both need train.ema): trained; ema (the EMA in their "
+        "place); both (the trained ones, and the EMA beside them: transformer_ema/ or lora_ema/ in a DiT pipeline, "
+        "ema/ in a transformers folder); default: ema with train.ema, else trained",
     )
 
 
@@ -253,6 +298,27 @@ class TrainJobConfig(Section):
                 f"train.micro_batch_size ({self.train.micro_batch_size})"
             )
         return self
+
+    @model_validator(mode="after")
+    def _ema_users(self) -> TrainJobConfig:
+        """What reads the EMA needs one kept."""
+        if self.train.ema is not None:
+            return self
+        if self.export.weights in ("ema", "both"):
+            raise ValueError(
+                f"export.weights={self.export.weights} needs an EMA of the weights; set train.ema: true (or a mapping "
+                "of decay, start_step, every), or export.weights: trained"
+            )
+        if self.train.validation.use_ema:
+            raise ValueError(
+                "train.validation.use_ema: true needs an EMA of the weights; set train.ema: true, or remove use_ema"
+            )
+        return self
+
+    @property
+    def export_weights(self) -> str:
+        """`export.weights` resolved: its default follows `train.ema`."""
+        return self.export.weights or ("ema" if self.train.ema is not None else "trained")
 
 
 class DiTJobConfig(TrainJobConfig):
@@ -344,6 +410,8 @@ def _describe(err: dict[str, Any], root: type[BaseModel]) -> str:
         return f"unknown key '{key}'{hint} (valid keys here: {', '.join(valid)})"
     if err["type"] == "missing":
         return f"missing required key '{key}'"
+    if err["type"] == "value_error":  # a validator's own message names the key and what it got
+        return str(err["msg"]).removeprefix("Value error, ")
     return f"'{key}': {err['msg']} (got {err.get('input')!r})"
 
 

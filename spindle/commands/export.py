@@ -6,7 +6,8 @@ The export is the training task's: for a DiT, a diffusers pipeline folder (the b
 components plus the trained transformer) that stock diffusers loads (`WanPipeline.from_pretrained(DIR)`);
 for a language model, a transformers folder. The weights are written in the base checkpoint's precision
 (`--dtype` overrides). No Spindle code is needed to load either. Works on one
-process whatever world size the checkpoint was saved with.
+process whatever world size the checkpoint was saved with. A run with `train.ema` exports what its
+`export.weights` chose unless `--weights` says otherwise (`spindle.train.ema.export_weights`).
 """
 
 from __future__ import annotations
@@ -28,11 +29,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=("auto", "float32", "bfloat16", "float16"),
         help="dtype of the written weights (default auto: as the base checkpoint stores them; bf16 in -> bf16 out)",
     )
+    p.add_argument(
+        "--weights",
+        default=None,
+        choices=("trained", "ema", "both"),
+        help="the trained weights, their EMA (a run with train.ema), or both (the EMA beside them, e.g. "
+        "transformer_ema/); default: the run's export.weights",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from spindle.distributed import checkpoint as ckpt
     from spindle.registry import family_of
+    from spindle.train.ema import EMA_STATE, export_weights
     from spindle.train.tasks import get_task
 
     path = ckpt.resolve_checkpoint_arg(args.checkpoint)
@@ -40,6 +49,17 @@ def run(args: argparse.Namespace) -> int:
     model_path = Path(args.model or state["model_path"])
     family = family_of(model_path, state.get("family"))
     task = get_task(state.get("task") or family.task)
-    out = task.export_checkpoint(family, path, model_path, Path(args.out), dtype=args.dtype)
+    weights = args.weights or state.get("export_weights") or "trained"
+    if weights != "trained" and EMA_STATE not in ckpt.saved_namespaces(path):
+        raise ValueError(
+            f"--weights {weights}: checkpoint {path} holds no EMA (its run had no train.ema); use --weights trained"
+        )
+    out = export_weights(
+        weights,
+        Path(args.out),
+        lambda folder: task.export_checkpoint(family, path, model_path, folder, dtype=args.dtype),
+        lambda: ckpt.reading_weights(EMA_STATE),
+        task.ema_beside,
+    )
     print(f"exported step {state['step']} of {path} to {out}")
     return 0

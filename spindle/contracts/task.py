@@ -57,6 +57,9 @@ class TrainTask(ABC):
     loss_sharded_over_sp: ClassVar[bool] = False
     # True when the task can run `parallel.ep > 1` (expert parallelism; MoE models).
     supports_expert_parallel: ClassVar[bool] = False
+    # `export.weights: both`: where the EMA's export goes beside the trained one, as {path in an export
+    # that holds weights: its EMA twin's path in the same folder} ("": the whole export; `spindle.train.ema`).
+    ema_beside: ClassVar[dict[str, str]] = {"": "ema"}
 
     def __init__(self, cfg: Any, family: Any, mesh: Any, device: torch.device, precision: str):
         self.cfg = cfg

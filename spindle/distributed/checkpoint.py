@@ -20,6 +20,9 @@ import json
 import logging
 import re
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, cast
 
@@ -214,8 +217,10 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     trainer_state: dict[str, Any],
     keep_last: int = 2,
+    extra: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint folder.
+    """Collective: every rank calls it. Returns the final checkpoint folder. `extra`: more sharded state
+    saved with the model by DCP, by namespace (`{"ema": {fqn: tensor}}`, `spindle.train.ema`).
 
     Partial folders (`*.tmp`, `*.deleting`) left by a save or a prune that crashed or was killed are
     removed first: they are never resumed from (`list_checkpoints` ignores them) and would otherwise
@@ -232,7 +237,7 @@ def save_checkpoint(
     barrier()
     writer = ManifestFileSystemWriter(tmp)
     try:
-        _write_checkpoint(tmp, step, model, optimizer, trainer_state, writer)
+        _write_checkpoint(tmp, step, model, optimizer, trainer_state, writer, extra or {})
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         if not (is_disk_full(e) or (writer.write_error is not None and is_disk_full(writer.write_error))):
             raise
@@ -264,12 +269,13 @@ def _write_checkpoint(
     optimizer: torch.optim.Optimizer,
     trainer_state: dict[str, Any],
     writer: ManifestFileSystemWriter,
+    extra: dict[str, dict[str, torch.Tensor]],
 ) -> None:
     """Every rank writes its shards and RNG state; rank 0 adds trainer_state.json and, last, the
     manifest of every rank's files; all of it fsync'ed."""
     # Frozen parameters (a LoRA run's base weights) are not saved: they come from the base checkpoint.
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE)
-    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer)  # fsyncs every file it writes
+    dcp.save({"model": model_sd, "optim": optim_sd, **extra}, storage_writer=writer)  # fsyncs every file it writes
     rank = dist.get_rank() if dist.is_initialized() else 0
     rng = io.BytesIO()
     torch.save(_rng_state(), rng)
@@ -297,10 +303,16 @@ def _prune(found: list[Path], keep: Path, keep_last: int) -> None:
             shutil.rmtree(doomed, ignore_errors=True)
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Collective. Restores model + optimizer in place (any world size); returns trainer_state."""
+def load_checkpoint(
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    extra: dict[str, dict[str, torch.Tensor]] | None = None,
+) -> dict[str, Any]:
+    """Collective. Restores model + optimizer, and the `extra` namespaces `save_checkpoint` saved, in
+    place (any world size); returns trainer_state."""
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE)
-    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, **(extra or {})}
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_SET_TRAINABLE
@@ -427,12 +439,37 @@ def read_model_tensors(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
     return tensors
 
 
+# Which of a checkpoint's weights `read_checkpoint_model` reads: "model" (the trained ones), or another
+# namespace holding the same keys ("ema", `spindle.train.ema`). A context variable, so that every task's
+# `export_checkpoint` exports the EMA with no code of its own (`reading_weights`).
+_READ_WEIGHTS: ContextVar[str] = ContextVar("spindle_read_weights", default="model")
+
+
+@contextmanager
+def reading_weights(namespace: str) -> Iterator[None]:
+    """`read_checkpoint_model` reads the checkpoint's `namespace` weights inside the block."""
+    token = _READ_WEIGHTS.set(namespace)
+    try:
+        yield
+    finally:
+        _READ_WEIGHTS.reset(token)
+
+
+def saved_namespaces(path: Path) -> set[str]:
+    """The top-level namespaces a DCP checkpoint holds ("model", "optim", "ema", ...)."""
+    return {key.split(".", 1)[0] for key in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata}
+
+
 def read_checkpoint_model(path: Path, template: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Read a checkpoint's model weights into a plain state dict shaped like `template` (1 process)."""
+    """Read a checkpoint's model weights (the `reading_weights` namespace: "model" unless told) into a plain
+    state dict shaped like `template` (1 process)."""
+    namespace = _READ_WEIGHTS.get()
     saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    if not any(key.startswith(f"{namespace}.") for key in saved):
+        raise CheckpointError(f"checkpoint {path} holds no {namespace!r} weights")
     # a LoRA checkpoint holds only the adapters: the template's other tensors stay the base weights
     sd = {k: v.detach().clone() for k, v in template.state_dict().items()}
-    dcp.load({"model": {k: v for k, v in sd.items() if f"model.{k}" in saved}}, checkpoint_id=str(path))
+    dcp.load({namespace: {k: v for k, v in sd.items() if f"{namespace}.{k}" in saved}}, checkpoint_id=str(path))
     return sd
 
 

@@ -413,6 +413,20 @@ def check_export_round_trip(family: DiTFamily, base: Path, export: Path, trained
     assert any(not torch.equal(original[k], trained[k]) for k in trained), f"{family.name}: training changed nothing"
 
 
+def check_ema_export(family: DiTFamily, export: Path, ema: dict[str, torch.Tensor]) -> None:
+    """`export.weights: both`: the EMA is `transformer_ema/` beside the trained transformer, loaded by stock
+    diffusers' transformer class with `subfolder=`, every tensor equal to the average."""
+    import json
+
+    import diffusers
+
+    name = json.loads((export / "transformer" / "config.json").read_text())["_class_name"]
+    loaded = getattr(diffusers, name).from_pretrained(export, subfolder="transformer_ema").state_dict()
+    assert set(ema) <= loaded.keys(), f"{family.name}: transformer_ema lacks {sorted(set(ema) - loaded.keys())[:3]}"
+    for key, value in ema.items():
+        assert torch.equal(loaded[key], value), f"{family.name}: transformer_ema {key} differs from the EMA"
+
+
 # ---------------------------------------------------------------- sequence parallel (spawned ranks)
 
 

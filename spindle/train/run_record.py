@@ -65,6 +65,8 @@ def run_identity(cfg: TrainJobConfig) -> dict[str, Any]:
     _flatten("model", {**model, "path": _resolved(model["path"])}, out)
     _flatten("data", data, out)
     _flatten("train", {k: dumped["train"][k] for k in TRAIN_IDENTITY}, out)
+    if dumped["train"].get("ema") is not None:  # the EMA defines the run once on (runs from before it match)
+        _flatten("train.ema", dumped["train"]["ema"], out)
     return out
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from spindle.contracts.task import TrainTask
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.launch import launcher_world_size
 from spindle.distributed.mesh import Mesh, ParallelDims, build_mesh, device_type, is_main_process
+from spindle.train.ema import build_ema, ema_checkpoint_state, export_weights
 from spindle.train.memory import PeakMemory, report_peak_memory
 from spindle.train.metrics import MetricsLog, truncate_metrics
 from spindle.train.optim import build_optimizer, build_scheduler
@@ -157,6 +159,9 @@ class Trainer:
             self.optimizer, cfg.train.model_copy(update={"max_steps": self.schedule_steps})
         )
         self.loader = self.task.build_loader()
+        self.ema = build_ema(self.model, cfg.train.ema)  # `train.ema`: sharded like the weights (spindle.train.ema)
+        if self.ema is not None:
+            self.summary_extra["ema"] = self.ema.describe(cfg.export_weights)
         self.step = 0
 
     # ------------------------------------------------------------ state
@@ -171,10 +176,16 @@ class Trainer:
             "lr_scheduler": self.scheduler.state_dict(),
             "data": {"epoch": loader["epoch"], "samples_in_epoch": samples},
             "parallel": self.mesh.dims.__dict__,
+            # what `spindle export` exports by default, and whether the checkpoint holds an EMA
+            "ema": self.cfg.train.ema.model_dump() if self.cfg.train.ema is not None else None,
+            "export_weights": self.cfg.export_weights,
         }
 
     def restore(self, path: Path) -> None:
-        state = ckpt.load_checkpoint(path, self.model, self.optimizer)
+        extra = ema_checkpoint_state(self.ema, path)
+        state = ckpt.load_checkpoint(path, self.model, self.optimizer, extra)
+        if self.ema is not None and not extra:  # a forced resume of a run without one: from the loaded weights
+            self.ema = build_ema(self.model, self.cfg.train.ema)
         self.scheduler.load_state_dict(state["lr_scheduler"])
         per_round = self.cfg.train.micro_batch_size * self.mesh.dims.dp_size
         data = state["data"]
@@ -191,6 +202,7 @@ class Trainer:
             self.optimizer,
             self.trainer_state(),
             keep_last=self.cfg.checkpoint.keep_last,
+            extra=ema_checkpoint_state(self.ema),
         )
 
     # ------------------------------------------------------------ loop
@@ -289,6 +301,8 @@ class Trainer:
                 lr = float(self.scheduler.get_last_lr()[0])  # LambdaLR: plain floats
                 loss, grad_norm, samples, tokens, extra = self.train_step()
                 self.step += 1
+                if self.ema is not None:
+                    self.ema.update(self.step)
                 tracker.step(loss, samples, tokens)
                 if len(self.peak_memory) == 1:  # the first step of this process (of a resumed run too)
                     when = f"after step {self.step}"
@@ -365,7 +379,8 @@ class Trainer:
         if not val.every_steps or not val.prompts or self.step % val.every_steps:
             return
         devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
+        weights = self.ema.swapped_in(self.model) if val.use_ema and self.ema is not None else nullcontext()
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), weights:
             self.model.eval()
             try:
                 samples = self.task.validate(
@@ -377,7 +392,15 @@ class Trainer:
             metrics.log_sample(self.step, index, frames)
 
     def export(self, checkpoint_dir: Path) -> Path | None:
-        return self.task.export(self.model, self.output_dir / "export")
+        """`export.weights`: the trained weights, their EMA, or both (`spindle.train.ema.export_weights`)."""
+        ema = self.ema
+        return export_weights(
+            self.cfg.export_weights,
+            self.output_dir / "export",
+            lambda out: self.task.export(self.model, out),
+            lambda: ema.swapped_in(self.model) if ema is not None else nullcontext(),
+            self.task.ema_beside,
+        )
 
 
 def train(cfg: TrainJobConfig, family: Any, task: type[TrainTask]) -> TrainResult:

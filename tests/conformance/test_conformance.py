@@ -173,6 +173,7 @@ def test_overfits_and_exports_for_stock_diffusers(name, tiny, tmp_path):
         tiny(name), data, tmp_path / "run",
         data__resolution=list(family.demo.size), data__num_frames=family.demo.num_frames,
         model__max_text_length=suite.text_tokens(family), train__max_steps=12, train__global_batch_size=2, train__micro_batch_size=2, train__lr=3e-3, train__seed=0,
+        train__ema__decay=0.9, export__weights="both",  # the EMA beside the trained transformer (train.ema)
     )  # fmt: skip
     trainer = make_trainer(load_job_config(None, overrides))
     result = trainer.run()
@@ -185,6 +186,7 @@ def test_overfits_and_exports_for_stock_diffusers(name, tiny, tmp_path):
         k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in trainer.model.state_dict().items()
     }
     suite.check_export_round_trip(family, tiny(name), result.export_dir, trained)
+    suite.check_ema_export(family, result.export_dir, trainer.ema.state_dict())
     # Spindle's engine on the export still equals the stock pipeline on it
     suite.check_inference_parity(family, result.export_dir, family.conformance.parity_cases["nocfg"])
 

@@ -89,6 +89,9 @@ class FlowMatchingTask(TrainTask):
     name = "flow_matching"
     config_class = DiTJobConfig
     loss_sharded_over_sp = False  # diffusers CP gathers the output: every SP rank holds the whole loss
+    # the EMA beside the trained weights in the same pipeline folder: stock diffusers loads it with
+    # `<Transformer>.from_pretrained(export, subfolder="transformer_ema")`, or `load_lora_weights(export/lora_ema)`
+    ema_beside = {"transformer": "transformer_ema", "lora": "lora_ema", "merged/transformer": "merged/transformer_ema"}
 
     cfg: DiTJobConfig
     family: DiTFamily
