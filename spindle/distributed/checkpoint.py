@@ -415,30 +415,6 @@ def rename_weight_files(folder: Path, old: str, new: str) -> None:
     index_path.unlink()
 
 
-def saved_model_tensors(path: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """{fqn: (full shape, dtype)} of every model tensor a checkpoint holds, from its metadata alone
-    (nothing is read; the sizes are the whole tensors', whatever world size saved them)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    return {
-        key.removeprefix("model."): (m.size, m.properties.dtype)
-        for key, m in meta.items()
-        if key.startswith("model.") and isinstance(m, TensorStorageMetadata)
-    }
-
-
-def read_model_tensors(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
-    """Read only the model tensors `names` of a checkpoint, whole, on one process (DCP reads each
-    tensor's byte ranges from every rank's file; the rest of the checkpoint is not touched)."""
-    saved = saved_model_tensors(path)
-    if missing := [n for n in names if n not in saved]:
-        raise CheckpointError(f"{path} holds no model tensor {missing[0]!r} ({len(missing)} missing)")
-    tensors = {n: torch.empty(saved[n][0], dtype=saved[n][1]) for n in names}
-    dcp.load({"model": tensors}, checkpoint_id=str(path))
-    return tensors
-
-
 # Which of a checkpoint's weights `read_checkpoint_model` reads: "model" (the trained ones), or another
 # namespace holding the same keys ("ema", `spindle.train.ema`). A context variable, so that every task's
 # `export_checkpoint` exports the EMA with no code of its own (`reading_weights`).
@@ -458,6 +434,32 @@ def reading_weights(namespace: str) -> Iterator[None]:
 def saved_namespaces(path: Path) -> set[str]:
     """The top-level namespaces a DCP checkpoint holds ("model", "optim", "ema", ...)."""
     return {key.split(".", 1)[0] for key in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata}
+
+
+def saved_model_tensors(path: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """{fqn: (full shape, dtype)} of every model tensor a checkpoint holds (of the `reading_weights`
+    namespace), from its metadata alone (nothing is read; the sizes are the whole tensors', whatever world
+    size saved them)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    namespace = _READ_WEIGHTS.get()  # "model", or "ema" inside `reading_weights("ema")`
+    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {
+        key.removeprefix(f"{namespace}."): (m.size, m.properties.dtype)
+        for key, m in meta.items()
+        if key.startswith(f"{namespace}.") and isinstance(m, TensorStorageMetadata)
+    }
+
+
+def read_model_tensors(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """Read only the model tensors `names` of a checkpoint, whole, on one process (DCP reads each
+    tensor's byte ranges from every rank's file; the rest of the checkpoint is not touched)."""
+    saved = saved_model_tensors(path)
+    if missing := [n for n in names if n not in saved]:
+        raise CheckpointError(f"{path} holds no model tensor {missing[0]!r} ({len(missing)} missing)")
+    tensors = {n: torch.empty(saved[n][0], dtype=saved[n][1]) for n in names}
+    dcp.load({_READ_WEIGHTS.get(): tensors}, checkpoint_id=str(path))
+    return tensors
 
 
 def read_checkpoint_model(path: Path, template: torch.nn.Module) -> dict[str, torch.Tensor]:

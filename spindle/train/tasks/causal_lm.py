@@ -352,6 +352,7 @@ class CausalLMTask(TrainTask):
 
         with empty_weights():
             model = model_cls._from_config(AutoConfig.from_pretrained(model_path))
+        model.tie_weights()  # not done under empty_weights; `unique_weights` finds the tied names by it
         state = model.state_dict()
         fqn_of = {id(t): k for k, t in state.items()}
         layout = unique_weights(model, cls.export_layout(model, state))
