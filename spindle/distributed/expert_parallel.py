@@ -35,7 +35,7 @@ import fnmatch
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from spindle.distributed.mesh import Mesh, ParallelDims
 
@@ -86,15 +86,24 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh) -> nn.Module:
     return model
 
 
-def shard_experts(model: nn.Module, mesh: Mesh, mp_policy: MixedPrecisionPolicy) -> None:
-    """FSDP2 units for the experts of each MoE layer over `efsdp` (before the dense `apply_fsdp`).
+def shard_experts(
+    model: nn.Module, mesh: Mesh, mp_policy: MixedPrecisionPolicy, offload: OffloadPolicy | None = None
+) -> None:
+    """FSDP2 units for the experts of each MoE layer over `efsdp` (before the dense `apply_fsdp`);
+    `offload`: the dense units' policy (`train.cpu_offload`: the expert shards live in host memory too).
 
     Gradients divide by the data-parallel size (module docstring); on gloo the custom factor needs
     sum-only collectives (see spindle.distributed.fsdp.apply_fsdp).
     """
     efsdp = _ep_meshes(mesh)[1]
     for experts in expert_modules(model).values():
-        sharded = fully_shard(experts, mesh=efsdp, mp_policy=mp_policy, reshard_after_forward=True)
+        sharded = fully_shard(
+            experts,
+            mesh=efsdp,
+            mp_policy=mp_policy,
+            reshard_after_forward=True,
+            offload_policy=offload or OffloadPolicy(),
+        )
         sharded.set_gradient_divide_factor(float(mesh.dims.dp_size))
         if efsdp.device_type == "cpu" and efsdp.size(efsdp.ndim - 1) > 1:
             # gloo has no PREMUL_SUM; but where the shard dim has 1 rank (no reduce-scatter) FSDP2's

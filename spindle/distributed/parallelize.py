@@ -20,7 +20,7 @@ from torch import nn
 
 from spindle.contracts.parallel import ParallelPlan
 from spindle.distributed.blocks import compile_blocks
-from spindle.distributed.fsdp import apply_fsdp, mp_policy
+from spindle.distributed.fsdp import apply_fsdp, mp_policy, offload_policy
 from spindle.distributed.mesh import Mesh
 
 
@@ -62,12 +62,11 @@ def parallelize(
         compile_blocks(model, plan.blocks)
     if mesh.world.size() == 1 and not cpu_offload:  # nothing to shard (spindle.distributed.fsdp)
         return model
-    if cpu_offload and plan.expert_parallel and dims.ep > 1:
-        raise ValueError("train.cpu_offload: the experts' own FSDP2 units take no offload policy yet; set it false")
     if plan.expert_parallel and dims.ep > 1:
         from spindle.distributed.expert_parallel import shard_experts
 
-        shard_experts(model, mesh, policy)  # the experts' own units first, inside their blocks
+        # the experts' own units first, inside their blocks
+        shard_experts(model, mesh, policy, offload_policy(cpu_offload, mesh.shard.device_type))
     return apply_fsdp(model, mesh, mixed_precision, reshard_after_forward, plan.blocks, cpu_offload=cpu_offload)
 
 

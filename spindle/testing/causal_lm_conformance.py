@@ -35,6 +35,8 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
     "dp_shard2": (2, {"parallel__dp_shard": 2}),
     "sp2": (2, {"parallel__sp": 2, "parallel__dp_shard": 1}),
     "ep2": (2, {"parallel__ep": 2}),
+    # FSDP2's CPU offload on the experts' own units as on the dense ones
+    "ep2_cpu_offload": (2, {"parallel__ep": 2, "train__cpu_offload": True}),
 }
 
 
@@ -44,8 +46,8 @@ def parallel_layouts(family: CausalLMFamily) -> list[str]:
     from spindle.train.tasks import get_task
 
     layouts = list(family.conformance.parallel)
-    if get_task(family.task).supports_expert_parallel and "ep2" not in layouts:
-        layouts.append("ep2")
+    if get_task(family.task).supports_expert_parallel:
+        layouts += [name for name in ("ep2", "ep2_cpu_offload") if name not in layouts]
     unknown = sorted(set(layouts) - set(LAYOUTS))
     assert not unknown, f"{family.name}: unknown conformance layouts {unknown}; known: {sorted(LAYOUTS)}"
     return layouts

@@ -73,11 +73,6 @@ class MoECausalLMTask(CausalLMTask):
                 "train.lora: LoRA is not implemented for mixture-of-experts models yet (the experts are fused "
                 "parameters, not linear layers); remove train.lora"
             )
-        if cfg.train.cpu_offload:
-            # the experts' own FSDP2 units (spindle.distributed.expert_parallel) take no offload policy yet
-            raise ConfigError(
-                "train.cpu_offload is not supported for mixture-of-experts models yet; set train.cpu_offload: false"
-            )
         try:
             check_ep_layout(dims, AutoConfig.from_pretrained(cfg.model.path).num_experts)
         except ValueError as e:
