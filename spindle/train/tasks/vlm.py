@@ -33,7 +33,7 @@ from spindle.contracts.parallel import ParallelPlan
 from spindle.contracts.task import StepOutput
 from spindle.distributed.mesh import is_main_process
 from spindle.train.tasks.base import resumable_loader
-from spindle.train.tasks.causal_lm import CausalLMTask, causal_lm_output
+from spindle.train.tasks.causal_lm import PADDING_MASK_KEY, CausalLMTask, causal_lm_output
 
 if TYPE_CHECKING:
     from spindle.data.loader import ResumableLoader
@@ -230,16 +230,20 @@ class VLMTask(CausalLMTask):
 
     def forward(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], step: int) -> StepOutput:
         ids = batch["input_ids"]
-        rows = {k: batch[k].to(self.device) for k in ("input_ids", "position_ids", "shift_labels")}
+        keys = ("input_ids", "position_ids", "shift_labels", PADDING_MASK_KEY)
+        rows = {k: batch[k].to(self.device) for k in keys if k in batch}
         vision = {k: batch[k].to(self.device) for k in VISION_KEYS if k in batch}
         if self.mesh.dims.sp > 1:
-            # Labels are cut here; input ids and positions stay whole (the model fills the vision embeddings
-            # into the full sequence) and the language-model hook cuts embeddings and positions.
+            # Labels (and the padding mask of task hooks) are cut here; input ids and positions stay whole (the
+            # model fills the vision embeddings into the full sequence) and the language-model hook cuts
+            # embeddings and positions.
             chunk = ids.shape[1] // self.mesh.dims.sp
             start = self.mesh.sp_rank * chunk
-            rows["shift_labels"] = rows["shift_labels"][:, start : start + chunk].contiguous()
+            for key in ("shift_labels", PADDING_MASK_KEY):
+                if key in rows:
+                    rows[key] = rows[key][:, start : start + chunk].contiguous()
         assert self.vision_step is not None, "build_model installs the vision hook"
         self.vision_step.missing = sum(KIND_INPUT[k] not in vision for k in self.dataset_kinds)
         with self._autocast():
-            out = causal_lm_output(model, rows, **vision)
-        return StepOutput(out.loss.float(), ids.shape[0], ids.numel())
+            out = causal_lm_output(model, rows, **vision, **self.model_kwargs(rows))
+        return StepOutput(out.loss.float(), ids.shape[0], ids.numel(), self.output_metrics(out, rows))
