@@ -5,7 +5,7 @@ load, expert parallelism). Its checkpoints hold the experts fused and transposed
 [E, H, 2I]`); per-expert checkpoints load too, and an export keeps the input's layout (conversion.py).
 Videos are refused, as for Qwen3-VL (timestamps in the text)."""
 
-from spindle.contracts.family import VLMFamily
+from spindle.contracts.family import CausalLMConformanceSpec, VLMFamily
 
 FAMILY = VLMFamily(
     name="qwen3_vl_moe",
@@ -22,4 +22,9 @@ FAMILY = VLMFamily(
     },
     videos=False,
     task="vlm_moe",
+    conformance=CausalLMConformanceSpec(
+        # Spindle's MoE loss is stock's with output_router_logits: token loss + coef x router aux loss
+        stock_loss_kwargs={"output_router_logits": True},
+        stock_outputs=("aux_loss",),
+    ),
 )
