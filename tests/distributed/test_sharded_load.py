@@ -79,7 +79,7 @@ def results(
     for layout in ("fused_transposed", "per_expert"):
         path = with_expert_layout("qwen3_vl_moe", tiny_checkpoint("qwen3_vl_moe"), out / f"vl_moe_{layout}", layout)
         cases[f"qwen3_vl_moe_{layout}_ep2"] = vlm_overrides(
-            path, vlm_conversations, out / f"vl_moe_{layout}_run", parallel__ep=2, **seed
+            path, vlm_conversations, out / f"vl_moe_{layout}_run", parallel__ep=2, train__global_batch_size=2, **seed
         )
     cases["wan_lora"] = train_overrides(tiny_checkpoint("wan"), shapes_videos, out / "lora", train__lora=LORA)
     runs = {

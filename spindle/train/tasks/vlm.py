@@ -14,8 +14,9 @@ loss, export) with what vision adds:
   collectives of the vision blocks in forward and backward (no hang, no gradient change); (2) under
   Ulysses SP, the full sequence's embeddings (vision filled back in) and positions (computed on whole
   documents, before the split) are cut to this rank's chunk, so the vision tower runs on every SP rank
-  over the whole sample (at the image sizes of fine-tuning it costs far less than the decoder; vision
-  SP is not implemented) and the language model runs on the chunk.
+  over the whole sample (vision SP is not implemented: a few percent of a step with one image per row,
+  40-57% of each rank's work at sp >= 2 with image-dense rows; docs/training.md, bench/vlm_vision_share.py)
+  and the language model runs on the chunk.
 - Export: the causal-LM transformers folder plus the image processor's preprocessor_config.json; the
   tokenizer carries the chat template. `AutoModelForImageTextToText.from_pretrained` loads it.
 """
