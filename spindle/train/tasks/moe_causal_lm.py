@@ -16,6 +16,10 @@
 - Parallelism: `parallel.ep` (spindle.distributed.expert_parallel) and `parallel.sp` (Ulysses) on top
   of the dense path.
 - Export: the layout the input checkpoint had (per-expert by default).
+
+The class extends `CausalLMTask` cooperatively (every override goes through `super()`), so the VLM MoE
+task (spindle/train/tasks/vlm_moe.py) combines it with the VLM task by inheritance. The MoE fields are
+read from `config.get_text_config()`: a VLM's text config, a causal LM's own config.
 """
 
 from __future__ import annotations
