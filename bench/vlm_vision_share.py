@@ -2,10 +2,10 @@
 the language model per row, counted by torch's FlopCounterMode on the real transformers modules built
 with fake tensors (Qwen2.5-VL-7B's shape from bench/train_vlm.py; no weight is allocated or downloaded).
 
-Why: under `parallel.sp` Spindle runs the vision tower whole on every SP rank (the language model is split);
-vision-tower SP (pad the patch sequence to a multiple of sp, slice, gather before the merger) would remove
-that duplicated work. The share of the step it would save is what this prints, per image size and images
-per row. Backward is ~2x forward for both parts, so the forward ratio is the step's.
+Why: under `parallel.sp` the language model is split over the SP ranks; a vision tower run whole on every
+rank would be duplicated work. This prints that work's share of a rank's step, per image size and images
+per row (what spindle/distributed/vision_sequence_parallel.py splits: the blocks' MLPs and norms; their
+attention stays whole). Backward is ~2x forward for both parts, so the forward ratio is the step's.
 
     python bench/vlm_vision_share.py
 """

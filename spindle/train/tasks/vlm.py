@@ -13,10 +13,9 @@ loss, export) with what vision adds:
   a dummy input, its output added with weight zero, so every data-parallel rank runs the same FSDP2
   collectives of the vision blocks in forward and backward (no hang, no gradient change); (2) under
   Ulysses SP, the full sequence's embeddings (vision filled back in) and positions (computed on whole
-  documents, before the split) are cut to this rank's chunk, so the vision tower runs on every SP rank
-  over the whole sample (vision SP is not implemented: a few percent of a step with one image per row,
-  40-57% of each rank's work at sp >= 2 with image-dense rows; docs/training.md, bench/vlm_vision_share.py)
-  and the language model runs on the chunk.
+  documents, before the split) are cut to this rank's chunk, and the language model runs on the chunk.
+  The vision tower's blocks run on this rank's chunk of the patches too, gathered for attention and before
+  the mergers (spindle/distributed/vision_sequence_parallel.py), so its merged output is whole on every rank.
 - Export: the causal-LM transformers folder plus the image processor's preprocessor_config.json; the
   tokenizer carries the chat template. `AutoModelForImageTextToText.from_pretrained` loads it.
 """
@@ -173,6 +172,10 @@ class VLMTask(CausalLMTask):
             if self.family.part_of(name) in frozen:
                 param.requires_grad_(False)
         tower = module_at(model, self.family.vision_tower)
+        if self.mesh.dims.sp > 1:  # the tower's blocks on this rank's chunk of the patches
+            from spindle.distributed.vision_sequence_parallel import enable_vision_sequence_parallel
+
+            enable_vision_sequence_parallel(tower, self.mesh.sp.get_group(), self.mesh.sp_rank, self.mesh.dims.sp)
         merge = int(getattr(tower, "spatial_merge_size", 1))
         self.vision_step = VisionStep(tower, merge, self.mesh.sp_rank, self.mesh.dims.sp)
         language = module_at(model, self.family.language_model)
