@@ -27,6 +27,7 @@ BUILTIN_FAMILIES: dict[str, str] = {
     "qwen3": "spindle.models.qwen3",
     "qwen3_moe": "spindle.models.qwen3_moe",
     "qwen3_vl": "spindle.models.qwen3_vl",
+    "qwen3_vl_moe": "spindle.models.qwen3_vl_moe",
     "qwenimage": "spindle.models.qwenimage",
     "wan": "spindle.models.wan",
     "wan_i2v": "spindle.models.wan_i2v",

@@ -360,6 +360,23 @@ def vlm_conversations(tmp_path_factory) -> Path:
     return make_image_conversations(tmp_path_factory.mktemp("vlm_data"), 8, size=(56, 84), text_only_every=4)
 
 
+def vlm_overrides(model: Path, data: Path, out: Path, **values) -> list[str]:
+    """Dotted overrides for a short CPU VLM run (`lm_overrides`): rows of `vlm_conformance.SEQ` tokens in the
+    file's order, one conversation per micro-batch."""
+    from spindle.testing.vlm_conformance import SEQ
+
+    base = dict(data__seq_len=SEQ, data__shuffle=False, train__global_batch_size=1, train__micro_batch_size=1)
+    return lm_overrides(model, data, out, **{**base, **values})
+
+
+def vlm_train(model: Path, data: Path, out: Path, **overrides) -> tuple[Any, Any]:
+    """A VLM training run in this process (`vlm_overrides`); -> (trainer, result)."""
+    from spindle.api import make_trainer
+
+    trainer = make_trainer(load_job_config(None, vlm_overrides(model, data, out, **overrides)))
+    return trainer, trainer.run()
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen3_moe(tiny_checkpoint) -> Path:
     """`tiny_checkpoint("qwen3_moe")`: 8 experts, top-2, per-expert layout, 2 layers, and an aux coefficient

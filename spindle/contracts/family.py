@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -32,8 +33,9 @@ class CheckpointAdapter(Protocol):
         """The checkpoint folder's validated layout; raises naming the tensor that does not fit."""
         ...
 
-    def register(self) -> None:
-        """Install the load-time conversion (e.g. transformers' conversion mapping); idempotent."""
+    def loading(self, layout: str) -> AbstractContextManager[None]:
+        """Within the block, the load-time conversion of a checkpoint in `layout` is installed (e.g.
+        transformers' conversion mapping for a patched class); afterwards it is as it was."""
         ...
 
     def check_loading_info(self, info: dict[str, Any], where: str) -> None:

@@ -31,6 +31,7 @@ not by the efsdp size FSDP2 would use: the experts' FSDP units get `set_gradient
 from __future__ import annotations
 
 import fnmatch
+from typing import Any
 
 import torch
 from torch import nn
@@ -65,7 +66,11 @@ def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def _ep_plan(model: nn.Module) -> dict[str, str]:
-    plan: dict[str, str] | None = getattr(model.config, "base_model_ep_plan", None)
+    config: Any = model.config  # a transformers config
+    # a VLM declares the plan on its text config (patterns relative to its language model)
+    plan: dict[str, str] | None = getattr(config, "base_model_ep_plan", None) or getattr(
+        config.get_text_config(), "base_model_ep_plan", None
+    )
     if not plan:
         raise ValueError(f"{type(model).__name__} declares no expert-parallel plan (config.base_model_ep_plan)")
     return plan

@@ -19,6 +19,8 @@ from spindle.data.multimodal import (
     conversation_document,
 )
 from spindle.data.text import IGNORE_INDEX, TextDataError
+from spindle.registry import all_families
+from spindle.testing.vlm_conformance import stock_processor
 
 SEQ = 256
 
@@ -38,34 +40,6 @@ def parts(tiny_qwen2_5_vl):
 def make_processor(model: Path, parts, **options) -> VisionProcessor:
     tok, config, family = parts
     return VisionProcessor(model, tok, config, family.rope_index_fn(), VisionOptions(**options))
-
-
-def stock_processor(model: Path):
-    """transformers' processor of the model (Qwen2_5_VLProcessor, Qwen3VLProcessor) on the PIL image
-    processor. Its constructor insists on a video processor, which needs torchvision (not installable
-    here): the class check is skipped for that argument only, and only images are processed, which is
-    the stock code path for images."""
-    from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
-    from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
-    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
-
-    stock_cls = {"qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor}[
-        AutoConfig.from_pretrained(model).model_type
-    ]
-
-    class ImagesOnlyProcessor(stock_cls):  # type: ignore[valid-type,misc]
-        def check_argument_for_proper_class(self, argument_name, argument):
-            if argument_name == "video_processor" and argument is None:
-                return None
-            return super().check_argument_for_proper_class(argument_name, argument)
-
-    tok = AutoTokenizer.from_pretrained(model)
-    return ImagesOnlyProcessor(
-        image_processor=AutoImageProcessor.from_pretrained(model),
-        tokenizer=tok,
-        video_processor=None,
-        chat_template=tok.chat_template,
-    )
 
 
 def image(path: Path, size: tuple[int, int], seed: int) -> Path:
@@ -95,7 +69,7 @@ def two_image_conversation(folder: Path) -> dict:
     }
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", sorted(f.name for f in all_families() if f.kind == "vlm"))
 def test_tokens_pixels_and_positions_equal_the_stock_processor_and_model(family, tiny_checkpoint, tmp_path):
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from spindle.testing.multiprocess import spawn
-from tests.conftest import lm_overrides, train_overrides
+from spindle.testing.tiny import with_expert_layout
+from tests.conftest import lm_overrides, train_overrides, vlm_overrides
 
 pytestmark = pytest.mark.slow
 RTOL = 1e-5
@@ -57,7 +58,9 @@ def _worker(rank: int, world: int, cases: dict[str, list[str]], runs: dict[str, 
 
 
 @pytest.fixture(scope="module")
-def results(tiny_checkpoint, tiny_qwen3_moe, shapes_videos, shapes_images, lm_corpus, tmp_path_factory) -> dict:
+def results(
+    tiny_checkpoint, tiny_qwen3_moe, shapes_videos, shapes_images, lm_corpus, vlm_conversations, tmp_path_factory
+) -> dict:
     out = tmp_path_factory.mktemp("sharded_load")
     cases: dict[str, list[str]] = {}
     for family in DIT:
@@ -71,6 +74,13 @@ def results(tiny_checkpoint, tiny_qwen3_moe, shapes_videos, shapes_images, lm_co
         cases[family] = lm_overrides(tiny_checkpoint(family), lm_corpus, out / family, **seed)
     cases["qwen3_moe"] = lm_overrides(tiny_qwen3_moe, lm_corpus, out / "moe", **seed)  # per-expert -> fused
     cases["qwen3_moe_ep2"] = lm_overrides(tiny_qwen3_moe, lm_corpus, out / "moe_ep2", parallel__ep=2, **seed)
+    # Qwen3-VL-MoE under EP from Qwen's transposed fused layout and from per-expert tensors: each rank reads
+    # its experts' bytes (transposed, or stacked per expert) into its shards
+    for layout in ("fused_transposed", "per_expert"):
+        path = with_expert_layout("qwen3_vl_moe", tiny_checkpoint("qwen3_vl_moe"), out / f"vl_moe_{layout}", layout)
+        cases[f"qwen3_vl_moe_{layout}_ep2"] = vlm_overrides(
+            path, vlm_conversations, out / f"vl_moe_{layout}_run", parallel__ep=2, train__global_batch_size=2, **seed
+        )
     cases["wan_lora"] = train_overrides(tiny_checkpoint("wan"), shapes_videos, out / "lora", train__lora=LORA)
     runs = {
         "wan_lora": train_overrides(tiny_checkpoint("wan"), shapes_videos, out, train__max_steps=2, train__lora=LORA),
@@ -81,7 +91,10 @@ def results(tiny_checkpoint, tiny_qwen3_moe, shapes_videos, shapes_images, lm_co
     return torch.load(out / "results.pt")
 
 
-@pytest.mark.parametrize("case", [*DIT, *LM, "qwen3_moe", "qwen3_moe_ep2", "wan_lora"])
+VL_MOE = ["qwen3_vl_moe_fused_transposed_ep2", "qwen3_vl_moe_per_expert_ep2"]
+
+
+@pytest.mark.parametrize("case", [*DIT, *LM, "qwen3_moe", "qwen3_moe_ep2", *VL_MOE, "wan_lora"])
 def test_sharded_load_equals_full_load_tensor_for_tensor(results, case):
     sharded, full = results[case][True], results[case][False]
     assert sharded.keys() == full.keys()

@@ -11,8 +11,8 @@ import torch
 
 from spindle.api import check_job_plan, load_job_config
 from spindle.config import ConfigError
-from tests.conftest import lm_overrides, lm_train
-from tests.train.test_vlm import stock_inputs, subset, vlm_train
+from spindle.testing.vlm_conformance import stock_inputs, subset
+from tests.conftest import lm_overrides, lm_train, vlm_train
 
 LORA = dict(train__lora='{"rank": 4, "alpha": 8}', train__lr=1e-2, export__merge_lora=True)
 

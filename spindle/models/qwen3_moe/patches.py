@@ -25,25 +25,11 @@ from transformers.modeling_utils import slice_logits_to_keep
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 
-from spindle.models.shared.causal_lm_patch import causal_lm_loss_or_logits
-from spindle.ops.router_loss import load_balancing_loss
+from spindle.models.shared.causal_lm_patch import add_moe_loss_helpers, causal_lm_loss_or_logits, with_router_aux_loss
 from spindle.patchgen import PatchConfig
 
 config = PatchConfig(source_module="transformers.models.qwen3_moe.modeling_qwen3_moe")
-config.add_import("spindle.ops.losses", names=["causal_lm_loss"])
-config.add_import("spindle.ops.router_loss", names=["load_balancing_loss"])
-config.add_helper(
-    causal_lm_loss_or_logits,
-    description="the chunked loss or upstream's logits (spindle/models/shared/causal_lm_patch.py)",
-)
-
-
-@config.add_helper
-def count_label_tokens(labels, shift_labels, ignore_index: int = -100) -> torch.Tensor:
-    """The tokens a causal-LM loss averages over: valid shifted labels (as `causal_lm_loss` shifts them)."""
-    if shift_labels is None:
-        shift_labels = labels[..., 1:]
-    return (shift_labels != ignore_index).sum().to(torch.float32)
+add_moe_loss_helpers(config)
 
 
 # Patch: Qwen3MoeForCausalLM.forward (upstream signature and decorators kept)
@@ -108,28 +94,15 @@ def moe_causal_lm_forward(
     hidden_states = outputs.last_hidden_state
     hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
     # --- Patch.2: the chunked loss replaces lm_head + loss_function when there is something to learn.
-    num_items_in_batch = kwargs.get("num_items_in_batch")
-    ignore_index = kwargs.get("ignore_index", -100)
     loss, logits = causal_lm_loss_or_logits(self, hidden_states, labels, shift_labels, loss_reduction, kwargs)
 
     aux_loss = None
     if output_router_logits:
-        aux_loss = load_balancing_loss(
-            outputs.router_logits,
-            self.num_experts,
-            self.num_experts_per_tok,
-            attention_mask if router_mask is None else router_mask,
-            group=router_group,
+        # --- Patch.3: the aux term in the token loss's normalisation (1 for upstream's mean).
+        mask = attention_mask if router_mask is None else router_mask
+        loss, aux_loss = with_router_aux_loss(
+            loss, outputs.router_logits, self.config, mask, router_group, labels, shift_labels, loss_reduction, kwargs
         )
-        if loss is not None:
-            # --- Patch.3: the aux term in the token loss's normalisation (1 for upstream's mean).
-            if loss_reduction == "sum" or (loss_reduction is None and num_items_in_batch is not None):
-                tokens = count_label_tokens(labels, shift_labels, ignore_index)
-                divisor = 1 if loss_reduction == "sum" else num_items_in_batch
-                weight = tokens / torch.as_tensor(divisor, dtype=torch.float32, device=loss.device)
-            else:
-                weight = 1.0
-            loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device) * weight
 
     return MoeCausalLMOutputWithPast(
         loss=loss,

@@ -16,10 +16,16 @@
 - Parallelism: `parallel.ep` (spindle.distributed.expert_parallel) and `parallel.sp` (Ulysses) on top
   of the dense path.
 - Export: the layout the input checkpoint had (per-expert by default).
+
+The class extends `CausalLMTask` cooperatively (every override goes through `super()`), so the VLM MoE
+task (spindle/train/tasks/vlm_moe.py) combines it with the VLM task by inheritance. The MoE fields are
+read from `config.get_text_config()`: a VLM's text config, a causal LM's own config.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -74,7 +80,7 @@ class MoECausalLMTask(CausalLMTask):
                 "parameters, not linear layers); remove train.lora"
             )
         try:
-            check_ep_layout(dims, AutoConfig.from_pretrained(cfg.model.path).num_experts)
+            check_ep_layout(dims, AutoConfig.from_pretrained(cfg.model.path).get_text_config().num_experts)
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
@@ -91,12 +97,13 @@ class MoECausalLMTask(CausalLMTask):
         return self.adapter.load_sources(super().checkpoint_sources())
 
     def parallel_plan(self) -> ParallelPlan:
-        return ParallelPlan("transformers", expert_parallel=True)
+        # the base plan (a VLM's: SP in its language model only) with the experts sharded over `ep`
+        return dataclasses.replace(super().parallel_plan(), expert_parallel=True)
 
     def build_model(self) -> torch.nn.Module:
         self.expert_layout = self.adapter.layout(self.cfg.model.path)  # validates expert keys and shapes first
-        self.adapter.register()
-        return super().build_model()
+        with self.adapter.loading(self.expert_layout):
+            return super().build_model()
 
     # ------------------------------------------------------------ step
 
@@ -123,7 +130,7 @@ class MoECausalLMTask(CausalLMTask):
     def _count_load(self, router_logits: tuple[torch.Tensor, ...], mask: torch.Tensor | None) -> None:
         from spindle.ops.router_loss import router_statistics
 
-        config = self.family_config
+        config = self.family_config.get_text_config()
         stats = router_statistics(router_logits, config.num_experts, config.num_experts_per_tok, mask)
         counts = stats.counts.to(torch.float64)
         self._load = counts if self._load is None else self._load + counts
@@ -163,10 +170,34 @@ class MoECausalLMTask(CausalLMTask):
 
         # a model's state dict holds tensors (DTensors under FSDP2/EP), not the nested values DCP's ValueType allows
         state = cast("dict[str, torch.Tensor]", get_model_state_dict(model))
-        write_moe_folder(
-            self.adapter, model, state, self.cfg.model.path, out, self.expert_layout, dtype=self.cfg.export.dtype
+        self.write_folder(
+            self.adapter, model, state, self.cfg.model.path, out, self.expert_layout, self.cfg.export.dtype
         )
         return out if is_main_process() else None
+
+    @classmethod
+    def write_folder(
+        cls,
+        adapter: CheckpointAdapter,
+        model: torch.nn.Module,
+        state: dict[str, torch.Tensor],
+        source: str | Path,
+        out: Path,
+        layout: str,
+        dtype: str,
+    ) -> None:
+        """Collective: `write_moe_folder` under the checkpoint's names (`export_layout`) with the task's extra files."""
+        write_moe_folder(
+            adapter,
+            model,
+            state,
+            source,
+            out,
+            layout,
+            dtype=dtype,
+            rename=cls.export_layout,
+            extra_files=cls.export_files,
+        )
 
     @classmethod
     def export_checkpoint(
@@ -179,7 +210,7 @@ class MoECausalLMTask(CausalLMTask):
         layout = adapter.layout(model_path)
         model = load_moe_model(family, model_path)
         state = ckpt.read_checkpoint_model(checkpoint, model)
-        write_moe_folder(adapter, model, state, model_path, out, layout, dtype=dtype)
+        cls.write_folder(adapter, model, state, model_path, out, layout, dtype)
         return out
 
 
@@ -190,7 +221,8 @@ def experts_implementation(config: Any, device_type: str) -> str:
     (per-token batched GEMMs on gathered expert weights, also vectorised; never a loop over experts)."""
     if device_type == "cpu":
         row_bytes = 4  # fp32 master weights on CPU
-        if (config.hidden_size * row_bytes) % 16 or (config.moe_intermediate_size * row_bytes) % 16:
+        c = config.get_text_config()
+        if (c.hidden_size * row_bytes) % 16 or (c.moe_intermediate_size * row_bytes) % 16:
             return "batched_mm"
     return "grouped_mm"
 
@@ -202,14 +234,14 @@ def load_moe_model(
     from transformers import AutoConfig
 
     adapter = checkpoint_adapter(family)
-    adapter.layout(path)  # validates expert keys and shapes before any weight is read
-    adapter.register()
+    layout = adapter.layout(path)  # validates expert keys and shapes before any weight is read
     impl = experts_implementation(AutoConfig.from_pretrained(path), device_type)
     cls: Any = family.model_cls()  # a transformers PreTrainedModel class (Any to mypy)
     model: torch.nn.Module
-    model, info = cls.from_pretrained(
-        path, dtype=torch.float32, output_loading_info=True, experts_implementation=impl, **kwargs
-    )
+    with adapter.loading(layout):
+        model, info = cls.from_pretrained(
+            path, dtype=torch.float32, output_loading_info=True, experts_implementation=impl, **kwargs
+        )
     adapter.check_loading_info(info, str(path))
     return model
 
@@ -222,15 +254,21 @@ def write_moe_folder(
     out: str | Path,
     layout: str,
     dtype: str = "auto",
+    rename: Callable[[torch.nn.Module, dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+    extra_files: tuple[str, ...] = (),
 ) -> None:
     """Collective: `write_transformers_folder` with the experts in `layout`, weights in `dtype` (`export.dtype`).
 
     Expert tensors (DTensors under EP/FSDP2) are gathered whole, one tensor at a time, and converted
-    by transformers' own reverse mapping; dense tensors stay sharded and are written rank by rank.
+    by the family's adapter; dense tensors stay sharded and are written rank by rank. `rename`: the
+    model's names -> the checkpoint's (a VLM's `export_layout`; expert keys pass through it unchanged).
     """
     from spindle.distributed.expert_parallel import expert_param_names, to_full
 
     expert_keys = set(expert_param_names(model))
     experts = {k: to_full(v).detach().cpu() for k, v in state_dict.items() if k in expert_keys}
     dense = {k: v for k, v in state_dict.items() if k not in expert_keys}
-    write_transformers_folder(model, {**dense, **adapter.to_layout(model, experts, layout)}, source, out, dtype=dtype)
+    state = {**dense, **adapter.to_layout(model, experts, layout)}
+    if rename is not None:
+        state = rename(model, state)
+    write_transformers_folder(model, state, source, out, dtype=dtype, extra_files=extra_files)

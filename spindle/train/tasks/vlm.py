@@ -13,9 +13,9 @@ loss, export) with what vision adds:
   a dummy input, its output added with weight zero, so every data-parallel rank runs the same FSDP2
   collectives of the vision blocks in forward and backward (no hang, no gradient change); (2) under
   Ulysses SP, the full sequence's embeddings (vision filled back in) and positions (computed on whole
-  documents, before the split) are cut to this rank's chunk, so the vision tower runs on every SP rank
-  over the whole sample (at the image sizes of fine-tuning it costs far less than the decoder; vision
-  SP is not implemented) and the language model runs on the chunk.
+  documents, before the split) are cut to this rank's chunk, and the language model runs on the chunk.
+  The vision tower's blocks run on this rank's chunk of the patches too, gathered for attention and before
+  the mergers (spindle/distributed/vision_sequence_parallel.py), so its merged output is whole on every rank.
 - Export: the causal-LM transformers folder plus the image processor's preprocessor_config.json; the
   tokenizer carries the chat template. `AutoModelForImageTextToText.from_pretrained` loads it.
 """
@@ -33,7 +33,7 @@ from spindle.contracts.parallel import ParallelPlan
 from spindle.contracts.task import StepOutput
 from spindle.distributed.mesh import is_main_process
 from spindle.train.tasks.base import resumable_loader
-from spindle.train.tasks.causal_lm import CausalLMTask, causal_lm_output
+from spindle.train.tasks.causal_lm import PADDING_MASK_KEY, CausalLMTask, causal_lm_output
 
 if TYPE_CHECKING:
     from spindle.data.loader import ResumableLoader
@@ -172,6 +172,10 @@ class VLMTask(CausalLMTask):
             if self.family.part_of(name) in frozen:
                 param.requires_grad_(False)
         tower = module_at(model, self.family.vision_tower)
+        if self.mesh.dims.sp > 1:  # the tower's blocks on this rank's chunk of the patches
+            from spindle.distributed.vision_sequence_parallel import enable_vision_sequence_parallel
+
+            enable_vision_sequence_parallel(tower, self.mesh.sp.get_group(), self.mesh.sp_rank, self.mesh.dims.sp)
         merge = int(getattr(tower, "spatial_merge_size", 1))
         self.vision_step = VisionStep(tower, merge, self.mesh.sp_rank, self.mesh.dims.sp)
         language = module_at(model, self.family.language_model)
@@ -230,16 +234,20 @@ class VLMTask(CausalLMTask):
 
     def forward(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], step: int) -> StepOutput:
         ids = batch["input_ids"]
-        rows = {k: batch[k].to(self.device) for k in ("input_ids", "position_ids", "shift_labels")}
+        keys = ("input_ids", "position_ids", "shift_labels", PADDING_MASK_KEY)
+        rows = {k: batch[k].to(self.device) for k in keys if k in batch}
         vision = {k: batch[k].to(self.device) for k in VISION_KEYS if k in batch}
         if self.mesh.dims.sp > 1:
-            # Labels are cut here; input ids and positions stay whole (the model fills the vision embeddings
-            # into the full sequence) and the language-model hook cuts embeddings and positions.
+            # Labels (and the padding mask of task hooks) are cut here; input ids and positions stay whole (the
+            # model fills the vision embeddings into the full sequence) and the language-model hook cuts
+            # embeddings and positions.
             chunk = ids.shape[1] // self.mesh.dims.sp
             start = self.mesh.sp_rank * chunk
-            rows["shift_labels"] = rows["shift_labels"][:, start : start + chunk].contiguous()
+            for key in ("shift_labels", PADDING_MASK_KEY):
+                if key in rows:
+                    rows[key] = rows[key][:, start : start + chunk].contiguous()
         assert self.vision_step is not None, "build_model installs the vision hook"
         self.vision_step.missing = sum(KIND_INPUT[k] not in vision for k in self.dataset_kinds)
         with self._autocast():
-            out = causal_lm_output(model, rows, **vision)
-        return StepOutput(out.loss.float(), ids.shape[0], ids.numel())
+            out = causal_lm_output(model, rows, **vision, **self.model_kwargs(rows))
+        return StepOutput(out.loss.float(), ids.shape[0], ids.numel(), self.output_metrics(out, rows))

@@ -8,8 +8,9 @@
 #   1. add_import spindle.ops.losses
 #   2. add_import spindle.ops.router_loss
 #   3. add_helper causal_lm_loss_or_logits - the chunked loss or upstream's logits (spindle/models/shared/causal_lm_patch.py)
-#   4. add_helper count_label_tokens
-#   5. override_method Qwen3MoeForCausalLM.forward - loss from hidden states with the chunked linear cross-entropy, plus upstream's router aux loss
+#   4. add_helper count_label_tokens - the valid label tokens of a batch (spindle/models/shared/causal_lm_patch.py)
+#   5. add_helper with_router_aux_loss - upstream's router aux loss, in Spindle's normalisation (spindle/models/shared/causal_lm_patch.py)
+#   6. override_method Qwen3MoeForCausalLM.forward - loss from hidden states with the chunked linear cross-entropy, plus upstream's router aux loss
 # ==================================================================================================
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
 #           This file was automatically generated from src/transformers/models/qwen3_moe/modular_qwen3_moe.py.
@@ -86,12 +87,42 @@ def causal_lm_loss_or_logits(model, hidden_states, labels, shift_labels, loss_re
     return loss, None
 
 
-# [PATCHED] add_helper count_label_tokens
+# [PATCHED] add_helper count_label_tokens: the valid label tokens of a batch (spindle/models/shared/causal_lm_patch.py)
 def count_label_tokens(labels, shift_labels, ignore_index: int = -100) -> torch.Tensor:
     """The tokens a causal-LM loss averages over: valid shifted labels (as `causal_lm_loss` shifts them)."""
     if shift_labels is None:
         shift_labels = labels[..., 1:]
     return (shift_labels != ignore_index).sum().to(torch.float32)
+
+
+# [PATCHED] add_helper with_router_aux_loss: upstream's router aux loss, in Spindle's normalisation (spindle/models/shared/causal_lm_patch.py)
+def with_router_aux_loss(loss, router_logits, moe_config, mask, group, labels, shift_labels, loss_reduction, kwargs):
+    """(loss with the router's load-balancing term, the aux loss) of a MoE forward (the MoE patches).
+
+    The aux loss is upstream's `load_balancing_loss_func` (spindle.ops.router_loss: the same formula, its
+    router statistics masked by `mask` and summed over `group`, a sequence-parallel group). The loss is
+    upstream's `token loss + router_aux_loss_coef * aux_loss` whenever upstream computes it (mean token
+    loss). When the token loss is normalised by a count other than this batch's own valid tokens
+    (`num_items_in_batch`, or `loss_reduction="sum"`: the caller divides by a global token count), the aux
+    term is scaled by the batch's valid tokens over that count, so the accumulated loss over micro-batches
+    and ranks is the mean token loss plus `router_aux_loss_coef` times the token-weighted mean of the
+    micro-batches' aux losses; with one micro-batch that is exactly upstream's loss. `loss` None (no
+    labels): (None, the aux loss).
+    """
+    aux_loss = load_balancing_loss(
+        router_logits, moe_config.num_experts, moe_config.num_experts_per_tok, mask, group=group
+    )
+    if loss is None:
+        return None, aux_loss
+    num_items_in_batch = kwargs.get("num_items_in_batch")
+    weight: torch.Tensor | float
+    if loss_reduction == "sum" or (loss_reduction is None and num_items_in_batch is not None):
+        tokens = count_label_tokens(labels, shift_labels, kwargs.get("ignore_index", -100))
+        divisor = 1 if loss_reduction == "sum" else num_items_in_batch
+        weight = tokens / torch.as_tensor(divisor, dtype=torch.float32, device=loss.device)
+    else:
+        weight = 1.0
+    return loss + moe_config.router_aux_loss_coef * aux_loss.to(loss.device) * weight, aux_loss
 
 
 def rotate_half(x):
@@ -692,28 +723,23 @@ class Qwen3MoeForCausalLM(Qwen3MoePreTrainedModel, GenerationMixin):
         hidden_states = outputs.last_hidden_state
         hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
         # --- Patch.2: the chunked loss replaces lm_head + loss_function when there is something to learn.
-        num_items_in_batch = kwargs.get("num_items_in_batch")
-        ignore_index = kwargs.get("ignore_index", -100)
         loss, logits = causal_lm_loss_or_logits(self, hidden_states, labels, shift_labels, loss_reduction, kwargs)
 
         aux_loss = None
         if output_router_logits:
-            aux_loss = load_balancing_loss(
+            # --- Patch.3: the aux term in the token loss's normalisation (1 for upstream's mean).
+            mask = attention_mask if router_mask is None else router_mask
+            loss, aux_loss = with_router_aux_loss(
+                loss,
                 outputs.router_logits,
-                self.num_experts,
-                self.num_experts_per_tok,
-                attention_mask if router_mask is None else router_mask,
-                group=router_group,
+                self.config,
+                mask,
+                router_group,
+                labels,
+                shift_labels,
+                loss_reduction,
+                kwargs,
             )
-            if loss is not None:
-                # --- Patch.3: the aux term in the token loss's normalisation (1 for upstream's mean).
-                if loss_reduction == "sum" or (loss_reduction is None and num_items_in_batch is not None):
-                    tokens = count_label_tokens(labels, shift_labels, ignore_index)
-                    divisor = 1 if loss_reduction == "sum" else num_items_in_batch
-                    weight = tokens / torch.as_tensor(divisor, dtype=torch.float32, device=loss.device)
-                else:
-                    weight = 1.0
-                loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device) * weight
 
         return MoeCausalLMOutputWithPast(
             loss=loss,

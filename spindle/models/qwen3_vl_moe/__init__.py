@@ -1,0 +1,30 @@
+"""Qwen3-VL-MoE vision-language models (transformers `model_type` "qwen3_vl_moe",
+`Qwen3VLMoeForConditionalGeneration`): Qwen3-VL's vision tower, 3-D RoPE and deepstack over a Qwen3-MoE
+style decoder, trained by the VLM task with the MoE task's experts (`vlm_moe`: router aux loss, expert
+load, expert parallelism). Its checkpoints hold the experts fused and transposed (`gate_up_proj
+[E, H, 2I]`); per-expert checkpoints load too, and an export keeps the input's layout (conversion.py).
+Videos are refused, as for Qwen3-VL (timestamps in the text)."""
+
+from spindle.contracts.family import CausalLMConformanceSpec, VLMFamily
+
+FAMILY = VLMFamily(
+    name="qwen3_vl_moe",
+    model_types=("qwen3_vl_moe",),
+    # patchgen-generated: chunked loss from hidden states + upstream's router aux loss (patches.py)
+    model_class="spindle.models.qwen3_vl_moe.generated.patched_modeling_qwen3_vl_moe:Qwen3VLMoeForConditionalGeneration",
+    rope_index="spindle.models.qwen3_vl_moe.rope:rope_index",
+    tiny_model="spindle.models.qwen3_vl_moe.tiny:build_tiny_qwen3_vl_moe",
+    checkpoint_adapter="spindle.models.qwen3_vl_moe.conversion:ADAPTER",  # per-expert / fused (transposed) experts
+    parts={
+        "vision": ("model.visual.",),
+        "aligner": ("model.visual.merger.", "model.visual.deepstack_merger_list."),
+        "language": ("model.language_model.", "lm_head."),
+    },
+    videos=False,
+    task="vlm_moe",
+    conformance=CausalLMConformanceSpec(
+        # Spindle's MoE loss is stock's with output_router_logits: token loss + coef x router aux loss
+        stock_loss_kwargs={"output_router_logits": True},
+        stock_outputs=("aux_loss",),
+    ),
+)

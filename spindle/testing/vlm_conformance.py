@@ -1,0 +1,282 @@
+"""The conformance suite's checks for VLM families: what every vision-language family must pass.
+
+tests/conformance/test_vlm_conformance.py runs each check over every VLM family in the registry, so a new
+family is tested by registering it. What a family declares for the suite is its `CausalLMConformanceSpec`
+(a `VLMFamily` is a `CausalLMFamily`): the stock forward's loss arguments and the outputs its step metrics
+equal (an MoE's `output_router_logits` and aux loss), and its 2-process layouts (plus ep2 where its task
+supports expert parallelism).
+
+The reference data is `vlm_conversations` (tests/conftest.py): image conversations, every 4th text-only.
+Tolerances as the causal-LM suite's (spindle/testing/causal_lm_conformance.py): step-1 loss 1e-5 and grad
+norm 1e-4 relative against stock transformers; exports equal the trained weights; layouts equal one process.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from spindle.contracts.family import VLMFamily
+
+RTOL, GRAD_RTOL = 1e-5, 1e-4
+SEQ = 96  # one conversation of the shared data is at most 80 tokens: nothing is cut
+# The 2-process runs: 2 steps, global batch 2 in micro-batches of 1, one conversation per row, in the order
+# of REFERENCE_LINES (image, text-only, image, text-only): with dp_shard=2 rank 1 only sees text-only rows.
+REFERENCE_LINES = [0, 3, 1, 7]
+REFERENCE_RUN: dict[str, Any] = {
+    "train__max_steps": 2,
+    "train__global_batch_size": 2,
+    "data__packing": False,
+    "checkpoint__export": True,
+}
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "dp_shard2_text_only_rank": {"parallel__dp_shard": 2},
+    "sp2": {"parallel__sp": 2, "parallel__dp_shard": 1},
+    "ep2": {"parallel__ep": 2},
+}
+# which declared causal-LM layout name is which VLM layout (CausalLMConformanceSpec.parallel)
+DECLARED = {"dp_shard2": "dp_shard2_text_only_rank", "sp2": "sp2", "ep2": "ep2"}
+
+
+def parallel_layouts(family: VLMFamily) -> list[str]:
+    """The 2-process layouts the suite checks for `family`: its declared ones, plus ep2 where its task
+    supports expert parallelism."""
+    from spindle.train.tasks import get_task
+
+    layouts = [DECLARED[name] for name in family.conformance.parallel]
+    if get_task(family.task).supports_expert_parallel and "ep2" not in layouts:
+        layouts.append("ep2")
+    return layouts
+
+
+# ---------------------------------------------------------------- data
+
+
+def subset(conversations: Path, out: Path, lines: list[int]) -> Path:
+    """Some lines of a conversations file, media paths made absolute (the shared fixture is read-only)."""
+    out.mkdir(parents=True, exist_ok=True)
+    rows = conversations.read_text().splitlines()
+    picked = []
+    for i in lines:
+        obj = json.loads(rows[i])
+        for m in obj["messages"]:
+            if isinstance(m["content"], list):
+                for part in m["content"]:
+                    if part["type"] == "image":
+                        part["image"] = str(conversations.parent / part["image"])
+        picked.append(json.dumps(obj))
+    path = out / "data.jsonl"
+    path.write_text("\n".join(picked) + "\n")
+    return path
+
+
+def stock_processor(model: Path) -> Any:
+    """transformers' processor of the model (its AutoProcessor class: Qwen2_5_VLProcessor, Qwen3VLProcessor)
+    on the PIL image processor. Its constructor insists on a video processor, which needs torchvision (not
+    installable here): the class check is skipped for that argument only, and only images are processed,
+    which is the stock code path for images."""
+    import transformers
+    from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    stock_cls = getattr(transformers, PROCESSOR_MAPPING_NAMES[AutoConfig.from_pretrained(model).model_type])
+
+    class ImagesOnlyProcessor(stock_cls):  # type: ignore[valid-type,misc]  # a transformers class chosen at run time
+        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+            if argument_name == "video_processor" and argument is None:
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    tok = AutoTokenizer.from_pretrained(model)
+    return ImagesOnlyProcessor(
+        image_processor=AutoImageProcessor.from_pretrained(model),
+        tokenizer=tok,
+        video_processor=None,
+        chat_template=tok.chat_template,
+    )
+
+
+def stock_inputs(model_path: Path, data: Path) -> list[dict[str, Any]]:
+    """Each conversation of `data` as stock transformers takes it: the stock processor's input_ids,
+    pixel_values, image_grid_thw, mm_token_type_ids (asserted equal to Spindle's tokens), and labels = the
+    assistant tokens (-100 elsewhere; the model shifts them)."""
+    from PIL import Image
+    from transformers import AutoConfig
+
+    from spindle.data.multimodal import VisionOptions, VisionProcessor, conversation_document
+    from spindle.registry import get_family
+
+    stock = stock_processor(model_path)
+    config = AutoConfig.from_pretrained(model_path)
+    family = get_family(config.model_type)
+    assert isinstance(family, VLMFamily)
+    ours = VisionProcessor(model_path, stock.tokenizer, config, family.rope_index_fn(), VisionOptions())
+    out = []
+    for line in data.read_text().splitlines():
+        obj = json.loads(line)
+        doc, _ = conversation_document(obj, data.parent, ours, 4096, "x")
+        text = stock.apply_chat_template(obj["messages"], tokenize=False)
+        paths = [
+            p["image"] for m in obj["messages"] if isinstance(m["content"], list) for p in m["content"] if "image" in p
+        ]
+        images = [Image.open(data.parent / p).convert("RGB") for p in paths] or None
+        inputs = dict(stock(text=[text], images=images, return_tensors="pt"))
+        inputs.pop("attention_mask")
+        assert inputs["input_ids"][0].tolist() == doc.tokens, f"{family.name}: Spindle's tokens differ from stock's"
+        labels = [t if keep else -100 for t, keep in zip(doc.tokens, doc.learn, strict=True)]
+        inputs["labels"] = torch.tensor([labels])
+        out.append(inputs)
+    return out
+
+
+def stock_model(path: Path) -> Any:
+    """Stock transformers' fp32 model of a VLM folder, in training mode (as Spindle's first step runs)."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    model.train()
+    return model
+
+
+def grad_norm(model: Any) -> float:
+    return float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]))
+
+
+# ---------------------------------------------------------------- the tiny checkpoint
+
+
+def check_stock_load(family: VLMFamily, path: Path) -> Any:
+    """The tiny checkpoint is a standard transformers folder: AutoModelForImageTextToText loads stock
+    transformers' class of the name the family trains, the tokenizer holds Qwen's special tokens (one token
+    each) whose ids the config names, byte-level BPE round-trips any text, the image processor loads without
+    torchvision and matches the vision config; every parameter belongs to one of the family's parts (what
+    `train.freeze` names), and every part has parameters. -> the model."""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    model = AutoModelForImageTextToText.from_pretrained(path)
+    expected = family.model_cls().__name__
+    assert type(model).__name__ == expected and type(model).__module__.startswith("transformers."), (
+        f"{family.name}: stock transformers loads {type(model).__module__}.{type(model).__name__}, not {expected}"
+    )
+    tok = AutoTokenizer.from_pretrained(path)
+    specials = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>", "<|video_pad|>", "<|vision_end|>")
+    for token in (*specials, "<|endoftext|>"):
+        ids = tok(token, add_special_tokens=False)["input_ids"]
+        assert len(ids) == 1 and tok.convert_ids_to_tokens(ids[0]) == token, f"{family.name}: {token}"
+    config = model.config
+    assert config.image_token_id == tok.convert_tokens_to_ids("<|image_pad|>")
+    assert config.video_token_id == tok.convert_tokens_to_ids("<|video_pad|>")
+    assert config.vision_start_token_id == tok.convert_tokens_to_ids("<|vision_start|>")
+    text = "Ünïcode & emoji 🙂 survive"
+    assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+    processor = AutoImageProcessor.from_pretrained(path)  # the PIL backend: no torchvision
+    assert processor.merge_size == config.vision_config.spatial_merge_size
+    assert processor.patch_size == config.vision_config.patch_size
+    parts = {name: family.part_of(name) for name, _ in model.named_parameters()}
+    assert None not in parts.values(), f"{family.name}: {[n for n, p in parts.items() if p is None][:3]} in no part"
+    assert set(parts.values()) == set(family.parts), f"{family.name}: parts without parameters"
+    return model
+
+
+# ---------------------------------------------------------------- training against stock
+
+
+def check_step_one(family: VLMFamily, model_path: Path, data: Path, logged: dict[str, Any]) -> None:
+    """Spindle's first step on the one conversation of `data` (unpacked, padded to SEQ) logs stock
+    transformers' `model(input_ids, pixel_values, image_grid_thw, labels, **stock_loss_kwargs)` loss (1e-5),
+    the grad norm of its backward (1e-4) and each declared stock output (1e-5)."""
+    import pytest
+
+    (inputs,) = stock_inputs(model_path, data)
+    assert "pixel_values" in inputs, f"{family.name}: the step-1 conversation has no image"
+    model = stock_model(model_path)
+    out = model(**inputs, **family.conformance.stock_loss_kwargs)
+    out.loss.backward()
+    outputs = {name: float(getattr(out, name).detach()) for name in family.conformance.stock_outputs}
+    want = {"loss": float(out.loss.detach()), **outputs}
+    got = {k: logged[k] for k in want}
+    assert got == pytest.approx(want, rel=RTOL), f"{family.name}: Spindle's step 1 {got} != stock {want}"
+    assert logged["grad_norm"] == pytest.approx(grad_norm(model), rel=GRAD_RTOL), family.name
+
+
+def stock_token_loss_sum(model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+    """Stock transformers' summed next-token loss of one conversation (mean loss x its learned tokens)."""
+    n = int((inputs["labels"][:, 1:] != -100).sum())
+    loss: torch.Tensor = model(**inputs).loss * n
+    return loss
+
+
+def router_aux_term(trainer: Any, out: Any, tokens: int) -> torch.Tensor:
+    """What an MoE task adds to a micro-batch's summed token loss (`router_aux_loss_coef x aux x tokens`,
+    spindle/models/shared/causal_lm_patch.py; its aux loss is checked against stock's at step 1); 0 for a
+    dense family. A one-process, one-micro-batch step logs the aux loss undivided."""
+    aux = out.metrics.get("aux_loss")
+    if aux is None:
+        return torch.zeros(())
+    coef = trainer.model.config.get_text_config().router_aux_loss_coef
+    return torch.tensor(coef * aux * tokens)
+
+
+# ---------------------------------------------------------------- export
+
+
+def with_dtype(src: Path, out: Path, dtype: torch.dtype) -> Path:
+    """A copy of checkpoint folder `src` with its floating-point weights (and config dtype) in `dtype`."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    for shard in out.glob("*.safetensors"):
+        weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in load_file(shard).items()}
+        save_file(weights, shard, metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def safetensors_dtypes(folder: Path) -> dict[str, torch.dtype]:
+    from safetensors import safe_open
+
+    found: dict[str, torch.dtype] = {}
+    for shard in folder.glob("*.safetensors"):
+        with safe_open(shard, "pt") as f:
+            found.update({k: f.get_slice(k).get_dtype() for k in f.keys()})
+    return found
+
+
+def check_export(family: VLMFamily, base: Path, export: Path, trained: dict[str, torch.Tensor], image: Path) -> None:
+    """The export holds the base checkpoint's tensor names and dtypes (its layout and precision), loads in
+    stock AutoModelForImageTextToText with every tensor equal to the trained one in that precision (and
+    different from the base's), carries the image processor, and generates a reply to an image."""
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    written, given = safetensors_dtypes(export), safetensors_dtypes(base)
+    assert written.keys() == given.keys(), f"{family.name}: export keys differ: {sorted(written.keys() ^ given.keys())}"
+    dtypes = {str(v).removeprefix("torch.") for v in given.values()}
+    assert written == given, f"{family.name}: the export's dtypes differ from the input's ({dtypes})"
+    model = AutoModelForImageTextToText.from_pretrained(export, dtype="auto")
+    loaded = model.state_dict()
+    assert loaded.keys() == trained.keys(), f"{family.name}: {sorted(loaded.keys() ^ trained.keys())}"
+    for key, value in trained.items():
+        assert torch.equal(loaded[key], value.detach().to(loaded[key].dtype)), f"{family.name}: exported {key}"
+    base_state = AutoModelForImageTextToText.from_pretrained(base, dtype="auto").state_dict()
+    assert any(not torch.equal(base_state[k], loaded[k]) for k in loaded), f"{family.name}: training changed nothing"
+
+    tok = AutoTokenizer.from_pretrained(export)
+    processor = AutoImageProcessor.from_pretrained(export)
+    pixels = processor(images=[Image.open(image).convert("RGB")], return_tensors="pt")
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    n = int(pixels["image_grid_thw"].prod()) // processor.merge_size**2
+    ids = tok(text.replace("<|image_pad|>", "<|image_pad|>" * n), return_tensors="pt")["input_ids"]
+    mm_types = (ids == model.config.image_token_id).int()
+    pixels["pixel_values"] = pixels["pixel_values"].to(model.dtype)
+    out = model.generate(
+        input_ids=ids, mm_token_type_ids=mm_types, **pixels, max_new_tokens=5, do_sample=False, min_new_tokens=5
+    )
+    assert out.shape == (1, ids.shape[1] + 5) and torch.equal(out[:, : ids.shape[1]], ids), family.name
