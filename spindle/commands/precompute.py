@@ -31,25 +31,33 @@ def precompute(cfg: Any, out: str | Path) -> Path | None:
     """Collective over the launched ranks (1 process without a launcher); -> the manifest on rank 0."""
     import torch
 
-    from spindle.data.datasets import build_dataset, collate
+    from spindle.data.datasets import collate
     from spindle.data.precomputed import cache_settings, write_manifest, write_sample
     from spindle.distributed.mesh import barrier, init_distributed
-    from spindle.registry import family_of
-    from spindle.train.tasks.flow_matching import build_condition_model, condition_dtype
+    from spindle.registry import dit_family_of
+    from spindle.train.tasks.flow_matching import build_condition_model, condition_dtype, dit_data
     from spindle.train.trainer import local_device, resolve_precision
 
     rank, world = init_distributed()
     out = Path(out)
-    family = family_of(cfg.model.path, cfg.model.family)
+    family = dit_family_of(cfg.model.path, cfg.model.family)
     precision = resolve_precision(cfg.train.mixed_precision)
-    data = cfg.data
-    dataset = build_dataset(data.path, tuple(data.resolution), data.num_frames, skip_bad_samples=False)
+    # the training task's own dataset (sources, buckets: each sample at its bucket's shape), skipped
+    # samples refused: the cache must hold every sample the run lists
+    dataset = dit_data(
+        cfg.model_copy(update={"data": cfg.data.model_copy(update={"skip_bad_samples": False})}), family, captions=False
+    ).dataset
     device = local_device()
     condition = build_condition_model(cfg, family, device, precision)
     mine = range(rank, len(dataset), world)
     start = time.perf_counter()
     with torch.no_grad():
         for n, index in enumerate(mine, start=1):
+            if dataset.samples[index].captions:  # one is drawn per epoch: nothing fixed to cache
+                raise ValueError(
+                    f"{dataset.samples[index].path}: the sample has several captions, which a precomputed cache "
+                    "cannot hold (one is drawn per epoch); train without data.precomputed, or give it one caption"
+                )
             conditions = condition.encode(collate([dataset.load(index)]))
             write_sample(out, index, {k: v[0] for k, v in conditions.items()})
             if rank == 0:

@@ -60,6 +60,9 @@ def cache_settings(cfg: Any, family: str, dtype: torch.dtype) -> dict[str, Any]:
         "checkpoint": checkpoint_identity(cfg.model.path),
         "resolution": list(cfg.data.resolution),
         "num_frames": cfg.data.num_frames,
+        # each sample's shape (its bucket) and caption text depend on these too
+        "buckets": cfg.data.buckets if isinstance(cfg.data.buckets, bool) else cfg.data.buckets.model_dump(),
+        "caption_prefix": cfg.data.caption_prefix,
         "max_text_length": cfg.model.max_text_length,
         "dtype": str(dtype).removeprefix("torch."),
     }
@@ -67,7 +70,7 @@ def cache_settings(cfg: Any, family: str, dtype: torch.dtype) -> dict[str, Any]:
 
 def sample_key(sample: Sample) -> str:
     stat = sample.path.stat()
-    caption = hashlib.sha256(sample.caption.encode()).hexdigest()[:16]
+    caption = hashlib.sha256("\n".join(sample.captions or (sample.caption,)).encode()).hexdigest()[:16]
     key = f"{sample.path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{caption}"
     if sample.image is not None:  # the conditioning image is part of the cached conditions
         image = sample.image.stat()
