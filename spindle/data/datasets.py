@@ -273,6 +273,11 @@ def declared_size(entry: dict[str, Any], where: str) -> tuple[int, int, int] | N
     return (values.get("frames", 1), values["height"], values["width"])
 
 
+def open_manifest(path: str | os.PathLike[str]) -> ShardedManifest:
+    """A .jsonl manifest or a folder of .jsonl shards as a lazy, checked index (`spindle.data.index`)."""
+    return ShardedManifest.open(path, _manifest_entry)
+
+
 def read_manifest(manifest: str | os.PathLike[str]) -> list[Sample]:
     """Samples from a JSONL manifest; blank lines are ignored, any other bad line is an error."""
     manifest = Path(manifest)
@@ -322,7 +327,7 @@ def build_dataset(
         raise FileNotFoundError(f"dataset path {path} does not exist (set data.path to a folder or a .jsonl manifest)")
     samples: Sequence[Sample]
     if (path.is_file() and path.suffix.lower() == ".jsonl") or is_shard_folder(path):
-        index = _of_kind(ShardedManifest.open(path), kind, path)
+        index = _of_kind(open_manifest(path), kind, path)
         samples, problems = index, list(index.problems)
         if not check and not skip_bad_samples and len(index) <= CHECK_LIMIT:
             _check_files_exist(index, path)

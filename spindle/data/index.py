@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, overload
 
@@ -87,6 +87,7 @@ class ShardedManifest(Sequence[Any]):
         sizes: np.ndarray | None,
         problems: list[Problem],
         videos: np.ndarray,
+        parse: Callable[[Path, int, str], Any],
     ):
         self.shards = shards
         self.shard_of = shard_of  # int32 per sample
@@ -95,14 +96,16 @@ class ShardedManifest(Sequence[Any]):
         self.sizes = sizes  # int32 [n, 3] (frames, height, width), or None when some line gives none
         self.problems = problems
         self.videos = videos  # bool per sample: its media is a video (data.sources kinds)
+        self.parse = parse  # (shard, line number, line) -> Sample, raising on a bad line
         self._files: dict[int, Any] = {}
         self._pid = os.getpid()
 
     # ------------------------------------------------------------------ building
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str]) -> ShardedManifest:
-        """The index of `path` (a .jsonl file or a folder of shards), from the cache when nothing changed."""
+    def open(cls, path: str | os.PathLike[str], parse: Callable[[Path, int, str], Any]) -> ShardedManifest:
+        """The index of `path` (a .jsonl file or a folder of shards), from the cache when nothing changed;
+        `parse(shard, line number, line)` -> the line's Sample (`spindle.data.datasets`)."""
         shards = list_shards(Path(path))
         if not shards:
             raise ValueError(f"dataset {path} holds no .jsonl shard")
@@ -111,17 +114,16 @@ class ShardedManifest(Sequence[Any]):
             with np.load(cache) as z:
                 sizes = z["sizes"] if z["sizes"].size else None
                 problems = [Problem(Path(p), r) for p, r in json.loads(bytes(z["problems"]).decode())]
-                return cls(shards, z["shard_of"], z["offsets"], z["lines"], sizes, problems, z["videos"])
+                return cls(shards, z["shard_of"], z["offsets"], z["lines"], sizes, problems, z["videos"], parse)
         except (OSError, ValueError, KeyError):
             pass  # absent, unreadable or from another version: index again
-        index = cls.build(shards)
+        index = cls.build(shards, parse)
         index.save(cache)
         return index
 
     @classmethod
-    def build(cls, shards: list[Path]) -> ShardedManifest:
+    def build(cls, shards: list[Path], parse: Callable[[Path, int, str], Any]) -> ShardedManifest:
         """Read and check every line of every shard (a bad line raises, naming its file and line)."""
-        from spindle.data.datasets import _manifest_entry
         from spindle.data.media import is_video_path
 
         shard_of, offsets, lines, sizes, videos = [], [], [], [], []
@@ -136,7 +138,7 @@ class ShardedManifest(Sequence[Any]):
                 line = data[start:end].decode("utf-8")
                 if not line.strip():
                     continue
-                sample = _manifest_entry(shard, i + 1, line)
+                sample = parse(shard, i + 1, line)
                 if not sample.caption:
                     problems.append(Problem(sample.path, f"empty caption in {shard.name}"))
                     continue
@@ -156,6 +158,7 @@ class ShardedManifest(Sequence[Any]):
             np.asarray(sizes, dtype=np.int32).reshape(-1, 3) if all_sized else None,
             problems,
             np.asarray(videos, dtype=bool),
+            parse,
         )
 
     def save(self, path: Path) -> None:
@@ -188,6 +191,7 @@ class ShardedManifest(Sequence[Any]):
             sizes,
             self.problems,
             self.videos[keep],
+            self.parse,
         )
 
     # ------------------------------------------------------------------ reading
@@ -203,12 +207,10 @@ class ShardedManifest(Sequence[Any]):
         return self._files[k]
 
     def read(self, index: int) -> Any:
-        from spindle.data.datasets import _manifest_entry
-
         k = int(self.shard_of[index])
         f = self._file(k)
         f.seek(int(self.offsets[index]))
-        return _manifest_entry(self.shards[k], int(self.lines[index]), f.readline().decode("utf-8"))
+        return self.parse(self.shards[k], int(self.lines[index]), f.readline().decode("utf-8"))
 
     @overload
     def __getitem__(self, index: int) -> Any: ...

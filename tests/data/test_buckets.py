@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 from spindle.config import ConfigError, DiTJobConfig, MediaDataConfig, validate_config
 from spindle.contracts.condition import PixelGrid
 from spindle.data.captions import CaptionPolicy
-from spindle.data.datasets import MediaError, build_dataset, read_manifest
+from spindle.data.datasets import MediaError, build_dataset, open_manifest, read_manifest
 from spindle.data.dit_data import build_dit_data
 from spindle.data.index import ShardedManifest
 from spindle.data.loader import ResumableLoader
@@ -242,7 +242,7 @@ def test_lazy_index_equals_the_in_memory_reading(mixed_media, tmp_path, monkeypa
     texts = write_shards(tmp_path / "shards", clip, 30)
     whole = tmp_path / "whole.jsonl"
     whole.write_text("\n".join(texts) + "\n")
-    index = ShardedManifest.open(tmp_path / "shards")
+    index = open_manifest(tmp_path / "shards")
     assert list(index) == read_manifest(whole)
     assert [index[i] for i in (0, 11, 29, -1)] == [read_manifest(whole)[i] for i in (0, 11, 29, -1)]
     assert index.sizes.tolist() == [[9, 32, 48]] * 30
@@ -258,12 +258,12 @@ def test_lazy_index_equals_the_in_memory_reading(mixed_media, tmp_path, monkeypa
         raise AssertionError("index rebuilt")
 
     monkeypatch.setattr(ShardedManifest, "build", classmethod(no_build))
-    assert list(ShardedManifest.open(tmp_path / "shards")) == list(index)
+    assert list(open_manifest(tmp_path / "shards")) == list(index)
     shard = tmp_path / "shards" / "a.jsonl"
     shard.write_text(shard.read_text() + json.dumps({"path": str(clip), "caption": "new"}) + "\n")
     os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
     with pytest.raises(AssertionError, match="index rebuilt"):
-        ShardedManifest.open(tmp_path / "shards")
+        open_manifest(tmp_path / "shards")
 
 
 def test_lazy_index_names_bad_lines_and_empty_captions(tmp_path, mixed_media):
@@ -272,9 +272,9 @@ def test_lazy_index_names_bad_lines_and_empty_captions(tmp_path, mixed_media):
     write_shards(folder, clip, 6)
     (folder / "b.jsonl").write_text(json.dumps({"path": str(clip), "caption": 3}) + "\n")
     with pytest.raises(ValueError, match=r"b.jsonl, line 1: 'caption' must be a string or a non-empty list"):
-        ShardedManifest.open(folder)
+        open_manifest(folder)
     (folder / "b.jsonl").write_text(json.dumps({"path": str(clip), "caption": " "}) + "\n")
-    index = ShardedManifest.open(folder)
+    index = open_manifest(folder)
     assert len(index) == 4 and [p.reason for p in index.problems] == ["empty caption in b.jsonl"]
     assert len(build_dataset(folder, (32, 48), 9, skip_bad_samples=True)) == 4
 
