@@ -199,3 +199,20 @@ def bucket_report(plan: BucketPlan, batches: np.ndarray, entries: np.ndarray) ->
             "dropped": max(0, int(listed[b]) - took),
         }
     return report
+
+
+def check_sequence_split(plan: BucketPlan, grid: PixelGrid, degree: int) -> None:
+    """Sequence parallelism splits every sample's tokens over `degree` ranks: each bucket's token count
+    (latent frames x (height / grid) x (width / grid), the grid being VAE x patch) must divide by it."""
+    bad = []
+    for frames, height, width in plan.shapes:
+        latent_frames = 1 if grid.frame_multiple is None else (frames - 1) // grid.frame_multiple + 1
+        tokens = latent_frames * (height // grid.height) * (width // grid.width)
+        if tokens % degree:
+            bad.append(f"{shape_name((frames, height, width))} ({tokens} tokens)")
+    if bad:
+        raise ValueError(
+            f"data.buckets: sequence parallelism splits each sample over {degree} ranks, but bucket(s) "
+            f"{', '.join(bad)} do not divide evenly; set data.buckets.upscale: true (small sources join a full-size "
+            "bucket), data.buckets.frames, or leave out the small/short sources"
+        )

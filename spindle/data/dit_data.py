@@ -15,7 +15,7 @@ from typing import Any, overload
 import numpy as np
 
 from spindle.contracts.condition import PixelGrid
-from spindle.data.buckets import BucketPlan, BucketRule, bucket_report, source_sizes
+from spindle.data.buckets import BucketPlan, BucketRule, bucket_report, check_sequence_split, source_sizes
 from spindle.data.captions import CaptionPolicy
 from spindle.data.datasets import MediaDataset, Sample, build_dataset
 from spindle.data.order import BucketedOrder
@@ -85,10 +85,12 @@ def build_dit_data(
     check: bool = True,
     warn_skipped: bool = True,
     captions: bool = True,
+    sequence_split: int = 1,
 ) -> DiTData:
     """`data` (a `MediaDataConfig`) -> the dataset, its order and its start-up report. `grid()` gives the
     model's pixel grid (called only with buckets on); None: list and check the samples only. `captions=False`: every sample with its first
-    caption and the prefix, never dropped (what a precomputed cache holds)."""
+    caption and the prefix, never dropped (what a precomputed cache holds). `sequence_split`: the SP x ring
+    degree every bucket's token count must divide by."""
     resolution, frames = (int(data.resolution[0]), int(data.resolution[1])), int(data.num_frames)
 
     def one(path: str, kind: str = "both") -> MediaDataset:
@@ -117,7 +119,8 @@ def build_dit_data(
         return DiTData(dataset)
     if data.buckets:
         knobs = bucket_knobs(data)
-        rule = BucketRule.make(resolution, frames, grid(), knobs)
+        pixel_grid = grid()
+        rule = BucketRule.make(resolution, frames, pixel_grid, knobs)
         sizes = declared_sizes(dataset.samples)
         plan = BucketPlan.assign(rule, sizes if sizes is not None else source_sizes(dataset.samples))
         if plan.unfit == n:
@@ -125,6 +128,7 @@ def build_dit_data(
                 f"data.buckets: none of the {n} samples fits a bucket (frame buckets {list(rule.frames)}, "
                 f"grid {rule.grid.height}x{rule.grid.width}); lower data.num_frames or set data.buckets.frames"
             )
+        check_sequence_split(plan, pixel_grid, sequence_split)
         dataset.plan = plan
     order = None
     if data.buckets or mix is not None:

@@ -46,11 +46,14 @@ def sources(mixed, videos: dict | None = None, images: dict | None = None) -> li
     ]
 
 
-def mixed_data(mixed, grid: PixelGrid = WAN_GRID, global_batch_size: int = 2, **data):
-    cfg = MediaDataConfig(
+def built_cfg(mixed, **data) -> MediaDataConfig:
+    return MediaDataConfig(
         **{"sources": sources(mixed), "buckets": True, "resolution": (32, 48), "num_frames": 9, **data}
     )
-    return build_dit_data(cfg, lambda: grid, seed=0, global_batch_size=global_batch_size)
+
+
+def mixed_data(mixed, grid: PixelGrid = WAN_GRID, global_batch_size: int = 2, **data):
+    return build_dit_data(built_cfg(mixed, **data), lambda: grid, seed=0, global_batch_size=global_batch_size)
 
 
 def shapes_by_name(built) -> dict[str, tuple[int, int, int]]:
@@ -73,6 +76,9 @@ def test_each_sample_is_decoded_at_its_bucket_and_small_sources_are_not_enlarged
     assert sum(r["samples"] for r in report.values()) == 8 and built.stats["unbucketed"] == 0
     dropped = mixed_data(mixed_media, buckets={"remainder": "drop"}).stats["buckets"]
     assert dropped["9x32x48"]["dropped"] == 0 and dropped["1x16x16"] == {"samples": 1, "padded": 0, "dropped": 1}
+    # sequence parallelism splits each sample's tokens: the one-token 16x16 bucket cannot be split in 2
+    with pytest.raises(ValueError, match=r"over 2 ranks, but bucket\(s\) 1x16x16 \(1 tokens\) do not divide"):
+        build_dit_data(built_cfg(mixed_media), lambda: WAN_GRID, seed=0, global_batch_size=2, sequence_split=2)
     # asked to: the small still is enlarged into the bucket of its aspect
     upscaled = shapes_by_name(mixed_data(mixed_media, buckets={"upscale": True}))
     assert upscaled["small"] == (1, 32, 48)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 from spindle.api import load_job_config, train
 from spindle.data.dit_data import build_dit_data
@@ -134,6 +135,36 @@ def test_flux_trains_on_image_buckets(tiny_flux, mixed_media, tmp_path, monkeypa
     assert len(tokens) >= 2 and len(read_metrics(out)) == 4
 
 
+def test_precomputed_buckets_train_like_raw_media(tiny_wan, mixed_media, tmp_path):
+    """`spindle precompute` caches every sample at its bucket's shape (with the caption prefix); training on
+    the cache equals training on the media. Samples with several captions cannot be cached: refused."""
+    from spindle.commands.precompute import precompute
+
+    clips = json.dumps([{"path": str(mixed_media.videos), "kind": "video"}])
+    common = dict(data__sources=clips, data__caption_dropout=0.0, train__max_steps=3)
+    raw = load_job_config(None, mixed_overrides(tiny_wan, mixed_media, tmp_path / "raw", **common))
+    precompute(raw, tmp_path / "cache")
+    shapes = {load_file(f)["latents"].shape for f in (tmp_path / "cache" / "samples").iterdir()}
+    assert shapes == {(4, 3, 4, 6), (4, 3, 6, 4), (4, 2, 4, 6)}  # 9x32x48, 9x48x32, 5x32x48
+    train(raw)
+    cached = mixed_overrides(tiny_wan, mixed_media, tmp_path / "cached", data__precomputed=tmp_path / "cache", **common)
+    train(load_job_config(None, cached))
+    assert losses(tmp_path / "cached") == pytest.approx(losses(tmp_path / "raw"), rel=1e-6)
+    with pytest.raises(ValueError, match="several captions, which a precomputed cache cannot hold"):
+        precompute(
+            load_job_config(
+                None,
+                mixed_overrides(
+                    tiny_wan,
+                    mixed_media,
+                    tmp_path / "x",
+                    **{**common, "data__sources": json.dumps([{"path": str(mixed_media.images)}])},
+                ),
+            ),
+            tmp_path / "c2",
+        )
+
+
 # A `spindle train` process that SIGKILLs itself as step 5 begins (after the step-3 checkpoint): no
 # handler, no cleanup, as a node failure or an OOM killer leaves a run.
 _KILLED = """
@@ -171,3 +202,24 @@ def test_two_ranks_see_the_same_samples_and_a_killed_run_resumes_exactly(
     train(load_job_config(None, mixed_overrides(tiny_wan, mixed_media, killed, checkpoint__resume="auto")))
     assert [m["step"] for m in read_metrics(killed)] == list(range(1, 7))
     assert losses(killed) == losses(wan_reference)  # exact: CPU fp32, the same samples in the same steps
+
+
+@pytest.mark.slow
+def test_sequence_parallel_lora_with_validation_equals_one_process(tiny_wan, mixed_media, tmp_path):
+    """SP=2 (2 processes) x LoRA x validation samples on bucketed data equals one process. With SP every
+    bucket's tokens must split over the ranks: the 16x16 still (one token) joins a full bucket (upscale)."""
+    options = dict(
+        data__buckets=json.dumps({"upscale": True}),
+        train__lora=json.dumps({"rank": 4}),
+        train__max_steps=4,
+        train__validation=json.dumps({"every_steps": 2, "prompts": ["a clip"], "num_inference_steps": 2}),
+    )
+    one = tmp_path / "one"
+    train(load_job_config(None, mixed_overrides(tiny_wan, mixed_media, one, **options)))
+    sp = tmp_path / "sp"
+    spindle_train(sp, 2, mixed_overrides(tiny_wan, mixed_media, sp, parallel__sp=2, **options))
+    assert losses(sp) == pytest.approx(losses(one), rel=1e-5)
+    assert [m["grad_norm"] for m in read_metrics(sp)] == pytest.approx(
+        [m["grad_norm"] for m in read_metrics(one)], rel=1e-5
+    )
+    assert sorted(p.name for p in (sp / "samples").iterdir()) == sorted(p.name for p in (one / "samples").iterdir())

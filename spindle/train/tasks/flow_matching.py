@@ -111,6 +111,8 @@ class FlowMatchingTask(TrainTask):
         if dims.cp_size > 1 and tcfg.is_file():
             check_sequence_parallel(json.loads(tcfg.read_text()), dims.sp, ring=dims.ring)
         check_validation_images(cfg, family)
+        if cfg.data.buckets and dims.cp_size > 1:  # every bucket must split over the SP ranks: said before launch
+            dit_data(cfg, family, check=False, warn_skipped=False)
         index = Path(cfg.model.path) / "model_index.json"
         if index.is_file() and family.inference is not None:
             # checkpoint variants the family cannot serve (Wan2.2 two-expert / TI2V folders) are not trained
@@ -315,8 +317,9 @@ def dit_data(
     from spindle.data.dit_data import build_dit_data
 
     grid = None if family is None else lambda: family.condition_model_cls().pixel_grid(cfg.model.path)
+    split = cfg.parallel.sp * cfg.parallel.ring
     return build_dit_data(
-        cfg.data, grid, cfg.train.seed, cfg.train.global_batch_size, check, warn_skipped, captions=captions
+        cfg.data, grid, cfg.train.seed, cfg.train.global_batch_size, check, warn_skipped, captions, split
     )
 
 
