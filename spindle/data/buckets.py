@@ -161,11 +161,16 @@ class BucketPlan:
 
     @classmethod
     def assign(cls, rule: BucketRule, sizes: np.ndarray) -> BucketPlan:
-        per_sample = [rule.bucket(int(f), int(h), int(w)) for f, h, w in sizes]
-        shapes = sorted({s for s in per_sample if s is not None})
+        # once per distinct source size (a large dataset has few), then spread back to the samples
+        sizes = np.clip(sizes.reshape(-1, 3).astype(np.int64), 0, 2**21 - 1)
+        keys = (sizes[:, 0] << 42) | (sizes[:, 1] << 21) | sizes[:, 2]  # one int64 a size: a fast 1-D unique
+        distinct, inverse = np.unique(keys, return_inverse=True)
+        mask = 2**21 - 1
+        per_size = [rule.bucket(int(k >> 42), int((k >> 21) & mask), int(k & mask)) for k in distinct]
+        shapes = sorted({s for s in per_size if s is not None})
         lookup = {shape: i for i, shape in enumerate(shapes)}
-        ids = np.asarray([-1 if s is None else lookup[s] for s in per_sample], dtype=np.int32)
-        return cls(shapes, ids)
+        ids = np.asarray([-1 if s is None else lookup[s] for s in per_size], dtype=np.int32)
+        return cls(shapes, ids[inverse.reshape(-1)] if len(ids) else np.zeros(0, dtype=np.int32))
 
     @classmethod
     def single(cls, num_frames: int, resolution: tuple[int, int], n: int) -> BucketPlan:

@@ -19,12 +19,14 @@ from torch.utils.data import Dataset
 
 from spindle.config import ConfigError, DiTJobConfig, MediaDataConfig, validate_config
 from spindle.contracts.condition import PixelGrid
+from spindle.contracts.family import DiTFamily
 from spindle.data.captions import CaptionPolicy
 from spindle.data.datasets import MediaError, build_dataset, open_manifest, read_manifest
 from spindle.data.dit_data import build_dit_data
 from spindle.data.index import ShardedManifest
 from spindle.data.loader import ResumableLoader
 from spindle.data.media_check import DataCheckError
+from spindle.registry import all_families, get_family
 
 WAN_GRID = PixelGrid(16, 16, frame_multiple=4)  # the tiny Wan checkpoint's (VAE x8 x patch 2)
 BUCKETS = {
@@ -109,6 +111,31 @@ def test_latents_have_their_bucket_shape(mixed_media, tiny_condition):
         assert latents.shape[2:] == ((frames - 1) // t + 1, height // s, width // s)
         seen.add((frames, height, width))
     assert seen == set(BUCKETS.values())
+
+
+DIT_FAMILIES = [f.name for f in all_families() if isinstance(f, DiTFamily)]
+
+
+@pytest.mark.parametrize("family", DIT_FAMILIES)
+def test_every_dit_family_encodes_the_shapes_of_its_pixel_grid(family, tiny_checkpoint):
+    """A bucket on the family's grid (read from the checkpoint) is a shape its condition model encodes; half
+    a grid step off is refused by it: the grid is what the VAE and the patching need, not a guess."""
+    from spindle.data.datasets import collate
+    from spindle.testing.conformance import text_tokens
+
+    cls = get_family(family).condition_model_cls()
+    root = tiny_checkpoint(family)
+    condition = cls.from_pretrained(
+        root, torch.device("cpu"), torch.float32, max_text_length=text_tokens(get_family(family))
+    )
+    grid = cls.pixel_grid(root)
+    frames = grid.frame_counts(9)[-1]
+    sample = {"pixels": torch.zeros(3, frames, 2 * grid.height, 3 * grid.width), "caption": "a cat", "index": 0}
+    latents = condition.encode(collate([sample]))["latents"]
+    assert latents.shape[-1] * 2 == latents.shape[-2] * 3  # the bucket's aspect survives the encoding
+    off = {**sample, "pixels": torch.zeros(3, frames, 2 * grid.height + grid.height // 2, 3 * grid.width)}
+    with pytest.raises(ValueError, match="divisible by"):
+        condition.encode(collate([off]))
 
 
 class Indices(Dataset):
