@@ -84,13 +84,19 @@ def _simple_entry(entry: Any) -> tuple[str, str, tuple[int, int, int] | None] | 
         return None
     if os.path.splitext(path)[1].lower() not in MEDIA_EXTENSIONS:
         return None
-    size = None
-    if "width" in entry or "height" in entry or "frames" in entry:
-        values = (entry.get("frames", 1), entry.get("height"), entry.get("width"))
-        if not all(type(v) is int and v > 0 for v in values):
-            return None
-        size = values
-    return path, caption.strip(), size
+    if "width" not in entry and "height" not in entry and "frames" not in entry:
+        return path, caption.strip(), None
+    frames, height, width = entry.get("frames", 1), entry.get("height"), entry.get("width")
+    if not (isinstance(frames, int) and isinstance(height, int) and isinstance(width, int)):
+        return None
+    if (
+        isinstance(frames, bool)
+        or isinstance(height, bool)
+        or isinstance(width, bool)
+        or min(frames, height, width) < 1
+    ):
+        return None  # the full parse names the bad value
+    return path, caption.strip(), (frames, height, width)
 
 
 _SIMPLE_KEYS = {"path", "caption", "width", "height", "frames"}

@@ -255,14 +255,18 @@ def test_captions_dropout_several_and_prefix(mixed_media):
 # ---------------------------------------------------------------- lazy index
 
 
-def write_shards(folder: Path, media: Path, lines: int) -> list[str]:
+def write_shards(folder: Path, media: Path, lines: int, image: Path | None = None) -> list[str]:
     """`lines` manifest lines over 3 shards (one in a sub-folder, with a blank line), naming `media`."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "sub").mkdir(exist_ok=True)
-    texts = [
-        json.dumps({"path": str(media), "caption": f"sample {i}", "width": 48, "height": 32, "frames": 9})
-        for i in range(lines)
-    ]
+    texts = []
+    for i in range(lines):
+        line = {"path": str(media), "caption": f"sample {i}", "width": 48, "height": 32, "frames": 9}
+        if i % 5 == 1:  # lines the index's quick path hands to the full parse: a caption list, an image
+            line["caption"] = [f"sample {i}", f"another {i}"]
+        if image is not None and i % 7 == 2:
+            line["image"] = str(image)
+        texts.append(json.dumps(line))
     parts = [texts[: lines // 3], texts[lines // 3 : 2 * lines // 3], texts[2 * lines // 3 :]]
     (folder / "a.jsonl").write_text("\n".join(parts[0]) + "\n")
     (folder / "b.jsonl").write_text("\n\n".join(parts[1]))  # blank lines, no trailing newline
@@ -272,7 +276,7 @@ def write_shards(folder: Path, media: Path, lines: int) -> list[str]:
 
 def test_lazy_index_equals_the_in_memory_reading(mixed_media, tmp_path, monkeypatch):
     clip = mixed_media.videos / "wide_a.mp4"
-    texts = write_shards(tmp_path / "shards", clip, 30)
+    texts = write_shards(tmp_path / "shards", clip, 30, image=mixed_media.images.parent / "wide.png")
     whole = tmp_path / "whole.jsonl"
     whole.write_text("\n".join(texts) + "\n")
     index = open_manifest(tmp_path / "shards")
@@ -305,6 +309,9 @@ def test_lazy_index_names_bad_lines_and_empty_captions(tmp_path, mixed_media):
     write_shards(folder, clip, 6)
     (folder / "b.jsonl").write_text(json.dumps({"path": str(clip), "caption": 3}) + "\n")
     with pytest.raises(ValueError, match=r"b.jsonl, line 1: 'caption' must be a string or a non-empty list"):
+        open_manifest(folder)
+    (folder / "b.jsonl").write_text(json.dumps({"path": str(clip), "caption": "x", "width": 0, "height": 2}) + "\n")
+    with pytest.raises(ValueError, match=r"b.jsonl, line 1: a declared size needs positive integers"):
         open_manifest(folder)
     (folder / "b.jsonl").write_text(json.dumps({"path": str(clip), "caption": " "}) + "\n")
     index = open_manifest(folder)
