@@ -165,6 +165,35 @@ def test_precomputed_buckets_train_like_raw_media(tiny_wan, mixed_media, tmp_pat
         )
 
 
+@pytest.mark.parametrize("family", ["wan_i2v", "qwenimage"])
+def test_the_other_dit_families_train_on_buckets(family, tiny_checkpoint, mixed_media, tmp_path, monkeypatch):
+    """Wan and Flux are trained above; Wan I2V (each bucket's first frame as the conditioning image) and
+    Qwen-Image take bucketed batches too."""
+    from spindle.registry import get_family
+    from spindle.testing.conformance import text_tokens
+
+    seen = record_inputs(monkeypatch)
+    fam = get_family(family)
+    root = tiny_checkpoint(family)
+    video = fam.condition_model_cls().pixel_grid(root).frame_multiple is not None
+    sources = [{"path": str(mixed_media.videos), "kind": "video"}] if video else []
+    sources.append({"path": str(mixed_media.images), "kind": "image"})
+    overrides = mixed_overrides(
+        root,
+        mixed_media,
+        tmp_path / family,
+        data__sources=json.dumps(sources),
+        data__num_frames=9 if video else 1,
+        model__max_text_length=text_tokens(fam),
+        train__max_steps=3,
+        train__global_batch_size=1,
+        checkpoint__every_steps=0,
+    )
+    train(load_job_config(None, overrides))
+    assert len(read_metrics(tmp_path / family)) == 3
+    assert len({hidden[1:] for _, hidden in seen}) >= 2  # batches of different buckets' shapes
+
+
 # A `spindle train` process that SIGKILLs itself as step 5 begins (after the step-3 checkpoint): no
 # handler, no cleanup, as a node failure or an OOM killer leaves a run.
 _KILLED = """
