@@ -135,11 +135,6 @@ class MediaDataConfig(Section):
                 "data: give data.path (one dataset) or data.sources (a list of {path, kind, repeats, weight}), "
                 "not both and not neither"
             )
-        if self.precomputed is not None and self.caption_dropout:
-            raise ValueError(
-                "data.caption_dropout draws captions per step, but data.precomputed holds one encoded caption per "
-                "sample; set data.caption_dropout: 0 or train without data.precomputed"
-            )
         return self
 
 

@@ -32,7 +32,7 @@ def precompute(cfg: Any, out: str | Path) -> Path | None:
     import torch
 
     from spindle.data.datasets import collate
-    from spindle.data.precomputed import cache_settings, write_manifest, write_sample
+    from spindle.data.precomputed import cache_settings, variant_key, write_empty, write_manifest, write_sample
     from spindle.distributed.mesh import barrier, init_distributed
     from spindle.registry import dit_family_of
     from spindle.train.tasks.flow_matching import build_condition_model, condition_dtype, dit_data
@@ -51,15 +51,21 @@ def precompute(cfg: Any, out: str | Path) -> Path | None:
     condition = build_condition_model(cfg, family, device, precision)
     mine = range(rank, len(dataset), world)
     start = time.perf_counter()
+    text_keys: list[str] = []
     with torch.no_grad():
         for n, index in enumerate(mine, start=1):
-            if dataset.samples[index].captions:  # one is drawn per epoch: nothing fixed to cache
-                raise ValueError(
-                    f"{dataset.samples[index].path}: the sample has several captions, which a precomputed cache "
-                    "cannot hold (one is drawn per epoch); train without data.precomputed, or give it one caption"
-                )
-            conditions = condition.encode(collate([dataset.load(index)]))
-            write_sample(out, index, {k: v[0] for k, v in conditions.items()})
+            batch = collate([dataset.load(index)])  # the first caption (with the prefix)
+            conditions = condition.encode(batch)
+            if n == 1:  # the conditions a caption changes, and the empty caption's (data.caption_dropout)
+                empty = condition.encode({**batch, "caption": [""]})
+                text_keys = sorted(k for k in conditions if not torch.equal(conditions[k], empty[k]))
+                if rank == 0:
+                    write_empty(out, {k: empty[k][0] for k in text_keys})
+            record = {k: v[0] for k, v in conditions.items()}
+            for j, caption in enumerate(dataset.samples[index].captions[1:], start=1):  # one drawn per epoch
+                other = condition.encode({**batch, "caption": [dataset.captions.text(caption)]})
+                record.update({variant_key(k, j): other[k][0] for k in text_keys})
+            write_sample(out, index, record)
             if rank == 0:
                 print(f"\rencoded {n}/{len(mine)} samples on rank 0", end="", file=sys.stderr)
     if rank == 0:
@@ -67,7 +73,8 @@ def precompute(cfg: Any, out: str | Path) -> Path | None:
     barrier()
     manifest = None
     if rank == 0:
-        manifest = write_manifest(out, cache_settings(cfg, family.name, condition_dtype(precision)), dataset.samples)
+        settings = cache_settings(cfg, family.name, condition_dtype(precision))
+        manifest = write_manifest(out, settings, dataset.samples, text_keys)
     barrier()
     return manifest
 

@@ -32,11 +32,19 @@ class CaptionPolicy:
     def active(self) -> bool:
         return bool(self.dropout or self.prefix)
 
+    def pick(self, count: int, epoch: int, index: int) -> int | None:
+        """Which of a sample's `count` captions it trains on in `epoch`; None: the empty caption."""
+        if self.dropout and _uniform(self.seed, epoch, index, "dropout") < self.dropout:
+            return None
+        if count > 1 and self.several:
+            return int(_uniform(self.seed, epoch, index, "caption") * count)
+        return 0
+
+    def text(self, caption: str) -> str:
+        """A caption with the prefix."""
+        return f"{self.prefix} {caption}" if self.prefix else caption
+
     def choose(self, captions: Sequence[str], epoch: int, index: int) -> str:
         """The caption sample `index` trains on in `epoch`."""
-        if self.dropout and _uniform(self.seed, epoch, index, "dropout") < self.dropout:
-            return ""
-        caption = captions[0]
-        if len(captions) > 1 and self.several:
-            caption = captions[int(_uniform(self.seed, epoch, index, "caption") * len(captions))]
-        return f"{self.prefix} {caption}" if self.prefix else caption
+        j = self.pick(len(captions), epoch, index)
+        return "" if j is None else self.text(captions[j])

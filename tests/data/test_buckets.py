@@ -221,8 +221,6 @@ def test_data_keys_are_checked_before_work(mixed_media):
     base = {"model": {"path": "m"}}
     with pytest.raises(ConfigError, match=r"give data\.path .* or data\.sources"):
         validate_config({**base, "data": {"path": "x", "sources": [{"path": "y"}]}}, DiTJobConfig)
-    with pytest.raises(ConfigError, match=r"data\.caption_dropout draws captions per step"):
-        validate_config({**base, "data": {"path": "x", "precomputed": "c", "caption_dropout": 0.1}}, DiTJobConfig)
     with pytest.raises(ConfigError, match=r"data.sources.0.repeats"):
         validate_config({**base, "data": {"sources": [{"path": "y", "repeats": 0}]}}, DiTJobConfig)
     with pytest.raises(ValueError, match="two sources are named 'videos'"):

@@ -135,34 +135,28 @@ def test_flux_trains_on_image_buckets(tiny_flux, mixed_media, tmp_path, monkeypa
     assert len(tokens) >= 2 and len(read_metrics(out)) == 4
 
 
-def test_precomputed_buckets_train_like_raw_media(tiny_wan, mixed_media, tmp_path):
-    """`spindle precompute` caches every sample at its bucket's shape (with the caption prefix); training on
-    the cache equals training on the media. Samples with several captions cannot be cached: refused."""
+def test_precomputed_buckets_and_captions_train_like_raw_media(tiny_wan, mixed_media, tmp_path):
+    """`spindle precompute` caches every sample at its bucket's shape, with each of its captions (the prefix
+    put before) and the empty caption once; training on the cache, caption dropout and the per-epoch
+    caption draw included, equals training on the media."""
     from spindle.commands.precompute import precompute
 
-    clips = json.dumps([{"path": str(mixed_media.videos), "kind": "video"}])
-    common = dict(data__sources=clips, data__caption_dropout=0.0, train__max_steps=3)
+    common = dict(train__max_steps=4, train__global_batch_size=1)  # 4 epochs of the 3 + 2 weighted stills
     raw = load_job_config(None, mixed_overrides(tiny_wan, mixed_media, tmp_path / "raw", **common))
     precompute(raw, tmp_path / "cache")
-    shapes = {load_file(f)["latents"].shape for f in (tmp_path / "cache" / "samples").iterdir()}
-    assert shapes == {(4, 3, 4, 6), (4, 3, 6, 4), (4, 2, 4, 6)}  # 9x32x48, 9x48x32, 5x32x48
+    files = sorted((tmp_path / "cache" / "samples").iterdir())
+    shapes = {load_file(f)["latents"].shape[1:] for f in files}
+    assert shapes == {(3, 4, 6), (3, 6, 4), (2, 4, 6), (1, 4, 6), (1, 6, 4), (1, 8, 4), (1, 2, 2)}  # all 8 buckets
+    variants = [k for f in files for k in load_file(f) if "@caption" in k]
+    assert variants and all(k.endswith("@caption1") for k in variants)  # each still's second caption
+    built = build_dit_data(raw.data, lambda: _grid(tiny_wan), 0, 1)
+    steps = [int(i) for i in built.order.global_batches(0, 1).reshape(-1)[:4]]
+    picks = [built.dataset.captions.pick(len(built.dataset.samples[i].captions) or 1, 0, i) for i in steps]
+    assert None in picks and 1 in picks  # the 4 steps include a dropped caption and a still's second caption
     train(raw)
     cached = mixed_overrides(tiny_wan, mixed_media, tmp_path / "cached", data__precomputed=tmp_path / "cache", **common)
     train(load_job_config(None, cached))
     assert losses(tmp_path / "cached") == pytest.approx(losses(tmp_path / "raw"), rel=1e-6)
-    with pytest.raises(ValueError, match="several captions, which a precomputed cache cannot hold"):
-        precompute(
-            load_job_config(
-                None,
-                mixed_overrides(
-                    tiny_wan,
-                    mixed_media,
-                    tmp_path / "x",
-                    **{**common, "data__sources": json.dumps([{"path": str(mixed_media.images)}])},
-                ),
-            ),
-            tmp_path / "c2",
-        )
 
 
 @pytest.mark.parametrize("family", ["wan_i2v", "qwenimage"])

@@ -182,7 +182,7 @@ class FlowMatchingTask(TrainTask):
         source: Any = media
         if data.precomputed is not None:  # the same samples, read as cached conditions
             settings = cache_settings(self.cfg, self.family.name, condition_dtype(self.precision))
-            source = CachedConditions(data.precomputed, settings, media.samples)
+            source = CachedConditions(data.precomputed, settings, media.samples, media.captions)
         collate_fn = collate if data.precomputed is None else collate_conditions
         self._loader = resumable_loader(self, source, collate_fn, order=built.order)
         return self._loader
