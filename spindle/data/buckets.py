@@ -116,6 +116,10 @@ def _cache_file(samples: Sequence[Any]) -> Path:
     from spindle.data.media_check import cache_dir
 
     digest = hashlib.sha256(b"sizes:1")
+    identity = getattr(samples, "identity", None)
+    if identity is not None:  # a lazy index: keyed on its shards, not on a stat of every media file
+        digest.update(identity.encode())
+        return cache_dir() / f"sizes-{digest.hexdigest()[:32]}.npy"
     for sample in samples:
         st = sample.path.stat()
         digest.update(f"{sample.path}|{st.st_size}|{st.st_mtime_ns}\n".encode())
@@ -124,11 +128,9 @@ def _cache_file(samples: Sequence[Any]) -> Path:
 
 def source_sizes(samples: Sequence[Any]) -> np.ndarray:
     """[n, 3] int32 (frames, height, width) of every sample: the size its manifest line declares, else
-    probed from the file header (cached per dataset, keyed on every file's size and mtime). A file that
+    probed from the file header (cached per dataset, keyed on every file's size and mtime; for a lazy
+    manifest index, on its shards' and the selection's identity, so a restart reads no line). A file that
     cannot be probed gets (0, 0, 0), so it fits no bucket."""
-    declared = [getattr(s, "size", None) for s in samples]
-    if all(d is not None for d in declared):
-        return np.asarray(declared, dtype=np.int32).reshape(len(samples), 3)
     cache = _cache_file(samples)
     try:
         sizes = np.load(cache)
@@ -137,9 +139,9 @@ def source_sizes(samples: Sequence[Any]) -> np.ndarray:
     except (OSError, ValueError):
         pass  # absent or unreadable: probe again
     sizes = np.zeros((len(samples), 3), dtype=np.int32)
-    for i, (sample, size) in enumerate(zip(samples, declared, strict=True)):
+    for i, sample in enumerate(samples):
         try:
-            sizes[i] = size if size is not None else media_size(sample.path)
+            sizes[i] = sample.size if sample.size is not None else media_size(sample.path)
         except MediaError:
             continue  # reported as fitting no bucket (or by the decode check)
     try:

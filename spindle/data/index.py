@@ -56,13 +56,18 @@ def list_shards(path: Path) -> list[Path]:
     )
 
 
+def _shards_key(shards: Sequence[Path]) -> str:
+    parts = []
+    for shard in shards:
+        st = shard.stat()
+        parts.append(f"{shard.resolve()}|{st.st_size}|{st.st_mtime_ns}")
+    return "\n".join(parts)
+
+
 def _cache_path(shards: Sequence[Path]) -> Path:
     from spindle.data.media_check import cache_dir
 
-    digest = hashlib.sha256(f"index:{INDEX_VERSION}".encode())
-    for shard in shards:
-        st = shard.stat()
-        digest.update(f"{shard.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    digest = hashlib.sha256(f"index:{INDEX_VERSION}\n{_shards_key(shards)}".encode())
     return cache_dir() / f"index-{digest.hexdigest()[:32]}.npz"
 
 
@@ -129,6 +134,11 @@ class ShardedManifest(Sequence[Any]):
         self.parse = parse  # (shard, line number, line) -> Sample, raising on a bad line
         self._files: dict[int, Any] = {}
         self._pid = os.getpid()
+        # what the samples are: the shards (path, size, mtime) and which of their lines are used
+        digest = hashlib.sha256(_shards_key(shards).encode())
+        digest.update(np.ascontiguousarray(shard_of).tobytes())
+        digest.update(np.ascontiguousarray(lines).tobytes())
+        self.identity = digest.hexdigest()
 
     # ------------------------------------------------------------------ building
 

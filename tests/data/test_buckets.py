@@ -27,6 +27,7 @@ from spindle.data.index import ShardedManifest
 from spindle.data.loader import ResumableLoader
 from spindle.data.media_check import DataCheckError
 from spindle.registry import all_families, get_family
+from tests.conftest import MIXED_IMAGES, MIXED_VIDEOS
 
 WAN_GRID = PixelGrid(16, 16, frame_multiple=4)  # the tiny Wan checkpoint's (VAE x8 x patch 2)
 BUCKETS = {
@@ -209,12 +210,9 @@ def test_source_kinds(mixed_media, tmp_path):
         (folder / p.name).write_bytes(p.read_bytes())
     (folder / "thumb.png").write_bytes((mixed_media.images.parent / "wide.png").read_bytes())
     built = mixed_data(mixed_media, sources=[{"path": str(folder), "kind": "video"}])
-    assert sorted(s.path.name for s in built.dataset.samples) == sorted(f"{n}.mp4" for n, *_ in BUCKETS_VIDEOS)
+    assert sorted(s.path.name for s in built.dataset.samples) == sorted(f"{n}.mp4" for n, *_ in MIXED_VIDEOS)
     with pytest.raises(DataCheckError, match=r"caption file missing for thumb\.png"):
         mixed_data(mixed_media, sources=[{"path": str(folder), "kind": "both"}])
-
-
-BUCKETS_VIDEOS = [("wide_a",), ("wide_b",), ("tall_a",), ("short",)]
 
 
 def test_data_keys_are_checked_before_work(mixed_media):
@@ -325,3 +323,25 @@ def test_a_bucketed_epoch_plan_is_split_independent_for_declared_sizes(tmp_path,
     built = build_dit_data(cfg, lambda: WAN_GRID, seed=0, global_batch_size=4)
     assert built.dataset.plan.shapes == [(9, 32, 48)] and built.stats["rows"] == 12
     assert torch.is_tensor(built.dataset[0]["pixels"])
+
+
+def test_probed_sizes_of_a_lazy_manifest_are_cached_on_its_shards(tmp_path, mixed_media, monkeypatch):
+    """Lines without declared sizes: the files are probed once; a restart reads no manifest line."""
+    folder = tmp_path / "probed"
+    folder.mkdir()
+    stills = [mixed_media.images.parent / f"{name}.png" for name, *_ in MIXED_IMAGES]
+    (folder / "a.jsonl").write_text("".join(json.dumps({"path": str(p), "caption": p.stem}) + "\n" for p in stills))
+    cfg = MediaDataConfig(path=str(folder), buckets=True, resolution=(32, 48), num_frames=9, skip_bad_samples=True)
+
+    def plan():
+        built = build_dit_data(cfg, lambda: WAN_GRID, seed=0, global_batch_size=2, check=False)
+        return [built.dataset.plan.shape(i) for i in range(len(built.dataset))]
+
+    first = plan()
+    assert first == [BUCKETS[name] for name, *_ in MIXED_IMAGES]
+
+    def no_read(self, index):
+        raise AssertionError("a manifest line was read")
+
+    monkeypatch.setattr(ShardedManifest, "read", no_read)
+    assert plan() == first
