@@ -102,7 +102,8 @@ class ResumableLoader:
     def epoch_order(self, epoch: int) -> list[int]:
         """The global sample order of `epoch`, already cut/padded to whole global batches."""
         if self.order is not None:
-            return [int(i) for i in self.order.global_batches(epoch, self.global_batch_size).reshape(-1)]
+            planned: list[int] = self.order.global_batches(epoch, self.global_batch_size).reshape(-1).tolist()
+            return planned
         n = len(self.dataset)  # type: ignore[arg-type]
         if self.shuffle:
             generator = torch.Generator().manual_seed(self.seed + epoch)
@@ -130,6 +131,9 @@ class ResumableLoader:
     def current_global_batch(self) -> list[int]:
         """The dataset indices of the global batch the last returned micro-batch belongs to (every rank's)."""
         step = max(self.position - 1, 0) // self.accum
+        if self.order is not None:  # a row of the epoch's plan (no list of the whole epoch per step)
+            row: list[int] = self.order.global_batches(self.epoch, self.global_batch_size)[step].tolist()
+            return row
         return self.epoch_order(self.epoch)[step * self.global_batch_size : (step + 1) * self.global_batch_size]
 
     def _epoch_iterator(self, epoch: int, start: int) -> Iterator[Any]:
