@@ -72,10 +72,52 @@ class ModelConfig(Section):
     max_text_length: int = Field(512, ge=1, description="text tokens per prompt (padded/truncated)")
 
 
+class BucketsConfig(Section):
+    """`data.buckets:` aspect-ratio and frame-count buckets (`spindle.data.buckets`); `true` = these defaults."""
+
+    max_aspect: float = Field(2.0, ge=1, description="widest bucket: long side / short side at most this")
+    upscale: bool = Field(
+        False, description="enlarge sources smaller than their bucket (false: they get a smaller bucket of their own)"
+    )
+    frames: list[int] | None = Field(
+        None, description="frame-count buckets; default: every count the family takes, up to data.num_frames"
+    )
+    remainder: Literal["pad", "drop"] = Field(
+        "pad",
+        description="a bucket's last, partial global batch: pad it with repeats of the bucket's samples, or drop it",
+    )
+
+
+class SourceConfig(Section):
+    """One entry of `data.sources:` (`spindle.data.sources`)."""
+
+    path: str = Field(description="folder of media + .txt captions, a .jsonl manifest, or a folder of .jsonl shards")
+    kind: Literal["video", "image", "both"] = Field("both", description="which media files of the source are used")
+    repeats: int = Field(1, ge=1, description="every sample appears this many times per epoch")
+    weight: float = Field(
+        1.0, gt=0, description="share multiplier: repeats x weight copies per epoch, the fraction drawn anew per epoch"
+    )
+    name: str | None = Field(None, description="name in the summary and metrics (default: the path's last part)")
+
+
 class MediaDataConfig(Section):
     """`data:` of DiT (flow-matching) jobs: captioned images/videos."""
 
-    path: str = Field(description="folder of media + same-name .txt captions, or a .jsonl manifest")
+    path: str | None = Field(
+        None,
+        description="folder of media + same-name .txt captions, a .jsonl manifest, or a folder of .jsonl shards "
+        "(or give data.sources)",
+    )
+    sources: list[SourceConfig] = Field(
+        default_factory=list, description="several datasets mixed, each {path, kind, repeats, weight} (not with path)"
+    )
+    buckets: bool | BucketsConfig = Field(
+        False, description="aspect-ratio and frame-count buckets around resolution / num_frames (true or knobs)"
+    )
+    caption_dropout: float = Field(
+        0.0, ge=0, lt=1, description="probability of training a sample on the empty caption (for CFG)"
+    )
+    caption_prefix: str = Field("", description="text put before every caption (a trigger word), joined by a space")
     resolution: tuple[int, int] = Field((64, 64), description="[height, width] after resize + center crop")
     num_frames: int = Field(17, ge=1, description="frames sampled per video (images give 1)")
     skip_bad_samples: bool = Field(False, description="log and skip unreadable files instead of failing")
@@ -85,6 +127,15 @@ class MediaDataConfig(Section):
         description="folder written by `spindle precompute`: train on cached conditions; text encoders and VAE "
         "are never loaded",
     )
+
+    @model_validator(mode="after")
+    def _one_dataset(self) -> MediaDataConfig:
+        if (self.path is None) == (not self.sources):
+            raise ValueError(
+                "data: give data.path (one dataset) or data.sources (a list of {path, kind, repeats, weight}), "
+                "not both and not neither"
+            )
+        return self
 
 
 class TextDataConfig(Section):

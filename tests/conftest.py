@@ -111,6 +111,52 @@ def shapes_videos(tmp_path_factory) -> Path:
     )
 
 
+# Media at several aspect ratios and lengths for data.buckets / data.sources: (name, frames, height, width);
+# frames 1 is a png image. With Wan's grid (16) around 32x48, buckets are 9x32x48 (two clips, one of them
+# 12 frames long), 9x48x32, 5x32x48 (a 6-frame clip), 1x32x48, 1x48x32, 1x64x32 and 1x16x16 (a 16x24
+# image, never enlarged).
+MIXED_VIDEOS = (("wide_a", 9, 32, 48), ("wide_b", 12, 32, 48), ("tall_a", 9, 48, 32), ("short", 6, 32, 48))
+MIXED_IMAGES = (("wide", 1, 32, 48), ("tall", 1, 48, 32), ("small", 1, 16, 24), ("tall2", 1, 64, 32))
+
+
+@dataclass(frozen=True)
+class MixedMedia:
+    videos: Path  # a folder of captioned clips (same-name .txt)
+    images: Path  # a .jsonl manifest of images with two captions each
+
+
+@pytest.fixture(scope="session")
+def mixed_media(tmp_path_factory) -> MixedMedia:
+    import json
+
+    import numpy as np
+
+    from spindle.data.media import write_image, write_video
+
+    root = tmp_path_factory.mktemp("mixed")
+    rng = np.random.default_rng(0)
+
+    def frames(count: int, height: int, width: int) -> np.ndarray:  # smooth colour ramps, moving
+        y, x = np.mgrid[0:height, 0:width]
+        base = rng.uniform(0, 1, 3)
+        out = [
+            np.stack([(x + 2 * t) / width * base[0], y / height * base[1], np.full_like(x, base[2], float)], -1)
+            for t in range(count)
+        ]
+        return np.clip(np.stack(out), 0, 1)
+
+    (root / "videos").mkdir()
+    for name, count, height, width in MIXED_VIDEOS:
+        write_video(root / "videos" / f"{name}.mp4", frames(count, height, width))
+        (root / "videos" / f"{name}.txt").write_text(f"a {name} clip")
+    lines = []
+    for name, _, height, width in MIXED_IMAGES:
+        write_image(root / f"{name}.png", frames(1, height, width)[0])
+        lines.append(json.dumps({"path": f"{name}.png", "caption": [f"a {name} still", f"the {name} picture"]}))
+    (root / "images.jsonl").write_text("\n".join(lines) + "\n")
+    return MixedMedia(root / "videos", root / "images.jsonl")
+
+
 @pytest.fixture(scope="module")
 def tiny_condition(tiny_checkpoint) -> Callable[[str], Any]:
     """`tiny_condition(family)`: the family's condition model (the training side: VAE, text encoders)

@@ -31,27 +31,41 @@ def precompute(cfg: Any, out: str | Path) -> Path | None:
     """Collective over the launched ranks (1 process without a launcher); -> the manifest on rank 0."""
     import torch
 
-    from spindle.data.datasets import build_dataset, collate
-    from spindle.data.precomputed import cache_settings, write_manifest, write_sample
+    from spindle.data.datasets import collate
+    from spindle.data.precomputed import cache_settings, variant_key, write_empty, write_manifest, write_sample
     from spindle.distributed.mesh import barrier, init_distributed
-    from spindle.registry import family_of
-    from spindle.train.tasks.flow_matching import build_condition_model, condition_dtype
+    from spindle.registry import dit_family_of
+    from spindle.train.tasks.flow_matching import build_condition_model, condition_dtype, dit_data
     from spindle.train.trainer import local_device, resolve_precision
 
     rank, world = init_distributed()
     out = Path(out)
-    family = family_of(cfg.model.path, cfg.model.family)
+    family = dit_family_of(cfg.model.path, cfg.model.family)
     precision = resolve_precision(cfg.train.mixed_precision)
-    data = cfg.data
-    dataset = build_dataset(data.path, tuple(data.resolution), data.num_frames, skip_bad_samples=False)
+    # the training task's own dataset (sources, buckets: each sample at its bucket's shape), skipped
+    # samples refused: the cache must hold every sample the run lists
+    dataset = dit_data(
+        cfg.model_copy(update={"data": cfg.data.model_copy(update={"skip_bad_samples": False})}), family, captions=False
+    ).dataset
     device = local_device()
     condition = build_condition_model(cfg, family, device, precision)
     mine = range(rank, len(dataset), world)
     start = time.perf_counter()
+    text_keys: list[str] = []
     with torch.no_grad():
         for n, index in enumerate(mine, start=1):
-            conditions = condition.encode(collate([dataset.load(index)]))
-            write_sample(out, index, {k: v[0] for k, v in conditions.items()})
+            batch = collate([dataset.load(index)])  # the first caption (with the prefix)
+            conditions = condition.encode(batch)
+            if n == 1:  # the conditions a caption changes, and the empty caption's (data.caption_dropout)
+                empty = condition.encode({**batch, "caption": [""]})
+                text_keys = sorted(k for k in conditions if not torch.equal(conditions[k], empty[k]))
+                if rank == 0:
+                    write_empty(out, {k: empty[k][0] for k in text_keys})
+            record = {k: v[0] for k, v in conditions.items()}
+            for j, caption in enumerate(dataset.samples[index].captions[1:], start=1):  # one drawn per epoch
+                other = condition.encode({**batch, "caption": [dataset.captions.text(caption)]})
+                record.update({variant_key(k, j): other[k][0] for k in text_keys})
+            write_sample(out, index, record)
             if rank == 0:
                 print(f"\rencoded {n}/{len(mine)} samples on rank 0", end="", file=sys.stderr)
     if rank == 0:
@@ -59,7 +73,8 @@ def precompute(cfg: Any, out: str | Path) -> Path | None:
     barrier()
     manifest = None
     if rank == 0:
-        manifest = write_manifest(out, cache_settings(cfg, family.name, condition_dtype(precision)), dataset.samples)
+        settings = cache_settings(cfg, family.name, condition_dtype(precision))
+        manifest = write_manifest(out, settings, dataset.samples, text_keys)
     barrier()
     return manifest
 

@@ -4,10 +4,28 @@ never sharded, whose `encode` is a pure function of the data (so `spindle precom
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+
+@dataclass(frozen=True)
+class PixelGrid:
+    """The pixel shapes a family's training inputs can take, read from a checkpoint's configs: height and
+    width multiples (VAE downsampling x the transformer's patch or packing), and the frame-count rule
+    `frames = k * frame_multiple + 1` of a video family (None: an image family, one frame)."""
+
+    height: int
+    width: int
+    frame_multiple: int | None = None
+
+    def frame_counts(self, most: int) -> list[int]:
+        """Every frame count the family takes, up to `most` (1 for an image family)."""
+        if self.frame_multiple is None:
+            return [1]
+        return list(range(1, most + 1, self.frame_multiple))
 
 
 class ConditionModel(ABC):
@@ -36,3 +54,8 @@ class ConditionModel(ABC):
     @abstractmethod
     def training_inputs(self, conditions: dict[str, torch.Tensor], generators: list[torch.Generator]) -> dict[str, Any]:
         """Conditions + one generator per sample -> transformer forward kwargs + "target" + "sigmas"."""
+
+    @classmethod
+    def pixel_grid(cls, root: str | Path) -> PixelGrid:
+        """The checkpoint's pixel grid (data.buckets), from its configs alone (no weight is read)."""
+        raise NotImplementedError(f"{cls.__name__} declares no pixel grid, which data.buckets needs")

@@ -15,17 +15,29 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from spindle.contracts.request import short_repr
+from spindle.data.captions import CaptionPolicy
+from spindle.data.index import ShardedManifest, is_shard_folder
 from spindle.data.media import IMAGE_EXTENSIONS, MEDIA_EXTENSIONS, MediaError, is_image_path, is_media_path, read_media
 from spindle.data.media_check import DataCheckError, Problem, find_problems
+from spindle.data.sources import of_kind
+
+if TYPE_CHECKING:
+    from spindle.data.buckets import BucketPlan
 
 logger = logging.getLogger(__name__)
+# a dataset up to this many samples is decoded once up front (spindle.data.media_check); a larger one
+# (a lazy manifest index of millions of lines) is checked as it is read, under data.skip_bad_samples
+CHECK_LIMIT = 100_000
 
 
 @dataclass(frozen=True)
@@ -33,6 +45,10 @@ class Sample:
     path: Path
     caption: str
     image: Path | None = None  # a conditioning image (image-conditioned families; default: the first frame)
+    # every caption of the sample when it has several (a manifest's "caption" list; one drawn per epoch,
+    # spindle.data.captions), else empty: `caption` is the first
+    captions: tuple[str, ...] = ()
+    size: tuple[int, int, int] | None = None  # (frames, height, width) as the manifest declares it (buckets)
 
 
 class MediaDataset(Dataset):
@@ -49,7 +65,7 @@ class MediaDataset(Dataset):
 
     def __init__(
         self,
-        samples: list[Sample],
+        samples: Sequence[Sample],
         resolution: tuple[int, int],
         num_frames: int,
         skip_bad_samples: bool = False,
@@ -58,11 +74,16 @@ class MediaDataset(Dataset):
             raise ValueError("MediaDataset needs at least one sample")
         if num_frames <= 0:
             raise ValueError(f"num_frames must be positive; got {num_frames}")
-        self.samples = list(samples)
+        # a lazy sequence (spindle.data.index) stays lazy
+        self.samples: Sequence[Sample] = samples if isinstance(samples, Sequence) else list(samples)
         self.resolution = (int(resolution[0]), int(resolution[1]))
         self.num_frames = int(num_frames)
         self.skip_bad_samples = skip_bad_samples
         self._bad: set[int] = set()
+        # data.buckets: each sample's (frames, height, width) (spindle.data.buckets); None: one shape for all
+        self.plan: BucketPlan | None = None
+        self.captions = CaptionPolicy()  # caption dropout / prefix / one of several (spindle.data.captions)
+        self.epoch = 0  # set by the loader at each epoch's start: per-epoch caption draws
         # files `build_dataset` left out before training (data.skip_bad_samples), for the run summary
         self.skipped_files: list[Path] = []
 
@@ -73,14 +94,31 @@ class MediaDataset(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def shape(self, index: int) -> tuple[int, tuple[int, int]]:
+        """(frames, (height, width)) sample `index` is decoded at: its bucket's, or the configured one."""
+        if self.plan is None:
+            return self.num_frames, self.resolution
+        frames, height, width = self.plan.shape(index)
+        return frames, (height, width)
+
     def load(self, index: int) -> dict[str, Any]:
         """Decode one sample with no skipping (raises MediaError for a bad file)."""
         sample = self.samples[index]
-        pixels = read_media(sample.path, self.num_frames, self.resolution)
-        out = {"pixels": pixels, "caption": sample.caption, "index": index}
+        frames, resolution = self.shape(index)
+        pixels = read_media(sample.path, frames, resolution)
+        caption = sample.caption
+        if self.captions.active or sample.captions:
+            caption = self.captions.choose(sample.captions or (sample.caption,), self.epoch, index)
+        out = {"pixels": pixels, "caption": caption, "index": index}
         if sample.image is not None:  # resized and cropped as the clip's frames are: [3, H, W]
-            out["image"] = read_media(sample.image, 1, self.resolution)[:, 0]
+            out["image"] = read_media(sample.image, 1, resolution)[:, 0]
         return out
+
+    def same_shape(self, a: int, b: int) -> bool:
+        return self.plan is None or self.plan.ids[a] == self.plan.ids[b]
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         n = len(self.samples)
@@ -91,7 +129,7 @@ class MediaDataset(Dataset):
             return self.load(index)
         for offset in range(n):
             candidate = (index + offset) % n
-            if candidate in self._bad:
+            if candidate in self._bad or not self.same_shape(candidate, index):  # a substitute from its bucket
                 continue
             try:
                 return self.load(candidate)
@@ -138,12 +176,17 @@ def _is_hidden(path: Path, root: Path) -> bool:
     return any(part.startswith(".") for part in path.relative_to(root).parts)
 
 
-def list_folder(folder: str | os.PathLike[str]) -> tuple[list[Sample], list[Problem]]:
-    """Media files below `folder` (recursive, sorted, hidden entries ignored) with their captions, and
-    the media files whose caption file is missing or empty (named by that caption file)."""
+def list_folder(folder: str | os.PathLike[str], kind: str = "both") -> tuple[list[Sample], list[Problem]]:
+    """Media files below `folder` (recursive, sorted, hidden entries ignored; only videos or images with
+    `kind`) with their captions, and the media files whose caption file is missing or empty (named by
+    that caption file)."""
     folder = Path(folder)
     media = sorted(
-        (p for p in folder.rglob("*") if p.is_file() and is_media_path(p) and not _is_hidden(p, folder)),
+        (
+            p
+            for p in folder.rglob("*")
+            if p.is_file() and is_media_path(p) and of_kind(p, kind) and not _is_hidden(p, folder)
+        ),
         key=lambda p: p.relative_to(folder).as_posix(),
     )
     samples, problems = [], []
@@ -179,8 +222,14 @@ def _manifest_entry(manifest: Path, lineno: int, line: str) -> Sample:
     for key in ("path", "caption"):
         if key not in entry:
             raise ValueError(f'{where}: missing key {key!r} (each line needs "path" and "caption")')
-        if not isinstance(entry[key], str):
-            raise ValueError(f"{where}: {key!r} must be a string; got {type(entry[key]).__name__}")
+    if not isinstance(entry["path"], str):
+        raise ValueError(f"{where}: 'path' must be a string; got {type(entry['path']).__name__}")
+    captions = entry["caption"] if isinstance(entry["caption"], list) else [entry["caption"]]
+    if not captions or not all(isinstance(c, str) for c in captions):
+        raise ValueError(
+            f"{where}: 'caption' must be a string or a non-empty list of strings (one drawn per epoch); "
+            f"got {short_repr(entry['caption'])}"
+        )
     path = Path(entry["path"]).expanduser()
     if not path.is_absolute():
         path = manifest.parent / path
@@ -203,7 +252,30 @@ def _manifest_entry(manifest: Path, lineno: int, line: str) -> Sample:
                 f"'image' must be an image file; unsupported extension {image.suffix!r} ({where})",
                 f"Supported: {', '.join(sorted(IMAGE_EXTENSIONS))}.",
             )
-    return Sample(path, entry["caption"].strip(), image)
+    stripped = tuple(c.strip() for c in captions)
+    several = stripped if len(stripped) > 1 and all(stripped) else ()
+    return Sample(path, "" if not all(stripped) else stripped[0], image, several, declared_size(entry, where))
+
+
+def declared_size(entry: dict[str, Any], where: str) -> tuple[int, int, int] | None:
+    """A line's optional media size: "width" and "height" (+ "frames" for a video), positive integers."""
+    keys = [k for k in ("frames", "height", "width") if k in entry]
+    if not keys:
+        return None
+    values = {k: entry[k] for k in keys}
+    if not {"height", "width"} <= set(keys) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values.values()
+    ):
+        raise ValueError(
+            f'{where}: a declared size needs positive integers "height" and "width" (and "frames" for a video); '
+            f"got {values}"
+        )
+    return (values.get("frames", 1), values["height"], values["width"])
+
+
+def open_manifest(path: str | os.PathLike[str]) -> ShardedManifest:
+    """A .jsonl manifest or a folder of .jsonl shards as a lazy, checked index (`spindle.data.index`)."""
+    return ShardedManifest.open(path, _manifest_entry)
 
 
 def read_manifest(manifest: str | os.PathLike[str]) -> list[Sample]:
@@ -217,7 +289,7 @@ def read_manifest(manifest: str | os.PathLike[str]) -> list[Sample]:
     return samples
 
 
-def _check_files_exist(samples: list[Sample], source: Path) -> None:
+def _check_files_exist(samples: Sequence[Sample], source: Path) -> None:
     missing = [p for s in samples for p in (s.path, s.image) if p is not None and not p.is_file()]
     if missing:
         shown = ", ".join(str(p) for p in missing[:5]) + (" ..." if len(missing) > 5 else "")
@@ -236,36 +308,42 @@ def build_dataset(
     skip_bad_samples: bool = False,
     check: bool = True,
     warn_skipped: bool = True,
+    kind: str = "both",
 ) -> MediaDataset:
-    """A MediaDataset from a folder (captions in same-name .txt files) or a .jsonl manifest.
+    """A MediaDataset from a folder (captions in same-name .txt files), a .jsonl manifest or a folder of
+    .jsonl shards (both indexed lazily, `spindle.data.index`).
 
     Everything is checked here, at start-up, rather than hours into training: listing errors (missing
     folder, bad manifest line) raise at once; with `check`, every sample is decoded once
-    (`spindle.data.media_check`, cached) and every unusable one (missing or empty caption, missing,
-    corrupt or undecodable file) is listed in one DataCheckError, or, with `skip_bad_samples`, left
-    out, counted (`skipped_files`) and, with `warn_skipped`, named in one warning. Without `check`
-    (training on precomputed conditions, whose media is not decoded) only the listing is checked.
+    (`spindle.data.media_check`, cached; datasets of up to CHECK_LIMIT samples) and every unusable one
+    (missing or empty caption, missing, corrupt or undecodable file) is listed in one DataCheckError, or,
+    with `skip_bad_samples`, left out, counted (`skipped_files`) and, with `warn_skipped`, named in one
+    warning. Without `check` (training on precomputed conditions, whose media is not decoded) only the
+    listing is checked. `kind` (a `data.sources` entry's): `video` or `image` keeps only those files (a
+    manifest line of the other kind is an error), `both` keeps all.
     """
     path = Path(path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"dataset path {path} does not exist (set data.path to a folder or a .jsonl manifest)")
-    if path.is_dir():
-        samples, problems = list_folder(path)
-    elif path.suffix.lower() == ".jsonl":
-        listed = read_manifest(path)
-        samples = [s for s in listed if s.caption]
-        problems = [Problem(s.path, f"empty caption in {path.name}") for s in listed if not s.caption]
-        if not check and not skip_bad_samples:
-            _check_files_exist(samples, path)
+    samples: Sequence[Sample]
+    if (path.is_file() and path.suffix.lower() == ".jsonl") or is_shard_folder(path):
+        index = _of_kind(open_manifest(path), kind, path)
+        samples, problems = index, list(index.problems)
+        if not check and not skip_bad_samples and len(index) <= CHECK_LIMIT:
+            _check_files_exist(index, path)
+    elif path.is_dir():
+        samples, problems = list_folder(path, kind)
     else:
-        raise ValueError(f"dataset path {path} must be a folder or a .jsonl manifest")
+        raise ValueError(f"dataset path {path} must be a folder, a .jsonl manifest or a folder of .jsonl shards")
     total = len(samples) + len(problems)
     if not total:
         raise ValueError(f"dataset {path} has no samples (media extensions: {', '.join(sorted(MEDIA_EXTENSIONS))})")
-    if check:
+    if check and len(samples) <= CHECK_LIMIT:
         bad = find_problems(samples, resolution, num_frames)
         problems += [Problem(samples[i].path, reason) for i, reason in sorted(bad.items())]
-        samples = [s for i, s in enumerate(samples) if i not in bad]
+        samples = _without(samples, set(bad))
+    elif check:
+        logger.info("%s: %d samples, too many to decode up front; each is checked as it is read", path, len(samples))
     if problems and not skip_bad_samples:
         raise DataCheckError(path, sorted(problems, key=lambda p: str(p.path)), total)
     if not samples:
@@ -276,3 +354,25 @@ def build_dataset(
     dataset = MediaDataset(samples, resolution, num_frames, skip_bad_samples=skip_bad_samples)
     dataset.skipped_files = [p.path for p in problems]
     return dataset
+
+
+def _without(samples: Sequence[Sample], bad: set[int]) -> Sequence[Sample]:
+    if isinstance(samples, ShardedManifest):
+        return samples.subset(np.asarray([i not in bad for i in range(len(samples))], dtype=bool))
+    return [s for i, s in enumerate(samples) if i not in bad]
+
+
+def _of_kind(index: ShardedManifest, kind: str, source: Path) -> ShardedManifest:
+    """A manifest's samples, all of `kind` (a `data.sources` entry's); a line of another kind is an error."""
+    if kind == "both":
+        return index
+    wrong = np.flatnonzero(index.videos != (kind == "video"))
+    if len(wrong):
+        first = index.read(int(wrong[0]))
+        raise MediaError(
+            first.path,
+            f"{len(wrong)} line(s) of {source} are not {kind} files, but the source's kind is {kind!r} "
+            f"(first: line {int(index.lines[wrong[0]])})",
+            "Set the source's kind to both, or list those files in a source of their own.",
+        )
+    return index

@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from spindle.data.datasets import collate
+from spindle.data.order import BucketedOrder
 
 
 class ResumableLoader:
@@ -47,6 +48,7 @@ class ResumableLoader:
         num_workers: int = 0,
         collate_fn: Callable[[list[Any]], Any] = collate,
         global_batch_size: int | None = None,
+        order: BucketedOrder | None = None,
     ):
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1; got {micro_batch_size}")
@@ -73,6 +75,8 @@ class ResumableLoader:
         self.collate_fn = collate_fn
         self.global_batch_size = global_batch_size
         self.accum = global_batch_size // per_round
+        # bucketed / mixed-source data: whole global batches from `spindle.data.order` (None: the plain order)
+        self.order = order
         self.epoch = 0
         self.position = 0
         self._batches: Iterator[Any] | None = None
@@ -86,11 +90,20 @@ class ResumableLoader:
 
     @property
     def steps_per_epoch(self) -> int:
-        """Micro-batches per rank per epoch (= forward passes of every rank)."""
+        """Micro-batches per rank per epoch (= forward passes of every rank), in the current epoch."""
+        return self.steps_in(self.epoch)
+
+    def steps_in(self, epoch: int) -> int:
+        """Micro-batches per rank in `epoch` (a bucketed epoch's count follows its sources' draws)."""
+        if self.order is not None:
+            return len(self.order.global_batches(epoch, self.global_batch_size)) * self.accum
         return self.global_steps_per_epoch * self.accum
 
     def epoch_order(self, epoch: int) -> list[int]:
         """The global sample order of `epoch`, already cut/padded to whole global batches."""
+        if self.order is not None:
+            planned: list[int] = self.order.global_batches(epoch, self.global_batch_size).reshape(-1).tolist()
+            return planned
         n = len(self.dataset)  # type: ignore[arg-type]
         if self.shuffle:
             generator = torch.Generator().manual_seed(self.seed + epoch)
@@ -108,15 +121,26 @@ class ResumableLoader:
         mbs = self.micro_batch_size
         starts = (
             step * self.global_batch_size + (micro * self.dp_size + self.dp_rank) * mbs
-            for step in range(self.global_steps_per_epoch)
+            for step in range(len(order) // self.global_batch_size)
             for micro in range(self.accum)
         )
         return [order[start : start + mbs] for start in starts]
 
     # ------------------------------------------------------------------ iteration
 
+    def current_global_batch(self) -> list[int]:
+        """The dataset indices of the global batch the last returned micro-batch belongs to (every rank's)."""
+        step = max(self.position - 1, 0) // self.accum
+        if self.order is not None:  # a row of the epoch's plan (no list of the whole epoch per step)
+            row: list[int] = self.order.global_batches(self.epoch, self.global_batch_size)[step].tolist()
+            return row
+        return self.epoch_order(self.epoch)[step * self.global_batch_size : (step + 1) * self.global_batch_size]
+
     def _epoch_iterator(self, epoch: int, start: int) -> Iterator[Any]:
         batches = self.rank_batches(epoch)[start:]
+        set_epoch = getattr(self.dataset, "set_epoch", None)
+        if set_epoch is not None:  # per-epoch draws (captions); workers get the dataset pickled after this
+            set_epoch(epoch)
         if self.num_workers == 0:
             return (self.collate_fn([self.dataset[i] for i in batch]) for batch in batches)
         loader = DataLoader(
@@ -148,10 +172,10 @@ class ResumableLoader:
         if missing:
             raise KeyError(f"loader state is missing {sorted(missing)}; got keys {sorted(state)}")
         epoch, position = int(state["epoch"]), int(state["position"])
-        if epoch < 0 or not 0 <= position <= self.steps_per_epoch:
+        if epoch < 0 or not 0 <= position <= self.steps_in(epoch):
             raise ValueError(
                 f"loader state epoch={epoch}, position={position} is out of range: this loader has "
-                f"{self.steps_per_epoch} steps per epoch (did the dataset, micro_batch_size or dp_size change?)"
+                f"{self.steps_in(max(epoch, 0))} steps per epoch (did the dataset, micro_batch_size or dp_size change?)"
             )
         self.epoch, self.position = epoch, position
         self._batches = None  # drops any prefetched batches; rebuilt from the restored position

@@ -16,16 +16,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
+from spindle.data.captions import CaptionPolicy
 from spindle.data.datasets import Sample
 
 FORMAT = 1
 MANIFEST = "manifest.json"
+EMPTY = "empty.safetensors"  # the empty caption's text conditions (data.caption_dropout)
 _PROBE = 1 << 20  # bytes hashed at each end of a weight file
 
 
@@ -60,6 +63,9 @@ def cache_settings(cfg: Any, family: str, dtype: torch.dtype) -> dict[str, Any]:
         "checkpoint": checkpoint_identity(cfg.model.path),
         "resolution": list(cfg.data.resolution),
         "num_frames": cfg.data.num_frames,
+        # each sample's shape (its bucket) and caption text depend on these too
+        "buckets": cfg.data.buckets if isinstance(cfg.data.buckets, bool) else cfg.data.buckets.model_dump(),
+        "caption_prefix": cfg.data.caption_prefix,
         "max_text_length": cfg.model.max_text_length,
         "dtype": str(dtype).removeprefix("torch."),
     }
@@ -67,7 +73,7 @@ def cache_settings(cfg: Any, family: str, dtype: torch.dtype) -> dict[str, Any]:
 
 def sample_key(sample: Sample) -> str:
     stat = sample.path.stat()
-    caption = hashlib.sha256(sample.caption.encode()).hexdigest()[:16]
+    caption = hashlib.sha256("\n".join(sample.captions or (sample.caption,)).encode()).hexdigest()[:16]
     key = f"{sample.path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{caption}"
     if sample.image is not None:  # the conditioning image is part of the cached conditions
         image = sample.image.stat()
@@ -87,14 +93,29 @@ def write_sample(out: Path, index: int, conditions: dict[str, torch.Tensor]) -> 
     save_file({k: v.detach().to("cpu").contiguous() for k, v in conditions.items()}, str(path))
 
 
-def write_manifest(out: Path, settings: dict[str, Any], samples: list[Sample]) -> Path:
+def variant_key(key: str, caption: int) -> str:
+    """The name of condition `key` for a sample's `caption`-th caption (beyond the first) in its file."""
+    return f"{key}@caption{caption}"
+
+
+def write_empty(out: Path, conditions: dict[str, torch.Tensor]) -> None:
+    """The empty caption's text conditions (no batch dim): what data.caption_dropout swaps in."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in conditions.items()}, str(out / EMPTY))
+
+
+def write_manifest(out: Path, settings: dict[str, Any], samples: Sequence[Sample], text_keys: list[str]) -> Path:
+    """`text_keys`: the conditions a caption changes (swapped for another caption or the empty one)."""
     entries = [{"key": sample_key(s), "file": sample_file(i)} for i, s in enumerate(samples)]
     missing = [e["file"] for e in entries if not (out / e["file"]).is_file()]
     if missing:
         raise RuntimeError(f"precompute left {len(missing)} samples unwritten (first: {missing[0]})")
     path = out / MANIFEST
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"format": FORMAT, "settings": settings, "samples": entries}, indent=1))
+    manifest = {"format": FORMAT, "settings": settings, "text_keys": text_keys, "samples": entries}
+    tmp.write_text(json.dumps(manifest, indent=1))
     tmp.rename(path)  # the manifest appears last: a cache without one is incomplete
     return path
 
@@ -103,8 +124,8 @@ class StaleCacheError(ValueError):
     """The cache was made for other settings, another checkpoint or other data."""
 
 
-def check_cache(root: Path, settings: dict[str, Any], samples: list[Sample]) -> list[dict[str, str]]:
-    """The manifest's sample entries, after checking the cache matches this run; else a clear error."""
+def check_cache(root: Path, settings: dict[str, Any], samples: Sequence[Sample]) -> dict[str, Any]:
+    """The manifest, after checking the cache matches this run; else a clear error."""
     path = root / MANIFEST
     fix = "rerun `spindle precompute CONFIG --out DIR` with this run's config"
     if not path.is_file():
@@ -134,18 +155,59 @@ def check_cache(root: Path, settings: dict[str, Any], samples: list[Sample]) -> 
             f"data.precomputed: {len(changed)} samples changed since the cache was made (file or caption; "
             f"first: {changed[0]}); {fix}"
         )
-    return entries
+    return dict(manifest)
 
 
 class CachedConditions(Dataset):
-    """{"conditions": {name: tensor}, "index": int} per sample, read from a checked cache."""
+    """{"conditions": {name: tensor}, "index": int} per sample, read from a checked cache.
 
-    def __init__(self, root: str | Path, settings: dict[str, Any], samples: list[Sample]):
+    With `captions` (the run's `CaptionPolicy`), each epoch's caption draw is applied as the media path
+    applies it: a sample's other captions were cached as `variant_key` entries, the empty caption once
+    (`EMPTY`); the draw swaps the manifest's `text_keys` for them."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        settings: dict[str, Any],
+        samples: Sequence[Sample],
+        captions: CaptionPolicy | None = None,
+    ):
         self.root = Path(root)
-        self.entries = check_cache(self.root, settings, samples)
+        manifest = check_cache(self.root, settings, samples)
+        self.entries = manifest["samples"]
+        self.text_keys: list[str] = manifest.get("text_keys", [])
+        self.captions = captions or CaptionPolicy()
+        self.epoch = 0
+        self._empty: dict[str, torch.Tensor] | None = None
+        if self.captions.dropout and not (self.root / EMPTY).is_file():
+            raise StaleCacheError(
+                f"data.precomputed: {self.root} holds no empty-caption conditions (made before data.caption_dropout "
+                "was cached); rerun `spindle precompute CONFIG --out DIR`"
+            )
 
     def __len__(self) -> int:
         return len(self.entries)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def empty(self) -> dict[str, torch.Tensor]:
+        if self._empty is None:
+            from safetensors.torch import load_file
+
+            self._empty = load_file(str(self.root / EMPTY))
+        return self._empty
+
+    def draw_caption(self, conditions: dict[str, torch.Tensor], index: int) -> dict[str, torch.Tensor]:
+        """`conditions` with the text of the caption drawn for (epoch, index); the variants dropped."""
+        variants = {k for k in conditions if "@caption" in k}
+        count = 1 + len({k.rpartition("@caption")[2] for k in variants})
+        j = self.captions.pick(count, self.epoch, index)
+        if j is None:
+            conditions.update(self.empty())
+        elif j:
+            conditions.update({k: conditions[variant_key(k, j)] for k in self.text_keys})
+        return {k: v for k, v in conditions.items() if k not in variants}
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         from safetensors import SafetensorError
@@ -158,7 +220,7 @@ class CachedConditions(Dataset):
             raise StaleCacheError(
                 f"data.precomputed: {path} is damaged or missing ({e}); rerun `spindle precompute CONFIG --out DIR`"
             ) from None
-        return {"conditions": conditions, "index": index}
+        return {"conditions": self.draw_caption(conditions, index), "index": index}
 
 
 def collate_conditions(items: list[dict[str, Any]]) -> dict[str, Any]:

@@ -64,7 +64,14 @@ def epochs_for(max_steps: int, global_batch_size: int, data: dict[str, Any]) -> 
 
 
 def format_start(summary: dict[str, Any]) -> str:
-    data = ", ".join(f"{k} {v}" for k, v in summary["data"].items())
+    data = ", ".join(f"{k} {v}" for k, v in summary["data"].items() if not isinstance(v, dict))
+    # per-group counts (data.sources, data.buckets): a line each, "name key n, key n; name ..."
+    groups = [
+        f"data {key}: "
+        + "; ".join(f"{name} " + ", ".join(f"{k} {n}" for k, n in counts.items()) for name, counts in v.items())
+        for key, v in summary["data"].items()
+        if isinstance(v, dict)
+    ]
     params = summary["parameters"]
     mesh = summary["mesh"]
     layout = "; ".join(f"{name}={mesh['dims'][name]} ({role})" for name, role in mesh["roles"].items())
@@ -73,6 +80,7 @@ def format_start(summary: dict[str, Any]) -> str:
         f"run: {summary['family']} ({summary['task']} task), {summary['max_steps']} steps of "
         f"{summary['global_batch_size']} samples, precision {summary['precision']}",
         f"data: {data or 'no counts'}" + (f"; {summary['epochs']} epochs" if summary["epochs"] is not None else ""),
+        *groups,
         f"parameters: {params['trainable']:,} trainable, {params['frozen']:,} frozen",
         f"mesh: {mesh['world']} processes: {layout}" if mesh["world"] > 1 else "mesh: one process, no parallelism",
         f"start: step {resume['step']}" + (f" (checkpoint {resume['checkpoint']})" if resume["checkpoint"] else ""),

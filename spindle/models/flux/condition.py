@@ -48,6 +48,10 @@ class FluxConditionModel(PackedImageConditionModel):
         self.guidance_embeds = guidance_embeds
         self.guidance = guidance
 
+    @classmethod
+    def vae_downsampling(cls, vae: Any) -> int:
+        return int(2 ** (len(vae.config.block_out_channels) - 1))  # FluxPipeline's vae_scale_factor
+
     def read_checkpoint(self, root: Path) -> None:
         # The transformer is not loaded here; whether it embeds guidance is in its config.
         tcfg = json.loads((root / "transformer" / "config.json").read_text())

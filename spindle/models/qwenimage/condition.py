@@ -52,6 +52,10 @@ class QwenImageConditionModel(PackedImageConditionModel):
             )
         self.latents_mean, self.latents_std = latent_stats(pipe.vae.config)
 
+    @classmethod
+    def vae_downsampling(cls, vae: Any) -> int:
+        return int(2 ** len(vae.temperal_downsample))  # QwenImagePipeline's vae_scale_factor
+
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         embeds, mask = self.pipe.encode_prompt(

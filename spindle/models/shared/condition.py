@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from spindle.config import TimestepConfig
-from spindle.contracts.condition import ConditionModel
+from spindle.contracts.condition import ConditionModel, PixelGrid
 from spindle.contracts.family import import_object
 from spindle.models.shared.latents import resolution_shift
 from spindle.train.tasks.flow_matching_math import flow_matching_pair, sample_sigmas
@@ -29,12 +29,22 @@ def frames_as_images(pixels: torch.Tensor, family: str) -> torch.Tensor:
     return pixels[:, :, 0]
 
 
+def meta_vae(root: str | Path) -> Any:
+    """The checkpoint's VAE built from its config on the meta device: its config (class defaults filled
+    in) and attributes, no weight read."""
+    import diffusers
+
+    from spindle.infer.pipeline import read_model_index
+
+    vae_cls = getattr(diffusers, read_model_index(root)["vae"][1])
+    with torch.device("meta"):
+        return vae_cls.from_config(vae_cls.load_config(Path(root) / "vae"))
+
+
 def encoder_placeholders(root: str | Path) -> dict[str, Any]:
     """from_pretrained overrides that keep a pipeline's encoders out of memory: every model component
     but the scheduler is None, except the VAE, built on the meta device from its config (its config
     holds the latent scaling the training inputs use; its weights are never read)."""
-    import diffusers
-
     from spindle.infer.pipeline import read_model_index
 
     out: dict[str, Any] = {}
@@ -42,9 +52,7 @@ def encoder_placeholders(root: str | Path) -> dict[str, Any]:
         if name.startswith("_") or not isinstance(entry, list) or name in ("scheduler", "transformer"):
             continue
         if name == "vae":
-            vae_cls = getattr(diffusers, entry[1])
-            with torch.device("meta"):
-                out[name] = vae_cls.from_config(vae_cls.load_config(Path(root) / "vae"))
+            out[name] = meta_vae(root)
         else:
             out[name] = None
     return out
@@ -106,6 +114,16 @@ class PackedImageConditionModel(PipelineConditionModel):
     `training_inputs`."""
 
     label: str = ""
+
+    @classmethod
+    def vae_downsampling(cls, vae: Any) -> int:
+        """The VAE's spatial downsampling, as the family's pipeline computes it."""
+        raise NotImplementedError
+
+    @classmethod
+    def pixel_grid(cls, root: str | Path) -> PixelGrid:
+        multiple = 2 * cls.vae_downsampling(meta_vae(root))  # VAE downsampling x 2x2 packing
+        return PixelGrid(multiple, multiple)
 
     def check_pixel_shape(self, shape: torch.Size) -> None:
         height, width = shape[-2:]

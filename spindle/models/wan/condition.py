@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from spindle.models.shared.condition import PipelineConditionModel
+from spindle.contracts.condition import PixelGrid
+from spindle.models.shared.condition import PipelineConditionModel, meta_vae
 from spindle.models.shared.latents import latent_stats
 from spindle.train.tasks.flow_matching_math import flow_matching_pair, sample_sigmas
 
@@ -22,6 +25,13 @@ class WanConditionModel(PipelineConditionModel):
         self.latents_mean, self.latents_std = latent_stats(vae_cfg)
         self.scale_factor_temporal = vae_cfg.scale_factor_temporal
         self.scale_factor_spatial = vae_cfg.scale_factor_spatial
+
+    @classmethod
+    def pixel_grid(cls, root: str | Path) -> PixelGrid:
+        vae = meta_vae(root).config
+        patch = json.loads((Path(root) / "transformer" / "config.json").read_text())["patch_size"]
+        spatial = vae.scale_factor_spatial
+        return PixelGrid(spatial * patch[1], spatial * patch[2], frame_multiple=vae.scale_factor_temporal)
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> torch.Tensor:

@@ -10,14 +10,18 @@ import torch
 from spindle.contracts.parallel import ParallelPlan
 from spindle.contracts.task import TrainTask
 from spindle.data.loader import ResumableLoader
+from spindle.data.order import BucketedOrder
 
 if TYPE_CHECKING:
     from spindle.distributed.sharded_load import TensorSource
 
 
-def resumable_loader(task: TrainTask, dataset: Any, collate_fn: Callable[[list[Any]], Any]) -> ResumableLoader:
+def resumable_loader(
+    task: TrainTask, dataset: Any, collate_fn: Callable[[list[Any]], Any], order: BucketedOrder | None = None
+) -> ResumableLoader:
     """`dataset` as this rank's share of the job's batches: micro/global batch size, seed and
-    shuffling from the task's config, the data-parallel rank and size from its mesh."""
+    shuffling from the task's config, the data-parallel rank and size from its mesh; `order`: a
+    bucketed / mixed-source epoch order (`spindle.data.order`)."""
     cfg = task.cfg
     return ResumableLoader(
         dataset,
@@ -28,6 +32,7 @@ def resumable_loader(task: TrainTask, dataset: Any, collate_fn: Callable[[list[A
         shuffle=cfg.data.shuffle,
         collate_fn=collate_fn,
         global_batch_size=cfg.train.global_batch_size,
+        order=order,
     )
 
 

@@ -114,6 +114,8 @@ class FlowMatchingTask(TrainTask):
         if dims.cp_size > 1 and tcfg.is_file():
             check_sequence_parallel(json.loads(tcfg.read_text()), dims.sp, ring=dims.ring)
         check_validation_images(cfg, family)
+        if cfg.data.buckets and dims.cp_size > 1:  # every bucket must split over the SP ranks: said before launch
+            dit_data(cfg, family, check=False, warn_skipped=False)
         index = Path(cfg.model.path) / "model_index.json"
         if index.is_file() and family.inference is not None:
             # checkpoint variants the family cannot serve (Wan2.2 two-expert / TI2V folders) are not trained
@@ -156,37 +158,37 @@ class FlowMatchingTask(TrainTask):
 
     @classmethod
     def check_data(cls, cfg: DiTJobConfig) -> None:
-        from spindle.data.datasets import build_dataset
-
-        data = cfg.data
-        if data.precomputed is None:  # every file decoded once (cached): one report before the model loads
-            build_dataset(data.path, data.resolution, data.num_frames, data.skip_bad_samples)
+        if cfg.data.precomputed is None:  # every file decoded once (cached): one report before the model loads
+            dit_data(cfg, None)
 
     def data_stats(self) -> dict[str, Any]:
         return dict(getattr(self, "_data_stats", {}))
 
+    def step_metrics(self) -> dict[str, Any]:
+        """data.sources: how many samples of the step's global batch came from each source."""
+        mix = getattr(self, "_mix", None)
+        if mix is None:
+            return {}
+        return {f"source/{name}": n for name, n in mix.counts(self._loader.current_global_batch()).items()}
+
     def build_loader(self) -> ResumableLoader:
-        from spindle.data.datasets import build_dataset, collate
+        from spindle.data.datasets import collate
         from spindle.data.precomputed import CachedConditions, cache_settings, collate_conditions
 
         data = self.cfg.data
-        height, width = data.resolution
         # with precomputed conditions the media is never decoded, so it is not checked either; the
         # skipped files were named by check_data, before the model was built
-        media = build_dataset(
-            data.path,
-            (height, width),
-            data.num_frames,
-            data.skip_bad_samples,
-            check=data.precomputed is None,
-            warn_skipped=False,
-        )
-        self._data_stats = {"rows": len(media), "samples": len(media), "skipped": len(media.skipped_files)}
+        built = dit_data(self.cfg, self.family, check=data.precomputed is None, warn_skipped=False)
+        media = built.dataset
+        self._data_stats = built.stats
+        self._mix = built.mix
         source: Any = media
         if data.precomputed is not None:  # the same samples, read as cached conditions
             settings = cache_settings(self.cfg, self.family.name, condition_dtype(self.precision))
-            source = CachedConditions(data.precomputed, settings, media.samples)
-        return resumable_loader(self, source, collate if data.precomputed is None else collate_conditions)
+            source = CachedConditions(data.precomputed, settings, media.samples, media.captions)
+        collate_fn = collate if data.precomputed is None else collate_conditions
+        self._loader = resumable_loader(self, source, collate_fn, order=built.order)
+        return self._loader
 
     # ------------------------------------------------------------ step
 
@@ -311,6 +313,21 @@ def check_validation_images(cfg: DiTJobConfig, family: DiTFamily) -> None:
     for path in val.images:
         if not Path(path).is_file():
             raise FileNotFoundError(f"train.validation.images: {path} does not exist")
+
+
+def dit_data(
+    cfg: Any, family: DiTFamily | None, check: bool = True, warn_skipped: bool = True, captions: bool = True
+) -> Any:
+    """The job's dataset, order and report (`spindle.data.dit_data`), buckets on the family's pixel grid;
+    without a family only the samples are listed and checked (before the model is built). `captions=False`:
+    the first caption of each sample, never dropped (what `spindle precompute` caches)."""
+    from spindle.data.dit_data import build_dit_data
+
+    grid = None if family is None else lambda: family.condition_model_cls().pixel_grid(cfg.model.path)
+    split = cfg.parallel.sp * cfg.parallel.ring
+    return build_dit_data(
+        cfg.data, grid, cfg.train.seed, cfg.train.global_batch_size, check, warn_skipped, captions, split
+    )
 
 
 def condition_dtype(precision: str) -> torch.dtype:
