@@ -72,12 +72,45 @@ def test_vlm_lora_adapts_the_language_model_only(tiny_qwen2_5_vl, vlm_conversati
     assert (export / "lora" / "preprocessor_config.json").is_file()
 
 
-def test_lora_is_refused_where_not_supported(tiny_qwen3_moe, tiny_qwen2_5_vl, lm_corpus, vlm_conversations, tmp_path):
-    moe = load_job_config(None, lm_overrides(tiny_qwen3_moe, lm_corpus, tmp_path, train__lora="{}"))
-    with pytest.raises(ConfigError, match="LoRA is not implemented for mixture-of-experts"):
-        check_job_plan(moe, 1)
+def test_lora_is_refused_where_not_supported(tiny_qwen2_5_vl, lm_corpus, vlm_conversations, tmp_path):
     vlm = load_job_config(
         None, lm_overrides(tiny_qwen2_5_vl, vlm_conversations, tmp_path, train__lora="{}", train__freeze='["vision"]')
     )
     with pytest.raises(ConfigError, match=r"train\.freeze with train\.lora"):
         check_job_plan(vlm, 1)
+
+
+def test_moe_lora_adapts_the_attention_and_exports_a_peft_folder(tiny_qwen3_moe, lm_corpus, tmp_path, spindle_cli):
+    """A mixture-of-experts model's LoRA adapts its attention projections (its experts are fused
+    parameters): stock peft + transformers load the PEFT folder with the trained model's outputs, the
+    merged folder loads alone, and `spindle export` of the checkpoint writes the same adapters."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    trainer, _ = lm_train(tiny_qwen3_moe, lm_corpus, tmp_path / "run", train__max_steps=2, **LORA)
+    adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in trained_only_adapters(trainer)}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    export = tmp_path / "run" / "export"
+    ids = torch.tensor([[5, 9, 14, 3, 22, 7, 11, 30]])
+    with torch.no_grad():
+        ours = trainer.model.eval()(input_ids=ids).logits
+        base = AutoModelForCausalLM.from_pretrained(tiny_qwen3_moe).eval()
+        assert (ours - base(input_ids=ids).logits).abs().max() > 1e-3  # the adapters changed the model
+        peft = PeftModel.from_pretrained(base, export / "lora").eval()
+        torch.testing.assert_close(peft(input_ids=ids).logits, ours, rtol=0, atol=1e-5)
+        merged = AutoModelForCausalLM.from_pretrained(export / "merged").eval()
+        torch.testing.assert_close(merged(input_ids=ids).logits, ours, rtol=0, atol=1e-5)
+    r = spindle_cli("export", tmp_path / "run", "--out", tmp_path / "cli")
+    assert r.returncode == 0, r.stderr
+    a, b = (load_file(d / "lora" / "adapter_model.safetensors") for d in (export, tmp_path / "cli"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_moe_lora_on_the_fused_experts_is_refused_naming_the_targets(tiny_qwen3_moe, lm_corpus, tmp_path):
+    cfg = load_job_config(
+        None,
+        lm_overrides(tiny_qwen3_moe, lm_corpus, tmp_path / "run", train__lora='{"rank": 4, "targets": ["experts"]}'),
+    )
+    with pytest.raises(ConfigError, match=r"train.lora.targets: \['experts'\] name the experts, which are fused"):
+        check_job_plan(cfg, 1)

@@ -302,7 +302,7 @@ class CausalLMTask(TrainTask):
                 adapters = adapter_state_dict(sd, lora_scale(model))
                 merge = self.cfg.export.merge_lora
                 result = export_lm_lora(
-                    self.family.model_cls(), self.cfg.model.path, adapters, out, merge, self.export_files
+                    self.merge_base(self.family), self.cfg.model.path, adapters, out, merge, self.export_files
                 )
             barrier()
             return result
@@ -312,6 +312,11 @@ class CausalLMTask(TrainTask):
             model, state, self.cfg.model.path, out, extra_files=self.export_files, dtype=self.cfg.export.dtype
         )
         return out if is_main_process() else None
+
+    @classmethod
+    def merge_base(cls, family: CausalLMFamily) -> Any:
+        """What loads the base model a LoRA is merged into (`export.merge_lora`): its `from_pretrained`."""
+        return family.model_cls()
 
     @classmethod
     def export_layout(cls, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -25,6 +25,7 @@ read from `config.get_text_config()`: a VLM's text config, a causal LM's own con
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -74,10 +75,10 @@ class MoECausalLMTask(CausalLMTask):
         from spindle.distributed.expert_parallel import check_ep_layout
 
         super().check_plan(cfg, family, dims)  # the dense checks (ring refused for language models, ...)
-        if cfg.train.lora is not None:
+        if cfg.train.lora is not None and any("expert" in t for t in cfg.train.lora.targets or ()):
             raise ConfigError(
-                "train.lora: LoRA is not implemented for mixture-of-experts models yet (the experts are fused "
-                "parameters, not linear layers); remove train.lora"
+                f"train.lora.targets: {cfg.train.lora.targets} name the experts, which are fused parameters, not "
+                "linear layers; LoRA adapts the attention projections of a mixture-of-experts model (the default)"
             )
         try:
             check_ep_layout(dims, AutoConfig.from_pretrained(cfg.model.path).get_text_config().num_experts)
@@ -168,12 +169,19 @@ class MoECausalLMTask(CausalLMTask):
     def export(self, model: torch.nn.Module, out: Path) -> Path | None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+        if self.cfg.train.lora is not None:  # the attention adapters: a PEFT folder, as for dense models
+            return super().export(model, out)
+
         # a model's state dict holds tensors (DTensors under FSDP2/EP), not the nested values DCP's ValueType allows
         state = cast("dict[str, torch.Tensor]", get_model_state_dict(model))
         self.write_folder(
             self.adapter, model, state, self.cfg.model.path, out, self.expert_layout, self.cfg.export.dtype
         )
         return out if is_main_process() else None
+
+    @classmethod
+    def merge_base(cls, family: CausalLMFamily) -> Any:
+        return ExpertLayoutLoader(family)
 
     @classmethod
     def write_folder(
@@ -206,6 +214,8 @@ class MoECausalLMTask(CausalLMTask):
         if not (model_path / "config.json").is_file():
             raise FileNotFoundError(f"base model {model_path} has no config.json; pass --model PATH")
         check_export_dtype(dtype)
+        if json.loads((checkpoint / ckpt.TRAINER_STATE).read_text()).get("lora") is not None:
+            return super().export_checkpoint(family, checkpoint, model_path, out, dtype)
         adapter = checkpoint_adapter(family)
         layout = adapter.layout(model_path)
         model = load_moe_model(family, model_path)
@@ -225,6 +235,19 @@ def experts_implementation(config: Any, device_type: str) -> str:
         if (c.hidden_size * row_bytes) % 16 or (c.moe_intermediate_size * row_bytes) % 16:
             return "batched_mm"
     return "grouped_mm"
+
+
+class ExpertLayoutLoader:
+    """`from_pretrained` of the family's class with its checkpoint's expert layout converted on load (the
+    adapter's loading context): what a LoRA merge loads the base with."""
+
+    def __init__(self, family: CausalLMFamily) -> None:
+        self.family = family
+
+    def from_pretrained(self, path: str | Path, **kwargs: Any) -> Any:
+        adapter = checkpoint_adapter(self.family)
+        with adapter.loading(adapter.layout(path)):
+            return cast(Any, self.family.model_cls()).from_pretrained(path, **kwargs)
 
 
 def load_moe_model(
