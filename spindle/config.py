@@ -266,14 +266,15 @@ class CausalLMJobConfig(TrainJobConfig):
     data: TextDataConfig
 
 
-VLMPart = Literal["vision", "aligner", "language"]
+VLMPart = Literal["audio", "vision", "aligner", "language"]
 
 
 class VLMTrainConfig(TrainConfig):
     freeze: list[VLMPart] = Field(
         default_factory=list,
         description="parts that are not trained (no gradient, no optimizer state): vision (the vision tower), "
-        "aligner (the merger into the language model), language (the language model and its head)",
+        "audio (the audio encoder, omni models), aligner (what maps tower features into the language model), "
+        "language (the language model and its head)",
     )
 
 

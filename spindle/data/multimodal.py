@@ -43,6 +43,7 @@ from spindle.data.text import IGNORE_INDEX, TextDataError, jsonl_files, learn_as
 log = logging.getLogger("spindle.data")
 
 IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER = "<image>", "<video>"  # the LLaVA/ShareGPT placeholders
+MEDIA_KINDS = ("image", "video", "audio")  # content-part types besides text
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
@@ -57,11 +58,22 @@ class Vision:
 
 
 @dataclass
+class Audio:
+    """One audio clip after feature extraction: what the audio encoder takes (spindle.data.audio)."""
+
+    features: torch.Tensor  # [mel bins, frames]: the valid log-mel frames
+    kind: str = "audio"
+
+
+Media = Vision | Audio
+
+
+@dataclass
 class MMDocument:
     tokens: list[int]
     learn: list[bool]
     positions: torch.Tensor  # [3, len(tokens)] multimodal RoPE positions
-    vision: list[Vision]  # in token order
+    vision: list[Media]  # images, videos and audio clips in token order
     source: str  # "file:line"
 
 
@@ -74,6 +86,7 @@ class MMStats:
     label_tokens: int
     images: int
     videos: int
+    audios: int = 0
 
 
 @dataclass
@@ -101,6 +114,7 @@ class VisionProcessor:
         rope_index: Any,
         options: VisionOptions,
         videos: bool = True,
+        audio: bool = False,
     ):
         from transformers import AutoImageProcessor
 
@@ -114,6 +128,13 @@ class VisionProcessor:
             "image": tokenizer.convert_ids_to_tokens(config.image_token_id),
             "video": tokenizer.convert_ids_to_tokens(config.video_token_id),
         }
+        self.feature_extractor = None  # audio models: the checkpoint's WhisperFeatureExtractor
+        if audio:
+            from transformers import AutoFeatureExtractor
+
+            self.feature_extractor = AutoFeatureExtractor.from_pretrained(model_path)
+            self.pad_token["audio"] = tokenizer.convert_ids_to_tokens(config.audio_token_id)
+        self.media_ids = {tokenizer.convert_tokens_to_ids(t) for t in self.pad_token.values()}
         if not getattr(tokenizer, "chat_template", None):
             raise TextDataError(f"the tokenizer of {model_path} has no chat_template; VLM data needs one")
 
@@ -143,22 +164,45 @@ class VisionProcessor:
         )
         return Vision("video", pixel_values, grid, second_per_grid=seconds)
 
-    def tokens(self, vision: list[Vision]) -> list[int]:
-        """How many placeholder tokens each vision input expands to."""
-        return [int(v.grid_thw.prod()) // self.merge_size**2 for v in vision]
+    def audio(self, path: Path) -> Audio:
+        if self.feature_extractor is None:
+            raise ValueError(
+                f"audio {path.name}: {self.config.model_type} models take no audio; audio parts need an omni-modal "
+                "model (e.g. qwen2_5_omni)"
+            )
+        from spindle.data.audio import audio_features, decode_audio
 
-    def render(self, messages: list[dict], vision: list[Vision], generation_prompt: bool) -> list[int]:
+        samples = decode_audio(path, int(self.feature_extractor.sampling_rate))
+        return Audio(audio_features(samples, self.feature_extractor, f"audio {path}"))
+
+    def media(self, kind: str, path: Path) -> Media:
+        if kind == "audio":
+            return self.audio(path)
+        return self.image(path) if kind == "image" else self.video(path)
+
+    def tokens(self, vision: list[Media]) -> list[int]:
+        """How many placeholder tokens each input expands to."""
+        from spindle.data.audio import audio_token_count
+
+        return [
+            audio_token_count(v.features.shape[1])
+            if isinstance(v, Audio)
+            else int(v.grid_thw.prod()) // self.merge_size**2
+            for v in vision
+        ]
+
+    def render(self, messages: list[dict], vision: list[Media], generation_prompt: bool) -> list[int]:
         """The template's text with every pad token expanded to its input's token count, tokenized."""
         if not messages and not generation_prompt:
             return []
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
         # Each pad token takes the next vision input of its kind, in order (as the stock processor does).
-        counts: dict[str, list[int]] = {"image": [], "video": []}
+        counts: dict[str, list[int]] = {kind: [] for kind in self.pad_token}
         for v, n in zip(vision, self.tokens(vision), strict=True):
             counts[v.kind].append(n)
         pieces: list[str] = []
         rest = text
-        while found := [(rest.find(self.pad_token[k]), k) for k in ("image", "video") if self.pad_token[k] in rest]:
+        while found := [(rest.find(token), k) for k, token in self.pad_token.items() if token in rest]:
             at, kind = min(found)
             if not counts[kind]:
                 raise ValueError(f"the conversation has more {kind} placeholders than {kind}s")
@@ -167,17 +211,20 @@ class VisionProcessor:
         pieces.append(rest)
         return list(self.tokenizer("".join(pieces), add_special_tokens=False)["input_ids"])
 
-    def positions(self, tokens: list[int], vision: list[Vision]) -> torch.Tensor:
+    def positions(self, tokens: list[int], vision: list[Media]) -> torch.Tensor:
         """The document's [3, L] multimodal RoPE positions (the family's `rope_index`: the model's code)."""
 
         def grids(kind: str) -> torch.Tensor | None:
-            g = [v.grid_thw for v in vision if v.kind == kind]
+            g = [v.grid_thw for v in vision if isinstance(v, Vision) and v.kind == kind]
             return torch.stack(g) if g else None
 
-        videos = [v for v in vision if v.kind == "video"]
+        videos = [v for v in vision if isinstance(v, Vision) and v.kind == "video"]
         seconds = torch.tensor([v.second_per_grid for v in videos]) if videos else None
         ids = torch.tensor([tokens], dtype=torch.long)
-        pos: torch.Tensor = self.rope_index(self.config, ids, grids("image"), grids("video"), seconds)
+        extra = {}
+        if self.feature_extractor is not None:  # audio models: each clip's mel frame count
+            extra["audio_seqlens"] = torch.tensor([v.features.shape[1] for v in vision if isinstance(v, Audio)])
+        pos: torch.Tensor = self.rope_index(self.config, ids, grids("image"), grids("video"), seconds, **extra)
         return pos[:, 0]
 
 
@@ -244,8 +291,10 @@ def normalise_conversation(obj: Any) -> list[dict]:
         elif isinstance(content, list):
             for j, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, dict) else None
-                if kind not in ("text", "image", "video"):
-                    raise ValueError(f'messages[{i}].content[{j}] must have "type" text, image or video, got {part!r}')
+                if kind not in ("text", *MEDIA_KINDS):
+                    raise ValueError(
+                        f'messages[{i}].content[{j}] must have "type" text, image, video or audio, got {part!r}'
+                    )
                 if kind == "text" and not isinstance(part.get("text"), str):
                     raise ValueError(f'messages[{i}].content[{j}] of type text needs a string "text"')
                 if kind != "text":
@@ -262,7 +311,7 @@ def normalise_conversation(obj: Any) -> list[dict]:
 
 
 def media_parts(messages: list[dict]) -> list[tuple[str, str]]:
-    """(kind, path) of every image/video part, in order."""
+    """(kind, path) of every image/video/audio part, in order."""
     return [
         (part["type"], part[part["type"]])
         for m in messages
@@ -277,27 +326,24 @@ def conversation_document(
 ) -> tuple[MMDocument, bool]:
     """One line -> (document, whether its text tail was cut to seq_len)."""
     messages = normalise_conversation(obj)
-    vision = [
-        processor.image(base / path) if kind == "image" else processor.video(base / path)
-        for kind, path in media_parts(messages)
-    ]
+    vision = [processor.media(kind, base / path) for kind, path in media_parts(messages)]
 
     def render(prefix: list[dict], generation_prompt: bool) -> list[int]:
         # a prefix holds the first k media of the conversation
         return processor.render(prefix, vision[: len(media_parts(prefix))], generation_prompt)
 
     tokens, learn = learn_assistant_turns(messages, render)
-    vision_ids = {processor.config.image_token_id, processor.config.video_token_id}
+    vision_ids = processor.media_ids
     counted = sum(t in vision_ids for t in tokens)
     if counted != sum(processor.tokens(vision)):
-        raise ValueError("the chat template did not place one pad token per image/video part")
+        raise ValueError("the chat template did not place one pad token per image/video/audio part")
     positions = processor.positions(tokens, vision)
     cut = len(tokens) > seq_len
     if cut:
         if any(t in vision_ids for t in tokens[seq_len:]):
             raise ValueError(
                 f"the conversation is {len(tokens)} tokens, longer than data.seq_len={seq_len}, and cutting it would "
-                "cut image/video tokens; raise data.seq_len or lower data.max_pixels / data.max_frames"
+                "cut image/video/audio tokens; raise data.seq_len or lower data.max_pixels / data.max_frames"
             )
         tokens, learn, positions = tokens[:seq_len], learn[:seq_len], positions[:, :seq_len]
     if not any(learn[1:]):
@@ -391,11 +437,19 @@ class ConversationRows(Dataset):
         return {**self.rows[index], "index": index}
 
 
-def collate_vision(vision: list[Vision]) -> dict[str, torch.Tensor]:
-    """Vision inputs in token order -> the model's keyword arguments (only the kinds present)."""
+def collate_vision(vision: list[Media]) -> dict[str, torch.Tensor]:
+    """Media inputs in token order -> the model's keyword arguments (only the kinds present). Audio: the clips'
+    frames zero-padded to the longest, `input_features` [clips, mel bins, frames] with the
+    `feature_attention_mask` [clips, frames] that marks the real ones (what the stock processor returns,
+    less the silent tail every clip shares)."""
     out: dict[str, torch.Tensor] = {}
-    images = [v for v in vision if v.kind == "image"]
-    videos = [v for v in vision if v.kind == "video"]
+    images = [v for v in vision if isinstance(v, Vision) and v.kind == "image"]
+    videos = [v for v in vision if isinstance(v, Vision) and v.kind == "video"]
+    clips = [v.features for v in vision if isinstance(v, Audio)]
+    if clips:
+        frames = max(c.shape[1] for c in clips)
+        out["input_features"] = torch.stack([torch.nn.functional.pad(c, (0, frames - c.shape[1])) for c in clips])
+        out["feature_attention_mask"] = torch.stack([(torch.arange(frames) < c.shape[1]).long() for c in clips])
     if images:
         out["pixel_values"] = torch.cat([v.pixel_values for v in images])
         out["image_grid_thw"] = torch.stack([v.grid_thw for v in images])
@@ -437,5 +491,6 @@ def build_conversation_dataset(
         label_tokens=label_tokens,
         images=sum(v.kind == "image" for v in vision),
         videos=sum(v.kind == "video" for v in vision),
+        audios=sum(v.kind == "audio" for v in vision),
     )
     return ConversationRows(rows, stats)

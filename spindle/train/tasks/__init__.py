@@ -15,6 +15,7 @@ TASKS: dict[str, str] = {
     "causal_lm": "spindle.train.tasks.causal_lm:CausalLMTask",
     "causal_lm_moe": "spindle.train.tasks.moe_causal_lm:MoECausalLMTask",
     "vlm": "spindle.train.tasks.vlm:VLMTask",
+    "omni": "spindle.train.tasks.omni:OmniTask",
 }
 
 

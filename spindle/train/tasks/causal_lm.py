@@ -19,6 +19,7 @@ import copy
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -30,7 +31,7 @@ from spindle.contracts.parallel import ParallelPlan
 from spindle.contracts.task import StepOutput, TrainTask
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.mesh import barrier, is_main_process
-from spindle.train.precision import check_export_dtype, export_dtypes
+from spindle.train.precision import ExportDtypes, check_export_dtype, export_dtypes
 from spindle.train.tasks.base import build_parallel_model, resumable_loader
 
 if TYPE_CHECKING:
@@ -157,6 +158,13 @@ class CausalLMTask(TrainTask):
             self.cfg.model.path, dtype=torch.float32, attn_implementation="sdpa", **self.model_init_kwargs()
         )
 
+    def model_config(self) -> Any:
+        """The transformers config of the model the task trains (config.json; a sub-model's part of it where
+        the family trains one, e.g. an omni model's thinker)."""
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.cfg.model.path)
+
     def model_init_kwargs(self) -> dict[str, Any]:
         """Extra keyword arguments of the model's construction (both load paths)."""
         return {}
@@ -164,7 +172,7 @@ class CausalLMTask(TrainTask):
     def empty_model(self) -> torch.nn.Module:
         """The family's ForCausalLM built from config.json alone, as `load_model` would build it (fp32, sdpa,
         tied embeddings, the folder's generation config), its parameters on the meta device."""
-        from transformers import AutoConfig, GenerationConfig
+        from transformers import GenerationConfig
 
         from spindle.distributed.sharded_load import empty_weights
 
@@ -172,7 +180,7 @@ class CausalLMTask(TrainTask):
         cls: Any = self.family.model_cls()
         with empty_weights():
             model = cls._from_config(
-                AutoConfig.from_pretrained(path),
+                self.model_config(),
                 dtype=torch.float32,
                 attn_implementation="sdpa",
                 **self.model_init_kwargs(),
@@ -307,14 +315,22 @@ class CausalLMTask(TrainTask):
             barrier()
             return result
 
-        state = self.export_layout(model, cast("dict[str, torch.Tensor]", get_model_state_dict(model)))
+        state = self.export_layout(self.family, model, cast("dict[str, torch.Tensor]", get_model_state_dict(model)))
         write_transformers_folder(
-            model, state, self.cfg.model.path, out, extra_files=self.export_files, dtype=self.cfg.export.dtype
+            model,
+            state,
+            self.cfg.model.path,
+            out,
+            extra_files=self.export_files,
+            dtype=self.cfg.export.dtype,
+            finish=self.finish_export(self.cfg.model.path),
         )
         return out if is_main_process() else None
 
     @classmethod
-    def export_layout(cls, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def export_layout(
+        cls, family: CausalLMFamily, model: torch.nn.Module, state: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
         """The trained state dict under the names the checkpoint format uses (default: the model's own)."""
         return state
 
@@ -336,9 +352,22 @@ class CausalLMTask(TrainTask):
             apply_lora(model, cls.lora_blocks(family, model), LoraConfig(**lora))
             adapters = adapter_state_dict(ckpt.read_checkpoint_model(checkpoint, model), lora_scale(model))
             return export_lm_lora(model_cls, model_path, adapters, out, merge=False, extra_files=cls.export_files)
-        state = cls.export_layout(model, ckpt.read_checkpoint_model(checkpoint, model))
-        write_transformers_folder(model, state, model_path, out, extra_files=cls.export_files, dtype=dtype)
+        state = cls.export_layout(family, model, ckpt.read_checkpoint_model(checkpoint, model))
+        write_transformers_folder(
+            model,
+            state,
+            model_path,
+            out,
+            extra_files=cls.export_files,
+            dtype=dtype,
+            finish=cls.finish_export(model_path),
+        )
         return out
+
+    @classmethod
+    def finish_export(cls, source: str | Path) -> Callable[[Path, ExportDtypes], None] | None:
+        """What completes an export folder written from the model at `source` (None: nothing)."""
+        return None
 
 
 def unique_weights(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -356,6 +385,7 @@ def write_transformers_folder(
     max_shard_bytes: int = EXPORT_MAX_SHARD_BYTES,
     extra_files: tuple[str, ...] = (),
     dtype: str = "auto",
+    finish: Callable[[Path, ExportDtypes], None] | None = None,
 ) -> None:
     """Collective: `out` = config.json + generation_config.json + tokenizer + sharded safetensors, plus
     `extra_files` of the source folder that exist (e.g. a VLM's preprocessor_config.json).
@@ -365,7 +395,8 @@ def write_transformers_folder(
     auto: as the source folder stores it); a DTensor converts only this rank's shard. Config and generation
     config are the model's own (transformers' `save_pretrained` of them) with the config's `dtype` set to
     the weights' main dtype, so `from_pretrained(dtype="auto")` loads them as written; the tokenizer is the
-    source folder's.
+    source folder's. `finish(folder, dtypes)` completes the folder on the main process before it is renamed
+    (an omni model's untrained sub-models and whole config).
     """
     dtypes = export_dtypes(dtype, source)
     out = Path(out)
@@ -385,6 +416,8 @@ def write_transformers_folder(
         for name in extra_files:
             if (Path(source) / name).is_file():
                 shutil.copy2(Path(source) / name, tmp / name)
+        if finish is not None:
+            finish(tmp, dtypes)
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
     barrier()
