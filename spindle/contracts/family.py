@@ -276,6 +276,8 @@ class VLMFamily(CausalLMFamily):
     rope_index: str = ""
     vision_tower: str = "model.visual"  # the vision encoder module (the dummy forward of text-only batches)
     audio_tower: str = ""  # the audio encoder module ("": the model takes no audio; audio parts are refused)
+    # the order in which the model's forward runs its towers, by input kind (the dummy forwards keep it)
+    tower_order: tuple[str, ...] = ("image", "video")
     language_model: str = "model.language_model"  # the decoder stack (where Ulysses SP splits the sequence)
     parts: dict[str, tuple[str, ...]] = field(
         default_factory=lambda: {

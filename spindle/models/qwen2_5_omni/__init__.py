@@ -12,6 +12,7 @@ FAMILY = OmniFamily(
     rope_index="spindle.models.qwen2_5_omni.rope:rope_index",
     tiny_model="spindle.models.qwen2_5_omni.tiny:build_tiny_qwen2_5_omni",
     audio_tower="model.audio_tower",
+    tower_order=("audio", "image", "video"),  # Qwen2_5OmniThinkerModel.forward
     parts={
         "audio": ("model.audio_tower.",),
         "vision": ("model.visual.",),

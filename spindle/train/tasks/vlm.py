@@ -70,12 +70,13 @@ def module_at(model: torch.nn.Module, dotted: str) -> torch.nn.Module:
 
 
 def dummy_vision(tower: Any, like: torch.Tensor) -> torch.Tensor:
-    """Zero times a vision tower's output on its smallest input (one merged token)."""
+    """Zero times a vision tower's output on its smallest input (one merged token), in the tower's dtype (as
+    the model casts pixels)."""
     cfg = tower.config
     merge = int(getattr(tower, "spatial_merge_size", 1))
     patch_dim = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
     grid = torch.tensor([[1, merge, merge]], device=like.device)
-    pixels = torch.zeros(merge**2, patch_dim, device=like.device, dtype=like.dtype)
+    pixels = torch.zeros(merge**2, patch_dim, device=like.device, dtype=tower.dtype)
     out = tower(pixels, grid_thw=grid)
     # every output the model uses (deepstack features too: Qwen3-VL), so every parameter gets its gradient
     used = [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
@@ -89,7 +90,7 @@ DUMMY_AUDIO_FRAMES = 4
 
 def dummy_audio(tower: Any, like: torch.Tensor) -> torch.Tensor:
     """Zero times an audio encoder's output on a clip of a few silent mel frames."""
-    frames = torch.zeros(tower.config.num_mel_bins, DUMMY_AUDIO_FRAMES, device=like.device, dtype=like.dtype)
+    frames = torch.zeros(tower.config.num_mel_bins, DUMMY_AUDIO_FRAMES, device=like.device, dtype=tower.dtype)
     lengths = torch.tensor([DUMMY_AUDIO_FRAMES], device=like.device)
     out = tower(frames, feature_lens=lengths)
     zero: torch.Tensor = out.last_hidden_state.sum() * 0.0
@@ -97,22 +98,63 @@ def dummy_audio(tower: Any, like: torch.Tensor) -> torch.Tensor:
 
 
 class VisionStep:
-    """The language-model input hook (module docstring); the task sets `missing` per micro-batch.
+    """The towers' and the language model's input hooks (module docstring).
 
-    `towers`: per kind of input (image, video, audio), the dummy forward of the tower that takes it."""
+    `towers`: per kind of input (image, video, audio), the dummy forward of the tower that takes it;
+    `order`: the order in which the model's forward runs its towers (`VLMFamily.tower_order`). The task
+    calls `start` per micro-batch. A missing kind's dummy runs where the model would have run that tower:
+    just before the next real tower call that comes after it in `order` (a pre-hook on each tower), or in
+    the language-model hook for kinds after the last real one. So every rank runs its towers' FSDP2
+    collectives in the same order whatever its micro-batch holds (two towers in different orders would
+    pair one rank's audio all-gather with another's vision all-gather: a hang or wrong weights). The
+    dummies' zero outputs join the embeddings in the language-model hook."""
 
-    def __init__(self, towers: dict[str, Callable[[torch.Tensor], torch.Tensor]], sp_rank: int, sp: int):
-        self.towers = towers
+    def __init__(
+        self,
+        towers: dict[str, Callable[[torch.Tensor], torch.Tensor]],
+        order: tuple[str, ...],
+        sp_rank: int,
+        sp: int,
+    ):
+        self.towers, self.order = towers, order
         self.sp_rank, self.sp = sp_rank, sp
-        self.missing: list[str] = []  # kinds in the dataset but not in this micro-batch (one tower call each)
+        self.plan: list[tuple[str, bool]] = []  # (kind, present) of this micro-batch's tower calls, in order
+        self.zeros: list[torch.Tensor] = []
+        self.in_dummy = False
+        self.like = torch.zeros(())  # device of the dummy inputs
+
+    def start(self, present: set[str], expected: set[str], like: torch.Tensor) -> None:
+        """A micro-batch holding the kinds `present`, of a dataset with the kinds `expected`."""
+        self.plan = [(k, k in present) for k in self.order if k in present or k in expected]
+        self.zeros, self.like = [], like
+
+    def run_dummies(self, until_real: bool) -> None:
+        """The dummies of the plan's missing kinds up to its next real call (`until_real`), or all that are left."""
+        while self.plan:
+            kind, present = self.plan.pop(0)
+            if present:
+                if until_real:
+                    return
+                continue
+            self.in_dummy = True
+            try:
+                self.zeros.append(self.towers[kind](self.like))
+            finally:
+                self.in_dummy = False
+
+    def before_tower(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        if not self.in_dummy:  # a real call: the missing kinds the model would have run first
+            self.run_dummies(until_real=True)
 
     def __call__(
         self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         embeds = kwargs["inputs_embeds"]
-        for kind in self.missing:
+        self.run_dummies(until_real=False)
+        for zero in self.zeros:
             # its FSDP2 all-gathers and reduce-scatters run, and nothing changes numerically
-            embeds = embeds + self.towers[kind](embeds).to(embeds.dtype)
+            embeds = embeds + zero.to(embeds.dtype)
+        self.zeros = []
         if self.sp > 1:
             chunk = embeds.shape[1] // self.sp
             part = slice(self.sp_rank * chunk, (self.sp_rank + 1) * chunk)
@@ -205,11 +247,14 @@ class VLMTask(CausalLMTask):
         towers: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
             kind: partial(dummy_vision, vision) for kind in ("image", "video")
         }
+        modules = [vision]
         if self.family.audio_tower:
-            towers["audio"] = partial(dummy_audio, module_at(model, self.family.audio_tower))
-        self.vision_step = VisionStep(towers, self.mesh.sp_rank, self.mesh.dims.sp)
-        language = module_at(model, self.family.language_model)
-        language.register_forward_pre_hook(self.vision_step, with_kwargs=True)
+            modules.append(module_at(model, self.family.audio_tower))
+            towers["audio"] = partial(dummy_audio, modules[-1])
+        step = self.vision_step = VisionStep(towers, self.family.tower_order, self.mesh.sp_rank, self.mesh.dims.sp)
+        for tower in modules:
+            tower.register_forward_pre_hook(step.before_tower)
+        module_at(model, self.family.language_model).register_forward_pre_hook(step, with_kwargs=True)
 
     def build_loader(self) -> ResumableLoader:
         from spindle.data.multimodal import VisionOptions, VisionProcessor, build_conversation_dataset
@@ -284,7 +329,8 @@ class VLMTask(CausalLMTask):
             start = self.mesh.sp_rank * chunk
             rows["shift_labels"] = rows["shift_labels"][:, start : start + chunk].contiguous()
         assert self.vision_step is not None, "build_model installs the vision hook"
-        self.vision_step.missing = [k for k in sorted(self.dataset_kinds) if KIND_INPUT[k] not in vision]
+        present = {k for k, key in KIND_INPUT.items() if key in vision}
+        self.vision_step.start(present, self.dataset_kinds, rows["input_ids"])
         with self._autocast():
             out = causal_lm_output(model, rows, **vision)
         return StepOutput(out.loss.float(), ids.shape[0], ids.numel())
