@@ -5,7 +5,7 @@ conversation, in one of two formats:
 
 - OpenAI/Qwen messages: `{"messages": [{"role": ..., "content": ...}]}`, the content a string or a
   list of parts `{"type": "image", "image": PATH}`, `{"type": "video", "video": PATH}`,
-  `{"type": "text", "text": ...}`;
+  `{"type": "audio", "audio": PATH}` (omni models: spindle.data.audio), `{"type": "text", "text": ...}`;
 - LLaVA/ShareGPT: `{"images": [PATH, ...], "conversations": [{"from": "human"|"gpt"|"system",
   "value": "<image>\\n..."}]}` (or `"messages"` with string contents), one `<image>` (`<video>` with
   `"videos"`) placeholder per file, in order.
@@ -21,7 +21,7 @@ Rows hold `input_ids`, `position_ids` [4, seq_len] (row 0: text positions, resta
 from which transformers builds the block-diagonal packed mask; rows 1-3: the model's 3-D RoPE positions
 of each document, computed by the family's `rope_index`), `shift_labels`, `attention_mask`, and the
 rows' vision inputs (`pixel_values` + `image_grid_thw`, `pixel_values_videos` + `video_grid_thw` +
-`second_per_grid_ts`) in token order. Packing follows `spindle.data.text`: documents end to end, a
+`second_per_grid_ts`; audio: `input_features` + `feature_attention_mask`) in token order. Packing follows `spindle.data.text`: documents end to end, a
 document that does not fit starts the next row; `packing: false` gives one document per row. A
 conversation longer than `seq_len` is cut at `seq_len` only when no vision token is cut; otherwise it
 is a `file:line` error (or a counted skip with `skip_bad_samples`).

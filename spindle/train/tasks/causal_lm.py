@@ -323,7 +323,7 @@ class CausalLMTask(TrainTask):
             out,
             extra_files=self.export_files,
             dtype=self.cfg.export.dtype,
-            finish=self.finish_export(self.cfg.model.path),
+            finish=self.finish_export(self.family, self.cfg.model.path),
         )
         return out if is_main_process() else None
 
@@ -360,13 +360,13 @@ class CausalLMTask(TrainTask):
             out,
             extra_files=cls.export_files,
             dtype=dtype,
-            finish=cls.finish_export(model_path),
+            finish=cls.finish_export(family, model_path),
         )
         return out
 
     @classmethod
-    def finish_export(cls, source: str | Path) -> Callable[[Path, ExportDtypes], None] | None:
-        """What completes an export folder written from the model at `source` (None: nothing)."""
+    def finish_export(cls, family: CausalLMFamily, source: str | Path) -> Callable[[Path, ExportDtypes], None] | None:
+        """What completes an export folder written from the `family` model at `source` (None: nothing)."""
         return None
 
 

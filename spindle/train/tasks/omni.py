@@ -90,12 +90,10 @@ class OmniTask(VLMTask):
         return {k: v for k, v in sources.items() if not self.family.is_untrained(k)}
 
     @classmethod
-    def finish_export(cls, source: str | Path) -> Callable[[Path, ExportDtypes], None] | None:
-        def finish(folder: Path, dtypes: ExportDtypes) -> None:
-            from spindle.registry import family_of
+    def finish_export(cls, family: CausalLMFamily, source: str | Path) -> Callable[[Path, ExportDtypes], None] | None:
+        assert isinstance(family, OmniFamily), "the omni task's own family"
 
-            family = family_of(source)
-            assert isinstance(family, OmniFamily), "the omni task's own family"
+        def finish(folder: Path, dtypes: ExportDtypes) -> None:
             copy_untrained(Path(source), folder, family)
             write_full_config(Path(source), folder, dtypes)
 

@@ -9,9 +9,11 @@ loss, export) with what vision adds:
   their parameters get `requires_grad=False` before FSDP, so they carry no gradient and no optimizer
   state (the optimizer takes trainable parameters only).
 - A hook on the language model's input (`VisionStep`), inside the model's own forward so FSDP2's root
-  hooks stay in charge: (1) a micro-batch without an image (or video) still runs the vision tower on
-  a dummy input, its output added with weight zero, so every data-parallel rank runs the same FSDP2
-  collectives of the vision blocks in forward and backward (no hang, no gradient change); (2) under
+  hooks stay in charge: (1) a micro-batch without an image (or video, or audio clip on an omni model)
+  still runs that tower on a dummy input, its output added with weight zero, so every data-parallel
+  rank runs the same FSDP2 collectives of the tower's blocks in forward and backward (no hang, no
+  gradient change); the dummies keep the model's tower order (pre-hooks on each tower), so ranks
+  holding different modalities run their towers' collectives in the same order; (2) under
   Ulysses SP, the full sequence's embeddings (vision filled back in) and positions (computed on whole
   documents, before the split) are cut to this rank's chunk, so the vision tower runs on every SP rank
   over the whole sample (at the image sizes of fine-tuning it costs far less than the decoder; vision
