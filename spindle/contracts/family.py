@@ -327,6 +327,9 @@ class OmniFamily(VLMFamily):
 
     kind: ClassVar[str] = "omni"
     prefix: str = "thinker."  # the trained sub-model's checkpoint key prefix
+    # "module:function(config, tokenizer, grid_thw, second_per_grid, audio_tokens, merge_size) -> str": the text a
+    # video's pad token becomes when its audio track is used (data.use_audio_in_video); "": not supported
+    video_audio_layout: str = ""
     untrained: tuple[str, ...] = ()  # checkpoint key prefixes kept as they came, e.g. ("talker.", "token2wav.")
     # class names of the FSDP2 units (decoder layers, vision blocks, audio encoder layers): the sub-model's
     # `_no_split_modules` also names the whole towers, which would make each tower a single unit
@@ -337,6 +340,10 @@ class OmniFamily(VLMFamily):
     @property
     def export_hint(self) -> str:
         return f"transformers.{self.full_model_class.rpartition(':')[2]}.from_pretrained loads it"
+
+    def video_audio_layout_fn(self) -> Callable[..., str]:
+        fn: Callable[..., str] = import_object(self.video_audio_layout)
+        return fn
 
     def is_untrained(self, checkpoint_key: str) -> bool:
         return checkpoint_key.startswith(self.untrained)

@@ -93,3 +93,22 @@ def write_audio(path: Path, samples: np.ndarray, sampling_rate: int) -> Path:
         for packet in stream.encode(None):
             container.mux(packet)
     return path
+
+
+def add_audio_track(video: Path, samples: np.ndarray, sampling_rate: int, out: Path) -> Path:
+    """`video`'s stream copied into `out` (mp4/mkv) with `samples` (mono, [-1, 1]) as an AAC audio track."""
+    import av
+
+    with av.open(str(video)) as source, av.open(str(out), mode="w") as container:
+        frames_in = source.streams.video[0]
+        frames_out: Any = container.add_stream_from_template(frames_in)
+        sound: Any = container.add_stream("aac", rate=sampling_rate, layout="mono")
+        for packet in source.demux(frames_in):
+            if packet.dts is not None:
+                packet.stream = frames_out
+                container.mux(packet)
+        frame = av.AudioFrame.from_ndarray(samples.astype(np.float32)[None], format="fltp", layout="mono")
+        frame.sample_rate = sampling_rate
+        for packet in [*sound.encode(frame), *sound.encode(None)]:
+            container.mux(packet)
+    return out

@@ -48,6 +48,14 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 
 
 @dataclass
+class Audio:
+    """One audio clip after feature extraction: what the audio encoder takes (spindle.data.audio)."""
+
+    features: torch.Tensor  # [mel bins, frames]: the valid log-mel frames
+    kind: str = "audio"
+
+
+@dataclass
 class Vision:
     """One image or video after patching: what the vision tower takes."""
 
@@ -55,14 +63,7 @@ class Vision:
     pixel_values: torch.Tensor  # [patches, channels * temporal_patch * patch * patch]
     grid_thw: torch.Tensor  # [3]
     second_per_grid: float = 1.0  # videos: seconds per temporal grid step (mrope temporal spacing)
-
-
-@dataclass
-class Audio:
-    """One audio clip after feature extraction: what the audio encoder takes (spindle.data.audio)."""
-
-    features: torch.Tensor  # [mel bins, frames]: the valid log-mel frames
-    kind: str = "audio"
+    audio: Audio | None = None  # a video's own audio track (data.use_audio_in_video), interleaved with its frames
 
 
 Media = Vision | Audio
@@ -115,6 +116,7 @@ class VisionProcessor:
         options: VisionOptions,
         videos: bool = True,
         audio: bool = False,
+        video_audio_layout: Any = None,
     ):
         from transformers import AutoImageProcessor
 
@@ -128,6 +130,8 @@ class VisionProcessor:
             "image": tokenizer.convert_ids_to_tokens(config.image_token_id),
             "video": tokenizer.convert_ids_to_tokens(config.video_token_id),
         }
+        # use_audio_in_video: the family's placeholder text of a video and its audio track, interleaved
+        self.video_audio_layout = video_audio_layout
         self.feature_extractor = None  # audio models: the checkpoint's WhisperFeatureExtractor
         if audio:
             from transformers import AutoFeatureExtractor
@@ -162,7 +166,13 @@ class VisionProcessor:
         pixel_values, grid, seconds = read_video_patches(
             path, self.image_processor, self.options.fps, self.options.max_frames
         )
-        return Vision("video", pixel_values, grid, second_per_grid=seconds)
+        track = None
+        if self.video_audio_layout is not None:
+            try:
+                track = self.audio(path)
+            except ValueError as e:
+                raise ValueError(f"{e}; data.use_audio_in_video needs every video to have an audio track") from None
+        return Vision("video", pixel_values, grid, second_per_grid=seconds, audio=track)
 
     def audio(self, path: Path) -> Audio:
         if self.feature_extractor is None:
@@ -184,12 +194,26 @@ class VisionProcessor:
         """How many placeholder tokens each input expands to."""
         from spindle.data.audio import audio_token_count
 
-        return [
-            audio_token_count(v.features.shape[1])
-            if isinstance(v, Audio)
-            else int(v.grid_thw.prod()) // self.merge_size**2
-            for v in vision
-        ]
+        def count(v: Media) -> int:
+            if isinstance(v, Audio):
+                return audio_token_count(v.features.shape[1])
+            return int(v.grid_thw.prod()) // self.merge_size**2 + (count(v.audio) if v.audio is not None else 0)
+
+        return [count(v) for v in vision]
+
+    def clips(self, vision: list[Media]) -> list[Audio]:
+        """The audio clips in token order (a video's own track where it stands)."""
+        return [a for v in vision for a in ([v] if isinstance(v, Audio) else [v.audio] if v.audio else [])]
+
+    def placeholder(self, v: Media, tokens: int) -> str:
+        """What the template's pad token of `v` becomes: `tokens` pad tokens, or a video's frames and audio
+        interleaved (the family's `video_audio_layout`)."""
+        if isinstance(v, Vision) and v.audio is not None:
+            text: str = self.video_audio_layout(
+                self.config, self.tokenizer, v.grid_thw, v.second_per_grid, self.tokens([v.audio])[0], self.merge_size
+            )
+            return text
+        return self.pad_token[v.kind] * tokens
 
     def render(self, messages: list[dict], vision: list[Media], generation_prompt: bool) -> list[int]:
         """The template's text with every pad token expanded to its input's token count, tokenized."""
@@ -197,16 +221,16 @@ class VisionProcessor:
             return []
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
         # Each pad token takes the next vision input of its kind, in order (as the stock processor does).
-        counts: dict[str, list[int]] = {kind: [] for kind in self.pad_token}
+        counts: dict[str, list[str]] = {kind: [] for kind in self.pad_token}
         for v, n in zip(vision, self.tokens(vision), strict=True):
-            counts[v.kind].append(n)
+            counts[v.kind].append(self.placeholder(v, n))
         pieces: list[str] = []
         rest = text
         while found := [(rest.find(token), k) for k, token in self.pad_token.items() if token in rest]:
             at, kind = min(found)
             if not counts[kind]:
                 raise ValueError(f"the conversation has more {kind} placeholders than {kind}s")
-            pieces += [rest[:at], self.pad_token[kind] * counts[kind].pop(0)]
+            pieces += [rest[:at], counts[kind].pop(0)]
             rest = rest[at + len(self.pad_token[kind]) :]
         pieces.append(rest)
         return list(self.tokenizer("".join(pieces), add_special_tokens=False)["input_ids"])
@@ -221,9 +245,11 @@ class VisionProcessor:
         videos = [v for v in vision if isinstance(v, Vision) and v.kind == "video"]
         seconds = torch.tensor([v.second_per_grid for v in videos]) if videos else None
         ids = torch.tensor([tokens], dtype=torch.long)
-        extra = {}
+        extra: dict[str, Any] = {}
         if self.feature_extractor is not None:  # audio models: each clip's mel frame count
-            extra["audio_seqlens"] = torch.tensor([v.features.shape[1] for v in vision if isinstance(v, Audio)])
+            extra["audio_seqlens"] = torch.tensor([a.features.shape[1] for a in self.clips(vision)])
+        if self.video_audio_layout is not None:
+            extra["use_audio_in_video"] = True
         pos: torch.Tensor = self.rope_index(self.config, ids, grids("image"), grids("video"), seconds, **extra)
         return pos[:, 0]
 
@@ -445,7 +471,9 @@ def collate_vision(vision: list[Media]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     images = [v for v in vision if isinstance(v, Vision) and v.kind == "image"]
     videos = [v for v in vision if isinstance(v, Vision) and v.kind == "video"]
-    clips = [v.features for v in vision if isinstance(v, Audio)]
+    clips = [
+        a for v in vision for a in ([v.features] if isinstance(v, Audio) else [v.audio.features] if v.audio else [])
+    ]
     if clips:
         frames = max(c.shape[1] for c in clips)
         out["input_features"] = torch.stack([torch.nn.functional.pad(c, (0, frames - c.shape[1])) for c in clips])

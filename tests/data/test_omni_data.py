@@ -168,3 +168,68 @@ def test_audio_parts_are_refused_for_a_vision_language_model(tiny_qwen2_5_vl, om
     )
     with pytest.raises(ValueError, match="qwen2_5_vl models take no audio; audio parts need an omni-modal model"):
         conversation_document(lines(omni_conversations)[0], omni_conversations.parent, processor, 4096, "x")
+
+
+def video_with_audio(folder: Path) -> Path:
+    """A 3 s, 4 fps mp4 (brightening frames) with a 3 s 440 Hz AAC track."""
+    from spindle.data.audio import add_audio_track
+    from spindle.data.media import write_video
+
+    frames = np.stack([np.full((56, 56, 3), 20 * i, dtype=np.uint8) for i in range(12)])
+    write_video(folder / "plain.mp4", frames, fps=4)
+    t = np.arange(48000) / 16000
+    return add_audio_track(folder / "plain.mp4", 0.5 * np.sin(2 * np.pi * 440 * t), 16000, folder / "clip.mp4")
+
+
+def test_use_audio_in_video_interleaves_the_track_with_the_frames(tiny_qwen2_5_omni, stock_thinker, tmp_path):
+    """The video's pad becomes <|audio_bos|>, 2-second chunks of frames then audio, <|audio_eos|> (the stock
+    processor's layout), the track's features are the clip's, and the positions are the stock thinker's with
+    use_audio_in_video."""
+    from transformers import AutoTokenizer, Qwen2_5OmniThinkerConfig
+
+    from spindle.data.audio import audio_features, audio_token_count
+    from spindle.registry import get_family
+
+    video_with_audio(tmp_path)
+    family = get_family("qwen2_5_omni")
+    processor = VisionProcessor(
+        tiny_qwen2_5_omni,
+        AutoTokenizer.from_pretrained(tiny_qwen2_5_omni),
+        Qwen2_5OmniThinkerConfig.from_pretrained(tiny_qwen2_5_omni),
+        family.rope_index_fn(),
+        VisionOptions(),
+        audio=True,
+        video_audio_layout=family.video_audio_layout_fn(),
+    )
+    user = [{"type": "video", "video": "clip.mp4"}, {"type": "text", "text": "What?"}]
+    obj = {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": "A tone."}]}
+    doc, _ = conversation_document(obj, tmp_path, processor, 4096, "x")
+    inputs = collate_vision(doc.vision)
+    expected = audio_features(decode_audio(tmp_path / "clip.mp4", 16000), processor.feature_extractor)
+    assert torch.equal(inputs["input_features"][0], expected)
+
+    config = processor.config
+    # 3 frames at t = 0, 1, 2 s (fps 2, 2 frames per temporal patch), 4 merged tokens each; ~77 audio tokens
+    n_audio = audio_token_count(expected.shape[1])
+    V, A = config.video_token_id, config.audio_token_id
+    start = doc.tokens.index(config.vision_start_token_id)
+    span = doc.tokens[start : start + 2 + 12 + n_audio + 2]
+    assert span == [config.vision_start_token_id, config.audio_start_token_id] + [V] * 8 + [A] * 50 + [V] * 4 + [A] * (
+        n_audio - 50
+    ) + [config.audio_end_token_id, config.vision_end_token_id]
+
+    ids = torch.tensor([doc.tokens])
+    positions, _ = stock_thinker.model.get_rope_index(
+        ids,
+        None,
+        inputs["video_grid_thw"],
+        torch.ones_like(ids),
+        True,
+        inputs["feature_attention_mask"].sum(-1),
+        inputs["second_per_grid_ts"],
+    )
+    assert torch.equal(doc.positions, positions[:, 0])
+
+    (tmp_path / "plain.mp4").rename(tmp_path / "clip.mp4")  # the same video without its track
+    with pytest.raises(ValueError, match=r"has no audio stream; data\.use_audio_in_video needs every video to have"):
+        conversation_document(obj, tmp_path, processor, 4096, "x")

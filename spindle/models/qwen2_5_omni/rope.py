@@ -19,9 +19,11 @@ def rope_index(
     video_grid_thw: torch.Tensor | None,
     second_per_grid_ts: torch.Tensor | None = None,
     audio_seqlens: torch.Tensor | None = None,
+    use_audio_in_video: bool = False,
 ) -> torch.Tensor:
     """[1, L] token ids of one document -> its [3, 1, L] positions. `audio_seqlens`: each audio clip's mel
-    frame count, in order. (With no image or video the model's positions are 0..L-1: audio spans are 1-D.)"""
+    frame count, in token order; `use_audio_in_video`: each video is followed by its audio track, interleaved
+    (then every video must have one). (With no image or video the positions are 0..L-1: audio spans are 1-D.)"""
     cls = Qwen2_5OmniPreTrainedModelForConditionalGeneration
     stand_in = type("RopeIndexer", (), {name: getattr(cls, name) for name in _METHODS})()
     stand_in.config = config
@@ -31,7 +33,7 @@ def rope_index(
         image_grid_thw,
         video_grid_thw,
         torch.ones_like(input_ids),
-        use_audio_in_video=False,
+        use_audio_in_video=use_audio_in_video,
         audio_seqlens=audio_seqlens,
         second_per_grids=second_per_grid_ts,
     )

@@ -72,6 +72,9 @@ class OmniTask(VLMTask):
         cls: Any = self.family.model_cls()
         return cls.config_class.from_pretrained(self.cfg.model.path)
 
+    def video_audio_layout(self) -> Callable[..., str] | None:
+        return self.family.video_audio_layout_fn() if self.cfg.data.use_audio_in_video else None
+
     def parallel_plan(self) -> ParallelPlan:
         return ParallelPlan(
             "transformers", blocks=self.family.blocks, sequence_parallel_module=self.family.language_model

@@ -206,6 +206,10 @@ class VLMTask(CausalLMTask):
             raise ConfigError(
                 f"train.freeze names {unknown}, which {family.name} models do not have; their parts: {sorted(family.parts)}"
             )
+        if cfg.data.use_audio_in_video and not getattr(family, "video_audio_layout", ""):
+            raise ConfigError(
+                f"data.use_audio_in_video: {family.name} models do not take a video's audio track; set it to false"
+            )
         if set(cfg.train.freeze) >= set(family.parts):
             raise ConfigError(f"train.freeze={cfg.train.freeze} freezes every part: nothing is left to train")
 
@@ -213,6 +217,10 @@ class VLMTask(CausalLMTask):
     def text_config(cls, config: dict[str, Any]) -> dict[str, Any]:
         text: dict[str, Any] = config.get("text_config") or config
         return text
+
+    def video_audio_layout(self) -> Callable[..., str] | None:
+        """The family's placeholder of a video with its audio track (data.use_audio_in_video); None: unused."""
+        return None
 
     # ------------------------------------------------------------ set-up
 
@@ -271,6 +279,7 @@ class VLMTask(CausalLMTask):
             options,
             self.family.videos,
             audio=bool(self.family.audio_tower),
+            video_audio_layout=self.video_audio_layout(),
         )
         dataset = build_conversation_dataset(data.path, processor, data.seq_len, data.packing, data.skip_bad_samples)
         s = dataset.stats
