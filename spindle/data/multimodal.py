@@ -21,8 +21,8 @@ Rows hold `input_ids`, `position_ids` [4, seq_len] (row 0: text positions, resta
 from which transformers builds the block-diagonal packed mask; rows 1-3: the model's 3-D RoPE positions
 of each document, computed by the family's `rope_index`), `shift_labels`, `attention_mask`, and the
 rows' vision inputs (`pixel_values` + `image_grid_thw`, `pixel_values_videos` + `video_grid_thw` +
-`second_per_grid_ts`; audio: `input_features` + `feature_attention_mask`) in token order. Packing follows `spindle.data.text`: documents end to end, a
-document that does not fit starts the next row; `packing: false` gives one document per row. A
+`second_per_grid_ts`; audio: `input_features` + `feature_attention_mask`) in token order. Packing
+follows `spindle.data.text`: documents end to end, a document that does not fit starts the next row; `packing: false` gives one document per row. A
 conversation longer than `seq_len` is cut at `seq_len` only when no vision token is cut; otherwise it
 is a `file:line` error (or a counted skip with `skip_bad_samples`).
 """
@@ -369,7 +369,8 @@ def conversation_document(
         if any(t in vision_ids for t in tokens[seq_len:]):
             raise ValueError(
                 f"the conversation is {len(tokens)} tokens, longer than data.seq_len={seq_len}, and cutting it would "
-                "cut image/video/audio tokens; raise data.seq_len or lower data.max_pixels / data.max_frames"
+                "cut image/video/audio tokens; raise data.seq_len, lower data.max_pixels / data.max_frames or "
+                "shorten the clips"
             )
         tokens, learn, positions = tokens[:seq_len], learn[:seq_len], positions[:, :seq_len]
     if not any(learn[1:]):

@@ -204,7 +204,8 @@ class VLMTask(CausalLMTask):
             )
         if unknown := sorted(set(cfg.train.freeze) - set(family.parts)):
             raise ConfigError(
-                f"train.freeze names {unknown}, which {family.name} models do not have; their parts: {sorted(family.parts)}"
+                f"train.freeze names {unknown}, which {family.name} models do not have; "
+                f"their parts: {sorted(family.parts)}"
             )
         if cfg.data.use_audio_in_video and not getattr(family, "video_audio_layout", ""):
             raise ConfigError(
