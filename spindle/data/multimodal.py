@@ -22,9 +22,10 @@ from which transformers builds the block-diagonal packed mask; rows 1-3: the mod
 of each document, computed by the family's `rope_index`), `shift_labels`, `attention_mask`, and the
 rows' vision inputs (`pixel_values` + `image_grid_thw`, `pixel_values_videos` + `video_grid_thw` +
 `second_per_grid_ts`; audio: `input_features` + `feature_attention_mask`) in token order. Packing
-follows `spindle.data.text`: documents end to end, a document that does not fit starts the next row; `packing: false` gives one document per row. A
-conversation longer than `seq_len` is cut at `seq_len` only when no vision token is cut; otherwise it
-is a `file:line` error (or a counted skip with `skip_bad_samples`).
+follows `spindle.data.text`: documents end to end, a document that does not fit starts the next row;
+`packing: false` gives one document per row. A conversation longer than `seq_len` is cut at `seq_len`
+only when no image/video/audio token is cut; otherwise it is a `file:line` error (or a counted skip
+with `skip_bad_samples`).
 """
 
 from __future__ import annotations
