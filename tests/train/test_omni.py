@@ -300,3 +300,13 @@ def test_use_audio_in_video_step1_equals_the_stock_thinker(tiny_qwen2_5_omni, ti
     )
     with pytest.raises(ConfigError, match=r"data\.use_audio_in_video: qwen2_5_vl models do not take"):
         check_job_plan(cfg, 1)
+
+
+def test_the_talker_and_token2wav_are_never_read_for_training(tiny_qwen2_5_omni, omni_conversations, tmp_path):
+    """The tensors the training model is loaded from are the thinker's only; the model holds no talker."""
+    trainer = make_trainer(load_job_config(None, omni_overrides(tiny_qwen2_5_omni, omni_conversations, tmp_path)))
+    sources = trainer.task.checkpoint_sources()
+    assert set(sources) == set(trainer.model.state_dict())
+    names = [n for n, _ in trainer.model.named_modules()]
+    assert not any("talker" in n or "token2wav" in n for n in names)
+    assert type(trainer.model).__name__ == "Qwen2_5OmniThinkerForConditionalGeneration"
