@@ -8,7 +8,7 @@ conversation, in one of two formats:
   `{"type": "audio", "audio": PATH}` (omni models: spindle.data.audio), `{"type": "text", "text": ...}`;
 - LLaVA/ShareGPT: `{"images": [PATH, ...], "conversations": [{"from": "human"|"gpt"|"system",
   "value": "<image>\\n..."}]}` (or `"messages"` with string contents), one `<image>` (`<video>` with
-  `"videos"`) placeholder per file, in order.
+  `"videos"`, `<audio>` with `"audios"`) placeholder per file, in order.
 
 Paths are relative to the JSONL file. Images go through the model's image processor (its
 `preprocessor_config.json`, `min_pixels`/`max_pixels` settable); videos are decoded with PyAV, frames
@@ -43,8 +43,9 @@ from spindle.data.text import IGNORE_INDEX, TextDataError, jsonl_files, learn_as
 
 log = logging.getLogger("spindle.data")
 
-IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER = "<image>", "<video>"  # the LLaVA/ShareGPT placeholders
 MEDIA_KINDS = ("image", "video", "audio")  # content-part types besides text
+# the LLaVA/ShareGPT placeholders of each kind (its files listed under "images" / "videos" / "audios")
+PLACEHOLDERS = {f"<{kind}>": kind for kind in MEDIA_KINDS}
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
@@ -264,18 +265,20 @@ def _check_path(value: Any, what: str) -> str:
     return value
 
 
-def _parts_from_string(text: str, images: list[str], videos: list[str]) -> list[dict]:
-    """A LLaVA/ShareGPT string with <image>/<video> placeholders -> content parts, taking files in order."""
+def _parts_from_string(text: str, listed: dict[str, list[str]]) -> list[dict]:
+    """A LLaVA/ShareGPT string with <image>/<video>/<audio> placeholders -> content parts, taking each kind's
+    `listed` files in order."""
     parts: list[dict] = []
     rest = text
     while True:
-        found = [(rest.find(p), p) for p in (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER) if p in rest]
+        found = [(rest.find(p), p) for p in PLACEHOLDERS if p in rest]
         if not found:
             break
         at, placeholder = min(found)
         if rest[:at]:
             parts.append({"type": "text", "text": rest[:at]})
-        kind, files = ("image", images) if placeholder == IMAGE_PLACEHOLDER else ("video", videos)
+        kind = PLACEHOLDERS[placeholder]
+        files = listed[kind]
         if not files:
             raise ValueError(f"more {placeholder} placeholders than {kind} files in the line's {kind}s list")
         parts.append({"type": kind, kind: files.pop(0)})
@@ -289,9 +292,8 @@ def normalise_conversation(obj: Any) -> list[dict]:
     """Either accepted format -> messages with string or content-part contents (media paths as given)."""
     if not isinstance(obj, dict):
         raise ValueError('each line must be a JSON object with "messages" or "conversations"')
-    images = [_check_path(p, "images[]") for p in obj.get("images", [])]
-    videos = [_check_path(p, "videos[]") for p in obj.get("videos", [])]
-    n_images, n_videos = len(images), len(videos)
+    listed = {kind: [_check_path(p, f"{kind}s[]") for p in obj.get(f"{kind}s", [])] for kind in MEDIA_KINDS}
+    placed = any(listed.values())
     if "conversations" in obj:
         turns = obj["conversations"]
         if not isinstance(turns, list) or not turns:
@@ -313,8 +315,8 @@ def normalise_conversation(obj: Any) -> list[dict]:
             raise ValueError(f'messages[{i}] must be an object with a string "role", got {m!r}')
         content = m.get("content")
         if isinstance(content, str):
-            if n_images or n_videos:  # LLaVA style: placeholders in strings
-                content = _parts_from_string(content, images, videos)
+            if placed:  # LLaVA style: placeholders in strings
+                content = _parts_from_string(content, listed)
         elif isinstance(content, list):
             for j, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, dict) else None
@@ -329,9 +331,8 @@ def normalise_conversation(obj: Any) -> list[dict]:
         else:
             raise ValueError(f"messages[{i}].content must be a string or a list of content parts")
         messages.append({"role": m["role"], "content": content})
-    if images or videos:
-        left = f"{len(images)} image(s)" if images else f"{len(videos)} video(s)"
-        raise ValueError(f"{left} listed but never placed: add one placeholder per file")
+    if left := [f"{len(files)} {kind}(s)" for kind, files in listed.items() if files]:
+        raise ValueError(f"{left[0]} listed but never placed: add one placeholder per file")
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError("the conversation has no assistant turn: there is nothing to learn")
     return messages

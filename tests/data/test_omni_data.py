@@ -233,3 +233,23 @@ def test_use_audio_in_video_interleaves_the_track_with_the_frames(tiny_qwen2_5_o
     (tmp_path / "plain.mp4").rename(tmp_path / "clip.mp4")  # the same video without its track
     with pytest.raises(ValueError, match=r"has no audio stream; data\.use_audio_in_video needs every video to have"):
         conversation_document(obj, tmp_path, processor, 4096, "x")
+
+
+def test_sharegpt_audio_placeholders_give_the_messages_format_document(tiny_qwen2_5_omni, omni_conversations):
+    """`{"audios": [...], "conversations": [... "<audio>" ...]}` is the same conversation as audio parts."""
+    processor = omni_processor(tiny_qwen2_5_omni)
+    obj = lines(omni_conversations)[0]
+    sharegpt = {
+        "audios": [obj["messages"][0]["content"][0]["audio"]],
+        "conversations": [
+            {"from": "human", "value": "<audio>" + obj["messages"][0]["content"][1]["text"]},
+            {"from": "gpt", "value": obj["messages"][1]["content"]},
+        ],
+    }
+    base = omni_conversations.parent
+    a, _ = conversation_document(obj, base, processor, 4096, "x")
+    b, _ = conversation_document(sharegpt, base, processor, 4096, "x")
+    assert a.tokens == b.tokens and a.learn == b.learn and torch.equal(a.positions, b.positions)
+    with pytest.raises(ValueError, match=r"more <audio> placeholders than audio files"):
+        twice = [{"from": "human", "value": "<audio><audio>"}, sharegpt["conversations"][1]]
+        conversation_document({**sharegpt, "conversations": twice}, base, processor, 4096, "x")
