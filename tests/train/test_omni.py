@@ -330,3 +330,15 @@ def test_gradient_checkpointing_equals_the_plain_run(tiny_qwen2_5_omni, omni_con
         runs.append([json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()])
     for key in ("loss", "grad_norm"):
         assert [m[key] for m in runs[1]] == pytest.approx([m[key] for m in runs[0]], rel=1e-5), key
+
+
+def test_whole_model_load_path_equals_the_sharded_one(tiny_qwen2_5_omni, omni_conversations, tmp_path):
+    """`model.sharded_load: false` (the thinker's own from_pretrained of the whole folder, which skips the
+    talker's tensors) trains exactly as the sharded read of the thinker's tensors."""
+    runs = []
+    for sharded in (True, False):
+        out = tmp_path / f"sharded_{sharded}"
+        omni_train(tiny_qwen2_5_omni, omni_conversations, out, train__max_steps=2, model__sharded_load=sharded)
+        runs.append([json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()])
+    for key in ("loss", "grad_norm"):
+        assert [m[key] for m in runs[1]] == [m[key] for m in runs[0]], key
