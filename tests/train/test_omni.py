@@ -196,6 +196,8 @@ def test_export_loads_in_the_stock_full_model_and_answers_an_audio_clip(
     from spindle.data.audio import decode_audio
 
     trainer, _ = omni_train(tiny_qwen2_5_omni, omni_conversations, tmp_path / "run", train__max_steps=2)
+    data = json.loads((tmp_path / "run" / "summary.json").read_text())["start"]["data"]
+    assert (data["documents"], data["images"], data["audio_clips"], data["skipped"]) == (4, 3, 2, 0)
     export = tmp_path / "run" / "export"
     before = untrained_bytes(tiny_qwen2_5_omni)
     assert before and untrained_bytes(export) == before  # the talker and token2wav as they came

@@ -285,6 +285,16 @@ class VLMTask(CausalLMTask):
         dataset = build_conversation_dataset(data.path, processor, data.seq_len, data.packing, data.skip_bad_samples)
         s = dataset.stats
         self.dataset_kinds = {k for k, n in (("image", s.images), ("video", s.videos), ("audio", s.audios)) if n}
+        self._data_stats = {  # the run summary's data counts (and its epoch count from rows)
+            "documents": s.documents,
+            "rows": s.rows,
+            "label_tokens": s.label_tokens,
+            "images": s.images,
+            "videos": s.videos,
+            "audio_clips": s.audios,
+            "truncated": s.truncated,
+            "skipped": s.skipped,
+        }
         if is_main_process():
             log.info(
                 "data: %d conversations (%d images, %d videos, %d audio clips) -> %d rows of %d tokens (%s), "
