@@ -161,6 +161,11 @@ class VLMDataConfig(TextDataConfig):
     max_pixels: int | None = Field(None, ge=1, description="image processor's maximum pixels per image/frame")
     fps: float = Field(2.0, gt=0, description="video frames sampled per second")
     max_frames: int = Field(16, ge=1, description="most frames sampled per video")
+    use_audio_in_video: bool = Field(
+        False,
+        description="omni models: each video's audio track is encoded too, its tokens interleaved with the frames' "
+        "(Qwen-Omni's use_audio_in_video; every video needs an audio track)",
+    )
 
 
 class TimestepConfig(Section):
@@ -384,14 +389,15 @@ class CausalLMJobConfig(TrainJobConfig):
     data: TextDataConfig
 
 
-VLMPart = Literal["vision", "aligner", "language"]
+VLMPart = Literal["audio", "vision", "aligner", "language"]
 
 
 class VLMTrainConfig(TrainConfig):
     freeze: list[VLMPart] = Field(
         default_factory=list,
         description="parts that are not trained (no gradient, no optimizer state): vision (the vision tower), "
-        "aligner (the merger into the language model), language (the language model and its head)",
+        "audio (the audio encoder, omni models), aligner (what maps tower features into the language model), "
+        "language (the language model and its head)",
     )
 
 

@@ -17,12 +17,13 @@ from typing import Any, TypeAlias
 from spindle.contracts.family import CausalLMFamily, DiTFamily, VLMFamily
 from spindle.export_record import is_lora_folder, lora_usage, read_export_record
 
-Family: TypeAlias = DiTFamily | CausalLMFamily | VLMFamily
+Family: TypeAlias = DiTFamily | CausalLMFamily | VLMFamily  # OmniFamily is a VLMFamily
 
 # name -> module defining FAMILY. Adding a family: one line here, one folder under models/.
 BUILTIN_FAMILIES: dict[str, str] = {
     "flux": "spindle.models.flux",
     "llama": "spindle.models.llama",
+    "qwen2_5_omni": "spindle.models.qwen2_5_omni",
     "qwen2_5_vl": "spindle.models.qwen2_5_vl",
     "qwen3": "spindle.models.qwen3",
     "qwen3_moe": "spindle.models.qwen3_moe",

@@ -424,6 +424,22 @@ def vlm_train(model: Path, data: Path, out: Path, **overrides) -> tuple[Any, Any
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen2_5_omni(tiny_checkpoint) -> Path:
+    """`tiny_checkpoint("qwen2_5_omni")`: a whole Qwen2.5-Omni folder (thinker, talker, token2wav, spk_dict.pt,
+    Omni tokenizer and chat template, one preprocessor_config.json for images and audio)."""
+    return tiny_checkpoint("qwen2_5_omni")
+
+
+@pytest.fixture(scope="session")
+def omni_conversations(tmp_path_factory) -> Path:
+    """4 conversations (`make_audio_conversations`): a 0.5 s tone (wav); an image, no audio; an image then a
+    1 s tone (flac); an image, no audio."""
+    from spindle.data.synthetic import make_audio_conversations
+
+    return make_audio_conversations(tmp_path_factory.mktemp("omni_data"), 4)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_moe(tiny_checkpoint) -> Path:
     """`tiny_checkpoint("qwen3_moe")`: 8 experts, top-2, per-expert layout, 2 layers, and an aux coefficient
     large enough that a wrong aux loss shows in the step loss and grad norm (its conformance overrides)."""

@@ -1,5 +1,5 @@
-"""Family records: what a family registers (`DiTFamily`, `CausalLMFamily`, `VLMFamily`), with its demo and
-conformance specs and its checkpoint adapter.
+"""Family records: what a family registers (`DiTFamily`, `CausalLMFamily`, `VLMFamily`, `OmniFamily`), with
+its demo and conformance specs and its checkpoint adapter.
 
 Light (no torch, no diffusers at import), so the CLI can read every family's declarations (e.g. its
 sampling options, for `spindle generate` flags) without importing model code; the heavy parts are
@@ -277,6 +277,9 @@ class VLMFamily(CausalLMFamily):
     # "module:function(config, input_ids [1, L], image_grid_thw, video_grid_thw, second_per_grid_ts) -> [3, 1, L]"
     rope_index: str = ""
     vision_tower: str = "model.visual"  # the vision encoder module (the dummy forward of text-only batches)
+    audio_tower: str = ""  # the audio encoder module ("": the model takes no audio; audio parts are refused)
+    # the order in which the model's forward runs its towers, by input kind (the dummy forwards keep it)
+    tower_order: tuple[str, ...] = ("image", "video")
     language_model: str = "model.language_model"  # the decoder stack (where Ulysses SP splits the sequence)
     parts: dict[str, tuple[str, ...]] = field(
         default_factory=lambda: {
@@ -314,3 +317,35 @@ class VLMFamily(CausalLMFamily):
             f"{self.name} is a vision-language model: Spindle's generate/serve engine runs diffusion models only; "
             "load the exported folder with transformers (AutoModelForImageTextToText.from_pretrained) to generate"
         )
+
+
+@dataclass(frozen=True)
+class OmniFamily(VLMFamily):
+    """An omni-modal family (Qwen2.5-Omni): its checkpoint folder holds a whole speech-in/speech-out model, of
+    which Spindle trains one sub-model (the *thinker*: audio + vision + text -> text). `model_class` is that
+    sub-model's class, which reads its part of the folder (config and tensors) by itself. The tensors under
+    `untrained` prefixes (the talker and the speech decoder) are never loaded for training and are written to
+    the export byte for byte as they came; `full_model_class` ("module:Class") loads the exported folder."""
+
+    kind: ClassVar[str] = "omni"
+    prefix: str = "thinker."  # the trained sub-model's checkpoint key prefix
+    # "module:function(config, tokenizer, grid_thw, second_per_grid, audio_tokens, merge_size) -> str": the text a
+    # video's pad token becomes when its audio track is used (data.use_audio_in_video); "": not supported
+    video_audio_layout: str = ""
+    untrained: tuple[str, ...] = ()  # checkpoint key prefixes kept as they came, e.g. ("talker.", "token2wav.")
+    # class names of the FSDP2 units (decoder layers, vision blocks, audio encoder layers): the sub-model's
+    # `_no_split_modules` also names the whole towers, which would make each tower a single unit
+    blocks: tuple[str, ...] = ()
+    full_model_class: str = ""
+    task: str = "omni"
+
+    @property
+    def export_hint(self) -> str:
+        return f"transformers.{self.full_model_class.rpartition(':')[2]}.from_pretrained loads it"
+
+    def video_audio_layout_fn(self) -> Callable[..., str]:
+        fn: Callable[..., str] = import_object(self.video_audio_layout)
+        return fn
+
+    def is_untrained(self, checkpoint_key: str) -> bool:
+        return checkpoint_key.startswith(self.untrained)

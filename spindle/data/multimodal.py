@@ -5,10 +5,10 @@ conversation, in one of two formats:
 
 - OpenAI/Qwen messages: `{"messages": [{"role": ..., "content": ...}]}`, the content a string or a
   list of parts `{"type": "image", "image": PATH}`, `{"type": "video", "video": PATH}`,
-  `{"type": "text", "text": ...}`;
+  `{"type": "audio", "audio": PATH}` (omni models: spindle.data.audio), `{"type": "text", "text": ...}`;
 - LLaVA/ShareGPT: `{"images": [PATH, ...], "conversations": [{"from": "human"|"gpt"|"system",
   "value": "<image>\\n..."}]}` (or `"messages"` with string contents), one `<image>` (`<video>` with
-  `"videos"`) placeholder per file, in order.
+  `"videos"`, `<audio>` with `"audios"`) placeholder per file, in order.
 
 Paths are relative to the JSONL file. Images go through the model's image processor (its
 `preprocessor_config.json`, `min_pixels`/`max_pixels` settable); videos are decoded with PyAV, frames
@@ -21,10 +21,11 @@ Rows hold `input_ids`, `position_ids` [4, seq_len] (row 0: text positions, resta
 from which transformers builds the block-diagonal packed mask; rows 1-3: the model's 3-D RoPE positions
 of each document, computed by the family's `rope_index`), `shift_labels`, `attention_mask`, and the
 rows' vision inputs (`pixel_values` + `image_grid_thw`, `pixel_values_videos` + `video_grid_thw` +
-`second_per_grid_ts`) in token order. Packing follows `spindle.data.text`: documents end to end, a
-document that does not fit starts the next row; `packing: false` gives one document per row. A
-conversation longer than `seq_len` is cut at `seq_len` only when no vision token is cut; otherwise it
-is a `file:line` error (or a counted skip with `skip_bad_samples`).
+`second_per_grid_ts`; audio: `input_features` + `feature_attention_mask`) in token order. Packing
+follows `spindle.data.text`: documents end to end, a document that does not fit starts the next row;
+`packing: false` gives one document per row. A conversation longer than `seq_len` is cut at `seq_len`
+only when no image/video/audio token is cut; otherwise it is a `file:line` error (or a counted skip
+with `skip_bad_samples`).
 """
 
 from __future__ import annotations
@@ -42,8 +43,18 @@ from spindle.data.text import IGNORE_INDEX, TextDataError, jsonl_files, learn_as
 
 log = logging.getLogger("spindle.data")
 
-IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER = "<image>", "<video>"  # the LLaVA/ShareGPT placeholders
+MEDIA_KINDS = ("image", "video", "audio")  # content-part types besides text
+# the LLaVA/ShareGPT placeholders of each kind (its files listed under "images" / "videos" / "audios")
+PLACEHOLDERS = {f"<{kind}>": kind for kind in MEDIA_KINDS}
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+@dataclass
+class Audio:
+    """One audio clip after feature extraction: what the audio encoder takes (spindle.data.audio)."""
+
+    features: torch.Tensor  # [mel bins, frames]: the valid log-mel frames
+    kind: str = "audio"
 
 
 @dataclass
@@ -54,6 +65,10 @@ class Vision:
     pixel_values: torch.Tensor  # [patches, channels * temporal_patch * patch * patch]
     grid_thw: torch.Tensor  # [3]
     second_per_grid: float = 1.0  # videos: seconds per temporal grid step (mrope temporal spacing)
+    audio: Audio | None = None  # a video's own audio track (data.use_audio_in_video), interleaved with its frames
+
+
+Media = Vision | Audio
 
 
 @dataclass
@@ -61,7 +76,7 @@ class MMDocument:
     tokens: list[int]
     learn: list[bool]
     positions: torch.Tensor  # [3, len(tokens)] multimodal RoPE positions
-    vision: list[Vision]  # in token order
+    vision: list[Media]  # images, videos and audio clips in token order
     source: str  # "file:line"
 
 
@@ -74,6 +89,7 @@ class MMStats:
     label_tokens: int
     images: int
     videos: int
+    audios: int = 0
 
 
 @dataclass
@@ -101,6 +117,8 @@ class VisionProcessor:
         rope_index: Any,
         options: VisionOptions,
         videos: bool = True,
+        audio: bool = False,
+        video_audio_layout: Any = None,
     ):
         from transformers import AutoImageProcessor
 
@@ -114,6 +132,15 @@ class VisionProcessor:
             "image": tokenizer.convert_ids_to_tokens(config.image_token_id),
             "video": tokenizer.convert_ids_to_tokens(config.video_token_id),
         }
+        # use_audio_in_video: the family's placeholder text of a video and its audio track, interleaved
+        self.video_audio_layout = video_audio_layout
+        self.feature_extractor = None  # audio models: the checkpoint's WhisperFeatureExtractor
+        if audio:
+            from transformers import AutoFeatureExtractor
+
+            self.feature_extractor = AutoFeatureExtractor.from_pretrained(model_path)
+            self.pad_token["audio"] = tokenizer.convert_ids_to_tokens(config.audio_token_id)
+        self.media_ids = {tokenizer.convert_tokens_to_ids(t) for t in self.pad_token.values()}
         if not getattr(tokenizer, "chat_template", None):
             raise TextDataError(f"the tokenizer of {model_path} has no chat_template; VLM data needs one")
 
@@ -141,43 +168,91 @@ class VisionProcessor:
         pixel_values, grid, seconds = read_video_patches(
             path, self.image_processor, self.options.fps, self.options.max_frames
         )
-        return Vision("video", pixel_values, grid, second_per_grid=seconds)
+        track = None
+        if self.video_audio_layout is not None:
+            try:
+                track = self.audio(path)
+            except ValueError as e:
+                raise ValueError(f"{e}; data.use_audio_in_video needs every video to have an audio track") from None
+        return Vision("video", pixel_values, grid, second_per_grid=seconds, audio=track)
 
-    def tokens(self, vision: list[Vision]) -> list[int]:
-        """How many placeholder tokens each vision input expands to."""
-        return [int(v.grid_thw.prod()) // self.merge_size**2 for v in vision]
+    def audio(self, path: Path) -> Audio:
+        if self.feature_extractor is None:
+            raise ValueError(
+                f"audio {path.name}: {self.config.model_type} models take no audio; audio parts need an omni-modal "
+                "model (e.g. qwen2_5_omni)"
+            )
+        from spindle.data.audio import audio_features, decode_audio
 
-    def render(self, messages: list[dict], vision: list[Vision], generation_prompt: bool) -> list[int]:
+        samples = decode_audio(path, int(self.feature_extractor.sampling_rate))
+        return Audio(audio_features(samples, self.feature_extractor, f"audio {path}"))
+
+    def media(self, kind: str, path: Path) -> Media:
+        if kind == "audio":
+            return self.audio(path)
+        return self.image(path) if kind == "image" else self.video(path)
+
+    def tokens(self, vision: list[Media]) -> list[int]:
+        """How many placeholder tokens each input expands to."""
+        from spindle.data.audio import audio_token_count
+
+        def count(v: Media) -> int:
+            if isinstance(v, Audio):
+                return audio_token_count(v.features.shape[1])
+            return int(v.grid_thw.prod()) // self.merge_size**2 + (count(v.audio) if v.audio is not None else 0)
+
+        return [count(v) for v in vision]
+
+    def clips(self, vision: list[Media]) -> list[Audio]:
+        """The audio clips in token order (a video's own track where it stands)."""
+        return [a for v in vision for a in ([v] if isinstance(v, Audio) else [v.audio] if v.audio else [])]
+
+    def placeholder(self, v: Media, tokens: int) -> str:
+        """What the template's pad token of `v` becomes: `tokens` pad tokens, or a video's frames and audio
+        interleaved (the family's `video_audio_layout`)."""
+        if isinstance(v, Vision) and v.audio is not None:
+            text: str = self.video_audio_layout(
+                self.config, self.tokenizer, v.grid_thw, v.second_per_grid, self.tokens([v.audio])[0], self.merge_size
+            )
+            return text
+        return self.pad_token[v.kind] * tokens
+
+    def render(self, messages: list[dict], vision: list[Media], generation_prompt: bool) -> list[int]:
         """The template's text with every pad token expanded to its input's token count, tokenized."""
         if not messages and not generation_prompt:
             return []
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
         # Each pad token takes the next vision input of its kind, in order (as the stock processor does).
-        counts: dict[str, list[int]] = {"image": [], "video": []}
+        counts: dict[str, list[str]] = {kind: [] for kind in self.pad_token}
         for v, n in zip(vision, self.tokens(vision), strict=True):
-            counts[v.kind].append(n)
+            counts[v.kind].append(self.placeholder(v, n))
         pieces: list[str] = []
         rest = text
-        while found := [(rest.find(self.pad_token[k]), k) for k in ("image", "video") if self.pad_token[k] in rest]:
+        while found := [(rest.find(token), k) for k, token in self.pad_token.items() if token in rest]:
             at, kind = min(found)
             if not counts[kind]:
                 raise ValueError(f"the conversation has more {kind} placeholders than {kind}s")
-            pieces += [rest[:at], self.pad_token[kind] * counts[kind].pop(0)]
+            pieces += [rest[:at], counts[kind].pop(0)]
             rest = rest[at + len(self.pad_token[kind]) :]
         pieces.append(rest)
         return list(self.tokenizer("".join(pieces), add_special_tokens=False)["input_ids"])
 
-    def positions(self, tokens: list[int], vision: list[Vision]) -> torch.Tensor:
+    def positions(self, tokens: list[int], vision: list[Media]) -> torch.Tensor:
         """The document's [3, L] multimodal RoPE positions (the family's `rope_index`: the model's code)."""
 
         def grids(kind: str) -> torch.Tensor | None:
-            g = [v.grid_thw for v in vision if v.kind == kind]
+            g = [v.grid_thw for v in vision if isinstance(v, Vision) and v.kind == kind]
             return torch.stack(g) if g else None
 
-        videos = [v for v in vision if v.kind == "video"]
+        videos = [v for v in vision if isinstance(v, Vision) and v.kind == "video"]
         seconds = torch.tensor([v.second_per_grid for v in videos]) if videos else None
         ids = torch.tensor([tokens], dtype=torch.long)
-        pos: torch.Tensor = self.rope_index(self.config, ids, grids("image"), grids("video"), seconds)
+        extra: dict[str, Any] = {}
+        if self.feature_extractor is not None:  # audio models: each clip's mel frame count
+            extra["audio_seqlens"] = torch.tensor([a.features.shape[1] for a in self.clips(vision)])
+        if self.video_audio_layout is not None:
+            extra["use_audio_in_video"] = True
+        pos: torch.Tensor = self.rope_index(self.config, ids, grids("image"), grids("video"), seconds, **extra)
         return pos[:, 0]
 
 
@@ -190,18 +265,20 @@ def _check_path(value: Any, what: str) -> str:
     return value
 
 
-def _parts_from_string(text: str, images: list[str], videos: list[str]) -> list[dict]:
-    """A LLaVA/ShareGPT string with <image>/<video> placeholders -> content parts, taking files in order."""
+def _parts_from_string(text: str, listed: dict[str, list[str]]) -> list[dict]:
+    """A LLaVA/ShareGPT string with <image>/<video>/<audio> placeholders -> content parts, taking each kind's
+    `listed` files in order."""
     parts: list[dict] = []
     rest = text
     while True:
-        found = [(rest.find(p), p) for p in (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER) if p in rest]
+        found = [(rest.find(p), p) for p in PLACEHOLDERS if p in rest]
         if not found:
             break
         at, placeholder = min(found)
         if rest[:at]:
             parts.append({"type": "text", "text": rest[:at]})
-        kind, files = ("image", images) if placeholder == IMAGE_PLACEHOLDER else ("video", videos)
+        kind = PLACEHOLDERS[placeholder]
+        files = listed[kind]
         if not files:
             raise ValueError(f"more {placeholder} placeholders than {kind} files in the line's {kind}s list")
         parts.append({"type": kind, kind: files.pop(0)})
@@ -215,9 +292,8 @@ def normalise_conversation(obj: Any) -> list[dict]:
     """Either accepted format -> messages with string or content-part contents (media paths as given)."""
     if not isinstance(obj, dict):
         raise ValueError('each line must be a JSON object with "messages" or "conversations"')
-    images = [_check_path(p, "images[]") for p in obj.get("images", [])]
-    videos = [_check_path(p, "videos[]") for p in obj.get("videos", [])]
-    n_images, n_videos = len(images), len(videos)
+    listed = {kind: [_check_path(p, f"{kind}s[]") for p in obj.get(f"{kind}s", [])] for kind in MEDIA_KINDS}
+    placed = any(listed.values())
     if "conversations" in obj:
         turns = obj["conversations"]
         if not isinstance(turns, list) or not turns:
@@ -239,13 +315,15 @@ def normalise_conversation(obj: Any) -> list[dict]:
             raise ValueError(f'messages[{i}] must be an object with a string "role", got {m!r}')
         content = m.get("content")
         if isinstance(content, str):
-            if n_images or n_videos:  # LLaVA style: placeholders in strings
-                content = _parts_from_string(content, images, videos)
+            if placed:  # LLaVA style: placeholders in strings
+                content = _parts_from_string(content, listed)
         elif isinstance(content, list):
             for j, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, dict) else None
-                if kind not in ("text", "image", "video"):
-                    raise ValueError(f'messages[{i}].content[{j}] must have "type" text, image or video, got {part!r}')
+                if kind not in ("text", *MEDIA_KINDS):
+                    raise ValueError(
+                        f'messages[{i}].content[{j}] must have "type" text, image, video or audio, got {part!r}'
+                    )
                 if kind == "text" and not isinstance(part.get("text"), str):
                     raise ValueError(f'messages[{i}].content[{j}] of type text needs a string "text"')
                 if kind != "text":
@@ -253,16 +331,15 @@ def normalise_conversation(obj: Any) -> list[dict]:
         else:
             raise ValueError(f"messages[{i}].content must be a string or a list of content parts")
         messages.append({"role": m["role"], "content": content})
-    if images or videos:
-        left = f"{len(images)} image(s)" if images else f"{len(videos)} video(s)"
-        raise ValueError(f"{left} listed but never placed: add one placeholder per file")
+    if left := [f"{len(files)} {kind}(s)" for kind, files in listed.items() if files]:
+        raise ValueError(f"{left[0]} listed but never placed: add one placeholder per file")
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError("the conversation has no assistant turn: there is nothing to learn")
     return messages
 
 
 def media_parts(messages: list[dict]) -> list[tuple[str, str]]:
-    """(kind, path) of every image/video part, in order."""
+    """(kind, path) of every image/video/audio part, in order."""
     return [
         (part["type"], part[part["type"]])
         for m in messages
@@ -277,27 +354,25 @@ def conversation_document(
 ) -> tuple[MMDocument, bool]:
     """One line -> (document, whether its text tail was cut to seq_len)."""
     messages = normalise_conversation(obj)
-    vision = [
-        processor.image(base / path) if kind == "image" else processor.video(base / path)
-        for kind, path in media_parts(messages)
-    ]
+    vision = [processor.media(kind, base / path) for kind, path in media_parts(messages)]
 
     def render(prefix: list[dict], generation_prompt: bool) -> list[int]:
         # a prefix holds the first k media of the conversation
         return processor.render(prefix, vision[: len(media_parts(prefix))], generation_prompt)
 
     tokens, learn = learn_assistant_turns(messages, render)
-    vision_ids = {processor.config.image_token_id, processor.config.video_token_id}
+    vision_ids = processor.media_ids
     counted = sum(t in vision_ids for t in tokens)
     if counted != sum(processor.tokens(vision)):
-        raise ValueError("the chat template did not place one pad token per image/video part")
+        raise ValueError("the chat template did not place one pad token per image/video/audio part")
     positions = processor.positions(tokens, vision)
     cut = len(tokens) > seq_len
     if cut:
         if any(t in vision_ids for t in tokens[seq_len:]):
             raise ValueError(
                 f"the conversation is {len(tokens)} tokens, longer than data.seq_len={seq_len}, and cutting it would "
-                "cut image/video tokens; raise data.seq_len or lower data.max_pixels / data.max_frames"
+                "cut image/video/audio tokens; raise data.seq_len, lower data.max_pixels / data.max_frames or "
+                "shorten the clips"
             )
         tokens, learn, positions = tokens[:seq_len], learn[:seq_len], positions[:, :seq_len]
     if not any(learn[1:]):
@@ -391,11 +466,21 @@ class ConversationRows(Dataset):
         return {**self.rows[index], "index": index}
 
 
-def collate_vision(vision: list[Vision]) -> dict[str, torch.Tensor]:
-    """Vision inputs in token order -> the model's keyword arguments (only the kinds present)."""
+def collate_vision(vision: list[Media]) -> dict[str, torch.Tensor]:
+    """Media inputs in token order -> the model's keyword arguments (only the kinds present). Audio: the clips'
+    frames zero-padded to the longest, `input_features` [clips, mel bins, frames] with the
+    `feature_attention_mask` [clips, frames] that marks the real ones (what the stock processor returns,
+    less the silent tail every clip shares)."""
     out: dict[str, torch.Tensor] = {}
-    images = [v for v in vision if v.kind == "image"]
-    videos = [v for v in vision if v.kind == "video"]
+    images = [v for v in vision if isinstance(v, Vision) and v.kind == "image"]
+    videos = [v for v in vision if isinstance(v, Vision) and v.kind == "video"]
+    clips = [
+        a for v in vision for a in ([v.features] if isinstance(v, Audio) else [v.audio.features] if v.audio else [])
+    ]
+    if clips:
+        frames = max(c.shape[1] for c in clips)
+        out["input_features"] = torch.stack([torch.nn.functional.pad(c, (0, frames - c.shape[1])) for c in clips])
+        out["feature_attention_mask"] = torch.stack([(torch.arange(frames) < c.shape[1]).long() for c in clips])
     if images:
         out["pixel_values"] = torch.cat([v.pixel_values for v in images])
         out["image_grid_thw"] = torch.stack([v.grid_thw for v in images])
@@ -437,5 +522,6 @@ def build_conversation_dataset(
         label_tokens=label_tokens,
         images=sum(v.kind == "image" for v in vision),
         videos=sum(v.kind == "video" for v in vision),
+        audios=sum(v.kind == "audio" for v in vision),
     )
     return ConversationRows(rows, stats)

@@ -220,3 +220,51 @@ def make_image_conversations(
     path = out / "conversations.jsonl"
     path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     return path
+
+
+def make_audio_conversations(
+    out: str | Path,
+    num_conversations: int = 4,
+    seconds: float = 0.5,
+    sampling_rate: int = 16000,
+    image_every: int = 2,
+    seed: int = 0,
+) -> Path:
+    """Write `conversations.jsonl` (OpenAI/Qwen messages) with tones beside it into `out`: conversation i
+    asks about a tone of `seconds * (1 + i % 3 / 2)` seconds (a wav file; every 4th from the 3rd: a flac
+    file after a shapes image); with `image_every=k` every k-th one shows a shapes image instead and has no
+    audio. Returns the JSONL file."""
+    import numpy as np
+
+    from spindle.data.audio import write_audio
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    images = make_shapes_image_dataset(out / "images", num_images=num_conversations, size=(56, 56), seed=seed)
+    rng = np.random.default_rng(seed)
+    lines = []
+    for i in range(num_conversations):
+        if image_every and i % image_every == image_every - 1:
+            caption = (images / f"image_{i:03d}.txt").read_text().strip()
+            user: list[dict[str, Any]] = [
+                {"type": "image", "image": f"images/image_{i:03d}.png"},
+                {"type": "text", "text": "What colour is the shape in the picture?"},
+            ]
+            answer = caption[0].upper() + caption[1:] + "."
+        else:
+            pitch = ["low", "middle", "high"][i % 3]
+            hz = {"low": 220.0, "middle": 440.0, "high": 880.0}[pitch]
+            t = np.arange(int(sampling_rate * seconds * (1 + i % 3 / 2))) / sampling_rate
+            wave = 0.5 * np.sin(2 * np.pi * hz * t) + 0.05 * rng.standard_normal(t.size)
+            both = i % 4 == 2  # an image before the clip, in a flac file
+            name = f"audio/tone_{i:03d}.{'flac' if both else 'wav'}"
+            write_audio(out / name, wave, sampling_rate)
+            user = [{"type": "audio", "audio": name}, {"type": "text", "text": "Is the tone low or high?"}]
+            if both:
+                user.insert(0, {"type": "image", "image": f"images/image_{i:03d}.png"})
+            answer = f"A {pitch} tone."
+        messages = [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+        lines.append(json.dumps({"messages": messages}))
+    path = out / "conversations.jsonl"
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path

@@ -233,7 +233,9 @@ def test_a_conversation_longer_than_seq_len_may_lose_text_but_never_vision_token
     processor = make_processor(tiny_qwen2_5_vl, parts)
     data = build_conversation_dataset(write_lines(tmp_path, long_answer), processor, 64)
     assert data.stats.truncated == 1 and data[0]["input_ids"].shape == (64,)
-    with pytest.raises(TextDataError, match=r"bad.jsonl:1: .*longer than data.seq_len=64.*cut image/video tokens"):
+    with pytest.raises(
+        TextDataError, match=r"bad.jsonl:1: .*longer than data.seq_len=64.*cut image/video/audio tokens"
+    ):
         build_conversation_dataset(write_lines(tmp_path, image_late), processor, 64)
 
 

@@ -73,10 +73,17 @@ _CORPUS = (
 
 
 def save_qwen_bpe_tokenizer(
-    out: Path, vocab_size: int = 384, model_max_length: int = 32768, chat_template: str = QWEN_VL_CHAT_TEMPLATE
+    out: Path,
+    vocab_size: int = 384,
+    model_max_length: int = 32768,
+    chat_template: str = QWEN_VL_CHAT_TEMPLATE,
+    specials: tuple[str, ...] = QWEN_SPECIALS,
+    named_tokens: dict[str, str] | None = None,
 ) -> Any:
     """A byte-level BPE tokenizer (Qwen's pre-tokenizer regex, no prefix space) trained locally on a few
-    sentences, with Qwen's special tokens and Qwen-VL's chat template; -> the loaded transformers tokenizer."""
+    sentences, with `specials` (Qwen's special tokens) and `chat_template` (Qwen-VL's); `named_tokens`:
+    tokenizer_config's `extra_special_tokens` (attribute name -> token, e.g. Qwen-Omni's `audio_token`, which
+    its processor reads); -> the loaded transformers tokenizer."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoTokenizer
 
@@ -95,7 +102,7 @@ def save_qwen_bpe_tokenizer(
         vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
     )
     tok.train_from_iterator([_CORPUS], trainer=trainer)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIALS])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     tok.save(str(out / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -105,6 +112,7 @@ def save_qwen_bpe_tokenizer(
         "padding_side": "right",
         "split_special_tokens": False,
         "chat_template": chat_template,
+        **({"extra_special_tokens": named_tokens} if named_tokens else {}),
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return AutoTokenizer.from_pretrained(out)

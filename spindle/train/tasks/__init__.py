@@ -16,6 +16,7 @@ TASKS: dict[str, str] = {
     "causal_lm_moe": "spindle.train.tasks.moe_causal_lm:MoECausalLMTask",
     "vlm": "spindle.train.tasks.vlm:VLMTask",
     "vlm_moe": "spindle.train.tasks.vlm_moe:VLMMoETask",
+    "omni": "spindle.train.tasks.omni:OmniTask",
 }
 
 

@@ -19,6 +19,7 @@ import copy
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -157,6 +158,13 @@ class CausalLMTask(TrainTask):
             self.cfg.model.path, dtype=torch.float32, attn_implementation="sdpa", **self.model_init_kwargs()
         )
 
+    def model_config(self) -> Any:
+        """The transformers config of the model the task trains (config.json; a sub-model's part of it where
+        the family trains one, e.g. an omni model's thinker)."""
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.cfg.model.path)
+
     def model_init_kwargs(self) -> dict[str, Any]:
         """Extra keyword arguments of the model's construction (both load paths)."""
         return {}
@@ -164,7 +172,7 @@ class CausalLMTask(TrainTask):
     def empty_model(self) -> torch.nn.Module:
         """The family's ForCausalLM built from config.json alone, as `load_model` would build it (fp32, sdpa,
         tied embeddings, the folder's generation config), its parameters on the meta device."""
-        from transformers import AutoConfig, GenerationConfig
+        from transformers import GenerationConfig
 
         from spindle.distributed.sharded_load import empty_weights
 
@@ -172,7 +180,7 @@ class CausalLMTask(TrainTask):
         cls: Any = self.family.model_cls()
         with empty_weights():
             model = cls._from_config(
-                AutoConfig.from_pretrained(path),
+                self.model_config(),
                 dtype=torch.float32,
                 attn_implementation="sdpa",
                 **self.model_init_kwargs(),
@@ -307,9 +315,15 @@ class CausalLMTask(TrainTask):
             barrier()
             return result
 
-        state = self.export_layout(model, cast("dict[str, torch.Tensor]", get_model_state_dict(model)))
+        state = self.export_layout(self.family, model, cast("dict[str, torch.Tensor]", get_model_state_dict(model)))
         write_transformers_folder(
-            model, state, self.cfg.model.path, out, extra_files=self.export_files, dtype=self.cfg.export.dtype
+            model,
+            state,
+            self.cfg.model.path,
+            out,
+            extra_files=self.export_files,
+            dtype=self.cfg.export.dtype,
+            finish=self.finish_export(self.family, self.cfg.model.path),
         )
         return out if is_main_process() else None
 
@@ -319,7 +333,9 @@ class CausalLMTask(TrainTask):
         return family.model_cls()
 
     @classmethod
-    def export_layout(cls, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def export_layout(
+        cls, family: CausalLMFamily, model: torch.nn.Module, state: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
         """The trained state dict under the names the checkpoint format uses (default: the model's own)."""
         return state
 
@@ -338,29 +354,41 @@ class CausalLMTask(TrainTask):
 
             adapters = checkpoint_adapters(checkpoint, lora)
             return export_lm_lora(model_cls, model_path, adapters, out, merge=False, extra_files=cls.export_files)
-        if cls.export_streamed(model_cls, checkpoint, model_path, out, dtype):
+        if cls.export_streamed(family, checkpoint, model_path, out, dtype):
             return out
         model = model_cls.from_pretrained(model_path, dtype=torch.float32)
-        state = cls.export_layout(model, ckpt.read_checkpoint_model(checkpoint, model))
-        write_transformers_folder(model, state, model_path, out, extra_files=cls.export_files, dtype=dtype)
+        state = cls.export_layout(family, model, ckpt.read_checkpoint_model(checkpoint, model))
+        write_transformers_folder(
+            model,
+            state,
+            model_path,
+            out,
+            extra_files=cls.export_files,
+            dtype=dtype,
+            finish=cls.finish_export(family, model_path),
+        )
         return out
 
     @classmethod
-    def export_streamed(cls, model_cls: Any, checkpoint: Path, model_path: Path, out: Path, dtype: str) -> bool:
+    def finish_export(cls, family: CausalLMFamily, source: str | Path) -> Callable[[Path, ExportDtypes], None] | None:
+        """What completes an export folder written from the `family` model at `source` (None: nothing)."""
+        return None
+
+    @classmethod
+    def export_streamed(cls, family: CausalLMFamily, checkpoint: Path, model_path: Path, out: Path, dtype: str) -> bool:
         """Write the export shard by shard from the checkpoint (`spindle.train.streamed_export`) when the
         export layout only renames the model's tensors (the names are found on a meta model); -> False
         when it transforms them (a MoE's fused experts split per expert), for the caller to build the model."""
-        from transformers import AutoConfig
-
         from spindle.distributed.sharded_load import empty_weights
         from spindle.train.streamed_export import SafetensorsFolder, write_streamed
 
-        with empty_weights():
-            model = model_cls._from_config(AutoConfig.from_pretrained(model_path))
+        model_cls: Any = family.model_cls()
+        with empty_weights():  # the class's own config part (an omni model's thinker reads its section)
+            model = model_cls._from_config(model_cls.config_class.from_pretrained(model_path))
         model.tie_weights()  # not done under empty_weights; `unique_weights` finds the tied names by it
         state = model.state_dict()
         fqn_of = {id(t): k for k, t in state.items()}
-        layout = unique_weights(model, cls.export_layout(model, state))
+        layout = unique_weights(model, cls.export_layout(family, model, state))
         if not all(id(t) in fqn_of for t in layout.values()):
             return False
         fqn = {name: fqn_of[id(t)] for name, t in layout.items()}
@@ -385,7 +413,9 @@ class CausalLMTask(TrainTask):
         shutil.rmtree(tmp, ignore_errors=True)
         # indexed even as one file, as the in-training export (DCP's writer) names it
         write_streamed(layout, read, tmp, "model.safetensors", dtypes, EXPORT_MAX_SHARD_BYTES, single_file=False)
-        finish_transformers_folder(model, dtypes, model_path, tmp, out, cls.export_files)
+        finish_transformers_folder(
+            model, dtypes, model_path, tmp, out, cls.export_files, cls.finish_export(family, model_path)
+        )
         return True
 
 
@@ -404,6 +434,7 @@ def write_transformers_folder(
     max_shard_bytes: int = EXPORT_MAX_SHARD_BYTES,
     extra_files: tuple[str, ...] = (),
     dtype: str = "auto",
+    finish: Callable[[Path, ExportDtypes], None] | None = None,
 ) -> None:
     """Collective: `out` = config.json + generation_config.json + tokenizer + sharded safetensors, plus
     `extra_files` of the source folder that exist (e.g. a VLM's preprocessor_config.json).
@@ -413,7 +444,8 @@ def write_transformers_folder(
     auto: as the source folder stores it); a DTensor converts only this rank's shard. Config and generation
     config are the model's own (transformers' `save_pretrained` of them) with the config's `dtype` set to
     the weights' main dtype, so `from_pretrained(dtype="auto")` loads them as written; the tokenizer is the
-    source folder's.
+    source folder's. `finish(folder, dtypes)` completes the folder on the main process before it is renamed
+    (an omni model's untrained sub-models and whole config).
     """
     dtypes = export_dtypes(dtype, source)
     out = Path(out)
@@ -423,15 +455,21 @@ def write_transformers_folder(
     barrier()
     ckpt.save_hf_safetensors(dtypes.cast_all(unique_weights(model, state_dict)), tmp, max_shard_bytes)
     if is_main_process():
-        finish_transformers_folder(model, dtypes, source, tmp, out, extra_files)
+        finish_transformers_folder(model, dtypes, source, tmp, out, extra_files, finish)
     barrier()
 
 
 def finish_transformers_folder(
-    model: torch.nn.Module, dtypes: ExportDtypes, source: str | Path, tmp: Path, out: Path, extra_files: tuple[str, ...]
+    model: torch.nn.Module,
+    dtypes: ExportDtypes,
+    source: str | Path,
+    tmp: Path,
+    out: Path,
+    extra_files: tuple[str, ...],
+    finish: Callable[[Path, ExportDtypes], None] | None = None,
 ) -> None:
     """Beside the weights in `tmp`: the config (its `dtype` the weights' main one), generation config,
-    the source's tokenizer and `extra_files`; then `tmp` becomes `out`."""
+    the source's tokenizer and `extra_files`, then the task's `finish(tmp, dtypes)`; then `tmp` becomes `out`."""
     hf_model: Any = model  # a transformers PreTrainedModel
     config = copy.deepcopy(hf_model.config)  # the training model's own config stays fp32
     config.dtype = dtypes.default
@@ -442,5 +480,7 @@ def finish_transformers_folder(
     for name in extra_files:
         if (Path(source) / name).is_file():
             shutil.copy2(Path(source) / name, tmp / name)
+    if finish is not None:
+        finish(tmp, dtypes)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

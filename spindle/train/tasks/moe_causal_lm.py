@@ -175,7 +175,7 @@ class MoECausalLMTask(CausalLMTask):
         # a model's state dict holds tensors (DTensors under FSDP2/EP), not the nested values DCP's ValueType allows
         state = cast("dict[str, torch.Tensor]", get_model_state_dict(model))
         self.write_folder(
-            self.adapter, model, state, self.cfg.model.path, out, self.expert_layout, self.cfg.export.dtype
+            self.family, self.adapter, model, state, self.cfg.model.path, out, self.expert_layout, self.cfg.export.dtype
         )
         return out if is_main_process() else None
 
@@ -186,6 +186,7 @@ class MoECausalLMTask(CausalLMTask):
     @classmethod
     def write_folder(
         cls,
+        family: CausalLMFamily,
         adapter: CheckpointAdapter,
         model: torch.nn.Module,
         state: dict[str, torch.Tensor],
@@ -203,7 +204,7 @@ class MoECausalLMTask(CausalLMTask):
             out,
             layout,
             dtype=dtype,
-            rename=cls.export_layout,
+            rename=lambda m, s: cls.export_layout(family, m, s),
             extra_files=cls.export_files,
         )
 
@@ -220,7 +221,7 @@ class MoECausalLMTask(CausalLMTask):
         layout = adapter.layout(model_path)
         model = load_moe_model(family, model_path)
         state = ckpt.read_checkpoint_model(checkpoint, model)
-        cls.write_folder(adapter, model, state, model_path, out, layout, dtype)
+        cls.write_folder(family, adapter, model, state, model_path, out, layout, dtype)
         return out
 
 

@@ -9,9 +9,11 @@ loss, export) with what vision adds:
   their parameters get `requires_grad=False` before FSDP, so they carry no gradient and no optimizer
   state (the optimizer takes trainable parameters only).
 - A hook on the language model's input (`VisionStep`), inside the model's own forward so FSDP2's root
-  hooks stay in charge: (1) a micro-batch without an image (or video) still runs the vision tower on
-  a dummy input, its output added with weight zero, so every data-parallel rank runs the same FSDP2
-  collectives of the vision blocks in forward and backward (no hang, no gradient change); (2) under
+  hooks stay in charge: (1) a micro-batch without an image (or video, or audio clip on an omni model)
+  still runs that tower on a dummy input, its output added with weight zero, so every data-parallel
+  rank runs the same FSDP2 collectives of the tower's blocks in forward and backward (no hang, no
+  gradient change); the dummies keep the model's tower order (pre-hooks on each tower), so ranks
+  holding different modalities run their towers' collectives in the same order; (2) under
   Ulysses SP, the full sequence's embeddings (vision filled back in) and positions (computed on whole
   documents, before the split) are cut to this rank's chunk, and the language model runs on the chunk.
   The vision tower's blocks run on this rank's chunk of the patches too, gathered for attention and before
@@ -23,6 +25,8 @@ loss, export) with what vision adds:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,10 +46,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("spindle.train")
 
-# The vision inputs of a batch (spindle.data.multimodal.collate_vision), passed to the model as they are.
+# The media inputs of a batch (spindle.data.multimodal.collate_vision), passed to the model as they are.
 VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
-# Which vision call each kind of input makes: images and videos each run the tower once per forward.
-KIND_INPUT = {"image": "pixel_values", "video": "pixel_values_videos"}
+AUDIO_KEYS = ("input_features", "feature_attention_mask")
+# Which tower call each kind of input makes: images and videos each run the vision tower once per forward,
+# audio clips the audio encoder once.
+KIND_INPUT = {"image": "pixel_values", "video": "pixel_values_videos", "audio": "input_features"}
 
 
 def checkpoint_names(model: torch.nn.Module) -> dict[str, str]:
@@ -65,34 +71,92 @@ def module_at(model: torch.nn.Module, dotted: str) -> torch.nn.Module:
     return module
 
 
+def dummy_vision(tower: Any, like: torch.Tensor) -> torch.Tensor:
+    """Zero times a vision tower's output on its smallest input (one merged token), in the tower's dtype (as
+    the model casts pixels)."""
+    cfg = tower.config
+    merge = int(getattr(tower, "spatial_merge_size", 1))
+    patch_dim = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
+    grid = torch.tensor([[1, merge, merge]], device=like.device)
+    pixels = torch.zeros(merge**2, patch_dim, device=like.device, dtype=tower.dtype)
+    out = tower(pixels, grid_thw=grid)
+    # every output the model uses (deepstack features too: Qwen3-VL), so every parameter gets its gradient
+    used = [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
+    zero: torch.Tensor = sum(t.sum() for t in used) * 0.0
+    return zero
+
+
+# mel frames of the dummy clip: the fewest that leave one token after the encoder's two stride-2 steps
+DUMMY_AUDIO_FRAMES = 4
+
+
+def dummy_audio(tower: Any, like: torch.Tensor) -> torch.Tensor:
+    """Zero times an audio encoder's output on a clip of a few silent mel frames."""
+    frames = torch.zeros(tower.config.num_mel_bins, DUMMY_AUDIO_FRAMES, device=like.device, dtype=tower.dtype)
+    lengths = torch.tensor([DUMMY_AUDIO_FRAMES], device=like.device)
+    out = tower(frames, feature_lens=lengths)
+    zero: torch.Tensor = out.last_hidden_state.sum() * 0.0
+    return zero
+
+
 class VisionStep:
-    """The language-model input hook (module docstring); the task sets `missing` per micro-batch."""
+    """The towers' and the language model's input hooks (module docstring).
 
-    def __init__(self, vision_tower: torch.nn.Module, merge_size: int, sp_rank: int, sp: int):
-        self.vision_tower, self.merge_size = vision_tower, merge_size
+    `towers`: per kind of input (image, video, audio), the dummy forward of the tower that takes it;
+    `order`: the order in which the model's forward runs its towers (`VLMFamily.tower_order`). The task
+    calls `start` per micro-batch. A missing kind's dummy runs where the model would have run that tower:
+    just before the next real tower call that comes after it in `order` (a pre-hook on each tower), or in
+    the language-model hook for kinds after the last real one. So every rank runs its towers' FSDP2
+    collectives in the same order whatever its micro-batch holds (two towers in different orders would
+    pair one rank's audio all-gather with another's vision all-gather: a hang or wrong weights). The
+    dummies' zero outputs join the embeddings in the language-model hook."""
+
+    def __init__(
+        self,
+        towers: dict[str, Callable[[torch.Tensor], torch.Tensor]],
+        order: tuple[str, ...],
+        sp_rank: int,
+        sp: int,
+    ):
+        self.towers, self.order = towers, order
         self.sp_rank, self.sp = sp_rank, sp
-        self.missing = 0  # vision calls this micro-batch lacks (kinds in the dataset but not in the batch)
+        self.plan: list[tuple[str, bool]] = []  # (kind, present) of this micro-batch's tower calls, in order
+        self.zeros: list[torch.Tensor] = []
+        self.in_dummy = False
+        self.like = torch.zeros(())  # device of the dummy inputs
 
-    def dummy_vision(self, like: torch.Tensor) -> torch.Tensor:
-        """Zero times the tower's output on the smallest input (one merged token): its FSDP2 all-gathers and
-        reduce-scatters run, and nothing changes numerically."""
-        tower: Any = self.vision_tower
-        cfg = tower.config
-        patch_dim = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
-        grid = torch.tensor([[1, self.merge_size, self.merge_size]], device=like.device)
-        pixels = torch.zeros(self.merge_size**2, patch_dim, device=like.device, dtype=like.dtype)
-        out = tower(pixels, grid_thw=grid)
-        # every output the model uses (deepstack features too: Qwen3-VL), so every parameter gets its gradient
-        used = [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
-        zero: torch.Tensor = sum(t.sum() for t in used) * 0.0
-        return zero
+    def start(self, present: set[str], expected: set[str], like: torch.Tensor) -> None:
+        """A micro-batch holding the kinds `present`, of a dataset with the kinds `expected`."""
+        self.plan = [(k, k in present) for k in self.order if k in present or k in expected]
+        self.zeros, self.like = [], like
+
+    def run_dummies(self, until_real: bool) -> None:
+        """The dummies of the plan's missing kinds up to its next real call (`until_real`), or all that are left."""
+        while self.plan:
+            kind, present = self.plan.pop(0)
+            if present:
+                if until_real:
+                    return
+                continue
+            self.in_dummy = True
+            try:
+                self.zeros.append(self.towers[kind](self.like))
+            finally:
+                self.in_dummy = False
+
+    def before_tower(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        if not self.in_dummy:  # a real call: the missing kinds the model would have run first
+            self.run_dummies(until_real=True)
 
     def __call__(
         self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         embeds = kwargs["inputs_embeds"]
-        for _ in range(self.missing):
-            embeds = embeds + self.dummy_vision(embeds).to(embeds.dtype)
+        self.run_dummies(until_real=False)
+        for zero in self.zeros:
+            # its FSDP2 all-gathers and reduce-scatters run, and nothing changes numerically
+            embeds = embeds + zero.to(embeds.dtype)
+        self.zeros = []
         if self.sp > 1:
             chunk = embeds.shape[1] // self.sp
             part = slice(self.sp_rank * chunk, (self.sp_rank + 1) * chunk)
@@ -111,7 +175,13 @@ class VisionStep:
 class VLMTask(CausalLMTask):
     name = "vlm"
     config_class = VLMJobConfig
-    export_files = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+    export_files: tuple[str, ...] = (
+        "preprocessor_config.json",
+        "processor_config.json",
+        "video_preprocessor_config.json",
+    )
+    # the batch keys the model's forward takes besides the token rows
+    input_keys: tuple[str, ...] = VISION_KEYS
 
     cfg: VLMJobConfig
     family: VLMFamily
@@ -132,6 +202,15 @@ class VLMTask(CausalLMTask):
                 "train.freeze with train.lora: LoRA already freezes every base weight and trains adapters on the "
                 "language model's layers; remove train.freeze"
             )
+        if unknown := sorted(set(cfg.train.freeze) - set(family.parts)):
+            raise ConfigError(
+                f"train.freeze names {unknown}, which {family.name} models do not have; "
+                f"their parts: {sorted(family.parts)}"
+            )
+        if cfg.data.use_audio_in_video and not getattr(family, "video_audio_layout", ""):
+            raise ConfigError(
+                f"data.use_audio_in_video: {family.name} models do not take a video's audio track; set it to false"
+            )
         if set(cfg.train.freeze) >= set(family.parts):
             raise ConfigError(f"train.freeze={cfg.train.freeze} freezes every part: nothing is left to train")
 
@@ -139,6 +218,10 @@ class VLMTask(CausalLMTask):
     def text_config(cls, config: dict[str, Any]) -> dict[str, Any]:
         text: dict[str, Any] = config.get("text_config") or config
         return text
+
+    def video_audio_layout(self) -> Callable[..., str] | None:
+        """The family's placeholder of a video with its audio track (data.use_audio_in_video); None: unused."""
+        return None
 
     # ------------------------------------------------------------ set-up
 
@@ -152,7 +235,7 @@ class VLMTask(CausalLMTask):
     def checkpoint_sources(self) -> dict[str, TensorSource]:
         """The checkpoint's tensors under the model's names (`checkpoint_names`)."""
         sources = super().checkpoint_sources()
-        renamed = checkpoint_names(self.empty_model())
+        renamed = self.checkpoint_names(self.family, self.empty_model())
         taken = set(renamed.values())
         out = {name: sources[ck] for name, ck in renamed.items() if ck in sources}
         out.update({k: v for k, v in sources.items() if k not in taken})  # unmapped keys: named by the check
@@ -171,37 +254,59 @@ class VLMTask(CausalLMTask):
         for name, param in model.named_parameters():
             if self.family.part_of(name) in frozen:
                 param.requires_grad_(False)
-        tower = module_at(model, self.family.vision_tower)
+        vision = module_at(model, self.family.vision_tower)
         if self.mesh.dims.sp > 1:  # the tower's blocks on this rank's chunk of the patches
             from spindle.distributed.vision_sequence_parallel import enable_vision_sequence_parallel
 
-            enable_vision_sequence_parallel(tower, self.mesh.sp.get_group(), self.mesh.sp_rank, self.mesh.dims.sp)
-        merge = int(getattr(tower, "spatial_merge_size", 1))
-        self.vision_step = VisionStep(tower, merge, self.mesh.sp_rank, self.mesh.dims.sp)
-        language = module_at(model, self.family.language_model)
-        language.register_forward_pre_hook(self.vision_step, with_kwargs=True)
+            enable_vision_sequence_parallel(vision, self.mesh.sp.get_group(), self.mesh.sp_rank, self.mesh.dims.sp)
+        towers: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+            kind: partial(dummy_vision, vision) for kind in ("image", "video")
+        }
+        modules = [vision]
+        if self.family.audio_tower:
+            modules.append(module_at(model, self.family.audio_tower))
+            towers["audio"] = partial(dummy_audio, modules[-1])
+        step = self.vision_step = VisionStep(towers, self.family.tower_order, self.mesh.sp_rank, self.mesh.dims.sp)
+        for tower in modules:
+            tower.register_forward_pre_hook(step.before_tower)
+        module_at(model, self.family.language_model).register_forward_pre_hook(step, with_kwargs=True)
 
     def build_loader(self) -> ResumableLoader:
-        from transformers import AutoConfig
-
         from spindle.data.multimodal import VisionOptions, VisionProcessor, build_conversation_dataset
 
         data = self.cfg.data
         options = VisionOptions(data.min_pixels, data.max_pixels, data.fps, data.max_frames)
-        config = AutoConfig.from_pretrained(self.cfg.model.path)
         processor = VisionProcessor(
-            self.cfg.model.path, self.tokenizer, config, self.family.rope_index_fn(), options, self.family.videos
+            self.cfg.model.path,
+            self.tokenizer,
+            self.model_config(),
+            self.family.rope_index_fn(),
+            options,
+            self.family.videos,
+            audio=bool(self.family.audio_tower),
+            video_audio_layout=self.video_audio_layout(),
         )
         dataset = build_conversation_dataset(data.path, processor, data.seq_len, data.packing, data.skip_bad_samples)
         s = dataset.stats
-        self.dataset_kinds = {k for k, n in (("image", s.images), ("video", s.videos)) if n}
+        self.dataset_kinds = {k for k, n in (("image", s.images), ("video", s.videos), ("audio", s.audios)) if n}
+        self._data_stats = {  # the run summary's data counts (and its epoch count from rows)
+            "documents": s.documents,
+            "rows": s.rows,
+            "label_tokens": s.label_tokens,
+            "images": s.images,
+            "videos": s.videos,
+            "audio_clips": s.audios,
+            "truncated": s.truncated,
+            "skipped": s.skipped,
+        }
         if is_main_process():
             log.info(
-                "data: %d conversations (%d images, %d videos) -> %d rows of %d tokens (%s), %d label tokens; "
-                "%d cut to seq_len, %d bad lines skipped",
+                "data: %d conversations (%d images, %d videos, %d audio clips) -> %d rows of %d tokens (%s), "
+                "%d label tokens; %d cut to seq_len, %d bad lines skipped",
                 s.documents,
                 s.images,
                 s.videos,
+                s.audios,
                 s.rows,
                 data.seq_len,
                 "packed" if data.packing else "one conversation per row",
@@ -214,7 +319,9 @@ class VLMTask(CausalLMTask):
         return resumable_loader(self, dataset, collate_conversations)
 
     @classmethod
-    def export_layout(cls, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def export_layout(
+        cls, family: CausalLMFamily, model: torch.nn.Module, state: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
         """The trained state under the checkpoint's names (the input's layout), as `save_pretrained` writes
         them. The names come from a meta skeleton of the model's own class: transformers' reverse mapping
         renames nothing on an FSDP2-wrapped model (its class is FSDP's subclass)."""
@@ -227,8 +334,13 @@ class VLMTask(CausalLMTask):
         )
         with empty_weights():
             skeleton = base._from_config(model.config)
-        names = checkpoint_names(skeleton)
+        names = cls.checkpoint_names(family, skeleton)
         return {names.get(k, k): v for k, v in state.items()}
+
+    @classmethod
+    def checkpoint_names(cls, family: CausalLMFamily, model: torch.nn.Module) -> dict[str, str]:
+        """{the model's state-dict name: its name in the checkpoint} (`checkpoint_names`)."""
+        return checkpoint_names(model)
 
     # ------------------------------------------------------------ step
 
@@ -236,7 +348,7 @@ class VLMTask(CausalLMTask):
         ids = batch["input_ids"]
         keys = ("input_ids", "position_ids", "shift_labels", PADDING_MASK_KEY)
         rows = {k: batch[k].to(self.device) for k in keys if k in batch}
-        vision = {k: batch[k].to(self.device) for k in VISION_KEYS if k in batch}
+        vision = {k: batch[k].to(self.device) for k in self.input_keys if k in batch}
         if self.mesh.dims.sp > 1:
             # Labels (and the padding mask of task hooks) are cut here; input ids and positions stay whole (the
             # model fills the vision embeddings into the full sequence) and the language-model hook cuts
@@ -247,7 +359,8 @@ class VLMTask(CausalLMTask):
                 if key in rows:
                     rows[key] = rows[key][:, start : start + chunk].contiguous()
         assert self.vision_step is not None, "build_model installs the vision hook"
-        self.vision_step.missing = sum(KIND_INPUT[k] not in vision for k in self.dataset_kinds)
+        present = {k for k, key in KIND_INPUT.items() if key in vision}
+        self.vision_step.start(present, self.dataset_kinds, rows["input_ids"])
         with self._autocast():
             out = causal_lm_output(model, rows, **vision, **self.model_kwargs(rows))
         return StepOutput(out.loss.float(), ids.shape[0], ids.numel(), self.output_metrics(out, rows))

@@ -1,0 +1,202 @@
+"""A tiny random Qwen2.5-Omni in the published folder layout (`spindle tiny-model qwen2_5_omni`): the whole
+`Qwen2_5OmniForConditionalGeneration` (thinker, talker, token2wav) in one safetensors file, `spk_dict.pt`,
+a tokenizer with Qwen-Omni's special tokens, `extra_special_tokens` and chat template, and one
+`preprocessor_config.json` holding the image processor's and the `WhisperFeatureExtractor`'s fields (as
+the published checkpoints have it)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from spindle.models.shared.tiny_vlm import save_image_processor_config, save_qwen_bpe_tokenizer
+
+# Qwen2.5-Omni's added tokens, in the order (so the relative ids) of the real vocabulary: Qwen-VL's list with
+# the audio tokens in place of the object-ref/box tokens and the vision tokens renamed.
+OMNI_SPECIALS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|AUDIO|>",
+    "<|audio_bos|>",
+    "<|audio_eos|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_bos|>",
+    "<|vision_eos|>",
+    "<|vision_pad|>",
+    "<|IMAGE|>",
+    "<|VIDEO|>",
+)
+# tokenizer_config's extra_special_tokens: the attributes Qwen2_5OmniProcessor reads from its tokenizer.
+OMNI_NAMED_TOKENS = {
+    "image_token": "<|IMAGE|>",
+    "audio_token": "<|AUDIO|>",
+    "video_token": "<|VIDEO|>",
+    "vision_bos_token": "<|vision_bos|>",
+    "vision_eos_token": "<|vision_eos|>",
+    "audio_bos_token": "<|audio_bos|>",
+    "audio_eos_token": "<|audio_eos|>",
+}
+# Qwen2.5-Omni's chat template for string and image/audio/video-part messages (the published one also
+# carries tool calls): one <|audio_bos|><|AUDIO|><|audio_eos|> per audio part, expanded to the clip's token
+# count by the processor (or spindle.data.multimodal).
+OMNI_CHAT_TEMPLATE = (
+    "{% set audio_count = namespace(value=0) %}{% set image_count = namespace(value=0) %}"
+    "{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n"
+    "You are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}<|vision_bos|><|IMAGE|><|vision_eos|>"
+    "{% elif content['type'] == 'audio' or 'audio' in content or 'audio_url' in content %}"
+    "{% set audio_count.value = audio_count.value + 1 %}"
+    "{% if add_audio_id %}Audio {{ audio_count.value }}: {% endif %}<|audio_bos|><|AUDIO|><|audio_eos|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_bos|><|VIDEO|><|vision_eos|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# The thinker, scaled down: Qwen2.5-VL's decoder and windowed vision tower, and a Whisper-style audio encoder
+# over 128 mel bins whose attention windows are n_window * 2 frames.
+TINY_TEXT = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+)
+TINY_VISION = dict(
+    depth=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    window_size=56,
+    fullatt_block_indexes=[1],
+)
+TINY_AUDIO = dict(
+    num_mel_bins=128,
+    encoder_layers=2,
+    encoder_attention_heads=2,
+    encoder_ffn_dim=64,
+    d_model=32,
+    max_source_positions=64,
+    n_window=8,  # 16-frame attention windows: a half-second clip spans several
+)
+# Not trained by Spindle; small enough to keep the folder light, complete enough that the stock class builds
+# and loads them.
+TINY_TALKER = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    vocab_size=8448,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+)
+TINY_DIT: dict[str, Any] = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    head_dim=16,
+    ff_mult=2,
+    emb_dim=16,
+    enc_emb_dim=16,
+    enc_dim=16,
+    enc_channels=[16, 16, 16, 16, 48],
+    enc_attention_channels=8,
+    enc_se_channels=8,
+    look_ahead_layers=[1],
+    look_backward_layers=[0],
+)
+TINY_TOKEN2WAV = dict(
+    dit_config=TINY_DIT,
+    bigvgan_config=dict(upsample_initial_channel=64, resblock_kernel_sizes=[3], resblock_dilation_sizes=[[1, 3, 5]]),
+)
+# WhisperFeatureExtractor as Qwen2.5-Omni configures it (128 mel bins, 16 kHz, attention mask), with a
+# 10-second window (the published 300 s makes each clip's features 30x dearer to compute).
+TINY_AUDIO_FEATURES = dict(feature_size=128, sampling_rate=16000, hop_length=160, chunk_length=10, n_fft=400)
+
+
+def build_tiny_qwen2_5_omni(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
+    """Write the tiny folder to `out`; returns `out`. `transformer`: overrides of the thinker config (top level
+    or under "text_config" / "vision_config" / "audio_config")."""
+    from transformers import GenerationConfig, Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
+    from transformers.models.whisper.feature_extraction_whisper import WhisperFeatureExtractor
+
+    out = Path(out)
+    tokenizer = save_qwen_bpe_tokenizer(
+        out, chat_template=OMNI_CHAT_TEMPLATE, specials=OMNI_SPECIALS, named_tokens=OMNI_NAMED_TOKENS
+    )
+    over = dict(transformer or {})
+    token = tokenizer.convert_tokens_to_ids
+    text = {
+        **TINY_TEXT,
+        "vocab_size": len(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": token("<|endoftext|>"),
+        **over.pop("text_config", {}),
+    }
+    vision = {**TINY_VISION, "out_hidden_size": text["hidden_size"], **over.pop("vision_config", {})}
+    audio = {**TINY_AUDIO, "output_dim": text["hidden_size"], **over.pop("audio_config", {})}
+    ids: dict[str, Any] = {
+        "audio_token_index": token("<|AUDIO|>"),
+        "image_token_index": token("<|IMAGE|>"),
+        "video_token_index": token("<|VIDEO|>"),
+        "audio_start_token_id": token("<|audio_bos|>"),
+        "audio_end_token_id": token("<|audio_eos|>"),
+        "vision_start_token_id": token("<|vision_bos|>"),
+        "vision_end_token_id": token("<|vision_eos|>"),
+    }
+    thinker = {"text_config": text, "vision_config": vision, "audio_config": audio, **ids, **over}
+    talker = {**TINY_TALKER, "embedding_size": text["hidden_size"], **ids}
+    config = Qwen2_5OmniConfig(thinker_config=thinker, talker_config=talker, token2wav_config=TINY_TOKEN2WAV)
+    torch.manual_seed(seed)
+    model = Qwen2_5OmniForConditionalGeneration._from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        eos_token_id=[tokenizer.eos_token_id, token("<|endoftext|>")], pad_token_id=tokenizer.pad_token_id
+    )
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    # The speaker table the stock class reads on load: per voice, the talker's codec bos token and the
+    # token2wav's speaker conditioning and reference mel.
+    g = torch.Generator().manual_seed(seed + 1)
+    speakers = {
+        name: {
+            "bos_token": 8293,
+            "cond": torch.randn(TINY_DIT["enc_emb_dim"], generator=g),
+            "ref_mel": torch.randn(8, 80, generator=g),
+        }
+        for name in ("Chelsie", "Ethan")
+    }
+    torch.save(speakers, out / "spk_dict.pt")
+    # One preprocessor_config.json: Qwen2-VL's image processor fields + the WhisperFeatureExtractor's.
+    features = WhisperFeatureExtractor(**TINY_AUDIO_FEATURES, return_attention_mask=True, padding_side="right")
+    save_image_processor_config(
+        out,
+        patch_size=vision["patch_size"],
+        merge_size=vision["spatial_merge_size"],
+        temporal_patch_size=vision["temporal_patch_size"],
+        min_pixels=28 * 28,
+        max_pixels=56 * 56,
+        size={"shortest_edge": 28 * 28, "longest_edge": 56 * 56},
+        **features.to_dict(),
+        processor_class="Qwen2_5OmniProcessor",
+    )
+    fields = json.loads((out / "preprocessor_config.json").read_text())
+    assert fields["feature_extractor_type"] == "WhisperFeatureExtractor", "one file holds both processors' fields"
+    return out

@@ -1,0 +1,255 @@
+"""Audio conversations -> omni rows (spindle.data.multimodal + spindle.data.audio): the same tokens, audio
+features, feature masks and lengths as the stock Qwen2.5-Omni processor, the same 3-D positions as the
+stock thinker computes (audio spans, an image before a clip), every audio format PyAV decodes, resampling
+to the extractor's rate, and bad audio as a `file:line` error or a counted skip."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from spindle.data.audio import decode_audio, write_audio
+from spindle.data.multimodal import (
+    VisionOptions,
+    VisionProcessor,
+    build_conversation_dataset,
+    collate_vision,
+    conversation_document,
+)
+from spindle.data.text import TextDataError
+
+
+def omni_processor(model: Path) -> VisionProcessor:
+    """Spindle's processor of an omni checkpoint, as the omni task builds it."""
+    from transformers import AutoTokenizer, Qwen2_5OmniThinkerConfig
+
+    from spindle.registry import get_family
+
+    family = get_family("qwen2_5_omni")
+    config = Qwen2_5OmniThinkerConfig.from_pretrained(model)
+    tok = AutoTokenizer.from_pretrained(model)
+    return VisionProcessor(model, tok, config, family.rope_index_fn(), VisionOptions(), audio=True)
+
+
+def stock_processor(model: Path):
+    """transformers' Qwen2_5OmniProcessor from the folder's tokenizer, PIL image processor and
+    WhisperFeatureExtractor. Its constructor insists on a video processor, which needs torchvision (not
+    installable here): the class check is skipped for that argument only, and no video is processed."""
+    from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoTokenizer
+    from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import Qwen2_5OmniProcessor
+
+    class NoVideoProcessor(Qwen2_5OmniProcessor):
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument_name == "video_processor" and argument is None:
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    tok = AutoTokenizer.from_pretrained(model)
+    return NoVideoProcessor(
+        image_processor=AutoImageProcessor.from_pretrained(model),
+        video_processor=None,
+        feature_extractor=AutoFeatureExtractor.from_pretrained(model),
+        tokenizer=tok,
+        chat_template=tok.chat_template,
+    )
+
+
+def stock_call(stock, obj: dict, base: Path) -> dict:
+    """The stock processor's output for one conversation (its media decoded as Spindle decodes audio)."""
+    parts = [p for m in obj["messages"] if isinstance(m["content"], list) for p in m["content"]]
+    images = [Image.open(base / p["image"]).convert("RGB") for p in parts if p["type"] == "image"] or None
+    rate = stock.feature_extractor.sampling_rate
+    audio = [decode_audio(base / p["audio"], rate) for p in parts if p["type"] == "audio"] or None
+    text = stock.apply_chat_template(obj["messages"], tokenize=False)
+    return dict(stock(text=[text], images=images, audio=audio, return_tensors="pt"))
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def stock_thinker(tiny_qwen2_5_omni):
+    from transformers import Qwen2_5OmniThinkerForConditionalGeneration
+
+    return Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(tiny_qwen2_5_omni)
+
+
+@pytest.mark.parametrize("line", [0, 1, 2], ids=["audio", "image", "image_then_audio"])
+def test_tokens_features_and_positions_equal_the_stock_processor_and_thinker(
+    line, tiny_qwen2_5_omni, omni_conversations, stock_thinker
+):
+    obj = lines(omni_conversations)[line]
+    doc, cut = conversation_document(obj, omni_conversations.parent, omni_processor(tiny_qwen2_5_omni), 4096, "x")
+    assert not cut
+    stock = stock_call(stock_processor(tiny_qwen2_5_omni), obj, omni_conversations.parent)
+    assert stock["input_ids"][0].tolist() == doc.tokens
+
+    ours = collate_vision(doc.vision)
+    if "input_features" in stock:  # the real frames, the mask and so the lengths, exactly
+        mask = stock["feature_attention_mask"].bool()
+        assert torch.equal(ours["feature_attention_mask"].sum(-1), mask.sum(-1))
+        assert torch.equal(
+            ours["input_features"].permute(0, 2, 1)[ours["feature_attention_mask"].bool()],
+            stock["input_features"].permute(0, 2, 1)[mask],
+        )
+    else:
+        assert "input_features" not in ours
+    for key in ("pixel_values", "image_grid_thw"):
+        assert (key in ours) == (key in stock) and (key not in ours or torch.equal(ours[key], stock[key]))
+
+    lengths = stock["feature_attention_mask"].sum(-1) if "feature_attention_mask" in stock else None
+    positions, _ = stock_thinker.model.get_rope_index(
+        stock["input_ids"], stock.get("image_grid_thw"), None, stock["attention_mask"], False, lengths
+    )
+    assert torch.equal(doc.positions, positions[:, 0])
+
+
+def test_formats_and_sampling_rates_decode_to_the_extractors_rate(tmp_path):
+    """wav/flac are lossless: the same samples; m4a (AAC) decodes to the clip's length at the extractor's rate;
+    a 22.05 kHz clip is resampled to 16 kHz (its length scaled, its tone kept)."""
+    t = np.arange(8000) / 16000
+    wave = 0.5 * np.sin(2 * np.pi * 440 * t)
+    wav = decode_audio(write_audio(tmp_path / "a.wav", wave, 16000), 16000)
+    flac = decode_audio(write_audio(tmp_path / "a.flac", wave, 16000), 16000)
+    assert wav.shape == (8000,) and np.array_equal(wav, flac)
+    assert np.abs(wav - wave).max() < 1e-4  # 16-bit quantisation only
+    m4a = decode_audio(write_audio(tmp_path / "a.m4a", wave, 16000), 16000)
+    assert abs(m4a.size - 8000) <= 2048  # the AAC encoder's priming/padding frames
+    t22 = np.arange(22050) / 22050
+    resampled = decode_audio(write_audio(tmp_path / "b.wav", 0.5 * np.sin(2 * np.pi * 440 * t22), 22050), 16000)
+    assert abs(resampled.size - 16000) <= 32
+    spectrum = np.abs(np.fft.rfft(resampled[:16000]))
+    assert abs(int(spectrum.argmax()) * 16000 / 16000 - 440) <= 2
+
+
+def test_bad_audio_is_a_file_line_error_or_a_counted_skip(tiny_qwen2_5_omni, tmp_path):
+    (tmp_path / "empty.wav").write_bytes(b"")
+    (tmp_path / "text.mp3").write_text("not audio")
+    write_audio(tmp_path / "long.wav", np.zeros(16000 * 11), 16000)  # the tiny extractor's window is 10 s
+    write_audio(tmp_path / "ok.wav", 0.1 * np.ones(4000), 16000)
+
+    def conversation(name: str) -> str:
+        user = [{"type": "audio", "audio": name}, {"type": "text", "text": "What?"}]
+        return json.dumps({"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": "A."}]})
+
+    names = ["empty.wav", "text.mp3", "gone.wav", "long.wav", "ok.wav"]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(conversation(n) + "\n" for n in names))
+    processor = omni_processor(tiny_qwen2_5_omni)
+    with pytest.raises(TextDataError, match=rf"{data}:1: audio .*empty.wav cannot be decoded"):
+        build_conversation_dataset(data, processor, 256)
+    expected = {2: "cannot be decoded", 3: "gone.wav not found", 4: r"11.00 s long, more than .* 10 s window"}
+    for number, message in expected.items():
+        data.write_text(conversation(names[number - 1]) + "\n")
+        with pytest.raises(TextDataError, match=rf"{data}:1: audio .*{message}"):
+            build_conversation_dataset(data, processor, 256)
+    data.write_text("".join(conversation(n) + "\n" for n in names))
+    dataset = build_conversation_dataset(data, processor, 256, skip_bad_samples=True)
+    assert (dataset.stats.skipped, dataset.stats.documents, dataset.stats.audios) == (4, 1, 1)
+
+
+def test_audio_parts_are_refused_for_a_vision_language_model(tiny_qwen2_5_vl, omni_conversations):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from spindle.registry import get_family
+
+    processor = VisionProcessor(
+        tiny_qwen2_5_vl,
+        AutoTokenizer.from_pretrained(tiny_qwen2_5_vl),
+        AutoConfig.from_pretrained(tiny_qwen2_5_vl),
+        get_family("qwen2_5_vl").rope_index_fn(),
+        VisionOptions(),
+    )
+    with pytest.raises(ValueError, match="qwen2_5_vl models take no audio; audio parts need an omni-modal model"):
+        conversation_document(lines(omni_conversations)[0], omni_conversations.parent, processor, 4096, "x")
+
+
+def video_with_audio(folder: Path) -> Path:
+    """A 3 s, 4 fps mp4 (brightening frames) with a 3 s 440 Hz AAC track."""
+    from spindle.data.audio import add_audio_track
+    from spindle.data.media import write_video
+
+    frames = np.stack([np.full((56, 56, 3), 20 * i, dtype=np.uint8) for i in range(12)])
+    write_video(folder / "plain.mp4", frames, fps=4)
+    t = np.arange(48000) / 16000
+    return add_audio_track(folder / "plain.mp4", 0.5 * np.sin(2 * np.pi * 440 * t), 16000, folder / "clip.mp4")
+
+
+def test_use_audio_in_video_interleaves_the_track_with_the_frames(tiny_qwen2_5_omni, stock_thinker, tmp_path):
+    """The video's pad becomes <|audio_bos|>, 2-second chunks of frames then audio, <|audio_eos|> (the stock
+    processor's layout), the track's features are the clip's, and the positions are the stock thinker's with
+    use_audio_in_video."""
+    from transformers import AutoTokenizer, Qwen2_5OmniThinkerConfig
+
+    from spindle.data.audio import audio_features, audio_token_count
+    from spindle.registry import get_family
+
+    video_with_audio(tmp_path)
+    family = get_family("qwen2_5_omni")
+    processor = VisionProcessor(
+        tiny_qwen2_5_omni,
+        AutoTokenizer.from_pretrained(tiny_qwen2_5_omni),
+        Qwen2_5OmniThinkerConfig.from_pretrained(tiny_qwen2_5_omni),
+        family.rope_index_fn(),
+        VisionOptions(),
+        audio=True,
+        video_audio_layout=family.video_audio_layout_fn(),
+    )
+    user = [{"type": "video", "video": "clip.mp4"}, {"type": "text", "text": "What?"}]
+    obj = {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": "A tone."}]}
+    doc, _ = conversation_document(obj, tmp_path, processor, 4096, "x")
+    inputs = collate_vision(doc.vision)
+    expected = audio_features(decode_audio(tmp_path / "clip.mp4", 16000), processor.feature_extractor)
+    assert torch.equal(inputs["input_features"][0], expected)
+
+    config = processor.config
+    # 3 frames at t = 0, 1, 2 s (fps 2, 2 frames per temporal patch), 4 merged tokens each; ~77 audio tokens
+    n_audio = audio_token_count(expected.shape[1])
+    V, A = config.video_token_id, config.audio_token_id
+    start = doc.tokens.index(config.vision_start_token_id)
+    span = doc.tokens[start : start + 2 + 12 + n_audio + 2]
+    assert span == [config.vision_start_token_id, config.audio_start_token_id] + [V] * 8 + [A] * 50 + [V] * 4 + [A] * (
+        n_audio - 50
+    ) + [config.audio_end_token_id, config.vision_end_token_id]
+
+    ids = torch.tensor([doc.tokens])
+    positions, _ = stock_thinker.model.get_rope_index(
+        ids,
+        None,
+        inputs["video_grid_thw"],
+        torch.ones_like(ids),
+        True,
+        inputs["feature_attention_mask"].sum(-1),
+        inputs["second_per_grid_ts"],
+    )
+    assert torch.equal(doc.positions, positions[:, 0])
+
+    (tmp_path / "plain.mp4").rename(tmp_path / "clip.mp4")  # the same video without its track
+    with pytest.raises(ValueError, match=r"has no audio stream; data\.use_audio_in_video needs every video to have"):
+        conversation_document(obj, tmp_path, processor, 4096, "x")
+
+
+def test_sharegpt_audio_placeholders_give_the_messages_format_document(tiny_qwen2_5_omni, omni_conversations):
+    """`{"audios": [...], "conversations": [... "<audio>" ...]}` is the same conversation as audio parts."""
+    processor = omni_processor(tiny_qwen2_5_omni)
+    obj = lines(omni_conversations)[0]
+    sharegpt = {
+        "audios": [obj["messages"][0]["content"][0]["audio"]],
+        "conversations": [
+            {"from": "human", "value": "<audio>" + obj["messages"][0]["content"][1]["text"]},
+            {"from": "gpt", "value": obj["messages"][1]["content"]},
+        ],
+    }
+    base = omni_conversations.parent
+    a, _ = conversation_document(obj, base, processor, 4096, "x")
+    b, _ = conversation_document(sharegpt, base, processor, 4096, "x")
+    assert a.tokens == b.tokens and a.learn == b.learn and torch.equal(a.positions, b.positions)
+    with pytest.raises(ValueError, match=r"more <audio> placeholders than audio files"):
+        twice = [{"from": "human", "value": "<audio><audio>"}, sharegpt["conversations"][1]]
+        conversation_document({**sharegpt, "conversations": twice}, base, processor, 4096, "x")
