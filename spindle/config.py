@@ -76,6 +76,11 @@ class MediaDataConfig(Section):
     """`data:` of DiT (flow-matching) jobs: captioned images/videos."""
 
     path: str = Field(description="folder of media + same-name .txt captions, or a .jsonl manifest")
+    control_dir: str | None = Field(
+        None,
+        description="edit pairs: the folder of source (control) images mirroring data.path (the targets): "
+        "stem.png or stem_0.png, stem_1.png, ... per target",
+    )
     resolution: tuple[int, int] = Field((64, 64), description="[height, width] after resize + center crop")
     num_frames: int = Field(17, ge=1, description="frames sampled per video (images give 1)")
     skip_bad_samples: bool = Field(False, description="log and skip unreadable files instead of failing")

@@ -43,7 +43,9 @@ def precompute(cfg: Any, out: str | Path) -> Path | None:
     family = family_of(cfg.model.path, cfg.model.family)
     precision = resolve_precision(cfg.train.mixed_precision)
     data = cfg.data
-    dataset = build_dataset(data.path, tuple(data.resolution), data.num_frames, skip_bad_samples=False)
+    dataset = build_dataset(
+        data.path, tuple(data.resolution), data.num_frames, skip_bad_samples=False, control_dir=data.control_dir
+    )
     device = local_device()
     condition = build_condition_model(cfg, family, device, precision)
     mine = range(rank, len(dataset), world)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from spindle.data import edit_pairs
 from spindle.data.media import MediaError, read_media
 
 CACHE_ENV = "SPINDLE_CACHE_DIR"
@@ -53,9 +54,10 @@ def cache_dir() -> Path:
 
 
 def _files(sample: Any) -> list[Path]:
-    """The files a sample reads: its media, and its conditioning image when it names one (image-to-video)."""
+    """The files a sample reads: its media, its conditioning image when it names one (image-to-video),
+    an edit pair's source images."""
     image = getattr(sample, "image", None)
-    return [sample.path] if image is None else [sample.path, image]
+    return [sample.path, *([] if image is None else [image]), *getattr(sample, "sources", ())]
 
 
 def _stat(path: Path) -> list[Any]:
@@ -80,7 +82,7 @@ def _problem(sample: Any, resolution: tuple[int, int], num_frames: int) -> str |
             read_media(image, 1, resolution)
     except MediaError as e:
         return e.problem if e.path == sample.path else f"conditioning image {e.path}: {e.problem}"
-    return None
+    return edit_pairs.source_problem(sample, resolution)
 
 
 def _read_cache(path: Path) -> dict[int, str] | None:

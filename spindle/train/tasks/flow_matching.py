@@ -157,7 +157,9 @@ class FlowMatchingTask(TrainTask):
 
         data = cfg.data
         if data.precomputed is None:  # every file decoded once (cached): one report before the model loads
-            build_dataset(data.path, data.resolution, data.num_frames, data.skip_bad_samples)
+            build_dataset(
+                data.path, data.resolution, data.num_frames, data.skip_bad_samples, control_dir=data.control_dir
+            )
 
     def data_stats(self) -> dict[str, Any]:
         return dict(getattr(self, "_data_stats", {}))
@@ -177,6 +179,7 @@ class FlowMatchingTask(TrainTask):
             data.skip_bad_samples,
             check=data.precomputed is None,
             warn_skipped=False,
+            control_dir=data.control_dir,
         )
         self._data_stats = {"rows": len(media), "samples": len(media), "skipped": len(media.skipped_files)}
         source: Any = media
