@@ -22,6 +22,7 @@ Family: TypeAlias = DiTFamily | CausalLMFamily | VLMFamily
 # name -> module defining FAMILY. Adding a family: one line here, one folder under models/.
 BUILTIN_FAMILIES: dict[str, str] = {
     "flux": "spindle.models.flux",
+    "flux_kontext": "spindle.models.flux_kontext",
     "llama": "spindle.models.llama",
     "qwen2_5_vl": "spindle.models.qwen2_5_vl",
     "qwen3": "spindle.models.qwen3",

@@ -36,3 +36,9 @@ class ConditionModel(ABC):
     @abstractmethod
     def training_inputs(self, conditions: dict[str, torch.Tensor], generators: list[torch.Generator]) -> dict[str, Any]:
         """Conditions + one generator per sample -> transformer forward kwargs + "target" + "sigmas"."""
+
+    def target_prediction(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The part of the transformer's output that the loss compares with `target`. Edit families append
+        their reference images' tokens to the noisy latents' on the sequence axis and learn only the first
+        `target.shape[1]` (as their pipelines keep `noise_pred[:, : latents.size(1)]`). Default: all of it."""
+        return pred
