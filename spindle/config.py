@@ -163,7 +163,13 @@ class ValidationConfig(Section):
     guidance_scale: float | None = Field(None, description="default: the family's sampling default")
     images: list[str] = Field(
         default_factory=list,
-        description="image-to-video families: the conditioning image file of each prompt (one per prompt)",
+        description="image-conditioned families (image-to-video, image edits): the conditioning image file of each "
+        "prompt (one per prompt)",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the family's sampling options for every sample (e.g. FLUX.1 Kontext's max_area, auto_resize); "
+        "checked before launch",
     )
 
 

@@ -95,6 +95,12 @@ def tiny_flux(tiny_checkpoint) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_flux_kontext(tiny_checkpoint) -> Path:
+    """FLUX.1 Kontext layout: tiny_flux's components saved as a FluxKontextPipeline."""
+    return tiny_checkpoint("flux_kontext")
+
+
+@pytest.fixture(scope="session")
 def shapes_images(tmp_path_factory) -> Path:
     """8 captioned 32x32 png images of moving-shape scenes (image families' training data)."""
     from spindle.data.synthetic import make_shapes_image_dataset

@@ -187,7 +187,7 @@ def _manifest_entry(manifest: Path, lineno: int, line: str) -> Sample:
         raise ValueError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
     if not isinstance(entry, dict):
         raise ValueError(f'{where}: expected an object like {{"path": ..., "caption": ...}}')
-    if "target" in entry:  # an edit pair
+    if "target" in entry or ("image" in entry and "path" not in entry):  # an edit pair
         return Sample(**edit_pairs.manifest_entry(manifest, lineno, entry))
     for key in ("path", "caption"):
         if key not in entry:

@@ -59,9 +59,10 @@ def manifest_entry(manifest: Path, lineno: int, entry: dict[str, Any]) -> dict[s
         )
     for key in ("target", "caption", "image"):
         if key not in entry:
+            other = '; a captioned media file needs "path" and "caption"' if key == "target" else ""
             raise ValueError(
                 f'{where}: missing key {key!r} (an edit pair needs "image": the source image or a list of them, '
-                f'"target": the edited image, "caption": the instruction)'
+                f'"target": the edited image, "caption": the instruction{other})'
             )
     for key in ("target", "caption"):
         if not isinstance(entry[key], str):

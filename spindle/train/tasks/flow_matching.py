@@ -308,6 +308,13 @@ def check_validation_images(cfg: DiTJobConfig, family: DiTFamily) -> None:
     for path in val.images:
         if not Path(path).is_file():
             raise FileNotFoundError(f"train.validation.images: {path} does not exist")
+    if val.options:  # the family's sampling options: names, types, bounds (sizes are checked per request)
+        from spindle.contracts.request import RequestError, SamplingParams
+
+        try:
+            family.options.validate(SamplingParams(prompt=val.prompts[0], extra=dict(val.options)), family.name)
+        except RequestError as e:
+            raise ValueError(f"train.validation.options: {e}") from None
 
 
 def condition_dtype(precision: str) -> torch.dtype:
