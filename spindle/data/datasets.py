@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from spindle.data import edit_pairs
+from spindle.data.edit_pairs import attach_controls, collate_sources, manifest_entry, read_sources
 from spindle.data.media import IMAGE_EXTENSIONS, MEDIA_EXTENSIONS, MediaError, is_image_path, is_media_path, read_media
 from spindle.data.media_check import DataCheckError, Problem, find_problems
 
@@ -87,7 +87,7 @@ class MediaDataset(Dataset):
         if sample.image is not None:  # resized and cropped as the clip's frames are: [3, H, W]
             out["image"] = read_media(sample.image, 1, self.resolution)[:, 0]
         if sample.sources:  # an edit pair's source images, decoded as the target is
-            out["images"] = edit_pairs.read_sources(sample, self.resolution)
+            out["images"] = read_sources(sample, self.resolution)
         return out
 
     def __getitem__(self, index: int) -> dict[str, Any]:
@@ -138,7 +138,7 @@ def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
     if any("image" in s for s in samples):  # conditioning images; a sample without one conditions on its first frame
         batch["image"] = torch.stack([s["image"] if "image" in s else s["pixels"][:, 0] for s in samples])
     if any("images" in s for s in samples):
-        batch["images"] = edit_pairs.collate_sources(samples)
+        batch["images"] = collate_sources(samples)
     return batch
 
 
@@ -188,7 +188,7 @@ def _manifest_entry(manifest: Path, lineno: int, line: str) -> Sample:
     if not isinstance(entry, dict):
         raise ValueError(f'{where}: expected an object like {{"path": ..., "caption": ...}}')
     if "target" in entry or ("image" in entry and "path" not in entry):  # an edit pair
-        return Sample(**edit_pairs.manifest_entry(manifest, lineno, entry))
+        return Sample(**manifest_entry(manifest, lineno, entry))
     for key in ("path", "caption"):
         if key not in entry:
             raise ValueError(f'{where}: missing key {key!r} (each line needs "path" and "caption")')
@@ -271,7 +271,7 @@ def build_dataset(
     if path.is_dir():
         samples, problems = list_folder(path)
         if control_dir is not None:  # edit pairs: data.path holds the targets
-            samples, missing = edit_pairs.attach_controls(samples, path, Path(control_dir).expanduser())
+            samples, missing = attach_controls(samples, path, Path(control_dir).expanduser())
             problems += missing
     elif path.suffix.lower() == ".jsonl":
         listed = read_manifest(path)

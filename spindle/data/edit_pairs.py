@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from spindle.data.media import IMAGE_EXTENSIONS, MediaError, is_image_path, read_media
+from spindle.data.media_check import Problem
 
 # `stem_0.png`, `stem_0001.png`: one of several control images of the target `stem`
 _NUMBERED = re.compile(r"^(?P<stem>.+)_(?P<number>\d+)$")
@@ -99,12 +100,10 @@ def control_images(target: Path, target_root: Path, control_root: Path, target_s
     return [p for _, _, p in sorted(found)]
 
 
-def attach_controls(samples: Sequence[Any], target_root: Path, control_root: Path) -> tuple[list[Any], list[Any]]:
+def attach_controls(samples: Sequence[Any], target_root: Path, control_root: Path) -> tuple[list[Any], list[Problem]]:
     """(samples with their control images as `sources`, problems): a target with no control image is a
     `media_check.Problem` naming it and where its control was looked for (`data.control_dir`)."""
     import dataclasses
-
-    from spindle.data.media_check import Problem
 
     if not control_root.is_dir():
         raise FileNotFoundError(f"data.control_dir={control_root} is not a folder (the control images of data.path)")
@@ -132,18 +131,6 @@ def read_sources(sample: Any, resolution: tuple[int, int]) -> torch.Tensor:
     """A sample's source images [N, 3, H, W] in [-1, 1], each resized and center-cropped to `resolution`
     as the target is."""
     return torch.stack([read_media(p, 1, resolution)[:, 0] for p in sample.sources])
-
-
-def source_problem(sample: Any, resolution: tuple[int, int]) -> str | None:
-    """Why a sample's sources cannot be used (missing, undecodable), naming the file and its manifest
-    line; None when every source decodes as training will decode it."""
-    for path in getattr(sample, "sources", ()):
-        try:
-            read_media(path, 1, resolution)
-        except MediaError as e:
-            where = f" ({sample.where})" if getattr(sample, "where", "") else ""
-            return f"source image {e.path}{where}: {e.problem}"
-    return None
 
 
 def collate_sources(samples: list[dict[str, Any]]) -> torch.Tensor:

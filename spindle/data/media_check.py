@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from spindle.data import edit_pairs
 from spindle.data.media import MediaError, read_media
 
 CACHE_ENV = "SPINDLE_CACHE_DIR"
@@ -82,7 +81,13 @@ def _problem(sample: Any, resolution: tuple[int, int], num_frames: int) -> str |
             read_media(image, 1, resolution)
     except MediaError as e:
         return e.problem if e.path == sample.path else f"conditioning image {e.path}: {e.problem}"
-    return edit_pairs.source_problem(sample, resolution)
+    for source in getattr(sample, "sources", ()):  # an edit pair's sources, decoded as the loader will
+        try:
+            read_media(source, 1, resolution)
+        except MediaError as e:
+            where = f" ({sample.where})" if getattr(sample, "where", "") else ""  # manifest:line
+            return f"source image {e.path}{where}: {e.problem}"
+    return None
 
 
 def _read_cache(path: Path) -> dict[int, str] | None:
