@@ -166,3 +166,12 @@ def test_validation_options_are_checked_before_launch(tiny_flux_kontext, pairs, 
     cfg = load_job_config(None, overrides(tiny_flux_kontext, pairs, tmp_path / "run", **bad))
     with pytest.raises(ValueError, match=r"train.validation.options: max_areaa is not an option of flux_kontext"):
         train(cfg)
+
+
+def test_demo_family_flux_kontext(tmp_path):
+    """`spindle demo --family flux_kontext`: tiny model -> edit pairs -> fine-tune -> export -> an edit of the
+    first pair's source."""
+    from tests.conftest import check_demo
+
+    check_demo("flux_kontext", tmp_path / "demo")
+    assert len(list((tmp_path / "demo" / "data").glob("*_source0.png"))) == 16
