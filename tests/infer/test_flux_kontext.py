@@ -148,3 +148,18 @@ def test_cli_generate_with_image_equals_stock(spindle_cli, stock, tiny_flux_kont
     bad = spindle_cli("generate", "--model", tiny_flux_kontext, "--prompt", "x", "--out", out, "--height", 32,
                       "--width", 32, "--image", tmp_path / "src.png")  # fmt: skip
     assert bad.returncode == 2 and "max_area=1048576" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [{"sp": 2}, {"cfg_parallel": True}], ids=["sp2", "cfg_parallel"])
+def test_sp_and_cfg_parallel_equal_one_process(gen, tiny_flux_kontext, options, tmp_path):
+    """Ulysses SP splits the latents' and the source's tokens together; CFG-parallel runs one branch a rank."""
+    from spindle.testing.multiprocess import generate_on_ranks
+
+    source(seed=6).save(tmp_path / "src.png")
+    kw = {**BASE, "image": str(tmp_path / "src.png"), "height": 32, "width": 48, "max_area": 32 * 48}
+    kw.update(auto_resize=False, negative_prompt="blurry", true_cfg_scale=3.0, seed=2)
+    single = gen.generate(**kw).frames
+    frames, _ = generate_on_ranks(tiny_flux_kontext, options, kw, tmp_path)
+    for rank_frames in frames:
+        assert np.abs(rank_frames - single).max() <= 1e-5

@@ -175,3 +175,35 @@ def test_demo_family_flux_kontext(tmp_path):
 
     check_demo("flux_kontext", tmp_path / "demo")
     assert len(list((tmp_path / "demo" / "data").glob("*_source0.png"))) == 16
+
+
+def test_precomputed_edit_pairs_train_like_raw_ones(tiny_flux_kontext, pairs, tmp_path):
+    """`spindle precompute` of the control-folder layout caches the sources' latents; training on the
+    cache equals training on the media, and a changed source makes the cache stale."""
+    import os
+
+    from spindle.commands.precompute import precompute
+    from spindle.data.precomputed import StaleCacheError
+
+    common = dict(train__max_steps=2, checkpoint__export=False)
+    precompute(load_job_config(None, overrides(tiny_flux_kontext, pairs, tmp_path / "unused")), tmp_path / "cache")
+    assert "image_latents" in load_file(tmp_path / "cache" / "samples" / "00000000.safetensors")
+    train(load_job_config(None, overrides(tiny_flux_kontext, pairs, tmp_path / "raw", **common)))
+
+    def from_cache(out):
+        return load_job_config(
+            None, overrides(tiny_flux_kontext, pairs, out, data__precomputed=str(tmp_path / "cache"), **common)
+        )
+
+    train(from_cache(tmp_path / "cached"))
+    for key in ("loss", "grad_norm"):
+        raw = [m[key] for m in read_metrics(tmp_path / "raw")]
+        assert [m[key] for m in read_metrics(tmp_path / "cached")] == pytest.approx(raw, rel=1e-6), key
+    source = pairs[1] / "pair_001.png"
+    stat = source.stat()
+    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a new source file, same name
+    try:
+        with pytest.raises(StaleCacheError, match=r"1 samples changed since the cache was made"):
+            train(from_cache(tmp_path / "stale"))
+    finally:
+        os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
