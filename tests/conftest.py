@@ -245,6 +245,22 @@ def assert_same_training(a: Path, b: Path) -> None:
         torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=1e-5, msg=k)
 
 
+def first_transformer_inputs(pipe: Any, **call: Any) -> dict[str, Any]:
+    """The keyword arguments a stock diffusers pipeline hands its transformer at its first step of
+    `pipe(**call)` (captured by a forward pre-hook; the call's output is not used)."""
+    seen: dict[str, Any] = {}
+
+    def capture(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        seen.setdefault("inputs", kwargs)
+
+    hook = pipe.transformer.register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        pipe(**call)
+    finally:
+        hook.remove()
+    return seen["inputs"]
+
+
 def check_demo(family: str, out: Path) -> None:
     """`spindle demo --family F --steps 30`: tiny model -> dataset -> fine-tune (the loss falls) ->
     export the family's stock pipeline loads -> a sample of the demo size."""

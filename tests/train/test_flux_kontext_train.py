@@ -18,7 +18,7 @@ from spindle.api import load_generator, load_job_config, train
 from spindle.data.datasets import build_dataset, collate
 from spindle.data.synthetic import make_shapes_edit_dataset
 from spindle.train.metrics import read_metrics
-from tests.conftest import TINY_TEXT, train_interrupted, train_overrides
+from tests.conftest import TINY_TEXT, first_transformer_inputs, train_interrupted, train_overrides
 
 SIZE = (32, 32)
 LORA = "{rank: 4, alpha: 8}"
@@ -38,21 +38,14 @@ def overrides(tiny, pairs, out, **train):
 
 
 def stock_transformer_inputs(root, image, prompt: str) -> dict:
-    """What stock FluxKontextPipeline hands its transformer at its first step (captured)."""
+    """What stock FluxKontextPipeline hands its transformer at its first step."""
     from diffusers import FluxKontextPipeline
 
-    pipe = FluxKontextPipeline.from_pretrained(root)
-    seen: dict = {}
-
-    def capture(module, args, kwargs):
-        seen.setdefault("inputs", kwargs)
-
-    pipe.transformer.register_forward_pre_hook(capture, with_kwargs=True)
-    pipe(
-        image=image, prompt=prompt, height=SIZE[0], width=SIZE[1], max_area=SIZE[0] * SIZE[1], _auto_resize=False,
-        num_inference_steps=1, max_sequence_length=TINY_TEXT, output_type="latent",
+    return first_transformer_inputs(
+        FluxKontextPipeline.from_pretrained(root), image=image, prompt=prompt, height=SIZE[0], width=SIZE[1],
+        max_area=SIZE[0] * SIZE[1], _auto_resize=False, num_inference_steps=1, max_sequence_length=TINY_TEXT,
+        output_type="latent",
     )  # fmt: skip
-    return seen["inputs"]
 
 
 def test_training_inputs_follow_the_pipeline(tiny_flux_kontext, pairs):

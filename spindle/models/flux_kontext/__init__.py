@@ -18,6 +18,7 @@ from spindle.contracts.family import ConformanceSpec, DemoSpec, DiTFamily
 from spindle.contracts.options import Option
 from spindle.models.flux import FAMILY as FLUX
 from spindle.models.flux import OPTIONS as FLUX_OPTIONS
+from spindle.models.shared.test_images import noise_image  # the suite's seeded conditioning image
 
 MAX_AREA = 1024**2  # FluxKontextPipeline's default max_area
 
@@ -47,14 +48,6 @@ OPTIONS = dataclasses.replace(
 STOCK_NAMES = {"auto_resize": "_auto_resize"}
 
 
-def _test_image() -> object:
-    """The conformance suite's source image: seeded noise at a size the output does not have."""
-    import numpy as np
-    from PIL import Image
-
-    return Image.fromarray(np.random.default_rng(0).integers(0, 256, (40, 56, 3), dtype=np.uint8))
-
-
 FAMILY = DiTFamily(
     name="flux_kontext",
     pipeline_classes=("FluxKontextPipeline",),
@@ -76,7 +69,7 @@ FAMILY = DiTFamily(
             "cfg": dict(
                 prompt="the red circle to blue",
                 negative_prompt="blurry",
-                image=_test_image(),
+                image=noise_image(40, 56),
                 height=32,
                 width=32,
                 max_area=32 * 32,
@@ -89,7 +82,7 @@ FAMILY = DiTFamily(
             ),
             "nocfg": dict(
                 prompt="the red circle to blue",
-                image=_test_image(),
+                image=noise_image(40, 56),
                 height=32,
                 width=48,
                 max_area=32 * 48,
