@@ -22,7 +22,9 @@ Checkpoints are random (no downloads here) but Wan-shaped: `--preset cpu` is sma
 CPU and sized so that the DiT, not the VAE, dominates (`--preset i2v-cpu`: the same for Wan2.1 I2V
 against stock WanImageToVideoPipeline); `--preset wan1.3b` uses the Wan2.1-1.3B
 transformer and VAE shapes (needs a GPU: 480x832, 81 frames); `--preset flux-cpu` / `flux-gpu` are
-FLUX.1-shaped (true CFG with a negative prompt, so every mode applies). Prints a table and writes JSON.
+FLUX.1-shaped (true CFG with a negative prompt, so every mode applies); `--preset kontext-cpu` is
+flux-cpu's shapes as FLUX.1 Kontext editing a source image (against stock FluxKontextPipeline). Prints a
+table and writes JSON.
 
   python bench/generate.py --preset cpu --json bench-generate.json
 """
@@ -113,6 +115,33 @@ PRESETS = {
         dtype="bfloat16",
         vae_dtype="bfloat16",  # FluxPipeline decodes in the latents' dtype
     ),
+    # FLUX.1 Kontext (family "flux_kontext"): flux-cpu's shapes editing a source image kept at its own size
+    # (auto_resize=False; ~1 megapixel otherwise) whose 576 tokens join the 576 of the 96x96 output
+    "kontext-cpu": dict(
+        family="flux_kontext",
+        transformer=dict(
+            num_layers=4,
+            num_single_layers=8,
+            num_attention_heads=8,
+            attention_head_dim=32,
+            axes_dims_rope=(8, 12, 12),
+            in_channels=16,
+        ),
+        vae=dict(block_out_channels=(8, 16)),
+        text_encoder_2=dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4),
+        request=dict(
+            height=96,
+            width=96,
+            max_area=96 * 96,
+            auto_resize=False,
+            num_inference_steps=6,
+            guidance_scale=2.5,
+            true_cfg_scale=4.0,
+            max_sequence_length=64,
+        ),
+        image=(96, 96),
+        dtype="float32",
+    ),
     # Qwen-Image (family "qwenimage"): true CFG with the negative prompt (its default true_cfg_scale 4).
     "qwenimage-cpu": dict(
         family="qwenimage",
@@ -184,8 +213,16 @@ def diffusers_pipe(root: Path, dtype: torch.dtype, device: str, vae_dtype: torch
     return pipe
 
 
+def stock_names() -> dict[str, str]:
+    """Spindle option -> the stock pipeline's keyword where they differ (FLUX.1 Kontext's `_auto_resize`)."""
+    from spindle.registry import all_families
+
+    return {k: v for f in all_families() for k, v in (getattr(f.conformance, "stock_names", None) or {}).items()}
+
+
 def run_diffusers(pipe, req: dict, seed: int, steps: int | None = None) -> np.ndarray:
-    kw = {**req, **({"num_inference_steps": steps} if steps else {})}
+    names = stock_names()
+    kw = {names.get(k, k): v for k, v in {**req, **({"num_inference_steps": steps} if steps else {})}.items()}
     if getattr(pipe.transformer, "is_cache_enabled", False):
         # diffusers' pipelines do not reset step-cache hooks per call (MagCache's step counter only wraps
         # at its configured step count): a fresh state per request, as Spindle's engine does

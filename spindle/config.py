@@ -108,6 +108,11 @@ class MediaDataConfig(Section):
         description="folder of media + same-name .txt captions, a .jsonl manifest, or a folder of .jsonl shards "
         "(or give data.sources)",
     )
+    control_dir: str | None = Field(
+        None,
+        description="edit pairs: the folder of source (control) images mirroring data.path (the targets): "
+        "stem.png or stem_0.png, stem_1.png, ... per target",
+    )
     sources: list[SourceConfig] = Field(
         default_factory=list, description="several datasets mixed, each {path, kind, repeats, weight} (not with path)"
     )
@@ -215,7 +220,13 @@ class ValidationConfig(Section):
     use_ema: bool = Field(False, description="render with the EMA of the weights (needs train.ema) instead of them")
     images: list[str] = Field(
         default_factory=list,
-        description="image-to-video families: the conditioning image file of each prompt (one per prompt)",
+        description="image-conditioned families (image-to-video, image edits): the conditioning image file of each "
+        "prompt (one per prompt)",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the family's sampling options for every sample (e.g. FLUX.1 Kontext's max_area, auto_resize); "
+        "checked before launch",
     )
 
 

@@ -22,6 +22,7 @@ Family: TypeAlias = DiTFamily | CausalLMFamily | VLMFamily  # OmniFamily is a VL
 # name -> module defining FAMILY. Adding a family: one line here, one folder under models/.
 BUILTIN_FAMILIES: dict[str, str] = {
     "flux": "spindle.models.flux",
+    "flux_kontext": "spindle.models.flux_kontext",
     "llama": "spindle.models.llama",
     "qwen2_5_omni": "spindle.models.qwen2_5_omni",
     "qwen2_5_vl": "spindle.models.qwen2_5_vl",

@@ -95,6 +95,12 @@ def tiny_flux(tiny_checkpoint) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_flux_kontext(tiny_checkpoint) -> Path:
+    """FLUX.1 Kontext layout: tiny_flux's components saved as a FluxKontextPipeline."""
+    return tiny_checkpoint("flux_kontext")
+
+
+@pytest.fixture(scope="session")
 def shapes_images(tmp_path_factory) -> Path:
     """8 captioned 32x32 png images of moving-shape scenes (image families' training data)."""
     from spindle.data.synthetic import make_shapes_image_dataset
@@ -283,6 +289,22 @@ def assert_same_training(a: Path, b: Path) -> None:
     assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=1e-5, msg=k)
+
+
+def first_transformer_inputs(pipe: Any, **call: Any) -> dict[str, Any]:
+    """The keyword arguments a stock diffusers pipeline hands its transformer at its first step of
+    `pipe(**call)` (captured by a forward pre-hook; the call's output is not used)."""
+    seen: dict[str, Any] = {}
+
+    def capture(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        seen.setdefault("inputs", kwargs)
+
+    hook = pipe.transformer.register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        pipe(**call)
+    finally:
+        hook.remove()
+    return seen["inputs"]
 
 
 def check_demo(family: str, out: Path) -> None:

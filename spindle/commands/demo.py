@@ -81,18 +81,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 def sample_dit(demo: Any, export_dir: Path, data: Path, out: Path, seed: int) -> str:
-    """Generate from a DiT export with the first caption of the demo data; -> what to print."""
+    """Generate from a DiT export with the first caption of the demo data (and its source image, for an edit
+    pair); -> what to print."""
     from spindle.api import load_generator
+    from spindle.data.datasets import build_dataset
 
-    caption_file = sorted(data.glob("*.txt"))[0]
-    caption = caption_file.read_text().strip()
+    first = build_dataset(data, demo.size, demo.num_frames, check=False).samples[0]  # a folder or a manifest
+    caption = first.caption
     path = out / f"sample{demo.sample_suffix}"
     gen = load_generator(export_dir)
     conditioning: dict[str, Any] = {}
-    if gen.options.images[0]:  # an image-conditioned family: the caption's clip's first frame
-        conditioning["image"] = first_frame(
-            next(p for p in sorted(data.iterdir()) if p.stem == caption_file.stem and p != caption_file), demo.size
-        )
+    if first.sources:  # an edit pair: edit its source image
+        conditioning["image"] = first_frame(first.sources[0], demo.size)
+    elif gen.options.images[0]:  # an image-conditioned family: the caption's clip's first frame
+        conditioning["image"] = first_frame(first.path, demo.size)
     result = gen.generate(
         prompt=caption,
         **conditioning,

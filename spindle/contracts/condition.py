@@ -59,3 +59,9 @@ class ConditionModel(ABC):
     def pixel_grid(cls, root: str | Path) -> PixelGrid:
         """The checkpoint's pixel grid (data.buckets), from its configs alone (no weight is read)."""
         raise NotImplementedError(f"{cls.__name__} declares no pixel grid, which data.buckets needs")
+
+    def target_prediction(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The part of the transformer's output that the loss compares with `target`. Edit families append
+        their reference images' tokens to the noisy latents' on the sequence axis and learn only the first
+        `target.shape[1]` (as their pipelines keep `noise_pred[:, : latents.size(1)]`). Default: all of it."""
+        return pred

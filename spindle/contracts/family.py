@@ -156,6 +156,17 @@ class ConformanceSpec:
     # model.max_text_length of the suite's condition models and training runs (small, divisible by the SP
     # degrees); a family whose transformer fixes the text length (Wan I2V: 512) declares that length
     text_tokens: int = 16
+    # the stock pipeline's keyword for a family option named otherwise (FLUX.1 Kontext: auto_resize is the
+    # pipeline's `_auto_resize`): the suite calls the stock pipeline with these names
+    stock_names: dict[str, str] = field(default_factory=dict)
+    # edit families: source images per sample in the suite's training batches (`batch["images"]`)
+    train_sources: int = 0
+    # generate() options under which inference sees what training sees (the suite's token count), e.g.
+    # FLUX.1 Kontext's auto_resize=False: sources at the target's size, as training has them
+    train_request: dict[str, Any] = field(default_factory=dict)
+    # the family option `cli_case` shows to change generate()'s image (default: every option in it); the
+    # others only make the request valid on the tiny checkpoint (FLUX.1 Kontext's max_area)
+    cli_option: str | None = None
 
 
 @dataclass(frozen=True)

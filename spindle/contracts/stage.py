@@ -161,6 +161,13 @@ class InferenceSpec:
         sample: torch.Tensor = out[0] if isinstance(out, (tuple, list)) else out.sample
         return sample
 
+    def target_prediction(self, pred: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        """The part of one forward's output (`model_output`) that the scheduler steps with `latents`. Edit
+        families append their reference images' tokens to the latents' on the sequence axis and keep the
+        prediction of the first `latents.shape[1]` (FluxKontextPipeline's `noise_pred[:, : latents.size(1)]`),
+        before CFG combines the branches. Default: all of it."""
+        return pred
+
     def combine_cfg(self, cond: torch.Tensor, uncond: torch.Tensor, cfg_scale: float) -> torch.Tensor:
         return uncond + cfg_scale * (cond - uncond)
 

@@ -4,7 +4,9 @@ Folder layout: media files anywhere below the folder, each with its caption in a
 next to it (`clips/cat.mp4` + `clips/cat.txt`). Manifest layout: one JSON object per line,
 `{"path": "clips/cat.mp4", "caption": "a cat"}` (+ optional `"image": "frames/cat.png"`, the sample's
 conditioning image for image-to-video families), with relative paths resolved against the manifest's
-folder (so a dataset folder can be moved or mounted elsewhere).
+folder (so a dataset folder can be moved or mounted elsewhere). Edit pairs (a target image and its
+source image(s), `{"image": ..., "target": ..., "caption": ...}` lines or a folder with
+`data.control_dir`) are parsed by `spindle.data.edit_pairs`.
 
 Samples are listed in a sorted, deterministic order: every data-parallel rank builds the same list,
 which the loader's shared permutation relies on.
@@ -26,6 +28,7 @@ from torch.utils.data import Dataset
 
 from spindle.contracts.request import short_repr
 from spindle.data.captions import CaptionPolicy
+from spindle.data.edit_pairs import attach_controls, collate_sources, manifest_entry, read_sources
 from spindle.data.index import ShardedManifest, is_shard_folder
 from spindle.data.media import IMAGE_EXTENSIONS, MEDIA_EXTENSIONS, MediaError, is_image_path, is_media_path, read_media
 from spindle.data.media_check import DataCheckError, Problem, find_problems
@@ -49,10 +52,13 @@ class Sample:
     # spindle.data.captions), else empty: `caption` is the first
     captions: tuple[str, ...] = ()
     size: tuple[int, int, int] | None = None  # (frames, height, width) as the manifest declares it (buckets)
+    sources: tuple[Path, ...] = ()  # an edit pair's source images (`path` is the target; spindle.data.edit_pairs)
+    where: str = ""  # "manifest:line" of a manifest entry, for errors about its files
 
 
 class MediaDataset(Dataset):
-    """Decodes samples on access: {"pixels": [3, F, H, W] in [-1, 1], "caption": str, "index": int}.
+    """Decodes samples on access: {"pixels": [3, F, H, W] in [-1, 1], "caption": str, "index": int}
+    (+ "image" [3, H, W]: an I2V conditioning image; + "images" [N, 3, H, W]: an edit pair's sources).
 
     F is `num_frames` for videos and 1 for images. `index` is the index of the sample actually
     returned, which differs from the requested one only when a bad sample was skipped.
@@ -115,6 +121,8 @@ class MediaDataset(Dataset):
         out = {"pixels": pixels, "caption": caption, "index": index}
         if sample.image is not None:  # resized and cropped as the clip's frames are: [3, H, W]
             out["image"] = read_media(sample.image, 1, resolution)[:, 0]
+        if sample.sources:  # an edit pair's source images, decoded as the target is
+            out["images"] = read_sources(sample, resolution)
         return out
 
     def same_shape(self, a: int, b: int) -> bool:
@@ -144,7 +152,8 @@ class MediaDataset(Dataset):
 
 
 def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    """Stack samples into {"pixels": [B, 3, F, H, W], "caption": list[str], "index": [B]}."""
+    """Stack samples into {"pixels": [B, 3, F, H, W], "caption": list[str], "index": [B]} (+ "image"
+    [B, 3, H, W], + "images" [B, N, 3, H, W] for edit pairs: every sample with the same N)."""
     if not samples:
         raise ValueError("collate got an empty list of samples")
     shapes = {tuple(s["pixels"].shape) for s in samples}
@@ -166,6 +175,8 @@ def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
     }
     if any("image" in s for s in samples):  # conditioning images; a sample without one conditions on its first frame
         batch["image"] = torch.stack([s["image"] if "image" in s else s["pixels"][:, 0] for s in samples])
+    if any("images" in s for s in samples):
+        batch["images"] = collate_sources(samples)
     return batch
 
 
@@ -219,6 +230,8 @@ def _manifest_entry(manifest: Path, lineno: int, line: str) -> Sample:
         raise ValueError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
     if not isinstance(entry, dict):
         raise ValueError(f'{where}: expected an object like {{"path": ..., "caption": ...}}')
+    if "target" in entry or ("image" in entry and "path" not in entry):  # an edit pair
+        return Sample(**manifest_entry(manifest, lineno, entry))
     for key in ("path", "caption"):
         if key not in entry:
             raise ValueError(f'{where}: missing key {key!r} (each line needs "path" and "caption")')
@@ -290,7 +303,7 @@ def read_manifest(manifest: str | os.PathLike[str]) -> list[Sample]:
 
 
 def _check_files_exist(samples: Sequence[Sample], source: Path) -> None:
-    missing = [p for s in samples for p in (s.path, s.image) if p is not None and not p.is_file()]
+    missing = [p for s in samples for p in (s.path, s.image, *s.sources) if p is not None and not p.is_file()]
     if missing:
         shown = ", ".join(str(p) for p in missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise MediaError(
@@ -309,6 +322,7 @@ def build_dataset(
     check: bool = True,
     warn_skipped: bool = True,
     kind: str = "both",
+    control_dir: str | os.PathLike[str] | None = None,
 ) -> MediaDataset:
     """A MediaDataset from a folder (captions in same-name .txt files), a .jsonl manifest or a folder of
     .jsonl shards (both indexed lazily, `spindle.data.index`).
@@ -325,6 +339,11 @@ def build_dataset(
     path = Path(path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"dataset path {path} does not exist (set data.path to a folder or a .jsonl manifest)")
+    if control_dir is not None and not path.is_dir():
+        raise ValueError(
+            f"data.control_dir is for a folder data.path; {path} is a manifest: give each line its source "
+            f'images ("image") and remove data.control_dir'
+        )
     samples: Sequence[Sample]
     if (path.is_file() and path.suffix.lower() == ".jsonl") or is_shard_folder(path):
         index = _of_kind(open_manifest(path), kind, path)
@@ -333,6 +352,9 @@ def build_dataset(
             _check_files_exist(index, path)
     elif path.is_dir():
         samples, problems = list_folder(path, kind)
+        if control_dir is not None:  # edit pairs: data.path holds the targets
+            samples, missing = attach_controls(samples, path, Path(control_dir).expanduser())
+            problems += missing
     else:
         raise ValueError(f"dataset path {path} must be a folder, a .jsonl manifest or a folder of .jsonl shards")
     total = len(samples) + len(problems)

@@ -93,11 +93,16 @@ def build_dit_data(
     degree every bucket's token count must divide by."""
     resolution, frames = (int(data.resolution[0]), int(data.resolution[1])), int(data.num_frames)
 
-    def one(path: str, kind: str = "both") -> MediaDataset:
-        return build_dataset(path, resolution, frames, data.skip_bad_samples, check, warn_skipped, kind)
+    def one(path: str, kind: str = "both", control_dir: str | None = None) -> MediaDataset:
+        return build_dataset(path, resolution, frames, data.skip_bad_samples, check, warn_skipped, kind, control_dir)
 
     mix = None
     if data.sources:
+        if data.control_dir is not None:
+            raise ValueError(
+                "data.control_dir pairs a data.path folder with its sources; with data.sources give "
+                'each edit pair its source images in a manifest ("image")'
+            )
         names = [source_name(s) for s in data.sources]
         repeated = sorted({n for n in names if names.count(n) > 1})
         if repeated:
@@ -110,7 +115,7 @@ def build_dit_data(
         )
         dataset.skipped_files = [f for p in parts for f in p.skipped_files]
     else:
-        dataset = one(data.path)
+        dataset = one(data.path, control_dir=data.control_dir)
     dropout = data.caption_dropout if captions else 0.0
     dataset.captions = CaptionPolicy(seed, dropout, data.caption_prefix, several=captions)
     n = len(dataset)

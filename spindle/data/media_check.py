@@ -53,9 +53,10 @@ def cache_dir() -> Path:
 
 
 def _files(sample: Any) -> list[Path]:
-    """The files a sample reads: its media, and its conditioning image when it names one (image-to-video)."""
+    """The files a sample reads: its media, its conditioning image when it names one (image-to-video),
+    an edit pair's source images."""
     image = getattr(sample, "image", None)
-    return [sample.path] if image is None else [sample.path, image]
+    return [sample.path, *([] if image is None else [image]), *getattr(sample, "sources", ())]
 
 
 def _stat(path: Path) -> list[Any]:
@@ -80,6 +81,12 @@ def _problem(sample: Any, resolution: tuple[int, int], num_frames: int) -> str |
             read_media(image, 1, resolution)
     except MediaError as e:
         return e.problem if e.path == sample.path else f"conditioning image {e.path}: {e.problem}"
+    for source in getattr(sample, "sources", ()):  # an edit pair's sources, decoded as the loader will
+        try:
+            read_media(source, 1, resolution)
+        except MediaError as e:
+            where = f" ({sample.where})" if getattr(sample, "where", "") else ""  # manifest:line
+            return f"source image {e.path}{where}: {e.problem}"
     return None
 
 

@@ -75,9 +75,9 @@ def sample_key(sample: Sample) -> str:
     stat = sample.path.stat()
     caption = hashlib.sha256("\n".join(sample.captions or (sample.caption,)).encode()).hexdigest()[:16]
     key = f"{sample.path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{caption}"
-    if sample.image is not None:  # the conditioning image is part of the cached conditions
-        image = sample.image.stat()
-        key += f"|{sample.image.resolve()}|{image.st_size}|{image.st_mtime_ns}"
+    for image_path in (*([sample.image] if sample.image is not None else []), *sample.sources):
+        image = image_path.stat()  # conditioning / source images are part of the cached conditions
+        key += f"|{image_path.resolve()}|{image.st_size}|{image.st_mtime_ns}"
     return key
 
 

@@ -146,6 +146,55 @@ def make_shapes_image_dataset(
     return out
 
 
+def make_shapes_edit_dataset(
+    out: str | Path,
+    num_pairs: int = 16,
+    size: tuple[int, int] = (64, 64),
+    seed: int = 0,
+    sources: int = 1,
+    layout: str = "manifest",
+) -> Path:
+    """Write `num_pairs` edit pairs (spindle.data.edit_pairs) into `out`: source images of a shape, the
+    target with the shape recoloured, and the instruction ("the red circle to blue"); with `sources` > 1
+    the extra sources show the new colour's swatch on the background. `layout="manifest"` writes the pngs
+    and `manifest.jsonl` and returns the manifest; `layout="folders"` writes `targets/` (pngs + captions)
+    and `controls/` (`pair_000.png`, or `pair_000_0.png`, `pair_000_1.png`, ...) and returns `targets/`."""
+    if layout not in ("manifest", "folders"):
+        raise ValueError(f"layout must be 'manifest' or 'folders'; got {layout!r}")
+    out = Path(out)
+    targets, controls = (out / "targets", out / "controls") if layout == "folders" else (out, out)
+    targets.mkdir(parents=True, exist_ok=True)
+    controls.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    height, width = size
+    radius = _radius(size)
+    lines = []
+    for i in range(num_pairs):
+        shape = SHAPES[i % len(SHAPES)]
+        old, new = rng.sample(sorted(SHAPE_COLOURS), 2)
+        background = BACKGROUNDS[rng.choice(sorted(BACKGROUNDS))]
+        centre = (rng.uniform(radius + 1, width - radius - 2), rng.uniform(radius + 1, height - radius - 2))
+        name = f"pair_{i:03d}"
+        images = [draw_shape(size, background, shape, SHAPE_COLOURS[old], centre, radius)]
+        images += [draw_shape(size, background, "square", SHAPE_COLOURS[new], centre, radius)] * (sources - 1)
+        names = [f"{name}.png"] if sources == 1 else [f"{name}_{k}.png" for k in range(sources)]
+        if layout == "manifest":
+            names = [f"{name}_source{k}.png" for k in range(sources)]
+        for file, image in zip(names, images, strict=True):
+            write_image(controls / file, image)
+        write_image(targets / f"{name}.png", draw_shape(size, background, shape, SHAPE_COLOURS[new], centre, radius))
+        caption = f"the {old} {shape} to {new}"
+        if layout == "folders":
+            (targets / f"{name}.txt").write_text(caption + "\n", encoding="utf-8")
+        image_field: str | list[str] = names[0] if sources == 1 else names
+        lines.append(json.dumps({"image": image_field, "target": f"{name}.png", "caption": caption}))
+    if layout == "folders":
+        return targets
+    manifest = out / "manifest.jsonl"
+    manifest.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return manifest
+
+
 def write_manifest(folder: str | Path, name: str = "manifest.jsonl") -> Path:
     """Write a JSONL manifest (paths relative to `folder`) for a captioned media folder."""
     folder = Path(folder)

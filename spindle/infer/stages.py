@@ -120,21 +120,21 @@ class DenoisingStage(Stage):
         )
         return context
 
-    def _forward(self, kwargs: dict[str, Any]) -> torch.Tensor:
-        return self.spec.model_output(self.transformer(**kwargs))
+    def _forward(self, kwargs: dict[str, Any], latents: torch.Tensor) -> torch.Tensor:
+        return self.spec.target_prediction(self.spec.model_output(self.transformer(**kwargs)), latents)
 
     def predict(self, req: Req, latents: torch.Tensor, t: torch.Tensor, i: int) -> torch.Tensor:
         spec = self.spec
         if not req.do_cfg:
             with self._cache_context("cond", req, i):
-                return self._forward(spec.denoiser_kwargs(req, latents, t, "cond"))
+                return self._forward(spec.denoiser_kwargs(req, latents, t, "cond"), latents)
         if self.cfg_group is not None:
             import torch.distributed as dist
 
             rank = dist.get_rank(self.cfg_group)
             branch = ("cond", "uncond")[rank]
             with self._cache_context(branch, req, i):
-                mine = self._forward(spec.denoiser_kwargs(req, latents, t, branch)).contiguous()
+                mine = self._forward(spec.denoiser_kwargs(req, latents, t, branch), latents).contiguous()
             both = [torch.empty_like(mine) for _ in range(2)]
             dist.all_gather(both, mine, group=self.cfg_group)
             cond, uncond = both
@@ -145,14 +145,14 @@ class DenoisingStage(Stage):
             first, second = branches[::-1] if uncond_first else branches
             kw = spec.batch_cfg_kwargs(first, second, batch_size=latents.shape[0])
             with self._cache_context("cfg_batch", req, i):
-                cond, uncond = self._forward(kw).chunk(2, dim=0)
+                cond, uncond = self._forward(kw, latents).chunk(2, dim=0)
             if uncond_first:
                 cond, uncond = uncond, cond
         else:
             with self._cache_context("cond", req, i):
-                cond = self._forward(spec.denoiser_kwargs(req, latents, t, "cond"))
+                cond = self._forward(spec.denoiser_kwargs(req, latents, t, "cond"), latents)
             with self._cache_context("uncond", req, i):
-                uncond = self._forward(spec.denoiser_kwargs(req, latents, t, "uncond"))
+                uncond = self._forward(spec.denoiser_kwargs(req, latents, t, "uncond"), latents)
         return spec.combine_cfg(cond, uncond, req.cfg_scale)
 
     def check_sequence_parallel(self, req: Req) -> None:

@@ -64,13 +64,14 @@ def check_stock_load(family: DiTFamily, root: Path) -> None:
         assert cls in loaded, f"{family.name}: stock diffusers loads {name} as {loaded[0]}, model_index.json says {cls}"
 
 
-def stock_output(root: Path, kwargs: dict[str, Any]) -> np.ndarray:
-    """What the stock diffusers pipeline returns for `kwargs` (+ `seed`), as numpy in [0, 1]."""
+def stock_output(root: Path, kwargs: dict[str, Any], names: dict[str, str] | None = None) -> np.ndarray:
+    """What the stock diffusers pipeline returns for `kwargs` (+ `seed`; `names`: a family option's stock
+    keyword, `ConformanceSpec.stock_names`), as numpy in [0, 1]."""
     from diffusers import DiffusionPipeline
 
     pipe = DiffusionPipeline.from_pretrained(root)
     pipe.set_progress_bar_config(disable=True)
-    kw = dict(kwargs)
+    kw = {(names or {}).get(k, k): v for k, v in kwargs.items()}
     seed = kw.pop("seed")
     out = pipe(**kw, generator=torch.Generator().manual_seed(seed), output_type="np")
     return np.asarray(out.frames if hasattr(out, "frames") else out.images)
@@ -209,7 +210,8 @@ def check_request_errors(family: DiTFamily, root: Path) -> None:
     for option in family.options.extra:
         name, bounds = option.name, re.escape(option.bounds())
         kind = "a number" if option.type is float else f"a {option.type.__name__}"
-        check_request_error(gen, {**base, name: "3"}, rf"{name} must be {kind} {bounds} for {family.name}; got '3'")
+        kind += f" {bounds}" if bounds else ""  # (an unbounded option: a bool)
+        check_request_error(gen, {**base, name: "3"}, rf"{name} must be {kind} for {family.name}; got '3'")
         if option.minimum is not None:
             low = option.minimum - 1
             check_request_error(
@@ -235,7 +237,8 @@ def check_inference_parity(
 
     trained = trained_text_length(root)
     stock_kwargs = kwargs if trained is None else {"max_sequence_length": trained, **kwargs}
-    reference = stock_output(root, stock_kwargs)
+    names = family.conformance.stock_names if family.conformance else {}
+    reference = stock_output(root, stock_kwargs, names)
     check_reference(family.name, reference, kwargs)
     options = EngineConfig(cfg_batch=cfg_batch)
     spec = family.inference_spec()
@@ -297,8 +300,9 @@ def check_generate_cli_png(family: DiTFamily, root: Path, out: Path, kwargs: dic
     frames = gen.generate(**kwargs).frames
     diff = np.abs(image.astype(np.float32) - frames[0] * 255).max()
     assert diff <= 1.0, f"{family.name}: the png differs from generate()'s image by {diff} of 255"
+    shown = family.conformance.cli_option if family.conformance else None
     for name in family.options.names():
-        if name in kwargs:
+        if name in kwargs and shown in (None, name):
             default = gen.generate(**{k: v for k, v in kwargs.items() if k != name}).frames
             assert np.abs(default - frames).max() > 1e-3, f"{family.name}: {name} changes nothing; pick another value"
 
@@ -312,11 +316,22 @@ def training_batch(family: DiTFamily, samples: int = 2) -> dict[str, Any]:
         raise AssertionError(f"family {family.name!r} has no DemoSpec (sizes the suite trains at)")
     frames, (height, width) = family.demo.num_frames, family.demo.size
     g = torch.Generator().manual_seed(0)
-    return {
+    batch = {
         "pixels": torch.rand(samples, 3, frames, height, width, generator=g) * 2 - 1,
         "caption": ["a red circle moves left", "a blue square on the right"][:samples],
         "index": torch.arange(samples),
     }
+    sources = family.conformance.train_sources if family.conformance else 0
+    if sources:  # edit families: the source images (spindle.data.edit_pairs), sized as the target
+        batch["images"] = torch.rand(samples, sources, 3, height, width, generator=g) * 2 - 1
+    return batch
+
+
+def condition_model(family: DiTFamily, root: Path) -> Any:
+    """The family's condition model on `root` (CPU, fp32, the suite's text length)."""
+    return family.condition_model_cls().from_pretrained(
+        root, torch.device("cpu"), torch.float32, max_text_length=text_tokens(family)
+    )
 
 
 def training_inputs(family: DiTFamily, root: Path, condition: Any = None) -> dict[str, Any]:
@@ -324,9 +339,7 @@ def training_inputs(family: DiTFamily, root: Path, condition: Any = None) -> dic
     from spindle.train.tasks.flow_matching import sample_generator
 
     if condition is None:
-        condition = family.condition_model_cls().from_pretrained(
-            root, torch.device("cpu"), torch.float32, max_text_length=text_tokens(family)
-        )
+        condition = condition_model(family, root)
     batch = training_batch(family)
     generators = [sample_generator(0, 0, int(i)) for i in batch["index"]]
     return condition.training_inputs(condition.encode(batch), generators)
@@ -335,6 +348,7 @@ def training_inputs(family: DiTFamily, root: Path, condition: Any = None) -> dic
 def check_training_inputs(family: DiTFamily, root: Path, condition: Any = None) -> None:
     """The condition model's inputs are exactly forward kwargs of the transformer, and the target has
     the shape of its prediction (so the flow-matching MSE compares like with like)."""
+    condition = condition or condition_model(family, root)
     inputs = training_inputs(family, root, condition)
     missing = {"target", "sigmas"} - set(inputs)
     assert not missing, f"{family.name}: training_inputs must return {sorted(missing)}"
@@ -344,7 +358,7 @@ def check_training_inputs(family: DiTFamily, root: Path, condition: Any = None) 
     unknown = sorted(set(inputs) - set(params))
     assert not unknown, f"{family.name}: training inputs {unknown} are not arguments of {type(model).__name__}.forward"
     with torch.no_grad():
-        pred = model(**inputs, return_dict=False)[0]
+        pred = condition.target_prediction(model(**inputs, return_dict=False)[0], target)
     assert pred.shape == target.shape, f"{family.name}: prediction {tuple(pred.shape)} vs target {tuple(target.shape)}"
     assert sigmas.shape == (target.shape[0],) and bool(((sigmas > 0) & (sigmas < 1)).all()), (
         f"{family.name}: sigmas must be one value in (0, 1) per sample, got {sigmas}"
@@ -373,12 +387,20 @@ def check_condition_rejects_bad_pixels(family: DiTFamily, root: Path) -> None:
 
 def inference_tokens(root: Path, height: int, width: int, num_frames: int) -> int:
     """The tokens the transformer sees per sample at this size, as the inference engine counts them
-    (the family's before-denoising stage and `sequence_length`): an independent count for the trainer's."""
+    (the family's before-denoising stage and `sequence_length`): an independent count for the trainer's.
+    An edit family's count includes its sources', given as training has them (`ConformanceSpec`)."""
+    from PIL import Image
+
     from spindle.contracts.request import Req
 
-    kw = dict(prompt="x", height=height, width=width, num_frames=num_frames, num_inference_steps=2, seed=0)
+    kw: dict[str, Any] = dict(prompt="x", height=height, width=width, num_frames=num_frames, num_inference_steps=2)
+    from spindle.registry import dit_family_of
+
     gen = load_generator(root)
-    params = sampling_params(kw).merged_with(gen.defaults)  # (no conditioning image needed to count tokens)
+    spec = dit_family_of(root).conformance
+    if spec is not None and spec.train_sources:
+        kw.update(spec.train_request, image=[Image.new("RGB", (width, height))] * spec.train_sources)
+    params = sampling_params(kw).merged_with(gen.defaults)  # (no I2V conditioning image needed to count tokens)
     req = Req(
         params=params, device=gen.pipeline.device, raw_latent_shape=gen.pipeline.before_denoising.latent_shape(params)
     )
@@ -430,8 +452,8 @@ def check_ema_export(family: DiTFamily, export: Path, ema: dict[str, torch.Tenso
 # ---------------------------------------------------------------- sequence parallel (spawned ranks)
 
 
-def _mse_step(model: torch.nn.Module, inputs: dict[str, Any], target: torch.Tensor) -> torch.Tensor:
-    pred = model(**inputs, return_dict=False)[0]
+def _mse_step(model: torch.nn.Module, inputs: dict[str, Any], target: torch.Tensor, condition: Any) -> torch.Tensor:
+    pred = condition.target_prediction(model(**inputs, return_dict=False)[0], target)
     loss = torch.nn.functional.mse_loss(pred.float(), target.float())
     loss.backward()
     return loss.detach()
@@ -439,10 +461,11 @@ def _mse_step(model: torch.nn.Module, inputs: dict[str, Any], target: torch.Tens
 
 def sp_reference(family: DiTFamily, root: Path) -> dict[str, Any]:
     """One process: loss and gradients of one MSE step on the family's training inputs."""
-    inputs = training_inputs(family, root)
+    condition = condition_model(family, root)
+    inputs = training_inputs(family, root, condition)
     target, _ = inputs.pop("target"), inputs.pop("sigmas")
     model = load_transformer(root)
-    loss = _mse_step(model, inputs, target)
+    loss = _mse_step(model, inputs, target, condition)
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     # the same step in float64: how far one fp32 process is from exact, per gradient (the noise floor)
     exact = load_transformer(root).double()
@@ -450,6 +473,7 @@ def sp_reference(family: DiTFamily, root: Path) -> dict[str, Any]:
         exact,
         {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()},
         target.double(),
+        condition,
     )
     fp32_error = {
         n: ((grads[n].double() - p.grad).norm() / p.grad.norm().clamp_min(1e-30)).item()
@@ -471,13 +495,14 @@ def sp_worker(rank: int, world: int, family_name: str, root: str, layouts: dict[
         raise TypeError(
             f"{family.name} is not a DiT family: sequence-parallel conformance covers diffusion transformers"
         )
-    inputs = training_inputs(family, Path(root))
+    condition = condition_model(family, Path(root))
+    inputs = training_inputs(family, Path(root), condition)
     target, _ = inputs.pop("target"), inputs.pop("sigmas")
     results = {}
     for name, dims in layouts.items():
         mesh = build_mesh(ParallelDims(dp_shard=1, **dims))
         model = parallelize_transformer(load_transformer(root), mesh, mixed_precision="no")
-        loss = _mse_step(model, dict(inputs), target)
+        loss = _mse_step(model, dict(inputs), target, condition)
         results[name] = {"loss": loss.item(), "grads": full_grads(model)}
     if rank == 0:
         torch.save(results, out)

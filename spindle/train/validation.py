@@ -65,12 +65,12 @@ def render_samples(task: Any, model: torch.nn.Module, step: int, out_dir: Path) 
     samples = []
     for index, prompt in enumerate(val.prompts):
         image = {"image": val.images[index]} if val.images else {}  # (checked one per prompt before launch)
-        result = generator.generate(prompt=prompt, **image, **request)
+        result = generator.generate(prompt=prompt, **image, **request, **val.options)
         if is_main_process():
             result.save(out_dir / f"{index:02d}{suffix}", fps=spec.fps)
         samples.append(result.frames[0])
     if is_main_process():
         (out_dir / "prompts.json").write_text(
-            json.dumps({"step": step, "prompts": val.prompts, "images": val.images, **request}, indent=2)
+            json.dumps({"step": step, "prompts": val.prompts, "images": val.images, **request, **val.options}, indent=2)
         )
     return samples

@@ -24,21 +24,15 @@ def condition(tiny_wan_i2v):
 
 
 def stock_transformer_inputs(root, image, prompt: str) -> dict:
-    """What stock WanImageToVideoPipeline hands its transformer at the first step for `image` (captured)."""
+    """What stock WanImageToVideoPipeline hands its transformer at the first step for `image`."""
     from diffusers import WanImageToVideoPipeline
 
-    pipe = WanImageToVideoPipeline.from_pretrained(root)
-    seen: dict = {}
+    from tests.conftest import first_transformer_inputs
 
-    def capture(module, args, kwargs):
-        seen.setdefault("inputs", kwargs)
-
-    pipe.transformer.register_forward_pre_hook(capture, with_kwargs=True)
-    pipe(
-        image=image, prompt=prompt, height=SIZE[0], width=SIZE[1], num_frames=FRAMES, num_inference_steps=1,
-        guidance_scale=1.0, output_type="latent",
+    return first_transformer_inputs(
+        WanImageToVideoPipeline.from_pretrained(root), image=image, prompt=prompt, height=SIZE[0], width=SIZE[1],
+        num_frames=FRAMES, num_inference_steps=1, guidance_scale=1.0, output_type="latent",
     )  # fmt: skip
-    return seen["inputs"]
 
 
 def test_first_frame_conditions_equal_the_stock_pipelines(condition, tiny_wan_i2v, shapes_videos):

@@ -56,8 +56,17 @@ class FluxBeforeDenoisingStage(PipelineBeforeDenoisingStage):
         )
 
     def forward(self, req: Req) -> Req:
+        self.validate(req.params)
+        self.set_prompts(req)
+        self.set_latents(req)
+        self.set_embedded_guidance(req, req.device)
+        self.set_timesteps(req, req.device)
+        return req
+
+    def set_prompts(self, req: Req) -> None:
+        """CFG settings and the prompt embeddings (pooled and per token, with their text ids), as
+        FluxPipeline encodes them: `true_cfg_scale > 1` with a negative prompt enables true CFG."""
         p = req.params
-        self.validate(p)
         device = req.device
         true_cfg = float(p.extra["true_cfg_scale"])
         req.do_cfg = true_cfg > 1 and p.negative_prompt is not None
@@ -75,23 +84,22 @@ class FluxBeforeDenoisingStage(PipelineBeforeDenoisingStage):
             req.negative_prompt_embeds = neg_embeds.to(dtype)
             req.extra.update(negative_pooled=neg_pooled.to(dtype), negative_txt_ids=neg_txt_ids.to(dtype))
 
-        num_channels = self.transformer.config.in_channels // 4
+    def set_latents(self, req: Req) -> None:
+        """The noise (packed, drawn in the VAE layout from the request's generator) and the image ids,
+        by FluxPipeline's own `prepare_latents`."""
+        p = req.params
         latents, img_ids = self.text_pipe.prepare_latents(
             p.batch_size,
-            num_channels,
+            self.transformer.config.in_channels // 4,
             resolved(p.height, "height"),
             resolved(p.width, "width"),
             torch.float32,
-            device,
+            req.device,
             req.generator,
         )
         req.latents = latents
-        req.extra["img_ids"] = img_ids.to(dtype)
+        req.extra["img_ids"] = img_ids.to(req.model_dtype)
         req.raw_latent_shape = self.latent_shape(p)
-
-        self.set_embedded_guidance(req, device)
-        self.set_timesteps(req, device)
-        return req
 
 
 class FluxInference(PackedImageInference):

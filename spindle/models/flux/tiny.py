@@ -62,15 +62,18 @@ def build_tiny_flux(
     vae: dict | None = None,
     text_encoder: dict | None = None,
     text_encoder_2: dict | None = None,
+    pipeline: str = "FluxPipeline",
 ) -> Path:
     """Write a tiny random FLUX.1 pipeline (`FluxPipeline` layout) to `out` and return its path.
 
     CLIP (pooled) + T5 text encoders with locally built tokenizers, `AutoencoderKL` with Flux's
     shift/scale, `FluxTransformer2DModel`, the dynamic-shift flow-matching scheduler. Overrides merge
     into the defaults (`text_encoder`: CLIP, `text_encoder_2`: T5); the transformer's text widths
-    and input channels follow the encoders and the VAE.
+    and input channels follow the encoders and the VAE. `pipeline`: the diffusers pipeline class saved
+    around the same components (FLUX.1 Kontext: "FluxKontextPipeline").
     """
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    import diffusers
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, PreTrainedTokenizerFast, T5Config, T5EncoderModel
 
     out = Path(out)
@@ -92,7 +95,7 @@ def build_tiny_flux(
     clip_config = CLIPTextConfig(vocab_size=clip_vocab, pad_token_id=0, eos_token_id=1, bos_token_id=3, **ccfg)
     t5_config = T5Config(vocab_size=t5_vocab, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, **ecfg)
     return save_seeded_pipeline(
-        FluxPipeline,
+        getattr(diffusers, pipeline),
         out,
         seed,
         tokenizer=PreTrainedTokenizerFast.from_pretrained(out / "tokenizer"),

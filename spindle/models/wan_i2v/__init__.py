@@ -5,6 +5,7 @@ the VAE-encoded first frame with its frame mask."""
 import dataclasses
 
 from spindle.contracts.family import ConformanceSpec, DemoSpec, DiTFamily
+from spindle.models.shared.test_images import noise_image  # the suite's seeded conditioning image
 from spindle.models.wan import OPTIONS as WAN_OPTIONS
 
 # Wan's options (16 fps, num_frames = 4k + 1) and exactly one conditioning image
@@ -12,14 +13,6 @@ OPTIONS = dataclasses.replace(WAN_OPTIONS, images=(1, 1))
 # The transformer splits its cross-attention context at a hard-coded 512 text tokens (diffusers'
 # WanAttnProcessor: image tokens first, then 512 text tokens), so the text is always 512 tokens long.
 TEXT_LENGTH = 512
-
-
-def _test_image() -> object:
-    """The conformance suite's conditioning image: seeded noise at a size the pipeline must resize."""
-    import numpy as np
-    from PIL import Image
-
-    return Image.fromarray(np.random.default_rng(0).integers(0, 256, (40, 56, 3), dtype=np.uint8))
 
 
 FAMILY = DiTFamily(
@@ -45,7 +38,7 @@ FAMILY = DiTFamily(
             "cfg": dict(
                 prompt="a red fox in the snow",
                 negative_prompt="blurry",
-                image=_test_image(),
+                image=noise_image(40, 56),
                 height=32,
                 width=32,
                 num_frames=5,
@@ -55,7 +48,7 @@ FAMILY = DiTFamily(
             ),
             "nocfg": dict(
                 prompt="a red fox in the snow",
-                image=_test_image(),
+                image=noise_image(40, 56),
                 height=32,
                 width=48,
                 num_frames=9,

@@ -210,6 +210,7 @@ class FlowMatchingTask(TrainTask):
         self._check_sequence_split(model, tokens_per_sample, inputs)
         with self._autocast():
             pred = model(**inputs, return_dict=False)[0]
+        pred = self.condition.target_prediction(pred, target)
         per_sample = F.mse_loss(pred.float(), target.float(), reduction="none").flatten(1).mean(1)
         weights = loss_weights(sigmas, self.loss_weighting)
         if weights is not None:
@@ -313,6 +314,13 @@ def check_validation_images(cfg: DiTJobConfig, family: DiTFamily) -> None:
     for path in val.images:
         if not Path(path).is_file():
             raise FileNotFoundError(f"train.validation.images: {path} does not exist")
+    if val.options:  # the family's sampling options: names, types, bounds (sizes are checked per request)
+        from spindle.contracts.request import RequestError, SamplingParams
+
+        try:
+            family.options.validate(SamplingParams(prompt=val.prompts[0], extra=dict(val.options)), family.name)
+        except RequestError as e:
+            raise ValueError(f"train.validation.options: {e}") from None
 
 
 def dit_data(
