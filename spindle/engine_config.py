@@ -13,7 +13,7 @@ from __future__ import annotations
 import resource
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, model_validator
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from spindle.config import OptionSection
 from spindle.contracts.request import RequestError, SamplingParams
@@ -256,3 +256,32 @@ class ServeLimits(OptionSection):
 
     def as_dict(self) -> dict[str, Any]:
         return {**self.request.as_dict(), **self.model_dump(exclude={"request"})}
+
+
+class AdapterConfig(OptionSection):
+    """LoRA adapters a server loads at run time and a request chooses (`lora`, `lora_scale`;
+    `spindle.infer.adapters`). Loading reads only from `lora_dir`: the operator decides which files a
+    client may name."""
+
+    noun = "adapter option"
+
+    lora_dir: str | None = Field(
+        None,
+        description="folder of LoRA adapters (.safetensors files, or folders with pytorch_lora_weights.safetensors) "
+        "that POST /v1/loras may load by name; any other path is refused (none: no loading at run time)",
+    )
+    max_loras: int = Field(
+        4,
+        ge=1,
+        description="LoRA adapters kept loaded at once; loading one more unloads the least recently used one that "
+        "no waiting or running request names",
+    )
+
+    @field_validator("lora_dir")
+    @classmethod
+    def _lora_dir_exists(cls, value: str | None) -> str | None:
+        from pathlib import Path
+
+        if value is not None and not Path(value).is_dir():
+            raise ValueError(f"must be a directory (the folder holding the adapters); got {value!r}")
+        return value

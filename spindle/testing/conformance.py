@@ -514,7 +514,7 @@ def check_lora_file_round_trip(family: DiTFamily, root: Path, out: Path) -> None
     the adapters train, and the diffusers LoRA file written through the family pipeline's
     `save_lora_weights` reads back through its `lora_state_dict` to the same tensors."""
     from spindle.config import LoraConfig
-    from spindle.train.lora import adapter_state_dict, lora_scale
+    from spindle.testing.lora import random_lora, write_lora
     from spindle.train.tasks.flow_matching import add_lora
 
     model = add_lora(load_transformer(root), LoraConfig(rank=2, alpha=4))
@@ -523,14 +523,9 @@ def check_lora_file_round_trip(family: DiTFamily, root: Path, out: Path) -> None
         f"{family.name}: parameters other than LoRA adapters train: {[n for n in trainable if '.lora_' not in n][:3]}"
     )
     assert not any(".norm" in n for n in trainable), f"{family.name}: modulation layers are default LoRA targets"
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.copy_(torch.randn(p.shape, generator=g))
-    adapters = adapter_state_dict(model.state_dict(), lora_scale(model))
+    adapters = random_lora(root, seed=0)
+    write_lora(family, adapters, out)
     pipeline = family.pipeline_class()
-    pipeline.save_lora_weights(out, transformer_lora_layers=adapters)
     back = {k.removeprefix("transformer."): v for k, v in pipeline.lora_state_dict(out).items()}
     assert back.keys() == adapters.keys(), f"{family.name}: the LoRA file reads back with other keys"
     for key, value in adapters.items():
