@@ -11,6 +11,7 @@ Torch-free: `spindle generate --help` / `spindle serve --help` read the fields.
 from __future__ import annotations
 
 import resource
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, field_validator, model_validator
@@ -285,3 +286,19 @@ class AdapterConfig(OptionSection):
         if value is not None and not Path(value).is_dir():
             raise ValueError(f"must be a directory (the folder holding the adapters); got {value!r}")
         return value
+
+
+def check_adapter_engine(engine: EngineConfig, name: Callable[[str], str] = str) -> None:
+    """Engine options that run-time adapters (`lora_dir`) cannot be combined with: a LoRA applied to every
+    request, and streamed blocks (which would not carry the adapters' weights). `name` spells an option
+    (a flag: `--lora`). Raises `ValueError`."""
+    if engine.lora is not None:
+        raise ValueError(
+            f"{name('lora_dir')} cannot be combined with {name('lora')} (one LoRA for every request): put the "
+            "LoRA file in the adapter folder and name it in the requests instead"
+        )
+    if engine.blocks_to_swap:
+        raise ValueError(
+            f"{name('lora_dir')} cannot be combined with {name('blocks_to_swap')}: the streamed blocks would not "
+            "carry the adapters' weights; drop one of them"
+        )

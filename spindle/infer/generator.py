@@ -14,7 +14,7 @@ import torch
 
 from spindle.contracts.request import Req, RequestError, SamplingParams
 from spindle.data.media import write_image, write_video
-from spindle.engine_config import EngineConfig, RequestLimits
+from spindle.engine_config import EngineConfig, RequestLimits, check_adapter_engine
 from spindle.export_record import trained_text_length
 from spindle.infer.pipeline import InferencePipeline
 
@@ -105,17 +105,7 @@ class DiffusionGenerator:
         (`generate(..., lora=NAME, lora_scale=S)`); see `spindle.infer.adapters`."""
         from spindle.infer.adapters import LoraAdapters
 
-        options = self.pipeline.options
-        if options.lora is not None:
-            raise ValueError(
-                "lora (a LoRA applied to every request) cannot be combined with adapters chosen per request "
-                "(lora_dir): put the file in the adapter folder and name it in the requests instead"
-            )
-        if options.blocks_to_swap:
-            raise ValueError(
-                "blocks_to_swap cannot be combined with adapters loaded at run time (lora_dir): the streamed blocks "
-                "would not carry the adapters' weights; drop one of them"
-            )
+        check_adapter_engine(self.pipeline.options)
         if self.pipeline.family is None:
             raise ValueError("adapters need an engine loaded from a checkpoint (DiffusionGenerator.from_pretrained)")
         self.adapters = LoraAdapters(

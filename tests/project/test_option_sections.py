@@ -12,11 +12,11 @@ import pytest
 from spindle.commands.flags import flag_names, section_from_args, section_values, unwrap_optional
 from spindle.commands.reference import DOC, cli_reference
 from spindle.config import ConfigError, OptionSection
-from spindle.engine_config import EngineConfig, RequestLimits, ServeLimits
+from spindle.engine_config import AdapterConfig, EngineConfig, RequestLimits, ServeLimits
 
 SECTIONS: dict[str, tuple[type[OptionSection], ...]] = {
     "generate": (EngineConfig,),
-    "serve": (EngineConfig, RequestLimits, ServeLimits),
+    "serve": (EngineConfig, RequestLimits, ServeLimits, AdapterConfig),
 }
 
 
