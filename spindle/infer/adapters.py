@@ -31,6 +31,7 @@ from typing import Any
 from spindle.contracts.request import RequestError
 
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
+PEFT_WEIGHTS = "adapter_model.safetensors"  # a PEFT adapter folder (with adapter_config.json)
 # an adapter name becomes a key of PEFT's ModuleDicts (no dots) and a URL path segment
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -108,13 +109,13 @@ class LoraAdapters:
             return [a.as_dict(self.root, self._pins[a.name]) for a in self._loaded.values()]
 
     def available(self) -> list[str]:
-        """What `lora_dir` holds that `load` can take: .safetensors files and adapter folders, as paths
-        relative to it (sorted)."""
+        """What `lora_dir` holds that `load` can take: .safetensors files and adapter folders (diffusers'
+        or PEFT's), as paths relative to it (sorted)."""
         if self.root is None:
             return []
-        found = [p for p in self.root.rglob("*.safetensors") if p.name != LORA_WEIGHTS]
-        found += [p.parent for p in self.root.rglob(LORA_WEIGHTS)]
-        return sorted(str(p.relative_to(self.root)) for p in found)
+        found = [p for p in self.root.rglob("*.safetensors") if p.name not in (LORA_WEIGHTS, PEFT_WEIGHTS)]
+        found += [p.parent for weights in (LORA_WEIGHTS, PEFT_WEIGHTS) for p in self.root.rglob(weights)]
+        return sorted({str(p.relative_to(self.root)) for p in found})
 
     def unknown(self, name: str, field: str = "lora") -> RequestError:
         loaded = ", ".join(self.names()) or "none"
@@ -194,7 +195,7 @@ class LoraAdapters:
                     status=403,
                     code="lora_path_not_allowed",
                 )
-            if resolved.is_file() or (resolved / LORA_WEIGHTS).is_file():
+            if resolved.is_file() or (resolved / LORA_WEIGHTS).is_file() or (resolved / PEFT_WEIGHTS).is_file():
                 return resolved
         shown = path if path is not None else f"{name}.safetensors or {name}/{LORA_WEIGHTS}"
         available = self.available()

@@ -3,7 +3,7 @@
 The LoRA is loaded by the family's own diffusers pipeline class (`load_lora_weights`), built around
 the engine's already-loaded components: diffusers' readers for every LoRA layout it knows (its own,
 kohya / ComfyUI / the original model's layout) apply, and the result is exactly what stock
-`<Pipeline>.load_lora_weights(PATH)` gives. Adapters stay unfused (PEFT layers), scaled by `scale`.
+`<Pipeline>.load_lora_weights(PATH)` gives; a PEFT adapter folder is read into diffusers' layout first. Adapters stay unfused (PEFT layers), scaled by `scale`.
 Adapters chosen per request (`spindle serve --lora-dir`) load through the same `load_adapter`
 (`spindle.infer.adapters`).
 """
@@ -19,22 +19,67 @@ import torch
 ADAPTER = "spindle_lora"
 
 
+PEFT_WEIGHTS, PEFT_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+PEFT_PREFIX = "base_model.model."
+
+
 def read_lora_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """A LoRA .safetensors file, or a folder holding diffusers' `pytorch_lora_weights.safetensors`."""
+    """A LoRA .safetensors file, a folder holding diffusers' `pytorch_lora_weights.safetensors`, or a
+    PEFT adapter folder (`adapter_model.safetensors` + `adapter_config.json`, what PEFT's
+    `save_pretrained` writes for the transformer; read by `peft_to_diffusers`)."""
     from safetensors import safe_open
 
     path = Path(path)
+    peft_config = None
     if path.is_dir():
-        path = path / "pytorch_lora_weights.safetensors"
+        if not (path / "pytorch_lora_weights.safetensors").is_file() and (path / PEFT_WEIGHTS).is_file():
+            peft_config = path / PEFT_CONFIG
+            path = path / PEFT_WEIGHTS
+        else:
+            path = path / "pytorch_lora_weights.safetensors"
     if not path.is_file():
         raise FileNotFoundError(
-            f"LoRA {path} not found: pass a .safetensors file or a folder with pytorch_lora_weights.safetensors"
+            f"LoRA {path} not found: pass a .safetensors file, a folder with pytorch_lora_weights.safetensors or "
+            f"a PEFT adapter folder ({PEFT_WEIGHTS} + {PEFT_CONFIG})"
         )
     from spindle.weight_files import check_weight_files
 
     check_weight_files(path)
     with safe_open(str(path), framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+        state_dict, metadata = {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+    if peft_config is not None:
+        state_dict = peft_to_diffusers(state_dict, peft_config)
+    return state_dict, metadata
+
+
+def peft_to_diffusers(state_dict: dict[str, torch.Tensor], config_path: Path) -> dict[str, torch.Tensor]:
+    """A PEFT adapter of the transformer (`base_model.model.<module>.lora_A.weight`, scaled by the
+    config's lora_alpha / r at run time) -> diffusers' layout (`transformer.<module>.lora_A.weight`)
+    with lora_alpha / r folded into lora_B, as Spindle's own exports are (diffusers then reads the
+    scale as 1). Variants that are not plain LoRA are refused, naming the config key."""
+    import json
+
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} not found: a PEFT adapter folder needs its {PEFT_CONFIG}")
+    config = json.loads(config_path.read_text())
+    for key in ("rank_pattern", "alpha_pattern"):
+        if config.get(key):
+            raise ValueError(
+                f"{config_path}: {key} (per-module ranks or alphas) is not supported; give one r / lora_alpha"
+            )
+    for key in ("use_dora", "use_rslora"):
+        if config.get(key):
+            raise ValueError(f"{config_path}: {key} adapters are not supported; plain LoRA only")
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, (int, float)):
+        raise ValueError(
+            f"{config_path}: needs an integer r >= 1 and a number lora_alpha; got r={rank!r}, lora_alpha={alpha!r}"
+        )
+    out = {}
+    for key, value in state_dict.items():
+        name = "transformer." + key.removeprefix(PEFT_PREFIX)
+        out[name] = value * (alpha / rank) if ".lora_B." in name else value
+    return out
 
 
 def lora_pipeline(family: Any, components: dict[str, Any]) -> Any:

@@ -22,7 +22,7 @@ from spindle.contracts.request import SamplingParams
 from spindle.models.wan.lora import to_original
 from spindle.registry import get_family
 from spindle.serve import build_app
-from spindle.testing.lora import random_lora, write_lora
+from spindle.testing.lora import random_lora, random_lora_model, write_lora, write_peft_folder
 from tests.serve.test_serve import LiveServer, assert_error
 
 VIDEO = dict(prompt="a red circle moves left", size="32x32", num_frames=1, num_inference_steps=2, seed=5)
@@ -53,14 +53,14 @@ def lora_params(server: LiveServer, name: str) -> list[weakref.ref]:
 @pytest.fixture(scope="module")
 def wan_loras(tiny_wan, tmp_path_factory):
     """The adapter folder: `a/` (diffusers' layout, written by WanPipeline.save_lora_weights),
-    `b.safetensors` (the original Wan layout, read through diffusers' converter), `c.safetensors`,
-    and a file outside it."""
+    `b.safetensors` (the original Wan layout, read through diffusers' converter), `c/` (a PEFT adapter
+    folder), and a file outside it."""
     family = get_family("wan")
     root = tmp_path_factory.mktemp("wan-loras")
     folder = root / "loras"
     write_lora(family, random_lora(tiny_wan, seed=1, std=STD), folder / "a")
     save_file(to_original(random_lora(tiny_wan, seed=2, std=STD)), str(folder / "b.safetensors"))
-    save_file(to_original(random_lora(tiny_wan, seed=3, std=STD)), str(folder / "c.safetensors"))
+    write_peft_folder(random_lora_model(tiny_wan, seed=3, alpha=3.0, std=STD), folder / "c")
     save_file(to_original(random_lora(tiny_wan, seed=4, std=STD)), str(root / "outside.safetensors"))
     return folder
 
@@ -130,7 +130,7 @@ def test_load_list_get_and_unload(wan_server):
     c = wan_server.client
     unload_all(wan_server)
     listing = c.get("/v1/loras").json()
-    assert listing["available"] == ["a", "b.safetensors", "c.safetensors"] and listing["max_loras"] == 2
+    assert listing["available"] == ["a", "b.safetensors", "c"] and listing["max_loras"] == 2
     # SGLang-diffusion's names: set_lora (lora_nickname) loads, list_loras lists
     r = c.post("/v1/set_lora", json={"lora_nickname": "b", "lora_path": "b.safetensors"})
     assert r.status_code == 200, r.text
@@ -138,7 +138,7 @@ def test_load_list_get_and_unload(wan_server):
     assert "b" in [card["name"] for card in c.get("/v1/list_loras").json()["data"]]
     again = c.post("/v1/loras", json={"lora_name": "b", "lora_path": "b.safetensors"})
     assert again.status_code == 200 and again.json()["evicted"] == []  # the same file: nothing to do
-    assert_error(c.post("/v1/loras", json={"lora_name": "b", "lora_path": "c.safetensors"}), 409, "lora_name")
+    assert_error(c.post("/v1/loras", json={"lora_name": "b", "lora_path": "c"}), 409, "lora_name")
     card = c.get("/v1/loras/b").json()
     assert card["object"] == "lora" and card["in_use"] == 0
     tensors = lora_params(wan_server, "b")
@@ -194,7 +194,7 @@ def test_paths_outside_the_adapter_folder_are_refused(wan_server, wan_loras):
     finally:
         link.unlink()
     err = assert_error(c.post("/v1/loras", json={"lora_name": "x", "lora_path": "nope.safetensors"}), 404)
-    assert "available: a, b.safetensors, c.safetensors" in err["message"]
+    assert "available: a, b.safetensors, c" in err["message"]
     assert_error(c.post("/v1/loras", json={"lora_name": "no/slash", "lora_path": "a"}), 400, "lora_name")
     assert_error(c.post("/v1/loras", json={"lora_name": "a.b", "lora_path": "a"}), 400, "lora_name")
     assert_error(c.post("/v1/loras", json={"lora_path": "a"}), 422, "lora_name")
@@ -268,6 +268,22 @@ def test_a_server_without_an_adapter_folder_loads_none(tiny_wan):
         }
         err = assert_error(s.client.post("/v1/videos", json={**VIDEO, "lora": "a"}), 400, "lora")
         assert "--lora-dir" in err["message"]
+
+
+def test_a_peft_adapter_folder_equals_the_same_adapter_in_diffusers_layout(tiny_wan, tmp_path):
+    """PEFT's own folder (alpha / r applied at run time) and Spindle's diffusers-layout export of the
+    same adapter (alpha / r folded into lora_B, read by diffusers) give the same output."""
+    from spindle.train.lora import adapter_state_dict, lora_scale
+
+    model = random_lora_model(tiny_wan, seed=6, alpha=3.0, std=STD)
+    write_peft_folder(model, tmp_path / "peft")
+    write_lora(get_family("wan"), adapter_state_dict(model.state_dict(), lora_scale(model)), tmp_path / "diffusers")
+    kw = engine_kwargs(VIDEO)
+    peft = load_generator(tiny_wan, device="cpu", lora=str(tmp_path / "peft")).generate(**kw).frames
+    ours = load_generator(tiny_wan, device="cpu", lora=str(tmp_path / "diffusers")).generate(**kw).frames
+    base = load_generator(tiny_wan, device="cpu").generate(**kw).frames
+    np.testing.assert_allclose(peft, ours, rtol=0, atol=1e-5)
+    assert np.abs(peft - base).max() > 1e-2
 
 
 def test_adapter_flags_are_checked_before_loading(spindle_cli, tiny_wan, tmp_path):
