@@ -532,6 +532,36 @@ def check_lora_file_round_trip(family: DiTFamily, root: Path, out: Path) -> None
         assert torch.equal(back[key], value), f"{family.name}: LoRA tensor {key} differs after the round trip"
 
 
+def check_runtime_adapters(family: DiTFamily, root: Path, out: Path, kwargs: dict[str, Any]) -> None:
+    """LoRA adapters loaded at run time and chosen per request (`spindle serve --lora-dir`): requests
+    with adapter `a`, none and `b` at half strength, interleaved on one engine, each equal (1e-5) the
+    same request on an engine loaded with only that LoRA (`lora=PATH`, what `spindle generate --lora`
+    does) or none; and the adapters change the output (so the comparison can fail)."""
+    from spindle.testing.lora import random_lora, write_lora
+
+    for seed, name in ((1, "a"), (2, "b")):
+        write_lora(family, random_lora(root, seed=seed, std=0.3), out / name)
+    gen = load_generator(root)
+    adapters = gen.enable_adapters(out, max_loras=2)
+    for name in ("a", "b"):
+        adapters.load(name, adapters.resolve(None, name))
+    if "num_frames" in kwargs:
+        kwargs = {**kwargs, "num_frames": 1}  # a video family's adapters act per frame as well: one is enough
+    asked: list[tuple[str | None, float | None]] = [("a", None), (None, None), ("b", 0.5)]
+    served = [gen.generate(**kwargs, lora=name, lora_scale=scale).frames for name, scale in asked]
+    alone = {
+        "a": load_generator(root, lora=str(out / "a")).generate(**kwargs).frames,
+        None: load_generator(root).generate(**kwargs).frames,
+        "b": load_generator(root, lora=str(out / "b"), lora_scale=0.5).generate(**kwargs).frames,
+    }
+    for (name, _), frames in zip(asked, served, strict=True):
+        err = float(np.abs(frames - alone[name]).max())
+        assert err <= 1e-5, f"{family.name}: the request with adapter {name} differs from it alone by {err:.2e}"
+    for name in ("a", "b"):
+        moved = float(np.abs(alone[name] - alone[None]).max())
+        assert moved > 1e-2, f"{family.name}: adapter {name} changes the output by only {moved:.2e}"
+
+
 # ---------------------------------------------------------------- engine speed options
 
 
