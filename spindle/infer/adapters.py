@@ -91,7 +91,9 @@ class LoraAdapters:
         self.max_loras = max_loras
         self._loaded: OrderedDict[str, Adapter] = OrderedDict()  # least recently used first
         self._pins: Counter[str] = Counter()
-        self._lock = threading.Lock()  # the bookkeeping (names, pins); the caller serializes the model changes
+        # the bookkeeping (names, pins; re-entrant: an error message lists the names); the caller serializes
+        # the model changes
+        self._lock = threading.RLock()
         self._lora_layers = False  # whether any adapter was ever injected (then activate(None) disables them)
 
     # ---------------------------------------------------------------- what there is
@@ -265,7 +267,7 @@ class LoraAdapters:
             loaded_at=now,
             last_used=now,
             parameters=self._parameters(name),
-            max_text_length=trained_text_length(None, path if path.is_dir() else None),
+            max_text_length=trained_text_length(None, path),  # as `lora=PATH` at load reads it
             trained_for=metadata.get("family"),
         )
         with self._lock:

@@ -14,9 +14,11 @@ from fastapi import Depends, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
+from spindle.contracts.request import RequestError
 from spindle.infer.options import request_model
 from spindle.serve.bodies import parse_fields, read_body
 from spindle.serve.engine import Engine
+from spindle.serve.errors import request_error
 from spindle.serve.jobs import Job, JobStore, ShuttingDown
 from spindle.serve.limits import ServeLimits
 from spindle.serve.worker import Worker
@@ -86,7 +88,10 @@ class ServeState:
     def submit(self, job: Job) -> Job:
         """Queue `job`, holding the LoRA adapter it names until it ends (so that no load evicts it and
         no unload removes it while it waits or runs)."""
-        release = self.engine.hold(job.params)
+        try:
+            release = self.engine.hold(job.params)
+        except RequestError as e:  # its adapter was unloaded since the request was validated
+            raise request_error(e) from None
         try:
             self.store.submit(job)
         except BaseException:

@@ -554,12 +554,12 @@ def check_runtime_adapters(family: DiTFamily, root: Path, out: Path, kwargs: dic
         None: load_generator(root).generate(**kwargs).frames,
         "b": load_generator(root, lora=str(out / "b"), lora_scale=0.5).generate(**kwargs).frames,
     }
-    for (name, _), frames in zip(asked, served, strict=True):
-        err = float(np.abs(frames - alone[name]).max())
-        assert err <= 1e-5, f"{family.name}: the request with adapter {name} differs from it alone by {err:.2e}"
-    for name in ("a", "b"):
-        moved = float(np.abs(alone[name] - alone[None]).max())
-        assert moved > 1e-2, f"{family.name}: adapter {name} changes the output by only {moved:.2e}"
+    for (choice, _), frames in zip(asked, served, strict=True):
+        err = float(np.abs(frames - alone[choice]).max())
+        assert err <= 1e-5, f"{family.name}: the request with adapter {choice} differs from it alone by {err:.2e}"
+    for adapter in ("a", "b"):
+        moved = float(np.abs(alone[adapter] - alone[None]).max())
+        assert moved > 1e-2, f"{family.name}: adapter {adapter} changes the output by only {moved:.2e}"
 
 
 # ---------------------------------------------------------------- engine speed options

@@ -348,3 +348,33 @@ def test_interleaved_image_requests_with_different_adapters_equal_each_run_alone
     assert np.abs(alone[("ink", 1.0)] - alone[(None, None)]).max() > 1e-2
     assert np.abs(alone[("neon", 0.7)] - alone[(None, None)]).max() > 1e-2
     assert set(by_choice) == set(alone)
+
+
+def test_an_adapter_trained_with_a_text_length_makes_it_its_requests_default(tiny_flux, tmp_path):
+    """As with `lora=PATH` at load: the export's recorded text length is the default max_sequence_length
+    of the requests that name the adapter (and of no other)."""
+    from spindle.export_record import write_export_record
+
+    write_lora(get_family("flux"), random_lora(tiny_flux, seed=5), tmp_path / "short")
+    write_export_record(tmp_path / "short", family="flux", max_text_length=8)
+    gen = load_generator(tiny_flux, device="cpu")
+    adapters = gen.enable_adapters(tmp_path)
+    assert adapters.load("short", adapters.resolve(None, "short")).max_text_length == 8
+    assert gen.validate(SamplingParams(prompt="x", lora="short")).max_sequence_length == 8
+    assert gen.validate(SamplingParams(prompt="x", lora="short", max_sequence_length=16)).max_sequence_length == 16
+    assert gen.validate(SamplingParams(prompt="x")).max_sequence_length == gen.defaults.max_sequence_length != 8
+    alone = load_generator(tiny_flux, device="cpu", lora=str(tmp_path / "short"))
+    assert alone.defaults.max_sequence_length == 8
+
+
+def test_a_request_whose_adapter_went_away_before_queueing_is_a_400(wan_server):
+    """Validated, then its adapter unloaded before the job is queued: refused naming `lora`, never a 5xx."""
+    from spindle.serve.errors import APIError
+    from spindle.serve.jobs import Job
+
+    s = wan_server
+    before = s.state.store.stats().get("submitted", 0)
+    with pytest.raises(APIError) as e:
+        s.state.submit(Job(kind="video", params=SamplingParams(prompt="x", lora="gone"), model="tiny-wan"))
+    assert e.value.status == 400 and e.value.param == "lora" and "'gone'" in e.value.message
+    assert s.state.store.stats().get("submitted", 0) == before
