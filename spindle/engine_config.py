@@ -12,9 +12,10 @@ Torch-free: `spindle generate --help` / `spindle serve --help` read the fields.
 from __future__ import annotations
 
 import resource
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, model_validator
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from spindle.config import OptionSection
 from spindle.contracts.request import RequestError, SamplingParams
@@ -283,3 +284,48 @@ class ServeSettings(OptionSection):
     warmup_frames: int = Field(1, ge=1, description="warm-up frame count for video models")
     warmup_steps: int = Field(1, ge=1, description="warm-up denoising steps")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
+
+
+class AdapterConfig(OptionSection):
+    """LoRA adapters a server loads at run time and a request chooses (`lora`, `lora_scale`;
+    `spindle.infer.adapters`). Loading reads only from `lora_dir`: the operator decides which files a
+    client may name."""
+
+    noun = "adapter option"
+
+    lora_dir: str | None = Field(
+        None,
+        description="folder of LoRA adapters (.safetensors files, or folders with pytorch_lora_weights.safetensors) "
+        "that POST /v1/loras may load by name; any other path is refused (none: no loading at run time)",
+    )
+    max_loras: int = Field(
+        4,
+        ge=1,
+        description="LoRA adapters kept loaded at once; loading one more unloads the least recently used one that "
+        "no waiting or running request names",
+    )
+
+    @field_validator("lora_dir")
+    @classmethod
+    def _lora_dir_exists(cls, value: str | None) -> str | None:
+        from pathlib import Path
+
+        if value is not None and not Path(value).is_dir():
+            raise ValueError(f"must be a directory (the folder holding the adapters); got {value!r}")
+        return value
+
+
+def check_adapter_engine(engine: EngineConfig, name: Callable[[str], str] = str) -> None:
+    """Engine options that run-time adapters (`lora_dir`) cannot be combined with: a LoRA applied to every
+    request, and streamed blocks (which would not carry the adapters' weights). `name` spells an option
+    (a flag: `--lora`). Raises `ValueError`."""
+    if engine.lora is not None:
+        raise ValueError(
+            f"{name('lora_dir')} cannot be combined with {name('lora')} (one LoRA for every request): put the "
+            "LoRA file in the adapter folder and name it in the requests instead"
+        )
+    if engine.blocks_to_swap:
+        raise ValueError(
+            f"{name('lora_dir')} cannot be combined with {name('blocks_to_swap')}: the streamed blocks would not "
+            "carry the adapters' weights; drop one of them"
+        )

@@ -6,8 +6,9 @@
 
 Loads the model once, warms up (one short generation), then serves:
 GET /health, GET /v1/models, POST /v1/images/generations (image models), POST /v1/videos +
-GET/DELETE /v1/videos/{id} + GET /v1/videos/{id}/content (video models). Jobs run one at a time,
-in order; --max-queue bounds the waiting ones (over it: 429 + Retry-After); finished results are
+GET/DELETE /v1/videos/{id} + GET /v1/videos/{id}/content (video models), and with --lora-dir the
+LoRA adapters a request chooses (`lora`, `lora_scale`): GET/POST /v1/loras, DELETE /v1/loras/{name}.
+Jobs run one at a time, in order; --max-queue bounds the waiting ones (over it: 429 + Retry-After); finished results are
 kept --result-ttl seconds, at most --max-results of them (the oldest finished go first). Limits
 (--max-pixels/-frames/-steps/-prompt-chars/-outputs/-body-bytes, --request-timeout,
 --keep-alive-timeout, --max-connections) bound what one request or connection may take; /health
@@ -29,7 +30,13 @@ from pathlib import Path
 
 from spindle.commands.engine_args import add_engine_arguments, check_world_size, engine_config
 from spindle.commands.flags import add_section_arguments, section_from_args
-from spindle.engine_config import RequestLimits, ServeLimits, ServeSettings  # torch-free: `--help` stays light
+from spindle.engine_config import (  # torch-free: `--help` stays light
+    AdapterConfig,
+    RequestLimits,
+    ServeLimits,
+    ServeSettings,
+    check_adapter_engine,
+)
 
 HELP = "serve a checkpoint over an OpenAI-compatible HTTP API (images / videos)"
 
@@ -45,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     add_section_arguments(g, RequestLimits)
     add_section_arguments(g, ServeLimits)
+    add_section_arguments(
+        p.add_argument_group("LoRA adapters chosen per request (spindle.engine_config.AdapterConfig)"), AdapterConfig
+    )
     # engine options: as `spindle generate`
     add_engine_arguments(p)
 
@@ -77,6 +87,9 @@ def run(args: argparse.Namespace) -> int:
     world, launched = check_world_size(args)
     settings: ServeSettings = section_from_args(args, ServeSettings)
     limits = serve_limits(args)
+    adapter_options: AdapterConfig = section_from_args(args, AdapterConfig)
+    if adapter_options.lora_dir is not None:
+        check_adapter_engine(engine, lambda name: "--" + name.replace("_", "-"))
     if not (Path(args.model) / "model_index.json").is_file():
         raise FileNotFoundError(f"{args.model}/model_index.json not found: --model must be a diffusers pipeline folder")
     warmup_size = None
@@ -105,6 +118,10 @@ def run(args: argparse.Namespace) -> int:
         from spindle.serve.engine import RankFanout
 
         fanout = RankFanout()
+    if adapter_options.lora_dir is not None:
+        # the other ranks only mirror rank 0's loads and unloads (which evict): no bound of their own
+        gen.enable_adapters(adapter_options.lora_dir, adapter_options.max_loras if rank == 0 else None)
+    if fanout is not None:
         if fanout.rank != 0:
             # rank 0 decides when to stop (and tells us); a launcher's signal must not kill us mid-collective
             signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -74,6 +74,9 @@ class SamplingParams:
     # conditioning images (image-to-video, image edits): PIL images, uint8 [H, W, 3] arrays or file paths;
     # how many a family takes is its `FamilyOptions.images`; `load_images` reads them into RGB PIL images
     image: list[Any] | None = None
+    # a LoRA adapter the engine has loaded (`spindle.infer.adapters`), by name, and its strength (default 1)
+    lora: str | None = None
+    lora_scale: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # family-specific knobs
 
     def merged_with(self, defaults: SamplingParams) -> SamplingParams:

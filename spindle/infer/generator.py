@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from spindle.contracts.request import Req, SamplingParams
+from spindle.contracts.request import Req, RequestError, SamplingParams
 from spindle.data.media import write_image, write_video
-from spindle.engine_config import EngineConfig, RequestLimits
+from spindle.engine_config import EngineConfig, RequestLimits, check_adapter_engine
 from spindle.export_record import trained_text_length
 from spindle.infer.pipeline import InferencePipeline
 
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from diffusers import ModelMixin  # Any to mypy: diffusers is not followed (pyproject [tool.mypy])
 
     from spindle.contracts.family import DiTFamily
+    from spindle.infer.adapters import LoraAdapters
     from spindle.infer.calibrate import CacheChoice
 
 
@@ -83,6 +84,7 @@ class DiffusionGenerator:
             self.defaults.max_sequence_length = self.trained_text_length
         self.cache_choice: CacheChoice | None = None  # set once cache="auto" has calibrated
         self._calibrate_first = pipeline.options.cache == "auto"
+        self.adapters: LoraAdapters | None = None  # LoRA adapters chosen per request (`enable_adapters`)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, family: DiTFamily, **engine_options: Any) -> DiffusionGenerator:
@@ -98,12 +100,26 @@ class DiffusionGenerator:
     def transformer(self) -> ModelMixin:
         return self.pipeline.transformer
 
+    def enable_adapters(self, lora_dir: str | Path | None, max_loras: int | None = 4) -> LoraAdapters:
+        """LoRA adapters loaded at run time from `lora_dir` (`self.adapters.load`) and chosen per request
+        (`generate(..., lora=NAME, lora_scale=S)`); see `spindle.infer.adapters`."""
+        from spindle.infer.adapters import LoraAdapters
+
+        check_adapter_engine(self.pipeline.options)
+        if self.pipeline.family is None:
+            raise ValueError("adapters need an engine loaded from a checkpoint (DiffusionGenerator.from_pretrained)")
+        self.adapters = LoraAdapters(
+            self.pipeline.family, self.pipeline.components, self.spec.transformer_component, lora_dir, max_loras
+        )
+        return self.adapters
+
     def validate(self, params: SamplingParams, limits: RequestLimits | None = None) -> SamplingParams:
         """Defaults filled in, a seed drawn if none (by this process alone), every request check run
         (common, then `limits` — a server's bounds — then the family's: sizes, frame counts, the
         model's positional range; then the sequence-parallel split): -> the exact params a run uses. Raises `RequestError` naming the
         field. Cheap (no model runs) and not collective, so a server can call it on rank 0 only."""
         params = self.options.validate(params, self.family)  # what the user gave, before the defaults
+        params = self._check_adapter(params)
         params = params.merged_with(self.defaults)
         if params.seed is None:
             params.seed = random.SystemRandom().randrange(2**31)
@@ -116,6 +132,30 @@ class DiffusionGenerator:
         if shape is not None:  # the token count must split over the SP ranks (no-op without SP)
             req = Req(params=params, device=self.pipeline.device, raw_latent_shape=shape)
             self.pipeline.denoising.check_sequence_parallel(req)
+        return params
+
+    def _check_adapter(self, params: SamplingParams) -> SamplingParams:
+        """The request's adapter checked (`lora`, `lora_scale`); one trained with a recorded text length
+        makes it the request's default `max_sequence_length`, as `lora=PATH` at load does."""
+        if params.lora is None and params.lora_scale is None:
+            return params
+        if self.adapters is None:
+            field = "lora" if params.lora is not None else "lora_scale"
+            raise RequestError(
+                f"{field}: this engine has no LoRA adapters to choose from (serve with --lora-dir DIR and load "
+                "them, or apply one to every request with --lora PATH)",
+                field=field,
+            )
+        name, scale = self.adapters.check_request(params.lora, params.lora_scale)
+        params = dataclasses.replace(params, lora=name, lora_scale=scale)
+        adapter = self.adapters.get(name) if name is not None else None
+        if (
+            adapter is not None
+            and adapter.max_text_length is not None
+            and params.max_sequence_length is None
+            and self.defaults.max_sequence_length is not None
+        ):
+            params.max_sequence_length = adapter.max_text_length
         return params
 
     def make_request(
@@ -156,6 +196,8 @@ class DiffusionGenerator:
         num_outputs_per_prompt: int = 1,
         max_sequence_length: int | None = None,
         image: Any = None,
+        lora: str | None = None,
+        lora_scale: float | None = None,
         progress: Callable[[int, int], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
         **extra: Any,
@@ -163,7 +205,8 @@ class DiffusionGenerator:
         """Generate; `progress(step, total)` is called after each denoising step, `should_stop()` is
         checked before each step (a True raises `Cancelled`). `seed=None` draws one (reported back).
         `image`: the conditioning image(s) of an image-conditioned family (a PIL image, a uint8 array, a
-        path, or a list of them)."""
+        path, or a list of them). `lora` / `lora_scale`: one of the adapters loaded at run time
+        (`enable_adapters`) and its strength (default 1); none: the model without them."""
         params = SamplingParams(
             prompt=prompt,
             negative_prompt=negative_prompt,
@@ -176,6 +219,8 @@ class DiffusionGenerator:
             num_outputs_per_prompt=num_outputs_per_prompt,
             max_sequence_length=max_sequence_length,
             image=None if image is None else list(image) if isinstance(image, (list, tuple)) else [image],
+            lora=lora,
+            lora_scale=lora_scale,
             extra=extra,
         )
         return self.run(params, progress=progress, should_stop=should_stop)
@@ -200,7 +245,11 @@ class DiffusionGenerator:
     ) -> GenerationResult:
         if self._calibrate_first:
             self.calibrate_cache(params)
-        req = self.pipeline.run(self.make_request(params, progress, should_stop))
+        req = self.make_request(params, progress, should_stop)
+        if self.adapters is not None:  # this request's adapter, and no other's, in every LoRA layer
+            scale = req.params.lora_scale
+            self.adapters.activate(req.params.lora, 1.0 if scale is None else scale)
+        req = self.pipeline.run(req)
         frames = np.asarray(req.output, dtype=np.float32)
         return GenerationResult(
             frames=frames, media=self.spec.media, timings=dict(req.timings), seed=req.params.seed, params=req.params

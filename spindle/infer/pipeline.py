@@ -124,6 +124,7 @@ class InferencePipeline:
         self.mesh = mesh
         self.device = options.torch_device()
         self.offloads: dict[str, ModuleOffload] = {}  # what `apply_offload` streams, by component
+        self.family: DiTFamily | None = None  # the family record it was loaded with (run-time LoRA loading reads it)
 
     @property
     def transformer(self) -> ModelMixin:
@@ -154,7 +155,9 @@ class InferencePipeline:
             from spindle.infer.lora import apply_lora_file
 
             apply_lora_file(family, components, options.lora, options.lora_scale)
-        return cls.build(spec, components, options, root=root)
+        pipeline = cls.build(spec, components, options, root=root)
+        pipeline.family = family
+        return pipeline
 
     @classmethod
     def build(

@@ -130,6 +130,31 @@ def onednn_linear_gelu(module: torch.nn.Module, pairs: Sequence[tuple[torch.nn.M
         if type(linear) is not torch.nn.Linear or not isinstance(act, torch.nn.GELU):
             continue
         setattr(linear, "forward", _fused_linear_gelu(linear, act.approximate, act))  # noqa: B010
+        setattr(linear, "_spindle_fused_into", (owner, linear_name, act_name, act))  # noqa: B010 - for unfuse
         setattr(owner, act_name, torch.nn.Identity())
         count += 1
+    return count
+
+
+def unfuse_wrapped_linear_gelu(module: torch.nn.Module) -> int:
+    """Undo `onednn_linear_gelu` where a LoRA layer now wraps the fused Linear (a LoRA loaded after the
+    engine was built: `spindle.infer.adapters`). The fused call reads the Linear's own weight and would
+    skip the adapter (diffusers' GELU) or add it after the GELU (a separate pair); unfused, the pair runs
+    as stock diffusers runs it. Plain Linears stay fused. -> how many pairs were unfused."""
+    from diffusers.models.activations import GELU as DiffusersGELU
+
+    count = 0
+    for m in list(module.modules()):
+        if isinstance(m, DiffusersGELU) and getattr(m, "_spindle_fused", False) and type(m.proj) is not torch.nn.Linear:
+            del m.forward  # the instance attribute: the class's forward (proj, then gelu) again
+            del m._spindle_fused
+            count += 1
+        fused_into = getattr(m, "_spindle_fused_into", None)
+        if fused_into is not None:
+            owner, linear_name, act_name, act = fused_into
+            if getattr(owner, linear_name) is not m:  # wrapped (the LoRA layer's base_layer is `m`)
+                del m.forward
+                del m._spindle_fused_into
+                setattr(owner, act_name, act)
+                count += 1
     return count

@@ -7,6 +7,7 @@ per resource), the error handlers (`errors.py`) and the lifespan that starts and
   GET  /v1/models[/{id}]        routes/models.py
   POST /v1/images/generations   routes/images.py
   /v1/videos[/{id}[/content]]   routes/videos.py
+  /v1/loras[/{name}]            routes/adapters.py (LoRA adapters loaded at run time, chosen per request)
 
 Every 4xx/5xx body is OpenAI's `{"error": {"message", "type", "param", "code"}}`. Request bodies
 are read by `bodies.py` (size cap, deadline, encodings), mapped onto the engine's params by

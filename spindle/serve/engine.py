@@ -15,6 +15,12 @@
   `RankFanout.follow()` until rank 0 sends "stop"; an idle rank 0 pings every minute so the
   followers' collective never times out.
 
+LoRA adapters chosen per request (`--lora-dir`, `spindle.infer.adapters`): a request names one in
+its params (`lora`, `lora_scale`) and the generator activates it before the run. Loading and
+unloading change the model, so they take the same lock as a run (they wait for the running job,
+never overlap it) and are broadcast to the other ranks in that order ("lora_load" / "lora_unload").
+A waiting or running request holds its adapter (`hold`): it is neither evicted nor unloaded under it.
+
 The job queue and the thread that drives `run` are `worker.py`; the HTTP fields that become params
 are `params.py`.
 """
@@ -22,12 +28,17 @@ are `params.py`.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from spindle.contracts.request import Cancelled, SamplingParams
 from spindle.engine_config import RequestLimits
+
+if TYPE_CHECKING:
+    from spindle.infer.adapters import Adapter, LoraAdapters
 
 log = logging.getLogger("spindle.serve")
 
@@ -64,12 +75,22 @@ class RankFanout:
         return bool(t.item())
 
     def follow(self, generator: Any) -> int:
-        """Ranks > 0: run every job rank 0 broadcasts until "stop". Returns jobs run."""
+        """Ranks > 0: run every job rank 0 broadcasts until "stop", and load / unload the adapters it
+        does, in the same order. Returns jobs run."""
         ran = 0
         while True:
             kind, payload = self.recv()
             if kind == "stop":
                 return ran
+            if kind in ("lora_load", "lora_unload"):
+                try:
+                    if kind == "lora_load":
+                        generator.adapters.load(payload[0], Path(payload[1]))
+                    else:
+                        generator.adapters.unload(payload, force=True)  # rank 0 checked who holds it
+                except Exception:  # rank 0 answers the client; this rank keeps following
+                    log.exception("rank %d: %s %s failed", self.rank, kind, payload)
+                continue
             if kind != "run":
                 continue
             ran += 1
@@ -107,6 +128,9 @@ class Engine:
         # video families: valid frame counts are k * multiple + 1, as the family declares (Wan: 4)
         self.frame_multiple: int = int(self.spec.options.frame_multiple or 1)
         self._released = False
+        # a run and an adapter load / unload never overlap (both change or read the model), and the
+        # fan-out's broadcasts keep one order
+        self._lock = threading.Lock()
 
     # ---------------------------------------------------------------- what it accepts
 
@@ -150,13 +174,14 @@ class Engine:
     ) -> Any:
         """One generation with validated `params`, on every rank. -> the `GenerationResult`."""
         fanout, stop = self.fanout, should_stop
-        if fanout is not None:
-            fanout.send("run", params)
+        with self._lock:
+            if fanout is not None:
+                fanout.send("run", params)
 
-            def stop() -> bool:  # every rank stops at the same step: rank 0 decides
-                return fanout.sync_flag(should_stop())
+                def stop() -> bool:  # every rank stops at the same step: rank 0 decides
+                    return fanout.sync_flag(should_stop())
 
-        return self.generator.run(params, progress=progress, should_stop=stop)
+            return self.generator.run(params, progress=progress, should_stop=stop)
 
     @property
     def idle_ping_seconds(self) -> float | None:
@@ -165,7 +190,72 @@ class Engine:
 
     def ping(self) -> None:
         if self.fanout is not None:
-            self.fanout.send("ping")
+            with self._lock:
+                self.fanout.send("ping")
+
+    # ---------------------------------------------------------------- LoRA adapters
+
+    @property
+    def adapters(self) -> LoraAdapters | None:
+        """The generator's run-time adapters (None: the server was started without --lora-dir)."""
+        adapters: LoraAdapters | None = getattr(self.generator, "adapters", None)
+        return adapters
+
+    def hold(self, params: SamplingParams) -> Callable[[], None]:
+        """Keep the request's adapter loaded until the returned release is called (its job's end)."""
+        name, adapters = params.lora, self.adapters
+        if name is None or adapters is None:
+            return lambda: None
+        adapters.pin(name)
+        released = threading.Event()
+
+        def release() -> None:
+            if not released.is_set():
+                released.set()
+                adapters.unpin(name)
+
+        return release
+
+    def load_adapter(self, name: Any, path: str | None) -> tuple[Adapter, list[str]]:
+        """Load the adapter at `path` (inside the adapter folder; default: by `name`) as `name`, on every
+        rank, after the running job. -> (the adapter, the names unloaded to make room). Raises
+        `AdapterError` (its HTTP status) for a refused name, path or file."""
+        from spindle.infer.adapters import AdapterError
+
+        adapters = self.adapters
+        if adapters is None:
+            raise AdapterError(
+                "this server loads no LoRA adapters at run time: start it with --lora-dir DIR (the folder of "
+                "adapters clients may load)",
+                status=403,
+                code="lora_loading_disabled",
+            )
+        name = adapters.check_name(name)
+        resolved = adapters.resolve(path, name)
+        with self._lock:
+            evicted = adapters.plan_load(name, resolved)
+            for victim in evicted:
+                self._unload(adapters, victim)
+            if self.fanout is not None and adapters.get(name) is None:
+                self.fanout.send("lora_load", (name, str(resolved)))
+            return adapters.load(name, resolved), evicted
+
+    def unload_adapter(self, name: str) -> Adapter:
+        """Unload adapter `name` on every rank (its tensors freed), after the running job; refused
+        (409) while a waiting or running request names it."""
+        from spindle.infer.adapters import AdapterError
+
+        adapters = self.adapters
+        if adapters is None:
+            raise AdapterError("no LoRA adapters are loaded (this server has no --lora-dir)", 404, "lora_not_found")
+        with self._lock:
+            return self._unload(adapters, name)
+
+    def _unload(self, adapters: LoraAdapters, name: str) -> Adapter:
+        adapter = adapters.unload(name)
+        if self.fanout is not None:
+            self.fanout.send("lora_unload", name)
+        return adapter
 
     def release_followers(self) -> None:
         """Tell the other ranks to stop following (once; nothing to do in one process)."""

@@ -40,6 +40,8 @@ _ENGINE_FIELDS = (
     "num_frames",
     "max_sequence_length",
     "image",
+    "lora",
+    "lora_scale",
 )
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from spindle.contracts.request import RequestError, SamplingParams, short_repr
 from spindle.infer.options import given_options
 from spindle.serve.errors import APIError, request_error, safe_text
-from spindle.serve.schemas import GenerationRequest, ImageGenerationRequest, VideoCreateRequest
+from spindle.serve.schemas import GenerationRequest, ImageGenerationRequest, LoraChoice, VideoCreateRequest
 
 if TYPE_CHECKING:
     from spindle.serve.engine import Engine
@@ -178,9 +178,18 @@ def sampling_params(body: GenerationRequest, engine: Engine) -> Planned:
         seed=body.seed,
         num_outputs_per_prompt=outputs,
         image=images,
+        lora=body.lora,
+        lora_scale=body.lora_scale,
         extra=given_options(body, options),
     )
     try:
         return Planned(engine.validate(params), notes)
     except RequestError as e:
         raise request_error(e, seconds_given=seconds_given, option_names=options.names()) from None
+
+
+def lora_choice(params: SamplingParams) -> LoraChoice | None:
+    """The adapter a job runs with, for its response (None: the model alone)."""
+    if params.lora is None:
+        return None
+    return LoraChoice(name=params.lora, scale=1.0 if params.lora_scale is None else params.lora_scale)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
 JobStatus = Literal["queued", "in_progress", "completed", "failed", "cancelled"]
 TERMINAL_STATUSES = ("completed", "failed", "cancelled")
@@ -37,6 +37,18 @@ class GenerationRequest(BaseModel):
     num_inference_steps: int | None = Field(default=None, ge=1)
     guidance_scale: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
+    # a LoRA adapter the server has loaded (GET /v1/loras), by name, and its strength (default 1)
+    lora: str | None = Field(default=None, min_length=1, description="name of a loaded LoRA adapter (GET /v1/loras)")
+    lora_scale: float | None = Field(
+        default=None, allow_inf_nan=False, description="the adapter's strength (default 1: as trained); needs lora"
+    )
+
+
+class LoraChoice(BaseModel):
+    """The adapter a generation ran with (in its response: `lora`)."""
+
+    name: str
+    scale: float
 
 
 class ImageGenerationRequest(GenerationRequest):
@@ -71,6 +83,7 @@ class ImagesResponse(BaseModel):
     # Spindle extras
     model: str  # the served model's id (whatever alias the request named)
     seed: int | None = None
+    lora: LoraChoice | None = None  # the adapter it ran with (None: the model alone)
     timings: dict[str, float] = Field(default_factory=dict)
 
 
@@ -124,6 +137,7 @@ class VideoJob(BaseModel):
     seed: int | None = None
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
+    lora: LoraChoice | None = None  # the adapter it runs with (None: the model alone)
     queue_position: int | None = None
     notes: list[str] = Field(default_factory=list)
     timings: dict[str, float] = Field(default_factory=dict)
@@ -146,3 +160,33 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class LoadLoraRequest(BaseModel):
+    """`POST /v1/loras` (and SGLang-diffusion's `POST /v1/set_lora`): load an adapter from the server's
+    adapter folder (`--lora-dir`) under a name requests then give as `lora`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    lora_name: str = Field(
+        validation_alias=AliasChoices("lora_name", "lora_nickname"),
+        description="the adapter's name in requests (letters, digits, '_', '-'; SGLang-diffusion: lora_nickname)",
+    )
+    lora_path: str | None = Field(
+        default=None,
+        description="a .safetensors file or an adapter folder inside --lora-dir, relative to it (default: "
+        "lora_name.safetensors or the folder lora_name)",
+    )
+
+
+class LoraCard(BaseModel):
+    """A loaded adapter."""
+
+    name: str
+    object: Literal["lora"] = "lora"
+    path: str  # relative to the adapter folder
+    loaded_at: int
+    last_used: int
+    parameters: int  # LoRA tensor elements it holds
+    in_use: int  # waiting or running requests that name it (it is not unloaded while > 0)
+    max_text_length: int | None = None  # the text length it was trained with, when its export records it

@@ -14,10 +14,12 @@ from fastapi import Depends, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
+from spindle.contracts.request import RequestError
 from spindle.infer.options import request_model
 from spindle.serve.bodies import parse_fields, read_body
 from spindle.serve.engine import Engine
-from spindle.serve.jobs import JobStore, ShuttingDown
+from spindle.serve.errors import request_error
+from spindle.serve.jobs import Job, JobStore, ShuttingDown
 from spindle.serve.limits import ServeLimits
 from spindle.serve.worker import Worker
 
@@ -68,18 +70,35 @@ class ServeState:
             self._request_models[base] = request_model(base, self.engine.spec.options)
         return self._request_models[base]  # type: ignore[return-value]  # (built from `base` above)
 
-    async def read_request(self, request: Request, base: type[M]) -> M:
+    async def read_request(self, request: Request, base: type[M], family_options: bool = True) -> M:
         """The request body, bounded and decoded (`bodies.py`), validated against `base` extended
-        with the family's options. A JSON body is validated strictly (a number field refuses `true`
-        and `"2"`); a form body leniently, since a form carries nothing but text."""
+        with the family's options (unless `family_options` is False: a body that is no generation).
+        A JSON body is validated strictly (a number field refuses `true` and `"2"`); a form body
+        leniently, since a form carries nothing but text."""
         if self.shutting_down:
             raise ShuttingDown(headers={"Connection": "close"})
         raw = await read_body(request, self.limits.max_body_bytes, self.limits.request_timeout)
         data, typed = parse_fields(raw, request.headers.get("content-type", ""), getattr(base, "file_fields", ()))
+        model = self.request_model(base) if family_options else base
         try:
-            return self.request_model(base).model_validate(data, strict=None if typed else False)
+            return model.model_validate(data, strict=None if typed else False)
         except ValidationError as e:
             raise RequestValidationError(e.errors()) from None
+
+    def submit(self, job: Job) -> Job:
+        """Queue `job`, holding the LoRA adapter it names until it ends (so that no load evicts it and
+        no unload removes it while it waits or runs)."""
+        try:
+            release = self.engine.hold(job.params)
+        except RequestError as e:  # its adapter was unloaded since the request was validated
+            raise request_error(e) from None
+        try:
+            self.store.submit(job)
+        except BaseException:
+            release()
+            raise
+        job.add_done_callback(lambda _job: release())
+        return job
 
 
 async def get_state(request: Request) -> ServeState:

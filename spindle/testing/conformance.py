@@ -553,7 +553,7 @@ def check_lora_file_round_trip(family: DiTFamily, root: Path, out: Path) -> None
     the adapters train, and the diffusers LoRA file written through the family pipeline's
     `save_lora_weights` reads back through its `lora_state_dict` to the same tensors."""
     from spindle.config import LoraConfig
-    from spindle.train.lora import adapter_state_dict, lora_scale
+    from spindle.testing.lora import random_lora, write_lora
     from spindle.train.tasks.flow_matching import add_lora
 
     model = add_lora(load_transformer(root), LoraConfig(rank=2, alpha=4))
@@ -562,18 +562,43 @@ def check_lora_file_round_trip(family: DiTFamily, root: Path, out: Path) -> None
         f"{family.name}: parameters other than LoRA adapters train: {[n for n in trainable if '.lora_' not in n][:3]}"
     )
     assert not any(".norm" in n for n in trainable), f"{family.name}: modulation layers are default LoRA targets"
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.copy_(torch.randn(p.shape, generator=g))
-    adapters = adapter_state_dict(model.state_dict(), lora_scale(model))
+    adapters = random_lora(root, seed=0)
+    write_lora(family, adapters, out)
     pipeline = family.pipeline_class()
-    pipeline.save_lora_weights(out, transformer_lora_layers=adapters)
     back = {k.removeprefix("transformer."): v for k, v in pipeline.lora_state_dict(out).items()}
     assert back.keys() == adapters.keys(), f"{family.name}: the LoRA file reads back with other keys"
     for key, value in adapters.items():
         assert torch.equal(back[key], value), f"{family.name}: LoRA tensor {key} differs after the round trip"
+
+
+def check_runtime_adapters(family: DiTFamily, root: Path, out: Path, kwargs: dict[str, Any]) -> None:
+    """LoRA adapters loaded at run time and chosen per request (`spindle serve --lora-dir`): requests
+    with adapter `a`, none and `b` at half strength, interleaved on one engine, each equal (1e-5) the
+    same request on an engine loaded with only that LoRA (`lora=PATH`, what `spindle generate --lora`
+    does) or none; and the adapters change the output (so the comparison can fail)."""
+    from spindle.testing.lora import random_lora, write_lora
+
+    for seed, name in ((1, "a"), (2, "b")):
+        write_lora(family, random_lora(root, seed=seed, std=0.3), out / name)
+    gen = load_generator(root)
+    adapters = gen.enable_adapters(out, max_loras=2)
+    for name in ("a", "b"):
+        adapters.load(name, adapters.resolve(None, name))
+    if "num_frames" in kwargs:
+        kwargs = {**kwargs, "num_frames": 1}  # a video family's adapters act per frame as well: one is enough
+    asked: list[tuple[str | None, float | None]] = [("a", None), (None, None), ("b", 0.5)]
+    served = [gen.generate(**kwargs, lora=name, lora_scale=scale).frames for name, scale in asked]
+    alone = {
+        "a": load_generator(root, lora=str(out / "a")).generate(**kwargs).frames,
+        None: load_generator(root).generate(**kwargs).frames,
+        "b": load_generator(root, lora=str(out / "b"), lora_scale=0.5).generate(**kwargs).frames,
+    }
+    for (choice, _), frames in zip(asked, served, strict=True):
+        err = float(np.abs(frames - alone[choice]).max())
+        assert err <= 1e-5, f"{family.name}: the request with adapter {choice} differs from it alone by {err:.2e}"
+    for adapter in ("a", "b"):
+        moved = float(np.abs(alone[adapter] - alone[None]).max())
+        assert moved > 1e-2, f"{family.name}: adapter {adapter} changes the output by only {moved:.2e}"
 
 
 # ---------------------------------------------------------------- engine speed options

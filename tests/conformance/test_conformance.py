@@ -10,7 +10,8 @@ diffusers pipeline's call defaults; `spindle generate` writes the png generate()
 families); the condition model refuses bad pixel shapes and its training inputs are the
 transformer's forward arguments; a few samples
 overfit, with the token throughput counted as inference counts tokens; the export loads in stock
-diffusers with every tensor equal to the trained one and Spindle on it equals diffusers; Ulysses SP
+diffusers with every tensor equal to the trained one and Spindle on it equals diffusers; LoRA
+adapters chosen per request equal each LoRA loaded alone; Ulysses SP
 and ring attention on 2 processes equal one process (slow). And a broken family fails it.
 """
 
@@ -59,6 +60,13 @@ def test_tiny_checkpoint_loads_in_stock_diffusers(name, tiny):
 def test_inference_equals_the_diffusers_pipeline(name, case, cfg_batch, tiny):
     family = get_family(name)
     suite.check_inference_parity(family, tiny(name), family.conformance.parity_cases[case], cfg_batch=cfg_batch)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_adapters_chosen_per_request_equal_each_lora_alone(name, tiny, tmp_path):
+    family = get_family(name)
+    cfg_case = next(kw for kw in family.conformance.parity_cases.values() if "negative_prompt" in kw)
+    suite.check_runtime_adapters(family, tiny(name), tmp_path / "loras", cfg_case)
 
 
 @pytest.mark.parametrize("name", FAMILIES)

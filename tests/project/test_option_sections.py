@@ -12,11 +12,11 @@ import pytest
 from spindle.commands.flags import flag_names, section_from_args, section_values, unwrap_optional
 from spindle.commands.reference import DOC, cli_reference
 from spindle.config import ConfigError, OptionSection
-from spindle.engine_config import EngineConfig, RequestLimits, ServeLimits, ServeSettings
+from spindle.engine_config import AdapterConfig, EngineConfig, RequestLimits, ServeLimits, ServeSettings
 
 SECTIONS: dict[str, tuple[type[OptionSection], ...]] = {
     "generate": (EngineConfig,),
-    "serve": (EngineConfig, RequestLimits, ServeLimits, ServeSettings),
+    "serve": (EngineConfig, RequestLimits, ServeLimits, ServeSettings, AdapterConfig),
 }
 
 

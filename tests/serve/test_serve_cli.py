@@ -199,12 +199,34 @@ def single_frames(tiny_wan):
     return gen.generate(**kw, width=48, height=32).frames
 
 
+@pytest.fixture(scope="module")
+def lora_folder(tiny_wan, tmp_path_factory):
+    """An adapter folder (--lora-dir) with one LoRA, `a`, in diffusers' layout."""
+    from spindle.registry import get_family
+    from spindle.testing.lora import random_lora, write_lora
+
+    folder = tmp_path_factory.mktemp("serve-loras")
+    write_lora(get_family("wan"), random_lora(tiny_wan, seed=1, std=0.3), folder / "a")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def single_lora_frames(tiny_wan, lora_folder):
+    """REQUEST on one process with the LoRA `a` at strength 0.5 (`spindle generate --lora`)."""
+    gen = load_generator(tiny_wan, device="cpu", lora=str(lora_folder / "a"), lora_scale=0.5)
+    kw = {k: v for k, v in REQUEST.items() if k != "size"}
+    return gen.generate(**kw, width=48, height=32).frames
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [["--cfg-parallel"], ["--sp", "2"]], ids=["cfg_parallel", "sp2"])
-def test_multiprocess_serving_equals_single_process(tiny_wan, tmp_path, single_frames, mode):
+def test_multiprocess_serving_equals_single_process(
+    tiny_wan, tmp_path, single_frames, lora_folder, single_lora_frames, mode
+):
     s = ServeProcess(
         tiny_wan,
         *("--nproc", "2", *mode, "--keep-frames", "--max-queue", "4", "--max-steps", "1000"),
+        *("--lora-dir", str(lora_folder)),
         log_path=tmp_path / "serve.log",
     )
     try:
@@ -224,18 +246,27 @@ def test_multiprocess_serving_equals_single_process(tiny_wan, tmp_path, single_f
             r = client.post("/v1/videos", json={**REQUEST, "size": "16x16", "num_frames": 1})
             assert r.status_code == 400 and r.json()["error"]["param"] == "size", r.text
             assert "not divisible by parallel.sp=2" in r.json()["error"]["message"]
-        # ... and the next jobs run on all ranks and equal the single-process output
-        jobs = [client.post("/v1/videos", json=REQUEST).json() for _ in range(2)]
-        for job in jobs:
-            assert wait_job(client, job["id"])["status"] == "completed", s.output()
-            frames = np.load(
-                io.BytesIO(client.get(f"/v1/videos/{job['id']}/content", params={"variant": "npy"}).content)
-            )
-            np.testing.assert_allclose(frames, single_frames, atol=1e-5, rtol=0)
+
+        # ... and the next jobs run on all ranks and equal the single-process output, with a LoRA
+        # adapter loaded on every rank at run time (and the model alone again once it is unloaded)
+        def check(jobs: list[tuple[dict, np.ndarray]]) -> None:
+            for job, ref in jobs:
+                assert wait_job(client, job["id"])["status"] == "completed", s.output()
+                frames = np.load(
+                    io.BytesIO(client.get(f"/v1/videos/{job['id']}/content", params={"variant": "npy"}).content)
+                )
+                np.testing.assert_allclose(frames, ref, atol=1e-5, rtol=0)
+
+        assert client.post("/v1/loras", json={"lora_name": "a"}).status_code == 200
+        asked = [({}, single_frames), ({"lora": "a", "lora_scale": 0.5}, single_lora_frames), ({}, single_frames)]
+        check([(client.post("/v1/videos", json={**REQUEST, **extra}).json(), ref) for extra, ref in asked])
+        assert client.delete("/v1/loras/a").status_code == 200
+        check([(client.post("/v1/videos", json=REQUEST).json(), single_frames)])
         client.close()
         rc = s.stop()
         log = s.output()
         assert rc == 0, log
-        assert f"rank 1] spindle.serve: rank 1: stopped after {ran + 2} jobs" in log, log
+        assert f"rank 1] spindle.serve: rank 1: stopped after {ran + 4} jobs" in log, log
+        assert "lora_load" not in log and "lora_unload" not in log, log  # no follower failed to mirror them
     finally:
         s.kill()

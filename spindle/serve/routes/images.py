@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 
 from spindle.serve.errors import APIError, ClientGone
 from spindle.serve.jobs import Job, wait_done
-from spindle.serve.params import sampling_params
+from spindle.serve.params import lora_choice, sampling_params
 from spindle.serve.schemas import ImageData, ImageGenerationRequest, ImagesResponse
 from spindle.serve.state import State, reads_body
 
@@ -83,7 +83,7 @@ async def images_generations(request: Request, state: State):
         )
     params = sampling_params(body, engine).params  # (the model check first: a wrong model is the bigger mistake)
     refuse_unhonoured(body)
-    job = store.submit(Job(kind="image", params=params, model=engine.model_id))
+    job = state.submit(Job(kind="image", params=params, model=engine.model_id))
     try:
         gone = await wait_done_or_gone(job, request)
     except asyncio.CancelledError:  # the server is stopping this request: do not run it for nobody
@@ -104,6 +104,7 @@ async def images_generations(request: Request, state: State):
                 size=f"{params.width}x{params.height}",
                 model=job.model,
                 seed=params.seed,
+                lora=lora_choice(params),
                 timings=job.timings,
             ).model_dump()
         if job.status == "failed":

@@ -21,7 +21,7 @@ from fastapi.responses import Response
 
 from spindle.serve.errors import APIError, safe_text
 from spindle.serve.jobs import Job, wait_done
-from spindle.serve.params import sampling_params
+from spindle.serve.params import lora_choice, sampling_params
 from spindle.serve.schemas import VideoCreateRequest, VideoError, VideoJob
 from spindle.serve.state import ServeState, State, reads_body
 
@@ -54,6 +54,7 @@ def video_object(state: ServeState, job: Job, preview: bool = False) -> dict[str
         seed=p.seed,
         num_inference_steps=p.num_inference_steps,
         guidance_scale=p.guidance_scale,
+        lora=lora_choice(p),
         queue_position=state.store.queue_position(job) if job.status == "queued" else None,
         notes=list(meta.get("notes", [])),
         timings=job.timings,
@@ -82,7 +83,7 @@ async def create_video(request: Request, state: State):
         )
     planned = sampling_params(body, engine)
     job = Job(kind="video", params=planned.params, model=engine.model_id, meta={"notes": planned.notes})
-    state.store.submit(job)
+    state.submit(job)
     return video_object(state, job)
 
 
