@@ -36,3 +36,8 @@ class ConditionModel(ABC):
     @abstractmethod
     def training_inputs(self, conditions: dict[str, torch.Tensor], generators: list[torch.Generator]) -> dict[str, Any]:
         """Conditions + one generator per sample -> transformer forward kwargs + "target" + "sigmas"."""
+
+    @staticmethod
+    def prediction(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The part of the transformer's output the loss compares with `target` (default: all of it)."""
+        return pred

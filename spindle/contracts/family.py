@@ -154,6 +154,16 @@ class ConformanceSpec:
     # model.max_text_length of the suite's condition models and training runs (small, divisible by the SP
     # degrees); a family whose transformer fixes the text length (Wan I2V: 512) declares that length
     text_tokens: int = 16
+    # "module:function(root) -> dict": `from_pretrained` overrides with which stock diffusers loads the
+    # checkpoint here, for a component whose class cannot be built on this machine (Qwen-Image-Edit's
+    # Qwen2VLProcessor needs torchvision); the suite's references are the stock pipeline loaded so
+    stock_components: str | None = None
+    # family options of the request whose token count the suite compares with training's at the demo size
+    # (an edit family sizes its input images by an option; training encodes them at the sample's size)
+    token_request: dict[str, Any] = field(default_factory=dict)
+
+    def stock_overrides(self, root: Path) -> dict[str, Any]:
+        return {} if self.stock_components is None else dict(import_object(self.stock_components)(root))
 
 
 @dataclass(frozen=True)

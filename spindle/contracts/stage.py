@@ -91,6 +91,9 @@ class InferenceSpec:
     # it is packed tokens [B, S, C] (Flux, Qwen-Image): FasterCache's 2-D frequency split cannot apply
     output_layout: str | None = "BCFHW"
     components: tuple[str, ...] = ()  # model_index.json entries to load
+    # component -> "module:function(folder) -> the loaded component", for one the class model_index.json names
+    # cannot load here (Qwen-Image-Edit's Qwen2VLProcessor needs torchvision: its processor is assembled)
+    component_loaders: dict[str, str] = {}
     transformer_component: str = "transformer"
     vae_component: str = "vae"
     before_denoising_cls: type[BeforeDenoisingStage] = BeforeDenoisingStage
@@ -160,6 +163,11 @@ class InferenceSpec:
     def model_output(self, out: Any) -> torch.Tensor:
         sample: torch.Tensor = out[0] if isinstance(out, (tuple, list)) else out.sample
         return sample
+
+    def prediction(self, pred: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        """The part of the (CFG-combined) transformer output that predicts `latents`: all of it, unless the
+        family appends tokens of its own to the sequence (reference-image latents: the first tokens)."""
+        return pred
 
     def combine_cfg(self, cond: torch.Tensor, uncond: torch.Tensor, cfg_scale: float) -> torch.Tensor:
         return uncond + cfg_scale * (cond - uncond)

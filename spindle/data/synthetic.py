@@ -146,6 +146,36 @@ def make_shapes_image_dataset(
     return out
 
 
+def make_shapes_edit_dataset(
+    out: str | Path, num_pairs: int = 16, size: tuple[int, int] = (64, 64), seed: int = 0
+) -> Path:
+    """Write `num_pairs` edit pairs into `out`: a source png, the edited png (the same shape recoloured) and
+    the instruction ("make the circle blue"), listed in `manifest.jsonl` as {"path": edited, "caption":
+    instruction, "image": source} (the sample's input image); returns the manifest."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    height, width = size
+    radius = _radius(size)
+    lines = []
+    for i in range(num_pairs):
+        shape = SHAPES[i % len(SHAPES)]
+        before, after = rng.sample(list(SHAPE_COLOURS), 2)
+        background = BACKGROUNDS[rng.choice(list(BACKGROUNDS))]
+        centre = (rng.uniform(radius + 1, width - radius - 2), rng.uniform(radius + 1, height - radius - 2))
+        write_image(
+            out / f"source_{i:03d}.png", draw_shape(size, background, shape, SHAPE_COLOURS[before], centre, radius)
+        )
+        write_image(
+            out / f"edited_{i:03d}.png", draw_shape(size, background, shape, SHAPE_COLOURS[after], centre, radius)
+        )
+        entry = {"path": f"edited_{i:03d}.png", "caption": f"make the {shape} {after}", "image": f"source_{i:03d}.png"}
+        lines.append(json.dumps(entry) + "\n")
+    manifest = out / "manifest.jsonl"
+    manifest.write_text("".join(lines), encoding="utf-8")
+    return manifest
+
+
 def write_manifest(folder: str | Path, name: str = "manifest.jsonl") -> Path:
     """Write a JSONL manifest (paths relative to `folder`) for a captioned media folder."""
     folder = Path(folder)

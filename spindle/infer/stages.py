@@ -196,7 +196,7 @@ class DenoisingStage(Stage):
         for i, t in enumerate(timesteps):
             req.check_cancelled()
             self.current_timestep = float(t)
-            noise_pred = self.predict(req, latents, t, i)
+            noise_pred = self.spec.prediction(self.predict(req, latents, t, i), latents)
             if noise_pred.shape != latents.shape:
                 raise contract_error(
                     self.spec,

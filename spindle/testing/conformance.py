@@ -37,6 +37,19 @@ def text_tokens(family: DiTFamily) -> int:
 # ---------------------------------------------------------------- checkpoint and inference
 
 
+def stock_pipeline(root: Path, pipeline_cls: Any = None) -> Any:
+    """The stock diffusers pipeline of `root` (`DiffusionPipeline`, or `pipeline_cls`), loaded with the
+    overrides its family's `ConformanceSpec.stock_components` declares (a component whose class cannot
+    be built here, e.g. Qwen-Image-Edit's torchvision-only processor)."""
+    from diffusers import DiffusionPipeline
+
+    from spindle.registry import resolve_family
+
+    family = resolve_family(root)
+    overrides = family.conformance.stock_overrides(root) if isinstance(family, DiTFamily) and family.conformance else {}
+    return (pipeline_cls or DiffusionPipeline).from_pretrained(root, **overrides)
+
+
 def check_stock_load(family: DiTFamily, root: Path) -> None:
     """The tiny checkpoint is a standard diffusers folder: stock `DiffusionPipeline` loads it as the
     family's pipeline class, with the family's transformer class and every model component (VAE, text
@@ -44,9 +57,7 @@ def check_stock_load(family: DiTFamily, root: Path) -> None:
     non-constant images of the requested size: `check_inference_parity`'s reference.)"""
     import json
 
-    from diffusers import DiffusionPipeline
-
-    pipe = DiffusionPipeline.from_pretrained(root)
+    pipe = stock_pipeline(root)
     assert type(pipe).__name__ in family.pipeline_classes, (
         f"{family.name}: stock diffusers loads {root} as {type(pipe).__name__}, not one of {family.pipeline_classes}"
     )
@@ -66,9 +77,7 @@ def check_stock_load(family: DiTFamily, root: Path) -> None:
 
 def stock_output(root: Path, kwargs: dict[str, Any]) -> np.ndarray:
     """What the stock diffusers pipeline returns for `kwargs` (+ `seed`), as numpy in [0, 1]."""
-    from diffusers import DiffusionPipeline
-
-    pipe = DiffusionPipeline.from_pretrained(root)
+    pipe = stock_pipeline(root)
     pipe.set_progress_bar_config(disable=True)
     kw = dict(kwargs)
     seed = kw.pop("seed")
@@ -119,9 +128,10 @@ def check_default_params(family: DiTFamily, root: Path, expected: dict[str, Any]
     pipe: Any = None
     for name, value in {**{k: v for k, v in expected.items() if k != "extra"}, **expected.get("extra", {})}.items():
         stock = call[name].default if name in call else None
-        if stock is None and name in ("height", "width"):
+        # (a None size is left to the input image, as an edit pipeline's __call__ leaves it)
+        if stock is None and name in ("height", "width") and value is not None:
             if pipe is None:
-                pipe = pipeline_cls.from_pretrained(root)
+                pipe = stock_pipeline(root, pipeline_cls)
             stock = pipe.default_sample_size * pipe.vae_scale_factor
         if stock is not None:
             assert value == stock, f"{family.name}: default {name} is {value}, {pipeline_cls.__name__}'s is {stock}"
@@ -312,11 +322,15 @@ def training_batch(family: DiTFamily, samples: int = 2) -> dict[str, Any]:
         raise AssertionError(f"family {family.name!r} has no DemoSpec (sizes the suite trains at)")
     frames, (height, width) = family.demo.num_frames, family.demo.size
     g = torch.Generator().manual_seed(0)
-    return {
+    batch = {
         "pixels": torch.rand(samples, 3, frames, height, width, generator=g) * 2 - 1,
         "caption": ["a red circle moves left", "a blue square on the right"][:samples],
         "index": torch.arange(samples),
     }
+    if family.options.images[0] and frames == 1:  # an image-editing family: its source images [B, N, 3, H, W]
+        count = min(2, family.options.images[1])
+        batch["images"] = torch.rand(samples, count, 3, height, width, generator=g) * 2 - 1
+    return batch
 
 
 def training_inputs(family: DiTFamily, root: Path, condition: Any = None) -> dict[str, Any]:
@@ -344,7 +358,7 @@ def check_training_inputs(family: DiTFamily, root: Path, condition: Any = None) 
     unknown = sorted(set(inputs) - set(params))
     assert not unknown, f"{family.name}: training inputs {unknown} are not arguments of {type(model).__name__}.forward"
     with torch.no_grad():
-        pred = model(**inputs, return_dict=False)[0]
+        pred = family.condition_model_cls().prediction(model(**inputs, return_dict=False)[0], target)
     assert pred.shape == target.shape, f"{family.name}: prediction {tuple(pred.shape)} vs target {tuple(target.shape)}"
     assert sigmas.shape == (target.shape[0],) and bool(((sigmas > 0) & (sigmas < 1)).all()), (
         f"{family.name}: sigmas must be one value in (0, 1) per sample, got {sigmas}"
@@ -371,14 +385,29 @@ def check_condition_rejects_bad_pixels(family: DiTFamily, root: Path) -> None:
         encode(frames, height - 2, width)
 
 
+def get_conformance(name: str) -> Any:
+    from spindle.registry import get_family
+
+    family = get_family(name)
+    assert isinstance(family, DiTFamily) and family.conformance is not None, f"{name}: no ConformanceSpec"
+    return family.conformance
+
+
 def inference_tokens(root: Path, height: int, width: int, num_frames: int) -> int:
     """The tokens the transformer sees per sample at this size, as the inference engine counts them
     (the family's before-denoising stage and `sequence_length`): an independent count for the trainer's."""
+    from PIL import Image
+
     from spindle.contracts.request import Req
 
     kw = dict(prompt="x", height=height, width=width, num_frames=num_frames, num_inference_steps=2, seed=0)
     gen = load_generator(root)
-    params = sampling_params(kw).merged_with(gen.defaults)  # (no conditioning image needed to count tokens)
+    family = gen.pipeline.spec.family
+    spec = get_conformance(family)
+    low, _ = gen.options.images
+    if low:  # input images the size of the training samples (an edit family's reference tokens count)
+        kw["image"] = [Image.new("RGB", (width, height))] * low
+    params = sampling_params({**kw, **spec.token_request}).merged_with(gen.defaults)
     req = Req(
         params=params, device=gen.pipeline.device, raw_latent_shape=gen.pipeline.before_denoising.latent_shape(params)
     )
@@ -398,12 +427,10 @@ def check_export_round_trip(family: DiTFamily, base: Path, export: Path, trained
     (which differs from the base checkpoint's), its config.json with diffusers' keys only."""
     import json
 
-    from diffusers import DiffusionPipeline
-
     keys = set(json.loads((export / "transformer" / "config.json").read_text()))
     base_keys = set(json.loads((base / "transformer" / "config.json").read_text()))
     assert keys == base_keys, f"{family.name}: exported config.json keys differ: {sorted(keys ^ base_keys)}"
-    pipe = DiffusionPipeline.from_pretrained(export)
+    pipe = stock_pipeline(export)
     assert type(pipe).__name__ in family.pipeline_classes, f"{family.name}: export loads as {type(pipe).__name__}"
     exported = pipe.transformer.state_dict()
     assert exported.keys() == trained.keys(), f"{family.name}: exported keys differ from the trained model's"
@@ -416,8 +443,8 @@ def check_export_round_trip(family: DiTFamily, base: Path, export: Path, trained
 # ---------------------------------------------------------------- sequence parallel (spawned ranks)
 
 
-def _mse_step(model: torch.nn.Module, inputs: dict[str, Any], target: torch.Tensor) -> torch.Tensor:
-    pred = model(**inputs, return_dict=False)[0]
+def _mse_step(model: torch.nn.Module, inputs: dict[str, Any], target: torch.Tensor, family: DiTFamily) -> torch.Tensor:
+    pred = family.condition_model_cls().prediction(model(**inputs, return_dict=False)[0], target)
     loss = torch.nn.functional.mse_loss(pred.float(), target.float())
     loss.backward()
     return loss.detach()
@@ -428,7 +455,7 @@ def sp_reference(family: DiTFamily, root: Path) -> dict[str, Any]:
     inputs = training_inputs(family, root)
     target, _ = inputs.pop("target"), inputs.pop("sigmas")
     model = load_transformer(root)
-    loss = _mse_step(model, inputs, target)
+    loss = _mse_step(model, inputs, target, family)
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     # the same step in float64: how far one fp32 process is from exact, per gradient (the noise floor)
     exact = load_transformer(root).double()
@@ -436,6 +463,7 @@ def sp_reference(family: DiTFamily, root: Path) -> dict[str, Any]:
         exact,
         {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()},
         target.double(),
+        family,
     )
     fp32_error = {
         n: ((grads[n].double() - p.grad).norm() / p.grad.norm().clamp_min(1e-30)).item()
@@ -463,7 +491,7 @@ def sp_worker(rank: int, world: int, family_name: str, root: str, layouts: dict[
     for name, dims in layouts.items():
         mesh = build_mesh(ParallelDims(dp_shard=1, **dims))
         model = parallelize_transformer(load_transformer(root), mesh, mixed_precision="no")
-        loss = _mse_step(model, dict(inputs), target)
+        loss = _mse_step(model, dict(inputs), target, family)
         results[name] = {"loss": loss.item(), "grads": full_grads(model)}
     if rank == 0:
         torch.save(results, out)

@@ -204,7 +204,7 @@ class FlowMatchingTask(TrainTask):
         tokens_per_sample = count_tokens(inputs["hidden_states"], patch)
         self._check_sequence_split(model, tokens_per_sample, inputs)
         with self._autocast():
-            pred = model(**inputs, return_dict=False)[0]
+            pred = self.condition.prediction(model(**inputs, return_dict=False)[0], target)
         per_sample = F.mse_loss(pred.float(), target.float(), reduction="none").flatten(1).mean(1)
         weights = loss_weights(sigmas, self.loss_weighting)
         if weights is not None:
