@@ -293,7 +293,18 @@ def check_generate_cli_png(family: DiTFamily, root: Path, out: Path, kwargs: dic
 
     from spindle.testing.multiprocess import run_spindle
 
-    flags = [str(a) for k, v in kwargs.items() for a in (CLI_FLAGS.get(k, "--" + k.replace("_", "-")), v)]
+    if "image" in kwargs:  # input images go to the CLI as files (`--image PATH`, repeated), generate() reads the same
+        images = kwargs["image"] if isinstance(kwargs["image"], list) else [kwargs["image"]]
+        paths = [out.with_name(f"{out.stem}-input{i}.png") for i in range(len(images))]
+        for image, path in zip(images, paths, strict=True):
+            image.save(path)
+        kwargs = {**kwargs, "image": [str(p) for p in paths]}
+    flags = [
+        str(a)
+        for k, v in kwargs.items()
+        for item in (v if k == "image" else [v])
+        for a in (CLI_FLAGS.get(k, "--" + k.replace("_", "-")), item)
+    ]
     command = ["generate", "--model", str(root), *flags, "--out", str(out)]
     r = run_spindle(*command)
     assert r.returncode == 0, f"{family.name}: spindle {' '.join(command)} failed: {r.stderr[-3000:]}"

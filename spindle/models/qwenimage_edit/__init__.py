@@ -17,7 +17,7 @@ from spindle.models.qwenimage import OPTIONS as QWENIMAGE_OPTIONS
 # The pipelines' sizing of the input images: calculate_dimensions(area, aspect) -> sides, multiples of 32.
 VAE_IMAGE_AREA = 1024 * 1024  # both pipelines: the image the VAE encodes (and the default output size)
 CONDITION_IMAGE_AREA = 384 * 384  # QwenImageEditPlusPipeline: each image the text encoder sees
-MAX_IMAGE_AREA = 4096 * 4096
+MAX_IMAGE_AREA = 2048 * 2048  # 4x the pipelines' area (and the server's default --max-pixels)
 
 
 def _area(name: str, default: int, what: str) -> Option:

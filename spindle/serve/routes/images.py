@@ -15,11 +15,12 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from spindle.contracts.request import SamplingParams
 from spindle.serve.errors import APIError, ClientGone
 from spindle.serve.jobs import Job, wait_done
 from spindle.serve.params import sampling_params
 from spindle.serve.schemas import ImageData, ImageGenerationRequest, ImagesResponse
-from spindle.serve.state import State, reads_body
+from spindle.serve.state import ServeState, State, reads_body
 
 log = logging.getLogger("spindle.serve")
 
@@ -71,7 +72,7 @@ async def wait_done_or_gone(job: Job, request: Request) -> bool:
 @router.post("/v1/images/generations")
 @reads_body(ImageGenerationRequest)
 async def images_generations(request: Request, state: State):
-    engine, store = state.engine, state.store
+    engine = state.engine
     body = await state.read_request(request, ImageGenerationRequest)
     if engine.media != "image":
         raise APIError(
@@ -83,7 +84,14 @@ async def images_generations(request: Request, state: State):
         )
     params = sampling_params(body, engine).params  # (the model check first: a wrong model is the bigger mistake)
     refuse_unhonoured(body)
-    job = store.submit(Job(kind="image", params=params, model=engine.model_id))
+    return await answer_images(request, state, params)
+
+
+async def answer_images(request: Request, state: ServeState, params: SamplingParams) -> dict[str, Any]:
+    """Run an image job for validated `params` and answer OpenAI's images response (generations and
+    edits): the client waits; a client that hangs up cancels the job."""
+    store = state.store
+    job = store.submit(Job(kind="image", params=params, model=state.engine.model_id))
     try:
         gone = await wait_done_or_gone(job, request)
     except asyncio.CancelledError:  # the server is stopping this request: do not run it for nobody
@@ -98,7 +106,7 @@ async def images_generations(request: Request, state: State):
         raise ClientGone()
     try:
         if job.status == "completed":
-            return ImagesResponse(
+            response: dict[str, Any] = ImagesResponse(
                 created=int(job.created_at),
                 data=[ImageData(b64_json=base64.b64encode(png).decode("ascii")) for png in job.images or []],
                 size=f"{params.width}x{params.height}",
@@ -106,6 +114,7 @@ async def images_generations(request: Request, state: State):
                 seed=params.seed,
                 timings=job.timings,
             ).model_dump()
+            return response
         if job.status == "failed":
             err = job.error or {}
             raise APIError(
