@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from spindle.api import load_generator
-from spindle.models.qwenimage_edit import test_image
+from spindle.models.qwenimage_edit import sample_image
 from spindle.testing.conformance import PARITY_ATOL, check_request_error, stock_pipeline
 
 
@@ -45,7 +45,7 @@ def test_stock_processor_still_needs_torchvision(edit):
     """Why the processor is assembled (the canary of the workaround)."""
     from transformers import Qwen2VLProcessor
 
-    with pytest.raises(ImportError, match="torchvision"):
+    with pytest.raises(ImportError, match=r"(?i)torchvision"):
         Qwen2VLProcessor.from_pretrained(edit / "processor")
 
 
@@ -59,8 +59,10 @@ def test_tiny_layout_processor_and_template_prefix(edit):
     prefix = pipe.prompt_template_encode.split("<|vision_start|>")[0]
     ids = pipe.tokenizer(prefix).input_ids
     assert len(ids) == pipe.prompt_template_encode_start_idx == 64 and pipe.tokenizer.unk_token_id not in ids
-    image = pipe.image_processor.resize(test_image(), 864, 1216)
-    inputs = pipe.processor(text=[pipe.prompt_template_encode.format("make it red")], images=[image])
+    image = pipe.image_processor.resize(sample_image(), 864, 1216)
+    inputs = pipe.processor(
+        text=[pipe.prompt_template_encode.format("make it red")], images=[image], return_tensors="pt"
+    )
     kept = pipe.tokenizer.convert_ids_to_tokens(inputs["input_ids"][0][64:].tolist())
     grid = inputs["image_grid_thw"][0]
     vision = int(grid.prod()) // 4  # 2x2 merge
@@ -71,7 +73,7 @@ def test_tiny_layout_processor_and_template_prefix(edit):
 def test_the_size_follows_the_input_image_as_in_the_pipeline(edit):
     """No height/width: the pipeline's own size, the image's at 1024x1024 pixels (56x40 -> 1216x864);
     Spindle's image equals the stock pipeline's at that size."""
-    kw = dict(prompt="make the circle red", image=test_image(), num_inference_steps=2, seed=1)
+    kw = dict(prompt="make the circle red", image=sample_image(), num_inference_steps=2, seed=1)
     reference = stock(edit, **kw)
     assert reference.shape == (1, 864, 1216, 3)
     frames = load_generator(edit).generate(**kw).frames
@@ -82,10 +84,11 @@ def test_plus_takes_several_images_and_each_counts(plus):
     gen = load_generator(plus)
     kw = dict(prompt="put the circle on the square", height=32, width=32, num_inference_steps=2, seed=2)
     kw |= dict(image_area=64 * 64, condition_image_area=32 * 32)
-    both = gen.generate(image=[test_image(), test_image(48, 32, seed=1)], **kw).frames
-    first = gen.generate(image=[test_image()], **kw).frames
-    swapped = gen.generate(image=[test_image(48, 32, seed=1), test_image()], **kw).frames
-    assert np.abs(both - first).max() > 1e-4 and np.abs(both - swapped).max() > 1e-4
+    both = gen.generate(image=[sample_image(), sample_image(48, 32, seed=1)], **kw).frames
+    first = gen.generate(image=[sample_image()], **kw).frames
+    swapped = gen.generate(image=[sample_image(48, 32, seed=1), sample_image()], **kw).frames
+    # (the tiny random VAE decodes near-grey whatever the latents: each change is still past what parity resolves)
+    assert np.abs(both - first).max() > 10 * PARITY_ATOL and np.abs(both - swapped).max() > PARITY_ATOL
 
 
 def test_image_requests_are_clear_errors(edit, plus):
@@ -93,13 +96,15 @@ def test_image_requests_are_clear_errors(edit, plus):
     base = dict(prompt="make it red", height=32, width=32, num_inference_steps=2, seed=0)
     check_request_error(gen, base, r"image is required for qwenimage_edit: give 1 conditioning image", "image")
     check_request_error(
-        gen, {**base, "image": [test_image()] * 2}, r"image: qwenimage_edit takes 1 conditioning image\(s\); got 2"
+        gen, {**base, "image": [sample_image()] * 2}, r"image: qwenimage_edit takes 1 conditioning image\(s\); got 2"
     )
     check_request_error(
-        load_generator(plus), {**base, "image": [test_image()] * 4}, r"qwenimage_edit_plus takes 1 to 3 conditioning"
+        load_generator(plus), {**base, "image": [sample_image()] * 4}, r"qwenimage_edit_plus takes 1 to 3 conditioning"
     )
     check_request_error(
-        gen, {**base, "image": test_image(), "image_area": 10}, r"image_area must be between 1024 and 4194304"
+        gen,
+        {**base, "image": sample_image(), "image_area": 10},
+        r"image_area must be between 1024 and 4194304 for qwenimage_edit; got 10",
     )
 
 
@@ -107,7 +112,7 @@ def test_generate_cli_several_images_and_one_line_errors(plus, tmp_path, spindle
     from PIL import Image
 
     paths = []
-    for i, image in enumerate([test_image(), test_image(48, 32, seed=1)]):
+    for i, image in enumerate([sample_image(), sample_image(48, 32, seed=1)]):
         image.save(tmp_path / f"in{i}.png")
         paths += ["--image", str(tmp_path / f"in{i}.png")]
     common = ["generate", "--model", str(plus), "--prompt", "a fox", "--steps", "2", "--seed", "3"]
@@ -121,5 +126,5 @@ def test_generate_cli_several_images_and_one_line_errors(plus, tmp_path, spindle
     ).frames  # fmt: skip
     assert np.abs(png.astype(np.float32) - frames[0] * 255).max() <= 1.0
     r = spindle_cli(*common, *size, "--out", str(tmp_path / "x.png"))
-    assert r.returncode == 2 and "image is required for qwenimage_edit_plus" in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "error: image is required for qwenimage_edit_plus: give 1 conditioning image(s)" in r.stderr

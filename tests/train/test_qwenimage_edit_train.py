@@ -12,7 +12,7 @@ import torch
 
 from spindle.api import load_generator, load_job_config, make_trainer
 from spindle.data.synthetic import make_shapes_edit_dataset
-from spindle.models.qwenimage_edit import test_image
+from spindle.models.qwenimage_edit import sample_image
 from spindle.testing.conformance import stock_pipeline
 from tests.conftest import train_overrides
 
@@ -76,7 +76,7 @@ def test_lora_edit_fine_tune_exports_what_stock_diffusers_applies(edit, tmp_path
     )  # fmt: skip
     result = make_trainer(load_job_config(None, overrides)).run()
     lora = result.export_dir / "lora"
-    kw = dict(prompt="make the circle red", image=test_image(), height=32, width=32, num_inference_steps=2)
+    kw = dict(prompt="make the circle red", image=sample_image(), height=32, width=32, num_inference_steps=2)
     pipe = stock_pipeline(edit)
     pipe.set_progress_bar_config(disable=True)
     base = pipe(**kw, generator=torch.Generator().manual_seed(0), output_type="np").images

@@ -137,7 +137,7 @@ class QwenImageInference(PackedImageInference):
     options = OPTIONS
     family = "qwenimage"
     pipeline_class = QwenImageBeforeDenoisingStage.pipeline_class
-    components = ("tokenizer", "text_encoder", "vae", "scheduler", "transformer")
+    components: tuple[str, ...] = ("tokenizer", "text_encoder", "vae", "scheduler", "transformer")
     before_denoising_cls = QwenImageBeforeDenoisingStage
 
     def default_params(self, components: dict[str, Any]) -> SamplingParams:

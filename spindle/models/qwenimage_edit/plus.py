@@ -5,7 +5,7 @@ latent sequence (at `image_area`). Shares the folder of `qwenimage_edit`."""
 import dataclasses
 
 from spindle.models.qwenimage_edit import FAMILY as EDIT_FAMILY
-from spindle.models.qwenimage_edit import PLUS_OPTIONS, edit_conformance, test_image
+from spindle.models.qwenimage_edit import PLUS_OPTIONS, edit_conformance, sample_image
 
 FAMILY = dataclasses.replace(
     EDIT_FAMILY,
@@ -17,5 +17,5 @@ FAMILY = dataclasses.replace(
     detect=None,  # a renamed folder is taken for the single-image pipeline (`qwenimage_edit`)
     options=PLUS_OPTIONS,
     # two images of different aspects: the size follows the last one
-    conformance=edit_conformance([test_image(), test_image(48, 32, seed=1)]),
+    conformance=edit_conformance([sample_image(), sample_image(48, 32, seed=1)]),
 )

@@ -45,7 +45,7 @@ EDIT_IMAGE_PROCESSOR = dict(
     max_pixels=56 * 56,
     size={"shortest_edge": 28 * 28, "longest_edge": 56 * 56},
 )
-# The edit template's words, and Qwen2's pieces "'s" and ")," as single tokens: its system prefix is then
+# The edit template's words (and instructions' verbs), and Qwen2's pieces "'s" and ")," as single tokens: its system prefix is then
 # 64 tokens, as with the real tokenizer (the pipelines drop the first 64 hidden states).
 EDIT_TEMPLATE_WORDS = [
     *(
@@ -55,6 +55,7 @@ EDIT_TEMPLATE_WORDS = [
     "(",
     "'s",
     "),",
+    *"make put turn change into replace remove add".split(),  # instructions' verbs
 ]
 EDIT_SPLIT = r"'s|\),|" + QWEN_PROMPT_SPLIT
 
