@@ -140,6 +140,9 @@ def test_one_image_family_refuses_two_and_text_models_refuse_edits(tiny_checkpoi
         r = s.client.post("/v1/images/edits", files=[*form(KW).items(), upload(), upload()])
         err = assert_error(r, 400, "image", "too_many_images")
         assert "(qwenimage_edit) takes at most 1 input image(s); got 2" in err["message"]
+        # and the generations route points an editing model to this one
+        r = s.client.post("/v1/images/generations", json={"prompt": "x", "size": "32x32"})
+        assert "to POST /v1/images/edits" in assert_error(r, 400, "model", "use_edits_endpoint")["message"]
     text = tiny_checkpoint("qwenimage")
     with LiveServer(build_app(load_generator(text), model_id="t2i", root=str(text))) as s:
         plain = form({"prompt": "make it red", "size": "32x32"})  # (image_area is no option of qwenimage: a 422)

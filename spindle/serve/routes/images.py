@@ -1,6 +1,7 @@
 """`POST /v1/images/generations` (OpenAI Images API) for image families: the request waits for its
 job and gets base64 PNGs. A client that hangs up cancels its job (the engine stops before its next
-step). A video model answers 400 pointing to `/v1/videos`.
+step). A video model answers 400 pointing to `/v1/videos`, an image-editing model (it needs input
+images) 400 pointing to `/v1/images/edits` (`routes/edits.py`, which shares `answer_images`).
 
 OpenAI's knobs that Spindle cannot honour are refused at any value but the ones it can (`HONOURED`),
 with a 400 naming the field and what to use instead, never accepted and silently ignored.
@@ -81,6 +82,14 @@ async def images_generations(request: Request, state: State):
             "images here: create a video job with POST /v1/videos",
             param="model",
             code="use_videos_endpoint",
+        )
+    if engine.spec.options.images[0]:
+        raise APIError(
+            400,
+            f"{engine.model_id} ({engine.family}) edits images: send the image(s) to edit with the instruction "
+            "to POST /v1/images/edits",
+            param="model",
+            code="use_edits_endpoint",
         )
     params = sampling_params(body, engine).params  # (the model check first: a wrong model is the bigger mistake)
     refuse_unhonoured(body)
