@@ -73,8 +73,8 @@ def text_tokens(images: int) -> int:
     return 32 if images == 1 else 48
 
 
-def edit_conformance(images: list[object]) -> ConformanceSpec:
-    """The suite's cases for an edit family (`images`: what each case edits)."""
+def edit_conformance(images: list[object], demo_size: tuple[int, int] = (32, 32)) -> ConformanceSpec:
+    """The suite's cases for an edit family (`images`: what each case edits; `demo_size`: its DemoSpec's)."""
     image = images if len(images) > 1 else images[0]
     return ConformanceSpec(
         text_tokens=text_tokens(len(images)),
@@ -118,9 +118,16 @@ def edit_conformance(images: list[object]) -> ConformanceSpec:
             seed=4,
         ),
         stock_components="spindle.models.qwenimage_edit.processor:stock_components",
-        token_request={"image_area": 32 * 32},  # the demo size: training encodes the sources at 32x32
+        token_request={"image_area": demo_size[0] * demo_size[1]},  # training encodes sources at the demo size
     )
 
+
+DEMO = DemoSpec(
+    dataset="spindle.data.synthetic:make_shapes_edit_dataset",
+    dataset_kwargs={"num_pairs": 16, "size": (32, 32)},
+    sample_kwargs={"negative_prompt": "", "true_cfg_scale": 4.0},
+    text_tokens=text_tokens(1),
+)
 
 FAMILY = DiTFamily(
     name="qwenimage_edit",
@@ -132,11 +139,6 @@ FAMILY = DiTFamily(
     tiny_model="spindle.models.qwenimage_edit.tiny:build_tiny_qwenimage_edit",
     detect=_looks_like_edit,
     options=OPTIONS,
-    demo=DemoSpec(
-        dataset="spindle.data.synthetic:make_shapes_edit_dataset",
-        dataset_kwargs={"num_pairs": 16, "size": (32, 32)},
-        sample_kwargs={"negative_prompt": "", "true_cfg_scale": 4.0},
-        text_tokens=text_tokens(1),
-    ),
+    demo=DEMO,
     conformance=edit_conformance([sample_image()]),
 )

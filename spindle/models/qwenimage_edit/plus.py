@@ -4,6 +4,7 @@ latent sequence (at `image_area`). Shares the folder of `qwenimage_edit`."""
 
 import dataclasses
 
+from spindle.models.qwenimage_edit import DEMO as EDIT_DEMO
 from spindle.models.qwenimage_edit import FAMILY as EDIT_FAMILY
 from spindle.models.qwenimage_edit import PLUS_OPTIONS, edit_conformance, sample_image
 
@@ -16,6 +17,8 @@ FAMILY = dataclasses.replace(
     condition_model="spindle.models.qwenimage_edit.condition:QwenImageEditPlusConditionModel",
     detect=None,  # a renamed folder is taken for the single-image pipeline (`qwenimage_edit`)
     options=PLUS_OPTIONS,
+    # 64x32 samples: the target's 2 tokens and the suite's 2 sources' 2 each split evenly over 2 SP ranks
+    demo=dataclasses.replace(EDIT_DEMO, size=(64, 32), dataset_kwargs={**EDIT_DEMO.dataset_kwargs, "size": (64, 32)}),
     # two images of different aspects: the size follows the last one
-    conformance=edit_conformance([sample_image(), sample_image(48, 32, seed=1)]),
+    conformance=edit_conformance([sample_image(), sample_image(48, 32, seed=1)], demo_size=(64, 32)),
 )
