@@ -84,15 +84,20 @@ def sample_dit(demo: Any, export_dir: Path, data: Path, out: Path, seed: int) ->
     """Generate from a DiT export with the first caption of the demo data; -> what to print."""
     from spindle.api import load_generator
 
-    caption_file = sorted(data.glob("*.txt"))[0]
-    caption = caption_file.read_text().strip()
+    if data.is_file():  # a manifest (edit pairs): its first entry's caption and input image
+        import json
+
+        entry = json.loads(data.read_text().splitlines()[0])
+        caption, source = entry["caption"], data.parent / entry["image"] if "image" in entry else None
+    else:
+        caption_file = sorted(data.glob("*.txt"))[0]
+        caption = caption_file.read_text().strip()
+        source = next(p for p in sorted(data.iterdir()) if p.stem == caption_file.stem and p != caption_file)
     path = out / f"sample{demo.sample_suffix}"
     gen = load_generator(export_dir)
     conditioning: dict[str, Any] = {}
-    if gen.options.images[0]:  # an image-conditioned family: the caption's clip's first frame
-        conditioning["image"] = first_frame(
-            next(p for p in sorted(data.iterdir()) if p.stem == caption_file.stem and p != caption_file), demo.size
-        )
+    if gen.options.images[0] and source is not None:  # an image-conditioned family: the sample's input image
+        conditioning["image"] = first_frame(source, demo.size)
     result = gen.generate(
         prompt=caption,
         **conditioning,
