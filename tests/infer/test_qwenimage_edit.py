@@ -128,3 +128,14 @@ def test_generate_cli_several_images_and_one_line_errors(plus, tmp_path, spindle
     r = spindle_cli(*common, *size, "--out", str(tmp_path / "x.png"))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "error: image is required for qwenimage_edit_plus: give 1 conditioning image(s)" in r.stderr
+
+
+def test_several_prompts_in_one_request(plus):
+    """The pipelines take one prompt (Plus refuses more); Spindle encodes each prompt with the images and
+    pads them to one length with masked zeros: the first sample equals that prompt's request alone (the
+    noise of sample 0 is the first draw of the same generator)."""
+    gen = load_generator(plus)
+    kw = dict(image=[sample_image()], height=32, width=32, num_inference_steps=2, seed=5, image_area=64 * 64)
+    both = gen.generate(prompt=["make the circle red", "a square"], **kw).frames
+    alone = gen.generate(prompt="make the circle red", **kw).frames
+    assert both.shape[0] == 2 and float(np.abs(both[0] - alone[0]).max()) <= PARITY_ATOL

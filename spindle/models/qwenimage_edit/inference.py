@@ -22,6 +22,7 @@ import torch
 
 from spindle.contracts.family import import_object
 from spindle.contracts.request import Req, SamplingParams, resolved
+from spindle.models.qwenimage.condition import pad_text
 from spindle.models.qwenimage.inference import QwenImageBeforeDenoisingStage, QwenImageInference
 from spindle.models.qwenimage_edit import OPTIONS, PLUS_OPTIONS
 
@@ -62,21 +63,29 @@ class QwenImageEditBeforeDenoisingStage(QwenImageBeforeDenoisingStage):
         (width, height), resized = self.vae_sizes(params)[0], self.condition_images(params)[0]
         return self.text_pipe.image_processor.preprocess(resized, height, width).unsqueeze(2)
 
-    def encode_with_images(self, prompts: list[str], images: list[Any], p: SamplingParams, device: Any, dtype: Any):
-        """`encode_prompt` with the images once per prompt (the processor pairs each prompt's vision
-        placeholders with its images; the pipelines pass them once, for their one prompt)."""
-        embeds, mask = self.text_pipe.encode_prompt(
-            prompt=prompts,
-            image=images if len(prompts) == 1 else images * len(prompts),
-            device=device,
-            num_images_per_prompt=p.num_outputs_per_prompt,
-            max_sequence_length=p.max_sequence_length,
-        )
-        return embeds.to(dtype), mask
-
     def encode(self, prompts: list[str], p: SamplingParams, device: torch.device, dtype: torch.dtype):
+        """The pipeline's `encode_prompt` with the input images (as PIL images, as it passes them), one prompt
+        at a time (the template holds one set of vision placeholders; the pipelines take one prompt), then
+        padded to one length with masked zeros as `encode_prompt` pads a batch (mask None: all valid)."""
         images = self.condition_images(p)
-        return self.encode_with_images(prompts, images if len(images) > 1 else images[0:1], p, device, dtype)
+        parts = [
+            self.text_pipe.encode_prompt(
+                prompt=[text],
+                image=images,
+                device=device,
+                num_images_per_prompt=p.num_outputs_per_prompt,
+                max_sequence_length=p.max_sequence_length,
+            )
+            for text in prompts
+        ]
+        if len(parts) == 1:
+            embeds, mask = parts[0]
+        else:
+            length = max(e.shape[1] for e, _ in parts)
+            padded = [pad_text(e, m, length) for e, m in parts]
+            embeds, mask = torch.cat([e for e, _ in padded]), torch.cat([m for _, m in padded])
+            mask = None if bool(mask.all()) else mask
+        return embeds.to(dtype), mask
 
     def prepare_latents(self, req: Req) -> torch.Tensor:
         """The noise and the reference latents (`req.extra["image_latents"]`, packed) by the pipeline's own
