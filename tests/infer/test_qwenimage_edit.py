@@ -139,3 +139,27 @@ def test_several_prompts_in_one_request(plus):
     both = gen.generate(prompt=["make the circle red", "a square"], **kw).frames
     alone = gen.generate(prompt="make the circle red", **kw).frames
     assert both.shape[0] == 2 and float(np.abs(both[0] - alone[0]).max()) <= PARITY_ATOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "options", [{"sp": 2}, {"ring": 2}, {"cfg_parallel": True}], ids=["sp2", "ring2", "cfg_parallel"]
+)
+def test_multiprocess_equals_single_process(plus, tmp_path, options):
+    """Ulysses SP=2 and ring attention ring=2 split the one sequence of output and reference tokens (2 +
+    4 of each of two images at these sizes) and the masked text; CFG-parallel runs the two branches on two
+    processes: each equals one process."""
+    from spindle.testing.multiprocess import generate_on_ranks
+
+    paths = []
+    for i, image in enumerate([sample_image(), sample_image(48, 32, seed=1)]):
+        image.save(tmp_path / f"in{i}.png")
+        paths.append(str(tmp_path / f"in{i}.png"))
+    kw = dict(
+        prompt="make the circle red", negative_prompt="blurry", true_cfg_scale=3.0, image=paths, height=32,
+        width=64, num_inference_steps=2, seed=21, image_area=64 * 64, condition_image_area=32 * 32,
+    )  # fmt: skip
+    exact = load_generator(plus).generate(**kw).frames
+    frames, _ = generate_on_ranks(plus, options, kw, tmp_path)
+    for rank_frames in frames:
+        np.testing.assert_allclose(rank_frames, exact, atol=1e-5, rtol=0)
