@@ -23,8 +23,9 @@ CPU and sized so that the DiT, not the VAE, dominates (`--preset i2v-cpu`: the s
 against stock WanImageToVideoPipeline); `--preset wan1.3b` uses the Wan2.1-1.3B
 transformer and VAE shapes (needs a GPU: 480x832, 81 frames); `--preset flux-cpu` / `flux-gpu` are
 FLUX.1-shaped (true CFG with a negative prompt, so every mode applies); `--preset kontext-cpu` is
-flux-cpu's shapes as FLUX.1 Kontext editing a source image (against stock FluxKontextPipeline). Prints a
-table and writes JSON.
+flux-cpu's shapes as FLUX.1 Kontext editing a source image (against stock FluxKontextPipeline);
+`--preset qwenimage-cpu`, `qwenimage-edit-cpu` and `qwenimage-edit-plus-cpu` against stock
+QwenImagePipeline, QwenImageEditPipeline and QwenImageEditPlusPipeline. Prints a table and writes JSON.
 
   python bench/generate.py --preset cpu --json bench-generate.json
 """
@@ -151,7 +152,20 @@ PRESETS = {
         request=dict(height=96, width=96, num_inference_steps=6, true_cfg_scale=4.0, max_sequence_length=64),
         dtype="float32",
     ),
+    # Qwen-Image-Edit (family "qwenimage_edit", stock QwenImageEditPipeline): Qwen-Image-cpu's DiT and text
+    # encoder, the tiny edit VAE (x16) and vision tower; the input image sized by the pipeline to 1024x1024
+    # pixels for the VAE (64x64 latents -> 1024 reference tokens next to the output's 60), true CFG
+    "qwenimage-edit-cpu": dict(
+        family="qwenimage_edit",
+        transformer=dict(num_layers=6, num_attention_heads=8, attention_head_dim=32, axes_dims_rope=(8, 12, 12)),
+        text_encoder=dict(hidden_size=64, intermediate_size=128, num_attention_heads=4),
+        image=(96, 160),
+        request=dict(height=96, width=160, num_inference_steps=6, true_cfg_scale=4.0),
+        dtype="float32",
+    ),
 }
+# the several-image variant (stock QwenImageEditPlusPipeline): the same shapes, the image also seen at 384x384
+PRESETS["qwenimage-edit-plus-cpu"] = {**PRESETS["qwenimage-edit-cpu"], "family": "qwenimage_edit_plus"}
 COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2")  # per-preset overrides of the tiny builders
 WARMUP_STEPS = 2  # one step is a NaN schedule for Qwen-Image's shift_terminal scheduler (a RequestError here)
 PROMPT = dict(prompt="a red panda climbing a snowy tree, cinematic", negative_prompt="blurry, low quality")
@@ -206,9 +220,14 @@ def diffusers_pipe(root: Path, dtype: torch.dtype, device: str, vae_dtype: torch
     """The checkpoint's own diffusers pipeline class (model_index.json), VAE in `vae_dtype`."""
     import diffusers
 
+    from spindle.registry import resolve_family
+
     index = json.loads((root / "model_index.json").read_text())
     vae = getattr(diffusers, index["vae"][1]).from_pretrained(root / "vae", dtype=vae_dtype)
-    pipe = getattr(diffusers, index["_class_name"]).from_pretrained(root, vae=vae, dtype=dtype).to(device)
+    family = resolve_family(root)  # (a component stock cannot build here, e.g. Qwen-Image-Edit's processor)
+    overrides = family.conformance.stock_overrides(root) if getattr(family, "conformance", None) else {}
+    pipe = getattr(diffusers, index["_class_name"]).from_pretrained(root, vae=vae, dtype=dtype, **overrides)
+    pipe = pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

@@ -31,6 +31,8 @@ BUILTIN_FAMILIES: dict[str, str] = {
     "qwen3_vl": "spindle.models.qwen3_vl",
     "qwen3_vl_moe": "spindle.models.qwen3_vl_moe",
     "qwenimage": "spindle.models.qwenimage",
+    "qwenimage_edit": "spindle.models.qwenimage_edit",
+    "qwenimage_edit_plus": "spindle.models.qwenimage_edit.plus",
     "wan": "spindle.models.wan",
     "wan_i2v": "spindle.models.wan_i2v",
 }

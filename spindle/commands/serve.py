@@ -5,7 +5,8 @@
   spindle serve --model PATH --nproc 2 --cfg-parallel  # cond / uncond on different ranks
 
 Loads the model once, warms up (one short generation), then serves:
-GET /health, GET /v1/models, POST /v1/images/generations (image models), POST /v1/videos +
+GET /health, GET /v1/models, POST /v1/images/generations (image models), POST /v1/images/edits
+(image-editing models: multipart image uploads), POST /v1/videos +
 GET/DELETE /v1/videos/{id} + GET /v1/videos/{id}/content (video models), and with --lora-dir the
 LoRA adapters a request chooses (`lora`, `lora_scale`): GET/POST /v1/loras, DELETE /v1/loras/{name}.
 Jobs run one at a time, in order; --max-queue bounds the waiting ones (over it: 429 + Retry-After); finished results are

@@ -167,6 +167,16 @@ class ConformanceSpec:
     # the family option `cli_case` shows to change generate()'s image (default: every option in it); the
     # others only make the request valid on the tiny checkpoint (FLUX.1 Kontext's max_area)
     cli_option: str | None = None
+    # "module:function(root) -> dict": `from_pretrained` overrides with which stock diffusers loads the
+    # checkpoint here, for a component whose class cannot be built on this machine (Qwen-Image-Edit's
+    # Qwen2VLProcessor needs torchvision); the suite's references are the stock pipeline loaded so
+    stock_components: str | None = None
+    # family options of the request whose token count the suite compares with training's at the demo size
+    # (an edit family sizes its input images by an option; training encodes them at the sample's size)
+    token_request: dict[str, Any] = field(default_factory=dict)
+
+    def stock_overrides(self, root: Path) -> dict[str, Any]:
+        return {} if self.stock_components is None else dict(import_object(self.stock_components)(root))
 
 
 @dataclass(frozen=True)

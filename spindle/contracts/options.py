@@ -56,13 +56,18 @@ class Option:
         return "--" + self.name.replace("_", "-")
 
     def bounds(self) -> str:
-        if self.minimum is not None and self.maximum is not None:
-            return f"between {self.minimum:g} and {self.maximum:g}"
-        if self.minimum is not None:
-            return f">= {self.minimum:g}"
-        if self.maximum is not None:
-            return f"<= {self.maximum:g}"
+        low, high = (None if b is None else self._number(b) for b in (self.minimum, self.maximum))
+        if low is not None and high is not None:
+            return f"between {low} and {high}"
+        if low is not None:
+            return f">= {low}"
+        if high is not None:
+            return f"<= {high}"
         return ""
+
+    def _number(self, value: float) -> str:
+        """A bound as the user types it: an int option's in full (4194304, not 4.19e+06)."""
+        return str(int(value)) if self.type is int else f"{value:g}"
 
     def check(self, value: Any, family: str) -> Any:
         """The value as this option's type (an int is a valid float), or RequestError naming it."""
@@ -128,7 +133,10 @@ class FamilyOptions:
         typed = {k: by_name[k].check(v, family) for k, v in params.extra.items()}
         params = dataclasses.replace(params, extra=typed, image=self.check_images(params.image, family))
         for name, value in typed.items():
-            rule = by_name[name].rule
+            option = by_name[name]
+            # the default is what a request without the option runs with, so it is never refused; this also
+            # keeps validation idempotent (validated params carry the defaults, and a server validates twice)
+            rule = option.rule if value != option.default else None
             message = rule(value, params) if rule is not None else None
             if message:
                 raise _request_error(f"{name}: {message}", name)

@@ -91,6 +91,9 @@ class InferenceSpec:
     # it is packed tokens [B, S, C] (Flux, Qwen-Image): FasterCache's 2-D frequency split cannot apply
     output_layout: str | None = "BCFHW"
     components: tuple[str, ...] = ()  # model_index.json entries to load
+    # component -> "module:function(folder) -> the loaded component", for one the class model_index.json names
+    # cannot load here (Qwen-Image-Edit's Qwen2VLProcessor needs torchvision: its processor is assembled)
+    component_loaders: dict[str, str] = {}
     transformer_component: str = "transformer"
     vae_component: str = "vae"
     before_denoising_cls: type[BeforeDenoisingStage] = BeforeDenoisingStage

@@ -128,6 +128,8 @@ class DiffusionGenerator:
             limits.check(params)
         before = self.pipeline.before_denoising
         before.validate(params)
+        if limits is not None and (params.height, params.width) != (None, None):
+            limits.check(params)  # again: a family may size the output from its input image (edit models)
         shape = before.latent_shape(params)
         if shape is not None:  # the token count must split over the SP ranks (no-op without SP)
             req = Req(params=params, device=self.pipeline.device, raw_latent_shape=shape)

@@ -83,6 +83,11 @@ def load_components(root: str | Path, spec: InferenceSpec, options: EngineConfig
     device = options.torch_device()
     out = {}
     for name in spec.components:
+        if name in spec.component_loaders:
+            from spindle.contracts.family import import_object
+
+            out[name] = import_object(spec.component_loaders[name])(root / name)
+            continue
         dtype = DTYPES[options.vae_dtype] if name == spec.vae_component else DTYPES[options.dtype]
         out[name] = load_component(root, name, index.get(name), device, dtype)
     return out

@@ -107,8 +107,9 @@ def parse_fields(raw: bytes, content_type: str, file_fields: Iterable[str] = ())
     multipart/form-data (what the openai client sends to /videos) or urlencoded (not typed: every
     value is text). `content_type` is the header as sent (a multipart boundary is case-sensitive,
     so it is never lower-cased). A multipart file part is an `UploadedFile` for a field named in
-    `file_fields` (the route's file fields: /v1/videos `input_reference`, edits' images) and a 400
-    naming the field otherwise."""
+    `file_fields` (the route's file fields: /v1/videos `input_reference`, edits' `image`) and a 400
+    naming the field otherwise; a field's parts named `field[]`, or the same file field repeated, are a
+    list of them."""
     media = content_type.split(";", 1)[0].strip().lower()
     if media == "multipart/form-data":
         return _parse_multipart(raw, content_type, frozenset(file_fields)), False
@@ -186,6 +187,9 @@ def _parse_multipart(raw: bytes, content_type: str, file_fields: frozenset[str])
         payload = part.get_payload(decode=True)
         filename = part.get_filename()
         if filename is not None:
+            # `image[]` (the openai client's array of files) and a repeated `image` part are one list
+            array = name.endswith("[]")
+            name = name.removesuffix("[]")
             if name not in file_fields:
                 takes = f"; this endpoint takes files as {', '.join(sorted(file_fields))}" if file_fields else ""
                 raise APIError(
@@ -193,7 +197,12 @@ def _parse_multipart(raw: bytes, content_type: str, file_fields: frozenset[str])
                 )
             if not isinstance(payload, bytes):
                 raise APIError(400, f"{name}: the file part has no content", param=name, code="invalid_body")
-            fields[name] = UploadedFile(safe_text(filename), part.get_content_type(), payload)
+            upload = UploadedFile(safe_text(filename), part.get_content_type(), payload)
+            if array or name in fields:
+                before = fields.get(name)
+                fields[name] = [*(before if isinstance(before, list) else [] if before is None else [before]), upload]
+            else:
+                fields[name] = upload
             continue
         if not isinstance(payload, bytes):  # a nested multipart part has no bytes of its own
             raise APIError(400, f"{name}: a form field must be text", param=name, code="invalid_body")

@@ -114,19 +114,23 @@ class SafeJSONResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
-def request_error(e: RequestError, *, seconds_given: bool = False, option_names: Iterable[str] = ()) -> APIError:
+def request_error(
+    e: RequestError, *, seconds_given: bool = False, option_names: Iterable[str] = (), image_field: str | None = None
+) -> APIError:
     """An engine `RequestError` -> 400 naming the HTTP field (a common one or a family option),
-    in `param` and in the message."""
+    in `param` and in the message. `image_field`: the route's name for the input images (/v1/videos
+    `input_reference`, the default; /v1/images/edits `image`)."""
     field = getattr(e, "field", None)
     message = str(e)
     param = None
+    renamed = {**_RENAMED, "image": image_field or _RENAMED["image"]}
     if field in tuple(option_names):
         param = field
     elif field in _ENGINE_FIELDS:
-        param = _RENAMED.get(field) or _PART_OF.get(field) or field
+        param = renamed.get(field) or _PART_OF.get(field) or field
         if field == "num_frames" and seconds_given:
             param = "seconds"  # the engine's frame count was computed from `seconds`
-        if field in _RENAMED:
+        if field in renamed and param != field:
             message = re.sub(rf"\b{field}\b", param, message, count=1)  # the leading name (not "image(s)")
         elif param != field and not message.startswith(param):
             message = f"{param}: {message}"

@@ -134,6 +134,26 @@ def decode_image(value: Any, param: str, max_pixels: int | None) -> Any:
     return image
 
 
+def uploaded_images(body: GenerationRequest, engine: Engine) -> list[Any] | None:
+    """The input image(s) of a request (its route's `image_field`: one upload / data URL, or a list),
+    counted against what the family takes before any is decoded, then decoded (`decode_image`). Whether
+    the family takes images at all is the engine's check (its message names the family)."""
+    name = body.image_field
+    value = None if name is None else getattr(body, name, None)
+    if name is None or value is None:
+        return None
+    items = value if isinstance(value, list) else [value]
+    most = engine.spec.options.images[1]
+    if most and len(items) > most:
+        raise APIError(
+            400,
+            f"{name}: {engine.model_id} ({engine.family}) takes at most {most} input image(s); got {len(items)}",
+            param=name,
+            code="too_many_images",
+        )
+    return [decode_image(item, name, engine.limits.max_pixels) for item in items]
+
+
 @dataclass
 class Planned:
     """A validated request: the params a job runs with (defaults filled, seed drawn) and notes
@@ -165,8 +185,7 @@ def sampling_params(body: GenerationRequest, engine: Engine) -> Planned:
                 notes.append(note)
     size = parse_size(body.size)
     options = engine.spec.options
-    reference = getattr(body, "input_reference", None)
-    images = None if reference is None else [decode_image(reference, "input_reference", engine.limits.max_pixels)]
+    images = uploaded_images(body, engine)
     params = SamplingParams(
         prompt=body.prompt,
         negative_prompt=body.negative_prompt,
@@ -185,7 +204,9 @@ def sampling_params(body: GenerationRequest, engine: Engine) -> Planned:
     try:
         return Planned(engine.validate(params), notes)
     except RequestError as e:
-        raise request_error(e, seconds_given=seconds_given, option_names=options.names()) from None
+        raise request_error(
+            e, seconds_given=seconds_given, option_names=options.names(), image_field=body.image_field
+        ) from None
 
 
 def lora_choice(params: SamplingParams) -> LoraChoice | None:

@@ -28,6 +28,8 @@ class GenerationRequest(BaseModel):
     are added as fields per server (`spindle.infer.options.request_model`), strict like these."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+    # the field carrying the request's input image(s), if the route takes any (decoded in params.py)
+    image_field: ClassVar[str | None] = None
 
     prompt: str = Field(min_length=1)
     model: str | None = None
@@ -70,6 +72,19 @@ class ImageGenerationRequest(GenerationRequest):
     safety_identifier: str | None = None
 
 
+class ImageEditRequest(ImageGenerationRequest):
+    """`POST /v1/images/edits` (OpenAI Images API): the generation fields plus the image(s) to edit."""
+
+    file_fields: ClassVar[tuple[str, ...]] = ("image", "mask")  # multipart file parts taken (bodies.py)
+    image_field: ClassVar[str | None] = "image"
+
+    # one image or several (multipart `image` repeated, or `image[]` as the openai client sends a list), or
+    # base64 data URLs in JSON; decoded and counted in params.py (every problem a 400 naming `image`)
+    image: Any = Field(description="the image(s) to edit: multipart file uploads or 'data:image/png;base64,...' URLs")
+    mask: Any = Field(default=None, description="not supported (no inpainting): a request with a mask is refused")
+    input_fidelity: str | None = None  # OpenAI's knob: refused at any value (routes/edits.py)
+
+
 class ImageData(BaseModel):
     b64_json: str
     revised_prompt: str | None = None
@@ -91,6 +106,7 @@ class VideoCreateRequest(GenerationRequest):
     """`POST /v1/videos` (OpenAI Videos API; JSON, or the multipart form the openai client sends)."""
 
     file_fields: ClassVar[tuple[str, ...]] = ("input_reference",)  # multipart file parts taken (bodies.py)
+    image_field: ClassVar[str | None] = "input_reference"
 
     seconds: float | None = Field(default=None, gt=0, le=3600, allow_inf_nan=False, strict=False)
     num_frames: int | None = Field(default=None, ge=1)

@@ -37,6 +37,19 @@ def text_tokens(family: DiTFamily) -> int:
 # ---------------------------------------------------------------- checkpoint and inference
 
 
+def stock_pipeline(root: Path, pipeline_cls: Any = None) -> Any:
+    """The stock diffusers pipeline of `root` (`DiffusionPipeline`, or `pipeline_cls`), loaded with the
+    overrides its family's `ConformanceSpec.stock_components` declares (a component whose class cannot
+    be built here, e.g. Qwen-Image-Edit's torchvision-only processor)."""
+    from diffusers import DiffusionPipeline
+
+    from spindle.registry import resolve_family
+
+    family = resolve_family(root)
+    overrides = family.conformance.stock_overrides(root) if isinstance(family, DiTFamily) and family.conformance else {}
+    return (pipeline_cls or DiffusionPipeline).from_pretrained(root, **overrides)
+
+
 def check_stock_load(family: DiTFamily, root: Path) -> None:
     """The tiny checkpoint is a standard diffusers folder: stock `DiffusionPipeline` loads it as the
     family's pipeline class, with the family's transformer class and every model component (VAE, text
@@ -44,9 +57,7 @@ def check_stock_load(family: DiTFamily, root: Path) -> None:
     non-constant images of the requested size: `check_inference_parity`'s reference.)"""
     import json
 
-    from diffusers import DiffusionPipeline
-
-    pipe = DiffusionPipeline.from_pretrained(root)
+    pipe = stock_pipeline(root)
     assert type(pipe).__name__ in family.pipeline_classes, (
         f"{family.name}: stock diffusers loads {root} as {type(pipe).__name__}, not one of {family.pipeline_classes}"
     )
@@ -67,9 +78,7 @@ def check_stock_load(family: DiTFamily, root: Path) -> None:
 def stock_output(root: Path, kwargs: dict[str, Any], names: dict[str, str] | None = None) -> np.ndarray:
     """What the stock diffusers pipeline returns for `kwargs` (+ `seed`; `names`: a family option's stock
     keyword, `ConformanceSpec.stock_names`), as numpy in [0, 1]."""
-    from diffusers import DiffusionPipeline
-
-    pipe = DiffusionPipeline.from_pretrained(root)
+    pipe = stock_pipeline(root)
     pipe.set_progress_bar_config(disable=True)
     kw = {(names or {}).get(k, k): v for k, v in kwargs.items()}
     seed = kw.pop("seed")
@@ -120,9 +129,10 @@ def check_default_params(family: DiTFamily, root: Path, expected: dict[str, Any]
     pipe: Any = None
     for name, value in {**{k: v for k, v in expected.items() if k != "extra"}, **expected.get("extra", {})}.items():
         stock = call[name].default if name in call else None
-        if stock is None and name in ("height", "width"):
+        # (a None size is left to the input image, as an edit pipeline's __call__ leaves it)
+        if stock is None and name in ("height", "width") and value is not None:
             if pipe is None:
-                pipe = pipeline_cls.from_pretrained(root)
+                pipe = stock_pipeline(root, pipeline_cls)
             stock = pipe.default_sample_size * pipe.vae_scale_factor
         if stock is not None:
             assert value == stock, f"{family.name}: default {name} is {value}, {pipeline_cls.__name__}'s is {stock}"
@@ -286,7 +296,18 @@ def check_generate_cli_png(family: DiTFamily, root: Path, out: Path, kwargs: dic
 
     from spindle.testing.multiprocess import run_spindle
 
-    flags = [str(a) for k, v in kwargs.items() for a in (CLI_FLAGS.get(k, "--" + k.replace("_", "-")), v)]
+    if "image" in kwargs:  # input images go to the CLI as files (`--image PATH`, repeated), generate() reads the same
+        images = kwargs["image"] if isinstance(kwargs["image"], list) else [kwargs["image"]]
+        paths = [out.with_name(f"{out.stem}-input{i}.png") for i in range(len(images))]
+        for image, path in zip(images, paths, strict=True):
+            image.save(path)
+        kwargs = {**kwargs, "image": [str(p) for p in paths]}
+    flags = [
+        str(a)
+        for k, v in kwargs.items()
+        for item in (v if k == "image" else [v])
+        for a in (CLI_FLAGS.get(k, "--" + k.replace("_", "-")), item)
+    ]
     command = ["generate", "--model", str(root), *flags, "--out", str(out)]
     r = run_spindle(*command)
     assert r.returncode == 0, f"{family.name}: spindle {' '.join(command)} failed: {r.stderr[-3000:]}"
@@ -321,8 +342,11 @@ def training_batch(family: DiTFamily, samples: int = 2) -> dict[str, Any]:
         "caption": ["a red circle moves left", "a blue square on the right"][:samples],
         "index": torch.arange(samples),
     }
-    sources = family.conformance.train_sources if family.conformance else 0
-    if sources:  # edit families: the source images (spindle.data.edit_pairs), sized as the target
+    spec = family.conformance
+    sources = spec.train_sources if spec is not None else 0
+    if not sources and family.options.images[0] and frames == 1:  # an image-editing family's required sources
+        sources = min(2, family.options.images[1])
+    if sources:  # edit families: the source images (spindle.data.edit_pairs) [B, N, 3, H, W], sized as the target
         batch["images"] = torch.rand(samples, sources, 3, height, width, generator=g) * 2 - 1
     return batch
 
@@ -385,6 +409,14 @@ def check_condition_rejects_bad_pixels(family: DiTFamily, root: Path) -> None:
         encode(frames, height - 2, width)
 
 
+def get_conformance(name: str) -> Any:
+    from spindle.registry import get_family
+
+    family = get_family(name)
+    assert isinstance(family, DiTFamily) and family.conformance is not None, f"{name}: no ConformanceSpec"
+    return family.conformance
+
+
 def inference_tokens(root: Path, height: int, width: int, num_frames: int) -> int:
     """The tokens the transformer sees per sample at this size, as the inference engine counts them
     (the family's before-denoising stage and `sequence_length`): an independent count for the trainer's.
@@ -394,13 +426,15 @@ def inference_tokens(root: Path, height: int, width: int, num_frames: int) -> in
     from spindle.contracts.request import Req
 
     kw: dict[str, Any] = dict(prompt="x", height=height, width=width, num_frames=num_frames, num_inference_steps=2)
-    from spindle.registry import dit_family_of
-
     gen = load_generator(root)
-    spec = dit_family_of(root).conformance
-    if spec is not None and spec.train_sources:
+    family = gen.pipeline.spec.family
+    spec = get_conformance(family)
+    low, _ = gen.options.images
+    if spec.train_sources:  # sources given as training has them (FLUX.1 Kontext)
         kw.update(spec.train_request, image=[Image.new("RGB", (width, height))] * spec.train_sources)
-    params = sampling_params(kw).merged_with(gen.defaults)  # (no I2V conditioning image needed to count tokens)
+    elif low:  # input images the size of the training samples (an edit family's reference tokens count)
+        kw["image"] = [Image.new("RGB", (width, height))] * low
+    params = sampling_params({**kw, **spec.token_request}).merged_with(gen.defaults)
     req = Req(
         params=params, device=gen.pipeline.device, raw_latent_shape=gen.pipeline.before_denoising.latent_shape(params)
     )
@@ -420,12 +454,10 @@ def check_export_round_trip(family: DiTFamily, base: Path, export: Path, trained
     (which differs from the base checkpoint's), its config.json with diffusers' keys only."""
     import json
 
-    from diffusers import DiffusionPipeline
-
     keys = set(json.loads((export / "transformer" / "config.json").read_text()))
     base_keys = set(json.loads((base / "transformer" / "config.json").read_text()))
     assert keys == base_keys, f"{family.name}: exported config.json keys differ: {sorted(keys ^ base_keys)}"
-    pipe = DiffusionPipeline.from_pretrained(export)
+    pipe = stock_pipeline(export)
     assert type(pipe).__name__ in family.pipeline_classes, f"{family.name}: export loads as {type(pipe).__name__}"
     exported = pipe.transformer.state_dict()
     assert exported.keys() == trained.keys(), f"{family.name}: exported keys differ from the trained model's"

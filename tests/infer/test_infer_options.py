@@ -47,6 +47,15 @@ def test_bad_options_name_family_and_field(extra, message):
         validate(**extra)
 
 
+def test_a_default_value_is_never_refused_so_validated_params_validate_again():
+    """A server validates a request, queues the params (the defaults filled in) and validates them again
+    when the job runs: the default true_cfg_scale (4) without a negative prompt is what a request without
+    the option runs with, never a rule error; a non-default value still is one."""
+    assert validate(true_cfg_scale=4.0)["true_cfg_scale"] == 4.0
+    with pytest.raises(RequestError, match="enables CFG only with a negative_prompt"):
+        validate(true_cfg_scale=4.5)
+
+
 def test_declarations_must_not_shadow_common_fields_or_repeat():
     with pytest.raises(ValueError, match=r"\['guidance_scale'\] repeat a common SamplingParams field"):
         FamilyOptions(extra=(Option("guidance_scale", float, 1.0, "x"),)).check_common_fields()
@@ -112,7 +121,9 @@ def test_registered_families_declare_their_options():
     guidance = help_text.split("--guidance GUIDANCE guidance_scale;")[1].split("--seed")[0]
     named = {f.name for f in all_families() if f"{f.name}: " in guidance}
     assert (
-        named == {f.name for f in all_families() if isinstance(f, DiTFamily)} == {"flux", "qwenimage", "wan", "wan_i2v"}
+        named
+        == {f.name for f in all_families() if isinstance(f, DiTFamily)}
+        == {"flux", "qwenimage", "qwenimage_edit", "qwenimage_edit_plus", "wan", "wan_i2v"}
     )
 
 

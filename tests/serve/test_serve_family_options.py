@@ -19,6 +19,17 @@ from tests.serve.test_serve import LiveServer, assert_error
 FAMILIES = sorted(f.name for f in all_families() if f.kind == "dit")
 
 
+def png_data_url() -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def served(request, tiny_checkpoint):
     """(family record, a LiveServer over its tiny checkpoint, the route its requests go to, a valid body)."""
@@ -28,8 +39,11 @@ def served(request, tiny_checkpoint):
     root = tiny_checkpoint(family.name)
     gen = load_generator(root, device="cpu")
     image = gen.spec.media == "image"
-    route = "/v1/images/generations" if image else "/v1/videos"
+    edits = image and family.options.images[0] > 0  # an image-editing family: /v1/images/edits with an image
+    route = "/v1/images/edits" if edits else "/v1/images/generations" if image else "/v1/videos"
     base = {"prompt": "x", "size": "32x32", "num_inference_steps": 2, **({} if image else {"num_frames": 5})}
+    if edits:
+        base["image"] = png_data_url()
     with LiveServer(build_app(gen, model_id=f"tiny-{family.name}", root=str(root))) as server:
         yield family, server, route, base
 

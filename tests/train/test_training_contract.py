@@ -77,6 +77,8 @@ def draws(task, demo, indices: list[int], step: int) -> tuple[torch.Tensor, torc
     pixels = torch.linspace(-1, 1, 3 * demo.num_frames * demo.size[0] * demo.size[1])
     pixels = pixels.view(1, 3, demo.num_frames, *demo.size).expand(len(indices), -1, -1, -1, -1).contiguous()
     batch = {"pixels": pixels, "caption": ["a red circle"] * len(indices), "index": torch.tensor(indices)}
+    if task.family.options.images[0] and demo.num_frames == 1:  # an editing family: the same source for each
+        batch["images"] = pixels.flip(-1)[:, None, :, 0]
     model = Recorder(task.recorder_channels)
     task.forward(model, batch, step)
     return model.calls[0]["hidden_states"], model.calls[0]["timestep"].reshape(len(indices), -1)[:, 0]

@@ -42,12 +42,13 @@ def pad_text(embeds: torch.Tensor, mask: torch.Tensor | None, length: int) -> tu
 class QwenImageConditionModel(PackedImageConditionModel):
     pipeline_class = "diffusers:QwenImagePipeline"
     label = "Qwen-Image"
+    max_text_limit = MAX_SEQUENCE_LENGTH  # the longest prompt the pipeline takes, in tokens
 
     def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, max_text_length: int = 512):
         super().__init__(pipe, device, dtype, max_text_length)
-        if not 1 <= max_text_length <= MAX_SEQUENCE_LENGTH:
+        if not 1 <= max_text_length <= self.max_text_limit:
             raise ValueError(
-                f"model.max_text_length must be between 1 and {MAX_SEQUENCE_LENGTH} for Qwen-Image's text encoder; "
+                f"model.max_text_length must be between 1 and {self.max_text_limit} for {self.label}'s text encoder; "
                 f"got {max_text_length}"
             )
         self.latents_mean, self.latents_std = latent_stats(pipe.vae.config)

@@ -90,6 +90,21 @@ class QwenImageBeforeDenoisingStage(PipelineBeforeDenoisingStage):
         w = resolved(p.width, "width") // self.vae_scale_factor
         return (p.batch_size, self.transformer.config.in_channels // 4, 1, h, w)
 
+    def prepare_latents(self, req: Req) -> torch.Tensor:
+        """The initial noise, float32 from the request's generator, 2x2-packed (the pipeline's `prepare_latents`)."""
+        p = req.params
+        num_channels = self.transformer.config.in_channels // 4
+        height, width = resolved(p.height, "height"), resolved(p.width, "width")
+        latents: torch.Tensor = self.text_pipe.prepare_latents(
+            p.batch_size, num_channels, height, width, torch.float32, req.device, req.generator
+        )
+        return latents
+
+    def img_shapes(self, p: SamplingParams) -> list[tuple[int, int, int]]:
+        """The transformer's `img_shapes` entry of one prompt: (frames, rows, columns) of packed tokens."""
+        h, w = self.latent_shape(p)[-2:]
+        return [(1, h // 2, w // 2)]
+
     def forward(self, req: Req) -> Req:
         p = req.params
         self.validate(p)
@@ -108,15 +123,10 @@ class QwenImageBeforeDenoisingStage(PipelineBeforeDenoisingStage):
                 resolved(negative, "negative_prompt"), p, device, dtype
             )
 
-        num_channels = self.transformer.config.in_channels // 4
-        height, width = resolved(p.height, "height"), resolved(p.width, "width")
-        req.latents = self.text_pipe.prepare_latents(
-            p.batch_size, num_channels, height, width, torch.float32, device, req.generator
-        )
+        req.latents = self.prepare_latents(req)
         req.raw_latent_shape = self.latent_shape(p)
-        h, w = req.raw_latent_shape[-2:]
         # as QwenImagePipeline: one entry per prompt (RoPE reads the first; all images share a size)
-        req.extra["img_shapes"] = [[(1, h // 2, w // 2)]] * len(p.prompts)
+        req.extra["img_shapes"] = [self.img_shapes(p)] * len(p.prompts)
 
         self.set_embedded_guidance(req, device)
         self.set_timesteps(req, device)
@@ -127,7 +137,7 @@ class QwenImageInference(PackedImageInference):
     options = OPTIONS
     family = "qwenimage"
     pipeline_class = QwenImageBeforeDenoisingStage.pipeline_class
-    components = ("tokenizer", "text_encoder", "vae", "scheduler", "transformer")
+    components: tuple[str, ...] = ("tokenizer", "text_encoder", "vae", "scheduler", "transformer")
     before_denoising_cls = QwenImageBeforeDenoisingStage
 
     def default_params(self, components: dict[str, Any]) -> SamplingParams:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from spindle.models.shared.tiny import random_latent_stats, save_seeded_pipeline
 from spindle.models.shared.tokenizers import save_qwen_prompt_tokenizer
@@ -55,6 +56,49 @@ QWEN_TEMPLATE_WORDS = (
 ).split()
 
 
+def qwenimage_configs(
+    transformer: dict | None, vae: dict | None, text_encoder: dict | None, seed: int
+) -> tuple[dict, dict, dict]:
+    """The transformer, VAE and text-encoder configs of a tiny Qwen-Image-style pipeline: the defaults
+    with the overrides merged in, the linked widths derived (transformer channels = 4 x z_dim, text
+    width = the encoder's), non-trivial latent mean/std."""
+    tcfg = {**QWENIMAGE_TRANSFORMER, **(transformer or {})}
+    vcfg = {**QWENIMAGE_VAE, **(vae or {})}
+    ecfg = {**QWENIMAGE_TEXT, **(text_encoder or {})}
+    if tcfg["in_channels"] % 4:
+        raise ValueError(f"Qwen-Image in_channels must be 4 x VAE z_dim (2x2 packing); got {tcfg['in_channels']}")
+    vcfg["z_dim"] = tcfg["out_channels"] = tcfg["in_channels"] // 4
+    vcfg["latents_mean"], vcfg["latents_std"] = random_latent_stats(vcfg["z_dim"], seed)
+    tcfg["joint_attention_dim"] = ecfg["hidden_size"]
+    return tcfg, vcfg, ecfg
+
+
+def qwen_text_encoder_config(
+    tokenizer: Any, vocab: int, ecfg: dict, vision: dict, vision_tokens: dict[str, int] | None = None
+) -> Any:
+    """The `Qwen2_5_VLConfig` of a tiny Qwen-Image text encoder: text config `ecfg` over the tokenizer's
+    vocabulary and special ids, the vision tower `vision`. `vision_tokens` (image_token_id, ...): the
+    tokenizer's vision placeholders (an edit model's prompts carry images); None puts them outside the
+    vocabulary, where a text-only prompt never has them."""
+    from transformers import Qwen2_5_VLConfig
+
+    special = {name: tokenizer.convert_tokens_to_ids(name) for name in (*QWEN_CHAT_TOKENS, QWEN_PAD_TOKEN)}
+    if vision_tokens is None:
+        names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+        vision_tokens = {name: vocab + i for i, name in enumerate(names)}
+    return Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=vocab,
+            bos_token_id=special[QWEN_PAD_TOKEN],
+            eos_token_id=special["<|im_end|>"],
+            pad_token_id=special[QWEN_PAD_TOKEN],
+            **ecfg,
+        ),
+        vision_config=dict(out_hidden_size=ecfg["hidden_size"], **vision),
+        **vision_tokens,
+    )
+
+
 def build_tiny_qwenimage(
     out: str | Path,
     seed: int = 0,
@@ -70,49 +114,32 @@ def build_tiny_qwenimage(
     defaults (`text_encoder`: the text config); the transformer's text width, input and output
     channels follow the encoder and the VAE.
     """
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
-        QwenImageTransformer2DModel,
-    )
-    from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from diffusers import QwenImagePipeline
+    from transformers import PreTrainedTokenizerFast
 
     out = Path(out)
-    tcfg = {**QWENIMAGE_TRANSFORMER, **(transformer or {})}
-    vcfg = {**QWENIMAGE_VAE, **(vae or {})}
-    ecfg = {**QWENIMAGE_TEXT, **(text_encoder or {})}
-    if tcfg["in_channels"] % 4:
-        raise ValueError(f"Qwen-Image in_channels must be 4 x VAE z_dim (2x2 packing); got {tcfg['in_channels']}")
-    vcfg["z_dim"] = tcfg["out_channels"] = tcfg["in_channels"] // 4
-    vcfg["latents_mean"], vcfg["latents_std"] = random_latent_stats(vcfg["z_dim"], seed)
-    tcfg["joint_attention_dim"] = ecfg["hidden_size"]
-
+    tcfg, vcfg, ecfg = qwenimage_configs(transformer, vae, text_encoder, seed)
     vocab = save_qwen_prompt_tokenizer(out / "tokenizer", QWEN_CHAT_TOKENS, QWEN_PAD_TOKEN, QWEN_TEMPLATE_WORDS)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(out / "tokenizer")
-    special = {name: tokenizer.convert_tokens_to_ids(name) for name in (*QWEN_CHAT_TOKENS, QWEN_PAD_TOKEN)}
-    text_config = Qwen2_5_VLConfig(
-        text_config=dict(
-            vocab_size=vocab,
-            bos_token_id=special[QWEN_PAD_TOKEN],
-            eos_token_id=special["<|im_end|>"],
-            pad_token_id=special[QWEN_PAD_TOKEN],
-            **ecfg,
-        ),
-        vision_config=dict(out_hidden_size=ecfg["hidden_size"], **QWENIMAGE_VISION),
-        # vision placeholders outside the text vocabulary: a text-only prompt never contains them
-        image_token_id=vocab,
-        video_token_id=vocab + 1,
-        vision_start_token_id=vocab + 2,
-        vision_end_token_id=vocab + 3,
-    )
+    text_config = qwen_text_encoder_config(tokenizer, vocab, ecfg, QWENIMAGE_VISION)
+    return save_qwenimage_pipeline(QwenImagePipeline, out, seed, tcfg, vcfg, text_config, tokenizer=tokenizer)
+
+
+def save_qwenimage_pipeline(
+    pipeline_cls: Any, out: Path, seed: int, tcfg: dict, vcfg: dict, text_config: Any, **parts: Any
+) -> Path:
+    """`pipeline_cls` of a seeded Qwen2.5-VL text encoder, Qwen-Image VAE, transformer and Qwen-Image's
+    scheduler (+ `parts`, e.g. the tokenizer) saved to `out`."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
     return save_seeded_pipeline(
-        QwenImagePipeline,
+        pipeline_cls,
         out,
         seed,
-        tokenizer=tokenizer,
         text_encoder=lambda: Qwen2_5_VLForConditionalGeneration(text_config).eval(),
         vae=lambda: AutoencoderKLQwenImage(**vcfg).eval(),
         scheduler=FlowMatchEulerDiscreteScheduler(**QWENIMAGE_SCHEDULER),
         transformer=lambda: QwenImageTransformer2DModel(**tcfg).eval(),
+        **parts,
     )

@@ -86,7 +86,7 @@ class PipelineConditionModel(ConditionModel):
         max_text_length: int = 512,
         encoders: bool = True,
     ) -> Self:
-        skip = {} if encoders else encoder_placeholders(root)
+        skip = cls.pipeline_overrides(root) if encoders else encoder_placeholders(root)
         pipe = import_object(cls.pipeline_class).from_pretrained(root, transformer=None, dtype=dtype, **skip)
         if encoders:
             pipe.to(device)
@@ -96,6 +96,12 @@ class PipelineConditionModel(ConditionModel):
         model = cls(pipe, torch.device(device), dtype, max_text_length)
         model.read_checkpoint(Path(root))
         return model
+
+    @classmethod
+    def pipeline_overrides(cls, root: str | Path) -> dict[str, Any]:
+        """`from_pretrained` overrides for components the pipeline cannot load itself here (Qwen-Image-Edit's
+        processor, which needs torchvision). Default: none."""
+        return {}
 
     def read_checkpoint(self, root: Path) -> None:
         """Read what the family needs from the checkpoint folder beyond the loaded pipeline (e.g. the

@@ -91,15 +91,25 @@ def save_tokenizer(out: Path, model_max_length: int = 512, bos_token: str | None
     return tok.get_vocab_size()
 
 
+# what a Qwen prompt tokenizer isolates besides words: each newline and each punctuation mark
+QWEN_PROMPT_SPLIT = r"\n|[^\w\s]"
+
+
 def save_qwen_prompt_tokenizer(
-    out: Path, special_tokens: list[str], pad_token: str, extra_words: list[str] | None = None
+    out: Path,
+    special_tokens: list[str],
+    pad_token: str,
+    extra_words: list[str] | None = None,
+    split: str = QWEN_PROMPT_SPLIT,
 ) -> int:
     """A chat-template tokenizer (Qwen style) written into `out`; returns the vocabulary size.
 
     Unlike the T5/CLIP ones: no bos/eos added, the chat markers in `special_tokens` are single
     tokens, and every word, punctuation mark and newline is one token, so a template's prefix has a
     known token count (Qwen-Image drops the first 34 hidden states, which is exactly its template's
-    system prefix tokenized this way and by the real Qwen2 tokenizer).
+    system prefix tokenized this way and by the real Qwen2 tokenizer). `split`: the regex of the
+    pieces isolated besides whitespace-separated words (a piece it matches must be in `extra_words`
+    unless it is one character).
     """
     out.mkdir(parents=True, exist_ok=True)
     vocab = build_vocab(["\n", ":", *(extra_words or [])])
@@ -108,7 +118,7 @@ def save_qwen_prompt_tokenizer(
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Split(Regex(r"[ \t]+"), behavior="removed"),
-            pre_tokenizers.Split(Regex(r"\n|[^\w\s]"), behavior="isolated"),
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
         ]
     )
     tok.add_special_tokens([*special_tokens, pad_token])

@@ -1,6 +1,7 @@
 """`POST /v1/images/generations` (OpenAI Images API) for image families: the request waits for its
 job and gets base64 PNGs. A client that hangs up cancels its job (the engine stops before its next
-step). A video model answers 400 pointing to `/v1/videos`.
+step). A video model answers 400 pointing to `/v1/videos`, an image-editing model (it needs input
+images) 400 pointing to `/v1/images/edits` (`routes/edits.py`, which shares `answer_images`).
 
 OpenAI's knobs that Spindle cannot honour are refused at any value but the ones it can (`HONOURED`),
 with a 400 naming the field and what to use instead, never accepted and silently ignored.
@@ -15,11 +16,12 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from spindle.contracts.request import SamplingParams
 from spindle.serve.errors import APIError, ClientGone
 from spindle.serve.jobs import Job, wait_done
 from spindle.serve.params import lora_choice, sampling_params
 from spindle.serve.schemas import ImageData, ImageGenerationRequest, ImagesResponse
-from spindle.serve.state import State, reads_body
+from spindle.serve.state import ServeState, State, reads_body
 
 log = logging.getLogger("spindle.serve")
 
@@ -71,7 +73,7 @@ async def wait_done_or_gone(job: Job, request: Request) -> bool:
 @router.post("/v1/images/generations")
 @reads_body(ImageGenerationRequest)
 async def images_generations(request: Request, state: State):
-    engine, store = state.engine, state.store
+    engine = state.engine
     body = await state.read_request(request, ImageGenerationRequest)
     if engine.media != "image":
         raise APIError(
@@ -81,9 +83,24 @@ async def images_generations(request: Request, state: State):
             param="model",
             code="use_videos_endpoint",
         )
+    if engine.spec.options.images[0]:
+        raise APIError(
+            400,
+            f"{engine.model_id} ({engine.family}) edits images: send the image(s) to edit with the instruction "
+            "to POST /v1/images/edits",
+            param="model",
+            code="use_edits_endpoint",
+        )
     params = sampling_params(body, engine).params  # (the model check first: a wrong model is the bigger mistake)
     refuse_unhonoured(body)
-    job = state.submit(Job(kind="image", params=params, model=engine.model_id))
+    return await answer_images(request, state, params)
+
+
+async def answer_images(request: Request, state: ServeState, params: SamplingParams) -> dict[str, Any]:
+    """Run an image job for validated `params` and answer OpenAI's images response (generations and
+    edits): the client waits; a client that hangs up cancels the job."""
+    store = state.store
+    job = state.submit(Job(kind="image", params=params, model=state.engine.model_id))  # holds its adapter
     try:
         gone = await wait_done_or_gone(job, request)
     except asyncio.CancelledError:  # the server is stopping this request: do not run it for nobody
@@ -98,7 +115,7 @@ async def images_generations(request: Request, state: State):
         raise ClientGone()
     try:
         if job.status == "completed":
-            return ImagesResponse(
+            response: dict[str, Any] = ImagesResponse(
                 created=int(job.created_at),
                 data=[ImageData(b64_json=base64.b64encode(png).decode("ascii")) for png in job.images or []],
                 size=f"{params.width}x{params.height}",
@@ -107,6 +124,7 @@ async def images_generations(request: Request, state: State):
                 lora=lora_choice(params),
                 timings=job.timings,
             ).model_dump()
+            return response
         if job.status == "failed":
             err = job.error or {}
             raise APIError(

@@ -1,0 +1,144 @@
+"""Qwen-Image-Edit: instruction image editing on Qwen-Image (diffusers `QwenImageEditPipeline`; its
+several-image variant `QwenImageEditPlusPipeline` is the `qwenimage_edit_plus` family, `plus.py`).
+
+A `QwenImageTransformer2DModel` denoising the output's latents next to the input image's reference
+latents (one token sequence), prompted by Qwen2.5-VL reading the instruction *with* the image. This
+folder reuses Qwen-Image's stages, condition model and tiny parts (models/qwenimage) and adds the
+input images: their sizing (`image_area`, `condition_image_area`), the vision-language prompt and the
+reference latents. The checkpoint's `Qwen2VLProcessor` is assembled without torchvision (`processor.py`).
+"""
+
+from pathlib import Path
+
+from spindle.contracts.family import ConformanceSpec, DemoSpec, DiTFamily
+from spindle.contracts.options import FamilyOptions, Option
+from spindle.models.qwenimage import OPTIONS as QWENIMAGE_OPTIONS
+
+# The pipelines' sizing of the input images: calculate_dimensions(area, aspect) -> sides, multiples of 32.
+VAE_IMAGE_AREA = 1024 * 1024  # both pipelines: the image the VAE encodes (and the default output size)
+CONDITION_IMAGE_AREA = 384 * 384  # QwenImageEditPlusPipeline: each image the text encoder sees
+MAX_IMAGE_AREA = 2048 * 2048  # 4x the pipelines' area (and the server's default --max-pixels)
+
+
+def _area(name: str, default: int, what: str) -> Option:
+    return Option(
+        name,
+        int,
+        default=default,
+        minimum=32 * 32,
+        maximum=MAX_IMAGE_AREA,
+        help=f"pixels of each input image as {what} (aspect kept, sides multiples of 32; the pipeline's "
+        f"{int(default**0.5)}x{int(default**0.5)})",
+    )
+
+
+IMAGE_AREA = _area("image_area", VAE_IMAGE_AREA, "the VAE encodes it, and of the output when no size is given")
+OPTIONS = FamilyOptions(
+    extra=(*QWENIMAGE_OPTIONS.extra, IMAGE_AREA),
+    guidance=QWENIMAGE_OPTIONS.guidance,
+    images=(1, 1),
+)
+MAX_PLUS_IMAGES = 3  # Qwen-Image-Edit-2509's model card: 1 to 3 input images
+PLUS_OPTIONS = FamilyOptions(
+    extra=(
+        *OPTIONS.extra,
+        _area("condition_image_area", CONDITION_IMAGE_AREA, "the vision-language text encoder sees it"),
+    ),
+    guidance=QWENIMAGE_OPTIONS.guidance,
+    images=(1, MAX_PLUS_IMAGES),
+)
+
+
+def sample_image(height: int = 40, width: int = 56, seed: int = 0) -> object:
+    """The conformance suite's input image: seeded noise whose aspect the pipeline must size."""
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def _looks_like_edit(root: Path) -> bool:
+    """Renamed local folders: a Qwen-Image VAE next to a Qwen2-VL processor folder."""
+    vae_cfg = root / "vae" / "config.json"
+    return (
+        (root / "processor" / "preprocessor_config.json").is_file()
+        and vae_cfg.is_file()
+        and ('"AutoencoderKLQwenImage"' in vae_cfg.read_text())
+    )
+
+
+def text_tokens(images: int) -> int:
+    """model.max_text_length of the tiny checks: the instruction plus each image's vision tokens (and
+    "Picture N:" for several), within a multiple of the SP degrees."""
+    return 32 if images == 1 else 48
+
+
+def edit_conformance(images: list[object], demo_size: tuple[int, int] = (32, 32)) -> ConformanceSpec:
+    """The suite's cases for an edit family (`images`: what each case edits; `demo_size`: its DemoSpec's)."""
+    image = images if len(images) > 1 else images[0]
+    return ConformanceSpec(
+        text_tokens=text_tokens(len(images)),
+        parity_cases={
+            "cfg": dict(
+                prompt="make the circle red",
+                negative_prompt="blurry low quality picture",
+                image=image,
+                true_cfg_scale=4.0,
+                height=32,
+                width=32,
+                num_inference_steps=2,
+                seed=7,
+            ),
+            "nocfg": dict(prompt="a blue square", image=image, height=32, width=64, num_inference_steps=3, seed=0),
+        },
+        sequence_parallel=("ulysses2", "ring2"),
+        default_params=dict(
+            height=None,
+            width=None,
+            negative_prompt=None,
+            num_inference_steps=50,
+            max_sequence_length=512,
+            extra={"true_cfg_scale": 4.0, "image_area": VAE_IMAGE_AREA}
+            | ({"condition_image_area": CONDITION_IMAGE_AREA} if len(images) > 1 else {}),
+        ),
+        request_errors=(
+            (dict(height=48), r"height must be a positive multiple of 32 for this model \(VAE x16 x 2x2 packing\)"),
+            (dict(num_inference_steps=1), r"num_inference_steps must be >= 2 for this checkpoint's scheduler"),
+        ),
+        # --image-area (a small reference: on the tiny model the text barely moves the output next to the
+        # reference's tokens, so true_cfg_scale is not the flag to check here)
+        cli_case=dict(
+            prompt="a fox",
+            negative_prompt="blurry",
+            image=image,
+            image_area=64 * 64,
+            height=32,
+            width=64,
+            num_inference_steps=2,
+            seed=4,
+        ),
+        stock_components="spindle.models.qwenimage_edit.processor:stock_components",
+        token_request={"image_area": demo_size[0] * demo_size[1]},  # training encodes sources at the demo size
+    )
+
+
+DEMO = DemoSpec(
+    dataset="spindle.data.synthetic:make_shapes_edit_dataset",
+    dataset_kwargs={"num_pairs": 16, "size": (32, 32)},
+    sample_kwargs={"negative_prompt": "", "true_cfg_scale": 4.0},
+    text_tokens=text_tokens(1),
+)
+
+FAMILY = DiTFamily(
+    name="qwenimage_edit",
+    pipeline_classes=("QwenImageEditPipeline",),
+    # QwenImageTransformer2DModel is qwenimage's too: the pipeline class decides (spindle.registry)
+    transformer_classes=("QwenImageTransformer2DModel",),
+    condition_model="spindle.models.qwenimage_edit.condition:QwenImageEditConditionModel",
+    inference="spindle.models.qwenimage_edit.inference:QWENIMAGE_EDIT_INFERENCE",
+    tiny_model="spindle.models.qwenimage_edit.tiny:build_tiny_qwenimage_edit",
+    detect=_looks_like_edit,
+    options=OPTIONS,
+    demo=DEMO,
+    conformance=edit_conformance([sample_image()]),
+)

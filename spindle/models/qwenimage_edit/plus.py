@@ -1,0 +1,24 @@
+"""Qwen-Image-Edit-2509 and later (diffusers `QwenImageEditPlusPipeline`): Qwen-Image-Edit with 1 to 3
+input images, each a "Picture N:" in the prompt (seen at `condition_image_area`) and a reference
+latent sequence (at `image_area`). Shares the folder of `qwenimage_edit`."""
+
+import dataclasses
+
+from spindle.models.qwenimage_edit import DEMO as EDIT_DEMO
+from spindle.models.qwenimage_edit import FAMILY as EDIT_FAMILY
+from spindle.models.qwenimage_edit import PLUS_OPTIONS, edit_conformance, sample_image
+
+FAMILY = dataclasses.replace(
+    EDIT_FAMILY,
+    name="qwenimage_edit_plus",
+    pipeline_classes=("QwenImageEditPlusPipeline",),
+    inference="spindle.models.qwenimage_edit.inference:QWENIMAGE_EDIT_PLUS_INFERENCE",
+    tiny_model="spindle.models.qwenimage_edit.tiny:build_tiny_qwenimage_edit_plus",
+    condition_model="spindle.models.qwenimage_edit.condition:QwenImageEditPlusConditionModel",
+    detect=None,  # a renamed folder is taken for the single-image pipeline (`qwenimage_edit`)
+    options=PLUS_OPTIONS,
+    # 64x32 samples: the target's 2 tokens and the suite's 2 sources' 2 each split evenly over 2 SP ranks
+    demo=dataclasses.replace(EDIT_DEMO, size=(64, 32), dataset_kwargs={**EDIT_DEMO.dataset_kwargs, "size": (64, 32)}),
+    # two images of different aspects: the size follows the last one
+    conformance=edit_conformance([sample_image(), sample_image(48, 32, seed=1)], demo_size=(64, 32)),
+)
