@@ -154,6 +154,9 @@ class ConformanceSpec:
     # model.max_text_length of the suite's condition models and training runs (small, divisible by the SP
     # degrees); a family whose transformer fixes the text length (Wan I2V: 512) declares that length
     text_tokens: int = 16
+    # dotted overrides every training run of the suite adds, for what the family's training requires
+    # (a two-expert family: which expert to train, `train__expert`)
+    train_overrides: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -187,6 +190,9 @@ class DiTFamily:
     inference: str | None = None  # "module:object" of the family's inference spec (infer/)
     tiny_model: str | None = None  # "module:function(out, seed, **overrides)"
     detect: Callable[[Path], bool] | None = None
+    # a variant of a pipeline class another family serves too (Wan2.2 A14B's two-expert WanPipeline):
+    # model_index.json -> whether the folder is this variant; the registry tries variants first
+    variant: Callable[[dict[str, Any]], bool] | None = None
     demo: DemoSpec | None = None
     conformance: ConformanceSpec | None = None
     extras: dict[str, Any] = field(default_factory=dict)

@@ -393,24 +393,45 @@ def check_overfit(family: DiTFamily, losses: list[float]) -> None:
     assert last < 0.8 * first, f"{family.name}: the loss did not fall when overfitting ({first:.4f} -> {last:.4f})"
 
 
+def trained_component(family: DiTFamily, root: Path) -> str:
+    """The checkpoint component the suite's training runs train (`ConformanceSpec.train_overrides`)."""
+    import json
+
+    expert = family.conformance.train_overrides.get("train__expert") if family.conformance else None
+    index = json.loads((root / "model_index.json").read_text())
+    return family.condition_model_cls().trained_component(index, expert)
+
+
 def check_export_round_trip(family: DiTFamily, base: Path, export: Path, trained: dict[str, torch.Tensor]) -> None:
-    """The export loads in stock diffusers as the family's pipeline, every tensor equal to the trained one
-    (which differs from the base checkpoint's), its config.json with diffusers' keys only."""
+    """The export loads in stock diffusers as the family's pipeline, every tensor of the trained component
+    equal to the trained one (which differs from the base checkpoint's), its config.json with diffusers'
+    keys only; every other file of the base folder is copied byte for byte (a two-expert checkpoint's
+    other expert too)."""
     import json
 
     from diffusers import DiffusionPipeline
 
-    keys = set(json.loads((export / "transformer" / "config.json").read_text()))
-    base_keys = set(json.loads((base / "transformer" / "config.json").read_text()))
+    from spindle.export_record import EXPORT_RECORD
+
+    component = trained_component(family, base)
+    keys = set(json.loads((export / component / "config.json").read_text()))
+    base_keys = set(json.loads((base / component / "config.json").read_text()))
     assert keys == base_keys, f"{family.name}: exported config.json keys differ: {sorted(keys ^ base_keys)}"
     pipe = DiffusionPipeline.from_pretrained(export)
     assert type(pipe).__name__ in family.pipeline_classes, f"{family.name}: export loads as {type(pipe).__name__}"
-    exported = pipe.transformer.state_dict()
+    exported = getattr(pipe, component).state_dict()
     assert exported.keys() == trained.keys(), f"{family.name}: exported keys differ from the trained model's"
     for key, value in trained.items():
         assert torch.equal(exported[key], value), f"{family.name}: exported {key} differs from the trained tensor"
-    original = load_transformer(base).state_dict()
+    original = load_transformer(base, component=component).state_dict()
     assert any(not torch.equal(original[k], trained[k]) for k in trained), f"{family.name}: training changed nothing"
+    untouched = [
+        p.relative_to(base)
+        for p in sorted(base.rglob("*"))
+        if p.is_file() and p.relative_to(base).parts[0] not in (component, EXPORT_RECORD)
+    ]
+    for rel in untouched:
+        assert (export / rel).read_bytes() == (base / rel).read_bytes(), f"{family.name}: export changed {rel}"
 
 
 # ---------------------------------------------------------------- sequence parallel (spawned ranks)

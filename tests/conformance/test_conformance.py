@@ -173,6 +173,7 @@ def test_overfits_and_exports_for_stock_diffusers(name, tiny, tmp_path):
         tiny(name), data, tmp_path / "run",
         data__resolution=list(family.demo.size), data__num_frames=family.demo.num_frames,
         model__max_text_length=suite.text_tokens(family), train__max_steps=12, train__global_batch_size=2, train__micro_batch_size=2, train__lr=3e-3, train__seed=0,
+        **family.conformance.train_overrides,
     )  # fmt: skip
     trainer = make_trainer(load_job_config(None, overrides))
     result = trainer.run()

@@ -39,7 +39,7 @@ def encoder_placeholders(root: str | Path) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for name, entry in read_model_index(root).items():
-        if name.startswith("_") or not isinstance(entry, list) or name in ("scheduler", "transformer"):
+        if name.startswith("_") or not isinstance(entry, list) or name == "scheduler" or name.startswith("transformer"):
             continue
         if name == "vae":
             vae_cls = getattr(diffusers, entry[1])
@@ -78,8 +78,12 @@ class PipelineConditionModel(ConditionModel):
         max_text_length: int = 512,
         encoders: bool = True,
     ) -> Self:
-        skip = {} if encoders else encoder_placeholders(root)
-        pipe = import_object(cls.pipeline_class).from_pretrained(root, transformer=None, dtype=dtype, **skip)
+        from spindle.infer.pipeline import read_model_index
+
+        # no transformer is loaded here (a two-expert checkpoint has two: transformer, transformer_2)
+        transformers = {name: None for name in read_model_index(root) if name.startswith("transformer")}
+        skip = {**transformers, **({} if encoders else encoder_placeholders(root))}
+        pipe = import_object(cls.pipeline_class).from_pretrained(root, dtype=dtype, **skip)
         if encoders:
             pipe.to(device)
         for module in pipe.components.values():

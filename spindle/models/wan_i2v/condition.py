@@ -21,12 +21,14 @@ from spindle.models.wan_i2v import TEXT_LENGTH
 
 class WanI2VConditionModel(WanConditionModel):
     pipeline_class = "diffusers:WanImageToVideoPipeline"
+    # the text length the transformer fixes (None: any), see below
+    fixed_text_length: int | None = TEXT_LENGTH
 
     def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, max_text_length: int = TEXT_LENGTH):
         super().__init__(pipe, device, dtype, max_text_length)
         # image_encoder is None only in a folder without one (Wan2.2 I2V) or when loaded without encoders
         self.takes_image_embeds = pipe.image_encoder is not None or pipe.image_processor is not None
-        if max_text_length != TEXT_LENGTH:
+        if self.fixed_text_length is not None and max_text_length != self.fixed_text_length:
             raise ValueError(
                 f"model.max_text_length must be {TEXT_LENGTH} for Wan I2V (got {max_text_length}): its transformer "
                 f"reads the last {TEXT_LENGTH} context tokens as text and the rest as the image; set "

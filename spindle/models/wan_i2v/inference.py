@@ -86,7 +86,16 @@ class WanI2VBeforeDenoisingStage(WanBeforeDenoisingStage):
 class WanI2VInference(WanInference):
     options = OPTIONS
     family = "wan_i2v"
-    components = ("tokenizer", "text_encoder", "image_processor", "image_encoder", "vae", "scheduler", "transformer")
+    two_expert_family = "wan22_i2v"
+    components: tuple[str, ...] = (
+        "tokenizer",
+        "text_encoder",
+        "image_processor",
+        "image_encoder",
+        "vae",
+        "scheduler",
+        "transformer",
+    )
     before_denoising_cls = WanI2VBeforeDenoisingStage
 
     def default_params(self, components: dict[str, Any]) -> SamplingParams:

@@ -34,11 +34,11 @@ if TYPE_CHECKING:
     from spindle.distributed.mesh import Mesh, ParallelDims
 
 
-def transformer_class(root: str | Path) -> Any:
-    """The diffusers transformer class named in `root/transformer/config.json`."""
+def transformer_class(root: str | Path, component: str = "transformer") -> Any:
+    """The diffusers transformer class named in `root/<component>/config.json`."""
     import diffusers
 
-    cfg_path = Path(root) / "transformer" / "config.json"
+    cfg_path = Path(root) / component / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path} not found: the checkpoint has no transformer component")
     cls_name = json.loads(cfg_path.read_text())["_class_name"]
@@ -48,21 +48,35 @@ def transformer_class(root: str | Path) -> Any:
     return cls
 
 
-def load_transformer(root: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """Load the diffusers transformer of the pipeline folder `root` (every weight, on the host)."""
-    model: torch.nn.Module = transformer_class(root).from_pretrained(Path(root) / "transformer", dtype=dtype)
+def load_transformer(
+    root: str | Path, dtype: torch.dtype = torch.float32, component: str = "transformer"
+) -> torch.nn.Module:
+    """Load the diffusers transformer `component` of the pipeline folder `root` (every weight, on the host)."""
+    model: torch.nn.Module = transformer_class(root, component).from_pretrained(Path(root) / component, dtype=dtype)
     return model
 
 
-def transformer_from_config(root: str | Path) -> torch.nn.Module:
-    """The transformer of `root` built from its config alone, fp32, its parameters on the meta device
-    (no weight read; buffers computed as diffusers computes them)."""
+def transformer_from_config(root: str | Path, component: str = "transformer") -> torch.nn.Module:
+    """The transformer `component` of `root` built from its config alone, fp32, its parameters on the meta
+    device (no weight read; buffers computed as diffusers computes them)."""
     from spindle.distributed.sharded_load import empty_weights
 
-    cls = transformer_class(root)
+    cls = transformer_class(root, component)
     with empty_weights():
-        model: torch.nn.Module = cls.from_config(cls.load_config(Path(root) / "transformer"))
+        model: torch.nn.Module = cls.from_config(cls.load_config(Path(root) / component))
     return model
+
+
+def read_index(root: str | Path) -> dict[str, Any]:
+    """`root/model_index.json` ({} when the folder has none: the loaders name what is missing)."""
+    index = Path(root) / "model_index.json"
+    return json.loads(index.read_text()) if index.is_file() else {}
+
+
+def trained_component(cfg: DiTJobConfig, family: DiTFamily) -> str:
+    """The checkpoint component a job trains: "transformer", or the expert `train.expert` names in a
+    two-expert checkpoint (the family's condition model decides; raises for a missing or stray choice)."""
+    return family.condition_model_cls().trained_component(read_index(cfg.model.path), cfg.train.expert)
 
 
 def sample_generator(seed: int, step: int, sample_index: int) -> torch.Generator:
@@ -99,6 +113,7 @@ class FlowMatchingTask(TrainTask):
         super().__init__(cfg, family, mesh, device, precision)
         self.seed = cfg.train.seed
         self.loss_weighting = cfg.train.loss_weighting
+        self.component = trained_component(cfg, family)  # the checkpoint folder trained and exported
         self.condition = self._build_condition()
 
     # ------------------------------------------------------------ checks before launch
@@ -113,9 +128,10 @@ class FlowMatchingTask(TrainTask):
         check_validation_images(cfg, family)
         index = Path(cfg.model.path) / "model_index.json"
         if index.is_file() and family.inference is not None:
-            # checkpoint variants the family cannot serve (Wan2.2 two-expert / TI2V folders) are not trained
-            # either: one expert over all timesteps would train with exit 0 and export what nothing can load
+            # checkpoint variants the family cannot serve are not trained either (they would train with
+            # exit 0 and export what nothing can load)
             family.inference_spec().check_checkpoint(json.loads(index.read_text()))
+        trained_component(cfg, family)  # a two-expert checkpoint trains the expert train.expert names
 
     # ------------------------------------------------------------ set-up
 
@@ -124,20 +140,22 @@ class FlowMatchingTask(TrainTask):
         encoders = self.cfg.data.precomputed is None
         cond = build_condition_model(self.cfg, self.family, self.device, self.precision, encoders=encoders)
         cond.timestep_sampling = self.cfg.train.timestep
+        if self.cfg.train.expert is not None:
+            cond.select_expert(self.cfg.train.expert)  # timesteps within that expert's range only
         return cond
 
     def build_model(self) -> torch.nn.Module:
         from spindle.distributed.sharded_load import SafetensorsCheckpoint
         from spindle.train.lora import init_adapters, is_lora_name
 
-        root = self.cfg.model.path
+        root, component = self.cfg.model.path, self.component
         lora = self.cfg.train.lora
         return build_parallel_model(
             self,
             ParallelPlan("diffusers"),
-            build_empty=lambda: transformer_from_config(root),
-            checkpoint=lambda: SafetensorsCheckpoint(Path(root) / "transformer").sources(),
-            load_full=lambda: load_transformer(root, dtype=torch.float32),
+            build_empty=lambda: transformer_from_config(root, component),
+            checkpoint=lambda: SafetensorsCheckpoint(Path(root) / component).sources(),
+            load_full=lambda: load_transformer(root, dtype=torch.float32, component=component),
             convert=None if lora is None else self.add_adapters,  # converters before SP / FSDP2
             fresh=is_lora_name,
             init_fresh=None if lora is None else lambda model: init_adapters(model, self.seed),
@@ -238,15 +256,16 @@ class FlowMatchingTask(TrainTask):
             "family": self.family.name,
             "lora": lora.model_dump() if lora is not None else None,
             "max_text_length": self.cfg.model.max_text_length,  # recorded in exports (spindle.export_record)
+            "component": self.component,  # the transformer folder trained (a two-expert checkpoint's expert)
         }
 
     def export(self, model: torch.nn.Module, out: Path) -> Path | None:
-        root = self.cfg.model.path
-        dtypes = export_dtypes(self.cfg.export.dtype, Path(root) / "transformer")
+        root, component = self.cfg.model.path, self.component
+        dtypes = export_dtypes(self.cfg.export.dtype, Path(root) / component)
         if self.cfg.train.lora is None:
             sd = ckpt.full_state_dict(model)
             trained = {"family": self.family.name, "max_text_length": self.cfg.model.max_text_length}
-            result = export_pipeline(root, sd, out, trained, dtypes) if is_main_process() else None
+            result = export_pipeline(root, sd, out, trained, dtypes, component) if is_main_process() else None
         else:
             from spindle.train.lora import adapter_state_dict, lora_scale
 
@@ -262,6 +281,7 @@ class FlowMatchingTask(TrainTask):
                     self.cfg.export.merge_lora,
                     max_text_length=self.cfg.model.max_text_length,
                     dtypes=dtypes,
+                    component=component,
                 )
         barrier()
         return result
@@ -272,19 +292,30 @@ class FlowMatchingTask(TrainTask):
     ) -> Path:
         if not (model_path / "model_index.json").is_file():
             raise FileNotFoundError(f"base model {model_path} has no model_index.json; pass --model PATH")
-        dtypes = export_dtypes(dtype, model_path / "transformer")
         state = json.loads((checkpoint / ckpt.TRAINER_STATE).read_text())
-        template = load_transformer(model_path)
+        component = state.get("component", "transformer")  # absent: a checkpoint from before it was recorded
+        dtypes = export_dtypes(dtype, model_path / component)
+        template = load_transformer(model_path, component=component)
         text_length = state.get("max_text_length")  # None: a checkpoint from before it was recorded
         if state.get("lora") is None:
             trained = {"family": family.name, "max_text_length": text_length}
-            return export_pipeline(model_path, ckpt.read_checkpoint_model(checkpoint, template), out, trained, dtypes)
+            sd = ckpt.read_checkpoint_model(checkpoint, template)
+            return export_pipeline(model_path, sd, out, trained, dtypes, component)
         from spindle.config import LoraConfig
         from spindle.train.lora import adapter_state_dict, lora_scale
 
         add_lora(template, LoraConfig(**state["lora"]))
         adapters = adapter_state_dict(ckpt.read_checkpoint_model(checkpoint, template), lora_scale(template))
-        return export_lora(family, model_path, adapters, out, merge=False, max_text_length=text_length, dtypes=dtypes)
+        return export_lora(
+            family,
+            model_path,
+            adapters,
+            out,
+            merge=False,
+            max_text_length=text_length,
+            dtypes=dtypes,
+            component=component,
+        )
 
 
 def check_validation_images(cfg: DiTJobConfig, family: DiTFamily) -> None:
@@ -343,6 +374,7 @@ def export_lora(
     merge: bool,
     max_text_length: int | None = None,
     dtypes: ExportDtypes | None = None,
+    component: str = "transformer",
 ) -> Path:
     """Write `out/lora/` (diffusers' LoRA file + the original-layout file, `spindle.json` naming the base
     model and the trained text length, and a README.md model card with the lines that use it) and, with
@@ -355,13 +387,14 @@ def export_lora(
 
     `adapters`: diffusers-layout LoRA (`<module>.lora_A.weight`, alpha / rank folded into lora_B).
     The diffusers file is written by the family pipeline's own `save_lora_weights`, so
-    `<Pipeline>.load_lora_weights(out/lora)` loads it in stock diffusers.
+    `<Pipeline>.load_lora_weights(out/lora)` loads it in stock diffusers (a two-expert checkpoint's
+    `transformer_2` LoRA with `load_into_transformer_2=True`; `component` is recorded in spindle.json).
     """
     import logging
 
     from safetensors.torch import save_file
 
-    dtypes = dtypes or export_dtypes("auto", Path(base) / "transformer")
+    dtypes = dtypes or export_dtypes("auto", Path(base) / component)
     fused_source = adapters
     adapters = {k: v.to(dtypes.default) for k, v in adapters.items()}
     out = Path(out)
@@ -377,7 +410,8 @@ def export_lora(
             save_file(original, tmp / "lora" / LORA_ORIGINAL_FILE, metadata={"format": "pt", "family": family.name})
     base_path = str(Path(base).resolve())
     trained = {"family": family.name, "max_text_length": max_text_length}
-    write_export_record(tmp / "lora", base_model=base_path, **trained)
+    expert = {} if component == "transformer" else {"component": component}
+    write_export_record(tmp / "lora", base_model=base_path, **trained, **expert)
     write_lora_card(
         tmp / "lora",
         family.name,
@@ -388,11 +422,11 @@ def export_lora(
         media=family.inference_spec().media if family.inference else "image",
     )
     if merge:
-        model: Any = load_transformer(base)  # a diffusers ModelMixin (PEFT loader methods)
+        model: Any = load_transformer(base, component=component)  # a diffusers ModelMixin (PEFT loader methods)
         model.load_lora_adapter({f"transformer.{k}": v for k, v in fused_source.items()}, prefix="transformer")
         model.fuse_lora(lora_scale=1.0)
         model.unload_lora()
-        export_pipeline(base, model.state_dict(), tmp / "merged", trained, dtypes)
+        export_pipeline(base, model.state_dict(), tmp / "merged", trained, dtypes, component)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
@@ -404,9 +438,11 @@ def export_pipeline(
     out: str | Path,
     trained: dict[str, Any] | None = None,
     dtypes: ExportDtypes | None = None,
+    component: str = "transformer",
 ) -> Path:
-    """Write a diffusers pipeline folder: every component of `source_root`, with the trained transformer,
-    and `trained` (how it was trained) as `spindle.json` (`spindle.export_record`).
+    """Write a diffusers pipeline folder: every component of `source_root`, with the trained transformer
+    `component` (a two-expert checkpoint's trained expert: the other one is copied byte for byte), and
+    `trained` (how it was trained) as `spindle.json` (`spindle.export_record`).
 
     The transformer is rebuilt from its own diffusers config and saved with diffusers' `save_pretrained`,
     so `config.json` carries only diffusers keys and stock diffusers loads the folder with no Spindle code.
@@ -417,14 +453,14 @@ def export_pipeline(
     import diffusers
 
     source_root, out = Path(source_root), Path(out)
-    dtypes = dtypes or export_dtypes("auto", source_root / "transformer")
+    dtypes = dtypes or export_dtypes("auto", source_root / component)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(source_root, tmp, ignore=shutil.ignore_patterns("transformer"))
-    config = json.loads((source_root / "transformer" / "config.json").read_text())
+    shutil.copytree(source_root, tmp, ignore=lambda folder, names: [component] if Path(folder) == source_root else [])
+    config = json.loads((source_root / component / "config.json").read_text())
     cls = getattr(diffusers, config["_class_name"])
     with torch.device("meta"):
-        model = cls.from_config(cls.load_config(source_root / "transformer"))
+        model = cls.from_config(cls.load_config(source_root / component))
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - state_dict.keys()), sorted(state_dict.keys() - expected)
     if missing or unexpected:
@@ -434,7 +470,7 @@ def export_pipeline(
     # assign: each meta tensor becomes the converted trained tensor (fresh storage, or the tensor itself
     # when its dtype already matches); non-persistent buffers stay on meta and are not saved.
     model.load_state_dict(dtypes.cast_all(state_dict), assign=True)
-    model.save_pretrained(tmp / "transformer", safe_serialization=True)
+    model.save_pretrained(tmp / component, safe_serialization=True)
     (tmp / EXPORT_RECORD).unlink(missing_ok=True)  # the source's record describes another training
     if trained is not None:
         write_export_record(tmp, **trained)
