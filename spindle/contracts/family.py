@@ -154,6 +154,9 @@ class ConformanceSpec:
     # model.max_text_length of the suite's condition models and training runs (small, divisible by the SP
     # degrees); a family whose transformer fixes the text length (Wan I2V: 512) declares that length
     text_tokens: int = 16
+    # denoising steps of the suite's step-cache runs: enough that the cache skips a few (a two-expert family's
+    # experts each compute every block at their first step)
+    cache_steps: int = 3
     # dotted overrides every training run of the suite adds, for what the family's training requires
     # (a two-expert family: which expert to train, `train__expert`)
     train_overrides: dict[str, Any] = field(default_factory=dict)

@@ -33,6 +33,7 @@ class Sample:
     path: Path
     caption: str
     image: Path | None = None  # a conditioning image (image-conditioned families; default: the first frame)
+    last_image: Path | None = None  # the last frame's conditioning image (first-last-frame video, Wan FLF2V)
 
 
 class MediaDataset(Dataset):
@@ -80,6 +81,8 @@ class MediaDataset(Dataset):
         out = {"pixels": pixels, "caption": sample.caption, "index": index}
         if sample.image is not None:  # resized and cropped as the clip's frames are: [3, H, W]
             out["image"] = read_media(sample.image, 1, self.resolution)[:, 0]
+        if sample.last_image is not None:
+            out["last_image"] = read_media(sample.last_image, 1, self.resolution)[:, 0]
         return out
 
     def __getitem__(self, index: int) -> dict[str, Any]:
@@ -128,6 +131,14 @@ def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
     }
     if any("image" in s for s in samples):  # conditioning images; a sample without one conditions on its first frame
         batch["image"] = torch.stack([s["image"] if "image" in s else s["pixels"][:, 0] for s in samples])
+    last = [s["index"] for s in samples if "last_image" in s]
+    if last and len(last) != len(samples):  # a first-last-frame model conditions every video of a batch alike
+        raise ValueError(
+            f"cannot batch samples {[s['index'] for s in samples]}: only {last} name a 'last_image'; give every "
+            "manifest entry a last_image (or none), or use micro_batch_size=1"
+        )
+    if last:
+        batch["last_image"] = torch.stack([s["last_image"] for s in samples])
     return batch
 
 
@@ -190,20 +201,27 @@ def _manifest_entry(manifest: Path, lineno: int, line: str) -> Sample:
             f"unsupported extension {path.suffix!r} ({where})",
             f"Supported: {', '.join(sorted(MEDIA_EXTENSIONS))}.",
         )
-    image = None
-    if "image" in entry:  # optional: the sample's conditioning image (image-to-video)
-        if not isinstance(entry["image"], str):
-            raise ValueError(f"{where}: 'image' must be a string path; got {type(entry['image']).__name__}")
-        image = Path(entry["image"]).expanduser()
-        if not image.is_absolute():
-            image = manifest.parent / image
-        if not is_image_path(image):
-            raise MediaError(
-                image,
-                f"'image' must be an image file; unsupported extension {image.suffix!r} ({where})",
-                f"Supported: {', '.join(sorted(IMAGE_EXTENSIONS))}.",
-            )
-    return Sample(path, entry["caption"].strip(), image)
+    # optional: the sample's conditioning image (image-to-video) and last frame (first-last-frame video)
+    image, last_image = (_entry_image(entry, key, manifest, where) for key in ("image", "last_image"))
+    return Sample(path, entry["caption"].strip(), image, last_image)
+
+
+def _entry_image(entry: dict[str, Any], key: str, manifest: Path, where: str) -> Path | None:
+    """The image file a manifest entry names under `key` (relative to the manifest), or None."""
+    if key not in entry:
+        return None
+    if not isinstance(entry[key], str):
+        raise ValueError(f"{where}: '{key}' must be a string path; got {type(entry[key]).__name__}")
+    image = Path(entry[key]).expanduser()
+    if not image.is_absolute():
+        image = manifest.parent / image
+    if not is_image_path(image):
+        raise MediaError(
+            image,
+            f"'{key}' must be an image file; unsupported extension {image.suffix!r} ({where})",
+            f"Supported: {', '.join(sorted(IMAGE_EXTENSIONS))}.",
+        )
+    return image
 
 
 def read_manifest(manifest: str | os.PathLike[str]) -> list[Sample]:

@@ -69,9 +69,10 @@ def sample_key(sample: Sample) -> str:
     stat = sample.path.stat()
     caption = hashlib.sha256(sample.caption.encode()).hexdigest()[:16]
     key = f"{sample.path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{caption}"
-    if sample.image is not None:  # the conditioning image is part of the cached conditions
-        image = sample.image.stat()
-        key += f"|{sample.image.resolve()}|{image.st_size}|{image.st_mtime_ns}"
+    for tag, path in (("", sample.image), ("last=", sample.last_image)):  # conditioning images are conditions
+        if path is not None:
+            stat = path.stat()
+            key += f"|{tag}{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
     return key
 
 

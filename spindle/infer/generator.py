@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from spindle.contracts.request import Req, SamplingParams
+from spindle.contracts.request import Req, RequestError, SamplingParams
 from spindle.data.media import write_image, write_video
 from spindle.engine_config import EngineConfig, RequestLimits
 from spindle.export_record import trained_text_length
@@ -156,6 +156,7 @@ class DiffusionGenerator:
         num_outputs_per_prompt: int = 1,
         max_sequence_length: int | None = None,
         image: Any = None,
+        last_image: Any = None,
         progress: Callable[[int, int], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
         **extra: Any,
@@ -163,7 +164,13 @@ class DiffusionGenerator:
         """Generate; `progress(step, total)` is called after each denoising step, `should_stop()` is
         checked before each step (a True raises `Cancelled`). `seed=None` draws one (reported back).
         `image`: the conditioning image(s) of an image-conditioned family (a PIL image, a uint8 array, a
-        path, or a list of them)."""
+        path, or a list of them); `last_image`: the last frame of a first-last-frame video family (Wan FLF2V),
+        the request's second image."""
+        images = None if image is None else list(image) if isinstance(image, (list, tuple)) else [image]
+        if last_image is not None:
+            if images is None or len(images) != 1:
+                raise RequestError("last_image goes with exactly one image (the first frame)", field="last_image")
+            images.append(last_image)
         params = SamplingParams(
             prompt=prompt,
             negative_prompt=negative_prompt,
@@ -175,7 +182,7 @@ class DiffusionGenerator:
             seed=seed,
             num_outputs_per_prompt=num_outputs_per_prompt,
             max_sequence_length=max_sequence_length,
-            image=None if image is None else list(image) if isinstance(image, (list, tuple)) else [image],
+            image=images,
             extra=extra,
         )
         return self.run(params, progress=progress, should_stop=should_stop)

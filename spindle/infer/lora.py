@@ -36,19 +36,29 @@ def read_lora_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str,
 
 
 def apply_lora_file(family: Any, components: dict[str, Any], path: str | Path, scale: float = 1.0) -> None:
-    """Load the LoRA at `path` into `components["transformer"]` (in place) with weight `scale`."""
+    """Load the LoRA at `path` into `components["transformer"]` (in place) with weight `scale`; a LoRA that
+    Spindle trained for a two-expert checkpoint's `transformer_2` (its spindle.json says so) goes there, as
+    stock `load_lora_weights(..., load_into_transformer_2=True)` puts it."""
     from peft.tuners.lora import LoraLayer
 
+    from spindle.export_record import read_export_record
+
     state_dict, metadata = read_lora_file(path)
+    component = read_export_record(path).get("component", "transformer")
+    if component not in ("transformer", "transformer_2") or components.get(component) is None:
+        raise ValueError(
+            f"LoRA {path} was trained for the checkpoint's {component!r}, which this {family.name} checkpoint lacks"
+        )
+    into = {"load_into_transformer_2": True} if component == "transformer_2" else {}
     trained_for = metadata.get("family")
     if trained_for and trained_for != family.name:
         raise ValueError(f"LoRA {path} was trained for the {trained_for!r} family; this model is {family.name!r}")
     cls = family.pipeline_class()
     accepted = inspect.signature(cls.__init__).parameters
     pipe = cls(**{name: components.get(name) for name in accepted if name != "self" and name in components})
-    transformer = components["transformer"]
+    transformer = components[component]
     try:
-        pipe.load_lora_weights(state_dict, adapter_name=ADAPTER)
+        pipe.load_lora_weights(state_dict, adapter_name=ADAPTER, **into)
     except (ValueError, KeyError, RuntimeError, AssertionError, IndexError) as e:
         detail = str(e) if len(str(e)) < 600 else str(e)[:600] + " ..."  # size mismatches list every tensor
         raise ValueError(

@@ -570,17 +570,27 @@ def repeated_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
     return blocks
 
 
-def count_block_calls(transformer: torch.nn.Module) -> list[int]:
+def count_block_calls(transformer: torch.nn.Module, calls: list[int] | None = None) -> list[int]:
     """A counter ([n]) of real block computations: calls of each repeated block's first attention
-    module (a block the step cache skips does not compute its attention)."""
+    module (a block the step cache skips does not compute its attention); `calls`: add to that counter."""
     from diffusers.models.attention import AttentionModuleMixin
     from diffusers.models.attention_processor import Attention
 
-    calls = [0]
+    calls = [0] if calls is None else calls
     for block in repeated_blocks(transformer):
         attn = next(m for m in block.modules() if isinstance(m, (Attention, AttentionModuleMixin)))
         attn.register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
     return calls
+
+
+def denoisers(gen: Any) -> list[torch.nn.Module]:
+    """Every transformer the generator denoises with (a two-expert family's both)."""
+    return list(gen.pipeline.denoising.denoisers.values())
+
+
+def count_denoiser_calls(gen: Any) -> list[list[int]]:
+    """`count_block_calls` per denoiser."""
+    return [count_block_calls(model) for model in denoisers(gen)]
 
 
 def check_step_cache_exact(family: DiTFamily, root: Path, kwargs: dict[str, Any], *, cfg_batch: bool) -> None:
@@ -588,7 +598,9 @@ def check_step_cache_exact(family: DiTFamily, root: Path, kwargs: dict[str, Any]
 
     exact = load_generator(root, cfg_batch=cfg_batch).generate(**kwargs).frames
     gen = load_generator(root, cache="fbc", cache_threshold=0.0, cfg_batch=cfg_batch)
-    calls = count_block_calls(gen.transformer)
+    calls = [0]
+    for model in denoisers(gen):
+        count_block_calls(model, calls)
     out = gen.generate(**kwargs).frames
     forwards = kwargs["num_inference_steps"] * (1 if cfg_batch else 2)
     blocks = len(repeated_blocks(gen.transformer))
@@ -604,15 +616,20 @@ def check_step_cache_skips(family: DiTFamily, root: Path, kwargs: dict[str, Any]
 
     exact = load_generator(root).generate(**kwargs).frames
     gen = load_generator(root, cache="fbc", cache_threshold=1e6, cfg_batch=True)
-    calls = count_block_calls(gen.transformer)
+    counters = count_denoiser_calls(gen)
     out = gen.generate(**kwargs).frames
-    expected = len(repeated_blocks(gen.transformer)) + kwargs["num_inference_steps"] - 1
-    assert calls[0] == expected, f"{family.name}: {calls[0]} block calls with every later step cached, not {expected}"
+    # each denoiser that ran (a two-expert family: each expert, over its own steps) computes every block at
+    # its first step and only the first block after
+    used = sum(1 for c in counters if c[0])
+    expected = used * (len(repeated_blocks(gen.transformer)) - 1) + kwargs["num_inference_steps"]
+    total = sum(c[0] for c in counters)
+    assert total == expected, f"{family.name}: {total} block calls with every later step cached, not {expected}"
     value = psnr(out, exact)
     assert np.isfinite(value) and 5.0 < value < 80.0, f"{family.name}: cached PSNR {value} dB"
-    calls[0] = 0
+    for c in counters:
+        c[0] = 0
     np.testing.assert_array_equal(gen.generate(**kwargs).frames, out, err_msg=f"{family.name}: cache not reset")
-    assert calls[0] == expected
+    assert sum(c[0] for c in counters) == expected
     assert psnr(exact, exact) == float("inf")
 
 
@@ -621,5 +638,6 @@ def check_compile_matches_eager(family: DiTFamily, root: Path, kwargs: dict[str,
 
     exact = load_generator(root).generate(**kwargs).frames
     gen = load_generator(root, compile=True)
-    assert all(getattr(b, "_compiled_call_impl", None) is not None for b in repeated_blocks(gen.transformer))
+    blocks = [b for model in denoisers(gen) for b in repeated_blocks(model)]
+    assert all(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
     np.testing.assert_allclose(gen.generate(**kwargs).frames, exact, atol=1e-4, rtol=0, err_msg=family.name)

@@ -130,8 +130,9 @@ def test_bad_options_are_clear_request_errors(name, tiny):
 
 
 def cache_case(name: str) -> dict:
-    """The family's CFG case with 3 steps: the step cache has two steps to skip."""
-    return {**get_family(name).conformance.parity_cases["cfg"], "num_inference_steps": 3}
+    """The family's CFG case with its `cache_steps` (3: the step cache has two steps to skip)."""
+    spec = get_family(name).conformance
+    return {**spec.parity_cases["cfg"], "num_inference_steps": spec.cache_steps}
 
 
 @pytest.mark.parametrize("cfg_batch", [True, False], ids=["cfg_batch", "two_forwards"])

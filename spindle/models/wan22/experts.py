@@ -109,6 +109,7 @@ class TwoExpertCondition:
     def read_checkpoint(self, root: Any) -> None:
         from spindle.infer.pipeline import read_model_index
 
+        super().read_checkpoint(root)  # type: ignore[misc]  # the Wan condition model this mixes into
         self.boundary_ratio = float(read_model_index(root)[BOUNDARY])
 
     def select_expert(self, expert: str) -> None:

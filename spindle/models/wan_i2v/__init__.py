@@ -7,19 +7,20 @@ import dataclasses
 from spindle.contracts.family import ConformanceSpec, DemoSpec, DiTFamily
 from spindle.models.wan import OPTIONS as WAN_OPTIONS
 
-# Wan's options (16 fps, num_frames = 4k + 1) and exactly one conditioning image
-OPTIONS = dataclasses.replace(WAN_OPTIONS, images=(1, 1))
+# Wan's options (16 fps, num_frames = 4k + 1); the first frame, and optionally the last one (FLF2V:
+# WanImageToVideoPipeline's `last_image`, `generate(last_image=...)`), as the request's images
+OPTIONS = dataclasses.replace(WAN_OPTIONS, images=(1, 2))
 # The transformer splits its cross-attention context at a hard-coded 512 text tokens (diffusers'
 # WanAttnProcessor: image tokens first, then 512 text tokens), so the text is always 512 tokens long.
 TEXT_LENGTH = 512
 
 
-def _test_image() -> object:
+def _test_image(seed: int = 0) -> object:
     """The conformance suite's conditioning image: seeded noise at a size the pipeline must resize."""
     import numpy as np
     from PIL import Image
 
-    return Image.fromarray(np.random.default_rng(0).integers(0, 256, (40, 56, 3), dtype=np.uint8))
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (40, 56, 3), dtype=np.uint8))
 
 
 FAMILY = DiTFamily(
