@@ -172,7 +172,10 @@ class WanInference(InferenceSpec):
 
         refuse_two_expert(model_index, self.family, self.two_expert_family)
         if model_index.get("expand_timesteps"):
-            raise ValueError("Wan2.2 TI2V (expand_timesteps=True) checkpoints are not supported yet")
+            raise ValueError(
+                f"this is a Wan2.2 TI2V-5B folder (expand_timesteps), which {self.family} does not serve; it is the "
+                "wan22_ti2v family's: remove model.family (or set it to wan22_ti2v)"
+            )
 
     def denoiser_kwargs(self, req: Req, latents: torch.Tensor, t: torch.Tensor, branch: str) -> dict[str, Any]:
         return {

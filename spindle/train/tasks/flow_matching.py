@@ -322,12 +322,12 @@ def check_validation_images(cfg: DiTJobConfig, family: DiTFamily) -> None:
     """`train.validation.images`: one existing image file per prompt for a family that takes conditioning
     images, none for one that does not (checked before launch, not at the first validation step)."""
     val = cfg.train.validation
-    takes = family.options.images[1] > 0
+    needs, takes = (n > 0 for n in family.options.images)  # (an optional image: Wan2.2 TI2V)
     if not val.every_steps or not val.prompts:
         return
     if not takes and val.images:
         raise ValueError(f"train.validation.images: {family.name} generates from text alone; remove the images")
-    if takes and len(val.images) != len(val.prompts):
+    if (needs or val.images) and len(val.images) != len(val.prompts):
         raise ValueError(
             f"train.validation.images: {family.name} needs a conditioning image per validation prompt; got "
             f"{len(val.images)} image(s) for {len(val.prompts)} prompt(s)"
