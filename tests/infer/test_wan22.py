@@ -42,14 +42,20 @@ def test_each_expert_denoises_the_steps_on_its_side_of_the_boundary(tiny_wan22):
     assert calls == {"transformer": 1, "transformer_2": 1}
 
 
-def test_guidance_scale_2_is_the_low_noise_experts_cfg_scale(tiny_wan22):
+def test_guidance_scale_2_is_the_low_noise_experts_cfg_scale(tiny_wan22, monkeypatch):
     gen = load_generator(tiny_wan22)
-    cfg = get_family("wan22").conformance.parity_cases["cfg"]
-    same = gen.generate(**{**cfg, "guidance_scale_2": cfg["guidance_scale"]}).frames
+    spec = gen.pipeline.spec
+    scales = []
+    combine = spec.combine_cfg
+    monkeypatch.setattr(spec, "combine_cfg", lambda c, u, scale: scales.append(scale) or combine(c, u, scale))
+    cfg = get_family("wan22").conformance.parity_cases["cfg"]  # t = 1000 (high noise), 750 (low noise)
     default = gen.generate(**{k: v for k, v in cfg.items() if k != "guidance_scale_2"}).frames
-    np.testing.assert_array_equal(same, default)  # unset: guidance_scale, as stock
+    assert scales == [cfg["guidance_scale"]] * 2  # unset: guidance_scale, as stock
+    scales.clear()
     other = gen.generate(**cfg).frames
-    assert np.abs(other - default).max() > 1e-3
+    assert scales == [cfg["guidance_scale"], cfg["guidance_scale_2"]]
+    # a tiny random model's prompt moves the prediction little: the output changes well above rounding
+    assert np.abs(other - default).max() > 1e-6
 
 
 def test_expert_offload_keeps_one_expert_on_the_device_and_changes_nothing(tiny_wan22):

@@ -46,7 +46,10 @@ FAMILY = dataclasses.replace(
     detect=None,
     variant=expands_timesteps,
     options=OPTIONS,
-    demo=dataclasses.replace(WAN.demo, size=(32, 32)) if WAN.demo else None,
+    # 64x64: the 16x VAE and 2x2 patches leave 2x2 tokens per latent frame (at 32x32, one)
+    demo=dataclasses.replace(WAN.demo, size=(64, 64), dataset_kwargs={**WAN.demo.dataset_kwargs, "size": (64, 64)})
+    if WAN.demo
+    else None,
     conformance=ConformanceSpec(
         # text-to-video through the folder's own pipeline (WanPipeline); image-to-video against stock
         # WanImageToVideoPipeline on the same folder: tests/infer/test_wan22_ti2v.py

@@ -74,13 +74,20 @@ class WanI2VConditionModel(WanConditionModel):
         # a transformer embedding one image per video cannot take a last frame's embeddings (FLF2V ones fold
         # two per sample: `pos_embed_seq_len`); one without image embeddings (Wan2.2) takes the last frame's latents
         config = json.loads((root / "transformer" / "config.json").read_text())
-        self.takes_last_image = not self.takes_image_embeds or config.get("pos_embed_seq_len") is not None
+        folds_two = config.get("pos_embed_seq_len") is not None
+        self.takes_last_image = not self.takes_image_embeds or folds_two
+        self.needs_last_image = self.takes_image_embeds and folds_two
 
     def encode(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         if batch.get("last_image") is not None and not self.takes_last_image:
             raise ValueError(
                 "the data names a 'last_image', but this checkpoint is not first-last-frame (FLF2V): its transformer "
                 "embeds one image per video (no pos_embed_seq_len); remove last_image from the manifest"
+            )
+        if batch.get("last_image") is None and self.needs_last_image:
+            raise ValueError(
+                "this first-last-frame (FLF2V) checkpoint needs a 'last_image' per sample (its transformer embeds "
+                "the first and the last frame of every video); name one in each manifest entry"
             )
         pixels = batch["pixels"]
         images = batch.get("image")

@@ -53,7 +53,14 @@ class WanI2VBeforeDenoisingStage(WanBeforeDenoisingStage):
             raise RequestError(
                 "image is required: this is an image-to-video model; give the first frame", field="image"
             )
-        if len(params.image) == 2 and self.takes_image_embeds and self.transformer.config.pos_embed_seq_len is None:
+        folds_two = self.transformer.config.pos_embed_seq_len is not None  # an FLF2V image embedder
+        if len(params.image) == 1 and self.takes_image_embeds and folds_two:
+            raise RequestError(
+                "last_image is required for this first-last-frame (FLF2V) checkpoint: its transformer embeds the "
+                "first and the last frame of every video (pos_embed_seq_len in its config); give last_image",
+                field="last_image",
+            )
+        if len(params.image) == 2 and self.takes_image_embeds and not folds_two:
             # the stock pipeline would hand this transformer two images' embeddings per sample and fail mid-run
             raise RequestError(
                 "last_image needs a first-last-frame (FLF2V) checkpoint: this transformer embeds one image per "
