@@ -5,6 +5,8 @@ embeddings of both frames, folded per sample by the transformer's `pos_embed_seq
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -60,8 +62,6 @@ def test_a_one_image_transformer_refuses_a_last_frame(tiny_wan_i2v):
 
 
 def test_generate_cli_last_image(tiny_flf2v, tmp_path, spindle_cli, monkeypatch):
-    from PIL import Image
-
     from spindle.infer.generator import DiffusionGenerator
 
     seen = []
@@ -80,9 +80,6 @@ def test_generate_cli_last_image(tiny_flf2v, tmp_path, spindle_cli, monkeypatch)
     assert r.returncode == 0, r.stderr
     assert out.is_file()
     # the request carried both frames, in order (generate(image=first, last_image=last))
-    images = seen[-1].image
-    assert len(images) == 2
-    for got, path in zip(images, (first, last), strict=True):
-        np.testing.assert_array_equal(np.asarray(Image.open(path).convert("RGB")), np.asarray(got))
+    assert [Path(str(image)) for image in seen[-1].image] == [first, last]
     r = spindle_cli("generate", "--model", tiny_flf2v, "--prompt", "a red fox", "--last-image", last, "--out", out)
     assert r.returncode == 2 and "--last-image goes with exactly one --image" in r.stderr
