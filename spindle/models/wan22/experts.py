@@ -9,12 +9,14 @@ defaults to `guidance_scale`). Training fine-tunes one expert (`train.expert`), 
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from spindle.contracts.options import Option
-from spindle.contracts.request import Req
+
+if TYPE_CHECKING:  # the family records import this module: no torch at `spindle --help`
+    import torch
+
+    from spindle.contracts.request import Req
 
 # train.expert -> the checkpoint component it names
 EXPERTS = {"high_noise": "transformer", "low_noise": "transformer_2"}
@@ -57,7 +59,6 @@ class TwoExpertInference:
     """Mixin for a Wan inference spec: the second expert loaded and switched to at the boundary."""
 
     family: str
-    transformer_component = "transformer"
     expert_components: tuple[str, ...] = ("transformer_2",)
     pipeline_config: tuple[str, ...] = (BOUNDARY,)
 
