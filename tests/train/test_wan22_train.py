@@ -66,6 +66,7 @@ def test_a_low_noise_lora_exports_for_transformer_2_and_loads_there(tiny_wan22, 
     result = make_trainer(load_job_config(None, overrides)).run()
     lora = result.export_dir / "lora"
     assert json.loads((lora / "spindle.json").read_text())["component"] == "transformer_2"
+    assert "load_lora_weights(" in (card := (lora / "README.md").read_text()) and "load_into_transformer_2=True" in card
     pipe = WanPipeline.from_pretrained(tiny_wan22)
     pipe.load_lora_weights(lora, load_into_transformer_2=True)
     assert any("lora" in n for n, _ in pipe.transformer_2.named_parameters())

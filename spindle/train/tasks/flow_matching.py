@@ -420,6 +420,7 @@ def export_lora(
         max_text_length,
         lora_dir=str(out.resolve() / "lora"),
         media=family.inference_spec().media if family.inference else "image",
+        component=component,
     )
     if merge:
         model: Any = load_transformer(base, component=component)  # a diffusers ModelMixin (PEFT loader methods)
