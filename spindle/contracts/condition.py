@@ -51,4 +51,5 @@ class ConditionModel(ABC):
 
     @abstractmethod
     def training_inputs(self, conditions: dict[str, torch.Tensor], generators: list[torch.Generator]) -> dict[str, Any]:
-        """Conditions + one generator per sample -> transformer forward kwargs + "target" + "sigmas"."""
+        """Conditions + one generator per sample -> transformer forward kwargs + "target" + "sigmas" (+ an
+        optional "loss_mask", broadcastable to the target: 1 where the loss counts)."""

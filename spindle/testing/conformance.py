@@ -339,6 +339,7 @@ def check_training_inputs(family: DiTFamily, root: Path, condition: Any = None) 
     missing = {"target", "sigmas"} - set(inputs)
     assert not missing, f"{family.name}: training_inputs must return {sorted(missing)}"
     target, sigmas = inputs.pop("target"), inputs.pop("sigmas")
+    inputs.pop("loss_mask", None)  # the task's, not the transformer's
     model = load_transformer(root)
     params = inspect.signature(model.forward).parameters
     unknown = sorted(set(inputs) - set(params))

@@ -217,13 +217,20 @@ class FlowMatchingTask(TrainTask):
         inputs = self.condition.training_inputs(conditions, generators)
         target = inputs.pop("target").to(self.device)
         sigmas = inputs.pop("sigmas")
+        # elements the loss leaves out (Wan2.2 TI2V's image-to-video: the first latent frame is the clean image)
+        loss_mask = inputs.pop("loss_mask", None)
         inputs = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in inputs.items()}
         patch = getattr(getattr(model, "config", None), "patch_size", 1)
         tokens_per_sample = count_tokens(inputs["hidden_states"], patch)
         self._check_sequence_split(model, tokens_per_sample, inputs)
         with self._autocast():
             pred = model(**inputs, return_dict=False)[0]
-        per_sample = F.mse_loss(pred.float(), target.float(), reduction="none").flatten(1).mean(1)
+        squared = F.mse_loss(pred.float(), target.float(), reduction="none")
+        if loss_mask is None:
+            per_sample = squared.flatten(1).mean(1)
+        else:
+            mask = loss_mask.to(squared).expand_as(squared)
+            per_sample = (squared * mask).flatten(1).sum(1) / mask.flatten(1).sum(1)
         weights = loss_weights(sigmas, self.loss_weighting)
         if weights is not None:
             per_sample = per_sample * weights.to(per_sample)
