@@ -14,12 +14,6 @@ def expands_timesteps(model_index: dict) -> bool:
     return bool(model_index.get("expand_timesteps"))
 
 
-def _test_image() -> object:
-    from spindle.models.wan_i2v import _test_image as image
-
-    return image(seed=3)
-
-
 # Wan's options (num_frames = 4k + 1; Wan2.2 TI2V is trained at 24 fps) and an optional first frame
 OPTIONS = dataclasses.replace(WAN_OPTIONS, fps=24, images=(0, 1))
 
