@@ -40,6 +40,7 @@ _ENGINE_FIELDS = (
     "num_frames",
     "max_sequence_length",
     "image",
+    "last_image",
 )
 
 
