@@ -74,3 +74,27 @@ def test_a_low_noise_lora_exports_for_transformer_2_and_loads_there(tiny_wan22, 
     gen = load_generator(tiny_wan22, lora=str(lora))
     assert any("lora" in n for n, _ in gen.pipeline.components["transformer_2"].named_parameters())
     assert not any("lora" in n for n, _ in gen.pipeline.components["transformer"].named_parameters())
+
+
+def test_validation_samples_denoise_with_the_trained_and_the_frozen_expert(tiny_wan22, shapes_videos, tmp_path):
+    """Training the low-noise expert, validation renders with it and the checkpoint's high-noise expert: the
+    sample equals the exported pipeline's output for the same request."""
+    import numpy as np
+
+    from spindle.api import load_generator
+    from spindle.train.validation import render_samples
+
+    overrides = train_overrides(
+        tiny_wan22, shapes_videos, tmp_path / "run", train__expert="low_noise", train__max_steps=1,
+        train__validation__every_steps=1, train__validation__num_inference_steps=3,
+        train__validation__prompts='["a red circle"]', train__validation__num_frames=5, model__max_text_length=16,
+    )  # fmt: skip
+    trainer = make_trainer(load_job_config(None, overrides))
+    result = trainer.run()
+    assert (result.output_dir / "samples" / "step-000001" / "00.mp4").is_file()
+    frames = render_samples(trainer.task, trainer.model, 1, tmp_path / "again")[0]
+    # (validation renders at the engine's default text length, 512; the export's default is the trained 16)
+    exported = load_generator(result.export_dir).generate(
+        prompt="a red circle", height=32, width=32, num_frames=5, num_inference_steps=3, seed=0, max_sequence_length=512
+    )
+    np.testing.assert_allclose(frames, exported.frames[0], atol=1e-5, rtol=0)
