@@ -388,10 +388,20 @@ class TrainJobConfig(Section):
         return self.export.weights or ("ema" if self.train.ema is not None else "trained")
 
 
+class DiTTrainConfig(TrainConfig):
+    expert: Literal["high_noise", "low_noise"] | None = Field(
+        None,
+        description="two-expert checkpoints (Wan2.2 A14B): the expert to fine-tune, high_noise (transformer, "
+        "timesteps >= boundary_ratio x 1000) or low_noise (transformer_2, below it); its timesteps are drawn "
+        "within that range and the export rewrites only its folder",
+    )
+
+
 class DiTJobConfig(TrainJobConfig):
     """A flow-matching (DiT) job."""
 
     data: MediaDataConfig
+    train: DiTTrainConfig = DiTTrainConfig()
 
 
 class CausalLMJobConfig(TrainJobConfig):

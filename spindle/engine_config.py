@@ -97,6 +97,11 @@ class EngineConfig(OptionSection):
         description="keep the last N transformer blocks in host memory and stream them to the device with a "
         "one-block prefetch (spindle.infer.offload; for models bigger than the device; same output; 0: off)",
     )
+    expert_offload: bool = Field(
+        False,
+        description="two-expert models (Wan2.2 A14B): each expert stays in host memory and moves to the device for "
+        "the steps it denoises, so one expert is on the device at a time (same output)",
+    )
     text_encoder_offload: bool = Field(
         False, description="text encoders stay on the host and visit the device only while they encode"
     )
@@ -121,6 +126,10 @@ class EngineConfig(OptionSection):
         if self.cache == "auto" and self.world_size_needed > 1:
             raise ValueError(
                 "cache='auto' calibrates in one process; pick the policy it printed for sp / ring / cfg_parallel"
+            )
+        if self.blocks_to_swap and self.expert_offload:
+            raise ValueError(
+                "blocks_to_swap streams blocks of each expert, expert_offload whole experts; drop one of them"
             )
         if self.blocks_to_swap and self.compile:
             # the compiled block would trace the hooks that swap its weights

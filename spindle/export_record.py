@@ -67,6 +67,7 @@ def write_lora_card(
     max_text_length: int | None,
     lora_dir: str | None = None,
     media: str = "image",
+    component: str = "transformer",
 ) -> None:
     """README.md of an exported LoRA folder (`folder`, to be found at `lora_dir` once renamed): what it
     is, the base model, and the exact `spindle generate` / diffusers lines that use it."""
@@ -85,6 +86,8 @@ def write_lora_card(
     )
     length_arg = f", max_sequence_length={max_text_length}" if max_text_length else ""
     out_file = "sample.mp4" if media == "video" else "sample.png"
+    # a two-expert checkpoint's low-noise expert (Wan2.2 A14B): diffusers loads it there when told
+    into = ", load_into_transformer_2=True" if component == "transformer_2" else ""
     card = f"""# LoRA for {family} (trained with Spindle)
 
 Base model: `{base}` (the diffusers pipeline folder this LoRA was trained on).
@@ -105,7 +108,7 @@ spindle serve --model {base} --lora {where}
 import diffusers
 
 pipe = diffusers.{pipeline_class}.from_pretrained("{base}")
-pipe.load_lora_weights("{where}")
+pipe.load_lora_weights("{where}"{into})
 out = pipe(prompt="..."{length_arg})
 ```
 """

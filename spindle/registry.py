@@ -35,6 +35,9 @@ BUILTIN_FAMILIES: dict[str, str] = {
     "qwenimage_edit_plus": "spindle.models.qwenimage_edit.plus",
     "wan": "spindle.models.wan",
     "wan_i2v": "spindle.models.wan_i2v",
+    "wan22": "spindle.models.wan22",
+    "wan22_i2v": "spindle.models.wan22_i2v",
+    "wan22_ti2v": "spindle.models.wan22_ti2v",
 }
 
 
@@ -144,7 +147,8 @@ def _is_diffusers_pipeline(class_name: str) -> bool:
 def resolve_family(root: str | Path) -> Family:
     """Find the family serving a checkpoint folder.
 
-    A diffusers pipeline folder (model_index.json): pipeline `_class_name`; a diffusers pipeline class
+    A diffusers pipeline folder (model_index.json): pipeline `_class_name` (among families serving the same
+    class, the one whose `variant` accepts the folder, else the base one); a diffusers pipeline class
     no family serves is refused here, before any weight loads; a class diffusers does not know (a
     renamed or hand-assembled local folder) falls back to the transformer's `_class_name`, then to each
     family's detector.
@@ -170,9 +174,11 @@ def resolve_family(root: str | Path) -> Family:
     transformer_cls = _read_json(tcfg_path).get("_class_name") if tcfg_path.is_file() else None
     families = all_families()
     dit = [f for f in families if isinstance(f, DiTFamily)]
-    for fam in dit:
-        if pipeline_cls in fam.pipeline_classes:
-            return fam
+    serving = [f for f in dit if pipeline_cls in f.pipeline_classes]
+    if serving:
+        index = _read_json(index_path)
+        variant = [f for f in serving if f.variant is not None and f.variant(index)]
+        return (variant or [f for f in serving if f.variant is None] or serving)[0]
     if isinstance(pipeline_cls, str) and _is_diffusers_pipeline(pipeline_cls):
         # A real diffusers pipeline that no family serves (e.g. WanVideoToVideoPipeline around a
         # WanTransformer3DModel) must not fall through to a family matched by its transformer: that family

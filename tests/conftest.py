@@ -89,6 +89,17 @@ def tiny_wan_i2v(tiny_checkpoint) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_wan_flf2v(tmp_path_factory) -> Path:
+    """Wan2.1 FLF2V layout (a `wan_i2v` checkpoint): tiny_wan_i2v's, with a transformer whose image embedder
+    folds two images' CLIP tokens per sample (`pos_embed_seq_len`): it takes a last frame."""
+    from spindle.models.wan_i2v.tiny import CLIP_VISION, build_tiny_wan_i2v
+
+    tokens = (CLIP_VISION["image_size"] // CLIP_VISION["patch_size"]) ** 2 + 1  # patches + the class token
+    out = tmp_path_factory.mktemp("models") / "wan_flf2v"
+    return build_tiny_wan_i2v(out, seed=4, transformer={"pos_embed_seq_len": 2 * tokens})
+
+
+@pytest.fixture(scope="session")
 def tiny_flux(tiny_checkpoint) -> Path:
     """FLUX.1-dev style: embedded guidance, VAE x2 (32x32 px -> 64 image tokens)."""
     return tiny_checkpoint("flux")

@@ -45,6 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="conditioning image file (image-to-video: the first frame); repeat for families taking several",
     )
+    p.add_argument(
+        "--last-image",
+        default=None,
+        metavar="PATH",
+        help="the last frame's image file (first-last-frame video families, Wan FLF2V; with one --image)",
+    )
     p.add_argument("--out", required=True, help="output file: .mp4 for video, .png for images")
     p.add_argument("--fps", type=int, default=None, help="frames per second of the mp4 (default: the family's)")
     p.add_argument(
@@ -83,6 +89,13 @@ def run(args: argparse.Namespace) -> int:
     # after loading: a multi-process engine joins its process group there, and only rank 0 writes the output
     # (every rank writing the same file raced on its atomic rename)
     main = is_main_rank()
+    images = args.image
+    if args.last_image is not None:  # the request's second image (generate()'s last_image)
+        if len(images or []) != 1:
+            from spindle.contracts.request import RequestError
+
+            raise RequestError("--last-image goes with exactly one --image (the first frame)", field="last_image")
+        images = [*images, args.last_image]
     request = dict(
         prompt=args.prompt,
         negative_prompt=args.negative_prompt,
@@ -92,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         num_inference_steps=args.steps,
         guidance_scale=args.guidance,
         seed=args.seed,
-        image=args.image,
+        image=images,
         **option_values(args),
     )
     if gen.spec.media != "video":

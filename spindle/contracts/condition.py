@@ -33,6 +33,22 @@ class ConditionModel(ABC):
 
     # how training draws sigmas (the job's `train.timestep`, a `spindle.config.TimestepConfig`)
     timestep_sampling: Any
+    # the sigmas training draws are mapped into [low, high] (a two-expert family's trained expert's range)
+    sigma_range: tuple[float, float] = (0.0, 1.0)
+
+    @classmethod
+    def trained_component(cls, model_index: dict[str, Any], expert: str | None) -> str:
+        """The checkpoint component a run trains, for `train.expert` (checked before launch). Default: a
+        single-transformer family, which takes no expert."""
+        if expert is not None:
+            raise ValueError(
+                f"train.expert={expert!r}: this checkpoint has one transformer (no experts); remove train.expert"
+            )
+        return "transformer"
+
+    def select_expert(self, expert: str) -> None:
+        """Train the expert `expert` of a two-expert checkpoint: set `sigma_range` to its timesteps."""
+        raise ValueError(f"train.expert={expert!r}: this checkpoint has one transformer (no experts)")
 
     @classmethod
     @abstractmethod
@@ -53,7 +69,8 @@ class ConditionModel(ABC):
 
     @abstractmethod
     def training_inputs(self, conditions: dict[str, torch.Tensor], generators: list[torch.Generator]) -> dict[str, Any]:
-        """Conditions + one generator per sample -> transformer forward kwargs + "target" + "sigmas"."""
+        """Conditions + one generator per sample -> transformer forward kwargs + "target" + "sigmas" (+ an
+        optional "loss_mask", broadcastable to the target: 1 where the loss counts)."""
 
     @classmethod
     def pixel_grid(cls, root: str | Path) -> PixelGrid:

@@ -178,6 +178,13 @@ class ConformanceSpec:
     def stock_overrides(self, root: Path) -> dict[str, Any]:
         return {} if self.stock_components is None else dict(import_object(self.stock_components)(root))
 
+    # denoising steps of the suite's step-cache runs: enough that the cache skips a few (a two-expert family's
+    # experts each compute every block at their first step)
+    cache_steps: int = 3
+    # dotted overrides every training run of the suite adds, for what the family's training requires
+    # (a two-expert family: which expert to train, `train__expert`)
+    train_overrides: dict[str, Any] = field(default_factory=dict)
+
 
 @dataclass(frozen=True)
 class CausalLMConformanceSpec:
@@ -210,6 +217,9 @@ class DiTFamily:
     inference: str | None = None  # "module:object" of the family's inference spec (infer/)
     tiny_model: str | None = None  # "module:function(out, seed, **overrides)"
     detect: Callable[[Path], bool] | None = None
+    # a variant of a pipeline class another family serves too (Wan2.2 A14B's two-expert WanPipeline):
+    # model_index.json -> whether the folder is this variant; the registry tries variants first
+    variant: Callable[[dict[str, Any]], bool] | None = None
     demo: DemoSpec | None = None
     conformance: ConformanceSpec | None = None
     extras: dict[str, Any] = field(default_factory=dict)

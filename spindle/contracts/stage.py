@@ -95,6 +95,12 @@ class InferenceSpec:
     # cannot load here (Qwen-Image-Edit's Qwen2VLProcessor needs torchvision: its processor is assembled)
     component_loaders: dict[str, str] = {}
     transformer_component: str = "transformer"
+    # further transformers that denoise some of the steps (Wan2.2 A14B's low-noise expert "transformer_2"):
+    # loaded, sped up, offloaded and sequence-parallelized as the main one; `step_denoiser` picks per step
+    expert_components: tuple[str, ...] = ()
+    # model_index.json config values the family's stages read (e.g. "boundary_ratio"), handed to them in
+    # `components` under the same name (None when the folder does not set it)
+    pipeline_config: tuple[str, ...] = ()
     vae_component: str = "vae"
     before_denoising_cls: type[BeforeDenoisingStage] = BeforeDenoisingStage
     # the family's declared sampling options (the same object as its family record's `options`)
@@ -113,6 +119,16 @@ class InferenceSpec:
 
     def make_before_denoising(self, components: dict[str, Any]) -> BeforeDenoisingStage:
         return self.before_denoising_cls(components, self)
+
+    @property
+    def denoiser_components(self) -> tuple[str, ...]:
+        """Every transformer that denoises: the main one first, then the experts."""
+        return (self.transformer_component, *self.expert_components)
+
+    def step_denoiser(self, req: Req, t: torch.Tensor) -> tuple[str, float]:
+        """(the component that denoises the step at timestep `t`, its CFG scale). Default: the one
+        transformer at the request's scale; a two-expert family switches at its boundary."""
+        return self.transformer_component, req.cfg_scale
 
     # --- DenoisingStage callbacks
     def denoiser_kwargs(self, req: Req, latents: torch.Tensor, t: torch.Tensor, branch: str) -> dict[str, Any]:

@@ -54,6 +54,7 @@ class Sample:
     size: tuple[int, int, int] | None = None  # (frames, height, width) as the manifest declares it (buckets)
     sources: tuple[Path, ...] = ()  # an edit pair's source images (`path` is the target; spindle.data.edit_pairs)
     where: str = ""  # "manifest:line" of a manifest entry, for errors about its files
+    last_image: Path | None = None  # the last frame's conditioning image (first-last-frame video, Wan FLF2V)
 
 
 class MediaDataset(Dataset):
@@ -123,6 +124,8 @@ class MediaDataset(Dataset):
             out["image"] = read_media(sample.image, 1, resolution)[:, 0]
         if sample.sources:  # an edit pair's source images, decoded as the target is
             out["images"] = read_sources(sample, resolution)
+        if sample.last_image is not None:
+            out["last_image"] = read_media(sample.last_image, 1, resolution)[:, 0]
         return out
 
     def same_shape(self, a: int, b: int) -> bool:
@@ -177,6 +180,14 @@ def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
         batch["image"] = torch.stack([s["image"] if "image" in s else s["pixels"][:, 0] for s in samples])
     if any("images" in s for s in samples):
         batch["images"] = collate_sources(samples)
+    last = [s["index"] for s in samples if "last_image" in s]
+    if last and len(last) != len(samples):  # a first-last-frame model conditions every video of a batch alike
+        raise ValueError(
+            f"cannot batch samples {[s['index'] for s in samples]}: only {last} name a 'last_image'; give every "
+            "manifest entry a last_image (or none), or use micro_batch_size=1"
+        )
+    if last:
+        batch["last_image"] = torch.stack([s["last_image"] for s in samples])
     return batch
 
 
@@ -252,22 +263,12 @@ def _manifest_entry(manifest: Path, lineno: int, line: str) -> Sample:
             f"unsupported extension {path.suffix!r} ({where})",
             f"Supported: {', '.join(sorted(MEDIA_EXTENSIONS))}.",
         )
-    image = None
-    if "image" in entry:  # optional: the sample's conditioning image (image-to-video)
-        if not isinstance(entry["image"], str):
-            raise ValueError(f"{where}: 'image' must be a string path; got {type(entry['image']).__name__}")
-        image = Path(entry["image"]).expanduser()
-        if not image.is_absolute():
-            image = manifest.parent / image
-        if not is_image_path(image):
-            raise MediaError(
-                image,
-                f"'image' must be an image file; unsupported extension {image.suffix!r} ({where})",
-                f"Supported: {', '.join(sorted(IMAGE_EXTENSIONS))}.",
-            )
+    # optional: the sample's conditioning image (image-to-video) and last frame (first-last-frame video)
+    image, last_image = (_entry_image(entry, key, manifest, where) for key in ("image", "last_image"))
     stripped = tuple(c.strip() for c in captions)
     several = stripped if len(stripped) > 1 and all(stripped) else ()
-    return Sample(path, "" if not all(stripped) else stripped[0], image, several, declared_size(entry, where))
+    caption = "" if not all(stripped) else stripped[0]
+    return Sample(path, caption, image, several, declared_size(entry, where), last_image=last_image)
 
 
 def declared_size(entry: dict[str, Any], where: str) -> tuple[int, int, int] | None:
@@ -289,6 +290,24 @@ def declared_size(entry: dict[str, Any], where: str) -> tuple[int, int, int] | N
 def open_manifest(path: str | os.PathLike[str]) -> ShardedManifest:
     """A .jsonl manifest or a folder of .jsonl shards as a lazy, checked index (`spindle.data.index`)."""
     return ShardedManifest.open(path, _manifest_entry)
+
+
+def _entry_image(entry: dict[str, Any], key: str, manifest: Path, where: str) -> Path | None:
+    """The image file a manifest entry names under `key` (relative to the manifest), or None."""
+    if key not in entry:
+        return None
+    if not isinstance(entry[key], str):
+        raise ValueError(f"{where}: '{key}' must be a string path; got {type(entry[key]).__name__}")
+    image = Path(entry[key]).expanduser()
+    if not image.is_absolute():
+        image = manifest.parent / image
+    if not is_image_path(image):
+        raise MediaError(
+            image,
+            f"'{key}' must be an image file; unsupported extension {image.suffix!r} ({where})",
+            f"Supported: {', '.join(sorted(IMAGE_EXTENSIONS))}.",
+        )
+    return image
 
 
 def read_manifest(manifest: str | os.PathLike[str]) -> list[Sample]:

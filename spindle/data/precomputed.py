@@ -75,9 +75,10 @@ def sample_key(sample: Sample) -> str:
     stat = sample.path.stat()
     caption = hashlib.sha256("\n".join(sample.captions or (sample.caption,)).encode()).hexdigest()[:16]
     key = f"{sample.path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{caption}"
-    for image_path in (*([sample.image] if sample.image is not None else []), *sample.sources):
-        image = image_path.stat()  # conditioning / source images are part of the cached conditions
-        key += f"|{image_path.resolve()}|{image.st_size}|{image.st_mtime_ns}"
+    for tag, path in (("", sample.image), ("last=", sample.last_image), *(("source=", p) for p in sample.sources)):
+        if path is not None:  # conditioning / source images are part of the cached conditions
+            stat = path.stat()
+            key += f"|{tag}{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
     return key
 
 

@@ -59,9 +59,10 @@ def calibrate_cache(
 ) -> CacheChoice:
     """Try the policies on `params` and leave the chosen one enabled on `gen`. -> the choice and every trial."""
     stage = gen.pipeline.denoising
-    stage.set_cache("mag")  # calibration mode: computes every block (exact) and measures MagCache's ratios
+    # calibration mode: computes every block (exact) and measures MagCache's ratios (where MagCache can run)
+    stage.set_cache("mag" if stage.cache_unavailable("mag") is None else None)
     reference = gen.run(params)
-    mag_ratios = stage.cache.mag_ratios
+    mag_ratios = stage.cache.mag_ratios if stage.cache is not None else None
     stage.set_cache(None)
     ref_seconds = reference.timings["denoising"]
     trials: list[dict[str, Any]] = []

@@ -200,6 +200,7 @@ class DiffusionGenerator:
         image: Any = None,
         lora: str | None = None,
         lora_scale: float | None = None,
+        last_image: Any = None,
         progress: Callable[[int, int], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
         **extra: Any,
@@ -207,8 +208,14 @@ class DiffusionGenerator:
         """Generate; `progress(step, total)` is called after each denoising step, `should_stop()` is
         checked before each step (a True raises `Cancelled`). `seed=None` draws one (reported back).
         `image`: the conditioning image(s) of an image-conditioned family (a PIL image, a uint8 array, a
-        path, or a list of them). `lora` / `lora_scale`: one of the adapters loaded at run time
+        path, or a list of them); `last_image`: the last frame of a first-last-frame video family (Wan FLF2V),
+        the request's second image. `lora` / `lora_scale`: one of the adapters loaded at run time
         (`enable_adapters`) and its strength (default 1); none: the model without them."""
+        images = None if image is None else list(image) if isinstance(image, (list, tuple)) else [image]
+        if last_image is not None:
+            if images is None or len(images) != 1:
+                raise RequestError("last_image goes with exactly one image (the first frame)", field="last_image")
+            images.append(last_image)
         params = SamplingParams(
             prompt=prompt,
             negative_prompt=negative_prompt,
@@ -220,7 +227,7 @@ class DiffusionGenerator:
             seed=seed,
             num_outputs_per_prompt=num_outputs_per_prompt,
             max_sequence_length=max_sequence_length,
-            image=None if image is None else list(image) if isinstance(image, (list, tuple)) else [image],
+            image=images,
             lora=lora,
             lora_scale=lora_scale,
             extra=extra,

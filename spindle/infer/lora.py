@@ -99,8 +99,9 @@ def load_adapter(family: Any, pipe: Any, transformer: Any, path: str | Path, ada
     trained_for = metadata.get("family")
     if trained_for and trained_for != family.name:
         raise ValueError(f"LoRA {path} was trained for the {trained_for!r} family; this model is {family.name!r}")
+    into = {"load_into_transformer_2": True} if lora_component(path) == "transformer_2" else {}
     try:
-        pipe.load_lora_weights(state_dict, adapter_name=adapter_name)
+        pipe.load_lora_weights(state_dict, adapter_name=adapter_name, **into)
     except (ValueError, KeyError, RuntimeError, AssertionError, IndexError) as e:
         detail = str(e) if len(str(e)) < 600 else str(e)[:600] + " ..."  # size mismatches list every tensor
         raise ValueError(
@@ -115,10 +116,29 @@ def load_adapter(family: Any, pipe: Any, transformer: Any, path: str | Path, ada
     return metadata
 
 
+def lora_component(path: str | Path) -> str:
+    """The transformer a Spindle-trained LoRA is for: a two-expert checkpoint's `transformer_2` when its
+    spindle.json says so (stock `load_lora_weights(..., load_into_transformer_2=True)` puts it there)."""
+    from spindle.export_record import read_export_record
+
+    return str(read_export_record(path).get("component", "transformer"))
+
+
+def lora_transformer(family: Any, components: dict[str, Any], path: str | Path) -> Any:
+    """The component the LoRA at `path` adapts; a component the checkpoint lacks raises `ValueError`."""
+    component = lora_component(path)
+    if component not in ("transformer", "transformer_2") or components.get(component) is None:
+        raise ValueError(
+            f"LoRA {path} was trained for the checkpoint's {component!r}, which this {family.name} checkpoint lacks"
+        )
+    return components[component]
+
+
 def apply_lora_file(family: Any, components: dict[str, Any], path: str | Path, scale: float = 1.0) -> None:
-    """Load the LoRA at `path` into `components["transformer"]` (in place) with weight `scale`."""
+    """Load the LoRA at `path` into `components["transformer"]` (in place) with weight `scale`; a LoRA that
+    Spindle trained for a two-expert checkpoint's `transformer_2` goes there (`lora_component`)."""
+    transformer = lora_transformer(family, components, path)
     pipe = lora_pipeline(family, components)
-    transformer = components["transformer"]
     load_adapter(family, pipe, transformer, path, ADAPTER)
     if scale != 1.0:
         pipe.set_adapters([ADAPTER], adapter_weights=[float(scale)])

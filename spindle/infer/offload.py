@@ -10,6 +10,8 @@ first for the next denoising step), on a side CUDA stream from pinned memory, as
 - `blocks_to_swap: N` (EngineConfig): the last N transformer blocks are streamed, the others and
   the non-block weights (embeddings, norms, output projection) stay on the device.
 - `text_encoder_offload`: each text encoder lives on the host and visits the device for its forward.
+- `expert_offload`: a two-expert model's experts (Wan2.2 A14B) live on the host; the one that denoises
+  the current steps is on the device until the other one starts (`sticky` units: one resident at a time).
 
 The arithmetic is untouched (the same kernels read the same values), so outputs equal the
 non-offloaded run exactly. On a CPU-only machine host and device are the same memory: the units
@@ -29,11 +31,14 @@ from torch import nn
 class ModuleOffload:
     """Stream `units` (modules) between host memory and `device` around their forwards."""
 
-    def __init__(self, units: Sequence[nn.Module], device: torch.device | str) -> None:
+    def __init__(self, units: Sequence[nn.Module], device: torch.device | str, sticky: bool = False) -> None:
         self.units = list(units)
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self.stream: Any = torch.cuda.Stream(self.device) if self.cuda and len(self.units) > 1 else None
+        # sticky: a unit stays on the device after its forward until another unit runs (units that run many
+        # times in a row, e.g. the experts of a two-expert model: one resident at a time, no prefetch)
+        self.sticky = sticky
+        self.stream: Any = torch.cuda.Stream(self.device) if self.cuda and len(self.units) > 1 and not sticky else None
         self.events: dict[int, Any] = {}
         # per unit: (tensor object whose .data is swapped, its host copy)
         self.host: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
@@ -99,7 +104,7 @@ class ModuleOffload:
 
     def _pre_hook(self, index: int) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
-            nxt = (index + 1) % len(self.units)
+            nxt = index if self.sticky else (index + 1) % len(self.units)
             for other in list(self.loaded):  # e.g. a prefetched block a step cache skipped
                 if other not in (index, nxt):
                     self._offload(other)
@@ -112,7 +117,8 @@ class ModuleOffload:
 
     def _post_hook(self, index: int) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            self._offload(index)
+            if not self.sticky:
+                self._offload(index)
 
         return hook
 
@@ -138,6 +144,19 @@ def swap_blocks(transformer: nn.Module, blocks_to_swap: int, device: torch.devic
             f"use 1..{len(blocks)} (0 turns block swap off)"
         )
     return ModuleOffload(blocks[len(blocks) - blocks_to_swap :], device)
+
+
+def offload_experts(
+    components: dict[str, Any], names: Sequence[str], device: torch.device | str
+) -> dict[str, ModuleOffload]:
+    """`expert_offload`: the denoising experts (`names`, e.g. Wan2.2 A14B's transformer and transformer_2)
+    in host memory, each moved to the device when it starts its steps and back when the other starts."""
+    if len(names) < 2:
+        raise ValueError(
+            "expert_offload: this model denoises with one transformer (no experts to take turns); use blocks_to_swap"
+        )
+    offload = ModuleOffload([components[name] for name in names], device, sticky=True)
+    return {"experts": offload}
 
 
 def offload_text_encoders(components: dict[str, Any], device: torch.device | str) -> dict[str, ModuleOffload]:

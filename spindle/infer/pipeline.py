@@ -81,8 +81,8 @@ def load_components(root: str | Path, spec: InferenceSpec, options: EngineConfig
     index = read_model_index(root)
     spec.check_checkpoint(index)
     device = options.torch_device()
-    out = {}
-    for name in spec.components:
+    out: dict[str, Any] = {}
+    for name in (*spec.components, *spec.expert_components):
         if name in spec.component_loaders:
             from spindle.contracts.family import import_object
 
@@ -90,18 +90,21 @@ def load_components(root: str | Path, spec: InferenceSpec, options: EngineConfig
             continue
         dtype = DTYPES[options.vae_dtype] if name == spec.vae_component else DTYPES[options.dtype]
         out[name] = load_component(root, name, index.get(name), device, dtype)
+    out.update({key: index.get(key) for key in spec.pipeline_config})
     return out
 
 
 def apply_offload(spec: InferenceSpec, components: dict[str, Any], options: EngineConfig) -> dict[str, ModuleOffload]:
     """The offload options (spindle.infer.offload) on the loaded components; -> the streams by component."""
-    from spindle.infer.offload import enable_vae_tiling, offload_text_encoders, swap_blocks
+    from spindle.infer.offload import enable_vae_tiling, offload_experts, offload_text_encoders, swap_blocks
 
     device = options.torch_device()
     out: dict[str, ModuleOffload] = {}
     if options.blocks_to_swap:
-        name = spec.transformer_component
-        out[name] = swap_blocks(components[name], options.blocks_to_swap, device)
+        for name in spec.denoiser_components:
+            out[name] = swap_blocks(components[name], options.blocks_to_swap, device)
+    if options.expert_offload:
+        out.update(offload_experts(components, spec.denoiser_components, device))
     if options.text_encoder_offload:
         out.update(offload_text_encoders(components, device))
     if options.vae_tiling:
@@ -169,30 +172,41 @@ class InferencePipeline:
         cls, spec: InferenceSpec, components: dict[str, Any], options: EngineConfig, root: Path | None = None
     ) -> InferencePipeline:
         transformer = components[spec.transformer_component]
+        experts = {name: components[name] for name in spec.expert_components}
+        denoisers = [transformer, *experts.values()]
         if options.keep_freed_memory and options.torch_device().type == "cpu":
             from spindle.cpu_allocator import keep_freed_memory
 
             keep_freed_memory()
         mesh, cfg_group = None, None
         if options.world_size_needed > 1:
-            mesh, cfg_group = setup_parallel(transformer, options)
+            mesh, cfg_group = setup_parallel(denoisers, options)
         denoising = DenoisingStage(
-            transformer, spec, cfg_batch=options.batch_cfg, cfg_group=cfg_group, sp=options.sp, ring=options.ring
+            transformer,
+            spec,
+            cfg_batch=options.batch_cfg,
+            cfg_group=cfg_group,
+            sp=options.sp,
+            ring=options.ring,
+            experts=experts,
         )
         if options.cache not in (None, "auto"):  # "auto": DiffusionGenerator calibrates on the first request
             denoising.set_cache(options.cache, options.cache_threshold, options.cache_options)
         if options.compile:
-            compile_blocks(transformer)  # regional compile: the helper training uses too
+            for model in denoisers:
+                compile_blocks(model)  # regional compile: the helper training uses too
         vae = components[spec.vae_component]
         if not options.exact:
             from spindle.infer.speedups import memoize_constant_inputs, onednn_conv3d, onednn_linear_gelu
 
-            memoize_constant_inputs(spec.request_constant_modules(transformer, compiled=options.compile))
+            for model in denoisers:
+                memoize_constant_inputs(spec.request_constant_modules(model, compiled=options.compile))
             if options.onednn_vae and options.torch_device().type == "cpu":
                 onednn_conv3d(vae)
             if options.fast_mlp and not options.compile and options.torch_device().type == "cpu":
                 # (compiled blocks: inductor makes its own choice of GEMM and fusion)
-                onednn_linear_gelu(transformer, spec.linear_gelu_pairs(transformer))
+                for model in denoisers:
+                    onednn_linear_gelu(model, spec.linear_gelu_pairs(model))
         offloads = apply_offload(spec, components, options)
         stages: list[Stage] = [spec.make_before_denoising(components), denoising, DecodingStage(vae, spec)]
         pipeline = cls(spec, components, stages, options, root=root, mesh=mesh)
@@ -222,7 +236,7 @@ def is_main_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def setup_parallel(transformer: torch.nn.Module, options: EngineConfig) -> tuple[Any, Any]:
+def setup_parallel(transformers: list[torch.nn.Module], options: EngineConfig) -> tuple[Any, Any]:
     """Mesh for the multi-process modes; -> (mesh, cfg process group or None).
 
     Mesh dims (spindle.distributed.mesh): `sp` = Ulysses degree, `ring` = ring-attention degree; the
@@ -244,6 +258,7 @@ def setup_parallel(transformer: torch.nn.Module, options: EngineConfig) -> tuple
     if dims.cp_size > 1:
         from spindle.distributed.context_parallel import enable_sequence_parallel
 
-        enable_sequence_parallel(transformer, mesh.cp)
+        for transformer in transformers:  # every denoiser (a two-expert model's both) splits its sequence
+            enable_sequence_parallel(transformer, mesh.cp)
     cfg_group = mesh.dp.get_group() if options.cfg_parallel else None
     return mesh, cfg_group

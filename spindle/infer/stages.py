@@ -67,30 +67,41 @@ class DenoisingStage(Stage):
         cfg_group: dist.ProcessGroup | None = None,
         sp: int = 1,
         ring: int = 1,
+        experts: dict[str, ModelMixin] | None = None,
     ):
         self.transformer = transformer
         self.spec = spec
+        # every denoising transformer by component name: the main one, plus a two-expert family's second
+        self.denoisers: dict[str, Any] = {spec.transformer_component: transformer, **(experts or {})}
         self.cfg_batch = cfg_batch
         self.cfg_group = cfg_group
         self.sp = sp
         self.ring = ring
-        self.cache: Any = None  # spindle.infer.caches.StepCache
+        self.caches: dict[str, Any] = {}  # spindle.infer.caches.StepCache per denoiser (each its own hooks)
         self.current_timestep: float | None = None  # read by timestep-gated cache hooks (PAB, FasterCache)
+
+    @property
+    def cache(self) -> Any:
+        """The main transformer's step cache (None: no cache); `caches` holds every denoiser's."""
+        return self.caches.get(self.spec.transformer_component)
 
     def set_cache(
         self, name: str | None, threshold: float | None = None, options: dict[str, Any] | None = None
     ) -> None:
-        """Replace the step cache (None: no cache)."""
-        if self.cache is not None:
-            self.cache.disable()
-            self.cache = None
+        """Replace the step cache (None: no cache): one per denoiser, each skipping within its own steps."""
+        for cache in self.caches.values():
+            cache.disable()
+        self.caches = {}
         if name is not None:
             reason = self.cache_unavailable(name)
             if reason is not None:
                 raise ValueError(reason)
             if name in POLICIES and POLICIES[name].needs_spatial_output:
                 options = {"tensor_format": self.spec.output_layout, **(options or {})}
-            self.cache = StepCache(self.transformer, name, threshold, options, lambda: self.current_timestep)
+            self.caches = {
+                component: StepCache(model, name, threshold, options, lambda: self.current_timestep)
+                for component, model in self.denoisers.items()
+            }
 
     def cache_unavailable(self, name: str) -> str | None:
         """Why step-cache policy `name` cannot run on this stage (None: it can): `set_cache` raises it,
@@ -98,6 +109,11 @@ class DenoisingStage(Stage):
         policy = POLICIES.get(name)
         if policy is None:
             return None  # "auto" / unknown names: StepCache's own checks say what is wrong
+        if name == "mag" and len(self.denoisers) > 1:
+            return (
+                f"cache 'mag' calibrates its ratios over one model's whole schedule, but {self.spec.family} "
+                "denoises with two experts, each over part of it; use fbc, taylorseer, pab or faster"
+            )
         reason = policy.cfg_unavailable(self.cfg_batch, cfg_parallel=self.cfg_group is not None)
         if reason is not None:
             return reason
@@ -108,8 +124,8 @@ class DenoisingStage(Stage):
             )
         return None
 
-    def _cache_context(self, name: str, req: Req, i: int) -> contextlib.AbstractContextManager[Any]:
-        ctx = getattr(self.transformer, "cache_context", None)
+    def _cache_context(self, model: Any, name: str, req: Req, i: int) -> contextlib.AbstractContextManager[Any]:
+        ctx = getattr(model, "cache_context", None)
         if ctx is None:
             return contextlib.nullcontext()
         sigmas = getattr(req.scheduler, "sigmas", None)
@@ -120,40 +136,47 @@ class DenoisingStage(Stage):
         )
         return context
 
-    def _forward(self, kwargs: dict[str, Any], latents: torch.Tensor) -> torch.Tensor:
-        return self.spec.target_prediction(self.spec.model_output(self.transformer(**kwargs)), latents)
-
     def predict(self, req: Req, latents: torch.Tensor, t: torch.Tensor, i: int) -> torch.Tensor:
         spec = self.spec
+        component, cfg_scale = spec.step_denoiser(req, t)
+        model = self.denoisers[component]
+
+        def forward(kwargs: dict[str, Any]) -> torch.Tensor:
+            # an edit family's reference tokens are dropped from each branch, before CFG combines them
+            return spec.target_prediction(spec.model_output(model(**kwargs)), latents)
+
+        def context(branch: str) -> contextlib.AbstractContextManager[Any]:
+            return self._cache_context(model, branch, req, i)
+
         if not req.do_cfg:
-            with self._cache_context("cond", req, i):
-                return self._forward(spec.denoiser_kwargs(req, latents, t, "cond"), latents)
+            with context("cond"):
+                return forward(spec.denoiser_kwargs(req, latents, t, "cond"))
         if self.cfg_group is not None:
             import torch.distributed as dist
 
             rank = dist.get_rank(self.cfg_group)
             branch = ("cond", "uncond")[rank]
-            with self._cache_context(branch, req, i):
-                mine = self._forward(spec.denoiser_kwargs(req, latents, t, branch), latents).contiguous()
+            with context(branch):
+                mine = forward(spec.denoiser_kwargs(req, latents, t, branch)).contiguous()
             both = [torch.empty_like(mine) for _ in range(2)]
             dist.all_gather(both, mine, group=self.cfg_group)
             cond, uncond = both
         elif self.cfg_batch:
             branches = [spec.denoiser_kwargs(req, latents, t, b) for b in ("cond", "uncond")]
             # FasterCache approximates the second half from the first: it wants [uncond; cond]
-            uncond_first = self.cache is not None and self.cache.policy.needs_cfg_batch
+            uncond_first = bool(self.caches) and self.caches[component].policy.needs_cfg_batch
             first, second = branches[::-1] if uncond_first else branches
             kw = spec.batch_cfg_kwargs(first, second, batch_size=latents.shape[0])
-            with self._cache_context("cfg_batch", req, i):
-                cond, uncond = self._forward(kw, latents).chunk(2, dim=0)
+            with context("cfg_batch"):
+                cond, uncond = forward(kw).chunk(2, dim=0)
             if uncond_first:
                 cond, uncond = uncond, cond
         else:
-            with self._cache_context("cond", req, i):
-                cond = self._forward(spec.denoiser_kwargs(req, latents, t, "cond"), latents)
-            with self._cache_context("uncond", req, i):
-                uncond = self._forward(spec.denoiser_kwargs(req, latents, t, "uncond"), latents)
-        return spec.combine_cfg(cond, uncond, req.cfg_scale)
+            with context("cond"):
+                cond = forward(spec.denoiser_kwargs(req, latents, t, "cond"))
+            with context("uncond"):
+                uncond = forward(spec.denoiser_kwargs(req, latents, t, "uncond"))
+        return spec.combine_cfg(cond, uncond, cfg_scale)
 
     def check_sequence_parallel(self, req: Req) -> None:
         if self.sp * self.ring == 1:
@@ -177,18 +200,22 @@ class DenoisingStage(Stage):
         if self.sp * self.ring > 1:  # the sequence-parallel group is sp (Ulysses) x ring
             self.spec.prepare_sequence_parallel(req, self.sp * self.ring)
         total = len(timesteps)
-        if self.cache is not None:
-            self.cache.start_request(total)
-        reset_cache = getattr(self.transformer, "_reset_stateful_cache", None)
-        if reset_cache is not None:
-            reset_cache()  # cache state never leaks across requests
+        for cache in self.caches.values():
+            cache.start_request(total)
+        for model in self.denoisers.values():
+            reset_cache = getattr(model, "_reset_stateful_cache", None)
+            if reset_cache is not None:
+                reset_cache()  # cache state never leaks across requests
         try:
-            with self.cache.around_request() if self.cache is not None else contextlib.nullcontext():
+            with contextlib.ExitStack() as stack:
+                for cache in self.caches.values():
+                    stack.enter_context(cache.around_request())
                 req.latents = self.loop(req, latents, timesteps)
         finally:
             from spindle.infer.speedups import clear_memos
 
-            clear_memos(self.transformer)  # per-request prompt projections (default-on memoization)
+            for model in self.denoisers.values():
+                clear_memos(model)  # per-request prompt projections (default-on memoization)
         return req
 
     def loop(self, req: Req, latents: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:

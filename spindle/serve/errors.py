@@ -42,6 +42,7 @@ _ENGINE_FIELDS = (
     "image",
     "lora",
     "lora_scale",
+    "last_image",
 )
 
 

@@ -186,6 +186,16 @@ def sampling_params(body: GenerationRequest, engine: Engine) -> Planned:
     size = parse_size(body.size)
     options = engine.spec.options
     images = uploaded_images(body, engine)
+    last = getattr(body, "last_image", None)
+    if last is not None:  # the request's second image (generate()'s last_image)
+        if images is None:
+            raise APIError(
+                400,
+                "last_image goes with an input_reference (the first frame)",
+                param="last_image",
+                code="invalid_request",
+            )
+        images.append(decode_image(last, "last_image", engine.limits.max_pixels))
     params = SamplingParams(
         prompt=body.prompt,
         negative_prompt=body.negative_prompt,

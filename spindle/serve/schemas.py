@@ -105,7 +105,8 @@ class ImagesResponse(BaseModel):
 class VideoCreateRequest(GenerationRequest):
     """`POST /v1/videos` (OpenAI Videos API; JSON, or the multipart form the openai client sends)."""
 
-    file_fields: ClassVar[tuple[str, ...]] = ("input_reference",)  # multipart file parts taken (bodies.py)
+    # multipart file parts taken (bodies.py)
+    file_fields: ClassVar[tuple[str, ...]] = ("input_reference", "last_image")
     image_field: ClassVar[str | None] = "input_reference"
 
     seconds: float | None = Field(default=None, gt=0, le=3600, allow_inf_nan=False, strict=False)
@@ -116,6 +117,12 @@ class VideoCreateRequest(GenerationRequest):
         default=None,
         description="the conditioning image (image-to-video models): a multipart file upload or a "
         "'data:image/png;base64,...' URL",
+    )
+    # Spindle extra: the last frame of a first-last-frame model (Wan FLF2V), as input_reference is the first
+    last_image: Any = Field(
+        default=None,
+        description="the last frame's image (first-last-frame models, with input_reference): a multipart file "
+        "upload or a 'data:image/png;base64,...' URL",
     )
 
     @field_validator("seconds", mode="before")

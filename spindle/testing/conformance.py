@@ -377,6 +377,7 @@ def check_training_inputs(family: DiTFamily, root: Path, condition: Any = None) 
     missing = {"target", "sigmas"} - set(inputs)
     assert not missing, f"{family.name}: training_inputs must return {sorted(missing)}"
     target, sigmas = inputs.pop("target"), inputs.pop("sigmas")
+    inputs.pop("loss_mask", None)  # the task's, not the transformer's
     model = load_transformer(root)
     params = inspect.signature(model.forward).parameters
     unknown = sorted(set(inputs) - set(params))
@@ -449,22 +450,43 @@ def check_overfit(family: DiTFamily, losses: list[float]) -> None:
     assert last < 0.8 * first, f"{family.name}: the loss did not fall when overfitting ({first:.4f} -> {last:.4f})"
 
 
-def check_export_round_trip(family: DiTFamily, base: Path, export: Path, trained: dict[str, torch.Tensor]) -> None:
-    """The export loads in stock diffusers as the family's pipeline, every tensor equal to the trained one
-    (which differs from the base checkpoint's), its config.json with diffusers' keys only."""
+def trained_component(family: DiTFamily, root: Path) -> str:
+    """The checkpoint component the suite's training runs train (`ConformanceSpec.train_overrides`)."""
     import json
 
-    keys = set(json.loads((export / "transformer" / "config.json").read_text()))
-    base_keys = set(json.loads((base / "transformer" / "config.json").read_text()))
+    expert = family.conformance.train_overrides.get("train__expert") if family.conformance else None
+    index = json.loads((root / "model_index.json").read_text())
+    return family.condition_model_cls().trained_component(index, expert)
+
+
+def check_export_round_trip(family: DiTFamily, base: Path, export: Path, trained: dict[str, torch.Tensor]) -> None:
+    """The export loads in stock diffusers as the family's pipeline, every tensor of the trained component
+    equal to the trained one (which differs from the base checkpoint's), its config.json with diffusers'
+    keys only; every other file of the base folder is copied byte for byte (a two-expert checkpoint's
+    other expert too)."""
+    import json
+
+    from spindle.export_record import EXPORT_RECORD
+
+    component = trained_component(family, base)
+    keys = set(json.loads((export / component / "config.json").read_text()))
+    base_keys = set(json.loads((base / component / "config.json").read_text()))
     assert keys == base_keys, f"{family.name}: exported config.json keys differ: {sorted(keys ^ base_keys)}"
     pipe = stock_pipeline(export)
     assert type(pipe).__name__ in family.pipeline_classes, f"{family.name}: export loads as {type(pipe).__name__}"
-    exported = pipe.transformer.state_dict()
+    exported = getattr(pipe, component).state_dict()
     assert exported.keys() == trained.keys(), f"{family.name}: exported keys differ from the trained model's"
     for key, value in trained.items():
         assert torch.equal(exported[key], value), f"{family.name}: exported {key} differs from the trained tensor"
-    original = load_transformer(base).state_dict()
+    original = load_transformer(base, component=component).state_dict()
     assert any(not torch.equal(original[k], trained[k]) for k in trained), f"{family.name}: training changed nothing"
+    untouched = [
+        p.relative_to(base)
+        for p in sorted(base.rglob("*"))
+        if p.is_file() and p.relative_to(base).parts[0] not in (component, EXPORT_RECORD)
+    ]
+    for rel in untouched:
+        assert (export / rel).read_bytes() == (base / rel).read_bytes(), f"{family.name}: export changed {rel}"
 
 
 def check_ema_export(family: DiTFamily, export: Path, ema: dict[str, torch.Tensor]) -> None:
@@ -645,17 +667,27 @@ def repeated_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
     return blocks
 
 
-def count_block_calls(transformer: torch.nn.Module) -> list[int]:
+def count_block_calls(transformer: torch.nn.Module, calls: list[int] | None = None) -> list[int]:
     """A counter ([n]) of real block computations: calls of each repeated block's first attention
-    module (a block the step cache skips does not compute its attention)."""
+    module (a block the step cache skips does not compute its attention); `calls`: add to that counter."""
     from diffusers.models.attention import AttentionModuleMixin
     from diffusers.models.attention_processor import Attention
 
-    calls = [0]
+    calls = [0] if calls is None else calls
     for block in repeated_blocks(transformer):
         attn = next(m for m in block.modules() if isinstance(m, (Attention, AttentionModuleMixin)))
         attn.register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
     return calls
+
+
+def denoisers(gen: Any) -> list[torch.nn.Module]:
+    """Every transformer the generator denoises with (a two-expert family's both)."""
+    return list(gen.pipeline.denoising.denoisers.values())
+
+
+def count_denoiser_calls(gen: Any) -> list[list[int]]:
+    """`count_block_calls` per denoiser."""
+    return [count_block_calls(model) for model in denoisers(gen)]
 
 
 def check_step_cache_exact(family: DiTFamily, root: Path, kwargs: dict[str, Any], *, cfg_batch: bool) -> None:
@@ -663,7 +695,9 @@ def check_step_cache_exact(family: DiTFamily, root: Path, kwargs: dict[str, Any]
 
     exact = load_generator(root, cfg_batch=cfg_batch).generate(**kwargs).frames
     gen = load_generator(root, cache="fbc", cache_threshold=0.0, cfg_batch=cfg_batch)
-    calls = count_block_calls(gen.transformer)
+    calls = [0]
+    for model in denoisers(gen):
+        count_block_calls(model, calls)
     out = gen.generate(**kwargs).frames
     forwards = kwargs["num_inference_steps"] * (1 if cfg_batch else 2)
     blocks = len(repeated_blocks(gen.transformer))
@@ -679,15 +713,20 @@ def check_step_cache_skips(family: DiTFamily, root: Path, kwargs: dict[str, Any]
 
     exact = load_generator(root).generate(**kwargs).frames
     gen = load_generator(root, cache="fbc", cache_threshold=1e6, cfg_batch=True)
-    calls = count_block_calls(gen.transformer)
+    counters = count_denoiser_calls(gen)
     out = gen.generate(**kwargs).frames
-    expected = len(repeated_blocks(gen.transformer)) + kwargs["num_inference_steps"] - 1
-    assert calls[0] == expected, f"{family.name}: {calls[0]} block calls with every later step cached, not {expected}"
+    # each denoiser that ran (a two-expert family: each expert, over its own steps) computes every block at
+    # its first step and only the first block after
+    used = sum(1 for c in counters if c[0])
+    expected = used * (len(repeated_blocks(gen.transformer)) - 1) + kwargs["num_inference_steps"]
+    total = sum(c[0] for c in counters)
+    assert total == expected, f"{family.name}: {total} block calls with every later step cached, not {expected}"
     value = psnr(out, exact)
     assert np.isfinite(value) and 5.0 < value < 80.0, f"{family.name}: cached PSNR {value} dB"
-    calls[0] = 0
+    for c in counters:
+        c[0] = 0
     np.testing.assert_array_equal(gen.generate(**kwargs).frames, out, err_msg=f"{family.name}: cache not reset")
-    assert calls[0] == expected
+    assert sum(c[0] for c in counters) == expected
     assert psnr(exact, exact) == float("inf")
 
 
@@ -696,5 +735,6 @@ def check_compile_matches_eager(family: DiTFamily, root: Path, kwargs: dict[str,
 
     exact = load_generator(root).generate(**kwargs).frames
     gen = load_generator(root, compile=True)
-    assert all(getattr(b, "_compiled_call_impl", None) is not None for b in repeated_blocks(gen.transformer))
+    blocks = [b for model in denoisers(gen) for b in repeated_blocks(model)]
+    assert all(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
     np.testing.assert_allclose(gen.generate(**kwargs).frames, exact, atol=1e-4, rtol=0, err_msg=family.name)

@@ -21,21 +21,31 @@ import torch
 from spindle.distributed.mesh import is_main_process
 
 
-def frozen_components(task: Any, spec: Any) -> dict[str, Any]:
-    """The inference components other than the transformer: the condition model's, else loaded once."""
-    names = [n for n in spec.components if n != spec.transformer_component]
-    pipe = getattr(getattr(task, "condition", None), "pipe", None)
-    if pipe is not None and all(getattr(pipe, n, None) is not None for n in names):
-        return {n: getattr(pipe, n) for n in names}
-    cached = getattr(task, "_validation_components", None)
-    if cached is None:
-        from spindle.infer.pipeline import load_component, read_model_index
+def trained_component(task: Any, spec: Any) -> str:
+    """The checkpoint component the in-training model is (a two-expert model's trained expert)."""
+    return str(getattr(task, "component", spec.transformer_component))
 
-        root = Path(task.cfg.model.path)
-        index = read_model_index(root)
-        cached = {n: load_component(root, n, index.get(n), task.device, torch.float32) for n in names}
+
+def frozen_components(task: Any, spec: Any) -> dict[str, Any]:
+    """The inference components other than the trained transformer: the condition model's, else loaded once;
+    a two-expert model's other expert (loaded once) and the model_index.json values the stages read."""
+    from spindle.infer.pipeline import load_component, read_model_index
+
+    root = Path(task.cfg.model.path)
+    index = read_model_index(root)
+    names = [n for n in spec.components if n != spec.transformer_component]
+    trained = trained_component(task, spec)
+    experts = [n for n in spec.denoiser_components if n != trained]
+    pipe = getattr(getattr(task, "condition", None), "pipe", None)
+    cached: dict[str, Any] | None = getattr(task, "_validation_components", None)
+    if cached is None:
+        if pipe is not None and all(getattr(pipe, n, None) is not None for n in names):
+            cached = {n: getattr(pipe, n) for n in names}
+        else:
+            cached = {n: load_component(root, n, index.get(n), task.device, torch.float32) for n in names}
+        cached.update({n: load_component(root, n, index.get(n), task.device, torch.float32) for n in experts})
         task._validation_components = cached
-    return cached
+    return {**cached, **{key: index.get(key) for key in spec.pipeline_config}}
 
 
 @torch.no_grad()
@@ -48,7 +58,7 @@ def render_samples(task: Any, model: torch.nn.Module, step: int, out_dir: Path) 
     cfg = task.cfg
     val = cfg.train.validation
     spec = task.family.inference_spec()
-    components = {**frozen_components(task, spec), spec.transformer_component: model}
+    components = {**frozen_components(task, spec), trained_component(task, spec): model}
     pipeline = InferencePipeline.build(
         spec, components, EngineConfig(device=str(task.device), keep_freed_memory=task.cfg.train.keep_freed_memory)
     )

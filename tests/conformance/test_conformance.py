@@ -138,8 +138,9 @@ def test_bad_options_are_clear_request_errors(name, tiny):
 
 
 def cache_case(name: str) -> dict:
-    """The family's CFG case with 3 steps: the step cache has two steps to skip."""
-    return {**get_family(name).conformance.parity_cases["cfg"], "num_inference_steps": 3}
+    """The family's CFG case with its `cache_steps` (3: the step cache has two steps to skip)."""
+    spec = get_family(name).conformance
+    return {**spec.parity_cases["cfg"], "num_inference_steps": spec.cache_steps}
 
 
 @pytest.mark.parametrize("cfg_batch", [True, False], ids=["cfg_batch", "two_forwards"])
@@ -182,6 +183,7 @@ def test_overfits_and_exports_for_stock_diffusers(name, tiny, tmp_path):
         data__resolution=list(family.demo.size), data__num_frames=family.demo.num_frames,
         model__max_text_length=suite.text_tokens(family), train__max_steps=12, train__global_batch_size=2, train__micro_batch_size=2, train__lr=3e-3, train__seed=0,
         train__ema__decay=0.9, export__weights="both",  # the EMA beside the trained transformer (train.ema)
+        **family.conformance.train_overrides,
     )  # fmt: skip
     trainer = make_trainer(load_job_config(None, overrides))
     result = trainer.run()

@@ -117,3 +117,21 @@ def test_sequence_not_divisible_by_sp_names_token_count(tiny_wan, shapes_videos,
     proc = run_spindle("train", cfg, *args, "--nproc", 2, timeout=300)
     assert proc.returncode != 0
     assert "3 tokens, which is not divisible by parallel.sp=2" in proc.stderr + proc.stdout
+
+
+def test_image_to_video_sequence_parallel_equals_one(tiny_wan_i2v, shapes_videos, tmp_path):
+    """Wan2.1 I2V (conditioning channels, CLIP image tokens before 512 text tokens): sp=2 trains as one process."""
+    from spindle.models.wan_i2v import TEXT_LENGTH
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_train(tiny_wan_i2v, shapes_videos, one, nproc=1, model__max_text_length=TEXT_LENGTH)
+    run_train(
+        tiny_wan_i2v,
+        shapes_videos,
+        two,
+        nproc=2,
+        parallel__sp=2,
+        parallel__dp_shard=1,
+        model__max_text_length=TEXT_LENGTH,
+    )
+    assert_same_run(one, two)

@@ -98,7 +98,7 @@ def test_image_as_array_path_or_list_is_the_same_image(gen, tmp_path):
         (np.zeros((8, 8, 3), dtype=np.float32), r"image array must be uint8 of shape \[H, W, 3\]"),
         (np.zeros((8, 8, 4), dtype=np.uint8), r"image array must be uint8 of shape \[H, W, 3\]"),
         (12, r"image must be a PIL image, a uint8 \[H, W, 3\] array or an image file path; got 12"),
-        ("two", r"image: wan_i2v takes 1 conditioning image\(s\); got 2"),
+        ("three", r"image: wan_i2v takes 1 to 2 conditioning image\(s\); got 3"),
     ],
 )
 def test_bad_image_is_a_request_error_naming_the_field(gen, tmp_path, image, match):
@@ -106,7 +106,7 @@ def test_bad_image_is_a_request_error_naming_the_field(gen, tmp_path, image, mat
 
     (tmp_path / "garbage.png").write_bytes(b"not a png")
     if isinstance(image, str):
-        image = [first_frame(), first_frame()] if image == "two" else tmp_path / image
+        image = [first_frame()] * 3 if image == "three" else tmp_path / image
     with pytest.raises(RequestError, match=match) as info:
         gen.validate(
             SamplingParams(prompt="a fox", image=image if isinstance(image, list) or image is None else [image])

@@ -134,3 +134,35 @@ def test_a_file_in_another_field_is_refused(serve):
     files = {**form(KW), "prompt": ("p.txt", b"a kite", "text/plain")}
     err = assert_error(s.client.post("/v1/videos", files=files), 400, "prompt", "unsupported_parameter")
     assert "this endpoint takes files as input_reference" in err["message"]
+
+
+def test_last_image_conditions_a_first_last_frame_model(tiny_wan_flf2v, serve):
+    """`last_image` (a Spindle extra next to OpenAI's input_reference): the FLF2V job equals
+    generate(image=..., last_image=...); without a first frame, or on a model that embeds one image, a 400."""
+    from PIL import Image
+
+    flf2v = load_generator(tiny_wan_flf2v, device="cpu")
+    with LiveServer(build_app(flf2v, root=str(tiny_wan_flf2v), model_id="tiny-flf2v", keep_frames=True)) as s:
+        first, last = png_bytes(0), png_bytes(1, (32, 32))
+        files = {"input_reference": ("a.png", first, "image/png"), "last_image": ("b.png", last, "image/png")}
+        job = s.client.post("/v1/videos", files={**form({**KW, "seed": 2}), **files})
+        assert job.status_code == 200, job.text
+        assert s.wait(job.json()["id"])["status"] == "completed"
+        npy = s.client.get(f"/v1/videos/{job.json()['id']}/content", params={"variant": "npy"}).content
+        ref = flf2v.generate(
+            prompt=KW["prompt"], image=Image.open(io.BytesIO(first)), last_image=Image.open(io.BytesIO(last)),
+            height=32, width=32, num_frames=5, num_inference_steps=2, guidance_scale=1.0, seed=2,
+        ).frames  # fmt: skip
+        np.testing.assert_array_equal(np.load(io.BytesIO(npy)), ref)
+        alone = s.client.post("/v1/videos", files={**form(KW), "last_image": ("b.png", last, "image/png")})
+        assert (
+            "last_image goes with an input_reference"
+            in assert_error(alone, 400, "last_image", "invalid_request")["message"]
+        )
+    one_image = serve()  # Wan2.1 I2V: its transformer embeds one image per video
+    url = "data:image/png;base64," + base64.b64encode(png_bytes()).decode()
+    r = one_image.client.post("/v1/videos", json={**KW, "input_reference": url, "last_image": url})
+    assert (
+        "last_image needs a first-last-frame (FLF2V) checkpoint"
+        in assert_error(r, 400, "last_image", "invalid_request")["message"]
+    )

@@ -50,6 +50,7 @@ class Recorder(nn.Module):
 def family_task(request, tmp_path_factory, tiny_checkpoint):
     from spindle.distributed.mesh import ParallelDims, build_mesh
     from spindle.registry import get_family
+    from spindle.testing.multiprocess import dotted_overrides
     from spindle.train.tasks.flow_matching import FlowMatchingTask
 
     family = get_family(request.param)
@@ -64,6 +65,7 @@ def family_task(request, tmp_path_factory, tiny_checkpoint):
             f"data.resolution={list(demo.size)}",
             f"data.num_frames={demo.num_frames}",
             f"train.output_dir={tmp_path_factory.mktemp('run')}",
+            *dotted_overrides({}, **family.conformance.train_overrides),  # what the family's training requires
         ],
     )
     task = FlowMatchingTask(cfg, family, build_mesh(ParallelDims()), torch.device("cpu"), "no")

@@ -45,7 +45,7 @@ def test_first_frame_conditions_equal_the_stock_pipelines(condition, tiny_wan_i2
         stock = stock_transformer_inputs(tiny_wan_i2v, first, batch["caption"][i])
         torch.testing.assert_close(conditions["condition"][i : i + 1], stock["hidden_states"][:, z:], atol=1e-6, rtol=0)
         torch.testing.assert_close(
-            conditions["image_embeds"][i : i + 1], stock["encoder_hidden_states_image"], atol=1e-6, rtol=0
+            conditions["image_embeds"][i], stock["encoder_hidden_states_image"], atol=1e-6, rtol=0
         )
         torch.testing.assert_close(
             conditions["prompt_embeds"][i : i + 1], stock["encoder_hidden_states"], atol=1e-6, rtol=0

@@ -74,10 +74,12 @@ def test_training_inputs_follow_diffusers_wan_conventions(condition, tiny_wan):
     assert set(inputs) - {"target", "sigmas"} <= set(params)
 
 
-def test_two_expert_and_ti2v_checkpoints_are_refused_before_training(tiny_wan, shapes_videos, tmp_path, spindle_cli):
-    """A Wan2.2 A14B folder (transformer_2 + boundary_ratio) would otherwise train `transformer` alone over
-    every timestep and exit 0; TI2V-5B (expand_timesteps) would train with the wrong timesteps. Both are
-    refused by `spindle train` before any weight loads, as by generate and serve."""
+def test_wan22_folders_without_what_they_need_are_refused_before_training(
+    tiny_wan, shapes_videos, tmp_path, spindle_cli
+):
+    """A Wan2.2 A14B folder (transformer_2 + boundary_ratio) trains one expert, named by train.expert: without it
+    `spindle train` exits 2 before any weight loads (the weights are gone here); an A14B or TI2V-5B folder forced
+    onto Wan2.1's family is refused naming its own family."""
     import json
     import shutil
 
@@ -85,17 +87,20 @@ def test_two_expert_and_ti2v_checkpoints_are_refused_before_training(tiny_wan, s
 
     cfg = tmp_path / "job.yaml"
     cfg.write_text("{}\n")
-    for name, change, message in (
-        ("a14b", {"boundary_ratio": 0.875, "transformer_2": ["diffusers", "WanTransformer3DModel"]}, "two-expert"),
-        ("ti2v", {"expand_timesteps": True}, "expand_timesteps=True"),
-    ):
+    cases = (
+        ("a14b", {"boundary_ratio": 0.875, "transformer_2": ["diffusers", "WanTransformer3DModel"]}, (), "train.expert is required"),
+        ("a14b-as-wan", {"boundary_ratio": 0.875}, ("model.family=wan",), "it is the wan22 family's"),
+        ("ti2v-as-wan", {"expand_timesteps": True}, ("model.family=wan",), "it is the wan22_ti2v family's"),
+    )  # fmt: skip
+    for name, change, extra, message in cases:
         root = tmp_path / name
         shutil.copytree(tiny_wan, root)
         index = json.loads((root / "model_index.json").read_text())
         (root / "model_index.json").write_text(json.dumps({**index, **change}))
         for weights in root.glob("*/*.safetensors"):
             weights.unlink()
-        result = spindle_cli("train", cfg, *train_overrides(root, shapes_videos, tmp_path / f"run-{name}"))
+        overrides = train_overrides(root, shapes_videos, tmp_path / f"run-{name}")
+        result = spindle_cli("train", cfg, *overrides, *extra)
         assert result.returncode == 2, result
-        assert message in result.stderr and "not supported yet" in result.stderr, result.stderr
+        assert message in result.stderr, result.stderr
         assert "Traceback" not in result.stderr

@@ -49,7 +49,7 @@ def encoder_placeholders(root: str | Path) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for name, entry in read_model_index(root).items():
-        if name.startswith("_") or not isinstance(entry, list) or name in ("scheduler", "transformer"):
+        if name.startswith("_") or not isinstance(entry, list) or name == "scheduler" or name.startswith("transformer"):
             continue
         if name == "vae":
             out[name] = meta_vae(root)
@@ -86,8 +86,12 @@ class PipelineConditionModel(ConditionModel):
         max_text_length: int = 512,
         encoders: bool = True,
     ) -> Self:
-        skip = cls.pipeline_overrides(root) if encoders else encoder_placeholders(root)
-        pipe = import_object(cls.pipeline_class).from_pretrained(root, transformer=None, dtype=dtype, **skip)
+        from spindle.infer.pipeline import read_model_index
+
+        # no transformer is loaded here (a two-expert checkpoint has two: transformer, transformer_2)
+        transformers = {name: None for name in read_model_index(root) if name.startswith("transformer")}
+        skip = {**transformers, **(cls.pipeline_overrides(root) if encoders else encoder_placeholders(root))}
+        pipe = import_object(cls.pipeline_class).from_pretrained(root, dtype=dtype, **skip)
         if encoders:
             pipe.to(device)
         for module in pipe.components.values():

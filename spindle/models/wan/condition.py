@@ -65,7 +65,7 @@ class WanConditionModel(PipelineConditionModel):
 
     def training_inputs(self, conditions: dict[str, torch.Tensor], generators: list[torch.Generator]) -> dict[str, Any]:
         x0 = conditions["latents"]
-        sigmas = sample_sigmas(self.timestep_sampling, generators)
+        sigmas = sample_sigmas(self.timestep_sampling, generators, within=self.sigma_range)
         noisy, target = flow_matching_pair(x0, sigmas, generators)
         return {
             "hidden_states": noisy,

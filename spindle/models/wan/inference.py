@@ -164,14 +164,18 @@ class WanInference(InferenceSpec):
             max_sequence_length=512,
         )
 
+    # the family serving this pipeline's two-expert (Wan2.2 A14B) folders
+    two_expert_family = "wan22"
+
     def check_checkpoint(self, model_index: dict) -> None:
-        if model_index.get("boundary_ratio") is not None or (model_index.get("transformer_2") or [None])[0]:
-            raise ValueError(
-                "two-expert Wan2.2 checkpoints (transformer_2 / boundary_ratio) are not supported yet; "
-                "Spindle serves single-transformer Wan2.1-style folders"
-            )
+        from spindle.models.wan22.experts import refuse_two_expert
+
+        refuse_two_expert(model_index, self.family, self.two_expert_family)
         if model_index.get("expand_timesteps"):
-            raise ValueError("Wan2.2 TI2V (expand_timesteps=True) checkpoints are not supported yet")
+            raise ValueError(
+                f"this is a Wan2.2 TI2V-5B folder (expand_timesteps), which {self.family} does not serve; it is the "
+                "wan22_ti2v family's: remove model.family (or set it to wan22_ti2v)"
+            )
 
     def denoiser_kwargs(self, req: Req, latents: torch.Tensor, t: torch.Tensor, branch: str) -> dict[str, Any]:
         return {

@@ -8,8 +8,9 @@ from spindle.contracts.family import ConformanceSpec, DemoSpec, DiTFamily
 from spindle.models.shared.test_images import noise_image  # the suite's seeded conditioning image
 from spindle.models.wan import OPTIONS as WAN_OPTIONS
 
-# Wan's options (16 fps, num_frames = 4k + 1) and exactly one conditioning image
-OPTIONS = dataclasses.replace(WAN_OPTIONS, images=(1, 1))
+# Wan's options (16 fps, num_frames = 4k + 1); the first frame, and optionally the last one (FLF2V:
+# WanImageToVideoPipeline's `last_image`, `generate(last_image=...)`), as the request's images
+OPTIONS = dataclasses.replace(WAN_OPTIONS, images=(1, 2))
 # The transformer splits its cross-attention context at a hard-coded 512 text tokens (diffusers'
 # WanAttnProcessor: image tokens first, then 512 text tokens), so the text is always 512 tokens long.
 TEXT_LENGTH = 512

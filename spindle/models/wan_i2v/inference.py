@@ -53,19 +53,40 @@ class WanI2VBeforeDenoisingStage(WanBeforeDenoisingStage):
             raise RequestError(
                 "image is required: this is an image-to-video model; give the first frame", field="image"
             )
+        folds_two = self.transformer.config.pos_embed_seq_len is not None  # an FLF2V image embedder
+        if len(params.image) == 1 and self.takes_image_embeds and folds_two:
+            raise RequestError(
+                "last_image is required for this first-last-frame (FLF2V) checkpoint: its transformer embeds the "
+                "first and the last frame of every video (pos_embed_seq_len in its config); give last_image",
+                field="last_image",
+            )
+        if len(params.image) == 2 and self.takes_image_embeds and not folds_two:
+            # the stock pipeline would hand this transformer two images' embeddings per sample and fail mid-run
+            raise RequestError(
+                "last_image needs a first-last-frame (FLF2V) checkpoint: this transformer embeds one image per "
+                "video (its config has no pos_embed_seq_len); drop last_image",
+                field="last_image",
+            )
 
     def forward(self, req: Req) -> Req:
         req = super().forward(req)  # prompts, scheduler, timesteps, and the noise (req.latents)
         p = req.params
         pipe = self.text_pipe
-        image = resolved(p.image, "image")[0]
+        image, *last = resolved(p.image, "image")  # the first frame (and the last one: FLF2V)
+        last_image = last[0] if last else None
         batch = p.batch_size
         if self.takes_image_embeds:
-            embeds = pipe.encode_image(image, req.device)
+            embeds = pipe.encode_image(image if last_image is None else [image, last_image], req.device)
             # the pipeline repeats by the prompt count; per output keeps num_outputs_per_prompt > 1 valid
+            # (FLF2V: two rows per sample, which the transformer's image embedder folds into one)
             req.extra["image_embeds"] = embeds.repeat(batch, 1, 1).to(req.model_dtype)
         height, width = resolved(p.height, "height"), resolved(p.width, "width")
-        pixels = pipe.video_processor.preprocess(image, height=height, width=width).to(req.device, torch.float32)
+
+        def preprocess(frame: Any) -> torch.Tensor:
+            out: torch.Tensor = pipe.video_processor.preprocess(frame, height=height, width=width)
+            return out.to(req.device, torch.float32)
+
+        pixels = preprocess(image)
         latents, condition = pipe.prepare_latents(
             pixels,
             batch,
@@ -77,6 +98,7 @@ class WanI2VBeforeDenoisingStage(WanBeforeDenoisingStage):
             req.device,
             req.generator,
             req.latents,
+            None if last_image is None else preprocess(last_image),
         )
         req.latents = latents
         req.extra["condition"] = condition
@@ -86,7 +108,16 @@ class WanI2VBeforeDenoisingStage(WanBeforeDenoisingStage):
 class WanI2VInference(WanInference):
     options = OPTIONS
     family = "wan_i2v"
-    components = ("tokenizer", "text_encoder", "image_processor", "image_encoder", "vae", "scheduler", "transformer")
+    two_expert_family = "wan22_i2v"
+    components: tuple[str, ...] = (
+        "tokenizer",
+        "text_encoder",
+        "image_processor",
+        "image_encoder",
+        "vae",
+        "scheduler",
+        "transformer",
+    )
     before_denoising_cls = WanI2VBeforeDenoisingStage
 
     def default_params(self, components: dict[str, Any]) -> SamplingParams:
@@ -97,6 +128,14 @@ class WanI2VInference(WanInference):
         kwargs["hidden_states"] = torch.cat([latents, req.extra["condition"]], dim=1).to(req.model_dtype)
         kwargs["encoder_hidden_states_image"] = req.extra.get("image_embeds")
         return kwargs
+
+    def batch_cfg_kwargs(self, cond: dict[str, Any], uncond: dict[str, Any], batch_size: int) -> dict[str, Any]:
+        # The image embeddings are per sample even where they are identical in both branches, and an FLF2V
+        # request has two rows per sample (2B, not B): concatenate them as the latents are.
+        images = [kw.pop("encoder_hidden_states_image", None) for kw in (cond, uncond)]
+        merged = super().batch_cfg_kwargs(cond, uncond, batch_size)
+        merged["encoder_hidden_states_image"] = None if images[0] is None else torch.cat(images)
+        return merged
 
     def request_constant_modules(self, transformer: torch.nn.Module, compiled: bool) -> list[torch.nn.Module]:
         # The image embeddings enter like the prompt's: their projection and each cross-attention's image

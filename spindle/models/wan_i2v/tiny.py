@@ -33,9 +33,11 @@ def build_tiny_wan_i2v(
     vae: dict | None = None,
     text_encoder: dict | None = None,
     image_encoder: dict | None = None,
+    clip: bool = True,
 ) -> Path:
     """Write a tiny random Wan2.1 I2V pipeline (`WanImageToVideoPipeline`) to `out` and return its path.
-    Overrides are merged into the default component configs."""
+    Overrides are merged into the default component configs. `clip=False`: no image encoder and a
+    transformer without the image projection (Wan2.2's I2V layout)."""
     from diffusers import (
         AutoencoderKLWan,
         FlowMatchEulerDiscreteScheduler,
@@ -60,11 +62,11 @@ def build_tiny_wan_i2v(
         **WAN_TRANSFORMER,
         "in_channels": 2 * z + MASK_CHANNELS,
         "out_channels": z,
-        "image_dim": icfg["hidden_size"],
+        "image_dim": icfg["hidden_size"] if clip else None,
         **(transformer or {}),
     }
-    # the cross-attention's image key/value project the image tokens to the attention width
-    tcfg.setdefault("added_kv_proj_dim", tcfg["num_attention_heads"] * tcfg["attention_head_dim"])
+    if clip:  # the cross-attention's image key/value project the image tokens to the attention width
+        tcfg.setdefault("added_kv_proj_dim", tcfg["num_attention_heads"] * tcfg["attention_head_dim"])
     tcfg["text_dim"] = ecfg["d_model"]
     vcfg["latents_mean"], vcfg["latents_std"] = random_latent_stats(z, seed)
 
@@ -78,8 +80,12 @@ def build_tiny_wan_i2v(
         text_encoder=seeded(seed, lambda: UMT5EncoderModel(text_config).eval()),
         vae=seeded(seed + 1, lambda: AutoencoderKLWan(**vcfg).eval()),
         scheduler=FlowMatchEulerDiscreteScheduler(**WAN_SCHEDULER),
-        image_processor=CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size}),
-        image_encoder=seeded(seed + 3, lambda: CLIPVisionModel(CLIPVisionConfig(**icfg)).eval()),
+        image_processor=(
+            CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
+            if clip
+            else None
+        ),
+        image_encoder=seeded(seed + 3, lambda: CLIPVisionModel(CLIPVisionConfig(**icfg)).eval()) if clip else None,
         transformer=seeded(seed + 2, lambda: WanTransformer3DModel(**tcfg).eval()),
     )
     pipe.save_pretrained(out, safe_serialization=True)
@@ -87,6 +93,7 @@ def build_tiny_wan_i2v(
     # records that class; real checkpoints name CLIPImageProcessor (which loads as the PIL one here).
     index_path = out / "model_index.json"
     index = json.loads(index_path.read_text())
-    index["image_processor"] = ["transformers", "CLIPImageProcessor"]
+    if clip:
+        index["image_processor"] = ["transformers", "CLIPImageProcessor"]
     index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return out

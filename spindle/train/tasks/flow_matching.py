@@ -34,11 +34,11 @@ if TYPE_CHECKING:
     from spindle.distributed.mesh import Mesh, ParallelDims
 
 
-def transformer_class(root: str | Path) -> Any:
-    """The diffusers transformer class named in `root/transformer/config.json`."""
+def transformer_class(root: str | Path, component: str = "transformer") -> Any:
+    """The diffusers transformer class named in `root/<component>/config.json`."""
     import diffusers
 
-    cfg_path = Path(root) / "transformer" / "config.json"
+    cfg_path = Path(root) / component / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path} not found: the checkpoint has no transformer component")
     cls_name = json.loads(cfg_path.read_text())["_class_name"]
@@ -48,21 +48,35 @@ def transformer_class(root: str | Path) -> Any:
     return cls
 
 
-def load_transformer(root: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """Load the diffusers transformer of the pipeline folder `root` (every weight, on the host)."""
-    model: torch.nn.Module = transformer_class(root).from_pretrained(Path(root) / "transformer", dtype=dtype)
+def load_transformer(
+    root: str | Path, dtype: torch.dtype = torch.float32, component: str = "transformer"
+) -> torch.nn.Module:
+    """Load the diffusers transformer `component` of the pipeline folder `root` (every weight, on the host)."""
+    model: torch.nn.Module = transformer_class(root, component).from_pretrained(Path(root) / component, dtype=dtype)
     return model
 
 
-def transformer_from_config(root: str | Path) -> torch.nn.Module:
-    """The transformer of `root` built from its config alone, fp32, its parameters on the meta device
-    (no weight read; buffers computed as diffusers computes them)."""
+def transformer_from_config(root: str | Path, component: str = "transformer") -> torch.nn.Module:
+    """The transformer `component` of `root` built from its config alone, fp32, its parameters on the meta
+    device (no weight read; buffers computed as diffusers computes them)."""
     from spindle.distributed.sharded_load import empty_weights
 
-    cls = transformer_class(root)
+    cls = transformer_class(root, component)
     with empty_weights():
-        model: torch.nn.Module = cls.from_config(cls.load_config(Path(root) / "transformer"))
+        model: torch.nn.Module = cls.from_config(cls.load_config(Path(root) / component))
     return model
+
+
+def read_index(root: str | Path) -> dict[str, Any]:
+    """`root/model_index.json` ({} when the folder has none: the loaders name what is missing)."""
+    index = Path(root) / "model_index.json"
+    return json.loads(index.read_text()) if index.is_file() else {}
+
+
+def trained_component(cfg: DiTJobConfig, family: DiTFamily) -> str:
+    """The checkpoint component a job trains: "transformer", or the expert `train.expert` names in a
+    two-expert checkpoint (the family's condition model decides; raises for a missing or stray choice)."""
+    return family.condition_model_cls().trained_component(read_index(cfg.model.path), cfg.train.expert)
 
 
 def sample_generator(seed: int, step: int, sample_index: int) -> torch.Generator:
@@ -102,6 +116,7 @@ class FlowMatchingTask(TrainTask):
         super().__init__(cfg, family, mesh, device, precision)
         self.seed = cfg.train.seed
         self.loss_weighting = cfg.train.loss_weighting
+        self.component = trained_component(cfg, family)  # the checkpoint folder trained and exported
         self.condition = self._build_condition()
 
     # ------------------------------------------------------------ checks before launch
@@ -118,9 +133,10 @@ class FlowMatchingTask(TrainTask):
             dit_data(cfg, family, check=False, warn_skipped=False)
         index = Path(cfg.model.path) / "model_index.json"
         if index.is_file() and family.inference is not None:
-            # checkpoint variants the family cannot serve (Wan2.2 two-expert / TI2V folders) are not trained
-            # either: one expert over all timesteps would train with exit 0 and export what nothing can load
+            # checkpoint variants the family cannot serve are not trained either (they would train with
+            # exit 0 and export what nothing can load)
             family.inference_spec().check_checkpoint(json.loads(index.read_text()))
+        trained_component(cfg, family)  # a two-expert checkpoint trains the expert train.expert names
 
     # ------------------------------------------------------------ set-up
 
@@ -129,20 +145,22 @@ class FlowMatchingTask(TrainTask):
         encoders = self.cfg.data.precomputed is None
         cond = build_condition_model(self.cfg, self.family, self.device, self.precision, encoders=encoders)
         cond.timestep_sampling = self.cfg.train.timestep
+        if self.cfg.train.expert is not None:
+            cond.select_expert(self.cfg.train.expert)  # timesteps within that expert's range only
         return cond
 
     def build_model(self) -> torch.nn.Module:
         from spindle.distributed.sharded_load import SafetensorsCheckpoint
         from spindle.train.lora import init_adapters, is_lora_name
 
-        root = self.cfg.model.path
+        root, component = self.cfg.model.path, self.component
         lora = self.cfg.train.lora
         return build_parallel_model(
             self,
             ParallelPlan("diffusers"),
-            build_empty=lambda: transformer_from_config(root),
-            checkpoint=lambda: SafetensorsCheckpoint(Path(root) / "transformer").sources(),
-            load_full=lambda: load_transformer(root, dtype=torch.float32),
+            build_empty=lambda: transformer_from_config(root, component),
+            checkpoint=lambda: SafetensorsCheckpoint(Path(root) / component).sources(),
+            load_full=lambda: load_transformer(root, dtype=torch.float32, component=component),
             convert=None if lora is None else self.add_adapters,  # converters before SP / FSDP2
             fresh=is_lora_name,
             init_fresh=None if lora is None else lambda model: init_adapters(model, self.seed),
@@ -204,6 +222,8 @@ class FlowMatchingTask(TrainTask):
         inputs = self.condition.training_inputs(conditions, generators)
         target = inputs.pop("target").to(self.device)
         sigmas = inputs.pop("sigmas")
+        # elements the loss leaves out (Wan2.2 TI2V's image-to-video: the first latent frame is the clean image)
+        loss_mask = inputs.pop("loss_mask", None)
         inputs = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in inputs.items()}
         patch = getattr(getattr(model, "config", None), "patch_size", 1)
         tokens_per_sample = count_tokens(inputs["hidden_states"], patch)
@@ -211,7 +231,12 @@ class FlowMatchingTask(TrainTask):
         with self._autocast():
             pred = model(**inputs, return_dict=False)[0]
         pred = self.condition.target_prediction(pred, target)
-        per_sample = F.mse_loss(pred.float(), target.float(), reduction="none").flatten(1).mean(1)
+        squared = F.mse_loss(pred.float(), target.float(), reduction="none")
+        if loss_mask is None:
+            per_sample = squared.flatten(1).mean(1)
+        else:
+            mask = loss_mask.to(squared).expand_as(squared)
+            per_sample = (squared * mask).flatten(1).sum(1) / mask.flatten(1).sum(1)
         weights = loss_weights(sigmas, self.loss_weighting)
         if weights is not None:
             per_sample = per_sample * weights.to(per_sample)
@@ -244,14 +269,15 @@ class FlowMatchingTask(TrainTask):
             "family": self.family.name,
             "lora": lora.model_dump() if lora is not None else None,
             "max_text_length": self.cfg.model.max_text_length,  # recorded in exports (spindle.export_record)
+            "component": self.component,  # the transformer folder trained (a two-expert checkpoint's expert)
         }
 
     def export(self, model: torch.nn.Module, out: Path) -> Path | None:
-        root = self.cfg.model.path
-        dtypes = export_dtypes(self.cfg.export.dtype, Path(root) / "transformer")
+        root, component = self.cfg.model.path, self.component
+        dtypes = export_dtypes(self.cfg.export.dtype, Path(root) / component)
         if self.cfg.train.lora is None:
             trained = {"family": self.family.name, "max_text_length": self.cfg.model.max_text_length}
-            return export_pipeline_sharded(root, model, out, trained, dtypes)
+            return export_pipeline_sharded(root, model, out, trained, dtypes, component)
         from spindle.train.lora import adapter_state_dict, lora_scale
 
         sd = ckpt.full_state_dict(model, trainable_only=True)  # collective: the adapters only
@@ -266,6 +292,7 @@ class FlowMatchingTask(TrainTask):
                 self.cfg.export.merge_lora,
                 max_text_length=self.cfg.model.max_text_length,
                 dtypes=dtypes,
+                component=component,
             )
         barrier()
         return result
@@ -281,32 +308,42 @@ class FlowMatchingTask(TrainTask):
 
         if not (model_path / "model_index.json").is_file():
             raise FileNotFoundError(f"base model {model_path} has no model_index.json; pass --model PATH")
-        dtypes = export_dtypes(dtype, model_path / "transformer")
         state = json.loads((checkpoint / ckpt.TRAINER_STATE).read_text())
+        component = state.get("component", "transformer")  # absent: a checkpoint from before it was recorded
+        dtypes = export_dtypes(dtype, model_path / component)
         text_length = state.get("max_text_length")  # None: a checkpoint from before it was recorded
         trained = {"family": family.name, "max_text_length": text_length}
         saved = ckpt.saved_model_tensors(checkpoint)
         if state.get("lora") is None:
-            expected = transformer_from_config(model_path).state_dict()
-            check_state_names(set(expected), set(saved), model_path, require_all=False)
-            tmp = start_pipeline_export(model_path, out)
-            read = checkpoint_then_base(checkpoint, model_path / "transformer")
-            write_streamed(expected, read, tmp / "transformer", DIFFUSERS_WEIGHTS, dtypes)
-            return finish_pipeline_export(model_path, tmp, out, trained)
+            expected = transformer_from_config(model_path, component).state_dict()
+            check_state_names(set(expected), set(saved), model_path, require_all=False, component=component)
+            tmp = start_pipeline_export(model_path, out, component)
+            read = checkpoint_then_base(checkpoint, model_path / component)
+            write_streamed(expected, read, tmp / component, DIFFUSERS_WEIGHTS, dtypes)
+            return finish_pipeline_export(model_path, tmp, out, trained, component)
         adapters = checkpoint_adapters(checkpoint, state["lora"])
-        return export_lora(family, model_path, adapters, out, merge=False, max_text_length=text_length, dtypes=dtypes)
+        return export_lora(
+            family,
+            model_path,
+            adapters,
+            out,
+            merge=False,
+            max_text_length=text_length,
+            dtypes=dtypes,
+            component=component,
+        )
 
 
 def check_validation_images(cfg: DiTJobConfig, family: DiTFamily) -> None:
     """`train.validation.images`: one existing image file per prompt for a family that takes conditioning
     images, none for one that does not (checked before launch, not at the first validation step)."""
     val = cfg.train.validation
-    takes = family.options.images[1] > 0
+    needs, takes = (n > 0 for n in family.options.images)  # (an optional image: Wan2.2 TI2V)
     if not val.every_steps or not val.prompts:
         return
     if not takes and val.images:
         raise ValueError(f"train.validation.images: {family.name} generates from text alone; remove the images")
-    if takes and len(val.images) != len(val.prompts):
+    if (needs or val.images) and len(val.images) != len(val.prompts):
         raise ValueError(
             f"train.validation.images: {family.name} needs a conditioning image per validation prompt; got "
             f"{len(val.images)} image(s) for {len(val.prompts)} prompt(s)"
@@ -375,6 +412,7 @@ def export_lora(
     merge: bool,
     max_text_length: int | None = None,
     dtypes: ExportDtypes | None = None,
+    component: str = "transformer",
 ) -> Path:
     """Write `out/lora/` (diffusers' LoRA file + the original-layout file, `spindle.json` naming the base
     model and the trained text length, and a README.md model card with the lines that use it) and, with
@@ -387,13 +425,14 @@ def export_lora(
 
     `adapters`: diffusers-layout LoRA (`<module>.lora_A.weight`, alpha / rank folded into lora_B).
     The diffusers file is written by the family pipeline's own `save_lora_weights`, so
-    `<Pipeline>.load_lora_weights(out/lora)` loads it in stock diffusers.
+    `<Pipeline>.load_lora_weights(out/lora)` loads it in stock diffusers (a two-expert checkpoint's
+    `transformer_2` LoRA with `load_into_transformer_2=True`; `component` is recorded in spindle.json).
     """
     import logging
 
     from safetensors.torch import save_file
 
-    dtypes = dtypes or export_dtypes("auto", Path(base) / "transformer")
+    dtypes = dtypes or export_dtypes("auto", Path(base) / component)
     fused_source = adapters
     adapters = {k: v.to(dtypes.default) for k, v in adapters.items()}
     out = Path(out)
@@ -409,7 +448,8 @@ def export_lora(
             save_file(original, tmp / "lora" / LORA_ORIGINAL_FILE, metadata={"format": "pt", "family": family.name})
     base_path = str(Path(base).resolve())
     trained = {"family": family.name, "max_text_length": max_text_length}
-    write_export_record(tmp / "lora", base_model=base_path, **trained)
+    expert = {} if component == "transformer" else {"component": component}
+    write_export_record(tmp / "lora", base_model=base_path, **trained, **expert)
     write_lora_card(
         tmp / "lora",
         family.name,
@@ -418,13 +458,14 @@ def export_lora(
         max_text_length,
         lora_dir=str(out.resolve() / "lora"),
         media=family.inference_spec().media if family.inference else "image",
+        component=component,
     )
     if merge:
-        model: Any = load_transformer(base)  # a diffusers ModelMixin (PEFT loader methods)
+        model: Any = load_transformer(base, component=component)  # a diffusers ModelMixin (PEFT loader methods)
         model.load_lora_adapter({f"transformer.{k}": v for k, v in fused_source.items()}, prefix="transformer")
         model.fuse_lora(lora_scale=1.0)
         model.unload_lora()
-        export_pipeline(base, model.state_dict(), tmp / "merged", trained, dtypes)
+        export_pipeline(base, model.state_dict(), tmp / "merged", trained, dtypes, component)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
@@ -433,32 +474,46 @@ def export_lora(
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 
-def check_state_names(expected: set[str], got: set[str], source_root: str | Path, require_all: bool = True) -> None:
-    """The trained tensor names against the base transformer's (`require_all`: every one present)."""
+def check_state_names(
+    expected: set[str],
+    got: set[str],
+    source_root: str | Path,
+    require_all: bool = True,
+    component: str = "transformer",
+) -> None:
+    """The trained tensor names against the base transformer `component`'s (`require_all`: every one present)."""
     missing = sorted(expected - got) if require_all else []
     unexpected = sorted(got - expected)
     if missing or unexpected:
-        cls = transformer_class(source_root).__name__
+        cls = transformer_class(source_root, component).__name__
         raise RuntimeError(
             f"trained weights do not fit {cls} of {source_root}: missing {missing[:5]}, unexpected "
             f"{unexpected[:5]}; was the run trained from another base model? pass --model PATH"
         )
 
 
-def start_pipeline_export(source_root: str | Path, out: str | Path) -> Path:
-    """`<out>.tmp` holding every component of `source_root` but the transformer (which the caller writes)."""
+def start_pipeline_export(source_root: str | Path, out: str | Path, component: str = "transformer") -> Path:
+    """`<out>.tmp` holding every component of `source_root` but the trained `component` (which the caller
+    writes); a two-expert checkpoint's other expert is copied byte for byte."""
+    source_root = Path(source_root)
     tmp = Path(out).with_name(Path(out).name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(source_root, tmp, ignore=shutil.ignore_patterns("transformer"))
+    shutil.copytree(source_root, tmp, ignore=lambda folder, names: [component] if Path(folder) == source_root else [])
     return tmp
 
 
-def finish_pipeline_export(source_root: str | Path, tmp: Path, out: str | Path, trained: dict[str, Any] | None) -> Path:
-    """Complete `tmp` (the transformer's diffusers config where the writer left none, `spindle.json`)
+def finish_pipeline_export(
+    source_root: str | Path,
+    tmp: Path,
+    out: str | Path,
+    trained: dict[str, Any] | None,
+    component: str = "transformer",
+) -> Path:
+    """Complete `tmp` (the trained component's diffusers config where the writer left none, `spindle.json`)
     and rename it to `out`."""
-    config = tmp / "transformer" / "config.json"
+    config = tmp / component / "config.json"
     if not config.is_file():  # the trained transformer has the base one's architecture: its config as is
-        shutil.copy2(Path(source_root) / "transformer" / "config.json", config)
+        shutil.copy2(Path(source_root) / component / "config.json", config)
     (tmp / EXPORT_RECORD).unlink(missing_ok=True)  # the source's record describes another training
     if trained is not None:
         write_export_record(tmp, **trained)
@@ -474,20 +529,22 @@ def export_pipeline_sharded(
     out: str | Path,
     trained: dict[str, Any] | None,
     dtypes: ExportDtypes,
+    component: str = "transformer",
 ) -> Path | None:
-    """Collective: the pipeline folder with the trained (FSDP2-sharded) transformer, each rank writing
-    its own parameter shards (`ckpt.save_hf_safetensors`): the whole model is never gathered on one
-    rank. Returns the folder on rank 0, None elsewhere."""
+    """Collective: the pipeline folder with the trained (FSDP2-sharded) transformer `component`, each rank
+    writing its own parameter shards (`ckpt.save_hf_safetensors`): the whole model is never gathered on
+    one rank. Returns the folder on rank 0, None elsewhere."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     state = cast("dict[str, torch.Tensor]", get_model_state_dict(model))  # DTensors: no gather
-    check_state_names(set(transformer_from_config(source_root).state_dict()), set(state), source_root)
+    expected = set(transformer_from_config(source_root, component).state_dict())
+    check_state_names(expected, set(state), source_root, component=component)
     tmp = Path(out).with_name(Path(out).name + ".tmp")
     if is_main_process():
-        start_pipeline_export(source_root, out)
+        start_pipeline_export(source_root, out, component)
     barrier()
-    ckpt.save_hf_safetensors(dtypes.cast_all(state), tmp / "transformer", weights_name=DIFFUSERS_WEIGHTS)
-    result = finish_pipeline_export(source_root, tmp, out, trained) if is_main_process() else None
+    ckpt.save_hf_safetensors(dtypes.cast_all(state), tmp / component, weights_name=DIFFUSERS_WEIGHTS)
+    result = finish_pipeline_export(source_root, tmp, out, trained, component) if is_main_process() else None
     barrier()
     return result
 
@@ -498,10 +555,12 @@ def export_pipeline(
     out: str | Path,
     trained: dict[str, Any] | None = None,
     dtypes: ExportDtypes | None = None,
+    component: str = "transformer",
 ) -> Path:
     """Write a diffusers pipeline folder from an in-memory transformer state dict (one process): every
-    component of `source_root`, with the trained transformer, and `trained` (how it was trained) as
-    `spindle.json` (`spindle.export_record`).
+    component of `source_root`, with the trained transformer `component` (a two-expert checkpoint's trained
+    expert: the other one is copied byte for byte), and `trained` (how it was trained) as `spindle.json`
+    (`spindle.export_record`).
 
     The transformer is rebuilt from its own diffusers config and saved with diffusers' `save_pretrained`,
     so `config.json` carries only diffusers keys and stock diffusers loads the folder with no Spindle code.
@@ -512,15 +571,15 @@ def export_pipeline(
     import diffusers
 
     source_root = Path(source_root)
-    dtypes = dtypes or export_dtypes("auto", source_root / "transformer")
-    tmp = start_pipeline_export(source_root, out)
-    config = json.loads((source_root / "transformer" / "config.json").read_text())
+    dtypes = dtypes or export_dtypes("auto", source_root / component)
+    tmp = start_pipeline_export(source_root, out, component)
+    config = json.loads((source_root / component / "config.json").read_text())
     cls = getattr(diffusers, config["_class_name"])
     with torch.device("meta"):
-        model = cls.from_config(cls.load_config(source_root / "transformer"))
-    check_state_names(set(model.state_dict()), set(state_dict), source_root)
+        model = cls.from_config(cls.load_config(source_root / component))
+    check_state_names(set(model.state_dict()), set(state_dict), source_root, component=component)
     # assign: each meta tensor becomes the converted trained tensor (fresh storage, or the tensor itself
     # when its dtype already matches); non-persistent buffers stay on meta and are not saved.
     model.load_state_dict(dtypes.cast_all(state_dict), assign=True)
-    model.save_pretrained(tmp / "transformer", safe_serialization=True)
-    return finish_pipeline_export(source_root, tmp, out, trained)
+    model.save_pretrained(tmp / component, safe_serialization=True)
+    return finish_pipeline_export(source_root, tmp, out, trained, component)

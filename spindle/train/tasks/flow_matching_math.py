@@ -15,12 +15,14 @@ def sample_sigmas(
     cfg: TimestepConfig,
     generators: list[torch.Generator],
     shift_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    within: tuple[float, float] = (0.0, 1.0),
 ) -> torch.Tensor:
     """One sigma per sample (`cfg`: the job's `train.timestep`; its `scheme` is checked by the config), each drawn from that sample's own generator (see `flow_matching_pair`).
 
     `shift_fn`: the family's own shift of the drawn sigmas (e.g. Flux's resolution-dependent shift,
     `resolution_shift`); it applies only while the static `cfg.shift` is 1 (an explicit static
-    shift in the training config takes precedence).
+    shift in the training config takes precedence). `within`: the range the shifted sigmas are mapped
+    onto linearly (a two-expert model's trained expert).
     """
     from diffusers.training_utils import compute_density_for_timestep_sampling
 
@@ -37,9 +39,12 @@ def sample_sigmas(
             for g in generators
         ]
     ).clamp(0.0, 1.0)
-    if shift_fn is not None and cfg.shift == 1.0:
-        return shift_fn(u)
-    return shift_sigmas(u, cfg.shift)
+    sigmas = shift_fn(u) if shift_fn is not None and cfg.shift == 1.0 else shift_sigmas(u, cfg.shift)
+    low, high = within
+    if (low, high) == (0.0, 1.0):
+        return sigmas
+    # a two-expert model's expert (`ConditionModel.sigma_range`): the drawn density mapped onto its range
+    return low + (high - low) * sigmas
 
 
 def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:

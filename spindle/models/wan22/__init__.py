@@ -1,0 +1,38 @@
+"""Wan2.2 A14B text-to-video: a stock `WanPipeline` with two experts (`transformer` for the high-noise
+steps, `transformer_2` for the low-noise ones, split at `boundary_ratio`; see `experts.py`). Wan's
+inference and condition model with the expert switch; training fine-tunes the expert `train.expert` names."""
+
+import dataclasses
+
+from spindle.contracts.family import ConformanceSpec
+from spindle.models.wan import FAMILY as WAN
+from spindle.models.wan import OPTIONS as WAN_OPTIONS
+from spindle.models.wan22.experts import GUIDANCE_SCALE_2, is_two_expert
+
+OPTIONS = dataclasses.replace(WAN_OPTIONS, extra=(*WAN_OPTIONS.extra, GUIDANCE_SCALE_2))
+
+assert WAN.conformance is not None
+FAMILY = dataclasses.replace(
+    WAN,
+    name="wan22",
+    condition_model="spindle.models.wan22.condition:Wan22ConditionModel",
+    inference="spindle.models.wan22.inference:WAN22_INFERENCE",
+    tiny_model="spindle.models.wan22.tiny:build_tiny_wan22",
+    detect=None,  # renamed folders resolve to Wan2.1's family; a WanPipeline folder is told apart by `variant`
+    variant=is_two_expert,
+    options=OPTIONS,
+    conformance=ConformanceSpec(
+        parity_cases={
+            # the tiny checkpoint's boundary (0.9 x 1000) falls inside both schedules: both experts denoise;
+            # guidance_scale_2 as stock (its own scale in the CFG case, guidance_scale's without)
+            **{
+                name: {**case, **({"guidance_scale_2": 3.0} if name == "cfg" else {})}
+                for name, case in WAN.conformance.parity_cases.items()
+            },
+        },
+        request_errors=WAN.conformance.request_errors,
+        default_params=WAN.conformance.default_params,
+        cache_steps=5,  # t = 1000, 923 (high-noise expert), 818, 667, 429: three steps to skip
+        train_overrides={"train__expert": "high_noise"},
+    ),
+)

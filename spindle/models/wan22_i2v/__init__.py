@@ -1,0 +1,35 @@
+"""Wan2.2 A14B image-to-video: a stock `WanImageToVideoPipeline` with two experts (`transformer`,
+`transformer_2`, split at `boundary_ratio`: `spindle.models.wan22.experts`) and no CLIP image encoder
+(the transformers take no image embeddings): Wan2.1 I2V's conditioning (VAE-encoded first frame and
+frame mask on the channel axis) with the expert switch; training fine-tunes the expert `train.expert` names."""
+
+import dataclasses
+
+from spindle.contracts.family import ConformanceSpec, DemoSpec
+from spindle.models.wan22.experts import GUIDANCE_SCALE_2, is_two_expert
+from spindle.models.wan_i2v import FAMILY as WAN_I2V
+from spindle.models.wan_i2v import OPTIONS as WAN_I2V_OPTIONS
+
+OPTIONS = dataclasses.replace(WAN_I2V_OPTIONS, extra=(*WAN_I2V_OPTIONS.extra, GUIDANCE_SCALE_2))
+
+assert WAN_I2V.conformance is not None and WAN_I2V.demo is not None
+FAMILY = dataclasses.replace(
+    WAN_I2V,
+    name="wan22_i2v",
+    condition_model="spindle.models.wan22_i2v.condition:Wan22I2VConditionModel",
+    inference="spindle.models.wan22_i2v.inference:WAN22_I2V_INFERENCE",
+    tiny_model="spindle.models.wan22_i2v.tiny:build_tiny_wan22_i2v",
+    variant=is_two_expert,
+    options=OPTIONS,
+    # no image tokens share the context: any text length
+    demo=dataclasses.replace(WAN_I2V.demo, text_tokens=DemoSpec.text_tokens),
+    conformance=ConformanceSpec(
+        parity_cases={
+            name: {**case, **({"guidance_scale_2": 3.0} if name == "cfg" else {})}
+            for name, case in WAN_I2V.conformance.parity_cases.items()
+        },
+        default_params=WAN_I2V.conformance.default_params,
+        cache_steps=5,  # t = 1000, 923 (high-noise expert), 818, 667, 429: three steps to skip
+        train_overrides={"train__expert": "low_noise"},
+    ),
+)
