@@ -59,7 +59,7 @@ def test_conditions_are_the_pipelines_prompt_with_the_image_and_its_reference_la
     torch.testing.assert_close(inputs["hidden_states"][:, target.shape[1] :], refs[0], rtol=0, atol=0)
     assert inputs["img_shapes"] == [[(1, 1, 1), (1, 1, 1)]] * 2
     pred = torch.randn(2, inputs["hidden_states"].shape[1], 16)
-    assert torch.equal(condition.prediction(pred, target), pred[:, : target.shape[1]])
+    assert torch.equal(condition.target_prediction(pred, target), pred[:, : target.shape[1]])
 
 
 def test_no_source_images_is_a_clear_error(condition):
