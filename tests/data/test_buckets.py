@@ -131,10 +131,16 @@ def test_every_dit_family_encodes_the_shapes_of_its_pixel_grid(family, tiny_chec
     )
     grid = cls.pixel_grid(root)
     frames = grid.frame_counts(9)[-1]
-    sample = {"pixels": torch.zeros(3, frames, 2 * grid.height, 3 * grid.width), "caption": "a cat", "index": 0}
+    sources = get_family(family).options.images[0]  # an edit family's required source images, sized as the target
+
+    def item(height: int, width: int) -> dict:
+        out = {"pixels": torch.zeros(3, frames, height, width), "caption": "a cat", "index": 0}
+        return {**out, "images": torch.zeros(sources, 3, height, width)} if sources else out
+
+    sample = item(2 * grid.height, 3 * grid.width)
     latents = condition.encode(collate([sample]))["latents"]
     assert latents.shape[-1] * 2 == latents.shape[-2] * 3  # the bucket's aspect survives the encoding
-    off = {**sample, "pixels": torch.zeros(3, frames, 2 * grid.height + grid.height // 2, 3 * grid.width)}
+    off = item(2 * grid.height + grid.height // 2, 3 * grid.width)
     with pytest.raises(ValueError, match="divisible by"):
         condition.encode(collate([off]))
 
