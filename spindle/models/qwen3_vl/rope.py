@@ -1,22 +1,10 @@
-"""Qwen3-VL's 3-D RoPE positions of one document: transformers' `Qwen3VLModel.get_rope_index`."""
+"""Qwen3-VL's 3-D RoPE positions of one document: transformers' `Qwen3VLModel.get_rope_index`
+(video frames spaced by timestamps in the text, so second_per_grid_ts is ignored)."""
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
 
-from spindle.models.shared.vlm_rope import model_rope_index
+from spindle.models.shared.vlm_rope import rope_for
 
-
-def rope_index(
-    config: Any,
-    input_ids: torch.Tensor,
-    image_grid_thw: torch.Tensor | None,
-    video_grid_thw: torch.Tensor | None,
-    second_per_grid_ts: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """[1, L] token ids of one document -> its [3, 1, L] positions (Qwen3-VL spaces video frames by
-    timestamps in the text, not by second_per_grid_ts, which it ignores)."""
-    return model_rope_index(Qwen3VLModel, config, input_ids, image_grid_thw, video_grid_thw)
+rope_index = rope_for(Qwen3VLModel, seconds=False)

@@ -4,6 +4,7 @@ before any model exists, and a reimplementation could drift from the model's."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,3 +45,25 @@ def model_rope_index(
     )
     out: torch.Tensor = positions
     return out
+
+
+RopeIndex = Callable[..., torch.Tensor]
+
+
+def rope_for(model_cls: Any, seconds: bool) -> RopeIndex:
+    """A family's `rope_index(config, input_ids, image_grid_thw, video_grid_thw, second_per_grid_ts=None)`:
+    [1, L] token ids of one document -> its [3, 1, L] (temporal, height, width) positions, by `model_cls`'s
+    own `get_rope_index`. `seconds`: the model spaces video frames by `second_per_grid_ts` (Qwen2.5-VL);
+    otherwise it ignores them (Qwen3-VL writes timestamps into the text)."""
+
+    def rope_index(
+        config: Any,
+        input_ids: torch.Tensor,
+        image_grid_thw: torch.Tensor | None,
+        video_grid_thw: torch.Tensor | None,
+        second_per_grid_ts: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        spacing = second_per_grid_ts if seconds else None
+        return model_rope_index(model_cls, config, input_ids, image_grid_thw, video_grid_thw, spacing)
+
+    return rope_index
