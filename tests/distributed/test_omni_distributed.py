@@ -14,11 +14,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from spindle.testing.vlm_conformance import REFERENCE_RUN
 from spindle.train.metrics import read_metrics
-from tests.distributed.test_vlm_distributed import STEPS, run_train
+from tests.distributed.test_vlm_distributed import run_train
 from tests.train.test_omni import SEQ, subset, untrained_bytes
 
 pytestmark = pytest.mark.slow
+STEPS = REFERENCE_RUN["train__max_steps"]  # run_train's steps (the VLM suite's reference run)
 WEIGHTS = "export/model-00001-of-00001.safetensors"
 
 
