@@ -24,26 +24,29 @@ from spindle.data.multimodal import (
 from spindle.data.text import TextDataError
 
 
-def omni_processor(model: Path) -> VisionProcessor:
+def omni_processor(model: Path, family_name: str = "qwen2_5_omni") -> VisionProcessor:
     """Spindle's processor of an omni checkpoint, as the omni task builds it."""
-    from transformers import AutoTokenizer, Qwen2_5OmniThinkerConfig
+    from transformers import AutoTokenizer
 
     from spindle.registry import get_family
 
-    family = get_family("qwen2_5_omni")
-    config = Qwen2_5OmniThinkerConfig.from_pretrained(model)
+    family = get_family(family_name)
+    config = family.model_cls().config_class.from_pretrained(model)  # type: ignore[attr-defined]
     tok = AutoTokenizer.from_pretrained(model)
-    return VisionProcessor(model, tok, config, family.rope_index_fn(), VisionOptions(), audio=True)
+    return VisionProcessor(
+        model, tok, config, family.rope_index_fn(), VisionOptions(), audio=True, audio_tokens=family.audio_tokens_fn()
+    )
 
 
-def stock_processor(model: Path):
-    """transformers' Qwen2_5OmniProcessor from the folder's tokenizer, PIL image processor and
-    WhisperFeatureExtractor. Its constructor insists on a video processor, which needs torchvision (not
-    installable here): the class check is skipped for that argument only, and no video is processed."""
+def stock_processor(model: Path, processor_class: type | None = None):
+    """transformers' omni processor (`processor_class`, default Qwen2_5OmniProcessor) from the folder's
+    tokenizer, PIL image processor and WhisperFeatureExtractor. Its constructor insists on a video processor,
+    which needs torchvision (not installable here): the class check is skipped for that argument only, and
+    no video is processed."""
     from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoTokenizer
     from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import Qwen2_5OmniProcessor
 
-    class NoVideoProcessor(Qwen2_5OmniProcessor):
+    class NoVideoProcessor(processor_class or Qwen2_5OmniProcessor):  # type: ignore[misc]
         def check_argument_for_proper_class(self, argument_name, argument):
             if argument_name == "video_processor" and argument is None:
                 return None

@@ -1,0 +1,84 @@
+"""The omni MoE task (spindle.train.tasks.omni_moe) on the tiny Qwen3-Omni-MoE: step-1 loss (router aux loss
+included) and grad norm equal the stock thinker on the stock processor's inputs, and an export in the input's
+per-expert layout that the stock full model loads, its talker and code2wav tensors byte-identical to the input.
+
+(`parallel.ep=2` against one process: tests/distributed/test_omni_distributed.py.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.train.test_omni import omni_train, stock_inputs, subset, untrained_bytes
+from tests.train.test_vlm import grad_norm
+
+UNTRAINED = ("talker.", "code2wav.")
+
+
+def qwen3_stock_inputs(model: Path, data: Path) -> list[dict]:
+    from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3OmniMoeProcessor
+
+    return stock_inputs(model, data, "qwen3_omni_moe", Qwen3OmniMoeProcessor)
+
+
+def stock_thinker(path: Path):
+    from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
+
+    model = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    model.train()
+    return model
+
+
+@pytest.mark.parametrize("line", [0, 2], ids=["audio", "image_then_audio"])
+def test_step1_loss_and_grad_norm_equal_the_stock_thinker(line, tiny_qwen3_omni_moe, omni_conversations, tmp_path):
+    data = subset(omni_conversations, tmp_path / "data", [line])
+    omni_train(tiny_qwen3_omni_moe, data, tmp_path / "run", data__packing=False, train__max_steps=1)
+    logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+
+    (inputs,) = qwen3_stock_inputs(tiny_qwen3_omni_moe, data)
+    assert "input_features" in inputs
+    model = stock_thinker(tiny_qwen3_omni_moe)
+    out = model(**inputs, output_router_logits=True)  # stock: token loss + router_aux_loss_coef x aux loss
+    out.loss.backward()
+    assert logged["aux_loss"] == pytest.approx(float(out.aux_loss.detach()), rel=1e-5)
+    assert logged["loss"] == pytest.approx(float(out.loss.detach()), rel=1e-5)
+    assert logged["grad_norm"] == pytest.approx(grad_norm(model), rel=1e-4)
+
+
+def test_export_keeps_the_expert_layout_and_the_untrained_tensors(tiny_qwen3_omni_moe, omni_conversations, tmp_path):
+    """Two steps on the four conversations, exported: the thinker's experts per expert as the input had them,
+    the talker and code2wav byte-identical, the processor file as it came; the stock full model loads the
+    folder and its thinker holds the trained weights."""
+    from safetensors import safe_open
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    trainer, _ = omni_train(tiny_qwen3_omni_moe, omni_conversations, tmp_path / "run", train__max_steps=2)
+    export = tmp_path / "run" / "export"
+    before = untrained_bytes(tiny_qwen3_omni_moe, UNTRAINED)
+    assert before and untrained_bytes(export, UNTRAINED) == before
+    assert (export / "preprocessor_config.json").read_bytes() == (
+        tiny_qwen3_omni_moe / "preprocessor_config.json"
+    ).read_bytes()
+    index = json.loads((export / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "thinker.model.layers.0.mlp.experts.7.down_proj.weight" in index
+    assert not any(k.endswith("experts.gate_up_proj") for k in index)
+
+    model, info = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
+        export, dtype=torch.float32, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    trained = trainer.model.state_dict()
+    thinker = model.thinker.state_dict()
+    assert thinker.keys() == trained.keys()
+    for k, v in thinker.items():
+        assert torch.equal(v, trained[k]), k
+    base = Qwen3OmniMoeForConditionalGeneration.from_pretrained(tiny_qwen3_omni_moe, dtype=torch.float32)
+    changed = [k for k, v in base.thinker.state_dict().items() if not torch.equal(v, thinker[k])]
+    assert any("experts" in k for k in changed)  # the experts were trained and written back
+    with safe_open(str(export / index["thinker.lm_head.weight"]), "pt") as f:
+        assert f.get_tensor("thinker.lm_head.weight").dtype == torch.float32
