@@ -6,7 +6,7 @@ talker and code2wav are carried through to the export unchanged. The thinker's e
 or fused checkpoints and are exported in the input's layout (conversion.py). Videos are refused for now
 (their data path, audio track included, is Qwen2.5-Omni's only)."""
 
-from spindle.contracts.family import CausalLMConformanceSpec, OmniFamily
+from spindle.contracts.family import OmniFamily
 
 FAMILY = OmniFamily(
     name="qwen3_omni_moe",
@@ -39,9 +39,4 @@ FAMILY = OmniFamily(
     blocks=("Qwen3OmniMoeThinkerTextDecoderLayer", "Qwen3OmniMoeVisionBlock", "Qwen3OmniMoeAudioEncoderLayer"),
     videos=False,
     task="omni_moe",
-    conformance=CausalLMConformanceSpec(
-        # Spindle's MoE loss is stock's with output_router_logits: token loss + coef x router aux loss
-        stock_loss_kwargs={"output_router_logits": True},
-        stock_outputs=("aux_loss",),
-    ),
 )
