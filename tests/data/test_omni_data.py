@@ -256,3 +256,30 @@ def test_sharegpt_audio_placeholders_give_the_messages_format_document(tiny_qwen
     with pytest.raises(ValueError, match=r"more <audio> placeholders than audio files"):
         twice = [{"from": "human", "value": "<audio><audio>"}, sharegpt["conversations"][1]]
         conversation_document({**sharegpt, "conversations": twice}, base, processor, 4096, "x")
+
+
+@pytest.mark.parametrize("line", [0, 2], ids=["audio", "image_then_audio"])
+def test_qwen3_omni_moe_tokens_and_positions_equal_the_stock_processor_and_thinker(
+    line, tiny_qwen3_omni_moe, omni_conversations
+):
+    """Qwen3-Omni-MoE's audio encoder makes 13 tokens of each 100-frame chunk (not Qwen2.5-Omni's 1 per 4
+    frames): the family's `audio_tokens` gives the stock processor's count, its `rope_index` the stock positions."""
+    from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
+    from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3OmniMoeProcessor
+
+    from spindle.data.audio import audio_token_count  # Qwen2.5-Omni's
+
+    obj = lines(omni_conversations)[line]
+    processor = omni_processor(tiny_qwen3_omni_moe, "qwen3_omni_moe")
+    doc, _ = conversation_document(obj, omni_conversations.parent, processor, 4096, "x")
+    stock = stock_call(stock_processor(tiny_qwen3_omni_moe, Qwen3OmniMoeProcessor), obj, omni_conversations.parent)
+    assert stock["input_ids"][0].tolist() == doc.tokens
+    audio_tokens = doc.tokens.count(processor.config.audio_token_id)
+    frames = int(stock["feature_attention_mask"].sum())
+    assert audio_tokens == processor.audio_tokens(processor.config, frames) != audio_token_count(frames)
+
+    thinker = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(tiny_qwen3_omni_moe)
+    positions, _ = thinker.model.get_rope_index(
+        stock["input_ids"], stock.get("image_grid_thw"), None, stock["attention_mask"], False, torch.tensor([frames])
+    )
+    assert torch.equal(doc.positions, positions[:, 0])

@@ -170,6 +170,12 @@ def build_tiny_qwen3_omni_moe(out: str | Path, seed: int = 0, transformer: dict 
     )
     torch.manual_seed(seed)
     model = Qwen3OmniMoeForConditionalGeneration._from_config(config, dtype=torch.float32)
+    # transformers' _init_weights leaves the talker's fused experts as allocated (uninitialised memory, so
+    # different bytes on every build): drawn here from the seed, as the thinker's are
+    with torch.no_grad():
+        for name, param in model.talker.named_parameters():
+            if ".experts." in name:
+                param.normal_(0.0, config.initializer_range)
     model.generation_config = GenerationConfig(
         eos_token_id=[tokenizer.eos_token_id, token("<|endoftext|>")], pad_token_id=tokenizer.pad_token_id
     )
