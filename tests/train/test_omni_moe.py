@@ -1,6 +1,7 @@
 """The omni MoE task (spindle.train.tasks.omni_moe) on the tiny Qwen3-Omni-MoE: step-1 loss (router aux loss
 included) and grad norm equal the stock thinker on the stock processor's inputs, and an export in the input's
-per-expert layout that the stock full model loads, its talker and code2wav tensors byte-identical to the input.
+per-expert layout that the stock full model loads and generates a text reply to an audio clip with, its talker
+and code2wav tensors byte-identical to the input.
 
 (`parallel.ep=2` against one process: tests/distributed/test_omni_distributed.py.)"""
 
@@ -82,3 +83,52 @@ def test_export_keeps_the_expert_layout_and_the_untrained_tensors(tiny_qwen3_omn
     assert any("experts" in k for k in changed)  # the experts were trained and written back
     with safe_open(str(export / index["thinker.lm_head.weight"]), "pt") as f:
         assert f.get_tensor("thinker.lm_head.weight").dtype == torch.float32
+
+    # the exported thinker answers an audio clip: the stock processor's prompt, greedy text generation
+    from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3OmniMoeProcessor
+
+    from spindle.data.audio import decode_audio
+    from tests.data.test_omni_data import lines, stock_processor
+
+    stock = stock_processor(export, Qwen3OmniMoeProcessor)
+    user = lines(omni_conversations)[0]["messages"][0]  # an audio part and a question
+    prompt = stock.apply_chat_template([user], tokenize=False, add_generation_prompt=True)
+    clip = decode_audio(omni_conversations.parent / user["content"][0]["audio"], 16000)
+    inputs = dict(stock(text=[prompt], audio=[clip], return_tensors="pt"))
+    out = model.generate(
+        **inputs,
+        generation_mode="text",
+        thinker_eos_token_id=stock.tokenizer.eos_token_id,
+        thinker_max_new_tokens=5,
+        thinker_min_new_tokens=5,
+        thinker_do_sample=False,
+    )
+    ids = inputs["input_ids"]
+    assert out.shape == (1, ids.shape[1] + 5) and torch.equal(out[:, : ids.shape[1]], ids)
+    assert isinstance(stock.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)[0], str)
+
+
+def test_freeze_audio_and_language_trains_only_vision_and_aligners(tiny_qwen3_omni_moe, omni_conversations, tmp_path):
+    """`train.freeze: [audio, language]` (the experts are language): the frozen parts have no optimizer state and
+    come out of the export as they went in; the vision tower and the aligners (merger, deepstack mergers, the
+    audio encoder's output projections) are trained."""
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    from spindle.registry import get_family
+
+    family = get_family("qwen3_omni_moe")
+    trainer, _ = omni_train(
+        tiny_qwen3_omni_moe,
+        omni_conversations,
+        tmp_path / "run",
+        train__max_steps=2,
+        train__global_batch_size=2,
+        train__freeze='["audio", "language"]',
+    )
+    states = {n for n, p in trainer.model.named_parameters() if p in trainer.optimizer.state}
+    assert {family.part_of(n) for n in states} == {"vision", "aligner"}
+    load = Qwen3OmniMoeForConditionalGeneration.from_pretrained
+    before = load(tiny_qwen3_omni_moe, dtype=torch.float32).thinker.state_dict()
+    after = load(tmp_path / "run" / "export", dtype=torch.float32).thinker.state_dict()
+    changed = {family.part_of(k) for k in before if not torch.equal(before[k], after[k])}
+    assert changed == {"vision", "aligner"}
