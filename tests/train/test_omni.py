@@ -304,7 +304,7 @@ def test_use_audio_in_video_step1_equals_the_stock_thinker(tiny_qwen2_5_omni, ti
     cfg = load_job_config(
         None, vlm_overrides(tiny_qwen2_5_vl, data / "data.jsonl", tmp_path, data__use_audio_in_video=True)
     )
-    with pytest.raises(ConfigError, match=r"data\.use_audio_in_video: qwen2_5_vl models do not take"):
+    with pytest.raises(ConfigError, match=r"data\.use_audio_in_video: qwen2_5_vl models: they do not take"):
         check_job_plan(cfg, 1)
 
 

@@ -1,10 +1,10 @@
 """Qwen3-Omni-MoE (transformers `model_type` "qwen3_omni_moe", `Qwen3OmniMoeForConditionalGeneration`): the
 omni MoE task (`omni_moe`: the omni task + the MoE task) trains its thinker
 (`Qwen3OmniMoeThinkerForConditionalGeneration`: audio encoder, Qwen3-VL vision tower, Qwen3-MoE decoder) on
-audio/image conversations, with the router aux loss (patches.py), expert load and expert parallelism; the
+audio/image/video conversations, with the router aux loss (patches.py), expert load and expert parallelism; the
 talker and code2wav are carried through to the export unchanged. The thinker's experts load from per-expert
-or fused checkpoints and are exported in the input's layout (conversion.py). Videos are refused for now
-(their data path, audio track included, is Qwen2.5-Omni's only)."""
+or fused checkpoints and are exported in the input's layout (conversion.py). Videos train as Qwen2.5-Omni's
+(the same video processor and placeholder); their audio track (`data.use_audio_in_video`) is refused."""
 
 from spindle.contracts.family import OmniFamily
 
@@ -37,6 +37,5 @@ FAMILY = OmniFamily(
     },
     untrained=("talker.", "code2wav."),
     blocks=("Qwen3OmniMoeThinkerTextDecoderLayer", "Qwen3OmniMoeVisionBlock", "Qwen3OmniMoeAudioEncoderLayer"),
-    videos=False,
     task="omni_moe",
 )

@@ -225,9 +225,12 @@ class VLMTask(CausalLMTask):
                 f"their parts: {sorted(family.parts)}"
             )
         if cfg.data.use_audio_in_video and not getattr(family, "video_audio_layout", ""):
-            raise ConfigError(
-                f"data.use_audio_in_video: {family.name} models do not take a video's audio track; set it to false"
+            why = (
+                "Spindle does not lay out a video's audio track for them yet"
+                if family.audio_tower
+                else "they do not take a video's audio track"
             )
+            raise ConfigError(f"data.use_audio_in_video: {family.name} models: {why}; set it to false")
         if set(cfg.train.freeze) >= set(family.parts):
             raise ConfigError(f"train.freeze={cfg.train.freeze} freezes every part: nothing is left to train")
 
