@@ -134,45 +134,51 @@ def test_freeze_audio_and_language_trains_only_vision_and_aligners(tiny_qwen3_om
     assert changed == {"vision", "aligner"}
 
 
-def test_video_step1_equals_the_stock_thinker(tiny_qwen3_omni_moe, tmp_path):
-    """A video conversation: step 1's loss (aux term included) and grad norm equal the stock thinker given
-    Spindle's tokens and frames, computing its own 3-D positions from the grid and seconds per grid. Its audio
-    track (`data.use_audio_in_video`) is refused for now."""
+@pytest.mark.parametrize("with_audio", [False, True], ids=["frames", "use_audio_in_video"])
+def test_video_step1_equals_the_stock_thinker(with_audio, tiny_qwen3_omni_moe, tmp_path):
+    """A video conversation, without and with its audio track (`data.use_audio_in_video`: the track's tokens
+    interleaved with the frames' by time): step 1's loss (aux term included) and grad norm equal the stock
+    thinker given Spindle's tokens, frames and track features, computing its own 3-D positions from the grid,
+    the seconds per grid and (with audio) the track's length. (The stock video processor needs torchvision, so
+    the frames are Spindle's on both sides.)"""
     from spindle.data.multimodal import collate_vision
     from tests.data.test_omni_data import video_with_audio
 
     data = tmp_path / "data"
     data.mkdir()
     video_with_audio(data)
-    user = [{"type": "video", "video": "plain.mp4"}, {"type": "text", "text": "What?"}]
+    user = [{"type": "video", "video": "clip.mp4"}, {"type": "text", "text": "What?"}]
     line = {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": "A tone."}]}
     (data / "data.jsonl").write_text(json.dumps(line) + "\n")
     trainer, _ = omni_train(
-        tiny_qwen3_omni_moe, data / "data.jsonl", tmp_path / "run", data__packing=False, train__max_steps=1
+        tiny_qwen3_omni_moe,
+        data / "data.jsonl",
+        tmp_path / "run",
+        data__packing=False,
+        train__max_steps=1,
+        data__use_audio_in_video=with_audio,
     )
     logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     batch = trainer.loader.dataset[0]
     inputs = collate_vision(batch["vision"])
-    assert "pixel_values_videos" in inputs and "input_features" not in inputs
+    assert "pixel_values_videos" in inputs and ("input_features" in inputs) == with_audio
+    ids = batch["input_ids"]
+    config = trainer.model.config
+    if with_audio:  # the frames' and the track's tokens interleave inside <|audio_start|> ... <|audio_end|>
+        first_audio = int((ids == config.audio_token_id).nonzero()[0])
+        last_video = int((ids == config.video_token_id).nonzero()[-1])
+        assert first_audio < last_video and int((ids == config.audio_start_token_id).sum()) == 1
     labels = batch["shift_labels"]
     model = stock_thinker(tiny_qwen3_omni_moe)
     out = model(
-        input_ids=batch["input_ids"][None],
+        input_ids=ids[None],
         attention_mask=batch["attention_mask"][None],
         labels=torch.cat([torch.tensor([-100]), labels[:-1]])[None],  # stock shifts: i+1's label is shift_labels[i]
         video_second_per_grid=inputs.pop("second_per_grid_ts"),
+        use_audio_in_video=with_audio,
         output_router_logits=True,
         **inputs,
     )
     out.loss.backward()
     assert logged["loss"] == pytest.approx(float(out.loss.detach()), rel=1e-5)
     assert logged["grad_norm"] == pytest.approx(grad_norm(model), rel=1e-4)
-
-    # the video's audio track is not laid out for this family yet: refused before any work, naming the key
-    from spindle.api import check_job_plan, load_job_config
-    from spindle.config import ConfigError
-    from tests.train.test_omni import omni_overrides
-
-    overrides = omni_overrides(tiny_qwen3_omni_moe, data / "data.jsonl", tmp_path, data__use_audio_in_video=True)
-    with pytest.raises(ConfigError, match=r"data\.use_audio_in_video: qwen3_omni_moe models: Spindle does not"):
-        check_job_plan(load_job_config(None, overrides), 1)

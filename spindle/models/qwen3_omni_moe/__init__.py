@@ -4,7 +4,8 @@ omni MoE task (`omni_moe`: the omni task + the MoE task) trains its thinker
 audio/image/video conversations, with the router aux loss (patches.py), expert load and expert parallelism; the
 talker and code2wav are carried through to the export unchanged. The thinker's experts load from per-expert
 or fused checkpoints and are exported in the input's layout (conversion.py). Videos train as Qwen2.5-Omni's
-(the same video processor and placeholder); their audio track (`data.use_audio_in_video`) is refused."""
+(the same video processor and placeholder), with their audio track interleaved by time when
+`data.use_audio_in_video` (video_audio.py)."""
 
 from spindle.contracts.family import OmniFamily
 
@@ -19,6 +20,7 @@ FAMILY = OmniFamily(
     full_model_class="transformers:Qwen3OmniMoeForConditionalGeneration",
     rope_index="spindle.models.qwen3_omni_moe.rope:rope_index",
     audio_tokens="spindle.models.qwen3_omni_moe.rope:audio_tokens",
+    video_audio_layout="spindle.models.qwen3_omni_moe.video_audio:video_audio_placeholder",
     tiny_model="spindle.models.qwen3_omni_moe.tiny:build_tiny_qwen3_omni_moe",
     checkpoint_adapter="spindle.models.qwen3_omni_moe.conversion:ADAPTER",
     audio_tower="model.audio_tower",
