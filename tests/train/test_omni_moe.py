@@ -182,3 +182,20 @@ def test_video_step1_equals_the_stock_thinker(with_audio, tiny_qwen3_omni_moe, t
     out.loss.backward()
     assert logged["loss"] == pytest.approx(float(out.loss.detach()), rel=1e-5)
     assert logged["grad_norm"] == pytest.approx(grad_norm(model), rel=1e-4)
+
+
+def test_lora_adapts_the_decoder_attention_and_exports_adapters(tiny_qwen3_omni_moe, omni_conversations, tmp_path):
+    """LoRA on the MoE thinker: adapters on the decoder's attention projections only (the fused experts are no
+    linear layers), exported as a PEFT folder; the loss still carries the router aux term."""
+    from safetensors.torch import load_file
+
+    trainer, _ = omni_train(
+        tiny_qwen3_omni_moe, omni_conversations, tmp_path / "run", train__max_steps=2, train__lora='{"rank": 4}'
+    )
+    trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora" in n and ".self_attn." in n for n in trainable)
+    assert all(n.startswith("model.language_model.") for n in trainable)
+    adapters = load_file(tmp_path / "run" / "export" / "lora" / "adapter_model.safetensors")
+    assert adapters and not any("experts" in k for k in adapters)
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["aux_loss"] > 0 for m in logged if "aux_loss" in m) and any("aux_loss" in m for m in logged)
