@@ -199,3 +199,47 @@ def test_lora_adapts_the_decoder_attention_and_exports_adapters(tiny_qwen3_omni_
     assert adapters and not any("experts" in k for k in adapters)
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(m["aux_loss"] > 0 for m in logged if "aux_loss" in m) and any("aux_loss" in m for m in logged)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["fused", "fused_transposed"])
+def test_fused_expert_checkpoint_trains_alike_and_exports_fused(
+    transposed, tiny_qwen3_omni_moe, omni_conversations, tmp_path
+):
+    """The tiny folder rewritten with the thinker's experts fused (`gate_up_proj [E, 2I, H]`, or transposed
+    `[E, H, 2I]` as Qwen3-VL-MoE's releases store them): the same first-step loss as the per-expert folder, and
+    an export that keeps the fused layout, whose experts are the trained model's."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from spindle.models.shared.moe_checkpoints import FUSED, FUSED_TRANSPOSED
+    from spindle.registry import get_family
+
+    fused = tmp_path / "fused"
+    shutil.copytree(tiny_qwen3_omni_moe, fused)
+    tensors = load_file(fused / "model.safetensors")
+    for layer in range(2):
+        prefix = f"thinker.model.layers.{layer}.mlp.experts"
+        gate = [tensors.pop(f"{prefix}.{j}.gate_proj.weight") for j in range(8)]
+        up = [tensors.pop(f"{prefix}.{j}.up_proj.weight") for j in range(8)]
+        down = torch.stack([tensors.pop(f"{prefix}.{j}.down_proj.weight") for j in range(8)])
+        gate_up = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up, strict=True)])
+        if transposed:
+            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+        tensors[f"{prefix}.gate_up_proj"], tensors[f"{prefix}.down_proj"] = gate_up.contiguous(), down.contiguous()
+    save_file(tensors, str(fused / "model.safetensors"), metadata={"format": "pt"})
+    assert get_family("qwen3_omni_moe").adapter().layout(fused) == (FUSED_TRANSPOSED if transposed else FUSED)
+
+    data = subset(omni_conversations, tmp_path / "data", [0, 2])
+    runs = {}
+    for name, model in (("per_expert", tiny_qwen3_omni_moe), ("fused", fused)):
+        trainer, _ = omni_train(model, data, tmp_path / name, train__max_steps=1, train__global_batch_size=2)
+        runs[name] = (trainer, json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0]))
+    assert runs["fused"][1]["loss"] == pytest.approx(runs["per_expert"][1]["loss"], rel=1e-6)
+
+    index = json.loads((tmp_path / "fused" / "export" / "model.safetensors.index.json").read_text())["weight_map"]
+    key = "thinker.model.layers.1.mlp.experts.gate_up_proj"
+    assert key in index and not any(".experts.0." in k for k in index if k.startswith("thinker."))
+    stored = load_file(tmp_path / "fused" / "export" / index[key])[key]
+    trained = runs["fused"][0].model.state_dict()["model.language_model.layers.1.mlp.experts.gate_up_proj"]
+    assert torch.equal(stored.transpose(1, 2) if transposed else stored, trained)
