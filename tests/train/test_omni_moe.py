@@ -51,10 +51,13 @@ def test_step1_loss_and_grad_norm_equal_the_stock_thinker(line, tiny_qwen3_omni_
     assert logged["grad_norm"] == pytest.approx(grad_norm(model), rel=1e-4)
 
 
-def test_export_keeps_the_expert_layout_and_the_untrained_tensors(tiny_qwen3_omni_moe, omni_conversations, tmp_path):
+def test_export_keeps_the_expert_layout_and_the_untrained_tensors(
+    tiny_qwen3_omni_moe, omni_conversations, tmp_path, spindle_cli
+):
     """Two steps on the four conversations, exported: the thinker's experts per expert as the input had them,
     the talker and code2wav byte-identical, the processor file as it came; the stock full model loads the
-    folder and its thinker holds the trained weights."""
+    folder, its thinker holds the trained weights and answers an audio clip; `spindle export` of the
+    checkpoint writes the same."""
     from safetensors import safe_open
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
@@ -106,6 +109,16 @@ def test_export_keeps_the_expert_layout_and_the_untrained_tensors(tiny_qwen3_omn
     ids = inputs["input_ids"]
     assert out.shape == (1, ids.shape[1] + 5) and torch.equal(out[:, : ids.shape[1]], ids)
     assert isinstance(stock.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)[0], str)
+
+    # `spindle export` of the final checkpoint writes the same folder on one process.
+    r = spindle_cli("export", tmp_path / "run", "--out", tmp_path / "cli")
+    assert r.returncode == 0, r.stderr
+    assert untrained_bytes(tmp_path / "cli", UNTRAINED) == before
+    assert (
+        json.loads((tmp_path / "cli" / "model.safetensors.index.json").read_text())["weight_map"].keys() == index.keys()
+    )
+    again = Qwen3OmniMoeForConditionalGeneration.from_pretrained(tmp_path / "cli", dtype=torch.float32)
+    assert all(torch.equal(v, thinker[k]) for k, v in again.thinker.state_dict().items())
 
 
 def test_freeze_audio_and_language_trains_only_vision_and_aligners(tiny_qwen3_omni_moe, omni_conversations, tmp_path):
