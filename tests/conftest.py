@@ -464,6 +464,13 @@ def tiny_qwen2_5_omni(tiny_checkpoint) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_omni_moe(tiny_checkpoint) -> Path:
+    """`tiny_checkpoint("qwen3_omni_moe")`: a whole Qwen3-Omni-MoE folder (thinker with 8 experts, talker,
+    code2wav, Qwen3-Omni tokenizer and chat template, one preprocessor_config.json for images and audio)."""
+    return tiny_checkpoint("qwen3_omni_moe")
+
+
+@pytest.fixture(scope="session")
 def omni_conversations(tmp_path_factory) -> Path:
     """4 conversations (`make_audio_conversations`): a 0.5 s tone (wav); an image, no audio; an image then a
     1 s tone (flac); an image, no audio."""

@@ -309,6 +309,9 @@ class VLMFamily(CausalLMFamily):
     rope_index: str = ""
     vision_tower: str = "model.visual"  # the vision encoder module (the dummy forward of text-only batches)
     audio_tower: str = ""  # the audio encoder module ("": the model takes no audio; audio parts are refused)
+    # "module:function(config, frames) -> int": the decoder tokens of an audio clip of `frames` mel frames;
+    # "": Qwen2.5-Omni's encoder (spindle.data.audio.audio_token_count)
+    audio_tokens: str = ""
     # the order in which the model's forward runs its towers, by input kind (the dummy forwards keep it)
     tower_order: tuple[str, ...] = ("image", "video")
     language_model: str = "model.language_model"  # the decoder stack (where Ulysses SP splits the sequence)
@@ -332,6 +335,10 @@ class VLMFamily(CausalLMFamily):
 
     def rope_index_fn(self) -> Callable[..., Any]:
         fn: Callable[..., Any] = import_object(self.rope_index)
+        return fn
+
+    def audio_tokens_fn(self) -> Callable[[Any, int], int] | None:
+        fn: Callable[[Any, int], int] | None = import_object(self.audio_tokens) if self.audio_tokens else None
         return fn
 
     def part_of(self, param_name: str) -> str | None:

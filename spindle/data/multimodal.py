@@ -119,6 +119,7 @@ class VisionProcessor:
         videos: bool = True,
         audio: bool = False,
         video_audio_layout: Any = None,
+        audio_tokens: Any = None,
     ):
         from transformers import AutoImageProcessor
 
@@ -134,6 +135,8 @@ class VisionProcessor:
         }
         # use_audio_in_video: the family's placeholder text of a video and its audio track, interleaved
         self.video_audio_layout = video_audio_layout
+        # the family's (config, mel frames) -> decoder tokens of a clip; None: Qwen2.5-Omni's encoder
+        self.audio_tokens = audio_tokens
         self.feature_extractor = None  # audio models: the checkpoint's WhisperFeatureExtractor
         if audio:
             from transformers import AutoFeatureExtractor
@@ -198,7 +201,12 @@ class VisionProcessor:
 
         def count(v: Media) -> int:
             if isinstance(v, Audio):
-                return audio_token_count(v.features.shape[1])
+                frames = v.features.shape[1]
+                return (
+                    audio_token_count(frames)
+                    if self.audio_tokens is None
+                    else int(self.audio_tokens(self.config, frames))
+                )
             return int(v.grid_thw.prod()) // self.merge_size**2 + (count(v.audio) if v.audio is not None else 0)
 
         return [count(v) for v in vision]

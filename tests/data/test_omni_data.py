@@ -24,26 +24,29 @@ from spindle.data.multimodal import (
 from spindle.data.text import TextDataError
 
 
-def omni_processor(model: Path) -> VisionProcessor:
+def omni_processor(model: Path, family_name: str = "qwen2_5_omni") -> VisionProcessor:
     """Spindle's processor of an omni checkpoint, as the omni task builds it."""
-    from transformers import AutoTokenizer, Qwen2_5OmniThinkerConfig
+    from transformers import AutoTokenizer
 
     from spindle.registry import get_family
 
-    family = get_family("qwen2_5_omni")
-    config = Qwen2_5OmniThinkerConfig.from_pretrained(model)
+    family = get_family(family_name)
+    config = family.model_cls().config_class.from_pretrained(model)  # type: ignore[attr-defined]
     tok = AutoTokenizer.from_pretrained(model)
-    return VisionProcessor(model, tok, config, family.rope_index_fn(), VisionOptions(), audio=True)
+    return VisionProcessor(
+        model, tok, config, family.rope_index_fn(), VisionOptions(), audio=True, audio_tokens=family.audio_tokens_fn()
+    )
 
 
-def stock_processor(model: Path):
-    """transformers' Qwen2_5OmniProcessor from the folder's tokenizer, PIL image processor and
-    WhisperFeatureExtractor. Its constructor insists on a video processor, which needs torchvision (not
-    installable here): the class check is skipped for that argument only, and no video is processed."""
+def stock_processor(model: Path, processor_class: type | None = None):
+    """transformers' omni processor (`processor_class`, default Qwen2_5OmniProcessor) from the folder's
+    tokenizer, PIL image processor and WhisperFeatureExtractor. Its constructor insists on a video processor,
+    which needs torchvision (not installable here): the class check is skipped for that argument only, and
+    no video is processed."""
     from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoTokenizer
     from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import Qwen2_5OmniProcessor
 
-    class NoVideoProcessor(Qwen2_5OmniProcessor):
+    class NoVideoProcessor(processor_class or Qwen2_5OmniProcessor):  # type: ignore[misc]
         def check_argument_for_proper_class(self, argument_name, argument):
             if argument_name == "video_processor" and argument is None:
                 return None
@@ -253,3 +256,30 @@ def test_sharegpt_audio_placeholders_give_the_messages_format_document(tiny_qwen
     with pytest.raises(ValueError, match=r"more <audio> placeholders than audio files"):
         twice = [{"from": "human", "value": "<audio><audio>"}, sharegpt["conversations"][1]]
         conversation_document({**sharegpt, "conversations": twice}, base, processor, 4096, "x")
+
+
+@pytest.mark.parametrize("line", [0, 2], ids=["audio", "image_then_audio"])
+def test_qwen3_omni_moe_tokens_and_positions_equal_the_stock_processor_and_thinker(
+    line, tiny_qwen3_omni_moe, omni_conversations
+):
+    """Qwen3-Omni-MoE's audio encoder makes 13 tokens of each 100-frame chunk (not Qwen2.5-Omni's 1 per 4
+    frames): the family's `audio_tokens` gives the stock processor's count, its `rope_index` the stock positions."""
+    from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
+    from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3OmniMoeProcessor
+
+    from spindle.data.audio import audio_token_count  # Qwen2.5-Omni's
+
+    obj = lines(omni_conversations)[line]
+    processor = omni_processor(tiny_qwen3_omni_moe, "qwen3_omni_moe")
+    doc, _ = conversation_document(obj, omni_conversations.parent, processor, 4096, "x")
+    stock = stock_call(stock_processor(tiny_qwen3_omni_moe, Qwen3OmniMoeProcessor), obj, omni_conversations.parent)
+    assert stock["input_ids"][0].tolist() == doc.tokens
+    audio_tokens = doc.tokens.count(processor.config.audio_token_id)
+    frames = int(stock["feature_attention_mask"].sum())
+    assert audio_tokens == processor.audio_tokens(processor.config, frames) != audio_token_count(frames)
+
+    thinker = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(tiny_qwen3_omni_moe)
+    positions, _ = thinker.model.get_rope_index(
+        stock["input_ids"], stock.get("image_grid_thw"), None, stock["attention_mask"], False, torch.tensor([frames])
+    )
+    assert torch.equal(doc.positions, positions[:, 0])

@@ -45,13 +45,15 @@ def subset(conversations: Path, out: Path, picked: list[int]) -> Path:
     return path
 
 
-def stock_inputs(model: Path, data: Path) -> list[dict]:
+def stock_inputs(
+    model: Path, data: Path, family_name: str = "qwen2_5_omni", processor_class: type | None = None
+) -> list[dict]:
     """Each conversation as the stock thinker takes it: the stock processor's output (tests/data/test_omni_data.py
     proves it equals Spindle's rows) and labels = the assistant tokens (-100 elsewhere; the model shifts)."""
     from spindle.data.multimodal import conversation_document
     from tests.data.test_omni_data import omni_processor
 
-    ours, stock = omni_processor(model), stock_processor(model)
+    ours, stock = omni_processor(model, family_name), stock_processor(model, processor_class)
     out = []
     for obj in lines(data):
         doc, _ = conversation_document(obj, data.parent, ours, 4096, "x")
@@ -170,8 +172,10 @@ def test_freeze_names_only_the_familys_parts(tiny_qwen2_5_vl, tmp_path):
         check_job_plan(cfg, 1)
 
 
-def untrained_bytes(folder: Path) -> dict[str, tuple[torch.dtype, bytes]]:
-    """Every talker/token2wav tensor of a folder as stored: (dtype, raw bytes)."""
+def untrained_bytes(
+    folder: Path, prefixes: tuple[str, ...] = ("talker.", "token2wav.")
+) -> dict[str, tuple[torch.dtype, bytes]]:
+    """Every tensor of a folder's untrained sub-models (`prefixes`: talker, token2wav) as stored: (dtype, raw bytes)."""
     from safetensors import safe_open
 
     index = folder / "model.safetensors.index.json"
@@ -182,7 +186,7 @@ def untrained_bytes(folder: Path) -> dict[str, tuple[torch.dtype, bytes]]:
     for name in files:
         with safe_open(str(folder / name), "pt") as f:
             for k in f.keys():
-                if k.startswith(("talker.", "token2wav.")):
+                if k.startswith(prefixes):
                     t = f.get_tensor(k)
                     out[k] = (t.dtype, t.contiguous().view(torch.uint8).numpy().tobytes())
     return out
@@ -300,7 +304,7 @@ def test_use_audio_in_video_step1_equals_the_stock_thinker(tiny_qwen2_5_omni, ti
     cfg = load_job_config(
         None, vlm_overrides(tiny_qwen2_5_vl, data / "data.jsonl", tmp_path, data__use_audio_in_video=True)
     )
-    with pytest.raises(ConfigError, match=r"data\.use_audio_in_video: qwen2_5_vl models do not take"):
+    with pytest.raises(ConfigError, match=r"data\.use_audio_in_video: qwen2_5_vl models: they do not take"):
         check_job_plan(cfg, 1)
 
 

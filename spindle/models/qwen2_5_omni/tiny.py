@@ -135,7 +135,6 @@ def build_tiny_qwen2_5_omni(out: str | Path, seed: int = 0, transformer: dict | 
     """Write the tiny folder to `out`; returns `out`. `transformer`: overrides of the thinker config (top level
     or under "text_config" / "vision_config" / "audio_config")."""
     from transformers import GenerationConfig, Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
-    from transformers.models.whisper.feature_extraction_whisper import WhisperFeatureExtractor
 
     out = Path(out)
     tokenizer = save_qwen_bpe_tokenizer(
@@ -184,19 +183,31 @@ def build_tiny_qwen2_5_omni(out: str | Path, seed: int = 0, transformer: dict | 
         for name in ("Chelsie", "Ethan")
     }
     torch.save(speakers, out / "spk_dict.pt")
-    # One preprocessor_config.json: Qwen2-VL's image processor fields + the WhisperFeatureExtractor's.
+    save_omni_preprocessor(
+        out,
+        vision,
+        "Qwen2_5OmniProcessor",
+        min_pixels=28 * 28,
+        max_pixels=56 * 56,
+        size={"shortest_edge": 28 * 28, "longest_edge": 56 * 56},
+    )
+    return out
+
+
+def save_omni_preprocessor(out: Path, vision: dict[str, Any], processor_class: str, **image_fields: Any) -> None:
+    """One preprocessor_config.json, as the published omni checkpoints have it: Qwen2-VL's image processor
+    fields (`vision`'s patching, `image_fields`) + the WhisperFeatureExtractor's (TINY_AUDIO_FEATURES)."""
+    from transformers.models.whisper.feature_extraction_whisper import WhisperFeatureExtractor
+
     features = WhisperFeatureExtractor(**TINY_AUDIO_FEATURES, return_attention_mask=True, padding_side="right")
     save_image_processor_config(
         out,
         patch_size=vision["patch_size"],
         merge_size=vision["spatial_merge_size"],
         temporal_patch_size=vision["temporal_patch_size"],
-        min_pixels=28 * 28,
-        max_pixels=56 * 56,
-        size={"shortest_edge": 28 * 28, "longest_edge": 56 * 56},
+        **image_fields,
         **features.to_dict(),
-        processor_class="Qwen2_5OmniProcessor",
+        processor_class=processor_class,
     )
     fields = json.loads((out / "preprocessor_config.json").read_text())
     assert fields["feature_extractor_type"] == "WhisperFeatureExtractor", "one file holds both processors' fields"
-    return out

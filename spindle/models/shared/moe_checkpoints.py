@@ -95,6 +95,12 @@ class ExpertCheckpoints:
     default_layout: str = PER_EXPERT  # what a checkpoint of the family is written in from scratch
     transposed_fused: bool = False  # the family's checkpoints may hold fused tensors transposed
     layers_prefix: str = "model.layers"  # where the decoder layers are (named in a missing-tensor error)
+    # the checkpoint keys of the trained model ("thinker." of an omni folder): other sub-models' experts (its
+    # talker's, of other shapes) are not checked
+    key_prefix: str = ""
+    # more model types to register while loading: a sub-model whose own mapping converts the experts where
+    # the root's class-name mapping only renames (Qwen3-Omni-MoE's thinker: its text model's)
+    sub_model_types: tuple[str, ...] = ()
 
     # ------------------------------------------------------------ checks before loading
 
@@ -184,7 +190,8 @@ class ExpertCheckpoints:
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(folder)
-        return self.check_expert_tensors(read_tensor_shapes(folder), config, where=str(folder))
+        shapes = {k: v for k, v in read_tensor_shapes(folder).items() if k.startswith(self.key_prefix)}
+        return self.check_expert_tensors(shapes, config, where=str(folder))
 
     # ------------------------------------------------------------ transformers' load path
 
@@ -204,21 +211,10 @@ class ExpertCheckpoints:
         process-wide and keyed by model type: stock transformers' loads of the same model type (a test's
         reference model, an export) must keep transformers' own mapping.
         """
-        from transformers import conversion_mapping as cm
-
-        original = cm._build_checkpoint_conversion_mapping().get(self.model_type) or []
-        mapping = original
-        if layout == PER_EXPERT and not any(_reads_per_expert(c) for c in original):
-            mapping = cm.get_checkpoint_conversion_mapping("qwen2_moe")
-        registered = self.model_type in cm.USER_REGISTERED_MAPPINGS
-        before = cm.get_checkpoint_conversion_mapping(self.model_type)
-        cm.register_checkpoint_conversion_mapping(self.model_type, mapping, overwrite=True)
-        try:
+        with contextlib.ExitStack() as stack:
+            for model_type in (self.model_type, *self.sub_model_types):
+                stack.enter_context(_registered(model_type, layout))
             yield
-        finally:
-            cm.register_checkpoint_conversion_mapping(self.model_type, before or original, overwrite=True)
-            if not registered:
-                cm.USER_REGISTERED_MAPPINGS.discard(self.model_type)
 
     @staticmethod
     def check_loading_info(info: dict, where: str) -> None:
@@ -295,6 +291,26 @@ class ExpertCheckpoints:
                 for name in PROJECTIONS:
                     del out[f"{prefix}.{j}.{name}.weight"]
         return out
+
+
+@contextlib.contextmanager
+def _registered(model_type: str, layout: str) -> Iterator[None]:
+    """`ExpertCheckpoints.loading` for one model type: its mapping registered, then restored."""
+    from transformers import conversion_mapping as cm
+
+    original = cm._build_checkpoint_conversion_mapping().get(model_type) or []
+    mapping = original
+    if layout == PER_EXPERT and not any(_reads_per_expert(c) for c in original):
+        mapping = cm.get_checkpoint_conversion_mapping("qwen2_moe")
+    registered = model_type in cm.USER_REGISTERED_MAPPINGS
+    before = cm.get_checkpoint_conversion_mapping(model_type)
+    cm.register_checkpoint_conversion_mapping(model_type, mapping, overwrite=True)
+    try:
+        yield
+    finally:
+        cm.register_checkpoint_conversion_mapping(model_type, before or original, overwrite=True)
+        if not registered:
+            cm.USER_REGISTERED_MAPPINGS.discard(model_type)
 
 
 def _reads_per_expert(converter: Any) -> bool:

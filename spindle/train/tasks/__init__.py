@@ -17,6 +17,7 @@ TASKS: dict[str, str] = {
     "vlm": "spindle.train.tasks.vlm:VLMTask",
     "vlm_moe": "spindle.train.tasks.vlm_moe:VLMMoETask",
     "omni": "spindle.train.tasks.omni:OmniTask",
+    "omni_moe": "spindle.train.tasks.omni_moe:OmniMoETask",
 }
 
 

@@ -206,6 +206,7 @@ class MoECausalLMTask(CausalLMTask):
             dtype=dtype,
             rename=lambda m, s: cls.export_layout(family, m, s),
             extra_files=cls.export_files,
+            finish=cls.finish_export(family, source),
         )
 
     @classmethod
@@ -280,12 +281,14 @@ def write_moe_folder(
     dtype: str = "auto",
     rename: Callable[[torch.nn.Module, dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
     extra_files: tuple[str, ...] = (),
+    finish: Callable[[Path, Any], None] | None = None,
 ) -> None:
     """Collective: `write_transformers_folder` with the experts in `layout`, weights in `dtype` (`export.dtype`).
 
     Expert tensors (DTensors under EP/FSDP2) are gathered whole, one tensor at a time, and converted
     by the family's adapter; dense tensors stay sharded and are written rank by rank. `rename`: the
-    model's names -> the checkpoint's (a VLM's `export_layout`; expert keys pass through it unchanged).
+    model's names -> the checkpoint's (a VLM's `export_layout`, per-expert keys
+    included). `finish`: completes the folder (an omni model's untrained sub-models and whole config).
     """
     from spindle.distributed.expert_parallel import expert_param_names, to_full
 
@@ -295,4 +298,4 @@ def write_moe_folder(
     state = {**dense, **adapter.to_layout(model, experts, layout)}
     if rename is not None:
         state = rename(model, state)
-    write_transformers_folder(model, state, source, out, dtype=dtype, extra_files=extra_files)
+    write_transformers_folder(model, state, source, out, dtype=dtype, extra_files=extra_files, finish=finish)

@@ -66,6 +66,23 @@ def checkpoint_names(model: torch.nn.Module) -> dict[str, str]:
     return {by_id[id(t)]: ck for ck, t in revert_weight_conversion(model, state).items() if id(t) in by_id}
 
 
+def renamed_by_prefix(names: dict[str, str], key: str) -> str:
+    """`key`, in none of `names` (a MoE's per-expert tensor: split from a fused one on export, fused on load),
+    renamed as its module's tensors are: by the prefix rename (e.g. `thinker.model.` -> `model.language_model.`)
+    of the longest prefix of `key` that `names` renames, a name's prefix being what precedes the dotted
+    components it shares, at its end, with its rename."""
+    best = ("", "")
+    for name, rename in names.items():
+        a, b = name.split("."), rename.split(".")
+        common = 0
+        while common < min(len(a), len(b)) and a[-1 - common] == b[-1 - common]:
+            common += 1
+        prefix = ".".join(a[: len(a) - common]) + "."
+        if key.startswith(prefix) and len(prefix) > len(best[0]):
+            best = (prefix, ".".join(b[: len(b) - common]) + "." if common < len(b) else "")
+    return best[1] + key[len(best[0]) :]
+
+
 def module_at(model: torch.nn.Module, dotted: str) -> torch.nn.Module:
     module: torch.nn.Module = model.get_submodule(dotted)
     return module
@@ -208,9 +225,12 @@ class VLMTask(CausalLMTask):
                 f"their parts: {sorted(family.parts)}"
             )
         if cfg.data.use_audio_in_video and not getattr(family, "video_audio_layout", ""):
-            raise ConfigError(
-                f"data.use_audio_in_video: {family.name} models do not take a video's audio track; set it to false"
+            why = (
+                "Spindle does not lay out a video's audio track for them yet"
+                if family.audio_tower
+                else "they do not take a video's audio track"
             )
+            raise ConfigError(f"data.use_audio_in_video: {family.name} models: {why}; set it to false")
         if set(cfg.train.freeze) >= set(family.parts):
             raise ConfigError(f"train.freeze={cfg.train.freeze} freezes every part: nothing is left to train")
 
@@ -238,7 +258,10 @@ class VLMTask(CausalLMTask):
         renamed = self.checkpoint_names(self.family, self.empty_model())
         taken = set(renamed.values())
         out = {name: sources[ck] for name, ck in renamed.items() if ck in sources}
-        out.update({k: v for k, v in sources.items() if k not in taken})  # unmapped keys: named by the check
+        # Unmapped keys (a MoE checkpoint's per-expert tensors, which the MoE task fuses next) under the model's
+        # name of their module; keys of no renamed module stay as they are, named by the check.
+        inverse = {ck: name for name, ck in renamed.items()}
+        out.update({renamed_by_prefix(inverse, k): v for k, v in sources.items() if k not in taken})
         return out
 
     def parallel_plan(self) -> ParallelPlan:
@@ -285,6 +308,7 @@ class VLMTask(CausalLMTask):
             self.family.videos,
             audio=bool(self.family.audio_tower),
             video_audio_layout=self.video_audio_layout(),
+            audio_tokens=self.family.audio_tokens_fn(),
         )
         dataset = build_conversation_dataset(data.path, processor, data.seq_len, data.packing, data.skip_bad_samples)
         s = dataset.stats
@@ -335,7 +359,7 @@ class VLMTask(CausalLMTask):
         with empty_weights():
             skeleton = base._from_config(model.config)
         names = cls.checkpoint_names(family, skeleton)
-        return {names.get(k, k): v for k, v in state.items()}
+        return {names.get(k) or renamed_by_prefix(names, k): v for k, v in state.items()}
 
     @classmethod
     def checkpoint_names(cls, family: CausalLMFamily, model: torch.nn.Module) -> dict[str, str]:
