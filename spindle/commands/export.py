@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         Path(args.out),
         lambda folder: task.export_checkpoint(family, path, model_path, folder, dtype=args.dtype),
         lambda: ckpt.reading_weights(EMA_STATE),
-        task.ema_beside,
+        task.ema_paths(state),
     )
     print(f"exported step {state['step']} of {path} to {out}")
     return 0

@@ -61,6 +61,12 @@ class TrainTask(ABC):
     # that holds weights: its EMA twin's path in the same folder} ("": the whole export; `spindle.train.ema`).
     ema_beside: ClassVar[dict[str, str]] = {"": "ema"}
 
+    @classmethod
+    def ema_paths(cls, trainer_state: dict[str, Any]) -> dict[str, str]:
+        """`ema_beside` for a run (its `state()`, as saved in trainer_state.json): a task whose exported
+        weights' path depends on the run (a two-expert DiT's trained expert) says so here."""
+        return dict(cls.ema_beside)
+
     def __init__(self, cfg: Any, family: Any, mesh: Any, device: torch.device, precision: str):
         self.cfg = cfg
         self.family = family

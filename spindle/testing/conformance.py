@@ -490,14 +490,16 @@ def check_export_round_trip(family: DiTFamily, base: Path, export: Path, trained
 
 
 def check_ema_export(family: DiTFamily, export: Path, ema: dict[str, torch.Tensor]) -> None:
-    """`export.weights: both`: the EMA is `transformer_ema/` beside the trained transformer, loaded by stock
+    """`export.weights: both`: the EMA is `transformer_ema/` (a trained expert's: `transformer_2_ema/`) beside
+    the trained transformer, loaded by stock
     diffusers' transformer class with `subfolder=`, every tensor equal to the average."""
     import json
 
     import diffusers
 
-    name = json.loads((export / "transformer" / "config.json").read_text())["_class_name"]
-    loaded = getattr(diffusers, name).from_pretrained(export, subfolder="transformer_ema").state_dict()
+    component = trained_component(family, export)  # the trained expert's twin: `<component>_ema`
+    name = json.loads((export / component / "config.json").read_text())["_class_name"]
+    loaded = getattr(diffusers, name).from_pretrained(export, subfolder=f"{component}_ema").state_dict()
     assert set(ema) <= loaded.keys(), f"{family.name}: transformer_ema lacks {sorted(set(ema) - loaded.keys())[:3]}"
     for key, value in ema.items():
         assert torch.equal(loaded[key], value), f"{family.name}: transformer_ema {key} differs from the EMA"

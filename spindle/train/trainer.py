@@ -399,7 +399,7 @@ class Trainer:
             self.output_dir / "export",
             lambda out: self.task.export(self.model, out),
             lambda: ema.swapped_in(self.model) if ema is not None else nullcontext(),
-            self.task.ema_beside,
+            self.task.ema_paths(self.task.state()),
         )
 
 

@@ -115,7 +115,8 @@ def test_registered_families_declare_their_options():
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     help_text = " ".join(sub.choices["generate"].format_help().split())
-    assert "--true-cfg-scale" in help_text and "flux default 1.0, qwenimage default 4.0" in help_text
+    assert "--true-cfg-scale" in help_text and "(flux default 1.0, flux_kontext default 1.0," in help_text
+    assert "qwenimage default 4.0," in help_text
     assert "flux: embedded guidance" in help_text and "wan: classifier-free guidance scale" in help_text
     # --guidance names the diffusion families only: language models are not generated with it
     guidance = help_text.split("--guidance GUIDANCE guidance_scale;")[1].split("--seed")[0]
@@ -123,7 +124,8 @@ def test_registered_families_declare_their_options():
     assert (
         named
         == {f.name for f in all_families() if isinstance(f, DiTFamily)}
-        == {"flux", "qwenimage", "qwenimage_edit", "qwenimage_edit_plus", "wan", "wan_i2v"}
+        == {"flux", "flux_kontext", "qwenimage", "qwenimage_edit", "qwenimage_edit_plus"}
+        | {"wan", "wan_i2v", "wan22", "wan22_i2v", "wan22_ti2v"}
     )
 
 

@@ -107,6 +107,12 @@ class FlowMatchingTask(TrainTask):
     # `<Transformer>.from_pretrained(export, subfolder="transformer_ema")`, or `load_lora_weights(export/lora_ema)`
     ema_beside = {"transformer": "transformer_ema", "lora": "lora_ema", "merged/transformer": "merged/transformer_ema"}
 
+    @classmethod
+    def ema_paths(cls, trainer_state: dict[str, Any]) -> dict[str, str]:
+        """A two-expert checkpoint's trained expert (`transformer_2`) has its EMA twin `transformer_2_ema`."""
+        component = trainer_state.get("component", "transformer")
+        return {component: f"{component}_ema", "lora": "lora_ema", f"merged/{component}": f"merged/{component}_ema"}
+
     cfg: DiTJobConfig
     family: DiTFamily
 
