@@ -51,10 +51,12 @@ def stock_images(stock, seed: int, auto_resize: bool = True, **kwargs) -> np.nda
         ),
         # no source image: Kontext's text-to-image
         dict(height=32, width=48, max_area=32 * 48),
+        # no size asked: the pipeline's default (256x256 on the tiny VAE) fitted to max_area, as stock does
+        dict(image=source(), max_area=32 * 32),
         # a source whose size the pipeline rounds down to the multiple of 4 (43x58 -> 40x56)
         dict(image=source(43, 58, seed=3), height=32, width=32, max_area=1024, negative_prompt="x", true_cfg_scale=3.0),
     ],
-    ids=["max_area_fit", "batch", "no_image", "rounded_source_cfg"],
+    ids=["max_area_fit", "batch", "no_image", "default_size", "rounded_source_cfg"],
 )
 def test_generate_equals_stock_pipeline(gen, stock, request_):
     request_ = {**BASE, **request_}

@@ -96,10 +96,10 @@ FAMILY = DiTFamily(
         stock_names=STOCK_NAMES,
         train_sources=1,
         train_request={"auto_resize": False},  # training's sources have the target's size
-        # default_sample_size 128 x the tiny VAE's factor 2; FluxKontextPipeline's own max_area
+        # FluxKontextPipeline's __call__: no size (its default_sample_size x VAE factor, fitted to max_area)
         default_params=dict(
-            height=256,
-            width=256,
+            height=None,
+            width=None,
             num_frames=None,
             num_inference_steps=28,
             guidance_scale=3.5,

@@ -49,6 +49,14 @@ class FluxKontextBeforeDenoisingStage(FluxBeforeDenoisingStage):
         return 2 * self.vae_scale_factor  # VAE downsampling x 2x2 packing
 
     def validate(self, params: SamplingParams) -> None:
+        if params.height is None and params.width is None:
+            # no size asked: the pipeline's own (its default 128 latent pixels x the VAE factor, fitted to
+            # max_area), so the defaults generate what FluxKontextPipeline(prompt, image) does
+            default = 128 * self.vae_scale_factor
+            params.height, params.width = output_size(default, default, int(params.extra["max_area"]), self.multiple)
+        elif params.height is None or params.width is None:  # one side given: the other the pipeline's default
+            params.height = params.height or 128 * self.vae_scale_factor
+            params.width = params.width or 128 * self.vae_scale_factor
         super().validate(params)
         height, width = resolved(params.height, "height"), resolved(params.width, "width")
         max_area = int(params.extra["max_area"])
@@ -115,7 +123,10 @@ class FluxKontextInference(FluxInference):
     before_denoising_cls = FluxKontextBeforeDenoisingStage
 
     def default_params(self, components: dict[str, Any]) -> SamplingParams:
-        return super().default_params(components)  # FluxKontextPipeline.__call__ has FluxPipeline's defaults
+        # FluxKontextPipeline.__call__'s defaults are FluxPipeline's, the size left to max_area (the stage)
+        params = super().default_params(components)
+        params.height = params.width = None
+        return params
 
     def denoiser_kwargs(self, req: Req, latents: torch.Tensor, t: torch.Tensor, branch: str) -> dict[str, Any]:
         kwargs = super().denoiser_kwargs(req, latents, t, branch)
