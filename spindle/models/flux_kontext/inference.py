@@ -18,6 +18,7 @@ import torch
 from spindle.contracts.request import Req, RequestError, SamplingParams, resolved
 from spindle.models.flux.inference import FluxBeforeDenoisingStage, FluxInference
 from spindle.models.flux_kontext import OPTIONS
+from spindle.models.shared.inference import ReferenceTokensInference
 
 
 def output_size(height: int, width: int, max_area: int, multiple: int) -> tuple[int, int]:
@@ -116,27 +117,13 @@ class FluxKontextBeforeDenoisingStage(FluxBeforeDenoisingStage):
         req.raw_latent_shape = self.latent_shape(p)
 
 
-class FluxKontextInference(FluxInference):
+class FluxKontextInference(ReferenceTokensInference, FluxInference):
+    """FluxPipeline's defaults, the size left to max_area (the stage); the source's tokens appended."""
+
     options = OPTIONS
     family = "flux_kontext"
     pipeline_class = FluxKontextBeforeDenoisingStage.pipeline_class
     before_denoising_cls = FluxKontextBeforeDenoisingStage
-
-    def default_params(self, components: dict[str, Any]) -> SamplingParams:
-        # FluxKontextPipeline.__call__'s defaults are FluxPipeline's, the size left to max_area (the stage)
-        params = super().default_params(components)
-        params.height = params.width = None
-        return params
-
-    def denoiser_kwargs(self, req: Req, latents: torch.Tensor, t: torch.Tensor, branch: str) -> dict[str, Any]:
-        kwargs = super().denoiser_kwargs(req, latents, t, branch)
-        reference = req.extra.get("image_latents")
-        if reference is not None:
-            kwargs["hidden_states"] = torch.cat([latents, reference], dim=1).to(req.model_dtype)
-        return kwargs
-
-    def target_prediction(self, pred: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
-        return pred[:, : latents.shape[1]]
 
     def sequence_length(self, req: Req, transformer: torch.nn.Module) -> int:
         tokens = super().sequence_length(req, transformer)

@@ -25,6 +25,7 @@ from spindle.contracts.request import Req, SamplingParams, resolved
 from spindle.models.qwenimage.condition import pad_text
 from spindle.models.qwenimage.inference import QwenImageBeforeDenoisingStage, QwenImageInference
 from spindle.models.qwenimage_edit import OPTIONS, PLUS_OPTIONS
+from spindle.models.shared.inference import ReferenceTokensInference
 
 
 def image_size(image: Any, area: int, pipeline_class: str) -> tuple[int, int]:
@@ -123,29 +124,15 @@ class QwenImageEditPlusBeforeDenoisingStage(QwenImageEditBeforeDenoisingStage):
         return [preprocess(im, h, w).unsqueeze(2) for im, (w, h) in zip(images, self.vae_sizes(params), strict=True)]
 
 
-class QwenImageEditInference(QwenImageInference):
+class QwenImageEditInference(ReferenceTokensInference, QwenImageInference):
+    """Qwen-Image's defaults, the size left to the input image (the stage); the sources' tokens appended."""
+
     options = OPTIONS
     family = "qwenimage_edit"
     pipeline_class = QwenImageEditBeforeDenoisingStage.pipeline_class
     components = ("tokenizer", "processor", "text_encoder", "vae", "scheduler", "transformer")
     component_loaders = {"processor": "spindle.models.qwenimage_edit.processor:load_processor"}
     before_denoising_cls: type[QwenImageEditBeforeDenoisingStage] = QwenImageEditBeforeDenoisingStage
-
-    def default_params(self, components: dict[str, Any]) -> SamplingParams:
-        # the pipelines' __call__ defaults (Qwen-Image's), the size left to the input image
-        params = super().default_params(components)
-        params.height = params.width = None
-        return params
-
-    def denoiser_kwargs(self, req: Req, latents: torch.Tensor, t: torch.Tensor, branch: str) -> dict[str, Any]:
-        kwargs = super().denoiser_kwargs(req, latents, t, branch)
-        reference = req.extra["image_latents"].to(latents.dtype)
-        kwargs["hidden_states"] = torch.cat([latents, reference], dim=1).to(req.model_dtype)
-        return kwargs
-
-    def target_prediction(self, pred: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
-        # the reference tokens' outputs are dropped before CFG combines the branches, as in the pipelines
-        return pred[:, : latents.shape[1]]
 
     def sequence_length(self, req: Req, transformer: torch.nn.Module) -> int:
         """The output's tokens plus every reference image's (the transformer's one sequence)."""

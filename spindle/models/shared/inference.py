@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from spindle.contracts.family import import_object
-from spindle.contracts.request import Req, RequestError, check_int_range, check_size, resolved
+from spindle.contracts.request import Req, RequestError, SamplingParams, check_int_range, check_size, resolved
 from spindle.contracts.stage import BeforeDenoisingStage, InferenceSpec
 from spindle.models.shared.latents import resolution_shift
 
@@ -93,3 +93,25 @@ def check_packed_image_request(params: Any, vae_scale_factor: int, max_sequence_
             field="num_frames",
         )
     check_int_range("max_sequence_length", params.max_sequence_length, minimum=1, maximum=max_sequence_length)
+
+
+class ReferenceTokensInference(InferenceSpec):
+    """What an image-editing family's spec adds (mixed in before its base family's spec): the size is left to the before-denoising stage, which derives it as the pipeline does;
+    the packed reference (source-image) latents that stage puts in `req.extra["image_latents"]` are appended
+    to the latents' tokens, and only the latents' part of each branch's output is kept, before CFG
+    combines them, as the pipelines keep `noise_pred[:, : latents.size(1)]`."""
+
+    def default_params(self, components: dict[str, Any]) -> SamplingParams:
+        params = super().default_params(components)
+        params.height = params.width = None
+        return params
+
+    def denoiser_kwargs(self, req: Req, latents: torch.Tensor, t: torch.Tensor, branch: str) -> dict[str, Any]:
+        kwargs = super().denoiser_kwargs(req, latents, t, branch)
+        reference = req.extra.get("image_latents")
+        if reference is not None:
+            kwargs["hidden_states"] = torch.cat([latents, reference.to(latents.dtype)], dim=1).to(req.model_dtype)
+        return kwargs
+
+    def target_prediction(self, pred: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        return pred[:, : latents.shape[1]]
