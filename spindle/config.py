@@ -276,8 +276,10 @@ class TrainConfig(Section):
     mixed_precision: Literal["auto", "no", "bf16"] = Field("auto", description="auto: bf16 on CUDA, fp32 on CPU")
     frozen_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
-        description="storage dtype of frozen parameters (a LoRA run's base weights); auto: the compute precision "
-        "(bf16 under mixed_precision bf16, else fp32); bfloat16 needs mixed_precision bf16",
+        description="storage dtype of frozen parameters (a LoRA run's base weights, frozen towers); auto: the compute "
+        "precision (bf16 under mixed_precision bf16, else fp32), except that with FSDP2 (several processes or "
+        "cpu_offload) an fp32 run keeps a weight the checkpoint stores in bf16/fp16 in that dtype and upcasts it "
+        "at each block's all-gather (same numbers, half the memory); bfloat16 needs mixed_precision bf16",
     )
     cpu_offload: bool = Field(
         False,

@@ -82,6 +82,27 @@ def tiny_wan(tiny_checkpoint) -> Path:
 
 
 @pytest.fixture(scope="session")
+def bf16_wan(tiny_wan, tmp_path_factory) -> Path:
+    """The tiny Wan with its transformer stored as stock diffusers stores a bf16 load: bf16, except the
+    `_keep_in_fp32_modules` (norms, time embedder, modulation table) kept in fp32."""
+    import shutil
+
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    from spindle.train.precision import stored_float_dtypes
+
+    root = tmp_path_factory.mktemp("bf16") / "wan"
+    shutil.copytree(tiny_wan, root)
+    model = WanTransformer3DModel.from_pretrained(root / "transformer", dtype=torch.bfloat16)
+    shutil.rmtree(root / "transformer")
+    model.save_pretrained(root / "transformer")
+    stored = set(stored_float_dtypes(root / "transformer").values())
+    assert stored == {torch.bfloat16, torch.float32}, stored
+    return root
+
+
+@pytest.fixture(scope="session")
 def tiny_wan_i2v(tiny_checkpoint) -> Path:
     """Wan2.1 I2V layout: tiny_wan's components + CLIP vision encoder and image processor, transformer
     with 2 x 4 + 4 input channels and an image projection."""

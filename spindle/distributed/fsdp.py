@@ -44,7 +44,10 @@ def mp_policy(mixed_precision: str | None) -> MixedPrecisionPolicy:
     if mp == "bf16":
         # bf16 compute copies of the params, fp32 gradient reduction (and fp32 sharded master params).
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()
+    # fp32 compute. FSDP2 leaves fp32 parameters alone (param_dtype equal to theirs is no cast) and upcasts
+    # a frozen one stored narrower (a bf16 checkpoint's LoRA base, spindle.train.precision.frozen_storage)
+    # at its all-gather, so every block computes in fp32. Inputs are not cast: fp32 runs feed what they feed.
+    return MixedPrecisionPolicy(param_dtype=torch.float32, cast_forward_inputs=False)
 
 
 def offload_policy(cpu_offload: bool, device_type: str) -> OffloadPolicy:

@@ -12,7 +12,7 @@ bool tensors are never converted.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -115,7 +115,8 @@ def export_dtypes(setting: str, source: str | Path) -> ExportDtypes:
 
 def frozen_dtype(setting: str, precision: str) -> torch.dtype:
     """`train.frozen_dtype` against the run's resolved mixed precision ("bf16" / "no"): the dtype frozen
-    parameters are stored in. auto: the compute precision. bfloat16 without bf16 compute would feed
+    parameters are stored in. auto: the compute precision (or the checkpoint's own narrower dtype
+    under FSDP2, `frozen_storage`). bfloat16 without bf16 compute would feed
     bf16 weights to fp32 matmuls: refused, naming both keys."""
     if setting == "auto":
         return torch.bfloat16 if precision == "bf16" else torch.float32
@@ -130,19 +131,43 @@ def frozen_dtype(setting: str, precision: str) -> torch.dtype:
     return EXPORT_DTYPES[setting]
 
 
-def store_frozen(model: torch.nn.Module, dtype: torch.dtype) -> int:
-    """Store `model`'s frozen floating parameters (requires_grad False: a LoRA run's base weights) in
-    `dtype`, in place, before parallelisation (works on meta tensors too). Trainable parameters keep
-    fp32 master weights. Modules the model keeps in fp32 (diffusers / transformers
-    `_keep_in_fp32_modules`: norms, time embedders, modulation tables) are left alone, as a
-    from_pretrained in that dtype would. -> the number of parameters converted."""
+def frozen_storage(
+    setting: str, precision: str, *, upcast_at_gather: bool, stored: Mapping[str, torch.dtype]
+) -> Callable[[str], torch.dtype]:
+    """Per frozen parameter name (the model's, `base_layer.` included), the dtype it is stored in.
+
+    `frozen_dtype(setting, precision)` for every parameter, except under `auto` with fp32 compute where
+    FSDP2 shards the model (`upcast_at_gather`): a parameter the checkpoint stores in a narrower float
+    (`stored`: {checkpoint name: dtype}, e.g. a bf16 Wan) keeps that dtype. Nothing is lost (the values
+    are the checkpoint's), FSDP2's `param_dtype=float32` upcasts each block's weights at its all-gather
+    (spindle.distributed.fsdp.mp_policy), so the step computes on exactly the fp32 numbers the fp32
+    path would, while each rank's resident shard of the frozen base is half the size. Without FSDP2
+    (one process) a bf16 weight would meet fp32 activations: fp32 there."""
+    base = frozen_dtype(setting, precision)
+    if setting != "auto" or base != torch.float32 or not upcast_at_gather:
+        return lambda name: base
+
+    def dtype(name: str) -> torch.dtype:
+        narrow = stored.get(name.replace(".base_layer.", "."))
+        return narrow if narrow in (torch.bfloat16, torch.float16) else base
+
+    return dtype
+
+
+def store_frozen(model: torch.nn.Module, dtype: torch.dtype | Callable[[str], torch.dtype]) -> int:
+    """Store `model`'s frozen floating parameters (requires_grad False: a LoRA run's base weights,
+    frozen towers) in `dtype` (or `dtype(name)`), in place, before parallelisation (works on meta
+    tensors too). Trainable parameters keep fp32 master weights. Modules the model keeps in fp32
+    (diffusers / transformers `_keep_in_fp32_modules`: norms, time embedders, modulation tables) are
+    left alone, as a from_pretrained in that dtype would. -> the number of parameters converted."""
     keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
     converted = 0
     for name, param in model.named_parameters():
-        if param.requires_grad or not param.is_floating_point() or param.dtype == dtype:
+        target = dtype(name) if callable(dtype) else dtype
+        if param.requires_grad or not param.is_floating_point() or param.dtype == target:
             continue
         if keep & set(name.split(".")):
             continue
-        param.data = param.data.to(dtype)
+        param.data = param.data.to(target)
         converted += 1
     return converted

@@ -4,7 +4,6 @@ tensor for tensor as the input stored it, and loads in stock diffusers / transfo
 from __future__ import annotations
 
 import json
-import shutil
 from unittest import mock
 
 import pytest
@@ -16,22 +15,6 @@ from spindle.train.precision import stored_float_dtypes
 from tests.conftest import lm_train, train_overrides
 
 LORA = "{rank: 4, alpha: 8}"
-
-
-@pytest.fixture(scope="module")
-def bf16_wan(tiny_wan, tmp_path_factory):
-    """The tiny Wan with its transformer stored as stock diffusers stores a bf16 load: bf16, except the
-    `_keep_in_fp32_modules` (norms, time embedder, modulation table) kept in fp32."""
-    from diffusers import WanTransformer3DModel
-
-    root = tmp_path_factory.mktemp("bf16") / "wan"
-    shutil.copytree(tiny_wan, root)
-    model = WanTransformer3DModel.from_pretrained(root / "transformer", dtype=torch.bfloat16)
-    shutil.rmtree(root / "transformer")
-    model.save_pretrained(root / "transformer")
-    stored = set(stored_float_dtypes(root / "transformer").values())
-    assert stored == {torch.bfloat16, torch.float32}, stored
-    return root
 
 
 @pytest.fixture(scope="module")

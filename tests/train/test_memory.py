@@ -10,10 +10,13 @@ import pytest
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
-from spindle.api import make_trainer
+from spindle.api import load_job_config, make_trainer
 from spindle.config import ConfigError
+from spindle.distributed.sharded_load import checkpoint_key
 from spindle.train.lora import is_lora_name
 from spindle.train.metrics import read_metrics
+from spindle.train.precision import stored_float_dtypes
+from tests.conftest import train_overrides
 
 LORA = "{rank: 4, alpha: 8}"
 SHORT = dict(train__max_steps=2, train__global_batch_size=2, checkpoint__export=False)
@@ -89,3 +92,32 @@ def test_cpu_offload_trains_the_same_run_on_one_process(make_config, tmp_path):
     got = {k: v.full_tensor() for k, v in model.state_dict().items()}
     for key, value in want.items():
         torch.testing.assert_close(got[key], value, rtol=0, atol=1e-5, msg=key)
+
+
+def test_fp32_run_keeps_a_bf16_checkpoints_frozen_base_in_bf16_under_fsdp(bf16_wan, shapes_videos, tmp_path):
+    """`frozen_dtype: auto` with fp32 compute under FSDP2 (cpu_offload applies it on one process, as
+    several processes do): the frozen base stays in the dtype the checkpoint stores each weight in, and
+    FSDP2 upcasts it at the all-gather, so losses, grad norms and trained adapters are the fp32 run's
+    exactly, with half the frozen bytes."""
+    runs = {}
+    for frozen in ("float32", "auto"):
+        overrides = train_overrides(
+            bf16_wan, shapes_videos, tmp_path / frozen, train__lora=LORA, train__cpu_offload=True,
+            train__frozen_dtype=frozen, **SHORT,
+        )  # fmt: skip
+        trainer = make_trainer(load_job_config(None, overrides))
+        trainer.run()
+        runs[frozen] = trainer
+    stored = stored_float_dtypes(bf16_wan / "transformer")
+    frozen = {n: p for n, p in runs["auto"].model.named_parameters() if not p.requires_grad}
+    assert {n: p.dtype for n, p in frozen.items()} == {n: stored[checkpoint_key(n)] for n in frozen}
+    fp32_frozen = [p for p in runs["float32"].model.parameters() if not p.requires_grad]
+    assert all(p.dtype == torch.float32 for p in fp32_frozen)
+    assert _bytes(frozen.values()) < 0.6 * _bytes(fp32_frozen)
+    a, b = read_metrics(tmp_path / "float32"), read_metrics(tmp_path / "auto")
+    for key in ("loss", "grad_norm"):
+        assert [m[key] for m in b] == [m[key] for m in a], key
+    pairs = zip(runs["float32"].model.named_parameters(), runs["auto"].model.named_parameters(), strict=True)
+    for (name, x), (_, y) in pairs:
+        if x.requires_grad:
+            torch.testing.assert_close(y.full_tensor(), x.full_tensor(), rtol=0, atol=0, msg=name)

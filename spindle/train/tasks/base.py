@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,6 +46,7 @@ def build_parallel_model(
     convert: Callable[[torch.nn.Module], Any] | None = None,
     fresh: Callable[[str], bool] | None = None,
     init_fresh: Callable[[torch.nn.Module], None] | None = None,
+    weights: Path | None = None,
 ) -> torch.nn.Module:
     """The trainable model of a task, loaded and parallelized on `task.mesh`, in train mode.
 
@@ -54,7 +56,9 @@ def build_parallel_model(
     way (`model.sharded_load: false`, today's path before sharded loading); `convert` changes the
     model before parallelizing (LoRA adapters); the parameters it adds are not in the checkpoint
     (`fresh(name)` says which) and `init_fresh` gives them their initial values after loading, the
-    same in both paths (spindle.train.lora.init_adapters).
+    same in both paths (spindle.train.lora.init_adapters). Then the parameters `convert` froze are
+    stored as `train.frozen_dtype` says (spindle.train.precision.frozen_storage; `weights`: the
+    safetensors folder the model is read from, whose dtypes `auto` may keep).
 
     Sharded (default): skeleton -> convert -> parallelize on meta -> each rank reads its shards
     (spindle.distributed.sharded_load). Full: the whole model on every rank -> convert -> parallelize.
@@ -64,6 +68,7 @@ def build_parallel_model(
     from spindle.distributed.fsdp import autocast_dtype
     from spindle.distributed.parallelize import parallelize
     from spindle.distributed.sharded_load import check_checkpoint_keys, load_sharded
+    from spindle.train.precision import frozen_storage, store_frozen, stored_float_dtypes
 
     cfg = task.cfg
     where = str(cfg.model.path)
@@ -74,6 +79,11 @@ def build_parallel_model(
         model = load_full().to(task.device)
     if convert is not None:
         convert(model)
+    upcast_at_gather = task.mesh.world.size() > 1 or cfg.train.cpu_offload  # FSDP2 applies (parallelize)
+    stored = stored_float_dtypes(weights) if weights is not None and upcast_at_gather else {}
+    store_frozen(
+        model, frozen_storage(cfg.train.frozen_dtype, task.precision, upcast_at_gather=upcast_at_gather, stored=stored)
+    )
     model.train()
     parallelize(
         model,

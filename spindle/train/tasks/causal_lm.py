@@ -214,6 +214,7 @@ class CausalLMTask(TrainTask):
             convert=self.prepare_model,
             fresh=None if lora is None else is_lora_name,
             init_fresh=None if lora is None else lambda model: init_adapters(model, self.cfg.train.seed),
+            weights=Path(self.cfg.model.path),
         )
 
     def prepare_model(self, model: torch.nn.Module) -> None:

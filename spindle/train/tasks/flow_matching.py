@@ -26,7 +26,7 @@ from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.mesh import barrier, is_main_process
 from spindle.export_record import EXPORT_RECORD, LORA_WEIGHTS, write_export_record, write_lora_card
 from spindle.train.metrics import count_tokens
-from spindle.train.precision import ExportDtypes, export_dtypes, frozen_dtype, store_frozen
+from spindle.train.precision import ExportDtypes, export_dtypes
 from spindle.train.tasks.base import build_parallel_model, resumable_loader
 
 if TYPE_CHECKING:
@@ -170,15 +170,16 @@ class FlowMatchingTask(TrainTask):
             convert=None if lora is None else self.add_adapters,  # converters before SP / FSDP2
             fresh=is_lora_name,
             init_fresh=None if lora is None else lambda model: init_adapters(model, self.seed),
+            weights=Path(root) / component,
         )
 
     def add_adapters(self, model: torch.nn.Module) -> None:
-        """LoRA adapters before SP / checkpointing / FSDP2; the frozen base weights stored in
-        `train.frozen_dtype` (on meta too: sharded loading reads into each parameter's dtype)."""
+        """LoRA adapters before SP / checkpointing / FSDP2 (the frozen base is then stored as
+        `train.frozen_dtype` says, by build_parallel_model; on meta too: sharded loading reads into
+        each parameter's dtype)."""
         lora = self.cfg.train.lora
         if lora is not None:
             add_lora(model, lora)
-            store_frozen(model, frozen_dtype(self.cfg.train.frozen_dtype, self.precision))
 
     @classmethod
     def check_data(cls, cfg: DiTJobConfig) -> None:
