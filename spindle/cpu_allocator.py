@@ -22,7 +22,7 @@ returns memory fragments and grows. Measured (`bench/load_memory.py --preset wan
 memory kept, 2.09 GB with glibc's defaults (its dynamic mmap threshold, raised by the first freed
 32 MiB block, keeps later ones in the heap), 1.43 GB with `bound_freed_memory` (the threshold fixed
 at glibc's initial 128 KiB: every large buffer is mapped and returned on free, so RSS follows the
-memory in use). Trainers on CPU use `bound_freed_memory` unless `train.keep_freed_memory: true`.
+memory in use; 1.14 GB once the frozen bf16 weights stay bf16, spindle.train.precision.frozen_storage). Trainers on CPU use `bound_freed_memory` unless `train.keep_freed_memory: true`.
 Other C libraries (musl, macOS) are left as they are.
 """
 
