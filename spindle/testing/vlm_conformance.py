@@ -170,31 +170,50 @@ def stock_video_inputs(model_path: Path, messages: list[dict], base: Path, max_f
 
 
 def stock_inputs(model_path: Path, data: Path) -> list[dict[str, Any]]:
-    """Each conversation of `data` as stock transformers takes it: the stock processor's input_ids,
-    pixel_values, image_grid_thw, mm_token_type_ids (asserted equal to Spindle's tokens), and labels = the
-    assistant tokens (-100 elsewhere; the model shifts them)."""
+    """Each conversation of `data` (either format) as stock transformers takes it: the stock processor's
+    input_ids, pixel_values, image_grid_thw (or a Qwen3-VL line's video inputs, `stock_video_inputs`),
+    mm_token_type_ids (asserted equal to Spindle's tokens), and labels = the assistant tokens (-100
+    elsewhere; the model shifts them)."""
     from PIL import Image
     from transformers import AutoConfig
 
-    from spindle.data.multimodal import VisionOptions, VisionProcessor, conversation_document
+    from spindle.data.multimodal import (
+        VisionOptions,
+        VisionProcessor,
+        conversation_document,
+        media_parts,
+        normalise_conversation,
+    )
     from spindle.registry import get_family
 
     stock = stock_processor(model_path)
     config = AutoConfig.from_pretrained(model_path)
     family = get_family(config.model_type)
     assert isinstance(family, VLMFamily)
-    ours = VisionProcessor(model_path, stock.tokenizer, config, family.rope_index_fn(), VisionOptions())
+    options = VisionOptions()
+    ours = VisionProcessor(
+        model_path,
+        stock.tokenizer,
+        config,
+        family.rope_index_fn(),
+        options,
+        video_timestamps=family.video_timestamps,
+    )
     out = []
     for line in data.read_text().splitlines():
         obj = json.loads(line)
         doc, _ = conversation_document(obj, data.parent, ours, 4096, "x")
-        text = stock.apply_chat_template(obj["messages"], tokenize=False)
-        paths = [
-            p["image"] for m in obj["messages"] if isinstance(m["content"], list) for p in m["content"] if "image" in p
-        ]
-        images = [Image.open(data.parent / p).convert("RGB") for p in paths] or None
-        inputs = dict(stock(text=[text], images=images, return_tensors="pt"))
-        inputs.pop("attention_mask")
+        messages = normalise_conversation(obj)
+        kinds = {kind for kind, _ in media_parts(messages)}
+        if "video" in kinds:
+            assert kinds == {"video"}, "the stock reference of a line with videos takes no images"
+            inputs = stock_video_inputs(model_path, messages, data.parent, options.max_frames)
+        else:
+            text = stock.apply_chat_template(messages, tokenize=False)
+            paths = [path for _, path in media_parts(messages)]
+            images = [Image.open(data.parent / p).convert("RGB") for p in paths] or None
+            inputs = dict(stock(text=[text], images=images, return_tensors="pt"))
+            inputs.pop("attention_mask")
         assert inputs["input_ids"][0].tolist() == doc.tokens, f"{family.name}: Spindle's tokens differ from stock's"
         labels = [t if keep else -100 for t, keep in zip(doc.tokens, doc.learn, strict=True)]
         inputs["labels"] = torch.tensor([labels])
