@@ -126,3 +126,37 @@ def test_clips_are_sampled_and_resized_to_the_stock_video_processors_size(
     assert video.pixel_values.shape == (int(video.grid_thw.prod()), 3 * 2 * 16 * 16)
     times = [(sampled[i] + sampled[min(i + 1, len(sampled) - 1)]) / 2 / fps for i in range(0, len(sampled), 2)]
     assert video.timestamps == pytest.approx(times)
+
+
+@pytest.mark.parametrize(("cap", "grid"), [(False, [2, 8, 8]), (True, [2, 4, 4])])
+def test_the_per_frame_pixel_cap_of_the_video_config_is_applied_as_stock_applies_it(
+    cap, grid, tiny_checkpoint, tmp_path
+):
+    """`cap_pixels_per_frame` (video_preprocessor_config.json): 4 sampled 128x128 frames fit the clip's budget
+    (16 x 64 x 64 pixels) uncapped; capped at `max_video_tokens`=4 merged patches a frame they are 64x64."""
+    import shutil
+
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    model = shutil.copytree(tiny_checkpoint("qwen3_vl"), tmp_path / "model")
+    config_file = model / "video_preprocessor_config.json"
+    config = json.loads(config_file.read_text())
+    config.update(cap_pixels_per_frame=cap, max_video_tokens=4)
+    config_file.write_text(json.dumps(config))
+    video = processor_of(model).video(noise_video(tmp_path / "v.mp4", 8, 128, 128, fps=8, seed=4))
+    stock = Qwen3VLVideoProcessor.from_pretrained(model, max_frames=16)
+    assert video.grid_thw.tolist() == grid
+    assert int(video.grid_thw.prod()) == stock.get_num_of_video_patches(4, 128, 128)
+
+
+def test_an_undecodable_video_names_the_line(tiny_checkpoint, tmp_path):
+    from spindle.data.text import TextDataError
+
+    (tmp_path / "bad.mp4").write_bytes(b"not a video")
+    line = {
+        "videos": ["bad.mp4"],
+        "conversations": [{"from": "human", "value": "<video>"}, {"from": "gpt", "value": "?"}],
+    }
+    (tmp_path / "data.jsonl").write_text(json.dumps(line) + "\n")
+    with pytest.raises(TextDataError, match=r"data.jsonl:1: video .*bad.mp4 cannot be decoded"):
+        build_conversation_dataset(tmp_path / "data.jsonl", processor_of(tiny_checkpoint("qwen3_vl")), 512)
