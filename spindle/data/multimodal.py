@@ -35,12 +35,15 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import Dataset
 
 from spindle.data.text import IGNORE_INDEX, TextDataError, jsonl_files, learn_assistant_turns, shifted_labels
+
+if TYPE_CHECKING:
+    from spindle.data.video_timestamps import TimestampedVideos
 
 log = logging.getLogger("spindle.data")
 
@@ -137,14 +140,11 @@ class VisionProcessor:
             "video": tokenizer.convert_ids_to_tokens(config.video_token_id),
         }
         # Qwen3-VL: videos sampled, resized and written into the text as its processor does
-        self.timestamped = None
+        self.timestamped: TimestampedVideos | None = None
         if video_timestamps:
             from spindle.data.video_timestamps import TimestampedVideos
 
-            self.timestamped = TimestampedVideos(model_path, self.image_processor, options.fps, options.max_frames)
-            self.vision_wrap = tuple(
-                tokenizer.convert_ids_to_tokens(i) for i in (config.vision_start_token_id, config.vision_end_token_id)
-            )
+            self.timestamped = TimestampedVideos(model_path, self.image_processor, tokenizer, config, options)
         # use_audio_in_video: the family's placeholder text of a video and its audio track, interleaved
         self.video_audio_layout = video_audio_layout
         # the family's (config, mel frames) -> decoder tokens of a clip; None: Qwen2.5-Omni's encoder
@@ -233,11 +233,8 @@ class VisionProcessor:
                 self.config, self.tokenizer, v.grid_thw, v.second_per_grid, self.tokens([v.audio])[0], self.merge_size
             )
             return text
-        if isinstance(v, Vision) and v.timestamps is not None:
-            from spindle.data.video_timestamps import timestamped_text
-
-            frame = self.pad_token["video"] * (tokens // len(v.timestamps))
-            return timestamped_text(v.timestamps, frame, *self.vision_wrap)
+        if isinstance(v, Vision) and v.timestamps is not None and self.timestamped is not None:
+            return self.timestamped.text(v.timestamps, self.pad_token["video"] * (tokens // len(v.timestamps)))
         return self.pad_token[v.kind] * tokens
 
     def render(self, messages: list[dict], vision: list[Media], generation_prompt: bool) -> list[int]:

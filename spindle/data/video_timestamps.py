@@ -69,29 +69,37 @@ def frame_timestamps(indices: list[int], video_fps: float, temporal_patch: int) 
     return times
 
 
-def timestamped_text(timestamps: list[float], frame: str, start: str, end: str) -> str:
-    """What the template's video pad token becomes (`Qwen3VLProcessor.replace_video_token`): per temporal
-    patch its timestamp, then `frame` (the patch's pad tokens) between the vision start and end tokens."""
-    return "".join(f"<{t:.1f} seconds>{start}{frame}{end}" for t in timestamps)
-
-
 class TimestampedVideos:
-    """A checkpoint's Qwen3-VL video processing: video file -> (pixel_values, grid_thw, timestamps)."""
+    """A checkpoint's Qwen3-VL video processing: a video file -> (pixel_values, grid_thw, timestamps)
+    (`read`), and the text its pad token becomes (`text`). `options`: data.fps and data.max_frames."""
 
-    def __init__(self, model_path: str | Path, image_processor: Any, fps: float, max_frames: int):
-        self.video_processor = stock_video_processor(model_path, max_frames)
-        self.image_processor, self.fps = image_processor, fps
+    def __init__(self, model_path: str | Path, image_processor: Any, tokenizer: Any, config: Any, options: Any):
+        self.video_processor = stock_video_processor(model_path, options.max_frames)
+        self.image_processor, self.fps = image_processor, options.fps
+        # the tokens around each temporal patch (the processor's vision_start_token / vision_end_token)
+        self.start, self.end = tokenizer.convert_ids_to_tokens(
+            [config.vision_start_token_id, config.vision_end_token_id]
+        )
         vp, ip = self.video_processor, image_processor
         differ = [
             k for k in ("patch_size", "temporal_patch_size", "merge_size") if int(getattr(vp, k)) != int(getattr(ip, k))
         ]
         if differ:  # frames are patched by the image processor: its patch geometry must be the video's
-            raise ValueError(
+            from spindle.data.text import TextDataError
+
+            raise TextDataError(
                 f"{model_path}: the video processor's {', '.join(differ)} differ from the image processor's "
                 "(video_preprocessor_config.json against preprocessor_config.json); make them equal"
             )
 
+    def text(self, timestamps: list[float], frame: str) -> str:
+        """What the template's video pad token becomes (`Qwen3VLProcessor.replace_video_token`): per temporal
+        patch its timestamp, then `frame` (the patch's pad tokens) between the vision start and end tokens."""
+        return "".join(f"<{t:.1f} seconds>{self.start}{frame}{self.end}" for t in timestamps)
+
     def read(self, path: Path) -> tuple[Any, Any, list[float]]:
+        """-> (pixel_values [patches, C * tp * p * p], grid_thw [3], each temporal patch's time in seconds);
+        a missing, undecodable or too short video is a ValueError naming it."""
         from PIL import Image
         from transformers.video_utils import VideoMetadata
 
