@@ -322,7 +322,9 @@ class VLMFamily(CausalLMFamily):
             "language": ("model.language_model.", "lm_head."),
         }
     )
-    videos: bool = True  # False: the data path refuses video parts (naming the family)
+    # True: videos as Qwen3-VL's processor makes them (its frame sampling and clip resize, each temporal patch's
+    # timestamp written into the text: spindle.data.video_timestamps); False: as Qwen2-VL's
+    video_timestamps: bool = False
     task: str = "vlm"
 
     def __post_init__(self) -> None:

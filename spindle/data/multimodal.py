@@ -12,7 +12,8 @@ conversation, in one of two formats:
 
 Paths are relative to the JSONL file. Images go through the model's image processor (its
 `preprocessor_config.json`, `min_pixels`/`max_pixels` settable); videos are decoded with PyAV, frames
-sampled by `fps`/`max_frames`, and patched as the stock Qwen-VL video processor does. The chat template
+sampled by `fps`/`max_frames`, and patched as the stock Qwen-VL video processor does (Qwen3-VL: its own
+sampling, clip resize and per-patch timestamps in the text, spindle.data.video_timestamps). The chat template
 renders the conversation with one `<|image_pad|>` (`<|video_pad|>`) per image (video), which is then
 expanded to the image's `grid_thw.prod() // merge_size**2` tokens, as the stock processor does. Only
 assistant turns are learned (`spindle.data.text.learn_assistant_turns`).
@@ -34,12 +35,15 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import Dataset
 
 from spindle.data.text import IGNORE_INDEX, TextDataError, jsonl_files, learn_assistant_turns, shifted_labels
+
+if TYPE_CHECKING:
+    from spindle.data.video_timestamps import TimestampedVideos
 
 log = logging.getLogger("spindle.data")
 
@@ -65,6 +69,9 @@ class Vision:
     pixel_values: torch.Tensor  # [patches, channels * temporal_patch * patch * patch]
     grid_thw: torch.Tensor  # [3]
     second_per_grid: float = 1.0  # videos: seconds per temporal grid step (mrope temporal spacing)
+    # Qwen3-VL videos: each temporal patch's time, written into the text before the patch's tokens (then
+    # the model's positions need no second_per_grid)
+    timestamps: list[float] | None = None
     audio: Audio | None = None  # a video's own audio track (data.use_audio_in_video), interleaved with its frames
 
 
@@ -116,7 +123,7 @@ class VisionProcessor:
         config: Any,
         rope_index: Any,
         options: VisionOptions,
-        videos: bool = True,
+        video_timestamps: bool = False,
         audio: bool = False,
         video_audio_layout: Any = None,
         audio_tokens: Any = None,
@@ -127,12 +134,17 @@ class VisionProcessor:
         kwargs = {k: v for k, v in (("min_pixels", options.min_pixels), ("max_pixels", options.max_pixels)) if v}
         self.image_processor = AutoImageProcessor.from_pretrained(model_path, **kwargs)
         self.tokenizer, self.config, self.rope_index, self.options = tokenizer, config, rope_index, options
-        self.videos = videos  # False: the family's data path does not reproduce its video processing yet
         self.merge_size = int(self.image_processor.merge_size)
         self.pad_token = {
             "image": tokenizer.convert_ids_to_tokens(config.image_token_id),
             "video": tokenizer.convert_ids_to_tokens(config.video_token_id),
         }
+        # Qwen3-VL: videos sampled, resized and written into the text as its processor does
+        self.timestamped: TimestampedVideos | None = None
+        if video_timestamps:
+            from spindle.data.video_timestamps import TimestampedVideos
+
+            self.timestamped = TimestampedVideos(model_path, self.image_processor, tokenizer, config, options)
         # use_audio_in_video: the family's placeholder text of a video and its audio track, interleaved
         self.video_audio_layout = video_audio_layout
         # the family's (config, mel frames) -> decoder tokens of a clip; None: Qwen2.5-Omni's encoder
@@ -161,11 +173,9 @@ class VisionProcessor:
         return Vision("image", out["pixel_values"], out["image_grid_thw"][0])
 
     def video(self, path: Path) -> Vision:
-        if not self.videos:
-            raise ValueError(
-                f"video {path.name}: video parts are not supported for {self.config.model_type} models yet (their "
-                "processor writes frame timestamps into the text); use images or frames as images"
-            )
+        if self.timestamped is not None:
+            pixels, grid_thw, timestamps = self.timestamped.read(path)
+            return Vision("video", pixels, grid_thw, timestamps=timestamps)
         from spindle.data.video_patches import read_video_patches
 
         pixel_values, grid, seconds = read_video_patches(
@@ -223,6 +233,8 @@ class VisionProcessor:
                 self.config, self.tokenizer, v.grid_thw, v.second_per_grid, self.tokens([v.audio])[0], self.merge_size
             )
             return text
+        if isinstance(v, Vision) and v.timestamps is not None and self.timestamped is not None:
+            return self.timestamped.text(v.timestamps, self.pad_token["video"] * (tokens // len(v.timestamps)))
         return self.pad_token[v.kind] * tokens
 
     def render(self, messages: list[dict], vision: list[Media], generation_prompt: bool) -> list[int]:
@@ -495,7 +507,8 @@ def collate_vision(vision: list[Media]) -> dict[str, torch.Tensor]:
     if videos:
         out["pixel_values_videos"] = torch.cat([v.pixel_values for v in videos])
         out["video_grid_thw"] = torch.stack([v.grid_thw for v in videos])
-        out["second_per_grid_ts"] = torch.tensor([v.second_per_grid for v in videos])
+        if all(v.timestamps is None for v in videos):  # timestamped videos' models take no seconds per grid
+            out["second_per_grid_ts"] = torch.tensor([v.second_per_grid for v in videos])
     return out
 
 

@@ -30,15 +30,16 @@ def sample_indices(total: int, video_fps: float, fps: float, max_frames: int, te
     return [int(i) for i in torch.arange(0, total, total / n).int().tolist()]
 
 
-def frame_patches(frames: list[Any], image_processor: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Frames (PIL, same size) -> (pixel_values [grid_t*gh*gw, C*tp*p*p], grid_thw [3])."""
+def frame_patches(frames: list[Any], image_processor: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Frames (PIL, same size) -> (pixel_values [grid_t*gh*gw, C*tp*p*p], grid_thw [3]). `kwargs`: the image
+    processor's call options (Qwen3-VL: no resize, the video processor's mean and std)."""
     tp, p = int(image_processor.temporal_patch_size), int(image_processor.patch_size)
     if pad := -len(frames) % tp:  # the stock processor repeats the last frame
         frames = frames + [frames[-1]] * pad
     per_frame = []
     grid = None
     for frame in frames:
-        out = image_processor(images=[frame], return_tensors="pt")
+        out = image_processor(images=[frame], return_tensors="pt", **kwargs)
         grid = out["image_grid_thw"][0]
         # The image processor repeats a still over the temporal axis; keep one copy: [N, C, p, p].
         per_frame.append(out["pixel_values"].view(grid[1] * grid[2], -1, tp, p, p)[:, :, 0])

@@ -13,8 +13,11 @@ norm 1e-4 relative against stock transformers; exports equal the trained weights
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -74,11 +77,12 @@ def subset(conversations: Path, out: Path, lines: list[int]) -> Path:
     return path
 
 
-def stock_processor(model: Path) -> Any:
+def stock_processor(model: Path, video_processor: Any = None) -> Any:
     """transformers' processor of the model (its AutoProcessor class: Qwen2_5_VLProcessor, Qwen3VLProcessor)
-    on the PIL image processor. Its constructor insists on a video processor, which needs torchvision (not
-    installable here): the class check is skipped for that argument only, and only images are processed,
-    which is the stock code path for images."""
+    on the PIL image processor. Its constructor insists on a video processor of the class its auto mapping
+    names, which needs torchvision (not installable here; the mapping names none): the class check is skipped
+    for that argument only. With no `video_processor` only images are processed, the stock code path for
+    images; `stock_video_inputs` gives it the stock video processor."""
     import transformers
     from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
@@ -87,7 +91,7 @@ def stock_processor(model: Path) -> Any:
 
     class ImagesOnlyProcessor(stock_cls):  # type: ignore[valid-type,misc]  # a transformers class chosen at run time
         def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
-            if argument_name == "video_processor" and argument is None:
+            if argument_name == "video_processor":
                 return None
             return super().check_argument_for_proper_class(argument_name, argument)
 
@@ -95,37 +99,121 @@ def stock_processor(model: Path) -> Any:
     return ImagesOnlyProcessor(
         image_processor=AutoImageProcessor.from_pretrained(model),
         tokenizer=tok,
-        video_processor=None,
+        video_processor=video_processor,
         chat_template=tok.chat_template,
     )
 
 
+@contextmanager
+def torchvision_normalize() -> Iterator[None]:
+    """transformers' torch image/video backend normalises with torchvision's `normalize` (`(x - mean) / std`
+    per channel, mean and std shaped [C, 1, 1]); torchvision is not installable here, so that one function is
+    provided while the stock video processor runs."""
+    import types
+
+    import transformers.image_processing_backends as backends
+
+    def normalize(x: torch.Tensor, mean: Any, std: Any, inplace: bool = False) -> torch.Tensor:
+        m, s = (torch.as_tensor(v, dtype=x.dtype, device=x.device).view(-1, 1, 1) for v in (mean, std))
+        return (x - m) / s
+
+    assert not hasattr(backends, "tvF"), "torchvision is installed: run the stock processor as it is"
+    backends.tvF = types.SimpleNamespace(normalize=normalize)
+    try:
+        yield
+    finally:
+        del backends.tvF
+
+
+def stock_video_inputs(model_path: Path, messages: list[dict], base: Path, max_frames: int) -> dict[str, Any]:
+    """A conversation with video parts as stock transformers' Qwen3VLProcessor takes it, with the checkpoint's
+    stock Qwen3VLVideoProcessor (capped at `max_frames`): the frames decoded by transformers' own PyAV reader
+    and sampled by the processor (`sample_frames` on the video metadata), the text expanded by its
+    `replace_video_token` (timestamps); -> input_ids, pixel_values_videos, video_grid_thw, mm_token_type_ids.
+    What needs torchvision is left out: RGB conversion (PyAV gives RGB) and the resize, so each video must
+    already be at the size stock resizes it to (asserted with stock's own `get_num_of_video_patches`)."""
+    import numpy as np
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    from transformers.video_utils import load_video
+
+    video_processor = Qwen3VLVideoProcessor.from_pretrained(model_path, max_frames=max_frames)
+    stock = stock_processor(model_path, video_processor)
+    paths = [
+        base / p["video"] for m in messages if isinstance(m["content"], list) for p in m["content"] if "video" in p
+    ]
+    videos, metadata = [], []
+    for path in paths:
+        frames, meta = load_video(
+            str(path), sample_indices_fn=lambda metadata, **_: np.arange(metadata.total_num_frames)
+        )
+        videos.append(frames)
+        metadata.append(meta)
+    text = stock.apply_chat_template(messages, tokenize=False)
+    with torchvision_normalize():
+        inputs = dict(
+            stock(
+                text=[text],
+                videos=videos,
+                video_metadata=metadata,
+                do_resize=False,
+                do_convert_rgb=False,
+                cap_pixels_per_frame=False,
+                return_tensors="pt",
+            )
+        )
+    inputs.pop("attention_mask")
+    for (frames, meta), grid in zip(zip(videos, metadata, strict=True), inputs["video_grid_thw"], strict=True):
+        h, w = frames.shape[1:3]
+        sampled = len(video_processor.sample_frames(copy.deepcopy(meta)))  # the frames the processor sampled
+        assert video_processor.get_num_of_video_patches(sampled, h, w) == int(grid.prod()), "stock would resize"
+    return inputs
+
+
 def stock_inputs(model_path: Path, data: Path) -> list[dict[str, Any]]:
-    """Each conversation of `data` as stock transformers takes it: the stock processor's input_ids,
-    pixel_values, image_grid_thw, mm_token_type_ids (asserted equal to Spindle's tokens), and labels = the
-    assistant tokens (-100 elsewhere; the model shifts them)."""
+    """Each conversation of `data` (either format) as stock transformers takes it: the stock processor's
+    input_ids, pixel_values, image_grid_thw (or a Qwen3-VL line's video inputs, `stock_video_inputs`),
+    mm_token_type_ids (asserted equal to Spindle's tokens), and labels = the assistant tokens (-100
+    elsewhere; the model shifts them)."""
     from PIL import Image
     from transformers import AutoConfig
 
-    from spindle.data.multimodal import VisionOptions, VisionProcessor, conversation_document
+    from spindle.data.multimodal import (
+        VisionOptions,
+        VisionProcessor,
+        conversation_document,
+        media_parts,
+        normalise_conversation,
+    )
     from spindle.registry import get_family
 
     stock = stock_processor(model_path)
     config = AutoConfig.from_pretrained(model_path)
     family = get_family(config.model_type)
     assert isinstance(family, VLMFamily)
-    ours = VisionProcessor(model_path, stock.tokenizer, config, family.rope_index_fn(), VisionOptions())
+    options = VisionOptions()
+    ours = VisionProcessor(
+        model_path,
+        stock.tokenizer,
+        config,
+        family.rope_index_fn(),
+        options,
+        video_timestamps=family.video_timestamps,
+    )
     out = []
     for line in data.read_text().splitlines():
         obj = json.loads(line)
         doc, _ = conversation_document(obj, data.parent, ours, 4096, "x")
-        text = stock.apply_chat_template(obj["messages"], tokenize=False)
-        paths = [
-            p["image"] for m in obj["messages"] if isinstance(m["content"], list) for p in m["content"] if "image" in p
-        ]
-        images = [Image.open(data.parent / p).convert("RGB") for p in paths] or None
-        inputs = dict(stock(text=[text], images=images, return_tensors="pt"))
-        inputs.pop("attention_mask")
+        messages = normalise_conversation(obj)
+        kinds = {kind for kind, _ in media_parts(messages)}
+        if "video" in kinds:
+            assert kinds == {"video"}, "the stock reference of a line with videos takes no images"
+            inputs = stock_video_inputs(model_path, messages, data.parent, options.max_frames)
+        else:
+            text = stock.apply_chat_template(messages, tokenize=False)
+            paths = [path for _, path in media_parts(messages)]
+            images = [Image.open(data.parent / p).convert("RGB") for p in paths] or None
+            inputs = dict(stock(text=[text], images=images, return_tensors="pt"))
+            inputs.pop("attention_mask")
         assert inputs["input_ids"][0].tolist() == doc.tokens, f"{family.name}: Spindle's tokens differ from stock's"
         labels = [t if keep else -100 for t, keep in zip(doc.tokens, doc.learn, strict=True)]
         inputs["labels"] = torch.tensor([labels])

@@ -9,7 +9,8 @@ documents' losses; a text-only micro-batch runs the vision tower with zero weigh
 the frozen parts unchanged with no optimizer state; the export, from a bf16 input, keeps the input's
 tensor names and precision, loads in AutoModelForImageTextToText with the trained weights and generates
 from an image; and on 2 processes dp_shard=2 (one rank text-only), sp=2 and, for MoE families, ep=2
-equal one process (slow). Family oddities stay in tests/train (Qwen2.5-VL video, the MoE expert layouts).
+equal one process (slow). Family oddities stay in tests/train (Qwen2.5-VL and Qwen3-VL video, the MoE expert
+layouts).
 """
 
 from __future__ import annotations

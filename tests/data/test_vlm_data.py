@@ -280,30 +280,3 @@ def test_video_conversation_samples_frames_by_fps_and_positions_follow_time(tiny
     t_pos = doc.positions[0, vid]
     # temporal positions step by tokens_per_second * seconds per grid (the model's rule): 2 per patch here
     assert sorted(set((t_pos - t_pos.min()).tolist())) == [0, 2, 4]
-
-
-def test_qwen3_vl_refuses_video_parts_naming_the_line(tiny_checkpoint, tmp_path):
-    from transformers import AutoConfig, AutoTokenizer
-
-    from spindle.data.media import write_video
-    from spindle.registry import get_family
-
-    model = tiny_checkpoint("qwen3_vl")
-    family = get_family("qwen3_vl")
-    write_video(tmp_path / "clip.mp4", np.zeros((4, 32, 32, 3), dtype=np.uint8), fps=4)
-    line = {
-        "messages": [
-            {"role": "user", "content": [{"type": "video", "video": "clip.mp4"}]},
-            {"role": "assistant", "content": "Nothing."},
-        ]
-    }
-    processor = VisionProcessor(
-        model,
-        AutoTokenizer.from_pretrained(model),
-        AutoConfig.from_pretrained(model),
-        family.rope_index_fn(),
-        VisionOptions(),
-        videos=family.videos,
-    )
-    with pytest.raises(TextDataError, match=r"bad.jsonl:1: video clip.mp4: video parts are not supported for qwen3_vl"):
-        build_conversation_dataset(write_lines(tmp_path, line), processor, SEQ)

@@ -1,7 +1,7 @@
 """The VLM task (spindle.train.tasks.vlm) beyond the conformance suite (tests/conformance/test_vlm_conformance.py,
 which runs step-1 parity, packing, the text-only dummy vision forward, train.freeze, export and the 2-process
-layouts for every VLM family): Qwen2.5-VL video conversations, activation checkpointing, refusals before
-training, and the shipped config."""
+layouts for every VLM family): Qwen2.5-VL and Qwen3-VL video conversations, activation checkpointing,
+refusals before training, and the shipped config."""
 
 from __future__ import annotations
 
@@ -72,6 +72,41 @@ def test_video_conversation_step1_equals_stock_transformers(tiny_qwen2_5_vl, tmp
     loss = model(input_ids=ids, mm_token_type_ids=mm_token_types(config, ids), labels=labels, **vision).loss
     loss.backward()
     assert logged["loss"] == pytest.approx(float(loss), rel=1e-5)
+    assert logged["grad_norm"] == pytest.approx(grad_norm(model), rel=1e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe"])
+def test_qwen3_vl_video_conversation_step1_equals_stock_transformers(family, tiny_checkpoint, tmp_path):
+    """A LLaVA `<video>` conversation trains on what stock Qwen3VLProcessor + Qwen3VLVideoProcessor make of it
+    (timestamps in the text; spindle.testing.vlm_conformance.stock_video_inputs): step-1 loss (an MoE's with
+    its router aux term) and grad norm of stock `model(input_ids, pixel_values_videos, video_grid_thw,
+    mm_token_type_ids, labels)`."""
+    import numpy as np
+
+    from spindle.data.media import write_video
+    from spindle.registry import get_family
+    from spindle.testing.vlm_conformance import stock_inputs
+
+    model_path = tiny_checkpoint(family)
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    write_video(data / "clip.mp4", rng.integers(0, 255, (12, 64, 64, 3), dtype=np.uint8), fps=4)
+    line = {
+        "videos": ["clip.mp4"],
+        "conversations": [{"from": "human", "value": "<video>What?"}, {"from": "gpt", "value": "It flickers."}],
+    }
+    (data / "data.jsonl").write_text(json.dumps(line) + "\n")
+    trainer, _ = vlm_train(model_path, data / "data.jsonl", tmp_path / "run", data__packing=False, train__max_steps=1)
+    assert trainer.loader.dataset.stats.videos == 1 and trainer.loader.dataset.stats.truncated == 0
+    logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+
+    (inputs,) = stock_inputs(model_path, data / "data.jsonl")  # asserts Spindle's tokens are stock's
+    assert inputs["video_grid_thw"].tolist() == [[3, 4, 4]]
+    model = stock_model(model_path)
+    out = model(**inputs, **get_family(family).conformance.stock_loss_kwargs)
+    out.loss.backward()
+    assert logged["loss"] == pytest.approx(float(out.loss.detach()), rel=1e-5)
     assert logged["grad_norm"] == pytest.approx(grad_norm(model), rel=1e-4)
 
 

@@ -1,6 +1,6 @@
 """Qwen3-VL vision-language models (transformers `model_type` "qwen3_vl", `Qwen3VLForConditionalGeneration`),
-trained by the VLM task on image conversations. Videos are refused: Qwen3-VL's processor writes each
-frame's timestamp into the text, which the data path does not reproduce yet."""
+trained by the VLM task on image and video conversations (videos as its processor makes them: each temporal
+patch's timestamp written into the text, spindle.data.video_timestamps)."""
 
 from spindle.contracts.family import VLMFamily
 
@@ -15,5 +15,5 @@ FAMILY = VLMFamily(
         "aligner": ("model.visual.merger.", "model.visual.deepstack_merger_list."),
         "language": ("model.language_model.", "lm_head."),
     },
-    videos=False,
+    video_timestamps=True,
 )

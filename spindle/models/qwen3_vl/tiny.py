@@ -36,6 +36,14 @@ TINY_VISION = dict(
 )
 # Qwen3-VL's processor: 0.5 mean/std normalisation, 32-pixel merged patches.
 PROCESSOR = dict(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+# Qwen3-VL's video processor config (its own file, as the checkpoints ship it): its pixel budget is over the
+# whole clip (frames x height x width), here 4 frames of 32x32 up to 16 frames of 64x64.
+VIDEO_PROCESSOR = dict(
+    video_processor_type="Qwen3VLVideoProcessor",
+    size={"shortest_edge": 4 * 32 * 32, "longest_edge": 16 * 64 * 64},
+    image_mean=[0.5, 0.5, 0.5],
+    image_std=[0.5, 0.5, 0.5],
+)
 
 
 def build_tiny_qwen3_vl(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
@@ -50,4 +58,5 @@ def build_tiny_qwen3_vl(out: str | Path, seed: int = 0, transformer: dict | None
         max_pixels=64 * 64,
         chat_template=QWEN3_VL_CHAT_TEMPLATE,
         processor=PROCESSOR,
+        video_processor=VIDEO_PROCESSOR,
     )

@@ -3,7 +3,7 @@
 style decoder, trained by the VLM task with the MoE task's experts (`vlm_moe`: router aux loss, expert
 load, expert parallelism). Its checkpoints hold the experts fused and transposed (`gate_up_proj
 [E, H, 2I]`); per-expert checkpoints load too, and an export keeps the input's layout (conversion.py).
-Videos are refused, as for Qwen3-VL (timestamps in the text)."""
+Videos as Qwen3-VL's (timestamps in the text)."""
 
 from spindle.contracts.family import CausalLMConformanceSpec, VLMFamily
 
@@ -20,7 +20,7 @@ FAMILY = VLMFamily(
         "aligner": ("model.visual.merger.", "model.visual.deepstack_merger_list."),
         "language": ("model.language_model.", "lm_head."),
     },
-    videos=False,
+    video_timestamps=True,  # Qwen3-VL's video processing
     task="vlm_moe",
     conformance=CausalLMConformanceSpec(
         # Spindle's MoE loss is stock's with output_router_logits: token loss + coef x router aux loss

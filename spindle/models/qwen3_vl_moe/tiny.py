@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from spindle.models.qwen3_vl.tiny import PROCESSOR, TINY_TEXT, TINY_VISION
+from spindle.models.qwen3_vl.tiny import PROCESSOR, TINY_TEXT, TINY_VISION, VIDEO_PROCESSOR
 from spindle.models.shared.tiny_vlm import QWEN3_VL_CHAT_TEMPLATE, build_tiny_vlm
 
 # Qwen3-VL-30B-A3B's structure, scaled down: the tiny Qwen3-VL with every decoder layer sparse, 8 experts,
@@ -31,4 +31,5 @@ def build_tiny_qwen3_vl_moe(out: str | Path, seed: int = 0, transformer: dict | 
         max_pixels=64 * 64,
         chat_template=QWEN3_VL_CHAT_TEMPLATE,
         processor=PROCESSOR,
+        video_processor=VIDEO_PROCESSOR,
     )

@@ -154,10 +154,13 @@ def build_tiny_vlm(
     max_pixels: int = 56 * 56,
     chat_template: str = QWEN_VL_CHAT_TEMPLATE,
     processor: dict[str, Any] | None = None,
+    video_processor: dict[str, Any] | None = None,
 ) -> Path:
     """Write a tiny random `model_type` image-text-to-text model + tokenizer + image processor config to
     `out`; returns `out`. `transformer`: overrides merged last, top level or under "text_config" /
-    "vision_config". `processor`: preprocessor_config.json fields over Qwen2-VL's defaults."""
+    "vision_config". `processor`: preprocessor_config.json fields over Qwen2-VL's defaults.
+    `video_processor`: video_preprocessor_config.json's fields (the vision geometry added), written when given
+    (Qwen3-VL checkpoints ship one; without it stock reads the image processor's file for videos too)."""
     from transformers import AutoConfig, AutoModelForImageTextToText, GenerationConfig
 
     out = Path(out)
@@ -200,4 +203,11 @@ def build_tiny_vlm(
         size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
         **(processor or {}),
     )
+    if video_processor is not None:
+        geometry = {
+            "patch_size": vision_cfg["patch_size"],
+            "temporal_patch_size": vision_cfg["temporal_patch_size"],
+            "merge_size": vision_cfg["spatial_merge_size"],
+        }
+        (out / "video_preprocessor_config.json").write_text(json.dumps({**geometry, **video_processor}, indent=2))
     return out

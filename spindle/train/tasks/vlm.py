@@ -305,7 +305,7 @@ class VLMTask(CausalLMTask):
             self.model_config(),
             self.family.rope_index_fn(),
             options,
-            self.family.videos,
+            video_timestamps=self.family.video_timestamps,
             audio=bool(self.family.audio_tower),
             video_audio_layout=self.video_audio_layout(),
             audio_tokens=self.family.audio_tokens_fn(),
