@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spindle.patchgen.generator import Generated, generate
-from spindle.patchgen.spec import PatchConfig, PatchgenError, display_path
+from spindle.patchgen.spec import CONFIG_MODULE_PREFIX, PatchConfig, PatchgenError, display_path
 
 
 def discover_configs() -> list[Path]:
@@ -38,7 +38,7 @@ def resolve_config_path(arg: str) -> Path:
 def load_config(path: Path) -> PatchConfig:
     """Execute the config file (under a private module name) and return its module-level `config`."""
     path = Path(path).resolve()
-    name = "_spindle_patchgen_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
+    name = CONFIG_MODULE_PREFIX + hashlib.sha1(str(path).encode()).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise PatchgenError(f"{display_path(path)}: cannot be loaded as a Python module (a .py file is needed)")

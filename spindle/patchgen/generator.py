@@ -13,6 +13,7 @@ import ast
 import difflib
 import importlib.metadata
 import importlib.util
+import inspect
 import io
 import json
 import re
@@ -29,6 +30,8 @@ from spindle.patchgen.spec import DEFINITION_KINDS, Patch, PatchConfig, Patchgen
 # transformers' own line length, so upstream text passes through unchanged.
 RUFF_SETTINGS = ("--isolated", "--line-length", "119", "--target-version", "py310")
 MARKER = "# [PATCHED]"
+# Patches whose code is an import statement, placed together after upstream's imports.
+IMPORT_KINDS = ("add_import", "delegate_method")
 
 
 @dataclass(frozen=True)
@@ -230,8 +233,55 @@ def _check_signature(patch: Patch, upstream_fn, replacement_fn, upstream: Upstre
         )
 
 
+def _delegate_call(fn, callee: str, indent: str) -> tuple[list[str], list[str], list[str]]:
+    """The body `return callee(self, a=a, ..., **kwargs)` passing on every parameter of upstream `fn`,
+    by name where it can be (by position: `self`, positional-only ones, all of them before a `*args`);
+    also the positional and the keyword parameter names, to check the callee can take them."""
+    args = fn.args
+    positional = [a.arg for a in (*args.posonlyargs, *args.args)]
+    by_position = len(positional) if args.vararg else max(1, len(args.posonlyargs))
+    named = [*positional[by_position:], *(a.arg for a in args.kwonlyargs)]
+    star = [f"*{args.vararg.arg}"] if args.vararg else []  # only with every positional one passed by position
+    items = [*positional[:by_position], *star, *(f"{n}={n}" for n in named)]
+    items += [f"**{args.kwarg.arg}"] if args.kwarg else []
+    inner = indent + "    "
+    body = [f"{indent}return {callee}(\n", *(f"{inner}{item},\n" for item in items), f"{indent})\n"]
+    return body, positional[:by_position], named
+
+
+def _delegate_edits(patch: Patch, index: _Index, lines: list[str], order: int) -> list[_Edit]:
+    """Upstream's decorators, signature and docstring stay; the rest of the body becomes a call of the delegate."""
+    node = index.method(patch, *patch.target.split("."))
+    if not (node.args.posonlyargs or node.args.args):
+        raise PatchgenError(f"patch {patch.label} ({patch.origin}): upstream {patch.target} takes no `self`")
+    statement: Any = ast.parse(patch.code).body[0]  # from <module> import <callee>
+    module, callee = statement.module, statement.names[0].name
+    body, by_position, named = _delegate_call(node, callee, " " * node.body[0].col_offset)
+    try:  # the config imported it already: this only looks it up
+        delegate = getattr(importlib.import_module(module), callee)
+        inspect.signature(delegate).bind(*by_position, **dict.fromkeys(named))
+    except (ImportError, AttributeError, TypeError) as e:
+        raise PatchgenError(
+            f"patch {patch.label} ({patch.origin}): {module}.{callee} cannot take upstream's parameters "
+            f"({', '.join([*by_position, *named])}; {e}). Give it a parameter (or **kwargs) for each"
+        ) from e
+    if ast.get_docstring(node, clean=False) is not None:
+        keep = _last_line(node.body[0])  # through the docstring
+    else:  # through the signature: back from the first statement over the comments and blanks above it
+        keep = node.body[0].lineno - 1
+        while keep > node.lineno and lines[keep - 1].strip()[:1] in ("", "#"):
+            keep -= 1
+    indent = " " * node.col_offset
+    return [
+        _Edit(_first_line(node), _first_line(node) - 1, [_marker(patch, indent)], patch, order),
+        _Edit(keep + 1, _last_line(node), body, patch, order),
+    ]
+
+
 def _definition_edit(patch: Patch, index: _Index, lines: list[str], order: int) -> list[_Edit]:
     upstream = index.upstream
+    if patch.kind == "delegate_method":
+        return _delegate_edits(patch, index, lines, order)
     if patch.kind == "replace_class":
         node = index.cls(patch, patch.target)
     elif patch.kind == "override_method":
@@ -318,12 +368,12 @@ def _module_additions(patches: list[Patch], index: _Index, order: int) -> list[_
         raise PatchgenError(f"{index.upstream.path}: no module-level import to place added code after")
     after = max(_last_line(n) for n in index.imports)
     new: list[str] = ["\n"]
-    imports = [p for p in patches if p.kind == "add_import"]
+    imports = dict.fromkeys(p.code for p in patches if p.kind in IMPORT_KINDS)  # in order, each once
     if imports:
         new.append(f"{MARKER} add_import: names used by the patched code\n")
-        new += [p.code for p in imports]
+        new += list(imports)
     for p in patches:
-        if p.kind != "add_import":
+        if p.kind not in IMPORT_KINDS:
             new += ["\n", "\n", _marker(p, ""), *p.code.splitlines(keepends=True)]
     return [_Edit(after + 1, after, new, patches[0], order)]
 
@@ -389,7 +439,7 @@ def apply_patches(config: PatchConfig, upstream: Upstream) -> str:
         if p.kind in DEFINITION_KINDS:
             edits += _definition_edit(p, index, lines, order)
     edits += _drop_import_edits([p for p in config.patches if p.kind == "drop_import_names"], index, len(edits))
-    additions = [p for p in config.patches if p.kind in ("add_import", "add_helper", "add_post_import_block")]
+    additions = [p for p in config.patches if p.kind in (*IMPORT_KINDS, "add_helper", "add_post_import_block")]
     edits += _module_additions(additions, index, -1)
     _check_overlaps(edits)
     return "".join(_apply(lines, edits))

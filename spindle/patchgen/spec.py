@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 # The verbs that replace an upstream definition (one target each); the others add or drop imports/code.
-DEFINITION_KINDS = ("replace_class", "override_method", "replace_function", "modify_init")
+DEFINITION_KINDS = ("replace_class", "override_method", "replace_function", "modify_init", "delegate_method")
 DSL_DECORATORS = frozenset({*DEFINITION_KINDS, "add_helper"})
 
 
@@ -30,7 +30,8 @@ class PatchgenError(ValueError):
 
 @dataclass(frozen=True)
 class Patch:
-    """One recorded patch. `code` is Python source at column 0 (empty for drop_import_names)."""
+    """One recorded patch. `code` is Python source at column 0 (empty for drop_import_names; for
+    delegate_method, the `from module import function` statement that brings the delegate in)."""
 
     kind: str
     target: str
@@ -188,6 +189,31 @@ class PatchConfig:
         """
         return self._definition("modify_init", class_name, description, replacement, name_map)
 
+    def delegate_method(self, target: str, *, to: Callable, description: str = ""):
+        """Keep upstream `Class.method` (decorators, signature, docstring) and make its body a call of `to`.
+
+        The generated body is `return to(self, name=name, ..., **kwargs)` with every upstream parameter
+        passed on by name, and `from <to's module> import <to>` is added: one shared function serves
+        every model whose method it fits, and neither the config nor the generated module restates it.
+        `to` must be a module-level function of an importable module (not of the config itself).
+        """
+        if target.count(".") != 1:
+            raise PatchgenError(f"delegate_method: target {target!r} must be 'Class.method'")
+        origin = _caller_origin()
+        module, name = getattr(to, "__module__", None), getattr(to, "__qualname__", None)
+        if not module or not name or getattr(sys.modules.get(module), name, None) is not to:
+            raise PatchgenError(
+                f"delegate_method {target!r} ({origin}): `to` must be a module-level function of an importable "
+                f"module (e.g. in spindle/models/shared/), got {to!r}"
+            )
+        if module.startswith(CONFIG_MODULE_PREFIX):
+            raise PatchgenError(
+                f"delegate_method {target!r} ({origin}): {name} is defined in the patch config, which generated code "
+                "cannot import; move it to a module (e.g. spindle/models/shared/) or use override_method"
+            )
+        code = f"from {module} import {name}\n"
+        self.patches.append(Patch("delegate_method", target, code, description, origin))
+
     def _definition(
         self, kind, target, description, replacement, name_map, keep_decorators=True, allow_signature_change=False
     ):
@@ -268,6 +294,11 @@ class PatchConfig:
             )
 
 
+# The private module name under which `spindle.patchgen.check.load_config` runs a config file.
+CONFIG_MODULE_PREFIX = "_spindle_patchgen_"
+
+
 def _caller_origin() -> str:
+    """ "file:line" of the config line that called the DSL method calling this."""
     frame = sys._getframe(2)
     return f"{display_path(frame.f_code.co_filename)}:{frame.f_lineno}"

@@ -13,6 +13,7 @@ import uuid
 import pytest
 
 from spindle.patchgen import PatchConfig, PatchgenError
+from spindle.patchgen.check import load_config
 from spindle.patchgen.generator import MARKER, generate, read_upstream
 
 UTILS = """\
@@ -71,6 +72,12 @@ class ToyModel:
             x = layer.forward(x)
         return x
 
+    @decorate
+    def generate(self, x, *args, steps=1, **kwargs):
+        """Upstream docstring of generate."""
+        # upstream comment inside generate
+        return [self.forward(x)] * steps
+
     def config_class(self):
         from .configuration_toy import ToyConfig as C  # a nested relative import
 
@@ -88,6 +95,20 @@ class ToyCache:
         self.size = size
 '''
 
+# Shared functions a delegate_method patch calls (importable, like spindle/models/shared/).
+DELEGATES = """\
+def generate_via(model, x, *args, **inputs):
+    return ("generate_via", type(model).__name__, x, args, inputs)
+
+
+def forward_via(model, x, **inputs):
+    return ("forward_via", type(model).__name__, x, inputs)
+
+
+def takes_only_x(model, x):
+    return x
+"""
+
 # The MoE sibling: same layout with other names, and a forward that grew a parameter.
 MODELING_MOE = (
     MODELING.replace("configuration_toy", "configuration_toymoe")
@@ -104,6 +125,7 @@ def pkg(tmp_path_factory):
     files = {
         "__init__.py": "",
         "utils.py": UTILS,
+        "delegates.py": DELEGATES,
         "models/__init__.py": "",
         "models/toy/__init__.py": "",
         "models/toy/configuration_toy.py": CONFIGURATION,
@@ -315,6 +337,105 @@ def test_extend_maps_every_patch_of_a_sibling_config(pkg, tmp_path):
     assert dense.patches[1].target == "ToyLayer.forward"  # the source config is unchanged
 
 
+def _delegates(pkg):
+    return importlib.import_module(f"{pkg}.delegates")
+
+
+def _flat(text):
+    """`text` with its whitespace runs folded, so a check does not depend on how ruff wrapped a call."""
+    return " ".join(text.split())
+
+
+def test_delegate_method_keeps_upstream_signature_decorators_and_docstring(pkg, tmp_path):
+    config = _config(pkg)
+    config.delegate_method("ToyModel.generate", to=_delegates(pkg).generate_via, description="shared generate")
+    gen = _generate(config, tmp_path)
+    text = _flat(gen.py_text)
+    assert (
+        f"{MARKER} delegate_method ToyModel.generate: shared generate @decorate "
+        'def generate(self, x, *args, steps=1, **kwargs): """Upstream docstring of generate.""" '
+        "return generate_via( self, x, *args, steps=steps, **kwargs, )"  # positional before *args, the rest by name
+    ) in text
+    assert "upstream comment inside generate" not in text  # the body is gone, not only its statements
+    assert f"{MARKER} add_import: names used by the patched code from {pkg}.delegates import generate_via" in text
+    removed = [line for line in gen.diff_text.splitlines() if line.startswith("-") and not line.startswith("---")]
+    assert removed == ["-        # upstream comment inside generate", "-        return [self.forward(x)] * steps"]
+    module = _import(gen, tmp_path)
+    model = module.ToyModel(module.ToyConfig())
+    assert model.generate(3, 4, steps=2, extra=5) == ("generate_via", "ToyModel", 3, (4,), {"steps": 2, "extra": 5})
+    assert module.ToyModel.generate.decorated
+
+
+def test_delegate_method_without_docstring_passes_keyword_parameters_by_name(pkg, tmp_path):
+    config = _config(pkg)
+    config.delegate_method("ToyLayer.forward", to=_delegates(pkg).forward_via)
+    config.delegate_method("ToyModel.generate", to=_delegates(pkg).generate_via)
+    gen = _generate(config, tmp_path)
+    assert "def forward(self, x, *, mask=None): return forward_via( self, x=x, mask=mask, )" in _flat(gen.py_text)
+    assert gen.py_text.count(f"from {pkg}.delegates import") == 2  # one import per delegate
+    module = _import(gen, tmp_path)
+    assert module.ToyLayer(module.ToyConfig(), 0).forward(7, mask=1) == ("forward_via", "ToyLayer", 7, {"mask": 1})
+
+
+def test_extend_retargets_a_delegate_and_imports_it_once(pkg, tmp_path):
+    dense = _config(pkg)
+    dense.delegate_method("ToyLayer.forward", to=_delegates(pkg).forward_via)
+    sibling = _config(pkg, "toymoe")
+    sibling.extend(dense, name_map={"Toy": "ToyMoe"})
+    sibling.delegate_method("ToyMoeModel.forward", to=_delegates(pkg).forward_via)
+    gen = _generate(sibling, tmp_path)
+    assert gen.py_text.count(f"from {pkg}.delegates import forward_via\n") == 1
+    module = _import(gen, tmp_path)
+    assert module.ToyMoeLayer(module.ToyMoeConfig(), 0).forward(1) == ("forward_via", "ToyMoeLayer", 1, {"mask": None})
+    # The sibling's own forward grew `router`: the shared function takes it in **inputs, by name.
+    assert module.ToyMoeModel(module.ToyMoeConfig()).forward(2, router=3) == (
+        "forward_via",
+        "ToyMoeModel",
+        2,
+        {"router": 3},
+    )
+
+
+def _local_config_delegate(model, x, **inputs):
+    return x
+
+
+def test_delegate_method_errors_name_the_patch_and_the_fix(pkg, tmp_path):
+    config = _config(pkg)
+    config.delegate_method("ToyLayer.forward", to=_delegates(pkg).takes_only_x)
+    with pytest.raises(PatchgenError) as err:
+        _generate(config, tmp_path)
+    message = str(err.value)
+    assert "patch delegate_method 'ToyLayer.forward' (tests/models/test_patchgen.py:" in message
+    assert f"{pkg}.delegates.takes_only_x cannot take upstream's parameters (self, x, mask" in message
+
+    config = _config(pkg)
+    config.delegate_method("ToyLayer.fwd", to=_delegates(pkg).forward_via)
+    with pytest.raises(
+        PatchgenError, match=r"method of class 'ToyLayer': 'fwd' not found.*close names upstream: forward"
+    ):
+        _generate(config, tmp_path)
+
+    def nested(model, **inputs):
+        return None
+
+    with pytest.raises(PatchgenError, match="`to` must be a module-level function of an importable module"):
+        _config(pkg).delegate_method("ToyLayer.forward", to=nested)
+    with pytest.raises(PatchgenError, match=r"'Class\.method'"):
+        _config(pkg).delegate_method("forward", to=_delegates(pkg).forward_via)
+    # A function of the config file itself: generated code cannot import it.
+    patches = tmp_path / "fam" / "patches.py"
+    patches.parent.mkdir(exist_ok=True)
+    patches.write_text(
+        "from spindle.patchgen import PatchConfig\n\n"
+        f"config = PatchConfig(source_module='{pkg}.models.toy.modeling_toy')\n\n\n"
+        "def forward(model, **inputs):\n    return None\n\n\n"
+        "config.delegate_method('ToyLayer.forward', to=forward)\n"
+    )
+    with pytest.raises(PatchgenError, match=r"forward is defined in the patch config.*use override_method"):
+        load_config(patches)
+
+
 def test_header_names_source_version_config_and_every_patch(pkg, tmp_path):
     config = _config(pkg)
     config.add_import("os")
@@ -509,12 +630,19 @@ def _layer_forward_with_string(self, x, *, mask=None):
 c"""
 
 
-def test_dense_causal_lm_patch_does_not_silently_apply_to_qwen3_moe(tmp_path):
-    # Qwen3-MoE's forward takes output_router_logits and adds the router aux loss: name_map alone must
-    # not turn the dense patch into a MoE one; the signature check sends the author to a MoE override.
+def test_the_causal_lm_patch_extended_onto_qwen3_moe_is_the_moe_patch(tmp_path):
+    # One shared forward serves the dense and the MoE heads, and upstream's signature tells them apart
+    # (output_router_logits is passed on, so the router aux loss is added): reusing the dense config on
+    # the MoE model through name_map generates the MoE family's own code, not a forward that drops it.
     from spindle.models.qwen3 import patches as qwen3
+    from spindle.models.qwen3_moe import patches as qwen3_moe
 
     config = PatchConfig(source_module="transformers.models.qwen3_moe.modeling_qwen3_moe")
     config.extend(qwen3.config, name_map={"Qwen3": "Qwen3Moe"})
-    with pytest.raises(PatchgenError, match=r"'Qwen3MoeForCausalLM.forward'(.|\n)*output_router_logits=None"):
-        generate(config, tmp_path / "patches.py")
+
+    def code(text):  # comments (the header, the markers' descriptions) differ
+        return [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+
+    extended = generate(config, tmp_path / "patches.py").py_text
+    assert "output_router_logits=output_router_logits," in extended
+    assert code(extended) == code(generate(qwen3_moe.config, tmp_path / "patches.py").py_text)

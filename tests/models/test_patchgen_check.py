@@ -39,13 +39,13 @@ def test_check_passes_on_an_untouched_copy(qwen3_copy, capsys):
 def test_hand_edit_fails_naming_the_file_and_fix_repairs_it(qwen3_copy, capsys):
     generated = qwen3_copy / "generated" / "patched_modeling_qwen3.py"
     original = generated.read_text()
-    generated.write_text(original.replace("chunk by chunk", "chunk-by-chunk (hand edit)"))
+    generated.write_text(original.replace("Hey, are you conscious?", "Hey, are you conscious (hand edit)?"))
     config = str(qwen3_copy / "patches.py")
 
     assert main(["patchgen", "--check", config]) == 1
     captured = capsys.readouterr()
     assert f"DRIFT {GENERATED}.py" in captured.out
-    assert "chunk-by-chunk (hand edit)" in captured.out  # the first differing lines are shown
+    assert "Hey, are you conscious (hand edit)?" in captured.out  # the first differing lines are shown
     assert f"{GENERATED}.diff" not in captured.out  # the diff file was not touched
     assert "Never edit generated/ by hand" in captured.err
 
@@ -87,7 +87,7 @@ def test_broken_config_is_one_clear_error(qwen3_copy, capsys):
     patches.write_text(patches.read_text().replace('"Qwen3ForCausalLM.forward"', '"Qwen3ForCausalLm.forward"'))
     assert main(["patchgen", "--check", str(patches)]) == 2
     err = capsys.readouterr().err
-    assert "patch override_method 'Qwen3ForCausalLm.forward'" in err and "spindle/models/qwen3/patches.py" in err
+    assert "patch delegate_method 'Qwen3ForCausalLm.forward'" in err and "spindle/models/qwen3/patches.py" in err
     assert "class 'Qwen3ForCausalLm' not found in transformers.models.qwen3.modeling_qwen3" in err
     assert "close names upstream: Qwen3ForCausalLM" in err
 

@@ -1,6 +1,6 @@
 """patchgen config for transformers' Llama modeling -> generated/patched_modeling_llama.py.
 
-Llama's causal-LM forward is Qwen3's with other names, so it takes Qwen3's patches through name_map
+Llama's causal-LM forward is Qwen3's with other names, so it takes Qwen3's patch through name_map
 rather than a copy (../qwen3/patches.py says what they do). Regenerate with `spindle patchgen`.
 """
 

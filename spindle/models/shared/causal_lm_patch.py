@@ -1,19 +1,75 @@
-"""Patch fragments shared by the causal-LM patch configs (qwen3/patches.py, hence llama's, qwen3_moe's and
-qwen3_vl_moe's).
+"""The patched forward of every causal-LM head Spindle trains (Qwen3, Llama, Qwen3-MoE, and the
+Qwen3-VL-MoE / Qwen3-Omni-MoE thinkers' ForConditionalGeneration): `causal_lm_forward`.
 
-The dense and the MoE `ForCausalLM.forward` patches differ in what upstream's forwards differ in (the
-MoE one takes `output_router_logits` and adds the router aux loss); the Spindle part they share, the
-token loss from hidden states instead of logits (and the MoE forwards' router aux term), is written once
-here. Each config registers what it uses with `config.add_helper(...)`, so patchgen copies it into every
-generated module: generated code stays self-contained and reviewable, and never imports this file.
+transformers has no hook for it: its loss_function receives logits (Spindle computes the loss from the
+hidden states, chunk by chunk, never materialising [tokens, vocab] logits), and a MoE forward adds the
+router's load-balancing loss inline (Spindle masks it for padding, sums its statistics over a
+sequence-parallel group, and weighs it so that it survives a summed token loss). Each family's
+`patches.py` points patchgen at this function (`config.delegate_method(..., to=causal_lm_forward)`):
+the generated method keeps upstream's signature, decorators and docstring, and its body is one call
+passing every parameter on by name, so the logic lives here once and the generated module imports it.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+from transformers.modeling_utils import slice_logits_to_keep
 
 from spindle.ops.losses import causal_lm_loss
 from spindle.ops.router_loss import load_balancing_loss
+
+# What the forwards pass on from the decoder's output unchanged (a MoE one also its router logits).
+PASSED_ON = ("past_key_values", "hidden_states", "attentions")
+
+
+def causal_lm_forward(model, *, labels=None, logits_to_keep=0, **inputs: Any):
+    """Upstream's `ForCausalLM.forward` (or a VLM's `ForConditionalGeneration.forward`), with Spindle's loss.
+
+    `model` is the head (it has `.model`, `.lm_head`, `.config`); `inputs` are the other upstream
+    parameters, passed on to `model.model` as upstream does, after Spindle's own are taken out:
+
+    - `shift_labels`: labels already shifted (position t holds the token to predict at t), used instead
+      of `labels` (packed rows whose documents must not predict across boundaries);
+    - `loss_reduction="sum"`: the plain sum over valid tokens (the caller normalises by a global token
+      count); default: transformers' semantics (sum / `num_items_in_batch`, or the mean).
+
+    With `labels` or `shift_labels` the loss is the chunked linear cross-entropy from the hidden states
+    and `logits` is None; without, the logits are exactly upstream's (`lm_head` on the `logits_to_keep`
+    slice), so `generate()` is unchanged.
+
+    A MoE forward (upstream's signature has `output_router_logits`, so it is in `inputs`) returns
+    `MoeCausalLMOutputWithPast` with upstream's router aux loss (`with_router_aux_loss`), and takes two
+    more: `router_mask` ([rows, seq], 1 = real token: the padding mask the aux loss uses instead of
+    `attention_mask`, which is not passed to attention) and `router_group` (the process group holding
+    the other tokens of the same rows: sequence parallelism).
+    """
+    shift_labels = inputs.pop("shift_labels", None)
+    loss_reduction = inputs.pop("loss_reduction", None)
+    moe = "output_router_logits" in inputs
+    if moe:
+        router_mask = inputs.pop("router_mask", None)
+        router_group = inputs.pop("router_group", None)
+        moe_config = model.config.get_text_config()  # the MoE decoder's config (a VLM's text_config)
+        if inputs["output_router_logits"] is None:
+            inputs["output_router_logits"] = moe_config.output_router_logits
+    outputs = model.model(**inputs)
+    hidden_states = slice_logits_to_keep(outputs[0], logits_to_keep)
+    loss, logits = causal_lm_loss_or_logits(model, hidden_states, labels, shift_labels, loss_reduction, inputs)
+    passed_on = {name: getattr(outputs, name) for name in PASSED_ON}
+    if not moe:
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **passed_on)
+    aux_loss = None
+    if inputs["output_router_logits"]:
+        mask = inputs.get("attention_mask") if router_mask is None else router_mask
+        loss, aux_loss = with_router_aux_loss(
+            loss, outputs.router_logits, moe_config, mask, router_group, labels, shift_labels, loss_reduction, inputs
+        )
+    return MoeCausalLMOutputWithPast(
+        loss=loss, aux_loss=aux_loss, logits=logits, router_logits=outputs.router_logits, **passed_on
+    )
 
 
 def causal_lm_loss_or_logits(model, hidden_states, labels, shift_labels, loss_reduction, kwargs) -> tuple:
@@ -45,7 +101,7 @@ def count_label_tokens(labels, shift_labels, ignore_index: int = -100) -> torch.
 
 
 def with_router_aux_loss(loss, router_logits, moe_config, mask, group, labels, shift_labels, loss_reduction, kwargs):
-    """(loss with the router's load-balancing term, the aux loss) of a MoE forward (the MoE patches).
+    """(loss with the router's load-balancing term, the aux loss) of a MoE forward.
 
     The aux loss is upstream's `load_balancing_loss_func` (spindle.ops.router_loss: the same formula, its
     router statistics masked by `mask` and summed over `group`, a sequence-parallel group). The loss is
@@ -71,16 +127,3 @@ def with_router_aux_loss(loss, router_logits, moe_config, mask, group, labels, s
     else:
         weight = 1.0
     return loss + moe_config.router_aux_loss_coef * aux_loss.to(loss.device) * weight, aux_loss
-
-
-def add_moe_loss_helpers(config) -> None:
-    """Register on a MoE patch config (a patchgen `PatchConfig`) the imports and helpers its forward uses:
-    the chunked loss (`causal_lm_loss_or_logits`) and the router aux term (`with_router_aux_loss`)."""
-    config.add_import("spindle.ops.losses", names=["causal_lm_loss"])
-    config.add_import("spindle.ops.router_loss", names=["load_balancing_loss"])
-    here = "spindle/models/shared/causal_lm_patch.py"
-    config.add_helper(causal_lm_loss_or_logits, description=f"the chunked loss or upstream's logits ({here})")
-    config.add_helper(count_label_tokens, description=f"the valid label tokens of a batch ({here})")
-    config.add_helper(
-        with_router_aux_loss, description=f"upstream's router aux loss, in Spindle's normalisation ({here})"
-    )

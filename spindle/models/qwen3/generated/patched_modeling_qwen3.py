@@ -5,9 +5,7 @@
 #   config:         spindle/models/qwen3/patches.py
 #   regenerate:     spindle patchgen   (check: spindle patchgen --check)
 # Patches applied (kind, target, description):
-#   1. add_import spindle.ops.losses
-#   2. add_helper causal_lm_loss_or_logits - the chunked loss or upstream's logits (spindle/models/shared/causal_lm_patch.py)
-#   3. override_method Qwen3ForCausalLM.forward - loss from hidden states with the chunked linear cross-entropy (no full logits)
+#   1. delegate_method Qwen3ForCausalLM.forward - loss from hidden states with the chunked linear cross-entropy (no full logits)
 # ==================================================================================================
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
 #           This file was automatically generated from src/transformers/models/qwen3/modular_qwen3.py.
@@ -56,29 +54,7 @@ from transformers.utils.output_capturing import capture_outputs
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 
 # [PATCHED] add_import: names used by the patched code
-from spindle.ops.losses import causal_lm_loss
-
-
-# [PATCHED] add_helper causal_lm_loss_or_logits: the chunked loss or upstream's logits (spindle/models/shared/causal_lm_patch.py)
-def causal_lm_loss_or_logits(model, hidden_states, labels, shift_labels, loss_reduction, kwargs) -> tuple:
-    """(loss, logits) of a causal-LM head on `hidden_states` (already sliced to `logits_to_keep`).
-
-    Without `labels` or `shift_labels`: (None, upstream's logits), so `generate()` is unchanged.
-    Otherwise: (the chunked linear cross-entropy from the hidden states, None); the [tokens, vocab]
-    logits are never materialised. `kwargs` are the forward's transformers kwargs (read, not changed).
-    """
-    if labels is None and shift_labels is None:
-        return None, model.lm_head(hidden_states)
-    loss = causal_lm_loss(
-        hidden_states,
-        model.lm_head.weight,
-        labels=labels,
-        shift_labels=shift_labels,
-        num_items_in_batch=kwargs.get("num_items_in_batch"),
-        loss_reduction=loss_reduction,
-        ignore_index=kwargs.get("ignore_index", -100),
-    )
-    return loss, None
+from spindle.models.shared.causal_lm_patch import causal_lm_forward
 
 
 @use_kernel_forward_from_hub("RMSNorm")
@@ -471,7 +447,7 @@ class Qwen3ForCausalLM(Qwen3PreTrainedModel, GenerationMixin):
         # Initialize weights and apply final processing
         self.post_init()
 
-    # [PATCHED] override_method Qwen3ForCausalLM.forward: loss from hidden states with the chunked linear cross-entropy (no full logits)
+    # [PATCHED] delegate_method Qwen3ForCausalLM.forward: loss from hidden states with the chunked linear cross-entropy (no full logits)
     @can_return_tuple
     @auto_docstring
     def forward(
@@ -487,38 +463,33 @@ class Qwen3ForCausalLM(Qwen3PreTrainedModel, GenerationMixin):
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
         r"""
-        Besides transformers' arguments, two keyword arguments select Spindle's loss (the loss is then
-        computed chunk by chunk from the hidden states, and `logits` is None in the output):
+        Example:
 
-        - `shift_labels`: labels already shifted (position t holds the token to predict at t), used
-          instead of `labels` (packed rows whose documents must not predict across boundaries);
-        - `loss_reduction="sum"`: return the plain sum over valid tokens (the caller normalises by a global
-          token count); default: transformers' semantics (sum / num_items_in_batch, or the mean).
-        """
-        # --- Patch.1: Spindle's loss kwargs are for the loss only.
-        shift_labels = kwargs.pop("shift_labels", None)
-        loss_reduction = kwargs.pop("loss_reduction", None)
-        outputs: BaseModelOutputWithPast = self.model(
+        ```python
+        >>> from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+        >>> model = Qwen3ForCausalLM.from_pretrained("Qwen/Qwen3-8B")
+        >>> tokenizer = AutoTokenizer.from_pretrained("Qwen/Qwen3-8B")
+
+        >>> prompt = "Hey, are you conscious? Can you talk to me?"
+        >>> inputs = tokenizer(prompt, return_tensors="pt")
+
+        >>> # Generate
+        >>> generate_ids = model.generate(inputs.input_ids, max_length=30)
+        >>> tokenizer.batch_decode(generate_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)[0]
+        "Hey, are you conscious? Can you talk to me?\nI'm not conscious, but I can talk to you."
+        ```"""
+        return causal_lm_forward(
+            self,
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
+            labels=labels,
             use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
             **kwargs,
-        )
-
-        hidden_states = outputs.last_hidden_state
-        hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
-        # --- Patch.2: the chunked loss replaces lm_head + loss_function when there is something to learn.
-        loss, logits = causal_lm_loss_or_logits(self, hidden_states, labels, shift_labels, loss_reduction, kwargs)
-
-        return CausalLMOutputWithPast(
-            loss=loss,
-            logits=logits,
-            past_key_values=outputs.past_key_values,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
         )
 
 

@@ -5,12 +5,7 @@
 #   config:         spindle/models/qwen3_vl_moe/patches.py
 #   regenerate:     spindle patchgen   (check: spindle patchgen --check)
 # Patches applied (kind, target, description):
-#   1. add_import spindle.ops.losses
-#   2. add_import spindle.ops.router_loss
-#   3. add_helper causal_lm_loss_or_logits - the chunked loss or upstream's logits (spindle/models/shared/causal_lm_patch.py)
-#   4. add_helper count_label_tokens - the valid label tokens of a batch (spindle/models/shared/causal_lm_patch.py)
-#   5. add_helper with_router_aux_loss - upstream's router aux loss, in Spindle's normalisation (spindle/models/shared/causal_lm_patch.py)
-#   6. override_method Qwen3VLMoeForConditionalGeneration.forward - loss from hidden states with the chunked linear cross-entropy, plus upstream's router aux loss
+#   1. delegate_method Qwen3VLMoeForConditionalGeneration.forward - loss from hidden states with the chunked linear cross-entropy, plus upstream's router aux loss
 # ==================================================================================================
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
 #           This file was automatically generated from src/transformers/models/qwen3_vl_moe/modular_qwen3_vl_moe.py.
@@ -78,68 +73,7 @@ from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import (
 )
 
 # [PATCHED] add_import: names used by the patched code
-from spindle.ops.losses import causal_lm_loss
-from spindle.ops.router_loss import load_balancing_loss
-
-
-# [PATCHED] add_helper causal_lm_loss_or_logits: the chunked loss or upstream's logits (spindle/models/shared/causal_lm_patch.py)
-def causal_lm_loss_or_logits(model, hidden_states, labels, shift_labels, loss_reduction, kwargs) -> tuple:
-    """(loss, logits) of a causal-LM head on `hidden_states` (already sliced to `logits_to_keep`).
-
-    Without `labels` or `shift_labels`: (None, upstream's logits), so `generate()` is unchanged.
-    Otherwise: (the chunked linear cross-entropy from the hidden states, None); the [tokens, vocab]
-    logits are never materialised. `kwargs` are the forward's transformers kwargs (read, not changed).
-    """
-    if labels is None and shift_labels is None:
-        return None, model.lm_head(hidden_states)
-    loss = causal_lm_loss(
-        hidden_states,
-        model.lm_head.weight,
-        labels=labels,
-        shift_labels=shift_labels,
-        num_items_in_batch=kwargs.get("num_items_in_batch"),
-        loss_reduction=loss_reduction,
-        ignore_index=kwargs.get("ignore_index", -100),
-    )
-    return loss, None
-
-
-# [PATCHED] add_helper count_label_tokens: the valid label tokens of a batch (spindle/models/shared/causal_lm_patch.py)
-def count_label_tokens(labels, shift_labels, ignore_index: int = -100) -> torch.Tensor:
-    """The tokens a causal-LM loss averages over: valid shifted labels (as `causal_lm_loss` shifts them)."""
-    if shift_labels is None:
-        shift_labels = labels[..., 1:]
-    return (shift_labels != ignore_index).sum().to(torch.float32)
-
-
-# [PATCHED] add_helper with_router_aux_loss: upstream's router aux loss, in Spindle's normalisation (spindle/models/shared/causal_lm_patch.py)
-def with_router_aux_loss(loss, router_logits, moe_config, mask, group, labels, shift_labels, loss_reduction, kwargs):
-    """(loss with the router's load-balancing term, the aux loss) of a MoE forward (the MoE patches).
-
-    The aux loss is upstream's `load_balancing_loss_func` (spindle.ops.router_loss: the same formula, its
-    router statistics masked by `mask` and summed over `group`, a sequence-parallel group). The loss is
-    upstream's `token loss + router_aux_loss_coef * aux_loss` whenever upstream computes it (mean token
-    loss). When the token loss is normalised by a count other than this batch's own valid tokens
-    (`num_items_in_batch`, or `loss_reduction="sum"`: the caller divides by a global token count), the aux
-    term is scaled by the batch's valid tokens over that count, so the accumulated loss over micro-batches
-    and ranks is the mean token loss plus `router_aux_loss_coef` times the token-weighted mean of the
-    micro-batches' aux losses; with one micro-batch that is exactly upstream's loss. `loss` None (no
-    labels): (None, the aux loss).
-    """
-    aux_loss = load_balancing_loss(
-        router_logits, moe_config.num_experts, moe_config.num_experts_per_tok, mask, group=group
-    )
-    if loss is None:
-        return None, aux_loss
-    num_items_in_batch = kwargs.get("num_items_in_batch")
-    weight: torch.Tensor | float
-    if loss_reduction == "sum" or (loss_reduction is None and num_items_in_batch is not None):
-        tokens = count_label_tokens(labels, shift_labels, kwargs.get("ignore_index", -100))
-        divisor = 1 if loss_reduction == "sum" else num_items_in_batch
-        weight = tokens / torch.as_tensor(divisor, dtype=torch.float32, device=loss.device)
-    else:
-        weight = 1.0
-    return loss + moe_config.router_aux_loss_coef * aux_loss.to(loss.device) * weight, aux_loss
+from spindle.models.shared.causal_lm_patch import causal_lm_forward
 
 
 @use_kernel_forward_from_hub("RMSNorm")
@@ -1528,12 +1462,12 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3VLMoePreTrainedModel, GenerationMi
         """
         return self.model.get_image_features(pixel_values, image_grid_thw, **kwargs)
 
-    # [PATCHED] override_method Qwen3VLMoeForConditionalGeneration.forward: loss from hidden states with the chunked linear cross-entropy, plus upstream's router aux loss
+    # [PATCHED] delegate_method Qwen3VLMoeForConditionalGeneration.forward: loss from hidden states with the chunked linear cross-entropy, plus upstream's router aux loss
     @can_return_tuple
     @auto_docstring
     def forward(
         self,
-        input_ids: torch.LongTensor | None = None,
+        input_ids: torch.LongTensor = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
         past_key_values: Cache | None = None,
@@ -1550,65 +1484,65 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3VLMoePreTrainedModel, GenerationMi
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple | MoeCausalLMOutputWithPast:
         r"""
-        Besides transformers' arguments, Spindle's loss arguments (as in the Qwen3-MoE patch): `shift_labels`
-        (already shifted labels, used instead of `labels`), `loss_reduction="sum"`, `router_mask` ([rows, seq],
-        1 = real token: the padding mask of the aux loss, which is not passed to attention) and `router_group`
-        (the process group holding the other tokens of the same rows: sequence parallelism).
-        """
-        # --- Patch.1: Spindle's loss kwargs are for the loss only.
-        shift_labels = kwargs.pop("shift_labels", None)
-        loss_reduction = kwargs.pop("loss_reduction", None)
-        router_mask = kwargs.pop("router_mask", None)
-        router_group = kwargs.pop("router_group", None)
-        output_router_logits = (
-            output_router_logits if output_router_logits is not None else self.config.text_config.output_router_logits
-        )
+        Example:
 
-        outputs = self.model(
+        ```python
+        >>> from PIL import Image
+        >>> from huggingface_hub.utils import httpx
+        >>> from io import BytesIO
+        >>> from transformers import AutoProcessor, Qwen3VLMoeForConditionalGeneration
+
+        >>> model = Qwen3VLMoeForConditionalGeneration.from_pretrained("Qwen/Qwen3-VL-30B-A3B-Instruct", dtype="auto", device_map="auto")
+        >>> processor = AutoProcessor.from_pretrained("Qwen/Qwen3-VL-30B-A3B-Instruct")
+
+        >>> messages = [
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "image",
+                        "image": "https://huggingface.co/datasets/hf-internal-testing/transformers-synthetic-assets/resolve/main/images/qwen_vl_demo.jpeg",
+                    },
+                    {"type": "text", "text": "Describe this image in short."},
+                ],
+            }
+        ]
+
+        >>> # Preparation for inference
+        >>> inputs = processor.apply_chat_template(
+            messages,
+            tokenize=True,
+            add_generation_prompt=True,
+            return_dict=True,
+            return_tensors="pt"
+        )
+        >>> inputs = inputs.to(model.device)
+
+        >>> # Generate
+        >>> generated_ids = model.generate(**inputs, max_new_tokens=128)
+        >>> generated_ids_trimmed = [
+            out_ids[len(in_ids) :] for in_ids, out_ids in zip(inputs.input_ids, generated_ids)
+        ]
+        >>> processor.batch_decode(generated_ids_trimmed, skip_special_tokens=True, clean_up_tokenization_spaces=False)[0]
+        "A woman in a plaid shirt sits on a sandy beach at sunset, smiling as she gives a high-five to a yellow Labrador Retriever wearing a harness. The ocean waves roll in the background."
+        ```"""
+        return causal_lm_forward(
+            self,
             input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            labels=labels,
             pixel_values=pixel_values,
             pixel_values_videos=pixel_values_videos,
             image_grid_thw=image_grid_thw,
             video_grid_thw=video_grid_thw,
             mm_token_type_ids=mm_token_type_ids,
-            position_ids=position_ids,
-            attention_mask=attention_mask,
-            past_key_values=past_key_values,
-            inputs_embeds=inputs_embeds,
-            mm_encoder_outputs=mm_encoder_outputs,
             output_router_logits=output_router_logits,
+            logits_to_keep=logits_to_keep,
+            mm_encoder_outputs=mm_encoder_outputs,
             **kwargs,
-        )
-
-        hidden_states = outputs[0]
-        hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
-        # --- Patch.2: the chunked loss replaces lm_head + loss_function when there is something to learn.
-        loss, logits = causal_lm_loss_or_logits(self, hidden_states, labels, shift_labels, loss_reduction, kwargs)
-
-        aux_loss = None
-        if output_router_logits:
-            # --- Patch.3: the aux term in the token loss's normalisation (1 for upstream's mean).
-            mask = attention_mask if router_mask is None else router_mask
-            loss, aux_loss = with_router_aux_loss(
-                loss,
-                outputs.router_logits,
-                self.config.text_config,
-                mask,
-                router_group,
-                labels,
-                shift_labels,
-                loss_reduction,
-                kwargs,
-            )
-
-        return MoeCausalLMOutputWithPast(
-            loss=loss,
-            aux_loss=aux_loss,
-            logits=logits,
-            past_key_values=outputs.past_key_values,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            router_logits=outputs.router_logits,
         )
 
     def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs):
