@@ -4,6 +4,8 @@ naming the key), export into stock transformers in the input's layout."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -214,6 +216,29 @@ def test_a_fused_checkpoint_exports_fused_and_loads_in_stock_transformers(small_
     tok = AutoTokenizer.from_pretrained(result.export_dir)
     ids = loaded.generate(**tok("the red circle", return_tensors="pt"), max_new_tokens=3, do_sample=False)
     assert ids.shape[1] >= 4
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+def test_offline_export_streams_the_experts_into_the_inputs_layout(layout, small_moe, lm_corpus, tmp_path):
+    """`spindle export` of a MoE checkpoint builds no model: each layer's fused experts are read from the
+    checkpoint and converted to the base's layout as they are written, the same bytes as the end-of-run
+    export for every layout."""
+    from safetensors.torch import load_file
+
+    from spindle.cli import main
+
+    src = small_moe if layout == "per_expert" else rewrite(small_moe, tmp_path / layout, fuse)
+    _, result = lm_train(src, lm_corpus, tmp_path / "run", train__max_steps=2)
+    out = tmp_path / "cli"
+    with mock.patch("transformers.PreTrainedModel.from_pretrained", side_effect=AssertionError("model built")):
+        assert main(["export", str(result.output_dir), "--out", str(out)]) == 0
+
+    def weights(folder):
+        return {k: v for shard in sorted(folder.glob("*.safetensors")) for k, v in load_file(shard).items()}
+
+    streamed, in_run = weights(out), weights(result.export_dir)
+    assert streamed.keys() == in_run.keys() == load_file(src / "model.safetensors").keys()
+    assert all(torch.equal(streamed[k], in_run[k]) for k in in_run)
 
 
 # ---------------------------------------------------------------- layout checks before launch

@@ -48,6 +48,8 @@ IGNORE_INDEX = -100
 # all) and divides a sum by `num_items_in_batch`; the patched forwards' `causal_lm_loss` does the same
 # from hidden states. Dividing by 1 is exact, so the two paths agree bit for bit on the reduction.
 LOSS_SUM = {"num_items_in_batch": 1}
+# (model tensor name, its whole value -> {export name: tensor} or None for as-is, the export tensor on meta)
+ExportSource = tuple[str, Callable[[torch.Tensor], dict[str, torch.Tensor]] | None, torch.Tensor]
 EXPORT_MAX_SHARD_BYTES = 5 << 30  # transformers' default max_shard_size (5GB)
 TOKEN_KEYS = ("input_ids", "position_ids", "shift_labels")
 # Not given to attention (spindle.data.text): for task hooks that must skip padding (MoE router statistics).
@@ -376,10 +378,21 @@ class CausalLMTask(TrainTask):
         return None
 
     @classmethod
+    def export_sources(
+        cls, family: CausalLMFamily, model: torch.nn.Module, state: dict[str, torch.Tensor], model_path: Path
+    ) -> dict[str, ExportSource]:
+        """{export name before `export_layout`'s renaming: (the model tensor it comes from, what turns that
+        tensor's whole value into {export name: tensor} (None: the tensor as it is), its meta tensor)} for a
+        meta `model`. Default: every tensor as it is. A MoE splits or transposes its fused experts here
+        (moe_causal_lm)."""
+        return {k: (k, None, t) for k, t in state.items()}
+
+    @classmethod
     def export_streamed(cls, family: CausalLMFamily, checkpoint: Path, model_path: Path, out: Path, dtype: str) -> bool:
-        """Write the export shard by shard from the checkpoint (`spindle.train.streamed_export`) when the
-        export layout only renames the model's tensors (the names are found on a meta model); -> False
-        when it transforms them (a MoE's fused experts split per expert), for the caller to build the model."""
+        """Write the export shard by shard from the checkpoint (`spindle.train.streamed_export`): the names
+        come from a meta model through `export_sources` and `export_layout`; each trained tensor is read
+        whole from the checkpoint (one at a time) and converted, an untrained one is the base file's under
+        its own name. -> False when the layout's names cannot be traced to the model's tensors."""
         from spindle.distributed.sharded_load import empty_weights
         from spindle.train.streamed_export import SafetensorsFolder, write_streamed
 
@@ -388,11 +401,12 @@ class CausalLMTask(TrainTask):
             model = model_cls._from_config(model_cls.config_class.from_pretrained(model_path))
         model.tie_weights()  # not done under empty_weights; `unique_weights` finds the tied names by it
         state = model.state_dict()
-        fqn_of = {id(t): k for k, t in state.items()}
-        layout = unique_weights(model, cls.export_layout(family, model, state))
-        if not all(id(t) in fqn_of for t in layout.values()):
+        sources = cls.export_sources(family, model, state, model_path)
+        origin = {id(meta): (fqn, convert, name) for name, (fqn, convert, meta) in sources.items()}
+        layout = unique_weights(model, cls.export_layout(family, model, {n: m for n, (_, _, m) in sources.items()}))
+        if not all(id(t) in origin for t in layout.values()):
             return False
-        fqn = {name: fqn_of[id(t)] for name, t in layout.items()}
+        source_of = {name: origin[id(t)] for name, t in layout.items()}
         saved = set(ckpt.saved_model_tensors(checkpoint))
         if unknown := sorted(saved - set(state)):
             raise RuntimeError(
@@ -402,11 +416,19 @@ class CausalLMTask(TrainTask):
         base = SafetensorsFolder(model_path)
 
         def read(names: list[str]) -> dict[str, torch.Tensor]:
-            trained = [n for n in names if fqn[n] in saved]
-            tensors = ckpt.read_model_tensors(checkpoint, [fqn[n] for n in trained]) if trained else {}
-            out = {n: tensors[fqn[n]] for n in trained}
-            if rest := [n for n in names if fqn[n] not in saved]:  # not trained: the base file's, by its own name
-                out.update(base.read(rest))
+            out: dict[str, torch.Tensor] = {}
+            by_fqn: dict[str, list[str]] = {}
+            for n in names:
+                by_fqn.setdefault(source_of[n][0], []).append(n)
+            for fqn, wanted in by_fqn.items():  # one trained tensor whole at a time (a layer's fused experts)
+                if fqn not in saved:  # not trained: the base file's, by its own name
+                    out.update(base.read(wanted))
+                    continue
+                value = ckpt.read_model_tensors(checkpoint, [fqn])[fqn]
+                convert = source_of[wanted[0]][1]  # one conversion per model tensor
+                converted = {fqn: value} if convert is None else convert(value)
+                out.update({n: converted[source_of[n][2]] for n in wanted})
+                del value, converted
             return out
 
         dtypes = export_dtypes(dtype, model_path)

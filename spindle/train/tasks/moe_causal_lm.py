@@ -39,7 +39,7 @@ from spindle.contracts.parallel import ParallelPlan
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.mesh import is_main_process
 from spindle.train.precision import check_export_dtype
-from spindle.train.tasks.causal_lm import PADDING_MASK_KEY, CausalLMTask, write_transformers_folder
+from spindle.train.tasks.causal_lm import PADDING_MASK_KEY, CausalLMTask, ExportSource, write_transformers_folder
 
 if TYPE_CHECKING:
     from spindle.distributed.mesh import Mesh, ParallelDims
@@ -218,11 +218,29 @@ class MoECausalLMTask(CausalLMTask):
         check_export_dtype(dtype)
         if json.loads((checkpoint / ckpt.TRAINER_STATE).read_text()).get("lora") is not None:
             return super().export_checkpoint(family, checkpoint, model_path, out, dtype)
+        checkpoint_adapter(family).layout(model_path)  # the base's expert tensors named before any read
+        if not cls.export_streamed(family, checkpoint, model_path, out, dtype):
+            raise RuntimeError(f"{family.name}: the export names cannot be traced to the model's tensors")
+        return out
+
+    @classmethod
+    def export_sources(
+        cls, family: CausalLMFamily, model: torch.nn.Module, state: dict[str, torch.Tensor], model_path: Path
+    ) -> dict[str, ExportSource]:
+        """The experts in the base checkpoint's layout: each fused expert tensor converted by the family's
+        adapter (split per expert, or transposed) when it is read, one layer's tensor at a time."""
+        from functools import partial
+
+        from spindle.distributed.expert_parallel import expert_param_names
+
         adapter = checkpoint_adapter(family)
         layout = adapter.layout(model_path)
-        model = load_moe_model(family, model_path)
-        state = ckpt.read_checkpoint_model(checkpoint, model)
-        cls.write_folder(family, adapter, model, state, model_path, out, layout, dtype)
+        experts = set(expert_param_names(model))
+        out = super().export_sources(family, model, state, model_path)
+        for key in experts:
+            del out[key]
+            convert = partial(_expert_layout, adapter, model, key, layout)
+            out.update({name: (key, convert, meta) for name, meta in convert(state[key]).items()})
         return out
 
 
@@ -237,6 +255,13 @@ def experts_implementation(config: Any, device_type: str) -> str:
         if (c.hidden_size * row_bytes) % 16 or (c.moe_intermediate_size * row_bytes) % 16:
             return "batched_mm"
     return "grouped_mm"
+
+
+def _expert_layout(
+    adapter: CheckpointAdapter, model: torch.nn.Module, key: str, layout: str, value: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """One fused expert tensor of the model -> its tensors in the checkpoint's `layout`."""
+    return adapter.to_layout(model, {key: value}, layout)
 
 
 class ExpertLayoutLoader:
