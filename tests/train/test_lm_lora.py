@@ -107,10 +107,91 @@ def test_moe_lora_adapts_the_attention_and_exports_a_peft_folder(tiny_qwen3_moe,
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_moe_lora_on_the_fused_experts_is_refused_naming_the_targets(tiny_qwen3_moe, lm_corpus, tmp_path):
+EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
+
+
+def stock_peft_experts(root, seed: int, rank: int, alpha: float):
+    """Stock transformers + stock PEFT (`get_peft_model`, `target_parameters`) on the fused experts, the
+    adapters initialised as Spindle initialises them for `train.seed` (`init_adapters`, keyed on the
+    module names, which are the same under PEFT's `base_model.model.`)."""
+    from peft import LoraConfig, get_peft_model
+
+    from spindle.testing.causal_lm_conformance import stock
+    from spindle.train.lora import init_adapters
+
+    model = get_peft_model(stock(root)[0], LoraConfig(r=rank, lora_alpha=alpha, target_parameters=EXPERTS))
+    init_adapters(model.base_model.model, seed)
+    return model
+
+
+def test_moe_lora_on_the_experts_step_one_equals_stock_peft(tiny_qwen3_moe, tmp_path):
+    """LoRA on the fused experts: Spindle's step-1 loss, aux loss and grad norm equal stock transformers +
+    stock PEFT (`target_parameters`) with the same initial adapters (1e-5)."""
+    from spindle.registry import get_family
+    from spindle.testing.causal_lm_conformance import STEP_ONE_TEXT, check_step_one
+    from tests.conftest import one_step_metrics
+
+    lora = '{"rank": 4, "alpha": 8, "targets": ["experts.gate_up_proj", "experts.down_proj"]}'
+    metrics = one_step_metrics(tiny_qwen3_moe, [STEP_ONE_TEXT], tmp_path, seq_len=32, train__lora=lora)
+    model = stock_peft_experts(tiny_qwen3_moe, seed=0, rank=4, alpha=8)
+    check_step_one(get_family("qwen3_moe"), tiny_qwen3_moe, metrics, model=model)
+
+
+def test_moe_lora_on_the_experts_exports_what_stock_peft_loads(tiny_qwen3_moe, lm_corpus, tmp_path, spindle_cli):
+    """`train.lora.targets: [experts]` (both fused parameters) adapts only them; the PEFT folder loads in
+    stock `PeftModel.from_pretrained` with the trained model's logits and the key names and config
+    stock PEFT writes for the same adapters; the merged folder loads alone with the same logits; and
+    `spindle export` of the checkpoint writes the same folder."""
+    from peft import PeftModel, get_peft_model_state_dict
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    lora = dict(LORA, train__lora='{"rank": 4, "alpha": 8, "targets": ["experts"]}')
+    trainer, _ = lm_train(tiny_qwen3_moe, lm_corpus, tmp_path / "run", train__max_steps=2, **lora)
+    adapted = trained_only_adapters(trainer)
+    assert {n.split(".lora_")[0].split(".mlp.")[-1] for n in adapted} == {"experts", "experts.base_layer"}
+    export = tmp_path / "run" / "export"
+    ids = torch.tensor([[5, 9, 14, 3, 22, 7, 11, 30]])
+    with torch.no_grad():
+        ours = trainer.model.eval()(input_ids=ids).logits
+        base = AutoModelForCausalLM.from_pretrained(tiny_qwen3_moe).eval()
+        assert (ours - base(input_ids=ids).logits).abs().max() > 1e-3  # the adapters changed the model
+        peft = PeftModel.from_pretrained(base, export / "lora").eval()
+        torch.testing.assert_close(peft(input_ids=ids).logits, ours, rtol=0, atol=1e-5)
+        merged = AutoModelForCausalLM.from_pretrained(export / "merged").eval()
+        torch.testing.assert_close(merged(input_ids=ids).logits, peft(input_ids=ids).logits, rtol=0, atol=1e-5)
+    # what stock PEFT's save_pretrained writes for adapters on the same parameters: the same keys and shapes
+    stock = get_peft_model_state_dict(stock_peft_experts(tiny_qwen3_moe, seed=0, rank=4, alpha=8))
+    ours_file = load_file(export / "lora" / "adapter_model.safetensors")
+    assert {k: v.shape for k, v in ours_file.items()} == {k: v.shape for k, v in stock.items()}
+    config = json.loads((export / "lora" / "adapter_config.json").read_text())
+    layers = base.config.num_hidden_layers
+    assert config["target_modules"] is None and len(config["target_parameters"]) == 2 * layers  # 2 per MoE layer
+    r = spindle_cli("export", tmp_path / "run", "--out", tmp_path / "cli")
+    assert r.returncode == 0, r.stderr
+    b = load_file(tmp_path / "cli" / "lora" / "adapter_model.safetensors")
+    assert ours_file.keys() == b.keys() and all(torch.equal(ours_file[k], b[k]) for k in b)
+    assert json.loads((tmp_path / "cli" / "lora" / "adapter_config.json").read_text()) == config
+
+
+def test_moe_lora_on_the_experts_refuses_what_peft_cannot_do(tiny_qwen3_moe, lm_corpus, tmp_path):
+    """Expert LoRA with `parallel.ep` > 1, or with dropout (PEFT's parameter adapters take none), is a
+    config error naming the keys and the fix, raised before any weight is read."""
+    from spindle.api import make_trainer
+
+    experts = '{"rank": 4, "targets": ["experts.down_proj"]}'
     cfg = load_job_config(
-        None,
-        lm_overrides(tiny_qwen3_moe, lm_corpus, tmp_path / "run", train__lora='{"rank": 4, "targets": ["experts"]}'),
+        None, lm_overrides(tiny_qwen3_moe, lm_corpus, tmp_path / "ep", train__lora=experts, parallel__ep=2)
     )
-    with pytest.raises(ConfigError, match=r"train.lora.targets: \['experts'\] name the experts, which are fused"):
-        check_job_plan(cfg, 1)
+    with pytest.raises(
+        ConfigError, match=r"train.lora.targets: \[.experts.down_proj.\] .* parallel.ep=2 .* with parallel.ep: 1"
+    ):
+        check_job_plan(cfg, 2)
+    dropout = '{"rank": 4, "dropout": 0.1, "targets": ["experts"]}'
+    cfg = load_job_config(None, lm_overrides(tiny_qwen3_moe, lm_corpus, tmp_path / "drop", train__lora=dropout))
+    with pytest.raises(ConfigError, match=r"train.lora.dropout=0.1: .* set train.lora.dropout: 0"):
+        make_trainer(cfg)
+    missing = '{"rank": 4, "targets": ["experts.up_proj"]}'
+    cfg = load_job_config(None, lm_overrides(tiny_qwen3_moe, lm_corpus, tmp_path / "miss", train__lora=missing))
+    with pytest.raises(ConfigError, match=r"'experts.up_proj' matches no .* closest names: .*experts.gate_up_proj"):
+        make_trainer(cfg)

@@ -16,6 +16,9 @@
 - Parallelism: `parallel.ep` (spindle.distributed.expert_parallel) and `parallel.sp` (Ulysses) on top
   of the dense path.
 - Export: the layout the input checkpoint had (per-expert by default).
+- LoRA: `train.lora.targets` may name the fused experts (`experts.gate_up_proj`, `experts.down_proj`,
+  or `experts` for both), adapted through PEFT's `target_parameters` (spindle.train.lora); not yet with
+  `parallel.ep` > 1, which is refused in `check_plan`.
 
 The class extends `CausalLMTask` cooperatively (every override goes through `super()`), so the VLM MoE
 task (spindle/train/tasks/vlm_moe.py) combines it with the VLM task by inheritance. The MoE fields are
@@ -25,6 +28,7 @@ read from `config.get_text_config()`: a VLM's text config, a causal LM's own con
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -75,15 +79,13 @@ class MoECausalLMTask(CausalLMTask):
         from spindle.distributed.expert_parallel import check_ep_layout
 
         super().check_plan(cfg, family, dims)  # the dense checks (ring refused for language models, ...)
-        if cfg.train.lora is not None and any("expert" in t for t in cfg.train.lora.targets or ()):
-            raise ConfigError(
-                f"train.lora.targets: {cfg.train.lora.targets} name the experts, which are fused parameters, not "
-                "linear layers; LoRA adapts the attention projections of a mixture-of-experts model (the default)"
-            )
+        config = AutoConfig.from_pretrained(cfg.model.path)
         try:
-            check_ep_layout(dims, AutoConfig.from_pretrained(cfg.model.path).get_text_config().num_experts)
+            check_ep_layout(dims, config.get_text_config().num_experts)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if dims.ep > 1 and cfg.train.lora is not None:
+            check_expert_lora_without_ep(cfg.train.lora.targets, expert_plan_names(config), dims.ep)
 
     # ------------------------------------------------------------ set-up
 
@@ -100,6 +102,12 @@ class MoECausalLMTask(CausalLMTask):
     def parallel_plan(self) -> ParallelPlan:
         # the base plan (a VLM's: SP in its language model only) with the experts sharded over `ep`
         return dataclasses.replace(super().parallel_plan(), expert_parallel=True)
+
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        super().prepare_model(model)
+        if self.mesh.dims.ep > 1 and getattr(self, "lora_parameters", None):
+            # a target check_plan's name rule missed (e.g. a full module name): still refused before loading
+            check_expert_lora_without_ep(sorted(set(self.lora_parameters.values())), (), self.mesh.dims.ep)
 
     def build_model(self) -> torch.nn.Module:
         self.expert_layout = self.adapter.layout(self.cfg.model.path)  # validates expert keys and shapes first
@@ -224,6 +232,31 @@ class MoECausalLMTask(CausalLMTask):
         state = ckpt.read_checkpoint_model(checkpoint, model)
         cls.write_folder(family, adapter, model, state, model_path, out, layout, dtype)
         return out
+
+
+def expert_plan_names(config: Any) -> tuple[str, ...]:
+    """The expert modules' and parameters' name patterns of the config's EP plan (`layers.*.mlp.experts`,
+    `layers.*.mlp.experts.gate_up_proj`, ...; a VLM declares it on its text config)."""
+    plan = getattr(config, "base_model_ep_plan", None) or getattr(config.get_text_config(), "base_model_ep_plan", None)
+    return tuple(plan or ())
+
+
+def check_expert_lora_without_ep(targets: list[str] | None, plan_names: tuple[str, ...], ep: int) -> None:
+    """Refuse LoRA on the fused experts with `parallel.ep` > 1: PEFT wraps the experts module (its
+    parameters move under `base_layer.`), which transformers' EP sharding and dispatch do not see.
+    `targets`: `train.lora.targets` entries, refused where one names an expert module or parameter of
+    `plan_names` (a suffix of a pattern, or a full name matching it); with no `plan_names`, every entry."""
+    named = [
+        t
+        for t in targets or ()
+        if not plan_names or any(p == t or p.endswith("." + t) or fnmatch.fnmatchcase(t, "*" + p) for p in plan_names)
+    ]
+    if named:
+        raise ConfigError(
+            f"train.lora.targets: {named} adapt the fused experts, which parallel.ep={ep} does not support yet; "
+            "train them with parallel.ep: 1 (dp_shard / sp still apply), or leave the experts out of "
+            "train.lora.targets"
+        )
 
 
 def experts_implementation(config: Any, device_type: str) -> str:
