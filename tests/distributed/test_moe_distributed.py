@@ -55,3 +55,25 @@ def test_resume_an_ep2_checkpoint_at_ep1(lm_reference_run, tiny_qwen3_moe, lm_co
     lm_train_cli(tiny_qwen3_moe, lm_corpus, out, 1, **REFERENCE_RUN, checkpoint__resume="auto")
     assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]
     assert_same_run(lm_reference_run("qwen3_moe"), out)
+
+
+def test_expert_lora_dp_shard2_equals_one_process(tiny_qwen3_moe, lm_corpus, tmp_path):
+    """LoRA on the fused experts (PEFT's ParamWrappers, whose parametrization swaps the expert weights
+    inside the FSDP2 unit's forward) and on q_proj, with the frozen base and the adapters FSDP2-sharded
+    over dp_shard=2: the same losses, grad norms and exported PEFT adapters as one process."""
+    import torch
+    from safetensors.torch import load_file
+
+    lora = dict(REFERENCE_RUN, train__lora='{"rank": 4, "alpha": 8, "targets": ["q_proj", "experts"]}', train__lr=1e-2)
+    one, two = tmp_path / "one", tmp_path / "two"
+    lm_train_cli(tiny_qwen3_moe, lm_corpus, one, 1, **lora)
+    lm_train_cli(tiny_qwen3_moe, lm_corpus, two, 2, parallel__dp_shard=2, **lora)
+    ma, mb = read_metrics(one), read_metrics(two)
+    for key in ("loss", "aux_loss", "grad_norm"):
+        assert [m[key] for m in mb] == pytest.approx([m[key] for m in ma], rel=1e-5), key
+    adapters = "export/lora/adapter_model.safetensors"
+    wa, wb = load_file(one / adapters), load_file(two / adapters)
+    experts_b = [k for k in wa if ".experts.base_layer.lora_B." in k]
+    assert wa.keys() == wb.keys() and experts_b and all(wa[k].abs().max() > 0 for k in experts_b)  # trained
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=1e-5, msg=k)

@@ -51,25 +51,42 @@ def test_qwen3_lora_exports_a_peft_folder_and_a_merged_model(tiny_qwen3, lm_corp
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_vlm_lora_adapts_the_language_model_only(tiny_qwen2_5_vl, vlm_conversations, tmp_path):
+def check_vlm_lora_export(root, vlm_conversations, tmp_path, lora: str) -> set[str]:
+    """A VLM LoRA run (`lora`: train.lora) adapts the language model only; stock peft + transformers load
+    its PEFT folder, and stock transformers its merged folder, with the trained model's logits (1e-5).
+    -> the adapted parameter names."""
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
     data = subset(vlm_conversations, tmp_path / "data", [0, 1])
-    trainer, _ = vlm_train(tiny_qwen2_5_vl, data, tmp_path / "run", train__max_steps=2, **LORA)
+    trainer, _ = vlm_train(root, data, tmp_path / "run", train__max_steps=2, **dict(LORA, train__lora=lora))
     adapted = trained_only_adapters(trainer)
     assert all(n.startswith("model.language_model.layers.") for n in adapted)
     export = tmp_path / "run" / "export"
-    (inputs,) = stock_inputs(tiny_qwen2_5_vl, subset(vlm_conversations, tmp_path / "one", [0]))
+    (inputs,) = stock_inputs(root, subset(vlm_conversations, tmp_path / "one", [0]))
     inputs.pop("labels")
     with torch.no_grad():
         ours = trainer.model.eval()(**inputs).logits
-        base = AutoModelForImageTextToText.from_pretrained(tiny_qwen2_5_vl).eval()
+        base = AutoModelForImageTextToText.from_pretrained(root).eval()
+        assert (ours - base(**inputs).logits).abs().max() > 1e-4  # the adapters changed the model
         peft = PeftModel.from_pretrained(base, export / "lora").eval()
         torch.testing.assert_close(peft(**inputs).logits, ours, rtol=0, atol=1e-5)
         merged = AutoModelForImageTextToText.from_pretrained(export / "merged").eval()
         torch.testing.assert_close(merged(**inputs).logits, ours, rtol=0, atol=1e-5)
     assert (export / "lora" / "preprocessor_config.json").is_file()
+    return adapted
+
+
+def test_vlm_lora_adapts_the_language_model_only(tiny_qwen2_5_vl, vlm_conversations, tmp_path):
+    check_vlm_lora_export(tiny_qwen2_5_vl, vlm_conversations, tmp_path, '{"rank": 4, "alpha": 8}')
+
+
+def test_vl_moe_lora_on_the_experts_loads_in_stock_peft(tiny_checkpoint, vlm_conversations, tmp_path):
+    """Qwen3-VL-MoE: the same expert LoRA as Qwen3-MoE (one implementation), on its language model's fused
+    experts and attention, loads in stock PEFT and merges."""
+    lora = '{"rank": 4, "alpha": 8, "targets": ["q_proj", "experts"]}'
+    adapted = check_vlm_lora_export(tiny_checkpoint("qwen3_vl_moe"), vlm_conversations, tmp_path, lora)
+    assert any(".mlp.experts.base_layer.lora_A." in n for n in adapted)
 
 
 def test_lora_is_refused_where_not_supported(tiny_qwen2_5_vl, lm_corpus, vlm_conversations, tmp_path):
@@ -172,6 +189,37 @@ def test_moe_lora_on_the_experts_exports_what_stock_peft_loads(tiny_qwen3_moe, l
     b = load_file(tmp_path / "cli" / "lora" / "adapter_model.safetensors")
     assert ours_file.keys() == b.keys() and all(torch.equal(ours_file[k], b[k]) for k in b)
     assert json.loads((tmp_path / "cli" / "lora" / "adapter_config.json").read_text()) == config
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["experts_out_in", "experts_in_out"])
+def test_merging_an_expert_adapter_adds_pefts_delta(transposed):
+    """`export.merge_lora` of a fused expert parameter adds what PEFT's `ParamWrapper.get_delta_weight`
+    computes, in either layout a module may store its experts in (`is_transposed`: [E, in, out]); non-square
+    shapes, so a mixed-up axis cannot pass."""
+    from peft import LoraConfig
+    from peft.tuners.lora import ParamWrapper
+
+    from spindle.train.tasks.lm_lora import merged_state, transposed_parameters
+
+    class Experts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.is_transposed = transposed
+            self.w = torch.nn.Parameter(torch.randn(3, 5, 7, generator=torch.Generator().manual_seed(0)))
+
+    model = torch.nn.Sequential(Experts())
+    wrapper = ParamWrapper(model[0], "default", "w", LoraConfig(r=2, target_parameters=["w"]), r=2, lora_alpha=2)
+    g = torch.Generator().manual_seed(1)
+    a, b = wrapper.lora_A["default"].weight, wrapper.lora_B["default"].weight
+    with torch.no_grad():
+        a.copy_(torch.randn(a.shape, generator=g))
+        b.copy_(torch.randn(b.shape, generator=g))
+    parameters = {"0": "0.w"}  # the adapter module -> the parameter it adapts
+    layout = transposed_parameters(model, parameters)
+    assert layout == ({"0.w"} if transposed else set())
+    base = {"0.w": model[0].w.detach().clone()}
+    merged = merged_state(base, {"0.lora_A.weight": a, "0.lora_B.weight": b}, parameters, layout)
+    torch.testing.assert_close(merged["0.w"], base["0.w"] + wrapper.get_delta_weight("default"), rtol=0, atol=1e-6)
 
 
 def test_moe_lora_on_the_experts_refuses_what_peft_cannot_do(tiny_qwen3_moe, lm_corpus, tmp_path):
