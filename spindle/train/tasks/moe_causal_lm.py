@@ -254,7 +254,7 @@ def check_expert_lora_without_ep(targets: list[str] | None, plan_names: tuple[st
     if named:
         raise ConfigError(
             f"train.lora.targets: {named} adapt the fused experts, which parallel.ep={ep} does not support yet; "
-            "train them with parallel.ep: 1 (dp_shard / sp still apply), or leave the experts out of "
+            "train them with parallel.ep: 1 (dp_shard and sp still apply), or leave the experts out of "
             "train.lora.targets"
         )
 
