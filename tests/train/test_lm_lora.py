@@ -235,6 +235,15 @@ def test_moe_lora_on_the_experts_refuses_what_peft_cannot_do(tiny_qwen3_moe, lm_
         ConfigError, match=r"train.lora.targets: \[.experts.down_proj.\] .* parallel.ep=2 .* with parallel.ep: 1"
     ):
         check_job_plan(cfg, 2)
+    # every spelling PEFT's suffix rule resolves to the experts is refused, against the config's EP plan
+    from transformers import AutoConfig
+
+    from spindle.train.tasks.moe_causal_lm import expert_plan_names, names_experts
+
+    plan = expert_plan_names(AutoConfig.from_pretrained(tiny_qwen3_moe))
+    for spelling in ["experts", "mlp.experts", "1.mlp.experts", "model.layers.1.mlp.experts.gate_up_proj", "down_proj"]:
+        assert names_experts(spelling, plan), spelling
+    assert not any(names_experts(t, plan) for t in ["q_proj", "self_attn.o_proj", "mlp.gate", "up_proj"])
     dropout = '{"rank": 4, "dropout": 0.1, "targets": ["experts"]}'
     cfg = load_job_config(None, lm_overrides(tiny_qwen3_moe, lm_corpus, tmp_path / "drop", train__lora=dropout))
     with pytest.raises(ConfigError, match=r"train.lora.dropout=0.1: .* set train.lora.dropout: 0"):

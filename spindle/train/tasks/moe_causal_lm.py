@@ -103,12 +103,6 @@ class MoECausalLMTask(CausalLMTask):
         # the base plan (a VLM's: SP in its language model only) with the experts sharded over `ep`
         return dataclasses.replace(super().parallel_plan(), expert_parallel=True)
 
-    def prepare_model(self, model: torch.nn.Module) -> None:
-        super().prepare_model(model)
-        if self.mesh.dims.ep > 1 and getattr(self, "lora_parameters", None):
-            # a target check_plan's name rule missed (e.g. a full module name): still refused before loading
-            check_expert_lora_without_ep(sorted(set(self.lora_parameters.values())), (), self.mesh.dims.ep)
-
     def build_model(self) -> torch.nn.Module:
         self.expert_layout = self.adapter.layout(self.cfg.model.path)  # validates expert keys and shapes first
         with self.adapter.loading(self.expert_layout):
@@ -241,17 +235,23 @@ def expert_plan_names(config: Any) -> tuple[str, ...]:
     return tuple(plan or ())
 
 
+def names_experts(target: str, plan_names: tuple[str, ...]) -> bool:
+    """Whether the `train.lora.targets` entry `target` selects an expert module or parameter of the EP plan:
+    PEFT's suffix rule (`target` equals a name or ends it after a dot) against the plan's patterns
+    (`layers.*.mlp.experts`: `experts`, `mlp.experts`, `3.mlp.experts`, `model.layers.3.mlp.experts`)."""
+    for pattern in plan_names:
+        parts = pattern.split(".")
+        suffixes = [".".join(parts[i:]) for i in range(len(parts))]
+        if fnmatch.fnmatchcase(target, "*." + pattern) or any(fnmatch.fnmatchcase(target, s) for s in suffixes):
+            return True
+    return False
+
+
 def check_expert_lora_without_ep(targets: list[str] | None, plan_names: tuple[str, ...], ep: int) -> None:
     """Refuse LoRA on the fused experts with `parallel.ep` > 1: PEFT wraps the experts module (its
     parameters move under `base_layer.`), which transformers' EP sharding and dispatch do not see.
-    `targets`: `train.lora.targets` entries, refused where one names an expert module or parameter of
-    `plan_names` (a suffix of a pattern, or a full name matching it); with no `plan_names`, every entry."""
-    named = [
-        t
-        for t in targets or ()
-        if not plan_names or any(p == t or p.endswith("." + t) or fnmatch.fnmatchcase(t, "*" + p) for p in plan_names)
-    ]
-    if named:
+    `plan_names`: the EP plan's expert names (`expert_plan_names`)."""
+    if named := [t for t in targets or () if names_experts(t, plan_names)]:
         raise ConfigError(
             f"train.lora.targets: {named} adapt the fused experts, which parallel.ep={ep} does not support yet; "
             "train them with parallel.ep: 1 (dp_shard and sp still apply), or leave the experts out of "
