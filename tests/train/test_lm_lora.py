@@ -238,9 +238,10 @@ def test_moe_lora_on_the_experts_refuses_what_peft_cannot_do(tiny_qwen3_moe, lm_
     # every spelling PEFT's suffix rule resolves to the experts is refused, against the config's EP plan
     from transformers import AutoConfig
 
-    from spindle.train.tasks.moe_causal_lm import expert_plan_names, names_experts
+    from spindle.distributed.expert_parallel import ep_plan_of
+    from spindle.train.tasks.moe_causal_lm import names_experts
 
-    plan = expert_plan_names(AutoConfig.from_pretrained(tiny_qwen3_moe))
+    plan = tuple(ep_plan_of(AutoConfig.from_pretrained(tiny_qwen3_moe)))
     for spelling in ["experts", "mlp.experts", "1.mlp.experts", "model.layers.1.mlp.experts.gate_up_proj", "down_proj"]:
         assert names_experts(spelling, plan), spelling
     assert not any(names_experts(t, plan) for t in ["q_proj", "self_attn.o_proj", "mlp.gate", "up_proj"])

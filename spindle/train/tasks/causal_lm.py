@@ -118,6 +118,8 @@ class CausalLMTask(TrainTask):
             )
         super().__init__(cfg, family, mesh, device, precision)
         self.tokenizer = load_tokenizer(cfg.model.path)
+        # {adapter module: parameter} of LoRA on fused expert parameters (`prepare_model`), for the export
+        self.lora_parameters: dict[str, str] = {}
 
     # ------------------------------------------------------------ checks before launch
 
@@ -223,7 +225,7 @@ class CausalLMTask(TrainTask):
             from spindle.train.lora import apply_lora, wrapped_parameters
 
             apply_lora(model, self.lora_blocks(self.family, model), self.cfg.train.lora)
-            # the adapters on fused expert parameters: recorded so `spindle export` writes their PEFT config
+            # recorded in the checkpoint state so that `spindle export` writes their PEFT config
             self.lora_parameters = wrapped_parameters(model)
 
     @classmethod
@@ -298,7 +300,7 @@ class CausalLMTask(TrainTask):
     def state(self) -> dict[str, Any]:
         lora = self.cfg.train.lora
         state = {"family": self.family.name, "lora": lora.model_dump() if lora is not None else None}
-        if getattr(self, "lora_parameters", None):
+        if self.lora_parameters:
             state["lora_parameters"] = self.lora_parameters
         return state
 

@@ -76,7 +76,7 @@ class MoECausalLMTask(CausalLMTask):
     def check_plan(cls, cfg: CausalLMJobConfig, family: CausalLMFamily, dims: ParallelDims) -> None:
         from transformers import AutoConfig
 
-        from spindle.distributed.expert_parallel import check_ep_layout
+        from spindle.distributed.expert_parallel import check_ep_layout, ep_plan_of
 
         super().check_plan(cfg, family, dims)  # the dense checks (ring refused for language models, ...)
         config = AutoConfig.from_pretrained(cfg.model.path)
@@ -85,7 +85,7 @@ class MoECausalLMTask(CausalLMTask):
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if dims.ep > 1 and cfg.train.lora is not None:
-            check_expert_lora_without_ep(cfg.train.lora.targets, expert_plan_names(config), dims.ep)
+            check_expert_lora_without_ep(cfg.train.lora.targets, tuple(ep_plan_of(config)), dims.ep)
 
     # ------------------------------------------------------------ set-up
 
@@ -228,13 +228,6 @@ class MoECausalLMTask(CausalLMTask):
         return out
 
 
-def expert_plan_names(config: Any) -> tuple[str, ...]:
-    """The expert modules' and parameters' name patterns of the config's EP plan (`layers.*.mlp.experts`,
-    `layers.*.mlp.experts.gate_up_proj`, ...; a VLM declares it on its text config)."""
-    plan = getattr(config, "base_model_ep_plan", None) or getattr(config.get_text_config(), "base_model_ep_plan", None)
-    return tuple(plan or ())
-
-
 def names_experts(target: str, plan_names: tuple[str, ...]) -> bool:
     """Whether the `train.lora.targets` entry `target` selects an expert module or parameter of the EP plan:
     PEFT's suffix rule (`target` equals a name or ends it after a dot) against the plan's patterns
@@ -250,7 +243,7 @@ def names_experts(target: str, plan_names: tuple[str, ...]) -> bool:
 def check_expert_lora_without_ep(targets: list[str] | None, plan_names: tuple[str, ...], ep: int) -> None:
     """Refuse LoRA on the fused experts with `parallel.ep` > 1: PEFT wraps the experts module (its
     parameters move under `base_layer.`), which transformers' EP sharding and dispatch do not see.
-    `plan_names`: the EP plan's expert names (`expert_plan_names`)."""
+    `plan_names`: the name patterns of the config's EP plan (`expert_parallel.ep_plan_of`)."""
     if named := [t for t in targets or () if names_experts(t, plan_names)]:
         raise ConfigError(
             f"train.lora.targets: {named} adapt the fused experts, which parallel.ep={ep} does not support yet; "
