@@ -68,13 +68,14 @@ class LoraTargets:
 
 
 def block_expert_parameters(model: nn.Module, blocks: Sequence[nn.Module]) -> list[str]:
-    """Full names (`<module>.<parameter>`) of the 3-D parameters inside `blocks` that belong to a module
-    of their own (fused experts, not `nn.Linear`), in model order."""
+    """Full names (`<module>.<parameter>`) of the fused expert parameters inside `blocks`, in model order:
+    the 3-D parameters of a module that declares `num_experts` (transformers' experts modules do; a DiT
+    block's 3-D `scale_shift_table` is no expert stack)."""
     inside = {id(m) for block in blocks for m in block.modules()}
     return [
         f"{name}.{pname}"
         for name, m in model.named_modules()
-        if id(m) in inside and not isinstance(m, nn.Linear)
+        if id(m) in inside and hasattr(m, "num_experts")
         for pname, p in m.named_parameters(recurse=False)
         if p.ndim == 3
     ]
