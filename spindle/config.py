@@ -197,7 +197,9 @@ class LoraConfig(Section):
     targets: list[str] | None = Field(
         None,
         description="module-name suffixes inside the transformer blocks (e.g. [to_q, to_v]); "
-        "default: every attention and feed-forward projection",
+        "default: every attention and feed-forward projection (linear layers); a mixture-of-experts model's "
+        "fused experts are opt-in: experts.gate_up_proj, experts.down_proj, or experts for both (PEFT "
+        "target_parameters; not with parallel.ep > 1)",
     )
 
     @model_validator(mode="after")

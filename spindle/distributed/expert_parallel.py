@@ -65,12 +65,17 @@ def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules() if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
 
 
-def _ep_plan(model: nn.Module) -> dict[str, str]:
-    config: Any = model.config  # a transformers config
+def ep_plan_of(config: Any) -> dict[str, str]:
+    """A transformers config's expert-parallel plan ({name pattern: style}; empty if it declares none)."""
     # a VLM declares the plan on its text config (patterns relative to its language model)
     plan: dict[str, str] | None = getattr(config, "base_model_ep_plan", None) or getattr(
         config.get_text_config(), "base_model_ep_plan", None
     )
+    return dict(plan or {})
+
+
+def _ep_plan(model: nn.Module) -> dict[str, str]:
+    plan = ep_plan_of(model.config)
     if not plan:
         raise ValueError(f"{type(model).__name__} declares no expert-parallel plan (config.base_model_ep_plan)")
     return plan

@@ -28,6 +28,7 @@ No diffusers or transformers import here.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -150,8 +151,9 @@ def _reader(checkpoint: SafetensorsCheckpoint, key: str) -> Callable[[Region], t
 
 def checkpoint_key(name: str) -> str:
     """The checkpoint key of a model parameter: PEFT (LoRA) moves a wrapped layer's own weights under
-    `base_layer.`, which the base checkpoint does not have."""
-    return name.replace(".base_layer.", ".")
+    `base_layer.`, which the base checkpoint does not have (nested, once per wrapped parameter of a
+    module: PEFT's `ParamWrapper`s of fused experts)."""
+    return re.sub(r"(\.base_layer)+\.", ".", name)
 
 
 def model_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:

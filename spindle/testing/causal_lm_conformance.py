@@ -177,13 +177,16 @@ def check_logits_and_generate(family: CausalLMFamily, stock_model: Any, patched:
 # ---------------------------------------------------------------- training against stock
 
 
-def check_step_one(family: CausalLMFamily, root: Path, metrics: dict[str, Any]) -> None:
+def check_step_one(family: CausalLMFamily, root: Path, metrics: dict[str, Any], model: Any = None) -> None:
     """Spindle's first step over STEP_ONE_TEXT (one padded row, `one_step_metrics`) logs stock
     transformers' `model(ids, labels=ids, **stock_loss_kwargs)` loss, the grad norm of its backward and
-    each declared stock output (1e-5 relative)."""
+    each declared stock output (1e-5 relative). `model`: the stock model to compare with (a stock PEFT
+    model of a LoRA run; default: `stock(root)`)."""
     import pytest
+    from transformers import AutoTokenizer
 
-    model, tok = stock(root)
+    model = stock(root)[0] if model is None else model
+    tok = AutoTokenizer.from_pretrained(root)
     ids = torch.tensor([[*tok(STEP_ONE_TEXT).input_ids, tok.eos_token_id]])
     out = model(ids, labels=ids, **family.conformance.stock_loss_kwargs)
     out.loss.backward()

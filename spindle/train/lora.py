@@ -10,13 +10,23 @@ inside the transformer blocks to a list of full module names. PEFT is then given
 a suffix like "proj_out" would otherwise also hit a top-level module of the same name (Flux's output
 projection, which the sequence-parallel plan hooks). The default is every `nn.Linear` in the blocks
 except the adaptive-norm modulation (`norm*` names): the attention and feed-forward projections.
+
+Fused experts. A mixture-of-experts layer holds its experts as 3-D parameters of one module
+(transformers' `Qwen3MoeExperts`: `gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`), not as linear
+layers. An entry naming such a parameter (`experts.gate_up_proj`, `experts.down_proj`) or its module
+(`experts`: all of its 3-D parameters) adapts it through PEFT's own `LoraConfig(target_parameters=...)`
+(`peft.tuners.lora.ParamWrapper`: one rank-r adapter per expert, `lora_A [r*E, in]`, `lora_B [out, r*E]`),
+so the adapters have the names and layout stock PEFT writes and loads. PEFT does not support dropout
+on them. They are opt-in: the default stays the linear layers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import hashlib
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +36,7 @@ from torch import nn
 from spindle.config import ConfigError
 
 ADAPTER = "default"  # PEFT's default adapter name (diffusers' loaders use it too)
+WRAPPERS = re.compile(r"(\.base_layer)+$")  # the nested ParamWrappers of a module's fused parameters
 
 
 def block_linears(model: nn.Module, blocks: Sequence[nn.Module]) -> list[str]:
@@ -47,39 +58,76 @@ def _matches(name: str, target: str) -> bool:
     return name == target or name.endswith("." + target)
 
 
-def resolve_targets(model: nn.Module, blocks: Sequence[nn.Module], targets: Sequence[str] | None) -> list[str]:
-    """Full names of the modules to adapt; an entry matching nothing names the closest module names."""
+@dataclasses.dataclass(frozen=True)
+class LoraTargets:
+    """What LoRA adapts: full names of linear modules (PEFT's `target_modules`) and of fused expert
+    parameters (`target_parameters`, `<module>.<parameter>`)."""
+
+    modules: list[str]
+    parameters: list[str] = dataclasses.field(default_factory=list)
+
+
+def block_expert_parameters(model: nn.Module, blocks: Sequence[nn.Module]) -> list[str]:
+    """Full names (`<module>.<parameter>`) of the fused expert parameters inside `blocks`, in model order:
+    the 3-D parameters of a module that declares `num_experts` (transformers' experts modules do; a DiT
+    block's 3-D `scale_shift_table` is no expert stack)."""
+    inside = {id(m) for block in blocks for m in block.modules()}
+    return [
+        f"{name}.{pname}"
+        for name, m in model.named_modules()
+        if id(m) in inside and hasattr(m, "num_experts")
+        for pname, p in m.named_parameters(recurse=False)
+        if p.ndim == 3
+    ]
+
+
+def resolve_targets(model: nn.Module, blocks: Sequence[nn.Module], targets: Sequence[str] | None) -> LoraTargets:
+    """Full names of the modules and fused expert parameters to adapt (module docstring); an entry
+    matching nothing names the closest module names."""
     linears = block_linears(model, blocks)
     if not targets:
         default = [n for n in linears if not any(p.startswith("norm") for p in _relative(n).split("."))]
         if not default:
             raise ConfigError(f"{type(model).__name__}: no linear layers in its blocks to put LoRA adapters on")
-        return default
-    chosen: list[str] = []
-    relative = sorted({_relative(n) for n in linears})
+        return LoraTargets(default)
+    experts = block_expert_parameters(model, blocks)
+    modules: list[str] = []
+    parameters: list[str] = []
+    relative = sorted({_relative(n) for n in linears + experts})
     for target in targets:
         hits = [n for n in linears if _matches(n, target)]
-        if not hits:
+        # an expert parameter by its name, or every one of a module named by `target`
+        params = [n for n in experts if _matches(n, target) or _matches(n.rpartition(".")[0], target)]
+        if not hits and not params:
             close = difflib.get_close_matches(target, relative, n=5, cutoff=0.4) or relative[:8]
             raise ConfigError(
-                f"train.lora.targets: {target!r} matches no linear layer in the transformer blocks of "
-                f"{type(model).__name__}; closest module names: {', '.join(close)}"
+                f"train.lora.targets: {target!r} matches no linear layer or fused expert parameter in the "
+                f"transformer blocks of {type(model).__name__}; closest names: {', '.join(close)}"
             )
-        chosen.extend(n for n in hits if n not in chosen)
-    return chosen
+        modules.extend(n for n in hits if n not in modules)
+        parameters.extend(n for n in params if n not in parameters)
+    return LoraTargets(modules, parameters)
 
 
-def peft_config(rank: int, alpha: float | None, dropout: float, target_modules: list[str]) -> Any:
+def peft_config(rank: int, alpha: float | None, dropout: float, targets: LoraTargets) -> Any:
     from peft import LoraConfig
 
     if rank <= 0:
         raise ConfigError(f"train.lora.rank must be a positive integer; got {rank}")
+    if dropout and targets.parameters:
+        raise ConfigError(
+            f"train.lora.dropout={dropout}: PEFT's adapters on fused expert parameters "
+            f"({_relative(targets.parameters[0])}, ...) take no dropout; set train.lora.dropout: 0 or leave the "
+            "experts out of train.lora.targets"
+        )
     return LoraConfig(
         r=rank,
         # PEFT annotates lora_alpha as int but scales by alpha / r in float; a float alpha works
         lora_alpha=float(alpha if alpha is not None else rank),  # type: ignore[arg-type]
         lora_dropout=dropout,
-        target_modules=target_modules,
+        # None, not []: PEFT accepts no target_modules only when target_parameters are given
+        target_modules=targets.modules or None,
+        target_parameters=targets.parameters or None,
         init_lora_weights=True,  # B = 0: training starts exactly at the base model
     )
 
@@ -129,6 +177,19 @@ def init_adapters(model: nn.Module, seed: int) -> None:
         local, region = local_region(a)
         local.copy_(full[region])
         local_region(b)[0].zero_()
+
+
+def wrapped_parameters(model: nn.Module) -> dict[str, str]:
+    """{adapter module name: full name of the parameter it adapts} of the PEFT `ParamWrapper`s (fused
+    experts). Several parameters of one module nest: `experts.base_layer` wraps the first, `experts` the
+    next; the parameter's name is its module's without the wrappers."""
+    from peft.tuners.lora import ParamWrapper
+
+    return {
+        name: f"{WRAPPERS.sub('', name)}.{m.parameter_name}"
+        for name, m in model.named_modules()
+        if isinstance(m, ParamWrapper)
+    }
 
 
 def is_lora_name(name: str) -> bool:

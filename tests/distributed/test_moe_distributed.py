@@ -55,3 +55,38 @@ def test_resume_an_ep2_checkpoint_at_ep1(lm_reference_run, tiny_qwen3_moe, lm_co
     lm_train_cli(tiny_qwen3_moe, lm_corpus, out, 1, **REFERENCE_RUN, checkpoint__resume="auto")
     assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]
     assert_same_run(lm_reference_run("qwen3_moe"), out)
+
+
+EXPERT_LORA = dict(
+    REFERENCE_RUN, train__lora='{"rank": 4, "alpha": 8, "targets": ["q_proj", "experts"]}', train__lr=1e-2
+)
+
+
+@pytest.fixture(scope="module")
+def expert_lora_one(tiny_qwen3_moe, lm_corpus, tmp_path_factory) -> Path:
+    """One process training LoRA on the fused experts and q_proj: what the 2-process layouts must equal."""
+    out = tmp_path_factory.mktemp("expert_lora") / "one"
+    lm_train_cli(tiny_qwen3_moe, lm_corpus, out, 1, **EXPERT_LORA)
+    return out
+
+
+@pytest.mark.parametrize("layout", [{"parallel__dp_shard": 2}, {"parallel__sp": 2}], ids=["dp_shard2", "sp2"])
+def test_expert_lora_two_processes_equal_one(layout, expert_lora_one, tiny_qwen3_moe, lm_corpus, tmp_path):
+    """LoRA on the fused experts (PEFT's ParamWrappers, whose parametrization swaps the expert weights
+    inside the FSDP2 unit's forward) and on q_proj, the frozen base and the adapters FSDP2-sharded over
+    dp_shard=2, or each row split over sp=2: the same losses, aux losses, grad norms and exported PEFT
+    adapters as one process."""
+    import torch
+    from safetensors.torch import load_file
+
+    two = tmp_path / "two"
+    lm_train_cli(tiny_qwen3_moe, lm_corpus, two, 2, **EXPERT_LORA, **layout)
+    ma, mb = read_metrics(expert_lora_one), read_metrics(two)
+    for key in ("loss", "aux_loss", "grad_norm"):
+        assert [m[key] for m in mb] == pytest.approx([m[key] for m in ma], rel=1e-5), key
+    adapters = "export/lora/adapter_model.safetensors"
+    wa, wb = load_file(expert_lora_one / adapters), load_file(two / adapters)
+    experts_b = [k for k in wa if ".experts.base_layer.lora_B." in k]
+    assert wa.keys() == wb.keys() and experts_b and all(wa[k].abs().max() > 0 for k in experts_b)  # trained
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=1e-5, msg=k)

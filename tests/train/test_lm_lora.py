@@ -51,25 +51,42 @@ def test_qwen3_lora_exports_a_peft_folder_and_a_merged_model(tiny_qwen3, lm_corp
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_vlm_lora_adapts_the_language_model_only(tiny_qwen2_5_vl, vlm_conversations, tmp_path):
+def check_vlm_lora_export(root, vlm_conversations, tmp_path, lora: str) -> set[str]:
+    """A VLM LoRA run (`lora`: train.lora) adapts the language model only; stock peft + transformers load
+    its PEFT folder, and stock transformers its merged folder, with the trained model's logits (1e-5).
+    -> the adapted parameter names."""
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
     data = subset(vlm_conversations, tmp_path / "data", [0, 1])
-    trainer, _ = vlm_train(tiny_qwen2_5_vl, data, tmp_path / "run", train__max_steps=2, **LORA)
+    trainer, _ = vlm_train(root, data, tmp_path / "run", train__max_steps=2, **dict(LORA, train__lora=lora))
     adapted = trained_only_adapters(trainer)
     assert all(n.startswith("model.language_model.layers.") for n in adapted)
     export = tmp_path / "run" / "export"
-    (inputs,) = stock_inputs(tiny_qwen2_5_vl, subset(vlm_conversations, tmp_path / "one", [0]))
+    (inputs,) = stock_inputs(root, subset(vlm_conversations, tmp_path / "one", [0]))
     inputs.pop("labels")
     with torch.no_grad():
         ours = trainer.model.eval()(**inputs).logits
-        base = AutoModelForImageTextToText.from_pretrained(tiny_qwen2_5_vl).eval()
+        base = AutoModelForImageTextToText.from_pretrained(root).eval()
+        assert (ours - base(**inputs).logits).abs().max() > 1e-4  # the adapters changed the model
         peft = PeftModel.from_pretrained(base, export / "lora").eval()
         torch.testing.assert_close(peft(**inputs).logits, ours, rtol=0, atol=1e-5)
         merged = AutoModelForImageTextToText.from_pretrained(export / "merged").eval()
         torch.testing.assert_close(merged(**inputs).logits, ours, rtol=0, atol=1e-5)
     assert (export / "lora" / "preprocessor_config.json").is_file()
+    return adapted
+
+
+def test_vlm_lora_adapts_the_language_model_only(tiny_qwen2_5_vl, vlm_conversations, tmp_path):
+    check_vlm_lora_export(tiny_qwen2_5_vl, vlm_conversations, tmp_path, '{"rank": 4, "alpha": 8}')
+
+
+def test_vl_moe_lora_on_the_experts_loads_in_stock_peft(tiny_checkpoint, vlm_conversations, tmp_path):
+    """Qwen3-VL-MoE: the same expert LoRA as Qwen3-MoE (one implementation), on its language model's fused
+    experts and attention, loads in stock PEFT and merges."""
+    lora = '{"rank": 4, "alpha": 8, "targets": ["q_proj", "experts"]}'
+    adapted = check_vlm_lora_export(tiny_checkpoint("qwen3_vl_moe"), vlm_conversations, tmp_path, lora)
+    assert any(".mlp.experts.base_layer.lora_A." in n for n in adapted)
 
 
 def test_lora_is_refused_where_not_supported(tiny_qwen2_5_vl, lm_corpus, vlm_conversations, tmp_path):
@@ -107,10 +124,132 @@ def test_moe_lora_adapts_the_attention_and_exports_a_peft_folder(tiny_qwen3_moe,
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_moe_lora_on_the_fused_experts_is_refused_naming_the_targets(tiny_qwen3_moe, lm_corpus, tmp_path):
+EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
+
+
+def stock_peft_experts(root, seed: int, rank: int, alpha: float):
+    """Stock transformers + stock PEFT (`get_peft_model`, `target_parameters`) on the fused experts, the
+    adapters initialised as Spindle initialises them for `train.seed` (`init_adapters`, keyed on the
+    module names, which are the same under PEFT's `base_model.model.`)."""
+    from peft import LoraConfig, get_peft_model
+
+    from spindle.testing.causal_lm_conformance import stock
+    from spindle.train.lora import init_adapters
+
+    model = get_peft_model(stock(root)[0], LoraConfig(r=rank, lora_alpha=alpha, target_parameters=EXPERTS))
+    init_adapters(model.base_model.model, seed)
+    return model
+
+
+def test_moe_lora_on_the_experts_step_one_equals_stock_peft(tiny_qwen3_moe, tmp_path):
+    """LoRA on the fused experts: Spindle's step-1 loss, aux loss and grad norm equal stock transformers +
+    stock PEFT (`target_parameters`) with the same initial adapters (1e-5)."""
+    from spindle.registry import get_family
+    from spindle.testing.causal_lm_conformance import STEP_ONE_TEXT, check_step_one
+    from tests.conftest import one_step_metrics
+
+    lora = '{"rank": 4, "alpha": 8, "targets": ["experts.gate_up_proj", "experts.down_proj"]}'
+    metrics = one_step_metrics(tiny_qwen3_moe, [STEP_ONE_TEXT], tmp_path, seq_len=32, train__lora=lora)
+    model = stock_peft_experts(tiny_qwen3_moe, seed=0, rank=4, alpha=8)
+    check_step_one(get_family("qwen3_moe"), tiny_qwen3_moe, metrics, model=model)
+
+
+def test_moe_lora_on_the_experts_exports_what_stock_peft_loads(tiny_qwen3_moe, lm_corpus, tmp_path, spindle_cli):
+    """`train.lora.targets: [experts]` (both fused parameters) adapts only them; the PEFT folder loads in
+    stock `PeftModel.from_pretrained` with the trained model's logits and the key names and config
+    stock PEFT writes for the same adapters; the merged folder loads alone with the same logits; and
+    `spindle export` of the checkpoint writes the same folder."""
+    from peft import PeftModel, get_peft_model_state_dict
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    lora = dict(LORA, train__lora='{"rank": 4, "alpha": 8, "targets": ["experts"]}')
+    trainer, _ = lm_train(tiny_qwen3_moe, lm_corpus, tmp_path / "run", train__max_steps=2, **lora)
+    adapted = trained_only_adapters(trainer)
+    assert {n.split(".lora_")[0].split(".mlp.")[-1] for n in adapted} == {"experts", "experts.base_layer"}
+    export = tmp_path / "run" / "export"
+    ids = torch.tensor([[5, 9, 14, 3, 22, 7, 11, 30]])
+    with torch.no_grad():
+        ours = trainer.model.eval()(input_ids=ids).logits
+        base = AutoModelForCausalLM.from_pretrained(tiny_qwen3_moe).eval()
+        assert (ours - base(input_ids=ids).logits).abs().max() > 1e-3  # the adapters changed the model
+        peft = PeftModel.from_pretrained(base, export / "lora").eval()
+        torch.testing.assert_close(peft(input_ids=ids).logits, ours, rtol=0, atol=1e-5)
+        merged = AutoModelForCausalLM.from_pretrained(export / "merged").eval()
+        torch.testing.assert_close(merged(input_ids=ids).logits, peft(input_ids=ids).logits, rtol=0, atol=1e-5)
+    # what stock PEFT's save_pretrained writes for adapters on the same parameters: the same keys and shapes
+    stock = get_peft_model_state_dict(stock_peft_experts(tiny_qwen3_moe, seed=0, rank=4, alpha=8))
+    ours_file = load_file(export / "lora" / "adapter_model.safetensors")
+    assert {k: v.shape for k, v in ours_file.items()} == {k: v.shape for k, v in stock.items()}
+    config = json.loads((export / "lora" / "adapter_config.json").read_text())
+    layers = base.config.num_hidden_layers
+    assert config["target_modules"] is None and len(config["target_parameters"]) == 2 * layers  # 2 per MoE layer
+    r = spindle_cli("export", tmp_path / "run", "--out", tmp_path / "cli")
+    assert r.returncode == 0, r.stderr
+    b = load_file(tmp_path / "cli" / "lora" / "adapter_model.safetensors")
+    assert ours_file.keys() == b.keys() and all(torch.equal(ours_file[k], b[k]) for k in b)
+    assert json.loads((tmp_path / "cli" / "lora" / "adapter_config.json").read_text()) == config
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["experts_out_in", "experts_in_out"])
+def test_merging_an_expert_adapter_adds_pefts_delta(transposed):
+    """`export.merge_lora` of a fused expert parameter adds what PEFT's `ParamWrapper.get_delta_weight`
+    computes, in either layout a module may store its experts in (`is_transposed`: [E, in, out]); non-square
+    shapes, so a mixed-up axis cannot pass."""
+    from peft import LoraConfig
+    from peft.tuners.lora import ParamWrapper
+
+    from spindle.train.tasks.lm_lora import merged_state, transposed_parameters
+
+    class Experts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.is_transposed = transposed
+            self.w = torch.nn.Parameter(torch.randn(3, 5, 7, generator=torch.Generator().manual_seed(0)))
+
+    model = torch.nn.Sequential(Experts())
+    wrapper = ParamWrapper(model[0], "default", "w", LoraConfig(r=2, target_parameters=["w"]), r=2, lora_alpha=2)
+    g = torch.Generator().manual_seed(1)
+    a, b = wrapper.lora_A["default"].weight, wrapper.lora_B["default"].weight
+    with torch.no_grad():
+        a.copy_(torch.randn(a.shape, generator=g))
+        b.copy_(torch.randn(b.shape, generator=g))
+    parameters = {"0": "0.w"}  # the adapter module -> the parameter it adapts
+    layout = transposed_parameters(model, parameters)
+    assert layout == ({"0.w"} if transposed else set())
+    base = {"0.w": model[0].w.detach().clone()}
+    merged = merged_state(base, {"0.lora_A.weight": a, "0.lora_B.weight": b}, parameters, layout)
+    torch.testing.assert_close(merged["0.w"], base["0.w"] + wrapper.get_delta_weight("default"), rtol=0, atol=1e-6)
+
+
+def test_moe_lora_on_the_experts_refuses_what_peft_cannot_do(tiny_qwen3_moe, lm_corpus, tmp_path):
+    """Expert LoRA with `parallel.ep` > 1, or with dropout (PEFT's parameter adapters take none), is a
+    config error naming the keys and the fix, raised before any weight is read."""
+    from spindle.api import make_trainer
+
+    experts = '{"rank": 4, "targets": ["experts.down_proj"]}'
     cfg = load_job_config(
-        None,
-        lm_overrides(tiny_qwen3_moe, lm_corpus, tmp_path / "run", train__lora='{"rank": 4, "targets": ["experts"]}'),
+        None, lm_overrides(tiny_qwen3_moe, lm_corpus, tmp_path / "ep", train__lora=experts, parallel__ep=2)
     )
-    with pytest.raises(ConfigError, match=r"train.lora.targets: \['experts'\] name the experts, which are fused"):
-        check_job_plan(cfg, 1)
+    with pytest.raises(
+        ConfigError, match=r"train.lora.targets: \[.experts.down_proj.\] .* parallel.ep=2 .* with parallel.ep: 1"
+    ):
+        check_job_plan(cfg, 2)
+    # every spelling PEFT's suffix rule resolves to the experts is refused, against the config's EP plan
+    from transformers import AutoConfig
+
+    from spindle.distributed.expert_parallel import ep_plan_of
+    from spindle.train.tasks.moe_causal_lm import names_experts
+
+    plan = tuple(ep_plan_of(AutoConfig.from_pretrained(tiny_qwen3_moe)))
+    for spelling in ["experts", "mlp.experts", "1.mlp.experts", "model.layers.1.mlp.experts.gate_up_proj", "down_proj"]:
+        assert names_experts(spelling, plan), spelling
+    assert not any(names_experts(t, plan) for t in ["q_proj", "self_attn.o_proj", "mlp.gate", "up_proj"])
+    dropout = '{"rank": 4, "dropout": 0.1, "targets": ["experts"]}'
+    cfg = load_job_config(None, lm_overrides(tiny_qwen3_moe, lm_corpus, tmp_path / "drop", train__lora=dropout))
+    with pytest.raises(ConfigError, match=r"train.lora.dropout=0.1: .* set train.lora.dropout: 0"):
+        make_trainer(cfg)
+    missing = '{"rank": 4, "targets": ["experts.up_proj"]}'
+    cfg = load_job_config(None, lm_overrides(tiny_qwen3_moe, lm_corpus, tmp_path / "miss", train__lora=missing))
+    with pytest.raises(ConfigError, match=r"'experts.up_proj' matches no .* closest names: .*experts.gate_up_proj"):
+        make_trainer(cfg)

@@ -199,6 +199,10 @@ def test_unknown_target_names_the_closest_modules(make_config):
     cfg = make_config(train__lora="{rank: 4, targets: [to_qq]}")
     with pytest.raises(ConfigError, match=r"'to_qq' matches no linear layer.*attn1\.to_q"):
         make_trainer(cfg)
+    # a Wan block's 3-D scale_shift_table is no fused expert stack (those are opt-in targets of MoE models)
+    cfg = make_config(train__lora="{rank: 4, targets: [scale_shift_table]}")
+    with pytest.raises(ConfigError, match=r"'scale_shift_table' matches no linear layer or fused expert"):
+        make_trainer(cfg)
 
 
 @pytest.mark.parametrize("rank", [0, -2])

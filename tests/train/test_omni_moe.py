@@ -198,8 +198,9 @@ def test_video_step1_equals_the_stock_thinker(with_audio, tiny_qwen3_omni_moe, t
 
 
 def test_lora_adapts_the_decoder_attention_and_exports_adapters(tiny_qwen3_omni_moe, omni_conversations, tmp_path):
-    """LoRA on the MoE thinker: adapters on the decoder's attention projections only (the fused experts are no
-    linear layers), exported as a PEFT folder; the loss still carries the router aux term."""
+    """LoRA on the MoE thinker: by default adapters on the decoder's attention projections only (the fused
+    experts are opt-in through train.lora.targets), exported as a PEFT folder; the loss still carries the
+    router aux term."""
     from safetensors.torch import load_file
 
     trainer, _ = omni_train(
@@ -256,3 +257,26 @@ def test_fused_expert_checkpoint_trains_alike_and_exports_fused(
     stored = load_file(tmp_path / "fused" / "export" / index[key])[key]
     trained = runs["fused"][0].model.state_dict()["model.language_model.layers.1.mlp.experts.gate_up_proj"]
     assert torch.equal(stored.transpose(1, 2) if transposed else stored, trained)
+
+
+def test_lora_on_the_thinker_experts_loads_in_stock_peft(tiny_qwen3_omni_moe, omni_conversations, tmp_path):
+    """`train.lora.targets: [experts]` on the thinker's fused experts (the implementation Qwen3-MoE uses):
+    only the expert adapters train, and stock PEFT loads the exported folder onto the stock thinker with the
+    trained thinker's logits on an audio conversation (1e-5)."""
+    from peft import PeftModel
+
+    data = subset(omni_conversations, tmp_path / "data", [0])
+    lora = '{"rank": 4, "alpha": 8, "targets": ["experts"]}'
+    trainer, _ = omni_train(
+        tiny_qwen3_omni_moe, data, tmp_path / "run", train__max_steps=2, train__lr=1e-2, train__lora=lora
+    )
+    trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n and ".mlp.experts." in n for n in trainable)
+    (inputs,) = qwen3_stock_inputs(tiny_qwen3_omni_moe, data)
+    inputs.pop("labels")
+    with torch.no_grad():
+        ours = trainer.model.eval()(**inputs).logits
+        base = stock_thinker(tiny_qwen3_omni_moe).eval()
+        assert (ours - base(**inputs).logits).abs().max() > 1e-4  # the adapters changed the thinker
+        peft = PeftModel.from_pretrained(base, tmp_path / "run" / "export" / "lora").eval()
+        torch.testing.assert_close(peft(**inputs).logits, ours, rtol=0, atol=1e-5)

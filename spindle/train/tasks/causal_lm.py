@@ -120,6 +120,8 @@ class CausalLMTask(TrainTask):
             )
         super().__init__(cfg, family, mesh, device, precision)
         self.tokenizer = load_tokenizer(cfg.model.path)
+        # {adapter module: parameter} of LoRA on fused expert parameters (`prepare_model`), for the export
+        self.lora_parameters: dict[str, str] = {}
 
     # ------------------------------------------------------------ checks before launch
 
@@ -223,9 +225,11 @@ class CausalLMTask(TrainTask):
         """What changes the model before it is parallelized, on either load path (its parameters may be
         on meta): LoRA adapters on `lora_blocks` (spindle.train.lora; their values are set after loading)."""
         if self.cfg.train.lora is not None:
-            from spindle.train.lora import apply_lora
+            from spindle.train.lora import apply_lora, wrapped_parameters
 
             apply_lora(model, self.lora_blocks(self.family, model), self.cfg.train.lora)
+            # recorded in the checkpoint state so that `spindle export` writes their PEFT config
+            self.lora_parameters = wrapped_parameters(model)
 
     @classmethod
     def lora_blocks(cls, family: CausalLMFamily, model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -298,22 +302,31 @@ class CausalLMTask(TrainTask):
 
     def state(self) -> dict[str, Any]:
         lora = self.cfg.train.lora
-        return {"family": self.family.name, "lora": lora.model_dump() if lora is not None else None}
+        state = {"family": self.family.name, "lora": lora.model_dump() if lora is not None else None}
+        if self.lora_parameters:
+            state["lora_parameters"] = self.lora_parameters
+        return state
 
     def export(self, model: torch.nn.Module, out: Path) -> Path | None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         if self.cfg.train.lora is not None:
-            from spindle.train.lora import adapter_state_dict, lora_scale
+            from spindle.train.lora import adapter_state_dict, lora_scale, wrapped_parameters
             from spindle.train.tasks.lm_lora import export_lm_lora
 
             sd = ckpt.full_state_dict(model, trainable_only=True)  # collective: the adapters only
             result = None
             if is_main_process():
                 adapters = adapter_state_dict(sd, lora_scale(model))
-                merge = self.cfg.export.merge_lora
                 result = export_lm_lora(
-                    self.merge_base(self.family), self.cfg.model.path, adapters, out, merge, self.export_files
+                    self.merge_base(self.family),
+                    self.cfg.model.path,
+                    adapters,
+                    out,
+                    merge=self.cfg.export.merge_lora,
+                    rank=self.cfg.train.lora.rank,
+                    extra_files=self.export_files,
+                    parameters=wrapped_parameters(model),
                 )
             barrier()
             return result
@@ -350,13 +363,21 @@ class CausalLMTask(TrainTask):
             raise FileNotFoundError(f"base model {model_path} has no config.json; pass --model PATH")
         check_export_dtype(dtype)
         model_cls: Any = family.model_cls()
-        lora = json.loads((checkpoint / ckpt.TRAINER_STATE).read_text()).get("lora")
-        if lora is not None:  # the adapters alone, read by name: no model is built
+        state = json.loads((checkpoint / ckpt.TRAINER_STATE).read_text())
+        if (lora := state.get("lora")) is not None:  # the adapters alone, read by name: no model is built
             from spindle.train.lora import checkpoint_adapters
             from spindle.train.tasks.lm_lora import export_lm_lora
 
-            adapters = checkpoint_adapters(checkpoint, lora)
-            return export_lm_lora(model_cls, model_path, adapters, out, merge=False, extra_files=cls.export_files)
+            return export_lm_lora(
+                model_cls,
+                model_path,
+                checkpoint_adapters(checkpoint, lora),
+                out,
+                merge=False,
+                rank=lora["rank"],
+                extra_files=cls.export_files,
+                parameters=state.get("lora_parameters"),
+            )
         if cls.export_streamed(family, checkpoint, model_path, out, dtype):
             return out
         model = model_cls.from_pretrained(model_path, dtype=torch.float32)

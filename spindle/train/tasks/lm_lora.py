@@ -7,6 +7,11 @@ Export layout (`<out>/`): `lora/` = `adapter_model.safetensors` (PEFT's key name
 `base_model.model.<module>.lora_A.weight`) + `adapter_config.json` (alpha / rank folded into lora_B,
 so the config says alpha = rank) + the tokenizer and processor files; `merged/` = the base model with
 `W + B @ A` in every adapted module.
+
+Fused experts (`target_parameters`, spindle.train.lora): the adapters of a wrapped parameter sit on its
+module's PEFT wrapper (`experts.lora_A`, `experts.base_layer.lora_A` for a second parameter of the
+same module); `parameters` maps those adapter modules to the parameter names the config lists, and the
+merge adds PEFT's per-expert delta (`ParamWrapper.get_delta_weight`) to the stacked weight.
 """
 
 from __future__ import annotations
@@ -21,31 +26,66 @@ LORA_DIR, MERGED_DIR = "lora", "merged"
 PEFT_PREFIX = "base_model.model."
 
 
-def peft_adapter_config(base: str | Path, adapters: dict[str, torch.Tensor]) -> Any:
-    """PEFT's LoraConfig for `adapters` (scale folded: alpha = rank), targeting exactly their modules."""
+def peft_adapter_config(
+    base: str | Path, adapters: dict[str, torch.Tensor], rank: int, parameters: dict[str, str] | None = None
+) -> Any:
+    """PEFT's LoraConfig for `adapters` (scale folded: alpha = rank), targeting exactly their modules and
+    the fused parameters `parameters` ({adapter module: parameter name}) names."""
     from peft import LoraConfig
 
-    modules = sorted({k.rsplit(".lora_", 1)[0] for k in adapters})
-    rank = int(next(v for k, v in adapters.items() if ".lora_A." in k).shape[0])
+    parameters = parameters or {}
+    modules = sorted({k.rsplit(".lora_", 1)[0] for k in adapters} - parameters.keys())
     return LoraConfig(
         r=rank,
         lora_alpha=rank,
-        target_modules=modules,
+        # None, not []: PEFT accepts no target_modules only when target_parameters are given
+        target_modules=modules or None,
+        target_parameters=sorted(set(parameters.values())) or None,
         base_model_name_or_path=str(Path(base).resolve()),
     )
 
 
-def merged_state(base_state: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The base weights with every adapter folded in (`W + B @ A`; the scale is already in B)."""
+def expert_delta(a: torch.Tensor, b: torch.Tensor, num_experts: int, transposed: bool) -> torch.Tensor:
+    """PEFT's delta of a 3-D fused parameter (`ParamWrapper.get_delta_weight`): `a [r*E, in]` holds expert
+    e's A in rows e*r..(e+1)*r, `b [out, r*E]` its B in the columns r_i*E + e; -> `[E, out, in]`, or
+    `[E, in, out]` where the module stores its experts transposed (`is_transposed`)."""
+    a3 = a.float().reshape(num_experts, -1, a.shape[-1])  # e r i
+    b3 = b.float().reshape(b.shape[0], -1, num_experts)  # o r e
+    return torch.einsum("ore,eri->eio" if transposed else "ore,eri->eoi", b3, a3)
+
+
+def merged_state(
+    base_state: dict[str, torch.Tensor],
+    adapters: dict[str, torch.Tensor],
+    parameters: dict[str, str] | None = None,
+    transposed: frozenset[str] = frozenset(),
+) -> dict[str, torch.Tensor]:
+    """The base weights with every adapter folded in (`W + B @ A`; the scale is already in B); a fused
+    parameter (`parameters`: {adapter module: parameter name}; `transposed`: those stored [E, in, out])
+    gets each expert's delta."""
+    parameters = parameters or {}
     out = dict(base_state)
     for key, a in adapters.items():
         if ".lora_A." not in key:
             continue
         module = key.rsplit(".lora_A.", 1)[0]
         b = adapters[f"{module}.lora_B.weight"]
-        weight = f"{module}.weight"
-        out[weight] = (base_state[weight].float() + b.float() @ a.float()).to(base_state[weight].dtype)
+        if module in parameters:
+            weight = parameters[module]
+            delta = expert_delta(a, b, base_state[weight].shape[0], weight in transposed)
+        else:
+            weight = f"{module}.weight"
+            delta = b.float() @ a.float()
+        out[weight] = (base_state[weight].float() + delta).to(base_state[weight].dtype)
     return out
+
+
+def transposed_parameters(model: torch.nn.Module, parameters: dict[str, str]) -> frozenset[str]:
+    """The fused parameters among `parameters` whose module stores them [E, in, out] (PEFT reads the
+    module's `is_transposed`)."""
+    return frozenset(
+        p for p in parameters.values() if getattr(model.get_submodule(p.rpartition(".")[0]), "is_transposed", False)
+    )
 
 
 def export_lm_lora(
@@ -54,12 +94,15 @@ def export_lm_lora(
     adapters: dict[str, torch.Tensor],
     out: str | Path,
     merge: bool,
+    rank: int,
     extra_files: tuple[str, ...] = (),
+    parameters: dict[str, str] | None = None,
 ) -> Path:
     """One process: write `out/lora/` (PEFT folder) and, with `merge`, `out/merged/` (module docstring).
 
     `adapters`: `<module>.lora_A.weight` / `<module>.lora_B.weight` with alpha / rank folded into lora_B
-    (`spindle.train.lora.adapter_state_dict`)."""
+    (`spindle.train.lora.adapter_state_dict`); `rank`: the run's `train.lora.rank`; `parameters`: the
+    adapter modules on fused parameters (`spindle.train.lora.wrapped_parameters`)."""
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
@@ -69,7 +112,7 @@ def export_lm_lora(
     lora = tmp / LORA_DIR
     lora.mkdir(parents=True)
     save_file({PEFT_PREFIX + k: v.contiguous() for k, v in adapters.items()}, lora / "adapter_model.safetensors")
-    peft_adapter_config(base, adapters).save_pretrained(lora)
+    peft_adapter_config(base, adapters, rank, parameters).save_pretrained(lora)
     tokenizer = AutoTokenizer.from_pretrained(base)
     tokenizer.save_pretrained(lora)
     for name in extra_files:
@@ -77,7 +120,8 @@ def export_lm_lora(
             shutil.copy2(base / name, lora / name)
     if merge:
         model = model_cls.from_pretrained(base, dtype="auto")
-        model.load_state_dict(merged_state(model.state_dict(), adapters))
+        transposed = transposed_parameters(model, parameters or {})
+        model.load_state_dict(merged_state(model.state_dict(), adapters, parameters, transposed))
         model.save_pretrained(tmp / MERGED_DIR)
         tokenizer.save_pretrained(tmp / MERGED_DIR)
         for name in extra_files:
