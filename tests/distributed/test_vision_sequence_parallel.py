@@ -136,3 +136,21 @@ def test_split_pads_the_last_chunks():
         state.length = 6
         chunks.append(state.split(rows))
     assert [c.flatten().tolist() for c in chunks] == [[0, 1], [2, 3], [4, 5], [0, 0]]
+
+
+def test_heads_that_sp_does_not_divide_fall_back_to_the_gather_path_with_one_warning(tiny_checkpoint, caplog):
+    """The families' 2-headed towers at sp=3: gathered attention (what the 3-rank cases check for equality), said
+    in one warning line naming the heads and parallel.sp; no all-to-all implementation set on the attention."""
+    from transformers import AutoModelForImageTextToText
+
+    from spindle.distributed.vision_sequence_parallel import VISION_ATTN_IMPLEMENTATION, enable_vision_sequence_parallel
+
+    tower = AutoModelForImageTextToText.from_pretrained(tiny_checkpoint("qwen2_5_vl")).model.visual
+    with caplog.at_level("WARNING", logger="spindle.train"):
+        state = enable_vision_sequence_parallel(tower, None, 0, 3)  # type: ignore[arg-type]  # hooks need no group yet
+    assert state.attention == "gather"
+    assert [r.getMessage() for r in caplog.records] == [
+        "vision tower: 2 attention heads are not divisible by parallel.sp=3, so each block's attention all-gathers "
+        "the patch sequence on every rank (the heads cannot be split evenly)"
+    ]
+    assert all(block.attn.config._attn_implementation != VISION_ATTN_IMPLEMENTATION for block in tower.blocks)
