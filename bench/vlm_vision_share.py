@@ -4,8 +4,8 @@ with fake tensors (Qwen2.5-VL-7B's shape from bench/train_vlm.py; no weight is a
 
 Why: under `parallel.sp` the language model is split over the SP ranks; a vision tower run whole on every
 rank would be duplicated work. This prints that work's share of a rank's step, per image size and images
-per row (what spindle/distributed/vision_sequence_parallel.py splits: the blocks' MLPs and norms; their
-attention stays whole). Backward is ~2x forward for both parts, so the forward ratio is the step's.
+per row (what spindle/distributed/vision_sequence_parallel.py splits: the blocks, their attention by an
+all-to-all over the heads; bench/vision_sp.py measures it). Backward is ~2x forward for both parts, so the forward ratio is the step's.
 
     python bench/vlm_vision_share.py
 """

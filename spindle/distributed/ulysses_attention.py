@@ -261,13 +261,13 @@ class SequenceParallelContext:
         return mask
 
 
-class _LocalHeads:
-    """The attention module as the inner attention function must see it on this rank: same
-    attributes, but the KV grouping of the heads this rank holds after the all-to-all."""
+class LocalHeads:
+    """The attention module as the inner attention function must see it on this rank: same attributes but
+    `overrides` (the KV grouping of the heads this rank holds after the all-to-all; the vision tower's own config)."""
 
-    def __init__(self, module: torch.nn.Module, num_key_value_groups: int):
+    def __init__(self, module: torch.nn.Module, **overrides: Any):
         self._module = module
-        self.num_key_value_groups = num_key_value_groups
+        self.__dict__.update(overrides)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._module, name)
@@ -315,7 +315,7 @@ def ulysses_attention_forward(
     mask = ctx.mask_for(position_ids, query.shape[0])
 
     query, key, value = (seq_to_heads(t, group, sp) for t in (query, key, value))
-    local = _LocalHeads(module, query.shape[1] // key.shape[1])
+    local = LocalHeads(module, num_key_value_groups=query.shape[1] // key.shape[1])
     inner = ALL_ATTENTION_FUNCTIONS[ctx.inner]
     out, _ = inner(local, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
     return heads_to_seq(out, group, sp), None

@@ -16,8 +16,9 @@ loss, export) with what vision adds:
   holding different modalities run their towers' collectives in the same order; (2) under
   Ulysses SP, the full sequence's embeddings (vision filled back in) and positions (computed on whole
   documents, before the split) are cut to this rank's chunk, and the language model runs on the chunk.
-  The vision tower's blocks run on this rank's chunk of the patches too, gathered for attention and before
-  the mergers (spindle/distributed/vision_sequence_parallel.py), so its merged output is whole on every rank.
+  The vision tower's blocks run on this rank's chunk of the patches too (attention: an all-to-all over its
+  heads), gathered before the mergers (spindle/distributed/vision_sequence_parallel.py), so its merged output
+  is whole on every rank.
 - Export: the causal-LM transformers folder plus the image processor's preprocessor_config.json; the
   tokenizer carries the chat template. `AutoModelForImageTextToText.from_pretrained` loads it.
 """
