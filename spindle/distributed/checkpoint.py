@@ -395,6 +395,63 @@ def save_hf_safetensors(
     barrier()
 
 
+def append_safetensors(
+    folder: Path,
+    groups: Iterator[dict[str, torch.Tensor]],
+    max_shard_bytes: int = 5 << 30,
+    name: str = "model.safetensors",
+) -> None:
+    """Collective: add the tensors `groups` yields (each rank iterates it: producing a group may be a
+    collective, e.g. gathering one expert tensor) to the sharded set `save_hf_safetensors` wrote in `folder`,
+    as more files written by the main process (the last existing file rewritten with the first of them), at
+    most one file's tensors in memory; then every file is renumbered `<stem>-0000i-of-0000N.safetensors` and the index rewritten."""
+    from safetensors.torch import save_file
+
+    stem = name.removesuffix(".safetensors")
+    index_path = folder / f"{name}.index.json"
+    main = is_main_process()
+    index = json.loads(index_path.read_text()) if main else {}
+    files = sorted(set(index.get("weight_map", {}).values()))
+    added: list[dict[str, torch.Tensor]] = [{}]
+    if main and files:  # the last file is filled up first (a small model stays one file, as save_pretrained writes it)
+        from safetensors.torch import load_file
+
+        last = files.pop()
+        added[-1] = load_file(folder / last)
+        (folder / last).unlink()
+        index["metadata"]["total_size"] -= sum(t.numel() * t.element_size() for t in added[-1].values())
+
+    def flush() -> None:
+        if added[-1]:
+            part = f"{stem}-appended-{len(added):05d}.safetensors"
+            save_file({k: v.contiguous() for k, v in added[-1].items()}, str(folder / part), metadata={"format": "pt"})
+            index["weight_map"].update(dict.fromkeys(added[-1], part))
+            index["metadata"]["total_size"] = index["metadata"].get("total_size", 0) + sum(
+                t.numel() * t.element_size() for t in added[-1].values()
+            )
+            files.append(part)
+            added.append({})
+
+    for group in groups:
+        if not main:
+            continue
+        size = sum(t.numel() * t.element_size() for t in group.values())
+        used = sum(t.numel() * t.element_size() for t in added[-1].values())
+        if used and used + size > max_shard_bytes:
+            flush()
+        added[-1].update(group)
+    if main:
+        flush()
+        renamed = {f: f"{stem}-{i:05d}-of-{len(files):05d}.safetensors" for i, f in enumerate(files, 1)}
+        for f, new in renamed.items():  # no clash: the appended names differ from every final name
+            (folder / f).rename(folder / f"{new}.renaming")
+        for new in renamed.values():
+            (folder / f"{new}.renaming").rename(folder / new)
+        index["weight_map"] = {k: renamed[f] for k, f in index["weight_map"].items()}
+        index_path.write_text(json.dumps(index, indent=2))
+    barrier()
+
+
 def rename_weight_files(folder: Path, old: str, new: str) -> None:
     """Rename a sharded safetensors set (`<old stem>-0000i-of-0000n.safetensors` + its index) to `new`'s
     stem, rewriting the index's weight map (DCP's writer names them after transformers' convention).

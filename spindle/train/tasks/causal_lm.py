@@ -19,7 +19,7 @@ import copy
 import json
 import logging
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -479,9 +479,12 @@ def write_transformers_folder(
     extra_files: tuple[str, ...] = (),
     dtype: str = "auto",
     finish: Callable[[Path, ExportDtypes], None] | None = None,
+    more: Callable[[ExportDtypes], Iterator[dict[str, torch.Tensor]]] | None = None,
 ) -> None:
     """Collective: `out` = config.json + generation_config.json + tokenizer + sharded safetensors, plus
-    `extra_files` of the source folder that exist (e.g. a VLM's preprocessor_config.json).
+    `extra_files` of the source folder that exist (e.g. a VLM's preprocessor_config.json). `more(dtypes)`
+    yields further tensors a group at a time, already in their export names and dtypes (a MoE's experts
+    converted to the checkpoint's layout, one layer's tensor at a time: `ckpt.append_safetensors`).
 
     Weights are written shard by shard from every rank (`ckpt.save_hf_safetensors`) into `<out>.tmp`,
     which is renamed to `out` when complete, each tensor in its `export.dtype` (`spindle.train.precision`;
@@ -498,6 +501,8 @@ def write_transformers_folder(
         shutil.rmtree(tmp, ignore_errors=True)
     barrier()
     ckpt.save_hf_safetensors(dtypes.cast_all(unique_weights(model, state_dict)), tmp, max_shard_bytes)
+    if more is not None:
+        ckpt.append_safetensors(tmp, more(dtypes), max_shard_bytes)
     if is_main_process():
         finish_transformers_folder(model, dtypes, source, tmp, out, extra_files, finish)
     barrier()

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -336,17 +336,35 @@ def write_moe_folder(
 ) -> None:
     """Collective: `write_transformers_folder` with the experts in `layout`, weights in `dtype` (`export.dtype`).
 
-    Expert tensors (DTensors under EP/FSDP2) are gathered whole, one tensor at a time, and converted
-    by the family's adapter; dense tensors stay sharded and are written rank by rank. `rename`: the
-    model's names -> the checkpoint's (a VLM's `export_layout`, per-expert keys
-    included). `finish`: completes the folder (an omni model's untrained sub-models and whole config).
+    Dense tensors stay sharded and are written rank by rank (DCP's HF writer). Expert tensors (DTensors
+    under EP/FSDP2) are gathered whole one at a time, converted by the family's adapter and appended by
+    the main process: at most one layer's expert tensor and one output file are whole in memory, never all
+    the experts. `rename`: the model's names -> the checkpoint's (a VLM's `export_layout`, per-expert keys
+    included), worked out once on meta tensors. `finish`: completes the folder (an omni model's untrained
+    sub-models and whole config).
     """
     from spindle.distributed.expert_parallel import expert_param_names, to_full
 
-    expert_keys = set(expert_param_names(model))
-    experts = {k: to_full(v).detach().cpu() for k, v in state_dict.items() if k in expert_keys}
-    dense = {k: v for k, v in state_dict.items() if k not in expert_keys}
-    state = {**dense, **adapter.to_layout(model, experts, layout)}
-    if rename is not None:
-        state = rename(model, state)
-    write_transformers_folder(model, state, source, out, dtype=dtype, extra_files=extra_files, finish=finish)
+    expert_keys = [k for k in expert_param_names(model) if k in state_dict]
+    dense = {k: v for k, v in state_dict.items() if k not in set(expert_keys)}
+    converted_meta = {
+        k: adapter.to_layout(model, {k: torch.empty(state_dict[k].shape, device="meta")}, layout) for k in expert_keys
+    }
+    before = [*dense, *(n for k in expert_keys for n in converted_meta[k])]
+    after = list(rename(model, dict.fromkeys(before, torch.empty(0))) if rename is not None else before)
+    if len(after) != len(before):
+        raise RuntimeError("the export's renaming merged or dropped tensor names")
+    final = dict(zip(before, after, strict=True))
+
+    def experts(dtypes: Any) -> Iterator[dict[str, torch.Tensor]]:
+        for key in expert_keys:  # collective per tensor under EP / FSDP2
+            whole = to_full(state_dict[key]).detach().cpu()
+            yield {
+                final[n]: dtypes.cast(final[n], t) for n, t in adapter.to_layout(model, {key: whole}, layout).items()
+            }
+            del whole
+
+    state = {final[k]: v for k, v in dense.items()}
+    write_transformers_folder(
+        model, state, source, out, dtype=dtype, extra_files=extra_files, finish=finish, more=experts
+    )
