@@ -477,6 +477,21 @@ def vlm_train(model: Path, data: Path, out: Path, **overrides) -> tuple[Any, Any
     return trainer, trainer.run()
 
 
+def omni_overrides(model: Path, data: Path, out: Path, **values) -> list[str]:
+    """Dotted overrides for a short CPU omni run: `vlm_overrides` with rows of `omni_conformance.SEQ` tokens."""
+    from spindle.testing.omni_conformance import SEQ
+
+    return vlm_overrides(model, data, out, **{"data__seq_len": SEQ, **values})
+
+
+def omni_train(model: Path, data: Path, out: Path, **overrides) -> tuple[Any, Any]:
+    """An omni training run in this process (`omni_overrides`); -> (trainer, result)."""
+    from spindle.api import make_trainer
+
+    trainer = make_trainer(load_job_config(None, omni_overrides(model, data, out, **overrides)))
+    return trainer, trainer.run()
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen2_5_omni(tiny_checkpoint) -> Path:
     """`tiny_checkpoint("qwen2_5_omni")`: a whole Qwen2.5-Omni folder (thinker, talker, token2wav, spk_dict.pt,

@@ -45,14 +45,15 @@ LAYOUTS: dict[str, dict[str, Any]] = {
 DECLARED = {"dp_shard2": "dp_shard2_text_only_rank", "sp2": "sp2", "ep2": "ep2"}
 
 
-def parallel_layouts(family: VLMFamily) -> list[str]:
+def parallel_layouts(family: VLMFamily, declared: dict[str, str] = DECLARED) -> list[str]:
     """The 2-process layouts the suite checks for `family`: its declared ones, plus ep2 where its task
-    supports expert parallelism."""
+    supports expert parallelism; `declared` names the suite's layout for each declared name (the omni
+    suite's ranks are audio-free rather than text-only)."""
     from spindle.train.tasks import get_task
 
-    layouts = [DECLARED[name] for name in family.conformance.parallel]
-    if get_task(family.task).supports_expert_parallel and "ep2" not in layouts:
-        layouts.append("ep2")
+    layouts = [declared[name] for name in family.conformance.parallel]
+    if get_task(family.task).supports_expert_parallel and declared["ep2"] not in layouts:
+        layouts.append(declared["ep2"])
     return layouts
 
 
@@ -60,7 +61,8 @@ def parallel_layouts(family: VLMFamily) -> list[str]:
 
 
 def subset(conversations: Path, out: Path, lines: list[int]) -> Path:
-    """Some lines of a conversations file, media paths made absolute (the shared fixture is read-only)."""
+    """Some lines of a conversations file, media paths (image, video, audio parts) made absolute (the shared
+    fixture is read-only)."""
     out.mkdir(parents=True, exist_ok=True)
     rows = conversations.read_text().splitlines()
     picked = []
@@ -69,20 +71,21 @@ def subset(conversations: Path, out: Path, lines: list[int]) -> Path:
         for m in obj["messages"]:
             if isinstance(m["content"], list):
                 for part in m["content"]:
-                    if part["type"] == "image":
-                        part["image"] = str(conversations.parent / part["image"])
+                    if part["type"] != "text":
+                        part[part["type"]] = str(conversations.parent / part[part["type"]])
         picked.append(json.dumps(obj))
     path = out / "data.jsonl"
     path.write_text("\n".join(picked) + "\n")
     return path
 
 
-def stock_processor(model: Path, video_processor: Any = None) -> Any:
-    """transformers' processor of the model (its AutoProcessor class: Qwen2_5_VLProcessor, Qwen3VLProcessor)
-    on the PIL image processor. Its constructor insists on a video processor of the class its auto mapping
-    names, which needs torchvision (not installable here; the mapping names none): the class check is skipped
-    for that argument only. With no `video_processor` only images are processed, the stock code path for
-    images; `stock_video_inputs` gives it the stock video processor."""
+def stock_processor(model: Path, video_processor: Any = None, **components: Any) -> Any:
+    """transformers' processor of the model (its AutoProcessor class: Qwen2_5_VLProcessor, Qwen3VLProcessor,
+    an omni model's) on the PIL image processor, plus `components` (an omni model's feature_extractor). Its
+    constructor insists on a video processor of the class its auto mapping names, which needs torchvision (not
+    installable here; the mapping names none): the class check is skipped for that argument only. With no
+    `video_processor` only images are processed, the stock code path for images; `stock_video_inputs` gives
+    it the stock video processor."""
     import transformers
     from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
@@ -101,6 +104,7 @@ def stock_processor(model: Path, video_processor: Any = None) -> Any:
         tokenizer=tok,
         video_processor=video_processor,
         chat_template=tok.chat_template,
+        **components,
     )
 
 
@@ -277,11 +281,16 @@ def check_step_one(family: VLMFamily, model_path: Path, data: Path, logged: dict
     """Spindle's first step on the one conversation of `data` (unpacked, padded to SEQ) logs stock
     transformers' `model(input_ids, pixel_values, image_grid_thw, labels, **stock_loss_kwargs)` loss (1e-5),
     the grad norm of its backward (1e-4) and each declared stock output (1e-5)."""
-    import pytest
-
     (inputs,) = stock_inputs(model_path, data)
     assert "pixel_values" in inputs, f"{family.name}: the step-1 conversation has no image"
-    model = stock_model(model_path)
+    check_stock_step(family, stock_model(model_path), inputs, logged)
+
+
+def check_stock_step(family: VLMFamily, model: Any, inputs: dict[str, Any], logged: dict[str, Any]) -> None:
+    """Spindle's logged first step equals the stock `model`'s forward on `inputs` (with the family's
+    `stock_loss_kwargs`): loss and each declared stock output 1e-5, the grad norm of its backward 1e-4."""
+    import pytest
+
     out = model(**inputs, **family.conformance.stock_loss_kwargs)
     out.loss.backward()
     outputs = {name: float(getattr(out, name).detach()) for name in family.conformance.stock_outputs}

@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from spindle.data.audio import decode_audio, write_audio
 from spindle.data.multimodal import (
@@ -22,58 +21,8 @@ from spindle.data.multimodal import (
     conversation_document,
 )
 from spindle.data.text import TextDataError
-
-
-def omni_processor(model: Path, family_name: str = "qwen2_5_omni") -> VisionProcessor:
-    """Spindle's processor of an omni checkpoint, as the omni task builds it."""
-    from transformers import AutoTokenizer
-
-    from spindle.registry import get_family
-
-    family = get_family(family_name)
-    config = family.model_cls().config_class.from_pretrained(model)  # type: ignore[attr-defined]
-    tok = AutoTokenizer.from_pretrained(model)
-    return VisionProcessor(
-        model, tok, config, family.rope_index_fn(), VisionOptions(), audio=True, audio_tokens=family.audio_tokens_fn()
-    )
-
-
-def stock_processor(model: Path, processor_class: type | None = None):
-    """transformers' omni processor (`processor_class`, default Qwen2_5OmniProcessor) from the folder's
-    tokenizer, PIL image processor and WhisperFeatureExtractor. Its constructor insists on a video processor,
-    which needs torchvision (not installable here): the class check is skipped for that argument only, and
-    no video is processed."""
-    from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoTokenizer
-    from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import Qwen2_5OmniProcessor
-
-    class NoVideoProcessor(processor_class or Qwen2_5OmniProcessor):  # type: ignore[misc]
-        def check_argument_for_proper_class(self, argument_name, argument):
-            if argument_name == "video_processor" and argument is None:
-                return None
-            return super().check_argument_for_proper_class(argument_name, argument)
-
-    tok = AutoTokenizer.from_pretrained(model)
-    return NoVideoProcessor(
-        image_processor=AutoImageProcessor.from_pretrained(model),
-        video_processor=None,
-        feature_extractor=AutoFeatureExtractor.from_pretrained(model),
-        tokenizer=tok,
-        chat_template=tok.chat_template,
-    )
-
-
-def stock_call(stock, obj: dict, base: Path) -> dict:
-    """The stock processor's output for one conversation (its media decoded as Spindle decodes audio)."""
-    parts = [p for m in obj["messages"] if isinstance(m["content"], list) for p in m["content"]]
-    images = [Image.open(base / p["image"]).convert("RGB") for p in parts if p["type"] == "image"] or None
-    rate = stock.feature_extractor.sampling_rate
-    audio = [decode_audio(base / p["audio"], rate) for p in parts if p["type"] == "audio"] or None
-    text = stock.apply_chat_template(obj["messages"], tokenize=False)
-    return dict(stock(text=[text], images=images, audio=audio, return_tensors="pt"))
-
-
-def lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+from spindle.registry import get_family
+from spindle.testing.omni_conformance import lines, omni_processor, stock_call, stock_processor
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +37,9 @@ def test_tokens_features_and_positions_equal_the_stock_processor_and_thinker(
     line, tiny_qwen2_5_omni, omni_conversations, stock_thinker
 ):
     obj = lines(omni_conversations)[line]
-    doc, cut = conversation_document(obj, omni_conversations.parent, omni_processor(tiny_qwen2_5_omni), 4096, "x")
+    doc, cut = conversation_document(
+        obj, omni_conversations.parent, omni_processor(tiny_qwen2_5_omni, get_family("qwen2_5_omni")), 4096, "x"
+    )
     assert not cut
     stock = stock_call(stock_processor(tiny_qwen2_5_omni), obj, omni_conversations.parent)
     assert stock["input_ids"][0].tolist() == doc.tokens
@@ -144,7 +95,7 @@ def test_bad_audio_is_a_file_line_error_or_a_counted_skip(tiny_qwen2_5_omni, tmp
     names = ["empty.wav", "text.mp3", "gone.wav", "long.wav", "ok.wav"]
     data = tmp_path / "data.jsonl"
     data.write_text("".join(conversation(n) + "\n" for n in names))
-    processor = omni_processor(tiny_qwen2_5_omni)
+    processor = omni_processor(tiny_qwen2_5_omni, get_family("qwen2_5_omni"))
     with pytest.raises(TextDataError, match=rf"{data}:1: audio .*empty.wav cannot be decoded"):
         build_conversation_dataset(data, processor, 256)
     expected = {2: "cannot be decoded", 3: "gone.wav not found", 4: r"11.00 s long, more than .* 10 s window"}
@@ -159,8 +110,6 @@ def test_bad_audio_is_a_file_line_error_or_a_counted_skip(tiny_qwen2_5_omni, tmp
 
 def test_audio_parts_are_refused_for_a_vision_language_model(tiny_qwen2_5_vl, omni_conversations):
     from transformers import AutoConfig, AutoTokenizer
-
-    from spindle.registry import get_family
 
     processor = VisionProcessor(
         tiny_qwen2_5_vl,
@@ -191,7 +140,6 @@ def test_use_audio_in_video_interleaves_the_track_with_the_frames(tiny_qwen2_5_o
     from transformers import AutoTokenizer, Qwen2_5OmniThinkerConfig
 
     from spindle.data.audio import audio_features, audio_token_count
-    from spindle.registry import get_family
 
     video_with_audio(tmp_path)
     family = get_family("qwen2_5_omni")
@@ -240,7 +188,7 @@ def test_use_audio_in_video_interleaves_the_track_with_the_frames(tiny_qwen2_5_o
 
 def test_sharegpt_audio_placeholders_give_the_messages_format_document(tiny_qwen2_5_omni, omni_conversations):
     """`{"audios": [...], "conversations": [... "<audio>" ...]}` is the same conversation as audio parts."""
-    processor = omni_processor(tiny_qwen2_5_omni)
+    processor = omni_processor(tiny_qwen2_5_omni, get_family("qwen2_5_omni"))
     obj = lines(omni_conversations)[0]
     sharegpt = {
         "audios": [obj["messages"][0]["content"][0]["audio"]],
@@ -265,14 +213,13 @@ def test_qwen3_omni_moe_tokens_and_positions_equal_the_stock_processor_and_think
     """Qwen3-Omni-MoE's audio encoder makes 13 tokens of each 100-frame chunk (not Qwen2.5-Omni's 1 per 4
     frames): the family's `audio_tokens` gives the stock processor's count, its `rope_index` the stock positions."""
     from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
-    from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3OmniMoeProcessor
 
     from spindle.data.audio import audio_token_count  # Qwen2.5-Omni's
 
     obj = lines(omni_conversations)[line]
-    processor = omni_processor(tiny_qwen3_omni_moe, "qwen3_omni_moe")
+    processor = omni_processor(tiny_qwen3_omni_moe, get_family("qwen3_omni_moe"))
     doc, _ = conversation_document(obj, omni_conversations.parent, processor, 4096, "x")
-    stock = stock_call(stock_processor(tiny_qwen3_omni_moe, Qwen3OmniMoeProcessor), obj, omni_conversations.parent)
+    stock = stock_call(stock_processor(tiny_qwen3_omni_moe), obj, omni_conversations.parent)
     assert stock["input_ids"][0].tolist() == doc.tokens
     audio_tokens = doc.tokens.count(processor.config.audio_token_id)
     frames = int(stock["feature_attention_mask"].sum())

@@ -1,29 +1,13 @@
-"""`spindle tiny-model qwen2_5_omni`: a seeded whole Qwen2.5-Omni folder that the stock full model class loads
-(thinker, talker, token2wav, speakers), one preprocessor_config.json that both the image processor and the
-WhisperFeatureExtractor read, a tokenizer carrying the Omni tokens and chat template, and the family record."""
+"""The omni tiny checkpoints' own choices (the conformance suite, tests/conformance/test_omni_conformance.py,
+checks what every omni family's tiny must be: seeded, the stock full model loads it, one
+preprocessor_config.json serving the image processor and the feature extractor): Qwen2.5-Omni's processor
+fields, tokens, chat template and speakers, and each family record's parts and task."""
 
 from __future__ import annotations
 
 import json
 
 import torch
-
-
-def test_cli_tiny_qwen2_5_omni_is_seeded_and_loads_in_the_stock_full_model(tmp_path, spindle_cli):
-    from safetensors.torch import load_file
-    from transformers import Qwen2_5OmniForConditionalGeneration
-
-    for name in ("a", "b"):
-        r = spindle_cli("tiny-model", "qwen2_5_omni", tmp_path / name, "--seed", "3")
-        assert r.returncode == 0, r.stderr
-    a, b = (load_file(tmp_path / n / "model.safetensors") for n in ("a", "b"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert {k.split(".")[0] for k in a} == {"thinker", "talker", "token2wav"}
-
-    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(tmp_path / "a")
-    assert model.has_talker and set(model.speaker_map) == {"Chelsie", "Ethan"}
-    stored = load_file(tmp_path / "a" / "model.safetensors")
-    assert all(torch.equal(v, stored[f"talker.{k}"]) for k, v in model.talker.state_dict().items())
 
 
 def test_one_preprocessor_config_serves_images_and_audio(tiny_qwen2_5_omni):
@@ -49,10 +33,13 @@ def test_one_preprocessor_config_serves_images_and_audio(tiny_qwen2_5_omni):
     )
 
 
-def test_family_record_resolves_and_names_its_parts(tiny_qwen2_5_omni):
+def test_family_records_resolve_and_name_their_parts(tiny_qwen2_5_omni, tiny_qwen3_omni_moe):
+    from transformers import AutoTokenizer
+
     from spindle.contracts.family import OmniFamily
     from spindle.registry import resolve_family
 
+    assert set(torch.load(tiny_qwen2_5_omni / "spk_dict.pt", weights_only=True)) == {"Chelsie", "Ethan"}
     family = resolve_family(tiny_qwen2_5_omni)
     assert isinstance(family, OmniFamily) and family.kind == "omni" and family.task == "omni"
     assert family.part_of("model.audio_tower.layers.0.fc1.weight") == "audio"
@@ -63,49 +50,13 @@ def test_family_record_resolves_and_names_its_parts(tiny_qwen2_5_omni):
     assert not family.is_untrained("thinker.model.layers.0.mlp.up_proj.weight")
     assert "Qwen2_5OmniForConditionalGeneration" in family.export_hint
 
-
-def test_cli_tiny_qwen3_omni_moe_is_seeded_and_loads_in_the_stock_full_model(tmp_path, spindle_cli):
-    """`spindle tiny-model qwen3_omni_moe`: thinker, talker and code2wav in stock's layout (the thinker's experts
-    per expert, as Qwen's checkpoints store them), Qwen3-Omni's tokens and one preprocessor_config.json."""
-    from safetensors.torch import load_file
-    from transformers import (
-        AutoFeatureExtractor,
-        AutoImageProcessor,
-        AutoTokenizer,
-        Qwen3OmniMoeForConditionalGeneration,
-    )
-
-    from spindle.contracts.family import OmniFamily
-    from spindle.registry import resolve_family
-
-    for name in ("a", "b"):
-        r = spindle_cli("tiny-model", "qwen3_omni_moe", tmp_path / name, "--seed", "3")
-        assert r.returncode == 0, r.stderr
-    a, b = (load_file(tmp_path / n / "model.safetensors") for n in ("a", "b"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert {k.split(".")[0] for k in a} == {"thinker", "talker", "code2wav"}
-    assert "thinker.model.layers.0.mlp.experts.7.gate_proj.weight" in a
-
-    model, info = Qwen3OmniMoeForConditionalGeneration.from_pretrained(tmp_path / "a", output_loading_info=True)
-    assert model.has_talker and not info["missing_keys"] and not info["unexpected_keys"]
-    talker = model.talker.state_dict()  # its experts fused on load from the stored per-expert tensors
-    assert all(torch.equal(v, a[f"talker.{k}"]) for k, v in talker.items() if ".experts." not in k)
-    down = talker["model.layers.0.mlp.experts.down_proj"]
-    assert down.abs().sum() > 0 and torch.equal(down[3], a["talker.model.layers.0.mlp.experts.3.down_proj.weight"])
-
-    fields = json.loads((tmp_path / "a" / "preprocessor_config.json").read_text())
-    assert fields["processor_class"] == "Qwen3OmniMoeProcessor"
-    assert AutoImageProcessor.from_pretrained(tmp_path / "a").merge_size == 2
-    assert AutoFeatureExtractor.from_pretrained(tmp_path / "a").feature_size == 128
-    tok = AutoTokenizer.from_pretrained(tmp_path / "a")
+    family = resolve_family(tiny_qwen3_omni_moe)
+    assert isinstance(family, OmniFamily) and family.name == "qwen3_omni_moe" and family.task == "omni_moe"
+    assert family.part_of("model.audio_tower.proj2.weight") == "aligner"
+    assert family.part_of("model.language_model.layers.0.mlp.experts.gate_up_proj") == "language"
+    tok = AutoTokenizer.from_pretrained(tiny_qwen3_omni_moe)
     assert (tok.audio_token, tok.image_token, tok.audio_bos_token) == (
         "<|audio_pad|>",
         "<|image_pad|>",
         "<|audio_start|>",
     )
-    assert tok.convert_tokens_to_ids(tok.audio_token) == model.config.thinker_config.audio_token_id
-
-    family = resolve_family(tmp_path / "a")
-    assert isinstance(family, OmniFamily) and family.name == "qwen3_omni_moe" and family.task == "omni_moe"
-    assert family.part_of("model.audio_tower.proj2.weight") == "aligner"
-    assert family.part_of("model.language_model.layers.0.mlp.experts.gate_up_proj") == "language"

@@ -1,92 +1,23 @@
-"""The omni task (spindle.train.tasks.omni) on the tiny Qwen2.5-Omni: step-1 loss and grad norm equal the
-stock thinker on the stock processor's inputs, a packed row's loss equals its conversations' losses, an
-audio-free batch runs the audio encoder with weight zero, train.freeze over the audio encoder, and an
-export that the stock full model loads (talker and token2wav tensors byte-identical to the input) and
-whose thinker answers an audio clip.
-
-(Multi-process layouts against one process: tests/distributed/test_omni_distributed.py.)"""
+"""The omni task (spindle.train.tasks.omni) on the tiny Qwen2.5-Omni, what the conformance suite
+(tests/conformance/test_omni_conformance.py: step 1 against the stock thinker, the export, the 2-process
+layouts) does not check: a packed row's loss equals its conversations' losses, an audio-free batch runs the
+audio encoder with weight zero, train.freeze over the audio encoder, LoRA, videos with their audio track, the
+talker never read for training, gradient checkpointing and the whole-model load path."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from spindle.api import load_job_config, make_trainer
-from tests.data.test_omni_data import lines, stock_call, stock_processor
-from tests.train.test_vlm import grad_norm, vlm_overrides
+from spindle.registry import get_family
+from spindle.testing import omni_conformance as suite
+from spindle.testing.vlm_conformance import grad_norm, subset
+from tests.conftest import omni_overrides, omni_train, vlm_overrides
 
-SEQ = 128  # the longest conversation of the shared data is 92 tokens: nothing is cut
-
-
-def omni_overrides(model: Path, data: Path, out: Path, **values) -> list[str]:
-    return vlm_overrides(model, data, out, **{"data__seq_len": SEQ, **values})
-
-
-def omni_train(model: Path, data: Path, out: Path, **overrides):
-    trainer = make_trainer(load_job_config(None, omni_overrides(model, data, out, **overrides)))
-    return trainer, trainer.run()
-
-
-def subset(conversations: Path, out: Path, picked: list[int]) -> Path:
-    """Some lines of the shared conversations file, media paths made absolute (the fixture is read-only)."""
-    out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for obj in (lines(conversations)[i] for i in picked):
-        for m in obj["messages"]:
-            for part in m["content"] if isinstance(m["content"], list) else []:
-                if part["type"] != "text":
-                    part[part["type"]] = str(conversations.parent / part[part["type"]])
-        rows.append(json.dumps(obj))
-    path = out / "data.jsonl"
-    path.write_text("\n".join(rows) + "\n")
-    return path
-
-
-def stock_inputs(
-    model: Path, data: Path, family_name: str = "qwen2_5_omni", processor_class: type | None = None
-) -> list[dict]:
-    """Each conversation as the stock thinker takes it: the stock processor's output (tests/data/test_omni_data.py
-    proves it equals Spindle's rows) and labels = the assistant tokens (-100 elsewhere; the model shifts)."""
-    from spindle.data.multimodal import conversation_document
-    from tests.data.test_omni_data import omni_processor
-
-    ours, stock = omni_processor(model, family_name), stock_processor(model, processor_class)
-    out = []
-    for obj in lines(data):
-        doc, _ = conversation_document(obj, data.parent, ours, 4096, "x")
-        inputs = stock_call(stock, obj, data.parent)
-        assert inputs["input_ids"][0].tolist() == doc.tokens
-        inputs["labels"] = torch.tensor([[t if keep else -100 for t, keep in zip(doc.tokens, doc.learn, strict=True)]])
-        out.append(inputs)
-    return out
-
-
-def stock_thinker(path: Path):
-    from transformers import Qwen2_5OmniThinkerForConditionalGeneration
-
-    model = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="sdpa"
-    )
-    model.train()
-    return model
-
-
-@pytest.mark.parametrize("line", [0, 2], ids=["audio", "image_then_audio"])
-def test_step1_loss_and_grad_norm_equal_the_stock_thinker(line, tiny_qwen2_5_omni, omni_conversations, tmp_path):
-    data = subset(omni_conversations, tmp_path / "data", [line])
-    omni_train(tiny_qwen2_5_omni, data, tmp_path / "run", data__packing=False, train__max_steps=1)
-    logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
-
-    (inputs,) = stock_inputs(tiny_qwen2_5_omni, data)
-    assert "input_features" in inputs
-    model = stock_thinker(tiny_qwen2_5_omni)
-    loss = model(**inputs).loss
-    loss.backward()
-    assert logged["loss"] == pytest.approx(float(loss.detach()), rel=1e-5)
-    assert logged["grad_norm"] == pytest.approx(grad_norm(model), rel=1e-4)
+FAMILY = get_family("qwen2_5_omni")
 
 
 def test_packed_row_loss_equals_the_conversations_losses(tiny_qwen2_5_omni, omni_conversations, tmp_path):
@@ -102,9 +33,9 @@ def test_packed_row_loss_equals_the_conversations_losses(tiny_qwen2_5_omni, omni
     assert batch["input_features"].shape[0] == 2 and batch["image_grid_thw"].shape[0] == 3
     packed = trainer.task.forward(trainer.model, batch, 0).loss_sum
 
-    model = stock_thinker(tiny_qwen2_5_omni)
+    model = suite.stock_thinker(FAMILY, tiny_qwen2_5_omni)
     total = torch.zeros(())
-    for inputs in stock_inputs(tiny_qwen2_5_omni, data):
+    for inputs in suite.stock_inputs(tiny_qwen2_5_omni, data, FAMILY):
         n = int((inputs["labels"][:, 1:] != -100).sum())
         total = total + model(**inputs).loss * n
     torch.testing.assert_close(packed, total, rtol=1e-5, atol=0)
@@ -127,9 +58,11 @@ def test_audio_free_batch_runs_the_audio_encoder_with_zero_weight(tiny_qwen2_5_o
     used = {n: p for n, p in audio.items() if "audio_bos_eos_token" not in n}
     assert used and all(p.grad is not None and not p.grad.any() for p in used.values())
 
-    inputs = stock_inputs(tiny_qwen2_5_omni, data)[1]
+    inputs = suite.stock_inputs(tiny_qwen2_5_omni, data, FAMILY)[1]
     n = int((inputs["labels"][:, 1:] != -100).sum())
-    torch.testing.assert_close(out.loss_sum, stock_thinker(tiny_qwen2_5_omni)(**inputs).loss * n, rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        out.loss_sum, suite.stock_thinker(FAMILY, tiny_qwen2_5_omni)(**inputs).loss * n, rtol=1e-5, atol=0
+    )
 
 
 @pytest.mark.parametrize(
@@ -140,9 +73,6 @@ def test_audio_free_batch_runs_the_audio_encoder_with_zero_weight(tiny_qwen2_5_o
 def test_freeze_keeps_parts_unchanged_without_optimizer_state(
     freeze, trained, tiny_qwen2_5_omni, omni_conversations, tmp_path
 ):
-    from spindle.registry import get_family
-
-    family = get_family("qwen2_5_omni")
     trainer, _ = omni_train(
         tiny_qwen2_5_omni,
         omni_conversations,
@@ -152,12 +82,12 @@ def test_freeze_keeps_parts_unchanged_without_optimizer_state(
         train__freeze=json.dumps(freeze),
     )
     states = {n for n, p in trainer.model.named_parameters() if p in trainer.optimizer.state}
-    assert {family.part_of(n) for n in states} == trained
+    assert {FAMILY.part_of(n) for n in states} == trained
     before, after = (
-        stock_thinker(tiny_qwen2_5_omni).state_dict(),
-        stock_thinker(tmp_path / "run" / "export").state_dict(),
+        suite.stock_thinker(FAMILY, tiny_qwen2_5_omni).state_dict(),
+        suite.stock_thinker(FAMILY, tmp_path / "run" / "export").state_dict(),
     )
-    changed = {family.part_of(k) for k in before if not torch.equal(before[k], after[k])}
+    changed = {FAMILY.part_of(k) for k in before if not torch.equal(before[k], after[k])}
     assert changed == trained
 
 
@@ -170,72 +100,6 @@ def test_freeze_names_only_the_familys_parts(tiny_qwen2_5_vl, tmp_path):
     )
     with pytest.raises(ConfigError, match=r"train\.freeze names \['audio'\], which qwen2_5_vl models do not have"):
         check_job_plan(cfg, 1)
-
-
-def untrained_bytes(
-    folder: Path, prefixes: tuple[str, ...] = ("talker.", "token2wav.")
-) -> dict[str, tuple[torch.dtype, bytes]]:
-    """Every tensor of a folder's untrained sub-models (`prefixes`: talker, token2wav) as stored: (dtype, raw bytes)."""
-    from safetensors import safe_open
-
-    index = folder / "model.safetensors.index.json"
-    files = (
-        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
-    )
-    out = {}
-    for name in files:
-        with safe_open(str(folder / name), "pt") as f:
-            for k in f.keys():
-                if k.startswith(prefixes):
-                    t = f.get_tensor(k)
-                    out[k] = (t.dtype, t.contiguous().view(torch.uint8).numpy().tobytes())
-    return out
-
-
-def test_export_loads_in_the_stock_full_model_and_answers_an_audio_clip(
-    tiny_qwen2_5_omni, omni_conversations, tmp_path, spindle_cli
-):
-    from transformers import Qwen2_5OmniForConditionalGeneration
-
-    from spindle.data.audio import decode_audio
-
-    trainer, _ = omni_train(tiny_qwen2_5_omni, omni_conversations, tmp_path / "run", train__max_steps=2)
-    data = json.loads((tmp_path / "run" / "summary.json").read_text())["start"]["data"]
-    assert (data["documents"], data["images"], data["audio_clips"], data["skipped"]) == (4, 3, 2, 0)
-    export = tmp_path / "run" / "export"
-    before = untrained_bytes(tiny_qwen2_5_omni)
-    assert before and untrained_bytes(export) == before  # the talker and token2wav as they came
-    for name in ("spk_dict.pt", "preprocessor_config.json"):
-        assert (export / name).read_bytes() == (tiny_qwen2_5_omni / name).read_bytes()
-
-    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(export)
-    assert set(model.speaker_map) == {"Chelsie", "Ethan"}
-    trained = trainer.model.state_dict()
-    thinker = model.thinker.state_dict()
-    assert thinker.keys() == trained.keys()
-    for k, v in thinker.items():
-        assert torch.equal(v, trained[k]), k
-
-    # the thinker answers an audio clip: the stock processor's prompt, greedy text generation
-    stock = stock_processor(export)
-    user = lines(omni_conversations)[0]["messages"][0]  # an audio part and a question
-    prompt = stock.apply_chat_template([user], tokenize=False, add_generation_prompt=True)
-    clip = decode_audio(omni_conversations.parent / user["content"][0]["audio"], 16000)
-    inputs = dict(stock(text=[prompt], audio=[clip], return_tensors="pt"))
-    out = model.generate(
-        **inputs, generation_mode="text", thinker_max_new_tokens=5, thinker_do_sample=False, thinker_min_new_tokens=5
-    )
-    ids = inputs["input_ids"]
-    assert out.shape == (1, ids.shape[1] + 5) and torch.equal(out[:, : ids.shape[1]], ids)
-    reply = stock.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)[0]
-    assert isinstance(reply, str)
-
-    # `spindle export` of the final checkpoint writes the same folder on one process.
-    r = spindle_cli("export", tmp_path / "run", "--out", tmp_path / "cli")
-    assert r.returncode == 0, r.stderr
-    assert untrained_bytes(tmp_path / "cli") == before
-    again = Qwen2_5OmniForConditionalGeneration.from_pretrained(tmp_path / "cli").thinker.state_dict()
-    assert all(torch.equal(again[k], thinker[k]) for k in thinker)
 
 
 def test_lora_trains_adapters_and_refuses_a_merged_export(tiny_qwen2_5_omni, omni_conversations, tmp_path):
@@ -288,7 +152,7 @@ def test_use_audio_in_video_step1_equals_the_stock_thinker(tiny_qwen2_5_omni, ti
     labels = batch["shift_labels"]
     # stock takes unshifted labels: position i+1's label is shift_labels[i]
     stock_labels = torch.cat([torch.tensor([-100]), labels[:-1]])[None]
-    model = stock_thinker(tiny_qwen2_5_omni)
+    model = suite.stock_thinker(FAMILY, tiny_qwen2_5_omni)
     loss = model(
         input_ids=ids,
         attention_mask=batch["attention_mask"][None],

@@ -1,124 +1,22 @@
-"""The omni MoE task (spindle.train.tasks.omni_moe) on the tiny Qwen3-Omni-MoE: step-1 loss (router aux loss
-included) and grad norm equal the stock thinker on the stock processor's inputs, and an export in the input's
-per-expert layout that the stock full model loads and generates a text reply to an audio clip with, its talker
-and code2wav tensors byte-identical to the input.
-
-(`parallel.ep=2` against one process: tests/distributed/test_omni_distributed.py.)"""
+"""The omni MoE task (spindle.train.tasks.omni_moe) on the tiny Qwen3-Omni-MoE, what the conformance suite
+(tests/conformance/test_omni_conformance.py: step 1 against the stock thinker with the router aux loss, the
+export in the input's per-expert layout, ep=2 and sp=2 against one process) does not check: train.freeze over
+the audio encoder and the experts, videos with and without their audio track, LoRA on the attention and on the
+fused experts, and fused expert checkpoints."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.train.test_omni import omni_train, stock_inputs, subset, untrained_bytes
-from tests.train.test_vlm import grad_norm
+from spindle.registry import get_family
+from spindle.testing import omni_conformance as suite
+from spindle.testing.vlm_conformance import grad_norm, subset
+from tests.conftest import omni_train
 
-UNTRAINED = ("talker.", "code2wav.")
-
-
-def qwen3_stock_inputs(model: Path, data: Path) -> list[dict]:
-    from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3OmniMoeProcessor
-
-    return stock_inputs(model, data, "qwen3_omni_moe", Qwen3OmniMoeProcessor)
-
-
-def stock_thinker(path: Path):
-    from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
-
-    model = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="sdpa"
-    )
-    model.train()
-    return model
-
-
-@pytest.mark.parametrize("line", [0, 2], ids=["audio", "image_then_audio"])
-def test_step1_loss_and_grad_norm_equal_the_stock_thinker(line, tiny_qwen3_omni_moe, omni_conversations, tmp_path):
-    data = subset(omni_conversations, tmp_path / "data", [line])
-    omni_train(tiny_qwen3_omni_moe, data, tmp_path / "run", data__packing=False, train__max_steps=1)
-    logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
-
-    (inputs,) = qwen3_stock_inputs(tiny_qwen3_omni_moe, data)
-    assert "input_features" in inputs
-    model = stock_thinker(tiny_qwen3_omni_moe)
-    out = model(**inputs, output_router_logits=True)  # stock: token loss + router_aux_loss_coef x aux loss
-    out.loss.backward()
-    assert logged["aux_loss"] == pytest.approx(float(out.aux_loss.detach()), rel=1e-5)
-    assert logged["loss"] == pytest.approx(float(out.loss.detach()), rel=1e-5)
-    assert logged["grad_norm"] == pytest.approx(grad_norm(model), rel=1e-4)
-
-
-def test_export_keeps_the_expert_layout_and_the_untrained_tensors(
-    tiny_qwen3_omni_moe, omni_conversations, tmp_path, spindle_cli
-):
-    """Two steps on the four conversations, exported: the thinker's experts per expert as the input had them,
-    the talker and code2wav byte-identical, the processor file as it came; the stock full model loads the
-    folder, its thinker holds the trained weights and answers an audio clip; `spindle export` of the
-    checkpoint writes the same."""
-    from safetensors import safe_open
-    from transformers import Qwen3OmniMoeForConditionalGeneration
-
-    trainer, _ = omni_train(tiny_qwen3_omni_moe, omni_conversations, tmp_path / "run", train__max_steps=2)
-    export = tmp_path / "run" / "export"
-    before = untrained_bytes(tiny_qwen3_omni_moe, UNTRAINED)
-    assert before and untrained_bytes(export, UNTRAINED) == before
-    assert (export / "preprocessor_config.json").read_bytes() == (
-        tiny_qwen3_omni_moe / "preprocessor_config.json"
-    ).read_bytes()
-    index = json.loads((export / "model.safetensors.index.json").read_text())["weight_map"]
-    assert "thinker.model.layers.0.mlp.experts.7.down_proj.weight" in index
-    assert not any(k.endswith("experts.gate_up_proj") for k in index)
-
-    model, info = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
-        export, dtype=torch.float32, output_loading_info=True
-    )
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
-    trained = trainer.model.state_dict()
-    thinker = model.thinker.state_dict()
-    assert thinker.keys() == trained.keys()
-    for k, v in thinker.items():
-        assert torch.equal(v, trained[k]), k
-    base = Qwen3OmniMoeForConditionalGeneration.from_pretrained(tiny_qwen3_omni_moe, dtype=torch.float32)
-    changed = [k for k, v in base.thinker.state_dict().items() if not torch.equal(v, thinker[k])]
-    assert any("experts" in k for k in changed)  # the experts were trained and written back
-    with safe_open(str(export / index["thinker.lm_head.weight"]), "pt") as f:
-        assert f.get_tensor("thinker.lm_head.weight").dtype == torch.float32
-
-    # the exported thinker answers an audio clip: the stock processor's prompt, greedy text generation
-    from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3OmniMoeProcessor
-
-    from spindle.data.audio import decode_audio
-    from tests.data.test_omni_data import lines, stock_processor
-
-    stock = stock_processor(export, Qwen3OmniMoeProcessor)
-    user = lines(omni_conversations)[0]["messages"][0]  # an audio part and a question
-    prompt = stock.apply_chat_template([user], tokenize=False, add_generation_prompt=True)
-    clip = decode_audio(omni_conversations.parent / user["content"][0]["audio"], 16000)
-    inputs = dict(stock(text=[prompt], audio=[clip], return_tensors="pt"))
-    out = model.generate(
-        **inputs,
-        generation_mode="text",
-        thinker_eos_token_id=stock.tokenizer.eos_token_id,
-        thinker_max_new_tokens=5,
-        thinker_min_new_tokens=5,
-        thinker_do_sample=False,
-    )
-    ids = inputs["input_ids"]
-    assert out.shape == (1, ids.shape[1] + 5) and torch.equal(out[:, : ids.shape[1]], ids)
-    assert isinstance(stock.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)[0], str)
-
-    # `spindle export` of the final checkpoint writes the same folder on one process.
-    r = spindle_cli("export", tmp_path / "run", "--out", tmp_path / "cli")
-    assert r.returncode == 0, r.stderr
-    assert untrained_bytes(tmp_path / "cli", UNTRAINED) == before
-    assert (
-        json.loads((tmp_path / "cli" / "model.safetensors.index.json").read_text())["weight_map"].keys() == index.keys()
-    )
-    again = Qwen3OmniMoeForConditionalGeneration.from_pretrained(tmp_path / "cli", dtype=torch.float32)
-    assert all(torch.equal(v, thinker[k]) for k, v in again.thinker.state_dict().items())
+FAMILY = get_family("qwen3_omni_moe")
 
 
 def test_freeze_audio_and_language_trains_only_vision_and_aligners(tiny_qwen3_omni_moe, omni_conversations, tmp_path):
@@ -127,9 +25,6 @@ def test_freeze_audio_and_language_trains_only_vision_and_aligners(tiny_qwen3_om
     audio encoder's output projections) are trained."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
-    from spindle.registry import get_family
-
-    family = get_family("qwen3_omni_moe")
     trainer, _ = omni_train(
         tiny_qwen3_omni_moe,
         omni_conversations,
@@ -139,11 +34,11 @@ def test_freeze_audio_and_language_trains_only_vision_and_aligners(tiny_qwen3_om
         train__freeze='["audio", "language"]',
     )
     states = {n for n, p in trainer.model.named_parameters() if p in trainer.optimizer.state}
-    assert {family.part_of(n) for n in states} == {"vision", "aligner"}
+    assert {FAMILY.part_of(n) for n in states} == {"vision", "aligner"}
     load = Qwen3OmniMoeForConditionalGeneration.from_pretrained
     before = load(tiny_qwen3_omni_moe, dtype=torch.float32).thinker.state_dict()
     after = load(tmp_path / "run" / "export", dtype=torch.float32).thinker.state_dict()
-    changed = {family.part_of(k) for k in before if not torch.equal(before[k], after[k])}
+    changed = {FAMILY.part_of(k) for k in before if not torch.equal(before[k], after[k])}
     assert changed == {"vision", "aligner"}
 
 
@@ -182,7 +77,7 @@ def test_video_step1_equals_the_stock_thinker(with_audio, tiny_qwen3_omni_moe, t
         last_video = int((ids == config.video_token_id).nonzero()[-1])
         assert first_audio < last_video and int((ids == config.audio_start_token_id).sum()) == 1
     labels = batch["shift_labels"]
-    model = stock_thinker(tiny_qwen3_omni_moe)
+    model = suite.stock_thinker(FAMILY, tiny_qwen3_omni_moe)
     out = model(
         input_ids=ids[None],
         attention_mask=batch["attention_mask"][None],
@@ -227,7 +122,6 @@ def test_fused_expert_checkpoint_trains_alike_and_exports_fused(
     from safetensors.torch import load_file, save_file
 
     from spindle.models.shared.moe_checkpoints import FUSED, FUSED_TRANSPOSED
-    from spindle.registry import get_family
 
     fused = tmp_path / "fused"
     shutil.copytree(tiny_qwen3_omni_moe, fused)
@@ -242,7 +136,7 @@ def test_fused_expert_checkpoint_trains_alike_and_exports_fused(
             gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
         tensors[f"{prefix}.gate_up_proj"], tensors[f"{prefix}.down_proj"] = gate_up.contiguous(), down.contiguous()
     save_file(tensors, str(fused / "model.safetensors"), metadata={"format": "pt"})
-    assert get_family("qwen3_omni_moe").adapter().layout(fused) == (FUSED_TRANSPOSED if transposed else FUSED)
+    assert FAMILY.adapter().layout(fused) == (FUSED_TRANSPOSED if transposed else FUSED)
 
     data = subset(omni_conversations, tmp_path / "data", [0, 2])
     runs = {}
@@ -272,11 +166,11 @@ def test_lora_on_the_thinker_experts_loads_in_stock_peft(tiny_qwen3_omni_moe, om
     )
     trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_" in n and ".mlp.experts." in n for n in trainable)
-    (inputs,) = qwen3_stock_inputs(tiny_qwen3_omni_moe, data)
+    (inputs,) = suite.stock_inputs(tiny_qwen3_omni_moe, data, FAMILY)
     inputs.pop("labels")
     with torch.no_grad():
         ours = trainer.model.eval()(**inputs).logits
-        base = stock_thinker(tiny_qwen3_omni_moe).eval()
+        base = suite.stock_thinker(FAMILY, tiny_qwen3_omni_moe).eval()
         assert (ours - base(**inputs).logits).abs().max() > 1e-4  # the adapters changed the thinker
         peft = PeftModel.from_pretrained(base, tmp_path / "run" / "export" / "lora").eval()
         torch.testing.assert_close(peft(**inputs).logits, ours, rtol=0, atol=1e-5)
