@@ -477,6 +477,36 @@ def vlm_train(model: Path, data: Path, out: Path, **overrides) -> tuple[Any, Any
     return trainer, trainer.run()
 
 
+def seeded_cli_tiny(spindle_cli: Callable[..., Any], family: str, out: Path) -> Path:
+    """`spindle tiny-model FAMILY --seed 3` twice (`out`/a, `out`/b) writes the same tensors; -> `out`/a."""
+    import torch
+    from safetensors.torch import load_file
+
+    for name in ("a", "b"):
+        r = spindle_cli("tiny-model", family, out / name, "--seed", "3")
+        assert r.returncode == 0, r.stderr
+    a, b = (load_file(out / name / "model.safetensors") for name in ("a", "b"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"{family}: tiny-model is not seeded"
+    return out / "a"
+
+
+def single_process_runs(
+    make_overrides: Callable[[Path, Path], list[str]], tiny_checkpoint: Callable[[str], Path], tmp_path_factory
+) -> Callable[[str], Path]:
+    """`get(family)`: the output dir of one `spindle train` process with `make_overrides(model, out)` on the
+    family's tiny checkpoint, made on first use: what a suite's 2-process layouts must equal."""
+    runs: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in runs:
+            out = tmp_path_factory.mktemp(f"single_{name}") / "run"
+            spindle_train(out, 1, make_overrides(tiny_checkpoint(name), out))
+            runs[name] = out
+        return runs[name]
+
+    return get
+
+
 def omni_overrides(model: Path, data: Path, out: Path, **values) -> list[str]:
     """Dotted overrides for a short CPU omni run: `vlm_overrides` with rows of `omni_conformance.SEQ` tokens."""
     from spindle.testing.omni_conformance import SEQ

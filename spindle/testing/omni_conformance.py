@@ -160,6 +160,48 @@ def untrained_bytes(folder: Path, prefixes: tuple[str, ...]) -> dict[str, tuple[
     }
 
 
+def video_with_audio(folder: Path) -> Path:
+    """A 3 s, 4 fps mp4 (brightening frames) with a 3 s 440 Hz AAC track: `folder`/clip.mp4."""
+    import numpy as np
+
+    from spindle.data.audio import add_audio_track
+    from spindle.data.media import write_video
+
+    frames = np.stack([np.full((56, 56, 3), 20 * i, dtype=np.uint8) for i in range(12)])
+    write_video(folder / "plain.mp4", frames, fps=4)
+    t = np.arange(48000) / 16000
+    return add_audio_track(folder / "plain.mp4", 0.5 * np.sin(2 * np.pi * 440 * t), 16000, folder / "clip.mp4")
+
+
+def video_conversation(folder: Path) -> Path:
+    """A conversations file of one line: `video_with_audio`'s clip and a question, a short answer."""
+    folder.mkdir(parents=True, exist_ok=True)
+    video_with_audio(folder)
+    user = [{"type": "video", "video": "clip.mp4"}, {"type": "text", "text": "What?"}]
+    line = {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": "A tone."}]}
+    path = folder / "data.jsonl"
+    path.write_text(json.dumps(line) + "\n")
+    return path
+
+
+def row_stock_inputs(row: dict[str, Any], use_audio_in_video: bool) -> dict[str, Any]:
+    """One unpacked training row of Spindle's dataset as the stock thinker takes it: Spindle's tokens, media
+    tensors and track features (the stock video processor needs torchvision), unshifted labels, and the
+    arguments with which the thinker computes its own 3-D positions (the seconds per grid, use_audio_in_video)."""
+    from spindle.data.multimodal import collate_vision
+
+    vision = collate_vision(row["vision"])
+    labels = row["shift_labels"]
+    return {
+        "input_ids": row["input_ids"][None],
+        "attention_mask": row["attention_mask"][None],
+        "labels": torch.cat([torch.tensor([-100]), labels[:-1]])[None],  # stock shifts: i+1's label is shift_labels[i]
+        "video_second_per_grid": vision.pop("second_per_grid_ts"),
+        "use_audio_in_video": use_audio_in_video,
+        **vision,
+    }
+
+
 # ---------------------------------------------------------------- the tiny checkpoint
 
 

@@ -21,7 +21,7 @@ import pytest
 from spindle.registry import all_families, get_family
 from spindle.testing import omni_conformance as suite
 from spindle.testing import vlm_conformance as vlm_suite
-from tests.conftest import omni_overrides, omni_train, spindle_train
+from tests.conftest import omni_overrides, omni_train, seeded_cli_tiny, single_process_runs, spindle_train
 
 FAMILIES = sorted(f.name for f in all_families() if f.kind == "omni")
 STEP_ONE = [(name, line) for name in FAMILIES for line in suite.STEP_ONE_LINES]
@@ -39,15 +39,7 @@ def test_the_suite_covers_every_omni_family():
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_cli_tiny_model_is_seeded_and_loads_in_the_stock_full_model(name, tmp_path, spindle_cli):
-    import torch
-    from safetensors.torch import load_file
-
-    for out in ("a", "b"):
-        r = spindle_cli("tiny-model", name, tmp_path / out, "--seed", "3")
-        assert r.returncode == 0, r.stderr
-    a, b = (load_file(tmp_path / n / "model.safetensors") for n in ("a", "b"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    suite.check_stock_load(get_family(name), tmp_path / "a")
+    suite.check_stock_load(get_family(name), seeded_cli_tiny(spindle_cli, name, tmp_path))
 
 
 # ---------------------------------------------------------------- training against the stock thinker
@@ -91,18 +83,12 @@ def reference_data(omni_conversations, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference_run(reference_data, tiny_checkpoint, tmp_path_factory):
-    """`reference_run(family)`: one process training the VLM suite's REFERENCE_RUN (made on first use)."""
-    runs = {}
-
-    def get(name):
-        if name not in runs:
-            out = tmp_path_factory.mktemp(f"single_{name}") / "run"
-            overrides = omni_overrides(tiny_checkpoint(name), reference_data, out, **vlm_suite.REFERENCE_RUN)
-            spindle_train(out, 1, overrides)
-            runs[name] = out
-        return runs[name]
-
-    return get
+    """`reference_run(family)`: one process training REFERENCE_RUN (made on first use)."""
+    return single_process_runs(
+        lambda model, out: omni_overrides(model, reference_data, out, **vlm_suite.REFERENCE_RUN),
+        tiny_checkpoint,
+        tmp_path_factory,
+    )
 
 
 @pytest.mark.slow

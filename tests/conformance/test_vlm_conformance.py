@@ -24,7 +24,7 @@ from spindle.api import load_job_config, make_trainer
 from spindle.registry import all_families, get_family
 from spindle.testing import causal_lm_conformance as lm_suite
 from spindle.testing import vlm_conformance as suite
-from tests.conftest import spindle_train, vlm_overrides, vlm_train
+from tests.conftest import seeded_cli_tiny, single_process_runs, spindle_train, vlm_overrides, vlm_train
 
 FAMILIES = sorted(f.name for f in all_families() if f.kind == "vlm")
 LAYOUTS = [(name, layout) for name in FAMILIES for layout in suite.parallel_layouts(get_family(name))]
@@ -49,14 +49,7 @@ def test_the_suite_covers_every_vlm_family():
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_cli_tiny_model_is_seeded_and_loads_in_stock_transformers(name, tmp_path, spindle_cli):
-    from safetensors.torch import load_file
-
-    for out in ("a", "b"):
-        r = spindle_cli("tiny-model", name, tmp_path / out, "--seed", "3")
-        assert r.returncode == 0, r.stderr
-    a, b = (load_file(tmp_path / n / "model.safetensors") for n in ("a", "b"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    suite.check_stock_load(get_family(name), tmp_path / "a")
+    suite.check_stock_load(get_family(name), seeded_cli_tiny(spindle_cli, name, tmp_path))
 
 
 # ---------------------------------------------------------------- training against stock transformers
@@ -171,16 +164,11 @@ def reference_data(vlm_conversations, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference_run(reference_data, tiny_checkpoint, tmp_path_factory):
     """`reference_run(family)`: one process training REFERENCE_RUN (made on first use)."""
-    runs = {}
-
-    def get(name):
-        if name not in runs:
-            out = tmp_path_factory.mktemp(f"single_{name}") / "run"
-            spindle_train(out, 1, vlm_overrides(tiny_checkpoint(name), reference_data, out, **suite.REFERENCE_RUN))
-            runs[name] = out
-        return runs[name]
-
-    return get
+    return single_process_runs(
+        lambda model, out: vlm_overrides(model, reference_data, out, **suite.REFERENCE_RUN),
+        tiny_checkpoint,
+        tmp_path_factory,
+    )
 
 
 @pytest.mark.slow

@@ -6,7 +6,6 @@ to the extractor's rate, and bad audio as a `file:line` error or a counted skip.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,7 +21,7 @@ from spindle.data.multimodal import (
 )
 from spindle.data.text import TextDataError
 from spindle.registry import get_family
-from spindle.testing.omni_conformance import lines, omni_processor, stock_call, stock_processor
+from spindle.testing.omni_conformance import lines, omni_processor, stock_call, stock_processor, video_with_audio
 
 
 @pytest.fixture(scope="module")
@@ -120,17 +119,6 @@ def test_audio_parts_are_refused_for_a_vision_language_model(tiny_qwen2_5_vl, om
     )
     with pytest.raises(ValueError, match="qwen2_5_vl models take no audio; audio parts need an omni-modal model"):
         conversation_document(lines(omni_conversations)[0], omni_conversations.parent, processor, 4096, "x")
-
-
-def video_with_audio(folder: Path) -> Path:
-    """A 3 s, 4 fps mp4 (brightening frames) with a 3 s 440 Hz AAC track."""
-    from spindle.data.audio import add_audio_track
-    from spindle.data.media import write_video
-
-    frames = np.stack([np.full((56, 56, 3), 20 * i, dtype=np.uint8) for i in range(12)])
-    write_video(folder / "plain.mp4", frames, fps=4)
-    t = np.arange(48000) / 16000
-    return add_audio_track(folder / "plain.mp4", 0.5 * np.sin(2 * np.pi * 440 * t), 16000, folder / "clip.mp4")
 
 
 def test_use_audio_in_video_interleaves_the_track_with_the_frames(tiny_qwen2_5_omni, stock_thinker, tmp_path):

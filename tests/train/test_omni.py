@@ -14,7 +14,7 @@ import torch
 from spindle.api import load_job_config, make_trainer
 from spindle.registry import get_family
 from spindle.testing import omni_conformance as suite
-from spindle.testing.vlm_conformance import grad_norm, subset
+from spindle.testing.vlm_conformance import check_stock_step, subset
 from tests.conftest import omni_overrides, omni_train, vlm_overrides
 
 FAMILY = get_family("qwen2_5_omni")
@@ -128,46 +128,21 @@ def test_use_audio_in_video_step1_equals_the_stock_thinker(tiny_qwen2_5_omni, ti
     use_audio_in_video. A VLM family refuses the option."""
     from spindle.api import check_job_plan
     from spindle.config import ConfigError
-    from spindle.data.multimodal import collate_vision
-    from tests.data.test_omni_data import video_with_audio
 
-    data = tmp_path / "data"
-    data.mkdir()
-    video_with_audio(data)
-    user = [{"type": "video", "video": "clip.mp4"}, {"type": "text", "text": "What?"}]
-    line = {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": "A tone."}]}
-    (data / "data.jsonl").write_text(json.dumps(line) + "\n")
+    data = suite.video_conversation(tmp_path / "data")
     trainer, _ = omni_train(
         tiny_qwen2_5_omni,
-        data / "data.jsonl",
+        data,
         tmp_path / "run",
         data__packing=False,
         train__max_steps=1,
         data__use_audio_in_video=True,
     )
     logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
-    batch = trainer.loader.dataset[0]
-    inputs = collate_vision(batch["vision"])
-    ids = batch["input_ids"][None]
-    labels = batch["shift_labels"]
-    # stock takes unshifted labels: position i+1's label is shift_labels[i]
-    stock_labels = torch.cat([torch.tensor([-100]), labels[:-1]])[None]
-    model = suite.stock_thinker(FAMILY, tiny_qwen2_5_omni)
-    loss = model(
-        input_ids=ids,
-        attention_mask=batch["attention_mask"][None],
-        labels=stock_labels,
-        use_audio_in_video=True,
-        video_second_per_grid=inputs.pop("second_per_grid_ts"),
-        **inputs,
-    ).loss
-    loss.backward()
-    assert logged["loss"] == pytest.approx(float(loss.detach()), rel=1e-5)
-    assert logged["grad_norm"] == pytest.approx(grad_norm(model), rel=1e-4)
+    inputs = suite.row_stock_inputs(trainer.loader.dataset[0], use_audio_in_video=True)
+    check_stock_step(FAMILY, suite.stock_thinker(FAMILY, tiny_qwen2_5_omni), inputs, logged)
 
-    cfg = load_job_config(
-        None, vlm_overrides(tiny_qwen2_5_vl, data / "data.jsonl", tmp_path, data__use_audio_in_video=True)
-    )
+    cfg = load_job_config(None, vlm_overrides(tiny_qwen2_5_vl, data, tmp_path, data__use_audio_in_video=True))
     with pytest.raises(ConfigError, match=r"data\.use_audio_in_video: qwen2_5_vl models: they do not take"):
         check_job_plan(cfg, 1)
 

@@ -13,7 +13,7 @@ import torch
 
 from spindle.registry import get_family
 from spindle.testing import omni_conformance as suite
-from spindle.testing.vlm_conformance import grad_norm, subset
+from spindle.testing.vlm_conformance import check_stock_step, subset
 from tests.conftest import omni_train
 
 FAMILY = get_family("qwen3_omni_moe")
@@ -49,47 +49,24 @@ def test_video_step1_equals_the_stock_thinker(with_audio, tiny_qwen3_omni_moe, t
     thinker given Spindle's tokens, frames and track features, computing its own 3-D positions from the grid,
     the seconds per grid and (with audio) the track's length. (The stock video processor needs torchvision, so
     the frames are Spindle's on both sides.)"""
-    from spindle.data.multimodal import collate_vision
-    from tests.data.test_omni_data import video_with_audio
-
-    data = tmp_path / "data"
-    data.mkdir()
-    video_with_audio(data)
-    user = [{"type": "video", "video": "clip.mp4"}, {"type": "text", "text": "What?"}]
-    line = {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": "A tone."}]}
-    (data / "data.jsonl").write_text(json.dumps(line) + "\n")
+    data = suite.video_conversation(tmp_path / "data")
     trainer, _ = omni_train(
         tiny_qwen3_omni_moe,
-        data / "data.jsonl",
+        data,
         tmp_path / "run",
         data__packing=False,
         train__max_steps=1,
         data__use_audio_in_video=with_audio,
     )
     logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
-    batch = trainer.loader.dataset[0]
-    inputs = collate_vision(batch["vision"])
+    inputs = suite.row_stock_inputs(trainer.loader.dataset[0], use_audio_in_video=with_audio)
     assert "pixel_values_videos" in inputs and ("input_features" in inputs) == with_audio
-    ids = batch["input_ids"]
-    config = trainer.model.config
+    ids, config = inputs["input_ids"], trainer.model.config
     if with_audio:  # the frames' and the track's tokens interleave inside <|audio_start|> ... <|audio_end|>
-        first_audio = int((ids == config.audio_token_id).nonzero()[0])
-        last_video = int((ids == config.video_token_id).nonzero()[-1])
+        first_audio = int((ids == config.audio_token_id).nonzero()[0, 1])
+        last_video = int((ids == config.video_token_id).nonzero()[-1, 1])
         assert first_audio < last_video and int((ids == config.audio_start_token_id).sum()) == 1
-    labels = batch["shift_labels"]
-    model = suite.stock_thinker(FAMILY, tiny_qwen3_omni_moe)
-    out = model(
-        input_ids=ids[None],
-        attention_mask=batch["attention_mask"][None],
-        labels=torch.cat([torch.tensor([-100]), labels[:-1]])[None],  # stock shifts: i+1's label is shift_labels[i]
-        video_second_per_grid=inputs.pop("second_per_grid_ts"),
-        use_audio_in_video=with_audio,
-        output_router_logits=True,
-        **inputs,
-    )
-    out.loss.backward()
-    assert logged["loss"] == pytest.approx(float(out.loss.detach()), rel=1e-5)
-    assert logged["grad_norm"] == pytest.approx(grad_norm(model), rel=1e-4)
+    check_stock_step(FAMILY, suite.stock_thinker(FAMILY, tiny_qwen3_omni_moe), inputs, logged)
 
 
 def test_lora_adapts_the_decoder_attention_and_exports_adapters(tiny_qwen3_omni_moe, omni_conversations, tmp_path):
