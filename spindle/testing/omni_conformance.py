@@ -202,6 +202,13 @@ def row_stock_inputs(row: dict[str, Any], use_audio_in_video: bool) -> dict[str,
     }
 
 
+def check_speakers(family: OmniFamily, model: Any, folder: Path) -> None:
+    """A folder with a speaker table (spk_dict.pt) loads into a full model that knows its speakers."""
+    if (folder / "spk_dict.pt").is_file():
+        speakers = torch.load(folder / "spk_dict.pt", weights_only=True)
+        assert speakers and set(model.speaker_map) == set(speakers), f"{family.name}: speakers"
+
+
 # ---------------------------------------------------------------- the tiny checkpoint
 
 
@@ -245,9 +252,7 @@ def check_stock_load(family: OmniFamily, path: Path) -> None:
                 [torch.cat([stored[f"{e}.gate_proj.weight"], stored[f"{e}.up_proj.weight"]]) for e in experts]
             )
         assert value.abs().sum() > 0 and torch.equal(value, want), f"{family.name}: loaded {key}"
-    if (path / "spk_dict.pt").is_file():
-        speakers = torch.load(path / "spk_dict.pt", weights_only=True)
-        assert speakers and set(model.speaker_map) == set(speakers), f"{family.name}: speakers"
+    check_speakers(family, model, path)
 
     assert resolve_family(path).name == family.name
     parts = {name: family.part_of(name) for name, _ in model.thinker.named_parameters()}
@@ -283,12 +288,13 @@ def check_step_one(family: OmniFamily, model_path: Path, data: Path, logged: dic
 
 def check_export(
     family: OmniFamily, base: Path, run: Path, trained: dict[str, torch.Tensor], conversations: Path
-) -> None:
+) -> dict[str, torch.Tensor]:
     """The export of a run on `conversations` keeps the base folder's tensor names and dtypes (the thinker's
     experts in the input's layout) and every other file of it byte for byte, the untrained sub-models' tensors
     byte-identical; the stock full model loads it with no key missing, unexpected or mismatched, its thinker
-    holding the trained weights (and changed from the base: for an MoE family its experts too), and answers
-    the first conversation's audio clip (greedy text generation from the stock processor's prompt)."""
+    holding the trained weights (and changed from the base: for an MoE family its experts too) and the
+    speakers, and answers the first conversation's audio clip (greedy text generation from the stock
+    processor's prompt). -> the loaded thinker's state dict."""
     from spindle.data.audio import decode_audio
     from spindle.train.tasks import get_task
 
@@ -311,7 +317,8 @@ def check_export(
     assert thinker.keys() == trained.keys(), f"{family.name}: {sorted(thinker.keys() ^ trained.keys())}"
     for k, v in thinker.items():
         assert torch.equal(v, trained[k]), f"{family.name}: exported {k}"
-    base_thinker = stock_full_model(family, base).thinker.state_dict()
+    check_speakers(family, model, export)
+    base_thinker = stock_thinker(family, base).state_dict()
     changed = [k for k, v in base_thinker.items() if not torch.equal(v, thinker[k])]
     assert changed, f"{family.name}: training changed nothing"
     if get_task(family.task).supports_expert_parallel:
@@ -333,17 +340,17 @@ def check_export(
     ids = inputs["input_ids"]
     assert out.shape == (1, ids.shape[1] + 5) and torch.equal(out[:, : ids.shape[1]], ids), family.name
     assert isinstance(stock.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)[0], str)
+    return thinker
 
 
-def check_cli_export(family: OmniFamily, base: Path, export: Path, cli: Path) -> None:
+def check_cli_export(family: OmniFamily, base: Path, export: Path, cli: Path, thinker: dict[str, torch.Tensor]) -> None:
     """`spindle export` of the final checkpoint (written to `cli`) writes the same folder as the run's export:
     the same tensor names and dtypes, the untrained tensors byte-identical to the input's, and a thinker the
-    stock full model loads with the same weights."""
+    stock full model loads with the export's weights (`thinker`, what check_export loaded)."""
     assert vlm_suite.safetensors_dtypes(cli) == vlm_suite.safetensors_dtypes(export), family.name
     assert untrained_bytes(cli, family.untrained) == untrained_bytes(base, family.untrained), family.name
-    ran = stock_full_model(family, export).thinker.state_dict()
     again = stock_full_model(family, cli).thinker.state_dict()
-    assert all(torch.equal(again[k], ran[k]) for k in ran), family.name
+    assert again.keys() == thinker.keys() and all(torch.equal(again[k], thinker[k]) for k in thinker), family.name
 
 
 # ---------------------------------------------------------------- parallel layouts equal one process

@@ -66,11 +66,11 @@ def test_export_loads_in_the_stock_full_model_and_answers_an_audio_clip(
     checkpoint writes the same folder on one process."""
     family, base = get_family(name), tiny_checkpoint(name)
     trainer, _ = omni_train(base, omni_conversations, tmp_path / "run", train__max_steps=2)
-    suite.check_export(family, base, tmp_path / "run", trainer.model.state_dict(), omni_conversations)
+    thinker = suite.check_export(family, base, tmp_path / "run", trainer.model.state_dict(), omni_conversations)
 
     r = spindle_cli("export", tmp_path / "run", "--out", tmp_path / "cli")
     assert r.returncode == 0, r.stderr
-    suite.check_cli_export(family, base, tmp_path / "run" / "export", tmp_path / "cli")
+    suite.check_cli_export(family, base, tmp_path / "run" / "export", tmp_path / "cli", thinker)
 
 
 # ---------------------------------------------------------------- parallel layouts equal one process
