@@ -10,8 +10,11 @@ import json
 import torch
 
 
-def test_one_preprocessor_config_serves_images_and_audio(tiny_qwen2_5_omni):
+def test_tiny_folders_processor_tokens_speakers_and_family_records(tiny_qwen2_5_omni, tiny_qwen3_omni_moe):
     from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoTokenizer
+
+    from spindle.contracts.family import OmniFamily
+    from spindle.registry import resolve_family
 
     fields = json.loads((tiny_qwen2_5_omni / "preprocessor_config.json").read_text())
     assert fields["image_processor_type"] == "Qwen2VLImageProcessor"
@@ -31,13 +34,6 @@ def test_one_preprocessor_config_serves_images_and_audio(tiny_qwen2_5_omni):
         "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
         "<|audio_bos|><|AUDIO|><|audio_eos|>What?<|im_end|>\n<|im_start|>assistant\nA tone.<|im_end|>\n"
     )
-
-
-def test_family_records_resolve_and_name_their_parts(tiny_qwen2_5_omni, tiny_qwen3_omni_moe):
-    from transformers import AutoTokenizer
-
-    from spindle.contracts.family import OmniFamily
-    from spindle.registry import resolve_family
 
     assert set(torch.load(tiny_qwen2_5_omni / "spk_dict.pt", weights_only=True)) == {"Chelsie", "Ethan"}
     family = resolve_family(tiny_qwen2_5_omni)
