@@ -23,23 +23,28 @@ def trained_only_adapters(trainer) -> set[str]:
     return states
 
 
-def test_qwen3_lora_exports_a_peft_folder_and_a_merged_model(tiny_qwen3, lm_corpus, tmp_path, spindle_cli):
+def check_peft_and_merged(trainer, base_path, export) -> None:
+    """The trained LoRA model's logits: changed from the base, equal to stock `PeftModel` over the base with
+    `export/lora`, and the merged folder `export/merged` loaded alone gives the same logits (1e-5)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    trainer, _ = lm_train(tiny_qwen3, lm_corpus, tmp_path / "run", train__max_steps=2, **LORA)
-    trained_only_adapters(trainer)
-    export = tmp_path / "run" / "export"
     ids = torch.tensor([[5, 9, 14, 3, 22, 7, 11, 30]])
-    model = trainer.model.eval()
     with torch.no_grad():
-        ours = model(input_ids=ids).logits
-        base = AutoModelForCausalLM.from_pretrained(tiny_qwen3).eval()
+        ours = trainer.model.eval()(input_ids=ids).logits
+        base = AutoModelForCausalLM.from_pretrained(base_path).eval()
         assert (ours - base(input_ids=ids).logits).abs().max() > 1e-3  # the adapters changed the model
         peft = PeftModel.from_pretrained(base, export / "lora").eval()
         torch.testing.assert_close(peft(input_ids=ids).logits, ours, rtol=0, atol=1e-5)
         merged = AutoModelForCausalLM.from_pretrained(export / "merged").eval()
         torch.testing.assert_close(merged(input_ids=ids).logits, ours, rtol=0, atol=1e-5)
+
+
+def test_qwen3_lora_exports_a_peft_folder_and_a_merged_model(tiny_qwen3, lm_corpus, tmp_path, spindle_cli):
+    trainer, _ = lm_train(tiny_qwen3, lm_corpus, tmp_path / "run", train__max_steps=2, **LORA)
+    trained_only_adapters(trainer)
+    export = tmp_path / "run" / "export"
+    check_peft_and_merged(trainer, tiny_qwen3, export)
     assert json.loads((export / "lora" / "adapter_config.json").read_text())["r"] == 4
 
     # `spindle export` of the LoRA checkpoint writes the same adapters on one process.
@@ -101,23 +106,13 @@ def test_moe_lora_adapts_the_attention_and_exports_a_peft_folder(tiny_qwen3_moe,
     """A mixture-of-experts model's LoRA adapts its attention projections (its experts are fused
     parameters): stock peft + transformers load the PEFT folder with the trained model's outputs, the
     merged folder loads alone, and `spindle export` of the checkpoint writes the same adapters."""
-    from peft import PeftModel
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
     trainer, _ = lm_train(tiny_qwen3_moe, lm_corpus, tmp_path / "run", train__max_steps=2, **LORA)
     adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in trained_only_adapters(trainer)}
     assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj"}
     export = tmp_path / "run" / "export"
-    ids = torch.tensor([[5, 9, 14, 3, 22, 7, 11, 30]])
-    with torch.no_grad():
-        ours = trainer.model.eval()(input_ids=ids).logits
-        base = AutoModelForCausalLM.from_pretrained(tiny_qwen3_moe).eval()
-        assert (ours - base(input_ids=ids).logits).abs().max() > 1e-3  # the adapters changed the model
-        peft = PeftModel.from_pretrained(base, export / "lora").eval()
-        torch.testing.assert_close(peft(input_ids=ids).logits, ours, rtol=0, atol=1e-5)
-        merged = AutoModelForCausalLM.from_pretrained(export / "merged").eval()
-        torch.testing.assert_close(merged(input_ids=ids).logits, ours, rtol=0, atol=1e-5)
+    check_peft_and_merged(trainer, tiny_qwen3_moe, export)
     r = spindle_cli("export", tmp_path / "run", "--out", tmp_path / "cli")
     assert r.returncode == 0, r.stderr
     a, b = (load_file(d / "lora" / "adapter_model.safetensors") for d in (export, tmp_path / "cli"))
@@ -159,30 +154,21 @@ def test_moe_lora_on_the_experts_exports_what_stock_peft_loads(tiny_qwen3_moe, l
     stock `PeftModel.from_pretrained` with the trained model's logits and the key names and config
     stock PEFT writes for the same adapters; the merged folder loads alone with the same logits; and
     `spindle export` of the checkpoint writes the same folder."""
-    from peft import PeftModel, get_peft_model_state_dict
+    from peft import get_peft_model_state_dict
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
     lora = dict(LORA, train__lora='{"rank": 4, "alpha": 8, "targets": ["experts"]}')
     trainer, _ = lm_train(tiny_qwen3_moe, lm_corpus, tmp_path / "run", train__max_steps=2, **lora)
     adapted = trained_only_adapters(trainer)
     assert {n.split(".lora_")[0].split(".mlp.")[-1] for n in adapted} == {"experts", "experts.base_layer"}
     export = tmp_path / "run" / "export"
-    ids = torch.tensor([[5, 9, 14, 3, 22, 7, 11, 30]])
-    with torch.no_grad():
-        ours = trainer.model.eval()(input_ids=ids).logits
-        base = AutoModelForCausalLM.from_pretrained(tiny_qwen3_moe).eval()
-        assert (ours - base(input_ids=ids).logits).abs().max() > 1e-3  # the adapters changed the model
-        peft = PeftModel.from_pretrained(base, export / "lora").eval()
-        torch.testing.assert_close(peft(input_ids=ids).logits, ours, rtol=0, atol=1e-5)
-        merged = AutoModelForCausalLM.from_pretrained(export / "merged").eval()
-        torch.testing.assert_close(merged(input_ids=ids).logits, peft(input_ids=ids).logits, rtol=0, atol=1e-5)
+    check_peft_and_merged(trainer, tiny_qwen3_moe, export)
     # what stock PEFT's save_pretrained writes for adapters on the same parameters: the same keys and shapes
     stock = get_peft_model_state_dict(stock_peft_experts(tiny_qwen3_moe, seed=0, rank=4, alpha=8))
     ours_file = load_file(export / "lora" / "adapter_model.safetensors")
     assert {k: v.shape for k, v in ours_file.items()} == {k: v.shape for k, v in stock.items()}
     config = json.loads((export / "lora" / "adapter_config.json").read_text())
-    layers = base.config.num_hidden_layers
+    layers = trainer.model.config.num_hidden_layers
     assert config["target_modules"] is None and len(config["target_parameters"]) == 2 * layers  # 2 per MoE layer
     r = spindle_cli("export", tmp_path / "run", "--out", tmp_path / "cli")
     assert r.returncode == 0, r.stderr
