@@ -220,10 +220,11 @@ class ValidationConfig(Section):
     num_frames: int | None = Field(None, ge=1, description="video families; default: data.num_frames")
     guidance_scale: float | None = Field(None, description="default: the family's sampling default")
     use_ema: bool = Field(False, description="render with the EMA of the weights (needs train.ema) instead of them")
-    images: list[str] = Field(
+    images: list[str | list[str]] = Field(
         default_factory=list,
-        description="image-conditioned families (image-to-video, image edits): the conditioning image file of each "
-        "prompt (one per prompt)",
+        description="image-conditioned families (image-to-video, image edits): the conditioning image of each "
+        "prompt (one entry per prompt), or a list of images for a request that takes several (a first-last-frame "
+        "Wan's [first, last], Qwen-Image-Edit-Plus's references)",
     )
     options: dict[str, Any] = Field(
         default_factory=dict,

@@ -77,6 +77,13 @@ class ConditionModel(ABC):
         """The checkpoint's pixel grid (data.buckets), from its configs alone (no weight is read)."""
         raise NotImplementedError(f"{cls.__name__} declares no pixel grid, which data.buckets needs")
 
+    @classmethod
+    def request_images(cls, root: str | Path) -> tuple[int, int] | None:
+        """How many conditioning images a request to this checkpoint takes (least, most), from its configs
+        alone, where the checkpoint narrows the family's `options.images` (a first-last-frame Wan needs
+        two); None: the family's bounds. Checked before launch for `train.validation.images`."""
+        return None
+
     def target_prediction(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The part of the transformer's output that the loss compares with `target`. Edit families append
         their reference images' tokens to the noisy latents' on the sequence axis and learn only the first

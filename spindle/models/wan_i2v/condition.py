@@ -38,6 +38,16 @@ class WanI2VConditionModel(WanConditionModel):
                 f"model.max_text_length: {TEXT_LENGTH}"
             )
 
+    @classmethod
+    def request_images(cls, root: str | Path) -> tuple[int, int] | None:
+        """With image embeddings (Wan2.1 I2V): one image, or exactly two for a first-last-frame (FLF2V)
+        transformer (`pos_embed_seq_len`, as `read_checkpoint`); without (Wan2.2): the family's bounds."""
+        index = json.loads((Path(root) / "model_index.json").read_text())
+        if not any((index.get(name) or [None])[0] for name in ("image_encoder", "image_processor")):
+            return None
+        config = json.loads((Path(root) / "transformer" / "config.json").read_text())
+        return (2, 2) if config.get("pos_embed_seq_len") is not None else (1, 1)
+
     @torch.no_grad()
     def encode_images(
         self, images: torch.Tensor, num_frames: int, last_images: torch.Tensor | None = None

@@ -342,22 +342,32 @@ class FlowMatchingTask(TrainTask):
 
 
 def check_validation_images(cfg: DiTJobConfig, family: DiTFamily) -> None:
-    """`train.validation.images`: one existing image file per prompt for a family that takes conditioning
-    images, none for one that does not (checked before launch, not at the first validation step)."""
+    """`train.validation.images`: for a family that takes conditioning images, one entry per prompt (a path,
+    or a list of paths for a request of several images) holding as many existing files as a request to
+    this checkpoint takes; none for one that does not (checked before launch, not at the first validation step)."""
     val = cfg.train.validation
-    needs, takes = (n > 0 for n in family.options.images)  # (an optional image: Wan2.2 TI2V)
+    least, most = family.options.images  # (an optional image: Wan2.2 TI2V)
     if not val.every_steps or not val.prompts:
         return
-    if not takes and val.images:
+    if not most and val.images:
         raise ValueError(f"train.validation.images: {family.name} generates from text alone; remove the images")
-    if (needs or val.images) and len(val.images) != len(val.prompts):
+    if (least or val.images) and len(val.images) != len(val.prompts):
         raise ValueError(
             f"train.validation.images: {family.name} needs a conditioning image per validation prompt; got "
             f"{len(val.images)} image(s) for {len(val.prompts)} prompt(s)"
         )
-    for path in val.images:
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"train.validation.images: {path} does not exist")
+    least, most = family.condition_model_cls().request_images(cfg.model.path) or (least, most)
+    for index, entry in enumerate(val.images):
+        paths = [entry] if isinstance(entry, str) else entry
+        if not least <= len(paths) <= most:
+            want = str(least) if least == most else f"{least} to {most}"
+            raise ValueError(
+                f"train.validation.images[{index}]: a {family.name} request to {cfg.model.path} takes {want} "
+                f"image(s) (e.g. a first-last-frame checkpoint: [first, last]); got {len(paths)}"
+            )
+        for path in paths:
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"train.validation.images: {path} does not exist")
     if val.options:  # the family's sampling options: names, types, bounds (sizes are checked per request)
         from spindle.contracts.request import RequestError, SamplingParams
 
