@@ -31,6 +31,10 @@ class PixelGrid:
 class ConditionModel(ABC):
     """Frozen condition components of a family; pure functions of the data (precomputable)."""
 
+    # what `encode` writes, as a number: bump it when the encoding changes, so that `spindle precompute`
+    # caches made before are refused (spindle.data.precomputed.cache_settings) instead of read as current
+    encoding_version: int = 1
+
     # how training draws sigmas (the job's `train.timestep`, a `spindle.config.TimestepConfig`)
     timestep_sampling: Any
     # the sigmas training draws are mapped into [low, high] (a two-expert family's trained expert's range)

@@ -24,6 +24,8 @@ from spindle.models.wan_i2v import TEXT_LENGTH
 
 class WanI2VConditionModel(WanConditionModel):
     pipeline_class = "diffusers:WanImageToVideoPipeline"
+    # 2: the first-last-frame (FLF2V) conditions and the last frame in the cache key
+    encoding_version = 2
     # the text length the transformer fixes (None: any), see below
     fixed_text_length: int | None = TEXT_LENGTH
 

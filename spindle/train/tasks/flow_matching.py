@@ -209,7 +209,12 @@ class FlowMatchingTask(TrainTask):
         self._mix = built.mix
         source: Any = media
         if data.precomputed is not None:  # the same samples, read as cached conditions
-            settings = cache_settings(self.cfg, self.family.name, condition_dtype(self.precision))
+            settings = cache_settings(
+                self.cfg,
+                self.family.name,
+                condition_dtype(self.precision),
+                self.family.condition_model_cls().encoding_version,
+            )
             source = CachedConditions(data.precomputed, settings, media.samples, media.captions)
         collate_fn = collate if data.precomputed is None else collate_conditions
         self._loader = resumable_loader(self, source, collate_fn, order=built.order)
