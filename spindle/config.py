@@ -417,7 +417,22 @@ class CausalLMJobConfig(TrainJobConfig):
 VLMPart = Literal["audio", "vision", "aligner", "language"]
 
 
+class VLMLoraConfig(LoraConfig):
+    """`train.lora:` of a vision-language (or omni) job: LoRA adapters on the parts `parts` names."""
+
+    parts: list[VLMPart] = Field(
+        default_factory=lambda: ["language"],
+        min_length=1,
+        description="the family's parts (as train.freeze names them) that get adapters: language (the decoder "
+        "layers), vision (the vision tower's blocks: attention qkv/proj and MLP), aligner (the merger into the "
+        "language model), audio (the audio encoder's layers, omni models); targets resolve inside them",
+    )
+
+
 class VLMTrainConfig(TrainConfig):
+    lora: VLMLoraConfig | None = Field(  # type: ignore[assignment]  # the VLM section narrows the base's
+        None, description="train LoRA adapters only (see LoraConfig; parts: which parts get them)"
+    )
     freeze: list[VLMPart] = Field(
         default_factory=list,
         description="parts that are not trained (no gradient, no optimizer state): vision (the vision tower), "
