@@ -95,6 +95,40 @@ def test_qwen3_vl_vision_lora_exports_what_stock_peft_loads(tiny_checkpoint, vlm
     assert any(".visual.blocks.0.mlp.linear_fc1." in n for n in adapted)
 
 
+@pytest.mark.parametrize("name", ["qwen2_5_omni", "qwen3_omni_moe"])
+def test_omni_thinker_lora_on_every_part_loads_in_stock_peft(name, tiny_checkpoint, omni_conversations, tmp_path):
+    """The omni thinkers (the same VLM code): adapters on the audio encoder's layers, the vision blocks, the
+    aligners (vision merger, audio projection) and the decoder, every base weight frozen; stock PEFT loads the
+    folder onto the stock thinker with the trained logits on an image + audio conversation (1e-5)."""
+    from peft import PeftModel
+
+    from tests.train import test_omni, test_omni_moe
+
+    inputs_of, thinker = {
+        "qwen2_5_omni": (test_omni.stock_inputs, test_omni.stock_thinker),
+        "qwen3_omni_moe": (test_omni_moe.qwen3_stock_inputs, test_omni_moe.stock_thinker),
+    }[name]
+    root = tiny_checkpoint(name)
+    data = test_omni.subset(omni_conversations, tmp_path / "data", [2])  # an image, then an audio clip
+    parts = ["audio", "vision", "aligner", "language"]
+    trainer, _ = test_omni.omni_train(
+        root, data, tmp_path / "run", train__max_steps=2, train__lr=1e-2, train__lora=lora(parts)
+    )
+    adapted = trained_only_adapters(trainer)
+    family = get_family(name)
+    assert {family.part_of(n) for n in adapted} == set(parts)
+    assert any(n.startswith("model.audio_tower.layers.0.") for n in adapted)
+    assert any(n.startswith("model.visual.blocks.0.attn.") for n in adapted)  # qkv, or q/k/v (Qwen2.5-Omni)
+    (inputs,) = inputs_of(root, data)
+    inputs.pop("labels")
+    with torch.no_grad():
+        ours = trainer.model.eval()(**inputs).logits
+        base = thinker(root).eval()
+        assert (ours - base(**inputs).logits).abs().max() > 1e-4  # the adapters changed the thinker
+        peft = PeftModel.from_pretrained(base, tmp_path / "run" / "export" / "lora").eval()
+        torch.testing.assert_close(peft(**inputs).logits, ours, rtol=0, atol=1e-5)
+
+
 def test_text_only_batch_gives_the_vision_adapters_a_zero_gradient(tiny_qwen2_5_vl, vlm_conversations, tmp_path):
     """A micro-batch with no image runs the vision tower's dummy forward through its adapters (what keeps
     FSDP2's collectives in step): each vision adapter gets a gradient, all zeros; the base stays without one."""
