@@ -7,7 +7,9 @@ loss, export) with what vision adds:
   so packed documents never attend to each other; vision inputs in token order).
 - Freezing: `train.freeze` names parts of the family (`VLMFamily.parts`: vision, aligner, language);
   their parameters get `requires_grad=False` before FSDP, so they carry no gradient and no optimizer
-  state (the optimizer takes trainable parameters only).
+  state (the optimizer takes trainable parameters only). LoRA: `train.lora.parts` picks the parts whose
+  blocks get adapters (default the language model; spindle/train/tasks/vlm_lora.py), and freezing leaves
+  the adapters trainable.
 - A hook on the language model's input (`VisionStep`), inside the model's own forward so FSDP2's root
   hooks stay in charge: (1) a micro-batch without an image (or video, or audio clip on an omni model)
   still runs that tower on a dummy input, its output added with weight zero, so every data-parallel
