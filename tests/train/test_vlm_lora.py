@@ -67,10 +67,15 @@ def test_vision_lora_step_one_equals_stock_peft(name, parts, tiny_checkpoint, vl
     assert logged["grad_norm"] == pytest.approx(suite.grad_norm(stock), rel=1e-5)  # tighter than the suite's 1e-4
 
 
-def test_vision_lora_with_everything_frozen_exports_what_stock_peft_loads(tiny_qwen2_5_vl, vlm_conversations, tmp_path):
+def test_vision_lora_with_everything_frozen_exports_what_stock_peft_loads(
+    tiny_qwen2_5_vl, vlm_conversations, tmp_path, spindle_cli
+):
     """`train.freeze` of every part with adapters on all three (language, vision blocks, merger): only the
     adapters have optimizer state, stock `PeftModel.from_pretrained(AutoModelForImageTextToText...)` gives the
-    trained logits on an image conversation and the merged folder the same."""
+    trained logits on an image conversation and the merged folder the same; `spindle export` of the checkpoint
+    writes the same adapters."""
+    from safetensors.torch import load_file
+
     adapted = check_vlm_lora_export(
         tiny_qwen2_5_vl,
         vlm_conversations,
@@ -81,6 +86,12 @@ def test_vision_lora_with_everything_frozen_exports_what_stock_peft_loads(tiny_q
     )
     assert any(".visual.blocks.0.attn.qkv." in n for n in adapted)
     assert any(".visual.merger.mlp.0." in n for n in adapted)
+    r = spindle_cli("export", tmp_path / "run", "--out", tmp_path / "cli")
+    assert r.returncode == 0, r.stderr
+    a, b = (
+        load_file(d / "lora" / "adapter_model.safetensors") for d in (tmp_path / "run" / "export", tmp_path / "cli")
+    )
+    assert any(".visual.blocks." in k for k in a) and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_qwen3_vl_vision_lora_exports_what_stock_peft_loads(tiny_checkpoint, vlm_conversations, tmp_path):
