@@ -94,10 +94,12 @@ def test_vision_lora_with_everything_frozen_exports_what_stock_peft_loads(
     assert any(".visual.blocks." in k for k in a) and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_qwen3_vl_vision_lora_exports_what_stock_peft_loads(tiny_checkpoint, vlm_conversations, tmp_path):
-    """Qwen3-VL (deepstack mergers beside the merger): adapters on the vision blocks and the language model."""
+@pytest.mark.parametrize("name", ["qwen3_vl", "qwen3_vl_moe"])
+def test_qwen3_vl_vision_lora_exports_what_stock_peft_loads(name, tiny_checkpoint, vlm_conversations, tmp_path):
+    """Qwen3-VL's tower (deepstack mergers beside the merger), over a dense and an MoE decoder: adapters on the
+    vision blocks and the language model load in stock PEFT and merge."""
     adapted = check_vlm_lora_export(
-        tiny_checkpoint("qwen3_vl"),
+        tiny_checkpoint(name),
         vlm_conversations,
         tmp_path,
         lora(["language", "vision"]),
