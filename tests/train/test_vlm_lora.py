@@ -56,6 +56,7 @@ def test_vision_lora_step_one_equals_stock_peft(name, parts, tiny_checkpoint, vl
     )
     logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     trained_only_adapters(trainer)
+    assert all(".lora_" in n for n, p in trainer.model.named_parameters() if p.requires_grad)  # no base weight
 
     targets = "|".join(STOCK_TARGETS[p] for p in parts)
     stock = get_peft_model(suite.stock_model(root), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
