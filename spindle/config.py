@@ -418,12 +418,29 @@ class CausalLMJobConfig(TrainJobConfig):
 VLMPart = Literal["audio", "vision", "aligner", "language"]
 
 
+class VLMLoraConfig(LoraConfig):
+    """`train.lora:` of a vision-language (or omni) job: LoRA adapters on the parts `parts` names."""
+
+    parts: list[VLMPart] = Field(
+        default_factory=lambda: list[VLMPart](["language"]),
+        min_length=1,
+        description="the family's parts (as train.freeze names them) that get adapters: language (the decoder "
+        "layers), vision (the vision tower's blocks: attention qkv/proj and MLP), aligner (the merger into the "
+        "language model), audio (the audio encoder's layers, omni models); default [language]; train.lora.targets "
+        "selects among their linear layers",
+    )
+
+
 class VLMTrainConfig(TrainConfig):
+    lora: VLMLoraConfig | None = Field(
+        None, description="train LoRA adapters only (see LoraConfig; parts: which parts get them)"
+    )
     freeze: list[VLMPart] = Field(
         default_factory=list,
         description="parts that are not trained (no gradient, no optimizer state): vision (the vision tower), "
         "audio (the audio encoder, omni models), aligner (what maps tower features into the language model), "
-        "language (the language model and its head)",
+        "language (the language model and its head); with train.lora, which freezes every base weight, a "
+        "freeze list must name every part that train.lora.parts does not adapt",
     )
 
 

@@ -273,15 +273,16 @@ def check_stock_load(family: VLMFamily, path: Path) -> Any:
 # ---------------------------------------------------------------- training against stock
 
 
-def check_step_one(family: VLMFamily, model_path: Path, data: Path, logged: dict[str, Any]) -> None:
+def check_step_one(family: VLMFamily, model_path: Path, data: Path, logged: dict[str, Any], model: Any = None) -> None:
     """Spindle's first step on the one conversation of `data` (unpacked, padded to SEQ) logs stock
     transformers' `model(input_ids, pixel_values, image_grid_thw, labels, **stock_loss_kwargs)` loss (1e-5),
-    the grad norm of its backward (1e-4) and each declared stock output (1e-5)."""
+    the grad norm of its backward (1e-4) and each declared stock output (1e-5). `model`: the stock model to
+    compare with (a stock PEFT model of a LoRA run; default: `stock_model(model_path)`)."""
     import pytest
 
     (inputs,) = stock_inputs(model_path, data)
     assert "pixel_values" in inputs, f"{family.name}: the step-1 conversation has no image"
-    model = stock_model(model_path)
+    model = stock_model(model_path) if model is None else model
     out = model(**inputs, **family.conformance.stock_loss_kwargs)
     out.loss.backward()
     outputs = {name: float(getattr(out, name).detach()) for name in family.conformance.stock_outputs}

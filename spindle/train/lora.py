@@ -50,7 +50,7 @@ def _relative(name: str) -> str:
     parts = name.split(".")
     for i, part in enumerate(parts):
         if part.isdigit():
-            return ".".join(parts[i + 1 :])
+            return ".".join(parts[i + 1 :]) or name  # a layer named by its index (a Sequential's mlp.0)
     return name
 
 

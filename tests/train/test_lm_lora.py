@@ -56,17 +56,25 @@ def test_qwen3_lora_exports_a_peft_folder_and_a_merged_model(tiny_qwen3, lm_corp
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def check_vlm_lora_export(root, vlm_conversations, tmp_path, lora: str) -> set[str]:
-    """A VLM LoRA run (`lora`: train.lora) adapts the language model only; stock peft + transformers load
-    its PEFT folder, and stock transformers its merged folder, with the trained model's logits (1e-5).
-    -> the adapted parameter names."""
+def check_vlm_lora_export(
+    root, vlm_conversations, tmp_path, lora: str, parts: set[str] = frozenset({"language"}), **overrides
+) -> set[str]:
+    """A VLM LoRA run (`lora`: train.lora; `overrides`: more of the config) adapts the blocks of `parts` only
+    (the language model's decoder layers by default); stock peft + transformers load its PEFT folder, and stock
+    transformers its merged folder, with the trained model's logits (1e-5). -> the adapted parameter names."""
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
+    from spindle.registry import family_of
+
     data = subset(vlm_conversations, tmp_path / "data", [0, 1])
-    trainer, _ = vlm_train(root, data, tmp_path / "run", train__max_steps=2, **dict(LORA, train__lora=lora))
+    trainer, _ = vlm_train(
+        root, data, tmp_path / "run", train__max_steps=2, **dict(LORA, train__lora=lora, **overrides)
+    )
     adapted = trained_only_adapters(trainer)
-    assert all(n.startswith("model.language_model.layers.") for n in adapted)
+    family = family_of(root)
+    assert {family.part_of(n) for n in adapted} == parts
+    assert all(".layers." in n for n in adapted if family.part_of(n) == "language")  # decoder layers, not the head
     export = tmp_path / "run" / "export"
     (inputs,) = stock_inputs(root, subset(vlm_conversations, tmp_path / "one", [0]))
     inputs.pop("labels")
@@ -98,7 +106,7 @@ def test_lora_is_refused_where_not_supported(tiny_qwen2_5_vl, lm_corpus, vlm_con
     vlm = load_job_config(
         None, lm_overrides(tiny_qwen2_5_vl, vlm_conversations, tmp_path, train__lora="{}", train__freeze='["vision"]')
     )
-    with pytest.raises(ConfigError, match=r"train\.freeze with train\.lora"):
+    with pytest.raises(ConfigError, match=r"train\.freeze=\[.vision.\] with train\.lora"):
         check_job_plan(vlm, 1)
 
 
