@@ -149,3 +149,15 @@ def test_one_image_family_refuses_two_and_text_models_refuse_edits(tiny_checkpoi
         err = assert_error(s.client.post("/v1/images/edits", files=[*plain.items(), upload()]), 400, "model")
         assert "generates images from text alone and takes no input image" in err["message"], err
         assert s.state.store.counters["submitted"] == 0
+
+
+def test_an_input_image_area_past_max_pixels_is_refused_naming_it(serve):
+    """--max-pixels bounds every image a request makes, the inputs resized to `image_area` too."""
+    s = serve(limits=ServeLimits(request=RequestLimits(max_pixels=3000)))
+    r = s.client.post("/v1/images/edits", files=[*form({**KW, "size": "32x32"}).items(), upload()])
+    err = assert_error(r, 400, "image_area", None)
+    assert "image_area is 4096 pixels; this server takes at most 3000 pixels per image (--max-pixels)" in err["message"]
+    assert s.state.store.counters["submitted"] == 0
+    small = {**KW, "size": "32x32", "image_area": 2048, "condition_image_area": 1024}  # both areas are inputs
+    ok = s.client.post("/v1/images/edits", files=[*form(small).items(), upload()])
+    assert ok.status_code == 200, ok.text

@@ -27,6 +27,7 @@ def _area(name: str, default: int, what: str) -> Option:
         default=default,
         minimum=32 * 32,
         maximum=MAX_IMAGE_AREA,
+        pixels=True,
         help=f"pixels of each input image as {what} (aspect kept, sides multiples of 32; the pipeline's "
         f"{int(default**0.5)}x{int(default**0.5)})",
     )
