@@ -70,11 +70,16 @@ def expert_lora_one(tiny_qwen3_moe, lm_corpus, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("layout", [{"parallel__dp_shard": 2}, {"parallel__sp": 2}], ids=["dp_shard2", "sp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [{"parallel__dp_shard": 2}, {"parallel__sp": 2}, {"parallel__ep": 2}],
+    ids=["dp_shard2", "sp2", "ep2"],
+)
 def test_expert_lora_two_processes_equal_one(layout, expert_lora_one, tiny_qwen3_moe, lm_corpus, tmp_path):
-    """LoRA on the fused experts (PEFT's ParamWrappers, whose parametrization swaps the expert weights
-    inside the FSDP2 unit's forward) and on q_proj, the frozen base and the adapters FSDP2-sharded over
-    dp_shard=2, or each row split over sp=2: the same losses, aux losses, grad norms and exported PEFT
+    """LoRA on the fused experts (held stacked by expert, added to the expert weights inside the experts'
+    forward: spindle.train.expert_lora) and on q_proj, the frozen base and the adapters FSDP2-sharded over
+    dp_shard=2, each row split over sp=2, or the experts and their adapters split over ep=2 (each rank
+    adapting its own experts' local weights): the same losses, aux losses, grad norms and exported PEFT
     adapters as one process."""
     import torch
     from safetensors.torch import load_file
