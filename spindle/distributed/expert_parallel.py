@@ -9,9 +9,10 @@ DTensors sharded on the expert dim over the `ep` mesh (a rank holds E/ep whole e
 shards those again over the `efsdp` ranks that hold the same experts (2-D: FSDP over efsdp x EP, as
 FSDP2 composes with TP), replicated over `dp_replicate` (HSDP, 3-D). DCP saves and loads the DTensors
 at any layout, so a checkpoint resumes at another `ep`. LoRA adapters of the fused experts are held
-stacked by expert (spindle.train.expert_lora) and sharded the same way (`_shard_stacked`). (Carving EP out of dp_shard alone, with the
-experts sharded over efsdp x sp, gives the same gradients, but that flattened mesh interleaves with
-`ep` in the root mesh's dim order and DTensor cannot take the gradient norm on the combined mesh.)
+stacked by expert (spindle.train.expert_lora) and sharded the same way (`_shard_stacked`). (Carving EP
+out of dp_shard alone, with the experts sharded over efsdp x sp, gives the same gradients, but that
+flattened mesh interleaves with `ep` in the root mesh's dim order and DTensor cannot take the gradient
+norm on the combined mesh.)
 
 Token exchange: transformers' own EP building blocks (transformers.distributed.expert_parallel):
 `MoEParamShard` shards the expert weights and sets the module's local expert count, and
