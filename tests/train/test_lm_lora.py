@@ -217,28 +217,10 @@ def test_merging_an_expert_adapter_adds_pefts_delta(transposed):
 
 
 def test_moe_lora_on_the_experts_refuses_what_peft_cannot_do(tiny_qwen3_moe, lm_corpus, tmp_path):
-    """Expert LoRA with `parallel.ep` > 1, or with dropout (PEFT's parameter adapters take none), is a
+    """Expert LoRA with dropout (PEFT's parameter adapters take none), or naming no expert parameter, is a
     config error naming the keys and the fix, raised before any weight is read."""
     from spindle.api import make_trainer
 
-    experts = '{"rank": 4, "targets": ["experts.down_proj"]}'
-    cfg = load_job_config(
-        None, lm_overrides(tiny_qwen3_moe, lm_corpus, tmp_path / "ep", train__lora=experts, parallel__ep=2)
-    )
-    with pytest.raises(
-        ConfigError, match=r"train.lora.targets: \[.experts.down_proj.\] .* parallel.ep=2 .* with parallel.ep: 1"
-    ):
-        check_job_plan(cfg, 2)
-    # every spelling PEFT's suffix rule resolves to the experts is refused, against the config's EP plan
-    from transformers import AutoConfig
-
-    from spindle.distributed.expert_parallel import ep_plan_of
-    from spindle.train.tasks.moe_causal_lm import names_experts
-
-    plan = tuple(ep_plan_of(AutoConfig.from_pretrained(tiny_qwen3_moe)))
-    for spelling in ["experts", "mlp.experts", "1.mlp.experts", "model.layers.1.mlp.experts.gate_up_proj", "down_proj"]:
-        assert names_experts(spelling, plan), spelling
-    assert not any(names_experts(t, plan) for t in ["q_proj", "self_attn.o_proj", "mlp.gate", "up_proj"])
     dropout = '{"rank": 4, "dropout": 0.1, "targets": ["experts"]}'
     cfg = load_job_config(None, lm_overrides(tiny_qwen3_moe, lm_corpus, tmp_path / "drop", train__lora=dropout))
     with pytest.raises(ConfigError, match=r"train.lora.dropout=0.1: .* set train.lora.dropout: 0"):
@@ -247,3 +229,60 @@ def test_moe_lora_on_the_experts_refuses_what_peft_cannot_do(tiny_qwen3_moe, lm_
     cfg = load_job_config(None, lm_overrides(tiny_qwen3_moe, lm_corpus, tmp_path / "miss", train__lora=missing))
     with pytest.raises(ConfigError, match=r"'experts.up_proj' matches no .* closest names: .*experts.gate_up_proj"):
         make_trainer(cfg)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["experts_out_in", "experts_in_out"])
+def test_expert_major_adapters_compute_what_pefts_wrappers_compute(transposed):
+    """The fused experts' adapters held stacked by expert (spindle.train.expert_lora: the layout that splits
+    with the experts under parallel.ep) give the outputs and gradients of PEFT's nested `ParamWrapper`s they
+    replace, under PEFT's names, and convert back to PEFT's exact tensors; either layout a module may store
+    its experts in, two parameters of one module (nested wrappers), non-square shapes."""
+    import copy
+
+    from peft import LoraConfig, inject_adapter_in_model
+    from peft.tuners.lora import ParamWrapper
+
+    from spindle.train.expert_lora import to_peft_layout, unwrap_param_wrappers
+    from spindle.train.lora import lora_scale, wrapped_parameters
+
+    g = torch.Generator().manual_seed(0)
+
+    class Experts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.num_experts, self.is_transposed = 3, transposed
+            w, v = torch.randn(3, 5, 7, generator=g), torch.randn(3, 4, 5, generator=g)  # [E, out, in]
+            self.w = torch.nn.Parameter(w.mT.contiguous() if transposed else w)
+            self.v = torch.nn.Parameter(v.mT.contiguous() if transposed else v)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [E, n, 7]
+            w, v = (self.w, self.v) if transposed else (self.w.mT, self.v.mT)
+            return torch.bmm(torch.bmm(x, w).tanh(), v)
+
+    peft = torch.nn.Sequential(Experts())
+    inject_adapter_in_model(LoraConfig(r=2, lora_alpha=3, target_parameters=["w", "v"]), peft)
+    peft.requires_grad_(False)
+    wrappers = {n: m for n, m in peft.named_modules() if isinstance(m, ParamWrapper)}
+    assert set(wrappers) == {"0", "0.base_layer"}  # nested: two parameters of one module
+    with torch.no_grad():
+        for m in wrappers.values():
+            for layer in (m.lora_A["default"], m.lora_B["default"]):
+                layer.weight.copy_(torch.randn(layer.weight.shape, generator=g)).requires_grad_(True)
+    ours = copy.deepcopy(peft)
+    unwrap_param_wrappers(ours)
+    assert type(ours[0]).__name__ == "Experts"  # the experts module back in place
+    assert wrapped_parameters(ours) == {n: f"0.{m.parameter_name}" for n, m in wrappers.items()}
+    assert lora_scale(ours) == {n: 1.5 for n in wrappers}
+    x = torch.randn(3, 6, 7, generator=g)
+    expected, got = peft(x), ours(x)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    (expected * x[..., :4]).sum().backward()
+    (got * x[..., :4]).sum().backward()
+    theirs, mine = dict(peft.named_parameters()), dict(ours.named_parameters())
+    assert {n for n, p in mine.items() if p.requires_grad} == {n for n, p in theirs.items() if p.requires_grad}
+    for name, p in theirs.items():
+        if p.requires_grad:
+            kind = name.split(".lora_")[1][0]
+            assert mine[name].ndim == 3  # stacked by expert
+            torch.testing.assert_close(to_peft_layout(kind, mine[name].detach()), p.detach(), rtol=0, atol=0)
+            torch.testing.assert_close(to_peft_layout(kind, mine[name].grad), p.grad, rtol=0, atol=1e-5)
