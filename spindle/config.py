@@ -162,8 +162,12 @@ class VLMDataConfig(TextDataConfig):
         description='a .jsonl file or a folder of them; lines {"messages": [...]} with image/video content parts, '
         'or {"images": [...], "conversations": [...]} with <image> placeholders; media paths relative to the file'
     )
-    min_pixels: int | None = Field(None, ge=1, description="image processor's minimum pixels per image/frame")
-    max_pixels: int | None = Field(None, ge=1, description="image processor's maximum pixels per image/frame")
+    min_pixels: int | None = Field(
+        None, ge=1, description="image processor's minimum pixels per image (Qwen2-VL video processor's per frame)"
+    )
+    max_pixels: int | None = Field(
+        None, ge=1, description="image processor's maximum pixels per image (Qwen2-VL video processor's per frame)"
+    )
     fps: float = Field(2.0, gt=0, description="video frames sampled per second")
     max_frames: int = Field(16, ge=1, description="most frames sampled per video")
     use_audio_in_video: bool = Field(

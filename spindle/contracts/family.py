@@ -325,6 +325,9 @@ class VLMFamily(CausalLMFamily):
     # True: videos as Qwen3-VL's processor makes them (its frame sampling and clip resize, each temporal patch's
     # timestamp written into the text: spindle.data.video_timestamps); False: as Qwen2-VL's
     video_timestamps: bool = False
+    # the other videos' seconds per temporal grid step (mrope time), as the family's stock processor computes it:
+    # "sampled_fps": temporal patch / the clip's sampled frame rate (Qwen2_5_VLProcessor); "fps": / data.fps
+    video_grid_seconds: str = "sampled_fps"
     task: str = "vlm"
 
     def __post_init__(self) -> None:
@@ -377,6 +380,7 @@ class OmniFamily(VLMFamily):
     # `_no_split_modules` also names the whole towers, which would make each tower a single unit
     blocks: tuple[str, ...] = ()
     full_model_class: str = ""
+    video_grid_seconds: str = "fps"  # the Qwen-Omni processors: temporal patch / the requested fps
     task: str = "omni"
 
     @property

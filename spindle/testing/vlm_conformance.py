@@ -125,18 +125,36 @@ def torchvision_normalize() -> Iterator[None]:
         del backends.tvF
 
 
-def stock_video_inputs(model_path: Path, messages: list[dict], base: Path, max_frames: int) -> dict[str, Any]:
-    """A conversation with video parts as stock transformers' Qwen3VLProcessor takes it, with the checkpoint's
-    stock Qwen3VLVideoProcessor (capped at `max_frames`): the frames decoded by transformers' own PyAV reader
-    and sampled by the processor (`sample_frames` on the video metadata), the text expanded by its
-    `replace_video_token` (timestamps); -> input_ids, pixel_values_videos, video_grid_thw, mm_token_type_ids.
-    What needs torchvision is left out: RGB conversion (PyAV gives RGB) and the resize, so each video must
-    already be at the size stock resizes it to (asserted with stock's own `get_num_of_video_patches`)."""
+def stock_video_processor(model_path: Path, max_frames: int) -> Any:
+    """The checkpoint's stock video processor (its family's class: `Qwen3VLVideoProcessor` for Qwen3-VL, else
+    `Qwen2VLVideoProcessor`) from its config, capped at `max_frames`."""
+    from transformers import AutoConfig
+
+    from spindle.data.stock_video import Qwen2VLVideos
+    from spindle.data.video_timestamps import TimestampedVideos
+    from spindle.registry import get_family
+
+    family = get_family(AutoConfig.from_pretrained(model_path).model_type)
+    assert isinstance(family, VLMFamily)
+    reader = TimestampedVideos if family.video_timestamps else Qwen2VLVideos
+    return reader.processor_class().from_pretrained(model_path, max_frames=max_frames)
+
+
+def stock_video_inputs(
+    model_path: Path, messages: list[dict], base: Path, max_frames: int, fps: float = 2.0
+) -> dict[str, Any]:
+    """A conversation with video parts as the checkpoint's stock processor (`Qwen2_5_VLProcessor`,
+    `Qwen3VLProcessor`) takes it, with its stock video processor (`stock_video_processor`, capped at
+    `max_frames`): the frames decoded by transformers' own PyAV reader and sampled by the processor
+    (`sample_frames` at `fps` on the video metadata), the text expanded by its `replace_video_token` (Qwen3-VL:
+    timestamps); -> input_ids, pixel_values_videos, video_grid_thw, mm_token_type_ids (and Qwen2.5-VL's
+    second_per_grid_ts). What needs torchvision is left out: RGB conversion (PyAV gives RGB) and the resize, so
+    each video must already be at the size stock resizes it to (asserted with stock's own
+    `get_num_of_video_patches`)."""
     import numpy as np
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
     from transformers.video_utils import load_video
 
-    video_processor = Qwen3VLVideoProcessor.from_pretrained(model_path, max_frames=max_frames)
+    video_processor = stock_video_processor(model_path, max_frames)
     stock = stock_processor(model_path, video_processor)
     paths = [
         base / p["video"] for m in messages if isinstance(m["content"], list) for p in m["content"] if "video" in p
@@ -158,14 +176,16 @@ def stock_video_inputs(model_path: Path, messages: list[dict], base: Path, max_f
                 do_resize=False,
                 do_convert_rgb=False,
                 cap_pixels_per_frame=False,
+                do_sample_frames=True,
+                fps=fps,
                 return_tensors="pt",
             )
         )
     inputs.pop("attention_mask")
     for (frames, meta), grid in zip(zip(videos, metadata, strict=True), inputs["video_grid_thw"], strict=True):
         h, w = frames.shape[1:3]
-        sampled = len(video_processor.sample_frames(copy.deepcopy(meta)))  # the frames the processor sampled
-        assert video_processor.get_num_of_video_patches(sampled, h, w) == int(grid.prod()), "stock would resize"
+        sampled = len(video_processor.sample_frames(copy.deepcopy(meta), fps=fps))  # the frames the processor took
+        assert video_processor.get_num_of_video_patches(sampled, h, w, {}) == int(grid.prod()), "stock would resize"
     return inputs
 
 
@@ -198,6 +218,7 @@ def stock_inputs(model_path: Path, data: Path) -> list[dict[str, Any]]:
         family.rope_index_fn(),
         options,
         video_timestamps=family.video_timestamps,
+        video_grid_seconds=family.video_grid_seconds,
     )
     out = []
     for line in data.read_text().splitlines():
@@ -207,7 +228,7 @@ def stock_inputs(model_path: Path, data: Path) -> list[dict[str, Any]]:
         kinds = {kind for kind, _ in media_parts(messages)}
         if "video" in kinds:
             assert kinds == {"video"}, "the stock reference of a line with videos takes no images"
-            inputs = stock_video_inputs(model_path, messages, data.parent, options.max_frames)
+            inputs = stock_video_inputs(model_path, messages, data.parent, options.max_frames, options.fps)
         else:
             text = stock.apply_chat_template(messages, tokenize=False)
             paths = [path for _, path in media_parts(messages)]

@@ -34,28 +34,35 @@ def omni_processor(model: Path, family_name: str = "qwen2_5_omni") -> VisionProc
     config = family.model_cls().config_class.from_pretrained(model)  # type: ignore[attr-defined]
     tok = AutoTokenizer.from_pretrained(model)
     return VisionProcessor(
-        model, tok, config, family.rope_index_fn(), VisionOptions(), audio=True, audio_tokens=family.audio_tokens_fn()
+        model,
+        tok,
+        config,
+        family.rope_index_fn(),
+        VisionOptions(),
+        video_grid_seconds=family.video_grid_seconds,
+        audio=True,
+        audio_tokens=family.audio_tokens_fn(),
     )
 
 
-def stock_processor(model: Path, processor_class: type | None = None):
+def stock_processor(model: Path, processor_class: type | None = None, video_processor=None):
     """transformers' omni processor (`processor_class`, default Qwen2_5OmniProcessor) from the folder's
-    tokenizer, PIL image processor and WhisperFeatureExtractor. Its constructor insists on a video processor,
-    which needs torchvision (not installable here): the class check is skipped for that argument only, and
-    no video is processed."""
+    tokenizer, PIL image processor and WhisperFeatureExtractor. Its constructor insists on a video processor of
+    the class its auto mapping names, which needs torchvision (not installable here): the class check is
+    skipped for that argument only. With no `video_processor` no video is processed."""
     from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoTokenizer
     from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import Qwen2_5OmniProcessor
 
     class NoVideoProcessor(processor_class or Qwen2_5OmniProcessor):  # type: ignore[misc]
         def check_argument_for_proper_class(self, argument_name, argument):
-            if argument_name == "video_processor" and argument is None:
+            if argument_name == "video_processor":
                 return None
             return super().check_argument_for_proper_class(argument_name, argument)
 
     tok = AutoTokenizer.from_pretrained(model)
     return NoVideoProcessor(
         image_processor=AutoImageProcessor.from_pretrained(model),
-        video_processor=None,
+        video_processor=video_processor,
         feature_extractor=AutoFeatureExtractor.from_pretrained(model),
         tokenizer=tok,
         chat_template=tok.chat_template,
@@ -109,6 +116,50 @@ def test_tokens_features_and_positions_equal_the_stock_processor_and_thinker(
     lengths = stock["feature_attention_mask"].sum(-1) if "feature_attention_mask" in stock else None
     positions, _ = stock_thinker.model.get_rope_index(
         stock["input_ids"], stock.get("image_grid_thw"), None, stock["attention_mask"], False, lengths
+    )
+    assert torch.equal(doc.positions, positions[:, 0])
+
+
+def test_video_tokens_pixels_seconds_and_positions_equal_the_stock_processor_and_thinker(
+    tiny_qwen2_5_omni, stock_thinker, tmp_path
+):
+    """A video through stock Qwen2_5OmniProcessor with its Qwen2VLVideoProcessor (read from
+    preprocessor_config.json, as the published checkpoint has no video config; run on frames at its size, the
+    one torchvision call provided): 7 frames at 8 fps, raised to min_frames=4 (sampled at 4/7 x 8 fps), whose
+    seconds per grid are the omni processor's temporal patch / the requested fps (1.0), not Qwen2.5-VL's sampled
+    rate (0.4375): tokens, pixels, grid, seconds per grid and the stock thinker's positions."""
+    from transformers.video_utils import load_video
+
+    from spindle.testing.vlm_conformance import stock_video_processor, torchvision_normalize
+    from tests.data.test_qwen3_vl_videos import noise_video
+
+    noise_video(tmp_path / "v.mp4", 7, 28, 56, fps=8, seed=2)
+    user = [{"type": "video", "video": "v.mp4"}, {"type": "text", "text": "What?"}]
+    messages = [{"role": "user", "content": user}, {"role": "assistant", "content": "Noise."}]
+    doc, _ = conversation_document({"messages": messages}, tmp_path, omni_processor(tiny_qwen2_5_omni), 4096, "x")
+    ours = collate_vision(doc.vision)
+
+    stock = stock_processor(tiny_qwen2_5_omni, video_processor=stock_video_processor(tiny_qwen2_5_omni, 16))
+    frames, meta = load_video(str(tmp_path / "v.mp4"), sample_indices_fn=lambda metadata, **_: np.arange(7))
+    text = stock.apply_chat_template(messages, tokenize=False)
+    with torchvision_normalize():
+        out = stock(
+            text=[text],
+            videos=[frames],
+            video_metadata=[meta],
+            do_resize=False,
+            do_convert_rgb=False,
+            cap_pixels_per_frame=False,
+            do_sample_frames=True,
+            fps=2.0,
+            return_tensors="pt",
+        )
+    assert out["input_ids"][0].tolist() == doc.tokens
+    assert ours["video_grid_thw"].tolist() == out["video_grid_thw"].tolist() == [[2, 2, 4]]
+    assert ours["second_per_grid_ts"].tolist() == out["video_second_per_grid"].tolist() == [1.0]
+    torch.testing.assert_close(ours["pixel_values_videos"], out["pixel_values_videos"], rtol=0, atol=1e-6)
+    positions, _ = stock_thinker.model.get_rope_index(
+        out["input_ids"], None, out["video_grid_thw"], out["attention_mask"], False, None, out["video_second_per_grid"]
     )
     assert torch.equal(doc.positions, positions[:, 0])
 

@@ -317,6 +317,7 @@ class VLMTask(CausalLMTask):
             self.family.rope_index_fn(),
             options,
             video_timestamps=self.family.video_timestamps,
+            video_grid_seconds=self.family.video_grid_seconds,
             audio=bool(self.family.audio_tower),
             video_audio_layout=self.video_audio_layout(),
             audio_tokens=self.family.audio_tokens_fn(),
