@@ -2,8 +2,17 @@
 
 from pathlib import Path
 
-from spindle.contracts.family import ConformanceSpec, DemoSpec, DiTFamily
-from spindle.contracts.options import FamilyOptions, Option, needs_negative_prompt
+from spindle.contracts.family import ConformanceSpec, DiTFamily
+from spindle.contracts.options import FamilyOptions
+from spindle.models.shared.declarations import (
+    IMAGE_DEMO,
+    PACKING,
+    demo,
+    multiple_error,
+    parity_cases,
+    text_length_error,
+    true_cfg_scale,
+)
 
 
 def _looks_like_flux(root: Path) -> bool:
@@ -14,17 +23,7 @@ def _looks_like_flux(root: Path) -> bool:
 
 # sampling options (CLI flags, HTTP fields); the family's inference spec declares the same object
 OPTIONS = FamilyOptions(
-    extra=(
-        Option(
-            "true_cfg_scale",
-            float,
-            default=1.0,  # FluxPipeline's default: no true CFG
-            minimum=0.0,
-            maximum=100.0,  # as guidance_scale (request.MAX_GUIDANCE): larger scales only blow latents up
-            help="true classifier-free guidance scale, with a negative prompt",
-            rule=needs_negative_prompt,
-        ),
-    ),
+    extra=(true_cfg_scale(1.0),),  # FluxPipeline's default: no true CFG
     guidance="embedded guidance of guidance-distilled checkpoints (FLUX.1-dev; ignored by schnell-style ones); "
     "CFG is true_cfg_scale",
 )
@@ -39,35 +38,15 @@ FAMILY = DiTFamily(
     lora_original="spindle.models.flux.lora:to_original",
     detect=_looks_like_flux,
     options=OPTIONS,
-    demo=DemoSpec(
-        dataset="spindle.data.synthetic:make_shapes_image_dataset",
-        dataset_kwargs={"num_images": 16, "size": (32, 32)},
-        sample_kwargs={"guidance_scale": 3.5},  # the embedded guidance the model was fine-tuned with
-    ),
+    # the embedded guidance the model was fine-tuned with
+    demo=demo(IMAGE_DEMO, sample_kwargs={"guidance_scale": 3.5}),
     conformance=ConformanceSpec(
-        parity_cases={
-            # Flux's guidance_scale is embedded guidance; classifier-free guidance is true_cfg_scale
-            "cfg": dict(
-                prompt="a red fox in the snow",
-                negative_prompt="blurry",
-                height=32,
-                width=32,
-                num_inference_steps=2,
-                guidance_scale=3.5,
-                true_cfg_scale=4.0,
-                max_sequence_length=16,
-                seed=7,
-            ),
-            "nocfg": dict(
-                prompt="a red fox in the snow",
-                height=32,
-                width=48,
-                num_inference_steps=3,
-                guidance_scale=4.0,
-                max_sequence_length=16,
-                seed=0,
-            ),
-        },
+        # Flux's guidance_scale is embedded guidance; classifier-free guidance is true_cfg_scale
+        parity_cases=parity_cases(
+            cfg=dict(guidance_scale=3.5, true_cfg_scale=4.0, seed=7),
+            nocfg=dict(guidance_scale=4.0, seed=0),
+            max_sequence_length=16,
+        ),
         # default_sample_size 128 x the tiny VAE's factor 2
         default_params=dict(
             height=256,
@@ -79,13 +58,9 @@ FAMILY = DiTFamily(
             extra={"true_cfg_scale": 1.0},  # FluxPipeline's: no true CFG
         ),
         request_errors=(
-            (
-                dict(height=30),
-                r"height must be a positive multiple of 4 for this model \(VAE x2 x 2x2 packing\) \(got 30\); "
-                r"try 28 or 32",
-            ),
-            (dict(width=2), r"width must be a positive multiple of 4 .*\(got 2\); try 4"),
-            (dict(max_sequence_length=513), r"max_sequence_length must be an integer between 1 and 512; got 513"),
+            multiple_error("height", 30, 4, "28 or 32", why=PACKING),
+            multiple_error("width", 2, 4, "4"),
+            text_length_error(512),
         ),
         # the embedded --guidance flag
         cli_case=dict(prompt="a cat", height=32, width=48, num_inference_steps=2, guidance_scale=3.5, seed=4),
