@@ -12,7 +12,14 @@ from typing import Any
 
 import torch
 
-from spindle.models.shared.tiny_vlm import save_image_processor_config, save_qwen_bpe_tokenizer
+from spindle.models.qwen2_5_vl.tiny import TINY_TEXT
+from spindle.models.qwen2_5_vl.tiny import TINY_VISION as QWEN2_5_VL_VISION
+from spindle.models.shared.tiny_vlm import (
+    save_image_processor_config,
+    save_qwen_bpe_tokenizer,
+    seeded_model,
+    thinker_configs,
+)
 
 # Qwen2.5-Omni's added tokens, in the order (so the relative ids) of the real vocabulary: Qwen-VL's list with
 # the audio tokens in place of the object-ref/box tokens and the vision tokens renamed.
@@ -64,28 +71,9 @@ OMNI_CHAT_TEMPLATE = (
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-# The thinker, scaled down: Qwen2.5-VL's decoder and windowed vision tower, and a Whisper-style audio encoder
-# over 128 mel bins whose attention windows are n_window * 2 frames.
-TINY_TEXT = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-)
-TINY_VISION = dict(
-    depth=2,
-    hidden_size=32,
-    intermediate_size=64,
-    num_heads=2,
-    patch_size=14,
-    spatial_merge_size=2,
-    temporal_patch_size=2,
-    window_size=56,
-    fullatt_block_indexes=[1],
-)
+# The thinker, scaled down: Qwen2.5-VL's decoder and windowed vision tower (the tiny Qwen2.5-VL's), and a
+# Whisper-style audio encoder over 128 mel bins whose attention windows are n_window * 2 frames.
+TINY_VISION = {k: v for k, v in QWEN2_5_VL_VISION.items() if k != "tokens_per_second"}  # the thinker's has none
 TINY_AUDIO = dict(
     num_mel_bins=128,
     encoder_layers=2,
@@ -134,7 +122,7 @@ TINY_AUDIO_FEATURES = dict(feature_size=128, sampling_rate=16000, hop_length=160
 def build_tiny_qwen2_5_omni(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
     """Write the tiny folder to `out`; returns `out`. `transformer`: overrides of the thinker config (top level
     or under "text_config" / "vision_config" / "audio_config")."""
-    from transformers import GenerationConfig, Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
+    from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
 
     out = Path(out)
     tokenizer = save_qwen_bpe_tokenizer(
@@ -142,15 +130,7 @@ def build_tiny_qwen2_5_omni(out: str | Path, seed: int = 0, transformer: dict | 
     )
     over = dict(transformer or {})
     token = tokenizer.convert_tokens_to_ids
-    text = {
-        **TINY_TEXT,
-        "vocab_size": len(tokenizer),
-        "pad_token_id": tokenizer.pad_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "bos_token_id": token("<|endoftext|>"),
-        **over.pop("text_config", {}),
-    }
-    vision = {**TINY_VISION, "out_hidden_size": text["hidden_size"], **over.pop("vision_config", {})}
+    text, vision = thinker_configs(tokenizer, TINY_TEXT, TINY_VISION, over)
     audio = {**TINY_AUDIO, "output_dim": text["hidden_size"], **over.pop("audio_config", {})}
     ids: dict[str, Any] = {
         "audio_token_index": token("<|AUDIO|>"),
@@ -164,10 +144,8 @@ def build_tiny_qwen2_5_omni(out: str | Path, seed: int = 0, transformer: dict | 
     thinker = {"text_config": text, "vision_config": vision, "audio_config": audio, **ids, **over}
     talker = {**TINY_TALKER, "embedding_size": text["hidden_size"], **ids}
     config = Qwen2_5OmniConfig(thinker_config=thinker, talker_config=talker, token2wav_config=TINY_TOKEN2WAV)
-    torch.manual_seed(seed)
-    model = Qwen2_5OmniForConditionalGeneration._from_config(config, dtype=torch.float32)
-    model.generation_config = GenerationConfig(
-        eos_token_id=[tokenizer.eos_token_id, token("<|endoftext|>")], pad_token_id=tokenizer.pad_token_id
+    model = seeded_model(
+        lambda: Qwen2_5OmniForConditionalGeneration._from_config(config, dtype=torch.float32), seed, tokenizer
     )
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -187,9 +165,6 @@ def build_tiny_qwen2_5_omni(out: str | Path, seed: int = 0, transformer: dict | 
         out,
         vision,
         "Qwen2_5OmniProcessor",
-        min_pixels=28 * 28,
-        max_pixels=56 * 56,
-        size={"shortest_edge": 28 * 28, "longest_edge": 56 * 56},
     )
     return out
 
@@ -200,14 +175,6 @@ def save_omni_preprocessor(out: Path, vision: dict[str, Any], processor_class: s
     from transformers.models.whisper.feature_extraction_whisper import WhisperFeatureExtractor
 
     features = WhisperFeatureExtractor(**TINY_AUDIO_FEATURES, return_attention_mask=True, padding_side="right")
-    save_image_processor_config(
-        out,
-        patch_size=vision["patch_size"],
-        merge_size=vision["spatial_merge_size"],
-        temporal_patch_size=vision["temporal_patch_size"],
-        **image_fields,
-        **features.to_dict(),
-        processor_class=processor_class,
-    )
+    save_image_processor_config(out, vision, **image_fields, **features.to_dict(), processor_class=processor_class)
     fields = json.loads((out / "preprocessor_config.json").read_text())
     assert fields["feature_extractor_type"] == "WhisperFeatureExtractor", "one file holds both processors' fields"

@@ -13,25 +13,12 @@ import torch
 from spindle.models.qwen2_5_omni.tiny import OMNI_CHAT_TEMPLATE, TINY_AUDIO, save_omni_preprocessor
 from spindle.models.qwen3_vl.tiny import TINY_TEXT, TINY_VISION
 from spindle.models.qwen3_vl_moe.tiny import TINY_MOE
-from spindle.models.shared.tiny_vlm import save_qwen_bpe_tokenizer
+from spindle.models.shared.tiny_vlm import QWEN_SPECIALS, save_qwen_bpe_tokenizer, seeded_model, thinker_configs
 
 # Qwen3-Omni's added tokens, in the order (so the relative ids) of the real vocabulary: Qwen3's list, then
 # the audio and TTS tokens.
 OMNI_MOE_SPECIALS = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|object_ref_start|>",
-    "<|object_ref_end|>",
-    "<|box_start|>",
-    "<|box_end|>",
-    "<|quad_start|>",
-    "<|quad_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
+    *QWEN_SPECIALS,
     "<|audio_start|>",
     "<|audio_end|>",
     "<tts_pad>",
@@ -121,7 +108,7 @@ TINY_CODE2WAV = dict(
 def build_tiny_qwen3_omni_moe(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
     """Write the tiny folder to `out`; returns `out`. `transformer`: overrides of the thinker config (top level
     or under "text_config" / "vision_config" / "audio_config")."""
-    from transformers import GenerationConfig, Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
+    from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
     out = Path(out)
     tokenizer = save_qwen_bpe_tokenizer(
@@ -129,15 +116,7 @@ def build_tiny_qwen3_omni_moe(out: str | Path, seed: int = 0, transformer: dict 
     )
     over = dict(transformer or {})
     token = tokenizer.convert_tokens_to_ids
-    text = {
-        **TINY_TEXT_MOE,
-        "vocab_size": len(tokenizer),
-        "pad_token_id": tokenizer.pad_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "bos_token_id": token("<|endoftext|>"),
-        **over.pop("text_config", {}),
-    }
-    vision = {**TINY_VISION, "out_hidden_size": text["hidden_size"], **over.pop("vision_config", {})}
+    text, vision = thinker_configs(tokenizer, TINY_TEXT_MOE, TINY_VISION, over)
     audio = {**TINY_AUDIO_MOE, "output_dim": text["hidden_size"], **over.pop("audio_config", {})}
     ids: dict[str, Any] = {
         "audio_token_id": token("<|audio_pad|>"),
@@ -168,17 +147,15 @@ def build_tiny_qwen3_omni_moe(out: str | Path, seed: int = 0, transformer: dict 
         tts_bos_token_id=token("<tts_text_bos>"),
         tts_eos_token_id=token("<tts_text_eod>"),
     )
-    torch.manual_seed(seed)
-    model = Qwen3OmniMoeForConditionalGeneration._from_config(config, dtype=torch.float32)
+    model = seeded_model(
+        lambda: Qwen3OmniMoeForConditionalGeneration._from_config(config, dtype=torch.float32), seed, tokenizer
+    )
     # transformers' _init_weights leaves the talker's fused experts as allocated (uninitialised memory, so
     # different bytes on every build): drawn here from the seed, as the thinker's are
     with torch.no_grad():
         for name, param in model.talker.named_parameters():
             if ".experts." in name:
                 param.normal_(0.0, config.initializer_range)
-    model.generation_config = GenerationConfig(
-        eos_token_id=[tokenizer.eos_token_id, token("<|endoftext|>")], pad_token_id=tokenizer.pad_token_id
-    )
     # Stock save_pretrained: the thinker's experts fused and transposed (`gate_up_proj [E, H, 2I]`), the
     # layout of Qwen's released checkpoints.
     model.save_pretrained(out)
@@ -190,7 +167,6 @@ def build_tiny_qwen3_omni_moe(out: str | Path, seed: int = 0, transformer: dict 
         "Qwen3OmniMoeProcessor",
         min_pixels=32 * 32,
         max_pixels=64 * 64,
-        size={"shortest_edge": 32 * 32, "longest_edge": 64 * 64},
         image_mean=[0.5, 0.5, 0.5],
         image_std=[0.5, 0.5, 0.5],
     )
