@@ -15,10 +15,9 @@ import torch
 from spindle.models.qwen2_5_vl.tiny import TINY_TEXT
 from spindle.models.qwen2_5_vl.tiny import TINY_VISION as QWEN2_5_VL_VISION
 from spindle.models.shared.tiny_vlm import (
+    omni_thinker,
     save_image_processor_config,
-    save_qwen_bpe_tokenizer,
     seeded_model,
-    thinker_configs,
 )
 
 # Qwen2.5-Omni's added tokens, in the order (so the relative ids) of the real vocabulary: Qwen-VL's list with
@@ -48,6 +47,16 @@ OMNI_NAMED_TOKENS = {
     "vision_eos_token": "<|vision_eos|>",
     "audio_bos_token": "<|audio_bos|>",
     "audio_eos_token": "<|audio_eos|>",
+}
+# the thinker config's token ids
+OMNI_TOKEN_IDS = {
+    "audio_token_index": "<|AUDIO|>",
+    "image_token_index": "<|IMAGE|>",
+    "video_token_index": "<|VIDEO|>",
+    "audio_start_token_id": "<|audio_bos|>",
+    "audio_end_token_id": "<|audio_eos|>",
+    "vision_start_token_id": "<|vision_bos|>",
+    "vision_end_token_id": "<|vision_eos|>",
 }
 # Qwen2.5-Omni's chat template for string and image/audio/video-part messages (the published one also
 # carries tool calls): one <|audio_bos|><|AUDIO|><|audio_eos|> per audio part, expanded to the clip's token
@@ -125,23 +134,14 @@ def build_tiny_qwen2_5_omni(out: str | Path, seed: int = 0, transformer: dict | 
     from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
 
     out = Path(out)
-    tokenizer = save_qwen_bpe_tokenizer(
-        out, chat_template=OMNI_CHAT_TEMPLATE, specials=OMNI_SPECIALS, named_tokens=OMNI_NAMED_TOKENS
+    tokenizer, thinker, ids = omni_thinker(
+        out,
+        transformer,
+        dict(chat_template=OMNI_CHAT_TEMPLATE, specials=OMNI_SPECIALS, named_tokens=OMNI_NAMED_TOKENS),
+        (TINY_TEXT, TINY_VISION, TINY_AUDIO),
+        OMNI_TOKEN_IDS,
     )
-    over = dict(transformer or {})
-    token = tokenizer.convert_tokens_to_ids
-    text, vision = thinker_configs(tokenizer, TINY_TEXT, TINY_VISION, over)
-    audio = {**TINY_AUDIO, "output_dim": text["hidden_size"], **over.pop("audio_config", {})}
-    ids: dict[str, Any] = {
-        "audio_token_index": token("<|AUDIO|>"),
-        "image_token_index": token("<|IMAGE|>"),
-        "video_token_index": token("<|VIDEO|>"),
-        "audio_start_token_id": token("<|audio_bos|>"),
-        "audio_end_token_id": token("<|audio_eos|>"),
-        "vision_start_token_id": token("<|vision_bos|>"),
-        "vision_end_token_id": token("<|vision_eos|>"),
-    }
-    thinker = {"text_config": text, "vision_config": vision, "audio_config": audio, **ids, **over}
+    text, vision = thinker["text_config"], thinker["vision_config"]
     talker = {**TINY_TALKER, "embedding_size": text["hidden_size"], **ids}
     config = Qwen2_5OmniConfig(thinker_config=thinker, talker_config=talker, token2wav_config=TINY_TOKEN2WAV)
     model = seeded_model(
@@ -161,11 +161,7 @@ def build_tiny_qwen2_5_omni(out: str | Path, seed: int = 0, transformer: dict | 
         for name in ("Chelsie", "Ethan")
     }
     torch.save(speakers, out / "spk_dict.pt")
-    save_omni_preprocessor(
-        out,
-        vision,
-        "Qwen2_5OmniProcessor",
-    )
+    save_omni_preprocessor(out, vision, "Qwen2_5OmniProcessor")
     return out
 
 

@@ -6,14 +6,13 @@ holding the image processor's and the `WhisperFeatureExtractor`'s fields (as the
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from spindle.models.qwen2_5_omni.tiny import OMNI_CHAT_TEMPLATE, TINY_AUDIO, save_omni_preprocessor
 from spindle.models.qwen3_vl.tiny import TINY_TEXT, TINY_VISION
 from spindle.models.qwen3_vl_moe.tiny import TINY_MOE
-from spindle.models.shared.tiny_vlm import QWEN_SPECIALS, save_qwen_bpe_tokenizer, seeded_model, thinker_configs
+from spindle.models.shared.tiny_vlm import QWEN_SPECIALS, omni_thinker, seeded_model
 
 # Qwen3-Omni's added tokens, in the order (so the relative ids) of the real vocabulary: Qwen3's list, then
 # the audio and TTS tokens.
@@ -106,26 +105,25 @@ TINY_CODE2WAV = dict(
 
 
 def build_tiny_qwen3_omni_moe(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
-    """Write the tiny folder to `out`; returns `out`. `transformer`: overrides of the thinker config (top level
-    or under "text_config" / "vision_config" / "audio_config")."""
+    """Write the tiny folder to `out`; returns `out` (`transformer`: as for the tiny Qwen2.5-Omni)."""
     from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
     out = Path(out)
-    tokenizer = save_qwen_bpe_tokenizer(
-        out, chat_template=OMNI_MOE_CHAT_TEMPLATE, specials=OMNI_MOE_SPECIALS, named_tokens=OMNI_MOE_NAMED_TOKENS
+    tokenizer, thinker, ids = omni_thinker(
+        out,
+        transformer,
+        dict(chat_template=OMNI_MOE_CHAT_TEMPLATE, specials=OMNI_MOE_SPECIALS, named_tokens=OMNI_MOE_NAMED_TOKENS),
+        (TINY_TEXT_MOE, TINY_VISION, TINY_AUDIO_MOE),
+        {
+            "audio_token_id": "<|audio_pad|>",
+            "image_token_id": "<|image_pad|>",
+            "video_token_id": "<|video_pad|>",
+            "audio_start_token_id": "<|audio_start|>",
+            "vision_start_token_id": "<|vision_start|>",
+        },
     )
-    over = dict(transformer or {})
+    text, vision = thinker["text_config"], thinker["vision_config"]
     token = tokenizer.convert_tokens_to_ids
-    text, vision = thinker_configs(tokenizer, TINY_TEXT_MOE, TINY_VISION, over)
-    audio = {**TINY_AUDIO_MOE, "output_dim": text["hidden_size"], **over.pop("audio_config", {})}
-    ids: dict[str, Any] = {
-        "audio_token_id": token("<|audio_pad|>"),
-        "image_token_id": token("<|image_pad|>"),
-        "video_token_id": token("<|video_pad|>"),
-        "audio_start_token_id": token("<|audio_start|>"),
-        "vision_start_token_id": token("<|vision_start|>"),
-    }
-    thinker = {"text_config": text, "vision_config": vision, "audio_config": audio, **ids, **over}
     talker = {
         "text_config": TINY_TALKER_TEXT,
         "code_predictor_config": TINY_CODE_PREDICTOR,

@@ -165,6 +165,25 @@ def thinker_configs(
     return text_cfg, {**vision, "out_hidden_size": text_cfg["hidden_size"], **over.pop("vision_config", {})}
 
 
+def omni_thinker(
+    out: Path,
+    transformer: dict | None,
+    tokenizer_fields: dict[str, Any],
+    sizes: tuple[dict[str, Any], dict[str, Any], dict[str, Any]],
+    token_ids: dict[str, str],
+) -> tuple[Any, dict[str, Any], dict[str, int]]:
+    """The tokenizer (`save_qwen_bpe_tokenizer(out, **tokenizer_fields)`) and thinker config of a tiny omni model:
+    its text, vision and audio `sizes` fitted to the tokenizer and the text width, `token_ids` (config field ->
+    token) resolved, and the overrides in `transformer` (top level or under "text_config" / "vision_config" /
+    "audio_config"); -> (tokenizer, thinker config, the resolved ids, which the talker's config repeats)."""
+    tokenizer = save_qwen_bpe_tokenizer(out, **tokenizer_fields)
+    over = dict(transformer or {})
+    text, vision = thinker_configs(tokenizer, sizes[0], sizes[1], over)
+    audio = {**sizes[2], "output_dim": text["hidden_size"], **over.pop("audio_config", {})}
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in token_ids.items()}
+    return tokenizer, {"text_config": text, "vision_config": vision, "audio_config": audio, **ids, **over}, ids
+
+
 def seeded_model(build: Callable[[], Any], seed: int, tokenizer: Any) -> Any:
     """The model `build()` makes with seeded random weights, its generation config stopping at the tokenizer's
     end of turn or of text."""
