@@ -15,6 +15,7 @@ import torch
 from spindle.models.qwen2_5_vl.tiny import TINY_TEXT
 from spindle.models.qwen2_5_vl.tiny import TINY_VISION as QWEN2_5_VL_VISION
 from spindle.models.shared.tiny_vlm import (
+    QWEN_VL_CHAT_TEMPLATE,
     omni_thinker,
     save_image_processor_config,
     seeded_model,
@@ -59,26 +60,26 @@ OMNI_TOKEN_IDS = {
     "vision_end_token_id": "<|vision_eos|>",
 }
 # Qwen2.5-Omni's chat template for string and image/audio/video-part messages (the published one also
-# carries tool calls): one <|audio_bos|><|AUDIO|><|audio_eos|> per audio part, expanded to the clip's token
-# count by the processor (or spindle.data.multimodal).
-OMNI_CHAT_TEMPLATE = (
-    "{% set audio_count = namespace(value=0) %}{% set image_count = namespace(value=0) %}"
-    "{% set video_count = namespace(value=0) %}"
-    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n"
-    "You are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
-    "{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "{% set image_count.value = image_count.value + 1 %}"
-    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}<|vision_bos|><|IMAGE|><|vision_eos|>"
+# carries tool calls): Qwen-VL's with Qwen-Omni's vision token names and audio parts, one
+# <|audio_bos|><|AUDIO|><|audio_eos|> each, expanded to the clip's token count by the processor (or
+# spindle.data.multimodal).
+_VISION_NAMES = {
+    "<|vision_start|>": "<|vision_bos|>",
+    "<|vision_end|>": "<|vision_eos|>",
+    "<|image_pad|>": "<|IMAGE|>",
+    "<|video_pad|>": "<|VIDEO|>",
+}
+_AUDIO_PART = (
     "{% elif content['type'] == 'audio' or 'audio' in content or 'audio_url' in content %}"
     "{% set audio_count.value = audio_count.value + 1 %}"
     "{% if add_audio_id %}Audio {{ audio_count.value }}: {% endif %}<|audio_bos|><|AUDIO|><|audio_eos|>"
-    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
-    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_bos|><|VIDEO|><|vision_eos|>"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+OMNI_CHAT_TEMPLATE = QWEN_VL_CHAT_TEMPLATE
+for _old, _new in _VISION_NAMES.items():
+    OMNI_CHAT_TEMPLATE = OMNI_CHAT_TEMPLATE.replace(_old, _new)
+OMNI_CHAT_TEMPLATE = OMNI_CHAT_TEMPLATE.replace(
+    "{% set image_count", "{% set audio_count = namespace(value=0) %}{% set image_count", 1
+).replace("{% elif content['type'] == 'video'", _AUDIO_PART + "{% elif content['type'] == 'video'", 1)
 
 # The thinker, scaled down: Qwen2.5-VL's decoder and windowed vision tower (the tiny Qwen2.5-VL's), and a
 # Whisper-style audio encoder over 128 mel bins whose attention windows are n_window * 2 frames.

@@ -34,6 +34,20 @@ QWEN_SPECIALS = (
     "<|video_pad|>",
 )
 
+# What the tiny Qwen-VL decoders and vision towers share (each family adds its own attention and patching):
+# GQA over 64 wide, 2 layers; a 2-block tower 32 wide, merging 2x2 patches of 2 frames.
+TINY_DECODER = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
+TINY_TOWER = dict(
+    depth=2, hidden_size=32, intermediate_size=64, num_heads=2, spatial_merge_size=2, temporal_patch_size=2
+)
+
 # Qwen2-VL / Qwen2.5-VL's chat template (as their checkpoints ship it): string or content-part messages,
 # one <|vision_start|><|image_pad|><|vision_end|> per image part (expanded to the image's token count by
 # the processor, or spindle.data.multimodal), a default system turn.
