@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from spindle.models.shared.tiny import save_seeded_pipeline, seeded
+from spindle.models.shared.tiny import Overrides, save_seeded_pipeline, seeded
 from spindle.models.shared.tokenizers import save_tokenizer
 
 FLUX_TRANSFORMER = dict(
@@ -58,10 +58,10 @@ CLIP_MAX_LENGTH = 77
 def build_tiny_flux(
     out: str | Path,
     seed: int = 0,
-    transformer: dict | None = None,
-    vae: dict | None = None,
-    text_encoder: dict | None = None,
-    text_encoder_2: dict | None = None,
+    transformer: Overrides = None,
+    vae: Overrides = None,
+    text_encoder: Overrides = None,
+    text_encoder_2: Overrides = None,
     pipeline: str = "FluxPipeline",
 ) -> Path:
     """Write a tiny random FLUX.1 pipeline (`FluxPipeline` layout) to `out` and return its path.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from spindle.models.shared.tiny import random_latent_stats, save_seeded_pipeline
+from spindle.models.shared.tiny import Overrides, random_latent_stats, save_seeded_pipeline
 from spindle.models.shared.tokenizers import save_qwen_prompt_tokenizer
 
 QWENIMAGE_TRANSFORMER = dict(
@@ -57,7 +57,7 @@ QWEN_TEMPLATE_WORDS = (
 
 
 def qwenimage_configs(
-    transformer: dict | None, vae: dict | None, text_encoder: dict | None, seed: int
+    transformer: Overrides, vae: Overrides, text_encoder: Overrides, seed: int
 ) -> tuple[dict, dict, dict]:
     """The transformer, VAE and text-encoder configs of a tiny Qwen-Image-style pipeline: the defaults
     with the overrides merged in, the linked widths derived (transformer channels = 4 x z_dim, text
@@ -102,9 +102,9 @@ def qwen_text_encoder_config(
 def build_tiny_qwenimage(
     out: str | Path,
     seed: int = 0,
-    transformer: dict | None = None,
-    vae: dict | None = None,
-    text_encoder: dict | None = None,
+    transformer: Overrides = None,
+    vae: Overrides = None,
+    text_encoder: Overrides = None,
 ) -> Path:
     """Write a tiny random Qwen-Image pipeline (`QwenImagePipeline` layout) to `out`; return its path.
 

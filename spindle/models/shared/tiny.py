@@ -4,11 +4,15 @@ their checkpoints locally, in the exact standard layouts, and the real loading c
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+# a component's config overrides of a tiny builder (`transformer={"num_layers": 4}`), merged into its defaults
+Overrides = dict[str, Any] | None
 
 
 def random_latent_stats(z_dim: int, seed: int) -> tuple[list[float], list[float]]:
@@ -45,3 +49,13 @@ def save_seeded_pipeline(
     )
     pipe.save_pretrained(out, safe_serialization=True)
     return Path(out)
+
+
+def update_model_index(root: Path, **entries: Any) -> Path:
+    """Set `entries` in the pipeline folder's model_index.json (what the stock `save_pretrained` does not
+    record as real checkpoints have it); -> `root`."""
+    path = root / "model_index.json"
+    index = json.loads(path.read_text())
+    index.update(entries)
+    path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return root

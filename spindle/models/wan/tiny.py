@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from spindle.models.shared.tiny import random_latent_stats, save_seeded_pipeline
+from spindle.models.shared.tiny import Overrides, random_latent_stats, save_seeded_pipeline
 from spindle.models.shared.tokenizers import save_tokenizer
 
 WAN_TRANSFORMER = dict(
@@ -29,9 +29,9 @@ WAN_SCHEDULER = dict(shift=3.0, num_train_timesteps=1000)
 def build_tiny_wan(
     out: str | Path,
     seed: int = 0,
-    transformer: dict | None = None,
-    vae: dict | None = None,
-    text_encoder: dict | None = None,
+    transformer: Overrides = None,
+    vae: Overrides = None,
+    text_encoder: Overrides = None,
 ) -> Path:
     """Write a tiny random Wan2.1 T2V pipeline to `out` and return its path.
 

@@ -8,10 +8,9 @@ with an image projection (`image_dim`) and the cross-attention's image key/value
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from spindle.models.shared.tiny import random_latent_stats, seeded
+from spindle.models.shared.tiny import Overrides, random_latent_stats, seeded, update_model_index
 from spindle.models.shared.tokenizers import save_tokenizer
 from spindle.models.wan.tiny import WAN_SCHEDULER, WAN_TEXT, WAN_TRANSFORMER, WAN_VAE
 
@@ -29,10 +28,10 @@ MASK_CHANNELS = 4  # the frame mask: one channel per frame the VAE folds into a 
 def build_tiny_wan_i2v(
     out: str | Path,
     seed: int = 0,
-    transformer: dict | None = None,
-    vae: dict | None = None,
-    text_encoder: dict | None = None,
-    image_encoder: dict | None = None,
+    transformer: Overrides = None,
+    vae: Overrides = None,
+    text_encoder: Overrides = None,
+    image_encoder: Overrides = None,
     clip: bool = True,
 ) -> Path:
     """Write a tiny random Wan2.1 I2V pipeline (`WanImageToVideoPipeline`) to `out` and return its path.
@@ -91,9 +90,4 @@ def build_tiny_wan_i2v(
     pipe.save_pretrained(out, safe_serialization=True)
     # Without torchvision transformers builds the PIL variant of CLIPImageProcessor, and the pipeline
     # records that class; real checkpoints name CLIPImageProcessor (which loads as the PIL one here).
-    index_path = out / "model_index.json"
-    index = json.loads(index_path.read_text())
-    if clip:
-        index["image_processor"] = ["transformers", "CLIPImageProcessor"]
-    index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    return out
+    return update_model_index(out, **({"image_processor": ["transformers", "CLIPImageProcessor"]} if clip else {}))
