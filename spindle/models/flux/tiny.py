@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from spindle.models.shared.tiny import Overrides, save_seeded_pipeline, seeded
+from spindle.models.shared.tiny import Overrides, save_seeded_pipeline, seeded, t5_text_parts
 from spindle.models.shared.tokenizers import save_tokenizer
 
 FLUX_TRANSFORMER = dict(
@@ -91,15 +91,14 @@ def build_tiny_flux(
     tcfg["pooled_projection_dim"] = ccfg["hidden_size"]
 
     clip_vocab = save_tokenizer(out / "tokenizer", model_max_length=CLIP_MAX_LENGTH, bos_token="<s>")
-    t5_vocab = save_tokenizer(out / "tokenizer_2")
     clip_config = CLIPTextConfig(vocab_size=clip_vocab, pad_token_id=0, eos_token_id=1, bos_token_id=3, **ccfg)
-    t5_config = T5Config(vocab_size=t5_vocab, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, **ecfg)
+    tokenizer_2, t5_config = t5_text_parts(out / "tokenizer_2", T5Config, ecfg)
     return save_seeded_pipeline(
         getattr(diffusers, pipeline),
         out,
         seed,
         tokenizer=PreTrainedTokenizerFast.from_pretrained(out / "tokenizer"),
-        tokenizer_2=PreTrainedTokenizerFast.from_pretrained(out / "tokenizer_2"),
+        tokenizer_2=tokenizer_2,
         text_encoder=lambda: CLIPTextModel(clip_config).eval(),
         text_encoder_2=seeded(seed + 3, lambda: T5EncoderModel(t5_config).eval()),
         vae=lambda: AutoencoderKL(**vcfg).eval(),

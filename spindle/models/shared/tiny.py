@@ -23,6 +23,18 @@ def random_latent_stats(z_dim: int, seed: int) -> tuple[list[float], list[float]
     return [round(x, 4) for x in mean], [round(x, 4) for x in std]
 
 
+def t5_text_parts(tokenizer_dir: Path, config_cls: Any, fields: dict[str, Any]) -> tuple[Any, Any]:
+    """A T5-style text encoder's tokenizer (`$A </s>`, pad 0, eos 1: spindle.models.shared.tokenizers) saved to
+    `tokenizer_dir` and loaded back, and its `config_cls` (T5Config, UMT5Config) config over that vocabulary."""
+    from transformers import PreTrainedTokenizerFast
+
+    from spindle.models.shared.tokenizers import save_tokenizer
+
+    vocab_size = save_tokenizer(tokenizer_dir)
+    config = config_cls(vocab_size=vocab_size, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, **fields)
+    return PreTrainedTokenizerFast.from_pretrained(tokenizer_dir), config
+
+
 def seeded(seed: int, build: Callable[[], Any]) -> Any:
     torch.manual_seed(seed)
     return build()

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from spindle.models.shared.tiny import Overrides, random_latent_stats, save_seeded_pipeline
-from spindle.models.shared.tokenizers import save_tokenizer
+from spindle.models.shared.tiny import Overrides, random_latent_stats, save_seeded_pipeline, t5_text_parts
 
 WAN_TRANSFORMER = dict(
     patch_size=(1, 2, 2),
@@ -38,7 +37,7 @@ def build_tiny_wan(
     Overrides are merged into the default component configs, e.g. `transformer={"num_layers": 4}`.
     """
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
-    from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
+    from transformers import UMT5Config, UMT5EncoderModel
 
     out = Path(out)
     tcfg = {**WAN_TRANSFORMER, **(transformer or {})}
@@ -49,10 +48,7 @@ def build_tiny_wan(
     tcfg["text_dim"] = ecfg["d_model"]
     vcfg["latents_mean"], vcfg["latents_std"] = random_latent_stats(vcfg["z_dim"], seed)
 
-    tok_dir = out / "tokenizer"
-    vocab_size = save_tokenizer(tok_dir)
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_dir)
-    text_config = UMT5Config(vocab_size=vocab_size, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, **ecfg)
+    tokenizer, text_config = t5_text_parts(out / "tokenizer", UMT5Config, ecfg)
     return save_seeded_pipeline(
         WanPipeline,
         out,

@@ -10,8 +10,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from spindle.models.shared.tiny import Overrides, random_latent_stats, seeded, update_model_index
-from spindle.models.shared.tokenizers import save_tokenizer
+from spindle.models.shared.tiny import (
+    Overrides,
+    random_latent_stats,
+    save_seeded_pipeline,
+    seeded,
+    t5_text_parts,
+    update_model_index,
+)
 from spindle.models.wan.tiny import WAN_SCHEDULER, WAN_TEXT, WAN_TRANSFORMER, WAN_VAE
 
 CLIP_VISION = dict(
@@ -47,7 +53,6 @@ def build_tiny_wan_i2v(
         CLIPImageProcessor,
         CLIPVisionConfig,
         CLIPVisionModel,
-        PreTrainedTokenizerFast,
         UMT5Config,
         UMT5EncoderModel,
     )
@@ -69,15 +74,15 @@ def build_tiny_wan_i2v(
     tcfg["text_dim"] = ecfg["d_model"]
     vcfg["latents_mean"], vcfg["latents_std"] = random_latent_stats(z, seed)
 
-    tok_dir = out / "tokenizer"
-    vocab_size = save_tokenizer(tok_dir)
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_dir)
-    text_config = UMT5Config(vocab_size=vocab_size, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, **ecfg)
+    tokenizer, text_config = t5_text_parts(out / "tokenizer", UMT5Config, ecfg)
     size = icfg["image_size"]
-    pipe = WanImageToVideoPipeline(
+    save_seeded_pipeline(
+        WanImageToVideoPipeline,
+        out,
+        seed,
         tokenizer=tokenizer,
-        text_encoder=seeded(seed, lambda: UMT5EncoderModel(text_config).eval()),
-        vae=seeded(seed + 1, lambda: AutoencoderKLWan(**vcfg).eval()),
+        text_encoder=lambda: UMT5EncoderModel(text_config).eval(),
+        vae=lambda: AutoencoderKLWan(**vcfg).eval(),
         scheduler=FlowMatchEulerDiscreteScheduler(**WAN_SCHEDULER),
         image_processor=(
             CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
@@ -85,9 +90,8 @@ def build_tiny_wan_i2v(
             else None
         ),
         image_encoder=seeded(seed + 3, lambda: CLIPVisionModel(CLIPVisionConfig(**icfg)).eval()) if clip else None,
-        transformer=seeded(seed + 2, lambda: WanTransformer3DModel(**tcfg).eval()),
+        transformer=lambda: WanTransformer3DModel(**tcfg).eval(),
     )
-    pipe.save_pretrained(out, safe_serialization=True)
     # Without torchvision transformers builds the PIL variant of CLIPImageProcessor, and the pipeline
     # records that class; real checkpoints name CLIPImageProcessor (which loads as the PIL one here).
     return update_model_index(out, **({"image_processor": ["transformers", "CLIPImageProcessor"]} if clip else {}))
