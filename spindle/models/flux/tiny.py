@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from spindle.models.shared.tiny import Overrides, save_seeded_pipeline, seeded, t5_text_parts
+from spindle.models.shared.tiny import Overrides, dynamic_shift_scheduler, save_seeded_pipeline, seeded, t5_text_parts
 from spindle.models.shared.tokenizers import save_tokenizer
 
 FLUX_TRANSFORMER = dict(
@@ -43,15 +43,7 @@ FLUX_CLIP = dict(
 )
 FLUX_T5 = dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, relative_attention_num_buckets=8)
 # FLUX.1-dev's scheduler config: resolution-dependent ("dynamic") shift between base and max.
-FLUX_SCHEDULER = dict(
-    num_train_timesteps=1000,
-    shift=3.0,
-    use_dynamic_shifting=True,
-    base_shift=0.5,
-    max_shift=1.15,
-    base_image_seq_len=256,
-    max_image_seq_len=4096,
-)
+FLUX_SCHEDULER = dynamic_shift_scheduler(shift=3.0, max_shift=1.15, max_image_seq_len=4096)
 CLIP_MAX_LENGTH = 77
 
 

@@ -15,6 +15,12 @@ import torch
 Overrides = dict[str, Any] | None
 
 
+def dynamic_shift_scheduler(**fields: Any) -> dict[str, Any]:
+    """A FlowMatchEulerDiscreteScheduler config with resolution-dependent ("dynamic") shift, from 0.5 at 256
+    image tokens to `max_shift` at `max_image_seq_len` (FLUX.1's and Qwen-Image's; `fields`: the family's)."""
+    return dict(num_train_timesteps=1000, use_dynamic_shifting=True, base_shift=0.5, base_image_seq_len=256) | fields
+
+
 def random_latent_stats(z_dim: int, seed: int) -> tuple[list[float], list[float]]:
     """Non-trivial per-channel latent mean/std so that normalization bugs show up in tests."""
     g = torch.Generator().manual_seed(seed + 7)
