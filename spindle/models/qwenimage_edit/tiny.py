@@ -93,11 +93,7 @@ def build_tiny_qwenimage_edit(
 
 
 def build_tiny_qwenimage_edit_plus(
-    out: str | Path,
-    seed: int = 0,
-    transformer: Overrides = None,
-    vae: Overrides = None,
-    text_encoder: Overrides = None,
+    out: str | Path, seed: int = 0, transformer: Overrides = None, vae: Overrides = None, text_encoder: Overrides = None
 ) -> Path:
     """Write a tiny random QwenImageEditPlusPipeline (several input images) to `out`."""
     return build_tiny_qwenimage_edit(out, seed, transformer, vae, text_encoder, pipeline="QwenImageEditPlusPipeline")

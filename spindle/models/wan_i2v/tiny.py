@@ -12,13 +12,10 @@ from pathlib import Path
 
 from spindle.models.shared.tiny import (
     Overrides,
-    random_latent_stats,
-    save_seeded_pipeline,
     seeded,
-    t5_text_parts,
     update_model_index,
 )
-from spindle.models.wan.tiny import WAN_SCHEDULER, WAN_TEXT, WAN_TRANSFORMER, WAN_VAE
+from spindle.models.wan.tiny import WAN_TEXT, WAN_TRANSFORMER, WAN_VAE, save_wan_pipeline
 
 CLIP_VISION = dict(
     hidden_size=32,
@@ -43,19 +40,8 @@ def build_tiny_wan_i2v(
     """Write a tiny random Wan2.1 I2V pipeline (`WanImageToVideoPipeline`) to `out` and return its path.
     Overrides are merged into the default component configs. `clip=False`: no image encoder and a
     transformer without the image projection (Wan2.2's I2V layout)."""
-    from diffusers import (
-        AutoencoderKLWan,
-        FlowMatchEulerDiscreteScheduler,
-        WanImageToVideoPipeline,
-        WanTransformer3DModel,
-    )
-    from transformers import (
-        CLIPImageProcessor,
-        CLIPVisionConfig,
-        CLIPVisionModel,
-        UMT5Config,
-        UMT5EncoderModel,
-    )
+    from diffusers import WanImageToVideoPipeline
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
     out = Path(out)
     vcfg = {**WAN_VAE, **(vae or {})}
@@ -71,26 +57,20 @@ def build_tiny_wan_i2v(
     }
     if clip:  # the cross-attention's image key/value project the image tokens to the attention width
         tcfg.setdefault("added_kv_proj_dim", tcfg["num_attention_heads"] * tcfg["attention_head_dim"])
-    tcfg["text_dim"] = ecfg["d_model"]
-    vcfg["latents_mean"], vcfg["latents_std"] = random_latent_stats(z, seed)
-
-    tokenizer, text_config = t5_text_parts(out / "tokenizer", UMT5Config, ecfg)
     size = icfg["image_size"]
-    save_seeded_pipeline(
+    save_wan_pipeline(
         WanImageToVideoPipeline,
         out,
         seed,
-        tokenizer=tokenizer,
-        text_encoder=lambda: UMT5EncoderModel(text_config).eval(),
-        vae=lambda: AutoencoderKLWan(**vcfg).eval(),
-        scheduler=FlowMatchEulerDiscreteScheduler(**WAN_SCHEDULER),
+        tcfg,
+        vcfg,
+        ecfg,
         image_processor=(
             CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
             if clip
             else None
         ),
         image_encoder=seeded(seed + 3, lambda: CLIPVisionModel(CLIPVisionConfig(**icfg)).eval()) if clip else None,
-        transformer=lambda: WanTransformer3DModel(**tcfg).eval(),
     )
     # Without torchvision transformers builds the PIL variant of CLIPImageProcessor, and the pipeline
     # records that class; real checkpoints name CLIPImageProcessor (which loads as the PIL one here).
