@@ -16,6 +16,7 @@ from spindle.models.qwen2_5_vl.tiny import TINY_TEXT
 from spindle.models.qwen2_5_vl.tiny import TINY_VISION as QWEN2_5_VL_VISION
 from spindle.models.shared.tiny_vlm import (
     QWEN_VL_CHAT_TEMPLATE,
+    TINY_SPEECH_DECODER,
     omni_thinker,
     save_image_processor_config,
     seeded_model,
@@ -96,12 +97,7 @@ TINY_AUDIO = dict(
 # Not trained by Spindle; small enough to keep the folder light, complete enough that the stock class builds
 # and loads them.
 TINY_TALKER = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=16,
+    TINY_SPEECH_DECODER,
     vocab_size=8448,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
 )

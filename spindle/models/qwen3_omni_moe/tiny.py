@@ -12,7 +12,7 @@ import torch
 from spindle.models.qwen2_5_omni.tiny import OMNI_CHAT_TEMPLATE, TINY_AUDIO, save_omni_preprocessor
 from spindle.models.qwen3_vl.tiny import TINY_TEXT, TINY_VISION
 from spindle.models.qwen3_vl_moe.tiny import TINY_MOE
-from spindle.models.shared.tiny_vlm import QWEN_SPECIALS, omni_thinker, seeded_model
+from spindle.models.shared.tiny_vlm import QWEN_SPECIALS, TINY_SPEECH_DECODER, omni_thinker, seeded_model
 
 # Qwen3-Omni's added tokens, in the order (so the relative ids) of the real vocabulary: Qwen3's list, then
 # the audio and TTS tokens.
@@ -64,30 +64,16 @@ TINY_AUDIO_MOE = dict(
 # Not trained by Spindle; small enough to keep the folder light, complete enough that the stock class builds
 # and loads them. The talker's codec ids (codec_*_id, speaker ids) are below its vocabulary size.
 TINY_TALKER_TEXT = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=1,
+    TINY_SPEECH_DECODER,
     vocab_size=4208,
     num_experts=4,
     num_experts_per_tok=2,
     moe_intermediate_size=16,
     # read by the talker's shared expert but not declared by its config class: the published config.json has it
     shared_expert_intermediate_size=32,
-    head_dim=16,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "interleaved": True},
 )
-TINY_CODE_PREDICTOR = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=16,
-    vocab_size=64,
-    num_code_groups=4,
-)
+TINY_CODE_PREDICTOR = dict(TINY_SPEECH_DECODER, vocab_size=64, num_code_groups=4)
 TINY_CODE2WAV = dict(
     codebook_size=64,
     hidden_size=32,

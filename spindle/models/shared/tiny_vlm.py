@@ -44,6 +44,11 @@ TINY_DECODER = dict(
     num_key_value_heads=2,
     max_position_embeddings=1024,
 )
+# The speech side's decoders of the tiny omni models (talker, code predictor): not trained by Spindle, so as small as
+# the stock classes build and load
+TINY_SPEECH_DECODER = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16
+)
 TINY_TOWER = dict(
     depth=2, hidden_size=32, intermediate_size=64, num_heads=2, spatial_merge_size=2, temporal_patch_size=2
 )
