@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from spindle.api import load_job_config, make_trainer
+from spindle.testing import vlm_conformance as suite
+from spindle.testing.vlm_conformance import subset
 from tests.data.test_omni_data import lines, stock_call, stock_processor
 from tests.train.test_vlm import grad_norm, vlm_overrides
 
@@ -28,21 +30,6 @@ def omni_overrides(model: Path, data: Path, out: Path, **values) -> list[str]:
 def omni_train(model: Path, data: Path, out: Path, **overrides):
     trainer = make_trainer(load_job_config(None, omni_overrides(model, data, out, **overrides)))
     return trainer, trainer.run()
-
-
-def subset(conversations: Path, out: Path, picked: list[int]) -> Path:
-    """Some lines of the shared conversations file, media paths made absolute (the fixture is read-only)."""
-    out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for obj in (lines(conversations)[i] for i in picked):
-        for m in obj["messages"]:
-            for part in m["content"] if isinstance(m["content"], list) else []:
-                if part["type"] != "text":
-                    part[part["type"]] = str(conversations.parent / part[part["type"]])
-        rows.append(json.dumps(obj))
-    path = out / "data.jsonl"
-    path.write_text("\n".join(rows) + "\n")
-    return path
 
 
 def stock_inputs(
@@ -64,24 +51,29 @@ def stock_inputs(
     return out
 
 
-def stock_thinker(path: Path):
-    from transformers import Qwen2_5OmniThinkerForConditionalGeneration
+def stock_thinker(path: Path, cls: str = "Qwen2_5OmniThinkerForConditionalGeneration"):
+    """The stock transformers thinker `cls` of the folder, fp32, sdpa, in training mode."""
+    import transformers
 
-    model = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="sdpa"
-    )
+    model = getattr(transformers, cls).from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     model.train()
     return model
 
 
+def first_step(model: Path, conversations: Path, out: Path, line: int, **stock) -> tuple[dict, dict]:
+    """Spindle's logged first step on the conversation `line` alone (unpacked), and the stock processor's inputs
+    for it (`stock`: stock_inputs' family and processor)."""
+    data = subset(conversations, out / "data", [line])
+    omni_train(model, data, out / "run", data__packing=False, train__max_steps=1)
+    logged = json.loads((out / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    (inputs,) = stock_inputs(model, data, **stock)
+    assert "input_features" in inputs
+    return logged, inputs
+
+
 @pytest.mark.parametrize("line", [0, 2], ids=["audio", "image_then_audio"])
 def test_step1_loss_and_grad_norm_equal_the_stock_thinker(line, tiny_qwen2_5_omni, omni_conversations, tmp_path):
-    data = subset(omni_conversations, tmp_path / "data", [line])
-    omni_train(tiny_qwen2_5_omni, data, tmp_path / "run", data__packing=False, train__max_steps=1)
-    logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
-
-    (inputs,) = stock_inputs(tiny_qwen2_5_omni, data)
-    assert "input_features" in inputs
+    logged, inputs = first_step(tiny_qwen2_5_omni, omni_conversations, tmp_path, line)
     model = stock_thinker(tiny_qwen2_5_omni)
     loss = model(**inputs).loss
     loss.backward()
@@ -151,14 +143,8 @@ def test_freeze_keeps_parts_unchanged_without_optimizer_state(
         train__global_batch_size=2,
         train__freeze=json.dumps(freeze),
     )
-    states = {n for n, p in trainer.model.named_parameters() if p in trainer.optimizer.state}
-    assert {family.part_of(n) for n in states} == trained
-    before, after = (
-        stock_thinker(tiny_qwen2_5_omni).state_dict(),
-        stock_thinker(tmp_path / "run" / "export").state_dict(),
-    )
-    changed = {family.part_of(k) for k in before if not torch.equal(before[k], after[k])}
-    assert changed == trained
+    before, after = (stock_thinker(path).state_dict() for path in (tiny_qwen2_5_omni, tmp_path / "run" / "export"))
+    suite.check_frozen_parts(family, trainer, before, after, trained)
 
 
 def test_freeze_names_only_the_familys_parts(tiny_qwen2_5_vl, tmp_path):
