@@ -265,6 +265,18 @@ def train_interrupted(make_config: Callable[..., Any], out: Path, monkeypatch: A
     monkeypatch.setattr(Trainer, "train_step", original)
 
 
+def stepped_linear() -> tuple[Any, Any]:
+    """A seeded nn.Linear(4, 3) and its AdamW after one step: a model and optimizer state to checkpoint."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
 def spindle_train(out: Path, nproc: int, overrides: list[str]):
     """`spindle train --nproc N` (torchrun workers, or one process) of an empty config file next to `out`
     with the dotted `overrides`; asserts it succeeded; -> the CompletedProcess (its output)."""
