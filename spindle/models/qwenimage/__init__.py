@@ -4,28 +4,19 @@ from pathlib import Path
 
 from spindle.contracts.family import ConformanceSpec, DiTFamily
 from spindle.contracts.options import FamilyOptions
-from spindle.models.shared.declarations import (
-    IMAGE_DEMO,
-    PACKING,
-    demo,
-    multiple_error,
-    parity_cases,
-    text_length_error,
-    true_cfg_scale,
-)
+from spindle.models.shared import declarations as decl
 
 
 def _looks_like_qwenimage(root: Path) -> bool:
     """Renamed local folders: a Qwen2.5-VL text encoder next to a Qwen-Image VAE."""
-    vae_cfg = root / "vae" / "config.json"
-    return vae_cfg.is_file() and '"AutoencoderKLQwenImage"' in vae_cfg.read_text()
+    return decl.config_mentions(root, "vae", '"AutoencoderKLQwenImage"')
 
 
 # the scheduler's terminal shift needs two steps
 STEPS_ERROR = (dict(num_inference_steps=1), r"num_inference_steps must be >= 2 for this checkpoint's scheduler")
 # sampling options (CLI flags, HTTP fields); the family's inference spec declares the same object
 OPTIONS = FamilyOptions(
-    extra=(true_cfg_scale(4.0),),  # QwenImagePipeline's default: CFG runs once a negative_prompt is given
+    extra=(decl.true_cfg_scale(4.0),),  # QwenImagePipeline's default: CFG runs once a negative_prompt is given
     guidance="embedded guidance of guidance-distilled variants (ignored by Qwen-Image itself); CFG is true_cfg_scale",
 )
 
@@ -38,11 +29,11 @@ FAMILY = DiTFamily(
     tiny_model="spindle.models.qwenimage.tiny:build_tiny_qwenimage",
     detect=_looks_like_qwenimage,
     options=OPTIONS,
-    demo=demo(IMAGE_DEMO, sample_kwargs={"negative_prompt": "", "true_cfg_scale": 4.0}),
+    demo=decl.demo(decl.IMAGE_DEMO, sample_kwargs={"negative_prompt": "", "true_cfg_scale": 4.0}),
     conformance=ConformanceSpec(
         # classifier-free guidance is true_cfg_scale with a negative prompt (here longer than the
         # prompt: variable-length text, padded with a mask when CFG is batched)
-        parity_cases=parity_cases(
+        parity_cases=decl.parity_cases(
             cfg=dict(negative_prompt="blurry low quality picture of a fox", true_cfg_scale=4.0, seed=7),
             nocfg=dict(seed=0),
         ),
@@ -58,7 +49,11 @@ FAMILY = DiTFamily(
             max_sequence_length=512,
             extra={"true_cfg_scale": 4.0},  # QwenImagePipeline's, which runs only with a negative prompt
         ),
-        request_errors=(multiple_error("height", 34, 4, "32 or 36", why=PACKING), STEPS_ERROR, text_length_error(1024)),
+        request_errors=(
+            decl.multiple_error("height", 34, 4, "32 or 36", why=decl.PACKING),
+            STEPS_ERROR,
+            decl.text_length_error(1024),
+        ),
         # the --true-cfg-scale flag
         cli_case=dict(
             prompt="a fox",

@@ -14,7 +14,7 @@ from spindle.contracts.family import ConformanceSpec, DiTFamily
 from spindle.contracts.options import FamilyOptions, Option
 from spindle.models.qwenimage import OPTIONS as QWENIMAGE_OPTIONS
 from spindle.models.qwenimage import STEPS_ERROR
-from spindle.models.shared.declarations import EDIT_DEMO, demo, multiple_error, parity_cases
+from spindle.models.shared.declarations import EDIT_DEMO, config_mentions, demo, multiple_error, parity_cases
 from spindle.models.shared.test_images import noise_image
 
 # The pipelines' sizing of the input images: calculate_dimensions(area, aspect) -> sides, multiples of 32.
@@ -59,12 +59,8 @@ def sample_image(height: int = 40, width: int = 56, seed: int = 0) -> object:
 
 def _looks_like_edit(root: Path) -> bool:
     """Renamed local folders: a Qwen-Image VAE next to a Qwen2-VL processor folder."""
-    vae_cfg = root / "vae" / "config.json"
-    return (
-        (root / "processor" / "preprocessor_config.json").is_file()
-        and vae_cfg.is_file()
-        and ('"AutoencoderKLQwenImage"' in vae_cfg.read_text())
-    )
+    processor = root / "processor" / "preprocessor_config.json"
+    return processor.is_file() and config_mentions(root, "vae", '"AutoencoderKLQwenImage"')
 
 
 def text_tokens(images: int) -> int:

@@ -7,6 +7,7 @@ Light (no torch, no diffusers): the registry imports every family's declaration.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 from spindle.contracts.family import DemoSpec
@@ -26,6 +27,13 @@ VIDEO_DEMO = DemoSpec(
     sample_kwargs={"num_frames": 9, "guidance_scale": 1.0},
 )
 EDIT_DEMO = DemoSpec(dataset="spindle.data.synthetic:make_shapes_edit_dataset", dataset_kwargs={"num_pairs": 16})
+
+
+def config_mentions(root: Path, component: str, text: str) -> bool:
+    """A renamed local folder's `component/config.json` exists and holds `text` (a class name, a config key):
+    what a family's `detect` reads to recognise its layout."""
+    config = root / component / "config.json"
+    return config.is_file() and text in config.read_text()
 
 
 def demo(kind: DemoSpec, size: tuple[int, int] = (32, 32), **fields: Any) -> DemoSpec:

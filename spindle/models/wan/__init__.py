@@ -4,13 +4,12 @@ from pathlib import Path
 
 from spindle.contracts.family import ConformanceSpec, DiTFamily
 from spindle.contracts.options import FamilyOptions
-from spindle.models.shared.declarations import VIDEO_DEMO, demo, multiple_error, parity_cases
+from spindle.models.shared.declarations import VIDEO_DEMO, config_mentions, demo, multiple_error, parity_cases
 
 
 def _looks_like_wan(root: Path) -> bool:
     """Renamed local folders: a UMT5 text encoder next to a Wan VAE is Wan."""
-    vae_cfg = root / "vae" / "config.json"
-    return vae_cfg.is_file() and '"AutoencoderKLWan"' in vae_cfg.read_text()
+    return config_mentions(root, "vae", '"AutoencoderKLWan"')
 
 
 # sampling options (CLI flags, HTTP fields); the family's inference spec declares the same object
