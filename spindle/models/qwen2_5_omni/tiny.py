@@ -94,6 +94,7 @@ TINY_AUDIO = dict(
     max_source_positions=64,
     n_window=8,  # 16-frame attention windows: a half-second clip spans several
 )
+THINKER_SIZES = (TINY_TEXT, TINY_VISION, TINY_AUDIO)
 # Not trained by Spindle; small enough to keep the folder light, complete enough that the stock class builds
 # and loads them.
 TINY_TALKER = dict(
@@ -125,19 +126,16 @@ TINY_TOKEN2WAV = dict(
 TINY_AUDIO_FEATURES = dict(feature_size=128, sampling_rate=16000, hop_length=160, chunk_length=10, n_fft=400)
 
 
+OMNI_TOKENIZER = dict(chat_template=OMNI_CHAT_TEMPLATE, specials=OMNI_SPECIALS, named_tokens=OMNI_NAMED_TOKENS)
+
+
 def build_tiny_qwen2_5_omni(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
     """Write the tiny folder to `out`; returns `out`. `transformer`: overrides of the thinker config (top level
     or under "text_config" / "vision_config" / "audio_config")."""
     from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
 
     out = Path(out)
-    tokenizer, thinker, ids = omni_thinker(
-        out,
-        transformer,
-        dict(chat_template=OMNI_CHAT_TEMPLATE, specials=OMNI_SPECIALS, named_tokens=OMNI_NAMED_TOKENS),
-        (TINY_TEXT, TINY_VISION, TINY_AUDIO),
-        OMNI_TOKEN_IDS,
-    )
+    tokenizer, thinker, ids = omni_thinker(out, transformer, OMNI_TOKENIZER, THINKER_SIZES, OMNI_TOKEN_IDS)
     text, vision = thinker["text_config"], thinker["vision_config"]
     talker = {**TINY_TALKER, "embedding_size": text["hidden_size"], **ids}
     config = Qwen2_5OmniConfig(thinker_config=thinker, talker_config=talker, token2wav_config=TINY_TOKEN2WAV)

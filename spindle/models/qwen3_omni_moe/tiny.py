@@ -61,6 +61,7 @@ TINY_AUDIO_MOE = dict(
     downsample_hidden_size=16,
     conv_chunksize=500,
 )
+THINKER_SIZES = (TINY_TEXT_MOE, TINY_VISION, TINY_AUDIO_MOE)
 # Not trained by Spindle; small enough to keep the folder light, complete enough that the stock class builds
 # and loads them. The talker's codec ids (codec_*_id, speaker ids) are below its vocabulary size.
 TINY_TALKER_TEXT = dict(
@@ -90,24 +91,25 @@ TINY_CODE2WAV = dict(
 )
 
 
+OMNI_MOE_TOKENIZER = dict(
+    chat_template=OMNI_MOE_CHAT_TEMPLATE, specials=OMNI_MOE_SPECIALS, named_tokens=OMNI_MOE_NAMED_TOKENS
+)
+# the thinker config's token ids
+OMNI_MOE_TOKEN_IDS = {
+    "audio_token_id": "<|audio_pad|>",
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+    "audio_start_token_id": "<|audio_start|>",
+    "vision_start_token_id": "<|vision_start|>",
+}
+
+
 def build_tiny_qwen3_omni_moe(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
     """Write the tiny folder to `out`; returns `out` (`transformer`: as for the tiny Qwen2.5-Omni)."""
     from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
     out = Path(out)
-    tokenizer, thinker, ids = omni_thinker(
-        out,
-        transformer,
-        dict(chat_template=OMNI_MOE_CHAT_TEMPLATE, specials=OMNI_MOE_SPECIALS, named_tokens=OMNI_MOE_NAMED_TOKENS),
-        (TINY_TEXT_MOE, TINY_VISION, TINY_AUDIO_MOE),
-        {
-            "audio_token_id": "<|audio_pad|>",
-            "image_token_id": "<|image_pad|>",
-            "video_token_id": "<|video_pad|>",
-            "audio_start_token_id": "<|audio_start|>",
-            "vision_start_token_id": "<|vision_start|>",
-        },
-    )
+    tokenizer, thinker, ids = omni_thinker(out, transformer, OMNI_MOE_TOKENIZER, THINKER_SIZES, OMNI_MOE_TOKEN_IDS)
     text, vision = thinker["text_config"], thinker["vision_config"]
     token = tokenizer.convert_tokens_to_ids
     talker = {
