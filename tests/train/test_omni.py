@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -244,41 +245,49 @@ def test_lora_trains_adapters_and_refuses_a_merged_export(tiny_qwen2_5_omni, omn
         check_job_plan(cfg, 1)
 
 
-def test_use_audio_in_video_step1_equals_the_stock_thinker(tiny_qwen2_5_omni, tiny_qwen2_5_vl, tmp_path):
-    """A video with its audio track (`data.use_audio_in_video`): step 1's loss and grad norm equal the stock
-    thinker given Spindle's tokens, frames and track features, computing its own positions with
-    use_audio_in_video. A VLM family refuses the option."""
-    from spindle.api import check_job_plan
-    from spindle.config import ConfigError
+def video_step(model: Path, out: Path, use_audio_in_video: bool) -> tuple[Any, dict, dict, dict]:
+    """Step 1 of Spindle on one conversation about a video with an audio track (`data.use_audio_in_video` as
+    given): the trainer, its logged metrics, the dataset's row and the row's collated vision inputs."""
     from spindle.data.multimodal import collate_vision
     from tests.data.test_omni_data import video_with_audio
 
-    data = tmp_path / "data"
+    data = out / "data"
     data.mkdir()
     video_with_audio(data)
     user = [{"type": "video", "video": "clip.mp4"}, {"type": "text", "text": "What?"}]
     line = {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": "A tone."}]}
     (data / "data.jsonl").write_text(json.dumps(line) + "\n")
     trainer, _ = omni_train(
-        tiny_qwen2_5_omni,
+        model,
         data / "data.jsonl",
-        tmp_path / "run",
+        out / "run",
         data__packing=False,
         train__max_steps=1,
-        data__use_audio_in_video=True,
+        data__use_audio_in_video=use_audio_in_video,
     )
-    logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    logged = json.loads((out / "run" / "metrics.jsonl").read_text().splitlines()[0])
     batch = trainer.loader.dataset[0]
-    inputs = collate_vision(batch["vision"])
-    ids = batch["input_ids"][None]
-    labels = batch["shift_labels"]
-    # stock takes unshifted labels: position i+1's label is shift_labels[i]
-    stock_labels = torch.cat([torch.tensor([-100]), labels[:-1]])[None]
+    return trainer, logged, batch, collate_vision(batch["vision"])
+
+
+def unshifted(shift_labels: torch.Tensor) -> torch.Tensor:
+    """[1, L] labels as stock takes them (it shifts): position i+1's label is shift_labels[i]."""
+    return torch.cat([torch.tensor([-100]), shift_labels[:-1]])[None]
+
+
+def test_use_audio_in_video_step1_equals_the_stock_thinker(tiny_qwen2_5_omni, tiny_qwen2_5_vl, tmp_path):
+    """A video with its audio track (`data.use_audio_in_video`): step 1's loss and grad norm equal the stock
+    thinker given Spindle's tokens, frames and track features, computing its own positions with
+    use_audio_in_video. A VLM family refuses the option."""
+    from spindle.api import check_job_plan
+    from spindle.config import ConfigError
+
+    _, logged, batch, inputs = video_step(tiny_qwen2_5_omni, tmp_path, use_audio_in_video=True)
     model = stock_thinker(tiny_qwen2_5_omni)
     loss = model(
-        input_ids=ids,
+        input_ids=batch["input_ids"][None],
         attention_mask=batch["attention_mask"][None],
-        labels=stock_labels,
+        labels=unshifted(batch["shift_labels"]),
         use_audio_in_video=True,
         video_second_per_grid=inputs.pop("second_per_grid_ts"),
         **inputs,
@@ -288,7 +297,7 @@ def test_use_audio_in_video_step1_equals_the_stock_thinker(tiny_qwen2_5_omni, ti
     assert logged["grad_norm"] == pytest.approx(grad_norm(model), rel=1e-4)
 
     cfg = load_job_config(
-        None, vlm_overrides(tiny_qwen2_5_vl, data / "data.jsonl", tmp_path, data__use_audio_in_video=True)
+        None, vlm_overrides(tiny_qwen2_5_vl, tmp_path / "data" / "data.jsonl", tmp_path, data__use_audio_in_video=True)
     )
     with pytest.raises(ConfigError, match=r"data\.use_audio_in_video: qwen2_5_vl models: they do not take"):
         check_job_plan(cfg, 1)

@@ -15,7 +15,7 @@ import torch
 from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3OmniMoeProcessor
 
 from spindle.testing.vlm_conformance import check_frozen_parts, subset
-from tests.train.test_omni import first_step, omni_train, stock_inputs, untrained_bytes
+from tests.train.test_omni import first_step, omni_train, stock_inputs, unshifted, untrained_bytes, video_step
 from tests.train.test_omni import stock_thinker as omni_stock_thinker
 from tests.train.test_vlm import grad_norm
 
@@ -145,26 +145,7 @@ def test_video_step1_equals_the_stock_thinker(with_audio, tiny_qwen3_omni_moe, t
     thinker given Spindle's tokens, frames and track features, computing its own 3-D positions from the grid,
     the seconds per grid and (with audio) the track's length. (The stock video processor needs torchvision, so
     the frames are Spindle's on both sides.)"""
-    from spindle.data.multimodal import collate_vision
-    from tests.data.test_omni_data import video_with_audio
-
-    data = tmp_path / "data"
-    data.mkdir()
-    video_with_audio(data)
-    user = [{"type": "video", "video": "clip.mp4"}, {"type": "text", "text": "What?"}]
-    line = {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": "A tone."}]}
-    (data / "data.jsonl").write_text(json.dumps(line) + "\n")
-    trainer, _ = omni_train(
-        tiny_qwen3_omni_moe,
-        data / "data.jsonl",
-        tmp_path / "run",
-        data__packing=False,
-        train__max_steps=1,
-        data__use_audio_in_video=with_audio,
-    )
-    logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
-    batch = trainer.loader.dataset[0]
-    inputs = collate_vision(batch["vision"])
+    trainer, logged, batch, inputs = video_step(tiny_qwen3_omni_moe, tmp_path, use_audio_in_video=with_audio)
     assert "pixel_values_videos" in inputs and ("input_features" in inputs) == with_audio
     ids = batch["input_ids"]
     config = trainer.model.config
@@ -172,12 +153,11 @@ def test_video_step1_equals_the_stock_thinker(with_audio, tiny_qwen3_omni_moe, t
         first_audio = int((ids == config.audio_token_id).nonzero()[0])
         last_video = int((ids == config.video_token_id).nonzero()[-1])
         assert first_audio < last_video and int((ids == config.audio_start_token_id).sum()) == 1
-    labels = batch["shift_labels"]
     model = stock_thinker(tiny_qwen3_omni_moe)
     out = model(
         input_ids=ids[None],
         attention_mask=batch["attention_mask"][None],
-        labels=torch.cat([torch.tensor([-100]), labels[:-1]])[None],  # stock shifts: i+1's label is shift_labels[i]
+        labels=unshifted(batch["shift_labels"]),
         video_second_per_grid=inputs.pop("second_per_grid_ts"),
         use_audio_in_video=with_audio,
         output_router_logits=True,
