@@ -76,15 +76,23 @@ def gen(tiny_wan):
     return load_generator(tiny_wan, device="cpu")
 
 
-@pytest.fixture
-def serve(gen, tiny_wan):
-    """`serve(**options)` -> a started LiveServer over the module's generator (stopped after the test)."""
+@contextlib.contextmanager
+def live_servers(gen, root, model_id: str):
+    """`start(**options)` -> a started LiveServer serving `gen` (the checkpoint at `root`, as `model_id` unless the
+    options name one); every server started is stopped on exit."""
     with contextlib.ExitStack() as stack:
 
         def start(**options) -> LiveServer:
-            options.setdefault("model_id", "tiny-wan")
-            return stack.enter_context(LiveServer(build_app(gen, root=str(tiny_wan), **options)))
+            options.setdefault("model_id", model_id)
+            return stack.enter_context(LiveServer(build_app(gen, root=str(root), **options)))
 
+        yield start
+
+
+@pytest.fixture
+def serve(gen, tiny_wan):
+    """`serve(**options)` -> a started LiveServer over the module's generator (stopped after the test)."""
+    with live_servers(gen, tiny_wan, "tiny-wan") as start:
         yield start
 
 
