@@ -377,6 +377,15 @@ class OmniFamily(VLMFamily):
     prefix: str = "thinker."  # the trained sub-model's checkpoint key prefix
     audio_tower: str = "model.audio_tower"  # the thinker's audio encoder (Qwen2.5-Omni's and Qwen3-Omni's)
     tower_order: tuple[str, ...] = ("audio", "image", "video")  # the thinkers' forward runs audio first
+    # Qwen2.5-Omni's thinker: what maps each tower's features into the decoder's width is the aligner
+    parts: dict[str, tuple[str, ...]] = field(
+        default_factory=lambda: {
+            "audio": ("model.audio_tower.",),
+            "vision": ("model.visual.",),
+            "aligner": ("model.visual.merger.", "model.audio_tower.proj."),
+            "language": ("model.language_model.", "lm_head."),
+        }
+    )
     # "module:function(config, tokenizer, grid_thw, second_per_grid, audio_tokens, merge_size) -> str": the text a
     # video's pad token becomes when its audio track is used (data.use_audio_in_video); "": not supported
     video_audio_layout: str = ""

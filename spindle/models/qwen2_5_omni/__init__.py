@@ -11,13 +11,6 @@ FAMILY = OmniFamily(
     rope_index="spindle.models.qwen2_5_omni.rope:rope_index",
     video_audio_layout="spindle.models.qwen2_5_omni.video_audio:video_audio_placeholder",
     tiny_model="spindle.models.qwen2_5_omni.tiny:build_tiny_qwen2_5_omni",
-    parts={
-        "audio": ("model.audio_tower.",),
-        "vision": ("model.visual.",),
-        # what maps each tower's features into the decoder's width
-        "aligner": ("model.visual.merger.", "model.audio_tower.proj."),
-        "language": ("model.language_model.", "lm_head."),
-    },
     untrained=("talker.", "token2wav."),
     blocks=("Qwen2_5OmniDecoderLayer", "Qwen2_5OmniVisionBlock", "Qwen2_5OmniAudioEncoderLayer"),
 )

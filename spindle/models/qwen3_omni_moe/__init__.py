@@ -21,7 +21,6 @@ FAMILY = OmniFamily(
     audio_tokens="spindle.models.qwen3_omni_moe.rope:audio_tokens",
     video_audio_layout="spindle.models.qwen3_omni_moe.video_audio:video_audio_placeholder",
     tiny_model="spindle.models.qwen3_omni_moe.tiny:build_tiny_qwen3_omni_moe",
-    checkpoint_adapter="spindle.models.qwen3_omni_moe.conversion:ADAPTER",
     parts={
         "audio": ("model.audio_tower.",),
         "vision": ("model.visual.",),
@@ -36,5 +35,7 @@ FAMILY = OmniFamily(
     },
     untrained=("talker.", "code2wav."),
     blocks=("Qwen3OmniMoeThinkerTextDecoderLayer", "Qwen3OmniMoeVisionBlock", "Qwen3OmniMoeAudioEncoderLayer"),
+    # what the MoE decoder adds
     task="omni_moe",
+    checkpoint_adapter="spindle.models.qwen3_omni_moe.conversion:ADAPTER",
 )
