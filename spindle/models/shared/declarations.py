@@ -70,16 +70,14 @@ def multiple_error(name: str, got: int, multiple: int, tries: str, why: str | No
     naming the values to try (`tries`, e.g. "16 or 32") and, where given, the reason (`why`, e.g. "VAE x2 x 2x2
     packing")."""
     reason = rf"\({why}\)" if why else r"\(.*\)"  # `why` has no regex syntax of its own
-    return {
-        name: got
-    }, rf"{name} must be a positive multiple of {multiple} for this model {reason} \(got {got}\); try {tries}"
+    message = rf"{name} must be a positive multiple of {multiple} for this model {reason} \(got {got}\); try {tries}"
+    return {name: got}, message
 
 
 def text_length_error(limit: int) -> tuple[dict, str]:
     """A `request_errors` row: a max_sequence_length one over the text encoder's `limit`."""
-    return dict(
-        max_sequence_length=limit + 1
-    ), rf"max_sequence_length must be an integer between 1 and {limit}; got {limit + 1}"
+    message = rf"max_sequence_length must be an integer between 1 and {limit}; got {limit + 1}"
+    return {"max_sequence_length": limit + 1}, message
 
 
 def amended(cases: dict[str, dict[str, Any]], values: dict[str, Any], only: str | None = None) -> dict[str, dict]:
