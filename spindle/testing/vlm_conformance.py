@@ -74,6 +74,11 @@ def subset(conversations: Path, out: Path, lines: list[int]) -> Path:
     return path
 
 
+def freeze_overrides(freeze: list[str]) -> dict[str, Any]:
+    """The dotted overrides of a freeze check's run: two steps of two samples with `train.freeze`."""
+    return {"train__max_steps": 2, "train__global_batch_size": 2, "train__freeze": json.dumps(freeze)}
+
+
 def check_frozen_parts(family: VLMFamily, trainer: Any, before: dict, after: dict, trained: set[str]) -> None:
     """After a run with `train.freeze`, exactly the `trained` parts have optimizer state and changed weights
     (`before` / `after`: the stock model's state dicts of the input and the export)."""

@@ -47,11 +47,10 @@ def engine_edit(gen, images, **kw):
 
 
 def test_openai_client_images_edit_one_and_several_images(serve, plus):
-    import openai
 
     gen, _ = plus
     s = serve()
-    client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
+    client = s.openai_client()
     first, second = png_bytes(0), png_bytes(1, (48, 32))
     one = client.images.edit(
         image=("a.png", first, "image/png"),

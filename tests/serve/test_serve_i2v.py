@@ -74,10 +74,9 @@ def test_multipart_and_data_url_jobs_equal_the_engine(serve, gen):
 
 
 def test_openai_client_videos_create_with_input_reference(serve):
-    import openai
 
     s = serve()
-    client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
+    client = s.openai_client()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         video = client.videos.create(

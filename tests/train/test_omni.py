@@ -136,14 +136,7 @@ def test_freeze_keeps_parts_unchanged_without_optimizer_state(
     from spindle.registry import get_family
 
     family = get_family("qwen2_5_omni")
-    trainer, _ = omni_train(
-        tiny_qwen2_5_omni,
-        omni_conversations,
-        tmp_path / "run",
-        train__max_steps=2,
-        train__global_batch_size=2,
-        train__freeze=json.dumps(freeze),
-    )
+    trainer, _ = omni_train(tiny_qwen2_5_omni, omni_conversations, tmp_path / "run", **suite.freeze_overrides(freeze))
     before, after = (stock_thinker(path).state_dict() for path in (tiny_qwen2_5_omni, tmp_path / "run" / "export"))
     suite.check_frozen_parts(family, trainer, before, after, trained)
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3OmniMoeProcessor
 
-from spindle.testing.vlm_conformance import check_frozen_parts, subset
+from spindle.testing.vlm_conformance import check_frozen_parts, freeze_overrides, subset
 from tests.train.test_omni import first_step, omni_train, stock_inputs, unshifted, untrained_bytes, video_step
 from tests.train.test_omni import stock_thinker as omni_stock_thinker
 from tests.train.test_vlm import grad_norm
@@ -122,14 +122,8 @@ def test_freeze_audio_and_language_trains_only_vision_and_aligners(tiny_qwen3_om
     from spindle.registry import get_family
 
     family = get_family("qwen3_omni_moe")
-    trainer, _ = omni_train(
-        tiny_qwen3_omni_moe,
-        omni_conversations,
-        tmp_path / "run",
-        train__max_steps=2,
-        train__global_batch_size=2,
-        train__freeze='["audio", "language"]',
-    )
+    freeze = freeze_overrides(["audio", "language"])
+    trainer, _ = omni_train(tiny_qwen3_omni_moe, omni_conversations, tmp_path / "run", **freeze)
     load = Qwen3OmniMoeForConditionalGeneration.from_pretrained
     before, after = (
         load(path, dtype=torch.float32).thinker.state_dict()
