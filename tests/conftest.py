@@ -246,6 +246,17 @@ def failing_next_forward(model: Any, message: str = "injected fault") -> Any:
         handle.remove()
 
 
+# 8 steps of a cosine schedule, a checkpoint every 3 (steps 3 and 6), no export: the run resume tests interrupt
+# and compare with an uninterrupted one
+RESUME_RUN = dict(
+    train__max_steps=8,
+    checkpoint__every_steps=3,
+    train__lr_schedule="cosine",
+    train__warmup_steps=2,
+    checkpoint__export=False,
+)
+
+
 def train_interrupted(make_config: Callable[..., Any], out: Path, monkeypatch: Any, step: int, **overrides) -> None:
     """`train(make_config(out, **overrides))` interrupted (KeyboardInterrupt, as Ctrl-C) when step `step`
     begins; the trainer is restored after, so the caller can resume the run (`checkpoint__resume="auto"`)."""

@@ -41,16 +41,10 @@ from spindle.distributed.integrity import CheckpointError, DiskFullError
 from spindle.train.metrics import read_metrics
 from spindle.train.output_lock import LOCK_FILE, OutputLock, OutputLockedError
 from spindle.train.trainer import Trainer
-from tests.conftest import stepped_linear, train_overrides
+from tests.conftest import RESUME_RUN, stepped_linear, train_overrides
 
 # 8 steps, a checkpoint every 3 (steps 3 and 6), keep_last 2: the run every test here compares with.
-COMMON = dict(
-    train__max_steps=8,
-    checkpoint__every_steps=3,
-    train__lr_schedule="cosine",
-    train__warmup_steps=2,
-    checkpoint__export=False,
-)
+COMMON = RESUME_RUN
 
 
 @pytest.fixture(scope="module")
