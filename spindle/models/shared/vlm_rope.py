@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import Tensor
 
 
 def mm_token_types(config: Any, input_ids: torch.Tensor) -> torch.Tensor:
@@ -18,7 +19,8 @@ def mm_token_types(config: Any, input_ids: torch.Tensor) -> torch.Tensor:
     return types
 
 
-RopeIndex = Callable[..., torch.Tensor]
+RopeIndex = Callable[..., Tensor]
+Grid = Tensor | None  # [N, 3] (t, h, w) patch grids of a document's images or videos, or their seconds per grid
 
 
 def _stand_in(model_cls: Any, methods: tuple[str, ...], config: Any) -> Any:
@@ -35,12 +37,8 @@ def rope_for(model_cls: Any, seconds: bool) -> RopeIndex:
     otherwise it ignores them (Qwen3-VL writes timestamps into the text)."""
 
     def rope_index(
-        config: Any,
-        input_ids: torch.Tensor,
-        image_grid_thw: torch.Tensor | None,
-        video_grid_thw: torch.Tensor | None,
-        second_per_grid_ts: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        config: Any, input_ids: Tensor, image_grid_thw: Grid, video_grid_thw: Grid, second_per_grid_ts: Grid = None
+    ) -> Tensor:
         stand_in = _stand_in(model_cls, ("get_rope_index", "get_vision_position_ids"), config)
         extra = {"second_per_grid_ts": second_per_grid_ts} if seconds and second_per_grid_ts is not None else {}
         positions, _ = stand_in.get_rope_index(
