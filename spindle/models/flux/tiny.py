@@ -32,19 +32,19 @@ FLUX_VAE = dict(
     use_quant_conv=False,
     use_post_quant_conv=False,
 )
+CLIP_MAX_LENGTH = 77  # CLIP's text positions (its tokenizer's model_max_length too)
 FLUX_CLIP = dict(
     hidden_size=32,
     intermediate_size=64,
     num_hidden_layers=2,
     num_attention_heads=4,
-    max_position_embeddings=77,
+    max_position_embeddings=CLIP_MAX_LENGTH,
     projection_dim=32,
     hidden_act="quick_gelu",
 )
 FLUX_T5 = dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, relative_attention_num_buckets=8)
 # FLUX.1-dev's scheduler config: resolution-dependent ("dynamic") shift between base and max.
 FLUX_SCHEDULER = dynamic_shift_scheduler(shift=3.0, max_shift=1.15, max_image_seq_len=4096)
-CLIP_MAX_LENGTH = 77
 
 
 def build_tiny_flux(
