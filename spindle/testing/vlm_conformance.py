@@ -60,21 +60,35 @@ def parallel_layouts(family: VLMFamily) -> list[str]:
 
 
 def subset(conversations: Path, out: Path, lines: list[int]) -> Path:
-    """Some lines of a conversations file, media paths made absolute (the shared fixture is read-only)."""
+    """Some lines of a conversations file, media paths (image, video, audio parts) made absolute (the shared
+    fixture is read-only)."""
     out.mkdir(parents=True, exist_ok=True)
     rows = conversations.read_text().splitlines()
     picked = []
     for i in lines:
         obj = json.loads(rows[i])
         for m in obj["messages"]:
-            if isinstance(m["content"], list):
-                for part in m["content"]:
-                    if part["type"] == "image":
-                        part["image"] = str(conversations.parent / part["image"])
+            for part in m["content"] if isinstance(m["content"], list) else []:
+                if part["type"] != "text":
+                    part[part["type"]] = str(conversations.parent / part[part["type"]])
         picked.append(json.dumps(obj))
     path = out / "data.jsonl"
     path.write_text("\n".join(picked) + "\n")
     return path
+
+
+def freeze_overrides(freeze: list[str]) -> dict[str, Any]:
+    """The dotted overrides of a freeze check's run: two steps of two samples with `train.freeze`."""
+    return {"train__max_steps": 2, "train__global_batch_size": 2, "train__freeze": json.dumps(freeze)}
+
+
+def check_frozen_parts(family: VLMFamily, trainer: Any, before: dict, after: dict, trained: set[str]) -> None:
+    """After a run with `train.freeze`, exactly the `trained` parts have optimizer state and changed weights
+    (`before` / `after`: the stock model's state dicts of the input and the export)."""
+    states = {n for n, p in trainer.model.named_parameters() if p in trainer.optimizer.state}
+    assert {family.part_of(n) for n in states} == trained
+    changed = {family.part_of(k) for k in before if not torch.equal(before[k], after[k])}
+    assert changed == trained
 
 
 def stock_processor(model: Path, video_processor: Any = None) -> Any:

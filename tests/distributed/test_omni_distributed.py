@@ -15,10 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spindle.testing.vlm_conformance import REFERENCE_RUN
+from spindle.testing.vlm_conformance import REFERENCE_RUN, subset
 from spindle.train.metrics import read_metrics
 from tests.distributed.test_vlm_distributed import run_train
-from tests.train.test_omni import SEQ, subset, untrained_bytes
+from tests.train.test_omni import SEQ, untrained_bytes
 
 pytestmark = pytest.mark.slow
 STEPS = REFERENCE_RUN["train__max_steps"]  # run_train's steps (the VLM suite's reference run)

@@ -6,7 +6,6 @@ a mask, a text-to-image model and a video model are refused naming why."""
 from __future__ import annotations
 
 import base64
-import contextlib
 import io
 import re
 
@@ -18,7 +17,7 @@ from spindle.api import load_generator
 from spindle.engine_config import RequestLimits
 from spindle.serve import build_app
 from spindle.serve.limits import ServeLimits
-from tests.serve.test_serve import LiveServer, assert_error
+from tests.serve.test_serve import LiveServer, assert_error, live_servers
 from tests.serve.test_serve_i2v import form, png_bytes
 from tests.serve.test_serve_images import png_array, to_uint8
 
@@ -36,12 +35,7 @@ def plus(tiny_checkpoint):
 @pytest.fixture
 def serve(plus):
     gen, root = plus
-    with contextlib.ExitStack() as stack:
-
-        def start(**options) -> LiveServer:
-            options.setdefault("model_id", "tiny-qwen-image-edit-plus")
-            return stack.enter_context(LiveServer(build_app(gen, root=str(root), **options)))
-
+    with live_servers(gen, root, "tiny-qwen-image-edit-plus") as start:
         yield start
 
 
@@ -53,11 +47,10 @@ def engine_edit(gen, images, **kw):
 
 
 def test_openai_client_images_edit_one_and_several_images(serve, plus):
-    import openai
 
     gen, _ = plus
     s = serve()
-    client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
+    client = s.openai_client()
     first, second = png_bytes(0), png_bytes(1, (48, 32))
     one = client.images.edit(
         image=("a.png", first, "image/png"),

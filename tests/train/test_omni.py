@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from spindle.api import load_job_config, make_trainer
+from spindle.testing import vlm_conformance as suite
+from spindle.testing.vlm_conformance import subset
 from tests.data.test_omni_data import lines, stock_call, stock_processor
 from tests.train.test_vlm import grad_norm, vlm_overrides
 
@@ -28,21 +31,6 @@ def omni_overrides(model: Path, data: Path, out: Path, **values) -> list[str]:
 def omni_train(model: Path, data: Path, out: Path, **overrides):
     trainer = make_trainer(load_job_config(None, omni_overrides(model, data, out, **overrides)))
     return trainer, trainer.run()
-
-
-def subset(conversations: Path, out: Path, picked: list[int]) -> Path:
-    """Some lines of the shared conversations file, media paths made absolute (the fixture is read-only)."""
-    out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for obj in (lines(conversations)[i] for i in picked):
-        for m in obj["messages"]:
-            for part in m["content"] if isinstance(m["content"], list) else []:
-                if part["type"] != "text":
-                    part[part["type"]] = str(conversations.parent / part[part["type"]])
-        rows.append(json.dumps(obj))
-    path = out / "data.jsonl"
-    path.write_text("\n".join(rows) + "\n")
-    return path
 
 
 def stock_inputs(
@@ -64,24 +52,29 @@ def stock_inputs(
     return out
 
 
-def stock_thinker(path: Path):
-    from transformers import Qwen2_5OmniThinkerForConditionalGeneration
+def stock_thinker(path: Path, cls: str = "Qwen2_5OmniThinkerForConditionalGeneration"):
+    """The stock transformers thinker `cls` of the folder, fp32, sdpa, in training mode."""
+    import transformers
 
-    model = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="sdpa"
-    )
+    model = getattr(transformers, cls).from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     model.train()
     return model
 
 
+def first_step(model: Path, conversations: Path, out: Path, line: int, **stock) -> tuple[dict, dict]:
+    """Spindle's logged first step on the conversation `line` alone (unpacked), and the stock processor's inputs
+    for it (`stock`: stock_inputs' family and processor)."""
+    data = subset(conversations, out / "data", [line])
+    omni_train(model, data, out / "run", data__packing=False, train__max_steps=1)
+    logged = json.loads((out / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    (inputs,) = stock_inputs(model, data, **stock)
+    assert "input_features" in inputs
+    return logged, inputs
+
+
 @pytest.mark.parametrize("line", [0, 2], ids=["audio", "image_then_audio"])
 def test_step1_loss_and_grad_norm_equal_the_stock_thinker(line, tiny_qwen2_5_omni, omni_conversations, tmp_path):
-    data = subset(omni_conversations, tmp_path / "data", [line])
-    omni_train(tiny_qwen2_5_omni, data, tmp_path / "run", data__packing=False, train__max_steps=1)
-    logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
-
-    (inputs,) = stock_inputs(tiny_qwen2_5_omni, data)
-    assert "input_features" in inputs
+    logged, inputs = first_step(tiny_qwen2_5_omni, omni_conversations, tmp_path, line)
     model = stock_thinker(tiny_qwen2_5_omni)
     loss = model(**inputs).loss
     loss.backward()
@@ -143,22 +136,9 @@ def test_freeze_keeps_parts_unchanged_without_optimizer_state(
     from spindle.registry import get_family
 
     family = get_family("qwen2_5_omni")
-    trainer, _ = omni_train(
-        tiny_qwen2_5_omni,
-        omni_conversations,
-        tmp_path / "run",
-        train__max_steps=2,
-        train__global_batch_size=2,
-        train__freeze=json.dumps(freeze),
-    )
-    states = {n for n, p in trainer.model.named_parameters() if p in trainer.optimizer.state}
-    assert {family.part_of(n) for n in states} == trained
-    before, after = (
-        stock_thinker(tiny_qwen2_5_omni).state_dict(),
-        stock_thinker(tmp_path / "run" / "export").state_dict(),
-    )
-    changed = {family.part_of(k) for k in before if not torch.equal(before[k], after[k])}
-    assert changed == trained
+    trainer, _ = omni_train(tiny_qwen2_5_omni, omni_conversations, tmp_path / "run", **suite.freeze_overrides(freeze))
+    before, after = (stock_thinker(path).state_dict() for path in (tiny_qwen2_5_omni, tmp_path / "run" / "export"))
+    suite.check_frozen_parts(family, trainer, before, after, trained)
 
 
 def test_freeze_names_only_the_familys_parts(tiny_qwen2_5_vl, tmp_path):
@@ -258,41 +238,49 @@ def test_lora_trains_adapters_and_refuses_a_merged_export(tiny_qwen2_5_omni, omn
         check_job_plan(cfg, 1)
 
 
-def test_use_audio_in_video_step1_equals_the_stock_thinker(tiny_qwen2_5_omni, tiny_qwen2_5_vl, tmp_path):
-    """A video with its audio track (`data.use_audio_in_video`): step 1's loss and grad norm equal the stock
-    thinker given Spindle's tokens, frames and track features, computing its own positions with
-    use_audio_in_video. A VLM family refuses the option."""
-    from spindle.api import check_job_plan
-    from spindle.config import ConfigError
+def video_step(model: Path, out: Path, use_audio_in_video: bool) -> tuple[Any, dict, dict, dict]:
+    """Step 1 of Spindle on one conversation about a video with an audio track (`data.use_audio_in_video` as
+    given): the trainer, its logged metrics, the dataset's row and the row's collated vision inputs."""
     from spindle.data.multimodal import collate_vision
     from tests.data.test_omni_data import video_with_audio
 
-    data = tmp_path / "data"
+    data = out / "data"
     data.mkdir()
     video_with_audio(data)
     user = [{"type": "video", "video": "clip.mp4"}, {"type": "text", "text": "What?"}]
     line = {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": "A tone."}]}
     (data / "data.jsonl").write_text(json.dumps(line) + "\n")
     trainer, _ = omni_train(
-        tiny_qwen2_5_omni,
+        model,
         data / "data.jsonl",
-        tmp_path / "run",
+        out / "run",
         data__packing=False,
         train__max_steps=1,
-        data__use_audio_in_video=True,
+        data__use_audio_in_video=use_audio_in_video,
     )
-    logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    logged = json.loads((out / "run" / "metrics.jsonl").read_text().splitlines()[0])
     batch = trainer.loader.dataset[0]
-    inputs = collate_vision(batch["vision"])
-    ids = batch["input_ids"][None]
-    labels = batch["shift_labels"]
-    # stock takes unshifted labels: position i+1's label is shift_labels[i]
-    stock_labels = torch.cat([torch.tensor([-100]), labels[:-1]])[None]
+    return trainer, logged, batch, collate_vision(batch["vision"])
+
+
+def unshifted(shift_labels: torch.Tensor) -> torch.Tensor:
+    """[1, L] labels as stock takes them (it shifts): position i+1's label is shift_labels[i]."""
+    return torch.cat([torch.tensor([-100]), shift_labels[:-1]])[None]
+
+
+def test_use_audio_in_video_step1_equals_the_stock_thinker(tiny_qwen2_5_omni, tiny_qwen2_5_vl, tmp_path):
+    """A video with its audio track (`data.use_audio_in_video`): step 1's loss and grad norm equal the stock
+    thinker given Spindle's tokens, frames and track features, computing its own positions with
+    use_audio_in_video. A VLM family refuses the option."""
+    from spindle.api import check_job_plan
+    from spindle.config import ConfigError
+
+    _, logged, batch, inputs = video_step(tiny_qwen2_5_omni, tmp_path, use_audio_in_video=True)
     model = stock_thinker(tiny_qwen2_5_omni)
     loss = model(
-        input_ids=ids,
+        input_ids=batch["input_ids"][None],
         attention_mask=batch["attention_mask"][None],
-        labels=stock_labels,
+        labels=unshifted(batch["shift_labels"]),
         use_audio_in_video=True,
         video_second_per_grid=inputs.pop("second_per_grid_ts"),
         **inputs,
@@ -302,7 +290,7 @@ def test_use_audio_in_video_step1_equals_the_stock_thinker(tiny_qwen2_5_omni, ti
     assert logged["grad_norm"] == pytest.approx(grad_norm(model), rel=1e-4)
 
     cfg = load_job_config(
-        None, vlm_overrides(tiny_qwen2_5_vl, data / "data.jsonl", tmp_path, data__use_audio_in_video=True)
+        None, vlm_overrides(tiny_qwen2_5_vl, tmp_path / "data" / "data.jsonl", tmp_path, data__use_audio_in_video=True)
     )
     with pytest.raises(ConfigError, match=r"data\.use_audio_in_video: qwen2_5_vl models: they do not take"):
         check_job_plan(cfg, 1)

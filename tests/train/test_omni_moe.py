@@ -12,37 +12,29 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3OmniMoeProcessor
 
-from tests.train.test_omni import omni_train, stock_inputs, subset, untrained_bytes
+from spindle.testing.vlm_conformance import check_frozen_parts, freeze_overrides, subset
+from tests.train.test_omni import first_step, omni_train, stock_inputs, unshifted, untrained_bytes, video_step
+from tests.train.test_omni import stock_thinker as omni_stock_thinker
 from tests.train.test_vlm import grad_norm
 
 UNTRAINED = ("talker.", "code2wav.")
+# stock_inputs' family and processor for Qwen3-Omni-MoE
+QWEN3_STOCK = dict(family_name="qwen3_omni_moe", processor_class=Qwen3OmniMoeProcessor)
 
 
 def qwen3_stock_inputs(model: Path, data: Path) -> list[dict]:
-    from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3OmniMoeProcessor
-
-    return stock_inputs(model, data, "qwen3_omni_moe", Qwen3OmniMoeProcessor)
+    return stock_inputs(model, data, **QWEN3_STOCK)
 
 
 def stock_thinker(path: Path):
-    from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
-
-    model = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="sdpa"
-    )
-    model.train()
-    return model
+    return omni_stock_thinker(path, "Qwen3OmniMoeThinkerForConditionalGeneration")
 
 
 @pytest.mark.parametrize("line", [0, 2], ids=["audio", "image_then_audio"])
 def test_step1_loss_and_grad_norm_equal_the_stock_thinker(line, tiny_qwen3_omni_moe, omni_conversations, tmp_path):
-    data = subset(omni_conversations, tmp_path / "data", [line])
-    omni_train(tiny_qwen3_omni_moe, data, tmp_path / "run", data__packing=False, train__max_steps=1)
-    logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
-
-    (inputs,) = qwen3_stock_inputs(tiny_qwen3_omni_moe, data)
-    assert "input_features" in inputs
+    logged, inputs = first_step(tiny_qwen3_omni_moe, omni_conversations, tmp_path, line, **QWEN3_STOCK)
     model = stock_thinker(tiny_qwen3_omni_moe)
     out = model(**inputs, output_router_logits=True)  # stock: token loss + router_aux_loss_coef x aux loss
     out.loss.backward()
@@ -130,21 +122,14 @@ def test_freeze_audio_and_language_trains_only_vision_and_aligners(tiny_qwen3_om
     from spindle.registry import get_family
 
     family = get_family("qwen3_omni_moe")
-    trainer, _ = omni_train(
-        tiny_qwen3_omni_moe,
-        omni_conversations,
-        tmp_path / "run",
-        train__max_steps=2,
-        train__global_batch_size=2,
-        train__freeze='["audio", "language"]',
-    )
-    states = {n for n, p in trainer.model.named_parameters() if p in trainer.optimizer.state}
-    assert {family.part_of(n) for n in states} == {"vision", "aligner"}
+    freeze = freeze_overrides(["audio", "language"])
+    trainer, _ = omni_train(tiny_qwen3_omni_moe, omni_conversations, tmp_path / "run", **freeze)
     load = Qwen3OmniMoeForConditionalGeneration.from_pretrained
-    before = load(tiny_qwen3_omni_moe, dtype=torch.float32).thinker.state_dict()
-    after = load(tmp_path / "run" / "export", dtype=torch.float32).thinker.state_dict()
-    changed = {family.part_of(k) for k in before if not torch.equal(before[k], after[k])}
-    assert changed == {"vision", "aligner"}
+    before, after = (
+        load(path, dtype=torch.float32).thinker.state_dict()
+        for path in (tiny_qwen3_omni_moe, tmp_path / "run" / "export")
+    )
+    check_frozen_parts(family, trainer, before, after, {"vision", "aligner"})
 
 
 @pytest.mark.parametrize("with_audio", [False, True], ids=["frames", "use_audio_in_video"])
@@ -154,26 +139,7 @@ def test_video_step1_equals_the_stock_thinker(with_audio, tiny_qwen3_omni_moe, t
     thinker given Spindle's tokens, frames and track features, computing its own 3-D positions from the grid,
     the seconds per grid and (with audio) the track's length. (The stock video processor needs torchvision, so
     the frames are Spindle's on both sides.)"""
-    from spindle.data.multimodal import collate_vision
-    from tests.data.test_omni_data import video_with_audio
-
-    data = tmp_path / "data"
-    data.mkdir()
-    video_with_audio(data)
-    user = [{"type": "video", "video": "clip.mp4"}, {"type": "text", "text": "What?"}]
-    line = {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": "A tone."}]}
-    (data / "data.jsonl").write_text(json.dumps(line) + "\n")
-    trainer, _ = omni_train(
-        tiny_qwen3_omni_moe,
-        data / "data.jsonl",
-        tmp_path / "run",
-        data__packing=False,
-        train__max_steps=1,
-        data__use_audio_in_video=with_audio,
-    )
-    logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
-    batch = trainer.loader.dataset[0]
-    inputs = collate_vision(batch["vision"])
+    trainer, logged, batch, inputs = video_step(tiny_qwen3_omni_moe, tmp_path, use_audio_in_video=with_audio)
     assert "pixel_values_videos" in inputs and ("input_features" in inputs) == with_audio
     ids = batch["input_ids"]
     config = trainer.model.config
@@ -181,12 +147,11 @@ def test_video_step1_equals_the_stock_thinker(with_audio, tiny_qwen3_omni_moe, t
         first_audio = int((ids == config.audio_token_id).nonzero()[0])
         last_video = int((ids == config.video_token_id).nonzero()[-1])
         assert first_audio < last_video and int((ids == config.audio_start_token_id).sum()) == 1
-    labels = batch["shift_labels"]
     model = stock_thinker(tiny_qwen3_omni_moe)
     out = model(
         input_ids=ids[None],
         attention_mask=batch["attention_mask"][None],
-        labels=torch.cat([torch.tensor([-100]), labels[:-1]])[None],  # stock shifts: i+1's label is shift_labels[i]
+        labels=unshifted(batch["shift_labels"]),
         video_second_per_grid=inputs.pop("second_per_grid_ts"),
         use_audio_in_video=with_audio,
         output_router_logits=True,
