@@ -162,8 +162,12 @@ class VLMDataConfig(TextDataConfig):
         description='a .jsonl file or a folder of them; lines {"messages": [...]} with image/video content parts, '
         'or {"images": [...], "conversations": [...]} with <image> placeholders; media paths relative to the file'
     )
-    min_pixels: int | None = Field(None, ge=1, description="image processor's minimum pixels per image/frame")
-    max_pixels: int | None = Field(None, ge=1, description="image processor's maximum pixels per image/frame")
+    min_pixels: int | None = Field(
+        None, ge=1, description="image processor's minimum pixels per image (Qwen2-VL video processor's per frame)"
+    )
+    max_pixels: int | None = Field(
+        None, ge=1, description="image processor's maximum pixels per image (Qwen2-VL video processor's per frame)"
+    )
     fps: float = Field(2.0, gt=0, description="video frames sampled per second")
     max_frames: int = Field(16, ge=1, description="most frames sampled per video")
     use_audio_in_video: bool = Field(
@@ -220,10 +224,11 @@ class ValidationConfig(Section):
     num_frames: int | None = Field(None, ge=1, description="video families; default: data.num_frames")
     guidance_scale: float | None = Field(None, description="default: the family's sampling default")
     use_ema: bool = Field(False, description="render with the EMA of the weights (needs train.ema) instead of them")
-    images: list[str] = Field(
+    images: list[str | list[str]] = Field(
         default_factory=list,
-        description="image-conditioned families (image-to-video, image edits): the conditioning image file of each "
-        "prompt (one per prompt)",
+        description="image-conditioned families (image-to-video, image edits): the conditioning image of each "
+        "prompt (one entry per prompt), or a list of images for a request that takes several (a first-last-frame "
+        "Wan's [first, last], Qwen-Image-Edit-Plus's references)",
     )
     options: dict[str, Any] = Field(
         default_factory=dict,
@@ -417,12 +422,29 @@ class CausalLMJobConfig(TrainJobConfig):
 VLMPart = Literal["audio", "vision", "aligner", "language"]
 
 
+class VLMLoraConfig(LoraConfig):
+    """`train.lora:` of a vision-language (or omni) job: LoRA adapters on the parts `parts` names."""
+
+    parts: list[VLMPart] = Field(
+        default_factory=lambda: list[VLMPart](["language"]),
+        min_length=1,
+        description="the family's parts (as train.freeze names them) that get adapters: language (the decoder "
+        "layers), vision (the vision tower's blocks: attention qkv/proj and MLP), aligner (the merger into the "
+        "language model), audio (the audio encoder's layers, omni models); default [language]; train.lora.targets "
+        "selects among their linear layers",
+    )
+
+
 class VLMTrainConfig(TrainConfig):
+    lora: VLMLoraConfig | None = Field(
+        None, description="train LoRA adapters only (see LoraConfig; parts: which parts get them)"
+    )
     freeze: list[VLMPart] = Field(
         default_factory=list,
         description="parts that are not trained (no gradient, no optimizer state): vision (the vision tower), "
         "audio (the audio encoder, omni models), aligner (what maps tower features into the language model), "
-        "language (the language model and its head)",
+        "language (the language model and its head); with train.lora, which freezes every base weight, a "
+        "freeze list must name every part that train.lora.parts does not adapt",
     )
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from spindle.config import OptionSection
+from spindle.contracts.options import FamilyOptions
 from spindle.contracts.request import RequestError, SamplingParams
 from spindle.infer.caches import CacheName
 
@@ -177,7 +178,11 @@ class RequestLimits(OptionSection):
 
     noun = "request limit"
 
-    max_pixels: Bound = Field(2048 * 2048, description="width x height of one output")
+    max_pixels: Bound = Field(
+        2048 * 2048,
+        description="width x height of one image: an output, an uploaded input, or an input resized to a family's "
+        "area option (image_area)",
+    )
     max_frames: Bound = Field(257, description="frames of one video")
     max_steps: Bound = Field(200, description="denoising steps of one request")
     max_prompt_chars: Bound = Field(4000, description="characters of a prompt")
@@ -210,6 +215,20 @@ class RequestLimits(OptionSection):
                 "output (--max-pixels)",
                 field="width",
             )
+
+    def check_areas(self, params: SamplingParams, options: FamilyOptions) -> None:
+        """Raise `RequestError` naming the option for a family option that is a pixel area (`Option.pixels`:
+        an input image resized to it) past `max_pixels`: the bound is per image, made or read."""
+        if self.max_pixels is None:
+            return
+        for option in options.extra:
+            value = params.extra.get(option.name)
+            if option.pixels and isinstance(value, int) and value > self.max_pixels:
+                raise RequestError(
+                    f"{option.name} is {value} pixels; this server takes at most {self.max_pixels} pixels per image "
+                    f"(--max-pixels); give {option.name} <= {self.max_pixels}",
+                    field=option.name,
+                )
 
 
 def _check_max(name: str, value: Any, maximum: int | None, option: str) -> None:

@@ -267,6 +267,17 @@ def failing_next_forward(model: Any, message: str = "injected fault") -> Any:
         handle.remove()
 
 
+# 8 steps of a cosine schedule, a checkpoint every 3 (steps 3 and 6), no export: the run resume tests interrupt
+# and compare with an uninterrupted one
+RESUME_RUN = dict(
+    train__max_steps=8,
+    checkpoint__every_steps=3,
+    train__lr_schedule="cosine",
+    train__warmup_steps=2,
+    checkpoint__export=False,
+)
+
+
 def train_interrupted(make_config: Callable[..., Any], out: Path, monkeypatch: Any, step: int, **overrides) -> None:
     """`train(make_config(out, **overrides))` interrupted (KeyboardInterrupt, as Ctrl-C) when step `step`
     begins; the trainer is restored after, so the caller can resume the run (`checkpoint__resume="auto"`)."""
@@ -284,6 +295,18 @@ def train_interrupted(make_config: Callable[..., Any], out: Path, monkeypatch: A
     with pytest.raises(KeyboardInterrupt):
         train(make_config(out, **overrides))
     monkeypatch.setattr(Trainer, "train_step", original)
+
+
+def stepped_linear() -> tuple[Any, Any]:
+    """A seeded nn.Linear(4, 3) and its AdamW after one step: a model and optimizer state to checkpoint."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    return model, optimizer
 
 
 def spindle_train(out: Path, nproc: int, overrides: list[str]):

@@ -73,7 +73,9 @@ def precompute(cfg: Any, out: str | Path) -> Path | None:
     barrier()
     manifest = None
     if rank == 0:
-        settings = cache_settings(cfg, family.name, condition_dtype(precision))
+        settings = cache_settings(
+            cfg, family.name, condition_dtype(precision), family.condition_model_cls().encoding_version
+        )
         manifest = write_manifest(out, settings, dataset.samples, text_keys)
     barrier()
     return manifest

@@ -31,6 +31,10 @@ class PixelGrid:
 class ConditionModel(ABC):
     """Frozen condition components of a family; pure functions of the data (precomputable)."""
 
+    # what `encode` writes, as a number: bump it when the encoding changes, so that `spindle precompute`
+    # caches made before are refused (spindle.data.precomputed.cache_settings) instead of read as current
+    encoding_version: int = 1
+
     # how training draws sigmas (the job's `train.timestep`, a `spindle.config.TimestepConfig`)
     timestep_sampling: Any
     # the sigmas training draws are mapped into [low, high] (a two-expert family's trained expert's range)
@@ -76,6 +80,13 @@ class ConditionModel(ABC):
     def pixel_grid(cls, root: str | Path) -> PixelGrid:
         """The checkpoint's pixel grid (data.buckets), from its configs alone (no weight is read)."""
         raise NotImplementedError(f"{cls.__name__} declares no pixel grid, which data.buckets needs")
+
+    @classmethod
+    def request_images(cls, root: str | Path) -> tuple[int, int] | None:
+        """How many conditioning images a request to this checkpoint takes (least, most), from its configs
+        alone, where the checkpoint narrows the family's `options.images` (a first-last-frame Wan needs
+        two); None: the family's bounds. Checked before launch for `train.validation.images`."""
+        return None
 
     def target_prediction(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The part of the transformer's output that the loss compares with `target`. Edit families append

@@ -261,16 +261,22 @@ class CausalLMFamily:
 
     kind: ClassVar[str] = "causal_lm"
     name: str
-    model_types: tuple[str, ...]
     model_class: str  # "module:Class" of the ForCausalLM to train
+    # the transformers `model_type`s of the checkpoints the family serves; () stands for (name,), the family
+    # named as its model type (a record derived with dataclasses.replace names its own)
+    model_types: tuple[str, ...] = field(default=(), kw_only=True)
     tiny_model: str | None = None  # "module:function(out, seed, transformer=overrides)"
-    demo: TextDemoSpec | None = None
+    demo: TextDemoSpec | None = field(default_factory=TextDemoSpec)  # every language model's text demo
     conformance: CausalLMConformanceSpec = field(default_factory=CausalLMConformanceSpec)
     extras: dict[str, Any] = field(default_factory=dict)
     task: str = "causal_lm"  # the training task (a key of spindle.train.tasks.TASKS)
     # "module:object": the family's `CheckpointAdapter` (checkpoint layout checks and conversion, e.g. per-expert
     # <-> fused MoE tensors); None: the checkpoint loads as the model class expects, with no conversion
     checkpoint_adapter: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.model_types:
+            object.__setattr__(self, "model_types", (self.name,))
 
     @property
     def export_hint(self) -> str:
@@ -325,9 +331,14 @@ class VLMFamily(CausalLMFamily):
     # True: videos as Qwen3-VL's processor makes them (its frame sampling and clip resize, each temporal patch's
     # timestamp written into the text: spindle.data.video_timestamps); False: as Qwen2-VL's
     video_timestamps: bool = False
+    # the other videos' seconds per temporal grid step (mrope time), as the family's stock processor computes it:
+    # "sampled_fps": temporal patch / the clip's sampled frame rate (Qwen2_5_VLProcessor); "fps": / data.fps
+    video_grid_seconds: str = "sampled_fps"
     task: str = "vlm"
+    demo: TextDemoSpec | None = None  # no `spindle demo` for vision-language models yet
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.rope_index:
             raise ValueError(f"VLM family {self.name!r} must name its rope_index function")
 
@@ -369,6 +380,17 @@ class OmniFamily(VLMFamily):
 
     kind: ClassVar[str] = "omni"
     prefix: str = "thinker."  # the trained sub-model's checkpoint key prefix
+    audio_tower: str = "model.audio_tower"  # the thinker's audio encoder (Qwen2.5-Omni's and Qwen3-Omni's)
+    tower_order: tuple[str, ...] = ("audio", "image", "video")  # the thinkers' forward runs audio first
+    # Qwen2.5-Omni's thinker: what maps each tower's features into the decoder's width is the aligner
+    parts: dict[str, tuple[str, ...]] = field(
+        default_factory=lambda: {
+            "audio": ("model.audio_tower.",),
+            "vision": ("model.visual.",),
+            "aligner": ("model.visual.merger.", "model.audio_tower.proj."),
+            "language": ("model.language_model.", "lm_head."),
+        }
+    )
     # "module:function(config, tokenizer, grid_thw, second_per_grid, audio_tokens, merge_size) -> str": the text a
     # video's pad token becomes when its audio track is used (data.use_audio_in_video); "": not supported
     video_audio_layout: str = ""
@@ -377,6 +399,7 @@ class OmniFamily(VLMFamily):
     # `_no_split_modules` also names the whole towers, which would make each tower a single unit
     blocks: tuple[str, ...] = ()
     full_model_class: str = ""
+    video_grid_seconds: str = "fps"  # the Qwen-Omni processors: temporal patch / the requested fps
     task: str = "omni"
 
     @property

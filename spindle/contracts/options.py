@@ -46,6 +46,9 @@ class Option:
     # A rule across fields, checked when the user gives the option: (value, the user's params) ->
     # an error message, or None when fine.
     rule: Callable[[Any, SamplingParams], str | None] | None = None
+    # a pixel area of an image the request makes (an edit model's input resized to it): a server's
+    # per-image pixel bound (`RequestLimits.max_pixels`, --max-pixels) applies to it as to the output
+    pixels: bool = False
 
     def __post_init__(self) -> None:
         if self.type not in _TYPES:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +44,7 @@ from torch.utils.data import Dataset
 from spindle.data.text import IGNORE_INDEX, TextDataError, jsonl_files, learn_assistant_turns, shifted_labels
 
 if TYPE_CHECKING:
-    from spindle.data.video_timestamps import TimestampedVideos
+    from spindle.data.stock_video import VideoClips
 
 log = logging.getLogger("spindle.data")
 
@@ -124,6 +125,7 @@ class VisionProcessor:
         rope_index: Any,
         options: VisionOptions,
         video_timestamps: bool = False,
+        video_grid_seconds: str = "sampled_fps",
         audio: bool = False,
         video_audio_layout: Any = None,
         audio_tokens: Any = None,
@@ -134,17 +136,13 @@ class VisionProcessor:
         kwargs = {k: v for k, v in (("min_pixels", options.min_pixels), ("max_pixels", options.max_pixels)) if v}
         self.image_processor = AutoImageProcessor.from_pretrained(model_path, **kwargs)
         self.tokenizer, self.config, self.rope_index, self.options = tokenizer, config, rope_index, options
+        self.model_path = model_path
         self.merge_size = int(self.image_processor.merge_size)
         self.pad_token = {
             "image": tokenizer.convert_ids_to_tokens(config.image_token_id),
             "video": tokenizer.convert_ids_to_tokens(config.video_token_id),
         }
-        # Qwen3-VL: videos sampled, resized and written into the text as its processor does
-        self.timestamped: TimestampedVideos | None = None
-        if video_timestamps:
-            from spindle.data.video_timestamps import TimestampedVideos
-
-            self.timestamped = TimestampedVideos(model_path, self.image_processor, tokenizer, config, options)
+        self.video_timestamps, self.video_grid_seconds = video_timestamps, video_grid_seconds
         # use_audio_in_video: the family's placeholder text of a video and its audio track, interleaved
         self.video_audio_layout = video_audio_layout
         # the family's (config, mel frames) -> decoder tokens of a clip; None: Qwen2.5-Omni's encoder
@@ -172,22 +170,35 @@ class VisionProcessor:
         out = self.image_processor(images=[rgb], return_tensors="pt")
         return Vision("image", out["pixel_values"], out["image_grid_thw"][0])
 
-    def video(self, path: Path) -> Vision:
-        if self.timestamped is not None:
-            pixels, grid_thw, timestamps = self.timestamped.read(path)
-            return Vision("video", pixels, grid_thw, timestamps=timestamps)
-        from spindle.data.video_patches import read_video_patches
+    @cached_property
+    def videos(self) -> VideoClips:
+        """The checkpoint's stock video processor and its reader (loaded at the first video): Qwen3-VL's with
+        timestamps (`video_timestamps`), else Qwen2-VL's."""
+        from spindle.data.stock_video import Qwen2VLVideos
+        from spindle.data.video_timestamps import TimestampedVideos
 
-        pixel_values, grid, seconds = read_video_patches(
-            path, self.image_processor, self.options.fps, self.options.max_frames
-        )
+        if self.video_timestamps:
+            return TimestampedVideos(self.model_path, self.image_processor, self.tokenizer, self.config, self.options)
+        return Qwen2VLVideos(self.model_path, self.image_processor, self.options)
+
+    def video(self, path: Path) -> Vision:
+        from spindle.data.stock_video import Qwen2VLVideos
+
+        videos = self.videos
+        clip = videos.read(path)
+        if not isinstance(videos, Qwen2VLVideos):  # Qwen3-VL: timestamps in the text, no seconds per grid
+            from spindle.data.video_timestamps import TimestampedVideos
+
+            assert isinstance(videos, TimestampedVideos)
+            return Vision("video", clip.pixel_values, clip.grid_thw, timestamps=videos.timestamps(clip))
+        seconds = videos.second_per_grid(clip, self.video_grid_seconds)
         track = None
         if self.video_audio_layout is not None:
             try:
                 track = self.audio(path)
             except ValueError as e:
                 raise ValueError(f"{e}; data.use_audio_in_video needs every video to have an audio track") from None
-        return Vision("video", pixel_values, grid, second_per_grid=seconds, audio=track)
+        return Vision("video", clip.pixel_values, clip.grid_thw, second_per_grid=seconds, audio=track)
 
     def audio(self, path: Path) -> Audio:
         if self.feature_extractor is None:
@@ -233,8 +244,11 @@ class VisionProcessor:
                 self.config, self.tokenizer, v.grid_thw, v.second_per_grid, self.tokens([v.audio])[0], self.merge_size
             )
             return text
-        if isinstance(v, Vision) and v.timestamps is not None and self.timestamped is not None:
-            return self.timestamped.text(v.timestamps, self.pad_token["video"] * (tokens // len(v.timestamps)))
+        if isinstance(v, Vision) and v.timestamps is not None:
+            from spindle.data.video_timestamps import TimestampedVideos
+
+            assert isinstance(self.videos, TimestampedVideos)
+            return self.videos.text(v.timestamps, self.pad_token["video"] * (tokens // len(v.timestamps)))
         return self.pad_token[v.kind] * tokens
 
     def render(self, messages: list[dict], vision: list[Media], generation_prompt: bool) -> list[int]:

@@ -56,10 +56,12 @@ def checkpoint_identity(root: str | Path, skip: tuple[str, ...] = ("transformer"
     return digest.hexdigest()[:16]
 
 
-def cache_settings(cfg: Any, family: str, dtype: torch.dtype) -> dict[str, Any]:
-    """Everything the cached conditions depend on besides the sample itself."""
+def cache_settings(cfg: Any, family: str, dtype: torch.dtype, encoding: int = 1) -> dict[str, Any]:
+    """Everything the cached conditions depend on besides the sample itself. `encoding`: the family condition
+    model's `encoding_version` (bumped when its `encode` changes, so older caches are refused, not misread)."""
     return {
         "family": family,
+        "encoding": encoding,
         "checkpoint": checkpoint_identity(cfg.model.path),
         "resolution": list(cfg.data.resolution),
         "num_frames": cfg.data.num_frames,

@@ -8,9 +8,11 @@ path. Each MoE layer's stacked experts (`gate_up_proj [E, 2I, H]`, `down_proj [E
 DTensors sharded on the expert dim over the `ep` mesh (a rank holds E/ep whole experts), and FSDP2
 shards those again over the `efsdp` ranks that hold the same experts (2-D: FSDP over efsdp x EP, as
 FSDP2 composes with TP), replicated over `dp_replicate` (HSDP, 3-D). DCP saves and loads the DTensors
-at any layout, so a checkpoint resumes at another `ep`. (Carving EP out of dp_shard alone, with the
-experts sharded over efsdp x sp, gives the same gradients, but that flattened mesh interleaves with
-`ep` in the root mesh's dim order and DTensor cannot take the gradient norm on the combined mesh.)
+at any layout, so a checkpoint resumes at another `ep`. LoRA adapters of the fused experts are held
+stacked by expert (spindle.train.expert_lora) and sharded the same way (`_shard_stacked`). (Carving EP
+out of dp_shard alone, with the experts sharded over efsdp x sp, gives the same gradients, but that
+flattened mesh interleaves with `ep` in the root mesh's dim order and DTensor cannot take the gradient
+norm on the combined mesh.)
 
 Token exchange: transformers' own EP building blocks (transformers.distributed.expert_parallel):
 `MoEParamShard` shards the expert weights and sets the module's local expert count, and
@@ -93,7 +95,34 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh) -> nn.Module:
         name: style for pattern, style in plan.items() for name in names if fnmatch.fnmatchcase(name, f"*{pattern}")
     }
     apply_expert_parallelism(model, ep, one, concrete, ep_implementation="all_to_all")
+    for name, experts in expert_modules(model).items():
+        _shard_stacked(name, experts, ep)
     return model
+
+
+def _shard_stacked(name: str, experts: nn.Module, ep: DeviceMesh) -> None:
+    """Shard every parameter the plan left whole inside an experts module on its expert dim, as the plan
+    shards the weights: the fused experts' LoRA adapters, held stacked by expert `[E, ...]`
+    (spindle.train.expert_lora), so that each rank holds the adapters of its own experts. A parameter not
+    stacked by expert cannot be split that way: an error naming it."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    sharded = [p for p in experts.parameters(recurse=False) if isinstance(p, DTensor)]
+    if not sharded:
+        raise ValueError(f"{name}: the expert-parallel plan sharded none of its parameters")
+    num_experts = sharded[0].shape[0]
+    for sub, module in experts.named_modules():
+        for pname, param in list(module._parameters.items()):
+            if param is None or isinstance(param, DTensor):
+                continue
+            if param.ndim == 0 or param.shape[0] != num_experts:
+                where = ".".join(filter(None, (name, sub, pname)))
+                raise ValueError(
+                    f"{where} {tuple(param.shape)}: a parameter inside the experts module must be stacked by "
+                    f"expert ([{num_experts}, ...]) to be split over parallel.ep"
+                )
+            local = distribute_tensor(param.detach(), ep, [Shard(0)], src_data_rank=None)
+            module._parameters[pname] = nn.Parameter(local, requires_grad=param.requires_grad)
 
 
 def shard_experts(

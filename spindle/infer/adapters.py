@@ -82,10 +82,12 @@ class LoraAdapters:
         lora_dir: str | Path | None,
         max_loras: int | None = 4,
     ):
-        from spindle.infer.lora import lora_pipeline
+        from spindle.infer.lora import LORA_COMPONENTS, lora_pipeline
 
         self.family = family
-        self.transformer = components[transformer_name]
+        self.components = components
+        # every denoiser an adapter may go into (a two-expert checkpoint's transformer_2 too)
+        self.denoisers = [components[n] for n in LORA_COMPONENTS if components.get(n) is not None]
         self.pipe = lora_pipeline(family, components)
         self.root = Path(lora_dir).resolve() if lora_dir is not None else None
         self.max_loras = max_loras
@@ -247,13 +249,15 @@ class LoraAdapters:
         """Load `path` as adapter `name` (after `plan_load`'s evictions). A file that does not fit the
         model raises `AdapterError` and leaves nothing behind."""
         from spindle.export_record import trained_text_length
-        from spindle.infer.lora import load_adapter
+        from spindle.infer.lora import load_adapter, lora_transformer
 
         existing = self.get(name)
         if existing is not None and existing.path == path:
             return existing
-        try:
-            metadata = load_adapter(self.family, self.pipe, self.transformer, path, name)
+        try:  # into the denoiser it was trained for (a low-noise expert's LoRA: transformer_2)
+            metadata = load_adapter(
+                self.family, self.pipe, lora_transformer(self.family, self.components, path), path, name
+            )
         except (ValueError, FileNotFoundError) as e:
             self._drop_layers(name)  # a partial load (some components) must not stay behind
             raise AdapterError(str(e), status=400, code="invalid_lora") from None
@@ -305,7 +309,8 @@ class LoraAdapters:
         unfused (the fused call would bypass the adapter), and nothing trains."""
         from spindle.infer.speedups import unfuse_wrapped_linear_gelu
 
-        unfuse_wrapped_linear_gelu(self.transformer)
+        for denoiser in self.denoisers:
+            unfuse_wrapped_linear_gelu(denoiser)
         self._freeze()
 
     def _freeze(self) -> None:
@@ -315,4 +320,4 @@ class LoraAdapters:
                 component.requires_grad_(False)
 
     def _parameters(self, name: str) -> int:
-        return sum(p.numel() for n, p in self.transformer.named_parameters() if f".{name}." in n)
+        return sum(p.numel() for d in self.denoisers for n, p in d.named_parameters() if f".{name}." in n)

@@ -126,6 +126,7 @@ class DiffusionGenerator:
         if limits is not None:
             params.validate_common()  # types first, so the limits compare numbers
             limits.check(params)
+            limits.check_areas(params, self.options)
         before = self.pipeline.before_denoising
         before.validate(params)
         if limits is not None and (params.height, params.width) != (None, None):

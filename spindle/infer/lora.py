@@ -116,6 +116,11 @@ def load_adapter(family: Any, pipe: Any, transformer: Any, path: str | Path, ada
     return metadata
 
 
+# the denoisers a LoRA may adapt: diffusers' `load_lora_weights` loads into `transformer`, or into a
+# two-expert pipeline's `transformer_2` with `load_into_transformer_2=True`
+LORA_COMPONENTS = ("transformer", "transformer_2")
+
+
 def lora_component(path: str | Path) -> str:
     """The transformer a Spindle-trained LoRA is for: a two-expert checkpoint's `transformer_2` when its
     spindle.json says so (stock `load_lora_weights(..., load_into_transformer_2=True)` puts it there)."""
@@ -127,7 +132,7 @@ def lora_component(path: str | Path) -> str:
 def lora_transformer(family: Any, components: dict[str, Any], path: str | Path) -> Any:
     """The component the LoRA at `path` adapts; a component the checkpoint lacks raises `ValueError`."""
     component = lora_component(path)
-    if component not in ("transformer", "transformer_2") or components.get(component) is None:
+    if component not in LORA_COMPONENTS or components.get(component) is None:
         raise ValueError(
             f"LoRA {path} was trained for the checkpoint's {component!r}, which this {family.name} checkpoint lacks"
         )

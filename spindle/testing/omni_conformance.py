@@ -68,16 +68,25 @@ def omni_processor(model: Path, family: OmniFamily) -> Any:
     config = family.model_cls().config_class.from_pretrained(model)  # type: ignore[attr-defined]
     tok = AutoTokenizer.from_pretrained(model)
     return VisionProcessor(
-        model, tok, config, family.rope_index_fn(), VisionOptions(), audio=True, audio_tokens=family.audio_tokens_fn()
+        model,
+        tok,
+        config,
+        family.rope_index_fn(),
+        VisionOptions(),
+        video_grid_seconds=family.video_grid_seconds,
+        audio=True,
+        audio_tokens=family.audio_tokens_fn(),
     )
 
 
-def stock_processor(model: Path) -> Any:
+def stock_processor(model: Path, video_processor: Any = None) -> Any:
     """transformers' omni processor of the folder (its AutoProcessor class) from its tokenizer, PIL image
-    processor and WhisperFeatureExtractor, with no video processor (vlm_conformance.stock_processor)."""
+    processor and WhisperFeatureExtractor (vlm_conformance.stock_processor); with no `video_processor` no video
+    is processed."""
     from transformers import AutoFeatureExtractor
 
-    return vlm_suite.stock_processor(model, feature_extractor=AutoFeatureExtractor.from_pretrained(model))
+    feature_extractor = AutoFeatureExtractor.from_pretrained(model)
+    return vlm_suite.stock_processor(model, video_processor, feature_extractor=feature_extractor)
 
 
 def stock_call(stock: Any, obj: dict[str, Any], base: Path) -> dict[str, Any]:

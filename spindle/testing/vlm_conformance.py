@@ -69,14 +69,27 @@ def subset(conversations: Path, out: Path, lines: list[int]) -> Path:
     for i in lines:
         obj = json.loads(rows[i])
         for m in obj["messages"]:
-            if isinstance(m["content"], list):
-                for part in m["content"]:
-                    if part["type"] != "text":
-                        part[part["type"]] = str(conversations.parent / part[part["type"]])
+            for part in m["content"] if isinstance(m["content"], list) else []:
+                if part["type"] != "text":
+                    part[part["type"]] = str(conversations.parent / part[part["type"]])
         picked.append(json.dumps(obj))
     path = out / "data.jsonl"
     path.write_text("\n".join(picked) + "\n")
     return path
+
+
+def freeze_overrides(freeze: list[str]) -> dict[str, Any]:
+    """The dotted overrides of a freeze check's run: two steps of two samples with `train.freeze`."""
+    return {"train__max_steps": 2, "train__global_batch_size": 2, "train__freeze": json.dumps(freeze)}
+
+
+def check_frozen_parts(family: VLMFamily, trainer: Any, before: dict, after: dict, trained: set[str]) -> None:
+    """After a run with `train.freeze`, exactly the `trained` parts have optimizer state and changed weights
+    (`before` / `after`: the stock model's state dicts of the input and the export)."""
+    states = {n for n, p in trainer.model.named_parameters() if p in trainer.optimizer.state}
+    assert {family.part_of(n) for n in states} == trained
+    changed = {family.part_of(k) for k in before if not torch.equal(before[k], after[k])}
+    assert changed == trained
 
 
 def stock_processor(model: Path, video_processor: Any = None, **components: Any) -> Any:
@@ -129,18 +142,36 @@ def torchvision_normalize() -> Iterator[None]:
         del backends.tvF
 
 
-def stock_video_inputs(model_path: Path, messages: list[dict], base: Path, max_frames: int) -> dict[str, Any]:
-    """A conversation with video parts as stock transformers' Qwen3VLProcessor takes it, with the checkpoint's
-    stock Qwen3VLVideoProcessor (capped at `max_frames`): the frames decoded by transformers' own PyAV reader
-    and sampled by the processor (`sample_frames` on the video metadata), the text expanded by its
-    `replace_video_token` (timestamps); -> input_ids, pixel_values_videos, video_grid_thw, mm_token_type_ids.
-    What needs torchvision is left out: RGB conversion (PyAV gives RGB) and the resize, so each video must
-    already be at the size stock resizes it to (asserted with stock's own `get_num_of_video_patches`)."""
+def stock_video_processor(model_path: Path, max_frames: int) -> Any:
+    """The checkpoint's stock video processor (its family's class: `Qwen3VLVideoProcessor` for Qwen3-VL, else
+    `Qwen2VLVideoProcessor`) from its config, capped at `max_frames`."""
+    from transformers import AutoConfig
+
+    from spindle.data.stock_video import Qwen2VLVideos
+    from spindle.data.video_timestamps import TimestampedVideos
+    from spindle.registry import get_family
+
+    family = get_family(AutoConfig.from_pretrained(model_path).model_type)
+    assert isinstance(family, VLMFamily)
+    reader = TimestampedVideos if family.video_timestamps else Qwen2VLVideos
+    return reader.processor_class().from_pretrained(model_path, max_frames=max_frames)
+
+
+def stock_video_inputs(
+    model_path: Path, messages: list[dict], base: Path, max_frames: int, fps: float = 2.0
+) -> dict[str, Any]:
+    """A conversation with video parts as the checkpoint's stock processor (`Qwen2_5_VLProcessor`,
+    `Qwen3VLProcessor`) takes it, with its stock video processor (`stock_video_processor`, capped at
+    `max_frames`): the frames decoded by transformers' own PyAV reader and sampled by the processor
+    (`sample_frames` at `fps` on the video metadata), the text expanded by its `replace_video_token` (Qwen3-VL:
+    timestamps); -> input_ids, pixel_values_videos, video_grid_thw, mm_token_type_ids (and Qwen2.5-VL's
+    second_per_grid_ts). What needs torchvision is left out: RGB conversion (PyAV gives RGB) and the resize, so
+    each video must already be at the size stock resizes it to (asserted with stock's own
+    `get_num_of_video_patches`)."""
     import numpy as np
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
     from transformers.video_utils import load_video
 
-    video_processor = Qwen3VLVideoProcessor.from_pretrained(model_path, max_frames=max_frames)
+    video_processor = stock_video_processor(model_path, max_frames)
     stock = stock_processor(model_path, video_processor)
     paths = [
         base / p["video"] for m in messages if isinstance(m["content"], list) for p in m["content"] if "video" in p
@@ -162,14 +193,16 @@ def stock_video_inputs(model_path: Path, messages: list[dict], base: Path, max_f
                 do_resize=False,
                 do_convert_rgb=False,
                 cap_pixels_per_frame=False,
+                do_sample_frames=True,
+                fps=fps,
                 return_tensors="pt",
             )
         )
     inputs.pop("attention_mask")
     for (frames, meta), grid in zip(zip(videos, metadata, strict=True), inputs["video_grid_thw"], strict=True):
         h, w = frames.shape[1:3]
-        sampled = len(video_processor.sample_frames(copy.deepcopy(meta)))  # the frames the processor sampled
-        assert video_processor.get_num_of_video_patches(sampled, h, w) == int(grid.prod()), "stock would resize"
+        sampled = len(video_processor.sample_frames(copy.deepcopy(meta), fps=fps))  # the frames the processor took
+        assert video_processor.get_num_of_video_patches(sampled, h, w, {}) == int(grid.prod()), "stock would resize"
     return inputs
 
 
@@ -202,6 +235,7 @@ def stock_inputs(model_path: Path, data: Path) -> list[dict[str, Any]]:
         family.rope_index_fn(),
         options,
         video_timestamps=family.video_timestamps,
+        video_grid_seconds=family.video_grid_seconds,
     )
     out = []
     for line in data.read_text().splitlines():
@@ -211,7 +245,7 @@ def stock_inputs(model_path: Path, data: Path) -> list[dict[str, Any]]:
         kinds = {kind for kind, _ in media_parts(messages)}
         if "video" in kinds:
             assert kinds == {"video"}, "the stock reference of a line with videos takes no images"
-            inputs = stock_video_inputs(model_path, messages, data.parent, options.max_frames)
+            inputs = stock_video_inputs(model_path, messages, data.parent, options.max_frames, options.fps)
         else:
             text = stock.apply_chat_template(messages, tokenize=False)
             paths = [path for _, path in media_parts(messages)]
@@ -277,13 +311,14 @@ def check_stock_load(family: VLMFamily, path: Path) -> Any:
 # ---------------------------------------------------------------- training against stock
 
 
-def check_step_one(family: VLMFamily, model_path: Path, data: Path, logged: dict[str, Any]) -> None:
+def check_step_one(family: VLMFamily, model_path: Path, data: Path, logged: dict[str, Any], model: Any = None) -> None:
     """Spindle's first step on the one conversation of `data` (unpacked, padded to SEQ) logs stock
     transformers' `model(input_ids, pixel_values, image_grid_thw, labels, **stock_loss_kwargs)` loss (1e-5),
-    the grad norm of its backward (1e-4) and each declared stock output (1e-5)."""
+    the grad norm of its backward (1e-4) and each declared stock output (1e-5). `model`: the stock model to
+    compare with (a stock PEFT model of a LoRA run; default: `stock_model(model_path)`)."""
     (inputs,) = stock_inputs(model_path, data)
     assert "pixel_values" in inputs, f"{family.name}: the step-1 conversation has no image"
-    check_stock_step(family, stock_model(model_path), inputs, logged)
+    check_stock_step(family, stock_model(model_path) if model is None else model, inputs, logged)
 
 
 def check_stock_step(family: VLMFamily, model: Any, inputs: dict[str, Any], logged: dict[str, Any]) -> None:

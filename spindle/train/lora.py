@@ -15,9 +15,10 @@ Fused experts. A mixture-of-experts layer holds its experts as 3-D parameters of
 (transformers' `Qwen3MoeExperts`: `gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`), not as linear
 layers. An entry naming such a parameter (`experts.gate_up_proj`, `experts.down_proj`) or its module
 (`experts`: all of its 3-D parameters) adapts it through PEFT's own `LoraConfig(target_parameters=...)`
-(`peft.tuners.lora.ParamWrapper`: one rank-r adapter per expert, `lora_A [r*E, in]`, `lora_B [out, r*E]`),
-so the adapters have the names and layout stock PEFT writes and loads. PEFT does not support dropout
-on them. They are opt-in: the default stays the linear layers.
+(`peft.tuners.lora.ParamWrapper`: one rank-r adapter per expert), then held expert-major under PEFT's
+names (spindle.train.expert_lora: what shards with the experts under `parallel.ep`) and exported in
+PEFT's layout (`lora_A [r*E, in]`, `lora_B [out, r*E]`), which stock PEFT loads. PEFT does not support
+dropout on them. They are opt-in: the default stays the linear layers.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import dataclasses
 import difflib
 import hashlib
 import math
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,7 +36,6 @@ from torch import nn
 from spindle.config import ConfigError
 
 ADAPTER = "default"  # PEFT's default adapter name (diffusers' loaders use it too)
-WRAPPERS = re.compile(r"(\.base_layer)+$")  # the nested ParamWrappers of a module's fused parameters
 
 
 def block_linears(model: nn.Module, blocks: Sequence[nn.Module]) -> list[str]:
@@ -50,7 +49,7 @@ def _relative(name: str) -> str:
     parts = name.split(".")
     for i, part in enumerate(parts):
         if part.isdigit():
-            return ".".join(parts[i + 1 :])
+            return ".".join(parts[i + 1 :]) or name  # a layer named by its index (a Sequential's mlp.0)
     return name
 
 
@@ -147,6 +146,10 @@ def apply_lora(model: nn.Module, blocks: Sequence[nn.Module], cfg: Any) -> nn.Mo
         from peft import inject_adapter_in_model
 
         inject_adapter_in_model(config, model, ADAPTER)
+    if config.target_parameters:
+        from spindle.train.expert_lora import unwrap_param_wrappers
+
+        unwrap_param_wrappers(model)  # the fused experts' adapters expert-major, the experts back in place
     for name, param in model.named_parameters():
         param.requires_grad_(is_lora_name(name))
     return model
@@ -159,37 +162,45 @@ def init_adapters(model: nn.Module, seed: int) -> None:
     (seed, module name). Keyed, not drawn from the global RNG in injection order, so that the values do
     not depend on where the adapters were created: on the host (full load) or on the meta device, then
     materialised shard by shard (sharded load: PEFT puts adapters on their base layer's device). Each
-    rank computes an adapter's full A (rank x in_features, small) and keeps its own shard."""
+    rank computes an adapter's full A (rank x in_features, small) and keeps its own shard. An expert-major
+    adapter (spindle.train.expert_lora) gets the values of PEFT's `lora_A [r*E, in]` under the same name,
+    stacked `[E, r, in]`: the same initial model as stock PEFT's."""
     from peft.tuners.lora import LoraLayer
 
-    from spindle.distributed.sharded_load import local_region
+    from spindle.train.expert_lora import expert_adapters, factors
 
     for name, module in model.named_modules():
-        if not isinstance(module, LoraLayer) or ADAPTER not in module.lora_A:
-            continue
-        layer: Any = module  # PEFT's LoraLayer: its adapter dicts are not typed as modules of Linear
-        a: torch.Tensor = layer.lora_A[ADAPTER].weight
-        b: torch.Tensor = layer.lora_B[ADAPTER].weight
-        digest = hashlib.blake2b(f"lora:{seed}:{name}".encode(), digest_size=8).digest()
-        generator = torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
-        bound = 1.0 / math.sqrt(a.shape[1])
-        full = torch.empty(tuple(a.shape)).uniform_(-bound, bound, generator=generator)
-        local, region = local_region(a)
-        local.copy_(full[region])
-        local_region(b)[0].zero_()
+        if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
+            layer: Any = module  # PEFT's LoraLayer: its adapter dicts are not typed as modules of Linear
+            _init_pair(name, layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight, seed)
+    for name, (holder, _) in expert_adapters(model).items():
+        _init_pair(name, *factors(holder), seed)
+
+
+def _init_pair(name: str, a: torch.Tensor, b: torch.Tensor, seed: int) -> None:
+    """A (2-D, or expert-major `[E, r, in]` drawn as PEFT's `[r*E, in]`) from the keyed generator, B zero."""
+    from spindle.distributed.sharded_load import local_region
+
+    digest = hashlib.blake2b(f"lora:{seed}:{name}".encode(), digest_size=8).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+    bound = 1.0 / math.sqrt(a.shape[-1])
+    full = torch.empty((math.prod(a.shape[:-1]), a.shape[-1])).uniform_(-bound, bound, generator=generator)
+    local, region = local_region(a)
+    local.copy_(full.reshape(a.shape)[region])
+    local_region(b)[0].zero_()
 
 
 def wrapped_parameters(model: nn.Module) -> dict[str, str]:
-    """{adapter module name: full name of the parameter it adapts} of the PEFT `ParamWrapper`s (fused
-    experts). Several parameters of one module nest: `experts.base_layer` wraps the first, `experts` the
-    next; the parameter's name is its module's without the wrappers."""
-    from peft.tuners.lora import ParamWrapper
+    """{adapter module name: full name of the parameter it adapts} of the fused experts' adapters, under
+    PEFT's names: several parameters of one module nest (`experts.base_layer` wraps the first, `experts`
+    the next)."""
+    from spindle.train.expert_lora import expert_adapters
 
-    return {
-        name: f"{WRAPPERS.sub('', name)}.{m.parameter_name}"
-        for name, m in model.named_modules()
-        if isinstance(m, ParamWrapper)
-    }
+    out: dict[str, str] = {}
+    for name, (_, spec) in expert_adapters(model).items():
+        experts = name.removesuffix(spec.path).rstrip(".")
+        out[name] = f"{experts}.{spec.parameter}"
+    return out
 
 
 def is_lora_name(name: str) -> bool:
@@ -200,7 +211,10 @@ def lora_scale(model: nn.Module) -> dict[str, float]:
     """{module name: alpha / r} of every adapted module (the factor PEFT applies to B @ A)."""
     from peft.tuners.lora import LoraLayer
 
-    return {name: float(m.scaling[ADAPTER]) for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    from spindle.train.expert_lora import expert_adapters
+
+    scales = {name: float(m.scaling[ADAPTER]) for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    return scales | {name: spec.scaling for name, (_, spec) in expert_adapters(model).items()}
 
 
 def checkpoint_adapters(checkpoint: Any, lora: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -222,8 +236,11 @@ def adapter_state_dict(full: dict[str, torch.Tensor], scales: dict[str, float]) 
     `full`: a (gathered) state dict holding at least the adapter tensors (PEFT names,
     `<module>.lora_A.default.weight`). -> `<module>.lora_A.weight` / `<module>.lora_B.weight`.
     Folding the scale in makes the file mean the same thing to every loader (diffusers assumes
-    alpha = rank without metadata; the original-layout converters fold alpha the same way).
+    alpha = rank without metadata; the original-layout converters fold alpha the same way). A fused
+    experts' adapter (3-D: expert-major, spindle.train.expert_lora) is written in PEFT's 2-D layout.
     """
+    from spindle.train.expert_lora import to_peft_layout
+
     out: dict[str, torch.Tensor] = {}
     for key, value in full.items():
         if not is_lora_name(key):
@@ -233,6 +250,8 @@ def adapter_state_dict(full: dict[str, torch.Tensor], scales: dict[str, float]) 
         if adapter != ADAPTER:
             continue
         tensor = value.detach().to("cpu", torch.float32).clone()
+        if tensor.ndim == 3:
+            tensor = to_peft_layout(kind, tensor)
         if kind == "B":
             tensor = tensor * scales[module]
         out[f"{module}.lora_{kind}.{param}"] = tensor.contiguous()

@@ -69,6 +69,8 @@ def render_samples(task: Any, model: torch.nn.Module, step: int, out_dir: Path) 
     )
     if val.guidance_scale is not None:
         request["guidance_scale"] = val.guidance_scale
+    if generator.defaults.max_sequence_length is not None:  # the prompts padded as training encodes them
+        request["max_sequence_length"] = cfg.model.max_text_length
     if spec.media == "video":
         request["num_frames"] = val.num_frames or cfg.data.num_frames
     suffix = ".mp4" if spec.media == "video" else ".png"

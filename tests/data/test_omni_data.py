@@ -63,6 +63,52 @@ def test_tokens_features_and_positions_equal_the_stock_processor_and_thinker(
     assert torch.equal(doc.positions, positions[:, 0])
 
 
+def test_video_tokens_pixels_seconds_and_positions_equal_the_stock_processor_and_thinker(
+    tiny_qwen2_5_omni, stock_thinker, tmp_path
+):
+    """A video through stock Qwen2_5OmniProcessor with its Qwen2VLVideoProcessor (read from
+    preprocessor_config.json, as the published checkpoint has no video config; run on frames at its size, the
+    one torchvision call provided): 7 frames at 8 fps, raised to min_frames=4 (sampled at 4/7 x 8 fps), whose
+    seconds per grid are the omni processor's temporal patch / the requested fps (1.0), not Qwen2.5-VL's sampled
+    rate (0.4375): tokens, pixels, grid, seconds per grid and the stock thinker's positions."""
+    from transformers.video_utils import load_video
+
+    from spindle.testing.vlm_conformance import stock_video_processor, torchvision_normalize
+    from tests.data.test_qwen3_vl_videos import noise_video
+
+    noise_video(tmp_path / "v.mp4", 7, 28, 56, fps=8, seed=2)
+    user = [{"type": "video", "video": "v.mp4"}, {"type": "text", "text": "What?"}]
+    messages = [{"role": "user", "content": user}, {"role": "assistant", "content": "Noise."}]
+    doc, _ = conversation_document(
+        {"messages": messages}, tmp_path, omni_processor(tiny_qwen2_5_omni, get_family("qwen2_5_omni")), 4096, "x"
+    )
+    ours = collate_vision(doc.vision)
+
+    stock = stock_processor(tiny_qwen2_5_omni, video_processor=stock_video_processor(tiny_qwen2_5_omni, 16))
+    frames, meta = load_video(str(tmp_path / "v.mp4"), sample_indices_fn=lambda metadata, **_: np.arange(7))
+    text = stock.apply_chat_template(messages, tokenize=False)
+    with torchvision_normalize():
+        out = stock(
+            text=[text],
+            videos=[frames],
+            video_metadata=[meta],
+            do_resize=False,
+            do_convert_rgb=False,
+            cap_pixels_per_frame=False,
+            do_sample_frames=True,
+            fps=2.0,
+            return_tensors="pt",
+        )
+    assert out["input_ids"][0].tolist() == doc.tokens
+    assert ours["video_grid_thw"].tolist() == out["video_grid_thw"].tolist() == [[2, 2, 4]]
+    assert ours["second_per_grid_ts"].tolist() == out["video_second_per_grid"].tolist() == [1.0]
+    torch.testing.assert_close(ours["pixel_values_videos"], out["pixel_values_videos"], rtol=0, atol=1e-6)
+    positions, _ = stock_thinker.model.get_rope_index(
+        out["input_ids"], None, out["video_grid_thw"], out["attention_mask"], False, None, out["video_second_per_grid"]
+    )
+    assert torch.equal(doc.positions, positions[:, 0])
+
+
 def test_formats_and_sampling_rates_decode_to_the_extractors_rate(tmp_path):
     """wav/flac are lossless: the same samples; m4a (AAC) decodes to the clip's length at the extractor's rate;
     a 22.05 kHz clip is resampled to 16 kHz (its length scaled, its tone kept)."""

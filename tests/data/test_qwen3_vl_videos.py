@@ -38,6 +38,7 @@ def processor_of(model: Path, **options) -> VisionProcessor:
         family.rope_index_fn(),
         VisionOptions(**options),
         video_timestamps=family.video_timestamps,
+        video_grid_seconds=family.video_grid_seconds,
     )
 
 

@@ -70,22 +70,45 @@ def expert_lora_one(tiny_qwen3_moe, lm_corpus, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("layout", [{"parallel__dp_shard": 2}, {"parallel__sp": 2}], ids=["dp_shard2", "sp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [{"parallel__dp_shard": 2}, {"parallel__sp": 2}, {"parallel__ep": 2}],
+    ids=["dp_shard2", "sp2", "ep2"],
+)
 def test_expert_lora_two_processes_equal_one(layout, expert_lora_one, tiny_qwen3_moe, lm_corpus, tmp_path):
-    """LoRA on the fused experts (PEFT's ParamWrappers, whose parametrization swaps the expert weights
-    inside the FSDP2 unit's forward) and on q_proj, the frozen base and the adapters FSDP2-sharded over
-    dp_shard=2, or each row split over sp=2: the same losses, aux losses, grad norms and exported PEFT
+    """LoRA on the fused experts (held stacked by expert, added to the expert weights inside the experts'
+    forward: spindle.train.expert_lora) and on q_proj, the frozen base and the adapters FSDP2-sharded over
+    dp_shard=2, each row split over sp=2, or the experts and their adapters split over ep=2 (each rank
+    adapting its own experts' local weights): the same losses, aux losses, grad norms and exported PEFT
     adapters as one process."""
+    two = tmp_path / "two"
+    lm_train_cli(tiny_qwen3_moe, lm_corpus, two, 2, **EXPERT_LORA, **layout)
+    assert_same_lora_run(expert_lora_one, two)
+
+
+def test_expert_lora_ep2_times_dp_shard2_resumes_at_one_process(expert_lora_one, tiny_qwen3_moe, lm_corpus, tmp_path):
+    """4 ranks: the expert adapters split over ep=2 with their experts and FSDP2-sharded over the 2 ranks
+    holding the same experts; its checkpoint (DCP, adapters and their optimizer state stacked by expert)
+    resumes on one process: every step and the export equal the one-process run."""
+    out = tmp_path / "run"
+    first = {**EXPERT_LORA, "train__max_steps": 2, "checkpoint__export": False}
+    lm_train_cli(tiny_qwen3_moe, lm_corpus, out, 4, **first, parallel__ep=2)
+    lm_train_cli(tiny_qwen3_moe, lm_corpus, out, 1, **EXPERT_LORA, checkpoint__resume="auto")
+    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]
+    assert_same_lora_run(expert_lora_one, out)
+
+
+def assert_same_lora_run(one: Path, other: Path) -> None:
+    """The same losses, aux losses and grad norms (1e-5 relative) and exported PEFT adapters (1e-5), the
+    experts' adapters trained."""
     import torch
     from safetensors.torch import load_file
 
-    two = tmp_path / "two"
-    lm_train_cli(tiny_qwen3_moe, lm_corpus, two, 2, **EXPERT_LORA, **layout)
-    ma, mb = read_metrics(expert_lora_one), read_metrics(two)
+    ma, mb = read_metrics(one), read_metrics(other)
     for key in ("loss", "aux_loss", "grad_norm"):
         assert [m[key] for m in mb] == pytest.approx([m[key] for m in ma], rel=1e-5), key
     adapters = "export/lora/adapter_model.safetensors"
-    wa, wb = load_file(expert_lora_one / adapters), load_file(two / adapters)
+    wa, wb = load_file(one / adapters), load_file(other / adapters)
     experts_b = [k for k in wa if ".experts.base_layer.lora_B." in k]
     assert wa.keys() == wb.keys() and experts_b and all(wa[k].abs().max() > 0 for k in experts_b)  # trained
     for k in wa:

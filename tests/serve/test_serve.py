@@ -58,6 +58,12 @@ class LiveServer:
     def state(self):
         return self.app.state.serve
 
+    def openai_client(self):
+        """The official OpenAI client pointed at this server (no retries: a refusal shows at once)."""
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+
     def wait(self, job_id: str, timeout: float = 60) -> dict:
         deadline = time.monotonic() + timeout
         while True:
@@ -76,15 +82,23 @@ def gen(tiny_wan):
     return load_generator(tiny_wan, device="cpu")
 
 
-@pytest.fixture
-def serve(gen, tiny_wan):
-    """`serve(**options)` -> a started LiveServer over the module's generator (stopped after the test)."""
+@contextlib.contextmanager
+def live_servers(gen, root, model_id: str):
+    """`start(**options)` -> a started LiveServer serving `gen` (the checkpoint at `root`, as `model_id` unless the
+    options name one); every server started is stopped on exit."""
     with contextlib.ExitStack() as stack:
 
         def start(**options) -> LiveServer:
-            options.setdefault("model_id", "tiny-wan")
-            return stack.enter_context(LiveServer(build_app(gen, root=str(tiny_wan), **options)))
+            options.setdefault("model_id", model_id)
+            return stack.enter_context(LiveServer(build_app(gen, root=str(root), **options)))
 
+        yield start
+
+
+@pytest.fixture
+def serve(gen, tiny_wan):
+    """`serve(**options)` -> a started LiveServer over the module's generator (stopped after the test)."""
+    with live_servers(gen, tiny_wan, "tiny-wan") as start:
         yield start
 
 
@@ -254,7 +268,7 @@ def test_images_endpoint_on_a_video_model_points_to_videos(serve):
         "use_videos_endpoint",
     )
     assert "/v1/videos" in err["message"]
-    client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
+    client = s.openai_client()
     with pytest.raises(openai.BadRequestError) as info:
         client.images.generate(prompt="a cat", size="256x256", response_format="b64_json")
     assert info.value.status_code == 400 and "/v1/videos" in info.value.message
@@ -264,10 +278,8 @@ def test_openai_client_videos_create_retrieve_download(serve):
     """The official client sends /videos as multipart/form-data; extras go through extra_body."""
     import warnings
 
-    import openai
-
     s = serve()
-    client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
+    client = s.openai_client()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         video = client.videos.create(

@@ -6,7 +6,6 @@ a mask, a text-to-image model and a video model are refused naming why."""
 from __future__ import annotations
 
 import base64
-import contextlib
 import io
 import re
 
@@ -18,7 +17,7 @@ from spindle.api import load_generator
 from spindle.engine_config import RequestLimits
 from spindle.serve import build_app
 from spindle.serve.limits import ServeLimits
-from tests.serve.test_serve import LiveServer, assert_error
+from tests.serve.test_serve import LiveServer, assert_error, live_servers
 from tests.serve.test_serve_i2v import form, png_bytes
 from tests.serve.test_serve_images import png_array, to_uint8
 
@@ -36,12 +35,7 @@ def plus(tiny_checkpoint):
 @pytest.fixture
 def serve(plus):
     gen, root = plus
-    with contextlib.ExitStack() as stack:
-
-        def start(**options) -> LiveServer:
-            options.setdefault("model_id", "tiny-qwen-image-edit-plus")
-            return stack.enter_context(LiveServer(build_app(gen, root=str(root), **options)))
-
+    with live_servers(gen, root, "tiny-qwen-image-edit-plus") as start:
         yield start
 
 
@@ -53,11 +47,10 @@ def engine_edit(gen, images, **kw):
 
 
 def test_openai_client_images_edit_one_and_several_images(serve, plus):
-    import openai
 
     gen, _ = plus
     s = serve()
-    client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
+    client = s.openai_client()
     first, second = png_bytes(0), png_bytes(1, (48, 32))
     one = client.images.edit(
         image=("a.png", first, "image/png"),
@@ -149,3 +142,15 @@ def test_one_image_family_refuses_two_and_text_models_refuse_edits(tiny_checkpoi
         err = assert_error(s.client.post("/v1/images/edits", files=[*plain.items(), upload()]), 400, "model")
         assert "generates images from text alone and takes no input image" in err["message"], err
         assert s.state.store.counters["submitted"] == 0
+
+
+def test_an_input_image_area_past_max_pixels_is_refused_naming_it(serve):
+    """--max-pixels bounds every image a request makes, the inputs resized to `image_area` too."""
+    s = serve(limits=ServeLimits(request=RequestLimits(max_pixels=3000)))
+    r = s.client.post("/v1/images/edits", files=[*form({**KW, "size": "32x32"}).items(), upload()])
+    err = assert_error(r, 400, "image_area", None)
+    assert "image_area is 4096 pixels; this server takes at most 3000 pixels per image (--max-pixels)" in err["message"]
+    assert s.state.store.counters["submitted"] == 0
+    small = {**KW, "size": "32x32", "image_area": 2048, "condition_image_area": 1024}  # both areas are inputs
+    ok = s.client.post("/v1/images/edits", files=[*form(small).items(), upload()])
+    assert ok.status_code == 200, ok.text

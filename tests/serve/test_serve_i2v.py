@@ -5,7 +5,6 @@ problem with it a 400 naming the field. (A text-to-video model refusing one: tes
 from __future__ import annotations
 
 import base64
-import contextlib
 import io
 import warnings
 
@@ -14,7 +13,7 @@ import pytest
 
 from spindle.api import load_generator
 from spindle.serve import build_app
-from tests.serve.test_serve import LiveServer, assert_error, decode_mp4
+from tests.serve.test_serve import LiveServer, assert_error, decode_mp4, live_servers
 
 KW = dict(prompt="a red kite over the sea", size="32x32", num_frames=5, num_inference_steps=2, guidance_scale=1.0)
 
@@ -34,12 +33,7 @@ def gen(tiny_wan_i2v):
 
 @pytest.fixture
 def serve(gen, tiny_wan_i2v):
-    with contextlib.ExitStack() as stack:
-
-        def start(**options) -> LiveServer:
-            options.setdefault("model_id", "tiny-wan-i2v")
-            return stack.enter_context(LiveServer(build_app(gen, root=str(tiny_wan_i2v), **options)))
-
+    with live_servers(gen, tiny_wan_i2v, "tiny-wan-i2v") as start:
         yield start
 
 
@@ -80,10 +74,9 @@ def test_multipart_and_data_url_jobs_equal_the_engine(serve, gen):
 
 
 def test_openai_client_videos_create_with_input_reference(serve):
-    import openai
 
     s = serve()
-    client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
+    client = s.openai_client()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         video = client.videos.create(

@@ -41,10 +41,9 @@ def to_uint8(frames: np.ndarray) -> np.ndarray:
 
 
 def test_openai_client_images_generate(server, flux):
-    import openai
 
     gen, _ = flux
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    client = server.openai_client()
     out = client.images.generate(
         prompt="a lighthouse on a cliff",
         n=2,

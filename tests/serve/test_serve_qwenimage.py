@@ -27,10 +27,9 @@ def server(qwen):
 
 
 def test_openai_client_images_generate_with_true_cfg(server, qwen):
-    import openai
 
     gen, _ = qwen
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    client = server.openai_client()
     extra = {"num_inference_steps": 2, "seed": 4, "negative_prompt": "blurry", "true_cfg_scale": 2.5}
     out = client.images.generate(prompt="a lighthouse on a cliff", n=2, size="48x32", extra_body=extra)
     assert len(out.data) == 2

@@ -33,9 +33,7 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from torch import nn
 
 from spindle.api import train
 from spindle.distributed import checkpoint as ckpt
@@ -43,16 +41,10 @@ from spindle.distributed.integrity import CheckpointError, DiskFullError
 from spindle.train.metrics import read_metrics
 from spindle.train.output_lock import LOCK_FILE, OutputLock, OutputLockedError
 from spindle.train.trainer import Trainer
-from tests.conftest import train_overrides
+from tests.conftest import RESUME_RUN, stepped_linear, train_overrides
 
 # 8 steps, a checkpoint every 3 (steps 3 and 6), keep_last 2: the run every test here compares with.
-COMMON = dict(
-    train__max_steps=8,
-    checkpoint__every_steps=3,
-    train__lr_schedule="cosine",
-    train__warmup_steps=2,
-    checkpoint__export=False,
-)
+COMMON = RESUME_RUN
 
 
 @pytest.fixture(scope="module")
@@ -126,15 +118,6 @@ def test_flipped_bytes_in_the_newest_checkpoint_fall_back_and_resume_exactly(
     assert all(ckpt.verify_checkpoint(p) == [] for p in kept)
 
 
-def _model_and_optimizer():
-    torch.manual_seed(0)
-    model = nn.Linear(4, 3)
-    optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.ones(2, 4)).sum().backward()
-    optimizer.step()
-    return model, optimizer
-
-
 def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
@@ -152,7 +135,7 @@ DAMAGE = {
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
 def test_each_kind_of_damage_is_named_and_the_previous_checkpoint_used(tmp_path, damage, caplog):
-    model, optimizer = _model_and_optimizer()
+    model, optimizer = stepped_linear()
     good = ckpt.save_checkpoint(tmp_path, 1, model, optimizer, {})
     bad = ckpt.save_checkpoint(tmp_path, 2, model, optimizer, {})
     where, damage_it, says = DAMAGE[damage]
@@ -175,7 +158,7 @@ def test_each_kind_of_damage_is_named_and_the_previous_checkpoint_used(tmp_path,
 
 
 def test_only_damaged_checkpoints_is_an_error(tmp_path):
-    model, optimizer = _model_and_optimizer()
+    model, optimizer = stepped_linear()
     only = ckpt.save_checkpoint(tmp_path, 1, model, optimizer, {})
     flip_bytes(only / "__0_0.distcp")
     with pytest.raises(CheckpointError, match=r"every checkpoint .* is damaged .*checkpoint.resume=none"):
@@ -184,7 +167,7 @@ def test_only_damaged_checkpoints_is_an_error(tmp_path):
 
 def test_a_checkpoint_without_manifest_still_resumes_and_a_bad_trainer_state_is_named(tmp_path, caplog):
     """Checkpoints written before manifests existed load with a warning; their JSON is still checked."""
-    model, optimizer = _model_and_optimizer()
+    model, optimizer = stepped_linear()
     old = ckpt.save_checkpoint(tmp_path, 1, model, optimizer, {})
     (old / "manifest.json").unlink()
     with caplog.at_level(logging.WARNING, logger="spindle.train"):
@@ -196,7 +179,7 @@ def test_a_checkpoint_without_manifest_still_resumes_and_a_bad_trainer_state_is_
 
 
 def test_explicit_damaged_resume_is_a_cli_error_before_any_work(tmp_path, tiny_wan, shapes_videos, spindle_cli):
-    model, optimizer = _model_and_optimizer()
+    model, optimizer = stepped_linear()
     bad = ckpt.save_checkpoint(tmp_path / "run", 4, model, optimizer, {})
     _truncate(bad / ".metadata")
     cfg = tmp_path / "c.yaml"

@@ -23,23 +23,28 @@ def trained_only_adapters(trainer) -> set[str]:
     return states
 
 
-def test_qwen3_lora_exports_a_peft_folder_and_a_merged_model(tiny_qwen3, lm_corpus, tmp_path, spindle_cli):
+def check_peft_and_merged(trainer, base_path, export) -> None:
+    """The trained LoRA model's logits: changed from the base, equal to stock `PeftModel` over the base with
+    `export/lora`, and the merged folder `export/merged` loaded alone gives the same logits (1e-5)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    trainer, _ = lm_train(tiny_qwen3, lm_corpus, tmp_path / "run", train__max_steps=2, **LORA)
-    trained_only_adapters(trainer)
-    export = tmp_path / "run" / "export"
     ids = torch.tensor([[5, 9, 14, 3, 22, 7, 11, 30]])
-    model = trainer.model.eval()
     with torch.no_grad():
-        ours = model(input_ids=ids).logits
-        base = AutoModelForCausalLM.from_pretrained(tiny_qwen3).eval()
+        ours = trainer.model.eval()(input_ids=ids).logits
+        base = AutoModelForCausalLM.from_pretrained(base_path).eval()
         assert (ours - base(input_ids=ids).logits).abs().max() > 1e-3  # the adapters changed the model
         peft = PeftModel.from_pretrained(base, export / "lora").eval()
         torch.testing.assert_close(peft(input_ids=ids).logits, ours, rtol=0, atol=1e-5)
         merged = AutoModelForCausalLM.from_pretrained(export / "merged").eval()
         torch.testing.assert_close(merged(input_ids=ids).logits, ours, rtol=0, atol=1e-5)
+
+
+def test_qwen3_lora_exports_a_peft_folder_and_a_merged_model(tiny_qwen3, lm_corpus, tmp_path, spindle_cli):
+    trainer, _ = lm_train(tiny_qwen3, lm_corpus, tmp_path / "run", train__max_steps=2, **LORA)
+    trained_only_adapters(trainer)
+    export = tmp_path / "run" / "export"
+    check_peft_and_merged(trainer, tiny_qwen3, export)
     assert json.loads((export / "lora" / "adapter_config.json").read_text())["r"] == 4
 
     # `spindle export` of the LoRA checkpoint writes the same adapters on one process.
@@ -51,17 +56,25 @@ def test_qwen3_lora_exports_a_peft_folder_and_a_merged_model(tiny_qwen3, lm_corp
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def check_vlm_lora_export(root, vlm_conversations, tmp_path, lora: str) -> set[str]:
-    """A VLM LoRA run (`lora`: train.lora) adapts the language model only; stock peft + transformers load
-    its PEFT folder, and stock transformers its merged folder, with the trained model's logits (1e-5).
-    -> the adapted parameter names."""
+def check_vlm_lora_export(
+    root, vlm_conversations, tmp_path, lora: str, parts: set[str] = frozenset({"language"}), **overrides
+) -> set[str]:
+    """A VLM LoRA run (`lora`: train.lora; `overrides`: more of the config) adapts the blocks of `parts` only
+    (the language model's decoder layers by default); stock peft + transformers load its PEFT folder, and stock
+    transformers its merged folder, with the trained model's logits (1e-5). -> the adapted parameter names."""
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
+    from spindle.registry import family_of
+
     data = subset(vlm_conversations, tmp_path / "data", [0, 1])
-    trainer, _ = vlm_train(root, data, tmp_path / "run", train__max_steps=2, **dict(LORA, train__lora=lora))
+    trainer, _ = vlm_train(
+        root, data, tmp_path / "run", train__max_steps=2, **dict(LORA, train__lora=lora, **overrides)
+    )
     adapted = trained_only_adapters(trainer)
-    assert all(n.startswith("model.language_model.layers.") for n in adapted)
+    family = family_of(root)
+    assert {family.part_of(n) for n in adapted} == parts
+    assert all(".layers." in n for n in adapted if family.part_of(n) == "language")  # decoder layers, not the head
     export = tmp_path / "run" / "export"
     (inputs,) = stock_inputs(root, subset(vlm_conversations, tmp_path / "one", [0]))
     inputs.pop("labels")
@@ -93,7 +106,7 @@ def test_lora_is_refused_where_not_supported(tiny_qwen2_5_vl, lm_corpus, vlm_con
     vlm = load_job_config(
         None, lm_overrides(tiny_qwen2_5_vl, vlm_conversations, tmp_path, train__lora="{}", train__freeze='["vision"]')
     )
-    with pytest.raises(ConfigError, match=r"train\.freeze with train\.lora"):
+    with pytest.raises(ConfigError, match=r"train\.freeze=\[.vision.\] with train\.lora"):
         check_job_plan(vlm, 1)
 
 
@@ -101,23 +114,13 @@ def test_moe_lora_adapts_the_attention_and_exports_a_peft_folder(tiny_qwen3_moe,
     """A mixture-of-experts model's LoRA adapts its attention projections (its experts are fused
     parameters): stock peft + transformers load the PEFT folder with the trained model's outputs, the
     merged folder loads alone, and `spindle export` of the checkpoint writes the same adapters."""
-    from peft import PeftModel
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
     trainer, _ = lm_train(tiny_qwen3_moe, lm_corpus, tmp_path / "run", train__max_steps=2, **LORA)
     adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in trained_only_adapters(trainer)}
     assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj"}
     export = tmp_path / "run" / "export"
-    ids = torch.tensor([[5, 9, 14, 3, 22, 7, 11, 30]])
-    with torch.no_grad():
-        ours = trainer.model.eval()(input_ids=ids).logits
-        base = AutoModelForCausalLM.from_pretrained(tiny_qwen3_moe).eval()
-        assert (ours - base(input_ids=ids).logits).abs().max() > 1e-3  # the adapters changed the model
-        peft = PeftModel.from_pretrained(base, export / "lora").eval()
-        torch.testing.assert_close(peft(input_ids=ids).logits, ours, rtol=0, atol=1e-5)
-        merged = AutoModelForCausalLM.from_pretrained(export / "merged").eval()
-        torch.testing.assert_close(merged(input_ids=ids).logits, ours, rtol=0, atol=1e-5)
+    check_peft_and_merged(trainer, tiny_qwen3_moe, export)
     r = spindle_cli("export", tmp_path / "run", "--out", tmp_path / "cli")
     assert r.returncode == 0, r.stderr
     a, b = (load_file(d / "lora" / "adapter_model.safetensors") for d in (export, tmp_path / "cli"))
@@ -159,30 +162,21 @@ def test_moe_lora_on_the_experts_exports_what_stock_peft_loads(tiny_qwen3_moe, l
     stock `PeftModel.from_pretrained` with the trained model's logits and the key names and config
     stock PEFT writes for the same adapters; the merged folder loads alone with the same logits; and
     `spindle export` of the checkpoint writes the same folder."""
-    from peft import PeftModel, get_peft_model_state_dict
+    from peft import get_peft_model_state_dict
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
     lora = dict(LORA, train__lora='{"rank": 4, "alpha": 8, "targets": ["experts"]}')
     trainer, _ = lm_train(tiny_qwen3_moe, lm_corpus, tmp_path / "run", train__max_steps=2, **lora)
     adapted = trained_only_adapters(trainer)
     assert {n.split(".lora_")[0].split(".mlp.")[-1] for n in adapted} == {"experts", "experts.base_layer"}
     export = tmp_path / "run" / "export"
-    ids = torch.tensor([[5, 9, 14, 3, 22, 7, 11, 30]])
-    with torch.no_grad():
-        ours = trainer.model.eval()(input_ids=ids).logits
-        base = AutoModelForCausalLM.from_pretrained(tiny_qwen3_moe).eval()
-        assert (ours - base(input_ids=ids).logits).abs().max() > 1e-3  # the adapters changed the model
-        peft = PeftModel.from_pretrained(base, export / "lora").eval()
-        torch.testing.assert_close(peft(input_ids=ids).logits, ours, rtol=0, atol=1e-5)
-        merged = AutoModelForCausalLM.from_pretrained(export / "merged").eval()
-        torch.testing.assert_close(merged(input_ids=ids).logits, peft(input_ids=ids).logits, rtol=0, atol=1e-5)
+    check_peft_and_merged(trainer, tiny_qwen3_moe, export)
     # what stock PEFT's save_pretrained writes for adapters on the same parameters: the same keys and shapes
     stock = get_peft_model_state_dict(stock_peft_experts(tiny_qwen3_moe, seed=0, rank=4, alpha=8))
     ours_file = load_file(export / "lora" / "adapter_model.safetensors")
     assert {k: v.shape for k, v in ours_file.items()} == {k: v.shape for k, v in stock.items()}
     config = json.loads((export / "lora" / "adapter_config.json").read_text())
-    layers = base.config.num_hidden_layers
+    layers = trainer.model.config.num_hidden_layers
     assert config["target_modules"] is None and len(config["target_parameters"]) == 2 * layers  # 2 per MoE layer
     r = spindle_cli("export", tmp_path / "run", "--out", tmp_path / "cli")
     assert r.returncode == 0, r.stderr
@@ -223,28 +217,10 @@ def test_merging_an_expert_adapter_adds_pefts_delta(transposed):
 
 
 def test_moe_lora_on_the_experts_refuses_what_peft_cannot_do(tiny_qwen3_moe, lm_corpus, tmp_path):
-    """Expert LoRA with `parallel.ep` > 1, or with dropout (PEFT's parameter adapters take none), is a
+    """Expert LoRA with dropout (PEFT's parameter adapters take none), or naming no expert parameter, is a
     config error naming the keys and the fix, raised before any weight is read."""
     from spindle.api import make_trainer
 
-    experts = '{"rank": 4, "targets": ["experts.down_proj"]}'
-    cfg = load_job_config(
-        None, lm_overrides(tiny_qwen3_moe, lm_corpus, tmp_path / "ep", train__lora=experts, parallel__ep=2)
-    )
-    with pytest.raises(
-        ConfigError, match=r"train.lora.targets: \[.experts.down_proj.\] .* parallel.ep=2 .* with parallel.ep: 1"
-    ):
-        check_job_plan(cfg, 2)
-    # every spelling PEFT's suffix rule resolves to the experts is refused, against the config's EP plan
-    from transformers import AutoConfig
-
-    from spindle.distributed.expert_parallel import ep_plan_of
-    from spindle.train.tasks.moe_causal_lm import names_experts
-
-    plan = tuple(ep_plan_of(AutoConfig.from_pretrained(tiny_qwen3_moe)))
-    for spelling in ["experts", "mlp.experts", "1.mlp.experts", "model.layers.1.mlp.experts.gate_up_proj", "down_proj"]:
-        assert names_experts(spelling, plan), spelling
-    assert not any(names_experts(t, plan) for t in ["q_proj", "self_attn.o_proj", "mlp.gate", "up_proj"])
     dropout = '{"rank": 4, "dropout": 0.1, "targets": ["experts"]}'
     cfg = load_job_config(None, lm_overrides(tiny_qwen3_moe, lm_corpus, tmp_path / "drop", train__lora=dropout))
     with pytest.raises(ConfigError, match=r"train.lora.dropout=0.1: .* set train.lora.dropout: 0"):
@@ -253,3 +229,60 @@ def test_moe_lora_on_the_experts_refuses_what_peft_cannot_do(tiny_qwen3_moe, lm_
     cfg = load_job_config(None, lm_overrides(tiny_qwen3_moe, lm_corpus, tmp_path / "miss", train__lora=missing))
     with pytest.raises(ConfigError, match=r"'experts.up_proj' matches no .* closest names: .*experts.gate_up_proj"):
         make_trainer(cfg)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["experts_out_in", "experts_in_out"])
+def test_expert_major_adapters_compute_what_pefts_wrappers_compute(transposed):
+    """The fused experts' adapters held stacked by expert (spindle.train.expert_lora: the layout that splits
+    with the experts under parallel.ep) give the outputs and gradients of PEFT's nested `ParamWrapper`s they
+    replace, under PEFT's names, and convert back to PEFT's exact tensors; either layout a module may store
+    its experts in, two parameters of one module (nested wrappers), non-square shapes."""
+    import copy
+
+    from peft import LoraConfig, inject_adapter_in_model
+    from peft.tuners.lora import ParamWrapper
+
+    from spindle.train.expert_lora import to_peft_layout, unwrap_param_wrappers
+    from spindle.train.lora import lora_scale, wrapped_parameters
+
+    g = torch.Generator().manual_seed(0)
+
+    class Experts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.num_experts, self.is_transposed = 3, transposed
+            w, v = torch.randn(3, 5, 7, generator=g), torch.randn(3, 4, 5, generator=g)  # [E, out, in]
+            self.w = torch.nn.Parameter(w.mT.contiguous() if transposed else w)
+            self.v = torch.nn.Parameter(v.mT.contiguous() if transposed else v)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [E, n, 7]
+            w, v = (self.w, self.v) if transposed else (self.w.mT, self.v.mT)
+            return torch.bmm(torch.bmm(x, w).tanh(), v)
+
+    peft = torch.nn.Sequential(Experts())
+    inject_adapter_in_model(LoraConfig(r=2, lora_alpha=3, target_parameters=["w", "v"]), peft)
+    peft.requires_grad_(False)
+    wrappers = {n: m for n, m in peft.named_modules() if isinstance(m, ParamWrapper)}
+    assert set(wrappers) == {"0", "0.base_layer"}  # nested: two parameters of one module
+    with torch.no_grad():
+        for m in wrappers.values():
+            for layer in (m.lora_A["default"], m.lora_B["default"]):
+                layer.weight.copy_(torch.randn(layer.weight.shape, generator=g)).requires_grad_(True)
+    ours = copy.deepcopy(peft)
+    unwrap_param_wrappers(ours)
+    assert type(ours[0]).__name__ == "Experts"  # the experts module back in place
+    assert wrapped_parameters(ours) == {n: f"0.{m.parameter_name}" for n, m in wrappers.items()}
+    assert lora_scale(ours) == {n: 1.5 for n in wrappers}
+    x = torch.randn(3, 6, 7, generator=g)
+    expected, got = peft(x), ours(x)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    (expected * x[..., :4]).sum().backward()
+    (got * x[..., :4]).sum().backward()
+    theirs, mine = dict(peft.named_parameters()), dict(ours.named_parameters())
+    assert {n for n, p in mine.items() if p.requires_grad} == {n for n, p in theirs.items() if p.requires_grad}
+    for name, p in theirs.items():
+        if p.requires_grad:
+            kind = name.split(".lora_")[1][0]
+            assert mine[name].ndim == 3  # stacked by expert
+            torch.testing.assert_close(to_peft_layout(kind, mine[name].detach()), p.detach(), rtol=0, atol=0)
+            torch.testing.assert_close(to_peft_layout(kind, mine[name].grad), p.grad, rtol=0, atol=1e-5)

@@ -68,6 +68,17 @@ def test_mismatched_settings_are_refused(cache, make_config):
         make_trainer(cfg)
 
 
+def test_a_cache_made_by_an_older_encoding_is_refused(cache, make_config, monkeypatch):
+    """A family whose `encode` changed bumps its condition model's `encoding_version`; caches made before
+    are refused naming it, not read as current."""
+    from spindle.models.wan.condition import WanConditionModel
+
+    monkeypatch.setattr(WanConditionModel, "encoding_version", 2)
+    cfg = make_config(data__precomputed=cache, **COMMON)
+    with pytest.raises(StaleCacheError, match="encoding: cache 1, this run 2"):
+        make_trainer(cfg)
+
+
 def test_cache_from_another_checkpoint_is_refused(cache, make_config, tmp_path):
     from spindle.models.wan.tiny import build_tiny_wan
 

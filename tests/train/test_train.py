@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from spindle.api import make_trainer, train
 from spindle.train.metrics import read_metrics
-from tests.conftest import run_spindle, train_interrupted
+from tests.conftest import RESUME_RUN, run_spindle, train_interrupted
 
 
 def test_overfit_loss_falls(make_config, tmp_path):
@@ -43,13 +43,7 @@ def test_metrics_lines_have_required_fields(make_config):
 
 
 def test_interrupted_run_resumes_to_identical_losses(make_config, tmp_path, monkeypatch):
-    common = dict(
-        train__max_steps=8,
-        checkpoint__every_steps=3,
-        train__lr_schedule="cosine",
-        train__warmup_steps=2,
-        checkpoint__export=False,
-    )
+    common = RESUME_RUN
     train(make_config(tmp_path / "straight", **common))
 
     train_interrupted(make_config, tmp_path / "resumed", monkeypatch, 7, **common)

@@ -25,7 +25,7 @@ from torch import nn
 from spindle.api import load_job_config
 from spindle.distributed import checkpoint as ckpt
 from spindle.registry import all_families
-from tests.conftest import train_interrupted
+from tests.conftest import stepped_linear, train_interrupted
 
 DIT_FAMILIES = sorted(f.name for f in all_families() if f.task == "flow_matching")
 
@@ -117,17 +117,8 @@ def test_draws_do_not_depend_on_micro_batch_or_position(family_task):
 # ---------------------------------------------------------------- crash safety
 
 
-def _model_and_optimizer():
-    torch.manual_seed(0)
-    model = nn.Linear(4, 3)
-    optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.ones(2, 4)).sum().backward()
-    optimizer.step()
-    return model, optimizer
-
-
 def test_a_failing_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
-    model, optimizer = _model_and_optimizer()
+    model, optimizer = stepped_linear()
     good = ckpt.save_checkpoint(tmp_path, 1, model, optimizer, {"note": "good"})
 
     def failing_writer(state, storage_writer):
@@ -180,7 +171,7 @@ def test_a_killed_save_is_never_resumed(tmp_path, moment):
     assert ckpt.resolve_resume("auto", tmp_path) == ckpt.checkpoint_root(tmp_path) / "step-000001"
     with pytest.raises(FileNotFoundError, match="partial"):
         ckpt.resolve_resume(str(partial), tmp_path)  # not even when named explicitly
-    model, optimizer = _model_and_optimizer()
+    model, optimizer = stepped_linear()
     ckpt.save_checkpoint(tmp_path, 2, model, optimizer, {})
     assert not partial.exists()
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from PIL import Image
 
 from spindle.api import make_trainer, train
 from spindle.train.metrics import read_metrics
-from tests.conftest import run_spindle
+from tests.conftest import TINY_TEXT, run_spindle
 
 COMMON = dict(train__max_steps=3, train__global_batch_size=2, checkpoint__export=False)
 VALIDATION = (
@@ -37,6 +39,9 @@ def test_samples_appear_at_the_right_steps(validated):
 
     frames, _, height, width = probe_video(samples / "step-000002" / "00.mp4")
     assert (frames, height, width) == (5, 32, 32)
+    # the prompts are encoded at the text length training uses (model.max_text_length), not the pipeline's 512
+    record = json.loads((samples / "step-000002" / "prompts.json").read_text())
+    assert record["max_sequence_length"] == validated.cfg.model.max_text_length == TINY_TEXT
 
 
 def test_validation_leaves_the_training_trajectory_unchanged(validated, make_config, tmp_path):

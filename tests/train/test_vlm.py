@@ -9,7 +9,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from spindle.api import load_job_config
 from spindle.config import ConfigError
@@ -30,57 +29,13 @@ def test_freezing_every_part_is_refused(tiny_qwen2_5_vl, vlm_conversations, tmp_
         load_job_config(None, vlm_overrides(tiny_qwen2_5_vl, vlm_conversations, tmp_path, train__freeze='["eyes"]'))
 
 
-def test_video_conversation_step1_equals_stock_transformers(tiny_qwen2_5_vl, tmp_path):
-    """A video conversation (no stock video processor here: Spindle's patches and tokens, the stock model's
-    own 3-D positions from mm_token_type_ids and second_per_grid_ts): step-1 loss and grad norm."""
-    import numpy as np
-    from transformers import AutoConfig, AutoTokenizer
-
-    from spindle.data.media import write_video
-    from spindle.data.multimodal import VisionOptions, VisionProcessor, collate_vision, conversation_document
-    from spindle.models.shared.vlm_rope import mm_token_types
-    from spindle.registry import get_family
-
-    data = tmp_path / "data"
-    data.mkdir()
-    frames = np.stack([np.full((56, 56, 3), 20 * i, dtype=np.uint8) for i in range(12)])
-    write_video(data / "clip.mp4", frames, fps=4)
-    line = {
-        "messages": [
-            {"role": "user", "content": [{"type": "video", "video": "clip.mp4"}, {"type": "text", "text": "What?"}]},
-            {"role": "assistant", "content": "It gets brighter."},
-        ]
-    }
-    (data / "data.jsonl").write_text(json.dumps(line) + "\n")
-    vlm_train(tiny_qwen2_5_vl, data / "data.jsonl", tmp_path / "run", data__packing=False, train__max_steps=1)
-    logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
-
-    config = AutoConfig.from_pretrained(tiny_qwen2_5_vl)
-    processor = VisionProcessor(
-        tiny_qwen2_5_vl,
-        AutoTokenizer.from_pretrained(tiny_qwen2_5_vl),
-        config,
-        get_family("qwen2_5_vl").rope_index_fn(),
-        VisionOptions(),
-    )
-    doc, _ = conversation_document(line, data, processor, 4096, "x")
-    ids = torch.tensor([doc.tokens])
-    labels = torch.tensor([[t if keep else -100 for t, keep in zip(doc.tokens, doc.learn, strict=True)]])
-    model = stock_model(tiny_qwen2_5_vl)
-    vision = collate_vision(doc.vision)
-    assert "pixel_values_videos" in vision
-    loss = model(input_ids=ids, mm_token_type_ids=mm_token_types(config, ids), labels=labels, **vision).loss
-    loss.backward()
-    assert logged["loss"] == pytest.approx(float(loss), rel=1e-5)
-    assert logged["grad_norm"] == pytest.approx(grad_norm(model), rel=1e-4)
-
-
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe"])
-def test_qwen3_vl_video_conversation_step1_equals_stock_transformers(family, tiny_checkpoint, tmp_path):
-    """A LLaVA `<video>` conversation trains on what stock Qwen3VLProcessor + Qwen3VLVideoProcessor make of it
-    (timestamps in the text; spindle.testing.vlm_conformance.stock_video_inputs): step-1 loss (an MoE's with
-    its router aux term) and grad norm of stock `model(input_ids, pixel_values_videos, video_grid_thw,
-    mm_token_type_ids, labels)`."""
+@pytest.mark.parametrize(("family", "size"), [("qwen2_5_vl", 56), ("qwen3_vl", 64), ("qwen3_vl_moe", 64)])
+def test_video_conversation_step1_equals_stock_transformers(family, size, tiny_checkpoint, tmp_path):
+    """A LLaVA `<video>` conversation trains on what the stock processor and video processor make of it
+    (Qwen2_5_VLProcessor + Qwen2VLVideoProcessor: second_per_grid_ts; Qwen3VLProcessor + Qwen3VLVideoProcessor:
+    timestamps in the text; spindle.testing.vlm_conformance.stock_video_inputs, on a clip at the family's patch
+    size): step-1 loss (an MoE's with its router aux term) and grad norm of stock `model(input_ids,
+    pixel_values_videos, video_grid_thw, [second_per_grid_ts,] mm_token_type_ids, labels)`."""
     import numpy as np
 
     from spindle.data.media import write_video
@@ -91,7 +46,7 @@ def test_qwen3_vl_video_conversation_step1_equals_stock_transformers(family, tin
     data = tmp_path / "data"
     data.mkdir()
     rng = np.random.default_rng(0)
-    write_video(data / "clip.mp4", rng.integers(0, 255, (12, 64, 64, 3), dtype=np.uint8), fps=4)
+    write_video(data / "clip.mp4", rng.integers(0, 255, (12, size, size, 3), dtype=np.uint8), fps=4)
     line = {
         "videos": ["clip.mp4"],
         "conversations": [{"from": "human", "value": "<video>What?"}, {"from": "gpt", "value": "It flickers."}],
@@ -103,6 +58,7 @@ def test_qwen3_vl_video_conversation_step1_equals_stock_transformers(family, tin
 
     (inputs,) = stock_inputs(model_path, data / "data.jsonl")  # asserts Spindle's tokens are stock's
     assert inputs["video_grid_thw"].tolist() == [[3, 4, 4]]
+    assert ("second_per_grid_ts" in inputs) == (family == "qwen2_5_vl")  # Qwen3-VL: timestamps in the text
     model = stock_model(model_path)
     out = model(**inputs, **get_family(family).conformance.stock_loss_kwargs)
     out.loss.backward()

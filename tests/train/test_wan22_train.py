@@ -74,6 +74,15 @@ def test_a_low_noise_lora_exports_for_transformer_2_and_loads_there(tiny_wan22, 
     gen = load_generator(tiny_wan22, lora=str(lora))
     assert any("lora" in n for n, _ in gen.pipeline.components["transformer_2"].named_parameters())
     assert not any("lora" in n for n, _ in gen.pipeline.components["transformer"].named_parameters())
+    # chosen per request at run time (`serve --lora-dir`): loaded into transformer_2 too, the same sample
+    served = load_generator(tiny_wan22)
+    adapters = served.enable_adapters(lora.parent, max_loras=2)
+    assert adapters.load("low", lora).parameters > 0
+    assert not any("lora" in n for n, _ in served.pipeline.components["transformer"].named_parameters())
+    request = dict(prompt="a red circle", height=32, width=32, num_frames=5, num_inference_steps=3, seed=0)
+    want = gen.generate(**request).frames
+    assert (served.generate(**request, lora="low").frames == want).all()
+    assert not (served.generate(**request).frames == want).all()  # the base alone differs
 
 
 def test_validation_samples_denoise_with_the_trained_and_the_frozen_expert(tiny_wan22, shapes_videos, tmp_path):
@@ -93,8 +102,8 @@ def test_validation_samples_denoise_with_the_trained_and_the_frozen_expert(tiny_
     result = trainer.run()
     assert (result.output_dir / "samples" / "step-000001" / "00.mp4").is_file()
     frames = render_samples(trainer.task, trainer.model, 1, tmp_path / "again")[0]
-    # (validation renders at the engine's default text length, 512; the export's default is the trained 16)
+    # (validation and the export's default both encode at the trained text length, 16)
     exported = load_generator(result.export_dir).generate(
-        prompt="a red circle", height=32, width=32, num_frames=5, num_inference_steps=3, seed=0, max_sequence_length=512
+        prompt="a red circle", height=32, width=32, num_frames=5, num_inference_steps=3, seed=0
     )
     np.testing.assert_allclose(frames, exported.frames[0], atol=1e-5, rtol=0)

@@ -87,3 +87,27 @@ def test_last_image_is_refused_where_it_cannot_apply(tiny_wan_i2v, manifest):
     condition = WanI2VConditionModel.from_pretrained(tiny_wan_i2v, max_text_length=TEXT_LENGTH)
     with pytest.raises(ValueError, match=r"the data names a 'last_image', but this checkpoint is not first-last-frame"):
         condition.encode(collate([dataset[0]]))
+
+
+def test_validation_renders_from_a_first_and_a_last_frame_per_prompt(tiny_wan_flf2v, manifest, tmp_path):
+    """An FLF2V checkpoint's validation request takes [first, last] per prompt: one image is refused before
+    launch naming the entry and what the checkpoint takes, and the pair renders at the validation step."""
+    from spindle.api import load_job_config, make_trainer
+    from spindle.data.media import read_video
+    from tests.conftest import train_overrides
+
+    lines = [json.loads(line) for line in manifest.read_text().splitlines()]
+    data = manifest.with_name("with_last.jsonl")  # beside the images the entries name
+    data.write_text("".join(json.dumps(line) + "\n" for line in lines if "last_image" in line))
+    first, last = manifest.parent / "a.png", manifest.parent / "b.png"
+    overrides = train_overrides(
+        tiny_wan_flf2v, data, tmp_path / "run", model__max_text_length=TEXT_LENGTH, train__max_steps=1,
+        train__global_batch_size=2, train__validation__every_steps=1, train__validation__num_inference_steps=2,
+        train__validation__prompts='["a clip"]', train__validation__num_frames=5,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"train.validation.images\[0\]: a wan_i2v request to .* takes 2 image"):
+        make_trainer(load_job_config(None, [*overrides, f'train.validation.images=["{first}"]']))
+    pair = f'train.validation.images=[["{first}", "{last}"]]'
+    result = make_trainer(load_job_config(None, [*overrides, pair])).run()
+    sample = read_video(result.output_dir / "samples" / "step-000001" / "00.mp4", 5, SIZE)
+    assert sample.shape == (3, 5, *SIZE) and torch.isfinite(sample).all()

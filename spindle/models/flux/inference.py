@@ -88,15 +88,7 @@ class FluxBeforeDenoisingStage(PipelineBeforeDenoisingStage):
         """The noise (packed, drawn in the VAE layout from the request's generator) and the image ids,
         by FluxPipeline's own `prepare_latents`."""
         p = req.params
-        latents, img_ids = self.text_pipe.prepare_latents(
-            p.batch_size,
-            self.transformer.config.in_channels // 4,
-            resolved(p.height, "height"),
-            resolved(p.width, "width"),
-            torch.float32,
-            req.device,
-            req.generator,
-        )
+        latents, img_ids = self.text_pipe.prepare_latents(*self.latent_args(req))
         req.latents = latents
         req.extra["img_ids"] = img_ids.to(req.model_dtype)
         req.raw_latent_shape = self.latent_shape(p)
@@ -129,15 +121,11 @@ class FluxInference(PackedImageInference):
         cond = branch == "cond"
         x = req.extra
         return {
-            "hidden_states": latents.to(req.model_dtype),
-            "timestep": t.expand(latents.shape[0]).to(latents.dtype) / 1000,
-            "guidance": req.embedded_guidance,
+            **self.packed_kwargs(req, latents, t, branch),
             "pooled_projections": x["pooled"] if cond else x["negative_pooled"],
-            "encoder_hidden_states": req.prompt_embeds if cond else req.negative_prompt_embeds,
             "txt_ids": x["txt_ids"] if cond else x["negative_txt_ids"],
             "img_ids": x["img_ids"],
             "joint_attention_kwargs": None,
-            "return_dict": False,
         }
 
     def linear_gelu_pairs(self, transformer: torch.nn.Module) -> list[tuple[torch.nn.Module, str, str]]:

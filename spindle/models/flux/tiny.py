@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from spindle.models.shared.tiny import save_seeded_pipeline, seeded
+from spindle.models.shared.tiny import Overrides, dynamic_shift_scheduler, save_seeded_pipeline, seeded, t5_text_parts
 from spindle.models.shared.tokenizers import save_tokenizer
 
 FLUX_TRANSFORMER = dict(
@@ -32,36 +32,28 @@ FLUX_VAE = dict(
     use_quant_conv=False,
     use_post_quant_conv=False,
 )
+CLIP_MAX_LENGTH = 77  # CLIP's text positions (its tokenizer's model_max_length too)
 FLUX_CLIP = dict(
     hidden_size=32,
     intermediate_size=64,
     num_hidden_layers=2,
     num_attention_heads=4,
-    max_position_embeddings=77,
+    max_position_embeddings=CLIP_MAX_LENGTH,
     projection_dim=32,
     hidden_act="quick_gelu",
 )
 FLUX_T5 = dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, relative_attention_num_buckets=8)
 # FLUX.1-dev's scheduler config: resolution-dependent ("dynamic") shift between base and max.
-FLUX_SCHEDULER = dict(
-    num_train_timesteps=1000,
-    shift=3.0,
-    use_dynamic_shifting=True,
-    base_shift=0.5,
-    max_shift=1.15,
-    base_image_seq_len=256,
-    max_image_seq_len=4096,
-)
-CLIP_MAX_LENGTH = 77
+FLUX_SCHEDULER = dynamic_shift_scheduler(shift=3.0, max_shift=1.15, max_image_seq_len=4096)
 
 
 def build_tiny_flux(
     out: str | Path,
     seed: int = 0,
-    transformer: dict | None = None,
-    vae: dict | None = None,
-    text_encoder: dict | None = None,
-    text_encoder_2: dict | None = None,
+    transformer: Overrides = None,
+    vae: Overrides = None,
+    text_encoder: Overrides = None,
+    text_encoder_2: Overrides = None,
     pipeline: str = "FluxPipeline",
 ) -> Path:
     """Write a tiny random FLUX.1 pipeline (`FluxPipeline` layout) to `out` and return its path.
@@ -91,15 +83,14 @@ def build_tiny_flux(
     tcfg["pooled_projection_dim"] = ccfg["hidden_size"]
 
     clip_vocab = save_tokenizer(out / "tokenizer", model_max_length=CLIP_MAX_LENGTH, bos_token="<s>")
-    t5_vocab = save_tokenizer(out / "tokenizer_2")
     clip_config = CLIPTextConfig(vocab_size=clip_vocab, pad_token_id=0, eos_token_id=1, bos_token_id=3, **ccfg)
-    t5_config = T5Config(vocab_size=t5_vocab, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, **ecfg)
+    tokenizer_2, t5_config = t5_text_parts(out / "tokenizer_2", T5Config, ecfg)
     return save_seeded_pipeline(
         getattr(diffusers, pipeline),
         out,
         seed,
         tokenizer=PreTrainedTokenizerFast.from_pretrained(out / "tokenizer"),
-        tokenizer_2=PreTrainedTokenizerFast.from_pretrained(out / "tokenizer_2"),
+        tokenizer_2=tokenizer_2,
         text_encoder=lambda: CLIPTextModel(clip_config).eval(),
         text_encoder_2=seeded(seed + 3, lambda: T5EncoderModel(t5_config).eval()),
         vae=lambda: AutoencoderKL(**vcfg).eval(),

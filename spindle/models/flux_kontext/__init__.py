@@ -14,10 +14,11 @@ Sizing, as FluxKontextPipeline does it:
 
 import dataclasses
 
-from spindle.contracts.family import ConformanceSpec, DemoSpec, DiTFamily
+from spindle.contracts.family import ConformanceSpec, DiTFamily
 from spindle.contracts.options import Option
 from spindle.models.flux import FAMILY as FLUX
 from spindle.models.flux import OPTIONS as FLUX_OPTIONS
+from spindle.models.shared.declarations import EDIT_DEMO, demo, text_length_error
 from spindle.models.shared.test_images import noise_image  # the suite's seeded conditioning image
 
 MAX_AREA = 1024**2  # FluxKontextPipeline's default max_area
@@ -48,6 +49,7 @@ OPTIONS = dataclasses.replace(
 STOCK_NAMES = {"auto_resize": "_auto_resize"}
 
 
+assert FLUX.conformance is not None
 FAMILY = DiTFamily(
     name="flux_kontext",
     pipeline_classes=("FluxKontextPipeline",),
@@ -58,66 +60,36 @@ FAMILY = DiTFamily(
     tiny_model="spindle.models.flux_kontext.tiny:build_tiny_flux_kontext",
     lora_original=FLUX.lora_original,  # the same transformer: BFL's layout, read back by diffusers' Flux reader
     options=OPTIONS,
-    demo=DemoSpec(
-        dataset="spindle.data.synthetic:make_shapes_edit_dataset",
-        dataset_kwargs={"num_pairs": 16, "size": (32, 32)},
-        # validation/demo samples at the training size: the output keeps it, the source its own size
-        sample_kwargs={"guidance_scale": 2.5, "max_area": 32 * 32, "auto_resize": False},
-    ),
+    # validation/demo samples at the training size: the output keeps it, the source its own size
+    demo=demo(EDIT_DEMO, sample_kwargs={"guidance_scale": 2.5, "max_area": 32 * 32, "auto_resize": False}),
     conformance=ConformanceSpec(
+        # Flux's cases editing the seeded image at their own size (max_area = height x width, no auto-resize), the
+        # CFG one at Kontext's embedded guidance
         parity_cases={
-            "cfg": dict(
-                prompt="the red circle to blue",
-                negative_prompt="blurry",
-                image=noise_image(40, 56),
-                height=32,
-                width=32,
-                max_area=32 * 32,
-                auto_resize=False,
-                num_inference_steps=2,
-                guidance_scale=2.5,
-                true_cfg_scale=4.0,
-                max_sequence_length=16,
-                seed=7,
-            ),
-            "nocfg": dict(
+            name: case
+            | dict(
                 prompt="the red circle to blue",
                 image=noise_image(40, 56),
-                height=32,
-                width=48,
-                max_area=32 * 48,
+                max_area=case["height"] * case["width"],
                 auto_resize=False,
-                num_inference_steps=3,
-                guidance_scale=4.0,
-                max_sequence_length=16,
-                seed=0,
-            ),
+            )
+            | ({"guidance_scale": 2.5} if name == "cfg" else {})
+            for name, case in FLUX.conformance.parity_cases.items()
         },
         stock_names=STOCK_NAMES,
         train_sources=1,
         train_request={"auto_resize": False},  # training's sources have the target's size
         # FluxKontextPipeline's __call__: no size (its default_sample_size x VAE factor, fitted to max_area)
-        default_params=dict(
-            height=None,
-            width=None,
-            num_frames=None,
-            num_inference_steps=28,
-            guidance_scale=3.5,
-            max_sequence_length=512,
-            extra={"true_cfg_scale": 1.0, "max_area": MAX_AREA, "auto_resize": True},
-        ),
+        default_params=FLUX.conformance.default_params
+        | dict(height=None, width=None, extra={"true_cfg_scale": 1.0, "max_area": MAX_AREA, "auto_resize": True}),
         request_errors=(
-            (
-                dict(height=30),
-                r"height must be a positive multiple of 4 for this model \(VAE x2 x 2x2 packing\) \(got 30\); "
-                r"try 28 or 32",
-            ),
+            FLUX.conformance.request_errors[0],
             (
                 dict(max_area=1024),
                 r"max_area=1024: FluxKontextPipeline would generate 24x36, not the asked 32x48 \(it scales "
                 r"height x width to max_area pixels\); give max_area=1536 to keep 32x48, or ask height=24, width=36",
             ),
-            (dict(max_sequence_length=513), r"max_sequence_length must be an integer between 1 and 512; got 513"),
+            text_length_error(512),
         ),
         # --true-cfg-scale with the sizing flags that keep the tiny model's small size
         cli_case=dict(

@@ -99,16 +99,7 @@ class FluxKontextBeforeDenoisingStage(FluxBeforeDenoisingStage):
             vae = pipe.vae
             pixels = pixels.to(req.device, vae.dtype)
             image_latents = pipe._encode_vae_image(pixels, generator=req.generator).to(torch.float32)
-        latents, packed_image, latent_ids, image_ids = pipe.prepare_latents(
-            image_latents,
-            p.batch_size,
-            self.transformer.config.in_channels // 4,
-            resolved(p.height, "height"),
-            resolved(p.width, "width"),
-            torch.float32,
-            req.device,
-            req.generator,
-        )
+        latents, packed_image, latent_ids, image_ids = pipe.prepare_latents(image_latents, *self.latent_args(req))
         if image_ids is not None:
             latent_ids = torch.cat([latent_ids, image_ids], dim=0)  # the sequence axis, as the pipeline
             req.extra["image_latents"] = packed_image.to(req.model_dtype)

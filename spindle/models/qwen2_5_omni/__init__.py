@@ -6,21 +6,11 @@ from spindle.contracts.family import OmniFamily
 
 FAMILY = OmniFamily(
     name="qwen2_5_omni",
-    model_types=("qwen2_5_omni",),
     model_class="transformers:Qwen2_5OmniThinkerForConditionalGeneration",
     full_model_class="transformers:Qwen2_5OmniForConditionalGeneration",
     rope_index="spindle.models.qwen2_5_omni.rope:rope_index",
     video_audio_layout="spindle.models.qwen2_5_omni.video_audio:video_audio_placeholder",
     tiny_model="spindle.models.qwen2_5_omni.tiny:build_tiny_qwen2_5_omni",
-    audio_tower="model.audio_tower",
-    tower_order=("audio", "image", "video"),  # Qwen2_5OmniThinkerModel.forward
-    parts={
-        "audio": ("model.audio_tower.",),
-        "vision": ("model.visual.",),
-        # what maps each tower's features into the decoder's width
-        "aligner": ("model.visual.merger.", "model.audio_tower.proj."),
-        "language": ("model.language_model.", "lm_head."),
-    },
     untrained=("talker.", "token2wav."),
     blocks=("Qwen2_5OmniDecoderLayer", "Qwen2_5OmniVisionBlock", "Qwen2_5OmniAudioEncoderLayer"),
 )

@@ -12,7 +12,15 @@ from typing import Any
 
 import torch
 
-from spindle.models.shared.tiny_vlm import save_image_processor_config, save_qwen_bpe_tokenizer
+from spindle.models.qwen2_5_vl.tiny import TINY_TEXT
+from spindle.models.qwen2_5_vl.tiny import TINY_VISION as QWEN2_5_VL_VISION
+from spindle.models.shared.tiny_vlm import (
+    QWEN_VL_CHAT_TEMPLATE,
+    TINY_SPEECH_DECODER,
+    omni_thinker,
+    save_image_processor_config,
+    seeded_model,
+)
 
 # Qwen2.5-Omni's added tokens, in the order (so the relative ids) of the real vocabulary: Qwen-VL's list with
 # the audio tokens in place of the object-ref/box tokens and the vision tokens renamed.
@@ -42,50 +50,41 @@ OMNI_NAMED_TOKENS = {
     "audio_bos_token": "<|audio_bos|>",
     "audio_eos_token": "<|audio_eos|>",
 }
+# the thinker config's token ids
+OMNI_TOKEN_IDS = {
+    "audio_token_index": "<|AUDIO|>",
+    "image_token_index": "<|IMAGE|>",
+    "video_token_index": "<|VIDEO|>",
+    "audio_start_token_id": "<|audio_bos|>",
+    "audio_end_token_id": "<|audio_eos|>",
+    "vision_start_token_id": "<|vision_bos|>",
+    "vision_end_token_id": "<|vision_eos|>",
+}
 # Qwen2.5-Omni's chat template for string and image/audio/video-part messages (the published one also
-# carries tool calls): one <|audio_bos|><|AUDIO|><|audio_eos|> per audio part, expanded to the clip's token
-# count by the processor (or spindle.data.multimodal).
-OMNI_CHAT_TEMPLATE = (
-    "{% set audio_count = namespace(value=0) %}{% set image_count = namespace(value=0) %}"
-    "{% set video_count = namespace(value=0) %}"
-    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n"
-    "You are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
-    "{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "{% set image_count.value = image_count.value + 1 %}"
-    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}<|vision_bos|><|IMAGE|><|vision_eos|>"
+# carries tool calls): Qwen-VL's with Qwen-Omni's vision token names and audio parts, one
+# <|audio_bos|><|AUDIO|><|audio_eos|> each, expanded to the clip's token count by the processor (or
+# spindle.data.multimodal).
+_VISION_NAMES = {
+    "<|vision_start|>": "<|vision_bos|>",
+    "<|vision_end|>": "<|vision_eos|>",
+    "<|image_pad|>": "<|IMAGE|>",
+    "<|video_pad|>": "<|VIDEO|>",
+}
+_AUDIO_PART = (
     "{% elif content['type'] == 'audio' or 'audio' in content or 'audio_url' in content %}"
     "{% set audio_count.value = audio_count.value + 1 %}"
     "{% if add_audio_id %}Audio {{ audio_count.value }}: {% endif %}<|audio_bos|><|AUDIO|><|audio_eos|>"
-    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
-    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_bos|><|VIDEO|><|vision_eos|>"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+OMNI_CHAT_TEMPLATE = QWEN_VL_CHAT_TEMPLATE
+for _old, _new in _VISION_NAMES.items():
+    OMNI_CHAT_TEMPLATE = OMNI_CHAT_TEMPLATE.replace(_old, _new)
+OMNI_CHAT_TEMPLATE = OMNI_CHAT_TEMPLATE.replace(
+    "{% set image_count", "{% set audio_count = namespace(value=0) %}{% set image_count", 1
+).replace("{% elif content['type'] == 'video'", _AUDIO_PART + "{% elif content['type'] == 'video'", 1)
 
-# The thinker, scaled down: Qwen2.5-VL's decoder and windowed vision tower, and a Whisper-style audio encoder
-# over 128 mel bins whose attention windows are n_window * 2 frames.
-TINY_TEXT = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-)
-TINY_VISION = dict(
-    depth=2,
-    hidden_size=32,
-    intermediate_size=64,
-    num_heads=2,
-    patch_size=14,
-    spatial_merge_size=2,
-    temporal_patch_size=2,
-    window_size=56,
-    fullatt_block_indexes=[1],
-)
+# The thinker, scaled down: Qwen2.5-VL's decoder and windowed vision tower (the tiny Qwen2.5-VL's), and a
+# Whisper-style audio encoder over 128 mel bins whose attention windows are n_window * 2 frames.
+TINY_VISION = {k: v for k, v in QWEN2_5_VL_VISION.items() if k != "tokens_per_second"}  # the thinker's has none
 TINY_AUDIO = dict(
     num_mel_bins=128,
     encoder_layers=2,
@@ -95,15 +94,11 @@ TINY_AUDIO = dict(
     max_source_positions=64,
     n_window=8,  # 16-frame attention windows: a half-second clip spans several
 )
+THINKER_SIZES = (TINY_TEXT, TINY_VISION, TINY_AUDIO)
 # Not trained by Spindle; small enough to keep the folder light, complete enough that the stock class builds
 # and loads them.
 TINY_TALKER = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=16,
+    TINY_SPEECH_DECODER,
     vocab_size=8448,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
 )
@@ -131,43 +126,21 @@ TINY_TOKEN2WAV = dict(
 TINY_AUDIO_FEATURES = dict(feature_size=128, sampling_rate=16000, hop_length=160, chunk_length=10, n_fft=400)
 
 
+OMNI_TOKENIZER = dict(chat_template=OMNI_CHAT_TEMPLATE, specials=OMNI_SPECIALS, named_tokens=OMNI_NAMED_TOKENS)
+
+
 def build_tiny_qwen2_5_omni(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
     """Write the tiny folder to `out`; returns `out`. `transformer`: overrides of the thinker config (top level
     or under "text_config" / "vision_config" / "audio_config")."""
-    from transformers import GenerationConfig, Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
+    from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
 
     out = Path(out)
-    tokenizer = save_qwen_bpe_tokenizer(
-        out, chat_template=OMNI_CHAT_TEMPLATE, specials=OMNI_SPECIALS, named_tokens=OMNI_NAMED_TOKENS
-    )
-    over = dict(transformer or {})
-    token = tokenizer.convert_tokens_to_ids
-    text = {
-        **TINY_TEXT,
-        "vocab_size": len(tokenizer),
-        "pad_token_id": tokenizer.pad_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "bos_token_id": token("<|endoftext|>"),
-        **over.pop("text_config", {}),
-    }
-    vision = {**TINY_VISION, "out_hidden_size": text["hidden_size"], **over.pop("vision_config", {})}
-    audio = {**TINY_AUDIO, "output_dim": text["hidden_size"], **over.pop("audio_config", {})}
-    ids: dict[str, Any] = {
-        "audio_token_index": token("<|AUDIO|>"),
-        "image_token_index": token("<|IMAGE|>"),
-        "video_token_index": token("<|VIDEO|>"),
-        "audio_start_token_id": token("<|audio_bos|>"),
-        "audio_end_token_id": token("<|audio_eos|>"),
-        "vision_start_token_id": token("<|vision_bos|>"),
-        "vision_end_token_id": token("<|vision_eos|>"),
-    }
-    thinker = {"text_config": text, "vision_config": vision, "audio_config": audio, **ids, **over}
+    tokenizer, thinker, ids = omni_thinker(out, transformer, OMNI_TOKENIZER, THINKER_SIZES, OMNI_TOKEN_IDS)
+    text, vision = thinker["text_config"], thinker["vision_config"]
     talker = {**TINY_TALKER, "embedding_size": text["hidden_size"], **ids}
     config = Qwen2_5OmniConfig(thinker_config=thinker, talker_config=talker, token2wav_config=TINY_TOKEN2WAV)
-    torch.manual_seed(seed)
-    model = Qwen2_5OmniForConditionalGeneration._from_config(config, dtype=torch.float32)
-    model.generation_config = GenerationConfig(
-        eos_token_id=[tokenizer.eos_token_id, token("<|endoftext|>")], pad_token_id=tokenizer.pad_token_id
+    model = seeded_model(
+        lambda: Qwen2_5OmniForConditionalGeneration._from_config(config, dtype=torch.float32), seed, tokenizer
     )
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -183,14 +156,7 @@ def build_tiny_qwen2_5_omni(out: str | Path, seed: int = 0, transformer: dict | 
         for name in ("Chelsie", "Ethan")
     }
     torch.save(speakers, out / "spk_dict.pt")
-    save_omni_preprocessor(
-        out,
-        vision,
-        "Qwen2_5OmniProcessor",
-        min_pixels=28 * 28,
-        max_pixels=56 * 56,
-        size={"shortest_edge": 28 * 28, "longest_edge": 56 * 56},
-    )
+    save_omni_preprocessor(out, vision, "Qwen2_5OmniProcessor")
     return out
 
 
@@ -200,14 +166,6 @@ def save_omni_preprocessor(out: Path, vision: dict[str, Any], processor_class: s
     from transformers.models.whisper.feature_extraction_whisper import WhisperFeatureExtractor
 
     features = WhisperFeatureExtractor(**TINY_AUDIO_FEATURES, return_attention_mask=True, padding_side="right")
-    save_image_processor_config(
-        out,
-        patch_size=vision["patch_size"],
-        merge_size=vision["spatial_merge_size"],
-        temporal_patch_size=vision["temporal_patch_size"],
-        **image_fields,
-        **features.to_dict(),
-        processor_class=processor_class,
-    )
+    save_image_processor_config(out, vision, **image_fields, **features.to_dict(), processor_class=processor_class)
     fields = json.loads((out / "preprocessor_config.json").read_text())
     assert fields["feature_extractor_type"] == "WhisperFeatureExtractor", "one file holds both processors' fields"

@@ -4,32 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from spindle.models.shared.tiny_vlm import build_tiny_vlm
+from spindle.models.shared.tiny_vlm import TINY_DECODER, TINY_TOWER, build_tiny_vlm
 
 # Qwen2.5-VL's structure, scaled down: GQA, mrope over (t, h, w) sections summing to head_dim / 2, a
 # windowed vision tower with one full-attention block, 14-pixel patches merged 2x2.
 TINY_TEXT = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+    TINY_DECODER, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
 )
-TINY_VISION = dict(
-    depth=2,
-    hidden_size=32,
-    intermediate_size=64,
-    num_heads=2,
-    patch_size=14,
-    spatial_merge_size=2,
-    temporal_patch_size=2,
-    window_size=56,
-    fullatt_block_indexes=[1],
-    tokens_per_second=2,
-)
+TINY_VISION = dict(TINY_TOWER, patch_size=14, window_size=56, fullatt_block_indexes=[1], tokens_per_second=2)
 
 
 def build_tiny_qwen2_5_vl(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
+    # No video_preprocessor_config.json, as the published Qwen2.5-VL checkpoints: stock's Qwen2VLVideoProcessor
+    # (and Spindle, spindle.data.stock_video) reads preprocessor_config.json for videos, min/max_pixels a frame.
     return build_tiny_vlm("qwen2_5_vl", out, TINY_TEXT, TINY_VISION, seed=seed, transformer=transformer)

@@ -1,15 +1,13 @@
 """Qwen3-MoE causal LMs (transformers `model_type` "qwen3_moe", `Qwen3MoeForCausalLM`), trained by the MoE
 causal-LM task (spindle/train/tasks/moe_causal_lm.py): fused experts, expert parallelism, router aux loss."""
 
-from spindle.contracts.family import CausalLMConformanceSpec, CausalLMFamily, TextDemoSpec
+from spindle.contracts.family import CausalLMConformanceSpec, CausalLMFamily
 
 FAMILY = CausalLMFamily(
     name="qwen3_moe",
-    model_types=("qwen3_moe",),
     # patchgen-generated: chunked loss from hidden states + upstream's router aux loss (patches.py)
     model_class="spindle.models.qwen3_moe.generated.patched_modeling_qwen3_moe:Qwen3MoeForCausalLM",
     tiny_model="spindle.models.qwen3_moe.tiny:build_tiny_qwen3_moe",
-    demo=TextDemoSpec(),
     task="causal_lm_moe",
     checkpoint_adapter="spindle.models.qwen3_moe.conversion:ADAPTER",  # per-expert <-> fused expert tensors
     conformance=CausalLMConformanceSpec(

@@ -11,7 +11,6 @@ from spindle.contracts.family import CausalLMConformanceSpec, OmniFamily
 
 FAMILY = OmniFamily(
     name="qwen3_omni_moe",
-    model_types=("qwen3_omni_moe",),
     # patchgen-generated: chunked loss from hidden states + upstream's router aux loss (patches.py)
     model_class=(
         "spindle.models.qwen3_omni_moe.generated.patched_modeling_qwen3_omni_moe:"
@@ -22,9 +21,6 @@ FAMILY = OmniFamily(
     audio_tokens="spindle.models.qwen3_omni_moe.rope:audio_tokens",
     video_audio_layout="spindle.models.qwen3_omni_moe.video_audio:video_audio_placeholder",
     tiny_model="spindle.models.qwen3_omni_moe.tiny:build_tiny_qwen3_omni_moe",
-    checkpoint_adapter="spindle.models.qwen3_omni_moe.conversion:ADAPTER",
-    audio_tower="model.audio_tower",
-    tower_order=("audio", "image", "video"),  # Qwen3OmniMoeThinkerModel.forward
     parts={
         "audio": ("model.audio_tower.",),
         "vision": ("model.visual.",),
@@ -39,7 +35,9 @@ FAMILY = OmniFamily(
     },
     untrained=("talker.", "code2wav."),
     blocks=("Qwen3OmniMoeThinkerTextDecoderLayer", "Qwen3OmniMoeVisionBlock", "Qwen3OmniMoeAudioEncoderLayer"),
+    # what the MoE decoder adds
     task="omni_moe",
+    checkpoint_adapter="spindle.models.qwen3_omni_moe.conversion:ADAPTER",
     conformance=CausalLMConformanceSpec(
         # Spindle's MoE loss is stock's with output_router_logits: token loss + coef x router aux loss
         stock_loss_kwargs={"output_router_logits": True},

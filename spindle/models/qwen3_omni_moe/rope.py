@@ -10,30 +10,10 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoePreTrainedModelForConditionalGeneration,
 )
 
-from spindle.models.qwen2_5_omni.rope import thinker_rope_index
+from spindle.models.shared.vlm_rope import thinker_rope_for
 
-
-def rope_index(
-    config: Any,
-    input_ids: torch.Tensor,
-    image_grid_thw: torch.Tensor | None,
-    video_grid_thw: torch.Tensor | None,
-    second_per_grid_ts: torch.Tensor | None = None,
-    audio_seqlens: torch.Tensor | None = None,
-    use_audio_in_video: bool = False,
-) -> torch.Tensor:
-    """As spindle.models.qwen2_5_omni.rope.rope_index, by Qwen3-Omni-MoE's method (its audio token counts
-    follow the audio encoder's `n_window` chunks)."""
-    return thinker_rope_index(
-        Qwen3OmniMoePreTrainedModelForConditionalGeneration,
-        config,
-        input_ids,
-        image_grid_thw,
-        video_grid_thw,
-        second_per_grid_ts,
-        audio_seqlens,
-        use_audio_in_video,
-    )
+# Qwen2.5-Omni's method names, its audio token counts following the audio encoder's `n_window` chunks
+rope_index = thinker_rope_for(Qwen3OmniMoePreTrainedModelForConditionalGeneration)
 
 
 def audio_tokens(config: Any, frames: int) -> int:

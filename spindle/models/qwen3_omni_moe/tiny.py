@@ -6,32 +6,18 @@ holding the image processor's and the `WhisperFeatureExtractor`'s fields (as the
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from spindle.models.qwen2_5_omni.tiny import OMNI_CHAT_TEMPLATE, TINY_AUDIO, save_omni_preprocessor
 from spindle.models.qwen3_vl.tiny import TINY_TEXT, TINY_VISION
 from spindle.models.qwen3_vl_moe.tiny import TINY_MOE
-from spindle.models.shared.tiny_vlm import save_qwen_bpe_tokenizer
+from spindle.models.shared.tiny_vlm import QWEN_SPECIALS, TINY_SPEECH_DECODER, omni_thinker, seeded_model
 
 # Qwen3-Omni's added tokens, in the order (so the relative ids) of the real vocabulary: Qwen3's list, then
 # the audio and TTS tokens.
 OMNI_MOE_SPECIALS = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|object_ref_start|>",
-    "<|object_ref_end|>",
-    "<|box_start|>",
-    "<|box_end|>",
-    "<|quad_start|>",
-    "<|quad_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
+    *QWEN_SPECIALS,
     "<|audio_start|>",
     "<|audio_end|>",
     "<tts_pad>",
@@ -75,33 +61,20 @@ TINY_AUDIO_MOE = dict(
     downsample_hidden_size=16,
     conv_chunksize=500,
 )
+THINKER_SIZES = (TINY_TEXT_MOE, TINY_VISION, TINY_AUDIO_MOE)
 # Not trained by Spindle; small enough to keep the folder light, complete enough that the stock class builds
 # and loads them. The talker's codec ids (codec_*_id, speaker ids) are below its vocabulary size.
 TINY_TALKER_TEXT = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=1,
+    TINY_SPEECH_DECODER,
     vocab_size=4208,
     num_experts=4,
     num_experts_per_tok=2,
     moe_intermediate_size=16,
     # read by the talker's shared expert but not declared by its config class: the published config.json has it
     shared_expert_intermediate_size=32,
-    head_dim=16,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "interleaved": True},
 )
-TINY_CODE_PREDICTOR = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=16,
-    vocab_size=64,
-    num_code_groups=4,
-)
+TINY_CODE_PREDICTOR = dict(TINY_SPEECH_DECODER, vocab_size=64, num_code_groups=4)
 TINY_CODE2WAV = dict(
     codebook_size=64,
     hidden_size=32,
@@ -118,35 +91,27 @@ TINY_CODE2WAV = dict(
 )
 
 
+OMNI_MOE_TOKENIZER = dict(
+    chat_template=OMNI_MOE_CHAT_TEMPLATE, specials=OMNI_MOE_SPECIALS, named_tokens=OMNI_MOE_NAMED_TOKENS
+)
+# the thinker config's token ids
+OMNI_MOE_TOKEN_IDS = {
+    "audio_token_id": "<|audio_pad|>",
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+    "audio_start_token_id": "<|audio_start|>",
+    "vision_start_token_id": "<|vision_start|>",
+}
+
+
 def build_tiny_qwen3_omni_moe(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
-    """Write the tiny folder to `out`; returns `out`. `transformer`: overrides of the thinker config (top level
-    or under "text_config" / "vision_config" / "audio_config")."""
-    from transformers import GenerationConfig, Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
+    """Write the tiny folder to `out`; returns `out` (`transformer`: as for the tiny Qwen2.5-Omni)."""
+    from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
     out = Path(out)
-    tokenizer = save_qwen_bpe_tokenizer(
-        out, chat_template=OMNI_MOE_CHAT_TEMPLATE, specials=OMNI_MOE_SPECIALS, named_tokens=OMNI_MOE_NAMED_TOKENS
-    )
-    over = dict(transformer or {})
+    tokenizer, thinker, ids = omni_thinker(out, transformer, OMNI_MOE_TOKENIZER, THINKER_SIZES, OMNI_MOE_TOKEN_IDS)
+    text, vision = thinker["text_config"], thinker["vision_config"]
     token = tokenizer.convert_tokens_to_ids
-    text = {
-        **TINY_TEXT_MOE,
-        "vocab_size": len(tokenizer),
-        "pad_token_id": tokenizer.pad_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "bos_token_id": token("<|endoftext|>"),
-        **over.pop("text_config", {}),
-    }
-    vision = {**TINY_VISION, "out_hidden_size": text["hidden_size"], **over.pop("vision_config", {})}
-    audio = {**TINY_AUDIO_MOE, "output_dim": text["hidden_size"], **over.pop("audio_config", {})}
-    ids: dict[str, Any] = {
-        "audio_token_id": token("<|audio_pad|>"),
-        "image_token_id": token("<|image_pad|>"),
-        "video_token_id": token("<|video_pad|>"),
-        "audio_start_token_id": token("<|audio_start|>"),
-        "vision_start_token_id": token("<|vision_start|>"),
-    }
-    thinker = {"text_config": text, "vision_config": vision, "audio_config": audio, **ids, **over}
     talker = {
         "text_config": TINY_TALKER_TEXT,
         "code_predictor_config": TINY_CODE_PREDICTOR,
@@ -168,17 +133,15 @@ def build_tiny_qwen3_omni_moe(out: str | Path, seed: int = 0, transformer: dict 
         tts_bos_token_id=token("<tts_text_bos>"),
         tts_eos_token_id=token("<tts_text_eod>"),
     )
-    torch.manual_seed(seed)
-    model = Qwen3OmniMoeForConditionalGeneration._from_config(config, dtype=torch.float32)
+    model = seeded_model(
+        lambda: Qwen3OmniMoeForConditionalGeneration._from_config(config, dtype=torch.float32), seed, tokenizer
+    )
     # transformers' _init_weights leaves the talker's fused experts as allocated (uninitialised memory, so
     # different bytes on every build): drawn here from the seed, as the thinker's are
     with torch.no_grad():
         for name, param in model.talker.named_parameters():
             if ".experts." in name:
                 param.normal_(0.0, config.initializer_range)
-    model.generation_config = GenerationConfig(
-        eos_token_id=[tokenizer.eos_token_id, token("<|endoftext|>")], pad_token_id=tokenizer.pad_token_id
-    )
     # Stock save_pretrained: the thinker's experts fused and transposed (`gate_up_proj [E, H, 2I]`), the
     # layout of Qwen's released checkpoints.
     model.save_pretrained(out)
@@ -190,7 +153,6 @@ def build_tiny_qwen3_omni_moe(out: str | Path, seed: int = 0, transformer: dict 
         "Qwen3OmniMoeProcessor",
         min_pixels=32 * 32,
         max_pixels=64 * 64,
-        size={"shortest_edge": 32 * 32, "longest_edge": 64 * 64},
         image_mean=[0.5, 0.5, 0.5],
         image_std=[0.5, 0.5, 0.5],
     )

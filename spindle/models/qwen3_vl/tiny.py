@@ -4,18 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from spindle.models.shared.tiny_vlm import QWEN3_VL_CHAT_TEMPLATE, build_tiny_vlm
+from spindle.models.shared.tiny_vlm import QWEN3_VL_CHAT_TEMPLATE, TINY_DECODER, TINY_TOWER, build_tiny_vlm
 
 # Qwen3-VL's structure, scaled down: q/k-normed GQA decoder with interleaved mrope, a vision tower with
 # learned (interpolated) position embeddings, 16-pixel patches merged 2x2, one deepstack layer.
 TINY_TEXT = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
+    TINY_DECODER,
     head_dim=16,
-    max_position_embeddings=1024,
     rope_parameters={
         "rope_type": "default",
         "rope_theta": 10000.0,
@@ -23,17 +18,7 @@ TINY_TEXT = dict(
         "mrope_interleaved": True,
     },
 )
-TINY_VISION = dict(
-    depth=2,
-    hidden_size=32,
-    intermediate_size=64,
-    num_heads=2,
-    patch_size=16,
-    spatial_merge_size=2,
-    temporal_patch_size=2,
-    num_position_embeddings=16,
-    deepstack_visual_indexes=[0],
-)
+TINY_VISION = dict(TINY_TOWER, patch_size=16, num_position_embeddings=16, deepstack_visual_indexes=[0])
 # Qwen3-VL's processor: 0.5 mean/std normalisation, 32-pixel merged patches.
 PROCESSOR = dict(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
 # Qwen3-VL's video processor config (its own file, as the checkpoints ship it): its pixel budget is over the

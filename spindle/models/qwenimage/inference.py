@@ -92,12 +92,7 @@ class QwenImageBeforeDenoisingStage(PipelineBeforeDenoisingStage):
 
     def prepare_latents(self, req: Req) -> torch.Tensor:
         """The initial noise, float32 from the request's generator, 2x2-packed (the pipeline's `prepare_latents`)."""
-        p = req.params
-        num_channels = self.transformer.config.in_channels // 4
-        height, width = resolved(p.height, "height"), resolved(p.width, "width")
-        latents: torch.Tensor = self.text_pipe.prepare_latents(
-            p.batch_size, num_channels, height, width, torch.float32, req.device, req.generator
-        )
+        latents: torch.Tensor = self.text_pipe.prepare_latents(*self.latent_args(req))
         return latents
 
     def img_shapes(self, p: SamplingParams) -> list[tuple[int, int, int]]:
@@ -158,14 +153,10 @@ class QwenImageInference(PackedImageInference):
         cond = branch == "cond"
         x = req.extra
         return {
-            "hidden_states": latents.to(req.model_dtype),
-            "timestep": t.expand(latents.shape[0]).to(latents.dtype) / 1000,
-            "guidance": req.embedded_guidance,
-            "encoder_hidden_states": req.prompt_embeds if cond else req.negative_prompt_embeds,
+            **self.packed_kwargs(req, latents, t, branch),
             "encoder_hidden_states_mask": x["prompt_mask"] if cond else x["negative_mask"],
             "img_shapes": x["img_shapes"],
             "attention_kwargs": {},
-            "return_dict": False,
         }
 
     def batch_cfg_kwargs(self, cond: dict[str, Any], uncond: dict[str, Any], batch_size: int) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from spindle.models.shared.tiny import random_latent_stats, save_seeded_pipeline
+from spindle.models.shared.tiny import Overrides, dynamic_shift_scheduler, random_latent_stats, save_seeded_pipeline
 from spindle.models.shared.tokenizers import save_qwen_prompt_tokenizer
 
 QWENIMAGE_TRANSFORMER = dict(
@@ -36,16 +36,8 @@ QWENIMAGE_TEXT = dict(
 )
 QWENIMAGE_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, fullatt_block_indexes=[0])
 # Qwen-Image's scheduler config: dynamic (resolution-dependent) shift with exponential time shift.
-QWENIMAGE_SCHEDULER = dict(
-    num_train_timesteps=1000,
-    shift=1.0,
-    use_dynamic_shifting=True,
-    base_shift=0.5,
-    max_shift=0.9,
-    base_image_seq_len=256,
-    max_image_seq_len=8192,
-    shift_terminal=0.02,
-    time_shift_type="exponential",
+QWENIMAGE_SCHEDULER = dynamic_shift_scheduler(
+    shift=1.0, max_shift=0.9, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential"
 )
 QWEN_CHAT_TOKENS = ["<|im_start|>", "<|im_end|>"]
 QWEN_PAD_TOKEN = "<|endoftext|>"
@@ -57,7 +49,7 @@ QWEN_TEMPLATE_WORDS = (
 
 
 def qwenimage_configs(
-    transformer: dict | None, vae: dict | None, text_encoder: dict | None, seed: int
+    transformer: Overrides, vae: Overrides, text_encoder: Overrides, seed: int
 ) -> tuple[dict, dict, dict]:
     """The transformer, VAE and text-encoder configs of a tiny Qwen-Image-style pipeline: the defaults
     with the overrides merged in, the linked widths derived (transformer channels = 4 x z_dim, text
@@ -100,11 +92,7 @@ def qwen_text_encoder_config(
 
 
 def build_tiny_qwenimage(
-    out: str | Path,
-    seed: int = 0,
-    transformer: dict | None = None,
-    vae: dict | None = None,
-    text_encoder: dict | None = None,
+    out: str | Path, seed: int = 0, transformer: Overrides = None, vae: Overrides = None, text_encoder: Overrides = None
 ) -> Path:
     """Write a tiny random Qwen-Image pipeline (`QwenImagePipeline` layout) to `out`; return its path.
 

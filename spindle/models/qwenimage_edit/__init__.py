@@ -10,9 +10,12 @@ reference latents. The checkpoint's `Qwen2VLProcessor` is assembled without torc
 
 from pathlib import Path
 
-from spindle.contracts.family import ConformanceSpec, DemoSpec, DiTFamily
+from spindle.contracts.family import ConformanceSpec, DiTFamily
 from spindle.contracts.options import FamilyOptions, Option
 from spindle.models.qwenimage import OPTIONS as QWENIMAGE_OPTIONS
+from spindle.models.qwenimage import STEPS_ERROR
+from spindle.models.shared.declarations import EDIT_DEMO, config_mentions, demo, multiple_error, parity_cases
+from spindle.models.shared.test_images import noise_image
 
 # The pipelines' sizing of the input images: calculate_dimensions(area, aspect) -> sides, multiples of 32.
 VAE_IMAGE_AREA = 1024 * 1024  # both pipelines: the image the VAE encodes (and the default output size)
@@ -27,6 +30,7 @@ def _area(name: str, default: int, what: str) -> Option:
         default=default,
         minimum=32 * 32,
         maximum=MAX_IMAGE_AREA,
+        pixels=True,
         help=f"pixels of each input image as {what} (aspect kept, sides multiples of 32; the pipeline's "
         f"{int(default**0.5)}x{int(default**0.5)})",
     )
@@ -51,20 +55,13 @@ PLUS_OPTIONS = FamilyOptions(
 
 def sample_image(height: int = 40, width: int = 56, seed: int = 0) -> object:
     """The conformance suite's input image: seeded noise whose aspect the pipeline must size."""
-    import numpy as np
-    from PIL import Image
-
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
+    return noise_image(height, width, seed)
 
 
 def _looks_like_edit(root: Path) -> bool:
     """Renamed local folders: a Qwen-Image VAE next to a Qwen2-VL processor folder."""
-    vae_cfg = root / "vae" / "config.json"
-    return (
-        (root / "processor" / "preprocessor_config.json").is_file()
-        and vae_cfg.is_file()
-        and ('"AutoencoderKLQwenImage"' in vae_cfg.read_text())
-    )
+    processor = root / "processor" / "preprocessor_config.json"
+    return processor.is_file() and config_mentions(root, "vae", '"AutoencoderKLQwenImage"')
 
 
 def text_tokens(images: int) -> int:
@@ -78,19 +75,13 @@ def edit_conformance(images: list[object], demo_size: tuple[int, int] = (32, 32)
     image = images if len(images) > 1 else images[0]
     return ConformanceSpec(
         text_tokens=text_tokens(len(images)),
-        parity_cases={
-            "cfg": dict(
-                prompt="make the circle red",
-                negative_prompt="blurry low quality picture",
-                image=image,
-                true_cfg_scale=4.0,
-                height=32,
-                width=32,
-                num_inference_steps=2,
-                seed=7,
+        parity_cases=parity_cases(
+            cfg=dict(
+                prompt="make the circle red", negative_prompt="blurry low quality picture", true_cfg_scale=4.0, seed=7
             ),
-            "nocfg": dict(prompt="a blue square", image=image, height=32, width=64, num_inference_steps=3, seed=0),
-        },
+            nocfg=dict(prompt="a blue square", width=64, seed=0),
+            image=image,
+        ),
         sequence_parallel=("ulysses2", "ring2"),
         default_params=dict(
             height=None,
@@ -101,10 +92,7 @@ def edit_conformance(images: list[object], demo_size: tuple[int, int] = (32, 32)
             extra={"true_cfg_scale": 4.0, "image_area": VAE_IMAGE_AREA}
             | ({"condition_image_area": CONDITION_IMAGE_AREA} if len(images) > 1 else {}),
         ),
-        request_errors=(
-            (dict(height=48), r"height must be a positive multiple of 32 for this model \(VAE x16 x 2x2 packing\)"),
-            (dict(num_inference_steps=1), r"num_inference_steps must be >= 2 for this checkpoint's scheduler"),
-        ),
+        request_errors=(multiple_error("height", 48, 32, "32 or 64", why="VAE x16 x 2x2 packing"), STEPS_ERROR),
         # --image-area (a small reference: on the tiny model the text barely moves the output next to the
         # reference's tokens, so true_cfg_scale is not the flag to check here)
         cli_case=dict(
@@ -122,12 +110,7 @@ def edit_conformance(images: list[object], demo_size: tuple[int, int] = (32, 32)
     )
 
 
-DEMO = DemoSpec(
-    dataset="spindle.data.synthetic:make_shapes_edit_dataset",
-    dataset_kwargs={"num_pairs": 16, "size": (32, 32)},
-    sample_kwargs={"negative_prompt": "", "true_cfg_scale": 4.0},
-    text_tokens=text_tokens(1),
-)
+DEMO = demo(EDIT_DEMO, sample_kwargs={"negative_prompt": "", "true_cfg_scale": 4.0}, text_tokens=text_tokens(1))
 
 FAMILY = DiTFamily(
     name="qwenimage_edit",

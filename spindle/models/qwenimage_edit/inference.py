@@ -91,11 +91,8 @@ class QwenImageEditBeforeDenoisingStage(QwenImageBeforeDenoisingStage):
     def prepare_latents(self, req: Req) -> torch.Tensor:
         """The noise and the reference latents (`req.extra["image_latents"]`, packed) by the pipeline's own
         `prepare_latents`: the VAE mode draws nothing, so the noise is the pipeline's draw."""
-        p = req.params
-        num_channels = self.transformer.config.in_channels // 4
-        height, width = resolved(p.height, "height"), resolved(p.width, "width")
         latents, req.extra["image_latents"] = self.text_pipe.prepare_latents(
-            self.vae_pixels(p), p.batch_size, num_channels, height, width, torch.float32, req.device, req.generator
+            self.vae_pixels(req.params), *self.latent_args(req)
         )
         return latents
 

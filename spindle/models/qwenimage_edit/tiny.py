@@ -11,7 +11,6 @@ of the processor config, 56 x 56 here: 4 vision tokens per image).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from spindle.models.qwenimage.tiny import (
@@ -24,6 +23,7 @@ from spindle.models.qwenimage.tiny import (
     save_qwenimage_pipeline,
 )
 from spindle.models.qwenimage_edit.processor import save_processor
+from spindle.models.shared.tiny import Overrides, update_model_index
 from spindle.models.shared.tokenizers import QWEN_PROMPT_SPLIT, save_qwen_prompt_tokenizer
 
 VISION_TOKENS = {
@@ -63,9 +63,9 @@ EDIT_SPLIT = r"'s|\),|" + QWEN_PROMPT_SPLIT
 def build_tiny_qwenimage_edit(
     out: str | Path,
     seed: int = 0,
-    transformer: dict | None = None,
-    vae: dict | None = None,
-    text_encoder: dict | None = None,
+    transformer: Overrides = None,
+    vae: Overrides = None,
+    text_encoder: Overrides = None,
     pipeline: str = "QwenImageEditPipeline",
 ) -> Path:
     """Write a tiny random `pipeline` (QwenImageEditPipeline or QwenImageEditPlusPipeline) to `out`."""
@@ -89,19 +89,11 @@ def build_tiny_qwenimage_edit(
     )
     # the processor is written as checkpoints ship it (diffusers cannot build a Qwen2VLProcessor here)
     save_processor(out / "processor", out / "tokenizer", EDIT_IMAGE_PROCESSOR)
-    index_path = out / "model_index.json"
-    index = json.loads(index_path.read_text())
-    index["processor"] = ["transformers", "Qwen2VLProcessor"]
-    index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    return out
+    return update_model_index(out, processor=["transformers", "Qwen2VLProcessor"])
 
 
 def build_tiny_qwenimage_edit_plus(
-    out: str | Path,
-    seed: int = 0,
-    transformer: dict | None = None,
-    vae: dict | None = None,
-    text_encoder: dict | None = None,
+    out: str | Path, seed: int = 0, transformer: Overrides = None, vae: Overrides = None, text_encoder: Overrides = None
 ) -> Path:
     """Write a tiny random QwenImageEditPlusPipeline (several input images) to `out`."""
     return build_tiny_qwenimage_edit(out, seed, transformer, vae, text_encoder, pipeline="QwenImageEditPlusPipeline")

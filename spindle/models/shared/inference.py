@@ -33,6 +33,15 @@ class PipelineBeforeDenoisingStage(BeforeDenoisingStage):
         self.scheduler = components["scheduler"]
         self.vae_scale_factor = self.text_pipe.vae_scale_factor
 
+    def latent_args(self, req: Req) -> tuple[Any, ...]:
+        """What the packed pipelines' `prepare_latents` take after any image latents: the batch, the latent
+        channels (the transformer's input over the 2x2 packing), the size, float32 (the noise's dtype), the
+        device and the request's generator."""
+        p = req.params
+        channels = self.transformer.config.in_channels // 4
+        size = resolved(p.height, "height"), resolved(p.width, "width")
+        return (p.batch_size, channels, *size, torch.float32, req.device, req.generator)
+
     def set_embedded_guidance(self, req: Req, device: Any) -> None:
         """`req.embedded_guidance`: the guidance scale per sample for a guidance-distilled transformer
         (`guidance_embeds`), else None (as the reference pipelines)."""
@@ -70,6 +79,19 @@ class PackedImageInference(InferenceSpec):
     media = "image"
     output_layout = None  # packed latent tokens [B, S, C]
     pipeline_class: str = ""
+
+    @staticmethod
+    def packed_kwargs(req: Req, latents: torch.Tensor, t: torch.Tensor, branch: str) -> dict[str, Any]:
+        """The denoiser arguments of every packed image transformer: the latents in the model's dtype, the
+        timestep per sample on the pipelines' 0-1 scale, the embedded guidance (None: not distilled), the
+        branch's prompt embeddings."""
+        return {
+            "hidden_states": latents.to(req.model_dtype),
+            "encoder_hidden_states": req.prompt_embeds if branch == "cond" else req.negative_prompt_embeds,
+            "timestep": t.expand(latents.shape[0]).to(latents.dtype) / 1000,
+            "guidance": req.embedded_guidance,
+            "return_dict": False,
+        }
 
     def sequence_length(self, req: Req, transformer: torch.nn.Module) -> int:
         h, w = resolved(req.raw_latent_shape, "raw_latent_shape")[-2:]  # [B, C, (F,) h, w]

@@ -4,11 +4,21 @@ their checkpoints locally, in the exact standard layouts, and the real loading c
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+# a component's config overrides of a tiny builder (`transformer={"num_layers": 4}`), merged into its defaults
+Overrides = dict[str, Any] | None
+
+
+def dynamic_shift_scheduler(**fields: Any) -> dict[str, Any]:
+    """A FlowMatchEulerDiscreteScheduler config with resolution-dependent ("dynamic") shift, from 0.5 at 256
+    image tokens to `max_shift` at `max_image_seq_len` (FLUX.1's and Qwen-Image's; `fields`: the family's)."""
+    return dict(num_train_timesteps=1000, use_dynamic_shifting=True, base_shift=0.5, base_image_seq_len=256) | fields
 
 
 def random_latent_stats(z_dim: int, seed: int) -> tuple[list[float], list[float]]:
@@ -17,6 +27,18 @@ def random_latent_stats(z_dim: int, seed: int) -> tuple[list[float], list[float]
     mean = (torch.rand(z_dim, generator=g) - 0.5).tolist()
     std = (0.5 + 1.5 * torch.rand(z_dim, generator=g)).tolist()
     return [round(x, 4) for x in mean], [round(x, 4) for x in std]
+
+
+def t5_text_parts(tokenizer_dir: Path, config_cls: Any, fields: dict[str, Any]) -> tuple[Any, Any]:
+    """A T5-style text encoder's tokenizer (`$A </s>`, pad 0, eos 1: spindle.models.shared.tokenizers) saved to
+    `tokenizer_dir` and loaded back, and its `config_cls` (T5Config, UMT5Config) config over that vocabulary."""
+    from transformers import PreTrainedTokenizerFast
+
+    from spindle.models.shared.tokenizers import save_tokenizer
+
+    vocab_size = save_tokenizer(tokenizer_dir)
+    config = config_cls(vocab_size=vocab_size, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, **fields)
+    return PreTrainedTokenizerFast.from_pretrained(tokenizer_dir), config
 
 
 def seeded(seed: int, build: Callable[[], Any]) -> Any:
@@ -45,3 +67,13 @@ def save_seeded_pipeline(
     )
     pipe.save_pretrained(out, safe_serialization=True)
     return Path(out)
+
+
+def update_model_index(root: Path, **entries: Any) -> Path:
+    """Set `entries` in the pipeline folder's model_index.json (what the stock `save_pretrained` does not
+    record as real checkpoints have it); -> `root`."""
+    path = root / "model_index.json"
+    index = json.loads(path.read_text())
+    index.update(entries)
+    path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return root

@@ -10,6 +10,7 @@ checkpoint, at a few hundred thousand parameters.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,25 @@ QWEN_SPECIALS = (
     "<|vision_pad|>",
     "<|image_pad|>",
     "<|video_pad|>",
+)
+
+# What the tiny Qwen-VL decoders and vision towers share (each family adds its own attention and patching):
+# GQA over 64 wide, 2 layers; a 2-block tower 32 wide, merging 2x2 patches of 2 frames.
+TINY_DECODER = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
+# The speech side's decoders of the tiny omni models (talker, code predictor): not trained by Spindle, so as small as
+# the stock classes build and load
+TINY_SPEECH_DECODER = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16
+)
+TINY_TOWER = dict(
+    depth=2, hidden_size=32, intermediate_size=64, num_heads=2, spatial_merge_size=2, temporal_patch_size=2
 )
 
 # Qwen2-VL / Qwen2.5-VL's chat template (as their checkpoints ship it): string or content-part messages,
@@ -119,10 +139,11 @@ def save_qwen_bpe_tokenizer(
 
 
 def save_image_processor_config(
-    out: Path, patch_size: int, merge_size: int, temporal_patch_size: int, **kw: Any
+    out: Path, vision: dict[str, Any], min_pixels: int = 28 * 28, max_pixels: int = 56 * 56, **kw: Any
 ) -> None:
     """preprocessor_config.json with Qwen2-VL's image processor fields (the Pil backend loads it without
-    torchvision)."""
+    torchvision): the patching of the vision config `vision`, images of `min_pixels` to `max_pixels`, `kw` over
+    the rest."""
     from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
     fields = {
@@ -135,12 +156,65 @@ def save_image_processor_config(
         "image_std": list(OPENAI_CLIP_STD),
         "do_convert_rgb": True,
         "resample": 3,
-        "patch_size": patch_size,
-        "temporal_patch_size": temporal_patch_size,
-        "merge_size": merge_size,
+        "patch_size": vision["patch_size"],
+        "temporal_patch_size": vision["temporal_patch_size"],
+        "merge_size": vision["spatial_merge_size"],
+        "min_pixels": min_pixels,
+        "max_pixels": max_pixels,
+        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
         **kw,
     }
     (out / "preprocessor_config.json").write_text(json.dumps(fields, indent=2))
+
+
+def thinker_configs(
+    tokenizer: Any, text: dict[str, Any], vision: dict[str, Any], over: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The text and vision configs of a tiny Qwen-VL-style model (a VLM, an omni model's thinker): `text` over
+    the tokenizer's vocabulary and special ids, `vision` projecting to the text width, each with the overrides
+    `over` holds under "text_config" / "vision_config" (popped: the rest is the top level's)."""
+    text_cfg = {
+        **text,
+        "vocab_size": len(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        **over.pop("text_config", {}),
+    }
+    return text_cfg, {**vision, "out_hidden_size": text_cfg["hidden_size"], **over.pop("vision_config", {})}
+
+
+def omni_thinker(
+    out: Path,
+    transformer: dict | None,
+    tokenizer_fields: dict[str, Any],
+    sizes: tuple[dict[str, Any], dict[str, Any], dict[str, Any]],
+    token_ids: dict[str, str],
+) -> tuple[Any, dict[str, Any], dict[str, int]]:
+    """The tokenizer (`save_qwen_bpe_tokenizer(out, **tokenizer_fields)`) and thinker config of a tiny omni model:
+    its text, vision and audio `sizes` fitted to the tokenizer and the text width, `token_ids` (config field ->
+    token) resolved, and the overrides in `transformer` (top level or under "text_config" / "vision_config" /
+    "audio_config"); -> (tokenizer, thinker config, the resolved ids, which the talker's config repeats)."""
+    tokenizer = save_qwen_bpe_tokenizer(out, **tokenizer_fields)
+    over = dict(transformer or {})
+    text, vision = thinker_configs(tokenizer, sizes[0], sizes[1], over)
+    audio = {**sizes[2], "output_dim": text["hidden_size"], **over.pop("audio_config", {})}
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in token_ids.items()}
+    return tokenizer, {"text_config": text, "vision_config": vision, "audio_config": audio, **ids, **over}, ids
+
+
+def seeded_model(build: Callable[[], Any], seed: int, tokenizer: Any) -> Any:
+    """The model `build()` makes with seeded random weights, its generation config stopping at the tokenizer's
+    end of turn or of text."""
+    from transformers import GenerationConfig
+
+    torch.manual_seed(seed)
+    model = build()
+    model.generation_config = GenerationConfig(
+        eos_token_id=[tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")],
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return model
 
 
 def build_tiny_vlm(
@@ -161,20 +235,12 @@ def build_tiny_vlm(
     "vision_config". `processor`: preprocessor_config.json fields over Qwen2-VL's defaults.
     `video_processor`: video_preprocessor_config.json's fields (the vision geometry added), written when given
     (Qwen3-VL checkpoints ship one; without it stock reads the image processor's file for videos too)."""
-    from transformers import AutoConfig, AutoModelForImageTextToText, GenerationConfig
+    from transformers import AutoConfig, AutoModelForImageTextToText
 
     out = Path(out)
     tokenizer = save_qwen_bpe_tokenizer(out, chat_template=chat_template)
     over = dict(transformer or {})
-    text_cfg = {
-        **text,
-        "vocab_size": len(tokenizer),
-        "pad_token_id": tokenizer.pad_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        **over.pop("text_config", {}),
-    }
-    vision_cfg = {**vision, "out_hidden_size": text_cfg["hidden_size"], **over.pop("vision_config", {})}
+    text_cfg, vision_cfg = thinker_configs(tokenizer, text, vision, over)
     ids = {
         name: tokenizer.convert_tokens_to_ids(token)
         for name, token in (
@@ -185,24 +251,10 @@ def build_tiny_vlm(
         )
     }
     config = AutoConfig.for_model(model_type, text_config=text_cfg, vision_config=vision_cfg, **ids, **over)
-    torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-    model.generation_config = GenerationConfig(
-        eos_token_id=[tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")],
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    model = seeded_model(lambda: AutoModelForImageTextToText.from_config(config, dtype=torch.float32), seed, tokenizer)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    save_image_processor_config(
-        out,
-        patch_size=vision_cfg["patch_size"],
-        merge_size=vision_cfg["spatial_merge_size"],
-        temporal_patch_size=vision_cfg["temporal_patch_size"],
-        min_pixels=min_pixels,
-        max_pixels=max_pixels,
-        size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
-        **(processor or {}),
-    )
+    save_image_processor_config(out, vision_cfg, min_pixels, max_pixels, **(processor or {}))
     if video_processor is not None:
         geometry = {
             "patch_size": vision_cfg["patch_size"],

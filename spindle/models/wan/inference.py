@@ -50,13 +50,45 @@ class WanBeforeDenoisingStage(BeforeDenoisingStage):
     def make_reference_pipe(self, components: dict[str, Any]) -> Any:
         from diffusers import WanPipeline
 
-        return WanPipeline(
+        return self.reference_pipe(WanPipeline, components)
+
+    @staticmethod
+    def reference_pipe(pipeline_cls: Any, components: dict[str, Any], **parts: Any) -> Any:
+        """`pipeline_cls` (WanPipeline, WanImageToVideoPipeline) on the folder's tokenizer, text encoder, VAE and
+        scheduler (+ `parts`), with no transformer: the stages run its prompt encoding and latents."""
+        return pipeline_cls(
             tokenizer=components["tokenizer"],
             text_encoder=components["text_encoder"],
             vae=components["vae"],
             scheduler=components["scheduler"],
             transformer=None,
+            **parts,
         )
+
+    def image_latents(self, req: Req, *frames: Any) -> tuple[torch.Tensor, ...]:
+        """WanImageToVideoPipeline's `prepare_latents` of the request: the noise (req.latents) and the VAE-encoded
+        condition of `frames` (the first frame; FLF2V: and the last one), each resized to the request's size as
+        the pipeline's `video_processor.preprocess` does."""
+        p = req.params
+        height, width = resolved(p.height, "height"), resolved(p.width, "width")
+        pixels = [
+            self.text_pipe.video_processor.preprocess(frame, height=height, width=width).to(req.device, torch.float32)
+            for frame in frames
+        ]
+        out: tuple[torch.Tensor, ...] = self.text_pipe.prepare_latents(
+            pixels[0],
+            p.batch_size,
+            self.latent_channels,
+            height,
+            width,
+            resolved(p.num_frames, "num_frames"),
+            torch.float32,
+            req.device,
+            req.generator,
+            req.latents,
+            *pixels[1:],
+        )
+        return out
 
     def validate(self, params: SamplingParams) -> None:
         super().validate(params)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from spindle.models.shared.tiny import random_latent_stats, save_seeded_pipeline
-from spindle.models.shared.tokenizers import save_tokenizer
+from spindle.models.shared.tiny import Overrides, random_latent_stats, save_seeded_pipeline, t5_text_parts
 
 WAN_TRANSFORMER = dict(
     patch_size=(1, 2, 2),
@@ -27,18 +27,13 @@ WAN_SCHEDULER = dict(shift=3.0, num_train_timesteps=1000)
 
 
 def build_tiny_wan(
-    out: str | Path,
-    seed: int = 0,
-    transformer: dict | None = None,
-    vae: dict | None = None,
-    text_encoder: dict | None = None,
+    out: str | Path, seed: int = 0, transformer: Overrides = None, vae: Overrides = None, text_encoder: Overrides = None
 ) -> Path:
     """Write a tiny random Wan2.1 T2V pipeline to `out` and return its path.
 
     Overrides are merged into the default component configs, e.g. `transformer={"num_layers": 4}`.
     """
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
-    from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
+    from diffusers import WanPipeline
 
     out = Path(out)
     tcfg = {**WAN_TRANSFORMER, **(transformer or {})}
@@ -46,15 +41,24 @@ def build_tiny_wan(
     ecfg = {**WAN_TEXT, **(text_encoder or {})}
     if tcfg["in_channels"] != vcfg["z_dim"]:
         vcfg["z_dim"] = tcfg["in_channels"]
-    tcfg["text_dim"] = ecfg["d_model"]
-    vcfg["latents_mean"], vcfg["latents_std"] = random_latent_stats(vcfg["z_dim"], seed)
+    return save_wan_pipeline(WanPipeline, out, seed, tcfg, vcfg, ecfg)
 
-    tok_dir = out / "tokenizer"
-    vocab_size = save_tokenizer(tok_dir)
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_dir)
-    text_config = UMT5Config(vocab_size=vocab_size, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, **ecfg)
+
+def save_wan_pipeline(
+    pipeline_cls: Any, out: Path, seed: int, tcfg: dict, vcfg: dict, ecfg: dict, **parts: Any
+) -> Path:
+    """`pipeline_cls` (WanPipeline, WanImageToVideoPipeline) of a seeded UMT5 text encoder (config `ecfg`, its
+    tokenizer built locally), Wan VAE (`vcfg`, non-trivial latent mean/std), transformer (`tcfg`, reading the
+    encoder's width) and Wan's scheduler (+ `parts`, e.g. an image encoder) saved to `out`."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    tcfg = {**tcfg, "text_dim": ecfg["d_model"]}
+    vcfg = dict(vcfg)
+    vcfg["latents_mean"], vcfg["latents_std"] = random_latent_stats(vcfg["z_dim"], seed)
+    tokenizer, text_config = t5_text_parts(out / "tokenizer", UMT5Config, ecfg)
     return save_seeded_pipeline(
-        WanPipeline,
+        pipeline_cls,
         out,
         seed,
         tokenizer=tokenizer,
@@ -62,4 +66,5 @@ def build_tiny_wan(
         vae=lambda: AutoencoderKLWan(**vcfg).eval(),
         scheduler=FlowMatchEulerDiscreteScheduler(**WAN_SCHEDULER),
         transformer=lambda: WanTransformer3DModel(**tcfg).eval(),
+        **parts,
     )

@@ -4,10 +4,9 @@ inference and condition model with the expert switch; training fine-tunes the ex
 
 import dataclasses
 
-from spindle.contracts.family import ConformanceSpec
 from spindle.models.wan import FAMILY as WAN
 from spindle.models.wan import OPTIONS as WAN_OPTIONS
-from spindle.models.wan22.experts import GUIDANCE_SCALE_2, is_two_expert
+from spindle.models.wan22.experts import GUIDANCE_SCALE_2, is_two_expert, two_expert_conformance
 
 OPTIONS = dataclasses.replace(WAN_OPTIONS, extra=(*WAN_OPTIONS.extra, GUIDANCE_SCALE_2))
 
@@ -21,18 +20,5 @@ FAMILY = dataclasses.replace(
     detect=None,  # renamed folders resolve to Wan2.1's family; a WanPipeline folder is told apart by `variant`
     variant=is_two_expert,
     options=OPTIONS,
-    conformance=ConformanceSpec(
-        parity_cases={
-            # the tiny checkpoint's boundary (0.9 x 1000) falls inside both schedules: both experts denoise;
-            # guidance_scale_2 as stock (its own scale in the CFG case, guidance_scale's without)
-            **{
-                name: {**case, **({"guidance_scale_2": 3.0} if name == "cfg" else {})}
-                for name, case in WAN.conformance.parity_cases.items()
-            },
-        },
-        request_errors=WAN.conformance.request_errors,
-        default_params=WAN.conformance.default_params,
-        cache_steps=5,  # t = 1000, 923 (high-noise expert), 818, 667, 429: three steps to skip
-        train_overrides={"train__expert": "high_noise"},
-    ),
+    conformance=two_expert_conformance(WAN.conformance, "high_noise"),
 )

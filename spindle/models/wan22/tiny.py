@@ -4,10 +4,9 @@ a single-transformer tiny Wan folder plus a second, differently seeded expert in
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from spindle.models.shared.tiny import seeded
+from spindle.models.shared.tiny import seeded, update_model_index
 from spindle.models.wan.tiny import build_tiny_wan
 
 BOUNDARY_RATIO = 0.875  # Wan2.2 T2V-A14B's; the tiny schedules (shift 3) have steps on both sides of it
@@ -21,12 +20,7 @@ def add_second_expert(out: Path, seed: int, boundary_ratio: float = BOUNDARY_RAT
     config = WanTransformer3DModel.load_config(out / "transformer")
     expert = seeded(seed + 5, lambda: WanTransformer3DModel.from_config(config).eval())
     expert.save_pretrained(out / "transformer_2", safe_serialization=True)
-    index_path = out / "model_index.json"
-    index = json.loads(index_path.read_text())
-    index["transformer_2"] = ["diffusers", "WanTransformer3DModel"]
-    index["boundary_ratio"] = boundary_ratio
-    index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    return out
+    return update_model_index(out, transformer_2=["diffusers", "WanTransformer3DModel"], boundary_ratio=boundary_ratio)
 
 
 def build_tiny_wan22(out: str | Path, seed: int = 0, **overrides: dict | None) -> Path:

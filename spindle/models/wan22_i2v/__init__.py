@@ -6,7 +6,7 @@ frame mask on the channel axis) with the expert switch; training fine-tunes the 
 import dataclasses
 
 from spindle.contracts.family import ConformanceSpec, DemoSpec
-from spindle.models.wan22.experts import GUIDANCE_SCALE_2, is_two_expert
+from spindle.models.wan22.experts import GUIDANCE_SCALE_2, is_two_expert, two_expert_conformance
 from spindle.models.wan_i2v import FAMILY as WAN_I2V
 from spindle.models.wan_i2v import OPTIONS as WAN_I2V_OPTIONS
 
@@ -23,13 +23,6 @@ FAMILY = dataclasses.replace(
     options=OPTIONS,
     # no image tokens share the context: any text length
     demo=dataclasses.replace(WAN_I2V.demo, text_tokens=DemoSpec.text_tokens),
-    conformance=ConformanceSpec(
-        parity_cases={
-            name: {**case, **({"guidance_scale_2": 3.0} if name == "cfg" else {})}
-            for name, case in WAN_I2V.conformance.parity_cases.items()
-        },
-        default_params=WAN_I2V.conformance.default_params,
-        cache_steps=5,  # t = 1000, 923 (high-noise expert), 818, 667, 429: three steps to skip
-        train_overrides={"train__expert": "low_noise"},
-    ),
+    # the text at any length too
+    conformance=two_expert_conformance(WAN_I2V.conformance, "low_noise", text_tokens=ConformanceSpec.text_tokens),
 )

@@ -6,7 +6,9 @@ the VAE-encoded image (replaced, not concatenated, at every step) and its tokens
 import dataclasses
 
 from spindle.contracts.family import ConformanceSpec
+from spindle.models.shared.declarations import VIDEO_DEMO, amended, demo, multiple_error
 from spindle.models.wan import FAMILY as WAN
+from spindle.models.wan import NUM_FRAMES_ERROR
 from spindle.models.wan import OPTIONS as WAN_OPTIONS
 
 
@@ -17,20 +19,7 @@ def expands_timesteps(model_index: dict) -> bool:
 # Wan's options (num_frames = 4k + 1; Wan2.2 TI2V is trained at 24 fps) and an optional first frame
 OPTIONS = dataclasses.replace(WAN_OPTIONS, fps=24, images=(0, 1))
 
-_CFG = dict(
-    prompt="a red fox in the snow",
-    negative_prompt="blurry",
-    height=32,
-    width=32,
-    num_frames=5,
-    num_inference_steps=2,
-    guidance_scale=5.0,
-    seed=0,
-)
-_NOCFG = dict(
-    prompt="a red fox in the snow", height=32, width=64, num_frames=9, num_inference_steps=3, guidance_scale=1.0, seed=7
-)
-
+assert WAN.conformance is not None
 FAMILY = dataclasses.replace(
     WAN,
     name="wan22_ti2v",
@@ -41,18 +30,17 @@ FAMILY = dataclasses.replace(
     variant=expands_timesteps,
     options=OPTIONS,
     # 64x64: the 16x VAE and 2x2 patches leave 2x2 tokens per latent frame (at 32x32, one)
-    demo=dataclasses.replace(WAN.demo, size=(64, 64), dataset_kwargs={**WAN.demo.dataset_kwargs, "size": (64, 64)})
-    if WAN.demo
-    else None,
+    demo=demo(VIDEO_DEMO, size=(64, 64)),
     conformance=ConformanceSpec(
         # text-to-video through the folder's own pipeline (WanPipeline); image-to-video against stock
-        # WanImageToVideoPipeline on the same folder: tests/infer/test_wan22_ti2v.py
-        parity_cases={"cfg": _CFG, "nocfg": _NOCFG},
+        # WanImageToVideoPipeline on the same folder: tests/infer/test_wan22_ti2v.py. Wan's cases, 32 pixels
+        # a side per token: the no-CFG one 32x64
+        parity_cases=amended(WAN.conformance.parity_cases, {"width": 64}, only="nocfg"),
         request_errors=(
-            (dict(height=48), r"height must be a positive multiple of 32 .*got 48.*try 32 or 64"),
-            (dict(width=40), r"width must be a positive multiple of 32 .*got 40.*try 32 or 64"),
-            (dict(num_frames=6), r"num_frames must be 4k\+1 \(1, 5, 9, 13, \.\.\.\).*got 6.*try 5 or 9"),
+            multiple_error("height", 48, 32, "32 or 64"),
+            multiple_error("width", 40, 32, "32 or 64"),
+            NUM_FRAMES_ERROR,
         ),
-        default_params=dict(height=480, width=832, num_frames=81, num_inference_steps=50, guidance_scale=5.0),
+        default_params=WAN.conformance.default_params,
     ),
 )

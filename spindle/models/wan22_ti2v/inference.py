@@ -22,14 +22,7 @@ class Wan22TI2VBeforeDenoisingStage(WanBeforeDenoisingStage):
 
         # the image-to-video pipeline on the same folder (as stock users load it): its prompt encoding is
         # WanPipeline's, its prepare_latents builds the first-frame condition and mask
-        return WanImageToVideoPipeline(
-            tokenizer=components["tokenizer"],
-            text_encoder=components["text_encoder"],
-            vae=components["vae"],
-            scheduler=components["scheduler"],
-            transformer=None,
-            expand_timesteps=True,
-        )
+        return self.reference_pipe(WanImageToVideoPipeline, components, expand_timesteps=True)
 
     def forward(self, req: Req) -> Req:
         req = super().forward(req)  # prompts, scheduler, timesteps, the noise (req.latents)
@@ -38,21 +31,7 @@ class Wan22TI2VBeforeDenoisingStage(WanBeforeDenoisingStage):
         if not p.image:  # text-to-video: WanPipeline's all-ones mask
             req.extra["mask"] = torch.ones((1, 1, *latents.shape[2:]), dtype=torch.float32, device=req.device)
             return req
-        height, width = resolved(p.height, "height"), resolved(p.width, "width")
-        pipe = self.text_pipe
-        pixels = pipe.video_processor.preprocess(p.image[0], height=height, width=width)
-        latents, condition, mask = pipe.prepare_latents(
-            pixels.to(req.device, torch.float32),
-            p.batch_size,
-            self.latent_channels,
-            height,
-            width,
-            resolved(p.num_frames, "num_frames"),
-            torch.float32,
-            req.device,
-            req.generator,
-            latents,
-        )
+        latents, condition, mask = self.image_latents(req, p.image[0])
         req.latents = latents
         req.extra.update(condition=condition, mask=mask)
         return req

@@ -4,9 +4,9 @@ pixel channels) and `expand_timesteps` in model_index.json, as Wan2.2-TI2V-5B-Di
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from spindle.models.shared.tiny import Overrides, update_model_index
 from spindle.models.wan.tiny import build_tiny_wan
 
 # Wan2.2's VAE: base_dim 160, z_dim 48, is_residual, patch_size 2, in/out_channels 12 (= 3 x 2 x 2)
@@ -25,16 +25,11 @@ TI2V_VAE = dict(
 
 
 def build_tiny_wan22_ti2v(
-    out: str | Path, seed: int = 0, transformer: dict | None = None, **overrides: dict | None
+    out: str | Path, seed: int = 0, transformer: Overrides = None, **overrides: dict | None
 ) -> Path:
     """A tiny random Wan2.2 TI2V-5B pipeline (`WanPipeline` with `expand_timesteps`); overrides as
     `build_tiny_wan`'s (the transformer's channels follow the VAE's z_dim)."""
     z = TI2V_VAE["z_dim"]
     tcfg = {"in_channels": z, "out_channels": z, **(transformer or {})}
     vae = {**TI2V_VAE, **(overrides.pop("vae", None) or {})}
-    root = build_tiny_wan(out, seed, transformer=tcfg, vae=vae, **overrides)
-    index_path = root / "model_index.json"
-    index = json.loads(index_path.read_text())
-    index["expand_timesteps"] = True
-    index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    return root
+    return update_model_index(build_tiny_wan(out, seed, transformer=tcfg, vae=vae, **overrides), expand_timesteps=True)

@@ -4,8 +4,10 @@ the VAE-encoded first frame with its frame mask."""
 
 import dataclasses
 
-from spindle.contracts.family import ConformanceSpec, DemoSpec, DiTFamily
+from spindle.contracts.family import ConformanceSpec, DiTFamily
+from spindle.models.shared.declarations import VIDEO_DEMO, amended, demo
 from spindle.models.shared.test_images import noise_image  # the suite's seeded conditioning image
+from spindle.models.wan import FAMILY as WAN
 from spindle.models.wan import OPTIONS as WAN_OPTIONS
 
 # Wan's options (16 fps, num_frames = 4k + 1); the first frame, and optionally the last one (FLF2V:
@@ -16,49 +18,22 @@ OPTIONS = dataclasses.replace(WAN_OPTIONS, images=(1, 2))
 TEXT_LENGTH = 512
 
 
+assert WAN.conformance is not None
 FAMILY = DiTFamily(
     name="wan_i2v",
     pipeline_classes=("WanImageToVideoPipeline",),
     # WanTransformer3DModel is `wan`'s too: the pipeline class decides (spindle.registry)
-    transformer_classes=("WanTransformer3DModel",),
+    transformer_classes=WAN.transformer_classes,
     condition_model="spindle.models.wan_i2v.condition:WanI2VConditionModel",
     inference="spindle.models.wan_i2v.inference:WAN_I2V_INFERENCE",
     tiny_model="spindle.models.wan_i2v.tiny:build_tiny_wan_i2v",
-    lora_original="spindle.models.wan.lora:to_original",
+    lora_original=WAN.lora_original,
     options=OPTIONS,
-    demo=DemoSpec(
-        dataset="spindle.data.synthetic:make_shapes_video_dataset",
-        dataset_kwargs={"num_videos": 16, "num_frames": 9, "size": (32, 32)},
-        num_frames=9,
-        sample_suffix=".mp4",
-        sample_kwargs={"num_frames": 9, "guidance_scale": 1.0},
-        text_tokens=TEXT_LENGTH,
-    ),
+    demo=demo(VIDEO_DEMO, text_tokens=TEXT_LENGTH),
     conformance=ConformanceSpec(
-        parity_cases={
-            "cfg": dict(
-                prompt="a red fox in the snow",
-                negative_prompt="blurry",
-                image=noise_image(40, 56),
-                height=32,
-                width=32,
-                num_frames=5,
-                num_inference_steps=2,
-                guidance_scale=5.0,
-                seed=0,
-            ),
-            "nocfg": dict(
-                prompt="a red fox in the snow",
-                image=noise_image(40, 56),
-                height=32,
-                width=48,
-                num_frames=9,
-                num_inference_steps=3,
-                guidance_scale=1.0,
-                seed=7,
-            ),
-        },
+        # Wan's cases with the seeded conditioning image
+        parity_cases=amended(WAN.conformance.parity_cases, {"image": noise_image(40, 56)}),
         text_tokens=TEXT_LENGTH,
-        default_params=dict(height=480, width=832, num_frames=81, num_inference_steps=50, guidance_scale=5.0),
+        default_params=WAN.conformance.default_params,
     ),
 )

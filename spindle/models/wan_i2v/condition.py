@@ -24,6 +24,8 @@ from spindle.models.wan_i2v import TEXT_LENGTH
 
 class WanI2VConditionModel(WanConditionModel):
     pipeline_class = "diffusers:WanImageToVideoPipeline"
+    # 2: the first-last-frame (FLF2V) conditions and the last frame in the cache key
+    encoding_version = 2
     # the text length the transformer fixes (None: any), see below
     fixed_text_length: int | None = TEXT_LENGTH
 
@@ -37,6 +39,16 @@ class WanI2VConditionModel(WanConditionModel):
                 f"reads the last {TEXT_LENGTH} context tokens as text and the rest as the image; set "
                 f"model.max_text_length: {TEXT_LENGTH}"
             )
+
+    @classmethod
+    def request_images(cls, root: str | Path) -> tuple[int, int] | None:
+        """With image embeddings (Wan2.1 I2V): one image, or exactly two for a first-last-frame (FLF2V)
+        transformer (`pos_embed_seq_len`, as `read_checkpoint`); without (Wan2.2): the family's bounds."""
+        index = json.loads((Path(root) / "model_index.json").read_text())
+        if not any((index.get(name) or [None])[0] for name in ("image_encoder", "image_processor")):
+            return None
+        config = json.loads((Path(root) / "transformer" / "config.json").read_text())
+        return (2, 2) if config.get("pos_embed_seq_len") is not None else (1, 1)
 
     @torch.no_grad()
     def encode_images(

@@ -22,14 +22,11 @@ class WanI2VBeforeDenoisingStage(WanBeforeDenoisingStage):
     def make_reference_pipe(self, components: dict[str, Any]) -> Any:
         from diffusers import WanImageToVideoPipeline
 
-        return WanImageToVideoPipeline(
-            tokenizer=components["tokenizer"],
-            text_encoder=components["text_encoder"],
-            vae=components["vae"],
-            scheduler=components["scheduler"],
+        return self.reference_pipe(
+            WanImageToVideoPipeline,
+            components,
             image_processor=components.get("image_processor"),
             image_encoder=components.get("image_encoder"),
-            transformer=None,
         )
 
     @property
@@ -70,36 +67,13 @@ class WanI2VBeforeDenoisingStage(WanBeforeDenoisingStage):
 
     def forward(self, req: Req) -> Req:
         req = super().forward(req)  # prompts, scheduler, timesteps, and the noise (req.latents)
-        p = req.params
-        pipe = self.text_pipe
-        image, *last = resolved(p.image, "image")  # the first frame (and the last one: FLF2V)
-        last_image = last[0] if last else None
-        batch = p.batch_size
+        image, *last = resolved(req.params.image, "image")  # the first frame (and the last one: FLF2V)
         if self.takes_image_embeds:
-            embeds = pipe.encode_image(image if last_image is None else [image, last_image], req.device)
+            embeds = self.text_pipe.encode_image(image if not last else [image, *last], req.device)
             # the pipeline repeats by the prompt count; per output keeps num_outputs_per_prompt > 1 valid
             # (FLF2V: two rows per sample, which the transformer's image embedder folds into one)
-            req.extra["image_embeds"] = embeds.repeat(batch, 1, 1).to(req.model_dtype)
-        height, width = resolved(p.height, "height"), resolved(p.width, "width")
-
-        def preprocess(frame: Any) -> torch.Tensor:
-            out: torch.Tensor = pipe.video_processor.preprocess(frame, height=height, width=width)
-            return out.to(req.device, torch.float32)
-
-        pixels = preprocess(image)
-        latents, condition = pipe.prepare_latents(
-            pixels,
-            batch,
-            self.latent_channels,
-            height,
-            width,
-            resolved(p.num_frames, "num_frames"),
-            torch.float32,
-            req.device,
-            req.generator,
-            req.latents,
-            None if last_image is None else preprocess(last_image),
-        )
+            req.extra["image_embeds"] = embeds.repeat(req.params.batch_size, 1, 1).to(req.model_dtype)
+        latents, condition = self.image_latents(req, image, *last)
         req.latents = latents
         req.extra["condition"] = condition
         return req

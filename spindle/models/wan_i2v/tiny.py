@@ -8,12 +8,14 @@ with an image projection (`image_dim`) and the cross-attention's image key/value
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from spindle.models.shared.tiny import random_latent_stats, seeded
-from spindle.models.shared.tokenizers import save_tokenizer
-from spindle.models.wan.tiny import WAN_SCHEDULER, WAN_TEXT, WAN_TRANSFORMER, WAN_VAE
+from spindle.models.shared.tiny import (
+    Overrides,
+    seeded,
+    update_model_index,
+)
+from spindle.models.wan.tiny import WAN_TEXT, WAN_TRANSFORMER, WAN_VAE, save_wan_pipeline
 
 CLIP_VISION = dict(
     hidden_size=32,
@@ -29,29 +31,17 @@ MASK_CHANNELS = 4  # the frame mask: one channel per frame the VAE folds into a 
 def build_tiny_wan_i2v(
     out: str | Path,
     seed: int = 0,
-    transformer: dict | None = None,
-    vae: dict | None = None,
-    text_encoder: dict | None = None,
-    image_encoder: dict | None = None,
+    transformer: Overrides = None,
+    vae: Overrides = None,
+    text_encoder: Overrides = None,
+    image_encoder: Overrides = None,
     clip: bool = True,
 ) -> Path:
     """Write a tiny random Wan2.1 I2V pipeline (`WanImageToVideoPipeline`) to `out` and return its path.
     Overrides are merged into the default component configs. `clip=False`: no image encoder and a
     transformer without the image projection (Wan2.2's I2V layout)."""
-    from diffusers import (
-        AutoencoderKLWan,
-        FlowMatchEulerDiscreteScheduler,
-        WanImageToVideoPipeline,
-        WanTransformer3DModel,
-    )
-    from transformers import (
-        CLIPImageProcessor,
-        CLIPVisionConfig,
-        CLIPVisionModel,
-        PreTrainedTokenizerFast,
-        UMT5Config,
-        UMT5EncoderModel,
-    )
+    from diffusers import WanImageToVideoPipeline
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
     out = Path(out)
     vcfg = {**WAN_VAE, **(vae or {})}
@@ -67,33 +57,21 @@ def build_tiny_wan_i2v(
     }
     if clip:  # the cross-attention's image key/value project the image tokens to the attention width
         tcfg.setdefault("added_kv_proj_dim", tcfg["num_attention_heads"] * tcfg["attention_head_dim"])
-    tcfg["text_dim"] = ecfg["d_model"]
-    vcfg["latents_mean"], vcfg["latents_std"] = random_latent_stats(z, seed)
-
-    tok_dir = out / "tokenizer"
-    vocab_size = save_tokenizer(tok_dir)
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_dir)
-    text_config = UMT5Config(vocab_size=vocab_size, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, **ecfg)
     size = icfg["image_size"]
-    pipe = WanImageToVideoPipeline(
-        tokenizer=tokenizer,
-        text_encoder=seeded(seed, lambda: UMT5EncoderModel(text_config).eval()),
-        vae=seeded(seed + 1, lambda: AutoencoderKLWan(**vcfg).eval()),
-        scheduler=FlowMatchEulerDiscreteScheduler(**WAN_SCHEDULER),
+    save_wan_pipeline(
+        WanImageToVideoPipeline,
+        out,
+        seed,
+        tcfg,
+        vcfg,
+        ecfg,
         image_processor=(
             CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
             if clip
             else None
         ),
         image_encoder=seeded(seed + 3, lambda: CLIPVisionModel(CLIPVisionConfig(**icfg)).eval()) if clip else None,
-        transformer=seeded(seed + 2, lambda: WanTransformer3DModel(**tcfg).eval()),
     )
-    pipe.save_pretrained(out, safe_serialization=True)
     # Without torchvision transformers builds the PIL variant of CLIPImageProcessor, and the pipeline
     # records that class; real checkpoints name CLIPImageProcessor (which loads as the PIL one here).
-    index_path = out / "model_index.json"
-    index = json.loads(index_path.read_text())
-    if clip:
-        index["image_processor"] = ["transformers", "CLIPImageProcessor"]
-    index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    return out
+    return update_model_index(out, **({"image_processor": ["transformers", "CLIPImageProcessor"]} if clip else {}))

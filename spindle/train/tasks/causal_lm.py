@@ -227,12 +227,11 @@ class CausalLMTask(TrainTask):
         if self.cfg.train.lora is not None:
             from spindle.train.lora import apply_lora, wrapped_parameters
 
-            apply_lora(model, self.lora_blocks(self.family, model), self.cfg.train.lora)
+            apply_lora(model, self.lora_blocks(model), self.cfg.train.lora)
             # recorded in the checkpoint state so that `spindle export` writes their PEFT config
             self.lora_parameters = wrapped_parameters(model)
 
-    @classmethod
-    def lora_blocks(cls, family: CausalLMFamily, model: torch.nn.Module) -> list[torch.nn.Module]:
+    def lora_blocks(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         """The blocks whose linear layers `train.lora.targets` selects from (default: all of them)."""
         from spindle.distributed.blocks import find_blocks
 

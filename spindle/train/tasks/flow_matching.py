@@ -209,7 +209,12 @@ class FlowMatchingTask(TrainTask):
         self._mix = built.mix
         source: Any = media
         if data.precomputed is not None:  # the same samples, read as cached conditions
-            settings = cache_settings(self.cfg, self.family.name, condition_dtype(self.precision))
+            settings = cache_settings(
+                self.cfg,
+                self.family.name,
+                condition_dtype(self.precision),
+                self.family.condition_model_cls().encoding_version,
+            )
             source = CachedConditions(data.precomputed, settings, media.samples, media.captions)
         collate_fn = collate if data.precomputed is None else collate_conditions
         self._loader = resumable_loader(self, source, collate_fn, order=built.order)
@@ -342,22 +347,32 @@ class FlowMatchingTask(TrainTask):
 
 
 def check_validation_images(cfg: DiTJobConfig, family: DiTFamily) -> None:
-    """`train.validation.images`: one existing image file per prompt for a family that takes conditioning
-    images, none for one that does not (checked before launch, not at the first validation step)."""
+    """`train.validation.images`: for a family that takes conditioning images, one entry per prompt (a path,
+    or a list of paths for a request of several images) holding as many existing files as a request to
+    this checkpoint takes; none for one that does not (checked before launch, not at the first validation step)."""
     val = cfg.train.validation
-    needs, takes = (n > 0 for n in family.options.images)  # (an optional image: Wan2.2 TI2V)
+    least, most = family.options.images  # (an optional image: Wan2.2 TI2V)
     if not val.every_steps or not val.prompts:
         return
-    if not takes and val.images:
+    if not most and val.images:
         raise ValueError(f"train.validation.images: {family.name} generates from text alone; remove the images")
-    if (needs or val.images) and len(val.images) != len(val.prompts):
+    if (least or val.images) and len(val.images) != len(val.prompts):
         raise ValueError(
             f"train.validation.images: {family.name} needs a conditioning image per validation prompt; got "
             f"{len(val.images)} image(s) for {len(val.prompts)} prompt(s)"
         )
-    for path in val.images:
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"train.validation.images: {path} does not exist")
+    least, most = family.condition_model_cls().request_images(cfg.model.path) or (least, most)
+    for index, entry in enumerate(val.images):
+        paths = [entry] if isinstance(entry, str) else entry
+        if not least <= len(paths) <= most:
+            want = str(least) if least == most else f"{least} to {most}"
+            raise ValueError(
+                f"train.validation.images[{index}]: a {family.name} request to {cfg.model.path} takes {want} "
+                f"image(s) (e.g. a first-last-frame checkpoint: [first, last]); got {len(paths)}"
+            )
+        for path in paths:
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"train.validation.images: {path} does not exist")
     if val.options:  # the family's sampling options: names, types, bounds (sizes are checked per request)
         from spindle.contracts.request import RequestError, SamplingParams
 

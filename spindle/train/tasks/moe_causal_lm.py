@@ -17,8 +17,8 @@
   of the dense path.
 - Export: the layout the input checkpoint had (per-expert by default).
 - LoRA: `train.lora.targets` may name the fused experts (`experts.gate_up_proj`, `experts.down_proj`,
-  or `experts` for both), adapted through PEFT's `target_parameters` (spindle.train.lora); not yet with
-  `parallel.ep` > 1, which is refused in `check_plan`.
+  or `experts` for both), adapted through PEFT's `target_parameters` (spindle.train.lora) and held
+  stacked by expert, so that with `parallel.ep` they are split with the experts (spindle.train.expert_lora).
 
 The class extends `CausalLMTask` cooperatively (every override goes through `super()`), so the VLM MoE
 task (spindle/train/tasks/vlm_moe.py) combines it with the VLM task by inheritance. The MoE fields are
@@ -28,7 +28,6 @@ read from `config.get_text_config()`: a VLM's text config, a causal LM's own con
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -76,7 +75,7 @@ class MoECausalLMTask(CausalLMTask):
     def check_plan(cls, cfg: CausalLMJobConfig, family: CausalLMFamily, dims: ParallelDims) -> None:
         from transformers import AutoConfig
 
-        from spindle.distributed.expert_parallel import check_ep_layout, ep_plan_of
+        from spindle.distributed.expert_parallel import check_ep_layout
 
         super().check_plan(cfg, family, dims)  # the dense checks (ring refused for language models, ...)
         config = AutoConfig.from_pretrained(cfg.model.path)
@@ -84,8 +83,6 @@ class MoECausalLMTask(CausalLMTask):
             check_ep_layout(dims, config.get_text_config().num_experts)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if dims.ep > 1 and cfg.train.lora is not None:
-            check_expert_lora_without_ep(cfg.train.lora.targets, tuple(ep_plan_of(config)), dims.ep)
 
     # ------------------------------------------------------------ set-up
 
@@ -244,30 +241,6 @@ class MoECausalLMTask(CausalLMTask):
             convert = partial(_expert_layout, adapter, model, key, layout)
             out.update({name: (key, convert, meta) for name, meta in convert(state[key]).items()})
         return out
-
-
-def names_experts(target: str, plan_names: tuple[str, ...]) -> bool:
-    """Whether the `train.lora.targets` entry `target` selects an expert module or parameter of the EP plan:
-    PEFT's suffix rule (`target` equals a name or ends it after a dot) against the plan's patterns
-    (`layers.*.mlp.experts`: `experts`, `mlp.experts`, `3.mlp.experts`, `model.layers.3.mlp.experts`)."""
-    for pattern in plan_names:
-        parts = pattern.split(".")
-        suffixes = [".".join(parts[i:]) for i in range(len(parts))]
-        if fnmatch.fnmatchcase(target, "*." + pattern) or any(fnmatch.fnmatchcase(target, s) for s in suffixes):
-            return True
-    return False
-
-
-def check_expert_lora_without_ep(targets: list[str] | None, plan_names: tuple[str, ...], ep: int) -> None:
-    """Refuse LoRA on the fused experts with `parallel.ep` > 1: PEFT wraps the experts module (its
-    parameters move under `base_layer.`), which transformers' EP sharding and dispatch do not see.
-    `plan_names`: the name patterns of the config's EP plan (`expert_parallel.ep_plan_of`)."""
-    if named := [t for t in targets or () if names_experts(t, plan_names)]:
-        raise ConfigError(
-            f"train.lora.targets: {named} adapt the fused experts, which parallel.ep={ep} does not support yet; "
-            "train them with parallel.ep: 1 (dp_shard and sp still apply), or leave the experts out of "
-            "train.lora.targets"
-        )
 
 
 def experts_implementation(config: Any, device_type: str) -> str:

@@ -7,7 +7,9 @@ loss, export) with what vision adds:
   so packed documents never attend to each other; vision inputs in token order).
 - Freezing: `train.freeze` names parts of the family (`VLMFamily.parts`: vision, aligner, language);
   their parameters get `requires_grad=False` before FSDP, so they carry no gradient and no optimizer
-  state (the optimizer takes trainable parameters only).
+  state (the optimizer takes trainable parameters only). LoRA: `train.lora.parts` picks the parts whose
+  blocks get adapters (default the language model; spindle/train/tasks/vlm_lora.py), and freezing leaves
+  the adapters trainable.
 - A hook on the language model's input (`VisionStep`), inside the model's own forward so FSDP2's root
   hooks stay in charge: (1) a micro-batch without an image (or video, or audio clip on an omni model)
   still runs that tower on a dummy input, its output added with weight zero, so every data-parallel
@@ -37,6 +39,7 @@ from spindle.contracts.family import CausalLMFamily, VLMFamily
 from spindle.contracts.parallel import ParallelPlan
 from spindle.contracts.task import StepOutput
 from spindle.distributed.mesh import is_main_process
+from spindle.train.lora import is_lora_name
 from spindle.train.tasks.base import resumable_loader
 from spindle.train.tasks.causal_lm import PADDING_MASK_KEY, CausalLMTask, causal_lm_output
 
@@ -215,11 +218,6 @@ class VLMTask(CausalLMTask):
     def check_plan(cls, cfg: CausalLMJobConfig, family: CausalLMFamily, dims: ParallelDims) -> None:
         super().check_plan(cfg, family, dims)
         assert isinstance(cfg, VLMJobConfig) and isinstance(family, VLMFamily), "the VLM task's own schema"
-        if cfg.train.lora is not None and cfg.train.freeze:
-            raise ConfigError(
-                "train.freeze with train.lora: LoRA already freezes every base weight and trains adapters on the "
-                "language model's layers; remove train.freeze"
-            )
         if unknown := sorted(set(cfg.train.freeze) - set(family.parts)):
             raise ConfigError(
                 f"train.freeze names {unknown}, which {family.name} models do not have; "
@@ -232,7 +230,11 @@ class VLMTask(CausalLMTask):
                 else "they do not take a video's audio track"
             )
             raise ConfigError(f"data.use_audio_in_video: {family.name} models: {why}; set it to false")
-        if set(cfg.train.freeze) >= set(family.parts):
+        if cfg.train.lora is not None:
+            from spindle.train.tasks.vlm_lora import check_lora_parts
+
+            check_lora_parts(family, cfg.train.lora, cfg.train.freeze)
+        elif set(cfg.train.freeze) >= set(family.parts):
             raise ConfigError(f"train.freeze={cfg.train.freeze} freezes every part: nothing is left to train")
 
     @classmethod
@@ -246,12 +248,15 @@ class VLMTask(CausalLMTask):
 
     # ------------------------------------------------------------ set-up
 
-    @classmethod
-    def lora_blocks(cls, family: CausalLMFamily, model: torch.nn.Module) -> list[torch.nn.Module]:
-        """LoRA adapts the language model's decoder layers (not the vision tower)."""
-        assert isinstance(family, VLMFamily)
-        inside = {id(m) for m in module_at(model, family.language_model).modules()}
-        return [b for b in super().lora_blocks(family, model) if id(b) in inside]
+    def lora_blocks(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """The modules of the parts `train.lora.parts` names (default: the language model's decoder layers);
+        spindle/train/tasks/vlm_lora.py."""
+        from spindle.distributed.blocks import find_blocks
+        from spindle.train.tasks.vlm_lora import lora_regions
+
+        assert self.cfg.train.lora is not None, "called for a LoRA run"
+        blocks = find_blocks(model, self.parallel_plan().blocks)
+        return lora_regions(self.family, model, blocks, self.cfg.train.lora.parts)
 
     def checkpoint_sources(self) -> dict[str, TensorSource]:
         """The checkpoint's tensors under the model's names (`checkpoint_names`)."""
@@ -274,9 +279,14 @@ class VLMTask(CausalLMTask):
         optimizer state), LoRA (the base task's), and the language model's pre-hook that fills the vision
         embeddings in (a dummy vision forward on a text-only micro-batch; the rank's chunk under SP)."""
         super().prepare_model(model)
+        if (lora := self.cfg.train.lora) is not None:
+            from spindle.train.tasks.vlm_lora import check_adapted_parts
+
+            check_adapted_parts(self.family, model, lora.parts)
+        # LoRA froze every base weight already; a frozen part's adapters (train.lora.parts) still train
         frozen = set(self.cfg.train.freeze)
         for name, param in model.named_parameters():
-            if self.family.part_of(name) in frozen:
+            if self.family.part_of(name) in frozen and not is_lora_name(name):
                 param.requires_grad_(False)
         vision = module_at(model, self.family.vision_tower)
         if self.mesh.dims.sp > 1:  # the tower's blocks on this rank's chunk of the patches
@@ -307,6 +317,7 @@ class VLMTask(CausalLMTask):
             self.family.rope_index_fn(),
             options,
             video_timestamps=self.family.video_timestamps,
+            video_grid_seconds=self.family.video_grid_seconds,
             audio=bool(self.family.audio_tower),
             video_audio_layout=self.video_audio_layout(),
             audio_tokens=self.family.audio_tokens_fn(),
