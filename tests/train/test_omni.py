@@ -7,6 +7,8 @@ talker never read for training, gradient checkpointing and the whole-model load 
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -111,6 +113,18 @@ def test_lora_trains_adapters_and_refuses_a_merged_export(tiny_qwen2_5_omni, omn
         check_job_plan(cfg, 1)
 
 
+def video_step(model: Path, out: Path, use_audio_in_video: bool) -> tuple[Any, dict, dict]:
+    """Spindle's step 1 on one conversation about a video with an audio track (`suite.video_conversation`,
+    `data.use_audio_in_video` as given): the trainer, its logged metrics and the row as the stock thinker
+    takes it (`suite.row_stock_inputs`)."""
+    data = suite.video_conversation(out / "data")
+    trainer, _ = omni_train(
+        model, data, out / "run", data__packing=False, train__max_steps=1, data__use_audio_in_video=use_audio_in_video
+    )
+    logged = json.loads((out / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    return trainer, logged, suite.row_stock_inputs(trainer.loader.dataset[0], use_audio_in_video)
+
+
 def test_use_audio_in_video_step1_equals_the_stock_thinker(tiny_qwen2_5_omni, tiny_qwen2_5_vl, tmp_path):
     """A video with its audio track (`data.use_audio_in_video`): step 1's loss and grad norm equal the stock
     thinker given Spindle's tokens, frames and track features, computing its own positions with
@@ -118,19 +132,10 @@ def test_use_audio_in_video_step1_equals_the_stock_thinker(tiny_qwen2_5_omni, ti
     from spindle.api import check_job_plan
     from spindle.config import ConfigError
 
-    data = suite.video_conversation(tmp_path / "data")
-    trainer, _ = omni_train(
-        tiny_qwen2_5_omni,
-        data,
-        tmp_path / "run",
-        data__packing=False,
-        train__max_steps=1,
-        data__use_audio_in_video=True,
-    )
-    logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
-    inputs = suite.row_stock_inputs(trainer.loader.dataset[0], use_audio_in_video=True)
+    _, logged, inputs = video_step(tiny_qwen2_5_omni, tmp_path, use_audio_in_video=True)
     check_stock_step(FAMILY, suite.stock_thinker(FAMILY, tiny_qwen2_5_omni), inputs, logged)
 
+    data = tmp_path / "data" / "data.jsonl"
     cfg = load_job_config(None, vlm_overrides(tiny_qwen2_5_vl, data, tmp_path, data__use_audio_in_video=True))
     with pytest.raises(ConfigError, match=r"data\.use_audio_in_video: qwen2_5_vl models: they do not take"):
         check_job_plan(cfg, 1)

@@ -15,6 +15,7 @@ from spindle.registry import get_family
 from spindle.testing import omni_conformance as suite
 from spindle.testing.vlm_conformance import check_frozen_parts, check_stock_step, freeze_overrides, subset
 from tests.conftest import omni_train
+from tests.train.test_omni import video_step
 
 FAMILY = get_family("qwen3_omni_moe")
 
@@ -39,17 +40,7 @@ def test_video_step1_equals_the_stock_thinker(with_audio, tiny_qwen3_omni_moe, t
     thinker given Spindle's tokens, frames and track features, computing its own 3-D positions from the grid,
     the seconds per grid and (with audio) the track's length. (The stock video processor needs torchvision, so
     the frames are Spindle's on both sides.)"""
-    data = suite.video_conversation(tmp_path / "data")
-    trainer, _ = omni_train(
-        tiny_qwen3_omni_moe,
-        data,
-        tmp_path / "run",
-        data__packing=False,
-        train__max_steps=1,
-        data__use_audio_in_video=with_audio,
-    )
-    logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
-    inputs = suite.row_stock_inputs(trainer.loader.dataset[0], use_audio_in_video=with_audio)
+    trainer, logged, inputs = video_step(tiny_qwen3_omni_moe, tmp_path, use_audio_in_video=with_audio)
     assert "pixel_values_videos" in inputs and ("input_features" in inputs) == with_audio
     ids, config = inputs["input_ids"], trainer.model.config
     if with_audio:  # the frames' and the track's tokens interleave inside <|audio_start|> ... <|audio_end|>
