@@ -43,7 +43,7 @@ def show_run_log() -> None:
 
 def run(args: argparse.Namespace) -> int:
     from spindle.api import check_job_plan, load_job_config
-    from spindle.distributed.launch import launcher_world_size, maybe_relaunch, under_launcher
+    from spindle.distributed.launch import end_worker, launcher_world_size, maybe_relaunch, under_launcher
     from spindle.train.output_lock import OutputLock
 
     cfg = load_job_config(args.config, args.overrides)
@@ -79,4 +79,6 @@ def run(args: argparse.Namespace) -> int:
         # live aborts with "terminate called without an active exception" (seen on a 2-rank run).
         dist.barrier()
         dist.destroy_process_group()
+    if under_launcher():
+        end_worker(0)  # and no interpreter teardown after it (spindle.distributed.launch.end_worker)
     return 0
