@@ -116,28 +116,23 @@ def test_omni_thinker_lora_on_every_part_loads_in_stock_peft(name, tiny_checkpoi
     folder onto the stock thinker with the trained logits on an image + audio conversation (1e-5)."""
     from peft import PeftModel
 
-    from tests.train import test_omni, test_omni_moe
+    from spindle.testing import omni_conformance as omni_suite
+    from tests.conftest import omni_train
 
-    inputs_of, thinker = {
-        "qwen2_5_omni": (test_omni.stock_inputs, test_omni.stock_thinker),
-        "qwen3_omni_moe": (test_omni_moe.qwen3_stock_inputs, test_omni_moe.stock_thinker),
-    }[name]
-    root = tiny_checkpoint(name)
-    data = test_omni.subset(omni_conversations, tmp_path / "data", [2])  # an image, then an audio clip
-    parts = ["audio", "vision", "aligner", "language"]
-    trainer, _ = test_omni.omni_train(
-        root, data, tmp_path / "run", train__max_steps=2, train__lr=1e-2, train__lora=lora(parts)
-    )
-    adapted = trained_only_adapters(trainer)
     family = get_family(name)
+    root = tiny_checkpoint(name)
+    data = suite.subset(omni_conversations, tmp_path / "data", [2])  # an image, then an audio clip
+    parts = ["audio", "vision", "aligner", "language"]
+    trainer, _ = omni_train(root, data, tmp_path / "run", train__max_steps=2, train__lr=1e-2, train__lora=lora(parts))
+    adapted = trained_only_adapters(trainer)
     assert {family.part_of(n) for n in adapted} == set(parts)
     assert any(n.startswith("model.audio_tower.layers.0.") for n in adapted)
     assert any(n.startswith("model.visual.blocks.0.attn.") for n in adapted)  # qkv, or q/k/v (Qwen2.5-Omni)
-    (inputs,) = inputs_of(root, data)
+    (inputs,) = omni_suite.stock_inputs(root, data, family)
     inputs.pop("labels")
     with torch.no_grad():
         ours = trainer.model.eval()(**inputs).logits
-        base = thinker(root).eval()
+        base = omni_suite.stock_thinker(family, root).eval()
         assert (ours - base(**inputs).logits).abs().max() > 1e-4  # the adapters changed the thinker
         peft = PeftModel.from_pretrained(base, tmp_path / "run" / "export" / "lora").eval()
         torch.testing.assert_close(peft(**inputs).logits, ours, rtol=0, atol=1e-5)
