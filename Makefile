@@ -3,7 +3,7 @@
 #   make lint        ruff check + ruff format --check (the config is [tool.ruff] in pyproject.toml)
 #   make typecheck   mypy over spindle/ (the config is [tool.mypy] in pyproject.toml)
 #   make test        lint, typecheck, generated/ drift check (spindle patchgen --check), then the test
-#                    suite with its 15 slowest tests listed (what CI runs)
+#                    suite on 2 pytest-xdist workers with its 15 slowest tests listed (what CI runs)
 #   make format      apply ruff's formatter and safe fixes
 PYTHON ?= python3
 VENV := .venv
@@ -11,6 +11,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# pytest-xdist workers; the multi-process tests run one after another on one of them (tests/conftest.py)
+PYTEST_WORKERS ?= 2
 
 .PHONY: setup demo lint format typecheck test clean
 
@@ -38,7 +40,7 @@ typecheck: $(STAMP)
 
 test: lint typecheck
 	$(VENV)/bin/spindle patchgen --check
-	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS) tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=15 $(PYTEST_ARGS) tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 clean:
 	rm -rf $(VENV) demo_out .mypy_cache .ruff_cache

@@ -26,6 +26,16 @@ TINY_FRAMES = 9
 TINY_TEXT = TEXT_TOKENS  # model.max_text_length of the tiny runs (divides the SP degrees the tests use)
 
 
+def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    """Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup`): the multi-process tests (`slow`) run
+    one after another on one worker, the single-process ones on both. Two multi-process tests at once
+    would put four ranks on two cores; a single-process test beside one mostly uses a core the ranks
+    leave idle while they start, rendezvous and write files."""
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(pytest.mark.xdist_group("multiprocess"))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def data_check_cache(tmp_path_factory) -> Path:
     """The media-data check cache (`spindle.data.media_check`) of this test session, not the user's
