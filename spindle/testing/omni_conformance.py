@@ -380,3 +380,18 @@ def check_same_run(family: OmniFamily, base: Path, a: Path, b: Path) -> None:
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=WEIGHT_ATOL, msg=k)
     assert untrained_bytes(b / "export", family.untrained) == untrained_bytes(base, family.untrained), family.name
+
+
+def check_thinker_peft_export(family: OmniFamily, base: Path, data: Path, trainer: Any, lora: Path) -> None:
+    """A LoRA-trained thinker's logits on `data`'s first conversation: changed from the base, and stock
+    `PeftModel.from_pretrained(stock thinker, lora)` gives them (1e-5)."""
+    from peft import PeftModel
+
+    (inputs,) = stock_inputs(base, data, family)
+    inputs.pop("labels")
+    with torch.no_grad():
+        ours = trainer.model.eval()(**inputs).logits
+        thinker = stock_thinker(family, base).eval()
+        assert (ours - thinker(**inputs).logits).abs().max() > 1e-4  # the adapters changed the thinker
+        peft = PeftModel.from_pretrained(thinker, lora).eval()
+        torch.testing.assert_close(peft(**inputs).logits, ours, rtol=0, atol=1e-5)
