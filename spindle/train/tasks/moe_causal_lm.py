@@ -217,7 +217,7 @@ class MoECausalLMTask(CausalLMTask):
         check_export_dtype(dtype)
         if json.loads((checkpoint / ckpt.TRAINER_STATE).read_text()).get("lora") is not None:
             return super().export_checkpoint(family, checkpoint, model_path, out, dtype)
-        checkpoint_adapter(family).layout(model_path)  # the base's expert tensors named before any read
+        # (export_sources validates the base's expert tensors, naming a bad one, before any weight is read)
         if not cls.export_streamed(family, checkpoint, model_path, out, dtype):
             raise RuntimeError(f"{family.name}: the export names cannot be traced to the model's tensors")
         return out
