@@ -147,8 +147,10 @@ def frozen_storage(
     if setting != "auto" or base != torch.float32 or not upcast_at_gather:
         return lambda name: base
 
+    from spindle.distributed.sharded_load import checkpoint_key
+
     def dtype(name: str) -> torch.dtype:
-        narrow = stored.get(name.replace(".base_layer.", "."))
+        narrow = stored.get(checkpoint_key(name))
         return narrow if narrow in (torch.bfloat16, torch.float16) else base
 
     return dtype
