@@ -118,7 +118,8 @@ def build_wan(out: Path, shape: dict[str, Any]) -> Path:
     from diffusers import WanTransformer3DModel
 
     from spindle.distributed.sharded_load import empty_weights
-    from spindle.models.wan.tiny import WAN_TRANSFORMER, build_tiny_wan
+    from spindle.models.wan.tiny import WAN_TRANSFORMER
+    from spindle.models.wan.tiny import build_tiny as build_tiny_wan
 
     tiny = {**shape, "num_layers": 1, "ffn_dim": 8, "num_attention_heads": 1, "attention_head_dim": 8}
     build_tiny_wan(out, transformer=tiny, text_encoder={"d_model": shape["text_dim"]})

@@ -40,7 +40,7 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     from spindle.data.synthetic import make_shapes_video_dataset
-    from spindle.models.wan.tiny import build_tiny_wan
+    from spindle.models.wan.tiny import build_tiny as build_tiny_wan
 
     model = out / "wan"
     if not (model / "model_index.json").is_file():

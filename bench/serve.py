@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model
         if args.url is None:
             if model is None:
-                from spindle.models.wan.tiny import build_tiny_wan
+                from spindle.models.wan.tiny import build_tiny as build_tiny_wan
 
                 model = build_tiny_wan(Path(tmp) / "wan", seed=0)
             port = free_port()

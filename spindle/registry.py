@@ -108,13 +108,13 @@ def check_family_matches(family: Family, root: Path) -> None:
     tcfg_path = root / "transformer" / "config.json"
     transformer_cls = _read_json(tcfg_path).get("_class_name") if tcfg_path.is_file() else None
     if (
-        pipeline_cls in family.pipeline_classes
-        or transformer_cls in family.transformer_classes
-        or (family.detect is not None and family.detect(root))
+        pipeline_cls == family.checkpoint.pipeline
+        or transformer_cls == family.checkpoint.transformer
+        or (family.checkpoint.detect is not None and family.checkpoint.detect(root))
     ):
         return
     raise UnknownModelError(
-        f"model.family={family.name} serves pipelines {', '.join(family.pipeline_classes)}, but {index_path} names "
+        f"model.family={family.name} serves pipeline {family.checkpoint.pipeline}, but {index_path} names "
         f"{pipeline_cls!r} (transformer {transformer_cls!r}); remove model.family to detect the family, or point "
         "model.path at a checkpoint of that family"
     )
@@ -175,27 +175,27 @@ def resolve_family(root: str | Path) -> Family:
     transformer_cls = _read_json(tcfg_path).get("_class_name") if tcfg_path.is_file() else None
     families = all_families()
     dit = [f for f in families if isinstance(f, DiTFamily)]
-    serving = [f for f in dit if pipeline_cls in f.pipeline_classes]
+    serving = [f for f in dit if pipeline_cls == f.checkpoint.pipeline]
     if serving:
         index = _read_json(index_path)
-        variant = [f for f in serving if f.variant is not None and f.variant(index)]
-        return (variant or [f for f in serving if f.variant is None] or serving)[0]
+        variant = [f for f in serving if f.checkpoint.variant is not None and f.checkpoint.variant(index)]
+        return (variant or [f for f in serving if f.checkpoint.variant is None] or serving)[0]
     if isinstance(pipeline_cls, str) and _is_diffusers_pipeline(pipeline_cls):
         # A real diffusers pipeline that no family serves (e.g. WanVideoToVideoPipeline around a
         # WanTransformer3DModel) must not fall through to a family matched by its transformer: that family
         # would build the wrong inputs and fail late, after loading every weight.
-        supported = sorted(c for f in dit for c in f.pipeline_classes)
+        supported = sorted({f.checkpoint.pipeline for f in dit})
         raise UnknownModelError(
             f"{root}: diffusers pipeline class {pipeline_cls!r} is not served by Spindle; supported pipeline "
             f"classes: {', '.join(supported)}"
         )
     for fam in dit:
-        if transformer_cls in fam.transformer_classes:
+        if transformer_cls == fam.checkpoint.transformer:
             return fam
     for fam in dit:
-        if fam.detect is not None and fam.detect(root):
+        if fam.checkpoint.detect is not None and fam.checkpoint.detect(root):
             return fam
-    known = ", ".join(f"{f.name} ({', '.join(f.pipeline_classes + f.transformer_classes)})" for f in dit)
+    known = ", ".join(f"{f.name} ({f.checkpoint.pipeline}, {f.checkpoint.transformer})" for f in dit)
     raise UnknownModelError(
         f"no Spindle family serves {root} (pipeline class {pipeline_cls!r}, transformer class "
         f"{transformer_cls!r}); known families: {known}"

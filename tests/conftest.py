@@ -123,7 +123,8 @@ def tiny_wan_i2v(tiny_checkpoint) -> Path:
 def tiny_wan_flf2v(tmp_path_factory) -> Path:
     """Wan2.1 FLF2V layout (a `wan_i2v` checkpoint): tiny_wan_i2v's, with a transformer whose image embedder
     folds two images' CLIP tokens per sample (`pos_embed_seq_len`): it takes a last frame."""
-    from spindle.models.wan_i2v.tiny import CLIP_VISION, build_tiny_wan_i2v
+    from spindle.models.wan_i2v.tiny import CLIP_VISION
+    from spindle.models.wan_i2v.tiny import build_tiny as build_tiny_wan_i2v
 
     tokens = (CLIP_VISION["image_size"] // CLIP_VISION["patch_size"]) ** 2 + 1  # patches + the class token
     out = tmp_path_factory.mktemp("models") / "wan_flf2v"
@@ -385,7 +386,7 @@ def check_demo(family: str, out: Path) -> None:
     from spindle.train.metrics import read_metrics
 
     spec = get_family(family)
-    pipeline = spec.pipeline_classes[0]
+    pipeline = spec.checkpoint.pipeline
     proc = run_spindle("demo", "--family", family, "--out", out, "--steps", 30)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"{pipeline}.from_pretrained loads it" in proc.stdout

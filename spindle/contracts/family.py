@@ -10,6 +10,7 @@ record names, never on a family name."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -56,7 +57,10 @@ class CheckpointAdapter(Protocol):
 def import_object(path: str) -> Any:
     """'package.module:attr' -> attr (keeps family registration free of heavy imports)."""
     module, _, attr = path.partition(":")
-    return getattr(importlib.import_module(module), attr)
+    loaded = importlib.import_module(module)
+    if not hasattr(loaded, attr):
+        raise AttributeError(f"{module} defines no {attr} (named by {path!r})")
+    return getattr(loaded, attr)
 
 
 @dataclass(frozen=True)
@@ -206,33 +210,86 @@ class CausalLMConformanceSpec:
 
 
 @dataclass(frozen=True)
-class DiTFamily:
-    """A diffusion transformer family served from a diffusers pipeline folder (model_index.json)."""
+class DiffusersCheckpoint:
+    """The diffusers folders a DiT family serves, as the registry recognises them: model_index.json's
+    pipeline `_class_name`, else transformer/config.json's, else `detect` (a renamed local folder)."""
 
-    kind: ClassVar[str] = "dit"
-    name: str
-    pipeline_classes: tuple[str, ...]
-    transformer_classes: tuple[str, ...]
-    condition_model: str  # "module:Class" of a ConditionModel subclass
-    inference: str | None = None  # "module:object" of the family's inference spec (infer/)
-    tiny_model: str | None = None  # "module:function(out, seed, **overrides)"
+    pipeline: str  # the diffusers pipeline class (model_index.json `_class_name`)
+    transformer: str  # the transformer's class (transformer/config.json `_class_name`)
     detect: Callable[[Path], bool] | None = None
     # a variant of a pipeline class another family serves too (Wan2.2 A14B's two-expert WanPipeline):
     # model_index.json -> whether the folder is this variant; the registry tries variants first
     variant: Callable[[dict[str, Any]], bool] | None = None
+
+
+# A DiT family's code, found in its folder by module and name (as transformers finds a model type's
+# `modeling_<type>.py`): part -> "module:attribute" under the family's package.
+DIT_PARTS: dict[str, str] = {
+    "condition_model": "condition:CONDITION_MODEL",  # its ConditionModel subclass (required)
+    "inference": "inference:INFERENCE",  # its inference spec (spindle.infer)
+    "tiny_model": "tiny:build_tiny",  # (out, seed, **overrides) -> a tiny random checkpoint folder
+    # a diffusers-layout LoRA state dict (no "transformer." prefix) -> the same LoRA in the original
+    # model's key layout (ComfyUI / the original code); reading back goes through the pipeline class
+    "lora_original": "lora:to_original",
+}
+
+
+@dataclass(frozen=True)
+class DiTFamily:
+    """A diffusion transformer family served from a diffusers pipeline folder (model_index.json).
+
+    The record says what is not code; the code is the family folder's (`DIT_PARTS`: `condition.py`,
+    `inference.py`, `tiny.py`, and `lora.py` where the family has an original LoRA layout), found by
+    name under `package` (default `spindle.models.<name>`). `parts` points a part elsewhere: a family
+    sharing its base's LoRA layout, two records in one folder, or None for a part the family has not."""
+
+    kind: ClassVar[str] = "dit"
+    name: str
+    checkpoint: DiffusersCheckpoint
+    options: FamilyOptions = field(default_factory=FamilyOptions)  # sampling options (CLI flags, HTTP fields)
     demo: DemoSpec | None = None
     conformance: ConformanceSpec | None = None
-    extras: dict[str, Any] = field(default_factory=dict)
     task: str = "flow_matching"  # the training task (a key of spindle.train.tasks.TASKS)
-    options: FamilyOptions = field(default_factory=FamilyOptions)  # sampling options (CLI flags, HTTP fields)
-    # "module:function": a diffusers-layout LoRA state dict (no "transformer." prefix) -> the same LoRA in
-    # the original model's key layout (ComfyUI / the original code); None: no such export for the family.
-    # Reading back goes through the family's diffusers pipeline class (`lora_state_dict`).
-    lora_original: str | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+    package: str = ""  # the family folder's module ("": spindle.models.<name>)
+    parts: dict[str, str | None] = field(default_factory=dict)  # part -> "module:attribute" | None
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.parts) - set(DIT_PARTS))
+        if unknown:
+            raise ValueError(f"family {self.name}: unknown parts {unknown}; a DiT family's parts: {sorted(DIT_PARTS)}")
+
+    def part(self, name: str) -> str | None:
+        """ "module:attribute" of the family's `name` part (`DIT_PARTS`), or None where its folder has no
+        such module."""
+        if name in self.parts:
+            return self.parts[name]
+        module, _, attr = DIT_PARTS[name].partition(":")
+        module = f"{self.package or 'spindle.models.' + self.name}.{module}"
+        return f"{module}:{attr}" if importlib.util.find_spec(module) is not None else None
+
+    @property
+    def condition_model(self) -> str:
+        path = self.part("condition_model")
+        if path is None:
+            raise ValueError(f"family {self.name} has no condition model (condition.py defining CONDITION_MODEL)")
+        return path
+
+    @property
+    def inference(self) -> str | None:
+        return self.part("inference")
+
+    @property
+    def tiny_model(self) -> str | None:
+        return self.part("tiny_model")
+
+    @property
+    def lora_original(self) -> str | None:
+        return self.part("lora_original")
 
     @property
     def export_hint(self) -> str:
-        return f"diffusers.{self.pipeline_classes[0]}.from_pretrained loads it"
+        return f"diffusers.{self.checkpoint.pipeline}.from_pretrained loads it"
 
     def condition_model_cls(self) -> type[ConditionModel]:
         cls: type[ConditionModel] = import_object(self.condition_model)
@@ -242,7 +299,7 @@ class DiTFamily:
         """The family's diffusers pipeline class (LoRA loading and saving are its classmethods)."""
         import diffusers
 
-        return getattr(diffusers, self.pipeline_classes[0])
+        return getattr(diffusers, self.checkpoint.pipeline)
 
     def inference_spec(self) -> Any:
         if self.inference is None:

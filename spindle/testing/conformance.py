@@ -58,12 +58,12 @@ def check_stock_load(family: DiTFamily, root: Path) -> None:
     import json
 
     pipe = stock_pipeline(root)
-    assert type(pipe).__name__ in family.pipeline_classes, (
-        f"{family.name}: stock diffusers loads {root} as {type(pipe).__name__}, not one of {family.pipeline_classes}"
+    assert type(pipe).__name__ == family.checkpoint.pipeline, (
+        f"{family.name}: stock diffusers loads {root} as {type(pipe).__name__}, not {family.checkpoint.pipeline}"
     )
     transformer = type(pipe.transformer).__name__
-    assert transformer in family.transformer_classes, (
-        f"{family.name}: the checkpoint's transformer is {transformer}, not one of {family.transformer_classes}"
+    assert transformer == family.checkpoint.transformer, (
+        f"{family.name}: the checkpoint's transformer is {transformer}, not {family.checkpoint.transformer}"
     )
     index = json.loads((root / "model_index.json").read_text())
     models = {
@@ -473,7 +473,7 @@ def check_export_round_trip(family: DiTFamily, base: Path, export: Path, trained
     base_keys = set(json.loads((base / component / "config.json").read_text()))
     assert keys == base_keys, f"{family.name}: exported config.json keys differ: {sorted(keys ^ base_keys)}"
     pipe = stock_pipeline(export)
-    assert type(pipe).__name__ in family.pipeline_classes, f"{family.name}: export loads as {type(pipe).__name__}"
+    assert type(pipe).__name__ == family.checkpoint.pipeline, f"{family.name}: export loads as {type(pipe).__name__}"
     exported = getattr(pipe, component).state_dict()
     assert exported.keys() == trained.keys(), f"{family.name}: exported keys differ from the trained model's"
     for key, value in trained.items():

@@ -83,7 +83,7 @@ def test_fsdp_over_dp_shard_and_sp_equals_one(single, tiny_wan, shapes_videos, t
 
 def test_ring_runs_a_three_head_model_on_two_processes(shapes_videos, tmp_path):
     """Ulysses cannot split 3 heads over 2 ranks; ring attention splits only the sequence."""
-    from spindle.models.wan.tiny import build_tiny_wan
+    from spindle.models.wan.tiny import build_tiny as build_tiny_wan
 
     model = build_tiny_wan(tmp_path / "wan3", seed=0, transformer={"num_attention_heads": 3})
     single, ring = tmp_path / "single", tmp_path / "ring"

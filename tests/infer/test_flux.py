@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from spindle.api import load_generator
-from spindle.models.flux.tiny import build_tiny_flux
+from spindle.models.flux.tiny import build_tiny as build_tiny_flux
 from spindle.testing.conformance import before_denoising, check_generator_parity, check_request_error
 
 TOL = 1e-5

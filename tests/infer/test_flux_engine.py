@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from spindle.api import load_generator
-from spindle.models.flux.tiny import build_tiny_flux
+from spindle.models.flux.tiny import build_tiny as build_tiny_flux
 from spindle.testing.multiprocess import generate_on_ranks
 from tests.conftest import FLUX_TRUE_CFG, generate_with_sp2
 

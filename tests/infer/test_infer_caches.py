@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from spindle.api import load_generator
-from spindle.models.wan.tiny import build_tiny_wan
+from spindle.models.wan.tiny import build_tiny as build_tiny_wan
 
 A = dict(
     prompt="a paper boat on a river",

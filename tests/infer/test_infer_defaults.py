@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from spindle.api import load_generator
-from spindle.models.flux.tiny import build_tiny_flux
-from spindle.models.wan.tiny import build_tiny_wan
+from spindle.models.flux.tiny import build_tiny as build_tiny_flux
+from spindle.models.wan.tiny import build_tiny as build_tiny_wan
 from tests.conftest import FLUX_TRUE_CFG
 
 CASES = {

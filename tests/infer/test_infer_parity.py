@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from spindle.api import load_generator
-from spindle.models.wan.tiny import build_tiny_wan
+from spindle.models.wan.tiny import build_tiny as build_tiny_wan
 
 TOL = 1e-5
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from spindle.api import load_generator
-from spindle.models.qwenimage.tiny import build_tiny_qwenimage
+from spindle.models.qwenimage.tiny import build_tiny as build_tiny_qwenimage
 from spindle.testing.conformance import before_denoising, check_generator_parity, check_request_error
 from tests.conftest import run_spindle
 

@@ -38,7 +38,7 @@ def flux_inputs(transformer, batch: int = 2, image_tokens: int = 64, text_tokens
 
 
 def test_fused_feed_forward_matches_unfused(flux_transformer):
-    from spindle.models.flux.inference import FLUX_INFERENCE
+    from spindle.models.flux.inference import INFERENCE as FLUX_INFERENCE
 
     fused = copy.deepcopy(flux_transformer)
     count = onednn_linear_gelu(fused, FLUX_INFERENCE.linear_gelu_pairs(fused))
@@ -55,7 +55,7 @@ def test_fused_feed_forward_matches_unfused(flux_transformer):
 
 
 def test_fused_feed_forward_keeps_the_unfused_path_for_training(flux_transformer):
-    from spindle.models.flux.inference import FLUX_INFERENCE
+    from spindle.models.flux.inference import INFERENCE as FLUX_INFERENCE
 
     fused = copy.deepcopy(flux_transformer)
     onednn_linear_gelu(fused, FLUX_INFERENCE.linear_gelu_pairs(fused))

@@ -80,7 +80,7 @@ def test_a_cache_made_by_an_older_encoding_is_refused(cache, make_config, monkey
 
 
 def test_cache_from_another_checkpoint_is_refused(cache, make_config, tmp_path):
-    from spindle.models.wan.tiny import build_tiny_wan
+    from spindle.models.wan.tiny import build_tiny as build_tiny_wan
 
     other = build_tiny_wan(tmp_path / "other", seed=1)
     cfg = make_config(model__path=other, data__precomputed=cache, **COMMON)

@@ -138,7 +138,7 @@ def test_export_names_a_checkpoint_from_another_base_model(make_config, tmp_path
     cfg = make_config(train__max_steps=1, checkpoint__export=False)
     train(cfg)
     other = tmp_path / "other"
-    from spindle.models.wan.tiny import build_tiny_wan
+    from spindle.models.wan.tiny import build_tiny as build_tiny_wan
 
     build_tiny_wan(other, transformer={"num_layers": 1})
     proc = run_spindle("export", cfg.train.output_dir, "--out", tmp_path / "x", "--model", other)

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from spindle.contracts.family import ConformanceSpec, DiTFamily
+from spindle.contracts.family import ConformanceSpec, DiffusersCheckpoint, DiTFamily
 from spindle.contracts.options import FamilyOptions
 from spindle.models.shared import declarations as decl
 
@@ -21,13 +21,7 @@ OPTIONS = FamilyOptions(
 
 FAMILY = DiTFamily(
     name="flux",
-    pipeline_classes=("FluxPipeline",),
-    transformer_classes=("FluxTransformer2DModel",),
-    condition_model="spindle.models.flux.condition:FluxConditionModel",
-    inference="spindle.models.flux.inference:FLUX_INFERENCE",
-    tiny_model="spindle.models.flux.tiny:build_tiny_flux",
-    lora_original="spindle.models.flux.lora:to_original",
-    detect=_looks_like_flux,
+    checkpoint=DiffusersCheckpoint("FluxPipeline", "FluxTransformer2DModel", detect=_looks_like_flux),
     options=OPTIONS,
     # the embedded guidance the model was fine-tuned with
     demo=decl.demo(decl.IMAGE_DEMO, sample_kwargs={"guidance_scale": 3.5}),

@@ -87,3 +87,6 @@ class FluxConditionModel(PackedImageConditionModel):
             "target": self.pack(target),
             "sigmas": sigmas,
         }
+
+
+CONDITION_MODEL = FluxConditionModel  # the family's condition model (DiTFamily finds it by this name)

@@ -134,4 +134,4 @@ class FluxInference(PackedImageInference):
         return [(block, "proj_mlp", "act_mlp") for block in flux.single_transformer_blocks]
 
 
-FLUX_INFERENCE = FluxInference()
+INFERENCE = FluxInference()

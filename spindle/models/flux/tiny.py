@@ -47,7 +47,7 @@ FLUX_T5 = dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, relative_
 FLUX_SCHEDULER = dynamic_shift_scheduler(shift=3.0, max_shift=1.15, max_image_seq_len=4096)
 
 
-def build_tiny_flux(
+def build_tiny(
     out: str | Path,
     seed: int = 0,
     transformer: Overrides = None,

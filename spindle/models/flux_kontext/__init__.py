@@ -14,7 +14,7 @@ Sizing, as FluxKontextPipeline does it:
 
 import dataclasses
 
-from spindle.contracts.family import ConformanceSpec, DiTFamily
+from spindle.contracts.family import ConformanceSpec, DiffusersCheckpoint, DiTFamily
 from spindle.contracts.options import Option
 from spindle.models.flux import FAMILY as FLUX
 from spindle.models.flux import OPTIONS as FLUX_OPTIONS
@@ -52,13 +52,10 @@ STOCK_NAMES = {"auto_resize": "_auto_resize"}
 assert FLUX.conformance is not None
 FAMILY = DiTFamily(
     name="flux_kontext",
-    pipeline_classes=("FluxKontextPipeline",),
     # FluxTransformer2DModel is flux's too: the pipeline class decides (spindle.registry)
-    transformer_classes=("FluxTransformer2DModel",),
-    condition_model="spindle.models.flux_kontext.condition:FluxKontextConditionModel",
-    inference="spindle.models.flux_kontext.inference:FLUX_KONTEXT_INFERENCE",
-    tiny_model="spindle.models.flux_kontext.tiny:build_tiny_flux_kontext",
-    lora_original=FLUX.lora_original,  # the same transformer: BFL's layout, read back by diffusers' Flux reader
+    checkpoint=DiffusersCheckpoint("FluxKontextPipeline", "FluxTransformer2DModel"),
+    # the same transformer: BFL's LoRA layout, read back by diffusers' Flux reader
+    parts={"lora_original": FLUX.lora_original},
     options=OPTIONS,
     # validation/demo samples at the training size: the output keeps it, the source its own size
     demo=demo(EDIT_DEMO, sample_kwargs={"guidance_scale": 2.5, "max_area": 32 * 32, "auto_resize": False}),

@@ -56,3 +56,6 @@ class FluxKontextConditionModel(FluxConditionModel):
 
     def target_prediction(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return pred[:, : target.shape[1]]
+
+
+CONDITION_MODEL = FluxKontextConditionModel  # the family's condition model (DiTFamily finds it by this name)

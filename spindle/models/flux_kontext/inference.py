@@ -128,4 +128,4 @@ class FluxKontextInference(ReferenceTokensInference, FluxInference):
         return tokens
 
 
-FLUX_KONTEXT_INFERENCE = FluxKontextInference()
+INFERENCE = FluxKontextInference()

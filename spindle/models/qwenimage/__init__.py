@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from spindle.contracts.family import ConformanceSpec, DiTFamily
+from spindle.contracts.family import ConformanceSpec, DiffusersCheckpoint, DiTFamily
 from spindle.contracts.options import FamilyOptions
 from spindle.models.shared import declarations as decl
 
@@ -22,12 +22,7 @@ OPTIONS = FamilyOptions(
 
 FAMILY = DiTFamily(
     name="qwenimage",
-    pipeline_classes=("QwenImagePipeline",),
-    transformer_classes=("QwenImageTransformer2DModel",),
-    condition_model="spindle.models.qwenimage.condition:QwenImageConditionModel",
-    inference="spindle.models.qwenimage.inference:QWENIMAGE_INFERENCE",
-    tiny_model="spindle.models.qwenimage.tiny:build_tiny_qwenimage",
-    detect=_looks_like_qwenimage,
+    checkpoint=DiffusersCheckpoint("QwenImagePipeline", "QwenImageTransformer2DModel", detect=_looks_like_qwenimage),
     options=OPTIONS,
     demo=decl.demo(decl.IMAGE_DEMO, sample_kwargs={"negative_prompt": "", "true_cfg_scale": 4.0}),
     conformance=ConformanceSpec(

@@ -84,3 +84,6 @@ class QwenImageConditionModel(PackedImageConditionModel):
             "target": self.pack(target),
             "sigmas": sigmas,
         }
+
+
+CONDITION_MODEL = QwenImageConditionModel  # the family's condition model (DiTFamily finds it by this name)

@@ -192,4 +192,4 @@ class QwenImageInference(PackedImageInference):
         return super().postprocess(decoded[:, :, 0], req)  # the 3-D VAE decodes one frame per image
 
 
-QWENIMAGE_INFERENCE = QwenImageInference()
+INFERENCE = QwenImageInference()

@@ -91,7 +91,7 @@ def qwen_text_encoder_config(
     )
 
 
-def build_tiny_qwenimage(
+def build_tiny(
     out: str | Path, seed: int = 0, transformer: Overrides = None, vae: Overrides = None, text_encoder: Overrides = None
 ) -> Path:
     """Write a tiny random Qwen-Image pipeline (`QwenImagePipeline` layout) to `out`; return its path.

@@ -10,7 +10,7 @@ reference latents. The checkpoint's `Qwen2VLProcessor` is assembled without torc
 
 from pathlib import Path
 
-from spindle.contracts.family import ConformanceSpec, DiTFamily
+from spindle.contracts.family import ConformanceSpec, DiffusersCheckpoint, DiTFamily
 from spindle.contracts.options import FamilyOptions, Option
 from spindle.models.qwenimage import OPTIONS as QWENIMAGE_OPTIONS
 from spindle.models.qwenimage import STEPS_ERROR
@@ -114,13 +114,8 @@ DEMO = demo(EDIT_DEMO, sample_kwargs={"negative_prompt": "", "true_cfg_scale": 4
 
 FAMILY = DiTFamily(
     name="qwenimage_edit",
-    pipeline_classes=("QwenImageEditPipeline",),
     # QwenImageTransformer2DModel is qwenimage's too: the pipeline class decides (spindle.registry)
-    transformer_classes=("QwenImageTransformer2DModel",),
-    condition_model="spindle.models.qwenimage_edit.condition:QwenImageEditConditionModel",
-    inference="spindle.models.qwenimage_edit.inference:QWENIMAGE_EDIT_INFERENCE",
-    tiny_model="spindle.models.qwenimage_edit.tiny:build_tiny_qwenimage_edit",
-    detect=_looks_like_edit,
+    checkpoint=DiffusersCheckpoint("QwenImageEditPipeline", "QwenImageTransformer2DModel", detect=_looks_like_edit),
     options=OPTIONS,
     demo=DEMO,
     conformance=edit_conformance([sample_image()]),

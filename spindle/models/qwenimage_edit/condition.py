@@ -116,3 +116,6 @@ class QwenImageEditPlusConditionModel(QwenImageEditConditionModel):
             width, height = image_size(image, CONDITION_IMAGE_AREA, self.pipeline_class)
             out.append(resize(image, height, width))
         return out
+
+
+CONDITION_MODEL = QwenImageEditConditionModel  # the family's condition model (DiTFamily finds it by this name)

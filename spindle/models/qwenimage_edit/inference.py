@@ -151,5 +151,5 @@ class QwenImageEditPlusInference(QwenImageEditInference):
     before_denoising_cls = QwenImageEditPlusBeforeDenoisingStage
 
 
-QWENIMAGE_EDIT_INFERENCE = QwenImageEditInference()
+INFERENCE = QwenImageEditInference()
 QWENIMAGE_EDIT_PLUS_INFERENCE = QwenImageEditPlusInference()

@@ -60,7 +60,7 @@ EDIT_TEMPLATE_WORDS = [
 EDIT_SPLIT = r"'s|\),|" + QWEN_PROMPT_SPLIT
 
 
-def build_tiny_qwenimage_edit(
+def build_tiny(
     out: str | Path,
     seed: int = 0,
     transformer: Overrides = None,
@@ -96,4 +96,4 @@ def build_tiny_qwenimage_edit_plus(
     out: str | Path, seed: int = 0, transformer: Overrides = None, vae: Overrides = None, text_encoder: Overrides = None
 ) -> Path:
     """Write a tiny random QwenImageEditPlusPipeline (several input images) to `out`."""
-    return build_tiny_qwenimage_edit(out, seed, transformer, vae, text_encoder, pipeline="QwenImageEditPlusPipeline")
+    return build_tiny(out, seed, transformer, vae, text_encoder, pipeline="QwenImageEditPlusPipeline")

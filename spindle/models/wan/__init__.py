@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from spindle.contracts.family import ConformanceSpec, DiTFamily
+from spindle.contracts.family import ConformanceSpec, DiffusersCheckpoint, DiTFamily
 from spindle.contracts.options import FamilyOptions
 from spindle.models.shared.declarations import VIDEO_DEMO, config_mentions, demo, multiple_error, parity_cases
 
@@ -19,13 +19,7 @@ NUM_FRAMES_ERROR = (dict(num_frames=6), r"num_frames must be 4k\+1 \(1, 5, 9, 13
 
 FAMILY = DiTFamily(
     name="wan",
-    pipeline_classes=("WanPipeline",),
-    transformer_classes=("WanTransformer3DModel",),
-    condition_model="spindle.models.wan.condition:WanConditionModel",
-    inference="spindle.models.wan.inference:WAN_INFERENCE",
-    tiny_model="spindle.models.wan.tiny:build_tiny_wan",
-    lora_original="spindle.models.wan.lora:to_original",
-    detect=_looks_like_wan,
+    checkpoint=DiffusersCheckpoint("WanPipeline", "WanTransformer3DModel", detect=_looks_like_wan),
     options=OPTIONS,
     demo=demo(VIDEO_DEMO),
     conformance=ConformanceSpec(

@@ -74,3 +74,6 @@ class WanConditionModel(PipelineConditionModel):
             "target": target,
             "sigmas": sigmas,
         }
+
+
+CONDITION_MODEL = WanConditionModel  # the family's condition model (DiTFamily finds it by this name)

@@ -239,4 +239,4 @@ class WanInference(InferenceSpec):
         return mean_std_scale_shift(vae, latents)
 
 
-WAN_INFERENCE = WanInference()
+INFERENCE = WanInference()

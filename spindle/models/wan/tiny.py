@@ -26,7 +26,7 @@ WAN_TEXT = dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, relative
 WAN_SCHEDULER = dict(shift=3.0, num_train_timesteps=1000)
 
 
-def build_tiny_wan(
+def build_tiny(
     out: str | Path, seed: int = 0, transformer: Overrides = None, vae: Overrides = None, text_encoder: Overrides = None
 ) -> Path:
     """Write a tiny random Wan2.1 T2V pipeline to `out` and return its path.

@@ -14,11 +14,9 @@ assert WAN.conformance is not None
 FAMILY = dataclasses.replace(
     WAN,
     name="wan22",
-    condition_model="spindle.models.wan22.condition:Wan22ConditionModel",
-    inference="spindle.models.wan22.inference:WAN22_INFERENCE",
-    tiny_model="spindle.models.wan22.tiny:build_tiny_wan22",
-    detect=None,  # renamed folders resolve to Wan2.1's family; a WanPipeline folder is told apart by `variant`
-    variant=is_two_expert,
+    # renamed folders resolve to Wan2.1's family; a WanPipeline folder is told apart by `variant`
+    checkpoint=dataclasses.replace(WAN.checkpoint, detect=None, variant=is_two_expert),
+    parts={"lora_original": WAN.lora_original},  # Wan's transformers: Wan's LoRA layout
     options=OPTIONS,
     conformance=two_expert_conformance(WAN.conformance, "high_noise"),
 )

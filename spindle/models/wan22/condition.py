@@ -8,3 +8,6 @@ from spindle.models.wan22.experts import TwoExpertCondition
 
 class Wan22ConditionModel(TwoExpertCondition, WanConditionModel):
     pass
+
+
+CONDITION_MODEL = Wan22ConditionModel  # the family's condition model (DiTFamily finds it by this name)

@@ -17,4 +17,4 @@ class Wan22Inference(TwoExpertInference, WanInference):
     before_denoising_cls = Wan22BeforeDenoisingStage
 
 
-WAN22_INFERENCE = Wan22Inference()
+INFERENCE = Wan22Inference()

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from spindle.models.shared.tiny import seeded, update_model_index
-from spindle.models.wan.tiny import build_tiny_wan
+from spindle.models.wan.tiny import build_tiny as build_tiny_wan
 
 BOUNDARY_RATIO = 0.875  # Wan2.2 T2V-A14B's; the tiny schedules (shift 3) have steps on both sides of it
 
@@ -23,6 +23,6 @@ def add_second_expert(out: Path, seed: int, boundary_ratio: float = BOUNDARY_RAT
     return update_model_index(out, transformer_2=["diffusers", "WanTransformer3DModel"], boundary_ratio=boundary_ratio)
 
 
-def build_tiny_wan22(out: str | Path, seed: int = 0, **overrides: dict | None) -> Path:
+def build_tiny(out: str | Path, seed: int = 0, **overrides: dict | None) -> Path:
     """A tiny random Wan2.2 T2V-A14B pipeline (`WanPipeline` with two experts); overrides as `build_tiny_wan`'s."""
     return add_second_expert(build_tiny_wan(out, seed, **overrides), seed)

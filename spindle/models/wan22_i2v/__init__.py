@@ -16,10 +16,7 @@ assert WAN_I2V.conformance is not None and WAN_I2V.demo is not None
 FAMILY = dataclasses.replace(
     WAN_I2V,
     name="wan22_i2v",
-    condition_model="spindle.models.wan22_i2v.condition:Wan22I2VConditionModel",
-    inference="spindle.models.wan22_i2v.inference:WAN22_I2V_INFERENCE",
-    tiny_model="spindle.models.wan22_i2v.tiny:build_tiny_wan22_i2v",
-    variant=is_two_expert,
+    checkpoint=dataclasses.replace(WAN_I2V.checkpoint, variant=is_two_expert),
     options=OPTIONS,
     # no image tokens share the context: any text length
     demo=dataclasses.replace(WAN_I2V.demo, text_tokens=DemoSpec.text_tokens),

@@ -9,3 +9,6 @@ from spindle.models.wan_i2v.condition import WanI2VConditionModel
 
 class Wan22I2VConditionModel(TwoExpertCondition, WanI2VConditionModel):
     fixed_text_length = None  # the transformers read no image tokens from the context
+
+
+CONDITION_MODEL = Wan22I2VConditionModel  # the family's condition model (DiTFamily finds it by this name)

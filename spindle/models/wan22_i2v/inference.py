@@ -19,4 +19,4 @@ class Wan22I2VInference(TwoExpertInference, WanI2VInference):
     before_denoising_cls = Wan22I2VBeforeDenoisingStage
 
 
-WAN22_I2V_INFERENCE = Wan22I2VInference()
+INFERENCE = Wan22I2VInference()

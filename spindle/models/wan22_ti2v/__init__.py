@@ -23,11 +23,8 @@ assert WAN.conformance is not None
 FAMILY = dataclasses.replace(
     WAN,
     name="wan22_ti2v",
-    condition_model="spindle.models.wan22_ti2v.condition:Wan22TI2VConditionModel",
-    inference="spindle.models.wan22_ti2v.inference:WAN22_TI2V_INFERENCE",
-    tiny_model="spindle.models.wan22_ti2v.tiny:build_tiny_wan22_ti2v",
-    detect=None,
-    variant=expands_timesteps,
+    checkpoint=dataclasses.replace(WAN.checkpoint, detect=None, variant=expands_timesteps),
+    parts={"lora_original": WAN.lora_original},  # Wan's transformer: Wan's LoRA layout
     options=OPTIONS,
     # 64x64: the 16x VAE and 2x2 patches leave 2x2 tokens per latent frame (at 32x32, one)
     demo=demo(VIDEO_DEMO, size=(64, 64)),

@@ -51,3 +51,6 @@ class Wan22TI2VConditionModel(WanConditionModel):
         inputs["timestep"] = inputs["timestep"].to(noisy)[:, None] * per_token[None]
         inputs["loss_mask"] = mask
         return inputs
+
+
+CONDITION_MODEL = Wan22TI2VConditionModel  # the family's condition model (DiTFamily finds it by this name)

@@ -70,4 +70,4 @@ class Wan22TI2VInference(WanInference):
         return self.with_condition(latents, req)
 
 
-WAN22_TI2V_INFERENCE = Wan22TI2VInference()
+INFERENCE = Wan22TI2VInference()

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from spindle.models.shared.tiny import Overrides, update_model_index
-from spindle.models.wan.tiny import build_tiny_wan
+from spindle.models.wan.tiny import build_tiny as build_tiny_wan
 
 # Wan2.2's VAE: base_dim 160, z_dim 48, is_residual, patch_size 2, in/out_channels 12 (= 3 x 2 x 2)
 TI2V_VAE = dict(
@@ -24,9 +24,7 @@ TI2V_VAE = dict(
 )
 
 
-def build_tiny_wan22_ti2v(
-    out: str | Path, seed: int = 0, transformer: Overrides = None, **overrides: dict | None
-) -> Path:
+def build_tiny(out: str | Path, seed: int = 0, transformer: Overrides = None, **overrides: dict | None) -> Path:
     """A tiny random Wan2.2 TI2V-5B pipeline (`WanPipeline` with `expand_timesteps`); overrides as
     `build_tiny_wan`'s (the transformer's channels follow the VAE's z_dim)."""
     z = TI2V_VAE["z_dim"]

@@ -4,7 +4,7 @@ the VAE-encoded first frame with its frame mask."""
 
 import dataclasses
 
-from spindle.contracts.family import ConformanceSpec, DiTFamily
+from spindle.contracts.family import ConformanceSpec, DiffusersCheckpoint, DiTFamily
 from spindle.models.shared.declarations import VIDEO_DEMO, amended, demo
 from spindle.models.shared.test_images import noise_image  # the suite's seeded conditioning image
 from spindle.models.wan import FAMILY as WAN
@@ -21,13 +21,9 @@ TEXT_LENGTH = 512
 assert WAN.conformance is not None
 FAMILY = DiTFamily(
     name="wan_i2v",
-    pipeline_classes=("WanImageToVideoPipeline",),
     # WanTransformer3DModel is `wan`'s too: the pipeline class decides (spindle.registry)
-    transformer_classes=WAN.transformer_classes,
-    condition_model="spindle.models.wan_i2v.condition:WanI2VConditionModel",
-    inference="spindle.models.wan_i2v.inference:WAN_I2V_INFERENCE",
-    tiny_model="spindle.models.wan_i2v.tiny:build_tiny_wan_i2v",
-    lora_original=WAN.lora_original,
+    checkpoint=DiffusersCheckpoint("WanImageToVideoPipeline", WAN.checkpoint.transformer),
+    parts={"lora_original": WAN.lora_original},  # the same transformer: Wan's LoRA layout
     options=OPTIONS,
     demo=demo(VIDEO_DEMO, text_tokens=TEXT_LENGTH),
     conformance=ConformanceSpec(

@@ -117,3 +117,6 @@ class WanI2VConditionModel(WanConditionModel):
             embeds = conditions["image_embeds"]
             inputs["encoder_hidden_states_image"] = embeds.flatten(0, 1).to(noisy.device)
         return inputs
+
+
+CONDITION_MODEL = WanI2VConditionModel  # the family's condition model (DiTFamily finds it by this name)

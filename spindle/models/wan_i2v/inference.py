@@ -126,4 +126,4 @@ class WanI2VInference(WanInference):
         return modules
 
 
-WAN_I2V_INFERENCE = WanI2VInference()
+INFERENCE = WanI2VInference()

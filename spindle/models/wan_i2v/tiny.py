@@ -28,7 +28,7 @@ CLIP_VISION = dict(
 MASK_CHANNELS = 4  # the frame mask: one channel per frame the VAE folds into a latent frame
 
 
-def build_tiny_wan_i2v(
+def build_tiny(
     out: str | Path,
     seed: int = 0,
     transformer: Overrides = None,

@@ -476,7 +476,7 @@ def export_lora(
         tmp / "lora",
         family.name,
         base_path,
-        family.pipeline_classes[0],
+        family.checkpoint.pipeline,
         max_text_length,
         lora_dir=str(out.resolve() / "lora"),
         media=family.inference_spec().media if family.inference else "image",
