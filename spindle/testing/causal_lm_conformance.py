@@ -95,16 +95,9 @@ def check_stock_load(family: CausalLMFamily, root: Path) -> None:
 # suite): a vocabulary of 1000 over a 12-token batch repeats few rows, and untied embeddings; with the tiny
 # checkpoint's 182-token vocabulary and tied embeddings, an embedding row's gradient sums many
 # contributions whose order the chunked loss changes (~2e-5 relative on single elements of the summed loss)
+PAIR_SIZE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16, max_position_embeddings=128)
 PAIR_CONFIG: dict[str, Any] = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=1000,
-    max_position_embeddings=128,
-    tie_word_embeddings=False,
+    PAIR_SIZE, num_attention_heads=4, num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=False
 )
 
 

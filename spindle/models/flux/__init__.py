@@ -32,16 +32,8 @@ FAMILY = DiTFamily(
             nocfg=dict(guidance_scale=4.0, seed=0),
             max_sequence_length=16,
         ),
-        # default_sample_size 128 x the tiny VAE's factor 2
-        default_params=dict(
-            height=256,
-            width=256,
-            num_frames=None,
-            num_inference_steps=28,
-            guidance_scale=3.5,
-            max_sequence_length=512,
-            extra={"true_cfg_scale": 1.0},  # FluxPipeline's: no true CFG
-        ),
+        # FluxPipeline's: no true CFG by default
+        default_params=decl.image_default_params(1.0, num_frames=None, num_inference_steps=28, guidance_scale=3.5),
         request_errors=(
             decl.multiple_error("height", 30, 4, "28 or 32", why=decl.PACKING),
             decl.multiple_error("width", 2, 4, "4"),

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from spindle.models.shared.tiny import Overrides, dynamic_shift_scheduler, save_seeded_pipeline, seeded, t5_text_parts
+from spindle.models.shared.tiny import (
+    Overrides,
+    component_overrides,
+    dynamic_shift_scheduler,
+    save_seeded_pipeline,
+    seeded,
+    t5_text_parts,
+)
 from spindle.models.shared.tokenizers import save_tokenizer
 
 FLUX_TRANSFORMER = dict(
@@ -47,15 +54,7 @@ FLUX_T5 = dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, relative_
 FLUX_SCHEDULER = dynamic_shift_scheduler(shift=3.0, max_shift=1.15, max_image_seq_len=4096)
 
 
-def build_tiny(
-    out: str | Path,
-    seed: int = 0,
-    transformer: Overrides = None,
-    vae: Overrides = None,
-    text_encoder: Overrides = None,
-    text_encoder_2: Overrides = None,
-    pipeline: str = "FluxPipeline",
-) -> Path:
+def build_tiny(out: str | Path, seed: int = 0, pipeline: str = "FluxPipeline", **overrides: Overrides) -> Path:
     """Write a tiny random FLUX.1 pipeline (`FluxPipeline` layout) to `out` and return its path.
 
     CLIP (pooled) + T5 text encoders with locally built tokenizers, `AutoencoderKL` with Flux's
@@ -69,13 +68,16 @@ def build_tiny(
     from transformers import CLIPTextConfig, CLIPTextModel, PreTrainedTokenizerFast, T5Config, T5EncoderModel
 
     out = Path(out)
-    tcfg = {**FLUX_TRANSFORMER, **(transformer or {})}
-    vcfg = {**FLUX_VAE, **(vae or {})}
+    transformer, vae, text_encoder, text_encoder_2 = component_overrides(
+        overrides, "transformer", "vae", "text_encoder", "text_encoder_2"
+    )
+    tcfg = {**FLUX_TRANSFORMER, **transformer}
+    vcfg = {**FLUX_VAE, **vae}
     depth = len(vcfg["block_out_channels"])  # VAE factor 2 ** (depth - 1); block types follow the depth
     vcfg["down_block_types"] = tuple(vcfg["down_block_types"][:1]) * depth
     vcfg["up_block_types"] = tuple(vcfg["up_block_types"][:1]) * depth
-    ccfg = {**FLUX_CLIP, **(text_encoder or {})}
-    ecfg = {**FLUX_T5, **(text_encoder_2 or {})}
+    ccfg = {**FLUX_CLIP, **text_encoder}
+    ecfg = {**FLUX_T5, **text_encoder_2}
     if tcfg["in_channels"] % 4:
         raise ValueError(f"Flux in_channels must be 4 x VAE latent channels (2x2 packing); got {tcfg['in_channels']}")
     vcfg["latent_channels"] = tcfg["in_channels"] // 4

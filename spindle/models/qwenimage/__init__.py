@@ -35,15 +35,8 @@ FAMILY = DiTFamily(
         # both layouts: the joint attention's text-padding mask goes through ring attention chunk by chunk
         # (spindle.distributed.context_parallel, key masks under ring attention)
         sequence_parallel=("ulysses2", "ring2"),
-        # default_sample_size 128 x the tiny VAE's factor 2
-        default_params=dict(
-            height=256,
-            width=256,
-            negative_prompt=None,
-            num_inference_steps=50,
-            max_sequence_length=512,
-            extra={"true_cfg_scale": 4.0},  # QwenImagePipeline's, which runs only with a negative prompt
-        ),
+        # true_cfg_scale: QwenImagePipeline's, which runs only with a negative prompt
+        default_params=decl.image_default_params(4.0, negative_prompt=None, num_inference_steps=50),
         request_errors=(
             decl.multiple_error("height", 34, 4, "32 or 36", why=decl.PACKING),
             STEPS_ERROR,

@@ -23,7 +23,7 @@ from spindle.models.qwenimage.tiny import (
     save_qwenimage_pipeline,
 )
 from spindle.models.qwenimage_edit.processor import save_processor
-from spindle.models.shared.tiny import Overrides, update_model_index
+from spindle.models.shared.tiny import Overrides, component_overrides, update_model_index
 from spindle.models.shared.tokenizers import QWEN_PROMPT_SPLIT, save_qwen_prompt_tokenizer
 
 VISION_TOKENS = {
@@ -60,20 +60,14 @@ EDIT_TEMPLATE_WORDS = [
 EDIT_SPLIT = r"'s|\),|" + QWEN_PROMPT_SPLIT
 
 
-def build_tiny(
-    out: str | Path,
-    seed: int = 0,
-    transformer: Overrides = None,
-    vae: Overrides = None,
-    text_encoder: Overrides = None,
-    pipeline: str = "QwenImageEditPipeline",
-) -> Path:
+def build_tiny(out: str | Path, seed: int = 0, pipeline: str = "QwenImageEditPipeline", **overrides: Overrides) -> Path:
     """Write a tiny random `pipeline` (QwenImageEditPipeline or QwenImageEditPlusPipeline) to `out`."""
     import diffusers
     from transformers import PreTrainedTokenizerFast
 
     out = Path(out)
-    tcfg, vcfg, ecfg = qwenimage_configs(transformer, {**EDIT_VAE, **(vae or {})}, text_encoder, seed)
+    transformer, vae, text_encoder = component_overrides(overrides, "transformer", "vae", "text_encoder")
+    tcfg, vcfg, ecfg = qwenimage_configs(transformer, {**EDIT_VAE, **vae}, text_encoder, seed)
     vocab = save_qwen_prompt_tokenizer(
         out / "tokenizer",
         [*QWEN_CHAT_TOKENS, *VISION_TOKENS.values()],
@@ -92,8 +86,6 @@ def build_tiny(
     return update_model_index(out, processor=["transformers", "Qwen2VLProcessor"])
 
 
-def build_tiny_qwenimage_edit_plus(
-    out: str | Path, seed: int = 0, transformer: Overrides = None, vae: Overrides = None, text_encoder: Overrides = None
-) -> Path:
-    """Write a tiny random QwenImageEditPlusPipeline (several input images) to `out`."""
-    return build_tiny(out, seed, transformer, vae, text_encoder, pipeline="QwenImageEditPlusPipeline")
+def build_tiny_qwenimage_edit_plus(out: str | Path, seed: int = 0, **overrides: Overrides) -> Path:
+    """Write a tiny random QwenImageEditPlusPipeline (several input images) to `out`; overrides as `build_tiny`'s."""
+    return build_tiny(out, seed, pipeline="QwenImageEditPlusPipeline", **overrides)

@@ -65,6 +65,13 @@ def parity_cases(cfg: dict[str, Any], nocfg: dict[str, Any], **both: Any) -> dic
     }
 
 
+def image_default_params(true_cfg_scale: float, **params: Any) -> dict[str, Any]:
+    """An image pipeline's default request on its tiny checkpoint (`ConformanceSpec.default_params`): the
+    pipeline's `default_sample_size` 128 x the tiny VAE's factor 2 a side, 512 text tokens, its other `params`,
+    and its `true_cfg_scale` default (a family option)."""
+    return dict(height=256, width=256, **params, max_sequence_length=512, extra={"true_cfg_scale": true_cfg_scale})
+
+
 def multiple_error(name: str, got: int, multiple: int, tries: str, why: str | None = None) -> tuple[dict, str]:
     """A `request_errors` row: `name=got`, not a positive multiple of `multiple` (the VAE factor x patch), refused
     naming the values to try (`tries`, e.g. "16 or 32") and, where given, the reason (`why`, e.g. "VAE x2 x 2x2

@@ -15,6 +15,15 @@ import torch
 Overrides = dict[str, Any] | None
 
 
+def component_overrides(overrides: dict[str, Overrides], *components: str) -> list[dict[str, Any]]:
+    """A tiny builder's `**overrides` -> each of its `components`' config overrides, in that order ({} where
+    none); a component the checkpoint has not is refused, naming those it has."""
+    unknown = sorted(set(overrides) - set(components))
+    if unknown:
+        raise TypeError(f"no component {', '.join(unknown)} to override; this checkpoint has {', '.join(components)}")
+    return [overrides.get(name) or {} for name in components]
+
+
 def dynamic_shift_scheduler(**fields: Any) -> dict[str, Any]:
     """A FlowMatchEulerDiscreteScheduler config with resolution-dependent ("dynamic") shift, from 0.5 at 256
     image tokens to `max_shift` at `max_image_seq_len` (FLUX.1's and Qwen-Image's; `fields`: the family's)."""

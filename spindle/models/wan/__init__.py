@@ -1,6 +1,9 @@
 """Wan2.1 text-to-video (diffusers `WanPipeline` / `WanTransformer3DModel`)."""
 
+import dataclasses
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from spindle.contracts.family import ConformanceSpec, DiffusersCheckpoint, DiTFamily
 from spindle.contracts.options import FamilyOptions
@@ -37,3 +40,13 @@ FAMILY = DiTFamily(
         default_params=dict(height=480, width=832, num_frames=81, num_inference_steps=50, guidance_scale=5.0),
     ),
 )
+
+
+def pipeline_variant(name: str, variant: Callable[[dict[str, Any]], bool], **fields: Any) -> DiTFamily:
+    """A family serving a variant of Wan's `WanPipeline` folder (Wan2.2 A14B's two experts, TI2V-5B's
+    `expand_timesteps`): its own folder's parts and `fields` over Wan's record, Wan's LoRA layout (the same
+    transformer class), told apart by `variant` (model_index.json); renamed folders resolve to Wan."""
+    checkpoint = dataclasses.replace(FAMILY.checkpoint, detect=None, variant=variant)
+    return dataclasses.replace(
+        FAMILY, name=name, checkpoint=checkpoint, parts={"lora_original": FAMILY.lora_original}, **fields
+    )

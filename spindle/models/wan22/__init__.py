@@ -6,17 +6,12 @@ import dataclasses
 
 from spindle.models.wan import FAMILY as WAN
 from spindle.models.wan import OPTIONS as WAN_OPTIONS
+from spindle.models.wan import pipeline_variant
 from spindle.models.wan22.experts import GUIDANCE_SCALE_2, is_two_expert, two_expert_conformance
 
 OPTIONS = dataclasses.replace(WAN_OPTIONS, extra=(*WAN_OPTIONS.extra, GUIDANCE_SCALE_2))
 
 assert WAN.conformance is not None
-FAMILY = dataclasses.replace(
-    WAN,
-    name="wan22",
-    # renamed folders resolve to Wan2.1's family; a WanPipeline folder is told apart by `variant`
-    checkpoint=dataclasses.replace(WAN.checkpoint, detect=None, variant=is_two_expert),
-    parts={"lora_original": WAN.lora_original},  # Wan's transformers: Wan's LoRA layout
-    options=OPTIONS,
-    conformance=two_expert_conformance(WAN.conformance, "high_noise"),
+FAMILY = pipeline_variant(
+    "wan22", is_two_expert, options=OPTIONS, conformance=two_expert_conformance(WAN.conformance, "high_noise")
 )

@@ -8,7 +8,7 @@ import dataclasses
 from spindle.contracts.family import ConformanceSpec
 from spindle.models.shared.declarations import VIDEO_DEMO, amended, demo, multiple_error
 from spindle.models.wan import FAMILY as WAN
-from spindle.models.wan import NUM_FRAMES_ERROR
+from spindle.models.wan import NUM_FRAMES_ERROR, pipeline_variant
 from spindle.models.wan import OPTIONS as WAN_OPTIONS
 
 
@@ -20,11 +20,9 @@ def expands_timesteps(model_index: dict) -> bool:
 OPTIONS = dataclasses.replace(WAN_OPTIONS, fps=24, images=(0, 1))
 
 assert WAN.conformance is not None
-FAMILY = dataclasses.replace(
-    WAN,
-    name="wan22_ti2v",
-    checkpoint=dataclasses.replace(WAN.checkpoint, detect=None, variant=expands_timesteps),
-    parts={"lora_original": WAN.lora_original},  # Wan's transformer: Wan's LoRA layout
+FAMILY = pipeline_variant(
+    "wan22_ti2v",
+    expands_timesteps,
     options=OPTIONS,
     # 64x64: the 16x VAE and 2x2 patches leave 2x2 tokens per latent frame (at 32x32, one)
     demo=demo(VIDEO_DEMO, size=(64, 64)),

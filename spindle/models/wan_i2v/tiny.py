@@ -12,6 +12,7 @@ from pathlib import Path
 
 from spindle.models.shared.tiny import (
     Overrides,
+    component_overrides,
     seeded,
     update_model_index,
 )
@@ -28,15 +29,7 @@ CLIP_VISION = dict(
 MASK_CHANNELS = 4  # the frame mask: one channel per frame the VAE folds into a latent frame
 
 
-def build_tiny(
-    out: str | Path,
-    seed: int = 0,
-    transformer: Overrides = None,
-    vae: Overrides = None,
-    text_encoder: Overrides = None,
-    image_encoder: Overrides = None,
-    clip: bool = True,
-) -> Path:
+def build_tiny(out: str | Path, seed: int = 0, clip: bool = True, **overrides: Overrides) -> Path:
     """Write a tiny random Wan2.1 I2V pipeline (`WanImageToVideoPipeline`) to `out` and return its path.
     Overrides are merged into the default component configs. `clip=False`: no image encoder and a
     transformer without the image projection (Wan2.2's I2V layout)."""
@@ -44,16 +37,19 @@ def build_tiny(
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
     out = Path(out)
-    vcfg = {**WAN_VAE, **(vae or {})}
-    ecfg = {**WAN_TEXT, **(text_encoder or {})}
-    icfg = {**CLIP_VISION, **(image_encoder or {})}
+    transformer, vae, text_encoder, image_encoder = component_overrides(
+        overrides, "transformer", "vae", "text_encoder", "image_encoder"
+    )
+    vcfg = {**WAN_VAE, **vae}
+    ecfg = {**WAN_TEXT, **text_encoder}
+    icfg = {**CLIP_VISION, **image_encoder}
     z = vcfg["z_dim"]
     tcfg = {
         **WAN_TRANSFORMER,
         "in_channels": 2 * z + MASK_CHANNELS,
         "out_channels": z,
         "image_dim": icfg["hidden_size"] if clip else None,
-        **(transformer or {}),
+        **transformer,
     }
     if clip:  # the cross-attention's image key/value project the image tokens to the attention width
         tcfg.setdefault("added_kv_proj_dim", tcfg["num_attention_heads"] * tcfg["attention_head_dim"])
