@@ -38,7 +38,9 @@ def run(args: argparse.Namespace) -> int:
 
     family = get_family(args.family)
     if family.tiny_model is None:
-        raise ValueError(f"family {args.family!r} has no tiny-model builder (tiny.py defining build_tiny in its folder)")
+        raise ValueError(
+            f"family {args.family!r} has no tiny-model builder (tiny.py defining build_tiny in its folder)"
+        )
     builder = import_object(family.tiny_model)
     out = builder(args.out, seed=args.seed, transformer=args.transformer)
     print(f"wrote tiny {args.family} checkpoint to {out}")

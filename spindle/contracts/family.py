@@ -266,7 +266,11 @@ class DiTFamily:
             return self.parts[name]
         module, _, attr = DIT_PARTS[name].partition(":")
         module = f"{self.package or 'spindle.models.' + self.name}.{module}"
-        return f"{module}:{attr}" if importlib.util.find_spec(module) is not None else None
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # no such package: a record renamed without its folder
+            found = False
+        return f"{module}:{attr}" if found else None
 
     @property
     def condition_model(self) -> str:

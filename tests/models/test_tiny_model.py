@@ -56,3 +56,19 @@ def test_cli_tiny_model_is_seeded(tmp_path, spindle_cli):
     a = load_file(tmp_path / "a" / "transformer" / "diffusion_pytorch_model.safetensors")
     b = load_file(tmp_path / "b" / "transformer" / "diffusion_pytorch_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_component_the_checkpoint_has_not_is_refused_by_name(tmp_path):
+    """A misspelt component override (a tiny builder's `**overrides`) is refused before anything is written,
+    naming the components the family's checkpoint has."""
+    import pytest
+
+    from spindle.testing.tiny import build_tiny
+
+    with pytest.raises(
+        TypeError,
+        match="no component text_encoder2 to override; this checkpoint has transformer, "
+        "vae, text_encoder, text_encoder_2",
+    ):
+        build_tiny("flux", tmp_path / "flux", text_encoder2={"num_hidden_layers": 1})
+    assert not (tmp_path / "flux").exists()

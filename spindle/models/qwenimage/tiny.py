@@ -5,7 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from spindle.models.shared.tiny import Overrides, dynamic_shift_scheduler, random_latent_stats, save_seeded_pipeline
+from spindle.models.shared.tiny import (
+    Overrides,
+    component_overrides,
+    dynamic_shift_scheduler,
+    random_latent_stats,
+    save_seeded_pipeline,
+)
 from spindle.models.shared.tokenizers import save_qwen_prompt_tokenizer
 
 QWENIMAGE_TRANSFORMER = dict(
@@ -91,9 +97,7 @@ def qwen_text_encoder_config(
     )
 
 
-def build_tiny(
-    out: str | Path, seed: int = 0, transformer: Overrides = None, vae: Overrides = None, text_encoder: Overrides = None
-) -> Path:
+def build_tiny(out: str | Path, seed: int = 0, **overrides: Overrides) -> Path:
     """Write a tiny random Qwen-Image pipeline (`QwenImagePipeline` layout) to `out`; return its path.
 
     A Qwen2.5-VL text encoder (`Qwen2_5_VLForConditionalGeneration`, the class the pipeline loads)
@@ -106,6 +110,7 @@ def build_tiny(
     from transformers import PreTrainedTokenizerFast
 
     out = Path(out)
+    transformer, vae, text_encoder = component_overrides(overrides, "transformer", "vae", "text_encoder")
     tcfg, vcfg, ecfg = qwenimage_configs(transformer, vae, text_encoder, seed)
     vocab = save_qwen_prompt_tokenizer(out / "tokenizer", QWEN_CHAT_TOKENS, QWEN_PAD_TOKEN, QWEN_TEMPLATE_WORDS)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(out / "tokenizer")

@@ -5,7 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from spindle.models.shared.tiny import Overrides, random_latent_stats, save_seeded_pipeline, t5_text_parts
+from spindle.models.shared.tiny import (
+    Overrides,
+    component_overrides,
+    random_latent_stats,
+    save_seeded_pipeline,
+    t5_text_parts,
+)
 
 WAN_TRANSFORMER = dict(
     patch_size=(1, 2, 2),
@@ -26,9 +32,7 @@ WAN_TEXT = dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, relative
 WAN_SCHEDULER = dict(shift=3.0, num_train_timesteps=1000)
 
 
-def build_tiny(
-    out: str | Path, seed: int = 0, transformer: Overrides = None, vae: Overrides = None, text_encoder: Overrides = None
-) -> Path:
+def build_tiny(out: str | Path, seed: int = 0, **overrides: Overrides) -> Path:
     """Write a tiny random Wan2.1 T2V pipeline to `out` and return its path.
 
     Overrides are merged into the default component configs, e.g. `transformer={"num_layers": 4}`.
@@ -36,9 +40,10 @@ def build_tiny(
     from diffusers import WanPipeline
 
     out = Path(out)
-    tcfg = {**WAN_TRANSFORMER, **(transformer or {})}
-    vcfg = {**WAN_VAE, **(vae or {})}
-    ecfg = {**WAN_TEXT, **(text_encoder or {})}
+    transformer, vae, text_encoder = component_overrides(overrides, "transformer", "vae", "text_encoder")
+    tcfg = {**WAN_TRANSFORMER, **transformer}
+    vcfg = {**WAN_VAE, **vae}
+    ecfg = {**WAN_TEXT, **text_encoder}
     if tcfg["in_channels"] != vcfg["z_dim"]:
         vcfg["z_dim"] = tcfg["in_channels"]
     return save_wan_pipeline(WanPipeline, out, seed, tcfg, vcfg, ecfg)
