@@ -223,8 +223,8 @@ class DiffusersCheckpoint:
 
 
 # A DiT family's code, found in its folder by module and name (as transformers finds a model type's
-# `modeling_<type>.py`): part -> "module:attribute" under the family's package.
-DIT_PARTS: dict[str, str] = {
+# `modeling_<type>.py`): name -> "module:attribute" under the family's package.
+DIT_CODE: dict[str, str] = {
     "condition_model": "condition:CONDITION_MODEL",  # its ConditionModel subclass (required)
     "inference": "inference:INFERENCE",  # its inference spec (spindle.infer)
     "tiny_model": "tiny:build_tiny",  # (out, seed, **overrides) -> a tiny random checkpoint folder
@@ -238,10 +238,10 @@ DIT_PARTS: dict[str, str] = {
 class DiTFamily:
     """A diffusion transformer family served from a diffusers pipeline folder (model_index.json).
 
-    The record says what is not code; the code is the family folder's (`DIT_PARTS`: `condition.py`,
+    The record says what is not code; the code is the family folder's (`DIT_CODE`: `condition.py`,
     `inference.py`, `tiny.py`, and `lora.py` where the family has an original LoRA layout), found by
-    name under `package` (default `spindle.models.<name>`). `parts` points a part elsewhere: a family
-    sharing its base's LoRA layout, two records in one folder, or None for a part the family has not."""
+    name under `package` (default `spindle.models.<name>`). `code` points one elsewhere: a family sharing
+    its base's LoRA layout, two records in one folder, or None for code the family has not."""
 
     kind: ClassVar[str] = "dit"
     name: str
@@ -252,19 +252,19 @@ class DiTFamily:
     task: str = "flow_matching"  # the training task (a key of spindle.train.tasks.TASKS)
     extras: dict[str, Any] = field(default_factory=dict)
     package: str = ""  # the family folder's module ("": spindle.models.<name>)
-    parts: dict[str, str | None] = field(default_factory=dict)  # part -> "module:attribute" | None
+    code: dict[str, str | None] = field(default_factory=dict)  # DIT_CODE name -> "module:attribute" | None
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.parts) - set(DIT_PARTS))
+        unknown = sorted(set(self.code) - set(DIT_CODE))
         if unknown:
-            raise ValueError(f"family {self.name}: unknown parts {unknown}; a DiT family's parts: {sorted(DIT_PARTS)}")
+            raise ValueError(f"family {self.name}: unknown code {unknown}; a DiT family's code: {sorted(DIT_CODE)}")
 
-    def part(self, name: str) -> str | None:
-        """ "module:attribute" of the family's `name` part (`DIT_PARTS`), or None where its folder has no
+    def code_path(self, name: str) -> str | None:
+        """ "module:attribute" of the family's `name` code (`DIT_CODE`), or None where its folder has no
         such module."""
-        if name in self.parts:
-            return self.parts[name]
-        module, _, attr = DIT_PARTS[name].partition(":")
+        if name in self.code:
+            return self.code[name]
+        module, _, attr = DIT_CODE[name].partition(":")
         module = f"{self.package or 'spindle.models.' + self.name}.{module}"
         try:
             found = importlib.util.find_spec(module) is not None
@@ -274,22 +274,22 @@ class DiTFamily:
 
     @property
     def condition_model(self) -> str:
-        path = self.part("condition_model")
+        path = self.code_path("condition_model")
         if path is None:
             raise ValueError(f"family {self.name} has no condition model (condition.py defining CONDITION_MODEL)")
         return path
 
     @property
     def inference(self) -> str | None:
-        return self.part("inference")
+        return self.code_path("inference")
 
     @property
     def tiny_model(self) -> str | None:
-        return self.part("tiny_model")
+        return self.code_path("tiny_model")
 
     @property
     def lora_original(self) -> str | None:
-        return self.part("lora_original")
+        return self.code_path("lora_original")
 
     @property
     def export_hint(self) -> str:

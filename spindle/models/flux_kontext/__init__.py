@@ -55,7 +55,7 @@ FAMILY = DiTFamily(
     # FluxTransformer2DModel is flux's too: the pipeline class decides (spindle.registry)
     checkpoint=DiffusersCheckpoint("FluxKontextPipeline", "FluxTransformer2DModel"),
     # the same transformer: BFL's LoRA layout, read back by diffusers' Flux reader
-    parts={"lora_original": FLUX.lora_original},
+    code={"lora_original": FLUX.lora_original},
     options=OPTIONS,
     # validation/demo samples at the training size: the output keeps it, the source its own size
     demo=demo(EDIT_DEMO, sample_kwargs={"guidance_scale": 2.5, "max_area": 32 * 32, "auto_resize": False}),

@@ -14,7 +14,7 @@ FAMILY = dataclasses.replace(
     # a renamed folder is taken for the single-image pipeline (`qwenimage_edit`)
     checkpoint=dataclasses.replace(EDIT_FAMILY.checkpoint, pipeline="QwenImageEditPlusPipeline", detect=None),
     package="spindle.models.qwenimage_edit",  # the folder it shares with `qwenimage_edit`
-    parts={
+    code={
         "condition_model": "spindle.models.qwenimage_edit.condition:QwenImageEditPlusConditionModel",
         "inference": "spindle.models.qwenimage_edit.inference:QWENIMAGE_EDIT_PLUS_INFERENCE",
         "tiny_model": "spindle.models.qwenimage_edit.tiny:build_tiny_qwenimage_edit_plus",

@@ -48,5 +48,5 @@ def pipeline_variant(name: str, variant: Callable[[dict[str, Any]], bool], **fie
     transformer class), told apart by `variant` (model_index.json); renamed folders resolve to Wan."""
     checkpoint = dataclasses.replace(FAMILY.checkpoint, detect=None, variant=variant)
     return dataclasses.replace(
-        FAMILY, name=name, checkpoint=checkpoint, parts={"lora_original": FAMILY.lora_original}, **fields
+        FAMILY, name=name, checkpoint=checkpoint, code={"lora_original": FAMILY.lora_original}, **fields
     )

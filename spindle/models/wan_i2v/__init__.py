@@ -23,7 +23,7 @@ FAMILY = DiTFamily(
     name="wan_i2v",
     # WanTransformer3DModel is `wan`'s too: the pipeline class decides (spindle.registry)
     checkpoint=DiffusersCheckpoint("WanImageToVideoPipeline", WAN.checkpoint.transformer),
-    parts={"lora_original": WAN.lora_original},  # the same transformer: Wan's LoRA layout
+    code={"lora_original": WAN.lora_original},  # the same transformer: Wan's LoRA layout
     options=OPTIONS,
     demo=demo(VIDEO_DEMO, text_tokens=TEXT_LENGTH),
     conformance=ConformanceSpec(
