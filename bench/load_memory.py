@@ -140,7 +140,7 @@ def build_qwen3(out: Path, shape: dict[str, Any]) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from spindle.distributed.sharded_load import empty_weights
-    from spindle.models.qwen3.tiny import build_tiny_qwen3
+    from spindle.models.qwen3.tiny import build_tiny as build_tiny_qwen3
 
     build_tiny_qwen3(out, transformer={"num_hidden_layers": 1})
     config = AutoConfig.from_pretrained(out)

@@ -81,7 +81,7 @@ VARIANTS = ("transformers", "spindle_full_logits", "spindle", "spindle_sp2")
 
 def build_model_folder(a: argparse.Namespace, out: Path) -> Path:
     """A random Qwen3 of the preset's shape as a transformers folder (config, safetensors, tokenizer)."""
-    from spindle.models.qwen3.tiny import build_tiny_qwen3
+    from spindle.models.qwen3.tiny import build_tiny as build_tiny_qwen3
 
     return build_tiny_qwen3(out, seed=0, transformer=PRESETS[a.preset]["model"])
 

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     preset = PRESETS[args.preset]
 
-    from spindle.models.qwen3_moe.tiny import build_tiny_qwen3_moe
+    from spindle.models.qwen3_moe.tiny import build_tiny as build_tiny_qwen3_moe
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

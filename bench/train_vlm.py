@@ -78,7 +78,7 @@ VARIANTS = ("transformers", "spindle_padded", "spindle_packed")
 
 def build(a: argparse.Namespace, work: Path) -> tuple[Path, Path]:
     from spindle.data.synthetic import make_image_conversations
-    from spindle.models.qwen2_5_vl.tiny import build_tiny_qwen2_5_vl
+    from spindle.models.qwen2_5_vl.tiny import build_tiny as build_tiny_qwen2_5_vl
 
     p = PRESETS[a.preset]
     model = build_tiny_qwen2_5_vl(work / "model", transformer={"text_config": p["text"], "vision_config": p["vision"]})

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, overload
 
 from spindle.contracts.options import FamilyOptions
 
@@ -222,49 +222,70 @@ class DiffusersCheckpoint:
     variant: Callable[[dict[str, Any]], bool] | None = None
 
 
-# A DiT family's code, found in its folder by module and name (as transformers finds a model type's
-# `modeling_<type>.py`): name -> "module:attribute" under the family's package.
-DIT_CODE: dict[str, str] = {
-    "condition_model": "condition:CONDITION_MODEL",  # its ConditionModel subclass (required)
-    "inference": "inference:INFERENCE",  # its inference spec (spindle.infer)
-    "tiny_model": "tiny:build_tiny",  # (out, seed, **overrides) -> a tiny random checkpoint folder
-    # a diffusers-layout LoRA state dict (no "transformer." prefix) -> the same LoRA in the original
-    # model's key layout (ComfyUI / the original code); reading back goes through the pipeline class
-    "lora_original": "lora:to_original",
-}
+class Code:
+    """A piece of a family's code, found in the family's folder by module and name ("module:attribute" under
+    its package), as transformers finds a model type's `modeling_<type>.py`. Read on a record: "package.
+    module:attribute" (the record's `code` entry where it points elsewhere), or None where the folder has no
+    such module."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, family: None, owner: type) -> Code: ...
+    @overload
+    def __get__(self, family: FamilyFolder, owner: type) -> str | None: ...
+    def __get__(self, family: FamilyFolder | None, owner: type) -> Code | str | None:
+        return self if family is None else family.code_path(self.name)
+
+
+class RequiredCode(Code):
+    """Code every family of the kind has: checked when the record is made (at registration)."""
+
+    @overload
+    def __get__(self, family: None, owner: type) -> Code: ...
+    @overload
+    def __get__(self, family: FamilyFolder, owner: type) -> str: ...
+    def __get__(self, family: FamilyFolder | None, owner: type) -> Code | str | None:
+        return self if family is None else family.required_code(self.name)
 
 
 @dataclass(frozen=True)
-class DiTFamily:
-    """A diffusion transformer family served from a diffusers pipeline folder (model_index.json).
+class FamilyFolder:
+    """A family record whose code is its folder's (the `Code` attributes of the record's class, found by
+    module and name under `package`, default `spindle.models.<name>`), so a record lists no paths. `code`
+    points a piece elsewhere: a family sharing its base's (Wan's LoRA layout), two records in one folder,
+    or None for code the family has not."""
 
-    The record says what is not code; the code is the family folder's (`DIT_CODE`: `condition.py`,
-    `inference.py`, `tiny.py`, and `lora.py` where the family has an original LoRA layout), found by
-    name under `package` (default `spindle.models.<name>`). `code` points one elsewhere: a family sharing
-    its base's LoRA layout, two records in one folder, or None for code the family has not."""
-
-    kind: ClassVar[str] = "dit"
+    kind: ClassVar[str] = "family"
     name: str
-    checkpoint: DiffusersCheckpoint
-    options: FamilyOptions = field(default_factory=FamilyOptions)  # sampling options (CLI flags, HTTP fields)
-    demo: DemoSpec | None = None
-    conformance: ConformanceSpec | None = None
-    task: str = "flow_matching"  # the training task (a key of spindle.train.tasks.TASKS)
-    extras: dict[str, Any] = field(default_factory=dict)
-    package: str = ""  # the family folder's module ("": spindle.models.<name>)
-    code: dict[str, str | None] = field(default_factory=dict)  # DIT_CODE name -> "module:attribute" | None
+    package: str = field(default="", kw_only=True)  # the family folder's module ("": spindle.models.<name>)
+    code: dict[str, str | None] = field(default_factory=dict, kw_only=True)  # Code name -> "module:attribute"
+    # every kind has a tiny-checkpoint builder: (out, seed, **overrides) -> a tiny random checkpoint folder
+    tiny_model = Code("tiny:build_tiny")
+
+    @classmethod
+    def code_names(cls) -> dict[str, Code]:
+        """The kind's code: attribute name -> its `Code` (the class's and its bases')."""
+        return {name: c for base in reversed(cls.__mro__) for name, c in vars(base).items() if isinstance(c, Code)}
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.code) - set(DIT_CODE))
-        if unknown:
-            raise ValueError(f"family {self.name}: unknown code {unknown}; a DiT family's code: {sorted(DIT_CODE)}")
+        known = self.code_names()
+        if unknown := sorted(set(self.code) - set(known)):
+            raise ValueError(f"family {self.name}: unknown code {unknown}; a {self.kind} family's: {sorted(known)}")
+        for name, c in known.items():  # at registration, not at first use
+            if isinstance(c, RequiredCode):
+                self.required_code(name)
 
     def code_path(self, name: str) -> str | None:
-        """ "module:attribute" of the family's `name` code (`DIT_CODE`), or None where its folder has no
-        such module."""
+        """ "module:attribute" of the family's `name` code, or None where its folder has no such module."""
         if name in self.code:
             return self.code[name]
-        module, _, attr = DIT_CODE[name].partition(":")
+        module, _, attr = self.code_names()[name].where.partition(":")
         module = f"{self.package or 'spindle.models.' + self.name}.{module}"
         try:
             found = importlib.util.find_spec(module) is not None
@@ -272,24 +293,33 @@ class DiTFamily:
             found = False
         return f"{module}:{attr}" if found else None
 
-    @property
-    def condition_model(self) -> str:
-        path = self.code_path("condition_model")
+    def required_code(self, name: str) -> str:
+        path = self.code_path(name)
         if path is None:
-            raise ValueError(f"family {self.name} has no condition model (condition.py defining CONDITION_MODEL)")
+            module, _, attr = self.code_names()[name].where.partition(":")
+            raise ValueError(f"family {self.name} has no {name} ({module}.py defining {attr} in its folder)")
         return path
 
-    @property
-    def inference(self) -> str | None:
-        return self.code_path("inference")
 
-    @property
-    def tiny_model(self) -> str | None:
-        return self.code_path("tiny_model")
+@dataclass(frozen=True)
+class DiTFamily(FamilyFolder):
+    """A diffusion transformer family served from a diffusers pipeline folder (model_index.json).
 
-    @property
-    def lora_original(self) -> str | None:
-        return self.code_path("lora_original")
+    The record says what is not code; its code is the family folder's (`condition.py`, `inference.py`,
+    `tiny.py`, and `lora.py` where the family has an original LoRA layout: the `Code` attributes below)."""
+
+    kind: ClassVar[str] = "dit"
+    checkpoint: DiffusersCheckpoint
+    options: FamilyOptions = field(default_factory=FamilyOptions)  # sampling options (CLI flags, HTTP fields)
+    demo: DemoSpec | None = None
+    conformance: ConformanceSpec | None = None
+    task: str = "flow_matching"  # the training task (a key of spindle.train.tasks.TASKS)
+    extras: dict[str, Any] = field(default_factory=dict)
+    condition_model = RequiredCode("condition:CONDITION_MODEL")  # its ConditionModel subclass
+    inference = Code("inference:INFERENCE")  # its inference spec (spindle.infer)
+    # a diffusers-layout LoRA state dict (no "transformer." prefix) -> the same LoRA in the original model's key
+    # layout (ComfyUI / the original code); reading back goes through the pipeline class
+    lora_original = Code("lora:to_original")
 
     @property
     def export_hint(self) -> str:
@@ -312,30 +342,30 @@ class DiTFamily:
 
 
 @dataclass(frozen=True)
-class CausalLMFamily:
+class CausalLMFamily(FamilyFolder):
     """A decoder-only language model family served from a transformers folder (config.json `model_type`).
 
     `model_class` is the ForCausalLM class the task loads ("module:Class"): the family's patchgen-generated
     class where a patch is needed (its forward takes the same loss arguments as transformers' own). The
-    registry resolves a folder to the family listing its `model_type`.
+    registry resolves a folder to the family listing its `model_type`. Its code is the family folder's
+    (`tiny.py`, and `conversion.py` where the checkpoint's layout needs one).
     """
 
     kind: ClassVar[str] = "causal_lm"
-    name: str
     model_class: str  # "module:Class" of the ForCausalLM to train
     # the transformers `model_type`s of the checkpoints the family serves; () stands for (name,), the family
     # named as its model type (a record derived with dataclasses.replace names its own)
     model_types: tuple[str, ...] = field(default=(), kw_only=True)
-    tiny_model: str | None = None  # "module:function(out, seed, transformer=overrides)"
     demo: TextDemoSpec | None = field(default_factory=TextDemoSpec)  # every language model's text demo
     conformance: CausalLMConformanceSpec = field(default_factory=CausalLMConformanceSpec)
     extras: dict[str, Any] = field(default_factory=dict)
     task: str = "causal_lm"  # the training task (a key of spindle.train.tasks.TASKS)
-    # "module:object": the family's `CheckpointAdapter` (checkpoint layout checks and conversion, e.g. per-expert
-    # <-> fused MoE tensors); None: the checkpoint loads as the model class expects, with no conversion
-    checkpoint_adapter: str | None = None
+    # its `CheckpointAdapter` (checkpoint layout checks and conversion, e.g. per-expert <-> fused MoE tensors);
+    # None (no conversion.py): the checkpoint loads as the model class expects, with no conversion
+    checkpoint_adapter = Code("conversion:ADAPTER")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.model_types:
             object.__setattr__(self, "model_types", (self.name,))
 
@@ -372,8 +402,8 @@ class VLMFamily(CausalLMFamily):
     """
 
     kind: ClassVar[str] = "vlm"
-    # "module:function(config, input_ids [1, L], image_grid_thw, video_grid_thw, second_per_grid_ts) -> [3, 1, L]"
-    rope_index: str = ""
+    # (config, input_ids [1, L], image_grid_thw, video_grid_thw, second_per_grid_ts) -> [3, 1, L]
+    rope_index = RequiredCode("rope:rope_index")
     vision_tower: str = "model.visual"  # the vision encoder module (the dummy forward of text-only batches)
     audio_tower: str = ""  # the audio encoder module ("": the model takes no audio; audio parts are refused)
     # "module:function(config, frames) -> int": the decoder tokens of an audio clip of `frames` mel frames;
@@ -397,11 +427,6 @@ class VLMFamily(CausalLMFamily):
     video_grid_seconds: str = "sampled_fps"
     task: str = "vlm"
     demo: TextDemoSpec | None = None  # no `spindle demo` for vision-language models yet
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not self.rope_index:
-            raise ValueError(f"VLM family {self.name!r} must name its rope_index function")
 
     @property
     def export_hint(self) -> str:
@@ -440,6 +465,9 @@ class OmniFamily(VLMFamily):
     the export byte for byte as they came; `full_model_class` ("module:Class") loads the exported folder."""
 
     kind: ClassVar[str] = "omni"
+    # (config, tokenizer, grid_thw, second_per_grid, audio_tokens, merge_size) -> str: the text a video's pad token
+    # becomes when its audio track is used (data.use_audio_in_video); None (no video_audio.py): not supported
+    video_audio_layout = Code("video_audio:video_audio_placeholder")
     prefix: str = "thinker."  # the trained sub-model's checkpoint key prefix
     audio_tower: str = "model.audio_tower"  # the thinker's audio encoder (Qwen2.5-Omni's and Qwen3-Omni's)
     tower_order: tuple[str, ...] = ("audio", "image", "video")  # the thinkers' forward runs audio first
@@ -452,9 +480,6 @@ class OmniFamily(VLMFamily):
             "language": ("model.language_model.", "lm_head."),
         }
     )
-    # "module:function(config, tokenizer, grid_thw, second_per_grid, audio_tokens, merge_size) -> str": the text a
-    # video's pad token becomes when its audio track is used (data.use_audio_in_video); "": not supported
-    video_audio_layout: str = ""
     untrained: tuple[str, ...] = ()  # checkpoint key prefixes kept as they came, e.g. ("talker.", "token2wav.")
     # class names of the FSDP2 units (decoder layers, vision blocks, audio encoder layers): the sub-model's
     # `_no_split_modules` also names the whole towers, which would make each tower a single unit
@@ -468,7 +493,7 @@ class OmniFamily(VLMFamily):
         return f"transformers.{self.full_model_class.rpartition(':')[2]}.from_pretrained loads it"
 
     def video_audio_layout_fn(self) -> Callable[..., str]:
-        fn: Callable[..., str] = import_object(self.video_audio_layout)
+        fn: Callable[..., str] = import_object(self.required_code("video_audio_layout"))
         return fn
 
     def is_untrained(self, checkpoint_key: str) -> bool:

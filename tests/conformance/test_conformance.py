@@ -247,7 +247,9 @@ def test_a_broken_family_fails_the_suite(tiny):
     import sys
 
     sys.modules["spindle_test_broken_family"] = module  # import_object resolves "module:attr"
-    broken = dataclasses.replace(wan, name="broken", code={"inference": "spindle_test_broken_family:SPEC"})
+    broken = dataclasses.replace(
+        wan, name="broken", package="spindle.models.wan", code={"inference": "spindle_test_broken_family:SPEC"}
+    )
     case = wan.conformance.parity_cases["nocfg"]
     try:
         with pytest.raises(AssertionError, match="broken: Spindle differs from diffusers"):

@@ -24,7 +24,7 @@ RUN = dict(train__max_steps=4, train__micro_batch_size=2, checkpoint__export=Fal
 
 @pytest.fixture(scope="module")
 def qwen3_kv1(tmp_path_factory) -> Path:
-    from spindle.models.qwen3.tiny import build_tiny_qwen3
+    from spindle.models.qwen3.tiny import build_tiny as build_tiny_qwen3
 
     return build_tiny_qwen3(tmp_path_factory.mktemp("models") / "qwen3_kv1", transformer={"num_key_value_heads": 1})
 

@@ -95,7 +95,7 @@ SMALL = dict(
 
 @pytest.fixture(scope="module")
 def small_moe(tmp_path_factory):
-    from spindle.models.qwen3_moe.tiny import build_tiny_qwen3_moe
+    from spindle.models.qwen3_moe.tiny import build_tiny as build_tiny_qwen3_moe
 
     return build_tiny_qwen3_moe(tmp_path_factory.mktemp("small") / "moe", seed=1, transformer=SMALL)
 

@@ -7,5 +7,4 @@ FAMILY = CausalLMFamily(
     # The class the task trains: the patchgen-generated modeling (patches.py), whose forward computes the
     # loss with the chunked linear cross-entropy; the folder's config.json stays stock transformers'.
     model_class="spindle.models.llama.generated.patched_modeling_llama:LlamaForCausalLM",
-    tiny_model="spindle.models.llama.tiny:build_tiny_llama",
 )

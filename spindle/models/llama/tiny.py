@@ -9,7 +9,7 @@ from spindle.models.shared.tiny_llm import LLAMA3_TOKENIZER, build_tiny_causal_l
 TINY_DEFAULTS = dict(tie_word_embeddings=False)
 
 
-def build_tiny_llama(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
+def build_tiny(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
     # Llama 3 tokenizers prepend <|begin_of_text|> to every text: exercises "tokenizer(text) with its own
     # special tokens".
     return build_tiny_causal_lm(

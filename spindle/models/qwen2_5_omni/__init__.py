@@ -8,9 +8,6 @@ FAMILY = OmniFamily(
     name="qwen2_5_omni",
     model_class="transformers:Qwen2_5OmniThinkerForConditionalGeneration",
     full_model_class="transformers:Qwen2_5OmniForConditionalGeneration",
-    rope_index="spindle.models.qwen2_5_omni.rope:rope_index",
-    video_audio_layout="spindle.models.qwen2_5_omni.video_audio:video_audio_placeholder",
-    tiny_model="spindle.models.qwen2_5_omni.tiny:build_tiny_qwen2_5_omni",
     untrained=("talker.", "token2wav."),
     blocks=("Qwen2_5OmniDecoderLayer", "Qwen2_5OmniVisionBlock", "Qwen2_5OmniAudioEncoderLayer"),
 )

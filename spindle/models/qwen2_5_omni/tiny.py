@@ -129,7 +129,7 @@ TINY_AUDIO_FEATURES = dict(feature_size=128, sampling_rate=16000, hop_length=160
 OMNI_TOKENIZER = dict(chat_template=OMNI_CHAT_TEMPLATE, specials=OMNI_SPECIALS, named_tokens=OMNI_NAMED_TOKENS)
 
 
-def build_tiny_qwen2_5_omni(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
+def build_tiny(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
     """Write the tiny folder to `out`; returns `out`. `transformer`: overrides of the thinker config (top level
     or under "text_config" / "vision_config" / "audio_config")."""
     from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration

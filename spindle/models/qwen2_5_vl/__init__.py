@@ -6,6 +6,4 @@ from spindle.contracts.family import VLMFamily
 FAMILY = VLMFamily(
     name="qwen2_5_vl",
     model_class="transformers:Qwen2_5_VLForConditionalGeneration",
-    rope_index="spindle.models.qwen2_5_vl.rope:rope_index",
-    tiny_model="spindle.models.qwen2_5_vl.tiny:build_tiny_qwen2_5_vl",
 )

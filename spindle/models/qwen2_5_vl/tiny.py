@@ -14,7 +14,7 @@ TINY_TEXT = dict(
 TINY_VISION = dict(TINY_TOWER, patch_size=14, window_size=56, fullatt_block_indexes=[1], tokens_per_second=2)
 
 
-def build_tiny_qwen2_5_vl(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
+def build_tiny(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
     # No video_preprocessor_config.json, as the published Qwen2.5-VL checkpoints: stock's Qwen2VLVideoProcessor
     # (and Spindle, spindle.data.stock_video) reads preprocessor_config.json for videos, min/max_pixels a frame.
     return build_tiny_vlm("qwen2_5_vl", out, TINY_TEXT, TINY_VISION, seed=seed, transformer=transformer)

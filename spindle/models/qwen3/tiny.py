@@ -10,7 +10,7 @@ from spindle.models.shared.tiny_llm import QWEN3_TOKENIZER, build_tiny_causal_lm
 TINY_DEFAULTS = dict(tie_word_embeddings=True)
 
 
-def build_tiny_qwen3(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
+def build_tiny(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
     return build_tiny_causal_lm(
         "qwen3", out, seed=seed, transformer=transformer, tokenizer_spec=QWEN3_TOKENIZER, defaults=TINY_DEFAULTS
     )

@@ -7,9 +7,7 @@ FAMILY = CausalLMFamily(
     name="qwen3_moe",
     # patchgen-generated: chunked loss from hidden states + upstream's router aux loss (patches.py)
     model_class="spindle.models.qwen3_moe.generated.patched_modeling_qwen3_moe:Qwen3MoeForCausalLM",
-    tiny_model="spindle.models.qwen3_moe.tiny:build_tiny_qwen3_moe",
     task="causal_lm_moe",
-    checkpoint_adapter="spindle.models.qwen3_moe.conversion:ADAPTER",  # per-expert <-> fused expert tensors
     conformance=CausalLMConformanceSpec(
         # 2 layers keep the suite fast; an aux coefficient of 0.1 makes a wrong aux loss show in the step loss
         tiny_overrides={"num_hidden_layers": 2, "router_aux_loss_coef": 0.1},

@@ -12,7 +12,7 @@ TINY_DEFAULTS = dict(
 )
 
 
-def build_tiny_qwen3_moe(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
+def build_tiny(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
     # Saved by stock save_pretrained: the per-expert layout (experts.{j}.gate_proj.weight ...) real
     # Qwen3-MoE checkpoints have, which transformers fuses on load.
     return build_tiny_causal_lm(

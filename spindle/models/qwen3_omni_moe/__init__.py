@@ -17,10 +17,7 @@ FAMILY = OmniFamily(
         "Qwen3OmniMoeThinkerForConditionalGeneration"
     ),
     full_model_class="transformers:Qwen3OmniMoeForConditionalGeneration",
-    rope_index="spindle.models.qwen3_omni_moe.rope:rope_index",
     audio_tokens="spindle.models.qwen3_omni_moe.rope:audio_tokens",
-    video_audio_layout="spindle.models.qwen3_omni_moe.video_audio:video_audio_placeholder",
-    tiny_model="spindle.models.qwen3_omni_moe.tiny:build_tiny_qwen3_omni_moe",
     parts={
         "audio": ("model.audio_tower.",),
         "vision": ("model.visual.",),
@@ -37,7 +34,6 @@ FAMILY = OmniFamily(
     blocks=("Qwen3OmniMoeThinkerTextDecoderLayer", "Qwen3OmniMoeVisionBlock", "Qwen3OmniMoeAudioEncoderLayer"),
     # what the MoE decoder adds
     task="omni_moe",
-    checkpoint_adapter="spindle.models.qwen3_omni_moe.conversion:ADAPTER",
     conformance=CausalLMConformanceSpec(
         # Spindle's MoE loss is stock's with output_router_logits: token loss + coef x router aux loss
         stock_loss_kwargs={"output_router_logits": True},

@@ -104,7 +104,7 @@ OMNI_MOE_TOKEN_IDS = {
 }
 
 
-def build_tiny_qwen3_omni_moe(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
+def build_tiny(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
     """Write the tiny folder to `out`; returns `out` (`transformer`: as for the tiny Qwen2.5-Omni)."""
     from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 

@@ -8,8 +8,6 @@ FAMILY = VLMFamily(
     name="qwen3_vl",
     model_types=("qwen3_vl",),
     model_class="transformers:Qwen3VLForConditionalGeneration",
-    rope_index="spindle.models.qwen3_vl.rope:rope_index",
-    tiny_model="spindle.models.qwen3_vl.tiny:build_tiny_qwen3_vl",
     parts={
         "vision": ("model.visual.",),
         "aligner": ("model.visual.merger.", "model.visual.deepstack_merger_list."),

@@ -31,7 +31,7 @@ VIDEO_PROCESSOR = dict(
 )
 
 
-def build_tiny_qwen3_vl(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
+def build_tiny(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
     return build_tiny_vlm(
         "qwen3_vl",
         out,

@@ -12,13 +12,10 @@ FAMILY = VLMFamily(
     name="qwen3_vl_moe",
     # patchgen-generated: chunked loss from hidden states + upstream's router aux loss (patches.py)
     model_class="spindle.models.qwen3_vl_moe.generated.patched_modeling_qwen3_vl_moe:Qwen3VLMoeForConditionalGeneration",
-    rope_index="spindle.models.qwen3_vl_moe.rope:rope_index",
-    tiny_model="spindle.models.qwen3_vl_moe.tiny:build_tiny_qwen3_vl_moe",
     parts=QWEN3_VL.parts,  # Qwen3-VL's vision tower, deepstack mergers and decoder names
     video_timestamps=True,  # Qwen3-VL's video processing
     # what the MoE decoder adds
     task="vlm_moe",
-    checkpoint_adapter="spindle.models.qwen3_vl_moe.conversion:ADAPTER",  # per-expert / fused (transposed) experts
     conformance=CausalLMConformanceSpec(
         # Spindle's MoE loss is stock's with output_router_logits: token loss + coef x router aux loss
         stock_loss_kwargs={"output_router_logits": True},

@@ -16,7 +16,7 @@ TINY_MOE = dict(
 )
 
 
-def build_tiny_qwen3_vl_moe(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
+def build_tiny(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
     # Saved by stock save_pretrained: the fused, transposed expert layout of Qwen's checkpoints.
     over = dict(transformer or {})
     text = {**TINY_TEXT, **TINY_MOE, **over.pop("text_config", {})}

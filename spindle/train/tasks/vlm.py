@@ -223,7 +223,7 @@ class VLMTask(CausalLMTask):
                 f"train.freeze names {unknown}, which {family.name} models do not have; "
                 f"their parts: {sorted(family.parts)}"
             )
-        if cfg.data.use_audio_in_video and not getattr(family, "video_audio_layout", ""):
+        if cfg.data.use_audio_in_video and not getattr(family, "video_audio_layout", None):
             why = (
                 "Spindle does not lay out a video's audio track for them yet"
                 if family.audio_tower
