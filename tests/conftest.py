@@ -660,6 +660,25 @@ def lm_train_cli(model: Path, data: Path, out: Path, nproc: int, **overrides) ->
     spindle_train(out, nproc, lm_overrides(model, data, out, **overrides))
 
 
+def assert_same_lora_run(one: Path, other: Path) -> None:
+    """Two MoE LoRA runs (output dirs: one process, a parallel layout): the same losses, aux losses and grad
+    norms (1e-5 relative) and exported PEFT adapters (1e-5), the experts' adapters trained."""
+    import torch
+    from safetensors.torch import load_file
+
+    from spindle.train.metrics import read_metrics
+
+    ma, mb = read_metrics(one), read_metrics(other)
+    for key in ("loss", "aux_loss", "grad_norm"):
+        assert [m[key] for m in mb] == pytest.approx([m[key] for m in ma], rel=1e-5), key
+    adapters = "export/lora/adapter_model.safetensors"
+    wa, wb = load_file(one / adapters), load_file(other / adapters)
+    experts_b = [k for k in wa if ".experts.base_layer.lora_B." in k]
+    assert wa.keys() == wb.keys() and experts_b and all(wa[k].abs().max() > 0 for k in experts_b)  # trained
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=1e-5, msg=k)
+
+
 @pytest.fixture(scope="session")
 def lm_reference_run(tiny_checkpoint, lm_corpus, tmp_path_factory) -> Callable[[str], Path]:
     """`lm_reference_run(family)`: the output dir of one process training the family's tiny checkpoint

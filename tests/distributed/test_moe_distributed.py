@@ -16,7 +16,7 @@ import pytest
 from spindle.registry import get_family
 from spindle.testing.causal_lm_conformance import REFERENCE_RUN, check_same_run, exported_weights
 from spindle.train.metrics import read_metrics
-from tests.conftest import lm_train_cli
+from tests.conftest import assert_same_lora_run, lm_train_cli
 
 pytestmark = pytest.mark.slow
 
@@ -57,8 +57,15 @@ def test_resume_an_ep2_checkpoint_at_ep1(lm_reference_run, tiny_qwen3_moe, lm_co
     assert_same_run(lm_reference_run("qwen3_moe"), out)
 
 
+# adam_eps 1e-4: AdamW's update lr * g / (|g| + eps) has slope up to lr / eps in g, so at the default 1e-8
+# an adapter element whose gradient is about 0 turns the layouts' float32 summation-order noise (~1e-9)
+# into ~1e-4 differences (tests/distributed/test_expert_lora_multimodal.py says more); here it left 6.9e-6
+# of the 1e-5 tolerance at ep=2.
 EXPERT_LORA = dict(
-    REFERENCE_RUN, train__lora='{"rank": 4, "alpha": 8, "targets": ["q_proj", "experts"]}', train__lr=1e-2
+    REFERENCE_RUN,
+    train__lora='{"rank": 4, "alpha": 8, "targets": ["q_proj", "experts"]}',
+    train__lr=1e-2,
+    train__adam_eps=1e-4,
 )
 
 
@@ -96,20 +103,3 @@ def test_expert_lora_ep2_times_dp_shard2_resumes_at_one_process(expert_lora_one,
     lm_train_cli(tiny_qwen3_moe, lm_corpus, out, 1, **EXPERT_LORA, checkpoint__resume="auto")
     assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]
     assert_same_lora_run(expert_lora_one, out)
-
-
-def assert_same_lora_run(one: Path, other: Path) -> None:
-    """The same losses, aux losses and grad norms (1e-5 relative) and exported PEFT adapters (1e-5), the
-    experts' adapters trained."""
-    import torch
-    from safetensors.torch import load_file
-
-    ma, mb = read_metrics(one), read_metrics(other)
-    for key in ("loss", "aux_loss", "grad_norm"):
-        assert [m[key] for m in mb] == pytest.approx([m[key] for m in ma], rel=1e-5), key
-    adapters = "export/lora/adapter_model.safetensors"
-    wa, wb = load_file(one / adapters), load_file(other / adapters)
-    experts_b = [k for k in wa if ".experts.base_layer.lora_B." in k]
-    assert wa.keys() == wb.keys() and experts_b and all(wa[k].abs().max() > 0 for k in experts_b)  # trained
-    for k in wa:
-        torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=1e-5, msg=k)
