@@ -46,12 +46,13 @@ def run(args: argparse.Namespace) -> int:
 
     family = get_family(args.family)
     demo = family.demo
-    if demo is None or family.tiny_model is None:
-        raise ValueError(f"family {args.family!r} has no demo (its FAMILY needs a tiny_model and a demo spec)")
+    if demo is None:
+        raise ValueError(f"family {args.family!r} has no demo (its FAMILY declares no demo spec)")
+    build_tiny = import_object(family.required_code("tiny_model"))
     out = Path(args.out)
     t0 = time.perf_counter()
     print(f"[1/5] building a tiny {args.family} checkpoint in {out / 'model'}")
-    model = import_object(family.tiny_model)(out / "model", seed=args.seed)
+    model = build_tiny(out / "model", seed=args.seed)
     print(f"[2/5] writing the demo dataset to {out / 'data'}")
     data = demo.write_data(out / "data", seed=args.seed)
     config_path = out / "train.yaml"

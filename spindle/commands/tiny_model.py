@@ -37,11 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from spindle.registry import get_family
 
     family = get_family(args.family)
-    if family.tiny_model is None:
-        raise ValueError(
-            f"family {args.family!r} has no tiny-model builder (tiny.py defining build_tiny in its folder)"
-        )
-    builder = import_object(family.tiny_model)
+    builder = import_object(family.required_code("tiny_model"))
     out = builder(args.out, seed=args.seed, transformer=args.transformer)
     print(f"wrote tiny {args.family} checkpoint to {out}")
     return 0

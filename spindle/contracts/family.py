@@ -9,6 +9,7 @@ record names, never on a family name."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 from collections.abc import Callable
@@ -254,6 +255,15 @@ class RequiredCode(Code):
         return self if family is None else family.required_code(self.name)
 
 
+@functools.cache
+def _module_exists(module: str) -> bool:
+    """Whether `module` can be imported (found, not imported): a record's code is looked up on every read."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # no such package: a record renamed without its folder
+        return False
+
+
 @dataclass(frozen=True)
 class FamilyFolder:
     """A family record whose code is its folder's (the `Code` attributes of the record's class, found by
@@ -287,11 +297,7 @@ class FamilyFolder:
             return self.code[name]
         module, _, attr = self.code_names()[name].where.partition(":")
         module = f"{self.package or 'spindle.models.' + self.name}.{module}"
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except ModuleNotFoundError:  # no such package: a record renamed without its folder
-            found = False
-        return f"{module}:{attr}" if found else None
+        return f"{module}:{attr}" if _module_exists(module) else None
 
     def required_code(self, name: str) -> str:
         path = self.code_path(name)

@@ -1,5 +1,5 @@
-"""Tiny random checkpoints for tests: each family's registered builder (`FAMILY.tiny_model`, in its
-folder), by family name."""
+"""Tiny random checkpoints for tests: each family's builder (`tiny.py: build_tiny` in its folder,
+`FAMILY.tiny_model`), by family name."""
 
 from __future__ import annotations
 
@@ -12,9 +12,7 @@ from spindle.registry import get_family
 
 def build_tiny(family: str, out: str | Path, seed: int = 0, **overrides: Any) -> Path:
     record = get_family(family)
-    if record.tiny_model is None:
-        raise ValueError(f"family {family!r} registers no tiny_model builder")
-    path: Path = import_object(record.tiny_model)(out, seed=seed, **overrides)
+    path: Path = import_object(record.required_code("tiny_model"))(out, seed=seed, **overrides)
     return path
 
 

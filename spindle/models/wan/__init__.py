@@ -44,7 +44,7 @@ FAMILY = DiTFamily(
 
 def pipeline_variant(name: str, variant: Callable[[dict[str, Any]], bool], **fields: Any) -> DiTFamily:
     """A family serving a variant of Wan's `WanPipeline` folder (Wan2.2 A14B's two experts, TI2V-5B's
-    `expand_timesteps`): its own folder's parts and `fields` over Wan's record, Wan's LoRA layout (the same
+    `expand_timesteps`): its own folder's code and `fields` over Wan's record, Wan's LoRA layout (the same
     transformer class), told apart by `variant` (model_index.json); renamed folders resolve to Wan."""
     checkpoint = dataclasses.replace(FAMILY.checkpoint, detect=None, variant=variant)
     return dataclasses.replace(
