@@ -6,18 +6,17 @@ unknown charset, broken multipart) instead of an exception escaping to a 500."""
 from __future__ import annotations
 
 import asyncio
-import email.parser
-import email.policy
-import email.utils
 import json
 import urllib.parse
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from starlette.formparsers import MultiPartException
 from starlette.requests import ClientDisconnect, Request
 
 from spindle.serve.errors import APIError, ClientGone, safe_text
+from spindle.serve.limits import MAX_FORM_FIELDS, MAX_FORM_FILES
 
 # integer literals longer than this become floats (inf past ~308 digits): Python refuses int() of
 # more than 4300 digits with a ValueError, and no field takes numbers that large anyway; the
@@ -158,18 +157,23 @@ def _decode(raw: bytes, charset: str, param: str) -> str:
 
 
 def _parse_multipart(raw: bytes, content_type: str, file_fields: frozenset[str]) -> dict[str, Any]:
-    """Stdlib email parsing (FastAPI's form support needs python-multipart). The email package is
-    lenient: what it cannot make sense of becomes a body without parts, refused here."""
-    if "boundary=" not in content_type.lower():
+    """Starlette's form parsing (`Request.form`, python-multipart) over the body already read (bounded
+    by `read_body`), with the part counts bounded (`MAX_FORM_FILES`, `MAX_FORM_FIELDS`: a body of
+    thousands of parts is refused at the first one past them, not parsed whole). Runs its own event
+    loop: the caller is a worker thread (`read_fields`), so a large form never holds up other requests."""
+    from python_multipart.multipart import parse_options_header
+
+    _, options = parse_options_header(content_type)
+    boundary = options.get(b"boundary")
+    if not boundary:
         raise APIError(
             400, "multipart/form-data needs a boundary parameter in Content-Type", param="body", code="invalid_body"
         )
-    try:
-        header = b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n"
-    except UnicodeEncodeError:
-        raise APIError(400, "the Content-Type header is not latin-1 text", param="body", code="invalid_body") from None
-    message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(header + raw)
-    if not message.is_multipart() or not message.get_payload():
+    items = asyncio.run(_read_form(raw, boundary))
+    # the form's charset (RFC 7578 4.6): a `_charset_` field, else the Content-Type's, else UTF-8
+    given = dict((name, value) for name, value in items if isinstance(value, str))
+    charset = given.get("_charset_") or options.get(b"charset", b"utf-8").decode("latin-1")
+    if not items:
         raise APIError(
             400,
             "malformed multipart/form-data body (no parts with the boundary given)",
@@ -177,34 +181,75 @@ def _parse_multipart(raw: bytes, content_type: str, file_fields: frozenset[str])
             code="invalid_body",
         )
     fields: dict[str, Any] = {}
-    for part in message.iter_parts():
-        name = part.get_param("name", header="content-disposition")
-        if isinstance(name, tuple):  # RFC 2231 encoded
-            name = email.utils.collapse_rfc2231_value(name)
-        if not name:
+    for raw_name, value in items:
+        name = safe_text(_utf8(raw_name))
+        if not name or name == "_charset_":
             continue
-        name = safe_text(name)
-        payload = part.get_payload(decode=True)
-        filename = part.get_filename()
-        if filename is not None:
-            # `image[]` (the openai client's array of files) and a repeated `image` part are one list
-            array = name.endswith("[]")
-            name = name.removesuffix("[]")
-            if name not in file_fields:
-                takes = f"; this endpoint takes files as {', '.join(sorted(file_fields))}" if file_fields else ""
-                raise APIError(
-                    400, f"{name}: a file upload is not taken here{takes}", param=name, code="unsupported_parameter"
-                )
-            if not isinstance(payload, bytes):
-                raise APIError(400, f"{name}: the file part has no content", param=name, code="invalid_body")
-            upload = UploadedFile(safe_text(filename), part.get_content_type(), payload)
-            if array or name in fields:
-                before = fields.get(name)
-                fields[name] = [*(before if isinstance(before, list) else [] if before is None else [before]), upload]
-            else:
-                fields[name] = upload
+        if isinstance(value, str):  # a text field: its bytes (read as latin-1, so kept as sent) decoded here
+            fields[name] = _decode(value.encode("latin-1"), charset, name)
             continue
-        if not isinstance(payload, bytes):  # a nested multipart part has no bytes of its own
-            raise APIError(400, f"{name}: a form field must be text", param=name, code="invalid_body")
-        fields[name] = _decode(payload, part.get_content_charset() or "utf-8", name)
+        # `image[]` (the openai client's array of files) and a repeated `image` part are one list
+        array = name.endswith("[]")
+        name = name.removesuffix("[]")
+        if name not in file_fields:
+            takes = f"; this endpoint takes files as {', '.join(sorted(file_fields))}" if file_fields else ""
+            raise APIError(
+                400, f"{name}: a file upload is not taken here{takes}", param=name, code="unsupported_parameter"
+            )
+        if array or name in fields:
+            before = fields.get(name)
+            fields[name] = [*(before if isinstance(before, list) else [] if before is None else [before]), value]
+        else:
+            fields[name] = value
     return fields
+
+
+async def _read_form(raw: bytes, boundary: bytes) -> list[tuple[str, str | UploadedFile]]:
+    """The parts of a multipart body: (name, text read as latin-1 | `UploadedFile`), in order."""
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if sent:
+            return {"type": "http.disconnect"}
+        sent = True
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    # the request as Starlette parses it: latin-1 text keeps every byte (a field is decoded by the caller,
+    # which names it when its bytes are not text); no "app" in the scope, so a malformed body raises
+    # `MultiPartException` (not an HTTPException in Starlette's words)
+    quoted = boundary.decode("latin-1").replace("\\", "\\\\").replace('"', '\\"')
+    header = f'multipart/form-data; boundary="{quoted}"; charset=latin-1'.encode("latin-1")
+    request = Request({"type": "http", "method": "POST", "headers": [(b"content-type", header)]}, receive)
+    try:
+        form = await request.form(max_files=MAX_FORM_FILES, max_fields=MAX_FORM_FIELDS, max_part_size=len(raw) + 1)
+    except MultiPartException as e:
+        raise APIError(400, _form_error(e.message), param="body", code="invalid_body") from None
+    try:
+        items: list[tuple[str, str | UploadedFile]] = []
+        for name, value in form.multi_items():
+            if isinstance(value, str):
+                items.append((name, value))
+            else:
+                data = await value.read()
+                kind = value.content_type or "text/plain"  # (a part without Content-Type is text/plain)
+                items.append((name, UploadedFile(safe_text(_utf8(value.filename or "")), kind, data)))
+        return items
+    finally:
+        await form.close()
+
+
+def _form_error(message: str) -> str:
+    """Starlette's words for a refused form, as the server words them (what to change)."""
+    if message.startswith("Too many files"):
+        return f"the multipart body has more than {MAX_FORM_FILES} file parts; send at most {MAX_FORM_FILES}"
+    if message.startswith("Too many fields"):
+        return f"the multipart body has more than {MAX_FORM_FIELDS} fields; send at most {MAX_FORM_FIELDS}"
+    if message.startswith("The Content-Disposition"):
+        return "malformed multipart/form-data body: a part has no name in its Content-Disposition"
+    return f"malformed multipart/form-data body ({safe_text(message, 120)})"
+
+
+def _utf8(text: str) -> str:
+    """A name Starlette read as latin-1 -> the UTF-8 text its bytes are (a wrong byte: U+FFFD)."""
+    return text.encode("latin-1", "replace").decode("utf-8", "replace")

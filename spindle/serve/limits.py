@@ -1,10 +1,32 @@
 """The server's limits: what one request may ask of the engine (`RequestLimits`, checked by the
 engine's validation before a job is queued) and what one connection may hold (body size, time to
 send a request, idle time, open connections, finished results kept). They are typed sections of
-`spindle.engine_config`, where `spindle serve`'s flags come from; this module names them for the server."""
+`spindle.engine_config`, where `spindle serve`'s flags come from; this module names them for the server,
+with the fixed bounds on what a body may hold (form parts, uploaded images)."""
 
 from __future__ import annotations
 
 from spindle.engine_config import OVERFLOW_CONNECTIONS, RequestLimits, ServeLimits
 
-__all__ = ["OVERFLOW_CONNECTIONS", "RequestLimits", "ServeLimits"]
+# parts of one multipart body: a generation form has a few dozen fields and at most a few images; a
+# body past these is refused at the first part over (not parsed whole), whatever its size
+MAX_FORM_FILES = 16
+MAX_FORM_FIELDS = 128
+
+# what an uploaded image may be. Only these decoders are ever run (Pillow's `formats=`): no format
+# whose plugin calls an external program (EPS runs Ghostscript) or that no client sends as a photo
+IMAGE_FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "BMP": "image/bmp", "GIF": "image/gif"}
+# longer side / shorter side of an uploaded image, read off its header before decoding: the
+# vision-language processors the editing families encode inputs with refuse 200 and more
+# (Qwen2-VL's `smart_resize`), and a 524288x8 strip costs hundreds of MB to resize for no use
+MAX_IMAGE_ASPECT = 200
+
+__all__ = [
+    "IMAGE_FORMATS",
+    "MAX_FORM_FIELDS",
+    "MAX_FORM_FILES",
+    "MAX_IMAGE_ASPECT",
+    "OVERFLOW_CONNECTIONS",
+    "RequestLimits",
+    "ServeLimits",
+]

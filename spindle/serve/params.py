@@ -17,6 +17,7 @@ from spindle.contracts.request import RequestError, SamplingParams, short_repr
 from spindle.infer.options import given_options
 from spindle.serve.errors import APIError, request_error, safe_text
 from spindle.serve.schemas import GenerationRequest, ImageGenerationRequest, LoraChoice, VideoCreateRequest
+from spindle.serve.uploads import decode_image
 
 if TYPE_CHECKING:
     from spindle.serve.engine import Engine
@@ -72,66 +73,6 @@ def check_model(requested: str | None, engine: Engine) -> None:
         param="model",
         code="model_not_found",
     )
-
-
-_DATA_URL = re.compile(r"^data:([\w.+-]+/[\w.+-]+)?(;[^,;]*?)*;base64,", re.IGNORECASE)
-IMAGE_TYPES = ("image/png", "image/jpeg", "image/webp", "image/bmp", "image/gif")
-
-
-def decode_image(value: Any, param: str, max_pixels: int | None) -> Any:
-    """An uploaded image (a multipart file part, or a base64 data URL in JSON) -> an RGB PIL image.
-    Every problem is a 400 naming `param`: not a file / data URL, a type that is not an image, bytes
-    that do not decode, or more pixels than the server takes (read off the header, before decoding)."""
-    import base64
-    import binascii
-    import io
-
-    from PIL import Image, UnidentifiedImageError
-
-    from spindle.serve.bodies import UploadedFile
-
-    def bad(message: str, code: str = "invalid_image") -> APIError:
-        return APIError(400, f"{param}: {message}", param=param, code=code)
-
-    if isinstance(value, UploadedFile):
-        kind, data = value.content_type.lower(), value.data
-        # clients label files loosely (octet-stream); a type that names something else is refused
-        if kind not in IMAGE_TYPES and kind not in ("application/octet-stream", "text/plain"):
-            raise bad(f"the file is {safe_text(kind)}, not an image ({', '.join(IMAGE_TYPES)})", "invalid_image_type")
-    elif isinstance(value, str):
-        m = _DATA_URL.match(value)
-        if m is None:
-            raise bad(
-                "must be an uploaded image file (multipart) or a base64 data URL like 'data:image/png;base64,...'; "
-                f"got {short_repr(value, 60)} (URLs are not fetched)"
-            )
-        kind = (m.group(1) or "image/png").lower()
-        if kind not in IMAGE_TYPES:
-            raise bad(
-                f"the data URL is {safe_text(kind)}, not an image ({', '.join(IMAGE_TYPES)})", "invalid_image_type"
-            )
-        try:
-            data = base64.b64decode(value[m.end() :], validate=True)
-        except (binascii.Error, ValueError):
-            raise bad("the data URL's base64 does not decode") from None
-    else:
-        raise bad(f"must be an uploaded image file or a base64 data URL; got {short_repr(value, 60)}")
-    try:
-        with Image.open(io.BytesIO(data)) as opened:
-            width, height = opened.size
-            if max_pixels is not None and width * height > max_pixels:
-                raise bad(
-                    f"the image is {width}x{height} = {width * height} pixels; this server takes at most "
-                    f"{max_pixels} (--max-pixels)",
-                    "image_too_large",
-                )
-            opened.load()
-            image = opened.convert("RGB")
-    except APIError:
-        raise
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError, SyntaxError) as e:
-        raise bad(f"the image cannot be decoded ({safe_text(str(e))[:200]})") from None
-    return image
 
 
 def uploaded_images(body: GenerationRequest, engine: Engine) -> list[Any] | None:

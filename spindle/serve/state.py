@@ -78,7 +78,9 @@ class ServeState:
         if self.shutting_down:
             raise ShuttingDown(headers={"Connection": "close"})
         raw = await read_body(request, self.limits.max_body_bytes, self.limits.request_timeout)
-        data, typed = parse_fields(raw, request.headers.get("content-type", ""), getattr(base, "file_fields", ()))
+        # parsed in a worker thread: a large or hostile body never holds up the other requests (/health)
+        content_type = request.headers.get("content-type", "")
+        data, typed = await asyncio.to_thread(parse_fields, raw, content_type, getattr(base, "file_fields", ()))
         model = self.request_model(base) if family_options else base
         try:
             return model.model_validate(data, strict=None if typed else False)

@@ -30,13 +30,11 @@ def raw_json(text: str) -> bytes:
     return text.encode()
 
 
-def multipart(fields: dict[str, str], boundary: str = "Spindle-BOUNDARY-x7Q", charset: dict | None = None) -> bytes:
+def multipart(fields: dict[str, str], boundary: str = "Spindle-BOUNDARY-x7Q") -> bytes:
+    """A form body; a `_charset_` field declares the form's charset (RFC 7578 4.6)."""
     parts = []
     for name, value in fields.items():
-        cs = (charset or {}).get(name)
         head = f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n'
-        if cs:
-            head += f"Content-Type: text/plain; charset={cs}\r\n"
         data = value if isinstance(value, bytes) else str(value).encode()
         parts.append(head.encode() + b"\r\n" + data + b"\r\n")
     return b"".join(parts) + f"--{boundary}--\r\n".encode()
@@ -109,7 +107,7 @@ VIDEO_CASES = [
     ("json-null", b"null", JSON, 400, "body"),
     ("no-content-type", js(**{**OK, "prompt": ""}), "", 422, "prompt"),
     # multipart and urlencoded
-    ("multipart-unknown-charset", multipart(OK, charset={"prompt": "x-klingon-8"}), FORM, 400, "prompt"),
+    ("multipart-unknown-charset", multipart({**OK, "_charset_": "x-klingon-8"}), FORM, 400, "prompt"),
     ("multipart-bad-utf8", multipart({**OK, "prompt": b"caf\xe9"}), FORM, 400, "prompt"),
     ("multipart-no-boundary", multipart(OK), "multipart/form-data", 400, "body"),
     ("multipart-garbage", b"this is not multipart at all", FORM, 400, "body"),
@@ -144,7 +142,7 @@ IMAGE_CASES = [
     ("stream", js(prompt="a", stream=True), JSON, 400, "stream"),
     ("response-format-url", js(prompt="a", response_format="url"), JSON, 400, "response_format"),
     ("unknown-field", js(prompt="a", steps=2), JSON, 422, "steps"),
-    ("multipart-unknown-charset", multipart({"prompt": "a"}, charset={"prompt": "nope"}), FORM, 400, "prompt"),
+    ("multipart-unknown-charset", multipart({"prompt": "a", "_charset_": "nope"}), FORM, 400, "prompt"),
 ]
 
 

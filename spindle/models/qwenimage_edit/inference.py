@@ -21,11 +21,14 @@ from typing import Any
 import torch
 
 from spindle.contracts.family import import_object
-from spindle.contracts.request import Req, SamplingParams, resolved
+from spindle.contracts.request import Req, RequestError, SamplingParams, resolved
 from spindle.models.qwenimage.condition import pad_text
 from spindle.models.qwenimage.inference import QwenImageBeforeDenoisingStage, QwenImageInference
 from spindle.models.qwenimage_edit import OPTIONS, PLUS_OPTIONS
 from spindle.models.shared.inference import ReferenceTokensInference
+
+# Qwen2-VL's image processor (`smart_resize`) refuses an image this many times as long as wide, or more
+VL_MAX_ASPECT = 200
 
 
 def image_size(image: Any, area: int, pipeline_class: str) -> tuple[int, int]:
@@ -45,7 +48,35 @@ class QwenImageEditBeforeDenoisingStage(QwenImageBeforeDenoisingStage):
         area = int(params.extra["image_area"])
         return [image_size(image, area, self.pipeline_class) for image in resolved(params.image, "image")]
 
+    def sized_inputs(self, params: SamplingParams) -> list[tuple[str, list[tuple[int, int]], bool]]:
+        """(area option, each input image's size for it, whether the vision-language encoder sees that size)."""
+        return [("image_area", self.vae_sizes(params), True)]
+
+    def check_input_sizes(self, params: SamplingParams) -> None:
+        """Each input image, sized to an area option, keeps both sides (calculate_dimensions rounds a side
+        to 0 for an image much wider than the area is tall) and, where the text encoder sees it, an aspect
+        its processor takes: refused naming the image, the option and the limit, before any work."""
+        images = resolved(params.image, "image")
+        for option, sizes, seen in self.sized_inputs(params):
+            area = int(params.extra[option])
+            for image, (width, height) in zip(images, sizes, strict=True):
+                given = f"an input image of {image.width}x{image.height} pixels sized to {option}={area}"
+                if not (width and height):
+                    raise RequestError(
+                        f"image: {given} is {width}x{height} (aspect kept, sides multiples of 32): too narrow "
+                        f"for that area; give a larger {option} or an image closer to square",
+                        field="image",
+                    )
+                if seen and max(width, height) >= VL_MAX_ASPECT * min(width, height):
+                    raise RequestError(
+                        f"image: {given} is {width}x{height}; the vision-language encoder's processor takes "
+                        f"images less than {VL_MAX_ASPECT} times as long as wide: crop or pad the image",
+                        field="image",
+                    )
+
     def validate(self, params: SamplingParams) -> None:
+        if params.image:
+            self.check_input_sizes(params)  # (first: an unset size is taken from these sizes)
         if params.image and (params.height is None or params.width is None):
             # the pipeline's size: the input image's VAE size, floored to the VAE x 2 multiple (as it does)
             width, height = self.vae_sizes(params)[self.size_image]
@@ -105,6 +136,12 @@ class QwenImageEditBeforeDenoisingStage(QwenImageBeforeDenoisingStage):
 class QwenImageEditPlusBeforeDenoisingStage(QwenImageEditBeforeDenoisingStage):
     pipeline_class = "diffusers:QwenImageEditPlusPipeline"
     size_image = -1  # QwenImageEditPlusPipeline: an unset size follows the last image
+
+    def sized_inputs(self, params: SamplingParams) -> list[tuple[str, list[tuple[int, int]], bool]]:
+        area = int(params.extra["condition_image_area"])
+        images = resolved(params.image, "image")
+        conditions = [image_size(image, area, self.pipeline_class) for image in images]
+        return [("image_area", self.vae_sizes(params), False), ("condition_image_area", conditions, True)]
 
     def condition_images(self, params: SamplingParams) -> list[Any]:
         area = int(params.extra["condition_image_area"])

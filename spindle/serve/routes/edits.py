@@ -12,6 +12,8 @@ route's unhonoured OpenAI values.
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 
 from spindle.serve.errors import APIError
@@ -59,6 +61,6 @@ async def images_edits(request: Request, state: State):
             param="input_fidelity",
             code="unsupported_parameter",
         )
-    params = sampling_params(body, engine).params
+    params = (await asyncio.to_thread(sampling_params, body, engine)).params  # decodes uploads: off the event loop
     refuse_unhonoured(body)
     return await answer_images(request, state, params)

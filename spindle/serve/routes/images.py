@@ -91,7 +91,8 @@ async def images_generations(request: Request, state: State):
             param="model",
             code="use_edits_endpoint",
         )
-    params = sampling_params(body, engine).params  # (the model check first: a wrong model is the bigger mistake)
+    # (the model check first: a wrong model is the bigger mistake); in a worker thread: it decodes uploads
+    params = (await asyncio.to_thread(sampling_params, body, engine)).params
     refuse_unhonoured(body)
     return await answer_images(request, state, params)
 

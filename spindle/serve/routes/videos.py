@@ -81,7 +81,7 @@ async def create_video(request: Request, state: State):
             param="model",
             code="use_images_endpoint",
         )
-    planned = sampling_params(body, engine)
+    planned = await asyncio.to_thread(sampling_params, body, engine)  # decodes uploads: off the event loop
     job = Job(kind="video", params=planned.params, model=engine.model_id, meta={"notes": planned.notes})
     state.submit(job)
     return video_object(state, job)
