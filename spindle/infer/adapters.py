@@ -10,9 +10,12 @@ so the base layers alone compute (exactly the base model). One request runs at a
 serializes runs, loads and unloads), so a request only ever sees its own adapter's weights.
 
 The cache holds at most `max_loras` adapters. Loading one more unloads the least recently used one
-that no waiting or running request holds (`pin` / `unpin`); unloading is diffusers' `delete_adapters`,
-which drops the adapter's tensors from every LoRA layer (the memory is freed). Loading reads only
-from `lora_dir`: a path that resolves outside it (symlinks followed) is refused, naming the folder.
+that no waiting or running request holds (`pin` / `unpin`), once the new one has loaded (a refused
+file evicts nothing); unloading is diffusers' `delete_adapters`, which drops the adapter's tensors
+from every LoRA layer (the memory is freed). Loading reads only from `lora_dir`: a path, or a file it
+reads (weights, PEFT config, export record), that resolves outside it (symlinks followed) is refused,
+naming the folder; a weights file whose safetensors header does not parse is refused without
+echoing any of its bytes.
 
 Engine code: no family is named here; the family record gives the pipeline class.
 """
@@ -144,6 +147,11 @@ class LoraAdapters:
             raise RequestError(f"lora_scale must be a finite number (1: as trained); got {scale!r}", field="lora_scale")
         return name, float(scale)
 
+    def in_use(self, name: str) -> bool:
+        """Whether a waiting or running request holds `name`."""
+        with self._lock:
+            return self._pins[name] > 0
+
     def pin(self, name: str) -> None:
         """Hold `name` loaded for a request that will run later (not evicted, not unloaded)."""
         with self._lock:
@@ -185,28 +193,55 @@ class LoraAdapters:
                 status=403,
                 code="lora_loading_disabled",
             )
+        if path is not None and "\0" in path:
+            raise AdapterError("lora_path must not contain a NUL character", status=400, code="invalid_lora_path")
         if path is None:
             candidates = [self.root / f"{name}.safetensors", self.root / name]
         else:
             given = Path(path)
             candidates = [given if given.is_absolute() else self.root / given]
-        for candidate in candidates:
-            resolved = candidate.resolve()
-            if not resolved.is_relative_to(self.root):
-                raise AdapterError(
-                    f"lora_path {path!r} is outside the adapter folder this server allows ({self.root}, --lora-dir); "
-                    "give a path inside it",
-                    status=403,
-                    code="lora_path_not_allowed",
-                )
-            if resolved.is_file() or (resolved / LORA_WEIGHTS).is_file() or (resolved / PEFT_WEIGHTS).is_file():
-                return resolved
+        try:
+            for candidate in candidates:
+                resolved = self._inside(candidate, path)
+                if resolved.is_file() or (resolved / LORA_WEIGHTS).is_file() or (resolved / PEFT_WEIGHTS).is_file():
+                    for read in self._files_read(resolved):  # each file loading reads: none a link out
+                        self._inside(read, path)
+                    return resolved
+        except OSError as e:  # (a name too long for the file system, say)
+            raise AdapterError(
+                f"lora_path {path!r} cannot be read: {e.strerror}", status=400, code="invalid_lora_path"
+            ) from None
         shown = path if path is not None else f"{name}.safetensors or {name}/{LORA_WEIGHTS}"
         available = self.available()
         listing = ", ".join(available[:20]) + (" ..." if len(available) > 20 else "") if available else "none"
         raise AdapterError(
             f"lora_path: no adapter {shown!r} in {self.root} (available: {listing})", status=404, code="lora_not_found"
         )
+
+    def _inside(self, candidate: Path, given: str | None) -> Path:
+        """`candidate` with every component resolved (symlinks followed), refused (403) outside `lora_dir`."""
+        assert self.root is not None
+        resolved = candidate.resolve()
+        if not resolved.is_relative_to(self.root):
+            shown = "" if candidate.name == Path(given or "").name else f" (its {candidate.name} leads out)"
+            raise AdapterError(
+                f"lora_path {given!r}{shown} is outside the adapter folder this server allows ({self.root}, "
+                "--lora-dir); give a path inside it",
+                status=403,
+                code="lora_path_not_allowed",
+            )
+        return resolved
+
+    @staticmethod
+    def _files_read(adapter: Path) -> list[Path]:
+        """The files loading `adapter` reads (that exist, or are links): its weights, a PEFT config, the
+        export record beside them."""
+        from spindle.export_record import EXPORT_RECORD
+        from spindle.infer.lora import lora_files
+
+        weights, config = lora_files(adapter)
+        files = [weights, *([config] if config else []), weights.parent / EXPORT_RECORD]
+        return [f for f in files if f.is_symlink() or f.exists()]
 
     def check_name(self, name: Any) -> str:
         if not isinstance(name, str) or not NAME.match(name):
@@ -248,16 +283,22 @@ class LoraAdapters:
     def load(self, name: str, path: Path) -> Adapter:
         """Load `path` as adapter `name` (after `plan_load`'s evictions). A file that does not fit the
         model raises `AdapterError` and leaves nothing behind."""
+        from safetensors import SafetensorError
+
         from spindle.export_record import trained_text_length
         from spindle.infer.lora import load_adapter, lora_transformer
 
         existing = self.get(name)
         if existing is not None and existing.path == path:
             return existing
+        self.check_file(path)
         try:  # into the denoiser it was trained for (a low-noise expert's LoRA: transformer_2)
             metadata = load_adapter(
                 self.family, self.pipe, lora_transformer(self.family, self.components, path), path, name
             )
+        except SafetensorError:
+            self._drop_layers(name)
+            raise self._unreadable(path) from None
         except (ValueError, FileNotFoundError) as e:
             self._drop_layers(name)  # a partial load (some components) must not stay behind
             raise AdapterError(str(e), status=400, code="invalid_lora") from None
@@ -278,21 +319,56 @@ class LoraAdapters:
             self._loaded[name] = adapter
         return adapter
 
-    def unload(self, name: str, force: bool = False) -> Adapter:
-        """Drop adapter `name` and free its tensors. Refused (409) while a request holds it, unless
-        `force` (a follower rank mirroring rank 0, which already decided)."""
+    def check_file(self, path: Path) -> None:
+        """The adapter's weights file has a readable safetensors header; refused (400 `invalid_lora`)
+        with a message that shows nothing of the file's contents (a text file's first bytes would read
+        as a header length)."""
+        from spindle.infer.lora import lora_files
+        from spindle.weight_files import check_weight_files
+
+        weights, _ = lora_files(path)
+        try:
+            check_weight_files(weights)
+        except (ValueError, KeyError, TypeError, IndexError, OSError):
+            raise self._unreadable(path) from None
+
+    def _unreadable(self, path: Path) -> AdapterError:
+        from spindle.infer.lora import lora_files
+
+        weights, _ = lora_files(path)
+        shown = (
+            weights.relative_to(self.root) if self.root is not None and weights.is_relative_to(self.root) else weights
+        )
+        return AdapterError(
+            f"lora_path: {shown} is not a readable safetensors file (its header is damaged, or it is another kind "
+            "of file); export or download the adapter again",
+            status=400,
+            code="invalid_lora",
+        )
+
+    def check_unload(self, name: str) -> Adapter:
+        """Adapter `name`, if it may be unloaded now: 404 when not loaded, 409 while a request holds it."""
         with self._lock:
             adapter = self._loaded.get(name)
             if adapter is None:
                 loaded = ", ".join(self._loaded) or "none"
                 raise AdapterError(f"no loaded LoRA adapter named {name!r} (loaded: {loaded})", 404, "lora_not_found")
-            if self._pins[name] and not force:
+            if self._pins[name]:
                 raise AdapterError(
                     f"LoRA adapter {name!r} is named by {self._pins[name]} waiting or running request(s); unload it "
                     "once they are done",
                     status=409,
                     code="lora_in_use",
                 )
+            return adapter
+
+    def unload(self, name: str, force: bool = False) -> Adapter:
+        """Drop adapter `name` and free its tensors. Refused (409) while a request holds it, unless
+        `force` (a follower rank mirroring rank 0, which already decided)."""
+        with self._lock:
+            adapter = self._loaded.get(name)
+            if not force or adapter is None:
+                adapter = self.check_unload(name)
             del self._loaded[name]
         self._drop_layers(name)
         self._after_change()

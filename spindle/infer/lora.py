@@ -29,14 +29,7 @@ def read_lora_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str,
     `save_pretrained` writes for the transformer; read by `peft_to_diffusers`)."""
     from safetensors import safe_open
 
-    path = Path(path)
-    peft_config = None
-    if path.is_dir():
-        if not (path / "pytorch_lora_weights.safetensors").is_file() and (path / PEFT_WEIGHTS).is_file():
-            peft_config = path / PEFT_CONFIG
-            path = path / PEFT_WEIGHTS
-        else:
-            path = path / "pytorch_lora_weights.safetensors"
+    path, peft_config = lora_files(path)
     if not path.is_file():
         raise FileNotFoundError(
             f"LoRA {path} not found: pass a .safetensors file, a folder with pytorch_lora_weights.safetensors or "
@@ -50,6 +43,16 @@ def read_lora_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str,
     if peft_config is not None:
         state_dict = peft_to_diffusers(state_dict, peft_config)
     return state_dict, metadata
+
+
+def lora_files(path: str | Path) -> tuple[Path, Path | None]:
+    """The files `read_lora_file` reads for `path`: (the weights, the PEFT config or None)."""
+    path = Path(path)
+    if path.is_dir():
+        if not (path / "pytorch_lora_weights.safetensors").is_file() and (path / PEFT_WEIGHTS).is_file():
+            return path / PEFT_WEIGHTS, path / PEFT_CONFIG
+        return path / "pytorch_lora_weights.safetensors", None
+    return path, None
 
 
 def peft_to_diffusers(state_dict: dict[str, torch.Tensor], config_path: Path) -> dict[str, torch.Tensor]:

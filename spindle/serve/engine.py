@@ -233,12 +233,15 @@ class Engine:
         name = adapters.check_name(name)
         resolved = adapters.resolve(path, name)
         with self._lock:
-            evicted = adapters.plan_load(name, resolved)
-            for victim in evicted:
-                self._unload(adapters, victim)
+            planned = adapters.plan_load(name, resolved)
             if self.fanout is not None and adapters.get(name) is None:
                 self.fanout.send("lora_load", (name, str(resolved)))
-            return adapters.load(name, resolved), evicted
+            adapter = adapters.load(name, resolved)  # first: a file that is refused evicts nothing
+            # (one planned victim that a request named while the new one loaded stays, one over --max-loras)
+            evicted = [victim for victim in planned if not adapters.in_use(victim)]
+            for victim in evicted:
+                self._unload(adapters, victim)
+            return adapter, evicted
 
     def unload_adapter(self, name: str) -> Adapter:
         """Unload adapter `name` on every rank (its tensors freed), after the running job; refused

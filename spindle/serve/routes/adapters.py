@@ -8,8 +8,10 @@ with `lora` / `lora_scale` in the image and video bodies (`spindle.infer.adapter
 
 SGLang-diffusion's names answer too: `POST /v1/set_lora` ({"lora_nickname", "lora_path"}: loads,
 as POST /v1/loras; the adapter is then chosen per request, not made the server's one active
-adapter) and `GET /v1/list_loras`. A path outside the adapter folder is refused with 403 naming it.
-Loading and unloading wait for the running job (they change the model) and happen on every rank.
+adapter) and `GET /v1/list_loras`. A path outside the adapter folder (or an adapter file linking out
+of it) is refused with 403 naming it, a file that is no readable safetensors with 400 `invalid_lora`.
+Loading and unloading wait for the running job (they change the model) and happen on every rank; an
+unload that a request forbids (409) or a name not loaded (404) is answered at once.
 """
 
 from __future__ import annotations
@@ -92,7 +94,10 @@ async def get_lora(name: str, state: State):
 
 @router.delete("/v1/loras/{name}")
 async def unload_lora(name: str, state: State):
+    adapters = state.engine.adapters
     try:
+        if adapters is not None:  # refused at once (404, 409 in use), not after the running job
+            adapters.check_unload(name)
         adapter = await asyncio.to_thread(state.engine.unload_adapter, name)
     except AdapterError as e:
         raise api_error(e) from None
