@@ -221,3 +221,19 @@ def test_health_answers_while_a_body_is_parsed_and_decoded(edit_server, monkeypa
         release.set()
         post.join(60)
     assert answer and answer[0].status_code == 200, answer
+
+
+def test_a_file_part_larger_than_the_form_spool_is_read_whole(plus):  # noqa: F811
+    """Starlette spools a file part past 1 MB to disk: it is read back whole (a 1.5 MB PNG is edited)."""
+    from spindle.serve import ServeLimits
+
+    gen, root = plus
+    big = png_bytes(3, (720, 720))
+    assert len(big) > 1 << 20
+    limits = ServeLimits(max_body_bytes=4 << 20)
+    with LiveServer(build_app(gen, model_id="edit", root=str(root), limits=limits)) as s:
+        files = [*form(KW).items(), ("image", ("big.png", big, "image/png"))]
+        r = s.client.post("/v1/images/edits", files=files)
+        assert r.status_code == 200, r.text
+        truncated = [*form(KW).items(), ("image", ("big.png", big[: len(big) // 2], "image/png"))]
+        assert_error(s.client.post("/v1/images/edits", files=truncated), 400, "image", "invalid_image")
