@@ -15,11 +15,9 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
-import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -31,7 +29,8 @@ from spindle.contracts.parallel import ParallelPlan
 from spindle.contracts.task import StepOutput, TrainTask
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.mesh import barrier, is_main_process
-from spindle.train.precision import ExportDtypes, check_export_dtype, export_dtypes
+from spindle.export.dtypes import ExportDtypes, check_export_dtype
+from spindle.export.transformers import ExportSource, load_tokenizer, write_transformers_folder
 from spindle.train.tasks.base import build_parallel_model, resumable_loader
 
 if TYPE_CHECKING:
@@ -48,9 +47,6 @@ IGNORE_INDEX = -100
 # all) and divides a sum by `num_items_in_batch`; the patched forwards' `causal_lm_loss` does the same
 # from hidden states. Dividing by 1 is exact, so the two paths agree bit for bit on the reduction.
 LOSS_SUM = {"num_items_in_batch": 1}
-# (model tensor name, its whole value -> {export name: tensor} or None for as-is, the export tensor on meta)
-ExportSource = tuple[str, Callable[[torch.Tensor], dict[str, torch.Tensor]] | None, torch.Tensor]
-EXPORT_MAX_SHARD_BYTES = 5 << 30  # transformers' default max_shard_size (5GB)
 TOKEN_KEYS = ("input_ids", "position_ids", "shift_labels")
 # Not given to attention (spindle.data.text): for task hooks that must skip padding (MoE router statistics).
 PADDING_MASK_KEY = "attention_mask"
@@ -90,14 +86,8 @@ def check_tokenizer_files(path: str | Path) -> None:
         wanted = " or ".join(" + ".join(names) for names in TOKENIZER_FILES)
         raise ConfigError(
             f"{folder} has no tokenizer ({wanted}): copy the tokenizer files of the base model into it "
-            "(AutoTokenizer.from_pretrained(BASE).save_pretrained(FOLDER))"
+            "(tokenizer.json, tokenizer_config.json and the rest of its tokenizer files)"
         )
-
-
-def load_tokenizer(path: str | Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
 
 
 class CausalLMTask(TrainTask):
@@ -310,8 +300,8 @@ class CausalLMTask(TrainTask):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         if self.cfg.train.lora is not None:
+            from spindle.export.peft import export_lm_lora
             from spindle.train.lora import adapter_state_dict, lora_scale, wrapped_parameters
-            from spindle.train.tasks.lm_lora import export_lm_lora
 
             sd = ckpt.full_state_dict(model, trainable_only=True)  # collective: the adapters only
             result = None
@@ -364,8 +354,8 @@ class CausalLMTask(TrainTask):
         model_cls: Any = family.model_cls()
         state = json.loads((checkpoint / ckpt.TRAINER_STATE).read_text())
         if (lora := state.get("lora")) is not None:  # the adapters alone, read by name: no model is built
+            from spindle.export.peft import export_lm_lora
             from spindle.train.lora import checkpoint_adapters
-            from spindle.train.tasks.lm_lora import export_lm_lora
 
             return export_lm_lora(
                 model_cls,
@@ -409,126 +399,18 @@ class CausalLMTask(TrainTask):
 
     @classmethod
     def export_streamed(cls, family: CausalLMFamily, checkpoint: Path, model_path: Path, out: Path, dtype: str) -> bool:
-        """Write the export shard by shard from the checkpoint (`spindle.train.streamed_export`): the names
-        come from a meta model through `export_sources` and `export_layout`; each trained tensor is read
-        whole from the checkpoint (one at a time) and converted, an untrained one is the base file's under
-        its own name. -> False when the layout's names cannot be traced to the model's tensors."""
-        from spindle.distributed.sharded_load import empty_weights
-        from spindle.train.streamed_export import SafetensorsFolder, write_streamed
+        """Write the export shard by shard from the checkpoint (`spindle.export.transformers.export_streamed`),
+        the names traced through `export_sources` and `export_layout`. -> False when they cannot be."""
+        from spindle.export.transformers import export_streamed
 
-        model_cls: Any = family.model_cls()
-        with empty_weights():  # the class's own config part (an omni model's thinker reads its section)
-            model = model_cls._from_config(model_cls.config_class.from_pretrained(model_path))
-        model.tie_weights()  # not done under empty_weights; `unique_weights` finds the tied names by it
-        state = model.state_dict()
-        sources = cls.export_sources(family, model, state, model_path)
-        origin = {id(meta): (fqn, convert, name) for name, (fqn, convert, meta) in sources.items()}
-        layout = unique_weights(model, cls.export_layout(family, model, {n: m for n, (_, _, m) in sources.items()}))
-        if not all(id(t) in origin for t in layout.values()):
-            return False
-        source_of = {name: origin[id(t)] for name, t in layout.items()}
-        saved = set(ckpt.saved_model_tensors(checkpoint))
-        if unknown := sorted(saved - set(state)):
-            raise RuntimeError(
-                f"the checkpoint's tensors do not fit {model_cls.__name__} of {model_path}: unexpected {unknown[:5]}; "
-                "was the run trained from another base model? pass --model PATH"
-            )
-        base = SafetensorsFolder(model_path)
-
-        def read(names: list[str]) -> dict[str, torch.Tensor]:
-            out: dict[str, torch.Tensor] = {}
-            by_fqn: dict[str, list[str]] = {}
-            for n in names:
-                by_fqn.setdefault(source_of[n][0], []).append(n)
-            for fqn, wanted in by_fqn.items():  # one trained tensor whole at a time (a layer's fused experts)
-                if fqn not in saved:  # not trained: the base file's, by its own name
-                    out.update(base.read(wanted))
-                    continue
-                value = ckpt.read_model_tensors(checkpoint, [fqn])[fqn]
-                convert = source_of[wanted[0]][1]  # one conversion per model tensor
-                converted = {fqn: value} if convert is None else convert(value)
-                out.update({n: converted[source_of[n][2]] for n in wanted})
-                del value, converted
-            return out
-
-        dtypes = export_dtypes(dtype, model_path)
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        # indexed even as one file, as the in-training export (DCP's writer) names it
-        write_streamed(layout, read, tmp, "model.safetensors", dtypes, EXPORT_MAX_SHARD_BYTES, single_file=False)
-        finish_transformers_folder(
-            model, dtypes, model_path, tmp, out, cls.export_files, cls.finish_export(family, model_path)
+        return export_streamed(
+            family.model_cls(),
+            checkpoint,
+            model_path,
+            out,
+            dtype,
+            sources=lambda model, state: cls.export_sources(family, model, state, model_path),
+            layout=lambda model, state: cls.export_layout(family, model, state),
+            extra_files=cls.export_files,
+            finish=cls.finish_export(family, model_path),
         )
-        return True
-
-
-def unique_weights(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop the second name of tied parameters (lm_head.weight tied to the embeddings), as
-    `save_pretrained` does: the config's `tie_word_embeddings` re-ties them on load."""
-    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
-    return {k: v for k, v in state_dict.items() if k not in aliases}
-
-
-def write_transformers_folder(
-    model: torch.nn.Module,
-    state_dict: dict[str, torch.Tensor],
-    source: str | Path,
-    out: str | Path,
-    max_shard_bytes: int = EXPORT_MAX_SHARD_BYTES,
-    extra_files: tuple[str, ...] = (),
-    dtype: str = "auto",
-    finish: Callable[[Path, ExportDtypes], None] | None = None,
-    more: Callable[[ExportDtypes], Iterator[dict[str, torch.Tensor]]] | None = None,
-) -> None:
-    """Collective: `out` = config.json + generation_config.json + tokenizer + sharded safetensors, plus
-    `extra_files` of the source folder that exist (e.g. a VLM's preprocessor_config.json). `more(dtypes)`
-    yields further tensors a group at a time, already in their export names and dtypes (a MoE's experts
-    converted to the checkpoint's layout, one layer's tensor at a time: `ckpt.append_safetensors`).
-
-    Weights are written shard by shard from every rank (`ckpt.save_hf_safetensors`) into `<out>.tmp`,
-    which is renamed to `out` when complete, each tensor in its `export.dtype` (`spindle.train.precision`;
-    auto: as the source folder stores it); a DTensor converts only this rank's shard. Config and generation
-    config are the model's own (transformers' `save_pretrained` of them) with the config's `dtype` set to
-    the weights' main dtype, so `from_pretrained(dtype="auto")` loads them as written; the tokenizer is the
-    source folder's. `finish(folder, dtypes)` completes the folder on the main process before it is renamed
-    (an omni model's untrained sub-models and whole config).
-    """
-    dtypes = export_dtypes(dtype, source)
-    out = Path(out)
-    tmp = out.with_name(out.name + ".tmp")
-    if is_main_process():
-        shutil.rmtree(tmp, ignore_errors=True)
-    barrier()
-    ckpt.save_hf_safetensors(dtypes.cast_all(unique_weights(model, state_dict)), tmp, max_shard_bytes)
-    if more is not None:
-        ckpt.append_safetensors(tmp, more(dtypes), max_shard_bytes)
-    if is_main_process():
-        finish_transformers_folder(model, dtypes, source, tmp, out, extra_files, finish)
-    barrier()
-
-
-def finish_transformers_folder(
-    model: torch.nn.Module,
-    dtypes: ExportDtypes,
-    source: str | Path,
-    tmp: Path,
-    out: Path,
-    extra_files: tuple[str, ...],
-    finish: Callable[[Path, ExportDtypes], None] | None = None,
-) -> None:
-    """Beside the weights in `tmp`: the config (its `dtype` the weights' main one), generation config,
-    the source's tokenizer and `extra_files`, then the task's `finish(tmp, dtypes)`; then `tmp` becomes `out`."""
-    hf_model: Any = model  # a transformers PreTrainedModel
-    config = copy.deepcopy(hf_model.config)  # the training model's own config stays fp32
-    config.dtype = dtypes.default
-    config.save_pretrained(tmp)
-    if getattr(hf_model, "generation_config", None) is not None:
-        hf_model.generation_config.save_pretrained(tmp)
-    load_tokenizer(source).save_pretrained(tmp)
-    for name in extra_files:
-        if (Path(source) / name).is_file():
-            shutil.copy2(Path(source) / name, tmp / name)
-    if finish is not None:
-        finish(tmp, dtypes)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)

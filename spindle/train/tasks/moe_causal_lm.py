@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -41,8 +40,9 @@ from spindle.contracts.family import CausalLMFamily, CheckpointAdapter
 from spindle.contracts.parallel import ParallelPlan
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.mesh import is_main_process
-from spindle.train.precision import check_export_dtype
-from spindle.train.tasks.causal_lm import PADDING_MASK_KEY, CausalLMTask, ExportSource, write_transformers_folder
+from spindle.export.dtypes import check_export_dtype
+from spindle.export.transformers import ExportSource, write_moe_folder
+from spindle.train.tasks.causal_lm import PADDING_MASK_KEY, CausalLMTask
 
 if TYPE_CHECKING:
     from spindle.distributed.mesh import Mesh, ParallelDims
@@ -293,51 +293,3 @@ def load_moe_model(
         )
     adapter.check_loading_info(info, str(path))
     return model
-
-
-def write_moe_folder(
-    adapter: CheckpointAdapter,
-    model: torch.nn.Module,
-    state_dict: dict[str, torch.Tensor],
-    source: str | Path,
-    out: str | Path,
-    layout: str,
-    dtype: str = "auto",
-    rename: Callable[[torch.nn.Module, dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
-    extra_files: tuple[str, ...] = (),
-    finish: Callable[[Path, Any], None] | None = None,
-) -> None:
-    """Collective: `write_transformers_folder` with the experts in `layout`, weights in `dtype` (`export.dtype`).
-
-    Dense tensors stay sharded and are written rank by rank (DCP's HF writer). Expert tensors (DTensors
-    under EP/FSDP2) are gathered whole one at a time, converted by the family's adapter and appended by
-    the main process: at most one layer's expert tensor and one output file are whole in memory, never all
-    the experts. `rename`: the model's names -> the checkpoint's (a VLM's `export_layout`, per-expert keys
-    included), worked out once on meta tensors. `finish`: completes the folder (an omni model's untrained
-    sub-models and whole config).
-    """
-    from spindle.distributed.expert_parallel import expert_param_names, to_full
-
-    expert_keys = [k for k in expert_param_names(model) if k in state_dict]
-    dense = {k: v for k, v in state_dict.items() if k not in set(expert_keys)}
-    converted_meta = {
-        k: adapter.to_layout(model, {k: torch.empty(state_dict[k].shape, device="meta")}, layout) for k in expert_keys
-    }
-    before = [*dense, *(n for k in expert_keys for n in converted_meta[k])]
-    after = list(rename(model, dict.fromkeys(before, torch.empty(0))) if rename is not None else before)
-    if len(after) != len(before):
-        raise RuntimeError("the export's renaming merged or dropped tensor names")
-    final = dict(zip(before, after, strict=True))
-
-    def experts(dtypes: Any) -> Iterator[dict[str, torch.Tensor]]:
-        for key in expert_keys:  # collective per tensor under EP / FSDP2
-            whole = to_full(state_dict[key]).detach().cpu()
-            yield {
-                final[n]: dtypes.cast(final[n], t) for n, t in adapter.to_layout(model, {key: whole}, layout).items()
-            }
-            del whole
-
-    state = {final[k]: v for k, v in dense.items()}
-    write_transformers_folder(
-        model, state, source, out, dtype=dtype, extra_files=extra_files, finish=finish, more=experts
-    )

@@ -21,7 +21,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,16 +30,13 @@ import torch
 from spindle.config import CausalLMJobConfig, ConfigError
 from spindle.contracts.family import CausalLMFamily, OmniFamily
 from spindle.contracts.parallel import ParallelPlan
+from spindle.export.omni import copy_untrained, write_full_config
 from spindle.train.tasks.vlm import AUDIO_KEYS, VLMTask
 
 if TYPE_CHECKING:
     from spindle.distributed.mesh import ParallelDims
     from spindle.distributed.sharded_load import TensorSource
-    from spindle.train.precision import ExportDtypes
-
-# the file of an export that holds the untrained sub-models' tensors
-UNTRAINED_FILE = "model-untrained.safetensors"
-INDEX = "model.safetensors.index.json"
+    from spindle.export.dtypes import ExportDtypes
 
 
 class OmniTask(VLMTask):
@@ -101,41 +97,3 @@ class OmniTask(VLMTask):
             write_full_config(Path(source), folder, dtypes)
 
         return finish
-
-
-def copy_untrained(source: Path, folder: Path, family: OmniFamily) -> None:
-    """The input checkpoint's untrained tensors -> `folder`/UNTRAINED_FILE, unchanged (safetensors reads a
-    tensor's stored bytes and dtype and writes them back as they are), listed in the folder's index."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    from spindle.distributed.sharded_load import SafetensorsCheckpoint
-
-    by_file: dict[str, list[str]] = {}
-    for key, name in SafetensorsCheckpoint(source).files.items():
-        if family.is_untrained(key):
-            by_file.setdefault(name, []).append(key)
-    untrained = {}
-    for name, keys in sorted(by_file.items()):
-        with safe_open(str(source / name), "pt") as f:
-            untrained.update({k: f.get_tensor(k) for k in keys})
-    if not untrained:
-        raise ConfigError(
-            f"{source} has no tensors under {list(family.untrained)}: not a whole {family.name} checkpoint "
-            "(the export would not load in its full model class)"
-        )
-    save_file(untrained, str(folder / UNTRAINED_FILE), metadata={"format": "pt"})
-    index_path = folder / INDEX
-    index = json.loads(index_path.read_text())
-    index["weight_map"].update({k: UNTRAINED_FILE for k in untrained})
-    index.setdefault("metadata", {})["total_size"] = index.get("metadata", {}).get("total_size", 0) + sum(
-        t.numel() * t.element_size() for t in untrained.values()
-    )
-    index_path.write_text(json.dumps(index, indent=2, sort_keys=True))
-
-
-def write_full_config(source: Path, folder: Path, dtypes: ExportDtypes) -> None:
-    """The input's whole config.json (thinker, talker, token2wav), its thinker's dtype the export's."""
-    config = json.loads((source / "config.json").read_text())
-    config["thinker_config"]["dtype"] = str(dtypes.default).removeprefix("torch.")
-    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
