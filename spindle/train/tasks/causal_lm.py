@@ -10,7 +10,11 @@
   divides by the valid-token count of the global batch (`loss_units`), so the step loss is the mean
   over every valid token of the global batch, whatever the micro-batch / data-parallel / SP split.
 - Export: a transformers folder (config, generation config, tokenizer, sharded safetensors) written
-  shard by shard with DCP's Hugging Face writer; stock `AutoModelForCausalLM.from_pretrained` loads it.
+  shard by shard with DCP's Hugging Face writer (spindle.export.transformers); stock
+  `AutoModelForCausalLM.from_pretrained` loads it.
+- Parts: a MoE family's experts (`spindle.train.parts.experts.Experts`, chosen from the family record: its
+  checkpoint adapter) are a part the task holds and calls at named points (load, plan, step, metrics, export),
+  whatever the task's input kind (text here; vision and omni in vlm.py / omni.py).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.mesh import barrier, is_main_process
 from spindle.export.dtypes import ExportDtypes, check_export_dtype
 from spindle.export.transformers import ExportSource, load_tokenizer, write_transformers_folder
+from spindle.train.parts.experts import PADDING_MASK_KEY, Experts
 from spindle.train.tasks.base import build_parallel_model, resumable_loader
 
 if TYPE_CHECKING:
@@ -48,8 +53,6 @@ IGNORE_INDEX = -100
 # from hidden states. Dividing by 1 is exact, so the two paths agree bit for bit on the reduction.
 LOSS_SUM = {"num_items_in_batch": 1}
 TOKEN_KEYS = ("input_ids", "position_ids", "shift_labels")
-# Not given to attention (spindle.data.text): for task hooks that must skip padding (MoE router statistics).
-PADDING_MASK_KEY = "attention_mask"
 
 
 def causal_lm_output(model: torch.nn.Module, batch: dict[str, torch.Tensor], **model_kwargs: Any) -> Any:
@@ -112,6 +115,11 @@ class CausalLMTask(TrainTask):
         self.tokenizer = load_tokenizer(cfg.model.path)
         # {adapter module: parameter} of LoRA on fused expert parameters (`prepare_model`), for the export
         self.lora_parameters: dict[str, str] = {}
+        self.experts = Experts.of(family)  # a MoE family's experts part; None for a dense model
+
+    @classmethod
+    def supports_expert_parallel(cls, family: Any) -> bool:
+        return Experts.of(family) is not None
 
     # ------------------------------------------------------------ checks before launch
 
@@ -137,6 +145,8 @@ class CausalLMTask(TrainTask):
                 ulysses_attention.check_layout(cls.text_config(config), dims.sp, cfg.data.seq_len)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+        if (experts := Experts.of(family)) is not None:
+            experts.check_plan(cfg.model.path, dims)
 
     @classmethod
     def text_config(cls, config: dict[str, Any]) -> dict[str, Any]:
@@ -147,6 +157,8 @@ class CausalLMTask(TrainTask):
 
     def load_model(self) -> Any:
         """The family's ForCausalLM from the transformers folder, fp32 (master weights), sdpa attention."""
+        if self.experts is not None:  # every expert loaded from the checkpoint's layout, or an error
+            return self.experts.load_full(self.cfg.model.path, self.device.type, attn_implementation="sdpa")
         cls: Any = self.family.model_cls()
         return cls.from_pretrained(
             self.cfg.model.path, dtype=torch.float32, attn_implementation="sdpa", **self.model_init_kwargs()
@@ -160,8 +172,8 @@ class CausalLMTask(TrainTask):
         return AutoConfig.from_pretrained(self.cfg.model.path)
 
     def model_init_kwargs(self) -> dict[str, Any]:
-        """Extra keyword arguments of the model's construction (both load paths)."""
-        return {}
+        """Extra keyword arguments of the model's construction (both load paths): a MoE's experts kernel."""
+        return {} if self.experts is None else self.experts.init_kwargs(self.cfg.model.path, self.device.type)
 
     def empty_model(self) -> torch.nn.Module:
         """The family's ForCausalLM built from config.json alone, as `load_model` would build it (fp32, sdpa,
@@ -187,15 +199,32 @@ class CausalLMTask(TrainTask):
         return built
 
     def checkpoint_sources(self) -> dict[str, TensorSource]:
-        """The checkpoint's tensors as the model holds them."""
+        """The checkpoint's tensors as the model holds them: under the model's names (`named_sources`), a
+        MoE's per-expert tensors read as the fused ones."""
+        sources = self.named_sources()
+        return sources if self.experts is None else self.experts.checkpoint_sources(sources)
+
+    def named_sources(self) -> dict[str, TensorSource]:
+        """The checkpoint's tensors under the model's names (a text model's: the checkpoint's own)."""
         from spindle.distributed.sharded_load import SafetensorsCheckpoint
 
         return SafetensorsCheckpoint(self.cfg.model.path).sources()
 
     def parallel_plan(self) -> ParallelPlan:
+        plan = self.input_plan()
+        return plan if self.experts is None else self.experts.plan(plan)
+
+    def input_plan(self) -> ParallelPlan:
+        """The plan of the task's input kind (a VLM's: SP in its language model only)."""
         return ParallelPlan("transformers")
 
     def build_model(self) -> torch.nn.Module:
+        from contextlib import nullcontext
+
+        with nullcontext() if self.experts is None else self.experts.building(self.cfg.model.path):
+            return self._build_model()
+
+    def _build_model(self) -> torch.nn.Module:
         from spindle.train.lora import init_adapters, is_lora_name
 
         lora = self.cfg.train.lora
@@ -279,13 +308,16 @@ class CausalLMTask(TrainTask):
         return StepOutput(out.loss.float(), samples, tokens, self.output_metrics(out, rows))
 
     def model_kwargs(self, rows: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """Extra keyword arguments of the training forward of this rank's `rows` (after the SP split),
-        e.g. output_router_logits for MoE."""
-        return {}
+        """Extra keyword arguments of the training forward of this rank's `rows` (after the SP split):
+        a MoE's router outputs and statistics."""
+        return {} if self.experts is None else self.experts.model_kwargs(rows, self.mesh)
 
-    def output_metrics(self, out: Any, rows: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Scalars to log from a micro-batch's forward output on this rank's `rows` (StepOutput.metrics)."""
-        return {}
+    def output_metrics(self, out: Any, rows: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Values to log from a micro-batch's forward output on this rank's `rows` (StepOutput.metrics)."""
+        return {} if self.experts is None else self.experts.output_metrics(out, rows, self.cfg.model.path)
+
+    def step_metrics(self) -> dict[str, Any]:
+        return {} if self.experts is None else self.experts.step_metrics(self.mesh, self.device)
 
     # ------------------------------------------------------------ export
 
@@ -294,6 +326,8 @@ class CausalLMTask(TrainTask):
         state = {"family": self.family.name, "lora": lora.model_dump() if lora is not None else None}
         if self.lora_parameters:
             state["lora_parameters"] = self.lora_parameters
+        if self.experts is not None:
+            state.update(self.experts.state())
         return state
 
     def export(self, model: torch.nn.Module, out: Path) -> Path | None:
@@ -320,7 +354,21 @@ class CausalLMTask(TrainTask):
             barrier()
             return result
 
-        state = self.export_layout(self.family, model, cast("dict[str, torch.Tensor]", get_model_state_dict(model)))
+        # a model's state dict holds tensors (DTensors under FSDP2/EP), not the nested values DCP's ValueType allows
+        whole = cast("dict[str, torch.Tensor]", get_model_state_dict(model))
+        if self.experts is not None:  # the experts in the input's layout, gathered one tensor at a time
+            self.experts.write_folder(
+                model,
+                whole,
+                self.cfg.model.path,
+                out,
+                self.cfg.export.dtype,
+                rename=lambda m, s: self.export_layout(self.family, m, s),
+                extra_files=self.export_files,
+                finish=self.finish_export(self.family, self.cfg.model.path),
+            )
+            return out if is_main_process() else None
+        state = self.export_layout(self.family, model, whole)
         write_transformers_folder(
             model,
             state,
@@ -335,7 +383,8 @@ class CausalLMTask(TrainTask):
     @classmethod
     def merge_base(cls, family: CausalLMFamily) -> Any:
         """What loads the base model a LoRA is merged into (`export.merge_lora`): its `from_pretrained`."""
-        return family.model_cls()
+        experts = Experts.of(family)
+        return family.model_cls() if experts is None else experts.merge_base()
 
     @classmethod
     def export_layout(
@@ -369,6 +418,8 @@ class CausalLMTask(TrainTask):
             )
         if cls.export_streamed(family, checkpoint, model_path, out, dtype):
             return out
+        if Experts.of(family) is not None:  # never gather a MoE's experts into one process
+            raise RuntimeError(f"{family.name}: the export names cannot be traced to the model's tensors")
         model = model_cls.from_pretrained(model_path, dtype=torch.float32)
         state = cls.export_layout(family, model, ckpt.read_checkpoint_model(checkpoint, model))
         write_transformers_folder(
@@ -393,9 +444,10 @@ class CausalLMTask(TrainTask):
     ) -> dict[str, ExportSource]:
         """{export name before `export_layout`'s renaming: (the model tensor it comes from, what turns that
         tensor's whole value into {export name: tensor} (None: the tensor as it is), its meta tensor)} for a
-        meta `model`. Default: every tensor as it is. A MoE splits or transposes its fused experts here
-        (moe_causal_lm)."""
-        return {k: (k, None, t) for k, t in state.items()}
+        meta `model`: every tensor as it is, a MoE's fused experts split or transposed (its experts part)."""
+        dense: dict[str, ExportSource] = {k: (k, None, t) for k, t in state.items()}
+        experts = Experts.of(family)
+        return dense if experts is None else experts.export_sources(model, state, model_path, dense)
 
     @classmethod
     def export_streamed(cls, family: CausalLMFamily, checkpoint: Path, model_path: Path, out: Path, dtype: str) -> bool:

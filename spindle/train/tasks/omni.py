@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -71,7 +72,7 @@ class OmniTask(VLMTask):
     def video_audio_layout(self) -> Callable[..., str] | None:
         return self.family.video_audio_layout_fn() if self.cfg.data.use_audio_in_video else None
 
-    def parallel_plan(self) -> ParallelPlan:
+    def input_plan(self) -> ParallelPlan:
         return ParallelPlan(
             "transformers", blocks=self.family.blocks, sequence_parallel_module=self.family.language_model
         )
@@ -81,11 +82,17 @@ class OmniTask(VLMTask):
         """The VLM names under the sub-model's prefix (transformers adds it only to a model it loaded from the
         whole folder, not to the meta skeletons this is computed on)."""
         assert isinstance(family, OmniFamily), "the omni task's own family"
-        return {k: family.prefix + v for k, v in super().checkpoint_names(family, model).items()}
+        # A MoE thinker's names are found with its conversion registered: transformers applies no mapping,
+        # forward or reverse, to a class defined outside its package (the patchgen-generated thinker) unless one
+        # is registered for its model type.
+        adapter = family.adapter()
+        with nullcontext() if adapter is None else adapter.loading(adapter.default_layout):
+            names = super().checkpoint_names(family, model)
+        return {k: family.prefix + v for k, v in names.items()}
 
-    def checkpoint_sources(self) -> dict[str, TensorSource]:
+    def named_sources(self) -> dict[str, TensorSource]:
         """The thinker's tensors only: the untrained sub-models' are not the model's and are never read."""
-        sources = super().checkpoint_sources()
+        sources = super().named_sources()
         return {k: v for k, v in sources.items() if not self.family.is_untrained(k)}
 
     @classmethod

@@ -40,8 +40,9 @@ from spindle.contracts.parallel import ParallelPlan
 from spindle.contracts.task import StepOutput
 from spindle.distributed.mesh import is_main_process
 from spindle.train.lora import is_lora_name
+from spindle.train.parts.experts import PADDING_MASK_KEY
 from spindle.train.tasks.base import resumable_loader
-from spindle.train.tasks.causal_lm import PADDING_MASK_KEY, CausalLMTask, causal_lm_output
+from spindle.train.tasks.causal_lm import CausalLMTask, causal_lm_output
 
 if TYPE_CHECKING:
     from spindle.data.loader import ResumableLoader
@@ -258,9 +259,9 @@ class VLMTask(CausalLMTask):
         blocks = find_blocks(model, self.parallel_plan().blocks)
         return lora_regions(self.family, model, blocks, self.cfg.train.lora.parts)
 
-    def checkpoint_sources(self) -> dict[str, TensorSource]:
+    def named_sources(self) -> dict[str, TensorSource]:
         """The checkpoint's tensors under the model's names (`checkpoint_names`)."""
-        sources = super().checkpoint_sources()
+        sources = super().named_sources()
         renamed = self.checkpoint_names(self.family, self.empty_model())
         taken = set(renamed.values())
         out = {name: sources[ck] for name, ck in renamed.items() if ck in sources}
@@ -270,7 +271,7 @@ class VLMTask(CausalLMTask):
         out.update({renamed_by_prefix(inverse, k): v for k, v in sources.items() if k not in taken})
         return out
 
-    def parallel_plan(self) -> ParallelPlan:
+    def input_plan(self) -> ParallelPlan:
         # Ulysses SP replaces the language model's attention only; the vision tower keeps its own
         return ParallelPlan("transformers", sequence_parallel_module=self.family.language_model)
 
