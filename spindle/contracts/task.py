@@ -22,7 +22,7 @@ from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 
@@ -56,6 +56,27 @@ class StepOutput:
     # extra scalars to log: a plain value is Metric(value) (summed over the step's micro-batches, its SP chunks
     # summed, averaged over data-parallel ranks); a `Metric` says its own reduction
     metrics: dict[str, Any] = field(default_factory=dict)
+
+
+class Objective(Protocol):
+    """What a task's step optimises (`train.objective`): a part the task holds (`spindle.train.objectives`),
+    so a new objective is one module that works for every model kind offering what it calls, not a subclass per
+    kind. The task keeps the model kind's side (model, parallelism, how a batch runs through the model,
+    export); the objective owns its data (the loader it builds through the task), its loss and its metrics."""
+
+    name: str
+
+    def build_loader(self, task: Any) -> Any:
+        """This rank's resumable micro-batches of the objective's data."""
+        ...
+
+    def loss_units(self, batch: Any) -> int:
+        """How many units the loss of `batch` averages over (see the module docstring)."""
+        ...
+
+    def forward(self, task: Any, model: torch.nn.Module, batch: Any, step: int) -> StepOutput:
+        """The micro-batch's summed loss (differentiable), counts and metrics."""
+        ...
 
 
 class TrainTask(ABC):

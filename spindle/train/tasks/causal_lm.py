@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -30,11 +31,12 @@ import torch
 from spindle.config import CausalLMJobConfig, ConfigError
 from spindle.contracts.family import CausalLMFamily
 from spindle.contracts.parallel import ParallelPlan
-from spindle.contracts.task import StepOutput, TrainTask
+from spindle.contracts.task import Objective, StepOutput, TrainTask
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.mesh import barrier, is_main_process
 from spindle.export.dtypes import ExportDtypes, check_export_dtype
 from spindle.export.transformers import ExportSource, load_tokenizer, write_transformers_folder
+from spindle.train.objectives import build_objective
 from spindle.train.parts.experts import PADDING_MASK_KEY, Experts
 from spindle.train.tasks.base import build_parallel_model, resumable_loader
 
@@ -45,7 +47,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("spindle.train")
 
-IGNORE_INDEX = -100
 # Keyword arguments that make a ForCausalLM forward return the plain *sum* of the token losses of
 # `shift_labels` (already shifted, -100 ignored). Both paths honour them: stock transformers'
 # `ForCausalLMLoss` uses `shift_labels` when given (it needs `labels` non-None to compute a loss at
@@ -93,6 +94,16 @@ def check_tokenizer_files(path: str | Path) -> None:
         )
 
 
+@dataclass
+class RowsRun:
+    """A micro-batch's rows run through the model on this rank (`CausalLMTask.run_rows`)."""
+
+    out: Any  # the model's transformers ModelOutput (`.loss`: the summed token loss)
+    rows: dict[str, torch.Tensor]  # this rank's rows as the model got them (after the SP split)
+    samples: int  # rows in the micro-batch
+    tokens: int  # tokens of the whole rows
+
+
 class CausalLMTask(TrainTask):
     name = "causal_lm"
     config_class = CausalLMJobConfig
@@ -116,6 +127,7 @@ class CausalLMTask(TrainTask):
         # {adapter module: parameter} of LoRA on fused expert parameters (`prepare_model`), for the export
         self.lora_parameters: dict[str, str] = {}
         self.experts = Experts.of(family)  # a MoE family's experts part; None for a dense model
+        self.objective: Objective = build_objective(cfg.train.objective, cfg)  # what the step optimises (objectives/)
 
     @classmethod
     def supports_expert_parallel(cls, family: Any) -> bool:
@@ -257,6 +269,12 @@ class CausalLMTask(TrainTask):
         return find_blocks(model)
 
     def build_loader(self) -> ResumableLoader:
+        loader: ResumableLoader = self.objective.build_loader(self)
+        return loader
+
+    def document_loader(self) -> ResumableLoader:
+        """This rank's micro-batches of the job's documents as token rows (the input kind's: text / chat JSONL
+        packed into rows with per-document positions and pre-shifted labels)."""
         from spindle.data.text import build_text_dataset, collate_rows
 
         data = self.cfg.data
@@ -293,9 +311,14 @@ class CausalLMTask(TrainTask):
     # ------------------------------------------------------------ step
 
     def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
-        return int((batch["shift_labels"] != IGNORE_INDEX).sum())  # the whole rows, before any SP split
+        return self.objective.loss_units(batch)
 
     def forward(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], step: int) -> StepOutput:
+        return self.objective.forward(self, model, batch, step)
+
+    def run_rows(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], **model_kwargs: Any) -> RowsRun:
+        """Collective under SP / FSDP2: `batch`'s rows through the model (the input kind's way; this rank's
+        chunk of them under SP), the loss asked for as a sum over valid tokens (`causal_lm_output`)."""
         rows = {k: batch[k].to(self.device) for k in (*TOKEN_KEYS, PADDING_MASK_KEY) if k in batch}
         samples, tokens = rows["input_ids"].shape[0], rows["input_ids"].numel()
         if self.mesh.dims.sp > 1:
@@ -304,8 +327,8 @@ class CausalLMTask(TrainTask):
             # Positions and labels were computed on the whole rows; each SP rank keeps its chunk.
             rows = ulysses_attention.shard_batch(rows, self.mesh.sp_rank, self.mesh.dims.sp)
         with self._autocast():
-            out = causal_lm_output(model, rows, **self.model_kwargs(rows))
-        return StepOutput(out.loss.float(), samples, tokens, self.output_metrics(out, rows))
+            out = causal_lm_output(model, rows, **self.model_kwargs(rows), **model_kwargs)
+        return RowsRun(out, rows, samples, tokens)
 
     def model_kwargs(self, rows: dict[str, torch.Tensor]) -> dict[str, Any]:
         """Extra keyword arguments of the training forward of this rank's `rows` (after the SP split):

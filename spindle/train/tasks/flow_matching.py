@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
 from spindle.config import DiTJobConfig
 from spindle.contracts.condition import ConditionModel
 from spindle.contracts.family import DiTFamily
 from spindle.contracts.parallel import ParallelPlan
-from spindle.contracts.task import StepOutput, TrainTask
+from spindle.contracts.task import Objective, StepOutput, TrainTask
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.mesh import barrier, is_main_process
 from spindle.export.diffusers import (
@@ -32,6 +32,7 @@ from spindle.export.diffusers import (
 )
 from spindle.export.dtypes import export_dtypes
 from spindle.train.metrics import count_tokens
+from spindle.train.objectives import build_objective
 from spindle.train.tasks.base import build_parallel_model, resumable_loader
 
 if TYPE_CHECKING:
@@ -62,13 +63,16 @@ def sample_generator(seed: int, step: int, sample_index: int) -> torch.Generator
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
 
 
-def loss_weights(sigmas: torch.Tensor, scheme: str) -> torch.Tensor | None:
-    if scheme == "none":
-        return None
-    from diffusers.training_utils import compute_loss_weighting_for_sd3
+@dataclass
+class TrainingInputs:
+    """One micro-batch's flow-matching inputs on this rank (`FlowMatchingTask.training_inputs`)."""
 
-    weights: torch.Tensor = compute_loss_weighting_for_sd3(scheme, sigmas=sigmas)
-    return weights
+    model_inputs: dict[str, Any]  # the transformer's keyword arguments
+    target: torch.Tensor  # the velocity (or the family's target) the prediction is compared with
+    sigmas: torch.Tensor  # [samples] noise levels
+    loss_mask: torch.Tensor | None  # elements the loss leaves out (None: all count)
+    samples: int
+    tokens_per_sample: int
 
 
 class FlowMatchingTask(TrainTask):
@@ -93,9 +97,9 @@ class FlowMatchingTask(TrainTask):
             raise TypeError(f"the flow-matching task trains DiT families; {family.name} is a {family.kind} family")
         super().__init__(cfg, family, mesh, device, precision)
         self.seed = cfg.train.seed
-        self.loss_weighting = cfg.train.loss_weighting
         self.component = trained_component(cfg, family)  # the checkpoint folder trained and exported
         self.condition = self._build_condition()
+        self.objective: Objective = build_objective(cfg.train.objective, cfg)  # what the step optimises (objectives/)
 
     # ------------------------------------------------------------ checks before launch
 
@@ -169,6 +173,12 @@ class FlowMatchingTask(TrainTask):
         return {f"source/{name}": n for name, n in mix.counts(self._loader.current_global_batch()).items()}
 
     def build_loader(self) -> ResumableLoader:
+        loader: ResumableLoader = self.objective.build_loader(self)
+        return loader
+
+    def media_loader(self) -> ResumableLoader:
+        """This rank's micro-batches of the job's media samples (buckets, sources, captions), or of their
+        precomputed conditions (`data.precomputed`)."""
         from spindle.data.datasets import collate
         from spindle.data.precomputed import CachedConditions, cache_settings, collate_conditions
 
@@ -195,9 +205,15 @@ class FlowMatchingTask(TrainTask):
     # ------------------------------------------------------------ step
 
     def loss_units(self, batch: dict[str, Any]) -> int:
-        return len(batch["index"])  # the loss is a mean over samples
+        return self.objective.loss_units(batch)
 
     def forward(self, model: torch.nn.Module, batch: dict[str, Any], step: int) -> StepOutput:
+        return self.objective.forward(self, model, batch, step)
+
+    def training_inputs(self, model: torch.nn.Module, batch: dict[str, Any], step: int) -> TrainingInputs:
+        """A micro-batch's transformer inputs and flow-matching target: its conditions (encoded now, or read
+        from a precomputed cache), noise and sigmas from per-sample generators keyed on (seed, step, sample), so
+        every layout and every resume sees the same values; the sequence split checked under SP."""
         if "conditions" in batch:  # read from a precomputed cache
             conditions = {k: v.to(self.device) for k, v in batch["conditions"].items()}
         else:
@@ -212,19 +228,7 @@ class FlowMatchingTask(TrainTask):
         patch = getattr(getattr(model, "config", None), "patch_size", 1)
         tokens_per_sample = count_tokens(inputs["hidden_states"], patch)
         self._check_sequence_split(model, tokens_per_sample, inputs)
-        with self._autocast():
-            pred = model(**inputs, return_dict=False)[0]
-        pred = self.condition.target_prediction(pred, target)
-        squared = F.mse_loss(pred.float(), target.float(), reduction="none")
-        if loss_mask is None:
-            per_sample = squared.flatten(1).mean(1)
-        else:
-            mask = loss_mask.to(squared).expand_as(squared)
-            per_sample = (squared * mask).flatten(1).sum(1) / mask.flatten(1).sum(1)
-        weights = loss_weights(sigmas, self.loss_weighting)
-        if weights is not None:
-            per_sample = per_sample * weights.to(per_sample)
-        return StepOutput(per_sample.sum(), len(generators), tokens_per_sample * len(generators))
+        return TrainingInputs(inputs, target, sigmas, loss_mask, len(generators), tokens_per_sample)
 
     @staticmethod
     def _check_sequence_split(model: torch.nn.Module, tokens: int, inputs: dict[str, Any]) -> None:

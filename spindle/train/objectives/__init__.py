@@ -1,0 +1,27 @@
+"""Training objectives, one module each (`train.objective`): the part of a task that owns the data format, the
+loss and its metrics (`spindle.contracts.task.Objective`). A task builds its objective by name and delegates
+`build_loader`, `loss_units` and `forward` to it; what runs the model on a batch stays the task's (its input kind,
+its experts part), so an objective works for every model kind that offers what it calls.
+
+- `sft` (language models): next-token loss on text / chat / multimodal conversations (spindle/train/objectives/sft.py);
+- `flow_matching` (DiTs): the velocity loss on media and conditions (spindle/train/objectives/flow_matching.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# objective name -> "module:Class" (built with no arguments but the task's config)
+OBJECTIVES: dict[str, str] = {
+    "sft": "spindle.train.objectives.sft:SFT",
+    "flow_matching": "spindle.train.objectives.flow_matching:FlowMatching",
+}
+
+
+def build_objective(name: str, cfg: Any) -> Any:
+    """The objective `name` for a job config `cfg` (its section of settings, when it has one)."""
+    from spindle.contracts.family import import_object
+
+    if name not in OBJECTIVES:
+        raise ValueError(f"unknown training objective {name!r}; known: {', '.join(sorted(OBJECTIVES))}")
+    return import_object(OBJECTIVES[name])(cfg)
