@@ -74,7 +74,7 @@ def trl_dpo_loss(logps, completion_mask, ref_chosen, ref_rejected, loss_types, l
     zeros = torch.zeros_like(logps)
     # as TRL's fused LM head returns them: 0 (and no gradient) where the label is -100
     model = (
-        lambda **kw: types.SimpleNamespace(  # noqa: E731
+        lambda **kw: types.SimpleNamespace(
             log_probs=logps * completion_mask[:, 1:],
             entropy=zeros,
             mean_logits=zeros,
