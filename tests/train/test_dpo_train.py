@@ -103,7 +103,7 @@ def test_dpo_is_refused_before_launch_where_it_cannot_run(tiny_qwen3, tiny_qwen2
     def job(model, **values):
         return load_job_config(None, lm_overrides(model, data, tmp_path / "run", **dpo_overrides(4, **values)))
 
-    with pytest.raises(ConfigError, match="parallel.sp"):
+    with pytest.raises(ConfigError, match=r"parallel\.sp"):
         from spindle.distributed.mesh import ParallelDims
         from spindle.registry import get_family
         from spindle.train.tasks.causal_lm import CausalLMTask
