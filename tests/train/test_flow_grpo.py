@@ -1,0 +1,208 @@
+"""Flow-GRPO's sampler step, advantages and clipped objective (spindle/train/objectives/flow_grpo.py) against
+independent computations: torch's Normal log-density, diffusers' FlowMatchEulerDiscreteScheduler.step, and the
+reference repository's formulas written out here."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+
+from spindle.train.objectives.flow_grpo import (
+    clipped_policy_loss,
+    group_advantages,
+    logprob_mismatch,
+    rollout_generators,
+    sde_step,
+    train_step_indices,
+)
+
+STEPS = 4
+
+
+def schedule(steps: int = STEPS) -> FlowMatchEulerDiscreteScheduler:
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    scheduler.set_timesteps(steps)
+    return scheduler
+
+
+def seeded(seed: int, count: int) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(seed + i) for i in range(count)]
+
+
+class Velocity(torch.nn.Module):
+    """A small denoiser standing in for a transformer: v = f(x, sigma)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(9, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        s = sigma.view(-1, 1, 1).expand(*x.shape[:2], 1)
+        return self.net(torch.cat([x, s], dim=-1))
+
+
+def test_sde_step_log_prob_is_the_gaussian_density_of_the_reference_sde():
+    """Mean and std written out as flow_grpo's `sde_step_with_logprob` defines them; the log-prob is torch's
+    Normal(mean, std * sqrt(-dt)).log_prob averaged over all but the batch dim; the draw is mean + scale * eps
+    with eps from each sample's own generator."""
+    scheduler = schedule()
+    torch.manual_seed(1)
+    sample = torch.randn(3, 6, 8)
+    velocity = torch.randn(3, 6, 8)
+    noise_level = 0.7
+    for i, t in enumerate(scheduler.timesteps):
+        step = sde_step(velocity, sample, scheduler.sigmas, i, noise_level, generators=seeded(10 * i, 3))
+        index = scheduler.index_for_timestep(t)
+        sigma, sigma_prev = scheduler.sigmas[index], scheduler.sigmas[index + 1]
+        sigma_max = scheduler.sigmas[1]
+        dt = sigma_prev - sigma
+        std_dev_t = math.sqrt(sigma / (1 - (sigma_max if sigma == 1 else sigma))) * noise_level
+        mean = (
+            sample * (1 + std_dev_t**2 / (2 * sigma) * dt)
+            + velocity * (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt
+        )
+        scale = std_dev_t * math.sqrt(-dt)
+        eps = torch.stack([torch.randn(6, 8, generator=g) for g in seeded(10 * i, 3)])
+        torch.testing.assert_close(step.prev_sample, mean + scale * eps, rtol=0, atol=1e-6)
+        expected = torch.distributions.Normal(mean, scale).log_prob(step.prev_sample).mean(dim=(1, 2))
+        assert step.log_prob is not None
+        torch.testing.assert_close(step.log_prob, expected, rtol=0, atol=1e-5)
+
+
+def test_noise_level_zero_is_the_schedulers_euler_step():
+    scheduler = schedule(5)
+    model = Velocity()
+    torch.manual_seed(2)
+    ours = theirs = torch.randn(2, 6, 8)
+    with torch.no_grad():
+        for i, t in enumerate(scheduler.timesteps):
+            sigma = scheduler.sigmas[i].expand(2)
+            step = sde_step(model(ours, sigma), ours, scheduler.sigmas, i, noise_level=0.0)
+            assert step.log_prob is None
+            ours = step.prev_sample
+            theirs = scheduler.step(model(theirs, sigma), t, theirs, return_dict=False)[0]
+            assert torch.equal(ours, theirs), f"step {i}"
+
+
+def rollout(model: Velocity, generators: list[torch.Generator], noise_level: float):
+    """A whole SDE rollout: initial noise and every step's draw from the samples' generators; returns the
+    latents of every step and the recorded log-probs [B, steps]."""
+    from spindle.train.objectives.flow_grpo import draw_noise
+
+    scheduler = schedule()
+    latents = [draw_noise((len(generators), 6, 8), generators)]
+    log_probs = []
+    with torch.no_grad():
+        for i in range(len(scheduler.timesteps)):
+            x = latents[-1]
+            step = sde_step(
+                model(x, scheduler.sigmas[i].expand(len(x))), x, scheduler.sigmas, i, noise_level, generators
+            )
+            latents.append(step.prev_sample)
+            log_probs.append(step.log_prob)
+    return scheduler, torch.stack(latents, 1), torch.stack(log_probs, 1)
+
+
+def test_recorded_log_probs_are_recomputed_exactly_and_rollouts_are_keyed_per_sample():
+    """What the trainer does before its first update: recompute each recorded transition's log-prob with the
+    same weights, here one sample at a time (another batch composition than the rollout's): the mismatch the
+    issue logs stays <= 1e-5; and a sample's rollout does not depend on the batch it was generated in."""
+    model = Velocity()
+
+    def make(seed: int, step: int, key: int) -> torch.Generator:
+        return torch.Generator().manual_seed(seed * 1000 + step * 100 + key)
+
+    scheduler, latents, recorded = rollout(model, rollout_generators(make, 7, 3, [0, 1], 2), noise_level=0.8)
+    assert recorded.shape == (4, STEPS) and torch.isfinite(recorded).all()
+    recomputed = torch.empty_like(recorded)
+    for b in range(4):
+        for j in range(STEPS):
+            x = latents[b : b + 1, j]
+            v = model(x, scheduler.sigmas[j].view(1))
+            step = sde_step(v, x, scheduler.sigmas, j, 0.8, prev_sample=latents[b : b + 1, j + 1])
+            recomputed[b, j] = step.log_prob[0]
+    assert logprob_mismatch(recorded, recomputed) <= 1e-5
+    # the same batch recomputed: the very same numbers
+    same = torch.stack(
+        [
+            sde_step(
+                model(latents[:, j], scheduler.sigmas[j].expand(4)),
+                latents[:, j],
+                scheduler.sigmas,
+                j,
+                0.8,
+                prev_sample=latents[:, j + 1],
+            ).log_prob
+            for j in range(STEPS)
+        ],
+        1,
+    )
+    assert logprob_mismatch(recorded, same) == 0.0
+    # prompt 1's samples generated alone equal rows 2-3 of the batched rollout
+    _, alone, alone_lp = rollout(model, [make(7, 3, 1 * 2 + s) for s in range(2)], noise_level=0.8)
+    torch.testing.assert_close(alone, latents[2:], rtol=0, atol=1e-6)
+    torch.testing.assert_close(alone_lp, recorded[2:], rtol=0, atol=1e-5)
+    # another step draws other noise
+    _, other, _ = rollout(model, rollout_generators(make, 7, 4, [0, 1], 2), noise_level=0.8)
+    assert not torch.allclose(other, latents)
+
+
+def test_sde_step_refuses_a_rollout_without_a_generator_per_sample():
+    scheduler = schedule()
+    x = torch.zeros(2, 4)
+    with pytest.raises(ValueError, match="one generator per sample: 2 samples, 1 generators"):
+        sde_step(x, x, scheduler.sigmas, 0, 0.7, generators=seeded(0, 1))
+    with pytest.raises(ValueError, match="outside the schedule's 4 steps"):
+        sde_step(x, x, scheduler.sigmas, 4, 0.7, prev_sample=x)
+
+
+def test_group_advantages_are_flow_grpos_per_prompt_normalisation():
+    rewards = torch.tensor([1.0, 2.0, 3.0, 5.0, 4.0, 4.0, 4.0, 4.0])
+    got = group_advantages(rewards, num_generations=4)
+    r = rewards.numpy().astype(np.float64).reshape(2, 4)
+    expected = (r - r.mean(1, keepdims=True)) / (r.std(1, keepdims=True) + 1e-4)
+    np.testing.assert_allclose(got.numpy(), expected.reshape(-1), rtol=1e-6)
+    assert torch.equal(got[4:], torch.zeros(4))  # equal rewards: nothing to learn from the group
+    glob = group_advantages(rewards, num_generations=4, global_std=True)
+    np.testing.assert_allclose(glob.numpy(), ((r - r.mean(1, keepdims=True)) / (r.std() + 1e-4)).reshape(-1), rtol=1e-6)
+    with pytest.raises(ValueError, match="num_prompts x 3"):
+        group_advantages(rewards, num_generations=3)
+
+
+def test_clipped_objective_matches_flow_grpos_loss_and_clips():
+    """The lines of flow_grpo's train_sd3.py, written out: clamp advantages, ratio, max of the unclipped and
+    clipped losses, KL of the step means over 2 std^2; a ratio past the clip gets no gradient."""
+    log_prob = torch.tensor([-1.0, -1.0, -1.0, -1.0], requires_grad=True)
+    old = torch.tensor([-1.0, -1.5, -0.5, -1.1])
+    adv = torch.tensor([1.0, 2.0, -3.0, 9.0])
+    torch.manual_seed(3)
+    mean, ref_mean = torch.randn(4, 5, 3), torch.randn(4, 5, 3)
+    std = torch.rand(4, 1, 1) + 0.1
+    out = clipped_policy_loss(
+        log_prob, old, adv, clip_range=0.2, adv_clip_max=5.0, beta=0.04, mean=mean, ref_mean=ref_mean, std_dev_t=std
+    )
+    a = torch.clamp(adv, -5.0, 5.0)
+    ratio = torch.exp(log_prob.detach() - old)
+    policy = torch.maximum(-a * ratio, -a * torch.clamp(ratio, 0.8, 1.2))
+    kl = ((mean - ref_mean) ** 2).mean(dim=(1, 2), keepdim=True) / (2 * std**2)
+    torch.testing.assert_close(out.policy_loss.detach(), policy)
+    torch.testing.assert_close(out.kl, kl.view(-1))
+    torch.testing.assert_close(out.loss.detach(), policy + 0.04 * kl.view(-1))
+    assert out.clipped.tolist() == [0.0, 1.0, 1.0, 0.0]
+    out.policy_loss.sum().backward()
+    # sample 1: ratio e^0.5 > 1.2 with A > 0 is clipped (no gradient); sample 2: ratio e^-0.5 < 0.8 with A < 0 too
+    assert log_prob.grad[1] == 0 and log_prob.grad[2] == 0
+    assert log_prob.grad[0] == -1.0 and log_prob.grad[3] != 0
+    assert clipped_policy_loss(log_prob, old, adv, 0.2, 5.0).kl is None
+
+
+def test_train_step_indices():
+    assert train_step_indices(10, 0.5) == [0, 1, 2, 3, 4]
+    assert train_step_indices(4, 0.1) == [0]
+    with pytest.raises(ValueError, match="timestep_fraction"):
+        train_step_indices(4, 0.0)
