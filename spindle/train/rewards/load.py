@@ -1,0 +1,80 @@
+"""`rewards:` entries -> a `RewardSet`, everything resolved before any training (files imported, folders
+loaded), with the calling convention of the model kind:
+
+- DiT models (`kind="dit"`): `fn(images, prompts, **columns) -> list[float]`, images float32 numpy arrays
+  [H, W, 3] in [0, 1] (videos [F, H, W, 3]);
+- language models (`kind="lm"`, TRL's convention): `fn(prompts, completions, **columns) -> list[float]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+
+from spindle.config import ConfigError
+from spindle.train.rewards.combine import Reward, RewardSet, Scorer
+from spindle.train.rewards.config import Kind, RewardConfig, check_kind
+from spindle.train.rewards.functions import accepts, load_function
+
+
+def load_rewards(
+    rewards: Sequence[RewardConfig], kind: Kind, where: str, device: torch.device | None = None
+) -> RewardSet:
+    """The rewards of a run (`where`: the section's name in messages, "flow_grpo"); `device` runs the
+    model-backed ones (CLIP, reward models; default CPU)."""
+    try:
+        check_kind(list(rewards), kind, where)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    device = device or torch.device("cpu")
+    loaded = [load_reward(r, kind, device) for r in rewards]
+    names = [r.name for r in loaded]
+    doubled = sorted({n for n in names if names.count(n) > 1})
+    if doubled:
+        raise ConfigError(
+            f"{where}.rewards: two rewards are named {doubled[0]!r} (metrics reward/NAME); give each a distinct `name`"
+        )
+    return RewardSet(loaded)
+
+
+def load_reward(cfg: RewardConfig, kind: Kind, device: torch.device) -> Reward:
+    score: Scorer
+    if cfg.fn is not None:
+        score = function_scorer(load_function(cfg.fn), kind)
+        default = cfg.fn.rpartition(":")[2]
+    elif cfg.url is not None:
+        from spindle.train.rewards.http_scorer import HttpScorer
+
+        score = HttpScorer(cfg, kind)
+        default = urlparse(cfg.url).netloc or cfg.url
+    elif cfg.model is not None:
+        from spindle.train.rewards.reward_model import RewardModel
+
+        score = RewardModel(cfg.model, cfg.batch_size, device)
+        default = Path(cfg.model).name
+    else:
+        from spindle.train.rewards import builtin
+
+        if cfg.builtin == "clip_score":
+            assert cfg.clip_model is not None  # the config requires it with clip_score
+            score = builtin.ClipScore(cfg.clip_model, cfg.batch_size, device)
+        else:
+            score = getattr(builtin, str(cfg.builtin))
+        default = str(cfg.builtin)
+    return Reward(name=cfg.name or default, source=cfg.source, weight=cfg.weight, score=score)
+
+
+def function_scorer(fn: Callable[..., Any], kind: Kind) -> Scorer:
+    """A user's function called in the kind's convention, with the extra columns it takes."""
+
+    def score(outputs: Sequence[Any], prompts: Sequence[Any], columns: Mapping[str, Sequence[Any]]) -> Any:
+        extra = {k: columns[k] for k in accepts(fn, set(columns))}
+        if kind == "dit":
+            return fn(list(outputs), list(prompts), **extra)
+        return fn(list(prompts), list(outputs), **extra)
+
+    return score
