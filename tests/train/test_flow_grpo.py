@@ -206,3 +206,29 @@ def test_train_step_indices():
     assert train_step_indices(4, 0.1) == [0]
     with pytest.raises(ValueError, match="timestep_fraction"):
         train_step_indices(4, 0.0)
+
+
+def test_flow_grpo_section_reads_rewards_and_refuses_bad_values():
+    from pydantic import ValidationError
+
+    from spindle.train.objectives.config_dit import DiffusionDpoConfig, FlowGrpoConfig
+
+    cfg = FlowGrpoConfig(rewards=["rewards.py:brightness", "builtin:jpeg_compressibility"], reward_weights=[1.0, 0.1])
+    assert [(r.fn, r.builtin, r.weight) for r in cfg.weighted_rewards] == [
+        ("rewards.py:brightness", None, 1.0),
+        (None, "jpeg_compressibility", 0.1),
+    ]
+    assert (cfg.num_generations, cfg.noise_level, cfg.clip_range, cfg.adv_clip_max) == (8, 0.7, 1e-4, 5.0)
+    with pytest.raises(ValidationError, match=r"num_generationz"):
+        FlowGrpoConfig(rewards=["a.py:f"], num_generationz=4)
+    with pytest.raises(ValidationError, match=r"flow_grpo.reward_weights has 1 entries for 2 rewards"):
+        FlowGrpoConfig(rewards=["a.py:f", "b.py:g"], reward_weights=[1.0])
+    with pytest.raises(ValidationError, match=r"flow_grpo.rewards\[0\] \(model: folder\) is a reward-model folder"):
+        FlowGrpoConfig(rewards=["folder"])
+    with pytest.raises(ValidationError, match=r"noise_level"):
+        FlowGrpoConfig(rewards=["a.py:f"], noise_level=0)
+    with pytest.raises(ValidationError, match=r"timestep_fraction"):
+        FlowGrpoConfig(rewards=["a.py:f"], timestep_fraction=1.5)
+    assert DiffusionDpoConfig().beta == 100.0
+    with pytest.raises(ValidationError, match="beta"):
+        DiffusionDpoConfig(beta=0)

@@ -16,7 +16,6 @@ from pydantic import BeforeValidator, Field, model_validator
 from spindle.config import Section
 
 Builtin = Literal["jpeg_compressibility", "jpeg_incompressibility", "clip_score"]
-BUILTINS: tuple[str, ...] = ("jpeg_compressibility", "jpeg_incompressibility", "clip_score")
 Kind = Literal["dit", "lm"]  # what the rewards score: decoded images/videos, or text completions
 SOURCES = ("fn", "model", "url", "builtin")
 HTTP_FIELDS = ("timeout_s", "retries", "backoff_s", "concurrency")

@@ -57,13 +57,15 @@ def load_reward(cfg: RewardConfig, kind: Kind, device: torch.device) -> Reward:
         score = RewardModel(cfg.model, cfg.batch_size, device)
         default = Path(cfg.model).name
     else:
-        from spindle.train.rewards import builtin
+        from spindle.train.rewards.builtin import ClipScore, jpeg_compressibility, jpeg_incompressibility
 
         if cfg.builtin == "clip_score":
             assert cfg.clip_model is not None  # the config requires it with clip_score
-            score = builtin.ClipScore(cfg.clip_model, cfg.batch_size, device)
+            score = ClipScore(cfg.clip_model, cfg.batch_size, device)
         else:
-            score = getattr(builtin, str(cfg.builtin))
+            score = {"jpeg_compressibility": jpeg_compressibility, "jpeg_incompressibility": jpeg_incompressibility}[
+                str(cfg.builtin)
+            ]
         default = str(cfg.builtin)
     return Reward(name=cfg.name or default, source=cfg.source, weight=cfg.weight, score=score)
 
