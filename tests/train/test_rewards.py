@@ -432,3 +432,14 @@ def test_http_scorer_that_is_down_or_slow_or_refuses_is_named():
         with pytest.raises(RewardError, match=r"refused the request: HTTP 422 .*scorer says no"):
             rewards(images(1), ["p"])
         assert scorer.requests == 1  # a 4xx is not retried
+
+
+def test_the_docs_worked_example_reward_loads_and_prefers_brighter_images(tmp_path, monkeypatch):
+    """docs/post-training-dit.md's mean-brightness reward, as a user copies it into rewards.py and names it."""
+    page = (Path(__file__).parents[2] / "docs" / "post-training-dit.md").read_text()
+    code = page.split("```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "rewards.py").write_text(code)
+    monkeypatch.chdir(tmp_path)
+    rewards = load_rewards(configs("rewards.py:brightness"), "dit", "flow_grpo")
+    dark, bright = np.full((4, 4, 3), 0.2, dtype=np.float32), np.full((4, 4, 3), 0.9, dtype=np.float32)
+    assert rewards([dark, bright], ["a", "a"]).per_reward["brightness"].tolist() == pytest.approx([0.2, 0.9])
