@@ -8,6 +8,7 @@ import base64
 import io
 import json
 import socket
+import textwrap
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -443,3 +444,30 @@ def test_the_docs_worked_example_reward_loads_and_prefers_brighter_images(tmp_pa
     rewards = load_rewards(configs("rewards.py:brightness"), "dit", "flow_grpo")
     dark, bright = np.full((4, 4, 3), 0.2, dtype=np.float32), np.full((4, 4, 3), 0.9, dtype=np.float32)
     assert rewards([dark, bright], ["a", "a"]).per_reward["brightness"].tolist() == pytest.approx([0.2, 0.9])
+
+
+def test_functions_are_called_by_keyword_with_what_they_take(tmp_path):
+    (tmp_path / "kw.py").write_text(
+        textwrap.dedent(
+            """
+            def trl_style(completions, **kwargs):
+                return [float("prompts" in kwargs) + len(c) for c in completions]
+
+            def images_only(images):
+                return [1.0 for _ in images]
+
+            def wrong_names(imgs, ps):
+                return [0.0 for _ in imgs]
+            """
+        )
+    )
+    lm = load_rewards(configs(f"{tmp_path}/kw.py:trl_style"), "lm", "grpo")
+    assert lm(["ab", "c"], ["p", "q"], {"extra": [1, 2]}).total.tolist() == [3.0, 2.0]
+    dit = load_rewards(configs(f"{tmp_path}/kw.py:images_only"), "dit", "flow_grpo")
+    assert dit(images(2), ["p", "q"], {"colour": ["red", "blue"]}).total.tolist() == [1.0, 1.0]
+    with pytest.raises(ConfigError, match=r"takes \(imgs, ps\), but rewards are called as fn\(images=.*'images'"):
+        load_rewards(configs(f"{tmp_path}/kw.py:wrong_names"), "dit", "flow_grpo")
+    with pytest.raises(ConfigError, match=r"takes \(imgs, ps\), .*TRL's.*'completions'"):
+        load_rewards(configs(f"{tmp_path}/kw.py:wrong_names"), "lm", "grpo")
+    with pytest.raises(RewardError, match="a column may not be named 'prompts'"):
+        dit(images(1), ["p"], {"prompts": ["x"]})

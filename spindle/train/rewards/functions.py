@@ -79,13 +79,22 @@ def _import_module(spec: str, target: str) -> ModuleType:
         raise ConfigError(f"reward {spec!r}: importing {target} failed: {type(e).__name__}: {e}") from e
 
 
-def accepts(fn: Callable[..., Any], columns: set[str]) -> set[str]:
-    """The extra columns `fn` takes by keyword: all with **kwargs, else those it names (so a function
-    written for one dataset does not fail on another's extra columns)."""
+def accepts(fn: Callable[..., Any], names: set[str]) -> set[str]:
+    """The keyword arguments among `names` that `fn` takes: all with **kwargs, else those it names (so a
+    function written for one dataset does not fail on another's extra columns)."""
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # a builtin without a signature: pass everything
-        return columns
+        return names
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return columns
-    return columns & {p.name for p in params}
+        return names
+    return names & {p.name for p in params if p.kind is not inspect.Parameter.POSITIONAL_ONLY}
+
+
+def check_takes(fn: Callable[..., Any], spec: str, required: str, convention: str) -> None:
+    """Refuse, before training, a function that cannot take the samples by their keyword (`required`)."""
+    if required not in accepts(fn, {required}):
+        raise ConfigError(
+            f"reward {spec!r}: the function takes {inspect.signature(fn)}, but rewards are called as {convention} "
+            f"(by keyword): it needs a parameter named {required!r} (or **kwargs)"
+        )

@@ -4,6 +4,9 @@ loaded), with the calling convention of the model kind:
 - DiT models (`kind="dit"`): `fn(images, prompts, **columns) -> list[float]`, images float32 numpy arrays
   [H, W, 3] in [0, 1] (videos [F, H, W, 3]);
 - language models (`kind="lm"`, TRL's convention): `fn(prompts, completions, **columns) -> list[float]`.
+
+Functions are called by keyword, as TRL calls them, with the arguments they take: `def f(completions,
+**kwargs)` and `def f(images, prompts, colour)` both work.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 from spindle.config import ConfigError
 from spindle.train.rewards.combine import Reward, RewardSet, Scorer
 from spindle.train.rewards.config import Kind, RewardConfig, check_kind
-from spindle.train.rewards.functions import accepts, load_function
+from spindle.train.rewards.functions import accepts, check_takes, load_function
 
 
 def load_rewards(
@@ -44,7 +47,7 @@ def load_rewards(
 def load_reward(cfg: RewardConfig, kind: Kind, device: torch.device) -> Reward:
     score: Scorer
     if cfg.fn is not None:
-        score = function_scorer(load_function(cfg.fn), kind)
+        score = function_scorer(load_function(cfg.fn), kind, cfg.fn)
         default = cfg.fn.rpartition(":")[2]
     elif cfg.url is not None:
         from spindle.train.rewards.http_scorer import HttpScorer
@@ -70,13 +73,24 @@ def load_reward(cfg: RewardConfig, kind: Kind, device: torch.device) -> Reward:
     return Reward(name=cfg.name or default, source=cfg.source, weight=cfg.weight, score=score)
 
 
-def function_scorer(fn: Callable[..., Any], kind: Kind) -> Scorer:
-    """A user's function called in the kind's convention, with the extra columns it takes."""
+CONVENTIONS: dict[str, tuple[str, str, str]] = {
+    # kind: (keyword of the samples, keyword of the prompts, the convention in messages)
+    "dit": ("images", "prompts", "fn(images=..., prompts=..., **columns)"),
+    "lm": ("completions", "prompts", "fn(prompts=..., completions=..., **columns) (TRL's)"),
+}
+
+
+def function_scorer(fn: Callable[..., Any], kind: Kind, spec: str) -> Scorer:
+    """A user's function called in the kind's convention, by keyword as TRL calls reward functions, with the
+    arguments and extra columns it takes (checked before training: it must take the samples)."""
+    samples, prompts_key, convention = CONVENTIONS[kind]
+    check_takes(fn, spec, samples, convention)
 
     def score(outputs: Sequence[Any], prompts: Sequence[Any], columns: Mapping[str, Sequence[Any]]) -> Any:
-        extra = {k: columns[k] for k in accepts(fn, set(columns))}
-        if kind == "dit":
-            return fn(list(outputs), list(prompts), **extra)
-        return fn(list(prompts), list(outputs), **extra)
+        reserved = {samples, prompts_key} & set(columns)
+        if reserved:
+            raise ValueError(f"a column may not be named {sorted(reserved)[0]!r}: rewards get that argument already")
+        given = {samples: list(outputs), prompts_key: list(prompts), **columns}
+        return fn(**{k: given[k] for k in accepts(fn, set(given))})
 
     return score
