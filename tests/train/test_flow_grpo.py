@@ -232,3 +232,18 @@ def test_flow_grpo_section_reads_rewards_and_refuses_bad_values():
     assert DiffusionDpoConfig().beta == 100.0
     with pytest.raises(ValidationError, match="beta"):
         DiffusionDpoConfig(beta=0)
+
+
+def test_a_bf16_rollout_records_the_rounded_transition_it_continues_from():
+    """Latents kept in bf16 between steps: the log-prob is taken of the rounded sample, so recomputing it from
+    the stored bf16 latents gives the recorded value exactly."""
+    scheduler = schedule()
+    torch.manual_seed(4)
+    x, v = torch.randn(2, 6, 8).bfloat16(), torch.randn(2, 6, 8)
+    step = sde_step(v, x, scheduler.sigmas, 1, 0.7, generators=seeded(5, 2), latent_dtype=torch.bfloat16)
+    stored = step.prev_sample.to(torch.bfloat16)
+    assert torch.equal(stored.float(), step.prev_sample)
+    again = sde_step(v, x, scheduler.sigmas, 1, 0.7, prev_sample=stored)
+    assert logprob_mismatch(step.log_prob, again.log_prob) == 0.0
+    unrounded = sde_step(v, x, scheduler.sigmas, 1, 0.7, generators=seeded(5, 2))
+    assert not torch.equal(unrounded.prev_sample, step.prev_sample)

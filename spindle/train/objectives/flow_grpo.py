@@ -83,6 +83,7 @@ def sde_step(
     noise_level: float,
     generators: Sequence[torch.Generator] | None = None,
     prev_sample: torch.Tensor | None = None,
+    latent_dtype: torch.dtype | None = None,
 ) -> SdeStep:
     """One step of Flow-GRPO's SDE sampler from `sample` (the latents at `sigmas[step_index]`) given the
     velocity `model_output` (after CFG).
@@ -91,7 +92,9 @@ def sde_step(
     from them (on CPU, then moved), so each sample's draw is its own. Training: give the recorded
     `prev_sample` to get its log-prob under the current model (no draw). `noise_level == 0` is the
     deterministic Euler step (no log-prob). Everything is computed in float32, since bf16 overflows in
-    the mean's terms.
+    the mean's terms. `latent_dtype`: the dtype the rollout keeps its latents in (bf16 inference); the
+    drawn sample is rounded to it before its log-prob is taken, so the recorded transition is exactly the
+    one the next step and the trainer's recomputation see (the returned `prev_sample` stays float32).
     """
     if noise_level < 0:
         raise ValueError(f"noise_level must be >= 0; got {noise_level}")
@@ -120,6 +123,8 @@ def sde_step(
             raise ValueError(f"a rollout step needs one generator per sample: {batch} samples, {got} generators")
         noise = draw_noise(tuple(sample.shape), generators).to(sample.device)
         prev_sample = mean + scale * noise
+        if latent_dtype is not None:
+            prev_sample = prev_sample.to(latent_dtype).float()
     else:
         prev_sample = prev_sample.float()
     return SdeStep(prev_sample, gaussian_log_prob(prev_sample, mean, scale), mean, std_dev_t)
