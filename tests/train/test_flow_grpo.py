@@ -90,22 +90,20 @@ def test_noise_level_zero_is_the_schedulers_euler_step():
 
 
 def rollout(model: Velocity, generators: list[torch.Generator], noise_level: float):
-    """A whole SDE rollout: initial noise and every step's draw from the samples' generators; returns the
-    latents of every step and the recorded log-probs [B, steps]."""
-    from spindle.train.objectives.flow_grpo import draw_noise
+    """A whole SDE rollout, as the engine's denoising loop runs one with the recorder in place of
+    `scheduler.step`: initial noise and every step's draw from the samples' generators."""
+    from spindle.train.objectives.flow_grpo import SdeRecorder, draw_noise
 
     scheduler = schedule()
-    latents = [draw_noise((len(generators), 6, 8), generators)]
-    log_probs = []
+    recorder = SdeRecorder(noise_level, generators)
+    latents = draw_noise((len(generators), 6, 8), generators)
     with torch.no_grad():
-        for i in range(len(scheduler.timesteps)):
-            x = latents[-1]
-            step = sde_step(
-                model(x, scheduler.sigmas[i].expand(len(x))), x, scheduler.sigmas, i, noise_level, generators
-            )
-            latents.append(step.prev_sample)
-            log_probs.append(step.log_prob)
-    return scheduler, torch.stack(latents, 1), torch.stack(log_probs, 1)
+        for i, t in enumerate(scheduler.timesteps):
+            noise_pred = model(latents, scheduler.sigmas[i].expand(len(latents)))
+            latents = recorder(scheduler, noise_pred, t, i, latents)
+    trajectory = recorder.trajectory()
+    assert torch.equal(trajectory.latents[:, -1], latents)
+    return scheduler, trajectory
 
 
 def test_recorded_log_probs_are_recomputed_exactly_and_rollouts_are_keyed_per_sample():
@@ -117,39 +115,48 @@ def test_recorded_log_probs_are_recomputed_exactly_and_rollouts_are_keyed_per_sa
     def make(seed: int, step: int, key: int) -> torch.Generator:
         return torch.Generator().manual_seed(seed * 1000 + step * 100 + key)
 
-    scheduler, latents, recorded = rollout(model, rollout_generators(make, 7, 3, [0, 1], 2), noise_level=0.8)
-    assert recorded.shape == (4, STEPS) and torch.isfinite(recorded).all()
+    scheduler, traj = rollout(model, rollout_generators(make, 7, 3, [0, 1], 2), noise_level=0.8)
+    recorded, latents = traj.log_probs, traj.latents
+    assert recorded.shape == (4, STEPS) and latents.shape == (4, STEPS + 1, 6, 8) and torch.isfinite(recorded).all()
+    assert traj.step_indices == list(range(STEPS))
     recomputed = torch.empty_like(recorded)
-    for b in range(4):
-        for j in range(STEPS):
-            x = latents[b : b + 1, j]
-            v = model(x, scheduler.sigmas[j].view(1))
-            step = sde_step(v, x, scheduler.sigmas, j, 0.8, prev_sample=latents[b : b + 1, j + 1])
-            recomputed[b, j] = step.log_prob[0]
-    assert logprob_mismatch(recorded, recomputed) <= 1e-5
-    # the same batch recomputed: the very same numbers
-    same = torch.stack(
-        [
-            sde_step(
-                model(latents[:, j], scheduler.sigmas[j].expand(4)),
-                latents[:, j],
-                scheduler.sigmas,
-                j,
-                0.8,
-                prev_sample=latents[:, j + 1],
-            ).log_prob
-            for j in range(STEPS)
-        ],
-        1,
-    )
+    with torch.no_grad():
+        for b in range(4):
+            for j in range(STEPS):
+                x = latents[b : b + 1, j]
+                v = model(x, scheduler.sigmas[j].view(1))
+                step = sde_step(v, x, scheduler.sigmas, j, 0.8, prev_sample=latents[b : b + 1, j + 1])
+                recomputed[b, j] = step.log_prob[0]
+        assert logprob_mismatch(recorded, recomputed) <= 1e-5
+        # the same batch recomputed through the trajectory: the very same numbers
+        same = torch.stack(
+            [
+                traj.transition_log_prob(model(latents[:, j], scheduler.sigmas[j].expand(4)), j, 0.8).log_prob
+                for j in range(STEPS)
+            ],
+            1,
+        )
     assert logprob_mismatch(recorded, same) == 0.0
     # prompt 1's samples generated alone equal rows 2-3 of the batched rollout
-    _, alone, alone_lp = rollout(model, [make(7, 3, 1 * 2 + s) for s in range(2)], noise_level=0.8)
-    torch.testing.assert_close(alone, latents[2:], rtol=0, atol=1e-6)
-    torch.testing.assert_close(alone_lp, recorded[2:], rtol=0, atol=1e-5)
+    _, alone = rollout(model, [make(7, 3, 1 * 2 + s) for s in range(2)], noise_level=0.8)
+    torch.testing.assert_close(alone.latents, latents[2:], rtol=0, atol=1e-6)
+    torch.testing.assert_close(alone.log_probs, recorded[2:], rtol=0, atol=1e-5)
     # another step draws other noise
-    _, other, _ = rollout(model, rollout_generators(make, 7, 4, [0, 1], 2), noise_level=0.8)
-    assert not torch.allclose(other, latents)
+    _, other = rollout(model, rollout_generators(make, 7, 4, [0, 1], 2), noise_level=0.8)
+    assert not torch.allclose(other.latents, latents)
+
+
+def test_recorder_refuses_latents_changed_between_steps():
+    from spindle.train.objectives.flow_grpo import SdeRecorder
+
+    scheduler = schedule()
+    recorder = SdeRecorder(0.7, seeded(0, 1))
+    x = torch.zeros(1, 4)
+    nxt = recorder(scheduler, x, scheduler.timesteps[0], 0, x)
+    with pytest.raises(RuntimeError, match="step 1 starts from other latents than step 0 returned"):
+        recorder(scheduler, x, scheduler.timesteps[1], 1, nxt + 1)
+    with pytest.raises(ValueError, match="noise_level must be > 0"):
+        SdeRecorder(0.0, seeded(0, 1))
 
 
 def test_sde_step_refuses_a_rollout_without_a_generator_per_sample():

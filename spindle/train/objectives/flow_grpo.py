@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -128,6 +129,84 @@ def sde_step(
     else:
         prev_sample = prev_sample.float()
     return SdeStep(prev_sample, gaussian_log_prob(prev_sample, mean, scale), mean, std_dev_t)
+
+
+class SdeRecorder:
+    """The step a rollout puts in place of `scheduler.step` in a denoising loop (the engine's DenoisingStage:
+    `latents = recorder(req.scheduler, noise_pred, t, i, latents)`): it takes the SDE step with the samples'
+    generators and records the trajectory for training.
+
+    The schedule is the scheduler's (`scheduler.sigmas` after `set_timesteps`, starting at its
+    `begin_index`); the latents keep the loop's dtype (the draw is rounded to it before its log-prob).
+    """
+
+    def __init__(self, noise_level: float, generators: Sequence[torch.Generator]) -> None:
+        if noise_level <= 0:
+            raise ValueError(f"a rollout's noise_level must be > 0 (0 has no log-prob); got {noise_level}")
+        self.noise_level = noise_level
+        self.generators = list(generators)
+        self.latents: list[torch.Tensor] = []  # each step's input latents, then the final ones
+        self.log_probs: list[torch.Tensor] = []
+        self.step_indices: list[int] = []
+        self.sigmas: torch.Tensor | None = None
+
+    def __call__(
+        self, scheduler: Any, model_output: torch.Tensor, t: torch.Tensor, i: int, latents: torch.Tensor
+    ) -> torch.Tensor:
+        if self.sigmas is None:
+            self.sigmas = scheduler.sigmas.detach().float().cpu()
+        index = i + int(getattr(scheduler, "begin_index", None) or 0)
+        sigmas = scheduler.sigmas
+        step = sde_step(
+            model_output, latents, sigmas, index, self.noise_level, self.generators, latent_dtype=latents.dtype
+        )
+        if not self.latents:
+            self.latents.append(latents.detach())
+        elif not torch.equal(latents, self.latents[-1]):
+            # the recorded transition j -> j + 1 must be the one step j + 1 starts from
+            raise RuntimeError(
+                f"denoising step {i} starts from other latents than step {i - 1} returned: the loop changed them "
+                "between steps, so the rollout's transitions cannot be recomputed"
+            )
+        nxt = step.prev_sample.to(latents.dtype)
+        self.latents.append(nxt.detach())
+        assert step.log_prob is not None  # noise_level > 0
+        self.log_probs.append(step.log_prob.detach())
+        self.step_indices.append(index)
+        return nxt
+
+    def trajectory(self) -> Trajectory:
+        if self.sigmas is None:
+            raise RuntimeError("the recorder took no step")
+        return Trajectory(
+            latents=torch.stack(self.latents, dim=1),
+            log_probs=torch.stack(self.log_probs, dim=1),
+            step_indices=list(self.step_indices),
+            sigmas=self.sigmas,
+        )
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """A batch of rollouts: `latents` [B, T + 1, ...] (step j's input at j, its output at j + 1, in the loop's
+    dtype), `log_probs` [B, T] (float32), the schedule positions of the T steps, and the schedule."""
+
+    latents: torch.Tensor
+    log_probs: torch.Tensor
+    step_indices: list[int]
+    sigmas: torch.Tensor
+
+    def transition_log_prob(self, model_output: torch.Tensor, j: int, noise_level: float) -> SdeStep:
+        """Step j's recorded transition under a (re)computed velocity: what the trainer differentiates, and
+        what `logprob_mismatch` compares with `log_probs[:, j]` before the first update."""
+        return sde_step(
+            model_output,
+            self.latents[:, j],
+            self.sigmas.to(model_output.device),
+            self.step_indices[j],
+            noise_level,
+            prev_sample=self.latents[:, j + 1],
+        )
 
 
 def draw_noise(shape: tuple[int, ...], generators: Sequence[torch.Generator]) -> torch.Tensor:
