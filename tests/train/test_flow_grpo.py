@@ -221,7 +221,7 @@ def test_flow_grpo_section_reads_rewards_and_refuses_bad_values():
     from spindle.train.objectives.config_dit import DiffusionDpoConfig, FlowGrpoConfig
 
     cfg = FlowGrpoConfig(rewards=["rewards.py:brightness", "builtin:jpeg_compressibility"], reward_weights=[1.0, 0.1])
-    assert [(r.fn, r.builtin, r.weight) for r in cfg.weighted_rewards] == [
+    assert [(r.fn, r.builtin, r.weight) for r in cfg.reward_configs] == [
         ("rewards.py:brightness", None, 1.0),
         (None, "jpeg_compressibility", 0.1),
     ]

@@ -41,6 +41,9 @@ def too_few(images, prompts):
 def nan_on_second(images, prompts):
     return [0.0, float("nan"), 0.0][: len(images)]
 
+def text_on_third(images, prompts):
+    return [0.0, 1.0, "2.0"]
+
 def length(prompts, completions, **kwargs):
     return [float(len(c)) for c in completions]
 
@@ -83,6 +86,7 @@ def test_file_functions_score_weight_and_get_their_columns(reward_file):
     torch.testing.assert_close(scores.per_reward["brightness"], bright)
     torch.testing.assert_close(scores.per_reward["closeness"], -(bright - 0.5).abs())
     torch.testing.assert_close(scores.total, 2.0 * bright - 0.5 * (bright - 0.5).abs())
+    assert rewards([], [], {"target": []}).total.shape == (0,)  # a rank with no samples this step
     assert scores.means() == pytest.approx(
         {"reward/brightness": float(bright.mean()), "reward/closeness": float(-(bright - 0.5).abs().mean())}
     )
@@ -132,6 +136,7 @@ def test_a_folder_is_refused_for_a_dit_model_and_a_builtin_for_a_language_model(
         ),
         ("too_few", r"reward 'too_few' .* returned 1 values for 3 samples \(prompt 'a red cat' and 2 more\)"),
         ("nan_on_second", r"reward 'nan_on_second' .* returned nan for prompt 'a blue dog' \(sample 1\)"),
+        ("text_on_third", r"reward 'text_on_third' .* returned '2.0' for prompt 'a tree' \(sample 2\); every reward"),
     ],
 )
 def test_a_reward_failing_while_scoring_names_the_function_and_the_prompt(reward_file, fn, message):

@@ -65,7 +65,7 @@ class FlowGrpoConfig(Section):
         return self
 
     @property
-    def weighted_rewards(self) -> list[RewardConfig]:
+    def reward_configs(self) -> list[RewardConfig]:
         """The rewards with `reward_weights` applied (what `load_rewards` takes)."""
         return weighted_rewards(self.rewards, self.reward_weights, "flow_grpo")
 

@@ -69,6 +69,9 @@ class RewardSet:
         for key, values in columns.items():
             if len(values) != count:
                 raise ValueError(f"column {key!r} has {len(values)} values for {count} samples; give one per sample")
+        if count == 0:
+            empty = torch.zeros(0, dtype=torch.float32)
+            return RewardScores({r.name: empty for r in self.rewards}, empty)
         per_reward = {r.name: self._score(r, outputs, prompts, columns) for r in self.rewards}
         total = torch.zeros(count, dtype=torch.float32)
         for r in self.rewards:
@@ -96,8 +99,8 @@ class RewardSet:
             )
         out = []
         for i, value in enumerate(values):
-            try:
-                number = float(value)
+            try:  # a number (or a 0-d array / tensor); text that happens to parse is refused too
+                number = math.nan if isinstance(value, (str, bytes)) else float(value)
             except (TypeError, ValueError):
                 number = math.nan
             if not math.isfinite(number):
