@@ -559,10 +559,11 @@ class DiTJobConfig(TrainJobConfig):
 
 
 class LMTrainConfig(TrainConfig):
-    objective: Literal["sft", "dpo"] = Field(
+    objective: Literal["sft", "dpo", "grpo"] = Field(
         "sft",
         description="what the step optimises (spindle.train.objectives): sft, next-token loss on the documents' "
-        "label tokens; dpo, direct preference optimisation on preference pairs (settings: the dpo: section)",
+        "label tokens; dpo, direct preference optimisation on preference pairs (settings: the dpo: section); grpo, "
+        "online GRPO from reward functions on completions sampled from the policy (the grpo: section)",
     )
 
 
@@ -572,6 +573,7 @@ class CausalLMJobConfig(TrainJobConfig):
     data: TextDataConfig
     train: LMTrainConfig = LMTrainConfig()
     dpo: DPOConfig = DPOConfig()  # read when train.objective is dpo
+    grpo: GRPOConfig = GRPOConfig()  # read when train.objective is grpo
 
 
 VLMPart = Literal["audio", "vision", "aligner", "language"]

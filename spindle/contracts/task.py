@@ -79,6 +79,11 @@ class Objective(Protocol):
         """This rank's resumable micro-batches of the objective's data."""
         ...
 
+    def begin_step(self, task: Any, model: torch.nn.Module, batches: list[Any], step: int) -> list[Any]:
+        """Collective, before the step's loss units are counted: the step's micro-batches as the loss reads
+        them (an online objective generates and scores its rollouts here)."""
+        ...
+
     def loss_units(self, batch: Any) -> int:
         """How many units the loss of `batch` averages over (see the module docstring)."""
         ...
@@ -160,6 +165,11 @@ class TrainTask(ABC):
         if self.autocast_dtype is None:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def begin_step(self, model: torch.nn.Module, batches: list[Any], step: int) -> list[Any]:
+        """Collective, before the step's loss units are counted: the step's micro-batches as `loss_units` and
+        `forward` read them (an online objective's rollouts). Default: as the loader gave them."""
+        return batches
 
     @abstractmethod
     def loss_units(self, batch: Any) -> int:

@@ -217,7 +217,7 @@ class Trainer:
         """
         from spindle.distributed.fsdp import clip_grad_norm_tensor_
 
-        batches = [next(self.loader) for _ in range(self.accum)]
+        batches = self.task.begin_step(self.model, [next(self.loader) for _ in range(self.accum)], self.step)
         dp_size = self.mesh.dims.dp_size
         units = float(sum(self.task.loss_units(b) for b in batches))  # host counts: no device read
         if dp_size > 1:  # the global count scales the loss before backward (one read with data parallel)

@@ -5,7 +5,9 @@ its experts part), so an objective works for every model kind that offers what i
 
 - `sft` (language models): next-token loss on text / chat / multimodal conversations (sft.py);
 - `flow_matching` (DiTs): the velocity loss on media and conditions (flow_matching.py);
-- `dpo` (text causal LMs): preference pairs against a frozen reference (dpo.py: the loss and its `DPO` part).
+- `dpo` (text causal LMs): preference pairs against a frozen reference (dpo.py: the loss and its `DPO` part);
+- `grpo` (text causal LMs, online): completions sampled from the live policy, scored by rewards, the clipped
+  objective on group-relative advantages (grpo.py: the loss and its `GRPO` part; spindle/train/generation.py).
 
 The post-training losses are pure functions on log-probability (or score) tensors: `dpo` (sigmoid / ipo / simpo
 preference losses), `reward` (Bradley-Terry loss of a scalar head), `grpo` (group-relative advantages and the
@@ -24,6 +26,7 @@ OBJECTIVES: dict[str, str] = {
     "sft": "spindle.train.objectives.sft:SFT",
     "flow_matching": "spindle.train.objectives.flow_matching:FlowMatching",
     "dpo": "spindle.train.objectives.dpo:DPO",
+    "grpo": "spindle.train.objectives.grpo:GRPO",
 }
 
 

@@ -191,6 +191,9 @@ class DPO:
         task._data_stats = {"rows": len(pairs), "pairs": len(pairs)}  # the run summary's epochs count pairs
         return resumable_loader(task, pairs, partial(collate_pairs, pad_id=pad))
 
+    def begin_step(self, task: Any, model: torch.nn.Module, batches: list[Any], step: int) -> list[Any]:
+        return batches
+
     def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
         return int(batch["input_ids"].shape[0]) // 2  # pairs
 

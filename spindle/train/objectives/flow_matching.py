@@ -36,6 +36,9 @@ class FlowMatching:
     def prepare(self, task: Any, model: torch.nn.Module) -> None:
         return None
 
+    def begin_step(self, task: Any, model: torch.nn.Module, batches: list[Any], step: int) -> list[Any]:
+        return batches
+
     def build_loader(self, task: Any) -> Any:
         return task.media_loader()
 

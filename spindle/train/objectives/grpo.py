@@ -26,7 +26,7 @@ Clip ratios (logged): the share of completion tokens whose ratio is below 1 - ep
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -175,3 +175,224 @@ def grpo_loss(
         clipped_low=(low * mask).sum(),
         clipped_high=(high_clipped * mask).sum(),
     )
+
+
+class GRPO:
+    """`train.objective: grpo` (online, text causal LMs): the clipped objective above as a part of a language-model
+    task (`grpo:` settings). `train.global_batch_size` counts prompts.
+
+    Each step, before its loss is counted (`begin_step`), every rank samples `num_generations` completions of each
+    of its prompts from the live policy (`spindle.train.generation`: a KV cache, the ranks in lockstep, one
+    generator per completion keyed on (seed, step, prompt, sample)), decodes them, scores them with `grpo.rewards`
+    (`spindle.train.rewards`: functions with TRL's keyword convention, reward-model folders, HTTP scorers; extra
+    prompt columns passed by name) and computes the group-relative advantages. Then `forward` runs prompt +
+    completion through the policy for each completion token's log-probability and optimises the clipped objective
+    (the old policy is the sampler: `num_iterations` 1), with beta x the KL to the reference when beta > 0 (a LoRA
+    run: its adapters off; else a frozen copy of the starting weights). Tokens after a completion's end are
+    masked. Metrics: reward_mean / reward_std, reward/NAME per reward, completion_length, clip ratios, kl,
+    generated_tokens_per_s and the step's time split; every `train.log_every` steps rank 0 appends its prompts,
+    completions and rewards to `<output_dir>/samples/grpo.jsonl`."""
+
+    name = "grpo"
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.settings = cfg.grpo
+        self.rewards: Any = None
+        self.reference: tuple[Any, torch.nn.Module] | None = None
+
+    def check_plan(self, family: Any, dims: Any) -> None:
+        from spindle.config import ConfigError
+
+        if family.kind != "causal_lm":
+            raise ConfigError(
+                f"train.objective=grpo: {family.name} is a {family.kind} model; GRPO trains text causal-LM families "
+                "for now (prompts with images/videos/audio are not wired yet): use train.objective=sft"
+            )
+        if dims.sp > 1:
+            raise ConfigError(
+                "train.objective=grpo with parallel.sp > 1: completions are generated whole on each rank; set "
+                "parallel.sp: 1 (FSDP2 / HSDP / EP layouts work)"
+            )
+        if self.settings.num_iterations != 1:
+            raise ConfigError(
+                f"grpo.num_iterations={self.settings.num_iterations}: only on-policy updates (1) are available yet; "
+                "set grpo.num_iterations: 1"
+            )
+        self.reward_set()  # every reward resolved (files imported, folders read) before any model loads
+
+    def reward_set(self) -> Any:
+        if self.rewards is None:
+            from spindle.config import ConfigError
+            from spindle.train.rewards.config import RewardConfig, parse_reward
+            from spindle.train.rewards.load import load_rewards
+
+            s = self.settings
+            if not s.rewards:
+                raise ConfigError("grpo.rewards is empty; give at least one reward (e.g. [rewards.py:correct])")
+            weights = s.reward_weights or [1.0] * len(s.rewards)
+            entries = [RewardConfig(**parse_reward(r), weight=w) for r, w in zip(s.rewards, weights, strict=True)]
+            self.rewards = load_rewards(entries, "lm", "grpo")
+        return self.rewards
+
+    def prepare(self, task: Any, model: torch.nn.Module) -> None:
+        self.reward_set()
+        if self.settings.beta > 0 and self.cfg.train.lora is None:
+            self.reference = task.build_reference(self.cfg.model.path)
+
+    def build_loader(self, task: Any) -> Any:
+        from spindle.data.preference import read_prompts
+        from spindle.train.tasks.base import resumable_loader
+
+        prompts = read_prompts(self.cfg.data.path, task.tokenizer, self.settings.max_prompt_length)
+        task._data_stats = {"rows": len(prompts), "prompts": len(prompts)}
+        return resumable_loader(task, list(enumerate(prompts)), list)
+
+    def begin_step(self, task: Any, model: torch.nn.Module, batches: list[Any], step: int) -> list[Any]:
+        import time
+
+        from spindle.train.generation import Sampling, rollout_generator, sample_group
+
+        s = self.settings
+        tok = task.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        eos = {tok.eos_token_id}
+        config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        eos |= set(config_eos if isinstance(config_eos, list) else [config_eos] if config_eos is not None else [])
+        sampling = Sampling(s.max_new_tokens, s.temperature, s.top_p)
+        out = []
+        was_training = model.training
+        model.eval()  # the KV cache (activation checkpointing refuses it in training mode)
+        try:
+            for examples in batches:
+                start = time.perf_counter()
+                groups = []
+                for index, example in examples:
+                    gens = [rollout_generator(self.cfg.train.seed, step, index, j) for j in range(s.num_generations)]
+                    groups.append(sample_group(model, example.prompt_ids, gens, sampling, eos, pad, task.device))
+                generated = time.perf_counter() - start
+                out.append(self._score(task, examples, groups, pad, generated))
+        finally:
+            model.train(was_training)
+        if step % self.cfg.train.log_every == 0:
+            self._write_samples(task, out, step)
+        return out
+
+    def _score(self, task: Any, examples: list[Any], groups: list[Any], pad: int, generated_s: float) -> dict[str, Any]:
+        import time
+
+        from spindle.data.preference import IGNORE_INDEX
+
+        s, tok, g = self.settings, task.tokenizer, self.settings.num_generations
+        start = time.perf_counter()
+        prompts: list[Any] = []
+        completions: list[Any] = []
+        columns: dict[str, list[Any]] = {}
+        rows: list[tuple[list[int], list[int]]] = []
+        for (_, example), (tokens, mask) in zip(examples, groups, strict=True):
+            conversational = isinstance(example.prompt, list)
+            for j in range(g):
+                ids = tokens[j][mask[j].bool()].tolist()
+                text = tok.decode(ids, skip_special_tokens=True)
+                completions.append([{"role": "assistant", "content": text}] if conversational else text)
+                prompts.append(example.prompt)
+                rows.append((example.prompt_ids, ids))
+                for key, value in example.columns.items():
+                    columns.setdefault(key, []).append(value)
+        scores = self.reward_set()(completions, prompts, columns)
+        per_function = torch.stack([scores.per_reward[n] for n in self.rewards.names], dim=1)
+        weights = torch.tensor([r.weight for r in self.rewards.rewards], dtype=torch.float32)
+        adv = group_advantages(per_function, g, weights, s.scale_rewards)
+        scored = time.perf_counter() - start
+        width = max(len(p) + len(c) for p, c in rows)
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+        for i, (prompt, completion) in enumerate(rows):
+            ids[i, : len(prompt) + len(completion)] = torch.tensor(prompt + completion, dtype=torch.long)
+            # position t predicts token t + 1: the completion's tokens are predicted from len(prompt) - 1 on
+            labels[i, len(prompt) - 1 : len(prompt) - 1 + len(completion)] = torch.tensor(completion, dtype=torch.long)
+        lengths = torch.tensor([len(c) for _, c in rows], dtype=torch.float32)
+        rewards = adv.rewards
+        metrics = {
+            "reward_mean": float(torch.nanmean(rewards)),
+            "reward_std": float(nan_std(rewards)) if rewards.numel() > 1 else 0.0,
+            **scores.means(),
+            "completion_length": float(lengths.mean()),
+            "generated_tokens_per_s": float(lengths.sum()) / max(generated_s, 1e-9),
+            "time/generation_s": generated_s,
+            "time/scoring_s": scored,
+        }
+        return {
+            "input_ids": ids,
+            "position_ids": torch.arange(width).expand(len(rows), width).clone(),
+            "shift_labels": labels,
+            "advantages": adv.advantages.float(),
+            "metrics": metrics,
+            "samples": [
+                {"prompt": p, "completion": c, "reward": float(r)}
+                for p, c, r in zip(prompts, completions, scores.total.tolist(), strict=True)
+            ],
+        }
+
+    def _write_samples(self, task: Any, batches: list[dict[str, Any]], step: int) -> None:
+        import json
+        from pathlib import Path
+
+        from spindle.distributed.mesh import is_main_process
+
+        if not is_main_process():
+            return
+        folder = Path(self.cfg.train.output_dir) / "samples"
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / "grpo.jsonl", "a") as f:
+            for batch in batches:
+                for sample in batch["samples"]:
+                    f.write(json.dumps({"step": step, **sample}, default=str) + "\n")
+
+    def loss_units(self, batch: dict[str, Any]) -> int:
+        if self.settings.loss_type == "dapo":
+            return int((batch["shift_labels"] != -100).sum())  # completion tokens
+        return int(batch["input_ids"].shape[0])  # completions
+
+    def forward(self, task: Any, model: torch.nn.Module, batch: dict[str, Any], step: int) -> Any:
+        import time
+
+        from spindle.contracts.task import Metric, StepOutput
+
+        s = self.settings
+        start = time.perf_counter()
+        rows = {k: batch[k] for k in ("input_ids", "position_ids", "shift_labels")}
+        run = task.run_rows(model, rows, log_probs=True, temperature=s.temperature)
+        mask = (run.rows["shift_labels"] != -100).to(run.log_probs.dtype)
+        ref = None
+        if s.beta > 0:
+            with torch.no_grad():
+                ref = self._reference_log_probs(task, model, rows)
+        out = grpo_loss(
+            run.log_probs,
+            batch["advantages"].to(run.log_probs.device),
+            mask,
+            None,
+            ref,
+            epsilon=s.epsilon,
+            epsilon_high=s.epsilon_high,
+            beta=s.beta,
+            loss_type=s.loss_type,
+            max_completion_length=s.max_new_tokens,
+        )
+        metrics: dict[str, Any] = {k: Metric(v, "mean", "mean") for k, v in batch["metrics"].items()}
+        metrics.update({k: Metric(v, "mean", "mean") for k, v in out.metrics().items()})
+        metrics["time/update_forward_s"] = Metric(time.perf_counter() - start, "sum", "mean")
+        return StepOutput(out.loss_sum.float(), int(rows["input_ids"].shape[0]), run.tokens, metrics)
+
+    def _reference_log_probs(self, task: Any, model: torch.nn.Module, rows: dict[str, Any]) -> torch.Tensor:
+        if self.reference is None:  # a LoRA run: the policy with its adapters switched off
+            from spindle.train.lora import adapters_disabled
+
+            with adapters_disabled(model):
+                run = task.run_rows(model, rows, log_probs=True, temperature=self.settings.temperature)
+        else:
+            ref_task, ref_model = self.reference
+            run = ref_task.run_rows(ref_model, rows, log_probs=True, temperature=self.settings.temperature)
+        logps: torch.Tensor = run.log_probs
+        return logps

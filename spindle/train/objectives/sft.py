@@ -27,6 +27,9 @@ class SFT:
     def prepare(self, task: Any, model: torch.nn.Module) -> None:
         return None
 
+    def begin_step(self, task: Any, model: torch.nn.Module, batches: list[Any], step: int) -> list[Any]:
+        return batches
+
     def build_loader(self, task: Any) -> Any:
         return task.document_loader()
 

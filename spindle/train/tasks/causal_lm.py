@@ -79,20 +79,21 @@ def is_spindle_patched(model: torch.nn.Module) -> bool:
 
 
 def causal_lm_log_probs(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], **model_kwargs: Any
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float = 1.0, **model_kwargs: Any
 ) -> tuple[Any, torch.Tensor]:
     """(the forward output, each position's log-probability of its `shift_labels` token [rows, seq], 0 where
-    -100): what sequence objectives (DPO, GRPO) sum or weigh. A patched model computes them from its hidden
-    states chunk by chunk (`loss_reduction="none"`, no [tokens, vocab] logits); a stock one from its logits."""
+    -100): what sequence objectives (DPO, GRPO) sum or weigh, of the logits divided by `temperature` (GRPO scores
+    completions as they were sampled). A patched model computes them from its hidden states chunk by chunk
+    (`loss_reduction="none"`, no [tokens, vocab] logits) at temperature 1; otherwise from its logits."""
     from spindle.train.objectives.logprobs import token_log_probs_from_logits
 
     labels = batch["shift_labels"]
     common = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
-    if is_spindle_patched(model):
+    if is_spindle_patched(model) and temperature == 1.0:
         out = model(labels=labels, shift_labels=labels, loss_reduction="none", **common, **model_kwargs)
         return out, -out.loss
     out = model(**common, **model_kwargs)
-    return out, token_log_probs_from_logits(out.logits, labels)
+    return out, token_log_probs_from_logits(out.logits, labels, temperature)
 
 
 def causal_lm_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -360,6 +361,9 @@ class CausalLMTask(TrainTask):
         return dict(getattr(self, "_data_stats", {}))
 
     # ------------------------------------------------------------ step
+
+    def begin_step(self, model: torch.nn.Module, batches: list[Any], step: int) -> list[Any]:
+        return self.objective.begin_step(self, model, batches, step)
 
     def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
         return self.objective.loss_units(batch)

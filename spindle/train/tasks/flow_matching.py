@@ -204,6 +204,9 @@ class FlowMatchingTask(TrainTask):
 
     # ------------------------------------------------------------ step
 
+    def begin_step(self, model: torch.nn.Module, batches: list[Any], step: int) -> list[Any]:
+        return self.objective.begin_step(self, model, batches, step)
+
     def loss_units(self, batch: dict[str, Any]) -> int:
         return self.objective.loss_units(batch)
 

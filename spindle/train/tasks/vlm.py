@@ -405,7 +405,8 @@ class VLMTask(CausalLMTask):
         self.vision_step.start(present, self.dataset_kinds, rows["input_ids"])
         with self._autocast():
             if log_probs:
-                out, logps = causal_lm_log_probs(model, rows, **vision, **self.model_kwargs(rows), **model_kwargs)
+                kwargs: dict[str, Any] = {**vision, **self.model_kwargs(rows), **model_kwargs}
+                out, logps = causal_lm_log_probs(model, rows, **kwargs)
                 return RowsRun(out, rows, ids.shape[0], ids.numel(), logps)
             out = causal_lm_output(model, rows, **vision, **self.model_kwargs(rows), **model_kwargs)
         return RowsRun(out, rows, ids.shape[0], ids.numel())
