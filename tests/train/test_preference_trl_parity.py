@@ -1,25 +1,30 @@
-"""A first DPO step on a tiny Qwen3 policy and a *different* reference model equals `trl.DPOTrainer`'s.
+"""A first DPO step on a tiny Qwen3 policy and a *different* reference model equals `trl.DPOTrainer`'s, and a first
+reward-model step (a Qwen3 sequence-classification head) equals `trl.RewardTrainer`'s.
 
 Spindle's pieces, end to end: the preference JSONL read and tokenised by `spindle.data.preference`, batched by
 `collate_pairs`, each model's per-token log-probabilities from its hidden states through the chunked
 `token_log_probs` (the lm_head applied chunk by chunk), summed per completion and fed to `dpo_loss`. TRL's side:
 a real `DPOTrainer` built on the same policy, reference and lines, its loss for one batch holding every pair
 computed by its own `compute_loss` (no optimizer step). Loss to 1e-6 and gradient norm to 1e-5 relative (fp32).
+The reward model the same way: `reward_pairs` + `collate_reward_pairs`, the head's score at each sequence's last
+token, `reward_loss` with the margin column, against `RewardTrainer.compute_loss` on the same model.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 import torch
 from datasets import Dataset  # TRL's own dependency: its trainers take `datasets.Dataset`s
-from transformers import AutoModelForCausalLM, AutoTokenizer
-from trl import DPOConfig, DPOTrainer
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer
 
-from spindle.data.preference import collate_pairs, preference_pairs
+from spindle.data.preference import collate_pairs, collate_reward_pairs, preference_pairs, reward_pairs
 from spindle.train.objectives.dpo import dpo_loss
 from spindle.train.objectives.logprobs import sequence_log_probs, token_log_probs
+from spindle.train.objectives.reward import reward_loss
 
 LINES = {
     "standard": [
@@ -133,3 +138,36 @@ def test_step_one_equals_trl_dpo_trainer(fmt, loss_type, beta, rpo_alpha, tiny_q
     assert abs(theirs.item() - 0.6931) > 1e-3  # the reference differs from the policy: not the untrained log 2
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(ours_norm, theirs_norm, rtol=1e-5, atol=0)
+
+
+def test_reward_step_one_equals_trl_reward_trainer(tiny_qwen3, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    lines = [{**line, "margin": 0.5 * i} for i, line in enumerate(LINES["standard"])]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    torch.manual_seed(0)  # the new score head's initialisation; both sides start from this one model
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_qwen3, num_labels=1, dtype=torch.float32)
+    ours_model = copy.deepcopy(model)
+
+    args = RewardConfig(
+        output_dir=str(tmp_path / "trl"),
+        report_to=[],
+        bf16=False,
+        use_cpu=True,
+        per_device_train_batch_size=len(lines),
+        max_length=SEQ_LEN,
+    )
+    trainer = RewardTrainer(model=model, args=args, train_dataset=Dataset.from_list(lines), processing_class=tokenizer)
+    theirs = trainer.compute_loss(trainer.model, next(iter(trainer.get_train_dataloader())))
+    theirs.backward()
+
+    pairs, _ = reward_pairs(path, tokenizer, seq_len=SEQ_LEN)
+    batch = collate_reward_pairs(pairs, tokenizer.pad_token_id)
+    hidden = ours_model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    last = hidden[torch.arange(hidden.shape[0]), batch["last_index"]]
+    chosen, rejected = ours_model.score(last).squeeze(-1).chunk(2)
+    ours = reward_loss(chosen, rejected, batch["margin"])
+    ours.loss.backward()
+
+    torch.testing.assert_close(ours.loss.detach(), theirs.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad_norm(ours_model), grad_norm(model), rtol=1e-5, atol=0)
