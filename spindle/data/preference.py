@@ -32,7 +32,8 @@ Truncation, in this order:
    with a sequence over `seq_len` is dropped and counted, as `trl.RewardTrainer` filters it.
 
 A line that cannot be used (not JSON, a missing or empty field, a prompt in one format and completions in
-another, a margin that is not a number) is a `PreferenceDataError` naming `file:line` before any model is
+another, a margin that is not a number, a message whose content is a list of parts: images, videos and audio
+need a vision-language family's processor, which this text reader does not take yet) is a `PreferenceDataError` naming `file:line` before any model is
 built. Pairs whose chosen equals rejected are kept (as TRL keeps them: they pull the loss towards log 2 with
 no gradient direction) but counted, and the first few are named in the log.
 
@@ -194,6 +195,13 @@ def _tokenize(tokenizer: Any, value: Completion, generation_prompt: bool = False
     if isinstance(value, list):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat_template, so message lists cannot be rendered; use strings")
+        parts = next((i for i, m in enumerate(value) if not isinstance(m["content"], str)), None)
+        if parts is not None:
+            # a text template would print the list's Python repr: refuse rather than train on it
+            raise ValueError(
+                f"message {parts} has a list of content parts; a text model's chat template renders string "
+                "content only (images, videos and audio in preference data need a vision-language family)"
+            )
         kwargs = {"add_generation_prompt": True} if generation_prompt else {}
         out = tokenizer.apply_chat_template(value, tokenize=True, return_dict=True, **kwargs)
         return list(out["input_ids"])
