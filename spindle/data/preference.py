@@ -33,9 +33,10 @@ Truncation, in this order:
 
 A line that cannot be used (not JSON, a missing or empty field, a prompt in one format and completions in
 another, a margin that is not a number, a message whose content is a list of parts: images, videos and audio
-need a vision-language family's processor, which this text reader does not take yet) is a `PreferenceDataError` naming `file:line` before any model is
-built. Pairs whose chosen equals rejected are kept (as TRL keeps them: they pull the loss towards log 2 with
-no gradient direction) but counted, and the first few are named in the log.
+need a vision-language family's processor, which this text reader does not take yet) is a
+`PreferenceDataError` naming `file:line` before any model is built. Pairs whose chosen equals rejected are
+kept, as TRL keeps them (in sigmoid DPO each adds log 2 to the loss and nothing to the gradient), but counted,
+and the first few are named in the log.
 
 Prompt-only lines (GRPO): `{"prompt": "..."}` or `{"prompt": [messages]}`; every other key is kept and handed
 to reward functions as keyword arguments (TRL's convention; `completion` / `completion_ids` are TRL's own
