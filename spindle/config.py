@@ -538,6 +538,11 @@ class TrainJobConfig(Section):
 
 
 class DiTTrainConfig(TrainConfig):
+    objective: Literal["flow_matching"] = Field(
+        "flow_matching",
+        description="what the step optimises (spindle.train.objectives): flow_matching, the velocity loss on media "
+        "and their conditions",
+    )
     expert: Literal["high_noise", "low_noise"] | None = Field(
         None,
         description="two-expert checkpoints (Wan2.2 A14B): the expert to fine-tune, high_noise (transformer, "
@@ -553,10 +558,19 @@ class DiTJobConfig(TrainJobConfig):
     train: DiTTrainConfig = DiTTrainConfig()
 
 
+class LMTrainConfig(TrainConfig):
+    objective: Literal["sft"] = Field(
+        "sft",
+        description="what the step optimises (spindle.train.objectives): sft, next-token loss on the documents' "
+        "label tokens",
+    )
+
+
 class CausalLMJobConfig(TrainJobConfig):
     """A causal-LM (next-token) job."""
 
     data: TextDataConfig
+    train: LMTrainConfig = LMTrainConfig()
 
 
 VLMPart = Literal["audio", "vision", "aligner", "language"]
@@ -575,7 +589,7 @@ class VLMLoraConfig(LoraConfig):
     )
 
 
-class VLMTrainConfig(TrainConfig):
+class VLMTrainConfig(LMTrainConfig):
     lora: VLMLoraConfig | None = Field(
         None, description="train LoRA adapters only (see LoraConfig; parts: which parts get them)"
     )
