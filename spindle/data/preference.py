@@ -338,14 +338,13 @@ def reward_pairs(path: str | Path, tokenizer: Any, seq_len: int) -> tuple[list[P
 # ---------------------------------------------------------------- batches
 
 
-def collate_pairs(pairs: list[PreferencePair], pad_id: int) -> dict[str, torch.Tensor]:
-    """A batch in `trl.DPOTrainer`'s layout: the B chosen sequences, then the B rejected ones, right-padded.
+def collate_sequences(rows: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    """(prompt ids, completion ids) rows -> a right-padded batch whose completion tokens are the scored ones.
 
-    -> input_ids, attention_mask (1 on tokens), completion_mask (1 on completion tokens): [2B, L];
-    shift_labels [2B, L] (the token each position predicts where that token is a completion token, else -100:
-    what `spindle.ops.losses.linear_log_probs` scores); position_ids [2B, L]; margin [B] when the pairs have one.
+    -> input_ids, attention_mask (1 on tokens), completion_mask (1 on completion tokens): [N, L]; shift_labels
+    [N, L] (the token each position predicts where that token is a completion token, else -100: what
+    `spindle.train.objectives.logprobs` scores); position_ids [N, L].
     """
-    rows = [(p.prompt_ids, p.chosen_ids) for p in pairs] + [(p.prompt_ids, p.rejected_ids) for p in pairs]
     width = max(len(prompt) + len(completion) for prompt, completion in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     attention = torch.zeros((len(rows), width), dtype=torch.long)
@@ -356,13 +355,20 @@ def collate_pairs(pairs: list[PreferencePair], pad_id: int) -> dict[str, torch.T
         attention[i, :n] = 1
         completion_mask[i, len(prompt) : n] = 1
     labels = ids.masked_fill(completion_mask == 0, IGNORE_INDEX)
-    out = {
+    return {
         "input_ids": ids,
         "attention_mask": attention,
         "completion_mask": completion_mask,
         "shift_labels": torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX),
         "position_ids": torch.arange(width).expand(len(rows), width).clone(),
     }
+
+
+def collate_pairs(pairs: list[PreferencePair], pad_id: int) -> dict[str, torch.Tensor]:
+    """A batch in `trl.DPOTrainer`'s layout: the B chosen sequences, then the B rejected ones, right-padded
+    (`collate_sequences`'s tensors, [2B, L]), plus margin [B] when the pairs have one."""
+    rows = [(p.prompt_ids, p.chosen_ids) for p in pairs] + [(p.prompt_ids, p.rejected_ids) for p in pairs]
+    out = collate_sequences(rows, pad_id)
     if pairs[0].margin is not None:
         out["margin"] = torch.tensor([p.margin for p in pairs], dtype=torch.float32)
     return out

@@ -6,7 +6,9 @@ Spindle's pieces, end to end: the preference JSONL read and tokenised by `spindl
 `token_log_probs` (the lm_head applied chunk by chunk), summed per completion and fed to `dpo_loss`. TRL's side:
 a real `DPOTrainer` built on the same policy, reference and lines, its loss for one batch holding every pair
 computed by its own `compute_loss` (no optimizer step). Loss to 1e-6 and gradient norm to 1e-5 relative (fp32).
-The reward model the same way: `reward_pairs` + `collate_reward_pairs`, the head's score at each sequence's last
+GRPO's scoring of sampled completions (left-padded prompts, right-padded completions, the sampling temperature)
+is `GRPOTrainer._get_per_token_logps_and_entropies` on the model with TRL's fused LM head, against
+`collate_sequences` rows scored by `token_log_probs`. The reward model the same way: `reward_pairs` + `collate_reward_pairs`, the head's score at each sequence's last
 token, `reward_loss` with the margin column, against `RewardTrainer.compute_loss` on the same model.
 """
 
@@ -21,8 +23,16 @@ from datasets import Dataset  # TRL's own dependency: its trainers take `dataset
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer
 
-from spindle.data.preference import collate_pairs, collate_reward_pairs, preference_pairs, reward_pairs
+from spindle.data.preference import (
+    collate_pairs,
+    collate_reward_pairs,
+    collate_sequences,
+    preference_pairs,
+    read_prompts,
+    reward_pairs,
+)
 from spindle.train.objectives.dpo import dpo_loss
+from spindle.train.objectives.grpo import completion_mask
 from spindle.train.objectives.logprobs import sequence_log_probs, token_log_probs
 from spindle.train.objectives.reward import reward_loss
 
@@ -171,3 +181,57 @@ def test_reward_step_one_equals_trl_reward_trainer(tiny_qwen3, tmp_path):
 
     torch.testing.assert_close(ours.loss.detach(), theirs.detach(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(grad_norm(ours_model), grad_norm(model), rtol=1e-5, atol=0)
+
+
+def test_grpo_completion_log_probs_equal_trl_scoring(tiny_qwen3, tmp_path):
+    """Sampled completions (one ends at EOS and runs on after it, one has no EOS) scored at temperature 0.7."""
+    import contextlib
+    import types
+
+    from trl.trainer.grpo_trainer import GRPOTrainer
+    from trl.trainer.utils import add_fused_lm_head, pad
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(
+        json.dumps({"prompt": [{"role": "user", "content": "Count to three."}]})
+        + "\n"
+        + json.dumps({"prompt": [{"role": "user", "content": "hi"}]})
+        + "\n"
+    )
+    prompts = [p.prompt_ids for p in read_prompts(path, tokenizer)]
+    eos = tokenizer.eos_token_id
+    generated = torch.tensor([[300, 301, eos, 302, 303], [310, 311, 312, 313, 314], [320, eos, 5, 5, 5]])
+    mask = completion_mask(generated, [eos])
+    completions = [row[: int(m.sum())].tolist() for row, m in zip(generated, mask, strict=True)]
+    prompt_rows = [prompts[0], prompts[1], prompts[0]]
+    temperature = 0.7
+
+    # TRL: left-padded prompts + right-padded completions, the completion tokens scored by the fused head
+    trl_model = load(tiny_qwen3)
+    add_fused_lm_head(trl_model, temperature=temperature)
+    prompt_ids = pad([torch.tensor(p) for p in prompt_rows], padding_value=tokenizer.pad_token_id, padding_side="left")
+    prompt_mask = pad([torch.ones(len(p), dtype=torch.long) for p in prompt_rows], padding_value=0, padding_side="left")
+    stand_in = types.SimpleNamespace(
+        accelerator=types.SimpleNamespace(autocast=contextlib.nullcontext, is_main_process=True)
+    )
+    theirs, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+        stand_in,
+        trl_model,
+        torch.cat([prompt_ids, generated], dim=1),
+        torch.cat([prompt_mask, mask], dim=1),
+        generated.shape[1],
+    )
+
+    model = load(tiny_qwen3)
+    batch = collate_sequences(list(zip(prompt_rows, completions, strict=True)), tokenizer.pad_token_id)
+    hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    per_token = token_log_probs(hidden, model.lm_head.weight, batch["shift_labels"], temperature=temperature)
+    # each row's completion log-probabilities, laid out as TRL's [B, completion length]
+    ours = torch.zeros_like(theirs)
+    for i, (prompt, completion) in enumerate(zip(prompt_rows, completions, strict=True)):
+        ours[i, : len(completion)] = per_token[i, len(prompt) - 1 : len(prompt) - 1 + len(completion)]
+    assert bool((ours[mask.bool()] < 0).all())  # every scored token has a real log-probability
+    # 1e-5, not 1e-6: TRL's left padding moves the prompt's absolute positions (RoPE is relative, so only rounding)
+    torch.testing.assert_close(ours, theirs * mask, rtol=1e-5, atol=1e-5)
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
