@@ -559,10 +559,10 @@ class DiTJobConfig(TrainJobConfig):
 
 
 class LMTrainConfig(TrainConfig):
-    objective: Literal["sft"] = Field(
+    objective: Literal["sft", "dpo"] = Field(
         "sft",
         description="what the step optimises (spindle.train.objectives): sft, next-token loss on the documents' "
-        "label tokens",
+        "label tokens; dpo, direct preference optimisation on preference pairs (settings: the dpo: section)",
     )
 
 
@@ -571,6 +571,7 @@ class CausalLMJobConfig(TrainJobConfig):
 
     data: TextDataConfig
     train: LMTrainConfig = LMTrainConfig()
+    dpo: DPOConfig = DPOConfig()  # read when train.objective is dpo
 
 
 VLMPart = Literal["audio", "vision", "aligner", "language"]

@@ -66,6 +66,15 @@ class Objective(Protocol):
 
     name: str
 
+    def check_plan(self, family: Any, dims: Any) -> None:
+        """Before launch (config files only): refuse a model kind or layout the objective cannot run, naming why."""
+        ...
+
+    def prepare(self, task: Any, model: torch.nn.Module) -> None:
+        """Collective, after the task built the trainable model: what the objective holds beside it (a frozen
+        reference model)."""
+        ...
+
     def build_loader(self, task: Any) -> Any:
         """This rank's resumable micro-batches of the objective's data."""
         ...

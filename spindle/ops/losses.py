@@ -176,15 +176,20 @@ def causal_lm_loss(
     given, are already shifted and win over `labels` (what Spindle's trainer passes for packed rows).
     loss_reduction None: sum / num_items_in_batch when that is given, else the mean over valid tokens
     (transformers' semantics); "sum": the plain sum over valid tokens (the caller normalises by a global
-    count); "mean": the mean over valid tokens.
+    count); "mean": the mean over valid tokens; "none": each token's loss, shaped like the shifted labels (0
+    where ignored; the negated `linear_log_probs`).
     """
     if shift_labels is None:
         if labels is None:
             raise ValueError("causal_lm_loss: pass labels (unshifted) or shift_labels (already shifted)")
         # Shift so that tokens < n predict n; the last position has nothing to predict.
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    if loss_reduction == "none":  # per-token losses (sequence objectives weigh each row's tokens themselves)
+        return -linear_log_probs(
+            hidden_states, weight, shift_labels, ignore_index=ignore_index, chunk_size=chunk_size, bias=bias
+        )
     if loss_reduction not in (None, *REDUCTIONS):
-        raise ValueError(f"loss_reduction={loss_reduction!r} is not one of None, 'sum', 'mean'")
+        raise ValueError(f"loss_reduction={loss_reduction!r} is not one of None, 'none', 'sum', 'mean'")
     if loss_reduction is None:
         reduction = "sum" if num_items_in_batch is not None else "mean"
     else:

@@ -4,7 +4,8 @@ loss and its metrics (`spindle.contracts.task.Objective`). A task builds its obj
 its experts part), so an objective works for every model kind that offers what it calls.
 
 - `sft` (language models): next-token loss on text / chat / multimodal conversations (sft.py);
-- `flow_matching` (DiTs): the velocity loss on media and conditions (flow_matching.py).
+- `flow_matching` (DiTs): the velocity loss on media and conditions (flow_matching.py);
+- `dpo` (text causal LMs): preference pairs against a frozen reference (dpo.py: the loss and its `DPO` part).
 
 The post-training losses are pure functions on log-probability (or score) tensors: `dpo` (sigmoid / ipo / simpo
 preference losses), `reward` (Bradley-Terry loss of a scalar head), `grpo` (group-relative advantages and the
@@ -22,6 +23,7 @@ from typing import Any
 OBJECTIVES: dict[str, str] = {
     "sft": "spindle.train.objectives.sft:SFT",
     "flow_matching": "spindle.train.objectives.flow_matching:FlowMatching",
+    "dpo": "spindle.train.objectives.dpo:DPO",
 }
 
 

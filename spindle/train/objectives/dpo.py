@@ -27,10 +27,12 @@ normalised on this batch alone: TRL's loss for the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+
+from spindle.contracts.task import StepOutput
 
 DPOLossType = Literal["sigmoid", "ipo", "simpo"]
 DPO_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "ipo", "simpo")
@@ -125,3 +127,141 @@ def dpo_loss(
         chosen_rewards=(beta * chosen_scores).detach(),
         rejected_rewards=(beta * rejected_scores).detach(),
     )
+
+
+class DPO:
+    """`train.objective: dpo`: the preference loss above as a part of a language-model task (`dpo:` settings).
+
+    Data: `data.path` holds preference lines in TRL's formats (`spindle.data.preference`), batched B chosen rows
+    then B rejected rows, right-padded. Each step runs both through the policy for each completion token's
+    log-probability (the task's `run_rows(log_probs=True)`: chunked from hidden states on Spindle's patched
+    models), and through the reference under no_grad: `dpo.reference_model` (a frozen copy of that folder, sharded
+    like the policy), else the starting policy (a LoRA run: the same model with its adapters switched off, no
+    second copy; a full fine-tune: a frozen copy of `model.path`); `simpo` uses none. The loss unit is the pair:
+    the trainer divides the summed pair losses by the global batch's pairs, so every layout gives the mean over
+    the global batch (TRL's loss when one batch holds the step). A MoE adds `router_aux_loss_coef x` its router
+    aux loss per pair, as TRL does when the model outputs router logits."""
+
+    name = "dpo"
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.settings = cfg.dpo
+        self.reference: tuple[Any, torch.nn.Module] | None = None  # (its task, the frozen copy); None: adapters off
+        self.stats: Any = None
+
+    def check_plan(self, family: Any, dims: Any) -> None:
+        from spindle.config import ConfigError
+
+        if family.kind != "causal_lm":
+            raise ConfigError(
+                f"train.objective=dpo: {family.name} is a {family.kind} model; DPO trains text causal-LM families "
+                "for now (preference pairs with images/videos/audio are not wired yet): use train.objective=sft"
+            )
+        if dims.sp > 1:
+            raise ConfigError(
+                "train.objective=dpo with parallel.sp > 1: a pair's log-probability would be split over the SP "
+                "ranks, which DPO does not gather yet; set parallel.sp: 1 (FSDP2 / HSDP / EP layouts work)"
+            )
+        if self.settings.precompute_reference:
+            raise ConfigError(
+                "dpo.precompute_reference: not available yet; leave it false (the reference runs each step under "
+                "no_grad) or give dpo.reference_model"
+            )
+        if self.settings.reference_model is not None:
+            check_same_family(self.settings.reference_model, family)
+
+    def prepare(self, task: Any, model: torch.nn.Module) -> None:
+        if self.settings.loss_type == "simpo":
+            return  # reference-free
+        if self.settings.reference_model is not None:
+            self.reference = task.build_reference(self.settings.reference_model)
+        elif self.cfg.train.lora is None:  # a full fine-tune: the starting weights, frozen beside the policy
+            self.reference = task.build_reference(self.cfg.model.path)
+
+    def build_loader(self, task: Any) -> Any:
+        from functools import partial
+
+        from spindle.data.preference import collate_pairs, preference_pairs
+        from spindle.train.tasks.base import resumable_loader
+
+        data = self.cfg.data
+        pairs, self.stats = preference_pairs(data.path, task.tokenizer, data.seq_len, self.settings.max_prompt_length)
+        pad = task.tokenizer.pad_token_id if task.tokenizer.pad_token_id is not None else task.tokenizer.eos_token_id
+        task._data_stats = {"rows": len(pairs), "pairs": len(pairs)}  # the run summary's epochs count pairs
+        return resumable_loader(task, pairs, partial(collate_pairs, pad_id=pad))
+
+    def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
+        return int(batch["input_ids"].shape[0]) // 2  # pairs
+
+    def forward(self, task: Any, model: torch.nn.Module, batch: dict[str, torch.Tensor], step: int) -> StepOutput:
+        from spindle.contracts.task import Metric
+        from spindle.train.objectives.logprobs import sequence_log_probs
+
+        s = self.settings
+        run = task.run_rows(model, batch, log_probs=True)
+        labels = run.rows["shift_labels"]
+        sums, tokens = sequence_log_probs(run.log_probs, labels)
+        ref_chosen = ref_rejected = None
+        if s.loss_type != "simpo":
+            with torch.no_grad():
+                ref_sums, _ = sequence_log_probs(self._reference_log_probs(task, model, batch), labels)
+            ref_chosen, ref_rejected = ref_sums.chunk(2)
+        chosen, rejected = sums.chunk(2)
+        chosen_n, rejected_n = tokens.chunk(2)
+        out = dpo_loss(
+            chosen,
+            rejected,
+            chosen_n,
+            rejected_n,
+            ref_chosen,
+            ref_rejected,
+            beta=s.beta,
+            loss_type=s.loss_type,
+            label_smoothing=s.label_smoothing,
+            gamma=s.gamma or 0.0,
+            rpo_alpha=s.rpo_alpha,
+        )
+        pairs = out.pairs
+        # The trainer divides by the global pairs. The RPO term is the micro-batch's mean chosen-token NLL, as TRL
+        # computes it per device batch (a step of several micro-batches averages them, weighted by their pairs).
+        loss_sum = out.pair_loss_sum
+        if s.rpo_alpha:
+            loss_sum = loss_sum + s.rpo_alpha * out.nll_sum / out.nll_tokens.clamp(min=1) * pairs
+        metrics: dict[str, Any] = {k: Metric(v, "mean", "mean") for k, v in out.metrics().items()}
+        aux = getattr(run.out, "aux_loss", None)
+        if aux is not None:
+            coef = float(model.config.get_text_config().router_aux_loss_coef)  # type: ignore[operator, union-attr]
+            loss_sum = loss_sum + coef * aux.to(loss_sum) * pairs
+            metrics.update(task.output_metrics(run.out, run.rows))
+        return StepOutput(loss_sum.float(), pairs, run.tokens, metrics)
+
+    def _reference_log_probs(self, task: Any, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.reference is None:  # a LoRA run: the policy with its adapters switched off
+            from spindle.train.lora import adapters_disabled
+
+            with adapters_disabled(model):
+                run = task.run_rows(model, batch, log_probs=True)
+        else:
+            ref_task, ref_model = self.reference
+            run = ref_task.run_rows(ref_model, batch, log_probs=True)
+        logps: torch.Tensor = run.log_probs
+        return logps
+
+
+def check_same_family(path: str, family: Any) -> None:
+    """`dpo.reference_model` is a transformers folder of the trained family (its config.json's model_type)."""
+    import json
+    from pathlib import Path
+
+    from spindle.config import ConfigError
+
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        raise ConfigError(f"dpo.reference_model: {path} has no config.json; give a transformers model folder")
+    model_type = json.loads(config.read_text()).get("model_type")
+    if model_type not in family.model_types:
+        raise ConfigError(
+            f"dpo.reference_model: {path} is a {model_type!r} model, not the trained family's "
+            f"({', '.join(family.model_types)}); give a folder of the same family"
+        )

@@ -30,6 +30,12 @@ class FlowMatching:
     def __init__(self, cfg: Any) -> None:
         self.loss_weighting = cfg.train.loss_weighting
 
+    def check_plan(self, family: Any, dims: Any) -> None:
+        return None
+
+    def prepare(self, task: Any, model: torch.nn.Module) -> None:
+        return None
+
     def build_loader(self, task: Any) -> Any:
         return task.media_loader()
 

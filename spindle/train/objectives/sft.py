@@ -21,6 +21,12 @@ class SFT:
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
 
+    def check_plan(self, family: Any, dims: Any) -> None:
+        return None
+
+    def prepare(self, task: Any, model: torch.nn.Module) -> None:
+        return None
+
     def build_loader(self, task: Any) -> Any:
         return task.document_loader()
 

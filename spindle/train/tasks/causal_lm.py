@@ -72,6 +72,29 @@ def causal_lm_output(model: torch.nn.Module, batch: dict[str, torch.Tensor], **m
     )
 
 
+def is_spindle_patched(model: torch.nn.Module) -> bool:
+    """The model's class is a patchgen-generated one (`spindle/models/*/generated/`), whose forward takes
+    Spindle's loss arguments (`loss_reduction`, chunked from hidden states); FSDP2 subclasses it."""
+    return any(".generated.patched_modeling_" in c.__module__ for c in type(model).__mro__)
+
+
+def causal_lm_log_probs(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], **model_kwargs: Any
+) -> tuple[Any, torch.Tensor]:
+    """(the forward output, each position's log-probability of its `shift_labels` token [rows, seq], 0 where
+    -100): what sequence objectives (DPO, GRPO) sum or weigh. A patched model computes them from its hidden
+    states chunk by chunk (`loss_reduction="none"`, no [tokens, vocab] logits); a stock one from its logits."""
+    from spindle.train.objectives.logprobs import token_log_probs_from_logits
+
+    labels = batch["shift_labels"]
+    common = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
+    if is_spindle_patched(model):
+        out = model(labels=labels, shift_labels=labels, loss_reduction="none", **common, **model_kwargs)
+        return out, -out.loss
+    out = model(**common, **model_kwargs)
+    return out, token_log_probs_from_logits(out.logits, labels)
+
+
 def causal_lm_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The summed next-token loss of a batch of rows (input_ids, position_ids, shift_labels)."""
     loss: torch.Tensor = causal_lm_output(model, batch).loss
@@ -102,6 +125,7 @@ class RowsRun:
     rows: dict[str, torch.Tensor]  # this rank's rows as the model got them (after the SP split)
     samples: int  # rows in the micro-batch
     tokens: int  # tokens of the whole rows
+    log_probs: torch.Tensor | None = None  # [rows, seq] with `log_probs=True`: each label token's log-probability
 
 
 class CausalLMTask(TrainTask):
@@ -159,6 +183,7 @@ class CausalLMTask(TrainTask):
                 raise ConfigError(str(e)) from None
         if (experts := Experts.of(family)) is not None:
             experts.check_plan(cfg.model.path, dims)
+        build_objective(cfg.train.objective, cfg).check_plan(family, dims)
 
     @classmethod
     def text_config(cls, config: dict[str, Any]) -> dict[str, Any]:
@@ -234,7 +259,33 @@ class CausalLMTask(TrainTask):
         from contextlib import nullcontext
 
         with nullcontext() if self.experts is None else self.experts.building(self.cfg.model.path):
-            return self._build_model()
+            model = self._build_model()
+        self.objective.prepare(self, model)
+        return model
+
+    def build_reference(self, path: str | Path) -> tuple[CausalLMTask, torch.nn.Module]:
+        """Collective: a frozen copy of the family's model from `path` (the starting policy, or another folder of
+        the same family), loaded and sharded as the trained model is (no LoRA, no gradient, no optimizer state),
+        in eval mode: the reference of a preference or RL objective. -> (the task that runs it: its `run_rows`
+        feeds the copy's own input hooks, the copy)."""
+        from contextlib import nullcontext
+
+        cfg = self.cfg.model_copy(
+            update={
+                "model": self.cfg.model.model_copy(update={"path": str(path)}),
+                "train": self.cfg.train.model_copy(
+                    update={"lora": None, "objective": "sft", "gradient_checkpointing": False, "freeze": []}
+                    if hasattr(self.cfg.train, "freeze")
+                    else {"lora": None, "objective": "sft", "gradient_checkpointing": False}
+                ),
+            }
+        )
+        twin = type(self)(cfg, self.family, self.mesh, self.device, self.precision)
+        with nullcontext() if twin.experts is None else twin.experts.building(path):
+            model = twin._build_model()
+        model.requires_grad_(False)
+        model.eval()
+        return twin, model
 
     def _build_model(self) -> torch.nn.Module:
         from spindle.train.lora import init_adapters, is_lora_name
@@ -316,9 +367,12 @@ class CausalLMTask(TrainTask):
     def forward(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], step: int) -> StepOutput:
         return self.objective.forward(self, model, batch, step)
 
-    def run_rows(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], **model_kwargs: Any) -> RowsRun:
+    def run_rows(
+        self, model: torch.nn.Module, batch: dict[str, torch.Tensor], log_probs: bool = False, **model_kwargs: Any
+    ) -> RowsRun:
         """Collective under SP / FSDP2: `batch`'s rows through the model (the input kind's way; this rank's
-        chunk of them under SP), the loss asked for as a sum over valid tokens (`causal_lm_output`)."""
+        chunk of them under SP), the loss asked for as a sum over valid tokens (`causal_lm_output`), or with
+        `log_probs` each label token's log-probability (`causal_lm_log_probs`)."""
         rows = {k: batch[k].to(self.device) for k in (*TOKEN_KEYS, PADDING_MASK_KEY) if k in batch}
         samples, tokens = rows["input_ids"].shape[0], rows["input_ids"].numel()
         if self.mesh.dims.sp > 1:
@@ -327,6 +381,9 @@ class CausalLMTask(TrainTask):
             # Positions and labels were computed on the whole rows; each SP rank keeps its chunk.
             rows = ulysses_attention.shard_batch(rows, self.mesh.sp_rank, self.mesh.dims.sp)
         with self._autocast():
+            if log_probs:
+                out, logps = causal_lm_log_probs(model, rows, **self.model_kwargs(rows), **model_kwargs)
+                return RowsRun(out, rows, samples, tokens, logps)
             out = causal_lm_output(model, rows, **self.model_kwargs(rows), **model_kwargs)
         return RowsRun(out, rows, samples, tokens)
 

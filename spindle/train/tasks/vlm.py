@@ -41,7 +41,7 @@ from spindle.distributed.mesh import is_main_process
 from spindle.train.lora import is_lora_name
 from spindle.train.parts.experts import PADDING_MASK_KEY
 from spindle.train.tasks.base import resumable_loader
-from spindle.train.tasks.causal_lm import CausalLMTask, RowsRun, causal_lm_output
+from spindle.train.tasks.causal_lm import CausalLMTask, RowsRun, causal_lm_log_probs, causal_lm_output
 
 if TYPE_CHECKING:
     from spindle.data.loader import ResumableLoader
@@ -382,7 +382,9 @@ class VLMTask(CausalLMTask):
 
     # ------------------------------------------------------------ step
 
-    def run_rows(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], **model_kwargs: Any) -> RowsRun:
+    def run_rows(
+        self, model: torch.nn.Module, batch: dict[str, torch.Tensor], log_probs: bool = False, **model_kwargs: Any
+    ) -> RowsRun:
         """Collective: the rows with their media through the model (the towers' dummy forwards where a kind is
         missing; under SP the language-model hook cuts embeddings and positions to this rank's chunk)."""
         ids = batch["input_ids"]
@@ -402,5 +404,8 @@ class VLMTask(CausalLMTask):
         present = {k for k, key in KIND_INPUT.items() if key in vision}
         self.vision_step.start(present, self.dataset_kinds, rows["input_ids"])
         with self._autocast():
+            if log_probs:
+                out, logps = causal_lm_log_probs(model, rows, **vision, **self.model_kwargs(rows), **model_kwargs)
+                return RowsRun(out, rows, ids.shape[0], ids.numel(), logps)
             out = causal_lm_output(model, rows, **vision, **self.model_kwargs(rows), **model_kwargs)
         return RowsRun(out, rows, ids.shape[0], ids.numel())
