@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from spindle.config import ConfigError
 from spindle.train.metrics import read_metrics
 from tests.conftest import lm_overrides, lm_train, lm_train_cli, load_job_config
-from tests.train.test_dpo_trl_parity import LINES, SEQ_LEN, trl_step_one
+from tests.train.test_preference_trl_parity import LINES, SEQ_LEN, trl_step_one
 
 PAIRS = [
     *LINES["standard"],
