@@ -32,9 +32,11 @@ Truncation, in this order:
    with a sequence over `seq_len` is dropped and counted, as `trl.RewardTrainer` filters it.
 
 A line that cannot be used (not JSON, a missing or empty field, a prompt in one format and completions in
-another, a margin that is not a number) is a `PreferenceDataError` naming `file:line` before any model is
-built. Pairs whose chosen equals rejected are kept (as TRL keeps them: they pull the loss towards log 2 with
-no gradient direction) but counted, and the first few are named in the log.
+another, a margin that is not a number, a message whose content is a list of parts: images, videos and audio
+need a vision-language family's processor, which this text reader does not take yet) is a
+`PreferenceDataError` naming `file:line` before any model is built. Pairs whose chosen equals rejected are
+kept, as TRL keeps them (in sigmoid DPO each adds log 2 to the loss and nothing to the gradient), but counted,
+and the first few are named in the log.
 
 Prompt-only lines (GRPO): `{"prompt": "..."}` or `{"prompt": [messages]}`; every other key is kept and handed
 to reward functions as keyword arguments (TRL's convention; `completion` / `completion_ids` are TRL's own
@@ -194,6 +196,13 @@ def _tokenize(tokenizer: Any, value: Completion, generation_prompt: bool = False
     if isinstance(value, list):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat_template, so message lists cannot be rendered; use strings")
+        parts = next((i for i, m in enumerate(value) if not isinstance(m["content"], str)), None)
+        if parts is not None:
+            # a text template would print the list's Python repr: refuse rather than train on it
+            raise ValueError(
+                f"message {parts} has a list of content parts; a text model's chat template renders string "
+                "content only (images, videos and audio in preference data need a vision-language family)"
+            )
         kwargs = {"add_generation_prompt": True} if generation_prompt else {}
         out = tokenizer.apply_chat_template(value, tokenize=True, return_dict=True, **kwargs)
         return list(out["input_ids"])
@@ -329,14 +338,13 @@ def reward_pairs(path: str | Path, tokenizer: Any, seq_len: int) -> tuple[list[P
 # ---------------------------------------------------------------- batches
 
 
-def collate_pairs(pairs: list[PreferencePair], pad_id: int) -> dict[str, torch.Tensor]:
-    """A batch in `trl.DPOTrainer`'s layout: the B chosen sequences, then the B rejected ones, right-padded.
+def collate_sequences(rows: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    """(prompt ids, completion ids) rows -> a right-padded batch whose completion tokens are the scored ones.
 
-    -> input_ids, attention_mask (1 on tokens), completion_mask (1 on completion tokens): [2B, L];
-    shift_labels [2B, L] (the token each position predicts where that token is a completion token, else -100:
-    what `spindle.ops.losses.linear_log_probs` scores); position_ids [2B, L]; margin [B] when the pairs have one.
+    -> input_ids, attention_mask (1 on tokens), completion_mask (1 on completion tokens): [N, L]; shift_labels
+    [N, L] (the token each position predicts where that token is a completion token, else -100: what
+    `spindle.train.objectives.logprobs` scores); position_ids [N, L].
     """
-    rows = [(p.prompt_ids, p.chosen_ids) for p in pairs] + [(p.prompt_ids, p.rejected_ids) for p in pairs]
     width = max(len(prompt) + len(completion) for prompt, completion in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     attention = torch.zeros((len(rows), width), dtype=torch.long)
@@ -347,13 +355,20 @@ def collate_pairs(pairs: list[PreferencePair], pad_id: int) -> dict[str, torch.T
         attention[i, :n] = 1
         completion_mask[i, len(prompt) : n] = 1
     labels = ids.masked_fill(completion_mask == 0, IGNORE_INDEX)
-    out = {
+    return {
         "input_ids": ids,
         "attention_mask": attention,
         "completion_mask": completion_mask,
         "shift_labels": torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX),
         "position_ids": torch.arange(width).expand(len(rows), width).clone(),
     }
+
+
+def collate_pairs(pairs: list[PreferencePair], pad_id: int) -> dict[str, torch.Tensor]:
+    """A batch in `trl.DPOTrainer`'s layout: the B chosen sequences, then the B rejected ones, right-padded
+    (`collate_sequences`'s tensors, [2B, L]), plus margin [B] when the pairs have one."""
+    rows = [(p.prompt_ids, p.chosen_ids) for p in pairs] + [(p.prompt_ids, p.rejected_ids) for p in pairs]
+    out = collate_sequences(rows, pad_id)
     if pairs[0].margin is not None:
         out["margin"] = torch.tensor([p.margin for p in pairs], dtype=torch.float32)
     return out

@@ -199,6 +199,11 @@ BAD_LINES = [
     ('{"prompt": "p", "chosen": "a", "rejected": "b", "margin": "big"}', '"margin" must be a finite number'),
     ('{"chosen": "abc", "rejected": "xyz"}', "no implicit prompt"),
     ('{"chosen": "ab ", "rejected": "ab x"}', '"chosen" is empty once the prompt'),  # only a space is left
+    (
+        '{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what?"}]}], '
+        '"chosen": [{"role": "assistant", "content": "a cat"}], "rejected": [{"role": "assistant", "content": "a dog"}]}',
+        "message 0 has a list of content parts",
+    ),
     ("not json", "not valid JSON"),
     ('["prompt", "chosen"]', "each line must be an object"),
 ]

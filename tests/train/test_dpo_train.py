@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from spindle.config import ConfigError
 from spindle.train.metrics import read_metrics
 from tests.conftest import lm_overrides, lm_train, lm_train_cli, load_job_config
-from tests.train.test_dpo_trl_parity import LINES, SEQ_LEN, trl_step_one
+from tests.train.test_preference_trl_parity import LINES, SEQ_LEN, trl_step_one
 
 PAIRS = [
     *LINES["standard"],
@@ -93,6 +93,34 @@ def test_the_default_reference_is_the_starting_policy(lora, tiny_qwen3, tmp_path
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert first["rewards/chosen"] == pytest.approx(0, abs=1e-7) and first["margin"] == pytest.approx(0, abs=1e-7)
     assert abs(last["margin"]) > 1e-4
+
+
+def test_simpo_step_one_equals_trl_cpo_with_its_default_gamma(tiny_qwen3, tmp_path):
+    """loss_type simpo without dpo.gamma: TRL's target margin (CPOConfig.simpo_gamma 0.5), no reference model.
+    Step 1 through the trainer equals `CPOTrainer.cpo_loss` on the starting policy's average log-probabilities."""
+    from spindle.data.preference import collate_pairs, preference_pairs
+    from spindle.train.objectives.logprobs import sequence_log_probs, token_log_probs_from_logits
+    from tests.train.test_objectives import cpo_loss
+
+    lines = LINES["standard"]
+    data = pairs_file(tmp_path, lines)
+    lm_train(
+        tiny_qwen3,
+        data,
+        tmp_path / "run",
+        **dpo_overrides(
+            len(lines), dpo__loss_type="simpo", dpo__beta=2.0, train__max_steps=1, checkpoint__export=False
+        ),
+    )
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    pairs, _ = preference_pairs(data, tokenizer, seq_len=SEQ_LEN)
+    batch = collate_pairs(pairs, tokenizer.pad_token_id)
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    sums, tokens = sequence_log_probs(token_log_probs_from_logits(logits, batch["shift_labels"]), batch["shift_labels"])
+    losses, _, _ = cpo_loss(*(sums / tokens).chunk(2), "simpo", 2.0, 0.0, gamma=0.5)
+    assert read_metrics(tmp_path / "run")[0]["loss"] == pytest.approx(losses.mean().item(), rel=1e-5)
 
 
 def test_dpo_is_refused_before_launch_where_it_cannot_run(tiny_qwen3, tiny_qwen2_5_vl, tmp_path):

@@ -29,7 +29,7 @@ from trl.trainer.utils import nanstd
 
 from spindle.ops.losses import linear_log_probs
 from spindle.train.objectives.dpo import dpo_loss
-from spindle.train.objectives.grpo import group_advantages, grpo_loss
+from spindle.train.objectives.grpo import completion_mask, group_advantages, grpo_loss
 from spindle.train.objectives.logprobs import sequence_log_probs, token_log_probs_from_logits
 from spindle.train.objectives.reward import reward_loss
 
@@ -72,16 +72,17 @@ def trl_dpo_loss(logps, completion_mask, ref_chosen, ref_rejected, loss_types, l
     """`DPOTrainer._compute_loss` on the fixed log-probabilities (precomputed reference log-probabilities)."""
     n = logps.shape[0]
     zeros = torch.zeros_like(logps)
-    # as TRL's fused LM head returns them: 0 (and no gradient) where the label is -100
-    model = (
-        lambda **kw: types.SimpleNamespace(
+
+    def model(**kwargs):
+        """TRL's fused LM head's output: log-probabilities 0 (and without gradient) where the label is -100."""
+        return types.SimpleNamespace(
             log_probs=logps * completion_mask[:, 1:],
             entropy=zeros,
             mean_logits=zeros,
             is_top1=zeros.bool(),
             aux_loss=None,
         )
-    )
+
     stand_in = types.SimpleNamespace(
         model=types.SimpleNamespace(training=True),
         accelerator=accelerator(),
@@ -376,6 +377,19 @@ def test_grpo_loss_equals_trl_grpo_trainer(loss_type, beta, epsilon_high, with_o
     if with_old:
         assert metrics["clip_ratio/region_mean"] > 0  # the batch exercises the clipping
     torch.testing.assert_close(ours.loss_sum / ours.units, ours.loss, **TOL)
+
+
+def test_completion_mask_ends_at_the_first_stop_token_as_trl():
+    """trl/trainer/grpo_trainer.py 1.16.0 `_generate_single_turn` (transformers generation), transcribed."""
+    ids = torch.tensor([[5, 6, 2, 7, 2], [5, 9, 9, 9, 9], [3, 5, 5, 5, 5], [1, 1, 1, 3, 0]])
+    eos_token_ids = [2, 3]
+    is_eos = torch.isin(ids, torch.tensor(eos_token_ids))
+    eos_idx = torch.full((is_eos.size(0),), is_eos.size(1), dtype=torch.long)
+    eos_idx[is_eos.any(dim=1)] = is_eos.int().argmax(dim=1)[is_eos.any(dim=1)]
+    expected = (torch.arange(is_eos.size(1)).expand(is_eos.size(0), -1) <= eos_idx.unsqueeze(1)).int()
+    ours = completion_mask(ids, eos_token_ids)
+    assert torch.equal(ours, expected)
+    assert ours.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 1, 1, 0]]
 
 
 # ---------------------------------------------------------------- per-token log-probabilities

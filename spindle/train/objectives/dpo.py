@@ -222,7 +222,7 @@ class DPO:
             beta=s.beta,
             loss_type=s.loss_type,
             label_smoothing=s.label_smoothing,
-            gamma=s.gamma or 0.0,
+            gamma=s.simpo_gamma if s.loss_type == "simpo" else 0.0,  # simpo without gamma: TRL's 0.5
             rpo_alpha=s.rpo_alpha,
         )
         pairs = out.pairs
