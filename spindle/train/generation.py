@@ -80,11 +80,10 @@ def sample_group(
     if not out_tokens:
         empty = torch.zeros(rows, 0, dtype=torch.long)
         return empty, empty
+    from spindle.train.objectives.grpo import completion_mask
+
     tokens = torch.stack(out_tokens, dim=1)
-    is_eos = torch.isin(tokens, torch.tensor(sorted(eos_ids), dtype=torch.long))
-    # 1 up to and including the first EOS: a position is kept when no EOS came strictly before it
-    before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
-    mask = (before == 0).long()
+    mask = completion_mask(tokens, sorted(eos_ids)).long()
     return tokens.masked_fill(mask == 0, pad_id), mask
 
 

@@ -75,7 +75,13 @@ def test_the_mean_reward_rises_from_a_reward_function_in_a_file(tiny_qwen3, grpo
     first = sum(m["reward_mean"] for m in metrics[:3]) / 3
     last = sum(m["reward_mean"] for m in metrics[-3:]) / 3
     assert first < 0.15 and last > first + 0.15, [round(m["reward_mean"], 3) for m in metrics]
-    for key in ("reward_std", "reward/letter_a", "completion_length", "generated_tokens_per_s", "clip_ratio/region_mean"):
+    for key in (
+        "reward_std",
+        "reward/letter_a",
+        "completion_length",
+        "generated_tokens_per_s",
+        "clip_ratio/region_mean",
+    ):
         assert key in metrics[0], key
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples" / "grpo.jsonl").read_text().splitlines()]
     assert len(samples) == 14 * 4 * 8 and {"step", "prompt", "completion", "reward"} <= set(samples[0])
@@ -89,9 +95,7 @@ def test_extra_prompt_columns_reach_the_reward_by_name(tiny_qwen3, grpo_data, tm
     assert "reward/needs_topic" in read_metrics(tmp_path / "run")[0]
 
 
-def test_a_reward_that_raises_stops_the_run_naming_it_with_the_last_checkpoint_intact(
-    tiny_qwen3, grpo_data, tmp_path
-):
+def test_a_reward_that_raises_stops_the_run_naming_it_with_the_last_checkpoint_intact(tiny_qwen3, grpo_data, tmp_path):
     prompts, rewards = grpo_data
     values = grpo_values(rewards, "breaks_on_step", train__max_steps=5, checkpoint__every_steps=1)
     proc = train(tiny_qwen3, prompts, tmp_path / "run", **values)

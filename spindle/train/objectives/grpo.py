@@ -293,7 +293,7 @@ class GRPO:
     def _score(self, task: Any, examples: list[Any], groups: list[Any], pad: int, generated_s: float) -> dict[str, Any]:
         import time
 
-        from spindle.data.preference import IGNORE_INDEX
+        from spindle.data.preference import collate_sequences
 
         s, tok, g = self.settings, task.tokenizer, self.settings.num_generations
         start = time.perf_counter()
@@ -316,13 +316,7 @@ class GRPO:
         weights = torch.tensor([r.weight for r in self.rewards.rewards], dtype=torch.float32)
         adv = group_advantages(per_function, g, weights, s.scale_rewards)
         scored = time.perf_counter() - start
-        width = max(len(p) + len(c) for p, c in rows)
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
-        for i, (prompt, completion) in enumerate(rows):
-            ids[i, : len(prompt) + len(completion)] = torch.tensor(prompt + completion, dtype=torch.long)
-            # position t predicts token t + 1: the completion's tokens are predicted from len(prompt) - 1 on
-            labels[i, len(prompt) - 1 : len(prompt) - 1 + len(completion)] = torch.tensor(completion, dtype=torch.long)
+        batch = collate_sequences(rows, pad)
         lengths = torch.tensor([len(c) for _, c in rows], dtype=torch.float32)
         rewards = adv.rewards
         metrics = {
@@ -335,9 +329,7 @@ class GRPO:
             "time/scoring_s": scored,
         }
         return {
-            "input_ids": ids,
-            "position_ids": torch.arange(width).expand(len(rows), width).clone(),
-            "shift_labels": labels,
+            **{k: batch[k] for k in ("input_ids", "position_ids", "shift_labels")},
             "advantages": adv.advantages.float(),
             "metrics": metrics,
             "samples": [
