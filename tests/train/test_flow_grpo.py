@@ -292,3 +292,18 @@ def test_the_parts_together_raise_a_reward():
         opt.step()
     first, last = sum(means[:5]) / 5, sum(means[-5:]) / 5
     assert last > first + 0.05, (first, last)
+
+
+def test_a_step_index_per_sample_is_each_samples_own_step():
+    """Samples of one batch at different denoising steps (a trainer that shuffles steps per sample)."""
+    scheduler = schedule()
+    torch.manual_seed(5)
+    x, v, nxt = torch.randn(2, 6, 8), torch.randn(2, 6, 8), torch.randn(2, 6, 8)
+    both = sde_step(v, x, scheduler.sigmas, torch.tensor([0, 2]), 0.7, prev_sample=nxt)
+    for row, index in enumerate((0, 2)):
+        alone = sde_step(
+            v[row : row + 1], x[row : row + 1], scheduler.sigmas, index, 0.7, prev_sample=nxt[row : row + 1]
+        )
+        torch.testing.assert_close(both.log_prob[row : row + 1], alone.log_prob, rtol=0, atol=1e-6)
+        torch.testing.assert_close(both.prev_sample_mean[row : row + 1], alone.prev_sample_mean, rtol=0, atol=1e-6)
+    assert both.log_prob[0] != both.log_prob[1]

@@ -174,13 +174,15 @@ def test_config_forms_and_their_errors():
         RewardConfig(builtin="jpeg")
 
 
-def test_reward_images_are_float_arrays_channels_last():
-    pixels = torch.rand(2, 3, 4, 5)
-    out = reward_images(pixels)
+def test_reward_images_are_the_engines_decoded_samples_one_array_each():
+    decoded = np.random.default_rng(0).random((2, 4, 5, 3), dtype=np.float32)
+    out = reward_images(decoded)
     assert len(out) == 2 and out[0].shape == (4, 5, 3) and out[0].dtype == np.float32
-    np.testing.assert_array_equal(out[1], pixels[1].permute(1, 2, 0).numpy())
-    video = reward_images(torch.rand(1, 3, 2, 4, 5) * 2)
-    assert video[0].shape == (2, 4, 5, 3) and video[0].max() <= 1.0
+    np.testing.assert_array_equal(out[1], decoded[1])
+    video = reward_images(np.full((1, 2, 4, 5, 3), 1.5))
+    assert video[0].shape == (2, 4, 5, 3) and video[0].max() == 1.0
+    with pytest.raises(ValueError, match=r"\[B, H, W, 3\] or \[B, F, H, W, 3\]; got \(2, 3, 4, 5\)"):
+        reward_images(np.zeros((2, 3, 4, 5)))
 
 
 # --- built-ins ----------------------------------------------------------------------------------------------

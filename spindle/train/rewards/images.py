@@ -1,5 +1,5 @@
-"""The image conversions rewards share: decoded pixels -> the float arrays reward functions receive, and
-those arrays -> 8-bit pixels, PNG (HTTP scorers) and JPEG (the compressibility rewards)."""
+"""The image conversions rewards share: the engine's decoded samples -> the float arrays reward functions
+receive, and those arrays -> 8-bit pixels, PNG (HTTP scorers) and JPEG (the compressibility rewards)."""
 
 from __future__ import annotations
 
@@ -8,17 +8,16 @@ import io
 from typing import Any
 
 import numpy as np
-import torch
 
 
-def reward_images(pixels: torch.Tensor) -> list[np.ndarray]:
-    """Decoded samples in [0, 1], [B, 3, H, W] (images) or [B, 3, F, H, W] (videos), as reward functions get
-    them: one float32 array per sample, [H, W, 3] or [F, H, W, 3], clipped to [0, 1]."""
-    if pixels.ndim not in (4, 5) or pixels.shape[1] != 3:
-        raise ValueError(f"pixels must be [B, 3, H, W] or [B, 3, F, H, W]; got {tuple(pixels.shape)}")
-    channels_last = pixels.permute(0, 2, 3, 1) if pixels.ndim == 4 else pixels.permute(0, 2, 3, 4, 1)
-    array = channels_last.detach().float().clamp(0, 1).cpu().numpy()
-    return [np.ascontiguousarray(a) for a in array]
+def reward_images(output: Any) -> list[np.ndarray]:
+    """The engine's decoded samples (`DecodingStage`'s `req.output`, `GenerationResult.frames`: [B, H, W, 3]
+    images or [B, F, H, W, 3] videos in [0, 1]) as reward functions get them: one float32 array per sample,
+    [H, W, 3] or [F, H, W, 3], clipped to [0, 1]."""
+    array = np.asarray(output, dtype=np.float32)
+    if array.ndim not in (4, 5) or array.shape[-1] != 3:
+        raise ValueError(f"decoded samples must be [B, H, W, 3] or [B, F, H, W, 3]; got {array.shape}")
+    return [np.ascontiguousarray(np.clip(a, 0.0, 1.0)) for a in array]
 
 
 def to_uint8(image: np.ndarray) -> np.ndarray:
