@@ -101,7 +101,7 @@ class FluxInference(PackedImageInference):
     components = ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2", "vae", "scheduler", "transformer")
     before_denoising_cls = FluxBeforeDenoisingStage
 
-    def default_params(self, components: dict[str, Any]) -> SamplingParams:
+    def pipeline_defaults(self, components: dict[str, Any]) -> SamplingParams:
         # diffusers FluxPipeline.__call__ defaults: 128 latent pixels x VAE factor, 28 steps, guidance 3.5.
         size = 128 * 2 ** (len(components["vae"].config.block_out_channels) - 1)
         return SamplingParams(
