@@ -218,15 +218,11 @@ def class_bases(modules: dict[str, Path]) -> dict[str, list[str]]:
     return {f"{m}.{c}": bases for m, p in modules.items() for c, bases in spindle_bases(m, p, modules, classes).items()}
 
 
-# Issue 37: the language-model tasks' diamonds, which the task-as-parts restructure removes; empty this set with it.
-PENDING_LM_TASKS = {"spindle.train.tasks.omni_moe.OmniMoETask", "spindle.train.tasks.vlm_moe.VLMMoETask"}
-
-
 def test_no_class_inherits_two_spindle_classes():
     """Compose, don't inherit: a class has at most one Spindle base (a contract base, or the family it varies);
     what a variant adds is a part object its base holds and calls."""
     two = {c: b for c, b in class_bases(read_modules()).items() if len(b) >= 2}
-    assert set(two) == PENDING_LM_TASKS, two
+    assert two == {}
 
 
 def test_the_inheritance_check_sees_imported_and_aliased_bases(tmp_path):
