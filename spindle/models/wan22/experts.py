@@ -69,8 +69,8 @@ class TwoExperts:
     """The two-expert part of Wan's spec, stage and condition model (`ExpertsPart`): the second expert loaded and
     switched to at the boundary, as `WanPipeline.__call__` does; training's sigmas on the trained expert's side."""
 
-    components = (SECOND_TRANSFORMER,)
-    pipeline_config = (BOUNDARY,)
+    components: tuple[str, ...] = (SECOND_TRANSFORMER,)
+    pipeline_config: tuple[str, ...] = (BOUNDARY,)
 
     def check_checkpoint(self, model_index: dict[str, Any], family: str) -> None:
         check_two_expert(model_index, family)
