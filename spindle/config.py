@@ -179,7 +179,7 @@ class VLMDataConfig(TextDataConfig):
 
 class TimestepConfig(Section):
     """`train.timestep:` how flow-matching training draws sigma in (0, 1); the one definition the config and
-    the flow-matching math (`spindle.train.tasks.flow_matching_math.sample_sigmas`) share."""
+    the flow-matching math (`spindle.ops.flow_matching.sample_sigmas`) share."""
 
     scheme: Literal["uniform", "logit_normal", "mode"] = Field(
         "uniform", description="density of the drawn sigmas (diffusers' compute_density_for_timestep_sampling)"

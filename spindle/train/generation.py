@@ -80,8 +80,6 @@ def sample_group(
     if not out_tokens:
         empty = torch.zeros(rows, 0, dtype=torch.long)
         return empty, empty
-    from spindle.train.objectives.grpo import completion_mask
-
     tokens = torch.stack(out_tokens, dim=1)
     mask = completion_mask(tokens, sorted(eos_ids)).long()
     return tokens.masked_fill(mask == 0, pad_id), mask
@@ -93,3 +91,15 @@ def _all_done(done: torch.Tensor, device: torch.device) -> bool:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
+
+
+def completion_mask(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
+    """[B, T] int mask of sampled completions [B, T]: 1 up to and including the first stop token, 0 after it (what
+    was generated after a completion ended is never scored); a completion without one is kept whole (as TRL's
+    GRPOTrainer masks its generations)."""
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_token_ids, device=completion_ids.device))
+    ended = is_eos.any(dim=1)
+    eos_index = torch.full((is_eos.shape[0],), is_eos.shape[1], dtype=torch.long, device=completion_ids.device)
+    eos_index[ended] = is_eos.int().argmax(dim=1)[ended]
+    positions = torch.arange(is_eos.shape[1], device=completion_ids.device).expand(is_eos.shape[0], -1)
+    return (positions <= eos_index.unsqueeze(1)).int()

@@ -28,8 +28,9 @@ from trl.trainer.reward_trainer import RewardTrainer
 from trl.trainer.utils import nanstd
 
 from spindle.ops.losses import linear_log_probs
+from spindle.train.generation import completion_mask
 from spindle.train.objectives.dpo import dpo_loss
-from spindle.train.objectives.grpo import completion_mask, group_advantages, grpo_loss
+from spindle.train.objectives.grpo import group_advantages, grpo_loss
 from spindle.train.objectives.logprobs import sequence_log_probs, token_log_probs_from_logits
 from spindle.train.objectives.reward import reward_loss
 

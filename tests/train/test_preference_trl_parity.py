@@ -31,8 +31,8 @@ from spindle.data.preference import (
     read_prompts,
     reward_pairs,
 )
+from spindle.train.generation import completion_mask
 from spindle.train.objectives.dpo import dpo_loss
-from spindle.train.objectives.grpo import completion_mask
 from spindle.train.objectives.logprobs import sequence_log_probs, token_log_probs
 from spindle.train.objectives.reward import reward_loss
 

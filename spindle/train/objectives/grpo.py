@@ -88,18 +88,6 @@ def group_advantages(
     return Advantages(advantages, rewards, torch.isclose(std, torch.zeros_like(std)))
 
 
-def completion_mask(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
-    """[B, T] int mask of sampled completions [B, T]: 1 up to and including the first stop token, 0 after it (what
-    was generated after a completion ended is never scored); a completion without one is kept whole (as TRL's
-    GRPOTrainer masks its generations)."""
-    is_eos = torch.isin(completion_ids, torch.tensor(eos_token_ids, device=completion_ids.device))
-    ended = is_eos.any(dim=1)
-    eos_index = torch.full((is_eos.shape[0],), is_eos.shape[1], dtype=torch.long, device=completion_ids.device)
-    eos_index[ended] = is_eos.int().argmax(dim=1)[ended]
-    positions = torch.arange(is_eos.shape[1], device=completion_ids.device).expand(is_eos.shape[0], -1)
-    return (positions <= eos_index.unsqueeze(1)).int()
-
-
 @dataclass
 class GRPOLoss:
     loss: torch.Tensor  # scalar: loss_sum / units of this batch (TRL's loss)

@@ -31,6 +31,7 @@ from spindle.export.diffusers import (
     transformer_from_config,
 )
 from spindle.export.dtypes import export_dtypes
+from spindle.model_index import read_model_index
 from spindle.train.metrics import count_tokens
 from spindle.train.objectives import build_objective
 from spindle.train.tasks.base import build_parallel_model, resumable_loader
@@ -40,16 +41,12 @@ if TYPE_CHECKING:
     from spindle.distributed.mesh import Mesh, ParallelDims
 
 
-def read_index(root: str | Path) -> dict[str, Any]:
-    """`root/model_index.json` ({} when the folder has none: the loaders name what is missing)."""
-    index = Path(root) / "model_index.json"
-    return json.loads(index.read_text()) if index.is_file() else {}
-
-
 def trained_component(cfg: DiTJobConfig, family: DiTFamily) -> str:
     """The checkpoint component a job trains: "transformer", or the expert `train.expert` names in a
     two-expert checkpoint (the family's condition model decides; raises for a missing or stray choice)."""
-    return family.condition_model_cls().trained_component(read_index(cfg.model.path), cfg.train.expert)
+    return family.condition_model_cls().trained_component(
+        read_model_index(cfg.model.path, missing_ok=True), cfg.train.expert
+    )
 
 
 def sample_generator(seed: int, step: int, sample_index: int) -> torch.Generator:
@@ -113,11 +110,11 @@ class FlowMatchingTask(TrainTask):
         check_validation_images(cfg, family)
         if cfg.data.buckets and dims.cp_size > 1:  # every bucket must split over the SP ranks: said before launch
             dit_data(cfg, family, check=False, warn_skipped=False)
-        index = Path(cfg.model.path) / "model_index.json"
-        if index.is_file() and family.inference is not None:
+        index = read_model_index(cfg.model.path, missing_ok=True)
+        if index and family.inference is not None:
             # checkpoint variants the family cannot serve are not trained either (they would train with
             # exit 0 and export what nothing can load)
-            family.inference_spec().check_checkpoint(json.loads(index.read_text()))
+            family.inference_spec().check_checkpoint(index)
         trained_component(cfg, family)  # a two-expert checkpoint trains the expert train.expert names
 
     # ------------------------------------------------------------ set-up
