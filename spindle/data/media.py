@@ -233,8 +233,7 @@ def load_image(path: str | os.PathLike[str], max_pixels: int | None = None) -> I
     try:
         with Image.open(path) as img:
             width, height = img.size
-            bound = None if max_pixels is None else max_pixels * DECODE_FACTOR
-            if bound is not None and width * height > bound:
+            if max_pixels is not None and width * height > (bound := max_pixels * DECODE_FACTOR):
                 scale = (4 * max_pixels / (width * height)) ** 0.5
                 img.draft("RGB", (max(1, int(width * scale)), max(1, int(height * scale))))  # JPEG only; else a no-op
                 if img.size[0] * img.size[1] > bound:
