@@ -62,7 +62,10 @@ def run(args: argparse.Namespace) -> int:
         )
     run_dir = path.parent.parent if path.parent.name == "checkpoints" else None
     target = check_export_target(
-        args.out, {"run folder": run_dir, "checkpoint": path, "base model": model_path}, force=args.force
+        args.out,
+        {"run folder": run_dir, "checkpoint": path, "base model": model_path},
+        force=args.force,
+        managed={"run's checkpoints folder": path.parent if run_dir is not None else path},
     )
     try:
         out = export_weights(

@@ -62,14 +62,28 @@ def refuse_protected(
             )
 
 
-def check_export_target(out: str | Path, protected: Mapping[str, str | Path | None], force: bool) -> Path:
+def check_export_target(
+    out: str | Path,
+    protected: Mapping[str, str | Path | None],
+    force: bool,
+    managed: Mapping[str, str | Path | None] | None = None,
+) -> Path:
     """Refuse (ExportTargetError) an `out` that `spindle export` may not replace; -> `out` as given.
 
     `protected`: {what it is: path} of the folders the export reads (the run, the checkpoint, the base
-    model): `out` may be none of them nor hold one. `force`: replace an earlier Spindle export (without
-    it, an existing export is refused too, so a typo never replaces one)."""
+    model): `out` may be none of them nor hold one. `managed`: folders whose content Spindle deletes on
+    its own (a run's checkpoints, pruned by `checkpoint.keep_last`): `out` may not be inside one either.
+    `force`: replace an earlier Spindle export (without it, an existing export is refused too, so a typo
+    never replaces one)."""
     out = Path(out)
     refuse_protected(out, protected)
+    real = Path(os.path.realpath(out))
+    for what, path in (managed or {}).items():
+        if path is not None and _within(real, Path(os.path.realpath(path))):
+            raise ExportTargetError(
+                f"--out {out} is inside the {what} ({path}), whose folders Spindle removes as it prunes; "
+                "choose a folder outside it"
+            )
     if out.exists() and not out.is_dir():
         raise ExportTargetError(f"--out {out} is a file, not a folder; choose a new folder")
     if out.is_dir() and any(out.iterdir()):

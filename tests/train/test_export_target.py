@@ -47,6 +47,14 @@ def test_export_into_the_run_folder_is_refused_and_deletes_nothing(run_dir):
     assert snapshot(run_dir) == before
 
 
+def test_export_into_the_checkpoints_folder_is_refused(run_dir, spindle_cli):
+    """checkpoint.keep_last prunes step folders: an export made inside one would go with it."""
+    for out in (run_dir / "checkpoints" / "mine", run_dir / "checkpoints" / "step-000001" / "mine"):
+        r = spindle_cli("export", run_dir, "--out", out)
+        assert r.returncode == 2 and "inside the run's checkpoints folder" in r.stderr, r.stderr
+        assert not out.exists()
+
+
 def test_export_over_a_folder_of_other_files_is_refused(run_dir, spindle_cli, tmp_path):
     out = tmp_path / "photos"
     out.mkdir()
