@@ -176,3 +176,16 @@ def test_a_non_utf8_manifest_line_is_named_and_skippable(shapes_images, tmp_path
         build_dataset(manifest, (32, 32), 1)
     dataset = build_dataset(manifest, (32, 32), 1, skip_bad_samples=True)
     assert dataset.skipped_files == [manifest] and len(dataset) == 7
+
+
+def test_a_decompression_bomb_in_a_dit_dataset_is_named_and_skippable(shapes_images, tmp_path):
+    data = tmp_path / "images"
+    shutil.copytree(shapes_images, data)
+    write_png(data / "huge.png", 20000, 20000)
+    (data / "huge.txt").write_text("a black square")
+    with pytest.raises(
+        DataCheckError, match=r"huge.png: Image size \(400000000 pixels\) exceeds limit .*decompression-bomb limit"
+    ):
+        build_dataset(data, (32, 32), 1)
+    dataset = build_dataset(data, (32, 32), 1, skip_bad_samples=True)
+    assert dataset.skipped_files == [data / "huge.png"] and len(dataset) == 8
