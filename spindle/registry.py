@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, TypeAlias
 
 from spindle.contracts.family import CausalLMFamily, DiTFamily, VLMFamily
-from spindle.export_record import is_lora_folder, lora_usage, read_export_record
+from spindle.export.record import is_lora_folder, lora_usage, read_export_record
 
 Family: TypeAlias = DiTFamily | CausalLMFamily | VLMFamily  # OmniFamily is a VLMFamily
 

@@ -31,7 +31,6 @@ with `skip_bad_samples`).
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -44,7 +43,7 @@ from torch.utils.data import Dataset
 from spindle.data.text import (
     IGNORE_INDEX,
     TextDataError,
-    decode_line,
+    json_line,
     jsonl_files,
     learn_assistant_turns,
     shifted_labels,
@@ -431,13 +430,7 @@ def read_conversations(
             for number, raw in enumerate(f, start=1):
                 where = f"{file}:{number}"
                 try:
-                    line = decode_line(raw)
-                    if not line.strip():
-                        raise ValueError("empty line")
-                    try:
-                        obj = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+                    obj = json_line(raw)
                     doc, cut = conversation_document(obj, file.parent, processor, seq_len, where)
                 except ValueError as e:
                     if not skip_bad_samples:

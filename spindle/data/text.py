@@ -186,14 +186,19 @@ def decode_line(raw: bytes | str) -> str:
         ) from None
 
 
-def parse_line(raw: bytes | str, tokenizer: Any) -> tuple[list[int], list[bool]]:
+def json_line(raw: bytes | str) -> Any:
+    """One JSONL line -> its JSON value; ValueError saying what is wrong (not UTF-8, empty, not JSON)."""
     line = decode_line(raw)
     if not line.strip():
         raise ValueError("empty line")
     try:
-        obj = json.loads(line)
+        return json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+
+
+def parse_line(raw: bytes | str, tokenizer: Any) -> tuple[list[int], list[bool]]:
+    obj = json_line(raw)
     if not isinstance(obj, dict) or ("text" in obj) == ("messages" in obj):
         raise ValueError('each line must be an object with exactly one of "text" or "messages"')
     return text_document(obj["text"], tokenizer) if "text" in obj else chat_document(obj["messages"], tokenizer)

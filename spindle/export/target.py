@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from spindle.distributed.integrity import DiskFullError, is_disk_full
-from spindle.export_record import EXPORT_RECORD
+from spindle.export.record import EXPORT_RECORD
 
 # the temporary siblings of `out` the export writers use (`<out>.tmp`; `<out>.ema.tmp` for export.weights both)
 TEMPORARY_SUFFIXES = (".tmp", ".ema.tmp")

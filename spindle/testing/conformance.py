@@ -22,7 +22,7 @@ import torch
 
 from spindle.api import load_generator
 from spindle.contracts.family import DiTFamily
-from spindle.train.tasks.flow_matching import load_transformer
+from spindle.export.diffusers import load_transformer
 
 PARITY_ATOL = 1e-5  # fp32 CPU, max abs difference of frames in [0, 1]
 SP_RTOL = 1e-5  # loss and gradients of a sequence-parallel layout against one process
@@ -241,7 +241,7 @@ def check_inference_parity(
     engine's default max_sequence_length is that length: the stock pipeline is given the same, as the
     export's docs tell a diffusers user to."""
     from spindle.engine_config import EngineConfig
-    from spindle.export_record import trained_text_length
+    from spindle.export.record import trained_text_length
     from spindle.infer.generator import DiffusionGenerator
     from spindle.infer.pipeline import InferencePipeline, load_components
 
@@ -466,7 +466,7 @@ def check_export_round_trip(family: DiTFamily, base: Path, export: Path, trained
     other expert too)."""
     import json
 
-    from spindle.export_record import EXPORT_RECORD
+    from spindle.export.record import EXPORT_RECORD
 
     component = trained_component(family, base)
     keys = set(json.loads((export / component / "config.json").read_text()))

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from spindle.config import ConfigError, TrainJobConfig, dump_config
-from spindle.contracts.task import TrainTask
+from spindle.contracts.task import Metric, TrainTask
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.launch import launcher_world_size
 from spindle.distributed.mesh import Mesh, ParallelDims, build_mesh, device_type, is_main_process
@@ -85,7 +85,7 @@ def check_parallel_plan(cfg: TrainJobConfig, family: Any, task: type[TrainTask],
     """Validate the parallel layout against the world size and the model, before any heavy work."""
     dims = ParallelDims(**cfg.parallel.model_dump()).resolve(world_size)
     grad_accum_steps(cfg, dims.dp_size)
-    if dims.ep > 1 and not task.supports_expert_parallel:
+    if dims.ep > 1 and not task.supports_expert_parallel(family):
         raise ConfigError(
             f"parallel.ep={dims.ep}: expert parallelism needs a mixture-of-experts model ({task.name} task has "
             "no experts); set parallel.ep: 1"
@@ -232,14 +232,17 @@ class Trainer:
         scale = dp_size / max(units, 1.0)
         total_loss = torch.zeros((), device=self.device)
         sums: dict[str, Any] = {}
+        reductions: dict[str, Metric] = {}
         samples = tokens = 0
         for batch in batches:
             out = self.task.forward(self.model, batch, self.step)
             (out.loss_sum * scale).backward()
             total_loss += out.loss_sum.detach()
             samples, tokens = samples + out.samples, tokens + out.tokens
-            for key, value in out.metrics.items():  # kept on the device until logged
-                sums[key] = sums.get(key, 0.0) + (value.detach() if torch.is_tensor(value) else value)
+            for key, metric in out.metrics.items():  # kept on the device until logged
+                metric = reductions[key] = metric if isinstance(metric, Metric) else Metric(metric)
+                value = metric.value.detach() if torch.is_tensor(metric.value) else metric.value
+                sums[key] = sums.get(key, 0.0) + value
         # No host reads until the update is queued: the norm stays a tensor, clipping runs on the
         # device; the logged scalars (loss, grad norm, task metrics) are read once each, at the end.
         grad_norm = clip_grad_norm_tensor_(self.model.parameters(), self.cfg.train.grad_clip)
@@ -248,9 +251,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss_group = self._loss_group()
         loss = self._sum_over(total_loss, loss_group) / max(units, 1.0)
-        extra = {
-            k: self._sum_over(torch.as_tensor(v, device=self.device), loss_group) / dp_size for k, v in sums.items()
-        }
+        extra = {k: self._reduce(v, reductions[k], loss_group) for k, v in sums.items()}
         extra.update(self.task.step_metrics())
         return loss, float(grad_norm), samples * dp_size, tokens * dp_size, extra
 
@@ -261,6 +262,15 @@ class Trainer:
         if self.task.loss_sharded_over_sp and self.mesh.dims.cp_size > 1:
             return self.mesh.world  # each SP rank holds its own chunk's loss
         return self.mesh.dp if self.mesh.dims.dp_size > 1 else None
+
+    def _reduce(self, step_sum: Any, metric: Metric, loss_group: DeviceMesh | None) -> float:
+        """A metric's sum over this rank's micro-batches -> the step's value, as `metric` declares."""
+        total = self._sum_over(torch.as_tensor(step_sum, device=self.device), loss_group)
+        if metric.micro_batches == "mean":
+            total /= self.accum
+        if metric.ranks == "mean":
+            return total / (1 if loss_group is None else loss_group.size())
+        return total / self.mesh.dims.dp_size  # SP chunks summed, data-parallel ranks averaged
 
     def _sum_over(self, value: torch.Tensor, group: DeviceMesh | None) -> float:
         if group is not None:

@@ -138,3 +138,15 @@ def test_ops_import_nothing_above_them(graph):
         m: sorted(t for t in ts if not inside(t, "spindle.ops")) for m, ts in graph.items() if inside(m, "spindle.ops")
     }
     assert {m: t for m, t in leaks.items() if t} == {}
+
+
+def test_production_never_imports_trl():
+    """TRL is a test dependency (the post-training parity tests' reference), never one of Spindle's own."""
+    offenders = []
+    for name, path in read_modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            offenders += [f"{name}: {n}" for n in names if n == "trl" or n.startswith("trl.")]
+    assert offenders == []
