@@ -732,14 +732,53 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
     node[parts[-1]] = value
 
 
+def _first_duplicate(node: yaml.Node | None, where: tuple[str, ...] = ()) -> tuple[str, int, int] | None:
+    """(dotted key, its line, the earlier line) of the first key given twice in one mapping, or None.
+    PyYAML keeps the last of two equal keys without a word: a second `train:` section would silently
+    replace the first."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` merges are not duplicates
+                continue
+            key = str(key_node.value)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                return ".".join((*where, key)), line, seen[key]
+            seen[key] = line
+            if (found := _first_duplicate(value_node, (*where, key))) is not None:
+                return found
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            if (found := _first_duplicate(item, (*where, str(i)))) is not None:
+                return found
+    return None
+
+
+def parse_yaml(text: str, path: str | Path) -> Any:
+    """YAML `text` (from `path`) -> data, with PyYAML's safe loader; a key given twice in one mapping is a
+    ConfigError naming it and both lines, as is invalid YAML."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if (duplicate := _first_duplicate(node)) is not None:
+            key, line, first = duplicate
+            raise ConfigError(
+                f"{path}:{line}: '{key}' is given twice (also on line {first}); YAML would keep only the last "
+                "one: merge them into one"
+            )
+        return loader.construct_document(node) if node is not None else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    finally:
+        loader.dispose()
+
+
 def load_raw(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} not found")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    raw = parse_yaml(path.read_text(), path) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a mapping of sections (model:, data:, train:, ...)")
     return raw

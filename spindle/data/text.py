@@ -175,14 +175,20 @@ def learn_assistant_turns(
     return tokens, learn
 
 
-def json_line(raw: bytes | str) -> Any:
-    """One JSONL line -> its JSON value; ValueError saying what is wrong (not UTF-8, empty, not JSON)."""
+def decode_line(raw: bytes | str) -> str:
+    """A JSONL line read as bytes -> text; a line that is not UTF-8 is a ValueError naming the byte (the
+    caller names `file:line`), so one bad byte is one bad line under data.skip_bad_samples, not a crash."""
     try:
-        line = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        return raw.decode("utf-8") if isinstance(raw, bytes) else raw
     except UnicodeDecodeError as e:
         raise ValueError(
             f"not UTF-8 (byte 0x{e.object[e.start]:02x} at byte {e.start + 1}); re-save the file as UTF-8"
         ) from None
+
+
+def json_line(raw: bytes | str) -> Any:
+    """One JSONL line -> its JSON value; ValueError saying what is wrong (not UTF-8, empty, not JSON)."""
+    line = decode_line(raw)
     if not line.strip():
         raise ValueError("empty line")
     try:

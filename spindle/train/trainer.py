@@ -23,6 +23,7 @@ from spindle.contracts.task import Metric, TrainTask
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.launch import launcher_world_size
 from spindle.distributed.mesh import Mesh, ParallelDims, build_mesh, device_type, is_main_process
+from spindle.export.target import record_export, refuse_protected
 from spindle.train.ema import build_ema, ema_checkpoint_state, export_weights
 from spindle.train.memory import PeakMemory, report_peak_memory
 from spindle.train.metrics import MetricsLog, truncate_metrics
@@ -114,6 +115,12 @@ class Trainer:
             # checkpoint.resume is an error naming the file; `auto` skips damaged ones.
             self.resume_from = ckpt.resolve_resume(cfg.checkpoint.resume, self.output_dir)
             self._check_resume(cfg)
+            if cfg.checkpoint.export:  # the end-of-run export replaces <output_dir>/export: never the base model
+                refuse_protected(
+                    self.output_dir / "export",
+                    {"base model (model.path)": cfg.model.path},
+                    "train from a copy of it, or choose another train.output_dir",
+                )
             # Extra start-of-run summary fields (name -> JSON-able value) other steps measure.
             self.summary_extra: dict[str, Any] = {}
             if not self.already_complete:
@@ -404,13 +411,16 @@ class Trainer:
     def export(self, checkpoint_dir: Path) -> Path | None:
         """`export.weights`: the trained weights, their EMA, or both (`spindle.train.ema.export_weights`)."""
         ema = self.ema
-        return export_weights(
+        out = export_weights(
             self.cfg.export_weights,
             self.output_dir / "export",
             lambda out: self.task.export(self.model, out),
             lambda: ema.swapped_in(self.model) if ema is not None else nullcontext(),
             self.task.ema_paths(self.task.state()),
         )
+        if out is not None:  # `spindle export --force` may replace it later
+            record_export(out, family=self.family.name, base_model=str(Path(self.cfg.model.path).resolve()))
+        return out
 
 
 def train(cfg: TrainJobConfig, family: Any, task: type[TrainTask]) -> TrainResult:

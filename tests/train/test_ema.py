@@ -110,7 +110,8 @@ def test_ema_export_loads_in_stock_diffusers(make_config, tmp_path, spindle_cli)
     out = tmp_path / "cli"
     assert spindle_cli("export", result.output_dir, "--out", out).returncode == 0
     assert load_file(out / "transformer_ema" / TRANSFORMER_FILE).keys() == ema.keys()
-    assert spindle_cli("export", result.output_dir, "--out", out, "--weights", "ema").returncode == 0
+    # replacing that export takes --force (`spindle.export.target`)
+    assert spindle_cli("export", result.output_dir, "--out", out, "--weights", "ema", "--force").returncode == 0
     written = load_file(out / "transformer" / TRANSFORMER_FILE)
     assert all(torch.equal(written[k], v) for k, v in ema.items())
     assert not (out / "transformer_ema").exists()
