@@ -31,7 +31,6 @@ with `skip_bad_samples`).
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -41,7 +40,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import Dataset
 
-from spindle.data.text import IGNORE_INDEX, TextDataError, jsonl_files, learn_assistant_turns, shifted_labels
+from spindle.data.text import (
+    IGNORE_INDEX,
+    TextDataError,
+    json_line,
+    jsonl_files,
+    learn_assistant_turns,
+    shifted_labels,
+)
 
 if TYPE_CHECKING:
     from spindle.data.stock_video import VideoClips
@@ -158,15 +164,14 @@ class VisionProcessor:
             raise TextDataError(f"the tokenizer of {model_path} has no chat_template; VLM data needs one")
 
     def image(self, path: Path) -> Vision:
-        from PIL import Image, UnidentifiedImageError
+        from spindle.data.media import MediaError, load_image
 
         if not path.is_file():
             raise ValueError(f"image {path} not found")
-        try:
-            with Image.open(path) as img:
-                rgb = img.convert("RGB")
-        except (UnidentifiedImageError, OSError) as e:
-            raise ValueError(f"image {path} cannot be decoded ({e})") from None
+        try:  # over the bomb limit or, with data.max_pixels, too big to decode in bounded memory: named
+            rgb = load_image(path, self.options.max_pixels).convert("RGB")
+        except MediaError as e:
+            raise ValueError(f"image {path} cannot be decoded ({e.problem})") from None
         out = self.image_processor(images=[rgb], return_tensors="pt")
         return Vision("image", out["pixel_values"], out["image_grid_thw"][0])
 
@@ -421,16 +426,11 @@ def read_conversations(
     docs: list[MMDocument] = []
     truncated = skipped = 0
     for file in jsonl_files(path):
-        with file.open(encoding="utf-8") as f:
-            for number, line in enumerate(f, start=1):
+        with file.open("rb") as f:  # decoded line by line: one bad byte is one bad line, not a crash
+            for number, raw in enumerate(f, start=1):
                 where = f"{file}:{number}"
                 try:
-                    if not line.strip():
-                        raise ValueError("empty line")
-                    try:
-                        obj = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+                    obj = json_line(raw)
                     doc, cut = conversation_document(obj, file.parent, processor, seq_len, where)
                 except ValueError as e:
                     if not skip_bad_samples:

@@ -236,7 +236,7 @@ class LoraAdapters:
     def _files_read(adapter: Path) -> list[Path]:
         """The files loading `adapter` reads (that exist, or are links): its weights, a PEFT config, the
         export record beside them."""
-        from spindle.export_record import EXPORT_RECORD
+        from spindle.export.record import EXPORT_RECORD
         from spindle.infer.lora import lora_files
 
         weights, config = lora_files(adapter)
@@ -285,7 +285,7 @@ class LoraAdapters:
         model raises `AdapterError` and leaves nothing behind."""
         from safetensors import SafetensorError
 
-        from spindle.export_record import trained_text_length
+        from spindle.export.record import trained_text_length
         from spindle.infer.lora import load_adapter, lora_transformer
 
         existing = self.get(name)
