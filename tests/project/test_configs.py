@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,14 @@ def test_every_registered_family_ships_a_tiny_and_a_real_size_config():
     }
     for name in names:
         assert (ROOT / "configs" / f"{name}_tiny.yaml").is_file(), f"configs/{name}_tiny.yaml"
+
+
+def test_the_docs_list_every_shipped_config():
+    """docs/training.md's table of shipped configs (and the README's list) name every file in configs/."""
+    docs = (ROOT / "docs" / "training.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    assert [p.name for p in CONFIGS if f"`{p.name}`" not in docs] == []
+    assert [p.stem for p in REAL_SIZE if f"`{p.stem}`" not in readme] == []
 
 
 @pytest.mark.parametrize("path", REAL_SIZE, ids=[p.name for p in REAL_SIZE])
@@ -99,7 +108,7 @@ def test_the_start_summary_prints_the_training_state_estimate():
         data={"rows": 4},
         epochs=6.0,
         parameters={"trainable": 10, "frozen": 5},
-        state_memory={**estimate.__dict__},
+        state_memory=asdict(estimate),
         mesh={"world": 1, "dims": {}, "roles": {}},
         resume={"step": 0, "checkpoint": None},
         outputs={"folder": "out"},
