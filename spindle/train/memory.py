@@ -63,3 +63,61 @@ def report_peak_memory(when: str, device: torch.device) -> list[PeakMemory]:
     if not dist.is_initialized() or dist.get_rank() == 0:
         log.info(format_peak_memory(when, peaks))
     return peaks
+
+
+# Bytes per parameter of the training state. Trainable parameters keep fp32 master weights, fp32 gradients
+# and AdamW's two fp32 moments (spindle.train.optim); an EMA (`train.ema`) is one more fp32 copy. Frozen
+# parameters (a LoRA run's base, a frozen tower) are stored as `train.frozen_dtype` says: their bytes are
+# given as they are stored.
+TRAINABLE_BYTES = {"weights": 4, "gradients": 4, "optimizer": 8}
+EMA_BYTES = 4
+
+
+@dataclass(frozen=True)
+class StateMemory:
+    """The training state one rank holds (GB, 1e9 bytes): weights (trainable fp32 + frozen as stored),
+    gradients, AdamW moments and the EMA, each sharded over `shards` FSDP2 ranks. Activations, the
+    transient all-gathered blocks and the models a task keeps outside the trained one (text encoders,
+    VAEs) are not in it."""
+
+    shards: int
+    weights_gb: float
+    gradients_gb: float
+    optimizer_gb: float
+    ema_gb: float
+
+    @property
+    def total_gb(self) -> float:
+        return self.weights_gb + self.gradients_gb + self.optimizer_gb + self.ema_gb
+
+    def describe(self) -> str:
+        # GB with one decimal (what the shipped configs state); MB below 1 GB (small models, tests)
+        unit, scale = ("GB", 1.0) if self.total_gb >= 1 else ("MB", 1e3)
+        ema = f", EMA {self.ema_gb * scale:.1f}" if self.ema_gb else ""
+        return (
+            f"{self.total_gb * scale:.1f} {unit} per rank over {self.shards} FSDP2 shards (weights "
+            f"{self.weights_gb * scale:.1f}, gradients {self.gradients_gb * scale:.1f}, AdamW state "
+            f"{self.optimizer_gb * scale:.1f}{ema}; activations not included)"
+        )
+
+
+def state_memory_per_rank(trainable: int, frozen_bytes: int, shards: int, *, ema: bool = False) -> StateMemory:
+    """Weights + gradients + optimizer state per rank for `trainable` parameters and `frozen_bytes` of frozen
+    ones, sharded evenly over `shards` ranks (FSDP2 over dp_shard x ring x sp; expert parallelism splits the
+    experts over ranks of that same group, so it moves no bytes between ranks on average, and HSDP replicas
+    each hold a whole sharded copy). Used by the start-of-run summary and by bench/config_memory.py."""
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+    per = {k: trainable * b / shards / GB for k, b in TRAINABLE_BYTES.items()}
+    return StateMemory(
+        shards=shards,
+        weights_gb=per["weights"] + frozen_bytes / shards / GB,
+        gradients_gb=per["gradients"],
+        optimizer_gb=per["optimizer"],
+        ema_gb=trainable * EMA_BYTES / shards / GB if ema else 0.0,
+    )
+
+
+def frozen_parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's frozen parameters as stored (a DTensor counts its global shape)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from spindle.train.memory import StateMemory
+
 SUMMARY_FILE = "summary.json"
 
 # what each dimension of the mesh does, for the summary (only dimensions larger than 1 are listed)
@@ -82,12 +84,18 @@ def format_start(summary: dict[str, Any]) -> str:
         f"data: {data or 'no counts'}" + (f"; {summary['epochs']} epochs" if summary["epochs"] is not None else ""),
         *groups,
         f"parameters: {params['trainable']:,} trainable, {params['frozen']:,} frozen",
+        *([f"training state: {state_memory_line(summary['state_memory'])}"] if "state_memory" in summary else []),
         f"mesh: {mesh['world']} processes: {layout}" if mesh["world"] > 1 else "mesh: one process, no parallelism",
         f"start: step {resume['step']}" + (f" (checkpoint {resume['checkpoint']})" if resume["checkpoint"] else ""),
         "outputs: " + ", ".join(f"{k} {v}" for k, v in summary["outputs"].items()),
         *(f"{key}: {value}" for key, value in summary["extra"].items()),
     ]
     return "\n".join(lines)
+
+
+def state_memory_line(fields: dict[str, Any]) -> str:
+    """The summary's `state_memory` (spindle.train.memory.StateMemory as a dict) as one line."""
+    return StateMemory(**fields).describe()
 
 
 def peak_memory() -> dict[str, Any]:

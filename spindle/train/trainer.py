@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import warnings
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from spindle.distributed.launch import launcher_world_size
 from spindle.distributed.mesh import Mesh, ParallelDims, build_mesh, device_type, is_main_process
 from spindle.export.target import record_export, refuse_protected
 from spindle.train.ema import build_ema, ema_checkpoint_state, export_weights
-from spindle.train.memory import PeakMemory, report_peak_memory
+from spindle.train.memory import PeakMemory, frozen_parameter_bytes, report_peak_memory, state_memory_per_rank
 from spindle.train.metrics import MetricsLog, truncate_metrics
 from spindle.train.optim import build_optimizer, build_scheduler
 from spindle.train.output_lock import OutputLock, held_by_our_launcher
@@ -377,6 +377,15 @@ class Trainer:
             "data": data,
             "epochs": epochs_for(cfg.train.max_steps, cfg.train.global_batch_size, data),
             "parameters": {"trainable": trainable, "frozen": frozen},
+            # the same estimate bench/config_memory.py prints for the shipped configs
+            "state_memory": asdict(
+                state_memory_per_rank(
+                    trainable,
+                    frozen_parameter_bytes(self.model),
+                    self.mesh.dims.fsdp_size,
+                    ema=cfg.train.ema is not None,
+                )
+            ),
             "mesh": mesh_layout(self.mesh.dims),
             "precision": self.precision,
             "resume": {"step": self.step, "checkpoint": str(self.resume_from) if self.resume_from else None},

@@ -97,6 +97,10 @@ def test_the_run_summarises_itself(tiny_qwen3, lm_corpus, tmp_path, spindle_cli)
     assert data["documents"] == 26 and data["rows"] > 0 and data["truncated"] >= 0
     assert start["epochs"] == pytest.approx(3 * 8 / data["rows"], abs=1e-3)
     assert start["parameters"]["trainable"] > 0 and start["parameters"]["frozen"] == 0
+    # the estimate the shipped configs state (bench/config_memory.py): fp32 weights, grads, AdamW; one shard
+    from spindle.train.memory import state_memory_per_rank
+
+    assert start["state_memory"] == state_memory_per_rank(start["parameters"]["trainable"], 0, 1).__dict__
     assert start["mesh"] == {
         "world": 1,
         "dims": {"dp_replicate": 1, "dp_shard": 1, "sp": 1, "ring": 1, "ep": 1},
@@ -110,6 +114,7 @@ def test_the_run_summarises_itself(tiny_qwen3, lm_corpus, tmp_path, spindle_cli)
     assert end["seconds"] > 0 and end["samples_per_s"] > 0 and end["peak_memory"]["gib"] > 0
     assert f"data: documents {data['documents']}, rows {data['rows']}" in done.stdout
     assert "parameters:" in done.stdout and "done: 3 steps" in done.stdout
+    assert "training state: " in done.stdout and "FSDP2 shards" in done.stdout
 
 
 def test_with_nproc_the_refusal_comes_before_any_worker_starts(finished_run, tmp_path, spindle_cli):

@@ -1,0 +1,361 @@
+"""Training-state memory per rank of each shipped real-size config (configs/*.yaml other than *_tiny.yaml).
+
+The real checkpoints are not here, so each model is built on the meta device from its published
+config.json, whose numbers (hidden size, layers, heads, experts, towers) are written in `REAL` below,
+with the same code a run builds it with: diffusers' `from_config` through `transformer_from_config` for a
+DiT, the family's transformers class (`family.model_cls()`) for a language, vision-language or omni model.
+The config's `train.lora` is applied by the flow-matching task's `add_lora`, `train.freeze` by the family's
+parts, and frozen weights are stored as `train.frozen_dtype: auto` stores them under bf16 (`store_frozen`).
+The (trainable, frozen bytes) counts then go through `spindle.train.memory.state_memory_per_rank`, the
+function the start-of-run summary prints ("training state: ..."), for the GPU count the config's header
+comment states. The figure covers weights, gradients and AdamW state of the trained model (and an EMA when
+configured), sharded by FSDP2; not activations, the transient all-gathered blocks, nor the text encoder,
+VAE or image encoder a DiT task keeps beside it.
+
+Each real-size config states the figure in a comment line, checked by tests/project/test_configs.py:
+
+  # memory: 28.1 GB per rank on 8 GPUs (... what it covers ...)
+
+  python bench/config_memory.py            # one line per config
+  python bench/config_memory.py --check    # exit 1 when a config's comment differs from the estimate
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from spindle.config import LoraConfig, load_raw
+from spindle.contracts.family import DiTFamily
+from spindle.distributed.mesh import ParallelDims
+from spindle.registry import family_names, get_family
+from spindle.train.memory import StateMemory, frozen_parameter_bytes, state_memory_per_rank
+from spindle.train.precision import store_frozen
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+# the line each real-size config carries; the test and --check compare its two numbers with the estimate
+MEMORY_COMMENT = re.compile(r"^# memory: (?P<gb>\d+\.\d) GB per rank on (?P<gpus>\d+) GPUs\b", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Real:
+    """A published checkpoint: its Hugging Face id and its config.json (the trained component's, for a
+    diffusers pipeline; the whole model's for transformers)."""
+
+    repo: str
+    config: dict[str, Any]
+
+
+# --- diffusers transformers (transformer/config.json) -------------------------------------------------
+WAN_14B = dict(
+    _class_name="WanTransformer3DModel",
+    patch_size=[1, 2, 2],
+    num_attention_heads=40,
+    attention_head_dim=128,
+    in_channels=16,
+    out_channels=16,
+    text_dim=4096,
+    freq_dim=256,
+    ffn_dim=13824,
+    num_layers=40,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+    rope_max_seq_len=1024,
+)
+WAN_1_3B = dict(WAN_14B, num_attention_heads=12, ffn_dim=8960, num_layers=30)
+# Wan2.1 I2V: 36 input channels (noise + mask + first-frame latents) and CLIP image tokens (image_dim 1280)
+WAN_I2V_14B = dict(WAN_14B, in_channels=36, image_dim=1280, added_kv_proj_dim=5120)
+# Wan2.2 A14B: two experts of this shape (transformer, transformer_2); a run trains one (train.expert)
+WAN22_I2V_A14B = dict(WAN_14B, in_channels=36)
+WAN22_TI2V_5B = dict(WAN_14B, num_attention_heads=24, ffn_dim=14336, num_layers=30, in_channels=48, out_channels=48)
+FLUX_DEV = dict(
+    _class_name="FluxTransformer2DModel",
+    patch_size=1,
+    in_channels=64,
+    num_layers=19,
+    num_single_layers=38,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    pooled_projection_dim=768,
+    guidance_embeds=True,
+    axes_dims_rope=[16, 56, 56],
+)
+QWEN_IMAGE = dict(
+    _class_name="QwenImageTransformer2DModel",
+    patch_size=2,
+    in_channels=64,
+    out_channels=16,
+    num_layers=60,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=3584,
+    guidance_embeds=False,
+    axes_dims_rope=[16, 56, 56],
+)
+
+# --- transformers (config.json) ----------------------------------------------------------------------
+QWEN2_5_7B_TEXT = dict(
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    vocab_size=152064,
+    tie_word_embeddings=False,
+)
+QWEN2_5_VL_VISION = dict(
+    depth=32,
+    hidden_size=1280,
+    intermediate_size=3420,
+    num_heads=16,
+    in_chans=3,
+    out_hidden_size=3584,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    window_size=112,
+    fullatt_block_indexes=[7, 15, 23, 31],
+)
+QWEN3_VL_VISION = dict(
+    depth=27,
+    hidden_size=1152,
+    intermediate_size=4304,
+    num_heads=16,
+    in_channels=3,
+    patch_size=16,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    num_position_embeddings=2304,
+    deepstack_visual_indexes=[8, 16, 24],
+)
+QWEN3_30B_A3B_TEXT = dict(
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    decoder_sparse_step=1,
+    vocab_size=151936,
+    tie_word_embeddings=False,
+)
+WHISPER_LIKE_AUDIO = dict(
+    d_model=1280,
+    encoder_layers=32,
+    encoder_attention_heads=20,
+    encoder_ffn_dim=5120,
+    num_mel_bins=128,
+)
+
+REAL: dict[str, Real] = {
+    "flux_dev.yaml": Real("black-forest-labs/FLUX.1-dev", FLUX_DEV),
+    "flux_kontext_dev.yaml": Real("black-forest-labs/FLUX.1-Kontext-dev", FLUX_DEV),
+    "qwenimage_20b.yaml": Real("Qwen/Qwen-Image", QWEN_IMAGE),
+    "qwenimage_edit_20b.yaml": Real("Qwen/Qwen-Image-Edit", QWEN_IMAGE),
+    "qwenimage_edit_plus_20b.yaml": Real("Qwen/Qwen-Image-Edit-2509", QWEN_IMAGE),
+    "wan_1.3b.yaml": Real("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", WAN_1_3B),
+    "wan_i2v_14b.yaml": Real("Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", WAN_I2V_14B),
+    "wan22_a14b.yaml": Real("Wan-AI/Wan2.2-T2V-A14B-Diffusers", WAN_14B),
+    "wan22_i2v_a14b.yaml": Real("Wan-AI/Wan2.2-I2V-A14B-Diffusers", WAN22_I2V_A14B),
+    "wan22_ti2v_5b.yaml": Real("Wan-AI/Wan2.2-TI2V-5B-Diffusers", WAN22_TI2V_5B),
+    "llama_3.2_1b.yaml": Real(
+        "meta-llama/Llama-3.2-1B-Instruct",
+        dict(
+            model_type="llama",
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            vocab_size=128256,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3_0.6b.yaml": Real(
+        "Qwen/Qwen3-0.6B",
+        dict(
+            model_type="qwen3",
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3_moe_30b_a3b.yaml": Real("Qwen/Qwen3-30B-A3B", dict(QWEN3_30B_A3B_TEXT, model_type="qwen3_moe")),
+    "qwen2_5_vl_7b.yaml": Real(
+        "Qwen/Qwen2.5-VL-7B-Instruct",
+        dict(model_type="qwen2_5_vl", text_config=QWEN2_5_7B_TEXT, vision_config=QWEN2_5_VL_VISION),
+    ),
+    "qwen3_vl_8b.yaml": Real(
+        "Qwen/Qwen3-VL-8B-Instruct",
+        dict(
+            model_type="qwen3_vl",
+            text_config=dict(
+                hidden_size=4096,
+                intermediate_size=12288,
+                num_hidden_layers=36,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                head_dim=128,
+                vocab_size=151936,
+            ),
+            vision_config=dict(QWEN3_VL_VISION, out_hidden_size=4096),
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen3_vl_moe_30b_a3b.yaml": Real(
+        "Qwen/Qwen3-VL-30B-A3B-Instruct",
+        dict(
+            model_type="qwen3_vl_moe",
+            text_config=QWEN3_30B_A3B_TEXT,
+            vision_config=dict(QWEN3_VL_VISION, out_hidden_size=2048),
+            tie_word_embeddings=False,
+        ),
+    ),
+    # omni: only the thinker trains (and is counted); the talker and code2wav are copied to the export
+    "qwen2_5_omni_7b.yaml": Real(
+        "Qwen/Qwen2.5-Omni-7B",
+        dict(
+            model_type="qwen2_5_omni",
+            thinker_config=dict(
+                text_config=QWEN2_5_7B_TEXT,
+                vision_config=dict({k: v for k, v in QWEN2_5_VL_VISION.items() if k != "in_chans"}, in_channels=3),
+                audio_config=dict(WHISPER_LIKE_AUDIO, output_dim=3584),
+            ),
+        ),
+    ),
+    "qwen3_omni_moe_30b_a3b.yaml": Real(
+        "Qwen/Qwen3-Omni-30B-A3B-Instruct",
+        dict(
+            model_type="qwen3_omni_moe",
+            thinker_config=dict(
+                text_config=dict(QWEN3_30B_A3B_TEXT, vocab_size=152064),
+                vision_config=dict(QWEN3_VL_VISION, out_hidden_size=2048),
+                audio_config=dict(WHISPER_LIKE_AUDIO, output_dim=2048, downsample_hidden_size=480),
+            ),
+        ),
+    ),
+}
+
+
+def is_real_size(path: Path) -> bool:
+    return not path.stem.endswith("_tiny")
+
+
+def family_of_config(path: Path) -> str:
+    """The longest registered family name the file name starts with (qwen3_moe_tiny -> qwen3_moe)."""
+    names = [n for n in family_names() if path.stem.startswith(n + "_")]
+    if not names:
+        raise ValueError(f"{path.name}: name it <family>_<what>.yaml with a family of {family_names()}")
+    return max(names, key=len)
+
+
+def build_model(family: Any, real: Real, train: dict[str, Any]) -> torch.nn.Module:
+    """The model a run of `family` with this `train:` section trains, on the meta device, from `real`'s
+    config.json written into a scratch checkpoint folder: LoRA applied, frozen parts frozen, frozen
+    weights stored as bf16 runs store them."""
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        if isinstance(family, DiTFamily):
+            from spindle.export.diffusers import transformer_from_config
+            from spindle.train.tasks.flow_matching import add_lora
+
+            (root / "transformer").mkdir()
+            (root / "transformer" / "config.json").write_text(json.dumps(real.config))
+            model = transformer_from_config(root, "transformer")
+            if train.get("lora") is not None:
+                add_lora(model, LoraConfig(**train["lora"]))
+        else:
+            from transformers import AutoConfig
+            from transformers.utils import logging as hf_logging
+
+            from spindle.distributed.sharded_load import empty_weights
+
+            # written by the config class, as the published config.json was (every field of every part); the
+            # defaults of the parts a run never builds (an omni talker) draw warnings that mean nothing here
+            verbosity = hf_logging.get_verbosity()
+            hf_logging.set_verbosity_error()
+            try:
+                AutoConfig.for_model(**real.config).save_pretrained(root)
+                cls: Any = family.model_cls()
+                config = cls.config_class.from_pretrained(root)
+            finally:
+                hf_logging.set_verbosity(verbosity)
+            with empty_weights():
+                model = cls._from_config(config, dtype=torch.float32)
+            model.tie_weights()
+            if train.get("lora") is not None:
+                raise NotImplementedError("bench/config_memory.py counts no language-model LoRA; add it here")
+            frozen = set(train.get("freeze") or ())
+            for name, param in model.named_parameters():
+                if frozen and family.part_of(name) in frozen:  # VLM / omni parts
+                    param.requires_grad_(False)
+    store_frozen(model, torch.bfloat16)  # train.frozen_dtype auto under mixed_precision bf16
+    return model
+
+
+def stated_gpus(path: Path) -> int:
+    m = MEMORY_COMMENT.search(path.read_text())
+    if m is None:
+        raise ValueError(f"{path.name}: no '# memory: X GB per rank on N GPUs' line")
+    return int(m.group("gpus"))
+
+
+def estimate(path: Path, gpus: int | None = None) -> StateMemory:
+    """The training-state memory per rank of the real-size config at `path` on `gpus` GPUs (default: the
+    count its memory comment states)."""
+    raw = load_raw(path)
+    family = get_family(family_of_config(path))
+    if path.name not in REAL:
+        raise KeyError(f"{path.name}: add its checkpoint's config.json numbers to REAL in bench/config_memory.py")
+    train = raw.get("train", {})
+    if train.get("mixed_precision", "auto") not in ("bf16", "auto") or train.get("frozen_dtype", "auto") != "auto":
+        raise ValueError(f"{path.name}: the estimate assumes bf16 compute and frozen_dtype auto")
+    model = build_model(family, REAL[path.name], train)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    dims = ParallelDims(**raw.get("parallel", {})).resolve(gpus if gpus is not None else stated_gpus(path))
+    return state_memory_per_rank(
+        trainable, frozen_parameter_bytes(model), dims.fsdp_size, ema=train.get("ema") is not None
+    )
+
+
+def real_size_configs() -> list[Path]:
+    return sorted(p for p in CONFIGS.glob("*.yaml") if is_real_size(p))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="exit 1 when a config's memory comment differs")
+    args = parser.parse_args(argv)
+    wrong = []
+    for path in real_size_configs():
+        gpus = stated_gpus(path)
+        memory = estimate(path, gpus)
+        stated = float(MEMORY_COMMENT.search(path.read_text()).group("gb"))  # type: ignore[union-attr]
+        flag = "" if f"{memory.total_gb:.1f}" == f"{stated:.1f}" else f"  (comment says {stated})"
+        print(f"{path.name}: {REAL[path.name].repo}, {gpus} GPUs: {memory.describe()}{flag}")
+        if flag:
+            wrong.append(path.name)
+    return 1 if args.check and wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
