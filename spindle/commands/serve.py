@@ -28,6 +28,7 @@ import signal
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from spindle.commands.engine_args import add_engine_arguments, check_world_size, engine_config
 from spindle.commands.flags import add_section_arguments, section_from_args
@@ -151,16 +152,7 @@ def run(args: argparse.Namespace) -> int:
     state = app.state.serve
     try:
         if settings.warmup:
-            params = state.engine.warmup_params(warmup_size, settings.warmup_frames, settings.warmup_steps)
-            seconds = state.worker.warmup(params)
-            log.info(
-                "warm-up (%sx%s, %s frames, %d steps): %.2f s",
-                params.width,
-                params.height,
-                params.num_frames,
-                params.num_inference_steps,
-                seconds,
-            )
+            warm_up(state, settings, warmup_size, log)
         server = make_server(app, host=settings.host, port=settings.port, log_level=settings.log_level)
         # uvicorn re-raises the signal that stopped it once it has shut down gracefully; with these
         # no-op handlers that re-raise does nothing and a clean stop exits 0.
@@ -174,6 +166,31 @@ def run(args: argparse.Namespace) -> int:
     finally:
         state.worker.stop(settings.shutdown_grace)  # idempotent; releases the other ranks if serving never began
         _destroy()
+
+
+WARMUP_FLAGS = "--warmup-size WxH / --warmup-frames N / --warmup-steps N, or --no-warmup to skip it"
+
+
+def warm_up(state: Any, settings: ServeSettings, size: tuple[int, int] | None, log: logging.Logger) -> None:
+    """The one generation before serving (`Engine.warmup_params`: generated conditioning images where the
+    family needs them, the fewest steps its scheduler takes). Logged before it runs, so a slow one is never
+    silent; a refusal or a failure is one error naming the warm-up and its flags."""
+    from spindle.contracts.request import RequestError
+
+    try:
+        params = state.engine.warmup_params(size, settings.warmup_frames, settings.warmup_steps)
+    except RequestError as e:
+        raise ValueError(f"the warm-up request was refused ({e}); set it with {WARMUP_FLAGS}") from None
+    what = (
+        f"{params.width}x{params.height}, {params.num_frames or 1} frame(s), {params.num_inference_steps} step(s)"
+        + (f", {len(params.image)} generated conditioning image(s)" if params.image else "")
+    )
+    log.info("warm-up: one generation (%s) before serving; %s", what, WARMUP_FLAGS)
+    try:
+        seconds = state.worker.warmup(params)
+    except (RequestError, RuntimeError) as e:
+        raise ValueError(f"the warm-up generation ({what}) failed: {e}; change it with {WARMUP_FLAGS}") from e
+    log.info("warm-up done in %.2f s", seconds)
 
 
 def serve_limits(args: argparse.Namespace) -> ServeLimits:

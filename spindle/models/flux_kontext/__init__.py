@@ -34,6 +34,7 @@ OPTIONS = dataclasses.replace(
             minimum=1,
             help="output pixels: height x width is scaled to this area at its aspect ratio (FluxKontextPipeline's "
             "sizing); a request it would resize is refused: give max_area = height x width to keep the size",
+            output_area=True,  # the HTTP `size` (OpenAI's output size) sets it to width x height
         ),
         Option(
             "auto_resize",
