@@ -53,6 +53,10 @@ class Option:
     # output size itself (the HTTP API's `size`, OpenAI's output size; the serve warm-up), this is set to
     # width x height unless the request gives it
     output_area: bool = False
+    # a bool option resizing the input image(s) to the model's preferred resolution whatever the output's size
+    # (FLUX.1 Kontext's `auto_resize`: ~1 megapixel): a request that gives the output size (the HTTP `size`)
+    # turns it off unless it gives it, so the input is used at its own size, not enlarged past the output
+    resizes_input: bool = False
 
     def __post_init__(self) -> None:
         if self.type not in _TYPES:

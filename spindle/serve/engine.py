@@ -64,11 +64,16 @@ def warmup_image(width: int, height: int) -> Any:
 def output_size_params(params: SamplingParams, size: tuple[int, int], options: FamilyOptions) -> SamplingParams:
     """`params` asking for a `size` = (width, height) output, as OpenAI's `size` means it: height and width, and
     each option that sizes the output by area (`Option.output_area`, e.g. FLUX.1 Kontext's `max_area`) set to
-    width x height unless the request gives it."""
+    width x height, and each option resizing the input to a preferred resolution (`Option.resizes_input`) off,
+    unless the request gives them."""
     params.width, params.height = size
     for option in options.extra:
-        if option.output_area and option.name not in params.extra:
+        if option.name in params.extra:
+            continue
+        if option.output_area:
             params.extra[option.name] = size[0] * size[1]
+        elif option.resizes_input:  # the input as given, not enlarged to the model's preferred resolution
+            params.extra[option.name] = False
     return params
 
 

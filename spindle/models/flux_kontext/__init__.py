@@ -42,6 +42,7 @@ OPTIONS = dataclasses.replace(
             default=True,
             help="resize the source image to the preferred Kontext resolution nearest its aspect ratio "
             "(FluxKontextPipeline's _auto_resize); false keeps its size",
+            resizes_input=True,  # off when the HTTP `size` gives the output size (OpenAI's semantics)
         ),
     ),
     images=(0, 1),  # one source image to edit; none: plain text-to-image, as the pipeline allows
