@@ -25,7 +25,12 @@ HELP = "generate a video/image from a diffusers checkpoint (staged engine)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="diffusers pipeline folder (with model_index.json)")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="diffusers pipeline folder (with model_index.json), or a Hugging Face repo id org/name[@revision] "
+        "in the local cache",
+    )
     p.add_argument("--prompt", required=True, help="text prompt")
     p.add_argument(
         "--negative-prompt",
@@ -72,7 +77,10 @@ def _format_timings(timings: dict[str, float]) -> str:
 def run(args: argparse.Namespace) -> int:
     from spindle.distributed.launch import maybe_relaunch
 
+    from spindle.hub import resolve_model_path
+
     engine = engine_config(args)  # bad engine flags fail here, before a launch or a load
+    args.model = resolve_model_path(args.model, "--model")  # a Hugging Face repo id: its cached snapshot
     nproc, _ = check_world_size(args)
     code = maybe_relaunch(nproc, args._argv)  # parent of --nproc N > 1: re-run under torchrun
     if code is not None:

@@ -46,7 +46,12 @@ PIDFILE_ENV = "SPINDLE_SERVE_PIDFILE"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="diffusers pipeline folder (with model_index.json)")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="diffusers pipeline folder (with model_index.json), or a Hugging Face repo id org/name[@revision] "
+        "in the local cache",
+    )
     add_section_arguments(p.add_argument_group("server (spindle.engine_config.ServeSettings)"), ServeSettings)
     g = p.add_argument_group(
         "limits (spindle.engine_config.RequestLimits / ServeLimits: per request / per connection; "
@@ -92,6 +97,11 @@ def run(args: argparse.Namespace) -> int:
     adapter_options: AdapterConfig = section_from_args(args, AdapterConfig)
     if adapter_options.lora_dir is not None:
         check_adapter_engine(engine, lambda name: "--" + name.replace("_", "-"))
+    from spindle.hub import parse_repo_id, resolve_model_path
+
+    given = args.model
+    args.model = resolve_model_path(given, "--model")  # a Hugging Face repo id: its cached snapshot
+    repo = parse_repo_id(given) if args.model != given else None
     if not (Path(args.model) / "model_index.json").is_file():
         raise FileNotFoundError(f"{args.model}/model_index.json not found: --model must be a diffusers pipeline folder")
     warmup_size = None
@@ -136,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
     from spindle.serve import build_app
     from spindle.serve.server import make_server
 
-    model_id = settings.served_model_name or Path(args.model).resolve().name
+    # default id: the folder's name, or a repo id's `org/name` (its snapshot folder is named by a commit)
+    model_id = settings.served_model_name or (repo[0] if repo else Path(args.model).resolve().name)
     app = build_app(
         gen,
         model_id=model_id,
