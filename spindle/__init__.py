@@ -13,3 +13,7 @@ def __getattr__(name):  # lazy: `import spindle` stays light
 
         return DiffusionGenerator
     raise AttributeError(f"module 'spindle' has no attribute {name!r}")
+
+
+def __dir__():
+    return ["DiffusionGenerator", "__version__", "load_generator"]
