@@ -98,7 +98,7 @@ def check_request_files(args: argparse.Namespace) -> None:
         )
     for path in given:
         if not Path(path).is_file():
-            raise FileNotFoundError(f"--image {path}: no such file")
+            raise FileNotFoundError(f"--image: image file {str(path)!r} does not exist")
 
 
 def _format_timings(timings: dict[str, float]) -> str:

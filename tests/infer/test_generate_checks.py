@@ -26,7 +26,7 @@ def no_load(monkeypatch):
         ("wan", ["--out", "frame.png"], "give a file ending in .mp4"),
         ("flux", ["--out", "x.mp4"], "--out x.mp4: flux generates an image; give a file ending in .jpeg / .jpg / .png"),
         ("wan_i2v", ["--out", "clip.mp4"], "--image is required for wan_i2v: give 1 conditioning image file(s)"),
-        ("wan_i2v", ["--out", "clip.mp4", "--image", "absent.png"], "--image absent.png: no such file"),
+        ("wan_i2v", ["--out", "clip.mp4", "--image", "absent.png"], "--image: image file 'absent.png' does not exist"),
     ],
 )  # fmt: skip
 def test_refused_before_loading(family, extra, message, tiny_checkpoint, spindle_cli, no_load, tmp_path):
