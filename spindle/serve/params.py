@@ -210,16 +210,19 @@ def sampling_params(body: GenerationRequest, engine: Engine) -> Planned:
         lora_scale=body.lora_scale,
         extra=given_options(body, options),
     )
+    given = set(params.extra)  # the family options the request gave itself
     if size is not None:  # OpenAI's `size` is the output's: an area-sized model's area follows it
         params = output_size_params(params, size, options)
     try:
         return Planned(engine.validate(params), notes)
     except RequestError as e:
-        if size is not None and e.field in ("height", "width", *(o.name for o in options.extra if o.output_area)):
-            raise size_error(e, size, params, engine) from None
-        raise request_error(
+        error = request_error(
             e, seconds_given=seconds_given, option_names=options.names(), image_field=body.image_field
-        ) from None
+        )
+        set_by_size = {o.name for o in options.extra if o.output_area} - given
+        if size is not None and (error.param == "size" or e.field in set_by_size):
+            raise size_error(error, size, params, engine) from None
+        raise error from None
 
 
 SIZE_STEP = 4  # every served family's sizes are multiples of 4 (a tiny VAE x2 x 2x2 packing) or of a multiple of it
@@ -260,16 +263,13 @@ def nearest_sizes(size: tuple[int, int], params: SamplingParams, engine: Engine,
     return found
 
 
-def size_error(e: RequestError, size: tuple[int, int], params: SamplingParams, engine: Engine) -> APIError:
-    """A `size` the model cannot make: 400 naming `size`, the reason and the nearest sizes it makes."""
+def size_error(error: APIError, size: tuple[int, int], params: SamplingParams, engine: Engine) -> APIError:
+    """A `size` the model cannot make (the engine refused its height, width, or the output area it set):
+    400 naming `size`, the engine's reason and the nearest sizes it makes."""
     nearest = nearest_sizes(size, params, engine)
+    message = error.message if error.param == "size" else f"size: {size[0]}x{size[1]} sets {error.message}"
     hint = f"; nearest sizes it makes: {', '.join(nearest)}" if nearest else ""
-    return APIError(
-        400,
-        f"size: {engine.model_id} ({engine.family}) cannot make a {size[0]}x{size[1]} output ({e}){hint}",
-        param="size",
-        code="invalid_size",
-    )
+    return APIError(400, message + hint, param="size", code="invalid_request")
 
 
 def lora_choice(params: SamplingParams) -> LoraChoice | None:
