@@ -196,8 +196,13 @@ class Engine:
         Raises `RequestError` naming the field when the model refuses it."""
         from spindle.contracts.request import RequestError
 
-        default = (self.defaults.width, self.defaults.height)
-        width, height = size or (default if None not in default else WARMUP_SIZE)
+        default_width, default_height = self.defaults.width, self.defaults.height
+        if size is not None:
+            width, height = size
+        elif default_width is not None and default_height is not None:
+            width, height = default_width, default_height
+        else:
+            width, height = WARMUP_SIZE
         params = output_size_params(
             SamplingParams(
                 prompt="warm-up",

@@ -134,3 +134,15 @@ def test_openai_impossible_size_names_the_nearest_sizes(kontext_server):
     assert body["param"] == "size", body
     # the tiny Kontext makes multiples of 4 (VAE x2 x 2x2 packing): the nearest, 4 pixels away in all
     assert "nearest sizes it makes: 48x48, 48x52, 52x48" in body["message"], body
+
+
+def test_a_refused_warm_up_names_the_warm_up_and_its_flags(tiny_checkpoint):
+    """Qwen-Image's scheduler (shift_terminal) takes no 1-step run: the default warm-up takes 2 steps (above);
+    asked for 1 explicitly, the refusal is one line saying it is the warm-up and which flags change it."""
+    from spindle.testing.multiprocess import run_spindle
+
+    r = run_spindle("serve", "--model", tiny_checkpoint("qwenimage"), "--port", free_port(), "--warmup-steps", 1)
+    assert r.returncode == 2, r.stderr[-3000:]
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith("spindle serve: error: the warm-up request was refused (num_inference_steps must be >= 2")
+    assert "--warmup-steps" in line and "--no-warmup" in line, line
