@@ -61,19 +61,31 @@ def warmup_image(width: int, height: int) -> Any:
     return Image.fromarray(pixels.astype(np.uint8), "RGB")
 
 
+def to_area(image: Any, area: int) -> Any:
+    """A PIL image resized to about `area` pixels at its own aspect ratio (Lanczos, as diffusers' image processor
+    resizes PIL images)."""
+    from PIL import Image
+
+    scale = (area / (image.width * image.height)) ** 0.5
+    size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
+    return image if size == image.size else image.resize(size, Image.Resampling.LANCZOS)
+
+
 def output_size_params(params: SamplingParams, size: tuple[int, int], options: FamilyOptions) -> SamplingParams:
     """`params` asking for a `size` = (width, height) output, as OpenAI's `size` means it: height and width, and
     each option that sizes the output by area (`Option.output_area`, e.g. FLUX.1 Kontext's `max_area`) set to
-    width x height, and each option resizing the input to a preferred resolution (`Option.resizes_input`) off,
-    unless the request gives them."""
+    width x height, and each option resizing the input to a preferred resolution (`Option.resizes_input`) off
+    (the input images then resized to the output's area, their aspect kept: an edit's cost follows the size
+    asked, not the upload's), unless the request gives them."""
     params.width, params.height = size
     for option in options.extra:
         if option.name in params.extra:
             continue
         if option.output_area:
             params.extra[option.name] = size[0] * size[1]
-        elif option.resizes_input:  # the input as given, not enlarged to the model's preferred resolution
+        elif option.resizes_input:  # not enlarged to the model's preferred resolution: sized to the output's area
             params.extra[option.name] = False
+            params.image = [to_area(image, size[0] * size[1]) for image in params.image or []] or params.image
     return params
 
 

@@ -104,10 +104,12 @@ def openai_client(server: DefaultServe):
 
 def test_openai_edit_size_is_the_output_size_on_kontext(kontext_server):
     """FluxKontextPipeline sizes its output to `max_area` (1 megapixel by default); over HTTP `size` is the
-    output, so the official client's `images.edit(size="48x48")` gets a 48x48 image."""
+    output, so the official client's `images.edit(size="48x48")` gets a 48x48 image; the source is sized to that
+    area (its aspect kept) instead of the pipeline's preferred ~1 megapixel."""
     result = openai_client(kontext_server).images.edit(
         model="flux_kontext",
-        image=("source.png", png(40, 56), "image/png"),
+        # a 640x480 upload: sized to the output's area (not auto-resized to 1 megapixel), so the edit stays cheap
+        image=("source.png", png(640, 480), "image/png"),
         prompt="make it blue",
         size="48x48",
         extra_body={"num_inference_steps": 2, "seed": 3},
