@@ -180,7 +180,7 @@ class VLMDataConfig(TextDataConfig):
 
 class TimestepConfig(Section):
     """`train.timestep:` how flow-matching training draws sigma in (0, 1); the one definition the config and
-    the flow-matching math (`spindle.train.tasks.flow_matching_math.sample_sigmas`) share."""
+    the flow-matching math (`spindle.ops.flow_matching.sample_sigmas`) share."""
 
     scheme: Literal["uniform", "logit_normal", "mode"] = Field(
         "uniform", description="density of the drawn sigmas (diffusers' compute_density_for_timestep_sampling)"
@@ -357,6 +357,146 @@ class ParallelConfig(Section):
     ep: int = Field(1, ge=1, description="expert-parallel degree (MoE models): experts split over ep ranks of dp_shard")
 
 
+# ---------------------------------------------------------------- post-training objectives
+# One top-level section per objective (`dpo:`, `reward:`, `grpo:`), read when `train.objective` names it; the
+# losses are `spindle.train.objectives`. Defaults are TRL 1.16's (tests/project/test_objective_config.py).
+
+
+class DPOConfig(Section):
+    """`dpo:` direct preference optimisation on preference pairs (`spindle.train.objectives.dpo`)."""
+
+    beta: float = Field(
+        0.1,
+        gt=0,
+        description="how far the policy may move from the reference: the implicit reward is beta x the log-ratio "
+        "(ipo: the regularisation tau; simpo: the reward scale)",
+    )
+    loss_type: Literal["sigmoid", "ipo", "simpo"] = Field(
+        "sigmoid",
+        description="sigmoid (DPO), ipo (squared loss on per-token log-ratios), or simpo (reference-free: average "
+        "log-probabilities and a target margin gamma; no reference model is loaded)",
+    )
+    gamma: float | None = Field(
+        None, ge=0, description="simpo only: the target reward margin (default 0.5, TRL's simpo_gamma)"
+    )
+    rpo_alpha: float | None = Field(
+        None,
+        ge=0,
+        description="add rpo_alpha x the chosen completions' negative log-likelihood (mean over their tokens): "
+        "RPO, which keeps the chosen answers likely",
+    )
+    label_smoothing: float = Field(
+        0.0,
+        ge=0,
+        lt=0.5,
+        description="sigmoid / simpo: the assumed probability that a pair's preference is flipped (conservative "
+        "DPO); not with ipo",
+    )
+    reference_model: str | None = Field(
+        None,
+        description="a folder of the same family to use as the frozen reference; default: the starting policy "
+        "(a LoRA run: the base with its adapters switched off; a full fine-tune: a frozen copy sharded like it)",
+    )
+    precompute_reference: bool = Field(
+        False,
+        description="compute the reference log-probabilities of every pair once before training (cached, refused "
+        "when the data, model or settings changed), so no reference model is held during training",
+    )
+    max_prompt_length: int | None = Field(
+        None,
+        ge=1,
+        description="a longer prompt keeps its last max_prompt_length tokens; then prompt + completion is cut to "
+        "data.seq_len (pairs whose prompt alone fills it are dropped and counted)",
+    )
+
+    @model_validator(mode="after")
+    def _applies(self) -> DPOConfig:
+        if self.loss_type == "ipo" and self.label_smoothing:
+            raise ValueError("dpo.label_smoothing does not apply to dpo.loss_type ipo (a squared loss); set it to 0")
+        if self.gamma is not None and self.loss_type != "simpo":
+            raise ValueError(
+                f"dpo.gamma is simpo's target margin; dpo.loss_type {self.loss_type} does not use it: remove it"
+            )
+        if self.loss_type == "simpo" and (self.reference_model is not None or self.precompute_reference):
+            raise ValueError(
+                "dpo.loss_type simpo is reference-free: remove dpo.reference_model and dpo.precompute_reference"
+            )
+        return self
+
+    @property
+    def simpo_gamma(self) -> float:
+        """`gamma` resolved (simpo's default target margin)."""
+        return 0.5 if self.gamma is None else self.gamma
+
+
+class RewardConfig(Section):
+    """`reward:` a reward model trained on preference pairs (`spindle.train.objectives.reward`)."""
+
+    use_margin: bool = Field(
+        True,
+        description='subtract each pair\'s "margin" column (when the data has one) inside the Bradley-Terry loss, '
+        "so chosen must beat rejected by it; false: the column is ignored",
+    )
+    center_rewards_coefficient: float | None = Field(
+        None,
+        ge=0,
+        description="add this x the mean squared sum of the pair's two scores, keeping scores centred on 0 "
+        "(TRL's center_rewards_coefficient; 0.01 is typical)",
+    )
+
+
+class GRPOConfig(Section):
+    """`grpo:` online GRPO: sample completions, score them, optimise the clipped objective
+    (`spindle.train.objectives.grpo`). `train.global_batch_size` counts prompts."""
+
+    num_generations: int = Field(8, ge=2, description="completions sampled per prompt (a group)")
+    max_new_tokens: int = Field(
+        512, ge=1, description="most tokens generated per completion (dr_grpo normalises by it)"
+    )
+    max_prompt_length: int | None = Field(
+        None, ge=1, description="a longer prompt keeps its last max_prompt_length tokens (counted)"
+    )
+    temperature: float = Field(1.0, gt=0, description="sampling temperature (the log-probabilities use it too)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: keep the top tokens of this mass")
+    rewards: list[str] = Field(
+        default_factory=list,
+        description="reward functions: path/to/file.py:function or module:function callables "
+        "fn(prompts, completions, **columns) -> list[float], or reward-model folders",
+    )
+    reward_weights: list[float] | None = Field(
+        None, description="one weight per reward function, in order (default: 1 each)"
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group",
+        description="divide each advantage by the reward standard deviation of its group, of the batch, or not "
+        "at all (Dr. GRPO's choice)",
+    )
+    epsilon: float = Field(0.2, gt=0, description="clip the probability ratio below at 1 - epsilon")
+    epsilon_high: float | None = Field(
+        None, gt=0, description="clip the ratio above at 1 + epsilon_high (default: epsilon; DAPO uses 0.28)"
+    )
+    num_iterations: int = Field(
+        1, ge=1, description="optimizer updates per batch of completions (the ratio's old policy is the sampler)"
+    )
+    loss_type: Literal["grpo", "dr_grpo", "dapo"] = Field(
+        "dapo",
+        description="dapo: token mean over the global batch; grpo: mean of per-completion token means; "
+        "dr_grpo: token sum / (completions x max_new_tokens)",
+    )
+    beta: float = Field(
+        0.0, ge=0, description="weight of the KL to the reference (k3 estimator); 0 loads no reference model"
+    )
+
+    @model_validator(mode="after")
+    def _weights_match(self) -> GRPOConfig:
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
+            raise ValueError(
+                f"grpo.reward_weights has {len(self.reward_weights)} weights for {len(self.rewards)} "
+                "grpo.rewards; give one weight per reward function"
+            )
+        return self
+
+
 class TrainJobConfig(Section):
     """The sections every training job has; `data:` is typed by the job's task (`JOB_CONFIGS`)."""
 
@@ -399,6 +539,11 @@ class TrainJobConfig(Section):
 
 
 class DiTTrainConfig(TrainConfig):
+    objective: Literal["flow_matching"] = Field(
+        "flow_matching",
+        description="what the step optimises (spindle.train.objectives): flow_matching, the velocity loss on media "
+        "and their conditions",
+    )
     expert: Literal["high_noise", "low_noise"] | None = Field(
         None,
         description="two-expert checkpoints (Wan2.2 A14B): the expert to fine-tune, high_noise (transformer, "
@@ -414,10 +559,22 @@ class DiTJobConfig(TrainJobConfig):
     train: DiTTrainConfig = DiTTrainConfig()
 
 
+class LMTrainConfig(TrainConfig):
+    objective: Literal["sft", "dpo", "grpo"] = Field(
+        "sft",
+        description="what the step optimises (spindle.train.objectives): sft, next-token loss on the documents' "
+        "label tokens; dpo, direct preference optimisation on preference pairs (settings: the dpo: section); grpo, "
+        "online GRPO from reward functions on completions sampled from the policy (the grpo: section)",
+    )
+
+
 class CausalLMJobConfig(TrainJobConfig):
     """A causal-LM (next-token) job."""
 
     data: TextDataConfig
+    train: LMTrainConfig = LMTrainConfig()
+    dpo: DPOConfig = DPOConfig()  # read when train.objective is dpo
+    grpo: GRPOConfig = GRPOConfig()  # read when train.objective is grpo
 
 
 VLMPart = Literal["audio", "vision", "aligner", "language"]
@@ -436,7 +593,7 @@ class VLMLoraConfig(LoraConfig):
     )
 
 
-class VLMTrainConfig(TrainConfig):
+class VLMTrainConfig(LMTrainConfig):
     lora: VLMLoraConfig | None = Field(
         None, description="train LoRA adapters only (see LoraConfig; parts: which parts get them)"
     )
@@ -576,14 +733,53 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
     node[parts[-1]] = value
 
 
+def _first_duplicate(node: yaml.Node | None, where: tuple[str, ...] = ()) -> tuple[str, int, int] | None:
+    """(dotted key, its line, the earlier line) of the first key given twice in one mapping, or None.
+    PyYAML keeps the last of two equal keys without a word: a second `train:` section would silently
+    replace the first."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` merges are not duplicates
+                continue
+            key = str(key_node.value)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                return ".".join((*where, key)), line, seen[key]
+            seen[key] = line
+            if (found := _first_duplicate(value_node, (*where, key))) is not None:
+                return found
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            if (found := _first_duplicate(item, (*where, str(i)))) is not None:
+                return found
+    return None
+
+
+def parse_yaml(text: str, path: str | Path) -> Any:
+    """YAML `text` (from `path`) -> data, with PyYAML's safe loader; a key given twice in one mapping is a
+    ConfigError naming it and both lines, as is invalid YAML."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if (duplicate := _first_duplicate(node)) is not None:
+            key, line, first = duplicate
+            raise ConfigError(
+                f"{path}:{line}: '{key}' is given twice (also on line {first}); YAML would keep only the last "
+                "one: merge them into one"
+            )
+        return loader.construct_document(node) if node is not None else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    finally:
+        loader.dispose()
+
+
 def load_raw(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} not found")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    raw = parse_yaml(path.read_text(), path) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a mapping of sections (model:, data:, train:, ...)")
     return raw

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, TypeAlias
 
 from spindle.contracts.family import CausalLMFamily, DiTFamily, VLMFamily
-from spindle.export_record import is_lora_folder, lora_usage, read_export_record
+from spindle.export.record import is_lora_folder, lora_usage, read_export_record
+from spindle.model_index import has_model_index, model_index_path, read_model_index
 
 Family: TypeAlias = DiTFamily | CausalLMFamily | VLMFamily  # OmniFamily is a VLMFamily
 
@@ -98,13 +99,13 @@ def check_family_matches(family: Family, root: Path) -> None:
                 "point model.path at a checkpoint of that family"
             )
         return
-    index_path = root / "model_index.json"
-    if not index_path.is_file():
+    if not has_model_index(root):
         raise UnknownModelError(
             f"model.family={family.name} is a diffusion family, but {root} has no model_index.json "
             "(a diffusers pipeline folder)"
         )
-    pipeline_cls = _read_json(index_path).get("_class_name")
+    index_path = model_index_path(root)
+    pipeline_cls = read_model_index(root).get("_class_name")
     tcfg_path = root / "transformer" / "config.json"
     transformer_cls = _read_json(tcfg_path).get("_class_name") if tcfg_path.is_file() else None
     if (
@@ -156,12 +157,12 @@ def resolve_family(root: str | Path) -> Family:
     A transformers folder (config.json with `model_type`): the family declaring that model type.
     """
     root = Path(root)
-    index_path = root / "model_index.json"
+    index_path = model_index_path(root)
     if not root.is_dir():
         raise FileNotFoundError(
             f"model path {root} does not exist (expected a diffusers pipeline folder or a transformers model folder)"
         )
-    if not index_path.is_file():
+    if not has_model_index(root):
         if (root / "config.json").is_file():
             return _resolve_transformers_folder(root)
         if is_lora_folder(root):  # an exported LoRA given where a model goes: say how to use it
@@ -170,14 +171,14 @@ def resolve_family(root: str | Path) -> Family:
             f"{index_path} not found: model.path must be a diffusers pipeline folder (model_index.json) or a "
             "transformers model folder (config.json with model_type)"
         )
-    pipeline_cls = _read_json(index_path).get("_class_name")
+    index = read_model_index(root)
+    pipeline_cls = index.get("_class_name")
     tcfg_path = root / "transformer" / "config.json"
     transformer_cls = _read_json(tcfg_path).get("_class_name") if tcfg_path.is_file() else None
     families = all_families()
     dit = [f for f in families if isinstance(f, DiTFamily)]
     serving = [f for f in dit if pipeline_cls == f.checkpoint.pipeline]
     if serving:
-        index = _read_json(index_path)
         variant = [f for f in serving if f.checkpoint.variant is not None and f.checkpoint.variant(index)]
         return (variant or [f for f in serving if f.checkpoint.variant is None] or serving)[0]
     if isinstance(pipeline_cls, str) and _is_diffusers_pipeline(pipeline_cls):

@@ -29,19 +29,60 @@ def safetensors_problem(path: Path) -> str | None:
             return f"is {size} bytes, too short for a safetensors header"
         (length,) = struct.unpack("<Q", head)
         if length > min(_MAX_HEADER, size - 8):
-            return f"declares a {length}-byte header in a {size}-byte file"
+            # the length itself is not shown: in a file that is no safetensors it is 8 bytes of its content
+            return f"declares a header longer than the file ({size} bytes): it is not a safetensors file, or damaged"
         try:
             header = json.loads(f.read(length))
         except (UnicodeDecodeError, ValueError) as e:
             return f"has an unreadable header ({e})"
     if not isinstance(header, dict):
         return "has a header that is not a JSON object"
-    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
-    if any(not isinstance(e, int) for e in ends):
-        return "has a header without integer data_offsets"
+    ends = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if (problem := _entry_problem(entry)) is not None:
+            return f"has a damaged header entry for tensor {name!r}: {problem}"
+        ends.append(entry["data_offsets"][1])
     needed = 8 + length + max(ends, default=0)
     if size < needed:
         return f"is truncated: {size} bytes, its header needs {needed}"
+    return None
+
+
+# bytes per element of safetensors' dtype names
+_ITEMSIZE = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8,
+}  # fmt: skip
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _entry_problem(entry: object) -> str | None:
+    """What is wrong with one tensor's header entry ({"dtype", "shape", "data_offsets"}), or None."""
+    if not isinstance(entry, dict):
+        return f"not an object ({type(entry).__name__})"
+    missing = [k for k in ("dtype", "shape", "data_offsets") if k not in entry]
+    if missing:
+        return f"no {', '.join(missing)}"
+    offsets, shape, dtype = entry["data_offsets"], entry["shape"], entry["dtype"]
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
+        return f"data_offsets {offsets!r} is not two byte offsets"
+    if offsets[0] > offsets[1]:
+        return f"data_offsets {offsets} ends before it begins"
+    if not (isinstance(shape, list) and all(map(_is_count, shape))):
+        return f"shape {shape!r} is not a list of sizes"
+    if dtype in _ITEMSIZE:
+        count = 1
+        for n in shape:
+            count *= n
+        if (size := count * _ITEMSIZE[dtype]) != offsets[1] - offsets[0]:
+            return f"{dtype} {shape} is {size} bytes, data_offsets {offsets} hold {offsets[1] - offsets[0]}"
     return None
 
 

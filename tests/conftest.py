@@ -100,7 +100,7 @@ def bf16_wan(tiny_wan, tmp_path_factory) -> Path:
     import torch
     from diffusers import WanTransformer3DModel
 
-    from spindle.train.precision import stored_float_dtypes
+    from spindle.export.dtypes import stored_float_dtypes
 
     root = tmp_path_factory.mktemp("bf16") / "wan"
     shutil.copytree(tiny_wan, root)

@@ -8,6 +8,10 @@ for a language model, a transformers folder. The weights are written in the base
 (`--dtype` overrides). No Spindle code is needed to load either. Works on one
 process whatever world size the checkpoint was saved with. A run with `train.ema` exports what its
 `export.weights` chose unless `--weights` says otherwise (`spindle.train.ema.export_weights`).
+
+`--out` is replaced by the export, so it must be a new or empty folder, or an earlier export (`--force`);
+never the run, the checkpoint or the base model (`spindle.export.target`). The export is written to a
+temporary sibling and renamed; a full disk removes it and says how much space the export needs.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ HELP = "export a training checkpoint as a standard diffusers / transformers fold
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a checkpoint folder (OUTPUT_DIR/checkpoints/step-N) or a run's OUTPUT_DIR")
-    p.add_argument("--out", required=True, help="destination folder")
+    p.add_argument("--out", required=True, help="destination folder: new, empty, or an earlier export (--force)")
+    p.add_argument("--force", action="store_true", help="replace --out when it holds an earlier Spindle export")
     p.add_argument("--model", default=None, help="base model folder (default: the one the run trained from)")
     p.add_argument(
         "--dtype",
@@ -40,6 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from spindle.distributed import checkpoint as ckpt
+    from spindle.export.target import check_export_target, export_failed, folder_bytes, record_export
     from spindle.registry import family_of
     from spindle.train.ema import EMA_STATE, export_weights
     from spindle.train.tasks import get_task
@@ -54,12 +60,27 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--weights {weights}: checkpoint {path} holds no EMA (its run had no train.ema); use --weights trained"
         )
-    out = export_weights(
-        weights,
-        Path(args.out),
-        lambda folder: task.export_checkpoint(family, path, model_path, folder, dtype=args.dtype),
-        lambda: ckpt.reading_weights(EMA_STATE),
-        task.ema_paths(state),
+    run_dir = path.parent.parent if path.parent.name == "checkpoints" else None
+    target = check_export_target(
+        args.out,
+        {"run folder": run_dir, "checkpoint": path, "base model": model_path},
+        force=args.force,
+        managed={"run's checkpoints folder": path.parent if run_dir is not None else path},
     )
+    try:
+        out = export_weights(
+            weights,
+            target,
+            lambda folder: task.export_checkpoint(family, path, model_path, folder, dtype=args.dtype),
+            lambda: ckpt.reading_weights(EMA_STATE),
+            task.ema_paths(state),
+        )
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        needed = folder_bytes(model_path) * (2 if weights == "both" else 1)  # the export is about the base's size
+        failure = export_failed(e, target, needed)
+        if failure is e:
+            raise
+        raise failure from e
+    record_export(target, family=family.name, base_model=str(model_path.resolve()), step=state["step"])
     print(f"exported step {state['step']} of {path} to {out}")
     return 0

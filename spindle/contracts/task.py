@@ -22,7 +22,7 @@ from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 
@@ -32,6 +32,20 @@ import torch
 # and `build_loader` returns a `spindle.data.loader.ResumableLoader`.
 
 
+@dataclass(frozen=True)
+class Metric:
+    """A value to log from one micro-batch on one rank, with how the trainer reduces it to the step's value.
+
+    `micro_batches`: "sum" adds the step's micro-batches (a count, or a sum that is normalised later), "mean"
+    averages them. `ranks`: "chunks" sums the ranks that hold parts of the same samples (SP ranks, each with its
+    chunk's share) and averages over data-parallel ranks; "mean" averages over every rank that computed it
+    (every SP rank holding the same whole-sample value, e.g. a MoE router's aux loss)."""
+
+    value: Any  # a float or a 0-dim tensor (kept on the device until the step's metrics are read)
+    micro_batches: Literal["sum", "mean"] = "sum"
+    ranks: Literal["chunks", "mean"] = "chunks"
+
+
 @dataclass
 class StepOutput:
     """One micro-batch's forward on one rank."""
@@ -39,8 +53,44 @@ class StepOutput:
     loss_sum: torch.Tensor  # differentiable sum of per-unit losses (see the module docstring)
     samples: int  # samples in the micro-batch (for throughput)
     tokens: int  # model tokens processed (for throughput)
-    # extra scalars to log (summed over the step's micro-batches, averaged over data-parallel ranks)
-    metrics: dict[str, float] = field(default_factory=dict)
+    # extra scalars to log: a plain value is Metric(value) (summed over the step's micro-batches, its SP chunks
+    # summed, averaged over data-parallel ranks); a `Metric` says its own reduction
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+class Objective(Protocol):
+    """What a task's step optimises (`train.objective`): a part the task holds (`spindle.train.objectives`),
+    so a new objective is one module that works for every model kind offering what it calls, not a subclass per
+    kind. The task keeps the model kind's side (model, parallelism, how a batch runs through the model,
+    export); the objective owns its data (the loader it builds through the task), its loss and its metrics."""
+
+    name: str
+
+    def check_plan(self, family: Any, dims: Any) -> None:
+        """Before launch (config files only): refuse a model kind or layout the objective cannot run, naming why."""
+        ...
+
+    def prepare(self, task: Any, model: torch.nn.Module) -> None:
+        """Collective, after the task built the trainable model: what the objective holds beside it (a frozen
+        reference model)."""
+        ...
+
+    def build_loader(self, task: Any) -> Any:
+        """This rank's resumable micro-batches of the objective's data."""
+        ...
+
+    def begin_step(self, task: Any, model: torch.nn.Module, batches: list[Any], step: int) -> list[Any]:
+        """Collective, before the step's loss units are counted: the step's micro-batches as the loss reads
+        them (an online objective generates and scores its rollouts here)."""
+        ...
+
+    def loss_units(self, batch: Any) -> int:
+        """How many units the loss of `batch` averages over (see the module docstring)."""
+        ...
+
+    def forward(self, task: Any, model: torch.nn.Module, batch: Any, step: int) -> StepOutput:
+        """The micro-batch's summed loss (differentiable), counts and metrics."""
+        ...
 
 
 class TrainTask(ABC):
@@ -55,8 +105,6 @@ class TrainTask(ABC):
     # only (so the logged loss is summed over SP ranks too); False when every SP rank holds the loss
     # of the whole sample (diffusers CP gathers the output before the loss).
     loss_sharded_over_sp: ClassVar[bool] = False
-    # True when the task can run `parallel.ep > 1` (expert parallelism; MoE models).
-    supports_expert_parallel: ClassVar[bool] = False
     # `export.weights: both`: where the EMA's export goes beside the trained one, as {path in an export
     # that holds weights: its EMA twin's path in the same folder} ("": the whole export; `spindle.train.ema`).
     ema_beside: ClassVar[dict[str, str]] = {"": "ema"}
@@ -77,6 +125,11 @@ class TrainTask(ABC):
         self.autocast_dtype: torch.dtype | None = None
 
     # ------------------------------------------------------------ before any process starts
+
+    @classmethod
+    def supports_expert_parallel(cls, family: Any) -> bool:
+        """True when the task can run `parallel.ep > 1` on `family`'s models (expert parallelism; MoE)."""
+        return False
 
     @classmethod
     def check_plan(cls, cfg: Any, family: Any, dims: Any) -> None:
@@ -112,6 +165,11 @@ class TrainTask(ABC):
         if self.autocast_dtype is None:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def begin_step(self, model: torch.nn.Module, batches: list[Any], step: int) -> list[Any]:
+        """Collective, before the step's loss units are counted: the step's micro-batches as `loss_units` and
+        `forward` read them (an online objective's rollouts). Default: as the loader gave them."""
+        return batches
 
     @abstractmethod
     def loss_units(self, batch: Any) -> int:

@@ -107,7 +107,7 @@ def media_size(path: Path) -> Shape:
         with Image.open(path) as img:
             width, height = img.size
             rotated = img.getexif().get(_EXIF_ORIENTATION, 1) in (5, 6, 7, 8)
-    except (OSError, SyntaxError, ValueError) as exc:
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
         raise MediaError(path, f"unreadable image ({exc.__class__.__name__}: {exc})") from exc
     return (1, width, height) if rotated else (1, height, width)
 

@@ -33,6 +33,7 @@ from spindle.data.index import ShardedManifest, is_shard_folder
 from spindle.data.media import IMAGE_EXTENSIONS, MEDIA_EXTENSIONS, MediaError, is_image_path, is_media_path, read_media
 from spindle.data.media_check import DataCheckError, Problem, find_problems
 from spindle.data.sources import of_kind
+from spindle.data.text import decode_line
 
 if TYPE_CHECKING:
     from spindle.data.buckets import BucketPlan
@@ -217,7 +218,11 @@ def list_folder(folder: str | os.PathLike[str], kind: str = "both") -> tuple[lis
         if not caption_file.is_file():
             problems.append(Problem(caption_file, f"caption file missing for {path.name}"))
             continue
-        caption = caption_file.read_text(encoding="utf-8").strip()
+        try:
+            caption = decode_line(caption_file.read_bytes()).strip()
+        except ValueError as e:  # a bad sample like an empty caption: named, skippable
+            problems.append(Problem(caption_file, f"caption of {path.name} {e}"))
+            continue
         if not caption:
             problems.append(Problem(caption_file, f"empty caption for {path.name}"))
             continue
@@ -314,8 +319,12 @@ def read_manifest(manifest: str | os.PathLike[str]) -> list[Sample]:
     """Samples from a JSONL manifest; blank lines are ignored, any other bad line is an error."""
     manifest = Path(manifest)
     samples = []
-    with manifest.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with manifest.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = decode_line(raw)
+            except ValueError as e:
+                raise ValueError(f"{manifest}, line {lineno}: {e}") from None
             if line.strip():
                 samples.append(_manifest_entry(manifest, lineno, line))
     return samples

@@ -27,6 +27,7 @@ import numpy as np
 
 from spindle.data.media import MEDIA_EXTENSIONS, VIDEO_EXTENSIONS
 from spindle.data.media_check import Problem
+from spindle.data.text import decode_line
 
 INDEX_VERSION = 1
 
@@ -187,7 +188,12 @@ class ShardedManifest(Sequence[Any]):
             for i, entry in zip(filled, entries, strict=True):
                 simple = _simple_entry(entry)
                 if simple is None:  # anything unusual: the full parse (its checks, its messages)
-                    sample = parse(shard, i + 1, raw[i].decode("utf-8"))
+                    try:
+                        text = decode_line(raw[i])
+                    except ValueError as e:  # a bad sample like an empty caption: named, skippable
+                        problems.append(Problem(shard, f"line {i + 1}: {e}"))
+                        continue
+                    sample = parse(shard, i + 1, text)
                     path, caption, size = str(sample.path), sample.caption, sample.size
                 else:
                     path, caption, size = simple

@@ -214,20 +214,55 @@ def read_video(path: str | os.PathLike[str], num_frames: int, resolution: tuple[
     return frames_to_tensor([kept[i] for i in indices])
 
 
-def read_image(path: str | os.PathLike[str], resolution: tuple[int, int]) -> torch.Tensor:
-    """Load an image (any mode; EXIF orientation applied) -> float32 [3, 1, H, W] in [-1, 1]."""
+# How many times `max_pixels` an image may hold when it is decoded in full (`load_image`): decoding memory is
+# then bounded by the pixels the model is given. 64 = 8 x 8: JPEG's draft mode decodes at down to 1/8 a side,
+# so a bigger JPEG is decoded reduced to within it; other formats (PNG, WebP, BMP) have no reduced decode.
+DECODE_FACTOR = 64
+
+
+def load_image(path: str | os.PathLike[str], max_pixels: int | None = None) -> Image.Image:
+    """The decoded image (its own mode), a bad file a MediaError naming it: not an image, truncated, or over
+    Pillow's decompression-bomb limit (checked from the header, before decoding).
+
+    `max_pixels` (the pixels the model takes of an image, e.g. `data.max_pixels`) bounds the decode: an image
+    within `DECODE_FACTOR` times it decodes in full, exactly as a plain `Image.open(...).load()`; a bigger JPEG
+    decodes reduced by its draft mode (to at least 4 x `max_pixels`, so the resize after it still downscales);
+    any other image bigger than that is an error naming the bound, before its pixels are decoded."""
     path = Path(path)
     _check_readable(path)
-    _check_resolution(resolution)
     try:
         with Image.open(path) as img:
+            width, height = img.size
+            if max_pixels is not None and width * height > (bound := max_pixels * DECODE_FACTOR):
+                scale = (4 * max_pixels / (width * height)) ** 0.5
+                img.draft("RGB", (max(1, int(width * scale)), max(1, int(height * scale))))  # JPEG only; else a no-op
+                if img.size[0] * img.size[1] > bound:
+                    raise MediaError(
+                        path,
+                        f"{width}x{height} = {width * height} pixels is more than {DECODE_FACTOR} x data.max_pixels "
+                        f"({max_pixels}) = {bound}, what is decoded in full to be resized down",
+                        "Downscale the file, raise data.max_pixels, or set data.skip_bad_samples=true to skip it.",
+                    )
             img.load()
-            img = ImageOps.exif_transpose(img)
-            rgb = _to_rgb(img)
-    except (OSError, Image.DecompressionBombError, SyntaxError, ValueError) as exc:
+            return img
+    except Image.DecompressionBombError as exc:  # not an OSError: raised from the header, nothing decoded
+        raise MediaError(
+            path,
+            f"{exc} (over Pillow's decompression-bomb limit)",
+            "Downscale the file, or set data.skip_bad_samples=true to skip it.",
+        ) from exc
+    except (OSError, SyntaxError, ValueError) as exc:
+        if isinstance(exc, MediaError):
+            raise
         # Pillow raises UnidentifiedImageError (an OSError) for non-images, OSError for truncated
         # files, and SyntaxError/ValueError from some plugin parsers.
         raise MediaError(path, f"unreadable image ({exc.__class__.__name__}: {exc})") from exc
+
+
+def read_image(path: str | os.PathLike[str], resolution: tuple[int, int]) -> torch.Tensor:
+    """Load an image (any mode; EXIF orientation applied) -> float32 [3, 1, H, W] in [-1, 1]."""
+    _check_resolution(resolution)
+    rgb = _to_rgb(ImageOps.exif_transpose(load_image(path)))
     return frames_to_tensor([resize_center_crop(rgb, resolution)])
 
 

@@ -33,7 +33,6 @@ with `skip_bad_samples`).
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -43,7 +42,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import Dataset
 
-from spindle.data.text import IGNORE_INDEX, TextDataError, jsonl_files, learn_assistant_turns, shifted_labels
+from spindle.data.text import (
+    IGNORE_INDEX,
+    TextDataError,
+    json_line,
+    jsonl_files,
+    learn_assistant_turns,
+    shifted_labels,
+)
 
 if TYPE_CHECKING:
     from spindle.data.stock_video import VideoClips
@@ -161,21 +167,17 @@ class VisionProcessor:
 
     def image(self, path: Path | str) -> Vision:
         """An image file, or a base64 data URL (an OpenAI `image_url` part) -> the processor's patches."""
-        import io
+        from spindle.data.media import MediaError, load_image
 
-        from PIL import Image, UnidentifiedImageError
-
-        source: Any = path
-        name = "image " + (f"data URL {str(path)[:40]}..." if is_data_url(path) else str(path))
         if is_data_url(path):
-            source = io.BytesIO(decode_data_url(str(path)))
-        elif not Path(path).is_file():
-            raise ValueError(f"image {path} not found")
-        try:
-            with Image.open(source) as img:
-                rgb = img.convert("RGB")
-        except (UnidentifiedImageError, OSError) as e:
-            raise ValueError(f"{name} cannot be decoded ({e})") from None
+            rgb = decode_data_url_image(str(path))
+        else:
+            if not Path(path).is_file():
+                raise ValueError(f"image {path} not found")
+            try:  # over the bomb limit or, with data.max_pixels, too big to decode in bounded memory: named
+                rgb = load_image(path, self.options.max_pixels).convert("RGB")
+            except MediaError as e:
+                raise ValueError(f"image {path} cannot be decoded ({e.problem})") from None
         out = self.image_processor(images=[rgb], return_tensors="pt")
         return Vision("image", out["pixel_values"], out["image_grid_thw"][0])
 
@@ -320,6 +322,20 @@ def decode_data_url(url: str) -> bytes:
         raise ValueError("image_url data URL: its base64 does not decode") from None
 
 
+def decode_data_url_image(url: str) -> Any:
+    """A base64 image data URL -> an RGB PIL image (Pillow's decompression-bomb limit applies); a ValueError
+    naming the data URL otherwise."""
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(decode_data_url(url))) as img:
+            return img.convert("RGB")
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
+        raise ValueError(f"image data URL {url[:40]}... cannot be decoded ({e})") from None
+
+
 def _image_url(part: dict, where: str) -> str:
     """An OpenAI content part `{"type": "image_url", "image_url": {"url": ...}}` (or the url as a string) -> the
     image it names: a base64 data URL as given, a local file (`file://` or a path, relative to the JSONL
@@ -435,9 +451,7 @@ def conversation_document(
 ) -> tuple[MMDocument, bool]:
     """One line -> (document, whether its text tail was cut to seq_len)."""
     messages = normalise_conversation(obj)
-    vision = [
-        processor.media(kind, path if is_data_url(path) else base / path) for kind, path in media_parts(messages)
-    ]
+    vision = [processor.media(kind, path if is_data_url(path) else base / path) for kind, path in media_parts(messages)]
 
     def render(prefix: list[dict], generation_prompt: bool) -> list[int]:
         # a prefix holds the first k media of the conversation
@@ -470,16 +484,11 @@ def read_conversations(
     docs: list[MMDocument] = []
     truncated = skipped = 0
     for file in jsonl_files(path):
-        with file.open(encoding="utf-8") as f:
-            for number, line in enumerate(f, start=1):
+        with file.open("rb") as f:  # decoded line by line: one bad byte is one bad line, not a crash
+            for number, raw in enumerate(f, start=1):
                 where = f"{file}:{number}"
                 try:
-                    if not line.strip():
-                        raise ValueError("empty line")
-                    try:
-                        obj = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+                    obj = json_line(raw)
                     doc, cut = conversation_document(obj, file.parent, processor, seq_len, where)
                 except ValueError as e:
                     if not skip_bad_samples:

@@ -2,8 +2,18 @@
 read by training with `data.precomputed: DIR` so the text encoders and the VAE never load.
 
 Layout of DIR:
-    manifest.json            {"format", "settings": {...}, "samples": [{"key", "file"}, ...]}
+    manifest.json            {"format", "settings": {...}, "text_keys", "empty": {"size", "sha256"},
+                              "samples": [{"key", "file", "size", "sha256"}, ...]}
     samples/00000012.safetensors   one sample's conditions (no batch dim), as `encode` returned them
+    empty.safetensors        the empty caption's text conditions (data.caption_dropout)
+
+Writing is atomic and checked: each file is written to a temporary beside it and renamed, its size and
+SHA-256 recorded as it is written; `spindle precompute` holds `.precompute.lock` (a second one into the
+same folder is refused), removes the old manifest before it writes anything and writes the new one last,
+so an interrupted run leaves a cache that training refuses as incomplete. Training checks every file
+against its manifest entry (`check_cache`: present, its size, and its hash when the cache is at most
+`VERIFY_BYTES`; a bigger cache has each file's hash checked as it is read), so a swapped, duplicated or
+overwritten file is named, never trained on as another sample's conditions.
 
 The condition model's `encode` is a pure function of a sample (VAE posterior mode, padded prompts),
 so the cache holds exactly what training would compute. A cache is valid for a run only when every
@@ -14,9 +24,12 @@ identity, resolution, frames, max text length, dtype) and every sample is the on
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
-from collections.abc import Sequence
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +39,12 @@ from torch.utils.data import Dataset
 from spindle.data.captions import CaptionPolicy
 from spindle.data.datasets import Sample
 
-FORMAT = 1
+FORMAT = 2  # 2: every file's size and SHA-256 in the manifest (format 1 caches are refused: rerun precompute)
 MANIFEST = "manifest.json"
 EMPTY = "empty.safetensors"  # the empty caption's text conditions (data.caption_dropout)
+LOCK = ".precompute.lock"
+RECORDS = ".records"  # each rank's {file: record} of what it wrote, merged into the manifest by rank 0
+VERIFY_BYTES = 4 << 30  # caches up to this size are hashed in full before training (about a few seconds)
 _PROBE = 1 << 20  # bytes hashed at each end of a weight file
 
 
@@ -88,12 +104,30 @@ def sample_file(index: int) -> str:
     return f"samples/{index:08d}.safetensors"
 
 
-def write_sample(out: Path, index: int, conditions: dict[str, torch.Tensor]) -> None:
-    from safetensors.torch import save_file
-
-    path = out / sample_file(index)
+def write_atomically(path: Path, data: bytes) -> dict[str, Any]:
+    """Write `data` to `path` through a temporary beside it and a rename (a reader never sees half a
+    file); -> its manifest record {"size", "sha256"}. Not fsync'ed: a file a power loss leaves empty or
+    short fails its recorded hash when training checks it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in conditions.items()}, str(path))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _tensor_bytes(conditions: dict[str, torch.Tensor]) -> bytes:
+    from safetensors.torch import save
+
+    return save({k: v.detach().to("cpu").contiguous() for k, v in conditions.items()})
+
+
+def write_sample(out: Path, index: int, conditions: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """One sample's conditions -> `samples/<index>.safetensors`; -> its manifest record."""
+    return write_atomically(out / sample_file(index), _tensor_bytes(conditions))
 
 
 def variant_key(key: str, caption: int) -> str:
@@ -101,26 +135,80 @@ def variant_key(key: str, caption: int) -> str:
     return f"{key}@caption{caption}"
 
 
-def write_empty(out: Path, conditions: dict[str, torch.Tensor]) -> None:
+def write_empty(out: Path, conditions: dict[str, torch.Tensor]) -> dict[str, Any]:
     """The empty caption's text conditions (no batch dim): what data.caption_dropout swaps in."""
-    from safetensors.torch import save_file
+    return write_atomically(out / EMPTY, _tensor_bytes(conditions))
 
+
+class CacheLockedError(ValueError):
+    """Another `spindle precompute` is writing the cache folder."""
+
+
+@contextmanager
+def cache_lock(out: Path) -> Iterator[None]:
+    """Hold the cache folder for one `spindle precompute` (an flock on `out/.precompute.lock`, released by
+    the system when the process ends, however it ends); a second one is refused, naming the holder."""
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in conditions.items()}, str(out / EMPTY))
+    path = out / LOCK
+    with path.open("a+") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            raise CacheLockedError(
+                f"--out {out} is being written by another spindle precompute ({holder}); wait for it to finish "
+                "or choose another --out"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
-def write_manifest(out: Path, settings: dict[str, Any], samples: Sequence[Sample], text_keys: list[str]) -> Path:
-    """`text_keys`: the conditions a caption changes (swapped for another caption or the empty one)."""
+def begin_cache(out: Path) -> None:
+    """Before any file is written (main process): the old manifest and rank records go, so a run that
+    stops part way leaves a cache without a manifest, which training refuses as unfinished."""
+    (out / MANIFEST).unlink(missing_ok=True)
+    for old in [*(out / RECORDS).glob("*.json"), *out.glob(".*.tmp"), *(out / "samples").glob(".*.tmp")]:
+        old.unlink()  # records of an earlier run, temporaries a killed one left
+
+
+def write_records(out: Path, rank: int, records: dict[str, dict[str, Any]]) -> None:
+    """This rank's {file: record} of what it wrote, for rank 0's manifest."""
+    write_atomically(out / RECORDS / f"rank-{rank:05d}.json", json.dumps(records).encode())
+
+
+def read_records(out: Path) -> dict[str, dict[str, Any]]:
+    records: dict[str, dict[str, Any]] = {}
+    for path in sorted((out / RECORDS).glob("*.json")):
+        records.update(json.loads(path.read_bytes()))
+    return records
+
+
+def write_manifest(
+    out: Path,
+    settings: dict[str, Any],
+    samples: Sequence[Sample],
+    text_keys: list[str],
+    records: dict[str, dict[str, Any]],
+) -> Path:
+    """`text_keys`: the conditions a caption changes (swapped for another caption or the empty one);
+    `records`: {file: {"size", "sha256"}} of every file this precompute wrote (`read_records`)."""
     entries = [{"key": sample_key(s), "file": sample_file(i)} for i, s in enumerate(samples)]
-    missing = [e["file"] for e in entries if not (out / e["file"]).is_file()]
+    missing = [e["file"] for e in entries if e["file"] not in records or not (out / e["file"]).is_file()]
     if missing:
         raise RuntimeError(f"precompute left {len(missing)} samples unwritten (first: {missing[0]})")
-    path = out / MANIFEST
-    tmp = path.with_suffix(".tmp")
-    manifest = {"format": FORMAT, "settings": settings, "text_keys": text_keys, "samples": entries}
-    tmp.write_text(json.dumps(manifest, indent=1))
-    tmp.rename(path)  # the manifest appears last: a cache without one is incomplete
-    return path
+    manifest: dict[str, Any] = {"format": FORMAT, "settings": settings, "text_keys": text_keys}
+    if EMPTY in records:
+        manifest["empty"] = records[EMPTY]
+    manifest["samples"] = [{**e, **records[e["file"]]} for e in entries]
+    write_atomically(out / MANIFEST, json.dumps(manifest, indent=1).encode())  # last: the cache is complete
+    return out / MANIFEST
 
 
 class StaleCacheError(ValueError):
@@ -158,7 +246,32 @@ def check_cache(root: Path, settings: dict[str, Any], samples: Sequence[Sample])
             f"data.precomputed: {len(changed)} samples changed since the cache was made (file or caption; "
             f"first: {changed[0]}); {fix}"
         )
-    return dict(manifest)
+    listed = [(e["file"], e) for e in entries] + ([(EMPTY, manifest["empty"])] if "empty" in manifest else [])
+    hashed = sum(int(e["size"]) for _, e in listed) <= VERIFY_BYTES
+    if problems := [p for name, e in listed if (p := file_problem(root / name, e, hashed)) is not None]:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise StaleCacheError(
+            f"data.precomputed: {len(problems)} file(s) of {root} do not match the manifest: {shown}; {fix}"
+        )
+    return {**manifest, "verified": hashed}
+
+
+def file_problem(path: Path, record: dict[str, Any], hashed: bool = True) -> str | None:
+    """What is wrong with one cache file against its manifest record (naming it), or None; `hashed`: its
+    content too, not only its size."""
+    if not path.is_file():
+        return f"{path} is missing"
+    if (size := path.stat().st_size) != record["size"]:
+        return f"{path} has {size} bytes, its manifest entry {record['size']} (overwritten or truncated)"
+    if hashed:
+        return content_problem(path, path.read_bytes(), record)
+    return None
+
+
+def content_problem(path: Path, data: bytes, record: dict[str, Any]) -> str | None:
+    if hashlib.sha256(data).hexdigest() != record["sha256"]:
+        return f"{path} is not the file its manifest entry records (another sample's, swapped or copied, or damaged)"
+    return None
 
 
 class CachedConditions(Dataset):
@@ -178,6 +291,7 @@ class CachedConditions(Dataset):
         self.root = Path(root)
         manifest = check_cache(self.root, settings, samples)
         self.entries = manifest["samples"]
+        self.verified = bool(manifest["verified"])  # every file hashed already; else each as it is read
         self.text_keys: list[str] = manifest.get("text_keys", [])
         self.captions = captions or CaptionPolicy()
         self.epoch = 0
@@ -214,15 +328,18 @@ class CachedConditions(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         from safetensors import SafetensorError
-        from safetensors.torch import load_file
+        from safetensors.torch import load
 
-        path = self.root / self.entries[index]["file"]
+        entry = self.entries[index]
+        path = self.root / entry["file"]
+        fix = "rerun `spindle precompute CONFIG --out DIR`"
         try:
-            conditions = load_file(str(path))
+            data = path.read_bytes()
+            if not self.verified and (problem := content_problem(path, data, entry)) is not None:
+                raise StaleCacheError(f"data.precomputed: {problem}; {fix}")
+            conditions = load(data)
         except (SafetensorError, OSError) as e:  # the bare error names no file
-            raise StaleCacheError(
-                f"data.precomputed: {path} is damaged or missing ({e}); rerun `spindle precompute CONFIG --out DIR`"
-            ) from None
+            raise StaleCacheError(f"data.precomputed: {path} is damaged or missing ({e}); {fix}") from None
         return {"conditions": self.draw_caption(conditions, index), "index": index}
 
 

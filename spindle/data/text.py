@@ -175,19 +175,30 @@ def learn_assistant_turns(
     return tokens, learn
 
 
-def parse_line(raw: bytes | str, tokenizer: Any) -> tuple[list[int], list[bool]]:
+def decode_line(raw: bytes | str) -> str:
+    """A JSONL line read as bytes -> text; a line that is not UTF-8 is a ValueError naming the byte (the
+    caller names `file:line`), so one bad byte is one bad line under data.skip_bad_samples, not a crash."""
     try:
-        line = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        return raw.decode("utf-8") if isinstance(raw, bytes) else raw
     except UnicodeDecodeError as e:
         raise ValueError(
             f"not UTF-8 (byte 0x{e.object[e.start]:02x} at byte {e.start + 1}); re-save the file as UTF-8"
         ) from None
+
+
+def json_line(raw: bytes | str) -> Any:
+    """One JSONL line -> its JSON value; ValueError saying what is wrong (not UTF-8, empty, not JSON)."""
+    line = decode_line(raw)
     if not line.strip():
         raise ValueError("empty line")
     try:
-        obj = json.loads(line)
+        return json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+
+
+def parse_line(raw: bytes | str, tokenizer: Any) -> tuple[list[int], list[bool]]:
+    obj = json_line(raw)
     if not isinstance(obj, dict) or ("text" in obj) == ("messages" in obj):
         raise ValueError('each line must be an object with exactly one of "text" or "messages"')
     return text_document(obj["text"], tokenizer) if "text" in obj else chat_document(obj["messages"], tokenizer)

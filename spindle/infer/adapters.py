@@ -248,7 +248,7 @@ class LoraAdapters:
     def load(self, name: str, path: Path) -> Adapter:
         """Load `path` as adapter `name` (after `plan_load`'s evictions). A file that does not fit the
         model raises `AdapterError` and leaves nothing behind."""
-        from spindle.export_record import trained_text_length
+        from spindle.export.record import trained_text_length
         from spindle.infer.lora import load_adapter, lora_transformer
 
         existing = self.get(name)

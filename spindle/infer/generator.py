@@ -15,7 +15,7 @@ import torch
 from spindle.contracts.request import Req, RequestError, SamplingParams
 from spindle.data.media import write_image, write_video
 from spindle.engine_config import EngineConfig, RequestLimits, check_adapter_engine
-from spindle.export_record import trained_text_length
+from spindle.export.record import trained_text_length
 from spindle.infer.pipeline import InferencePipeline
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ class DiffusionGenerator:
         self.defaults = pipeline.spec.default_params(pipeline.components)
         self.defaults.extra = {**self.options.defaults(), **self.defaults.extra}
         # The text length the weights were trained with, when the export (or its LoRA) records it
-        # (`spindle.export_record`): the default max_sequence_length, so samples match validation.
+        # (`spindle.export.record`): the default max_sequence_length, so samples match validation.
         self.trained_text_length = trained_text_length(pipeline.root, pipeline.options.lora)
         if self.trained_text_length is not None and self.defaults.max_sequence_length is not None:
             self.defaults.max_sequence_length = self.trained_text_length

@@ -124,7 +124,7 @@ LORA_COMPONENTS = ("transformer", "transformer_2")
 def lora_component(path: str | Path) -> str:
     """The transformer a Spindle-trained LoRA is for: a two-expert checkpoint's `transformer_2` when its
     spindle.json says so (stock `load_lora_weights(..., load_into_transformer_2=True)` puts it there)."""
-    from spindle.export_record import read_export_record
+    from spindle.export.record import read_export_record
 
     return str(read_export_record(path).get("component", "transformer"))
 

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import importlib
-import json
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,6 +26,7 @@ from spindle.contracts.stage import BeforeDenoisingStage, InferenceSpec, Stage
 from spindle.distributed.blocks import compile_blocks
 from spindle.engine_config import EngineConfig
 from spindle.infer.stages import DecodingStage, DenoisingStage
+from spindle.model_index import read_model_index
 
 if TYPE_CHECKING:
     from diffusers import ModelMixin  # Any to mypy: diffusers is not followed (pyproject [tool.mypy])
@@ -43,16 +43,6 @@ DTYPES = {  # the names `spindle.engine_config.DType` allows
     "float16": torch.float16,
     "fp16": torch.float16,
 }
-
-
-def read_model_index(root: str | Path) -> dict[str, Any]:
-    path = Path(root) / "model_index.json"
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} not found: the model must be a diffusers pipeline folder with model_index.json"
-        )
-    index: dict[str, Any] = json.loads(path.read_text())
-    return index
 
 
 def load_component(root: Path, name: str, entry: Any, device: torch.device, dtype: torch.dtype) -> Any:

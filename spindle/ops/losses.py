@@ -6,6 +6,9 @@ tokens in chunks: each chunk's logits are computed, upcast to fp32, reduced to t
 turned straight into that chunk's gradients for the hidden states and the weight (the fused-linear-CE
 trick of Liger and friends), so forward and backward together hold at most one chunk's logits.
 
+`linear_log_probs` is the same walk for per-token log-probabilities (the preference and RL objectives'
+input, `spindle.train.objectives`): forward keeps no logits, backward recomputes each chunk's.
+
 Pure torch on purpose: the patched transformers forwards (`spindle/models/*/generated/`) and the
 trainer call it without importing transformers here.
 """
@@ -18,6 +21,27 @@ import torch
 import torch.nn.functional as F
 
 REDUCTIONS = ("sum", "mean")
+
+
+def _chunk_scores(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    y: torch.Tensor,
+    ignore_index: int,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk's fp32 logits (divided by `temperature`), their log-sum-exp, the label's logit, which labels
+    are valid, and the labels with the ignored ones replaced by 0 (safe to index with)."""
+    # Logits in the input dtype (as nn.Linear computes them), then fp32 for the softmax.
+    logits = F.linear(h, weight, bias).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    valid = y != ignore_index
+    safe_y = torch.where(valid, y, torch.zeros_like(y))
+    lse = torch.logsumexp(logits, dim=-1)
+    target_logit = logits.gather(1, safe_y.unsqueeze(1)).squeeze(1)
+    return logits, lse, target_logit, valid, safe_y
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -53,13 +77,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
             h = hidden[start:end]
-            y = labels[start:end]
-            # Logits in the input dtype (as nn.Linear computes them), then fp32 for the softmax.
-            logits = F.linear(h, weight, bias).float()
-            valid = y != ignore_index
-            safe_y = torch.where(valid, y, torch.zeros_like(y))
-            lse = torch.logsumexp(logits, dim=-1)
-            target_logit = logits.gather(1, safe_y.unsqueeze(1)).squeeze(1)
+            logits, lse, target_logit, valid, safe_y = _chunk_scores(h, weight, bias, labels[start:end], ignore_index)
             total += torch.where(valid, lse - target_logit, torch.zeros_like(lse)).sum()
             if grad_hidden is None and grad_weight is None and grad_bias is None:
                 continue
@@ -158,15 +176,20 @@ def causal_lm_loss(
     given, are already shifted and win over `labels` (what Spindle's trainer passes for packed rows).
     loss_reduction None: sum / num_items_in_batch when that is given, else the mean over valid tokens
     (transformers' semantics); "sum": the plain sum over valid tokens (the caller normalises by a global
-    count); "mean": the mean over valid tokens.
+    count); "mean": the mean over valid tokens; "none": each token's loss, shaped like the shifted labels (0
+    where ignored; the negated `linear_log_probs`).
     """
     if shift_labels is None:
         if labels is None:
             raise ValueError("causal_lm_loss: pass labels (unshifted) or shift_labels (already shifted)")
         # Shift so that tokens < n predict n; the last position has nothing to predict.
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    if loss_reduction == "none":  # per-token losses (sequence objectives weigh each row's tokens themselves)
+        return -linear_log_probs(
+            hidden_states, weight, shift_labels, ignore_index=ignore_index, chunk_size=chunk_size, bias=bias
+        )
     if loss_reduction not in (None, *REDUCTIONS):
-        raise ValueError(f"loss_reduction={loss_reduction!r} is not one of None, 'sum', 'mean'")
+        raise ValueError(f"loss_reduction={loss_reduction!r} is not one of None, 'none', 'sum', 'mean'")
     if loss_reduction is None:
         reduction = "sum" if num_items_in_batch is not None else "mean"
     else:
@@ -185,3 +208,108 @@ def causal_lm_loss(
             num_items_in_batch = num_items_in_batch.to(loss.device)
         loss = loss / num_items_in_batch
     return loss
+
+
+class _ChunkedLinearLogProbs(torch.autograd.Function):
+    """Per-token log-probabilities of the labels under `hidden @ weight.T (+ bias)` / temperature, chunk by chunk.
+
+    The output is one value per token, so (unlike the summed cross-entropy) its gradient is not known in
+    forward: backward recomputes each chunk's logits instead of keeping them (one chunk's logits live at a time).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        labels: torch.Tensor,
+        ignore_index: int,
+        chunk_size: int,
+        temperature: float,
+    ) -> torch.Tensor:
+        out = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_size):
+            end = min(start + chunk_size, hidden.shape[0])
+            _, lse, target, valid, _ = _chunk_scores(
+                hidden[start:end], weight, bias, labels[start:end], ignore_index, temperature
+            )
+            out[start:end] = torch.where(valid, target - lse, torch.zeros_like(lse))
+        ctx.save_for_backward(hidden, weight, bias, labels)
+        ctx.settings = (ignore_index, chunk_size, temperature)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, bias, labels = ctx.saved_tensors
+        ignore_index, chunk_size, temperature = ctx.settings
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        grad_bias = (
+            torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if bias is not None and need_bias else None
+        )
+        for start in range(0, hidden.shape[0], chunk_size):
+            end = min(start + chunk_size, hidden.shape[0])
+            h = hidden[start:end]
+            logits, lse, _, valid, safe_y = _chunk_scores(h, weight, bias, labels[start:end], ignore_index, temperature)
+            # d(log p_y)/d(logits) = onehot(y) - softmax, times the incoming gradient, zero on ignored tokens;
+            # the logits were divided by the temperature, so their pre-division gradient is too.
+            g = torch.where(valid, grad_output[start:end].float(), torch.zeros_like(lse)) / temperature
+            grad_logits = logits.sub_(lse.unsqueeze(1)).exp_().mul_(-g.unsqueeze(1))
+            grad_logits.scatter_add_(1, safe_y.unsqueeze(1), g.unsqueeze(1))
+            if grad_hidden is not None:
+                grad_hidden[start:end] = (grad_logits @ weight.float()).to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight += grad_logits.T @ h.float()
+            if grad_bias is not None:
+                grad_bias += grad_logits.sum(0)
+            del logits, grad_logits
+        return (
+            grad_hidden,
+            None if grad_weight is None else grad_weight.to(weight.dtype),
+            None if grad_bias is None or bias is None else grad_bias.to(bias.dtype),
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def linear_log_probs(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    chunk_size: int = 1024,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """log softmax(`hidden_states @ weight.T (+ bias)` / temperature) at each label, `chunk_size` tokens at a time.
+
+    hidden_states: [..., H]; weight: [V, H]; labels: [...], already shifted (the token position t predicts);
+    -> fp32 [...], 0 where the label is `ignore_index`. Equals `log_softmax(logits.float() / T).gather(labels)`
+    (TRL's `selective_log_softmax` on the model's logits) without holding more than `chunk_size` x V logits,
+    forward or backward. `temperature` is the sampling temperature (GRPO scores completions as sampled).
+    """
+    if chunk_size < 1:
+        raise ValueError(f"linear_log_probs: chunk_size must be >= 1, got {chunk_size}")
+    if temperature <= 0:
+        raise ValueError(f"linear_log_probs: temperature must be > 0, got {temperature}")
+    if hidden_states.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"linear_log_probs: labels shape {tuple(labels.shape)} does not match hidden_states "
+            f"{tuple(hidden_states.shape)} without its last (hidden) dim; pass labels already shifted, one per position"
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden_states.shape[-1]:
+        raise ValueError(
+            f"linear_log_probs: weight must be [vocab, hidden={hidden_states.shape[-1]}], got {tuple(weight.shape)}"
+        )
+    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+    flat_labels = labels.reshape(-1).to(hidden.device)
+    # torch's Function.apply is unannotated
+    out: torch.Tensor = _ChunkedLinearLogProbs.apply(  # type: ignore[no-untyped-call]
+        hidden, weight, bias, flat_labels, ignore_index, chunk_size, temperature
+    )
+    return out.view(labels.shape)

@@ -17,7 +17,7 @@ every rank's gradient of the shared aux value, so each rank's router gets the wh
 for its own tokens). Without a group it is transformers' value on the local tokens (parity tested).
 
 Pure torch: the patched transformers forward (spindle/models/qwen3_moe/generated/) and the MoE task's
-expert-load metric (spindle/train/tasks/moe_causal_lm.py) both use it.
+expert-load metric (spindle/train/parts/experts.py) both use it.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ def parallel_layouts(family: CausalLMFamily) -> list[str]:
     from spindle.train.tasks import get_task
 
     layouts = list(family.conformance.parallel)
-    if get_task(family.task).supports_expert_parallel:
+    if get_task(family.task).supports_expert_parallel(family):
         layouts += [name for name in ("ep2", "ep2_cpu_offload") if name not in layouts]
     unknown = sorted(set(layouts) - set(LAYOUTS))
     assert not unknown, f"{family.name}: unknown conformance layouts {unknown}; known: {sorted(LAYOUTS)}"

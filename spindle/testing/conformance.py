@@ -22,7 +22,8 @@ import torch
 
 from spindle.api import load_generator
 from spindle.contracts.family import DiTFamily
-from spindle.train.tasks.flow_matching import load_transformer
+from spindle.export.diffusers import load_transformer
+from spindle.model_index import read_model_index
 
 PARITY_ATOL = 1e-5  # fp32 CPU, max abs difference of frames in [0, 1]
 SP_RTOL = 1e-5  # loss and gradients of a sequence-parallel layout against one process
@@ -55,8 +56,6 @@ def check_stock_load(family: DiTFamily, root: Path) -> None:
     family's pipeline class, with the family's transformer class and every model component (VAE, text
     encoders) of the class its `model_index.json` names. (That the stock pipeline then runs it to
     non-constant images of the requested size: `check_inference_parity`'s reference.)"""
-    import json
-
     pipe = stock_pipeline(root)
     assert type(pipe).__name__ == family.checkpoint.pipeline, (
         f"{family.name}: stock diffusers loads {root} as {type(pipe).__name__}, not {family.checkpoint.pipeline}"
@@ -65,7 +64,7 @@ def check_stock_load(family: DiTFamily, root: Path) -> None:
     assert transformer == family.checkpoint.transformer, (
         f"{family.name}: the checkpoint's transformer is {transformer}, not {family.checkpoint.transformer}"
     )
-    index = json.loads((root / "model_index.json").read_text())
+    index = read_model_index(root)
     models = {
         k: v[1] for k, v in index.items() if not k.startswith("_") and isinstance(getattr(pipe, k), torch.nn.Module)
     }
@@ -241,7 +240,7 @@ def check_inference_parity(
     engine's default max_sequence_length is that length: the stock pipeline is given the same, as the
     export's docs tell a diffusers user to."""
     from spindle.engine_config import EngineConfig
-    from spindle.export_record import trained_text_length
+    from spindle.export.record import trained_text_length
     from spindle.infer.generator import DiffusionGenerator
     from spindle.infer.pipeline import InferencePipeline, load_components
 
@@ -452,10 +451,8 @@ def check_overfit(family: DiTFamily, losses: list[float]) -> None:
 
 def trained_component(family: DiTFamily, root: Path) -> str:
     """The checkpoint component the suite's training runs train (`ConformanceSpec.train_overrides`)."""
-    import json
-
     expert = family.conformance.train_overrides.get("train__expert") if family.conformance else None
-    index = json.loads((root / "model_index.json").read_text())
+    index = read_model_index(root)
     return family.condition_model_cls().trained_component(index, expert)
 
 
@@ -466,7 +463,7 @@ def check_export_round_trip(family: DiTFamily, base: Path, export: Path, trained
     other expert too)."""
     import json
 
-    from spindle.export_record import EXPORT_RECORD
+    from spindle.export.record import EXPORT_RECORD
 
     component = trained_component(family, base)
     keys = set(json.loads((export / component / "config.json").read_text()))

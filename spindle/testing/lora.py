@@ -13,7 +13,8 @@ def random_lora_model(root: str | Path, seed: int, rank: int = 2, alpha: float =
     """The transformer at `root` with PEFT adapters on the family's default targets, drawn N(0, std^2)
     from `seed`."""
     from spindle.config import LoraConfig
-    from spindle.train.tasks.flow_matching import add_lora, load_transformer
+    from spindle.export.diffusers import load_transformer
+    from spindle.train.tasks.flow_matching import add_lora
 
     model = add_lora(load_transformer(root), LoraConfig(rank=rank, alpha=alpha))
     g = torch.Generator().manual_seed(seed)

@@ -52,7 +52,7 @@ def parallel_layouts(family: VLMFamily, declared: dict[str, str] = DECLARED) -> 
     from spindle.train.tasks import get_task
 
     layouts = [declared[name] for name in family.conformance.parallel]
-    if get_task(family.task).supports_expert_parallel and declared["ep2"] not in layouts:
+    if get_task(family.task).supports_expert_parallel(family) and declared["ep2"] not in layouts:
         layouts.append(declared["ep2"])
     return layouts
 

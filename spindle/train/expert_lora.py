@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -37,6 +38,8 @@ from torch import nn
 
 ADAPTER = "default"  # PEFT's default adapter name (spindle.train.lora.ADAPTER)
 _SPECS = "_spindle_expert_lora"  # the experts module's attribute listing its ExpertAdapters
+# True within `spindle.train.lora.adapters_disabled`: the experts compute with their base weights only
+ADAPTERS_OFF: ContextVar[bool] = ContextVar("spindle_expert_adapters_off", default=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +142,9 @@ def adapted_weights(experts: nn.Module) -> Iterator[None]:
     `W` is what the module holds now: under EP this rank's experts (transformers' dispatch has swapped its
     parameters for their local tensors), else the whole (FSDP2-gathered) stack; the adapters' local shards
     are the same experts (sharded alike). Autocast off, the factors in W's dtype: PEFT's `_LoraFactorsProxy`."""
+    if ADAPTERS_OFF.get():  # the base model (a preference or RL objective's reference)
+        yield
+        return
     params = experts._parameters
     originals: dict[str, torch.Tensor | None] = {}
     try:

@@ -27,7 +27,8 @@ import dataclasses
 import difflib
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -258,3 +259,26 @@ def adapter_state_dict(full: dict[str, torch.Tensor], scales: dict[str, float]) 
     if not out:
         raise ValueError("the model holds no LoRA adapter weights to export")
     return out
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Within the block `model` computes as its base model: every PEFT LoRA layer's adapters off and the stacked
+    expert adapters not merged. The reference of a LoRA run's preference or RL objective (DPO, GRPO's KL) with no
+    second copy of the weights. Only the flags PEFT's forward reads are switched (PEFT's `enable_adapters` would
+    also change `requires_grad`, which FSDP2's sharded parameters must keep)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from spindle.train.expert_lora import ADAPTERS_OFF
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    before = [m._disable_adapters for m in layers]
+    token = ADAPTERS_OFF.set(True)
+    try:
+        for m in layers:
+            m._disable_adapters = True
+        yield
+    finally:
+        ADAPTERS_OFF.reset(token)
+        for m, was in zip(layers, before, strict=True):
+            m._disable_adapters = was

@@ -19,10 +19,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from spindle.config import ConfigError, TrainJobConfig, dump_config
-from spindle.contracts.task import TrainTask
+from spindle.contracts.task import Metric, TrainTask
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.launch import launcher_world_size
 from spindle.distributed.mesh import Mesh, ParallelDims, build_mesh, device_type, is_main_process
+from spindle.export.target import record_export, refuse_protected
 from spindle.train.ema import build_ema, ema_checkpoint_state, export_weights
 from spindle.train.memory import PeakMemory, report_peak_memory
 from spindle.train.metrics import MetricsLog, truncate_metrics
@@ -84,7 +85,7 @@ def check_parallel_plan(cfg: TrainJobConfig, family: Any, task: type[TrainTask],
     """Validate the parallel layout against the world size and the model, before any heavy work."""
     dims = ParallelDims(**cfg.parallel.model_dump()).resolve(world_size)
     grad_accum_steps(cfg, dims.dp_size)
-    if dims.ep > 1 and not task.supports_expert_parallel:
+    if dims.ep > 1 and not task.supports_expert_parallel(family):
         raise ConfigError(
             f"parallel.ep={dims.ep}: expert parallelism needs a mixture-of-experts model ({task.name} task has "
             "no experts); set parallel.ep: 1"
@@ -114,6 +115,12 @@ class Trainer:
             # checkpoint.resume is an error naming the file; `auto` skips damaged ones.
             self.resume_from = ckpt.resolve_resume(cfg.checkpoint.resume, self.output_dir)
             self._check_resume(cfg)
+            if cfg.checkpoint.export:  # the end-of-run export replaces <output_dir>/export: never the base model
+                refuse_protected(
+                    self.output_dir / "export",
+                    {"base model (model.path)": cfg.model.path},
+                    "train from a copy of it, or choose another train.output_dir",
+                )
             # Extra start-of-run summary fields (name -> JSON-able value) other steps measure.
             self.summary_extra: dict[str, Any] = {}
             if not self.already_complete:
@@ -217,7 +224,7 @@ class Trainer:
         """
         from spindle.distributed.fsdp import clip_grad_norm_tensor_
 
-        batches = [next(self.loader) for _ in range(self.accum)]
+        batches = self.task.begin_step(self.model, [next(self.loader) for _ in range(self.accum)], self.step)
         dp_size = self.mesh.dims.dp_size
         units = float(sum(self.task.loss_units(b) for b in batches))  # host counts: no device read
         if dp_size > 1:  # the global count scales the loss before backward (one read with data parallel)
@@ -225,14 +232,17 @@ class Trainer:
         scale = dp_size / max(units, 1.0)
         total_loss = torch.zeros((), device=self.device)
         sums: dict[str, Any] = {}
+        reductions: dict[str, Metric] = {}
         samples = tokens = 0
         for batch in batches:
             out = self.task.forward(self.model, batch, self.step)
             (out.loss_sum * scale).backward()
             total_loss += out.loss_sum.detach()
             samples, tokens = samples + out.samples, tokens + out.tokens
-            for key, value in out.metrics.items():  # kept on the device until logged
-                sums[key] = sums.get(key, 0.0) + (value.detach() if torch.is_tensor(value) else value)
+            for key, metric in out.metrics.items():  # kept on the device until logged
+                metric = reductions[key] = metric if isinstance(metric, Metric) else Metric(metric)
+                value = metric.value.detach() if torch.is_tensor(metric.value) else metric.value
+                sums[key] = sums.get(key, 0.0) + value
         # No host reads until the update is queued: the norm stays a tensor, clipping runs on the
         # device; the logged scalars (loss, grad norm, task metrics) are read once each, at the end.
         grad_norm = clip_grad_norm_tensor_(self.model.parameters(), self.cfg.train.grad_clip)
@@ -241,9 +251,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss_group = self._loss_group()
         loss = self._sum_over(total_loss, loss_group) / max(units, 1.0)
-        extra = {
-            k: self._sum_over(torch.as_tensor(v, device=self.device), loss_group) / dp_size for k, v in sums.items()
-        }
+        extra = {k: self._reduce(v, reductions[k], loss_group) for k, v in sums.items()}
         extra.update(self.task.step_metrics())
         return loss, float(grad_norm), samples * dp_size, tokens * dp_size, extra
 
@@ -254,6 +262,15 @@ class Trainer:
         if self.task.loss_sharded_over_sp and self.mesh.dims.cp_size > 1:
             return self.mesh.world  # each SP rank holds its own chunk's loss
         return self.mesh.dp if self.mesh.dims.dp_size > 1 else None
+
+    def _reduce(self, step_sum: Any, metric: Metric, loss_group: DeviceMesh | None) -> float:
+        """A metric's sum over this rank's micro-batches -> the step's value, as `metric` declares."""
+        total = self._sum_over(torch.as_tensor(step_sum, device=self.device), loss_group)
+        if metric.micro_batches == "mean":
+            total /= self.accum
+        if metric.ranks == "mean":
+            return total / (1 if loss_group is None else loss_group.size())
+        return total / self.mesh.dims.dp_size  # SP chunks summed, data-parallel ranks averaged
 
     def _sum_over(self, value: torch.Tensor, group: DeviceMesh | None) -> float:
         if group is not None:
@@ -394,13 +411,16 @@ class Trainer:
     def export(self, checkpoint_dir: Path) -> Path | None:
         """`export.weights`: the trained weights, their EMA, or both (`spindle.train.ema.export_weights`)."""
         ema = self.ema
-        return export_weights(
+        out = export_weights(
             self.cfg.export_weights,
             self.output_dir / "export",
             lambda out: self.task.export(self.model, out),
             lambda: ema.swapped_in(self.model) if ema is not None else nullcontext(),
             self.task.ema_paths(self.task.state()),
         )
+        if out is not None:  # `spindle export --force` may replace it later
+            record_export(out, family=self.family.name, base_model=str(Path(self.cfg.model.path).resolve()))
+        return out
 
 
 def train(cfg: TrainJobConfig, family: Any, task: type[TrainTask]) -> TrainResult:

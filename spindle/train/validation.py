@@ -29,7 +29,8 @@ def trained_component(task: Any, spec: Any) -> str:
 def frozen_components(task: Any, spec: Any) -> dict[str, Any]:
     """The inference components other than the trained transformer: the condition model's, else loaded once;
     a two-expert model's other expert (loaded once) and the model_index.json values the stages read."""
-    from spindle.infer.pipeline import load_component, read_model_index
+    from spindle.infer.pipeline import load_component
+    from spindle.model_index import read_model_index
 
     root = Path(task.cfg.model.path)
     index = read_model_index(root)

@@ -67,7 +67,7 @@ def _worker(rank: int, world: int, root: str, out_dir: str, cases: dict) -> None
     from spindle.distributed.fsdp import clip_grad_norm_, full_grads
     from spindle.distributed.mesh import build_mesh
     from spindle.distributed.parallelize import parallelize_transformer
-    from spindle.train.tasks.flow_matching import load_transformer
+    from spindle.export.diffusers import load_transformer
 
     edges = {}
     try:
@@ -129,7 +129,7 @@ def _worker(rank: int, world: int, root: str, out_dir: str, cases: dict) -> None
 
 @pytest.fixture(scope="module")
 def reference(tiny_wan):
-    from spindle.train.tasks.flow_matching import load_transformer
+    from spindle.export.diffusers import load_transformer
 
     model = load_transformer(tiny_wan)
     batch = make_batch()
@@ -235,7 +235,7 @@ def test_cpu_rough_edges_still_need_the_workarounds(parallel_results):
 
 def test_heads_not_divisible_by_sp(tiny_wan):
     from spindle.distributed.context_parallel import check_sequence_parallel
-    from spindle.train.tasks.flow_matching import load_transformer
+    from spindle.export.diffusers import load_transformer
 
     model = load_transformer(tiny_wan)  # 4 heads
     with pytest.raises(ValueError, match=r"4 attention heads.*parallel\.sp=3.*divisor of 4 \(\[1, 2, 4\]\)"):
@@ -340,7 +340,7 @@ def test_one_process_is_the_degenerate_mesh(tiny_wan):
     from spindle.distributed.fsdp import clip_grad_norm_, full_grads
     from spindle.distributed.mesh import build_mesh
     from spindle.distributed.parallelize import parallelize_transformer
-    from spindle.train.tasks.flow_matching import load_transformer
+    from spindle.export.diffusers import load_transformer
 
     owns_group = not dist.is_initialized()
     mesh = build_mesh(ParallelDims())
@@ -384,7 +384,7 @@ def test_bf16_mixed_precision_policy(tiny_wan):
     from spindle.distributed.fsdp import apply_fsdp, autocast_dtype, full_grads
     from spindle.distributed.mesh import build_mesh
     from spindle.distributed.parallelize import parallelize_transformer
-    from spindle.train.tasks.flow_matching import load_transformer
+    from spindle.export.diffusers import load_transformer
 
     owns_group = not dist.is_initialized()
     mesh = build_mesh(ParallelDims())

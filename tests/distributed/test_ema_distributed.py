@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from spindle.api import load_job_config, train
 from spindle.distributed import checkpoint as ckpt
-from spindle.export_record import LORA_WEIGHTS
+from spindle.export.record import LORA_WEIGHTS
 from tests.conftest import spindle_train, train_overrides
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from spindle.distributed.checkpoint import append_safetensors, save_hf_safetensors
+from spindle.export.safetensors import append_safetensors, save_hf_safetensors
 
 
 def _read(folder):

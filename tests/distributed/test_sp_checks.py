@@ -8,7 +8,7 @@ from spindle.distributed.context_parallel import check_split_inputs
 
 @pytest.fixture(scope="module")
 def flux_transformer(tiny_flux):
-    from spindle.train.tasks.flow_matching import load_transformer
+    from spindle.export.diffusers import load_transformer
 
     return load_transformer(tiny_flux)
 

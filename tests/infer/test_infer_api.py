@@ -68,6 +68,17 @@ def test_renamed_folder_is_detected_and_unknown_class_is_refused(tiny_wan, tmp_p
         load_generator(alien)
 
 
+@pytest.mark.parametrize(
+    "text,problem", [('{"_class_name": "WanPipeline",', "is not valid JSON"), ("[1, 2]", "holds a JSON list")]
+)
+def test_a_damaged_model_index_is_named_whether_detected_or_forced(text, problem, tmp_path):
+    """model_index.json is read in one place (spindle.model_index) for detection and for a forced family alike."""
+    (tmp_path / "model_index.json").write_text(text)
+    for family in (None, "wan"):
+        with pytest.raises(ValueError, match=rf"{tmp_path}/model_index.json {problem}"):
+            load_generator(tmp_path, family=family)
+
+
 def test_unserved_diffusers_pipeline_is_refused_before_loading(tiny_wan, shapes_videos, tmp_path, spindle_cli):
     """A diffusers pipeline class no family serves is refused by generate, serve and train, naming the class
     and the supported ones, even though its transformer class is one a family serves (WanVideoToVideoPipeline

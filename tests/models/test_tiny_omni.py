@@ -47,7 +47,7 @@ def test_tiny_folders_processor_tokens_speakers_and_family_records(tiny_qwen2_5_
     assert "Qwen2_5OmniForConditionalGeneration" in family.export_hint
 
     family = resolve_family(tiny_qwen3_omni_moe)
-    assert isinstance(family, OmniFamily) and family.name == "qwen3_omni_moe" and family.task == "omni_moe"
+    assert isinstance(family, OmniFamily) and family.name == "qwen3_omni_moe" and family.task == "omni"
     assert family.part_of("model.audio_tower.proj2.weight") == "aligner"
     assert family.part_of("model.language_model.layers.0.mlp.experts.gate_up_proj") == "language"
     tok = AutoTokenizer.from_pretrained(tiny_qwen3_omni_moe)

@@ -99,6 +99,28 @@ def test_yaml_file_and_cli_error_exit(tmp_path, wan_folder):
     assert "Traceback" not in proc.stderr
 
 
+def test_a_duplicate_section_or_key_names_it_and_its_lines(tmp_path, wan_folder, spindle_cli):
+    # PyYAML alone keeps the second `train:` and drops lr=1e-4 without a word
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model:\n  path: {wan_folder}\ntrain:\n  lr: 1.0e-4\ndata:\n  path: /d\ntrain:\n  max_steps: 5\n")
+    r = spindle_cli("train", cfg)
+    assert r.returncode == 2
+    assert f"{cfg}:7: 'train' is given twice (also on line 3)" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    # a key inside a section, named by its dotted path
+    cfg.write_text(f"model: {{path: {wan_folder}}}\ndata: {{path: /d}}\ntrain:\n  lr: 1.0e-4\n  lr: 1.0e-3\n")
+    with pytest.raises(ConfigError, match=re.escape(f"{cfg}:5: 'train.lr' is given twice (also on line 4)")):
+        load_job_config(cfg)
+    # anchors and merges are still YAML: a merged key is no duplicate, and the file still loads
+    cfg.write_text(
+        f"model: {{path: {wan_folder}}}\ndata: {{path: /d}}\nbase: &b {{lr: 1.0e-4}}\n"
+        "train:\n  <<: *b\n  max_steps: 5\n"
+    )
+    from spindle.config import load_raw
+
+    assert load_raw(cfg)["train"] == {"lr": 1.0e-4, "max_steps": 5}
+
+
 def test_missing_config_file(tmp_path):
     with pytest.raises(FileNotFoundError, match=re.escape("nope.yaml")):
         load_job_config(tmp_path / "nope.yaml")

@@ -6,7 +6,11 @@ function-level imports (TYPE_CHECKING blocks included) all count.
 - `spindle.contracts` imports nothing of Spindle outside itself (the leaf every layer may import);
 - the engines (`infer/`, `train/`, `distributed/`, `serve/`) never import the registry or a family
   module: entry points resolve the family and pass it in;
-- `spindle.ops` (numerics that generated modeling code imports) imports nothing above it.
+- the families (`spindle.models`) never import an engine (`train/`, `infer/`, `serve/`): what both use
+  (flow-matching math, model_index.json reading) lives below both (`spindle.ops`, `spindle.model_index`);
+- `spindle.ops` (numerics that generated modeling code imports) imports nothing above it;
+- compose, don't inherit: no class inherits two or more of Spindle's own classes (a family variant holds a
+  part its base calls, e.g. Wan2.2's two experts, Kontext's reference tokens).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "spindle"
 ENGINES = ("spindle.infer", "spindle.train", "spindle.distributed", "spindle.serve")
+# what a family may not import: the engines that run it (distributed/ is the mesh code both sides share)
+FAMILY_FORBIDDEN = ("spindle.train", "spindle.infer", "spindle.serve")
 
 
 def module_name(path: Path) -> str:
@@ -138,3 +144,108 @@ def test_ops_import_nothing_above_them(graph):
         m: sorted(t for t in ts if not inside(t, "spindle.ops")) for m, ts in graph.items() if inside(m, "spindle.ops")
     }
     assert {m: t for m, t in leaks.items() if t} == {}
+
+
+def test_production_never_imports_trl():
+    """TRL is a test dependency (the post-training parity tests' reference), never one of Spindle's own."""
+    offenders = []
+    for name, path in read_modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            offenders += [f"{name}: {n}" for n in names if n == "trl" or n.startswith("trl.")]
+    assert offenders == []
+
+
+def test_families_import_no_engine(graph):
+    leaks = {
+        m: sorted(t for t in ts if any(inside(t, engine) for engine in FAMILY_FORBIDDEN))
+        for m, ts in graph.items()
+        if inside(m, "spindle.models")
+    }
+    assert {m: t for m, t in leaks.items() if t} == {}
+
+
+def test_the_family_check_sees_an_engine_import(tmp_path):
+    """The checker itself: a family module importing the training task inside a function is a leak."""
+    (tmp_path / "condition.py").write_text("def f():\n    from spindle.train.tasks import flow_matching\n")
+    (tmp_path / "flow_matching.py").write_text("")
+    modules = {
+        "spindle.models.fam.condition": tmp_path / "condition.py",
+        "spindle.train.tasks.flow_matching": tmp_path / "flow_matching.py",
+    }
+    assert imported("spindle.models.fam.condition", modules["spindle.models.fam.condition"], modules) == {
+        "spindle.train.tasks.flow_matching"
+    }
+
+
+def spindle_bases(
+    name: str, path: Path, modules: dict[str, Path], classes: dict[str, set[str]]
+) -> dict[str, list[str]]:
+    """Each class `name` defines -> its direct bases that are Spindle classes: defined in the module itself or
+    imported (`from spindle.x import C [as D]`, `import spindle.x as m` + `m.C`) from a module defining `C`."""
+    tree = ast.parse(path.read_text())
+    is_package = path.name == "__init__.py"
+    local: dict[str, str] = {c: f"{name}.{c}" for c in classes.get(name, ())}  # name here -> the class it is
+    aliases: dict[str, str] = {}  # module alias -> Spindle module
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = name.split(".") if is_package else name.split(".")[:-1]
+                parts = parts[: len(parts) - (node.level - 1)]
+                base = ".".join([*parts, *([base] if base else [])])
+            for a in node.names:
+                if a.name in classes.get(base, ()):
+                    local[a.asname or a.name] = f"{base}.{a.name}"
+                elif f"{base}.{a.name}" in modules:
+                    aliases[a.asname or a.name] = f"{base}.{a.name}"
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in modules and a.asname:
+                    aliases[a.asname] = a.name
+    out: dict[str, list[str]] = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        found = []
+        for b in node.bases:
+            if isinstance(b, ast.Name) and b.id in local:
+                found.append(local[b.id])
+            elif isinstance(b, ast.Attribute) and isinstance(b.value, ast.Name):
+                module = aliases.get(b.value.id)
+                if module is not None and b.attr in classes.get(module, ()):
+                    found.append(f"{module}.{b.attr}")
+        out[node.name] = found
+    return out
+
+
+def class_bases(modules: dict[str, Path]) -> dict[str, list[str]]:
+    """`module.Class` -> its direct Spindle bases, for every class under spindle/ (generated/ excluded)."""
+    classes = {
+        m: {n.name for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.ClassDef)}
+        for m, p in modules.items()
+    }
+    return {f"{m}.{c}": bases for m, p in modules.items() for c, bases in spindle_bases(m, p, modules, classes).items()}
+
+
+def test_no_class_inherits_two_spindle_classes():
+    """Compose, don't inherit: a class has at most one Spindle base (a contract base, or the family it varies);
+    what a variant adds is a part object its base holds and calls."""
+    two = {c: b for c, b in class_bases(read_modules()).items() if len(b) >= 2}
+    assert two == {}
+
+
+def test_the_inheritance_check_sees_imported_and_aliased_bases(tmp_path):
+    """The checker itself: Spindle bases imported by name, under another name, or through a module alias count;
+    a library base (Protocol, nn.Module) does not."""
+    (tmp_path / "base.py").write_text("class A:\n    pass\n\n\nclass B:\n    pass\n")
+    (tmp_path / "mixed.py").write_text(
+        "import torch\nfrom typing import Protocol\nfrom spindle import base as m\nfrom spindle.base import A as X\n"
+        "class C(X, m.B):\n    pass\n\n\nclass D(X, Protocol, torch.nn.Module):\n    pass\n"
+    )
+    modules = {"spindle.base": tmp_path / "base.py", "spindle.mixed": tmp_path / "mixed.py"}
+    bases = class_bases(modules)
+    assert bases["spindle.mixed.C"] == ["spindle.base.A", "spindle.base.B"]
+    assert bases["spindle.mixed.D"] == ["spindle.base.A"]

@@ -353,7 +353,7 @@ def test_interleaved_image_requests_with_different_adapters_equal_each_run_alone
 def test_an_adapter_trained_with_a_text_length_makes_it_its_requests_default(tiny_flux, tmp_path):
     """As with `lora=PATH` at load: the export's recorded text length is the default max_sequence_length
     of the requests that name the adapter (and of no other)."""
-    from spindle.export_record import write_export_record
+    from spindle.export.record import write_export_record
 
     write_lora(get_family("flux"), random_lora(tiny_flux, seed=5), tmp_path / "short")
     write_export_record(tmp_path / "short", family="flux", max_text_length=8)

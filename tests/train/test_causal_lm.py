@@ -84,7 +84,7 @@ def test_loss_is_the_global_token_mean_whatever_the_micro_batches(tiny_qwen3, lm
 def test_export_is_split_into_shards_that_stock_transformers_reassembles(tiny_llama, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from spindle.train.tasks.causal_lm import write_transformers_folder
+    from spindle.export.transformers import write_transformers_folder
 
     model, _ = lm_stock(tiny_llama)
     out = tmp_path / "sharded"

@@ -67,7 +67,7 @@ def test_ema_follows_the_reference_loop(make_config, lora):
 
 
 def read_ema(checkpoint, tiny_wan) -> dict[str, torch.Tensor]:
-    from spindle.train.tasks.flow_matching import load_transformer
+    from spindle.export.diffusers import load_transformer
 
     with ckpt.reading_weights("ema"):
         return ckpt.read_checkpoint_model(checkpoint, load_transformer(tiny_wan))
@@ -110,7 +110,8 @@ def test_ema_export_loads_in_stock_diffusers(make_config, tmp_path, spindle_cli)
     out = tmp_path / "cli"
     assert spindle_cli("export", result.output_dir, "--out", out).returncode == 0
     assert load_file(out / "transformer_ema" / TRANSFORMER_FILE).keys() == ema.keys()
-    assert spindle_cli("export", result.output_dir, "--out", out, "--weights", "ema").returncode == 0
+    # replacing that export takes --force (`spindle.export.target`)
+    assert spindle_cli("export", result.output_dir, "--out", out, "--weights", "ema", "--force").returncode == 0
     written = load_file(out / "transformer" / TRANSFORMER_FILE)
     assert all(torch.equal(written[k], v) for k, v in ema.items())
     assert not (out / "transformer_ema").exists()
@@ -119,7 +120,7 @@ def test_ema_export_loads_in_stock_diffusers(make_config, tmp_path, spindle_cli)
 def test_lora_ema_exports_beside_the_adapters(make_config, spindle_cli, tmp_path):
     from diffusers import WanPipeline, WanTransformer3DModel
 
-    from spindle.export_record import LORA_WEIGHTS
+    from spindle.export.record import LORA_WEIGHTS
     from spindle.train.lora import adapter_state_dict, lora_scale
 
     overrides = dict(train__max_steps=3, train__lora__rank=4, export__weights="both", export__merge_lora=True, **EMA)
@@ -268,7 +269,7 @@ def test_the_tiny_configs_ema_example_is_a_valid_config():
 
 
 def test_forced_resume_of_a_run_without_ema_starts_it_from_the_checkpoint(make_config, tiny_wan, tmp_path, caplog):
-    from spindle.train.tasks.flow_matching import load_transformer
+    from spindle.export.diffusers import load_transformer
 
     out = tmp_path / "run"
     make_trainer(make_config(out, train__max_steps=2, checkpoint__export=False)).run()

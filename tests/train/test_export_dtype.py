@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from spindle.api import load_job_config, make_trainer
-from spindle.train.precision import stored_float_dtypes
+from spindle.export.dtypes import stored_float_dtypes
 from tests.conftest import lm_train, train_overrides
 
 LORA = "{rank: 4, alpha: 8}"

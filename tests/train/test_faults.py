@@ -311,8 +311,59 @@ def test_damaged_safetensors_headers_are_named(tmp_path, tiny_wan, shapes_videos
     with pytest.raises(WeightFileError, match="is truncated"):
         check_weight_files(model)
     weights.write_bytes(b"\xff" * 8 + data[8:])  # a length field nobody could allocate
-    with pytest.raises(WeightFileError, match="-byte header in a"):
+    with pytest.raises(WeightFileError, match="declares a header longer than the file"):
         check_weight_files(model)
+
+
+def _with_header(data: bytes, edit) -> bytes:
+    """A safetensors file's bytes with its JSON header changed by `edit(header)` (the tensor data kept)."""
+    import struct
+
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    edit(header)
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + data[8 + length :]
+
+
+def _first_tensor(header: dict) -> dict:
+    return header[next(k for k in header if k != "__metadata__")]
+
+
+@pytest.mark.parametrize(
+    ("edit", "problem"),
+    [
+        (lambda h: _first_tensor(h).pop("data_offsets"), "no data_offsets"),
+        (lambda h: _first_tensor(h).update(data_offsets="0-16"), "is not two byte offsets"),
+        (lambda h: _first_tensor(h).update(shape=[3, -1]), "is not a list of sizes"),
+        (lambda h: _first_tensor(h).update(shape=[9999]), "bytes, data_offsets"),
+        (lambda h: h.update({"extra.weight": [1, 2]}), "for tensor 'extra.weight': not an object"),
+    ],
+    ids=["no_offsets", "offsets_text", "negative_shape", "shape_size", "not_object"],
+)
+def test_damaged_safetensors_header_entries_are_named(tmp_path, tiny_wan, shapes_videos, spindle_cli, edit, problem):
+    """A header that parses as JSON but whose tensor entries are wrong (once a KeyError traceback)."""
+    import shutil
+
+    model = tmp_path / "wan"
+    shutil.copytree(tiny_wan, model)
+    weights = model / "transformer" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(_with_header(weights.read_bytes(), edit))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("{}\n")
+    proc = spindle_cli("train", cfg, *train_overrides(model, shapes_videos, tmp_path / "run", **COMMON))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{weights} has a damaged header entry for tensor" in proc.stderr and problem in proc.stderr, proc.stderr
+
+
+def test_a_text_file_named_safetensors_does_not_show_its_bytes(tmp_path):
+    from spindle.weight_files import WeightFileError, check_weight_files
+
+    (tmp_path / "model.safetensors").write_text("password=hunter2\n")
+    with pytest.raises(WeightFileError) as e:
+        check_weight_files(tmp_path)
+    length = int.from_bytes(b"password", "little")  # what the first 8 bytes read as a header length
+    assert "not a safetensors file" in str(e.value) and str(length) not in str(e.value)
 
 
 def test_non_utf8_jsonl_line_is_named_and_skippable(tmp_path, tiny_qwen3):

@@ -58,7 +58,7 @@ def test_training_inputs_follow_diffusers_flux_conventions(condition, tiny_flux)
     # exactly the transformer's forward kwargs (+ target, sigmas)
     import inspect
 
-    from spindle.train.tasks.flow_matching import load_transformer
+    from spindle.export.diffusers import load_transformer
 
     params = inspect.signature(load_transformer(tiny_flux).forward).parameters
     assert set(inputs) - {"target", "sigmas"} <= set(params)

@@ -1,4 +1,4 @@
-"""LoRA for the language-model tasks (spindle/train/tasks/lm_lora.py): adapters on the decoder layers only,
+"""LoRA for the language-model tasks (spindle/export/peft.py): adapters on the decoder layers only,
 exported as a PEFT folder that stock peft + transformers load with the trained model's outputs, and
 merged on request into a folder stock transformers loads alone."""
 
@@ -193,7 +193,7 @@ def test_merging_an_expert_adapter_adds_pefts_delta(transposed):
     from peft import LoraConfig
     from peft.tuners.lora import ParamWrapper
 
-    from spindle.train.tasks.lm_lora import merged_state, transposed_parameters
+    from spindle.export.peft import merged_state, transposed_parameters
 
     class Experts(torch.nn.Module):
         def __init__(self) -> None:

@@ -13,9 +13,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from spindle.api import load_job_config, make_trainer
 from spindle.config import ConfigError
 from spindle.distributed.sharded_load import checkpoint_key
+from spindle.export.dtypes import stored_float_dtypes
 from spindle.train.lora import is_lora_name
 from spindle.train.metrics import read_metrics
-from spindle.train.precision import stored_float_dtypes
 from tests.conftest import train_overrides
 
 LORA = "{rank: 4, alpha: 8}"

@@ -114,7 +114,7 @@ def rewrite(src, dst, edit):
 
 def load_spindle(path):
     from spindle.registry import get_family
-    from spindle.train.tasks.moe_causal_lm import load_moe_model
+    from spindle.train.parts.experts import load_moe_model
 
     return load_moe_model(get_family("qwen3_moe"), path)
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,7 +109,90 @@ def test_unfinished_cache_is_refused(make_config, tmp_path):
 def test_a_damaged_cache_file_is_named(cache, make_config, tmp_path):
     damaged = tmp_path / "c"
     shutil.copytree(cache, damaged)
-    for sample in (damaged / "samples").iterdir():  # every one: whichever the loader reads first
-        sample.write_bytes(sample.read_bytes()[:100])
-    with pytest.raises(StaleCacheError, match=r"samples/\d{8}\.safetensors is damaged or missing .*spindle precompute"):
-        train(make_config(tmp_path / "run", data__precomputed=damaged, **COMMON))
+    (damaged / "samples" / "00000004.safetensors").write_bytes(b"\0" * 100)
+    with pytest.raises(StaleCacheError, match=r"samples/00000004\.safetensors has 100 bytes, its manifest entry"):
+        make_trainer(make_config(tmp_path / "run", data__precomputed=damaged, **COMMON))
+
+
+def test_every_file_is_recorded_with_its_hash_and_no_temporary_is_left(cache):
+    manifest = json.loads((cache / "manifest.json").read_text())
+    assert manifest["format"] == 2
+    for entry in [*manifest["samples"], {**manifest["empty"], "file": "empty.safetensors"}]:
+        data = (cache / entry["file"]).read_bytes()
+        assert entry["size"] == len(data) and entry["sha256"] == hashlib.sha256(data).hexdigest(), entry["file"]
+    assert not [p for p in cache.rglob("*") if p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("how", ["swapped", "duplicated"])
+def test_swapped_or_duplicated_cache_files_are_named_before_training(cache, make_config, tmp_path, how):
+    """Two samples' files of the same size (one bucket): only their content tells them apart."""
+    bad = tmp_path / "c"
+    shutil.copytree(cache, bad)
+    a, b = bad / "samples" / "00000001.safetensors", bad / "samples" / "00000002.safetensors"
+    assert a.stat().st_size == b.stat().st_size
+    first = a.read_bytes()
+    if how == "swapped":
+        a.write_bytes(b.read_bytes())
+    b.write_bytes(first)
+    with pytest.raises(StaleCacheError) as e:
+        make_trainer(make_config(tmp_path / "run", data__precomputed=bad, **COMMON))
+    named = {p.name for p in (a, b) if str(p) in str(e.value)}
+    assert named == ({a.name, b.name} if how == "swapped" else {b.name}), str(e.value)
+    assert "not the file its manifest entry records" in str(e.value)
+
+
+def test_a_cache_too_big_to_hash_up_front_is_checked_as_it_is_read(cache, make_config, tmp_path, monkeypatch):
+    from spindle.data import precomputed
+
+    monkeypatch.setattr(precomputed, "VERIFY_BYTES", 0)
+    bad = tmp_path / "c"
+    shutil.copytree(cache, bad)
+    for name in ("00000000", "00000003"):  # the first batch holds one of them whatever the order
+        (bad / "samples" / f"{name}.safetensors").write_bytes((bad / "samples" / "00000005.safetensors").read_bytes())
+    trainer = make_trainer(make_config(tmp_path / "run", data__precomputed=bad, **COMMON))  # sizes match
+    with pytest.raises(StaleCacheError, match=r"samples/0000000[03]\.safetensors is not the file its manifest"):
+        trainer.run()
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # not one step trained on another sample's conditions
+
+
+def test_an_interrupted_precompute_leaves_a_cache_training_refuses(cache, make_config, tmp_path, monkeypatch):
+    """A precompute into an existing (complete) cache that stops part way: the old manifest is gone, so the
+    mix of new and old sample files is never trained on."""
+    from spindle.commands import precompute as command
+    from spindle.data import precomputed
+
+    out = tmp_path / "c"
+    shutil.copytree(cache, out)
+    written = []
+    real = precomputed.write_sample
+
+    def crash_after_three(root, index, conditions):
+        if len(written) == 3:
+            raise KeyboardInterrupt  # what Ctrl-C does mid-run
+        written.append(index)
+        return real(root, index, conditions)
+
+    monkeypatch.setattr(precomputed, "write_sample", crash_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        command.precompute(make_config(tmp_path / "unused"), out)
+    assert written == [0, 1, 2] and not (out / "manifest.json").exists()
+    with pytest.raises(FileNotFoundError, match=r"manifest\.json not found \(an unfinished or missing cache\)"):
+        make_trainer(make_config(tmp_path / "run", data__precomputed=out, **COMMON))
+
+
+def test_a_second_precompute_into_the_same_folder_is_refused(cache, make_config, tmp_path):
+    from spindle.data.precomputed import cache_lock
+    from tests.conftest import run_spindle, train_overrides
+
+    out = tmp_path / "c"
+    shutil.copytree(cache, out)
+    before = {p.name: p.read_bytes() for p in (out / "samples").iterdir()}
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("{}\n")
+    cfg_args = train_overrides(Path(make_config().model.path), Path(make_config().data.path), tmp_path / "unused")
+    with cache_lock(out):  # a precompute in progress (this process)
+        proc = run_spindle("precompute", cfg, *cfg_args, "--out", out)
+    assert proc.returncode == 2, proc.stderr
+    assert f"--out {out} is being written by another spindle precompute (pid {os.getpid()})" in proc.stderr
+    assert (out / "manifest.json").exists()
+    assert {p.name: p.read_bytes() for p in (out / "samples").iterdir()} == before

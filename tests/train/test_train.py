@@ -111,9 +111,9 @@ def test_streamed_export_of_a_checkpoint_writes_sharded_files_stock_diffusers_lo
     from diffusers import WanTransformer3DModel
 
     from spindle.distributed import checkpoint as ckpt
-    from spindle.train.precision import export_dtypes
-    from spindle.train.streamed_export import checkpoint_then_base, write_streamed
-    from spindle.train.tasks.flow_matching import transformer_from_config
+    from spindle.export.diffusers import transformer_from_config
+    from spindle.export.dtypes import export_dtypes
+    from spindle.export.streamed import checkpoint_then_base, write_streamed
 
     cfg = make_config(train__max_steps=2)
     result = train(cfg)

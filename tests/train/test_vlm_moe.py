@@ -33,7 +33,7 @@ def layouts(tiny_checkpoint, tmp_path_factory):
 def test_each_layout_is_detected_and_loads_as_the_same_model(layouts):
     from transformers import AutoModelForImageTextToText
 
-    from spindle.train.tasks.moe_causal_lm import load_moe_model
+    from spindle.train.parts.experts import load_moe_model
 
     family = get_family(FAMILY)
     adapter = family.adapter()

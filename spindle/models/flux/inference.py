@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from spindle.contracts.request import Req, SamplingParams, resolved
+from spindle.model_index import component_class
 from spindle.models.flux import OPTIONS
 from spindle.models.shared.inference import (
     PackedImageInference,
@@ -101,7 +102,7 @@ class FluxInference(PackedImageInference):
     components = ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2", "vae", "scheduler", "transformer")
     before_denoising_cls = FluxBeforeDenoisingStage
 
-    def default_params(self, components: dict[str, Any]) -> SamplingParams:
+    def pipeline_defaults(self, components: dict[str, Any]) -> SamplingParams:
         # diffusers FluxPipeline.__call__ defaults: 128 latent pixels x VAE factor, 28 steps, guidance 3.5.
         size = 128 * 2 ** (len(components["vae"].config.block_out_channels) - 1)
         return SamplingParams(
@@ -114,7 +115,7 @@ class FluxInference(PackedImageInference):
         )
 
     def check_checkpoint(self, model_index: dict) -> None:
-        if (model_index.get("image_encoder") or [None])[0]:
+        if component_class(model_index, "image_encoder"):
             raise NotImplementedError("Flux checkpoints with an IP-Adapter image encoder are not supported yet")
 
     def denoiser_kwargs(self, req: Req, latents: torch.Tensor, t: torch.Tensor, branch: str) -> dict[str, Any]:

@@ -17,11 +17,13 @@ from typing import Any
 import torch
 
 from spindle.models.flux.condition import FluxConditionModel
+from spindle.models.shared.reference_tokens import REFERENCE_TOKENS
 
 
 class FluxKontextConditionModel(FluxConditionModel):
     pipeline_class = "diffusers:FluxKontextPipeline"
     label = "FLUX.1 Kontext"
+    reference_tokens = REFERENCE_TOKENS  # the source's tokens after the target's; the loss on the target's
 
     @torch.no_grad()
     def encode_sources(self, images: torch.Tensor) -> torch.Tensor:
@@ -50,12 +52,9 @@ class FluxKontextConditionModel(FluxConditionModel):
         b, _, h, w = reference.shape
         ids = self.pipe._prepare_latent_image_ids(b, h // 2, w // 2, noisy.device, noisy.dtype)
         ids[..., 0] = 1  # the pipeline's reference ids: the latents' grid, offset on the first axis
-        inputs["hidden_states"] = torch.cat([noisy, self.pack(reference.to(noisy))], dim=1)
+        inputs["hidden_states"] = REFERENCE_TOKENS.append(noisy, [self.pack(reference.to(noisy))])
         inputs["img_ids"] = torch.cat([inputs["img_ids"], ids], dim=0)
         return inputs
-
-    def target_prediction(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return pred[:, : target.shape[1]]
 
 
 CONDITION_MODEL = FluxKontextConditionModel  # the family's condition model (DiTFamily finds it by this name)

@@ -18,7 +18,7 @@ import torch
 from spindle.contracts.request import Req, RequestError, SamplingParams, resolved
 from spindle.models.flux.inference import FluxBeforeDenoisingStage, FluxInference
 from spindle.models.flux_kontext import OPTIONS
-from spindle.models.shared.inference import ReferenceTokensInference
+from spindle.models.shared.reference_tokens import REFERENCE_TOKENS
 
 
 def output_size(height: int, width: int, max_area: int, multiple: int) -> tuple[int, int]:
@@ -108,13 +108,15 @@ class FluxKontextBeforeDenoisingStage(FluxBeforeDenoisingStage):
         req.raw_latent_shape = self.latent_shape(p)
 
 
-class FluxKontextInference(ReferenceTokensInference, FluxInference):
-    """FluxPipeline's defaults, the size left to max_area (the stage); the source's tokens appended."""
+class FluxKontextInference(FluxInference):
+    """Flux's spec with the reference-tokens part: FluxPipeline's defaults, the size left to max_area (the stage);
+    the source's tokens appended."""
 
     options = OPTIONS
     family = "flux_kontext"
     pipeline_class = FluxKontextBeforeDenoisingStage.pipeline_class
     before_denoising_cls = FluxKontextBeforeDenoisingStage
+    reference_tokens = REFERENCE_TOKENS
 
     def sequence_length(self, req: Req, transformer: torch.nn.Module) -> int:
         tokens = super().sequence_length(req, transformer)

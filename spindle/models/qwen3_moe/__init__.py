@@ -1,5 +1,5 @@
 """Qwen3-MoE causal LMs (transformers `model_type` "qwen3_moe", `Qwen3MoeForCausalLM`), trained by the MoE
-causal-LM task (spindle/train/tasks/moe_causal_lm.py): fused experts, expert parallelism, router aux loss."""
+causal-LM task with its experts part (spindle/train/parts/experts.py): fused experts, expert parallelism, router aux loss."""
 
 from spindle.contracts.family import CausalLMConformanceSpec, CausalLMFamily
 
@@ -7,7 +7,6 @@ FAMILY = CausalLMFamily(
     name="qwen3_moe",
     # patchgen-generated: chunked loss from hidden states + upstream's router aux loss (patches.py)
     model_class="spindle.models.qwen3_moe.generated.patched_modeling_qwen3_moe:Qwen3MoeForCausalLM",
-    task="causal_lm_moe",
     conformance=CausalLMConformanceSpec(
         # 2 layers keep the suite fast; an aux coefficient of 0.1 makes a wrong aux loss show in the step loss
         tiny_overrides={"num_hidden_layers": 2, "router_aux_loss_coef": 0.1},

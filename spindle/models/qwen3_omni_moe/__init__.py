@@ -1,5 +1,5 @@
 """Qwen3-Omni-MoE (transformers `model_type` "qwen3_omni_moe", `Qwen3OmniMoeForConditionalGeneration`): the
-omni MoE task (`omni_moe`: the omni task + the MoE task) trains its thinker
+omni task with its experts part (conversion.py selects it) trains its thinker
 (`Qwen3OmniMoeThinkerForConditionalGeneration`: audio encoder, Qwen3-VL vision tower, Qwen3-MoE decoder) on
 audio/image/video conversations, with the router aux loss (patches.py), expert load and expert parallelism; the
 talker and code2wav are carried through to the export unchanged. The thinker's experts load from per-expert
@@ -33,7 +33,6 @@ FAMILY = OmniFamily(
     untrained=("talker.", "code2wav."),
     blocks=("Qwen3OmniMoeThinkerTextDecoderLayer", "Qwen3OmniMoeVisionBlock", "Qwen3OmniMoeAudioEncoderLayer"),
     # what the MoE decoder adds
-    task="omni_moe",
     conformance=CausalLMConformanceSpec(
         # Spindle's MoE loss is stock's with output_router_logits: token loss + coef x router aux loss
         stock_loss_kwargs={"output_router_logits": True},

@@ -1,6 +1,6 @@
 """Qwen3-VL-MoE vision-language models (transformers `model_type` "qwen3_vl_moe",
 `Qwen3VLMoeForConditionalGeneration`): Qwen3-VL's vision tower, 3-D RoPE and deepstack over a Qwen3-MoE
-style decoder, trained by the VLM task with the MoE task's experts (`vlm_moe`: router aux loss, expert
+style decoder, trained by the VLM task with its experts part (conversion.py selects it: router aux loss, expert
 load, expert parallelism). Its checkpoints hold the experts fused and transposed (`gate_up_proj
 [E, H, 2I]`); per-expert checkpoints load too, and an export keeps the input's layout (conversion.py).
 Videos as Qwen3-VL's (timestamps in the text)."""
@@ -15,7 +15,6 @@ FAMILY = VLMFamily(
     parts=QWEN3_VL.parts,  # Qwen3-VL's vision tower, deepstack mergers and decoder names
     video_timestamps=True,  # Qwen3-VL's video processing
     # what the MoE decoder adds
-    task="vlm_moe",
     conformance=CausalLMConformanceSpec(
         # Spindle's MoE loss is stock's with output_router_logits: token loss + coef x router aux loss
         stock_loss_kwargs={"output_router_logits": True},

@@ -135,7 +135,7 @@ class QwenImageInference(PackedImageInference):
     components: tuple[str, ...] = ("tokenizer", "text_encoder", "vae", "scheduler", "transformer")
     before_denoising_cls = QwenImageBeforeDenoisingStage
 
-    def default_params(self, components: dict[str, Any]) -> SamplingParams:
+    def pipeline_defaults(self, components: dict[str, Any]) -> SamplingParams:
         # QwenImagePipeline.__call__ defaults: 128 latent pixels x VAE factor, 50 steps, true_cfg_scale
         # 4 (CFG runs once a negative_prompt is given), max_sequence_length 512. guidance_scale only
         # matters to guidance-distilled variants; 1.0 stands for "unset" there.

@@ -33,6 +33,7 @@ from spindle.models.qwenimage_edit import CONDITION_IMAGE_AREA
 from spindle.models.qwenimage_edit.inference import image_size
 from spindle.models.qwenimage_edit.processor import stock_components
 from spindle.models.shared.condition import frames_as_images
+from spindle.models.shared.reference_tokens import REFERENCE_TOKENS
 
 
 class QwenImageEditConditionModel(QwenImageConditionModel):
@@ -41,13 +42,11 @@ class QwenImageEditConditionModel(QwenImageConditionModel):
     # the edit pipelines do not truncate: the prompt holds each image's vision tokens (~1300 for a
     # 1024 x 1024 image with Qwen2.5-VL's processor), so the padded length is bounded by memory only
     max_text_limit = 32768
+    reference_tokens = REFERENCE_TOKENS  # the sources' tokens after the target's; the loss on the target's
 
     @classmethod
     def pipeline_overrides(cls, root: str | Path) -> dict[str, Any]:
         return stock_components(root)
-
-    def target_prediction(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return pred[:, : target.shape[1]]  # the outputs at the reference tokens are dropped, as in the pipelines
 
     def vision_images(self, images: list[Any]) -> list[Any]:
         """The source images as the text encoder's vision tower sees them (Edit: as given)."""
@@ -99,7 +98,7 @@ class QwenImageEditConditionModel(QwenImageConditionModel):
         references = conditions["image_latents"].to(noisy)
         b, n, _, h, w = references.shape
         packed = [self.pack(references[:, i]) for i in range(n)]
-        inputs["hidden_states"] = torch.cat([noisy, *packed], dim=1)
+        inputs["hidden_states"] = REFERENCE_TOKENS.append(noisy, packed)
         inputs["img_shapes"] = [[*inputs["img_shapes"][0], *[(1, h // 2, w // 2)] * n]] * b
         return inputs
 

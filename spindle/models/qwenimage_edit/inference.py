@@ -25,7 +25,7 @@ from spindle.contracts.request import Req, SamplingParams, resolved
 from spindle.models.qwenimage.condition import pad_text
 from spindle.models.qwenimage.inference import QwenImageBeforeDenoisingStage, QwenImageInference
 from spindle.models.qwenimage_edit import OPTIONS, PLUS_OPTIONS
-from spindle.models.shared.inference import ReferenceTokensInference
+from spindle.models.shared.reference_tokens import REFERENCE_TOKENS
 
 
 def image_size(image: Any, area: int, pipeline_class: str) -> tuple[int, int]:
@@ -121,10 +121,12 @@ class QwenImageEditPlusBeforeDenoisingStage(QwenImageEditBeforeDenoisingStage):
         return [preprocess(im, h, w).unsqueeze(2) for im, (w, h) in zip(images, self.vae_sizes(params), strict=True)]
 
 
-class QwenImageEditInference(ReferenceTokensInference, QwenImageInference):
-    """Qwen-Image's defaults, the size left to the input image (the stage); the sources' tokens appended."""
+class QwenImageEditInference(QwenImageInference):
+    """Qwen-Image's spec with the reference-tokens part: its defaults, the size left to the input image (the
+    stage); the sources' tokens appended."""
 
     options = OPTIONS
+    reference_tokens = REFERENCE_TOKENS
     family = "qwenimage_edit"
     pipeline_class = QwenImageEditBeforeDenoisingStage.pipeline_class
     components = ("tokenizer", "processor", "text_encoder", "vae", "scheduler", "transformer")

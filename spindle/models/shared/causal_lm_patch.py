@@ -33,6 +33,8 @@ def causal_lm_forward(model, *, labels=None, logits_to_keep=0, **inputs: Any):
 
     - `shift_labels`: labels already shifted (position t holds the token to predict at t), used instead
       of `labels` (packed rows whose documents must not predict across boundaries);
+    - `loss_reduction="none"`: each token's loss [rows, seq] (sequence objectives: DPO, GRPO), a MoE's aux loss
+      returned apart, not added;
     - `loss_reduction="sum"`: the plain sum over valid tokens (the caller normalises by a global token
       count); default: transformers' semantics (sum / `num_items_in_batch`, or the mean).
 
@@ -116,8 +118,8 @@ def with_router_aux_loss(loss, router_logits, moe_config, mask, group, labels, s
     aux_loss = load_balancing_loss(
         router_logits, moe_config.num_experts, moe_config.num_experts_per_tok, mask, group=group
     )
-    if loss is None:
-        return None, aux_loss
+    if loss is None or loss_reduction == "none":  # no token loss, or per-token losses: the aux loss apart
+        return loss, aux_loss
     num_items_in_batch = kwargs.get("num_items_in_batch")
     weight: torch.Tensor | float
     if loss_reduction == "sum" or (loss_reduction is None and num_items_in_batch is not None):

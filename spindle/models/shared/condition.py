@@ -10,8 +10,10 @@ import torch
 from spindle.config import TimestepConfig
 from spindle.contracts.condition import ConditionModel, PixelGrid
 from spindle.contracts.family import import_object
+from spindle.model_index import component_class, model_index_path, read_model_index
 from spindle.models.shared.latents import resolution_shift
-from spindle.train.tasks.flow_matching_math import flow_matching_pair, sample_sigmas
+from spindle.models.shared.reference_tokens import ReferenceTokens
+from spindle.ops.flow_matching import flow_matching_pair, sample_sigmas
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self from Python 3.11 on
@@ -34,9 +36,10 @@ def meta_vae(root: str | Path) -> Any:
     in) and attributes, no weight read."""
     import diffusers
 
-    from spindle.infer.pipeline import read_model_index
-
-    vae_cls = getattr(diffusers, read_model_index(root)["vae"][1])
+    name = component_class(read_model_index(root), "vae")
+    if name is None:
+        raise FileNotFoundError(f"{model_index_path(root)} names no vae: a DiT pipeline folder has one")
+    vae_cls = getattr(diffusers, name)
     with torch.device("meta"):
         return vae_cls.from_config(vae_cls.load_config(Path(root) / "vae"))
 
@@ -45,8 +48,6 @@ def encoder_placeholders(root: str | Path) -> dict[str, Any]:
     """from_pretrained overrides that keep a pipeline's encoders out of memory: every model component
     but the scheduler is None, except the VAE, built on the meta device from its config (its config
     holds the latent scaling the training inputs use; its weights are never read)."""
-    from spindle.infer.pipeline import read_model_index
-
     out: dict[str, Any] = {}
     for name, entry in read_model_index(root).items():
         if name.startswith("_") or not isinstance(entry, list) or name == "scheduler" or name.startswith("transformer"):
@@ -86,8 +87,6 @@ class PipelineConditionModel(ConditionModel):
         max_text_length: int = 512,
         encoders: bool = True,
     ) -> Self:
-        from spindle.infer.pipeline import read_model_index
-
         # no transformer is loaded here (a two-expert checkpoint has two: transformer, transformer_2)
         transformers = {name: None for name in read_model_index(root) if name.startswith("transformer")}
         skip = {**transformers, **(cls.pipeline_overrides(root) if encoders else encoder_placeholders(root))}
@@ -124,6 +123,9 @@ class PackedImageConditionModel(PipelineConditionModel):
     `training_inputs`."""
 
     label: str = ""
+    # an editing variant's source-image tokens (`shared.reference_tokens`), appended by its `training_inputs`;
+    # None: text-to-image only
+    reference_tokens: ReferenceTokens | None = None
 
     @classmethod
     def vae_downsampling(cls, vae: Any) -> int:
@@ -169,6 +171,9 @@ class PackedImageConditionModel(PipelineConditionModel):
         sigmas = sample_sigmas(self.timestep_sampling, generators, shift_fn=shift)
         noisy, target = flow_matching_pair(x0, sigmas, generators)
         return noisy, target, sigmas
+
+    def target_prediction(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return pred if self.reference_tokens is None else self.reference_tokens.prediction(pred, target)
 
     def pack(self, latents: torch.Tensor) -> torch.Tensor:
         b, c, h, w = latents.shape

@@ -1,5 +1,5 @@
 """Inference pieces shared by pipeline-backed families: a BeforeDenoisingStage around the family's own
-diffusers pipeline, and the request checks of 2x2-packed image families."""
+diffusers pipeline, and the spec and request checks of 2x2-packed image families."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from spindle.contracts.family import import_object
 from spindle.contracts.request import Req, RequestError, SamplingParams, check_int_range, check_size, resolved
 from spindle.contracts.stage import BeforeDenoisingStage, InferenceSpec
 from spindle.models.shared.latents import resolution_shift
+from spindle.models.shared.reference_tokens import ReferenceTokens
 
 
 class PipelineBeforeDenoisingStage(BeforeDenoisingStage):
@@ -74,24 +75,41 @@ class PipelineBeforeDenoisingStage(BeforeDenoisingStage):
 class PackedImageInference(InferenceSpec):
     """The inference spec of an image family whose transformer takes 2x2-packed latent tokens (Flux,
     Qwen-Image): its token count and the unpacking back to the VAE layout, by the pipeline's own
-    `_unpack_latents` (`pipeline_class`, as the before-denoising stage names it)."""
+    `_unpack_latents` (`pipeline_class`, as the before-denoising stage names it). An image-editing variant
+    (FLUX.1 Kontext, Qwen-Image-Edit) adds its `reference_tokens` part, which this spec calls."""
 
     media = "image"
     output_layout = None  # packed latent tokens [B, S, C]
     pipeline_class: str = ""
+    # an editing variant's source-image tokens (`shared.reference_tokens`); None: text-to-image only
+    reference_tokens: ReferenceTokens | None = None
 
-    @staticmethod
-    def packed_kwargs(req: Req, latents: torch.Tensor, t: torch.Tensor, branch: str) -> dict[str, Any]:
-        """The denoiser arguments of every packed image transformer: the latents in the model's dtype, the
-        timestep per sample on the pipelines' 0-1 scale, the embedded guidance (None: not distilled), the
-        branch's prompt embeddings."""
+    def pipeline_defaults(self, components: dict[str, Any]) -> SamplingParams:
+        """The reference pipeline's `__call__` defaults."""
+        return SamplingParams()
+
+    def default_params(self, components: dict[str, Any]) -> SamplingParams:
+        params = self.pipeline_defaults(components)
+        return params if self.reference_tokens is None else self.reference_tokens.default_params(params)
+
+    def packed_kwargs(self, req: Req, latents: torch.Tensor, t: torch.Tensor, branch: str) -> dict[str, Any]:
+        """The denoiser arguments of every packed image transformer: the latents (with an edit's reference tokens
+        after them, `req.extra["image_latents"]`) in the model's dtype, the timestep per sample on the
+        pipelines' 0-1 scale, the embedded guidance (None: not distilled), the branch's prompt embeddings."""
+        hidden = latents
+        reference = req.extra.get("image_latents")
+        if self.reference_tokens is not None and reference is not None:
+            hidden = self.reference_tokens.append(latents, [reference])
         return {
-            "hidden_states": latents.to(req.model_dtype),
+            "hidden_states": hidden.to(req.model_dtype),
             "encoder_hidden_states": req.prompt_embeds if branch == "cond" else req.negative_prompt_embeds,
             "timestep": t.expand(latents.shape[0]).to(latents.dtype) / 1000,
             "guidance": req.embedded_guidance,
             "return_dict": False,
         }
+
+    def target_prediction(self, pred: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        return pred if self.reference_tokens is None else self.reference_tokens.prediction(pred, latents)
 
     def sequence_length(self, req: Req, transformer: torch.nn.Module) -> int:
         h, w = resolved(req.raw_latent_shape, "raw_latent_shape")[-2:]  # [B, C, (F,) h, w]
@@ -115,25 +133,3 @@ def check_packed_image_request(params: Any, vae_scale_factor: int, max_sequence_
             field="num_frames",
         )
     check_int_range("max_sequence_length", params.max_sequence_length, minimum=1, maximum=max_sequence_length)
-
-
-class ReferenceTokensInference(InferenceSpec):
-    """What an image-editing family's spec adds (mixed in before its base family's spec): the size is left to the before-denoising stage, which derives it as the pipeline does;
-    the packed reference (source-image) latents that stage puts in `req.extra["image_latents"]` are appended
-    to the latents' tokens, and only the latents' part of each branch's output is kept, before CFG
-    combines them, as the pipelines keep `noise_pred[:, : latents.size(1)]`."""
-
-    def default_params(self, components: dict[str, Any]) -> SamplingParams:
-        params = super().default_params(components)
-        params.height = params.width = None
-        return params
-
-    def denoiser_kwargs(self, req: Req, latents: torch.Tensor, t: torch.Tensor, branch: str) -> dict[str, Any]:
-        kwargs = super().denoiser_kwargs(req, latents, t, branch)
-        reference = req.extra.get("image_latents")
-        if reference is not None:
-            kwargs["hidden_states"] = torch.cat([latents, reference.to(latents.dtype)], dim=1).to(req.model_dtype)
-        return kwargs
-
-    def target_prediction(self, pred: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
-        return pred[:, : latents.shape[1]]

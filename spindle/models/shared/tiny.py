@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from spindle.model_index import model_index_path, read_model_index
+
 # a component's config overrides of a tiny builder (`transformer={"num_layers": 4}`), merged into its defaults
 Overrides = dict[str, Any] | None
 
@@ -81,8 +83,7 @@ def save_seeded_pipeline(
 def update_model_index(root: Path, **entries: Any) -> Path:
     """Set `entries` in the pipeline folder's model_index.json (what the stock `save_pretrained` does not
     record as real checkpoints have it); -> `root`."""
-    path = root / "model_index.json"
-    index = json.loads(path.read_text())
+    index = read_model_index(root)
     index.update(entries)
-    path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    model_index_path(root).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return root

@@ -9,15 +9,20 @@ from typing import Any
 import torch
 
 from spindle.contracts.condition import PixelGrid
+from spindle.model_index import read_model_index
 from spindle.models.shared.condition import PipelineConditionModel, meta_vae
 from spindle.models.shared.latents import latent_stats
-from spindle.train.tasks.flow_matching_math import flow_matching_pair, sample_sigmas
+from spindle.models.wan.parts import ExpertsPart
+from spindle.ops.flow_matching import flow_matching_pair, sample_sigmas
 
 
 class WanConditionModel(PipelineConditionModel):
     # A diffusers WanPipeline without its transformer: we reuse its prompt encoding verbatim so
     # training and inference see exactly the embeddings the reference pipeline would compute.
     pipeline_class = "diffusers:WanPipeline"
+    # a variant's experts (Wan2.2 A14B's two: the part its folder supplies, `spindle.models.wan.parts`): which
+    # one a run trains and the timesteps it draws; None: one transformer
+    experts: ExpertsPart | None = None
 
     def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, max_text_length: int = 512):
         super().__init__(pipe, device, dtype, max_text_length)
@@ -25,6 +30,22 @@ class WanConditionModel(PipelineConditionModel):
         self.latents_mean, self.latents_std = latent_stats(vae_cfg)
         self.scale_factor_temporal = vae_cfg.scale_factor_temporal
         self.scale_factor_spatial = vae_cfg.scale_factor_spatial
+
+    @classmethod
+    def trained_component(cls, model_index: dict[str, Any], expert: str | None) -> str:
+        if cls.experts is None:
+            return super().trained_component(model_index, expert)
+        return cls.experts.trained_component(model_index, expert)
+
+    def read_checkpoint(self, root: Path) -> None:
+        super().read_checkpoint(root)
+        self.model_index = read_model_index(root)  # where the experts split the timesteps (`select_expert`)
+
+    def select_expert(self, expert: str) -> None:
+        if self.experts is None:
+            super().select_expert(expert)  # refuses it: one transformer
+            return
+        self.sigma_range = self.experts.sigma_range(self.model_index, expert)
 
     @classmethod
     def pixel_grid(cls, root: str | Path) -> PixelGrid:

@@ -23,13 +23,16 @@ from spindle.contracts.request import (
     suggest,
 )
 from spindle.contracts.stage import BeforeDenoisingStage, InferenceSpec
+from spindle.model_index import component_class
 from spindle.models.shared.latents import mean_std_scale_shift
 from spindle.models.wan import OPTIONS
+from spindle.models.wan.parts import BOUNDARY, SECOND_TRANSFORMER, ExpertsPart
 
 
 class WanBeforeDenoisingStage(BeforeDenoisingStage):
-    def __init__(self, components: dict[str, Any], spec: InferenceSpec):
+    def __init__(self, components: dict[str, Any], spec: WanInference):
         super().__init__(components, spec)
+        self.experts = spec.experts  # a variant's part: what its step switch reads, set on each request
         # The family's pipeline without transformer: its `encode_prompt` (and, for I2V, its image
         # encoding and `prepare_latents`) is the reference code (prompt cleaning, padding, ...).
         self.text_pipe = self.make_reference_pipe(components)
@@ -174,6 +177,8 @@ class WanBeforeDenoisingStage(BeforeDenoisingStage):
         shape = self.latent_shape(p)
         req.latents = randn_tensor(shape, generator=req.generator, device=device, dtype=torch.float32)
         req.raw_latent_shape = tuple(shape)
+        if self.experts is not None:  # from the CFG scale and the scheduler set above
+            self.experts.prepare_request(req, self.components)
         return req
 
 
@@ -183,6 +188,16 @@ class WanInference(InferenceSpec):
     media = "video"
     components: tuple[str, ...] = ("tokenizer", "text_encoder", "vae", "scheduler", "transformer")
     before_denoising_cls = WanBeforeDenoisingStage
+    # a variant's further transformers, switched per step (Wan2.2 A14B's two experts: the part its folder supplies,
+    # `spindle.models.wan.parts`); None: one transformer denoises every step
+    experts: ExpertsPart | None = None
+    # the family serving this pipeline's two-expert (Wan2.2 A14B) folders, named when one is forced on this spec
+    two_expert_family = "wan22"
+
+    def __init__(self) -> None:
+        if self.experts is not None:  # the experts' transformers and the model_index.json values they read load too
+            self.expert_components = self.experts.components
+            self.pipeline_config = self.experts.pipeline_config
 
     def default_params(self, components: dict[str, Any]) -> SamplingParams:
         # diffusers WanPipeline.__call__ defaults (negative prompt None -> "").
@@ -196,18 +211,30 @@ class WanInference(InferenceSpec):
             max_sequence_length=512,
         )
 
-    # the family serving this pipeline's two-expert (Wan2.2 A14B) folders
-    two_expert_family = "wan22"
-
-    def check_checkpoint(self, model_index: dict) -> None:
-        from spindle.models.wan22.experts import refuse_two_expert
-
-        refuse_two_expert(model_index, self.family, self.two_expert_family)
+    def check_checkpoint(self, model_index: dict[str, Any]) -> None:
+        self.check_experts(model_index)
         if model_index.get("expand_timesteps"):
             raise ValueError(
                 f"this is a Wan2.2 TI2V-5B folder (expand_timesteps), which {self.family} does not serve; it is the "
                 "wan22_ti2v family's: remove model.family (or set it to wan22_ti2v)"
             )
+
+    def check_experts(self, model_index: dict[str, Any]) -> None:
+        """The folder has the transformers this spec denoises with: what the experts part needs, or (without one)
+        no second transformer, which a single-transformer spec would silently leave out."""
+        if self.experts is not None:
+            self.experts.check_checkpoint(model_index, self.family)
+        elif model_index.get(BOUNDARY) is not None or component_class(model_index, SECOND_TRANSFORMER):
+            family = self.two_expert_family
+            raise ValueError(
+                f"this is a two-expert Wan2.2 A14B folder ({SECOND_TRANSFORMER} / {BOUNDARY}), which {self.family} does "
+                f"not serve; it is the {family} family's: remove model.family (or set it to {family})"
+            )
+
+    def step_denoiser(self, req: Req, t: torch.Tensor) -> tuple[str, float]:
+        if self.experts is None:
+            return super().step_denoiser(req, t)
+        return self.experts.step_denoiser(req, t)
 
     def denoiser_kwargs(self, req: Req, latents: torch.Tensor, t: torch.Tensor, branch: str) -> dict[str, Any]:
         return {

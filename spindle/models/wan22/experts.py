@@ -1,10 +1,13 @@
-"""Wan2.2 A14B's two experts, shared by its text- and image-to-video families.
+"""Wan2.2 A14B's two experts, the part Wan2.2's text- and image-to-video families add to Wan's code.
 
 A two-expert folder is a stock `WanPipeline` / `WanImageToVideoPipeline` with a second transformer
 (`transformer_2` in model_index.json) and `boundary_ratio`: diffusers denoises the steps whose timestep
 is >= `boundary_ratio x num_train_timesteps` with `transformer` (the high-noise expert, CFG scale
 `guidance_scale`) and the rest with `transformer_2` (the low-noise expert, `guidance_scale_2`, which
 defaults to `guidance_scale`). Training fine-tunes one expert (`train.expert`), on its own timesteps.
+
+`TWO_EXPERTS` is the `spindle.models.wan.parts.ExpertsPart` the Wan2.2 A14B specs and condition models hold;
+Wan's spec, stage and condition model call it (Wan imports nothing of this folder).
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from spindle.contracts.family import ConformanceSpec
 from spindle.contracts.options import Option
+from spindle.model_index import component_class
 from spindle.models.shared.declarations import amended
+from spindle.models.wan.parts import BOUNDARY, SECOND_TRANSFORMER
 
 if TYPE_CHECKING:  # the family records import this module: no torch at `spindle --help`
     import torch
@@ -22,8 +27,7 @@ if TYPE_CHECKING:  # the family records import this module: no torch at `spindle
     from spindle.contracts.request import Req
 
 # train.expert -> the checkpoint component it names
-EXPERTS = {"high_noise": "transformer", "low_noise": "transformer_2"}
-BOUNDARY = "boundary_ratio"  # the model_index.json key (WanPipeline's config)
+EXPERTS = {"high_noise": "transformer", "low_noise": SECOND_TRANSFORMER}
 
 
 def two_expert_conformance(spec: ConformanceSpec, expert: str, **fields: Any) -> ConformanceSpec:
@@ -41,8 +45,7 @@ def two_expert_conformance(spec: ConformanceSpec, expert: str, **fields: Any) ->
 
 def is_two_expert(model_index: dict[str, Any]) -> bool:
     """model_index.json names a second transformer and the boundary between the two."""
-    second = model_index.get("transformer_2")
-    return model_index.get(BOUNDARY) is not None and isinstance(second, list) and second[0] is not None
+    return model_index.get(BOUNDARY) is not None and component_class(model_index, SECOND_TRANSFORMER) is not None
 
 
 def check_two_expert(model_index: dict[str, Any], family: str) -> None:
@@ -50,15 +53,6 @@ def check_two_expert(model_index: dict[str, Any], family: str) -> None:
         raise ValueError(
             f"{family} serves two-expert Wan2.2 A14B folders (transformer_2 and boundary_ratio in model_index.json); "
             "this folder has one transformer: load it as its single-transformer family (remove model.family)"
-        )
-
-
-def refuse_two_expert(model_index: dict[str, Any], family: str, variant: str) -> None:
-    """For the single-transformer families: a two-expert folder forced onto them (model.family)."""
-    if model_index.get(BOUNDARY) is not None or (model_index.get("transformer_2") or [None])[0]:
-        raise ValueError(
-            f"this is a two-expert Wan2.2 A14B folder (transformer_2 / boundary_ratio), which {family} does not "
-            f"serve; it is the {variant} family's: remove model.family (or set it to {variant})"
         )
 
 
@@ -71,47 +65,31 @@ GUIDANCE_SCALE_2 = Option(
 )
 
 
-class TwoExpertInference:
-    """Mixin for a Wan inference spec: the second expert loaded and switched to at the boundary."""
+class TwoExperts:
+    """The two-expert part of Wan's spec, stage and condition model (`ExpertsPart`): the second expert loaded and
+    switched to at the boundary, as `WanPipeline.__call__` does; training's sigmas on the trained expert's side."""
 
-    family: str
-    expert_components: tuple[str, ...] = ("transformer_2",)
+    components: tuple[str, ...] = (SECOND_TRANSFORMER,)
     pipeline_config: tuple[str, ...] = (BOUNDARY,)
 
-    def check_checkpoint(self, model_index: dict[str, Any]) -> None:
-        check_two_expert(model_index, self.family)
+    def check_checkpoint(self, model_index: dict[str, Any], family: str) -> None:
+        check_two_expert(model_index, family)
+
+    def prepare_request(self, req: Req, components: dict[str, Any]) -> None:
+        # WanPipeline.__call__: boundary_timestep = boundary_ratio x num_train_timesteps; guidance_scale_2
+        # defaults to guidance_scale
+        ratio = float(components[BOUNDARY])
+        req.extra["boundary_timestep"] = ratio * components["scheduler"].config.num_train_timesteps
+        scale_2 = req.params.extra.get("guidance_scale_2")
+        req.extra["cfg_scale_2"] = req.cfg_scale if scale_2 is None else float(scale_2)
 
     def step_denoiser(self, req: Req, t: torch.Tensor) -> tuple[str, float]:
         # WanPipeline: `t >= boundary_timestep` -> transformer at guidance_scale, else transformer_2
         if t >= req.extra["boundary_timestep"]:
             return "transformer", req.cfg_scale
-        return "transformer_2", req.extra["cfg_scale_2"]
+        return SECOND_TRANSFORMER, req.extra["cfg_scale_2"]
 
-
-class TwoExpertStage:
-    """Mixin for a Wan before-denoising stage: the boundary timestep and the low-noise expert's CFG scale
-    on the request (`req.extra`), as `WanPipeline.__call__` computes them."""
-
-    components: dict[str, Any]
-    scheduler: Any
-
-    def forward(self, req: Req) -> Req:
-        req = super().forward(req)  # type: ignore[misc]  # the Wan stage this mixes into
-        ratio = float(self.components[BOUNDARY])
-        req.extra["boundary_timestep"] = ratio * self.scheduler.config.num_train_timesteps
-        scale_2 = req.params.extra.get("guidance_scale_2")
-        req.extra["cfg_scale_2"] = req.cfg_scale if scale_2 is None else float(scale_2)
-        return req
-
-
-class TwoExpertCondition:
-    """Mixin for a Wan condition model: which expert a run trains and the sigmas it draws."""
-
-    sigma_range: tuple[float, float]
-    boundary_ratio: float | None = None
-
-    @classmethod
-    def trained_component(cls, model_index: dict[str, Any], expert: str | None) -> str:
+    def trained_component(self, model_index: dict[str, Any], expert: str | None) -> str:
         if not is_two_expert(model_index):
             raise ValueError(
                 "this folder has one transformer, not Wan2.2 A14B's two experts; remove model.family / train.expert"
@@ -123,14 +101,10 @@ class TwoExpertCondition:
             )
         return EXPERTS[expert]
 
-    def read_checkpoint(self, root: Any) -> None:
-        from spindle.infer.pipeline import read_model_index
-
-        super().read_checkpoint(root)  # type: ignore[misc]  # the Wan condition model this mixes into
-        self.boundary_ratio = float(read_model_index(root)[BOUNDARY])
-
-    def select_expert(self, expert: str) -> None:
-        assert self.boundary_ratio is not None, "read_checkpoint reads boundary_ratio"
-        ratio = self.boundary_ratio
+    def sigma_range(self, model_index: dict[str, Any], expert: str) -> tuple[float, float]:
         # training's timestep is sigma x num_train_timesteps, so the boundary is at sigma = boundary_ratio
-        self.sigma_range = (ratio, 1.0) if expert == "high_noise" else (0.0, ratio)
+        ratio = float(model_index[BOUNDARY])
+        return (ratio, 1.0) if expert == "high_noise" else (0.0, ratio)
+
+
+TWO_EXPERTS = TwoExperts()

@@ -1,20 +1,17 @@
-"""Wan2.2 A14B text-to-video inference: Wan's stages with the expert switch (`experts.py`)."""
+"""Wan2.2 A14B text-to-video inference: Wan's spec and stages with the two-expert part (`experts.py`), which
+Wan's code calls to load the second expert and switch to it at the boundary."""
 
 from __future__ import annotations
 
-from spindle.models.wan.inference import WanBeforeDenoisingStage, WanInference
+from spindle.models.wan.inference import WanInference
 from spindle.models.wan22 import OPTIONS
-from spindle.models.wan22.experts import TwoExpertInference, TwoExpertStage
+from spindle.models.wan22.experts import TWO_EXPERTS
 
 
-class Wan22BeforeDenoisingStage(TwoExpertStage, WanBeforeDenoisingStage):
-    pass
-
-
-class Wan22Inference(TwoExpertInference, WanInference):
+class Wan22Inference(WanInference):
     options = OPTIONS
     family = "wan22"
-    before_denoising_cls = Wan22BeforeDenoisingStage
+    experts = TWO_EXPERTS
 
 
 INFERENCE = Wan22Inference()

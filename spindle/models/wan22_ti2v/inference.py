@@ -42,10 +42,8 @@ class Wan22TI2VInference(WanInference):
     family = "wan22_ti2v"
     before_denoising_cls = Wan22TI2VBeforeDenoisingStage
 
-    def check_checkpoint(self, model_index: dict) -> None:
-        from spindle.models.wan22.experts import refuse_two_expert
-
-        refuse_two_expert(model_index, self.family, "wan22")
+    def check_checkpoint(self, model_index: dict[str, Any]) -> None:
+        self.check_experts(model_index)  # one transformer: a two-expert folder is wan22's
         if not model_index.get("expand_timesteps"):
             raise ValueError(
                 "wan22_ti2v serves Wan2.2 TI2V-5B folders (expand_timesteps in model_index.json); this one has none: "

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from spindle.data.media import tensor_to_image
+from spindle.model_index import component_class, read_model_index
 from spindle.models.wan.condition import WanConditionModel
 from spindle.models.wan_i2v import TEXT_LENGTH
 
@@ -44,8 +45,8 @@ class WanI2VConditionModel(WanConditionModel):
     def request_images(cls, root: str | Path) -> tuple[int, int] | None:
         """With image embeddings (Wan2.1 I2V): one image, or exactly two for a first-last-frame (FLF2V)
         transformer (`pos_embed_seq_len`, as `read_checkpoint`); without (Wan2.2): the family's bounds."""
-        index = json.loads((Path(root) / "model_index.json").read_text())
-        if not any((index.get(name) or [None])[0] for name in ("image_encoder", "image_processor")):
+        index = read_model_index(root)
+        if not any(component_class(index, name) for name in ("image_encoder", "image_processor")):
             return None
         config = json.loads((Path(root) / "transformer" / "config.json").read_text())
         return (2, 2) if config.get("pos_embed_seq_len") is not None else (1, 1)
@@ -83,6 +84,7 @@ class WanI2VConditionModel(WanConditionModel):
         return out
 
     def read_checkpoint(self, root: Path) -> None:
+        super().read_checkpoint(root)
         # a transformer embedding one image per video cannot take a last frame's embeddings (FLF2V ones fold
         # two per sample: `pos_embed_seq_len`); one without image embeddings (Wan2.2) takes the last frame's latents
         config = json.loads((root / "transformer" / "config.json").read_text())

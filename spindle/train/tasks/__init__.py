@@ -9,15 +9,13 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from spindle.contracts.task import TrainTask
 
-# task name -> "module:Class". A family's `task` field names one of these.
+# task name -> "module:Class". A family's `task` field names one of these. A MoE family trains with its
+# kind's task (causal_lm, vlm, omni) holding an experts part (spindle.train.parts.experts), chosen from its record.
 TASKS: dict[str, str] = {
     "flow_matching": "spindle.train.tasks.flow_matching:FlowMatchingTask",
     "causal_lm": "spindle.train.tasks.causal_lm:CausalLMTask",
-    "causal_lm_moe": "spindle.train.tasks.moe_causal_lm:MoECausalLMTask",
     "vlm": "spindle.train.tasks.vlm:VLMTask",
-    "vlm_moe": "spindle.train.tasks.vlm_moe:VLMMoETask",
     "omni": "spindle.train.tasks.omni:OmniTask",
-    "omni_moe": "spindle.train.tasks.omni_moe:OmniMoETask",
 }
 
 

@@ -68,7 +68,8 @@ def build_parallel_model(
     from spindle.distributed.fsdp import autocast_dtype
     from spindle.distributed.parallelize import parallelize
     from spindle.distributed.sharded_load import check_checkpoint_keys, load_sharded
-    from spindle.train.precision import frozen_storage, store_frozen, stored_float_dtypes
+    from spindle.export.dtypes import stored_float_dtypes
+    from spindle.train.precision import frozen_storage, store_frozen
 
     cfg = task.cfg
     where = str(cfg.model.path)

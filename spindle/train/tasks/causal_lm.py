@@ -10,16 +10,19 @@
   divides by the valid-token count of the global batch (`loss_units`), so the step loss is the mean
   over every valid token of the global batch, whatever the micro-batch / data-parallel / SP split.
 - Export: a transformers folder (config, generation config, tokenizer, sharded safetensors) written
-  shard by shard with DCP's Hugging Face writer; stock `AutoModelForCausalLM.from_pretrained` loads it.
+  shard by shard with DCP's Hugging Face writer (spindle.export.transformers); stock
+  `AutoModelForCausalLM.from_pretrained` loads it.
+- Parts: a MoE family's experts (`spindle.train.parts.experts.Experts`, chosen from the family record: its
+  checkpoint adapter) are a part the task holds and calls at named points (load, plan, step, metrics, export),
+  whatever the task's input kind (text here; vision and omni in vlm.py / omni.py).
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
-import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -28,10 +31,13 @@ import torch
 from spindle.config import CausalLMJobConfig, ConfigError
 from spindle.contracts.family import CausalLMFamily
 from spindle.contracts.parallel import ParallelPlan
-from spindle.contracts.task import StepOutput, TrainTask
+from spindle.contracts.task import Objective, StepOutput, TrainTask
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.mesh import barrier, is_main_process
-from spindle.train.precision import ExportDtypes, check_export_dtype, export_dtypes
+from spindle.export.dtypes import ExportDtypes, check_export_dtype
+from spindle.export.transformers import ExportSource, load_tokenizer, write_transformers_folder
+from spindle.train.objectives import build_objective
+from spindle.train.parts.experts import PADDING_MASK_KEY, Experts
 from spindle.train.tasks.base import build_parallel_model, resumable_loader
 
 if TYPE_CHECKING:
@@ -41,19 +47,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("spindle.train")
 
-IGNORE_INDEX = -100
 # Keyword arguments that make a ForCausalLM forward return the plain *sum* of the token losses of
 # `shift_labels` (already shifted, -100 ignored). Both paths honour them: stock transformers'
 # `ForCausalLMLoss` uses `shift_labels` when given (it needs `labels` non-None to compute a loss at
 # all) and divides a sum by `num_items_in_batch`; the patched forwards' `causal_lm_loss` does the same
 # from hidden states. Dividing by 1 is exact, so the two paths agree bit for bit on the reduction.
 LOSS_SUM = {"num_items_in_batch": 1}
-# (model tensor name, its whole value -> {export name: tensor} or None for as-is, the export tensor on meta)
-ExportSource = tuple[str, Callable[[torch.Tensor], dict[str, torch.Tensor]] | None, torch.Tensor]
-EXPORT_MAX_SHARD_BYTES = 5 << 30  # transformers' default max_shard_size (5GB)
 TOKEN_KEYS = ("input_ids", "position_ids", "shift_labels")
-# Not given to attention (spindle.data.text): for task hooks that must skip padding (MoE router statistics).
-PADDING_MASK_KEY = "attention_mask"
 
 
 def causal_lm_output(model: torch.nn.Module, batch: dict[str, torch.Tensor], **model_kwargs: Any) -> Any:
@@ -70,6 +70,30 @@ def causal_lm_output(model: torch.nn.Module, batch: dict[str, torch.Tensor], **m
         **LOSS_SUM,
         **model_kwargs,
     )
+
+
+def is_spindle_patched(model: torch.nn.Module) -> bool:
+    """The model's class is a patchgen-generated one (`spindle/models/*/generated/`), whose forward takes
+    Spindle's loss arguments (`loss_reduction`, chunked from hidden states); FSDP2 subclasses it."""
+    return any(".generated.patched_modeling_" in c.__module__ for c in type(model).__mro__)
+
+
+def causal_lm_log_probs(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float = 1.0, **model_kwargs: Any
+) -> tuple[Any, torch.Tensor]:
+    """(the forward output, each position's log-probability of its `shift_labels` token [rows, seq], 0 where
+    -100): what sequence objectives (DPO, GRPO) sum or weigh, of the logits divided by `temperature` (GRPO scores
+    completions as they were sampled). A patched model computes them from its hidden states chunk by chunk
+    (`loss_reduction="none"`, no [tokens, vocab] logits) at temperature 1; otherwise from its logits."""
+    from spindle.train.objectives.logprobs import token_log_probs_from_logits
+
+    labels = batch["shift_labels"]
+    common = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
+    if is_spindle_patched(model) and temperature == 1.0:
+        out = model(labels=labels, shift_labels=labels, loss_reduction="none", **common, **model_kwargs)
+        return out, -out.loss
+    out = model(**common, **model_kwargs)
+    return out, token_log_probs_from_logits(out.logits, labels, temperature)
 
 
 def causal_lm_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -90,14 +114,19 @@ def check_tokenizer_files(path: str | Path) -> None:
         wanted = " or ".join(" + ".join(names) for names in TOKENIZER_FILES)
         raise ConfigError(
             f"{folder} has no tokenizer ({wanted}): copy the tokenizer files of the base model into it "
-            "(AutoTokenizer.from_pretrained(BASE).save_pretrained(FOLDER))"
+            "(tokenizer.json, tokenizer_config.json and the rest of its tokenizer files)"
         )
 
 
-def load_tokenizer(path: str | Path) -> Any:
-    from transformers import AutoTokenizer
+@dataclass
+class RowsRun:
+    """A micro-batch's rows run through the model on this rank (`CausalLMTask.run_rows`)."""
 
-    return AutoTokenizer.from_pretrained(path)
+    out: Any  # the model's transformers ModelOutput (`.loss`: the summed token loss)
+    rows: dict[str, torch.Tensor]  # this rank's rows as the model got them (after the SP split)
+    samples: int  # rows in the micro-batch
+    tokens: int  # tokens of the whole rows
+    log_probs: torch.Tensor | None = None  # [rows, seq] with `log_probs=True`: each label token's log-probability
 
 
 class CausalLMTask(TrainTask):
@@ -122,6 +151,12 @@ class CausalLMTask(TrainTask):
         self.tokenizer = load_tokenizer(cfg.model.path)
         # {adapter module: parameter} of LoRA on fused expert parameters (`prepare_model`), for the export
         self.lora_parameters: dict[str, str] = {}
+        self.experts = Experts.of(family)  # a MoE family's experts part; None for a dense model
+        self.objective: Objective = build_objective(cfg.train.objective, cfg)  # what the step optimises (objectives/)
+
+    @classmethod
+    def supports_expert_parallel(cls, family: Any) -> bool:
+        return Experts.of(family) is not None
 
     # ------------------------------------------------------------ checks before launch
 
@@ -147,6 +182,9 @@ class CausalLMTask(TrainTask):
                 ulysses_attention.check_layout(cls.text_config(config), dims.sp, cfg.data.seq_len)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+        if (experts := Experts.of(family)) is not None:
+            experts.check_plan(cfg.model.path, dims)
+        build_objective(cfg.train.objective, cfg).check_plan(family, dims)
 
     @classmethod
     def text_config(cls, config: dict[str, Any]) -> dict[str, Any]:
@@ -157,6 +195,8 @@ class CausalLMTask(TrainTask):
 
     def load_model(self) -> Any:
         """The family's ForCausalLM from the transformers folder, fp32 (master weights), sdpa attention."""
+        if self.experts is not None:  # every expert loaded from the checkpoint's layout, or an error
+            return self.experts.load_full(self.cfg.model.path, self.device.type, attn_implementation="sdpa")
         cls: Any = self.family.model_cls()
         return cls.from_pretrained(
             self.cfg.model.path, dtype=torch.float32, attn_implementation="sdpa", **self.model_init_kwargs()
@@ -170,8 +210,8 @@ class CausalLMTask(TrainTask):
         return AutoConfig.from_pretrained(self.cfg.model.path)
 
     def model_init_kwargs(self) -> dict[str, Any]:
-        """Extra keyword arguments of the model's construction (both load paths)."""
-        return {}
+        """Extra keyword arguments of the model's construction (both load paths): a MoE's experts kernel."""
+        return {} if self.experts is None else self.experts.init_kwargs(self.cfg.model.path, self.device.type)
 
     def empty_model(self) -> torch.nn.Module:
         """The family's ForCausalLM built from config.json alone, as `load_model` would build it (fp32, sdpa,
@@ -197,15 +237,58 @@ class CausalLMTask(TrainTask):
         return built
 
     def checkpoint_sources(self) -> dict[str, TensorSource]:
-        """The checkpoint's tensors as the model holds them."""
+        """The checkpoint's tensors as the model holds them: under the model's names (`named_sources`), a
+        MoE's per-expert tensors read as the fused ones."""
+        sources = self.named_sources()
+        return sources if self.experts is None else self.experts.checkpoint_sources(sources)
+
+    def named_sources(self) -> dict[str, TensorSource]:
+        """The checkpoint's tensors under the model's names (a text model's: the checkpoint's own)."""
         from spindle.distributed.sharded_load import SafetensorsCheckpoint
 
         return SafetensorsCheckpoint(self.cfg.model.path).sources()
 
     def parallel_plan(self) -> ParallelPlan:
+        plan = self.input_plan()
+        return plan if self.experts is None else self.experts.plan(plan)
+
+    def input_plan(self) -> ParallelPlan:
+        """The plan of the task's input kind (a VLM's: SP in its language model only)."""
         return ParallelPlan("transformers")
 
     def build_model(self) -> torch.nn.Module:
+        from contextlib import nullcontext
+
+        with nullcontext() if self.experts is None else self.experts.building(self.cfg.model.path):
+            model = self._build_model()
+        self.objective.prepare(self, model)
+        return model
+
+    def build_reference(self, path: str | Path) -> tuple[CausalLMTask, torch.nn.Module]:
+        """Collective: a frozen copy of the family's model from `path` (the starting policy, or another folder of
+        the same family), loaded and sharded as the trained model is (no LoRA, no gradient, no optimizer state),
+        in eval mode: the reference of a preference or RL objective. -> (the task that runs it: its `run_rows`
+        feeds the copy's own input hooks, the copy)."""
+        from contextlib import nullcontext
+
+        cfg = self.cfg.model_copy(
+            update={
+                "model": self.cfg.model.model_copy(update={"path": str(path)}),
+                "train": self.cfg.train.model_copy(
+                    update={"lora": None, "objective": "sft", "gradient_checkpointing": False, "freeze": []}
+                    if hasattr(self.cfg.train, "freeze")
+                    else {"lora": None, "objective": "sft", "gradient_checkpointing": False}
+                ),
+            }
+        )
+        twin = type(self)(cfg, self.family, self.mesh, self.device, self.precision)
+        with nullcontext() if twin.experts is None else twin.experts.building(path):
+            model = twin._build_model()
+        model.requires_grad_(False)
+        model.eval()
+        return twin, model
+
+    def _build_model(self) -> torch.nn.Module:
         from spindle.train.lora import init_adapters, is_lora_name
 
         lora = self.cfg.train.lora
@@ -238,6 +321,12 @@ class CausalLMTask(TrainTask):
         return find_blocks(model)
 
     def build_loader(self) -> ResumableLoader:
+        loader: ResumableLoader = self.objective.build_loader(self)
+        return loader
+
+    def document_loader(self) -> ResumableLoader:
+        """This rank's micro-batches of the job's documents as token rows (the input kind's: text / chat JSONL
+        packed into rows with per-document positions and pre-shifted labels)."""
         from spindle.data.text import build_text_dataset, collate_rows
 
         data = self.cfg.data
@@ -273,10 +362,21 @@ class CausalLMTask(TrainTask):
 
     # ------------------------------------------------------------ step
 
+    def begin_step(self, model: torch.nn.Module, batches: list[Any], step: int) -> list[Any]:
+        return self.objective.begin_step(self, model, batches, step)
+
     def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
-        return int((batch["shift_labels"] != IGNORE_INDEX).sum())  # the whole rows, before any SP split
+        return self.objective.loss_units(batch)
 
     def forward(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], step: int) -> StepOutput:
+        return self.objective.forward(self, model, batch, step)
+
+    def run_rows(
+        self, model: torch.nn.Module, batch: dict[str, torch.Tensor], log_probs: bool = False, **model_kwargs: Any
+    ) -> RowsRun:
+        """Collective under SP / FSDP2: `batch`'s rows through the model (the input kind's way; this rank's
+        chunk of them under SP), the loss asked for as a sum over valid tokens (`causal_lm_output`), or with
+        `log_probs` each label token's log-probability (`causal_lm_log_probs`)."""
         rows = {k: batch[k].to(self.device) for k in (*TOKEN_KEYS, PADDING_MASK_KEY) if k in batch}
         samples, tokens = rows["input_ids"].shape[0], rows["input_ids"].numel()
         if self.mesh.dims.sp > 1:
@@ -285,17 +385,23 @@ class CausalLMTask(TrainTask):
             # Positions and labels were computed on the whole rows; each SP rank keeps its chunk.
             rows = ulysses_attention.shard_batch(rows, self.mesh.sp_rank, self.mesh.dims.sp)
         with self._autocast():
-            out = causal_lm_output(model, rows, **self.model_kwargs(rows))
-        return StepOutput(out.loss.float(), samples, tokens, self.output_metrics(out, rows))
+            if log_probs:
+                out, logps = causal_lm_log_probs(model, rows, **self.model_kwargs(rows), **model_kwargs)
+                return RowsRun(out, rows, samples, tokens, logps)
+            out = causal_lm_output(model, rows, **self.model_kwargs(rows), **model_kwargs)
+        return RowsRun(out, rows, samples, tokens)
 
     def model_kwargs(self, rows: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """Extra keyword arguments of the training forward of this rank's `rows` (after the SP split),
-        e.g. output_router_logits for MoE."""
-        return {}
+        """Extra keyword arguments of the training forward of this rank's `rows` (after the SP split):
+        a MoE's router outputs and statistics."""
+        return {} if self.experts is None else self.experts.model_kwargs(rows, self.mesh)
 
-    def output_metrics(self, out: Any, rows: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Scalars to log from a micro-batch's forward output on this rank's `rows` (StepOutput.metrics)."""
-        return {}
+    def output_metrics(self, out: Any, rows: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Values to log from a micro-batch's forward output on this rank's `rows` (StepOutput.metrics)."""
+        return {} if self.experts is None else self.experts.output_metrics(out, rows, self.cfg.model.path)
+
+    def step_metrics(self) -> dict[str, Any]:
+        return {} if self.experts is None else self.experts.step_metrics(self.mesh, self.device)
 
     # ------------------------------------------------------------ export
 
@@ -304,14 +410,16 @@ class CausalLMTask(TrainTask):
         state = {"family": self.family.name, "lora": lora.model_dump() if lora is not None else None}
         if self.lora_parameters:
             state["lora_parameters"] = self.lora_parameters
+        if self.experts is not None:
+            state.update(self.experts.state())
         return state
 
     def export(self, model: torch.nn.Module, out: Path) -> Path | None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         if self.cfg.train.lora is not None:
+            from spindle.export.peft import export_lm_lora
             from spindle.train.lora import adapter_state_dict, lora_scale, wrapped_parameters
-            from spindle.train.tasks.lm_lora import export_lm_lora
 
             sd = ckpt.full_state_dict(model, trainable_only=True)  # collective: the adapters only
             result = None
@@ -330,7 +438,21 @@ class CausalLMTask(TrainTask):
             barrier()
             return result
 
-        state = self.export_layout(self.family, model, cast("dict[str, torch.Tensor]", get_model_state_dict(model)))
+        # a model's state dict holds tensors (DTensors under FSDP2/EP), not the nested values DCP's ValueType allows
+        whole = cast("dict[str, torch.Tensor]", get_model_state_dict(model))
+        if self.experts is not None:  # the experts in the input's layout, gathered one tensor at a time
+            self.experts.write_folder(
+                model,
+                whole,
+                self.cfg.model.path,
+                out,
+                self.cfg.export.dtype,
+                rename=lambda m, s: self.export_layout(self.family, m, s),
+                extra_files=self.export_files,
+                finish=self.finish_export(self.family, self.cfg.model.path),
+            )
+            return out if is_main_process() else None
+        state = self.export_layout(self.family, model, whole)
         write_transformers_folder(
             model,
             state,
@@ -345,7 +467,8 @@ class CausalLMTask(TrainTask):
     @classmethod
     def merge_base(cls, family: CausalLMFamily) -> Any:
         """What loads the base model a LoRA is merged into (`export.merge_lora`): its `from_pretrained`."""
-        return family.model_cls()
+        experts = Experts.of(family)
+        return family.model_cls() if experts is None else experts.merge_base()
 
     @classmethod
     def export_layout(
@@ -364,8 +487,8 @@ class CausalLMTask(TrainTask):
         model_cls: Any = family.model_cls()
         state = json.loads((checkpoint / ckpt.TRAINER_STATE).read_text())
         if (lora := state.get("lora")) is not None:  # the adapters alone, read by name: no model is built
+            from spindle.export.peft import export_lm_lora
             from spindle.train.lora import checkpoint_adapters
-            from spindle.train.tasks.lm_lora import export_lm_lora
 
             return export_lm_lora(
                 model_cls,
@@ -379,6 +502,8 @@ class CausalLMTask(TrainTask):
             )
         if cls.export_streamed(family, checkpoint, model_path, out, dtype):
             return out
+        if Experts.of(family) is not None:  # never gather a MoE's experts into one process
+            raise RuntimeError(f"{family.name}: the export names cannot be traced to the model's tensors")
         model = model_cls.from_pretrained(model_path, dtype=torch.float32)
         state = cls.export_layout(family, model, ckpt.read_checkpoint_model(checkpoint, model))
         write_transformers_folder(
@@ -403,132 +528,25 @@ class CausalLMTask(TrainTask):
     ) -> dict[str, ExportSource]:
         """{export name before `export_layout`'s renaming: (the model tensor it comes from, what turns that
         tensor's whole value into {export name: tensor} (None: the tensor as it is), its meta tensor)} for a
-        meta `model`. Default: every tensor as it is. A MoE splits or transposes its fused experts here
-        (moe_causal_lm)."""
-        return {k: (k, None, t) for k, t in state.items()}
+        meta `model`: every tensor as it is, a MoE's fused experts split or transposed (its experts part)."""
+        dense: dict[str, ExportSource] = {k: (k, None, t) for k, t in state.items()}
+        experts = Experts.of(family)
+        return dense if experts is None else experts.export_sources(model, state, model_path, dense)
 
     @classmethod
     def export_streamed(cls, family: CausalLMFamily, checkpoint: Path, model_path: Path, out: Path, dtype: str) -> bool:
-        """Write the export shard by shard from the checkpoint (`spindle.train.streamed_export`): the names
-        come from a meta model through `export_sources` and `export_layout`; each trained tensor is read
-        whole from the checkpoint (one at a time) and converted, an untrained one is the base file's under
-        its own name. -> False when the layout's names cannot be traced to the model's tensors."""
-        from spindle.distributed.sharded_load import empty_weights
-        from spindle.train.streamed_export import SafetensorsFolder, write_streamed
+        """Write the export shard by shard from the checkpoint (`spindle.export.transformers.export_streamed`),
+        the names traced through `export_sources` and `export_layout`. -> False when they cannot be."""
+        from spindle.export.transformers import export_streamed
 
-        model_cls: Any = family.model_cls()
-        with empty_weights():  # the class's own config part (an omni model's thinker reads its section)
-            model = model_cls._from_config(model_cls.config_class.from_pretrained(model_path))
-        model.tie_weights()  # not done under empty_weights; `unique_weights` finds the tied names by it
-        state = model.state_dict()
-        sources = cls.export_sources(family, model, state, model_path)
-        origin = {id(meta): (fqn, convert, name) for name, (fqn, convert, meta) in sources.items()}
-        layout = unique_weights(model, cls.export_layout(family, model, {n: m for n, (_, _, m) in sources.items()}))
-        if not all(id(t) in origin for t in layout.values()):
-            return False
-        source_of = {name: origin[id(t)] for name, t in layout.items()}
-        saved = set(ckpt.saved_model_tensors(checkpoint))
-        if unknown := sorted(saved - set(state)):
-            raise RuntimeError(
-                f"the checkpoint's tensors do not fit {model_cls.__name__} of {model_path}: unexpected {unknown[:5]}; "
-                "was the run trained from another base model? pass --model PATH"
-            )
-        base = SafetensorsFolder(model_path)
-
-        def read(names: list[str]) -> dict[str, torch.Tensor]:
-            out: dict[str, torch.Tensor] = {}
-            by_fqn: dict[str, list[str]] = {}
-            for n in names:
-                by_fqn.setdefault(source_of[n][0], []).append(n)
-            for fqn, wanted in by_fqn.items():  # one trained tensor whole at a time (a layer's fused experts)
-                if fqn not in saved:  # not trained: the base file's, by its own name
-                    out.update(base.read(wanted))
-                    continue
-                value = ckpt.read_model_tensors(checkpoint, [fqn])[fqn]
-                convert = source_of[wanted[0]][1]  # one conversion per model tensor
-                converted = {fqn: value} if convert is None else convert(value)
-                out.update({n: converted[source_of[n][2]] for n in wanted})
-                del value, converted
-            return out
-
-        dtypes = export_dtypes(dtype, model_path)
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        # indexed even as one file, as the in-training export (DCP's writer) names it
-        write_streamed(layout, read, tmp, "model.safetensors", dtypes, EXPORT_MAX_SHARD_BYTES, single_file=False)
-        finish_transformers_folder(
-            model, dtypes, model_path, tmp, out, cls.export_files, cls.finish_export(family, model_path)
+        return export_streamed(
+            family.model_cls(),
+            checkpoint,
+            model_path,
+            out,
+            dtype,
+            sources=lambda model, state: cls.export_sources(family, model, state, model_path),
+            layout=lambda model, state: cls.export_layout(family, model, state),
+            extra_files=cls.export_files,
+            finish=cls.finish_export(family, model_path),
         )
-        return True
-
-
-def unique_weights(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop the second name of tied parameters (lm_head.weight tied to the embeddings), as
-    `save_pretrained` does: the config's `tie_word_embeddings` re-ties them on load."""
-    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
-    return {k: v for k, v in state_dict.items() if k not in aliases}
-
-
-def write_transformers_folder(
-    model: torch.nn.Module,
-    state_dict: dict[str, torch.Tensor],
-    source: str | Path,
-    out: str | Path,
-    max_shard_bytes: int = EXPORT_MAX_SHARD_BYTES,
-    extra_files: tuple[str, ...] = (),
-    dtype: str = "auto",
-    finish: Callable[[Path, ExportDtypes], None] | None = None,
-    more: Callable[[ExportDtypes], Iterator[dict[str, torch.Tensor]]] | None = None,
-) -> None:
-    """Collective: `out` = config.json + generation_config.json + tokenizer + sharded safetensors, plus
-    `extra_files` of the source folder that exist (e.g. a VLM's preprocessor_config.json). `more(dtypes)`
-    yields further tensors a group at a time, already in their export names and dtypes (a MoE's experts
-    converted to the checkpoint's layout, one layer's tensor at a time: `ckpt.append_safetensors`).
-
-    Weights are written shard by shard from every rank (`ckpt.save_hf_safetensors`) into `<out>.tmp`,
-    which is renamed to `out` when complete, each tensor in its `export.dtype` (`spindle.train.precision`;
-    auto: as the source folder stores it); a DTensor converts only this rank's shard. Config and generation
-    config are the model's own (transformers' `save_pretrained` of them) with the config's `dtype` set to
-    the weights' main dtype, so `from_pretrained(dtype="auto")` loads them as written; the tokenizer is the
-    source folder's. `finish(folder, dtypes)` completes the folder on the main process before it is renamed
-    (an omni model's untrained sub-models and whole config).
-    """
-    dtypes = export_dtypes(dtype, source)
-    out = Path(out)
-    tmp = out.with_name(out.name + ".tmp")
-    if is_main_process():
-        shutil.rmtree(tmp, ignore_errors=True)
-    barrier()
-    ckpt.save_hf_safetensors(dtypes.cast_all(unique_weights(model, state_dict)), tmp, max_shard_bytes)
-    if more is not None:
-        ckpt.append_safetensors(tmp, more(dtypes), max_shard_bytes)
-    if is_main_process():
-        finish_transformers_folder(model, dtypes, source, tmp, out, extra_files, finish)
-    barrier()
-
-
-def finish_transformers_folder(
-    model: torch.nn.Module,
-    dtypes: ExportDtypes,
-    source: str | Path,
-    tmp: Path,
-    out: Path,
-    extra_files: tuple[str, ...],
-    finish: Callable[[Path, ExportDtypes], None] | None = None,
-) -> None:
-    """Beside the weights in `tmp`: the config (its `dtype` the weights' main one), generation config,
-    the source's tokenizer and `extra_files`, then the task's `finish(tmp, dtypes)`; then `tmp` becomes `out`."""
-    hf_model: Any = model  # a transformers PreTrainedModel
-    config = copy.deepcopy(hf_model.config)  # the training model's own config stays fp32
-    config.dtype = dtypes.default
-    config.save_pretrained(tmp)
-    if getattr(hf_model, "generation_config", None) is not None:
-        hf_model.generation_config.save_pretrained(tmp)
-    load_tokenizer(source).save_pretrained(tmp)
-    for name in extra_files:
-        if (Path(source) / name).is_file():
-            shutil.copy2(Path(source) / name, tmp / name)
-    if finish is not None:
-        finish(tmp, dtypes)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)

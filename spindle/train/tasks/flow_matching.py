@@ -10,23 +10,30 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
 from spindle.config import DiTJobConfig
 from spindle.contracts.condition import ConditionModel
-from spindle.contracts.family import DiTFamily, import_object
+from spindle.contracts.family import DiTFamily
 from spindle.contracts.parallel import ParallelPlan
-from spindle.contracts.task import StepOutput, TrainTask
+from spindle.contracts.task import Objective, StepOutput, TrainTask
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.mesh import barrier, is_main_process
-from spindle.export_record import EXPORT_RECORD, LORA_WEIGHTS, write_export_record, write_lora_card
+from spindle.export.diffusers import (
+    export_lora,
+    export_pipeline_sharded,
+    export_pipeline_streamed,
+    load_transformer,
+    transformer_from_config,
+)
+from spindle.export.dtypes import export_dtypes
+from spindle.model_index import read_model_index
 from spindle.train.metrics import count_tokens
-from spindle.train.precision import ExportDtypes, export_dtypes
+from spindle.train.objectives import build_objective
 from spindle.train.tasks.base import build_parallel_model, resumable_loader
 
 if TYPE_CHECKING:
@@ -34,49 +41,12 @@ if TYPE_CHECKING:
     from spindle.distributed.mesh import Mesh, ParallelDims
 
 
-def transformer_class(root: str | Path, component: str = "transformer") -> Any:
-    """The diffusers transformer class named in `root/<component>/config.json`."""
-    import diffusers
-
-    cfg_path = Path(root) / component / "config.json"
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"{cfg_path} not found: the checkpoint has no transformer component")
-    cls_name = json.loads(cfg_path.read_text())["_class_name"]
-    cls = getattr(diffusers, cls_name, None)
-    if cls is None:
-        raise ValueError(f"{cfg_path} names {cls_name!r}, which diffusers {diffusers.__version__} does not provide")
-    return cls
-
-
-def load_transformer(
-    root: str | Path, dtype: torch.dtype = torch.float32, component: str = "transformer"
-) -> torch.nn.Module:
-    """Load the diffusers transformer `component` of the pipeline folder `root` (every weight, on the host)."""
-    model: torch.nn.Module = transformer_class(root, component).from_pretrained(Path(root) / component, dtype=dtype)
-    return model
-
-
-def transformer_from_config(root: str | Path, component: str = "transformer") -> torch.nn.Module:
-    """The transformer `component` of `root` built from its config alone, fp32, its parameters on the meta
-    device (no weight read; buffers computed as diffusers computes them)."""
-    from spindle.distributed.sharded_load import empty_weights
-
-    cls = transformer_class(root, component)
-    with empty_weights():
-        model: torch.nn.Module = cls.from_config(cls.load_config(Path(root) / component))
-    return model
-
-
-def read_index(root: str | Path) -> dict[str, Any]:
-    """`root/model_index.json` ({} when the folder has none: the loaders name what is missing)."""
-    index = Path(root) / "model_index.json"
-    return json.loads(index.read_text()) if index.is_file() else {}
-
-
 def trained_component(cfg: DiTJobConfig, family: DiTFamily) -> str:
     """The checkpoint component a job trains: "transformer", or the expert `train.expert` names in a
     two-expert checkpoint (the family's condition model decides; raises for a missing or stray choice)."""
-    return family.condition_model_cls().trained_component(read_index(cfg.model.path), cfg.train.expert)
+    return family.condition_model_cls().trained_component(
+        read_model_index(cfg.model.path, missing_ok=True), cfg.train.expert
+    )
 
 
 def sample_generator(seed: int, step: int, sample_index: int) -> torch.Generator:
@@ -90,13 +60,16 @@ def sample_generator(seed: int, step: int, sample_index: int) -> torch.Generator
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
 
 
-def loss_weights(sigmas: torch.Tensor, scheme: str) -> torch.Tensor | None:
-    if scheme == "none":
-        return None
-    from diffusers.training_utils import compute_loss_weighting_for_sd3
+@dataclass
+class TrainingInputs:
+    """One micro-batch's flow-matching inputs on this rank (`FlowMatchingTask.training_inputs`)."""
 
-    weights: torch.Tensor = compute_loss_weighting_for_sd3(scheme, sigmas=sigmas)
-    return weights
+    model_inputs: dict[str, Any]  # the transformer's keyword arguments
+    target: torch.Tensor  # the velocity (or the family's target) the prediction is compared with
+    sigmas: torch.Tensor  # [samples] noise levels
+    loss_mask: torch.Tensor | None  # elements the loss leaves out (None: all count)
+    samples: int
+    tokens_per_sample: int
 
 
 class FlowMatchingTask(TrainTask):
@@ -121,9 +94,9 @@ class FlowMatchingTask(TrainTask):
             raise TypeError(f"the flow-matching task trains DiT families; {family.name} is a {family.kind} family")
         super().__init__(cfg, family, mesh, device, precision)
         self.seed = cfg.train.seed
-        self.loss_weighting = cfg.train.loss_weighting
         self.component = trained_component(cfg, family)  # the checkpoint folder trained and exported
         self.condition = self._build_condition()
+        self.objective: Objective = build_objective(cfg.train.objective, cfg)  # what the step optimises (objectives/)
 
     # ------------------------------------------------------------ checks before launch
 
@@ -137,11 +110,11 @@ class FlowMatchingTask(TrainTask):
         check_validation_images(cfg, family)
         if cfg.data.buckets and dims.cp_size > 1:  # every bucket must split over the SP ranks: said before launch
             dit_data(cfg, family, check=False, warn_skipped=False)
-        index = Path(cfg.model.path) / "model_index.json"
-        if index.is_file() and family.inference is not None:
+        index = read_model_index(cfg.model.path, missing_ok=True)
+        if index and family.inference is not None:
             # checkpoint variants the family cannot serve are not trained either (they would train with
             # exit 0 and export what nothing can load)
-            family.inference_spec().check_checkpoint(json.loads(index.read_text()))
+            family.inference_spec().check_checkpoint(index)
         trained_component(cfg, family)  # a two-expert checkpoint trains the expert train.expert names
 
     # ------------------------------------------------------------ set-up
@@ -197,6 +170,12 @@ class FlowMatchingTask(TrainTask):
         return {f"source/{name}": n for name, n in mix.counts(self._loader.current_global_batch()).items()}
 
     def build_loader(self) -> ResumableLoader:
+        loader: ResumableLoader = self.objective.build_loader(self)
+        return loader
+
+    def media_loader(self) -> ResumableLoader:
+        """This rank's micro-batches of the job's media samples (buckets, sources, captions), or of their
+        precomputed conditions (`data.precomputed`)."""
         from spindle.data.datasets import collate
         from spindle.data.precomputed import CachedConditions, cache_settings, collate_conditions
 
@@ -222,10 +201,19 @@ class FlowMatchingTask(TrainTask):
 
     # ------------------------------------------------------------ step
 
+    def begin_step(self, model: torch.nn.Module, batches: list[Any], step: int) -> list[Any]:
+        return self.objective.begin_step(self, model, batches, step)
+
     def loss_units(self, batch: dict[str, Any]) -> int:
-        return len(batch["index"])  # the loss is a mean over samples
+        return self.objective.loss_units(batch)
 
     def forward(self, model: torch.nn.Module, batch: dict[str, Any], step: int) -> StepOutput:
+        return self.objective.forward(self, model, batch, step)
+
+    def training_inputs(self, model: torch.nn.Module, batch: dict[str, Any], step: int) -> TrainingInputs:
+        """A micro-batch's transformer inputs and flow-matching target: its conditions (encoded now, or read
+        from a precomputed cache), noise and sigmas from per-sample generators keyed on (seed, step, sample), so
+        every layout and every resume sees the same values; the sequence split checked under SP."""
         if "conditions" in batch:  # read from a precomputed cache
             conditions = {k: v.to(self.device) for k, v in batch["conditions"].items()}
         else:
@@ -240,19 +228,7 @@ class FlowMatchingTask(TrainTask):
         patch = getattr(getattr(model, "config", None), "patch_size", 1)
         tokens_per_sample = count_tokens(inputs["hidden_states"], patch)
         self._check_sequence_split(model, tokens_per_sample, inputs)
-        with self._autocast():
-            pred = model(**inputs, return_dict=False)[0]
-        pred = self.condition.target_prediction(pred, target)
-        squared = F.mse_loss(pred.float(), target.float(), reduction="none")
-        if loss_mask is None:
-            per_sample = squared.flatten(1).mean(1)
-        else:
-            mask = loss_mask.to(squared).expand_as(squared)
-            per_sample = (squared * mask).flatten(1).sum(1) / mask.flatten(1).sum(1)
-        weights = loss_weights(sigmas, self.loss_weighting)
-        if weights is not None:
-            per_sample = per_sample * weights.to(per_sample)
-        return StepOutput(per_sample.sum(), len(generators), tokens_per_sample * len(generators))
+        return TrainingInputs(inputs, target, sigmas, loss_mask, len(generators), tokens_per_sample)
 
     @staticmethod
     def _check_sequence_split(model: torch.nn.Module, tokens: int, inputs: dict[str, Any]) -> None:
@@ -280,7 +256,7 @@ class FlowMatchingTask(TrainTask):
         return {
             "family": self.family.name,
             "lora": lora.model_dump() if lora is not None else None,
-            "max_text_length": self.cfg.model.max_text_length,  # recorded in exports (spindle.export_record)
+            "max_text_length": self.cfg.model.max_text_length,  # recorded in exports (spindle.export.record)
             "component": self.component,  # the transformer folder trained (a two-expert checkpoint's expert)
         }
 
@@ -314,9 +290,8 @@ class FlowMatchingTask(TrainTask):
         cls, family: DiTFamily, checkpoint: Path, model_path: Path, out: Path, dtype: str = "auto"
     ) -> Path:
         """One process, without building the model: the trained tensors are streamed from the checkpoint
-        (`spindle.train.streamed_export`), a LoRA run's adapters read by name."""
+        (`spindle.export.diffusers.export_pipeline_streamed`), a LoRA run's adapters read by name."""
         from spindle.train.lora import checkpoint_adapters
-        from spindle.train.streamed_export import checkpoint_then_base, write_streamed
 
         if not (model_path / "model_index.json").is_file():
             raise FileNotFoundError(f"base model {model_path} has no model_index.json; pass --model PATH")
@@ -325,14 +300,8 @@ class FlowMatchingTask(TrainTask):
         dtypes = export_dtypes(dtype, model_path / component)
         text_length = state.get("max_text_length")  # None: a checkpoint from before it was recorded
         trained = {"family": family.name, "max_text_length": text_length}
-        saved = ckpt.saved_model_tensors(checkpoint)
         if state.get("lora") is None:
-            expected = transformer_from_config(model_path, component).state_dict()
-            check_state_names(set(expected), set(saved), model_path, require_all=False, component=component)
-            tmp = start_pipeline_export(model_path, out, component)
-            read = checkpoint_then_base(checkpoint, model_path / component)
-            write_streamed(expected, read, tmp / component, DIFFUSERS_WEIGHTS, dtypes)
-            return finish_pipeline_export(model_path, tmp, out, trained, component)
+            return export_pipeline_streamed(checkpoint, model_path, out, trained, dtypes, component)
         adapters = checkpoint_adapters(checkpoint, state["lora"])
         return export_lora(
             family,
@@ -420,188 +389,3 @@ def add_lora(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
     from spindle.train.lora import apply_lora
 
     return apply_lora(model, find_blocks(model), lora)
-
-
-LORA_FILE = LORA_WEIGHTS
-LORA_ORIGINAL_FILE = "original_layout_lora.safetensors"
-
-
-def export_lora(
-    family: Any,
-    base: str | Path,
-    adapters: dict[str, torch.Tensor],
-    out: str | Path,
-    merge: bool,
-    max_text_length: int | None = None,
-    dtypes: ExportDtypes | None = None,
-    component: str = "transformer",
-) -> Path:
-    """Write `out/lora/` (diffusers' LoRA file + the original-layout file, `spindle.json` naming the base
-    model and the trained text length, and a README.md model card with the lines that use it) and, with
-    `merge`, `out/merged/` (the full pipeline with the LoRA fused into the transformer). Written to
-    `<out>.tmp`, then renamed.
-
-    `dtypes` (default: the base transformer's, `export.dtype: auto`): the adapters are written in its
-    default dtype (they have no counterpart in the base); the merged transformer tensor by tensor.
-    The fusion itself runs in fp32.
-
-    `adapters`: diffusers-layout LoRA (`<module>.lora_A.weight`, alpha / rank folded into lora_B).
-    The diffusers file is written by the family pipeline's own `save_lora_weights`, so
-    `<Pipeline>.load_lora_weights(out/lora)` loads it in stock diffusers (a two-expert checkpoint's
-    `transformer_2` LoRA with `load_into_transformer_2=True`; `component` is recorded in spindle.json).
-    """
-    import logging
-
-    from safetensors.torch import save_file
-
-    dtypes = dtypes or export_dtypes("auto", Path(base) / component)
-    fused_source = adapters
-    adapters = {k: v.to(dtypes.default) for k, v in adapters.items()}
-    out = Path(out)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    family.pipeline_class().save_lora_weights(tmp / "lora", transformer_lora_layers=adapters, weight_name=LORA_FILE)
-    if family.lora_original is not None:
-        try:
-            original = import_object(family.lora_original)(adapters)
-        except ValueError as e:  # targets outside the original layout: the diffusers file still serves
-            logging.getLogger("spindle.train").warning("no original-layout LoRA file written: %s", e)
-        else:
-            save_file(original, tmp / "lora" / LORA_ORIGINAL_FILE, metadata={"format": "pt", "family": family.name})
-    base_path = str(Path(base).resolve())
-    trained = {"family": family.name, "max_text_length": max_text_length}
-    expert = {} if component == "transformer" else {"component": component}
-    write_export_record(tmp / "lora", base_model=base_path, **trained, **expert)
-    write_lora_card(
-        tmp / "lora",
-        family.name,
-        base_path,
-        family.checkpoint.pipeline,
-        max_text_length,
-        lora_dir=str(out.resolve() / "lora"),
-        media=family.inference_spec().media if family.inference else "image",
-        component=component,
-    )
-    if merge:
-        model: Any = load_transformer(base, component=component)  # a diffusers ModelMixin (PEFT loader methods)
-        model.load_lora_adapter({f"transformer.{k}": v for k, v in fused_source.items()}, prefix="transformer")
-        model.fuse_lora(lora_scale=1.0)
-        model.unload_lora()
-        export_pipeline(base, model.state_dict(), tmp / "merged", trained, dtypes, component)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
-
-
-DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
-
-
-def check_state_names(
-    expected: set[str],
-    got: set[str],
-    source_root: str | Path,
-    require_all: bool = True,
-    component: str = "transformer",
-) -> None:
-    """The trained tensor names against the base transformer `component`'s (`require_all`: every one present)."""
-    missing = sorted(expected - got) if require_all else []
-    unexpected = sorted(got - expected)
-    if missing or unexpected:
-        cls = transformer_class(source_root, component).__name__
-        raise RuntimeError(
-            f"trained weights do not fit {cls} of {source_root}: missing {missing[:5]}, unexpected "
-            f"{unexpected[:5]}; was the run trained from another base model? pass --model PATH"
-        )
-
-
-def start_pipeline_export(source_root: str | Path, out: str | Path, component: str = "transformer") -> Path:
-    """`<out>.tmp` holding every component of `source_root` but the trained `component` (which the caller
-    writes); a two-expert checkpoint's other expert is copied byte for byte."""
-    source_root = Path(source_root)
-    tmp = Path(out).with_name(Path(out).name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(source_root, tmp, ignore=lambda folder, names: [component] if Path(folder) == source_root else [])
-    return tmp
-
-
-def finish_pipeline_export(
-    source_root: str | Path,
-    tmp: Path,
-    out: str | Path,
-    trained: dict[str, Any] | None,
-    component: str = "transformer",
-) -> Path:
-    """Complete `tmp` (the trained component's diffusers config where the writer left none, `spindle.json`)
-    and rename it to `out`."""
-    config = tmp / component / "config.json"
-    if not config.is_file():  # the trained transformer has the base one's architecture: its config as is
-        shutil.copy2(Path(source_root) / component / "config.json", config)
-    (tmp / EXPORT_RECORD).unlink(missing_ok=True)  # the source's record describes another training
-    if trained is not None:
-        write_export_record(tmp, **trained)
-    out = Path(out)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
-
-
-def export_pipeline_sharded(
-    source_root: str | Path,
-    model: torch.nn.Module,
-    out: str | Path,
-    trained: dict[str, Any] | None,
-    dtypes: ExportDtypes,
-    component: str = "transformer",
-) -> Path | None:
-    """Collective: the pipeline folder with the trained (FSDP2-sharded) transformer `component`, each rank
-    writing its own parameter shards (`ckpt.save_hf_safetensors`): the whole model is never gathered on
-    one rank. Returns the folder on rank 0, None elsewhere."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    state = cast("dict[str, torch.Tensor]", get_model_state_dict(model))  # DTensors: no gather
-    expected = set(transformer_from_config(source_root, component).state_dict())
-    check_state_names(expected, set(state), source_root, component=component)
-    tmp = Path(out).with_name(Path(out).name + ".tmp")
-    if is_main_process():
-        start_pipeline_export(source_root, out, component)
-    barrier()
-    ckpt.save_hf_safetensors(dtypes.cast_all(state), tmp / component, weights_name=DIFFUSERS_WEIGHTS)
-    result = finish_pipeline_export(source_root, tmp, out, trained, component) if is_main_process() else None
-    barrier()
-    return result
-
-
-def export_pipeline(
-    source_root: str | Path,
-    state_dict: dict[str, torch.Tensor],
-    out: str | Path,
-    trained: dict[str, Any] | None = None,
-    dtypes: ExportDtypes | None = None,
-    component: str = "transformer",
-) -> Path:
-    """Write a diffusers pipeline folder from an in-memory transformer state dict (one process): every
-    component of `source_root`, with the trained transformer `component` (a two-expert checkpoint's trained
-    expert: the other one is copied byte for byte), and `trained` (how it was trained) as `spindle.json`
-    (`spindle.export_record`).
-
-    The transformer is rebuilt from its own diffusers config and saved with diffusers' `save_pretrained`,
-    so `config.json` carries only diffusers keys and stock diffusers loads the folder with no Spindle code.
-    Its tensors are written in `dtypes` (default: as the source transformer stores them, `export.dtype:
-    auto`), converted one tensor at a time into a model built on the meta device: no second full-size
-    copy of the weights besides `state_dict`. Written to `<out>.tmp` first, then renamed.
-    """
-    import diffusers
-
-    source_root = Path(source_root)
-    dtypes = dtypes or export_dtypes("auto", source_root / component)
-    tmp = start_pipeline_export(source_root, out, component)
-    config = json.loads((source_root / component / "config.json").read_text())
-    cls = getattr(diffusers, config["_class_name"])
-    with torch.device("meta"):
-        model = cls.from_config(cls.load_config(source_root / component))
-    check_state_names(set(model.state_dict()), set(state_dict), source_root, component=component)
-    # assign: each meta tensor becomes the converted trained tensor (fresh storage, or the tensor itself
-    # when its dtype already matches); non-persistent buffers stay on meta and are not saved.
-    model.load_state_dict(dtypes.cast_all(state_dict), assign=True)
-    model.save_pretrained(tmp / component, safe_serialization=True)
-    return finish_pipeline_export(source_root, tmp, out, trained, component)

@@ -21,8 +21,8 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,16 +31,13 @@ import torch
 from spindle.config import CausalLMJobConfig, ConfigError
 from spindle.contracts.family import CausalLMFamily, OmniFamily
 from spindle.contracts.parallel import ParallelPlan
+from spindle.export.omni import copy_untrained, write_full_config
 from spindle.train.tasks.vlm import AUDIO_KEYS, VLMTask
 
 if TYPE_CHECKING:
     from spindle.distributed.mesh import ParallelDims
     from spindle.distributed.sharded_load import TensorSource
-    from spindle.train.precision import ExportDtypes
-
-# the file of an export that holds the untrained sub-models' tensors
-UNTRAINED_FILE = "model-untrained.safetensors"
-INDEX = "model.safetensors.index.json"
+    from spindle.export.dtypes import ExportDtypes
 
 
 class OmniTask(VLMTask):
@@ -75,7 +72,7 @@ class OmniTask(VLMTask):
     def video_audio_layout(self) -> Callable[..., str] | None:
         return self.family.video_audio_layout_fn() if self.cfg.data.use_audio_in_video else None
 
-    def parallel_plan(self) -> ParallelPlan:
+    def input_plan(self) -> ParallelPlan:
         return ParallelPlan(
             "transformers", blocks=self.family.blocks, sequence_parallel_module=self.family.language_model
         )
@@ -85,11 +82,17 @@ class OmniTask(VLMTask):
         """The VLM names under the sub-model's prefix (transformers adds it only to a model it loaded from the
         whole folder, not to the meta skeletons this is computed on)."""
         assert isinstance(family, OmniFamily), "the omni task's own family"
-        return {k: family.prefix + v for k, v in super().checkpoint_names(family, model).items()}
+        # A MoE thinker's names are found with its conversion registered: transformers applies no mapping,
+        # forward or reverse, to a class defined outside its package (the patchgen-generated thinker) unless one
+        # is registered for its model type.
+        adapter = family.adapter()
+        with nullcontext() if adapter is None else adapter.loading(adapter.default_layout):
+            names = super().checkpoint_names(family, model)
+        return {k: family.prefix + v for k, v in names.items()}
 
-    def checkpoint_sources(self) -> dict[str, TensorSource]:
+    def named_sources(self) -> dict[str, TensorSource]:
         """The thinker's tensors only: the untrained sub-models' are not the model's and are never read."""
-        sources = super().checkpoint_sources()
+        sources = super().named_sources()
         return {k: v for k, v in sources.items() if not self.family.is_untrained(k)}
 
     @classmethod
@@ -101,41 +104,3 @@ class OmniTask(VLMTask):
             write_full_config(Path(source), folder, dtypes)
 
         return finish
-
-
-def copy_untrained(source: Path, folder: Path, family: OmniFamily) -> None:
-    """The input checkpoint's untrained tensors -> `folder`/UNTRAINED_FILE, unchanged (safetensors reads a
-    tensor's stored bytes and dtype and writes them back as they are), listed in the folder's index."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    from spindle.distributed.sharded_load import SafetensorsCheckpoint
-
-    by_file: dict[str, list[str]] = {}
-    for key, name in SafetensorsCheckpoint(source).files.items():
-        if family.is_untrained(key):
-            by_file.setdefault(name, []).append(key)
-    untrained = {}
-    for name, keys in sorted(by_file.items()):
-        with safe_open(str(source / name), "pt") as f:
-            untrained.update({k: f.get_tensor(k) for k in keys})
-    if not untrained:
-        raise ConfigError(
-            f"{source} has no tensors under {list(family.untrained)}: not a whole {family.name} checkpoint "
-            "(the export would not load in its full model class)"
-        )
-    save_file(untrained, str(folder / UNTRAINED_FILE), metadata={"format": "pt"})
-    index_path = folder / INDEX
-    index = json.loads(index_path.read_text())
-    index["weight_map"].update({k: UNTRAINED_FILE for k in untrained})
-    index.setdefault("metadata", {})["total_size"] = index.get("metadata", {}).get("total_size", 0) + sum(
-        t.numel() * t.element_size() for t in untrained.values()
-    )
-    index_path.write_text(json.dumps(index, indent=2, sort_keys=True))
-
-
-def write_full_config(source: Path, folder: Path, dtypes: ExportDtypes) -> None:
-    """The input's whole config.json (thinker, talker, token2wav), its thinker's dtype the export's."""
-    config = json.loads((source / "config.json").read_text())
-    config["thinker_config"]["dtype"] = str(dtypes.default).removeprefix("torch.")
-    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

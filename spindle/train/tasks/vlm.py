@@ -37,11 +37,11 @@ import torch
 from spindle.config import CausalLMJobConfig, ConfigError, VLMJobConfig
 from spindle.contracts.family import CausalLMFamily, VLMFamily
 from spindle.contracts.parallel import ParallelPlan
-from spindle.contracts.task import StepOutput
 from spindle.distributed.mesh import is_main_process
 from spindle.train.lora import is_lora_name
+from spindle.train.parts.experts import PADDING_MASK_KEY
 from spindle.train.tasks.base import resumable_loader
-from spindle.train.tasks.causal_lm import PADDING_MASK_KEY, CausalLMTask, causal_lm_output
+from spindle.train.tasks.causal_lm import CausalLMTask, RowsRun, causal_lm_log_probs, causal_lm_output
 
 if TYPE_CHECKING:
     from spindle.data.loader import ResumableLoader
@@ -258,9 +258,9 @@ class VLMTask(CausalLMTask):
         blocks = find_blocks(model, self.parallel_plan().blocks)
         return lora_regions(self.family, model, blocks, self.cfg.train.lora.parts)
 
-    def checkpoint_sources(self) -> dict[str, TensorSource]:
+    def named_sources(self) -> dict[str, TensorSource]:
         """The checkpoint's tensors under the model's names (`checkpoint_names`)."""
-        sources = super().checkpoint_sources()
+        sources = super().named_sources()
         renamed = self.checkpoint_names(self.family, self.empty_model())
         taken = set(renamed.values())
         out = {name: sources[ck] for name, ck in renamed.items() if ck in sources}
@@ -270,7 +270,7 @@ class VLMTask(CausalLMTask):
         out.update({renamed_by_prefix(inverse, k): v for k, v in sources.items() if k not in taken})
         return out
 
-    def parallel_plan(self) -> ParallelPlan:
+    def input_plan(self) -> ParallelPlan:
         # Ulysses SP replaces the language model's attention only; the vision tower keeps its own
         return ParallelPlan("transformers", sequence_parallel_module=self.family.language_model)
 
@@ -305,7 +305,9 @@ class VLMTask(CausalLMTask):
             tower.register_forward_pre_hook(step.before_tower)
         module_at(model, self.family.language_model).register_forward_pre_hook(step, with_kwargs=True)
 
-    def build_loader(self) -> ResumableLoader:
+    def document_loader(self) -> ResumableLoader:
+        """This rank's micro-batches of the job's conversations (images, videos, audio) as token rows with
+        per-document 3-D positions and the media inputs in token order."""
         from spindle.data.multimodal import VisionOptions, VisionProcessor, build_conversation_dataset
 
         data = self.cfg.data
@@ -380,7 +382,11 @@ class VLMTask(CausalLMTask):
 
     # ------------------------------------------------------------ step
 
-    def forward(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], step: int) -> StepOutput:
+    def run_rows(
+        self, model: torch.nn.Module, batch: dict[str, torch.Tensor], log_probs: bool = False, **model_kwargs: Any
+    ) -> RowsRun:
+        """Collective: the rows with their media through the model (the towers' dummy forwards where a kind is
+        missing; under SP the language-model hook cuts embeddings and positions to this rank's chunk)."""
         ids = batch["input_ids"]
         keys = ("input_ids", "position_ids", "shift_labels", PADDING_MASK_KEY)
         rows = {k: batch[k].to(self.device) for k in keys if k in batch}
@@ -398,5 +404,9 @@ class VLMTask(CausalLMTask):
         present = {k for k, key in KIND_INPUT.items() if key in vision}
         self.vision_step.start(present, self.dataset_kinds, rows["input_ids"])
         with self._autocast():
-            out = causal_lm_output(model, rows, **vision, **self.model_kwargs(rows))
-        return StepOutput(out.loss.float(), ids.shape[0], ids.numel(), self.output_metrics(out, rows))
+            if log_probs:
+                kwargs: dict[str, Any] = {**vision, **self.model_kwargs(rows), **model_kwargs}
+                out, logps = causal_lm_log_probs(model, rows, **kwargs)
+                return RowsRun(out, rows, ids.shape[0], ids.numel(), logps)
+            out = causal_lm_output(model, rows, **vision, **self.model_kwargs(rows), **model_kwargs)
+        return RowsRun(out, rows, ids.shape[0], ids.numel())

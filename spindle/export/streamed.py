@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from spindle.distributed import checkpoint as ckpt
-from spindle.train.precision import ExportDtypes
+from spindle.export.dtypes import ExportDtypes
 
 Reader = Callable[[list[str]], dict[str, torch.Tensor]]
 

@@ -1,18 +1,32 @@
-"""Flow-matching math of the DiT training task: how sigmas are drawn, shifted, and how the noisy input
-and the velocity target are built. Families' condition models call these (`training_inputs`); every
-random draw goes through the per-sample generators the task passes in."""
+"""Flow-matching math of DiT training: how sigmas are drawn, shifted, and how the noisy input and the
+velocity target are built. Families' condition models call these (`training_inputs`); every random draw
+goes through the per-sample generators the training task passes in.
+
+Shared numerics (spindle/ops imports nothing above it): the families and the training task both import
+this module, and neither imports the other for it.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
-from spindle.config import TimestepConfig
+
+class TimestepSampling(Protocol):
+    """How sigmas are drawn: the job's `train.timestep` (`spindle.config.TimestepConfig`, which is checked
+    there; a protocol so that ops imports no config)."""
+
+    scheme: str
+    logit_mean: float
+    logit_std: float
+    mode_scale: float
+    shift: float
 
 
 def sample_sigmas(
-    cfg: TimestepConfig,
+    cfg: TimestepSampling,
     generators: list[torch.Generator],
     shift_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
     within: tuple[float, float] = (0.0, 1.0),

@@ -1,0 +1,270 @@
+"""Direct preference optimisation: the per-pair loss from summed completion log-probabilities.
+
+Inputs per pair i: the policy's summed log-probability of the chosen and the rejected completion
+(`logprobs.sequence_log_probs`), the reference model's (not for `simpo`), and each completion's token count.
+With the log-ratios  c_i = logp(chosen) - ref_logp(chosen),  r_i = logp(rejected) - ref_logp(rejected):
+
+- `sigmoid` (DPO): -(1 - ε) log σ(β (c_i - r_i)) - ε log σ(-β (c_i - r_i)), ε = `label_smoothing` (0: TRL's
+  `DPOTrainer` loss_type "sigmoid"; ε > 0: conservative DPO, the form TRL's sigmoid losses take with label
+  smoothing, e.g. `CPOTrainer.cpo_loss`);
+- `ipo`: ((c_i / n_chosen - r_i / n_rejected) - 1 / (2β))², the log-ratios averaged per completion token as
+  TRL's `DPOTrainer` "ipo" does (label smoothing does not apply);
+- `simpo` (reference-free): the sigmoid form on the policy's *average* log-probabilities a_i (sum / tokens)
+  with the target margin γ: -(1 - ε) log σ(β (a_c - a_r) - γ) - ε log σ(-(β (a_c - a_r) - γ)) (TRL's
+  `CPOTrainer` with loss_type "simpo" and cpo_alpha 0).
+
+`rpo_alpha` adds the chosen completions' negative log-likelihood, averaged over their tokens in the batch, times
+rpo_alpha (TRL's loss_type ["sigmoid", "sft"] with loss_weights [1, rpo_alpha]; the RPO paper's term).
+
+Rewards (logged): β·c_i and β·r_i (simpo: β·a_c and β·a_r, as CPO logs them); margin = their difference;
+accuracy = the share of pairs whose chosen reward beats the rejected one.
+
+Units, for the trainer's global normalisation: the preference term is a mean over pairs (`pair_loss_sum` over
+`pairs`); the NLL term is a mean over chosen completion tokens (`nll_sum` over `nll_tokens`). `loss` is both
+normalised on this batch alone: TRL's loss for the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+from spindle.contracts.task import StepOutput
+
+DPOLossType = Literal["sigmoid", "ipo", "simpo"]
+DPO_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "ipo", "simpo")
+
+
+@dataclass
+class DPOLoss:
+    loss: torch.Tensor  # scalar: mean pair loss + rpo_alpha x mean chosen-token NLL, on this batch
+    pair_losses: torch.Tensor  # [B] differentiable per-pair preference loss
+    nll_sum: torch.Tensor  # differentiable sum of -log p over the chosen completion tokens (0 without rpo_alpha)
+    nll_tokens: torch.Tensor  # chosen completion tokens
+    chosen_rewards: torch.Tensor  # [B] detached
+    rejected_rewards: torch.Tensor  # [B] detached
+
+    @property
+    def pair_loss_sum(self) -> torch.Tensor:
+        return self.pair_losses.sum()
+
+    @property
+    def pairs(self) -> int:
+        return int(self.pair_losses.shape[0])
+
+    def metrics(self) -> dict[str, float]:
+        """The batch's means, as TRL logs them: rewards/chosen, rewards/rejected, margin, accuracy."""
+        margin = self.chosen_rewards - self.rejected_rewards
+        return {
+            "rewards/chosen": self.chosen_rewards.mean().item(),
+            "rewards/rejected": self.rejected_rewards.mean().item(),
+            "margin": margin.mean().item(),
+            "accuracy": (margin > 0).float().mean().item(),
+        }
+
+
+def check_dpo_settings(loss_type: str, beta: float, label_smoothing: float, gamma: float) -> None:
+    """The settings' own rules (the config validates the same; a direct caller gets the same message)."""
+    if loss_type not in DPO_LOSS_TYPES:
+        raise ValueError(f"dpo.loss_type must be one of {', '.join(DPO_LOSS_TYPES)}; got {loss_type!r}")
+    if beta <= 0:
+        raise ValueError(f"dpo.beta must be > 0; got {beta}")
+    if not 0 <= label_smoothing < 0.5:
+        raise ValueError(f"dpo.label_smoothing must be in [0, 0.5); got {label_smoothing}")
+    if label_smoothing and loss_type == "ipo":
+        raise ValueError("dpo.label_smoothing does not apply to loss_type ipo (a squared loss); set it to 0")
+    if gamma and loss_type != "simpo":
+        raise ValueError(f"dpo.gamma is simpo's target margin; loss_type {loss_type} does not use it: set it to 0")
+
+
+def _smoothed_sigmoid(logits: torch.Tensor, label_smoothing: float) -> torch.Tensor:
+    return -F.logsigmoid(logits) * (1 - label_smoothing) - F.logsigmoid(-logits) * label_smoothing
+
+
+def dpo_loss(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    chosen_tokens: torch.Tensor,
+    rejected_tokens: torch.Tensor,
+    ref_chosen_logps: torch.Tensor | None = None,
+    ref_rejected_logps: torch.Tensor | None = None,
+    *,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    gamma: float = 0.0,
+    rpo_alpha: float | None = None,
+) -> DPOLoss:
+    """The preference loss of B pairs from [B] summed log-probabilities and token counts (module doc)."""
+    check_dpo_settings(loss_type, beta, label_smoothing, gamma)
+    chosen_n = chosen_tokens.to(chosen_logps.dtype).clamp(min=1.0)
+    rejected_n = rejected_tokens.to(rejected_logps.dtype).clamp(min=1.0)
+    if loss_type == "simpo":
+        chosen_scores, rejected_scores = chosen_logps / chosen_n, rejected_logps / rejected_n
+        losses = _smoothed_sigmoid(beta * (chosen_scores - rejected_scores) - gamma, label_smoothing)
+    else:
+        if ref_chosen_logps is None or ref_rejected_logps is None:
+            raise ValueError(f"dpo loss_type {loss_type} needs the reference model's log-probabilities")
+        chosen_scores = chosen_logps - ref_chosen_logps
+        rejected_scores = rejected_logps - ref_rejected_logps
+        if loss_type == "sigmoid":
+            losses = _smoothed_sigmoid(beta * (chosen_scores - rejected_scores), label_smoothing)
+        else:  # ipo: the log-ratios per completion token (TRL's normalisation, confirmed with the IPO authors)
+            losses = ((chosen_scores / chosen_n - rejected_scores / rejected_n) - 1 / (2 * beta)) ** 2
+    nll_tokens = chosen_tokens.sum()
+    nll_sum = -chosen_logps.sum() if rpo_alpha else chosen_logps.new_zeros(())
+    loss = losses.mean()
+    if rpo_alpha:
+        loss = loss + rpo_alpha * nll_sum / nll_tokens.clamp(min=1)
+    return DPOLoss(
+        loss=loss,
+        pair_losses=losses,
+        nll_sum=nll_sum,
+        nll_tokens=nll_tokens,
+        chosen_rewards=(beta * chosen_scores).detach(),
+        rejected_rewards=(beta * rejected_scores).detach(),
+    )
+
+
+class DPO:
+    """`train.objective: dpo`: the preference loss above as a part of a language-model task (`dpo:` settings).
+
+    Data: `data.path` holds preference lines in TRL's formats (`spindle.data.preference`), batched B chosen rows
+    then B rejected rows, right-padded. Each step runs both through the policy for each completion token's
+    log-probability (the task's `run_rows(log_probs=True)`: chunked from hidden states on Spindle's patched
+    models), and through the reference under no_grad: `dpo.reference_model` (a frozen copy of that folder, sharded
+    like the policy), else the starting policy (a LoRA run: the same model with its adapters switched off, no
+    second copy; a full fine-tune: a frozen copy of `model.path`); `simpo` uses none. The loss unit is the pair:
+    the trainer divides the summed pair losses by the global batch's pairs, so every layout gives the mean over
+    the global batch (TRL's loss when one batch holds the step). A MoE adds `router_aux_loss_coef x` its router
+    aux loss per pair, as TRL does when the model outputs router logits."""
+
+    name = "dpo"
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.settings = cfg.dpo
+        self.reference: tuple[Any, torch.nn.Module] | None = None  # (its task, the frozen copy); None: adapters off
+        self.stats: Any = None
+
+    def check_plan(self, family: Any, dims: Any) -> None:
+        from spindle.config import ConfigError
+
+        if family.kind != "causal_lm":
+            raise ConfigError(
+                f"train.objective=dpo: {family.name} is a {family.kind} model; DPO trains text causal-LM families "
+                "for now (preference pairs with images/videos/audio are not wired yet): use train.objective=sft"
+            )
+        if dims.sp > 1:
+            raise ConfigError(
+                "train.objective=dpo with parallel.sp > 1: a pair's log-probability would be split over the SP "
+                "ranks, which DPO does not gather yet; set parallel.sp: 1 (FSDP2 / HSDP / EP layouts work)"
+            )
+        if self.settings.precompute_reference:
+            raise ConfigError(
+                "dpo.precompute_reference: not available yet; leave it false (the reference runs each step under "
+                "no_grad) or give dpo.reference_model"
+            )
+        if self.settings.reference_model is not None:
+            check_same_family(self.settings.reference_model, family)
+
+    def prepare(self, task: Any, model: torch.nn.Module) -> None:
+        if self.settings.loss_type == "simpo":
+            return  # reference-free
+        if self.settings.reference_model is not None:
+            self.reference = task.build_reference(self.settings.reference_model)
+        elif self.cfg.train.lora is None:  # a full fine-tune: the starting weights, frozen beside the policy
+            self.reference = task.build_reference(self.cfg.model.path)
+
+    def build_loader(self, task: Any) -> Any:
+        from functools import partial
+
+        from spindle.data.preference import collate_pairs, preference_pairs
+        from spindle.train.tasks.base import resumable_loader
+
+        data = self.cfg.data
+        pairs, self.stats = preference_pairs(data.path, task.tokenizer, data.seq_len, self.settings.max_prompt_length)
+        pad = task.tokenizer.pad_token_id if task.tokenizer.pad_token_id is not None else task.tokenizer.eos_token_id
+        task._data_stats = {"rows": len(pairs), "pairs": len(pairs)}  # the run summary's epochs count pairs
+        return resumable_loader(task, pairs, partial(collate_pairs, pad_id=pad))
+
+    def begin_step(self, task: Any, model: torch.nn.Module, batches: list[Any], step: int) -> list[Any]:
+        return batches
+
+    def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
+        return int(batch["input_ids"].shape[0]) // 2  # pairs
+
+    def forward(self, task: Any, model: torch.nn.Module, batch: dict[str, torch.Tensor], step: int) -> StepOutput:
+        from spindle.contracts.task import Metric
+        from spindle.train.objectives.logprobs import sequence_log_probs
+
+        s = self.settings
+        run = task.run_rows(model, batch, log_probs=True)
+        labels = run.rows["shift_labels"]
+        sums, tokens = sequence_log_probs(run.log_probs, labels)
+        ref_chosen = ref_rejected = None
+        if s.loss_type != "simpo":
+            with torch.no_grad():
+                ref_sums, _ = sequence_log_probs(self._reference_log_probs(task, model, batch), labels)
+            ref_chosen, ref_rejected = ref_sums.chunk(2)
+        chosen, rejected = sums.chunk(2)
+        chosen_n, rejected_n = tokens.chunk(2)
+        out = dpo_loss(
+            chosen,
+            rejected,
+            chosen_n,
+            rejected_n,
+            ref_chosen,
+            ref_rejected,
+            beta=s.beta,
+            loss_type=s.loss_type,
+            label_smoothing=s.label_smoothing,
+            gamma=s.simpo_gamma if s.loss_type == "simpo" else 0.0,  # simpo without gamma: TRL's 0.5
+            rpo_alpha=s.rpo_alpha,
+        )
+        pairs = out.pairs
+        # The trainer divides by the global pairs. The RPO term is the micro-batch's mean chosen-token NLL, as TRL
+        # computes it per device batch (a step of several micro-batches averages them, weighted by their pairs).
+        loss_sum = out.pair_loss_sum
+        if s.rpo_alpha:
+            loss_sum = loss_sum + s.rpo_alpha * out.nll_sum / out.nll_tokens.clamp(min=1) * pairs
+        metrics: dict[str, Any] = {k: Metric(v, "mean", "mean") for k, v in out.metrics().items()}
+        aux = getattr(run.out, "aux_loss", None)
+        if aux is not None:
+            coef = float(model.config.get_text_config().router_aux_loss_coef)  # type: ignore[operator, union-attr]
+            loss_sum = loss_sum + coef * aux.to(loss_sum) * pairs
+            metrics.update(task.output_metrics(run.out, run.rows))
+        return StepOutput(loss_sum.float(), pairs, run.tokens, metrics)
+
+    def _reference_log_probs(self, task: Any, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.reference is None:  # a LoRA run: the policy with its adapters switched off
+            from spindle.train.lora import adapters_disabled
+
+            with adapters_disabled(model):
+                run = task.run_rows(model, batch, log_probs=True)
+        else:
+            ref_task, ref_model = self.reference
+            run = ref_task.run_rows(ref_model, batch, log_probs=True)
+        logps: torch.Tensor = run.log_probs
+        return logps
+
+
+def check_same_family(path: str, family: Any) -> None:
+    """`dpo.reference_model` is a transformers folder of the trained family (its config.json's model_type)."""
+    import json
+    from pathlib import Path
+
+    from spindle.config import ConfigError
+
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        raise ConfigError(f"dpo.reference_model: {path} has no config.json; give a transformers model folder")
+    model_type = json.loads(config.read_text()).get("model_type")
+    if model_type not in family.model_types:
+        raise ConfigError(
+            f"dpo.reference_model: {path} is a {model_type!r} model, not the trained family's "
+            f"({', '.join(family.model_types)}); give a folder of the same family"
+        )

@@ -1,0 +1,41 @@
+"""`train.objective: sft` (language models, the default): next-token cross-entropy on the documents' label
+tokens. The task's input kind builds the rows (text/chat JSONL packed into rows; image/video/audio
+conversations) and runs them through the model, asking its own loss path for the *sum* over valid tokens;
+the trainer divides by the valid-token count of the global batch (`loss_units`), so the step loss is the mean
+over every valid token of the global batch, whatever the micro-batch / data-parallel / SP split."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from spindle.contracts.task import StepOutput
+
+IGNORE_INDEX = -100
+
+
+class SFT:
+    name = "sft"
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+
+    def check_plan(self, family: Any, dims: Any) -> None:
+        return None
+
+    def prepare(self, task: Any, model: torch.nn.Module) -> None:
+        return None
+
+    def begin_step(self, task: Any, model: torch.nn.Module, batches: list[Any], step: int) -> list[Any]:
+        return batches
+
+    def build_loader(self, task: Any) -> Any:
+        return task.document_loader()
+
+    def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
+        return int((batch["shift_labels"] != IGNORE_INDEX).sum())  # the whole rows, before any SP split
+
+    def forward(self, task: Any, model: torch.nn.Module, batch: dict[str, torch.Tensor], step: int) -> StepOutput:
+        run = task.run_rows(model, batch)
+        return StepOutput(run.out.loss.float(), run.samples, run.tokens, task.output_metrics(run.out, run.rows))

@@ -1,0 +1,162 @@
+"""`train.objective: dpo` end to end: Spindle's trainer (the DPO part on the causal-LM task) against TRL's
+`DPOTrainer`, the reference choices (another folder, the starting weights frozen, a LoRA run's adapters off),
+the export, the refusals before launch, and a two-process FSDP2 layout equal to one process."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from spindle.config import ConfigError
+from spindle.train.metrics import read_metrics
+from tests.conftest import lm_overrides, lm_train, lm_train_cli, load_job_config
+from tests.train.test_preference_trl_parity import LINES, SEQ_LEN, trl_step_one
+
+PAIRS = [
+    *LINES["standard"],
+    {"prompt": "Capital of France:", "chosen": " Paris", "rejected": " Rome, surely"},
+    {"prompt": "Is water wet?", "chosen": " Yes.", "rejected": " Never."},
+    {"prompt": "1+1=", "chosen": "2", "rejected": "11"},
+    {"prompt": "Say hi", "chosen": " hi", "rejected": " bye now"},
+    {"prompt": "Best pet:", "chosen": " a cat", "rejected": " a rock"},
+]
+
+
+@pytest.fixture(scope="module")
+def reference_qwen3(tmp_path_factory):
+    """Another tiny Qwen3 (seed 1): a reference that is not the starting policy."""
+    from spindle.testing.tiny import build_tiny
+
+    return build_tiny("qwen3", tmp_path_factory.mktemp("dpo-ref") / "qwen3_ref", seed=1)
+
+
+def pairs_file(tmp_path, lines):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def dpo_overrides(n: int, **values):
+    return {
+        "train__objective": "dpo",
+        "data__seq_len": SEQ_LEN,
+        "data__shuffle": False,
+        "train__global_batch_size": n,
+        "train__micro_batch_size": n,
+        **values,
+    }
+
+
+def test_step_one_with_a_reference_model_equals_trl_and_the_export_loads(tiny_qwen3, reference_qwen3, tmp_path):
+    """The hidden check's shape: a Qwen3 policy, a *different* reference given as dpo.reference_model, preference
+    pairs: step 1's loss and grad norm equal trl.DPOTrainer's (1e-5 / 1e-4); 3 steps run; stock transformers
+    loads the export and generates."""
+    lines = LINES["standard"]
+    data = pairs_file(tmp_path, lines)
+    lm_train(
+        tiny_qwen3,
+        data,
+        tmp_path / "run",
+        **dpo_overrides(len(lines), dpo__reference_model=reference_qwen3, dpo__beta=0.1, train__max_steps=3),
+    )
+    metrics = read_metrics(tmp_path / "run")
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    loss, norm = trl_step_one(tiny_qwen3, reference_qwen3, tokenizer, lines, "sigmoid", 0.1, None, tmp_path)
+    assert metrics[0]["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    assert metrics[0]["grad_norm"] == pytest.approx(norm.item(), rel=1e-4)
+    assert {"rewards/chosen", "rewards/rejected", "margin", "accuracy"} <= set(metrics[0])
+    assert metrics[2]["loss"] != metrics[0]["loss"]  # it trains
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "export", dtype=torch.float32)
+    ids = tokenizer("The sky is", return_tensors="pt").input_ids
+    assert model.generate(ids, max_new_tokens=3, do_sample=False).shape[1] == ids.shape[1] + 3
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_default_reference_is_the_starting_policy(lora, tiny_qwen3, tmp_path):
+    """Without dpo.reference_model the reference is the starting weights: a frozen copy (full fine-tune) or the
+    policy with its adapters switched off (LoRA, whose B starts at zero). Step 1's log-ratios are then 0: loss
+    log 2 and zero rewards exactly; later steps move away from it, so the reference stayed where it started."""
+    data = pairs_file(tmp_path, PAIRS)
+    lora_override = {"train__lora": {"rank": 4}} if lora else {}
+    lm_train(
+        tiny_qwen3,
+        data,
+        tmp_path / "run",
+        **dpo_overrides(4, train__max_steps=3, train__lr=1e-2, checkpoint__export=False, **lora_override),
+    )
+    first, *_, last = read_metrics(tmp_path / "run")
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert first["rewards/chosen"] == pytest.approx(0, abs=1e-7) and first["margin"] == pytest.approx(0, abs=1e-7)
+    assert abs(last["margin"]) > 1e-4
+
+
+def test_simpo_step_one_equals_trl_cpo_with_its_default_gamma(tiny_qwen3, tmp_path):
+    """loss_type simpo without dpo.gamma: TRL's target margin (CPOConfig.simpo_gamma 0.5), no reference model.
+    Step 1 through the trainer equals `CPOTrainer.cpo_loss` on the starting policy's average log-probabilities."""
+    from spindle.data.preference import collate_pairs, preference_pairs
+    from spindle.train.objectives.logprobs import sequence_log_probs, token_log_probs_from_logits
+    from tests.train.test_objectives import cpo_loss
+
+    lines = LINES["standard"]
+    data = pairs_file(tmp_path, lines)
+    lm_train(
+        tiny_qwen3,
+        data,
+        tmp_path / "run",
+        **dpo_overrides(
+            len(lines), dpo__loss_type="simpo", dpo__beta=2.0, train__max_steps=1, checkpoint__export=False
+        ),
+    )
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    pairs, _ = preference_pairs(data, tokenizer, seq_len=SEQ_LEN)
+    batch = collate_pairs(pairs, tokenizer.pad_token_id)
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    sums, tokens = sequence_log_probs(token_log_probs_from_logits(logits, batch["shift_labels"]), batch["shift_labels"])
+    losses, _, _ = cpo_loss(*(sums / tokens).chunk(2), "simpo", 2.0, 0.0, gamma=0.5)
+    assert read_metrics(tmp_path / "run")[0]["loss"] == pytest.approx(losses.mean().item(), rel=1e-5)
+
+
+def test_dpo_is_refused_before_launch_where_it_cannot_run(tiny_qwen3, tiny_qwen2_5_vl, tmp_path):
+    from spindle.api import make_trainer
+
+    data = pairs_file(tmp_path, PAIRS)
+
+    def job(model, **values):
+        return load_job_config(None, lm_overrides(model, data, tmp_path / "run", **dpo_overrides(4, **values)))
+
+    with pytest.raises(ConfigError, match=r"parallel\.sp"):
+        from spindle.distributed.mesh import ParallelDims
+        from spindle.registry import get_family
+        from spindle.train.tasks.causal_lm import CausalLMTask
+
+        cfg = job(tiny_qwen3)
+        CausalLMTask.check_plan(cfg, get_family("qwen3"), ParallelDims(sp=2).resolve(2))
+    with pytest.raises(ConfigError, match="not the trained family"):
+        make_trainer(job(tiny_qwen3, dpo__reference_model=tiny_qwen2_5_vl))
+    with pytest.raises(ConfigError, match="DPO trains text causal-LM families"):
+        make_trainer(job(tiny_qwen2_5_vl))
+
+
+@pytest.mark.slow
+def test_fsdp2_on_two_processes_equals_one_process(tiny_qwen3, reference_qwen3, tmp_path):
+    """dp_shard=2 (real gloo processes, each rank its half of the pairs) gives one process's losses and grad
+    norms (1e-5 relative) over 3 steps: the pair is the unit the trainer normalises by over ranks."""
+    data = pairs_file(tmp_path, PAIRS)
+    values = dpo_overrides(
+        4, train__micro_batch_size=2, train__max_steps=3, dpo__reference_model=reference_qwen3, train__adam_eps=1e-4
+    )
+    values["checkpoint__export"] = False
+    lm_train(tiny_qwen3, data, tmp_path / "one", **values)
+    lm_train_cli(tiny_qwen3, data, tmp_path / "two", 2, parallel__dp_shard=2, **values)
+    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    for a, b in zip(one, two, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        assert b["margin"] == pytest.approx(a["margin"], rel=1e-4, abs=1e-7)
