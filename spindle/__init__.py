@@ -8,8 +8,12 @@ def __getattr__(name):  # lazy: `import spindle` stays light
         from spindle.api import load_generator
 
         return load_generator
-    if name == "DiffusionGenerator":
-        from spindle.infer.generator import DiffusionGenerator
+    if name == "DiffusionGenerator":  # spindle.DiffusionGenerator.from_pretrained(path, **engine_options)
+        from spindle.generator import DiffusionGenerator
 
         return DiffusionGenerator
     raise AttributeError(f"module 'spindle' has no attribute {name!r}")
+
+
+def __dir__():
+    return ["DiffusionGenerator", "__version__", "load_generator"]

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from spindle.config import ConfigError, ModelSection, TrainJobConfig, load_raw_config, validate_config
+from spindle.hub import resolve_model_path
 from spindle.registry import Family, dit_family_of, family_of
 from spindle.train.tasks import TASKS, get_task
 
@@ -49,6 +50,10 @@ def load_job_config(path: str | Path | None, overrides: Sequence[str] = ()) -> A
     """YAML + dotted overrides -> the job config, validated against the schema of the task that the
     checkpoint's family trains with (so `data:` is checked for that kind of model)."""
     raw = load_raw_config(path, overrides)
+    model = raw.get("model")
+    if isinstance(model, dict) and isinstance(model.get("path"), str):
+        # a Hugging Face repo id (`org/name[@revision]`) -> its snapshot in the local cache, before anything reads it
+        model["path"] = resolve_model_path(model["path"], "model.path")
     family = job_family(raw)
     task = job_task(family)
     try:
@@ -88,13 +93,16 @@ def load_pipeline(
 ) -> InferencePipeline:
     from spindle.infer.pipeline import InferencePipeline
 
+    root = resolve_model_path(root)
     return InferencePipeline.from_pretrained(root, dit_family_of(root, family), options)
 
 
 def load_generator(root: str | Path, family: str | None = None, **engine_options: Any) -> DiffusionGenerator:
-    """A `DiffusionGenerator` for the diffusers pipeline folder `root`. Engine options are keywords, the
-    fields of `spindle.engine_config.EngineConfig` (dtype, compile, cache, sp, lora, ...); a bad value or
-    an unknown name raises `ConfigError` naming it (and the closest valid option) before anything loads."""
-    from spindle.infer.generator import DiffusionGenerator
+    """A `DiffusionGenerator` for the diffusers pipeline folder `root` (or a Hugging Face repo id `org/name`
+    in the local cache, `spindle.hub`); the family is detected from the folder unless `family` names it.
+    Engine options are keywords, the fields of `spindle.engine_config.EngineConfig` (dtype, compile, cache,
+    sp, lora, ...); a bad value or an unknown name raises `ConfigError` naming it (and the closest valid
+    option) before anything loads. The same as `spindle.DiffusionGenerator.from_pretrained(root, **options)`."""
+    from spindle.generator import DiffusionGenerator
 
-    return DiffusionGenerator.from_pretrained(root, dit_family_of(root, family), **engine_options)
+    return DiffusionGenerator.from_pretrained(root, family, **engine_options)

@@ -61,7 +61,8 @@ class OptionError(ConfigError):
 
 class ModelConfig(Section):
     path: str = Field(
-        description="diffusers pipeline folder (model_index.json) or transformers model folder (config.json)"
+        description="diffusers pipeline folder (model_index.json) or transformers model folder (config.json), or a "
+        "Hugging Face repo id org/name[@revision] in the local cache (spindle.hub)"
     )
     family: str | None = Field(None, description="force a family instead of detecting it from model_index.json")
     sharded_load: bool = Field(

@@ -308,9 +308,15 @@ class ServeSettings(OptionSection):
         False, description="also keep each result's float32 frames (GET .../content?variant=npy; memory heavy)"
     )
     warmup: bool = Field(True, description="run one small generation before accepting requests")
-    warmup_size: str | None = Field(None, description="warm-up size WxH (default: the model's default size)")
+    warmup_size: str | None = Field(
+        None,
+        description="warm-up output size WxH (default: the model's default size; 256x256 for a model whose size "
+        "follows its input image); an image-conditioned model warms up on generated images of this size",
+    )
     warmup_frames: int = Field(1, ge=1, description="warm-up frame count for video models")
-    warmup_steps: int = Field(1, ge=1, description="warm-up denoising steps")
+    warmup_steps: int | None = Field(
+        None, ge=1, description="warm-up denoising steps (default: the fewest the checkpoint's scheduler accepts)"
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
 
 

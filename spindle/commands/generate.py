@@ -25,7 +25,12 @@ HELP = "generate a video/image from a diffusers checkpoint (staged engine)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="diffusers pipeline folder (with model_index.json)")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="diffusers pipeline folder (with model_index.json), or a Hugging Face repo id org/name[@revision] "
+        "in the local cache",
+    )
     p.add_argument("--prompt", required=True, help="text prompt")
     p.add_argument(
         "--negative-prompt",
@@ -64,6 +69,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def check_request_files(args: argparse.Namespace) -> None:
+    """`--out`'s extension against what the family writes, and the conditioning images it requires (present,
+    existing files), from the folder's family record alone: a `ValueError` / `FileNotFoundError` naming the
+    flag before any weight loads."""
+    from pathlib import Path
+
+    from spindle.data.media import IMAGE_EXTENSIONS
+    from spindle.registry import dit_family_of
+
+    family = dit_family_of(args.model)
+    options = family.options
+    video = options.frame_multiple is not None  # only a video family declares its frame-count rule
+    suffix = Path(args.out).suffix.lower()
+    images = sorted(IMAGE_EXTENSIONS - {".bmp"})
+    allowed = [".mp4", *(images if args.num_frames == 1 else [])] if video else images
+    if suffix not in allowed:
+        what = "a video (or with --num-frames 1, an image)" if video else "an image"
+        raise ValueError(
+            f"--out {args.out}: {family.name} generates {what}; give a file ending in {' / '.join(allowed)}"
+        )
+    low = options.images[0]
+    given = [*(args.image or []), *([args.last_image] if args.last_image else [])]
+    if low and not args.image:
+        raise ValueError(
+            f"--image is required for {family.name}: give {low} conditioning image file(s) "
+            f"(--image PATH{', repeated' if low > 1 else ''})"
+        )
+    for path in given:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"--image: image file {str(path)!r} does not exist")
+
+
 def _format_timings(timings: dict[str, float]) -> str:
     parts = [f"{k} {v:.2f}s" for k, v in timings.items()]
     return "time: " + ", ".join(parts) + f" | total {sum(timings.values()):.2f}s"
@@ -71,8 +108,11 @@ def _format_timings(timings: dict[str, float]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from spindle.distributed.launch import maybe_relaunch
+    from spindle.hub import resolve_model_path
 
     engine = engine_config(args)  # bad engine flags fail here, before a launch or a load
+    args.model = resolve_model_path(args.model, "--model")  # a Hugging Face repo id: its cached snapshot
+    check_request_files(args)  # --out and --image, before a launch or a load
     nproc, _ = check_world_size(args)
     code = maybe_relaunch(nproc, args._argv)  # parent of --nproc N > 1: re-run under torchrun
     if code is not None:
@@ -138,6 +178,17 @@ def run(args: argparse.Namespace) -> int:
             bar.total = total
             bar.update(step - bar.n)
 
+    if main:  # what is about to run, defaults included (a video's default size and length can take long)
+        from spindle.contracts.request import SamplingParams
+
+        common = {k: v for k, v in request.items() if k not in option_values(args)}
+        planned = gen.validate(SamplingParams(**common, extra=option_values(args)))
+        frames = f", {planned.num_frames} frames" if gen.spec.media == "video" else ""
+        print(
+            f"generating {planned.width}x{planned.height}{frames}, {planned.num_inference_steps} steps "
+            f"(--width/--height/--num-frames/--steps change it)",
+            file=sys.stderr,
+        )
     result = gen.generate(**request, progress=progress)
     if bar is not None:
         bar.close()

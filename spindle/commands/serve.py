@@ -28,6 +28,7 @@ import signal
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from spindle.commands.engine_args import add_engine_arguments, check_world_size, engine_config
 from spindle.commands.flags import add_section_arguments, section_from_args
@@ -45,7 +46,12 @@ PIDFILE_ENV = "SPINDLE_SERVE_PIDFILE"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="diffusers pipeline folder (with model_index.json)")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="diffusers pipeline folder (with model_index.json), or a Hugging Face repo id org/name[@revision] "
+        "in the local cache",
+    )
     add_section_arguments(p.add_argument_group("server (spindle.engine_config.ServeSettings)"), ServeSettings)
     g = p.add_argument_group(
         "limits (spindle.engine_config.RequestLimits / ServeLimits: per request / per connection; "
@@ -91,6 +97,11 @@ def run(args: argparse.Namespace) -> int:
     adapter_options: AdapterConfig = section_from_args(args, AdapterConfig)
     if adapter_options.lora_dir is not None:
         check_adapter_engine(engine, lambda name: "--" + name.replace("_", "-"))
+    from spindle.hub import parse_repo_id, resolve_model_path
+
+    given = args.model
+    args.model = resolve_model_path(given, "--model")  # a Hugging Face repo id: its cached snapshot
+    repo = parse_repo_id(given) if args.model != given else None
     if not (Path(args.model) / "model_index.json").is_file():
         raise FileNotFoundError(f"{args.model}/model_index.json not found: --model must be a diffusers pipeline folder")
     warmup_size = None
@@ -135,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
     from spindle.serve import build_app
     from spindle.serve.server import make_server
 
-    model_id = settings.served_model_name or Path(args.model).resolve().name
+    # default id: the folder's name, or a repo id's `org/name` (its snapshot folder is named by a commit)
+    model_id = settings.served_model_name or (repo[0] if repo else Path(args.model).resolve().name)
     app = build_app(
         gen,
         model_id=model_id,
@@ -151,16 +163,7 @@ def run(args: argparse.Namespace) -> int:
     state = app.state.serve
     try:
         if settings.warmup:
-            params = state.engine.warmup_params(warmup_size, settings.warmup_frames, settings.warmup_steps)
-            seconds = state.worker.warmup(params)
-            log.info(
-                "warm-up (%sx%s, %s frames, %d steps): %.2f s",
-                params.width,
-                params.height,
-                params.num_frames,
-                params.num_inference_steps,
-                seconds,
-            )
+            warm_up(state, settings, warmup_size, log)
         server = make_server(app, host=settings.host, port=settings.port, log_level=settings.log_level)
         # uvicorn re-raises the signal that stopped it once it has shut down gracefully; with these
         # no-op handlers that re-raise does nothing and a clean stop exits 0.
@@ -174,6 +177,31 @@ def run(args: argparse.Namespace) -> int:
     finally:
         state.worker.stop(settings.shutdown_grace)  # idempotent; releases the other ranks if serving never began
         _destroy()
+
+
+WARMUP_FLAGS = "--warmup-size WxH / --warmup-frames N / --warmup-steps N, or --no-warmup to skip it"
+
+
+def warm_up(state: Any, settings: ServeSettings, size: tuple[int, int] | None, log: logging.Logger) -> None:
+    """The one generation before serving (`Engine.warmup_params`: generated conditioning images where the
+    family needs them, the fewest steps its scheduler takes). Logged before it runs, so a slow one is never
+    silent; a refusal or a failure is one error naming the warm-up and its flags."""
+    from spindle.contracts.request import RequestError
+
+    try:
+        params = state.engine.warmup_params(size, settings.warmup_frames, settings.warmup_steps)
+    except RequestError as e:
+        raise ValueError(f"the warm-up request was refused ({e}); set it with {WARMUP_FLAGS}") from None
+    what = (
+        f"{params.width}x{params.height}, {params.num_frames or 1} frame(s), {params.num_inference_steps} step(s)"
+        + (f", {len(params.image)} generated conditioning image(s)" if params.image else "")
+    )
+    log.info("warm-up: one generation (%s) before serving; %s", what, WARMUP_FLAGS)
+    try:
+        seconds = state.worker.warmup(params)
+    except (RequestError, RuntimeError) as e:
+        raise ValueError(f"the warm-up generation ({what}) failed: {e}; change it with {WARMUP_FLAGS}") from e
+    log.info("warm-up done in %.2f s", seconds)
 
 
 def serve_limits(args: argparse.Namespace) -> ServeLimits:

@@ -49,6 +49,14 @@ class Option:
     # a pixel area of an image the request makes (an edit model's input resized to it): a server's
     # per-image pixel bound (`RequestLimits.max_pixels`, --max-pixels) applies to it as to the output
     pixels: bool = False
+    # the output's pixel area, as the pipeline sizes it (FLUX.1 Kontext's `max_area`): where a request gives the
+    # output size itself (the HTTP API's `size`, OpenAI's output size; the serve warm-up), this is set to
+    # width x height unless the request gives it
+    output_area: bool = False
+    # a bool option resizing the input image(s) to the model's preferred resolution whatever the output's size
+    # (FLUX.1 Kontext's `auto_resize`: ~1 megapixel): a request that gives the output size (the HTTP `size`)
+    # turns it off unless it gives it, so the input is used at its own size, not enlarged past the output
+    resizes_input: bool = False
 
     def __post_init__(self) -> None:
         if self.type not in _TYPES:
@@ -133,7 +141,12 @@ class FamilyOptions:
         if unknown:
             known = ", ".join(self.names()) or "none"
             raise _request_error(f"{unknown[0]} is not an option of {family} (its options: {known})", unknown[0])
-        typed = {k: by_name[k].check(v, family) for k, v in params.extra.items()}
+        # an option whose default is None ("unset") may be given as None: validated params carry the defaults,
+        # and a generator validates them again when it runs them (the server validates, then runs)
+        typed = {
+            k: v if v is None and by_name[k].default is None else by_name[k].check(v, family)
+            for k, v in params.extra.items()
+        }
         params = dataclasses.replace(params, extra=typed, image=self.check_images(params.image, family))
         for name, value in typed.items():
             option = by_name[name]

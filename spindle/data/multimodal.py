@@ -5,7 +5,9 @@ conversation, in one of two formats:
 
 - OpenAI/Qwen messages: `{"messages": [{"role": ..., "content": ...}]}`, the content a string or a
   list of parts `{"type": "image", "image": PATH}`, `{"type": "video", "video": PATH}`,
-  `{"type": "audio", "audio": PATH}` (omni models: spindle.data.audio), `{"type": "text", "text": ...}`;
+  `{"type": "audio", "audio": PATH}` (omni models: spindle.data.audio), `{"type": "text", "text": ...}`,
+  and OpenAI's `{"type": "image_url", "image_url": {"url": URL}}` (a base64 data URL, a `file://` URL or a
+  path; http(s) URLs are refused, never fetched);
 - LLaVA/ShareGPT: `{"images": [PATH, ...], "conversations": [{"from": "human"|"gpt"|"system",
   "value": "<image>\\n..."}]}` (or `"messages"` with string contents), one `<image>` (`<video>` with
   `"videos"`, `<audio>` with `"audios"`) placeholder per file, in order.
@@ -163,15 +165,19 @@ class VisionProcessor:
         if not getattr(tokenizer, "chat_template", None):
             raise TextDataError(f"the tokenizer of {model_path} has no chat_template; VLM data needs one")
 
-    def image(self, path: Path) -> Vision:
+    def image(self, path: Path | str) -> Vision:
+        """An image file, or a base64 data URL (an OpenAI `image_url` part) -> the processor's patches."""
         from spindle.data.media import MediaError, load_image
 
-        if not path.is_file():
-            raise ValueError(f"image {path} not found")
-        try:  # over the bomb limit or, with data.max_pixels, too big to decode in bounded memory: named
-            rgb = load_image(path, self.options.max_pixels).convert("RGB")
-        except MediaError as e:
-            raise ValueError(f"image {path} cannot be decoded ({e.problem})") from None
+        if is_data_url(path):
+            rgb = decode_data_url_image(str(path))
+        else:
+            if not Path(path).is_file():
+                raise ValueError(f"image {path} not found")
+            try:  # over the bomb limit or, with data.max_pixels, too big to decode in bounded memory: named
+                rgb = load_image(path, self.options.max_pixels).convert("RGB")
+            except MediaError as e:
+                raise ValueError(f"image {path} cannot be decoded ({e.problem})") from None
         out = self.image_processor(images=[rgb], return_tensors="pt")
         return Vision("image", out["pixel_values"], out["image_grid_thw"][0])
 
@@ -216,10 +222,10 @@ class VisionProcessor:
         samples = decode_audio(path, int(self.feature_extractor.sampling_rate))
         return Audio(audio_features(samples, self.feature_extractor, f"audio {path}"))
 
-    def media(self, kind: str, path: Path) -> Media:
+    def media(self, kind: str, path: Path | str) -> Media:
         if kind == "audio":
-            return self.audio(path)
-        return self.image(path) if kind == "image" else self.video(path)
+            return self.audio(Path(path))
+        return self.image(path) if kind == "image" else self.video(Path(path))
 
     def tokens(self, vision: list[Media]) -> list[int]:
         """How many placeholder tokens each input expands to."""
@@ -298,6 +304,53 @@ class VisionProcessor:
 # ---------------------------------------------------------------- parsing
 
 
+def is_data_url(value: Any) -> bool:
+    return isinstance(value, str) and value.startswith("data:")
+
+
+def decode_data_url(url: str) -> bytes:
+    """A base64 `data:` URL -> its bytes; a ValueError naming what is wrong otherwise."""
+    import base64
+    import binascii
+
+    head, comma, payload = url.partition(",")
+    if not comma or not head.endswith(";base64"):
+        raise ValueError(f"image_url data URL must be 'data:image/...;base64,...'; got {url[:40]!r}")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("image_url data URL: its base64 does not decode") from None
+
+
+def decode_data_url_image(url: str) -> Any:
+    """A base64 image data URL -> an RGB PIL image (Pillow's decompression-bomb limit applies); a ValueError
+    naming the data URL otherwise."""
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(decode_data_url(url))) as img:
+            return img.convert("RGB")
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
+        raise ValueError(f"image data URL {url[:40]}... cannot be decoded ({e})") from None
+
+
+def _image_url(part: dict, where: str) -> str:
+    """An OpenAI content part `{"type": "image_url", "image_url": {"url": ...}}` (or the url as a string) -> the
+    image it names: a base64 data URL as given, a local file (`file://` or a path, relative to the JSONL
+    file); an http(s) URL is refused, never fetched."""
+    value = part.get("image_url")
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise ValueError(f'{where} of type image_url needs "image_url": {{"url": DATA_URL_OR_PATH}}, got {part!r}')
+    if url.startswith(("http://", "https://")):
+        raise ValueError(
+            f"{where}: image URLs are not fetched ({url[:60]}); download the image and give its path or a data URL"
+        )
+    return url.removeprefix("file://")
+
+
 def _check_path(value: Any, what: str) -> str:
     if not isinstance(value, str) or not value:
         raise ValueError(f"{what} must be a file path string, got {value!r}")
@@ -357,11 +410,16 @@ def normalise_conversation(obj: Any) -> list[dict]:
             if placed:  # LLaVA style: placeholders in strings
                 content = _parts_from_string(content, listed)
         elif isinstance(content, list):
+            content = list(content)
             for j, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "image_url":  # OpenAI's chat format: the image part as {"type": "image", ...}
+                    part = content[j] = {"type": "image", "image": _image_url(part, f"messages[{i}].content[{j}]")}
+                    kind = "image"
                 if kind not in ("text", *MEDIA_KINDS):
                     raise ValueError(
-                        f'messages[{i}].content[{j}] must have "type" text, image, video or audio, got {part!r}'
+                        f'messages[{i}].content[{j}] must have "type" text, image, image_url, video or audio, '
+                        f"got {part!r}"
                     )
                 if kind == "text" and not isinstance(part.get("text"), str):
                     raise ValueError(f'messages[{i}].content[{j}] of type text needs a string "text"')
@@ -393,7 +451,7 @@ def conversation_document(
 ) -> tuple[MMDocument, bool]:
     """One line -> (document, whether its text tail was cut to seq_len)."""
     messages = normalise_conversation(obj)
-    vision = [processor.media(kind, base / path) for kind, path in media_parts(messages)]
+    vision = [processor.media(kind, path if is_data_url(path) else base / path) for kind, path in media_parts(messages)]
 
     def render(prefix: list[dict], generation_prompt: bool) -> list[int]:
         # a prefix holds the first k media of the conversation

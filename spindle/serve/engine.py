@@ -38,11 +38,55 @@ from spindle.contracts.request import Cancelled, SamplingParams
 from spindle.engine_config import RequestLimits
 
 if TYPE_CHECKING:
+    from spindle.contracts.options import FamilyOptions
     from spindle.infer.adapters import Adapter, LoraAdapters
 
 log = logging.getLogger("spindle.serve")
 
 PING_SECONDS = 60.0
+# The warm-up of a model with no default size (its output follows its input image: an edit model): small, so a
+# start-up never waits on a megapixel generation (--warmup-size asks for another)
+WARMUP_SIZE = (256, 256)
+# the fewest denoising steps the warm-up tries when --warmup-steps is not given (1, then 2, ...)
+MAX_WARMUP_STEPS = 4
+
+
+def warmup_image(width: int, height: int) -> Any:
+    """A generated conditioning image for the warm-up (a colour gradient: no file, no network)."""
+    import numpy as np
+    from PIL import Image
+
+    y, x = np.mgrid[0:height, 0:width]
+    pixels = np.stack([x * 255 // max(width - 1, 1), y * 255 // max(height - 1, 1), (x + y) % 256], axis=-1)
+    return Image.fromarray(pixels.astype(np.uint8), "RGB")
+
+
+def to_area(image: Any, area: int) -> Any:
+    """A PIL image resized to about `area` pixels at its own aspect ratio (Lanczos, as diffusers' image processor
+    resizes PIL images)."""
+    from PIL import Image
+
+    scale = (area / (image.width * image.height)) ** 0.5
+    size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
+    return image if size == image.size else image.resize(size, Image.Resampling.LANCZOS)
+
+
+def output_size_params(params: SamplingParams, size: tuple[int, int], options: FamilyOptions) -> SamplingParams:
+    """`params` asking for a `size` = (width, height) output, as OpenAI's `size` means it: height and width, and
+    each option that sizes the output by area (`Option.output_area`, e.g. FLUX.1 Kontext's `max_area`) set to
+    width x height, and each option resizing the input to a preferred resolution (`Option.resizes_input`) off
+    (the input images then resized to the output's area, their aspect kept: an edit's cost follows the size
+    asked, not the upload's), unless the request gives them."""
+    params.width, params.height = size
+    for option in options.extra:
+        if option.name in params.extra:
+            continue
+        if option.output_area:
+            params.extra[option.name] = size[0] * size[1]
+        elif option.resizes_input:  # not enlarged to the model's preferred resolution: sized to the output's area
+            params.extra[option.name] = False
+            params.image = [to_area(image, size[0] * size[1]) for image in params.image or []] or params.image
+    return params
 
 
 class RankFanout:
@@ -153,16 +197,43 @@ class Engine:
             )
         return frames, note
 
-    def warmup_params(self, size: tuple[int, int] | None, frames: int, steps: int) -> SamplingParams:
-        width, height = size if size else (self.defaults.width, self.defaults.height)
-        return SamplingParams(
-            prompt="warm-up",
-            height=height,
-            width=width,
-            num_frames=frames if self.media == "video" else None,
-            num_inference_steps=steps,
-            seed=0,
+    def warmup_params(
+        self, size: tuple[int, int] | None = None, frames: int = 1, steps: int | None = None
+    ) -> SamplingParams:
+        """The warm-up request (`spindle serve`'s --warmup-size / --warmup-frames / --warmup-steps), validated:
+        the size asked, else the model's default, else (a model sized by its input image: an edit model)
+        `WARMUP_SIZE`; as many generated conditioning images as the family requires (none where they are
+        optional), each of the warm-up size; the output-area options set to that size (`output_size_params`);
+        `steps` None: the fewest steps the checkpoint accepts (a scheduler with `shift_terminal` needs 2).
+        Raises `RequestError` naming the field when the model refuses it."""
+        from spindle.contracts.request import RequestError
+
+        default_width, default_height = self.defaults.width, self.defaults.height
+        if size is not None:
+            width, height = size
+        elif default_width is not None and default_height is not None:
+            width, height = default_width, default_height
+        else:
+            width, height = WARMUP_SIZE
+        params = output_size_params(
+            SamplingParams(
+                prompt="warm-up",
+                num_frames=frames if self.media == "video" else None,
+                seed=0,
+                image=[warmup_image(width, height) for _ in range(self.spec.options.images[0])] or None,
+            ),
+            (width, height),
+            self.spec.options,
         )
+        candidates = [steps] if steps is not None else list(range(1, MAX_WARMUP_STEPS + 1))
+        for count in candidates:
+            params.num_inference_steps = count
+            try:
+                return self.generator.validate(params)
+            except RequestError as e:
+                if e.field != "num_inference_steps" or count == candidates[-1]:
+                    raise
+        raise AssertionError("unreachable: the last candidate raises")
 
     # ---------------------------------------------------------------- running it (every rank)
 

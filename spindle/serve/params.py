@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from spindle.contracts.request import RequestError, SamplingParams, short_repr
 from spindle.infer.options import given_options
+from spindle.serve.engine import output_size_params
 from spindle.serve.errors import APIError, request_error, safe_text
 from spindle.serve.schemas import GenerationRequest, ImageGenerationRequest, LoraChoice, VideoCreateRequest
 from spindle.serve.uploads import decode_image
@@ -140,8 +141,6 @@ def sampling_params(body: GenerationRequest, engine: Engine) -> Planned:
     params = SamplingParams(
         prompt=body.prompt,
         negative_prompt=body.negative_prompt,
-        width=size[0] if size else None,
-        height=size[1] if size else None,
         num_frames=num_frames,
         num_inference_steps=body.num_inference_steps,
         guidance_scale=body.guidance_scale,
@@ -152,12 +151,66 @@ def sampling_params(body: GenerationRequest, engine: Engine) -> Planned:
         lora_scale=body.lora_scale,
         extra=given_options(body, options),
     )
+    given = set(params.extra)  # the family options the request gave itself
+    if size is not None:  # OpenAI's `size` is the output's: an area-sized model's area follows it
+        params = output_size_params(params, size, options)
     try:
         return Planned(engine.validate(params), notes)
     except RequestError as e:
-        raise request_error(
+        error = request_error(
             e, seconds_given=seconds_given, option_names=options.names(), image_field=body.image_field
-        ) from None
+        )
+        set_by_size = {o.name for o in options.extra if o.output_area} - given
+        if size is not None and (error.param == "size" or e.field in set_by_size):
+            raise size_error(error, size, params, engine) from None
+        raise error from None
+
+
+SIZE_STEP = 4  # every served family's sizes are multiples of 4 (a tiny VAE x2 x 2x2 packing) or of a multiple of it
+SIZE_REACH = 8  # candidates: this many steps either side of each asked side
+
+
+def nearest_sizes(size: tuple[int, int], params: SamplingParams, engine: Engine, count: int = 3) -> list[str]:
+    """The sizes nearest `size` = (width, height) that the model makes with the rest of `params` as asked:
+    candidates on the `SIZE_STEP` grid around each side, nearest first, each checked by the engine itself
+    (its own sizing rules, e.g. an area-sized model's rounding), so no family rule is repeated here."""
+    import dataclasses
+
+    def grid(side: int) -> list[int]:
+        base = side // SIZE_STEP * SIZE_STEP
+        return [
+            v for v in range(base - SIZE_REACH * SIZE_STEP, base + (SIZE_REACH + 1) * SIZE_STEP, SIZE_STEP) if v > 0
+        ]
+
+    width, height = size
+    candidates = sorted(
+        ((w, h) for w in grid(width) for h in grid(height)), key=lambda c: (abs(c[0] - width) + abs(c[1] - height), c)
+    )
+    found: list[str] = []
+    for w, h in candidates:
+        extra = {
+            k: v
+            for k, v in params.extra.items()
+            if k not in {o.name for o in engine.spec.options.extra if o.output_area}
+        }
+        trial = output_size_params(dataclasses.replace(params, extra=extra), (w, h), engine.spec.options)
+        try:
+            engine.validate(trial)
+        except RequestError:
+            continue
+        found.append(f"{w}x{h}")
+        if len(found) == count:
+            break
+    return found
+
+
+def size_error(error: APIError, size: tuple[int, int], params: SamplingParams, engine: Engine) -> APIError:
+    """A `size` the model cannot make (the engine refused its height, width, or the output area it set):
+    400 naming `size`, the engine's reason and the nearest sizes it makes."""
+    nearest = nearest_sizes(size, params, engine)
+    message = error.message if error.param == "size" else f"size: {size[0]}x{size[1]} sets {error.message}"
+    hint = f"; nearest sizes it makes: {', '.join(nearest)}" if nearest else ""
+    return APIError(400, message + hint, param="size", code="invalid_request")
 
 
 def lora_choice(params: SamplingParams) -> LoraChoice | None:

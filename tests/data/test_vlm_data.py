@@ -139,6 +139,27 @@ def test_sharegpt_format_gives_the_same_document(tiny_qwen2_5_vl, parts, tmp_pat
     assert a.tokens == b.tokens and a.learn == b.learn and torch.equal(a.positions, b.positions)
 
 
+def test_openai_image_url_parts_give_the_same_document(tiny_qwen2_5_vl, parts, tmp_path):
+    """OpenAI's chat content parts: a base64 data URL and a local file (`file://`, absolute) read as the same
+    images as `{"type": "image"}` parts; an http(s) URL is refused, never fetched."""
+    import base64
+
+    obj = two_image_conversation(tmp_path)
+    data_url = "data:image/png;base64," + base64.b64encode((tmp_path / "a.png").read_bytes()).decode()
+    openai_obj = json.loads(json.dumps(obj))
+    openai_obj["messages"][1]["content"][0] = {"type": "image_url", "image_url": {"url": data_url}}
+    openai_obj["messages"][1]["content"][2] = {"type": "image_url", "image_url": {"url": f"file://{tmp_path}/b.png"}}
+    processor = make_processor(tiny_qwen2_5_vl, parts)
+    a, _ = conversation_document(obj, tmp_path, processor, 4096, "x:1")
+    b, _ = conversation_document(openai_obj, tmp_path, processor, 4096, "x:2")
+    assert a.tokens == b.tokens and a.learn == b.learn and torch.equal(a.positions, b.positions)
+    for x, y in zip(a.vision, b.vision, strict=True):
+        assert torch.equal(x.pixel_values, y.pixel_values)
+    openai_obj["messages"][1]["content"][0] = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    with pytest.raises(ValueError, match="not fetched"):
+        conversation_document(openai_obj, tmp_path, processor, 4096, "x:3")
+
+
 def test_packed_rows_restart_positions_per_document(tiny_qwen2_5_vl, parts, vlm_conversations):
     processor = make_processor(tiny_qwen2_5_vl, parts)
     packed = build_conversation_dataset(vlm_conversations, processor, SEQ, packing=True)

@@ -34,6 +34,7 @@ OPTIONS = dataclasses.replace(
             minimum=1,
             help="output pixels: height x width is scaled to this area at its aspect ratio (FluxKontextPipeline's "
             "sizing); a request it would resize is refused: give max_area = height x width to keep the size",
+            output_area=True,  # the HTTP `size` (OpenAI's output size) sets it to width x height
         ),
         Option(
             "auto_resize",
@@ -41,6 +42,7 @@ OPTIONS = dataclasses.replace(
             default=True,
             help="resize the source image to the preferred Kontext resolution nearest its aspect ratio "
             "(FluxKontextPipeline's _auto_resize); false keeps its size",
+            resizes_input=True,  # off when the HTTP `size` gives the output size (OpenAI's semantics)
         ),
     ),
     images=(0, 1),  # one source image to edit; none: plain text-to-image, as the pipeline allows
