@@ -54,6 +54,9 @@ def load_job_config(path: str | Path | None, overrides: Sequence[str] = ()) -> A
     if isinstance(model, dict) and isinstance(model.get("path"), str):
         # a Hugging Face repo id (`org/name[@revision]`) -> its snapshot in the local cache, before anything reads it
         model["path"] = resolve_model_path(model["path"], "model.path")
+    dpo = raw.get("dpo")
+    if isinstance(dpo, dict) and isinstance(dpo.get("reference_model"), str):  # a repo id as model.path is
+        dpo["reference_model"] = resolve_model_path(dpo["reference_model"], "dpo.reference_model")
     family = job_family(raw)
     task = job_task(family)
     try:

@@ -106,3 +106,19 @@ def test_from_pretrained_detects_the_family_like_load_generator(hub_cache, tiny_
     np.testing.assert_array_equal(by_class.generate(**request).frames, by_function.generate(**request).frames)
     with pytest.raises(ValueError, match="dtyp"):  # engine options are checked before anything loads
         spindle.DiffusionGenerator.from_pretrained(tiny_wan, dtyp="float32")
+
+
+def test_a_dpo_reference_model_may_be_a_cached_repo_id(tmp_path, monkeypatch, tiny_qwen3):
+    """dpo.reference_model takes a repo id like model.path: resolved offline to the cached snapshot."""
+    from spindle.api import load_job_config
+
+    cache = tmp_path / "hub"
+    snapshot = place_in_cache(cache, "acme/ref-qwen3", tiny_qwen3)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    data = tmp_path / "pairs.jsonl"
+    data.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
+    cfg = load_job_config(
+        None,
+        [f"model.path={tiny_qwen3}", f"data.path={data}", "train.objective=dpo", "dpo.reference_model=acme/ref-qwen3"],
+    )
+    assert Path(cfg.dpo.reference_model).resolve() == snapshot.resolve()
