@@ -73,7 +73,7 @@ def resolve_attention(setting: str, *, device_type: str, precision: str, text_co
             "attention does not implement; set model.attn_implementation: sdpa (or auto)"
         )
     if setting in (*FLASH_MODULES, "flex_attention") and device_type != "cuda":
-        raise ValueError(f"{key} runs on CUDA only (this run is on {device_type}); use varlen (or auto)")
+        raise ValueError(f"{key}: runs on CUDA only (this run is on {device_type}); use varlen (or auto)")
     if setting in FLASH_MODULES:
         if not installed(setting):
             raise ValueError(
