@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,7 +38,7 @@ from bench import _common as common  # noqa: E402
 from bench.train_llm import QWEN3_VOCAB, _memory_mark, _memory_peak  # noqa: E402
 from spindle.testing.multiprocess import spawn  # noqa: E402
 
-PRESETS = {
+PRESETS: dict[str, dict[str, Any]] = {
     # the measurement model: a tiny Qwen3 whose context is raised to 64K
     "cpu": dict(
         model=dict(
@@ -114,7 +115,9 @@ def _worker(rank: int, world: int, a: argparse.Namespace, variant: str, seq_len:
     try:
         cfg = load_job_config(None, [f"{k}={v}" for k, v in overrides.items()])
         family = job_family(cfg)
-        task = job_task(family)(cfg, family, build_mesh(ParallelDims(dp_shard=1)), device, "bf16" if cuda else "no")
+        task: Any = job_task(family)(
+            cfg, family, build_mesh(ParallelDims(dp_shard=1)), device, "bf16" if cuda else "no"
+        )
         model = task.build_model()
         optimizer = build_optimizer(model.parameters(), cfg.train)
         dataset = build_text_dataset(data, task.tokenizer, seq_len, True, False)

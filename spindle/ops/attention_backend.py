@@ -31,8 +31,8 @@ _FLASH_PACKAGES = {"flash_attention_2": "flash-attn", "flash_attention_3": "flas
 def has_sliding_window(config: Any) -> bool:
     """The text config (a transformers config or its config.json dict) has sliding-window layers."""
     get = config.get if isinstance(config, Mapping) else lambda key, default=None: getattr(config, key, default)
-    if get("layer_types"):
-        return any(t != "full_attention" for t in get("layer_types"))
+    if layer_types := get("layer_types"):
+        return any(t != "full_attention" for t in layer_types)
     return bool(get("use_sliding_window")) and get("sliding_window") is not None
 
 

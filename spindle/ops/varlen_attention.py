@@ -129,8 +129,9 @@ def _sdpa(
     """One causal SDPA call of transformers' sdpa function: [B, H, s, D] -> [B, s, H, D]."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    out: torch.Tensor = sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True)[0]
-    return out
+    out, _ = sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True)
+    result: torch.Tensor = out
+    return result
 
 
 def per_document_sdpa(
@@ -147,12 +148,13 @@ def per_document_sdpa(
     `split`/`unbind` views (their backward is one concatenation, not a zero-filled copy per piece),
     one SDPA call per document, or per (row, document) when the rows' layouts differ."""
     if docs.uniform:
-        lengths = list(docs.lengths[0])
-        pieces = zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2), strict=True)
+        sizes = list(docs.lengths[0])
+        pieces = zip(query.split(sizes, 2), key.split(sizes, 2), value.split(sizes, 2), strict=True)
         return torch.cat([_sdpa(module, q, k, v, dropout, scaling) for q, k, v in pieces], dim=1)
     rows = []
-    for lengths, q_row, k_row, v_row in zip(docs.lengths, query.unbind(0), key.unbind(0), value.unbind(0), strict=True):
-        pieces = zip(q_row.split(lengths, 1), k_row.split(lengths, 1), v_row.split(lengths, 1), strict=True)
+    for row, q_row, k_row, v_row in zip(docs.lengths, query.unbind(0), key.unbind(0), value.unbind(0), strict=True):
+        sizes = list(row)
+        pieces = zip(q_row.split(sizes, 1), k_row.split(sizes, 1), v_row.split(sizes, 1), strict=True)
         rows.append(torch.cat([_sdpa(module, q[None], k[None], v[None], dropout, scaling) for q, k, v in pieces], 1))
     return torch.cat(rows, dim=0)
 
@@ -212,7 +214,7 @@ def varlen_attention_forward(
     causal = getattr(module, "is_causal", True)
     if attention_mask is not None or position_ids is None or not causal:
         # not a packed causal row (a vision block, an explicit mask): transformers' sdpa, as before
-        out: torch.Tensor = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)[0]
+        out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
         return out, None
     if position_ids.ndim == 3:  # multimodal RoPE [axes, B, S]: row 0 holds the text positions
         position_ids = position_ids[0]
