@@ -71,6 +71,16 @@ class ModelConfig(Section):
         "(false: every rank loads the whole model first)",
     )
     max_text_length: int = Field(512, ge=1, description="text tokens per prompt (padded/truncated)")
+    attn_implementation: Literal[
+        "auto", "sdpa", "varlen", "flash_attention_2", "flash_attention_3", "flex_attention"
+    ] = Field(
+        "auto",
+        description="language models' attention (docs/training.md, Attention backends): varlen (per-document "
+        "causal SDPA from the position ids, memory linear in the row length, any device), flash_attention_2/3 "
+        "(the same through flash-attention's varlen kernel; CUDA, bf16, installed), flex_attention (CUDA), sdpa "
+        "(packed rows get a dense [S, S] document mask); auto: the fastest that can run (flash when installed "
+        "on CUDA, else varlen; sdpa for sliding-window models). DiT jobs take auto only",
+    )
 
 
 class BucketsConfig(Section):
@@ -557,6 +567,15 @@ class DiTJobConfig(TrainJobConfig):
 
     data: MediaDataConfig
     train: DiTTrainConfig = DiTTrainConfig()
+
+    @model_validator(mode="after")
+    def _lm_attention_only(self) -> DiTJobConfig:
+        if self.model.attn_implementation != "auto":
+            raise ValueError(
+                f"model.attn_implementation={self.model.attn_implementation} applies to language models; DiT "
+                "training runs diffusers' attention; remove it"
+            )
+        return self
 
 
 class LMTrainConfig(TrainConfig):

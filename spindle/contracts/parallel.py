@@ -33,6 +33,9 @@ class ParallelPlan:
     # Dotted path of the submodule whose attention transformers-library SP replaces ("": the whole
     # model): a VLM's language model, so its vision tower keeps its own attention.
     sequence_parallel_module: str = ""
+    # transformers attn_implementation of that submodule (the language model), e.g. "spindle_varlen"
+    # (spindle.ops.varlen_attention.implementation_name); under SP, Ulysses' inner attention. "": the model's own.
+    attention: str = ""
 
     def __post_init__(self) -> None:
         if self.library not in LIBRARIES:

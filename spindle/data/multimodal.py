@@ -21,7 +21,7 @@ expanded to the image's `grid_thw.prod() // merge_size**2` tokens, as the stock 
 assistant turns are learned (`spindle.data.text.learn_assistant_turns`).
 
 Rows hold `input_ids`, `position_ids` [4, seq_len] (row 0: text positions, restarting per document,
-from which transformers builds the block-diagonal packed mask; rows 1-3: the model's 3-D RoPE positions
+from which attention reads the documents, spindle/ops/varlen_attention.py; rows 1-3: the model's 3-D RoPE positions
 of each document, computed by the family's `rope_index`), `shift_labels`, `attention_mask`, and the
 rows' vision inputs (`pixel_values` + `image_grid_thw`, `pixel_values_videos` + `video_grid_thw` +
 `second_per_grid_ts`; audio: `input_features` + `feature_attention_mask`) in token order. Packing

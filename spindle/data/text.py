@@ -19,9 +19,11 @@ Rows (`seq_len` tokens each) carry `input_ids`, `position_ids`, `shift_labels` a
 shifted (position t holds the token to predict at t), -100 where nothing is learned, including the
 last token of every document, so no position predicts across a document boundary. With packing,
 documents are laid end to end in file order, a document that does not fit the rest of a row starts
-the next row, and positions restart at 0 per document: transformers builds the block-diagonal causal
-mask from such position ids (`masking_utils.find_packed_sequence_indices`, when no attention mask
-and no cache is passed), so attention never crosses documents either. Padding continues the
+the next row, and positions restart at 0 per document: attention reads the documents from such
+position ids (Spindle's varlen attention, spindle/ops/varlen_attention.py, per document without a
+mask; with `model.attn_implementation: sdpa`, transformers' block-diagonal causal mask from
+`masking_utils.find_packed_sequence_indices`, when no attention mask and no cache is passed), so
+attention never crosses documents either. Padding continues the
 positions of the row's last document (it only follows real tokens, so causal attention keeps it
 out of them) and is never learned. `attention_mask` is not given to attention (it would hide the
 packed documents from transformers, and causal attention already keeps padding out of real tokens):

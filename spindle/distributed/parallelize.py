@@ -1,6 +1,7 @@
 """The one parallelize path every training task takes (issue 23.4), in torchtitan's order:
 
-    sequence parallel (Ulysses / ring, if sp x ring > 1) -> expert parallel (if ep > 1)
+    sequence parallel (Ulysses / ring, if sp x ring > 1; else the plan's attention implementation)
+        -> expert parallel (if ep > 1)
         -> activation checkpointing -> regional compile -> FSDP2 (experts, blocks, root; world > 1)
 
 What differs by model is a `ParallelPlan` (spindle.contracts.parallel) the task gives: whose SP and
@@ -42,16 +43,20 @@ def parallelize(
     """
     policy = mp_policy(mixed_precision)  # validate before any work
     dims = mesh.dims
-    if dims.cp_size > 1:
-        if plan.library == "diffusers":
-            from spindle.distributed.context_parallel import enable_sequence_parallel
+    if dims.cp_size > 1 and plan.library == "diffusers":
+        from spindle.distributed.context_parallel import enable_sequence_parallel
 
-            enable_sequence_parallel(model, mesh.cp, plan=plan.cp_plan)
-        else:
+        enable_sequence_parallel(model, mesh.cp, plan=plan.cp_plan)
+    elif plan.library == "transformers" and (dims.cp_size > 1 or plan.attention):
+        target = model.get_submodule(plan.sequence_parallel_module) if plan.sequence_parallel_module else model
+        if dims.cp_size > 1:
             from spindle.distributed import ulysses_attention
 
-            target = model.get_submodule(plan.sequence_parallel_module) if plan.sequence_parallel_module else model
-            ulysses_attention.enable_sequence_parallel(target, mesh.sp)
+            ulysses_attention.enable_sequence_parallel(target, mesh.sp, inner=plan.attention or None)
+        else:
+            from spindle.ops.varlen_attention import use_attention
+
+            use_attention(target, plan.attention)
     if plan.expert_parallel and dims.ep > 1:
         from spindle.distributed.expert_parallel import apply_expert_parallel
 

@@ -8,7 +8,7 @@ function registered here (`ATTN_IMPLEMENTATION`) is called by the model's attent
 `[B, H, S/sp, D]` query/key/value, and
 
     all-to-all: [B, H, S/sp, D] -> [B, H/sp, S, D]   (every rank: the whole sequence, H/sp heads)
-    inner attention (transformers' sdpa or flex_attention function) over the full sequence
+    inner attention over the full sequence (Spindle's varlen functions, transformers' sdpa or flex_attention)
     all-to-all back: [B, S, H/sp, D] -> [B, S/sp, H, D]
 
 The all-to-all is an autograd function whose backward is the same all-to-all (with equal splits
@@ -22,11 +22,14 @@ Masks: transformers builds its mask from the *local* chunk, which is wrong under
 queries must see the keys of the chunks before it, and packed documents must not see each other
 across chunk borders). Our implementation name is absent from transformers' mask registry, so the
 model passes no mask (`masking_utils._preprocess_mask_arguments` returns None for such names), and
-the mask is built here from the position ids of the FULL row: the local `position_ids` (which the
+the documents come from the position ids of the FULL row: the local `position_ids` (which the
 decoder layer passes to attention) are all-gathered over the SP group once per forward (cached on
 the tensor's identity, so every layer and an activation-checkpoint recomputation reuse it), and a
 new document starts wherever the position does not follow its predecessor (the rule of
-transformers' `find_packed_sequence_indices`). A row with one document is plain causal attention.
+transformers' `find_packed_sequence_indices`). The varlen inner functions (spindle.ops.varlen_attention)
+get the full row's position ids and attend per document, no mask (memory linear in S); for sdpa the
+dense [B, 1, S, S] mask is built here, for flex_attention a block mask. A row with one document is
+plain causal attention.
 Padding masks are not used: rows are padded on the right, and under causal attention the pad
 tokens (labels -100) never affect a real token.
 
@@ -50,8 +53,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from spindle.ops import varlen_attention
+from spindle.ops.varlen_attention import document_ids
+
 ATTN_IMPLEMENTATION = "spindle_ulysses"
-INNER_IMPLEMENTATIONS = ("sdpa", "flex_attention")
+VARLEN_INNER = tuple(varlen_attention.IMPLEMENTATIONS.values())
+INNER_IMPLEMENTATIONS = ("sdpa", "flex_attention", *VARLEN_INNER)
 # Per-token tensors of a causal-LM batch, split along dim 1 (the sequence) by `shard_batch`.
 SEQUENCE_KEYS = ("input_ids", "position_ids", "shift_labels", "attention_mask")
 _CONTEXT_ATTR = "_spindle_sequence_parallel"
@@ -201,17 +208,6 @@ def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup, sp: int) -> torch.Te
 # ---------------------------------------------------------------- masks
 
 
-def document_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
-    """[B, S] document index of each token (a document starts where the position does not follow its
-    predecessor), or None when every row is one document."""
-    first = position_ids[:, :1] - 1
-    starts = torch.diff(position_ids, prepend=first, dim=-1) != 1
-    docs = starts.cumsum(-1)
-    if bool((docs[:, -1] == docs[:, 0]).all()):
-        return None
-    return docs
-
-
 def document_causal_mask(docs: torch.Tensor) -> torch.Tensor:
     """[B, 1, S, S] boolean mask (True = attend): causal and within the query's document."""
     s = docs.shape[1]
@@ -238,27 +234,29 @@ class SequenceParallelContext:
 
     group: dist.ProcessGroup
     size: int
-    inner: str  # the attention implementation run over the full sequence ("sdpa", "flex_attention")
-    _mask_key: torch.Tensor | None = field(default=None, repr=False)
+    inner: str  # the attention implementation run over the full sequence (INNER_IMPLEMENTATIONS)
+    _key: torch.Tensor | None = field(default=None, repr=False)
+    _positions: Any = field(default=None, repr=False)
     _mask: Any = field(default=None, repr=False)
 
-    def mask_for(self, position_ids: torch.Tensor, batch: int) -> Any:
-        """The full-row mask for this forward (None: plain causal). Collective on a cache miss."""
-        if self._mask_key is position_ids:
-            return self._mask
-        local = position_ids.expand(batch, -1).contiguous()
-        chunks = [torch.empty_like(local) for _ in range(self.size)]
-        dist.all_gather(chunks, local, group=self.group)
-        docs = document_ids(torch.cat(chunks, dim=1))
-        if docs is None:
-            mask = None
-        elif self.inner == "flex_attention":
-            mask = _flex_block_mask(docs)
-        else:
-            mask = document_causal_mask(docs)
-        # Holding the key tensor keeps its identity from being reused by another forward's tensor.
-        self._mask_key, self._mask = position_ids, mask
-        return mask
+    def for_forward(self, position_ids: torch.Tensor, batch: int) -> tuple[torch.Tensor, Any]:
+        """(the full rows' [B, S] position ids, the mask the inner attention takes: None for the varlen
+        functions and for rows of one document) of this forward. Collective on a cache miss."""
+        if self._key is not position_ids:
+            local = position_ids.expand(batch, -1).contiguous()
+            chunks = [torch.empty_like(local) for _ in range(self.size)]
+            dist.all_gather(chunks, local, group=self.group)
+            full = torch.cat(chunks, dim=1)
+            docs = None if self.inner in VARLEN_INNER else document_ids(full)
+            if docs is None:
+                mask = None
+            elif self.inner == "flex_attention":
+                mask = _flex_block_mask(docs)
+            else:
+                mask = document_causal_mask(docs)
+            # Holding the key tensor keeps its identity from being reused by another forward's tensor.
+            self._key, self._positions, self._mask = position_ids, full, mask
+        return self._positions, self._mask
 
 
 class LocalHeads:
@@ -312,7 +310,9 @@ def ulysses_attention_forward(
     if repeat > 1:
         key = key.repeat_interleave(repeat, dim=1)
         value = value.repeat_interleave(repeat, dim=1)
-    mask = ctx.mask_for(position_ids, query.shape[0])
+    full_positions, mask = ctx.for_forward(position_ids, query.shape[0])
+    if ctx.inner in VARLEN_INNER:  # the varlen functions read the documents from the full row's positions
+        kwargs["position_ids"] = full_positions
 
     query, key, value = (seq_to_heads(t, group, sp) for t in (query, key, value))
     local = LocalHeads(module, num_key_value_groups=query.shape[1] // key.shape[1])
@@ -325,9 +325,11 @@ def ulysses_attention_forward(
 
 
 def register() -> None:
-    """Register `ulysses_attention_forward` under `ATTN_IMPLEMENTATION` (idempotent)."""
+    """Register `ulysses_attention_forward` under `ATTN_IMPLEMENTATION`, and the varlen inner functions
+    (idempotent)."""
     from transformers import AttentionInterface
 
+    varlen_attention.register()
     AttentionInterface.register(ATTN_IMPLEMENTATION, ulysses_attention_forward)
 
 

@@ -9,6 +9,8 @@ cores); rank 0 saves what it gathered and the tests compare it with references c
 - a tiny stock `Qwen3ForCausalLM` whose SP ranks each compute the loss of their own chunk vs the
   same model on the whole row in one process (packed row: transformers' own packed-sequence mask
   from position_ids): the loss and every parameter's gradient (SP ranks' gradients summed).
+Each runs with the dense-mask sdpa inner attention and with Spindle's varlen inner function
+(spindle/ops/varlen_attention.py: the full row's position ids, attention per document, no mask).
 """
 
 from __future__ import annotations
@@ -31,9 +33,18 @@ ATTN_CASES = {
     "gqa_kv1": (4, 1, True, "sdpa"),
     # document mask as a flex BlockMask; forward only: torch's flex attention has no backward on CPU
     "packed_flex": (4, 2, True, "flex_attention"),
+    "packed_varlen": (4, 4, True, "spindle_varlen"),
+    "gqa_kv1_varlen": (4, 1, True, "spindle_varlen"),
+    "causal_varlen": (4, 2, False, "spindle_varlen"),
 }
 FORWARD_ONLY = {"packed_flex"}
-MODEL_CASES = {"model_causal": (4, 2, False), "model_packed_kv1": (4, 1, True)}
+# case -> (kv heads, packed, inner attention)
+MODEL_CASES = {
+    "model_causal": (2, False, "sdpa"),
+    "model_packed_kv1": (1, True, "sdpa"),
+    "model_packed_kv1_varlen": (1, True, "spindle_varlen"),
+    "model_packed_varlen": (2, True, "spindle_varlen"),
+}
 VOCAB = 64
 
 
@@ -134,9 +145,9 @@ def _worker(rank: int, world: int, out: str) -> None:
             (o * x["w"][:, chunk]).sum().backward()
             results[name].update({f"d{n}": gather(t.grad, 2) for n, t in zip("qkv", (q, k, v), strict=True)})
 
-    for name, (_, kv_heads, packed) in MODEL_CASES.items():
+    for name, (kv_heads, packed, inner) in MODEL_CASES.items():
         model = small_qwen3_model(kv_heads)
-        enable_sequence_parallel(model, mesh)
+        enable_sequence_parallel(model, mesh, inner=inner)
         local = shard_batch(lm_batch(packed), rank, world)
         loss = lm_loss_sum(model, local)
         loss.backward()
@@ -194,7 +205,7 @@ def test_packed_reference_differs_from_plain_causal(sp_results):
 
 @pytest.mark.parametrize("case", list(MODEL_CASES))
 def test_sp_model_loss_and_grads_equal_one_process(sp_results, case):
-    _, kv_heads, packed = MODEL_CASES[case]
+    kv_heads, packed, _ = MODEL_CASES[case]
     model = small_qwen3_model(kv_heads)
     loss = lm_loss_sum(model, lm_batch(packed))
     loss.backward()

@@ -25,16 +25,21 @@ RTOL = 1e-5
 # ---------------------------------------------------------------- loss
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "varlen"])
 def test_packed_row_loss_equals_documents_computed_separately(attn, tiny_qwen3, tmp_path):
-    """Document masking: a packed row's summed loss is the sum of each document's own loss."""
+    """Document masking: a packed row's summed loss is the sum of each document's own loss (varlen: Spindle's
+    per-document attention, spindle/ops/varlen_attention.py)."""
     from transformers import AutoModelForCausalLM
 
     from spindle.data.text import build_text_dataset
+    from spindle.ops.varlen_attention import implementation_name, register
     from spindle.train.tasks.causal_lm import causal_lm_loss_sum
 
     _, tok = lm_stock(tiny_qwen3)
-    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32, attn_implementation=attn)
+    register()
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_qwen3, dtype=torch.float32, attn_implementation=implementation_name(attn)
+    )
     texts = ["the red circle moves left on a gray background", "a blue square", "then the big yellow star moves up"]
     f = tmp_path / "d.jsonl"
     f.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))

@@ -6,7 +6,8 @@ from spindle.contracts.family import OmniFamily
 
 FAMILY = OmniFamily(
     name="qwen2_5_omni",
-    model_class="transformers:Qwen2_5OmniThinkerForConditionalGeneration",
+    # patchgen-generated: the chunked loss from hidden states (patches.py)
+    model_class="spindle.models.qwen2_5_omni.generated.patched_modeling_qwen2_5_omni:Qwen2_5OmniThinkerForConditionalGeneration",
     full_model_class="transformers:Qwen2_5OmniForConditionalGeneration",
     untrained=("talker.", "token2wav."),
     blocks=("Qwen2_5OmniDecoderLayer", "Qwen2_5OmniVisionBlock", "Qwen2_5OmniAudioEncoderLayer"),

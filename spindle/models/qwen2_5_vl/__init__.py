@@ -5,5 +5,6 @@ from spindle.contracts.family import VLMFamily
 
 FAMILY = VLMFamily(
     name="qwen2_5_vl",
-    model_class="transformers:Qwen2_5_VLForConditionalGeneration",
+    # patchgen-generated: the chunked loss from hidden states (patches.py)
+    model_class="spindle.models.qwen2_5_vl.generated.patched_modeling_qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
 )

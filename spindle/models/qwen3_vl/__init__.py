@@ -7,7 +7,8 @@ from spindle.contracts.family import VLMFamily
 FAMILY = VLMFamily(
     name="qwen3_vl",
     model_types=("qwen3_vl",),
-    model_class="transformers:Qwen3VLForConditionalGeneration",
+    # patchgen-generated: the chunked loss from hidden states (patches.py)
+    model_class="spindle.models.qwen3_vl.generated.patched_modeling_qwen3_vl:Qwen3VLForConditionalGeneration",
     parts={
         "vision": ("model.visual.",),
         "aligner": ("model.visual.merger.", "model.visual.deepstack_merger_list."),

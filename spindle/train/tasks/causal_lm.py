@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Callable
@@ -185,6 +186,24 @@ class CausalLMTask(TrainTask):
         if (experts := Experts.of(family)) is not None:
             experts.check_plan(cfg.model.path, dims)
         build_objective(cfg.train.objective, cfg).check_plan(family, dims)
+        cls.attention(cfg, cfg.train.mixed_precision)
+
+    @classmethod
+    def attention(cls, cfg: CausalLMJobConfig, precision: str) -> str:
+        """The language model's transformers attn_implementation for `model.attn_implementation` (auto
+        resolved); ConfigError saying why when it cannot run (spindle.ops.attention_backend)."""
+        from spindle.distributed.mesh import device_type
+        from spindle.ops.attention_backend import resolve_attention
+        from spindle.ops.varlen_attention import implementation_name
+
+        text = cls.text_config(json.loads((Path(cfg.model.path) / "config.json").read_text()))
+        try:
+            setting = resolve_attention(
+                cfg.model.attn_implementation, device_type=device_type(), precision=precision, text_config=text
+            )
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        return implementation_name(setting)
 
     @classmethod
     def text_config(cls, config: dict[str, Any]) -> dict[str, Any]:
@@ -249,7 +268,8 @@ class CausalLMTask(TrainTask):
         return SafetensorsCheckpoint(self.cfg.model.path).sources()
 
     def parallel_plan(self) -> ParallelPlan:
-        plan = self.input_plan()
+        # the language model's attention (model.attn_implementation) on the plan of the task's input kind
+        plan = dataclasses.replace(self.input_plan(), attention=self.attention(self.cfg, self.precision))
         return plan if self.experts is None else self.experts.plan(plan)
 
     def input_plan(self) -> ParallelPlan:

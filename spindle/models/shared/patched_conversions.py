@@ -1,0 +1,35 @@
+"""transformers' checkpoint conversions for the classes of a patchgen-generated module.
+
+transformers renames checkpoint keys on load and back on save (`conversion_mapping`: e.g. Qwen2.5-VL's
+`model.layers.*` -> `model.language_model.layers.*`, `visual.*` -> `model.visual.*`), looked up by class
+name, then model type. It skips that lookup for any class defined outside its own package ("custom code",
+`PreTrainedModel.is_custom_code`), which a generated class is, unless the name or model type was
+registered by the user: a generated Qwen2.5-VL class would then load a Hub checkpoint with every
+language-model weight missing, and save under names stock transformers does not read.
+
+`keep_conversions(upstream_module)` re-registers transformers' *own* mapping under each class name of the
+upstream module that has one: the same rules, now applying to the generated classes of the same names
+too. Stock loads are unchanged (their mapping is the one registered). Called by the generated module at
+import (its patches.py's `add_post_import_block`), so every use of a generated class has it.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+
+def keep_conversions(upstream_module: str) -> list[str]:
+    """Register transformers' conversion mapping of every class of `upstream_module` that has one, under
+    its class name (idempotent); -> the names registered."""
+    from transformers import PreTrainedModel
+    from transformers import conversion_mapping as cm
+
+    module = importlib.import_module(upstream_module)
+    names = []
+    for name, obj in sorted(vars(module).items()):
+        if isinstance(obj, type) and issubclass(obj, PreTrainedModel) and obj.__module__ == upstream_module:
+            mapping = cm.get_checkpoint_conversion_mapping(name)
+            if mapping is not None:
+                cm.register_checkpoint_conversion_mapping(name, mapping, overwrite=True)
+                names.append(name)
+    return names
