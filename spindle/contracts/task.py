@@ -179,6 +179,12 @@ class TrainTask(ABC):
     def forward(self, model: torch.nn.Module, batch: Any, step: int) -> StepOutput:
         """The micro-batch's summed loss (differentiable) and counts."""
 
+    def activation_memory(self) -> Any:
+        """After `build_model`: an estimate of one micro-batch's saved activations on a rank (an object with
+        `describe()` and `total_gb`, spindle.train.memory.ActivationMemory) for the start-of-run summary; None: no
+        estimate for this model kind."""
+        return None
+
     def step_metrics(self) -> dict[str, Any]:
         """Collective, after each optimizer step on every rank: values for the step's metrics.jsonl line
         that the per-micro-batch `StepOutput.metrics` sums cannot express (e.g. MoE expert load over the

@@ -121,3 +121,46 @@ def state_memory_per_rank(trainable: int, frozen_bytes: int, shards: int, *, ema
 def frozen_parameter_bytes(model: torch.nn.Module) -> int:
     """Bytes of the model's frozen parameters as stored (a DTensor counts its global shape)."""
     return sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+
+
+@dataclass(frozen=True)
+class ActivationMemory:
+    """An estimate of what one rank's forward keeps for the backward of one micro-batch (`activation_memory`)."""
+
+    tokens: int  # tokens of the micro-batch on this rank (after the SP split)
+    layers_gb: float  # the decoder layers' saved activations
+    mask_gb: float  # a dense [rows, S, S] document mask (the sdpa path on packed rows); 0 on the varlen path
+
+    @property
+    def total_gb(self) -> float:
+        return self.layers_gb + self.mask_gb
+
+    def describe(self) -> str:
+        mask = f", of which the [S, S] document mask {self.mask_gb:.2f}" if self.mask_gb else ""
+        return f"~{self.total_gb:.2f} GB per rank for {self.tokens:,} tokens a micro-batch (estimate{mask})"
+
+
+def activation_memory(
+    text_config: dict[str, Any],
+    *,
+    rows: int,
+    seq_len: int,
+    sp: int,
+    bytes_per_value: int,
+    checkpointing: bool,
+    dense_mask: bool,
+) -> ActivationMemory:
+    """What a decoder's forward keeps for its backward on one rank, from its config.json numbers: per layer and
+    token about 10 x hidden + 3 x intermediate values (norm inputs, q/k/v, attention output, residuals, the MLP's
+    gate/up/activation); with activation checkpointing only each layer's input and one layer's whole set. The loss
+    is chunked (no [tokens, vocab] logits). A dense document mask adds rows x S x S bytes of booleans plus the
+    additive float copy SDPA makes (5 bytes a pair); the varlen path has none. The sequence is split over `sp`
+    ranks (Ulysses). An estimate for planning: it leaves out the framework's own workspace and temporaries."""
+    hidden = int(text_config["hidden_size"])
+    layers = int(text_config["num_hidden_layers"])
+    inter = int(text_config.get("intermediate_size") or text_config.get("moe_intermediate_size") or 4 * hidden)
+    tokens = rows * seq_len // max(sp, 1)
+    per_layer = tokens * (10 * hidden + 3 * inter) * bytes_per_value
+    kept = tokens * hidden * bytes_per_value * layers + per_layer if checkpointing else per_layer * layers
+    mask = rows * seq_len * seq_len * 5 if dense_mask else 0
+    return ActivationMemory(tokens=tokens, layers_gb=kept / GB, mask_gb=mask / GB)

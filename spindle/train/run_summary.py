@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from spindle.train.memory import StateMemory
+from spindle.train.memory import ActivationMemory, StateMemory
 
 SUMMARY_FILE = "summary.json"
 
@@ -85,12 +85,18 @@ def format_start(summary: dict[str, Any]) -> str:
         *groups,
         f"parameters: {params['trainable']:,} trainable, {params['frozen']:,} frozen",
         *([f"training state: {state_memory_line(summary['state_memory'])}"] if "state_memory" in summary else []),
+        *([f"activations: {activation_line(summary['activation_memory'])}"] if "activation_memory" in summary else []),
         f"mesh: {mesh['world']} processes: {layout}" if mesh["world"] > 1 else "mesh: one process, no parallelism",
         f"start: step {resume['step']}" + (f" (checkpoint {resume['checkpoint']})" if resume["checkpoint"] else ""),
         "outputs: " + ", ".join(f"{k} {v}" for k, v in summary["outputs"].items()),
         *(f"{key}: {value}" for key, value in summary["extra"].items()),
     ]
     return "\n".join(lines)
+
+
+def activation_line(fields: dict[str, Any]) -> str:
+    """The summary's `activation_memory` (spindle.train.memory.ActivationMemory as a dict) as one line."""
+    return ActivationMemory(**{k: v for k, v in fields.items() if k != "total_gb"}).describe()
 
 
 def state_memory_line(fields: dict[str, Any]) -> str:

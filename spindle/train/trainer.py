@@ -387,6 +387,11 @@ class Trainer:
                 )
             ),
             "mesh": mesh_layout(self.mesh.dims),
+            **(
+                {"activation_memory": asdict(act) | {"total_gb": act.total_gb}}
+                if (act := self.task.activation_memory())
+                else {}
+            ),
             "precision": self.precision,
             "resume": {"step": self.step, "checkpoint": str(self.resume_from) if self.resume_from else None},
             "outputs": outputs,

@@ -205,6 +205,22 @@ class CausalLMTask(TrainTask):
             raise ConfigError(str(e)) from None
         return implementation_name(setting)
 
+    def activation_memory(self) -> Any:
+        """The decoder's saved activations for one micro-batch of `data.seq_len` rows on this rank
+        (spindle.train.memory.activation_memory): the start-of-run summary prints it."""
+        from spindle.train.memory import activation_memory
+
+        text = self.text_config(json.loads((Path(self.cfg.model.path) / "config.json").read_text()))
+        return activation_memory(
+            text,
+            rows=self.cfg.train.micro_batch_size,
+            seq_len=self.cfg.data.seq_len,
+            sp=self.mesh.dims.sp,
+            bytes_per_value=2 if self.precision == "bf16" else 4,
+            checkpointing=self.cfg.train.gradient_checkpointing,
+            dense_mask=self.cfg.data.packing and self.attention(self.cfg, self.precision) == "sdpa",
+        )
+
     @classmethod
     def text_config(cls, config: dict[str, Any]) -> dict[str, Any]:
         """The language model's part of a config.json (what Ulysses SP splits the heads of)."""
