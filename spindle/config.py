@@ -81,6 +81,13 @@ class ModelConfig(Section):
         "(packed rows get a dense [S, S] document mask); auto: the fastest that can run (flash when installed "
         "on CUDA, else varlen; sdpa for sliding-window models). DiT jobs take auto only",
     )
+    attention_backend: str = Field(
+        "native",
+        description="DiTs: diffusers' attention dispatcher backend of the trained transformer (spindle.ops."
+        "dit_attention): native (torch SDPA, the default), _native_math / _native_flash (CPU too), flash, "
+        "flash_varlen, _flash_3, sage, flex, xformers, _native_cudnn (CUDA, when installed); language models: "
+        "model.attn_implementation",
+    )
 
 
 class BucketsConfig(Section):
@@ -589,6 +596,15 @@ class LMTrainConfig(TrainConfig):
 
 class CausalLMJobConfig(TrainJobConfig):
     """A causal-LM (next-token) job."""
+
+    @model_validator(mode="after")
+    def _dit_attention_only(self) -> CausalLMJobConfig:
+        if self.model.attention_backend != "native":
+            raise ValueError(
+                f"model.attention_backend={self.model.attention_backend} is a DiT setting (diffusers' dispatcher); "
+                "language models choose model.attn_implementation"
+            )
+        return self
 
     data: TextDataConfig
     train: LMTrainConfig = LMTrainConfig()

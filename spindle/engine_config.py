@@ -110,9 +110,19 @@ class EngineConfig(OptionSection):
         False, description="diffusers' own tiled (and sliced) VAE decoding: VAE memory bounded by the tile"
     )
 
+    attention_backend: str = Field(
+        "native",
+        description="diffusers' attention dispatcher backend of the transformer (spindle.ops.dit_attention): native "
+        "(torch SDPA, the stock pipeline's; default), _native_math / _native_flash (CPU too), flash, flash_varlen, "
+        "_flash_3, sage, flex, xformers, _native_cudnn (CUDA, when installed); refused up front when it cannot run",
+    )
+
     @model_validator(mode="after")
     def _combinations(self) -> EngineConfig:
         from spindle.infer.caches import POLICIES, check_cache_options
+        from spindle.ops.dit_attention import check_dit_backend
+
+        check_dit_backend(self.attention_backend, self.torch_device().type, self.sp, self.ring)
 
         check_cache_options(self.cache, self.cache_threshold, self.cache_options)
         if self.exact and (self.compile or self.cache is not None):

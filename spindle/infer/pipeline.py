@@ -182,6 +182,11 @@ class InferencePipeline:
         )
         if options.cache not in (None, "auto"):  # "auto": DiffusionGenerator calibrates on the first request
             denoising.set_cache(options.cache, options.cache_threshold, options.cache_options)
+        if options.attention_backend != "native":
+            from spindle.ops.dit_attention import apply_dit_backend
+
+            for model in denoisers:
+                apply_dit_backend(model, options.attention_backend)
         if options.compile:
             for model in denoisers:
                 compile_blocks(model)  # regional compile: the helper training uses too

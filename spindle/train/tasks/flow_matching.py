@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from spindle.config import DiTJobConfig
+from spindle.config import ConfigError, DiTJobConfig
 from spindle.contracts.condition import ConditionModel
 from spindle.contracts.family import DiTFamily
 from spindle.contracts.parallel import ParallelPlan
@@ -108,6 +108,13 @@ class FlowMatchingTask(TrainTask):
         if dims.cp_size > 1 and tcfg.is_file():
             check_sequence_parallel(json.loads(tcfg.read_text()), dims.sp, ring=dims.ring)
         check_validation_images(cfg, family)
+        from spindle.distributed.mesh import device_type
+        from spindle.ops.dit_attention import check_dit_backend
+
+        try:
+            check_dit_backend(cfg.model.attention_backend, device_type(), ulysses=dims.sp, ring=dims.ring)
+        except ValueError as e:
+            raise ConfigError(f"model.attention_backend: {e}") from None
         if cfg.data.buckets and dims.cp_size > 1:  # every bucket must split over the SP ranks: said before launch
             dit_data(cfg, family, check=False, warn_skipped=False)
         index = read_model_index(cfg.model.path, missing_ok=True)
@@ -130,11 +137,12 @@ class FlowMatchingTask(TrainTask):
 
     def build_model(self) -> torch.nn.Module:
         from spindle.distributed.sharded_load import SafetensorsCheckpoint
+        from spindle.ops.dit_attention import apply_dit_backend
         from spindle.train.lora import init_adapters, is_lora_name
 
         root, component = self.cfg.model.path, self.component
         lora = self.cfg.train.lora
-        return build_parallel_model(
+        model = build_parallel_model(
             self,
             ParallelPlan("diffusers"),
             build_empty=lambda: transformer_from_config(root, component),
@@ -145,6 +153,8 @@ class FlowMatchingTask(TrainTask):
             init_fresh=None if lora is None else lambda model: init_adapters(model, self.seed),
             weights=Path(root) / component,
         )
+        apply_dit_backend(model, self.cfg.model.attention_backend)  # native: nothing set (the stock attention)
+        return model
 
     def add_adapters(self, model: torch.nn.Module) -> None:
         """LoRA adapters before SP / checkpointing / FSDP2 (the frozen base is then stored as
