@@ -341,7 +341,12 @@ class TrainConfig(Section):
 
 
 class CheckpointConfig(Section):
-    every_steps: int = Field(0, ge=0, description="save a resumable checkpoint every N steps (0: only at the end)")
+    every_steps: int = Field(
+        500,
+        ge=0,
+        description="save a resumable checkpoint every N steps, and always at the end and when SIGTERM / SIGINT "
+        "stops the run (0: only then)",
+    )
     resume: str = Field(
         "none",
         description="none | auto (latest in output_dir; refused when a key that defines the run changed) | force "

@@ -70,15 +70,16 @@ def run(args: argparse.Namespace) -> int:
 
     show_run_log()
     result = train(cfg)
-    if is_main_process() and not result.already_complete:  # a complete run said so itself
+    if is_main_process() and not result.already_complete and not result.stopped_by:  # those said so themselves
         print(f"trained {result.last_step} steps; outputs in {result.output_dir}")
         if result.export_dir:
             print(f"exported: {result.export_dir}")
+    code = 128 + result.stopped_by if result.stopped_by else 0  # the shell's convention for a signalled stop
     if dist.is_initialized():
         # Tear the group down together: a rank that exits while its peer's gloo threads are still
         # live aborts with "terminate called without an active exception" (seen on a 2-rank run).
         dist.barrier()
         dist.destroy_process_group()
     if under_launcher():
-        end_worker(0)  # and no interpreter teardown after it (spindle.distributed.launch.end_worker)
-    return 0
+        end_worker(code)  # and no interpreter teardown after it (spindle.distributed.launch.end_worker)
+    return code

@@ -8,6 +8,7 @@ imports neither diffusers nor transformers (tested).
 from __future__ import annotations
 
 import logging
+import signal
 import warnings
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -41,6 +42,7 @@ from spindle.train.run_summary import (
     say,
     write_summary,
 )
+from spindle.train.stop import StopRequest
 from spindle.weight_files import check_weight_files
 
 log = logging.getLogger("spindle.train")
@@ -57,6 +59,8 @@ class TrainResult:
     export_dir: Path | None
     # True when the run was already at train.max_steps: nothing was trained or written
     already_complete: bool = False
+    # the signal (SIGTERM / SIGINT) that stopped the run after `last_step`, its checkpoint saved (spindle.train.stop)
+    stopped_by: int | None = None
 
 
 def resolve_precision(mixed_precision: str) -> str:
@@ -312,7 +316,10 @@ class Trainer:
             enabled=is_main_process(),
             tensorboard=cfg.train.tensorboard,
         )
+        stop = StopRequest()
+        stopped_by = None
         try:
+            stop.__enter__()
             while self.step < cfg.train.max_steps:
                 metrics.start_step()
                 lr = float(self.scheduler.get_last_lr()[0])  # LambdaLR: plain floats
@@ -329,8 +336,22 @@ class Trainer:
                 every = cfg.checkpoint.every_steps
                 if every and self.step % every == 0 and self.step < cfg.train.max_steps:
                     last = self.save()
+                stopped_by = stop.agreed(self.device)
+                if stopped_by is not None and self.step < cfg.train.max_steps:
+                    break
+                stopped_by = None
         finally:
+            stop.__exit__()
             metrics.close()
+        if stopped_by is not None:
+            if last is None or ckpt.checkpoint_step(last) != self.step:
+                last = self.save()
+            if is_main_process():
+                say(
+                    f"stopped by {signal.Signals(stopped_by).name} after step {self.step}: checkpoint {last} saved; "
+                    f"continue with checkpoint.resume=auto (the same train.output_dir)"
+                )
+            return TrainResult(self.output_dir, self.step, None, stopped_by=stopped_by)
         if last is None or ckpt.checkpoint_step(last) != self.step:
             # Never re-save the checkpoint just resumed from: replacing it is the one moment a crash
             # could lose the last good checkpoint, and it would hold the same state.
