@@ -591,10 +591,11 @@ class DiTJobConfig(TrainJobConfig):
 
 
 class LMTrainConfig(TrainConfig):
-    objective: Literal["sft", "dpo", "grpo"] = Field(
+    objective: Literal["sft", "dpo", "reward", "grpo"] = Field(
         "sft",
         description="what the step optimises (spindle.train.objectives): sft, next-token loss on the documents' "
-        "label tokens; dpo, direct preference optimisation on preference pairs (settings: the dpo: section); grpo, "
+        "label tokens; dpo, direct preference optimisation on preference pairs (settings: the dpo: section); reward, a "
+        "reward model (a scalar head, Bradley-Terry loss) on preference pairs (the reward: section); grpo, "
         "online GRPO from reward functions on completions sampled from the policy (the grpo: section)",
     )
 
@@ -614,6 +615,7 @@ class CausalLMJobConfig(TrainJobConfig):
     data: TextDataConfig
     train: LMTrainConfig = LMTrainConfig()
     dpo: DPOConfig = DPOConfig()  # read when train.objective is dpo
+    reward: RewardConfig = RewardConfig()  # read when train.objective is reward
     grpo: GRPOConfig = GRPOConfig()  # read when train.objective is grpo
 
 

@@ -6,6 +6,8 @@ its experts part), so an objective works for every model kind that offers what i
 - `sft` (language models): next-token loss on text / chat / multimodal conversations (sft.py);
 - `flow_matching` (DiTs): the velocity loss on media and conditions (flow_matching.py);
 - `dpo` (text causal LMs): preference pairs against a frozen reference (dpo.py: the loss and its `DPO` part);
+- `reward` (text causal LMs): a scalar head's Bradley-Terry loss on preference pairs (reward.py: the loss, its
+  `Reward` part and the `ScoreHead` model choice the task builds);
 - `grpo` (text causal LMs, online): completions sampled from the live policy, scored by rewards, the clipped
   objective on group-relative advantages (grpo.py: the loss and its `GRPO` part; spindle/train/generation.py).
 
@@ -26,6 +28,7 @@ OBJECTIVES: dict[str, str] = {
     "sft": "spindle.train.objectives.sft:SFT",
     "flow_matching": "spindle.train.objectives.flow_matching:FlowMatching",
     "dpo": "spindle.train.objectives.dpo:DPO",
+    "reward": "spindle.train.objectives.reward:Reward",
     "grpo": "spindle.train.objectives.grpo:GRPO",
 }
 

@@ -12,9 +12,12 @@ Metrics: accuracy (share of pairs with s_c > s_r), margin (mean s_c - s_r), mean
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from spindle.contracts.task import StepOutput
 
 
 @dataclass
@@ -54,3 +57,132 @@ def reward_loss(
     if center_rewards_coefficient is not None:
         losses = losses + center_rewards_coefficient * (chosen_scores + rejected_scores) ** 2
     return RewardLoss(losses.mean(), losses, chosen_scores.detach(), rejected_scores.detach())
+
+
+SCORE_HEAD = "score"  # transformers' name of a ForSequenceClassification's head (every causal-LM family's)
+
+
+class ScoreHead:
+    """The model-class choice of a reward run, a part the causal-LM task holds (`CausalLMTask.head`): the family's
+    `AutoModelForSequenceClassification` with one label instead of its ForCausalLM. The decoder is read from the
+    causal-LM checkpoint (its `lm_head` left out); the `score` head is new, initialised as transformers does
+    (normal, std `initializer_range`) from a generator keyed on `train.seed`, the same on every layout and load
+    path. The export is then a standard sequence-classification folder (`spindle.export.transformers.
+    classification_config`: num_labels 1, architectures, pad_token_id)."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def model_cls(self, config: Any) -> Any:
+        from transformers import AutoModelForSequenceClassification
+
+        return AutoModelForSequenceClassification._model_mapping[type(config)]
+
+    def config(self, config: Any, pad_token_id: int) -> Any:
+        from spindle.export.transformers import classification_config
+
+        return classification_config(config, self.model_cls(config), pad_token_id)
+
+    def sources(self, sources: dict[str, Any]) -> dict[str, Any]:
+        """The checkpoint's tensors the classification model reads: all but the language-model head."""
+        return {k: v for k, v in sources.items() if not k.startswith("lm_head.")}
+
+    @staticmethod
+    def is_fresh(name: str) -> bool:
+        return name.split(".")[0] == SCORE_HEAD
+
+    def init(self, model: torch.nn.Module) -> None:
+        from spindle.distributed.sharded_load import local_region
+
+        weight = getattr(model, SCORE_HEAD).weight
+        std = float(model.config.get_text_config().initializer_range)  # type: ignore[operator, union-attr]
+        generator = torch.Generator().manual_seed(self.seed)
+        full = torch.empty(tuple(weight.shape)).normal_(0.0, std, generator=generator)
+        local, region = local_region(weight)
+        with torch.no_grad():
+            local.copy_(full[region])
+
+
+class Reward:
+    """`train.objective: reward`: a reward model (a scalar head) trained with the Bradley-Terry loss above on
+    preference pairs (`reward:` settings), as `trl.RewardTrainer` trains one.
+
+    Model: the task builds its `ScoreHead` model (the family's ForSequenceClassification, num_labels 1) from the
+    causal-LM checkpoint. Data: `data.path` holds preference lines in TRL's formats (`spindle.data.preference.
+    reward_pairs`: whole prompt + completion sequences, a pair longer than `data.seq_len` dropped), optionally a
+    "margin" column; batched B chosen then B rejected rows, right-padded. Each row's score is the head's output at
+    its last token that is not padding (transformers' own pooling, the one the exported folder scores with). The
+    loss unit is the pair: the trainer divides the summed pair losses by the global batch's pairs."""
+
+    name = "reward"
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.settings = cfg.reward
+        self.stats: Any = None
+
+    def head(self) -> ScoreHead:
+        return ScoreHead(self.cfg.train.seed)
+
+    def check_plan(self, family: Any, dims: Any) -> None:
+        from spindle.config import ConfigError
+
+        if family.kind != "causal_lm":
+            raise ConfigError(
+                f"train.objective=reward: {family.name} is a {family.kind} model; reward models are trained on text "
+                "causal-LM families for now: use a text family's checkpoint"
+            )
+        if dims.sp > 1:
+            raise ConfigError(
+                "train.objective=reward with parallel.sp > 1: a sequence's score is read at its last token, which "
+                "only one SP rank holds; set parallel.sp: 1 (FSDP2 / HSDP layouts work)"
+            )
+        if self.cfg.train.lora is not None:
+            raise ConfigError(
+                "train.objective=reward with train.lora: the new score head would have to be trained beside the "
+                "adapters, which is not wired yet; remove train.lora (a full fine-tune)"
+            )
+        from spindle.train.parts.experts import Experts
+
+        if Experts.of(family) is not None:  # its experts part loads and exports ForCausalLM layouts only
+            raise ConfigError(
+                f"train.objective=reward: {family.name} (a mixture of experts) is not wired for reward models yet; "
+                "use a dense family (qwen3, llama)"
+            )
+
+    def prepare(self, task: Any, model: torch.nn.Module) -> None:
+        return None
+
+    def build_loader(self, task: Any) -> Any:
+        from functools import partial
+
+        from spindle.data.preference import collate_reward_pairs, reward_pairs
+        from spindle.train.tasks.base import resumable_loader
+
+        data = self.cfg.data
+        pairs, self.stats = reward_pairs(data.path, task.tokenizer, data.seq_len)
+        task._data_stats = {"rows": len(pairs), "pairs": len(pairs)}
+        return resumable_loader(task, pairs, partial(collate_reward_pairs, pad_id=task.pad_token_id()))
+
+    def begin_step(self, task: Any, model: torch.nn.Module, batches: list[Any], step: int) -> list[Any]:
+        return batches
+
+    def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
+        return int(batch["input_ids"].shape[0]) // 2  # pairs
+
+    def forward(self, task: Any, model: torch.nn.Module, batch: dict[str, torch.Tensor], step: int) -> StepOutput:
+        from spindle.contracts.task import Metric
+
+        ids = batch["input_ids"].to(task.device)
+        with task._autocast():
+            out = model(input_ids=ids, attention_mask=batch["attention_mask"].to(task.device), use_cache=False)
+        chosen, rejected = out.logits[:, 0].float().chunk(2)
+        margin = batch.get("margin") if self.settings.use_margin else None
+        loss = reward_loss(
+            chosen,
+            rejected,
+            None if margin is None else margin.to(task.device),
+            self.settings.center_rewards_coefficient,
+        )
+        metrics: dict[str, Any] = {k: Metric(v, "mean", "mean") for k, v in loss.metrics().items()}
+        return StepOutput(loss.pair_losses.sum(), loss.pairs, int(ids.numel()), metrics)

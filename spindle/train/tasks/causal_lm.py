@@ -154,6 +154,9 @@ class CausalLMTask(TrainTask):
         self.lora_parameters: dict[str, str] = {}
         self.experts = Experts.of(family)  # a MoE family's experts part; None for a dense model
         self.objective: Objective = build_objective(cfg.train.objective, cfg)  # what the step optimises (objectives/)
+        # the model-class choice: an objective that trains another head than the LM head names it (`reward`: a
+        # ForSequenceClassification with a fresh score head, objectives/reward.py ScoreHead); None: the ForCausalLM
+        self.head: Any = getattr(self.objective, "head", lambda: None)()
 
     @classmethod
     def supports_expert_parallel(cls, family: Any) -> bool:
@@ -232,6 +235,11 @@ class CausalLMTask(TrainTask):
         """The family's ForCausalLM from the transformers folder, fp32 (master weights), sdpa attention."""
         if self.experts is not None:  # every expert loaded from the checkpoint's layout, or an error
             return self.experts.load_full(self.cfg.model.path, self.device.type, attn_implementation="sdpa")
+        if self.head is not None:  # the decoder from the checkpoint, the head as `init_fresh` sets it (both paths)
+            config = self.model_config()
+            return self.head.model_cls(config).from_pretrained(
+                self.cfg.model.path, config=config, dtype=torch.float32, attn_implementation="sdpa"
+            )
         cls: Any = self.family.model_cls()
         return cls.from_pretrained(
             self.cfg.model.path, dtype=torch.float32, attn_implementation="sdpa", **self.model_init_kwargs()
@@ -242,7 +250,13 @@ class CausalLMTask(TrainTask):
         the family trains one, e.g. an omni model's thinker)."""
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(self.cfg.model.path)
+        config = AutoConfig.from_pretrained(self.cfg.model.path)
+        return config if self.head is None else self.head.config(config, self.pad_token_id())
+
+    def pad_token_id(self) -> int:
+        """The id right-padded batches are padded with: the tokenizer's pad token, else its EOS."""
+        pad = self.tokenizer.pad_token_id
+        return int(pad if pad is not None else self.tokenizer.eos_token_id)
 
     def model_init_kwargs(self) -> dict[str, Any]:
         """Extra keyword arguments of the model's construction (both load paths): a MoE's experts kernel."""
@@ -256,10 +270,11 @@ class CausalLMTask(TrainTask):
         from spindle.distributed.sharded_load import empty_weights
 
         path = Path(self.cfg.model.path)
-        cls: Any = self.family.model_cls()
+        config = self.model_config()
+        cls: Any = self.family.model_cls() if self.head is None else self.head.model_cls(config)
         with empty_weights():
             model = cls._from_config(
-                self.model_config(),
+                config,
                 dtype=torch.float32,
                 attn_implementation="sdpa",
                 **self.model_init_kwargs(),
@@ -275,6 +290,8 @@ class CausalLMTask(TrainTask):
         """The checkpoint's tensors as the model holds them: under the model's names (`named_sources`), a
         MoE's per-expert tensors read as the fused ones."""
         sources = self.named_sources()
+        if self.head is not None:
+            sources = self.head.sources(sources)
         return sources if self.experts is None else self.experts.checkpoint_sources(sources)
 
     def named_sources(self) -> dict[str, TensorSource]:
@@ -327,7 +344,12 @@ class CausalLMTask(TrainTask):
     def _build_model(self) -> torch.nn.Module:
         from spindle.train.lora import init_adapters, is_lora_name
 
-        lora = self.cfg.train.lora
+        lora, head = self.cfg.train.lora, self.head
+        fresh, init_fresh = None, None
+        if lora is not None:
+            fresh, init_fresh = is_lora_name, lambda model: init_adapters(model, self.cfg.train.seed)
+        elif head is not None:  # the new head (a reward model's score), keyed on train.seed
+            fresh, init_fresh = head.is_fresh, head.init
         return build_parallel_model(
             self,
             self.parallel_plan(),
@@ -335,8 +357,8 @@ class CausalLMTask(TrainTask):
             checkpoint=self.checkpoint_sources,
             load_full=self.load_model,
             convert=self.prepare_model,
-            fresh=None if lora is None else is_lora_name,
-            init_fresh=None if lora is None else lambda model: init_adapters(model, self.cfg.train.seed),
+            fresh=fresh,
+            init_fresh=init_fresh,
             weights=Path(self.cfg.model.path),
         )
 
@@ -444,6 +466,8 @@ class CausalLMTask(TrainTask):
     def state(self) -> dict[str, Any]:
         lora = self.cfg.train.lora
         state = {"family": self.family.name, "lora": lora.model_dump() if lora is not None else None}
+        if self.head is not None:  # `spindle export` of the checkpoint refuses it (its classes are the ForCausalLM's)
+            state["objective"] = self.cfg.train.objective
         if self.lora_parameters:
             state["lora_parameters"] = self.lora_parameters
         if self.experts is not None:
@@ -522,6 +546,11 @@ class CausalLMTask(TrainTask):
         check_export_dtype(dtype)
         model_cls: Any = family.model_cls()
         state = json.loads((checkpoint / ckpt.TRAINER_STATE).read_text())
+        if state.get("objective") == "reward":
+            raise ValueError(
+                f"{checkpoint} is a reward model's checkpoint: `spindle export` writes causal-LM folders; the run's "
+                "own export (export/ of the run, written at its end) is the reward model's folder"
+            )
         if (lora := state.get("lora")) is not None:  # the adapters alone, read by name: no model is built
             from spindle.export.peft import export_lm_lora
             from spindle.train.lora import checkpoint_adapters

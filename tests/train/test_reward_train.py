@@ -1,0 +1,102 @@
+"""`train.objective: reward` end to end: Spindle's trainer (the Reward part on the causal-LM task, which builds the
+family's ForSequenceClassification with a fresh score head keyed on train.seed) against `trl.RewardTrainer`; the
+export is a standard sequence-classification folder stock transformers loads and scores with the trained model's
+scores; the same folder as a GRPO reward model (`spindle.train.rewards.reward_model`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from datasets import Dataset  # TRL's own dependency
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from trl import RewardConfig, RewardTrainer
+
+from spindle.config import ConfigError
+from spindle.train.metrics import read_metrics
+from spindle.train.objectives.reward import ScoreHead
+from tests.conftest import lm_train
+from tests.train.test_preference_trl_parity import LINES, SEQ_LEN, grad_norm
+
+SEED = 7
+PAIRS = [{**line, "margin": 0.5 * i} for i, line in enumerate(LINES["standard"])]
+
+
+def pairs_file(tmp_path, lines):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def reward_overrides(n: int, **values):
+    return {
+        "train__objective": "reward",
+        "train__seed": SEED,
+        "data__seq_len": SEQ_LEN,
+        "data__shuffle": False,
+        "train__global_batch_size": n,
+        "train__micro_batch_size": n,
+        **values,
+    }
+
+
+def trl_reward_step_one(model_path, lines, tmp_path):
+    """TRL's first-step loss and grad norm on the stock classification model with Spindle's initial head."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1, dtype=torch.float32)
+    ScoreHead(SEED).init(model)  # the head the run starts from (its values: a generator keyed on train.seed)
+    args = RewardConfig(
+        output_dir=str(tmp_path / "trl"),
+        report_to=[],
+        bf16=False,
+        use_cpu=True,
+        per_device_train_batch_size=len(lines),
+        max_length=SEQ_LEN,
+    )
+    trainer = RewardTrainer(model=model, args=args, train_dataset=Dataset.from_list(lines), processing_class=tokenizer)
+    loss = trainer.compute_loss(trainer.model, next(iter(trainer.get_train_dataloader())))
+    loss.backward()
+    return loss.detach(), grad_norm(model)
+
+
+def test_step_one_equals_trl_and_the_export_scores_in_stock_transformers(tiny_qwen3, tmp_path):
+    data = pairs_file(tmp_path, PAIRS)
+    trainer, _ = lm_train(tiny_qwen3, data, tmp_path / "run", **reward_overrides(len(PAIRS), train__max_steps=3))
+    metrics = read_metrics(tmp_path / "run")
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    loss, norm = trl_reward_step_one(tiny_qwen3, PAIRS, tmp_path)
+    assert metrics[0]["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    assert metrics[0]["grad_norm"] == pytest.approx(norm.item(), rel=1e-5)
+    assert {"accuracy", "margin", "mean_reward"} <= set(metrics[0])
+    assert metrics[2]["loss"] < metrics[0]["loss"]  # it trains
+
+    export = tmp_path / "run" / "export"
+    config = json.loads((export / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForSequenceClassification"]
+    assert len(config["id2label"]) == 1 and config["pad_token_id"] is not None
+    stock = AutoModelForSequenceClassification.from_pretrained(export, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    texts = [PAIRS[0]["prompt"] + PAIRS[0]["chosen"], PAIRS[1]["prompt"] + PAIRS[1]["rejected"]]
+    batch = tokenizer(texts, padding=True, padding_side="right", return_tensors="pt")
+    trained = trainer.model
+    trained.eval()
+    with torch.no_grad():
+        ours = trained(**batch).logits[:, 0]
+        theirs = stock(**batch).logits[:, 0]
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(theirs[0], theirs[1])
+
+    # the same folder as a GRPO reward (`grpo.rewards: [FOLDER]`)
+    from spindle.train.rewards.reward_model import RewardModel
+
+    scorer = RewardModel(str(export), batch_size=2, device=torch.device("cpu"))
+    prompts = [PAIRS[0]["prompt"], PAIRS[1]["prompt"]]
+    completions = [PAIRS[0]["chosen"], PAIRS[1]["rejected"]]
+    assert scorer(completions, prompts, {}) == pytest.approx(theirs.tolist(), rel=1e-5, abs=1e-6)
+
+
+def test_reward_refuses_lora_before_training(tiny_qwen3, tmp_path):
+    data = pairs_file(tmp_path, PAIRS)
+    with pytest.raises(ConfigError, match=r"train\.lora"):
+        lm_train(tiny_qwen3, data, tmp_path / "run", **reward_overrides(3, train__lora__rank=4))
