@@ -96,6 +96,30 @@ def test_step_one_equals_trl_and_the_export_scores_in_stock_transformers(tiny_qw
     assert scorer(completions, prompts, {}) == pytest.approx(theirs.tolist(), rel=1e-5, abs=1e-6)
 
 
+def test_llama_on_the_full_load_path_equals_trl(tiny_llama, tmp_path):
+    """Another family, and `model.sharded_load: false` (the whole model loaded by transformers, then the head set):
+    the same initial head, so the same first step as TRL's."""
+    data = pairs_file(tmp_path, PAIRS)
+    lm_train(
+        tiny_llama,
+        data,
+        tmp_path / "run",
+        **reward_overrides(len(PAIRS), train__max_steps=1, model__sharded_load=False),
+    )
+    (first,) = read_metrics(tmp_path / "run")
+    loss, norm = trl_reward_step_one(tiny_llama, PAIRS, tmp_path)
+    assert first["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    assert first["grad_norm"] == pytest.approx(norm.item(), rel=1e-5)
+    config = json.loads((tmp_path / "run" / "export" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForSequenceClassification"]
+
+
+def test_reward_refuses_a_moe_family_before_training(tiny_checkpoint, tmp_path):
+    data = pairs_file(tmp_path, PAIRS)
+    with pytest.raises(ConfigError, match="mixture of experts"):
+        lm_train(tiny_checkpoint("qwen3_moe"), data, tmp_path / "run", **reward_overrides(3))
+
+
 def test_reward_refuses_lora_before_training(tiny_qwen3, tmp_path):
     data = pairs_file(tmp_path, PAIRS)
     with pytest.raises(ConfigError, match=r"train\.lora"):

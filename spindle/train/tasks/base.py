@@ -67,7 +67,7 @@ def build_parallel_model(
     """
     from spindle.distributed.fsdp import autocast_dtype
     from spindle.distributed.parallelize import parallelize
-    from spindle.distributed.sharded_load import check_checkpoint_keys, load_sharded
+    from spindle.distributed.sharded_load import check_checkpoint_keys, checkpoint_key, load_sharded
     from spindle.export.dtypes import stored_float_dtypes
     from spindle.train.precision import frozen_storage, store_frozen
 
@@ -76,7 +76,10 @@ def build_parallel_model(
     sources = checkpoint()
     model = build_empty()
     if not cfg.model.sharded_load:
-        check_checkpoint_keys(model, sources, where)  # strict on this path too, before reading weights
+        # strict on this path too, before reading weights; parameters the model is built with that are not in the
+        # checkpoint (a reward model's new score head: `fresh`) get their values from `init_fresh` below
+        new = frozenset(checkpoint_key(n) for n, _ in model.named_parameters() if fresh is not None and fresh(n))
+        check_checkpoint_keys(model, sources, where, new)
         model = load_full().to(task.device)
     if convert is not None:
         convert(model)
