@@ -175,11 +175,11 @@ class StepTimes:
         outer = self
 
         class Callback(TrainerCallback):
-            def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            def on_step_begin(self, args, state, control, **kwargs):
                 common.sync(device)
                 outer.start = time.perf_counter()
 
-            def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            def on_step_end(self, args, state, control, **kwargs):
                 common.sync(device)
                 outer.times.append(time.perf_counter() - outer.start)
 
