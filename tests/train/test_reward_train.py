@@ -94,6 +94,29 @@ def test_step_one_equals_trl_and_the_export_scores_in_stock_transformers(tiny_qw
     prompts = [PAIRS[0]["prompt"], PAIRS[1]["prompt"]]
     completions = [PAIRS[0]["chosen"], PAIRS[1]["rejected"]]
     assert scorer(completions, prompts, {}) == pytest.approx(theirs.tolist(), rel=1e-5, abs=1e-6)
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"prompt": line["prompt"]}) + "\n" for line in PAIRS))
+    lm_train(
+        tiny_qwen3,
+        prompts_file,
+        tmp_path / "grpo",
+        train__objective="grpo",
+        data__seq_len=SEQ_LEN,
+        train__global_batch_size=len(PAIRS),
+        train__micro_batch_size=len(PAIRS),
+        train__max_steps=1,
+        train__log_every=1,
+        grpo__num_generations=2,
+        grpo__max_new_tokens=4,
+        grpo__rewards=f"[{export}]",
+        checkpoint__export=False,
+    )
+    (grpo,) = read_metrics(tmp_path / "grpo")
+    samples = [json.loads(line) for line in (tmp_path / "grpo" / "samples" / "grpo.jsonl").read_text().splitlines()]
+    assert len(samples) == 2 * len(PAIRS)
+    rescored = scorer([s["completion"] for s in samples], [s["prompt"] for s in samples], {})
+    assert [s["reward"] for s in samples] == pytest.approx(rescored, rel=1e-5, abs=1e-6)
+    assert grpo["reward/export"] == pytest.approx(sum(rescored) / len(rescored), rel=1e-5, abs=1e-6)
 
 
 def test_llama_on_the_full_load_path_equals_trl(tiny_llama, tmp_path):
