@@ -172,3 +172,21 @@ def test_fsdp2_on_two_processes_equals_one_process(tiny_qwen3, tmp_path):
         with torch.no_grad():
             scores.append(model.eval()(**batch).logits[:, 0])
     torch.testing.assert_close(scores[1], scores[0], rtol=1e-5, atol=1e-6)
+
+
+def test_a_resumed_run_equals_the_uninterrupted_one(tiny_qwen3, tmp_path, capsys):
+    """Stopped after step 2 and resumed (`checkpoint.resume: auto`): the score head and its optimizer state come
+    back from the checkpoint, not from a fresh initialisation, so steps 3-4 equal the uninterrupted run's."""
+    data = pairs_file(tmp_path, PAIRS)
+    values = reward_overrides(len(PAIRS), checkpoint__every_steps=1, checkpoint__export=False)
+    lm_train(tiny_qwen3, data, tmp_path / "full", **values, train__max_steps=4)
+    lm_train(tiny_qwen3, data, tmp_path / "cut", **values, train__max_steps=2)
+    capsys.readouterr()
+    lm_train(tiny_qwen3, data, tmp_path / "cut", **{**values, "checkpoint__resume": "auto"}, train__max_steps=4)
+    said = capsys.readouterr()
+    assert "resumed from step 2" in said.out + said.err  # it did not start over (which would give the same steps)
+    full, cut = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "cut")
+    assert [m["step"] for m in cut][-2:] == [3, 4]
+    for a, b in zip(full[2:], cut[-2:], strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6)
