@@ -75,6 +75,7 @@ def test_step_one_equals_trl_and_the_export_scores_in_stock_transformers(tiny_qw
     config = json.loads((export / "config.json").read_text())
     assert config["architectures"] == ["Qwen3ForSequenceClassification"]
     assert len(config["id2label"]) == 1 and config["pad_token_id"] is not None
+    assert not (export / "generation_config.json").exists()  # a scoring model, not a generating one
     stock = AutoModelForSequenceClassification.from_pretrained(export, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(export)
     texts = [PAIRS[0]["prompt"] + PAIRS[0]["chosen"], PAIRS[1]["prompt"] + PAIRS[1]["rejected"]]
@@ -185,6 +186,12 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tiny_qwen3, tmp_path, capsys
     lm_train(tiny_qwen3, data, tmp_path / "cut", **{**values, "checkpoint__resume": "auto"}, train__max_steps=4)
     said = capsys.readouterr()
     assert "resumed from step 2" in said.out + said.err  # it did not start over (which would give the same steps)
+    # `spindle export` of a reward checkpoint is refused, naming the run's own export (it writes ForCausalLM folders)
+    from tests.conftest import run_spindle
+
+    proc = run_spindle("export", tmp_path / "cut", "--out", tmp_path / "offline")
+    assert proc.returncode != 0 and "reward model's checkpoint" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "offline").exists()
     full, cut = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "cut")
     assert [m["step"] for m in cut][-2:] == [3, 4]
     for a, b in zip(full[2:], cut[-2:], strict=True):

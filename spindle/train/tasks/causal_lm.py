@@ -281,7 +281,7 @@ class CausalLMTask(TrainTask):
             )
         # outside empty_weights, whose parameter registration makes a new tensor: tying must keep one
         model.tie_weights()  # `from_pretrained` ties after loading (config.tie_word_embeddings); `_from_config` not
-        if (path / "generation_config.json").is_file():
+        if (path / "generation_config.json").is_file() and self.head is None:  # a scoring head generates nothing
             model.generation_config = GenerationConfig.from_pretrained(path)
         built: torch.nn.Module = model
         return built
