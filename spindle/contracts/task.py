@@ -67,13 +67,14 @@ class Objective(Protocol):
     name: str
 
     def check_plan(self, family: Any, dims: Any) -> None:
-        """Before launch (config files only): refuse a model kind or layout the objective cannot run, naming why."""
-        ...
+        """Before launch (config files only): refuse a model kind or layout the objective cannot run, naming why.
+        Default: none (an objective subclasses this protocol to take the defaults)."""
+        return None
 
     def prepare(self, task: Any, model: torch.nn.Module) -> None:
         """Collective, after the task built the trainable model: what the objective holds beside it (a frozen
-        reference model)."""
-        ...
+        reference model). Default: nothing."""
+        return None
 
     def build_loader(self, task: Any) -> Any:
         """This rank's resumable micro-batches of the objective's data."""
@@ -81,8 +82,8 @@ class Objective(Protocol):
 
     def begin_step(self, task: Any, model: torch.nn.Module, batches: list[Any], step: int) -> list[Any]:
         """Collective, before the step's loss units are counted: the step's micro-batches as the loss reads
-        them (an online objective generates and scores its rollouts here)."""
-        ...
+        them (an online objective generates and scores its rollouts here). Default: as the loader gave them."""
+        return batches
 
     def loss_units(self, batch: Any) -> int:
         """How many units the loss of `batch` averages over (see the module docstring)."""

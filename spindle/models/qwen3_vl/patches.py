@@ -14,17 +14,6 @@ so Hub checkpoints load and exports are saved under stock names. Everything else
 towers, the 3-D RoPE and the language model.
 """
 
-from spindle.models.shared.causal_lm_patch import causal_lm_forward
-from spindle.patchgen import PatchConfig
+from spindle.models.shared.patched_conversions import chunked_loss_head_patch
 
-config = PatchConfig(source_module="transformers.models.qwen3_vl.modeling_qwen3_vl")
-config.delegate_method(
-    "Qwen3VLForConditionalGeneration.forward",
-    to=causal_lm_forward,
-    description="loss from hidden states with the chunked linear cross-entropy",
-)
-config.add_import("spindle.models.shared.patched_conversions", names=["keep_conversions"])
-config.add_post_import_block(
-    'keep_conversions("transformers.models.qwen3_vl.modeling_qwen3_vl")',
-    description="transformers' checkpoint key conversions apply to the generated classes too",
-)
+config = chunked_loss_head_patch("transformers.models.qwen3_vl.modeling_qwen3_vl", "Qwen3VLForConditionalGeneration")

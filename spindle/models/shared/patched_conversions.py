@@ -16,6 +16,7 @@ import (its patches.py's `add_post_import_block`), so every use of a generated c
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 
 def keep_conversions(upstream_module: str) -> list[str]:
@@ -33,3 +34,24 @@ def keep_conversions(upstream_module: str) -> list[str]:
                 cm.register_checkpoint_conversion_mapping(name, mapping, overwrite=True)
                 names.append(name)
     return names
+
+
+def chunked_loss_head_patch(source_module: str, head: str) -> Any:
+    """The patchgen config of a multimodal family whose only patch is the chunked loss: `head`.forward (the
+    ForConditionalGeneration class of `source_module`) delegates to the shared causal-LM forward, and the
+    generated module keeps transformers' checkpoint key conversions (`keep_conversions`) at import."""
+    from spindle.models.shared.causal_lm_patch import causal_lm_forward
+    from spindle.patchgen import PatchConfig
+
+    config = PatchConfig(source_module=source_module)
+    config.delegate_method(
+        f"{head}.forward",
+        to=causal_lm_forward,
+        description="loss from hidden states with the chunked linear cross-entropy",
+    )
+    config.add_import("spindle.models.shared.patched_conversions", names=["keep_conversions"])
+    config.add_post_import_block(
+        f'keep_conversions("{source_module}")',
+        description="transformers' checkpoint key conversions apply to the generated classes too",
+    )
+    return config

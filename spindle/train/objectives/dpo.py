@@ -32,7 +32,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from spindle.contracts.task import StepOutput
+from spindle.contracts.task import Objective, StepOutput
 
 DPOLossType = Literal["sigmoid", "ipo", "simpo"]
 DPO_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "ipo", "simpo")
@@ -129,7 +129,7 @@ def dpo_loss(
     )
 
 
-class DPO:
+class DPO(Objective):
     """`train.objective: dpo`: the preference loss above as a part of a language-model task (`dpo:` settings).
 
     Data: `data.path` holds preference lines in TRL's formats (`spindle.data.preference`), batched B chosen rows
@@ -191,15 +191,12 @@ class DPO:
         task._data_stats = {"rows": len(pairs), "pairs": len(pairs)}  # the run summary's epochs count pairs
         return resumable_loader(task, pairs, partial(collate_pairs, pad_id=pad))
 
-    def begin_step(self, task: Any, model: torch.nn.Module, batches: list[Any], step: int) -> list[Any]:
-        return batches
-
     def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
         return int(batch["input_ids"].shape[0]) // 2  # pairs
 
     def forward(self, task: Any, model: torch.nn.Module, batch: dict[str, torch.Tensor], step: int) -> StepOutput:
         from spindle.contracts.task import Metric
-        from spindle.train.objectives.logprobs import sequence_log_probs
+        from spindle.train.objectives.logprobs import reference_log_probs, sequence_log_probs
 
         s = self.settings
         run = task.run_rows(model, batch, log_probs=True)
@@ -208,7 +205,7 @@ class DPO:
         ref_chosen = ref_rejected = None
         if s.loss_type != "simpo":
             with torch.no_grad():
-                ref_sums, _ = sequence_log_probs(self._reference_log_probs(task, model, batch), labels)
+                ref_sums, _ = sequence_log_probs(reference_log_probs(task, model, batch, self.reference), labels)
             ref_chosen, ref_rejected = ref_sums.chunk(2)
         chosen, rejected = sums.chunk(2)
         chosen_n, rejected_n = tokens.chunk(2)
@@ -238,18 +235,6 @@ class DPO:
             loss_sum = loss_sum + coef * aux.to(loss_sum) * pairs
             metrics.update(task.output_metrics(run.out, run.rows))
         return StepOutput(loss_sum.float(), pairs, run.tokens, metrics)
-
-    def _reference_log_probs(self, task: Any, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        if self.reference is None:  # a LoRA run: the policy with its adapters switched off
-            from spindle.train.lora import adapters_disabled
-
-            with adapters_disabled(model):
-                run = task.run_rows(model, batch, log_probs=True)
-        else:
-            ref_task, ref_model = self.reference
-            run = ref_task.run_rows(ref_model, batch, log_probs=True)
-        logps: torch.Tensor = run.log_probs
-        return logps
 
 
 def check_same_family(path: str, family: Any) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from spindle.contracts.task import StepOutput
+from spindle.contracts.task import Objective, StepOutput
 
 
 def loss_weights(sigmas: torch.Tensor, scheme: str) -> torch.Tensor | None:
@@ -24,20 +24,11 @@ def loss_weights(sigmas: torch.Tensor, scheme: str) -> torch.Tensor | None:
     return weights
 
 
-class FlowMatching:
+class FlowMatching(Objective):
     name = "flow_matching"
 
     def __init__(self, cfg: Any) -> None:
         self.loss_weighting = cfg.train.loss_weighting
-
-    def check_plan(self, family: Any, dims: Any) -> None:
-        return None
-
-    def prepare(self, task: Any, model: torch.nn.Module) -> None:
-        return None
-
-    def begin_step(self, task: Any, model: torch.nn.Module, batches: list[Any], step: int) -> list[Any]:
-        return batches
 
     def build_loader(self, task: Any) -> Any:
         return task.media_loader()

@@ -30,6 +30,8 @@ from typing import Any, Literal
 
 import torch
 
+from spindle.contracts.task import Objective
+
 GRPOLossType = Literal["grpo", "dr_grpo", "dapo"]
 GRPO_LOSS_TYPES: tuple[str, ...] = ("grpo", "dr_grpo", "dapo")
 ScaleRewards = Literal["group", "batch", "none"]
@@ -177,7 +179,7 @@ def grpo_loss(
     )
 
 
-class GRPO:
+class GRPO(Objective):
     """`train.objective: grpo` (online, text causal LMs): the clipped objective above as a part of a language-model
     task (`grpo:` settings). `train.global_batch_size` counts prompts.
 
@@ -350,6 +352,7 @@ class GRPO:
         import time
 
         from spindle.contracts.task import Metric, StepOutput
+        from spindle.train.objectives.logprobs import reference_log_probs
 
         s = self.settings
         start = time.perf_counter()
@@ -359,7 +362,7 @@ class GRPO:
         ref = None
         if s.beta > 0:
             with torch.no_grad():
-                ref = self._reference_log_probs(task, model, rows)
+                ref = reference_log_probs(task, model, rows, self.reference, temperature=s.temperature)
         out = grpo_loss(
             run.log_probs,
             batch["advantages"].to(run.log_probs.device),
@@ -376,15 +379,3 @@ class GRPO:
         metrics.update({k: Metric(v, "mean", "mean") for k, v in out.metrics().items()})
         metrics["time/update_forward_s"] = Metric(time.perf_counter() - start, "sum", "mean")
         return StepOutput(out.loss_sum.float(), int(rows["input_ids"].shape[0]), run.tokens, metrics)
-
-    def _reference_log_probs(self, task: Any, model: torch.nn.Module, rows: dict[str, Any]) -> torch.Tensor:
-        if self.reference is None:  # a LoRA run: the policy with its adapters switched off
-            from spindle.train.lora import adapters_disabled
-
-            with adapters_disabled(model):
-                run = task.run_rows(model, rows, log_probs=True, temperature=self.settings.temperature)
-        else:
-            ref_task, ref_model = self.reference
-            run = ref_task.run_rows(ref_model, rows, log_probs=True, temperature=self.settings.temperature)
-        logps: torch.Tensor = run.log_probs
-        return logps

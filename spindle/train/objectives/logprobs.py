@@ -8,6 +8,8 @@ t predicts, -100 where nothing is scored), so a position's value is log p(label 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from spindle.ops.losses import linear_log_probs
@@ -50,3 +52,21 @@ def sequence_log_probs(per_token: torch.Tensor, shift_labels: torch.Tensor) -> t
     """-> (summed log-probability [B], scored tokens [B]) of each row: what DPO compares."""
     valid = shift_labels != IGNORE_INDEX
     return (per_token * valid).sum(dim=-1), valid.sum(dim=-1)
+
+
+def reference_log_probs(
+    task: Any, model: torch.nn.Module, rows: dict[str, torch.Tensor], reference: Any, **kwargs: Any
+) -> torch.Tensor:
+    """Collective, under no_grad by the caller: each label token's log-probability under the reference of a
+    preference or RL objective: `reference` = (its task, a frozen copy) from `task.build_reference`, or None for
+    a LoRA run's policy with its adapters switched off (no second copy). `kwargs` go to `run_rows` (temperature)."""
+    if reference is None:
+        from spindle.train.lora import adapters_disabled
+
+        with adapters_disabled(model):
+            run = task.run_rows(model, rows, log_probs=True, **kwargs)
+    else:
+        ref_task, ref_model = reference
+        run = ref_task.run_rows(ref_model, rows, log_probs=True, **kwargs)
+    logps: torch.Tensor = run.log_probs
+    return logps

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from spindle.contracts.task import StepOutput
+from spindle.contracts.task import Objective, StepOutput
 
 
 @dataclass
@@ -103,7 +103,7 @@ class ScoreHead:
             local.copy_(full[region])
 
 
-class Reward:
+class Reward(Objective):
     """`train.objective: reward`: a reward model (a scalar head) trained with the Bradley-Terry loss above on
     preference pairs (`reward:` settings), as `trl.RewardTrainer` trains one.
 
@@ -150,9 +150,6 @@ class Reward:
                 "use a dense family (qwen3, llama)"
             )
 
-    def prepare(self, task: Any, model: torch.nn.Module) -> None:
-        return None
-
     def build_loader(self, task: Any) -> Any:
         from functools import partial
 
@@ -163,9 +160,6 @@ class Reward:
         pairs, self.stats = reward_pairs(data.path, task.tokenizer, data.seq_len)
         task._data_stats = {"rows": len(pairs), "pairs": len(pairs)}
         return resumable_loader(task, pairs, partial(collate_reward_pairs, pad_id=task.pad_token_id()))
-
-    def begin_step(self, task: Any, model: torch.nn.Module, batches: list[Any], step: int) -> list[Any]:
-        return batches
 
     def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
         return int(batch["input_ids"].shape[0]) // 2  # pairs

@@ -10,25 +10,16 @@ from typing import Any
 
 import torch
 
-from spindle.contracts.task import StepOutput
+from spindle.contracts.task import Objective, StepOutput
 
 IGNORE_INDEX = -100
 
 
-class SFT:
+class SFT(Objective):
     name = "sft"
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
-
-    def check_plan(self, family: Any, dims: Any) -> None:
-        return None
-
-    def prepare(self, task: Any, model: torch.nn.Module) -> None:
-        return None
-
-    def begin_step(self, task: Any, model: torch.nn.Module, batches: list[Any], step: int) -> list[Any]:
-        return batches
 
     def build_loader(self, task: Any) -> Any:
         return task.document_loader()
