@@ -252,6 +252,9 @@ class Req:
     raw_latent_shape: tuple[int, ...] | None = None
     timesteps: torch.Tensor | None = None
     scheduler: Any = None  # a per-request copy of the checkpoint's scheduler (it is stateful)
+    # in place of `scheduler.step`: `step(scheduler, noise_pred, t, i, latents) -> latents` (a Flow-GRPO rollout
+    # sets its SDE recorder here so the engine's own denoising loop samples and records the trajectory)
+    step: Callable[[Any, torch.Tensor, torch.Tensor, int, torch.Tensor], torch.Tensor] | None = None
     model_dtype: torch.dtype = field(default_factory=_float32)  # the transformer's dtype (inputs are cast to it)
     # guidance, each by what it does (the request's `guidance_scale` means one or the other by family):
     do_cfg: bool = False  # classifier-free guidance runs (a cond and an uncond branch per step)

@@ -232,7 +232,10 @@ class DenoisingStage(Stage):
                     f"predicted with shape {tuple(noise_pred.shape)} for latents {tuple(latents.shape)}: the "
                     "transformer's inputs do not match the latents the scheduler steps",
                 )
-            latents = req.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+            if req.step is not None:
+                latents = req.step(req.scheduler, noise_pred, t, i, latents)
+            else:
+                latents = req.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
             if req.progress is not None:
                 req.progress(i + 1, total)
         return latents

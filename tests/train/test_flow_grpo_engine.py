@@ -64,3 +64,45 @@ def test_engine_rollout_log_probs_are_recomputed_exactly(tiny_flux):
     decoded = pipeline.stages[-1](req)
     images = reward_images(decoded.output)
     assert len(images) == 2 and images[0].shape == (32, 32, 3) and 0 <= images[0].min() <= images[0].max() <= 1
+
+
+def test_denoising_stage_takes_the_requests_step_in_place_of_the_schedulers(tiny_flux):
+    """`Req.step` (the engine hook a rollout uses): the stage's own loop runs the SDE recorder, and its
+    trajectory is the one a hand-written loop over `predict` records, with the same final latents."""
+    from spindle.api import load_generator
+    from spindle.contracts.request import SamplingParams
+    from spindle.train.tasks.flow_matching import sample_generator
+
+    engine = load_generator(tiny_flux, exact=True)
+    pipeline = engine.pipeline
+    params = SamplingParams(
+        prompt="a red circle",
+        height=32,
+        width=32,
+        num_inference_steps=3,
+        guidance_scale=3.5,
+        seed=0,
+        num_outputs_per_prompt=2,
+        max_sequence_length=16,
+    )
+
+    def prepared():
+        req = engine.make_request(params)
+        req.generator = rollout_generators(sample_generator, 0, 4, [0], 2)
+        return pipeline.before_denoising(req)
+
+    by_hand = prepared()
+    manual = SdeRecorder(NOISE_LEVEL, by_hand.generator)
+    latents = by_hand.latents
+    with torch.no_grad():
+        for i, t in enumerate(by_hand.timesteps):
+            latents = manual(by_hand.scheduler, pipeline.denoising.predict(by_hand, latents, t, i), t, i, latents)
+
+    req = prepared()
+    hooked = SdeRecorder(NOISE_LEVEL, req.generator)
+    req.step = hooked
+    with torch.no_grad():
+        req = pipeline.denoising(req)
+    expected, got = manual.trajectory(), hooked.trajectory()
+    assert torch.equal(got.latents, expected.latents) and torch.equal(got.log_probs, expected.log_probs)
+    assert torch.equal(req.latents, latents)
