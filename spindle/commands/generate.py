@@ -91,6 +91,8 @@ def check_request_files(args: argparse.Namespace) -> None:
         )
     low = options.images[0]
     given = [*(args.image or []), *([args.last_image] if args.last_image else [])]
+    if args.last_image is not None and len(args.image or []) != 1:
+        raise ValueError("--last-image goes with exactly one --image (the first frame)")
     if low and not args.image:
         raise ValueError(
             f"--image is required for {family.name}: give {low} conditioning image file(s) "
