@@ -349,6 +349,7 @@ def router_aux_term(trainer: Any, out: Any, tokens: int) -> torch.Tensor:
     aux = out.metrics.get("aux_loss")
     if aux is None:
         return torch.zeros(())
+    aux = getattr(aux, "value", aux)  # a Metric (its reduction declared) or a plain value
     coef = trainer.model.config.get_text_config().router_aux_loss_coef
     return torch.tensor(coef * aux * tokens)
 
