@@ -106,6 +106,21 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return grads[0], grads[1], grads[2], None, None, None, None, None
 
 
+def check_linear_inputs(
+    name: str, hidden_states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int
+) -> None:
+    """The chunked head functions' shared argument checks (`name` in the messages)."""
+    if chunk_size < 1:
+        raise ValueError(f"{name}: chunk_size must be >= 1, got {chunk_size}")
+    if hidden_states.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"{name}: labels shape {tuple(labels.shape)} does not match hidden_states "
+            f"{tuple(hidden_states.shape)} without its last (hidden) dim; pass labels already shifted, one per position"
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden_states.shape[-1]:
+        raise ValueError(f"{name}: weight must be [vocab, hidden={hidden_states.shape[-1]}], got {tuple(weight.shape)}")
+
+
 def linear_cross_entropy(
     hidden_states: torch.Tensor,
     weight: torch.Tensor,
@@ -126,17 +141,7 @@ def linear_cross_entropy(
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"linear_cross_entropy: reduction={reduction!r} is not one of {REDUCTIONS}")
-    if chunk_size < 1:
-        raise ValueError(f"linear_cross_entropy: chunk_size must be >= 1, got {chunk_size}")
-    if hidden_states.shape[:-1] != labels.shape:
-        raise ValueError(
-            f"linear_cross_entropy: labels shape {tuple(labels.shape)} does not match hidden_states "
-            f"{tuple(hidden_states.shape)} without its last (hidden) dim; pass labels already shifted, one per position"
-        )
-    if weight.dim() != 2 or weight.shape[1] != hidden_states.shape[-1]:
-        raise ValueError(
-            f"linear_cross_entropy: weight must be [vocab, hidden={hidden_states.shape[-1]}], got {tuple(weight.shape)}"
-        )
+    check_linear_inputs("linear_cross_entropy", hidden_states, weight, labels, chunk_size)
     hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
     flat_labels = labels.reshape(-1).to(hidden.device)
     if reduction == "mean":
@@ -293,19 +298,9 @@ def linear_log_probs(
     (TRL's `selective_log_softmax` on the model's logits) without holding more than `chunk_size` x V logits,
     forward or backward. `temperature` is the sampling temperature (GRPO scores completions as sampled).
     """
-    if chunk_size < 1:
-        raise ValueError(f"linear_log_probs: chunk_size must be >= 1, got {chunk_size}")
     if temperature <= 0:
         raise ValueError(f"linear_log_probs: temperature must be > 0, got {temperature}")
-    if hidden_states.shape[:-1] != labels.shape:
-        raise ValueError(
-            f"linear_log_probs: labels shape {tuple(labels.shape)} does not match hidden_states "
-            f"{tuple(hidden_states.shape)} without its last (hidden) dim; pass labels already shifted, one per position"
-        )
-    if weight.dim() != 2 or weight.shape[1] != hidden_states.shape[-1]:
-        raise ValueError(
-            f"linear_log_probs: weight must be [vocab, hidden={hidden_states.shape[-1]}], got {tuple(weight.shape)}"
-        )
+    check_linear_inputs("linear_log_probs", hidden_states, weight, labels, chunk_size)
     hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
     flat_labels = labels.reshape(-1).to(hidden.device)
     # torch's Function.apply is unannotated
