@@ -9,10 +9,10 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from spindle.contracts.request import short_repr
 
@@ -467,6 +467,133 @@ class RewardConfig(Section):
     )
 
 
+# ---------------------------------------------------------------- rewards (flow_grpo.rewards, grpo.rewards)
+# An entry is a mapping (`{fn: "rewards.py:brightness", weight: 1.0}`) or a string, read as: `http://...` /
+# `https://...` an HTTP scorer; `builtin:NAME` a built-in; `path/to/file.py:function` or `module:function` a
+# function; anything else (no colon) a reward-model folder. Weights come from each entry's `weight` or from the
+# section's `reward_weights` list (one per entry), not both. `spindle.train.rewards` loads them.
+
+Builtin = Literal["jpeg_compressibility", "jpeg_incompressibility", "clip_score"]
+RewardKind = Literal["dit", "lm"]  # what the rewards score: decoded images/videos, or text completions
+REWARD_SOURCES = ("fn", "model", "url", "builtin")
+REWARD_HTTP_FIELDS = ("timeout_s", "retries", "backoff_s", "concurrency")
+
+
+class RewardSpec(Section):
+    """One reward: exactly one of `fn`, `model`, `url`, `builtin`, and its weight."""
+
+    fn: str | None = Field(
+        None,
+        description="a Python function, `path/to/file.py:function` (relative to the working directory) or "
+        "`module:function`: fn(images, prompts, **columns) for DiT models, fn(prompts, completions, **columns) "
+        "for language models, returning one float per sample",
+    )
+    model: str | None = Field(
+        None,
+        description="language models: a reward-model folder (transformers AutoModelForSequenceClassification, "
+        "num_labels 1) scoring prompt + completion",
+    )
+    url: str | None = Field(
+        None,
+        description="an HTTP scorer: POST of JSON {prompts, images (base64 PNGs; a video: a list of frames) or "
+        "completions, columns}, answering {scores: [one float per sample]}",
+    )
+    builtin: Builtin | None = Field(
+        None,
+        description="DiT models: jpeg_compressibility (minus the JPEG size in kB, DDPO's), jpeg_incompressibility "
+        "(the size), clip_score (prompt-image cosine similarity of a local CLIP, `clip_model`)",
+    )
+    clip_model: str | None = Field(None, description="builtin clip_score: a local transformers CLIP folder")
+    weight: float = Field(1.0, description="the reward's weight in the summed reward (the per-reward means are logged)")
+    name: str | None = Field(
+        None, description="the name in metrics (reward/NAME); default: the function's, built-in's or folder's name"
+    )
+    batch_size: int = Field(
+        8, ge=1, description="samples per call of a model (reward model, CLIP) or per request (HTTP scorer)"
+    )
+    timeout_s: float = Field(60.0, gt=0, description="HTTP scorer: seconds to wait for one answer")
+    retries: int = Field(3, ge=0, description="HTTP scorer: tries after a failed one (connection error, timeout, 5xx)")
+    backoff_s: float = Field(1.0, ge=0, description="HTTP scorer: wait before the first retry, doubled after each")
+    concurrency: int = Field(4, ge=1, description="HTTP scorer: requests in flight at once")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> RewardSpec:
+        given = [k for k in REWARD_SOURCES if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                f"a reward needs exactly one of {', '.join(REWARD_SOURCES)}; got {', '.join(given) if given else 'none'} "
+                "(e.g. {fn: rewards.py:brightness} or {builtin: jpeg_compressibility})"
+            )
+        if (self.builtin == "clip_score") != (self.clip_model is not None):
+            raise ValueError(
+                "builtin clip_score needs clip_model: a local transformers CLIP folder"
+                if self.builtin == "clip_score"
+                else "clip_model is the folder of builtin clip_score; remove it or set builtin: clip_score"
+            )
+        stray = [k for k in REWARD_HTTP_FIELDS if k in self.model_fields_set] if self.url is None else []
+        if stray:
+            raise ValueError(f"{', '.join(stray)} configure an HTTP scorer (url); this reward has none")
+        return self
+
+    @property
+    def source(self) -> str:
+        """The entry as a user reads it in messages: the spec string."""
+        return next(f"{k}: {getattr(self, k)}" for k in REWARD_SOURCES if getattr(self, k) is not None)
+
+
+def parse_reward(value: Any) -> Any:
+    """A string entry as the mapping it stands for (other values as they are, for pydantic to check)."""
+    if not isinstance(value, str):
+        return value
+    if value.startswith(("http://", "https://")):
+        return {"url": value}
+    if value.startswith("builtin:"):
+        return {"builtin": value.removeprefix("builtin:")}
+    if ":" in value:
+        return {"fn": value}
+    return {"model": value}
+
+
+def _reward_entries(value: Any) -> Any:
+    return [parse_reward(v) for v in value] if isinstance(value, list) else value
+
+
+RewardList = Annotated[list[RewardSpec], BeforeValidator(_reward_entries)]
+
+
+def weighted_rewards(rewards: list[RewardSpec], weights: list[float] | None, where: str) -> list[RewardSpec]:
+    """`rewards` with the section's `reward_weights` applied (checked: one per reward, and no reward
+    weighted twice); `where` is the section's name in messages ("flow_grpo")."""
+    if weights is None:
+        return rewards
+    if len(weights) != len(rewards):
+        raise ValueError(
+            f"{where}.reward_weights has {len(weights)} entries for {len(rewards)} rewards; give one weight per reward"
+        )
+    both = [i for i, r in enumerate(rewards) if "weight" in r.model_fields_set]
+    if both:
+        raise ValueError(
+            f"{where}.rewards[{both[0]}] sets its own weight and {where}.reward_weights gives one too; keep one of them"
+        )
+    return [r.model_copy(update={"weight": w}) for r, w in zip(rewards, weights, strict=True)]
+
+
+def check_reward_kind(rewards: list[RewardSpec], kind: RewardKind, where: str) -> None:
+    """Refuse a reward the model kind cannot produce inputs for, naming the entry."""
+    for i, r in enumerate(rewards):
+        if kind == "dit" and r.model is not None:
+            raise ValueError(
+                f"{where}.rewards[{i}] ({r.source}) is a reward-model folder, which scores text (language models); "
+                "a DiT model's rewards are functions, HTTP scorers or built-ins (a string without ':' reads as a "
+                "folder: write path/to/file.py:function for a function)"
+            )
+        if kind == "lm" and r.builtin is not None:
+            raise ValueError(
+                f"{where}.rewards[{i}] (builtin: {r.builtin}) scores images; a language model's rewards are "
+                "functions, reward-model folders or HTTP scorers"
+            )
+
+
 class GRPOConfig(Section):
     """`grpo:` online GRPO: sample completions, score them, optimise the clipped objective
     (`spindle.train.objectives.grpo`). `train.global_batch_size` counts prompts."""
@@ -480,13 +607,14 @@ class GRPOConfig(Section):
     )
     temperature: float = Field(1.0, gt=0, description="sampling temperature (the log-probabilities use it too)")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: keep the top tokens of this mass")
-    rewards: list[str] = Field(
+    rewards: RewardList = Field(
         default_factory=list,
-        description="reward functions: path/to/file.py:function or module:function callables "
-        "fn(prompts, completions, **columns) -> list[float], or reward-model folders",
+        description="the rewards, each `path/to/file.py:function` or `module:function` (a callable "
+        "fn(prompts, completions, **columns) -> list[float]), a reward-model folder, an http(s) URL, or a mapping "
+        "{fn|model|url, weight, name, ...} (docs/post-training.md)",
     )
     reward_weights: list[float] | None = Field(
-        None, description="one weight per reward function, in order (default: 1 each)"
+        None, description="one weight per reward (instead of each reward's own weight); default 1 each"
     )
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group",
@@ -510,13 +638,87 @@ class GRPOConfig(Section):
     )
 
     @model_validator(mode="after")
-    def _weights_match(self) -> GRPOConfig:
-        if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
-            raise ValueError(
-                f"grpo.reward_weights has {len(self.reward_weights)} weights for {len(self.rewards)} "
-                "grpo.rewards; give one weight per reward function"
-            )
+    def _rewards(self) -> GRPOConfig:
+        check_reward_kind(self.reward_configs, "lm", "grpo")
         return self
+
+    @property
+    def reward_configs(self) -> list[RewardSpec]:
+        """The rewards with `reward_weights` applied (what `load_rewards` takes)."""
+        return weighted_rewards(self.rewards, self.reward_weights, "grpo")
+
+
+class FlowGrpoConfig(Section):
+    """`flow_grpo:` Flow-GRPO (DanceGRPO for video families): each step samples `num_generations` outputs per
+    prompt with the SDE sampler, scores them with `rewards`, and optimises the clipped objective on
+    group-relative advantages. Defaults are the Flow-GRPO repository's."""
+
+    num_generations: int = Field(
+        8, ge=2, description="samples per prompt, one group (advantages are relative to the group's rewards)"
+    )
+    num_inference_steps: int = Field(10, ge=1, description="denoising steps of a rollout (the SDE sampler's)")
+    noise_level: float = Field(
+        0.7,
+        gt=0,
+        description="the SDE sampler's noise: std_dev_t = noise_level * sqrt(sigma / (1 - sigma)); 0 would be the "
+        "deterministic sampler, which has no log-probability",
+    )
+    guidance_scale: float | None = Field(
+        None,
+        description="the rollouts' guidance scale, as the family's sampling reads it (CFG, or a "
+        "guidance-distilled model's embedded guidance); default: the family's sampling default",
+    )
+    clip_range: float = Field(
+        1e-4, gt=0, description="PPO clip: the probability ratio is clipped to [1 - clip_range, 1 + clip_range]"
+    )
+    adv_clip_max: float = Field(5.0, gt=0, description="advantages are clamped to [-adv_clip_max, adv_clip_max]")
+    num_iterations: int = Field(
+        1, ge=1, description="policy updates on each batch of rollouts (1: on-policy; ratios start at 1)"
+    )
+    timestep_fraction: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="the fraction of a rollout's denoising steps the loss covers, from the first (noisiest) one",
+    )
+    beta: float = Field(
+        0.0,
+        ge=0,
+        description="weight of the KL to the reference (the starting weights; LoRA: the base with adapters off); "
+        "0: no reference forward",
+    )
+    global_std: bool = Field(
+        False, description="normalise advantages by the whole batch's reward std instead of each group's"
+    )
+    rewards: RewardList = Field(
+        default_factory=list,
+        description="the rewards, each `path/to/file.py:function`, `module:function`, an http(s) URL, "
+        "`builtin:NAME`, or a mapping {fn|url|builtin, weight, name, ...} (docs/post-training-dit.md)",
+    )
+    reward_weights: list[float] | None = Field(
+        None, description="one weight per reward (instead of each reward's own weight); default 1 each"
+    )
+
+    @model_validator(mode="after")
+    def _rewards(self) -> FlowGrpoConfig:
+        check_reward_kind(self.reward_configs, "dit", "flow_grpo")
+        return self
+
+    @property
+    def reward_configs(self) -> list[RewardSpec]:
+        """The rewards with `reward_weights` applied (what `load_rewards` takes)."""
+        return weighted_rewards(self.rewards, self.reward_weights, "flow_grpo")
+
+
+class DiffusionDpoConfig(Section):
+    """`diffusion_dpo:` Diffusion-DPO on preference pairs, in its flow-matching form."""
+
+    beta: float = Field(
+        100.0,
+        gt=0,
+        description="the DPO temperature on the difference of the policy's and the reference's flow-matching "
+        "errors (Flow-GRPO's DPO baseline: 100); larger: a sharper preference, a smaller step off the reference",
+    )
 
 
 class TrainJobConfig(Section):
@@ -574,11 +776,29 @@ class DiTTrainConfig(TrainConfig):
     )
 
 
+def require_rewards(objective: str, rewards: list[RewardSpec], example: str) -> None:
+    """An online objective scores its samples: its section's `rewards` must name at least one."""
+    if not rewards:
+        raise ValueError(
+            f"train.objective={objective} needs rewards: {objective}.rewards is empty; give at least one "
+            f"(e.g. {objective}.rewards: [{example}])"
+        )
+
+
 class DiTJobConfig(TrainJobConfig):
     """A flow-matching (DiT) job."""
 
     data: MediaDataConfig
     train: DiTTrainConfig = DiTTrainConfig()
+    flow_grpo: FlowGrpoConfig = FlowGrpoConfig()  # read when train.objective is flow_grpo
+    diffusion_dpo: DiffusionDpoConfig = DiffusionDpoConfig()  # read when train.objective is diffusion_dpo
+
+    @model_validator(mode="after")
+    def _flow_grpo_rewards(self) -> DiTJobConfig:
+        objective: str = self.train.objective  # flow_grpo joins DiTTrainConfig.objective when its part lands
+        if objective == "flow_grpo":
+            require_rewards("flow_grpo", self.flow_grpo.rewards, "rewards.py:brightness")
+        return self
 
     @model_validator(mode="after")
     def _lm_attention_only(self) -> DiTJobConfig:
@@ -617,6 +837,12 @@ class CausalLMJobConfig(TrainJobConfig):
     dpo: DPOConfig = DPOConfig()  # read when train.objective is dpo
     reward: RewardConfig = RewardConfig()  # read when train.objective is reward
     grpo: GRPOConfig = GRPOConfig()  # read when train.objective is grpo
+
+    @model_validator(mode="after")
+    def _grpo_rewards(self) -> CausalLMJobConfig:
+        if self.train.objective == "grpo":
+            require_rewards("grpo", self.grpo.rewards, "rewards.py:correct")
+        return self
 
 
 VLMPart = Literal["audio", "vision", "aligner", "language"]

@@ -1,4 +1,4 @@
-"""The post-training config sections (`dpo:`, `reward:`, `grpo:` in spindle.config): strict like every section,
+"""The post-training config sections (`dpo:`, `reward:`, `grpo:`, `flow_grpo:`, `diffusion_dpo:` in spindle.config): strict like every section,
 each field described, the rules across fields named, and the defaults TRL 1.16's where a TRL setting corresponds."""
 
 from __future__ import annotations
@@ -13,7 +13,17 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # CPO (simpo's defaults)
 import trl
 from trl.experimental.cpo import CPOConfig
 
-from spindle.config import ConfigError, DPOConfig, GRPOConfig, RewardConfig, Section, validate_config
+from spindle.config import (
+    ConfigError,
+    DiffusionDpoConfig,
+    DPOConfig,
+    FlowGrpoConfig,
+    GRPOConfig,
+    RewardConfig,
+    RewardSpec,
+    Section,
+    validate_config,
+)
 
 
 class Job(Section):
@@ -48,7 +58,10 @@ def invalid(raw):
         ({"grpo": {"top_p": 1.5}}, "'grpo.top_p': Input should be less than or equal to 1"),
         ({"grpo": {"scale_rewards": True}}, "'grpo.scale_rewards': Input should be 'group', 'batch' or 'none'"),
         ({"grpo": {"loss_type": "bnpo"}}, "'grpo.loss_type': Input should be 'grpo', 'dr_grpo' or 'dapo'"),
-        ({"grpo": {"rewards": ["a.py:f", "b.py:g"], "reward_weights": [1.0]}}, "has 1 weights for 2 grpo.rewards"),
+        (
+            {"grpo": {"rewards": ["a.py:f", "b.py:g"], "reward_weights": [1.0]}},
+            "grpo.reward_weights has 1 entries for 2 rewards",
+        ),
     ],
 )
 def test_bad_values_are_named(raw, message):
@@ -68,7 +81,9 @@ def test_good_sections_validate():
     assert job.grpo.reward_weights == [1.0, 0.5]
 
 
-@pytest.mark.parametrize("section", [DPOConfig, RewardConfig, GRPOConfig])
+@pytest.mark.parametrize(
+    "section", [DPOConfig, RewardConfig, GRPOConfig, FlowGrpoConfig, DiffusionDpoConfig, RewardSpec]
+)
 def test_every_field_is_described(section):
     assert [name for name, f in section.model_fields.items() if not f.description] == []
 

@@ -218,7 +218,7 @@ def test_train_step_indices():
 def test_flow_grpo_section_reads_rewards_and_refuses_bad_values():
     from pydantic import ValidationError
 
-    from spindle.train.objectives.config_dit import DiffusionDpoConfig, FlowGrpoConfig
+    from spindle.config import DiffusionDpoConfig, FlowGrpoConfig
 
     cfg = FlowGrpoConfig(rewards=["rewards.py:brightness", "builtin:jpeg_compressibility"], reward_weights=[1.0, 0.1])
     assert [(r.fn, r.builtin, r.weight) for r in cfg.reward_configs] == [

@@ -19,8 +19,8 @@ import torch
 from PIL import Image
 from pydantic import ValidationError
 
-from spindle.config import ConfigError
-from spindle.train.rewards import RewardConfig, RewardError, load_rewards, weighted_rewards
+from spindle.config import ConfigError, RewardList, RewardSpec, require_rewards, weighted_rewards
+from spindle.train.rewards import RewardError, load_rewards
 from spindle.train.rewards.images import reward_images
 
 REWARDS_PY = """
@@ -68,8 +68,6 @@ def images(count: int = 3, size: tuple[int, int] = (8, 12)) -> list[np.ndarray]:
 
 def configs(*entries, weights=None, where="flow_grpo"):
     from pydantic import TypeAdapter
-
-    from spindle.train.rewards import RewardList
 
     return weighted_rewards(TypeAdapter(RewardList).validate_python(list(entries)), weights, where)
 
@@ -162,16 +160,16 @@ def test_config_forms_and_their_errors():
         configs("a.py:f", "b.py:g", weights=[1.0])
     with pytest.raises(ValueError, match=r"flow_grpo.rewards\[0\] sets its own weight and flow_grpo.reward_weights"):
         configs({"fn": "a.py:f", "weight": 2.0}, weights=[1.0])
-    with pytest.raises(ValueError, match=r"flow_grpo\.rewards is empty"):
-        configs()
+    with pytest.raises(ValueError, match=r"train.objective=flow_grpo needs rewards: flow_grpo\.rewards is empty"):
+        require_rewards("flow_grpo", configs(), "rewards.py:brightness")
     with pytest.raises(ValidationError, match="exactly one of fn, model, url, builtin; got fn, url"):
-        RewardConfig(fn="a.py:f", url="http://x")
+        RewardSpec(fn="a.py:f", url="http://x")
     with pytest.raises(ValidationError, match="builtin clip_score needs clip_model"):
-        RewardConfig(builtin="clip_score")
+        RewardSpec(builtin="clip_score")
     with pytest.raises(ValidationError, match="timeout_s configure an HTTP scorer"):
-        RewardConfig(fn="a.py:f", timeout_s=3)
+        RewardSpec(fn="a.py:f", timeout_s=3)
     with pytest.raises(ValidationError, match="builtin"):
-        RewardConfig(builtin="jpeg")
+        RewardSpec(builtin="jpeg")
 
 
 def test_reward_images_are_the_engines_decoded_samples_one_array_each():

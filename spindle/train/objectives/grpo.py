@@ -225,16 +225,9 @@ class GRPO(Objective):
 
     def reward_set(self) -> Any:
         if self.rewards is None:
-            from spindle.config import ConfigError
-            from spindle.train.rewards.config import RewardConfig, parse_reward
             from spindle.train.rewards.load import load_rewards
 
-            s = self.settings
-            if not s.rewards:
-                raise ConfigError("grpo.rewards is empty; give at least one reward (e.g. [rewards.py:correct])")
-            weights = s.reward_weights or [1.0] * len(s.rewards)
-            entries = [RewardConfig(**parse_reward(r), weight=w) for r, w in zip(s.rewards, weights, strict=True)]
-            self.rewards = load_rewards(entries, "lm", "grpo")
+            self.rewards = load_rewards(self.settings.reward_configs, "lm", "grpo")
         return self.rewards
 
     def prepare(self, task: Any, model: torch.nn.Module) -> None:

@@ -3,16 +3,12 @@ reward-model folder (language models), an HTTP scorer, or a built-in (JPEG (in)c
 weighted and combined per sample (`load_rewards` -> `RewardSet`)."""
 
 from spindle.train.rewards.combine import Reward, RewardError, RewardScores, RewardSet
-from spindle.train.rewards.config import RewardConfig, RewardList, weighted_rewards
 from spindle.train.rewards.load import load_rewards
 
 __all__ = [
     "Reward",
-    "RewardConfig",
     "RewardError",
-    "RewardList",
     "RewardScores",
     "RewardSet",
     "load_rewards",
-    "weighted_rewards",
 ]

@@ -18,13 +18,13 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from spindle.config import RewardKind, RewardSpec
 from spindle.train.rewards.combine import RewardError
-from spindle.train.rewards.config import Kind, RewardConfig
 from spindle.train.rewards.images import png_base64
 
 
 class HttpScorer:
-    def __init__(self, cfg: RewardConfig, kind: Kind) -> None:
+    def __init__(self, cfg: RewardSpec, kind: RewardKind) -> None:
         if cfg.url is None:
             raise ValueError("HttpScorer needs a url")
         self.url = cfg.url

@@ -18,19 +18,18 @@ from urllib.parse import urlparse
 
 import torch
 
-from spindle.config import ConfigError
+from spindle.config import ConfigError, RewardKind, RewardSpec, check_reward_kind
 from spindle.train.rewards.combine import Reward, RewardSet, Scorer
-from spindle.train.rewards.config import Kind, RewardConfig, check_kind
 from spindle.train.rewards.functions import accepts, check_takes, load_function
 
 
 def load_rewards(
-    rewards: Sequence[RewardConfig], kind: Kind, where: str, device: torch.device | None = None
+    rewards: Sequence[RewardSpec], kind: RewardKind, where: str, device: torch.device | None = None
 ) -> RewardSet:
     """The rewards of a run (`where`: the section's name in messages, "flow_grpo"); `device` runs the
     model-backed ones (CLIP, reward models; default CPU)."""
     try:
-        check_kind(list(rewards), kind, where)
+        check_reward_kind(list(rewards), kind, where)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     device = device or torch.device("cpu")
@@ -44,7 +43,7 @@ def load_rewards(
     return RewardSet(loaded)
 
 
-def load_reward(cfg: RewardConfig, kind: Kind, device: torch.device) -> Reward:
+def load_reward(cfg: RewardSpec, kind: RewardKind, device: torch.device) -> Reward:
     score: Scorer
     if cfg.fn is not None:
         score = function_scorer(load_function(cfg.fn), kind, cfg.fn)
@@ -80,7 +79,7 @@ CONVENTIONS: dict[str, tuple[str, str, str]] = {
 }
 
 
-def function_scorer(fn: Callable[..., Any], kind: Kind, spec: str) -> Scorer:
+def function_scorer(fn: Callable[..., Any], kind: RewardKind, spec: str) -> Scorer:
     """A user's function called in the kind's convention, by keyword as TRL calls reward functions, with the
     arguments and extra columns it takes (checked before training: it must take the samples)."""
     samples, prompts_key, convention = CONVENTIONS[kind]
