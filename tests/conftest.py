@@ -321,13 +321,14 @@ def stepped_linear() -> tuple[Any, Any]:
 
 
 def spindle_train(out: Path, nproc: int, overrides: list[str]):
-    """`spindle train --nproc N` (torchrun workers, or one process) of an empty config file next to `out`
-    with the dotted `overrides`; asserts it succeeded; -> the CompletedProcess (its output)."""
+    """`spindle train` of an empty config file next to `out` with the dotted `overrides`, on `nproc`
+    ranks as the job's workers run it (`spindle_on_ranks`: real processes, gloo, forked warm); asserts
+    it succeeded; -> the CompletedProcess (rank 0's output)."""
+    from spindle.testing.multiprocess import spindle_on_ranks
+
     cfg = out.parent / f"{out.name}.yaml"
     cfg.write_text("{}\n")
-    proc = run_spindle("train", cfg, *overrides, "--nproc", nproc, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+    return spindle_on_ranks(nproc, "train", cfg, *overrides, logs=out.parent / f"{out.name}.log")
 
 
 def train_cli(model: Path, data: Path, out: Path, nproc: int, **train) -> None:
@@ -656,7 +657,7 @@ def one_step_metrics(model: Path, texts: list[str], out: Path, seq_len: int, **o
 
 
 def lm_train_cli(model: Path, data: Path, out: Path, nproc: int, **overrides) -> None:
-    """`spindle train --nproc N` of a causal LM (`lm_overrides`) into `out`, in real processes (torchrun)."""
+    """`spindle train` of a causal LM (`lm_overrides`) into `out` on `nproc` real processes (`spindle_train`)."""
     spindle_train(out, nproc, lm_overrides(model, data, out, **overrides))
 
 

@@ -14,9 +14,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# What a spawned rank imports anyway, imported once by the forkserver that forks the ranks (see `spawn`): a rank
+# then starts in well under a second instead of paying ~6 s of CPU to import torch, transformers and diffusers.
+_PRELOAD = ["torch", "torch.distributed", "transformers", "diffusers", "spindle.train.trainer", "spindle.api"]
+
+
 def _entry(
-    rank: int, fn: Callable[..., Any], world_size: int, port: int, threads: int, backend: str, args: tuple
+    rank: int,
+    fn: Callable[..., Any],
+    world_size: int,
+    port: int,
+    threads: int,
+    backend: str,
+    args: tuple,
+    environ: dict[str, str],
 ) -> None:
+    # A forkserver's child has the server's environment (from its start); the caller's is the one that counts.
+    os.environ.clear()
+    os.environ.update(environ)
     if backend == "gloo":
         # CPU/gloo: hide GPUs before torch touches CUDA (the mesh's device type follows CUDA).
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -49,15 +64,68 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1,
 
     `fn` must be importable by name (a module-level function). Raises if any process fails.
     """
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
+    # forkserver, not fork: each rank is a fresh fork of a server that only imported modules (no threads, no
+    # state of the calling process); sys.path and the working directory travel with each start, the
+    # environment through `_entry`. The preload applies when the server starts (once per calling process).
+    multiprocessing.set_forkserver_preload(_PRELOAD)
     mp.start_processes(
         _entry,
-        args=(fn, world_size, free_port(), threads, backend, args),
+        args=(fn, world_size, free_port(), threads, backend, args, dict(os.environ)),
         nprocs=world_size,
         join=True,
-        start_method="spawn",
+        start_method="forkserver",
     )
+
+
+def _cli_rank(rank: int, world_size: int, argv: list[str], logs: str) -> None:
+    """One rank of `spindle ARGV`: what a torchrun worker runs (`spindle.cli.main` under a launcher's
+    environment), its output in LOGS.rankN.out / .err."""
+    import sys
+
+    with open(f"{logs}.rank{rank}.out", "w") as out, open(f"{logs}.rank{rank}.err", "w") as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+    from spindle.cli import main
+
+    code = main(argv)  # a launched `spindle train` ends its process itself (launch.end_worker)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code:
+        raise SystemExit(code)
+
+
+def spindle_on_ranks(nproc: int, *args: object, logs: str | os.PathLike) -> Any:
+    """`spindle ARGS --nproc NPROC` as the job's workers run it: NPROC real processes (gloo), each
+    `spindle.cli.main(ARGS)` with the environment torchrun gives its workers, forked from the test
+    session's preloaded forkserver (`spawn`) instead of started cold by torchrun (~6 s of CPU a rank
+    to import torch, transformers and diffusers). The launcher itself (`--nproc` re-running the command
+    under torchrun, signals, the output lock) has its own tests, which call the real command.
+    -> a CompletedProcess with rank 0's output; raises AssertionError with every rank's stderr on failure."""
+    import subprocess
+
+    from torch.multiprocessing.spawn import ProcessException
+
+    argv = [str(a) for a in args]
+    try:
+        spawn(_cli_rank, nproc, argv, str(logs))
+    except ProcessException as e:  # a rank raised or exited non-zero: its own words are in its log
+        errs = "".join(f"--- rank {r} stderr ---\n{_tail(f'{logs}.rank{r}.err')}" for r in range(nproc))
+        raise AssertionError(f"spindle {' '.join(argv)} on {nproc} ranks failed: {e}\n{errs}") from None
+    return subprocess.CompletedProcess(
+        ["spindle", *argv], 0, stdout=_tail(f"{logs}.rank0.out", None), stderr=_tail(f"{logs}.rank0.err", None)
+    )
+
+
+def _tail(path: str, chars: int | None = 4000) -> str:
+    try:
+        text = open(path).read()
+    except OSError:
+        return ""
+    return text if chars is None else text[-chars:]
 
 
 def run_spindle(*args: object, timeout: float = 600, threads: int | None = None) -> Any:
@@ -79,52 +147,35 @@ def dotted_overrides(base: dict[str, Any], **values: Any) -> list[str]:
     return [f"{k}={v}" for k, v in merged.items()]
 
 
-def torchrun(nproc: int, *args: str, timeout: float = 600):
-    """`python -m torch.distributed.run --standalone --nproc-per-node=NPROC ARGS...` (one thread a
-    worker: the ranks share the machine's cores); -> the CompletedProcess, output captured."""
-    import subprocess
-    import sys
+def _generate_rank(
+    rank: int, world_size: int, root: str, out: str, options: dict[str, Any], kw: dict[str, Any], unseeded: bool
+) -> None:
+    """A rank of a multi-process generation: load_generator(root, **options).generate(**kw), the frames saved;
+    with `unseeded`, a second 1-step request without a seed too."""
+    import numpy as np
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    from spindle.api import load_generator
 
-
-# A torchrun worker: load_generator(root, **options).generate(**kw) on every rank,
-# each rank's frames saved; with `unseeded`, a second 1-step request without a seed too.
-_GENERATE_WORKER = """
-import json, sys
-import numpy as np
-import torch.distributed as dist
-from spindle.api import load_generator
-root, out, options, kw, unseeded = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4]), sys.argv[5]
-gen = load_generator(root, **options)
-np.save(f"{out}.rank{dist.get_rank()}.npy", gen.generate(**kw).frames)
-if unseeded == "1":
-    drawn = gen.generate(**{**kw, "seed": None, "num_inference_steps": 1})
-    np.save(f"{out}.drawn{dist.get_rank()}.npy", drawn.frames)
-dist.destroy_process_group()
-"""
+    gen = load_generator(root, **options)
+    np.save(f"{out}.rank{rank}.npy", gen.generate(**kw).frames)
+    if unseeded:
+        drawn = gen.generate(**{**kw, "seed": None, "num_inference_steps": 1})
+        np.save(f"{out}.drawn{rank}.npy", drawn.frames)
 
 
 def generate_on_ranks(
     root: str | os.PathLike, options: dict[str, Any], kw: dict[str, Any], workdir: str | os.PathLike, *,
     nproc: int = 2, unseeded: bool = False,
 ) -> tuple[list[Any], list[Any]]:  # fmt: skip
-    """`generate(**kw)` with the engine `options` (sp, ring, cfg_parallel ...) on `nproc` real torchrun
-    processes; -> (each rank's frames, each rank's frames of an unseeded 1-step request, [] unless
-    `unseeded`). Raises AssertionError with the workers' stderr when they fail."""
-    import json
+    """`generate(**kw)` with the engine `options` (sp, ring, cfg_parallel ...) on `nproc` real processes
+    (gloo, forked warm: `spawn`) with a launcher's environment, as `spindle generate --nproc` workers run it;
+    -> (each rank's frames, each rank's frames of an unseeded 1-step request, [] unless `unseeded`)."""
     from pathlib import Path
 
     import numpy as np
 
-    workdir = Path(workdir)
-    script, out = workdir / "generate_worker.py", workdir / "frames"
-    script.write_text(_GENERATE_WORKER)
-    args = [str(script), str(root), str(out), json.dumps(options), json.dumps(kw), "1" if unseeded else "0"]
-    r = torchrun(nproc, *args)
-    assert r.returncode == 0, r.stderr[-4000:]
+    out = Path(workdir) / "frames"
+    spawn(_generate_rank, nproc, str(root), str(out), options, kw, unseeded)
     frames = [np.load(f"{out}.rank{rank}.npy") for rank in range(nproc)]
     drawn = [np.load(f"{out}.drawn{rank}.npy") for rank in range(nproc)] if unseeded else []
     return frames, drawn
