@@ -1,0 +1,170 @@
+"""FLUX.2 text-to-image inference: its BeforeDenoisingStage, the shared stages' callbacks, defaults.
+
+Mirrors diffusers' `Flux2Pipeline.__call__` (and `Flux2KleinPipeline`'s: the same but the guidance part,
+`guidance.py`) up to the denoising loop: prompt encoding is the pipeline's own `encode_prompt` (hidden states
+of three text-encoder layers, with 4-axis text ids), latents and their ids its `prepare_latents` (noise drawn
+2x2-patchified in the text embeddings' dtype, one token per latent pixel), timesteps its sigmas shifted by
+BFL's empirical mu of the token and step counts. Decoding: the tokens scattered back by their ids, the VAE's
+batch-norm statistics undone, unpatchified (as the pipeline does before `vae.decode`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from spindle.contracts.family import import_object
+from spindle.contracts.request import Req, SamplingParams, resolved
+from spindle.models.flux2 import KLEIN_OPTIONS, OPTIONS
+from spindle.models.flux2.guidance import EMBEDDED_GUIDANCE, KLEIN_GUIDANCE, Guidance
+from spindle.models.shared.inference import (
+    PackedImageInference,
+    PipelineBeforeDenoisingStage,
+    check_packed_image_request,
+)
+
+MAX_SEQUENCE_LENGTH = 512  # both pipelines' tokenizer_max_length
+
+
+class Flux2BeforeDenoisingStage(PipelineBeforeDenoisingStage):
+    pipeline_class = "diffusers:Flux2Pipeline"
+    scheduler_may_own_sigmas = True  # the pipelines: a scheduler with use_flow_sigmas picks its own
+    guidance: Guidance = EMBEDDED_GUIDANCE
+
+    @property
+    def distilled(self) -> bool:
+        """A step-distilled Klein checkpoint (`is_distilled` in model_index.json): no CFG."""
+        return bool(getattr(self.text_pipe.config, "is_distilled", False))
+
+    def validate(self, params: SamplingParams) -> None:
+        super().validate(params)
+        check_packed_image_request(params, self.vae_scale_factor, MAX_SEQUENCE_LENGTH, self.guidance.label)
+        self.guidance.check(params, self.distilled)
+        # No positional-range check: Flux2PosEmbed computes each rotary angle from the position id (no table).
+        # Prompts past max_sequence_length tokens (system message included) are truncated, as the pipelines do.
+
+    def latent_shape(self, p: SamplingParams) -> tuple[int, ...]:
+        return (
+            p.batch_size,
+            self.transformer.config.in_channels // 4,  # 2x2-patchified in the transformer's input
+            resolved(p.height, "height") // self.vae_scale_factor,
+            resolved(p.width, "width") // self.vae_scale_factor,
+        )
+
+    def schedule_mu(self, image_seq_len: int, steps: int) -> float:
+        from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+
+        return compute_empirical_mu(image_seq_len=image_seq_len, num_steps=steps)
+
+    def encode(self, prompts: list[str], p: SamplingParams, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        embeds, text_ids = self.text_pipe.encode_prompt(
+            prompt=prompts,
+            device=device,
+            num_images_per_prompt=p.num_outputs_per_prompt,
+            max_sequence_length=p.max_sequence_length,
+        )
+        return embeds, text_ids
+
+    def forward(self, req: Req) -> Req:
+        self.validate(req.params)
+        p = req.params
+        device = req.device
+        req.model_dtype = self.transformer.dtype
+        req.do_cfg = self.guidance.cfg(p, self.distilled)
+        scale = float(resolved(p.guidance_scale, "guidance_scale"))
+        req.cfg_scale = scale  # the scale the shared DenoisingStage combines with (when CFG runs)
+        embeds, text_ids = self.encode(p.prompts, p, device)
+        req.prompt_embeds = embeds.to(req.model_dtype)
+        req.extra["txt_ids"] = text_ids
+        if req.do_cfg:  # Flux2KleinPipeline's negative prompt is "" (a given negative_prompt replaces it)
+            negative = "" if p.negative_prompt is None else p.negative_prompt
+            negative = [negative] * len(p.prompts) if isinstance(negative, str) else negative
+            neg_embeds, neg_ids = self.encode(negative, p, device)
+            req.negative_prompt_embeds = neg_embeds.to(req.model_dtype)
+            req.extra["negative_txt_ids"] = neg_ids
+        channels = self.transformer.config.in_channels // 4
+        size = resolved(p.height, "height"), resolved(p.width, "width")
+        latents, latent_ids = self.text_pipe.prepare_latents(
+            p.batch_size, channels, *size, embeds.dtype, device, req.generator
+        )
+        req.latents = latents
+        req.extra["img_ids"] = latent_ids
+        req.raw_latent_shape = self.latent_shape(p)
+        if self.guidance.embedded:  # Flux2Pipeline gives the embedded guidance whatever the transformer's config
+            req.embedded_guidance = torch.full([1], scale, device=device, dtype=torch.float32).expand(latents.shape[0])
+        self.set_timesteps(req, device)
+        return req
+
+
+class Flux2Inference(PackedImageInference):
+    options = OPTIONS
+    family = "flux2"
+    pipeline_class = Flux2BeforeDenoisingStage.pipeline_class
+    components = ("tokenizer", "text_encoder", "vae", "scheduler", "transformer")
+    # FLUX.2-dev's PixtralProcessor cannot be built here: its tokenizer (processor.py); Klein's read the same way
+    component_loaders = {"tokenizer": "spindle.models.flux2.processor:load_tokenizer"}
+    before_denoising_cls = Flux2BeforeDenoisingStage
+
+    def pipeline_defaults(self, components: dict[str, Any]) -> SamplingParams:
+        # both pipelines' __call__ defaults: 128 latent pixels x VAE factor (no input image), 50 steps, guidance 4
+        size = 128 * 2 ** (len(components["vae"].config.block_out_channels) - 1)
+        return SamplingParams(
+            negative_prompt=None,
+            height=size,
+            width=size,
+            num_inference_steps=50,
+            guidance_scale=4.0,
+            max_sequence_length=MAX_SEQUENCE_LENGTH,
+        )
+
+    def denoiser_kwargs(self, req: Req, latents: torch.Tensor, t: torch.Tensor, branch: str) -> dict[str, Any]:
+        x = req.extra
+        return {
+            **self.packed_kwargs(req, latents, t, branch),
+            "txt_ids": x["txt_ids"] if branch == "cond" else x["negative_txt_ids"],
+            "img_ids": x["img_ids"],
+            "joint_attention_kwargs": None,
+        }
+
+    def post_denoising(self, latents: torch.Tensor, req: Req) -> torch.Tensor:
+        """Tokens [B, S, 4c] -> the VAE layout [B, c, h, w]: scattered by their ids, then unpatchified (the
+        batch-norm statistics are undone on the way in: `decode_scale_shift`)."""
+        pipeline = import_object(self.pipeline_class)
+        unpatchified: torch.Tensor = pipeline._unpatchify_latents(
+            pipeline._unpack_latents_with_ids(latents, req.extra["img_ids"])
+        )
+        return unpatchified
+
+    def decode_scale_shift(self, vae: Any, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pipeline's `latents * bn_std + bn_mean` (per patchified channel) in the unpatchified layout the
+        shared decode works in: each statistic unpatchified to the latents' size."""
+        pipeline = import_object(self.pipeline_class)
+        h, w = latents.shape[-2:]
+        mean = vae.bn.running_mean.view(1, -1, 1, 1)
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+
+        def layout(x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = pipeline._unpatchify_latents(x.to(latents).expand(1, -1, h // 2, w // 2))
+            return out
+
+        return 1.0 / layout(std), layout(mean)
+
+
+class Flux2KleinBeforeDenoisingStage(Flux2BeforeDenoisingStage):
+    pipeline_class = "diffusers:Flux2KleinPipeline"
+    guidance = KLEIN_GUIDANCE
+
+
+class Flux2KleinInference(Flux2Inference):
+    """FLUX.2's spec with Klein's pipeline and guidance part (its `is_distilled` passed to the pipeline)."""
+
+    options = KLEIN_OPTIONS
+    family = "flux2_klein"
+    pipeline_class = Flux2KleinBeforeDenoisingStage.pipeline_class
+    pipeline_config = KLEIN_GUIDANCE.pipeline_config
+    before_denoising_cls = Flux2KleinBeforeDenoisingStage
+
+
+INFERENCE = Flux2Inference()
+KLEIN_INFERENCE = Flux2KleinInference()
