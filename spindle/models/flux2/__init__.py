@@ -33,9 +33,12 @@ TEXT_TOKENS = 64  # the tiny checks' text length: the system message (~40 tokens
 CLI_CASE = dict(prompt="a cat", height=32, width=48, num_inference_steps=2, guidance_scale=2.5, seed=4)
 
 
-def conformance(parity_cases: dict[str, dict], text_tokens: int, *errors: tuple[dict, str]) -> ConformanceSpec:
+def conformance(
+    parity_cases: dict[str, dict], text_tokens: int, *errors: tuple[dict, str], no_cfg: str = ""
+) -> ConformanceSpec:
     """Both FLUX.2 families' conformance spec: their pipelines' call defaults and the request rows they share."""
     return ConformanceSpec(
+        no_cfg=no_cfg,
         parity_cases={name: case | dict(max_sequence_length=text_tokens) for name, case in parity_cases.items()},
         # both pipelines' __call__: 128 latent pixels x VAE factor 2, 50 steps, guidance 4, 512 text tokens
         default_params=dict(
@@ -68,5 +71,6 @@ FAMILY = DiTFamily(
             dict(negative_prompt="blurry"),
             r"negative_prompt: FLUX.2-dev \(Flux2Pipeline\) has no classifier-free guidance",
         ),
+        no_cfg="Flux2Pipeline is guidance-distilled: guidance_scale is embedded, there is no negative prompt",
     ),
 )

@@ -106,6 +106,15 @@ class Flux2Inference(PackedImageInference):
     component_loaders = {"tokenizer": "spindle.models.flux2.processor:load_tokenizer"}
     before_denoising_cls = Flux2BeforeDenoisingStage
 
+    def cache_unavailable(self, name: str) -> str | None:
+        if name == "fbc":  # diffusers' hooks: the tail's residual is taken against the head block's output
+            return (
+                f"cache 'fbc' takes the last block's residual against the first block's output, but {self.family}'s "
+                "last (single-stream) block returns the text and image tokens joined, not the first (double-stream) "
+                "block's pair; use mag, taylorseer or pab"
+            )
+        return None
+
     def pipeline_defaults(self, components: dict[str, Any]) -> SamplingParams:
         # both pipelines' __call__ defaults: 128 latent pixels x VAE factor (no input image), 50 steps, guidance 4
         size = 128 * 2 ** (len(components["vae"].config.block_out_channels) - 1)
