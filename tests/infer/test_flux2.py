@@ -1,0 +1,96 @@
+"""FLUX.2 specifics beyond the conformance suite (which runs both `flux2` and `flux2_klein`): the checkpoint's
+real `PixtralProcessor` naming, Klein's step-distilled checkpoints (no CFG whatever the guidance), and the
+step caches diffusers can and cannot run on Flux2's blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from spindle.api import load_generator
+from spindle.contracts.request import RequestError
+from spindle.testing import conformance as suite
+
+CASE = dict(prompt="a red fox in the snow", height=32, width=32, num_inference_steps=2, max_sequence_length=32, seed=3)
+
+
+@pytest.fixture(scope="module")
+def pixtral_named(tmp_path_factory):
+    """The tiny FLUX.2-dev with model_index.json naming the tokenizer `PixtralProcessor`, as FLUX.2-dev's does."""
+    from spindle.models.flux2.tiny import build_tiny
+
+    return build_tiny(tmp_path_factory.mktemp("flux2") / "pixtral", seed=0, processor=True)
+
+
+@pytest.fixture(scope="module")
+def distilled_klein(tmp_path_factory):
+    """A step-distilled Klein (`is_distilled: true` in model_index.json)."""
+    from spindle.models.flux2.tiny import build_tiny_klein
+
+    return build_tiny_klein(tmp_path_factory.mktemp("klein") / "distilled", seed=0, distilled=True)
+
+
+def test_the_real_pixtral_processor_layout_loads_and_equals_the_stock_pipeline(pixtral_named, tiny_checkpoint):
+    """A folder naming `PixtralProcessor` (which transformers cannot build without torchvision) generates and
+    trains: the engine on it equals the stock pipeline on the same weights (the tokenizer-named tiny folder),
+    and the condition model encodes the prompts as that pipeline does."""
+    from diffusers import DiffusionPipeline
+
+    from spindle.model_index import read_model_index
+    from spindle.models.flux2.condition import Flux2ConditionModel
+
+    assert read_model_index(pixtral_named)["tokenizer"] == ["transformers", "PixtralProcessor"]
+    stock_root = tiny_checkpoint("flux2")  # the same seed: the same weights
+    kwargs = {**CASE, "max_sequence_length": 64, "guidance_scale": 2.5}
+    reference = suite.stock_output(stock_root, kwargs)
+    ours = load_generator(pixtral_named).generate(**kwargs).frames
+    assert np.abs(ours - reference).max() <= suite.PARITY_ATOL
+    condition = Flux2ConditionModel.from_pretrained(pixtral_named, max_text_length=64)
+    stock = DiffusionPipeline.from_pretrained(stock_root)
+    expected, _ = stock.encode_prompt(prompt=["a red circle"], max_sequence_length=64)
+    torch.testing.assert_close(condition.encode_prompts(["a red circle"])["prompt_embeds"], expected, atol=0, rtol=0)
+
+
+def test_a_distilled_klein_runs_no_cfg_and_equals_the_stock_pipeline(distilled_klein):
+    """Flux2KleinPipeline ignores guidance_scale on a step-distilled checkpoint: one forward a step at the default
+    guidance 4, equal to the stock pipeline; a negative prompt, which it would ignore, is refused naming why."""
+    gen = load_generator(distilled_klein)
+    assert gen.defaults.guidance_scale == 4.0
+    calls = []
+    hook = gen.transformer.register_forward_pre_hook(
+        lambda m, a, kw: calls.append(kw["hidden_states"].shape[0]), with_kwargs=True
+    )
+    try:
+        ours = gen.generate(**CASE).frames
+    finally:
+        hook.remove()
+    assert calls == [1, 1], calls  # no unconditional branch
+    assert np.abs(ours - suite.stock_output(distilled_klein, CASE)).max() <= suite.PARITY_ATOL
+    with pytest.raises(RequestError, match="step-distilled") as err:
+        gen.generate(**CASE, negative_prompt="blurry")
+    assert err.value.field == "negative_prompt"
+
+
+def test_klein_negative_prompt_replaces_the_empty_one(tiny_checkpoint):
+    """The base Klein's CFG runs against "" (Flux2KleinPipeline's); a given negative_prompt replaces it."""
+    gen = load_generator(tiny_checkpoint("flux2_klein"))
+    kwargs = {**CASE, "guidance_scale": 4.0}
+    empty = gen.generate(**kwargs).frames
+    assert np.array_equal(gen.generate(**kwargs, negative_prompt="").frames, empty)
+    assert np.abs(gen.generate(**kwargs, negative_prompt="blurry dark").frames - empty).max() > 1e-3
+
+
+def test_first_block_cache_is_refused_and_the_other_step_caches_run(tiny_checkpoint):
+    """diffusers' first-block cache cannot take Flux2's single-stream tail block: refused naming the caches
+    that run; MagCache and TaylorSeer run (TaylorSeer approximates, close to exact)."""
+    from spindle.infer import psnr
+
+    root = tiny_checkpoint("flux2_klein")
+    with pytest.raises(ValueError, match="cache 'fbc' .* use mag, taylorseer or pab"):
+        load_generator(root, cache="fbc")
+    kwargs = {**CASE, "num_inference_steps": 6}
+    exact = load_generator(root).generate(**kwargs).frames
+    assert np.array_equal(load_generator(root, cache="mag").generate(**kwargs).frames, exact)  # calibration run
+    approx = load_generator(root, cache="taylorseer").generate(**kwargs).frames
+    assert 20.0 < psnr(approx, exact) < float("inf")
