@@ -108,7 +108,12 @@ FLUX2_DEV = dict(
 )
 # FLUX.2 [klein] 4B (base and distilled): no guidance embedding, text width 3 x Qwen3-4B's 2560
 FLUX2_KLEIN_4B = dict(
-    FLUX2_DEV, num_layers=5, num_single_layers=20, num_attention_heads=24, joint_attention_dim=7680, guidance_embeds=False
+    FLUX2_DEV,
+    num_layers=5,
+    num_single_layers=20,
+    num_attention_heads=24,
+    joint_attention_dim=7680,
+    guidance_embeds=False,
 )
 QWEN_IMAGE = dict(
     _class_name="QwenImageTransformer2DModel",

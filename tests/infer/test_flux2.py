@@ -87,7 +87,7 @@ def test_first_block_cache_is_refused_and_the_other_step_caches_run(tiny_checkpo
     from spindle.infer import psnr
 
     root = tiny_checkpoint("flux2_klein")
-    with pytest.raises(ValueError, match="cache 'fbc' .* use mag, taylorseer or pab"):
+    with pytest.raises(ValueError, match=r"cache 'fbc' .* use mag, taylorseer or pab"):
         load_generator(root, cache="fbc")
     kwargs = {**CASE, "num_inference_steps": 6}
     exact = load_generator(root).generate(**kwargs).frames

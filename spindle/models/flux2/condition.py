@@ -55,7 +55,9 @@ class Flux2ConditionModel(PackedImageConditionModel):
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        embeds, _ = self.pipe.encode_prompt(prompt=prompts, device=self.device, max_sequence_length=self.max_text_length)
+        embeds, _ = self.pipe.encode_prompt(
+            prompt=prompts, device=self.device, max_sequence_length=self.max_text_length
+        )
         return {"prompt_embeds": embeds}
 
     def normalize(self, pixels: torch.Tensor) -> torch.Tensor:

@@ -58,4 +58,6 @@ class Guidance:
 
 EMBEDDED_GUIDANCE = Guidance(embedded=True, label="FLUX.2-dev (Flux2Pipeline)")
 # Klein's: CFG on an empty negative prompt (a given negative_prompt replaces it), off when step-distilled
-KLEIN_GUIDANCE = Guidance(embedded=False, label="FLUX.2 [klein] (Flux2KleinPipeline)", pipeline_config=("is_distilled",))
+KLEIN_GUIDANCE = Guidance(
+    embedded=False, label="FLUX.2 [klein] (Flux2KleinPipeline)", pipeline_config=("is_distilled",)
+)

@@ -9,6 +9,7 @@ from spindle.models.flux2 import KLEIN_OPTIONS, conformance
 from spindle.models.shared import declarations as decl
 
 TEXT_TOKENS = 32  # the tiny checks' text length: Qwen3's chat template around the prompt
+assert FLUX2.demo is not None
 
 FAMILY = dataclasses.replace(
     FLUX2,

@@ -29,7 +29,9 @@ def load_tokenizer(path: str | Path) -> Any:
         )
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.chat_template is None:
-        raise ValueError(f"{path} has no chat template: FLUX.2-dev formats each prompt as a chat (system message + user)")
+        raise ValueError(
+            f"{path} has no chat template: FLUX.2-dev formats each prompt as a chat (system message + user)"
+        )
     return tokenizer
 
 

@@ -61,7 +61,16 @@ QWEN3_TEXT = dict(TEXT_WIDTH, num_hidden_layers=28, max_position_embeddings=1024
 FLUX2_SCHEDULER = dynamic_shift_scheduler(shift=3.0, max_shift=1.15, max_image_seq_len=4096)
 
 # Mistral's chat conventions (the Mistral-Small-3 processor's template, text and image blocks)
-MISTRAL_SPECIALS = ["<s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+MISTRAL_SPECIALS = [
+    "<s>",
+    "[INST]",
+    "[/INST]",
+    "[SYSTEM_PROMPT]",
+    "[/SYSTEM_PROMPT]",
+    "[IMG]",
+    "[IMG_BREAK]",
+    "[IMG_END]",
+]
 MISTRAL_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "{% if message['role'] == 'system' %}[SYSTEM_PROMPT]{% elif message['role'] == 'user' %}[INST]{% endif %}"
@@ -96,7 +105,9 @@ def flux2_configs(transformer: dict[str, Any], vae: dict[str, Any], text_width: 
     vcfg["down_block_types"] = tuple(vcfg["down_block_types"][:1]) * depth
     vcfg["up_block_types"] = tuple(vcfg["up_block_types"][:1]) * depth
     if tcfg["in_channels"] % 4:
-        raise ValueError(f"FLUX.2 in_channels must be 4 x VAE latent channels (2x2 patchify); got {tcfg['in_channels']}")
+        raise ValueError(
+            f"FLUX.2 in_channels must be 4 x VAE latent channels (2x2 patchify); got {tcfg['in_channels']}"
+        )
     vcfg["latent_channels"] = tcfg["in_channels"] // 4
     tcfg["joint_attention_dim"] = 3 * text_width  # three hidden-state layers stacked
     return tcfg, vcfg
@@ -144,8 +155,9 @@ def save_mistral_tokenizer(out: Path) -> Any:
     tokenizer.chat_template = MISTRAL_CHAT_TEMPLATE
     tokenizer.save_pretrained(out)
     (out / "preprocessor_config.json").write_text(json.dumps(PIXTRAL_IMAGE_PROCESSOR, indent=2) + "\n")
-    processor = {"processor_class": "PixtralProcessor", "image_token": "[IMG]", "image_break_token": "[IMG_BREAK]"}
-    processor |= {"image_end_token": "[IMG_END]", "patch_size": 16, "spatial_merge_size": 2}
+    processor: dict[str, Any] = {"processor_class": "PixtralProcessor", "image_token": "[IMG]"}
+    processor |= {"image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]", "patch_size": 16}
+    processor["spatial_merge_size"] = 2
     (out / "processor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
     return tokenizer
 
@@ -177,7 +189,9 @@ def build_tiny(out: str | Path, seed: int = 0, processor: bool = False, **overri
         text_encoder=lambda: Mistral3ForConditionalGeneration(config).eval(),
         tokenizer=None,  # a PixtralProcessor: written above, as the checkpoint ships it
     )
-    return update_model_index(out, tokenizer=["transformers", "PixtralProcessor" if processor else "PreTrainedTokenizerFast"])
+    return update_model_index(
+        out, tokenizer=["transformers", "PixtralProcessor" if processor else "PreTrainedTokenizerFast"]
+    )
 
 
 def build_tiny_klein(out: str | Path, seed: int = 0, distilled: bool = False, **overrides: Overrides) -> Path:
