@@ -1,9 +1,7 @@
-"""FLUX.2 text-to-image: FLUX.2-dev (diffusers `Flux2Pipeline` / `Flux2Transformer2DModel`, a Mistral3 text
-encoder) here, and FLUX.2 [klein] (`Flux2KleinPipeline`, a Qwen3 text encoder) in `klein.py`, the same
-classes holding Klein's guidance part (`guidance.py`).
-
-Text-to-image only: the pipelines' optional reference images (multi-reference editing) are not served yet;
-a request with images is refused before any work (`FamilyOptions.images`).
+"""FLUX.2 text-to-image and multi-reference editing: FLUX.2-dev (diffusers `Flux2Pipeline` /
+`Flux2Transformer2DModel`, a Mistral3 text encoder) here, and FLUX.2 [klein] (`Flux2KleinPipeline`, a Qwen3 text
+encoder) in `klein.py`, the same classes holding Klein's guidance part (`guidance.py`). Optional reference
+images (`image`) are appended as tokens after the latents' (the reference-tokens part), as the pipelines do.
 """
 
 from pathlib import Path
@@ -11,6 +9,7 @@ from pathlib import Path
 from spindle.contracts.family import ConformanceSpec, DiffusersCheckpoint, DiTFamily
 from spindle.contracts.options import FamilyOptions
 from spindle.models.shared import declarations as decl
+from spindle.models.shared.test_images import noise_image  # the suite's seeded conditioning images
 
 
 def _looks_like_flux2(root: Path) -> bool:
@@ -20,13 +19,17 @@ def _looks_like_flux2(root: Path) -> bool:
     )
 
 
+# reference images a request takes: none (text-to-image) up to BFL's FLUX.2 limit of 10
+REFERENCE_IMAGES = (0, 10)
 # sampling options (CLI flags, HTTP fields); the family's inference spec declares the same object
 OPTIONS = FamilyOptions(
-    guidance="embedded guidance of the guidance-distilled FLUX.2-dev (Flux2Pipeline has no classifier-free guidance)"
+    guidance="embedded guidance of the guidance-distilled FLUX.2-dev (Flux2Pipeline has no classifier-free guidance)",
+    images=REFERENCE_IMAGES,
 )
 KLEIN_OPTIONS = FamilyOptions(
     guidance="classifier-free guidance scale (> 1 enables CFG against the negative prompt, empty by default, as "
-    "Flux2KleinPipeline); ignored by step-distilled checkpoints (is_distilled)"
+    "Flux2KleinPipeline); ignored by step-distilled checkpoints (is_distilled)",
+    images=REFERENCE_IMAGES,
 )
 TEXT_TOKENS = 64  # the tiny checks' text length: the system message (~40 tokens) and the prompt
 # `spindle generate` on the tiny checkpoint (the embedded --guidance flag)
@@ -37,12 +40,25 @@ def conformance(
     parity_cases: dict[str, dict], text_tokens: int, *errors: tuple[dict, str], no_cfg: str = ""
 ) -> ConformanceSpec:
     """Both FLUX.2 families' conformance spec: their pipelines' call defaults and the request rows they share."""
+    # two reference images of different sizes (the pipelines take images of at least 64 pixels a side): the output
+    # takes the first's size, each image's tokens their own time offset
+    references = dict(
+        prompt="the red circle to blue",
+        image=[noise_image(64, 80), noise_image(72, 64, seed=1)],
+        num_inference_steps=2,
+        guidance_scale=2.5,
+        seed=5,
+    )
     return ConformanceSpec(
         no_cfg=no_cfg,
-        parity_cases={name: case | dict(max_sequence_length=text_tokens) for name, case in parity_cases.items()},
-        # both pipelines' __call__: 128 latent pixels x VAE factor 2, 50 steps, guidance 4, 512 text tokens
+        parity_cases={
+            name: case | dict(max_sequence_length=text_tokens)
+            for name, case in {**parity_cases, "references": references}.items()
+        },
+        # both pipelines' __call__: no size (the first reference image's, else 128 latent pixels x VAE factor), 50
+        # steps, guidance 4, 512 text tokens
         default_params=dict(
-            height=256, width=256, num_frames=None, num_inference_steps=50, guidance_scale=4.0, max_sequence_length=512
+            height=None, width=None, num_frames=None, num_inference_steps=50, guidance_scale=4.0, max_sequence_length=512
         ),
         request_errors=(
             decl.multiple_error("height", 30, 4, "28 or 32", why=decl.PACKING),

@@ -1,4 +1,5 @@
-"""FLUX.2 text-to-image inference: its BeforeDenoisingStage, the shared stages' callbacks, defaults.
+"""FLUX.2 inference (text-to-image and multi-reference editing): its BeforeDenoisingStage, the shared stages'
+callbacks, defaults.
 
 Mirrors diffusers' `Flux2Pipeline.__call__` (and `Flux2KleinPipeline`'s: the same but the guidance part,
 `guidance.py`) up to the denoising loop: prompt encoding is the pipeline's own `encode_prompt` (hidden states
@@ -6,6 +7,12 @@ of three text-encoder layers, with 4-axis text ids), latents and their ids its `
 2x2-patchified in the text embeddings' dtype, one token per latent pixel), timesteps its sigmas shifted by
 BFL's empirical mu of the token and step counts. Decoding: the tokens scattered back by their ids, the VAE's
 batch-norm statistics undone, unpatchified (as the pipeline does before `vae.decode`).
+
+Reference images (`image`, any number): sized as the pipelines size them (`reference_size`: over 1024 x 1024
+pixels scaled down to that area, then cropped to multiples of VAE x 2), encoded by their `prepare_image_latents`
+(the posterior's mode, normalized, each image's tokens at its own time offset 10, 20, ...) and appended after
+the latents' tokens (the reference-tokens part); the prediction of the latents' tokens is kept. With no size
+given, the output takes the first image's (else the pipeline's default), as the pipelines do.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from typing import Any
 import torch
 
 from spindle.contracts.family import import_object
-from spindle.contracts.request import Req, SamplingParams, resolved
+from spindle.contracts.request import Req, RequestError, SamplingParams, resolved
 from spindle.models.flux2 import KLEIN_OPTIONS, OPTIONS
 from spindle.models.flux2.guidance import EMBEDDED_GUIDANCE, KLEIN_GUIDANCE, Guidance
 from spindle.models.shared.inference import (
@@ -23,8 +30,20 @@ from spindle.models.shared.inference import (
     PipelineBeforeDenoisingStage,
     check_packed_image_request,
 )
+from spindle.models.shared.reference_tokens import REFERENCE_TOKENS
 
 MAX_SEQUENCE_LENGTH = 512  # both pipelines' tokenizer_max_length
+REFERENCE_AREA = 1024 * 1024  # the pipelines scale a larger reference image down to this many pixels
+
+
+def reference_size(image: Any, multiple: int) -> tuple[int, int]:
+    """The (height, width) the pipelines give a reference image: scaled to REFERENCE_AREA pixels when larger
+    (`_resize_to_target_area`'s rounding), then each side rounded down to `multiple` (VAE x 2)."""
+    width, height = image.width, image.height
+    if width * height > REFERENCE_AREA:
+        scale = (REFERENCE_AREA / (width * height)) ** 0.5
+        width, height = int(width * scale), int(height * scale)
+    return height // multiple * multiple, width // multiple * multiple
 
 
 class Flux2BeforeDenoisingStage(PipelineBeforeDenoisingStage):
@@ -38,6 +57,17 @@ class Flux2BeforeDenoisingStage(PipelineBeforeDenoisingStage):
         return bool(getattr(self.text_pipe.config, "is_distilled", False))
 
     def validate(self, params: SamplingParams) -> None:
+        multiple = 2 * self.vae_scale_factor
+        for image in params.image or []:  # the pipelines' own checks (at least 64 pixels a side, aspect <= 8)
+            try:
+                self.text_pipe.image_processor.check_image_input(image)
+            except ValueError as e:
+                raise RequestError(f"image: {e}", field="image") from None
+        if params.image and (params.height is None or params.width is None):  # the first image's size, as they do
+            height, width = reference_size(params.image[0], multiple)
+            params.height, params.width = params.height or height, params.width or width
+        params.height = params.height or 128 * self.vae_scale_factor  # the pipelines' default_sample_size
+        params.width = params.width or 128 * self.vae_scale_factor
         super().validate(params)
         check_packed_image_request(params, self.vae_scale_factor, MAX_SEQUENCE_LENGTH, self.guidance.label)
         self.guidance.check(params, self.distilled)
@@ -89,12 +119,32 @@ class Flux2BeforeDenoisingStage(PipelineBeforeDenoisingStage):
             p.batch_size, channels, *size, embeds.dtype, device, req.generator
         )
         req.latents = latents
-        req.extra["img_ids"] = latent_ids
+        req.extra["latent_ids"] = req.extra["img_ids"] = latent_ids
+        self.set_references(req)
         req.raw_latent_shape = self.latent_shape(p)
         if self.guidance.embedded:  # Flux2Pipeline gives the embedded guidance whatever the transformer's config
             req.embedded_guidance = torch.full([1], scale, device=device, dtype=torch.float32).expand(latents.shape[0])
         self.set_timesteps(req, device)
         return req
+
+
+    def set_references(self, req: Req) -> None:
+        """The reference images' packed latents (`req.extra["image_latents"]`) and their ids after the latents'
+        (`img_ids`), by the pipeline's `prepare_image_latents`, from the images sized and preprocessed as it does."""
+        p = req.params
+        if not p.image:
+            return
+        processor = self.text_pipe.image_processor
+        pixels = []
+        for image in p.image:
+            height, width = reference_size(image, 2 * self.vae_scale_factor)
+            if image.width * image.height > REFERENCE_AREA:
+                image = processor._resize_to_target_area(image, REFERENCE_AREA)
+            pixels.append(processor.preprocess(image, height=height, width=width, resize_mode="crop"))
+        vae = self.text_pipe.vae
+        references, ids = self.text_pipe.prepare_image_latents(pixels, p.batch_size, req.generator, req.device, vae.dtype)
+        req.extra["image_latents"] = references
+        req.extra["img_ids"] = torch.cat([req.extra["latent_ids"], ids], dim=1)
 
 
 class Flux2Inference(PackedImageInference):
@@ -105,6 +155,7 @@ class Flux2Inference(PackedImageInference):
     # FLUX.2-dev's PixtralProcessor cannot be built here: its tokenizer (processor.py); Klein's read the same way
     component_loaders = {"tokenizer": "spindle.models.flux2.processor:load_tokenizer"}
     before_denoising_cls = Flux2BeforeDenoisingStage
+    reference_tokens = REFERENCE_TOKENS  # the reference images' tokens after the latents'
 
     def cache_unavailable(self, name: str) -> str | None:
         if name == "fbc":  # diffusers' hooks: the tail's residual is taken against the head block's output
@@ -136,12 +187,23 @@ class Flux2Inference(PackedImageInference):
             "joint_attention_kwargs": None,
         }
 
+    def sequence_length(self, req: Req, transformer: torch.nn.Module) -> int:
+        tokens = super().sequence_length(req, transformer)
+        references = req.extra.get("image_latents")
+        if references is not None:
+            return tokens + references.shape[1]
+        vae_factor = resolved(req.params.height, "height") // resolved(req.raw_latent_shape, "raw_latent_shape")[-2]
+        for image in req.params.image or []:  # before the stage ran: the tokens its sizing gives
+            height, width = reference_size(image, 2 * vae_factor)
+            tokens += (height // (2 * vae_factor)) * (width // (2 * vae_factor))
+        return tokens
+
     def post_denoising(self, latents: torch.Tensor, req: Req) -> torch.Tensor:
         """Tokens [B, S, 4c] -> the VAE layout [B, c, h, w]: scattered by their ids, then unpatchified (the
         batch-norm statistics are undone on the way in: `decode_scale_shift`)."""
         pipeline = import_object(self.pipeline_class)
         unpatchified: torch.Tensor = pipeline._unpatchify_latents(
-            pipeline._unpack_latents_with_ids(latents, req.extra["img_ids"])
+            pipeline._unpack_latents_with_ids(latents, req.extra["latent_ids"])
         )
         return unpatchified
 
