@@ -74,3 +74,50 @@ def test_training_inputs_follow_the_pipelines_latent_conventions(tiny_checkpoint
     torch.testing.assert_close(inputs["hidden_states"], (1 - sigma) * x0 + sigma * noise, atol=1e-6, rtol=0)
     assert inputs["img_ids"].shape == (2, x0.shape[1], 4) and inputs["txt_ids"].shape[-1] == 4
     torch.testing.assert_close(inputs["guidance"], torch.full((2,), 4.0))  # FLUX.2-dev's default, embedded
+
+
+def test_edit_pair_sources_are_the_pipelines_reference_tokens(tiny_checkpoint):
+    """An edit pair's sources become the tokens and ids the pipeline's `prepare_image_latents` makes of the same
+    pixels, after the target's; the loss reads the target's tokens only (`target_prediction`)."""
+    from spindle.registry import get_family
+    from spindle.train.tasks.flow_matching import sample_generator
+
+    family = get_family("flux2_klein")
+    condition = suite.condition_model(family, tiny_checkpoint("flux2_klein"))
+    batch = suite.training_batch(family)
+    batch["images"] = torch.rand(2, 2, 3, 32, 32, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    inputs = condition.training_inputs(condition.encode(batch), [sample_generator(0, 0, i) for i in range(2)])
+    tokens = inputs["target"].shape[1]
+    assert tokens == 8 * 8  # 32 x 32 pixels: VAE x2, 2x2 patches, a token each
+    # (the pipeline encodes one request's references: compare each sample's own)
+    for sample in range(2):
+        expected, ids = condition.pipe.prepare_image_latents(
+            [batch["images"][sample : sample + 1, i] for i in range(2)], 1, None, torch.device("cpu"), torch.float32
+        )
+        torch.testing.assert_close(inputs["hidden_states"][sample, tokens:], expected[0], atol=1e-6, rtol=0)
+        assert torch.equal(inputs["img_ids"][sample, tokens:], ids[0])
+    assert torch.equal(inputs["img_ids"][:, :tokens], condition.pipe._prepare_latent_ids(torch.zeros(2, 1, 8, 8)))
+    pred = torch.randn(inputs["hidden_states"].shape)
+    assert torch.equal(condition.target_prediction(pred, inputs["target"]), pred[:, :tokens])
+
+
+def test_edit_pairs_train(tiny_checkpoint, tmp_path):
+    """A run on edit pairs (target + source) trains Klein with the source's tokens in the sequence."""
+    from spindle.data.synthetic import make_shapes_edit_dataset
+    from spindle.train.metrics import read_metrics
+
+    pairs = make_shapes_edit_dataset(tmp_path / "pairs", num_pairs=4, size=(32, 32))
+    overrides = dict(
+        data__num_frames=1,
+        data__resolution=[32, 32],
+        model__max_text_length=32,
+        train__max_steps=2,
+        train__global_batch_size=2,
+    )
+    result = train(
+        load_job_config(None, train_overrides(tiny_checkpoint("flux2_klein"), pairs, tmp_path / "run", **overrides))
+    )
+    records = read_metrics(result.output_dir)
+    assert len(records) == 2 and all(np.isfinite(r["loss"]) for r in records)
+    # the tokens the transformer saw per sample: the target's 8 x 8 and the source's as many
+    assert records[0]["tokens_per_s"] / records[0]["samples_per_s"] == pytest.approx(2 * 8 * 8)

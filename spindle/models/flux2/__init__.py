@@ -58,7 +58,12 @@ def conformance(
         # both pipelines' __call__: no size (the first reference image's, else 128 latent pixels x VAE factor), 50
         # steps, guidance 4, 512 text tokens
         default_params=dict(
-            height=None, width=None, num_frames=None, num_inference_steps=50, guidance_scale=4.0, max_sequence_length=512
+            height=None,
+            width=None,
+            num_frames=None,
+            num_inference_steps=50,
+            guidance_scale=4.0,
+            max_sequence_length=512,
         ),
         request_errors=(
             decl.multiple_error("height", 30, 4, "28 or 32", why=decl.PACKING),

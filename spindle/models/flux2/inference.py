@@ -127,7 +127,6 @@ class Flux2BeforeDenoisingStage(PipelineBeforeDenoisingStage):
         self.set_timesteps(req, device)
         return req
 
-
     def set_references(self, req: Req) -> None:
         """The reference images' packed latents (`req.extra["image_latents"]`) and their ids after the latents'
         (`img_ids`), by the pipeline's `prepare_image_latents`, from the images sized and preprocessed as it does."""
@@ -142,7 +141,9 @@ class Flux2BeforeDenoisingStage(PipelineBeforeDenoisingStage):
                 image = processor._resize_to_target_area(image, REFERENCE_AREA)
             pixels.append(processor.preprocess(image, height=height, width=width, resize_mode="crop"))
         vae = self.text_pipe.vae
-        references, ids = self.text_pipe.prepare_image_latents(pixels, p.batch_size, req.generator, req.device, vae.dtype)
+        references, ids = self.text_pipe.prepare_image_latents(
+            pixels, p.batch_size, req.generator, req.device, vae.dtype
+        )
         req.extra["image_latents"] = references
         req.extra["img_ids"] = torch.cat([req.extra["latent_ids"], ids], dim=1)
 
