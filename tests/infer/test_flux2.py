@@ -94,3 +94,37 @@ def test_first_block_cache_is_refused_and_the_other_step_caches_run(tiny_checkpo
     assert np.array_equal(load_generator(root, cache="mag").generate(**kwargs).frames, exact)  # calibration run
     approx = load_generator(root, cache="taylorseer").generate(**kwargs).frames
     assert 20.0 < psnr(approx, exact) < float("inf")
+
+
+def test_openai_images_edit_serves_reference_images(tiny_checkpoint):
+    """`/v1/images/edits` through the official openai client: FLUX.2 takes the uploads as reference images and
+    answers exactly the engine's edit, at the first image's size when the request gives none."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from tests.serve.test_serve import live_servers
+    from tests.serve.test_serve_i2v import png_bytes
+    from tests.serve.test_serve_images import to_uint8
+
+    root = tiny_checkpoint("flux2_klein")
+    gen = load_generator(root, device="cpu")
+    first, second = png_bytes(0, (64, 80)), png_bytes(1, (72, 64))
+    extra = {"num_inference_steps": 2, "seed": 3, "guidance_scale": 2.5}
+    with live_servers(gen, root, "tiny-flux2-klein") as start:
+        result = (
+            start()
+            .openai_client()
+            .images.edit(
+                image=[("a.png", first, "image/png"), ("b.png", second, "image/png")],
+                prompt="the red circle to blue",
+                response_format="b64_json",
+                extra_body=extra,
+            )
+        )
+    served = np.asarray(Image.open(io.BytesIO(base64.b64decode(result.data[0].b64_json))).convert("RGB"))
+    assert served.shape == (64, 80, 3)  # the first image's size
+    images = [Image.open(io.BytesIO(b)) for b in (first, second)]
+    expected = gen.generate(prompt="the red circle to blue", image=images, **extra).frames
+    assert np.array_equal(served, to_uint8(expected)[0])
