@@ -128,3 +128,22 @@ def test_openai_images_edit_serves_reference_images(tiny_checkpoint):
     images = [Image.open(io.BytesIO(b)) for b in (first, second)]
     expected = gen.generate(prompt="the red circle to blue", image=images, **extra).frames
     assert np.array_equal(served, to_uint8(expected)[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [{"sp": 2}, {"ring": 2}, {"cfg_parallel": True}], ids=["sp2", "ring2", "cfg_par"])
+def test_klein_edit_on_two_processes_equals_one(options, tiny_checkpoint, tmp_path):
+    """Klein's CFG edit with a reference image on 2 torchrun processes (Ulysses SP, ring attention over the
+    latents' and the reference's tokens, or the two CFG branches on two ranks) equals one process."""
+    from spindle.models.shared.test_images import noise_image
+    from spindle.testing.multiprocess import generate_on_ranks
+
+    root = tiny_checkpoint("flux2_klein")
+    reference = tmp_path / "reference.png"
+    noise_image(64, 80).save(reference)
+    kw = dict(prompt="the red circle to blue", image=[str(reference)], num_inference_steps=2, guidance_scale=4.0)
+    kw |= dict(seed=2, max_sequence_length=32)
+    single = load_generator(root).generate(**kw).frames
+    frames, _ = generate_on_ranks(root, options, kw, tmp_path, nproc=2)
+    for rank_frames in frames:
+        np.testing.assert_allclose(rank_frames, single, atol=suite.PARITY_ATOL, rtol=0)
