@@ -147,3 +147,22 @@ def test_klein_edit_on_two_processes_equals_one(options, tiny_checkpoint, tmp_pa
     frames, _ = generate_on_ranks(root, options, kw, tmp_path, nproc=2)
     for rank_frames in frames:
         np.testing.assert_allclose(rank_frames, single, atol=suite.PARITY_ATOL, rtol=0)
+
+
+def test_offload_options_equal_the_plain_run_and_vae_tiling_the_tiled_pipeline(tiny_checkpoint):
+    """Block swap and text-encoder offload change nothing; VAE tiling decodes as the stock pipeline with
+    `vae.enable_tiling()` (the tiny VAE's 32-pixel tiles: tiled, so not the untiled decode)."""
+    from diffusers import DiffusionPipeline
+
+    root = tiny_checkpoint("flux2_klein")
+    kw = {**CASE, "height": 64, "width": 80, "guidance_scale": 4.0}
+    plain = load_generator(root).generate(**kw).frames
+    for options in ({"blocks_to_swap": 1}, {"text_encoder_offload": True}):
+        assert np.array_equal(load_generator(root, **options).generate(**kw).frames, plain), options
+    tiled = load_generator(root, vae_tiling=True).generate(**kw).frames
+    pipe = DiffusionPipeline.from_pretrained(root)
+    pipe.vae.enable_tiling()
+    stock = {k: v for k, v in kw.items() if k != "seed"}
+    reference = pipe(**stock, generator=torch.Generator().manual_seed(kw["seed"]), output_type="np").images
+    assert np.abs(tiled - reference).max() <= suite.PARITY_ATOL
+    assert np.abs(tiled - plain).max() > 1e-3
