@@ -1,6 +1,7 @@
 """FLUX.2 training beyond the conformance suite: a LoRA run of each FLUX.2 family (two steps, validation samples)
-writes `export/lora/*.safetensors` that the stock pipeline's `load_lora_weights` loads, generating what Spindle's
-engine generates with the same file; the training inputs follow the pipelines' latent conventions."""
+writes `export/lora/*.safetensors` (diffusers' file and the BFL/ComfyUI layout) that the stock pipeline's
+`load_lora_weights` loads, generating what Spindle's engine generates; the training inputs follow the pipelines'
+latent conventions; edit pairs train with their sources as reference tokens."""
 
 from __future__ import annotations
 
@@ -36,17 +37,19 @@ def test_lora_trains_exports_and_loads_in_stock_diffusers(name, tiny_checkpoint,
     )
     result = train(load_job_config(None, train_overrides(tiny, images, tmp_path / "run", **overrides)))
     lora_dir = result.export_dir / "lora"
-    assert sorted(p.name for p in lora_dir.glob("*.safetensors")) == ["pytorch_lora_weights.safetensors"]
+    files = ["original_layout_lora.safetensors", "pytorch_lora_weights.safetensors"]
+    assert sorted(p.name for p in lora_dir.glob("*.safetensors")) == files
     assert list((result.output_dir / "samples").rglob("*.png")), "no validation sample was written"
 
     request = dict(
         prompt="a red circle", height=32, width=32, num_inference_steps=2, guidance_scale=2.5, max_sequence_length=text
     )
-    pipe = DiffusionPipeline.from_pretrained(tiny)
-    pipe.load_lora_weights(lora_dir)
-    stock = pipe(**request, output_type="np", generator=torch.Generator().manual_seed(0)).images
     ours = load_generator(tiny, lora=str(lora_dir)).generate(**request, seed=0).frames
-    assert np.abs(stock - ours).max() <= suite.PARITY_ATOL
+    for weight_name in files:  # diffusers' own file, and the BFL/ComfyUI layout read by diffusers' kohya reader
+        pipe = DiffusionPipeline.from_pretrained(tiny)
+        pipe.load_lora_weights(lora_dir, weight_name=weight_name)
+        stock = pipe(**request, output_type="np", generator=torch.Generator().manual_seed(0)).images
+        assert np.abs(stock - ours).max() <= suite.PARITY_ATOL, weight_name
     base = load_generator(tiny).generate(**request, seed=0).frames
     assert np.abs(base - ours).max() > 1e-4, "the LoRA changed nothing"
 

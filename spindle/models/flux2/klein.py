@@ -21,6 +21,7 @@ FAMILY = dataclasses.replace(
         "condition_model": "spindle.models.flux2.condition:Flux2KleinConditionModel",
         "inference": "spindle.models.flux2.inference:KLEIN_INFERENCE",
         "tiny_model": "spindle.models.flux2.tiny:build_tiny_klein",
+        "lora_original": "spindle.models.flux2.lora:to_original",  # the same transformer: BFL's LoRA layout
     },
     options=KLEIN_OPTIONS,
     demo=dataclasses.replace(FLUX2.demo, text_tokens=TEXT_TOKENS),
