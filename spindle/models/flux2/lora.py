@@ -12,7 +12,7 @@ import torch
 from spindle.models.flux.lora import Groups, fused_to_kohya
 
 # diffusers module inside a block -> (BFL module, parts fused into it)
-_DOUBLE = {
+_DOUBLE: dict[str, tuple[str, ...]] = {
     "img_attn_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
     "img_attn_proj": ("attn.to_out.0",),
     "img_mlp_0": ("ff.linear_in",),
@@ -22,7 +22,7 @@ _DOUBLE = {
     "txt_mlp_0": ("ff_context.linear_in",),
     "txt_mlp_2": ("ff_context.linear_out",),
 }
-_SINGLE = {"linear1": ("attn.to_qkv_mlp_proj",), "linear2": ("attn.to_out",)}
+_SINGLE: dict[str, tuple[str, ...]] = {"linear1": ("attn.to_qkv_mlp_proj",), "linear2": ("attn.to_out",)}
 _GROUPS: Groups = {
     "transformer_blocks": ("double_blocks", _DOUBLE),
     "single_transformer_blocks": ("single_blocks", _SINGLE),
