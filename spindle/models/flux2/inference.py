@@ -6,7 +6,7 @@ Mirrors diffusers' `Flux2Pipeline.__call__` (and `Flux2KleinPipeline`'s: the sam
 of three text-encoder layers, with 4-axis text ids), latents and their ids its `prepare_latents` (noise drawn
 2x2-patchified in the text embeddings' dtype, one token per latent pixel), timesteps its sigmas shifted by
 BFL's empirical mu of the token and step counts. Decoding: the tokens scattered back by their ids, the VAE's
-batch-norm statistics undone, unpatchified (as the pipeline does before `vae.decode`).
+batch-norm statistics undone, unpatchified (the pipeline's own operations before `vae.decode`).
 
 Reference images (`image`, any number): sized as the pipelines size them (`reference_size`: over 1024 x 1024
 pixels scaled down to that area, then cropped to multiples of VAE x 2), encoded by their `prepare_image_latents`
@@ -120,6 +120,9 @@ class Flux2BeforeDenoisingStage(PipelineBeforeDenoisingStage):
         )
         req.latents = latents
         req.extra["latent_ids"] = req.extra["img_ids"] = latent_ids
+        vae = self.text_pipe.vae  # its batch-norm statistics, which decoding undoes (`post_denoising`)
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+        req.extra["latents_bn"] = (vae.bn.running_mean.view(1, -1, 1, 1), std)
         self.set_references(req)
         req.raw_latent_shape = self.latent_shape(p)
         if self.guidance.embedded:  # Flux2Pipeline gives the embedded guidance whatever the transformer's config
@@ -200,27 +203,16 @@ class Flux2Inference(PackedImageInference):
         return tokens
 
     def post_denoising(self, latents: torch.Tensor, req: Req) -> torch.Tensor:
-        """Tokens [B, S, 4c] -> the VAE layout [B, c, h, w]: scattered by their ids, then unpatchified (the
-        batch-norm statistics are undone on the way in: `decode_scale_shift`)."""
+        """Tokens [B, S, 4c] -> the VAE layout [B, c, h, w], as the pipeline does it: scattered by their ids, the
+        batch-norm statistics undone (per patchified channel), unpatchified."""
         pipeline = import_object(self.pipeline_class)
-        unpatchified: torch.Tensor = pipeline._unpatchify_latents(
-            pipeline._unpack_latents_with_ids(latents, req.extra["latent_ids"])
-        )
+        unpacked = pipeline._unpack_latents_with_ids(latents, req.extra["latent_ids"])
+        mean, std = (x.to(unpacked.device, unpacked.dtype) for x in req.extra["latents_bn"])
+        unpatchified: torch.Tensor = pipeline._unpatchify_latents(unpacked * std + mean)
         return unpatchified
 
-    def decode_scale_shift(self, vae: Any, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pipeline's `latents * bn_std + bn_mean` (per patchified channel) in the unpatchified layout the
-        shared decode works in: each statistic unpatchified to the latents' size."""
-        pipeline = import_object(self.pipeline_class)
-        h, w = latents.shape[-2:]
-        mean = vae.bn.running_mean.view(1, -1, 1, 1)
-        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
-
-        def layout(x: torch.Tensor) -> torch.Tensor:
-            out: torch.Tensor = pipeline._unpatchify_latents(x.to(latents).expand(1, -1, h // 2, w // 2))
-            return out
-
-        return 1.0 / layout(std), layout(mean)
+    def decode_scale_shift(self, vae: Any, latents: torch.Tensor) -> tuple[float, float]:
+        return 1.0, 0.0  # the latents are the VAE's own already (post_denoising)
 
 
 class Flux2KleinBeforeDenoisingStage(Flux2BeforeDenoisingStage):
