@@ -90,6 +90,31 @@ FLUX_DEV = dict(
     guidance_embeds=True,
     axes_dims_rope=[16, 56, 56],
 )
+# FLUX.2-dev (32B): diffusers' Flux2Transformer2DModel defaults are its config; text width 3 x Mistral Small's 5120
+FLUX2_DEV = dict(
+    _class_name="Flux2Transformer2DModel",
+    patch_size=1,
+    in_channels=128,
+    num_layers=8,
+    num_single_layers=48,
+    attention_head_dim=128,
+    num_attention_heads=48,
+    joint_attention_dim=15360,
+    timestep_guidance_channels=256,
+    mlp_ratio=3.0,
+    axes_dims_rope=[32, 32, 32, 32],
+    rope_theta=2000,
+    guidance_embeds=True,
+)
+# FLUX.2 [klein] 4B (base and distilled): no guidance embedding, text width 3 x Qwen3-4B's 2560
+FLUX2_KLEIN_4B = dict(
+    FLUX2_DEV,
+    num_layers=5,
+    num_single_layers=20,
+    num_attention_heads=24,
+    joint_attention_dim=7680,
+    guidance_embeds=False,
+)
 QWEN_IMAGE = dict(
     _class_name="QwenImageTransformer2DModel",
     patch_size=2,
@@ -163,6 +188,8 @@ WHISPER_LIKE_AUDIO = dict(
 REAL: dict[str, Real] = {
     "flux_dev.yaml": Real("black-forest-labs/FLUX.1-dev", FLUX_DEV),
     "flux_kontext_dev.yaml": Real("black-forest-labs/FLUX.1-Kontext-dev", FLUX_DEV),
+    "flux2_dev.yaml": Real("black-forest-labs/FLUX.2-dev", FLUX2_DEV),
+    "flux2_klein_4b.yaml": Real("black-forest-labs/FLUX.2-klein-base-4B", FLUX2_KLEIN_4B),
     "qwenimage_20b.yaml": Real("Qwen/Qwen-Image", QWEN_IMAGE),
     "qwenimage_edit_20b.yaml": Real("Qwen/Qwen-Image-Edit", QWEN_IMAGE),
     "qwenimage_edit_plus_20b.yaml": Real("Qwen/Qwen-Image-Edit-2509", QWEN_IMAGE),

@@ -25,7 +25,9 @@ transformer and VAE shapes (needs a GPU: 480x832, 81 frames); `--preset flux-cpu
 FLUX.1-shaped (true CFG with a negative prompt, so every mode applies); `--preset kontext-cpu` is
 flux-cpu's shapes as FLUX.1 Kontext editing a source image (against stock FluxKontextPipeline);
 `--preset qwenimage-cpu`, `qwenimage-edit-cpu` and `qwenimage-edit-plus-cpu` against stock
-QwenImagePipeline, QwenImageEditPipeline and QwenImageEditPlusPipeline. Prints a table and writes JSON.
+QwenImagePipeline, QwenImageEditPipeline and QwenImageEditPlusPipeline; `flux2-cpu` and `klein-cpu` against
+Flux2Pipeline (no CFG: the CFG modes and the first-block cache do not apply) and Flux2KleinPipeline (CFG on
+its empty negative prompt). Prints a table and writes JSON.
 
   python bench/generate.py --preset cpu --json bench-generate.json
 """
@@ -163,6 +165,25 @@ PRESETS = {
         request=dict(height=96, width=160, num_inference_steps=6, true_cfg_scale=4.0),
         dtype="float32",
     ),
+    # FLUX.2-dev (family "flux2", stock Flux2Pipeline): guidance-distilled, so no CFG and no negative prompt (the
+    # CFG modes do not apply); 96x96 px -> 48x48 latents -> 576 image tokens, the tiny Mistral3 text encoder
+    "flux2-cpu": dict(
+        family="flux2",
+        transformer=dict(
+            num_layers=4, num_single_layers=8, num_attention_heads=8, attention_head_dim=32, axes_dims_rope=(8, 8, 8, 8)
+        ),
+        request=dict(height=96, width=96, num_inference_steps=6, guidance_scale=4.0, max_sequence_length=64),
+        no_negative_prompt=True,
+        dtype="float32",
+    ),
+}
+# FLUX.2 [klein] base (family "flux2_klein", stock Flux2KleinPipeline): the same DiT with CFG against its empty
+# negative prompt (guidance 4); the tiny Qwen3 text encoder
+PRESETS["klein-cpu"] = {
+    **PRESETS["flux2-cpu"],
+    "family": "flux2_klein",
+    "transformer": {**PRESETS["flux2-cpu"]["transformer"], "guidance_embeds": False},
+    "request": {**PRESETS["flux2-cpu"]["request"], "max_sequence_length": 32},
 }
 # the several-image variant (stock QwenImageEditPlusPipeline): the same shapes, the image also seen at 384x384
 PRESETS["qwenimage-edit-plus-cpu"] = {**PRESETS["qwenimage-edit-cpu"], "family": "qwenimage_edit_plus"}
@@ -171,9 +192,15 @@ WARMUP_STEPS = 2  # one step is a NaN schedule for Qwen-Image's shift_terminal s
 PROMPT = dict(prompt="a red panda climbing a snowy tree, cinematic", negative_prompt="blurry, low quality")
 
 
+def prompt(preset: dict) -> dict:
+    """The prompts every row uses; a pipeline with no negative prompt (FLUX.2-dev, Klein) gets none."""
+    return {"prompt": PROMPT["prompt"]} if preset.get("no_negative_prompt") else PROMPT
+
+
 def preset_request(p: dict, args: argparse.Namespace) -> dict:
-    """The preset's request (+ --steps); an image-conditioned preset gets its seeded conditioning image."""
-    req = {**p["request"], **({"num_inference_steps": args.steps} if args.steps else {})}
+    """The preset's request with its prompts (+ --steps); an image-conditioned preset gets its seeded conditioning
+    image."""
+    req = {**prompt(p), **p["request"], **({"num_inference_steps": args.steps} if args.steps else {})}
     if "image" in p:  # the same image for both engines (and every process of the multi-process modes)
         from PIL import Image
 
@@ -246,13 +273,13 @@ def run_diffusers(pipe, req: dict, seed: int, steps: int | None = None) -> np.nd
         # diffusers' pipelines do not reset step-cache hooks per call (MagCache's step counter only wraps
         # at its configured step count): a fresh state per request, as Spindle's engine does
         pipe.transformer._reset_stateful_cache()
-    out = pipe(**PROMPT, **kw, generator=torch.Generator().manual_seed(seed), output_type="np")
+    out = pipe(**kw, generator=torch.Generator().manual_seed(seed), output_type="np")
     return out.frames if hasattr(out, "frames") else out.images  # video / image pipelines
 
 
 def run_spindle(gen, req: dict, seed: int, steps: int | None = None):
     kw = {**req, **({"num_inference_steps": steps} if steps else {})}
-    return gen.generate(**PROMPT, **kw, seed=seed)
+    return gen.generate(**kw, seed=seed)
 
 
 # ---------------------------------------------------------------- one engine per process

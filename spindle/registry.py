@@ -24,6 +24,8 @@ Family: TypeAlias = DiTFamily | CausalLMFamily | VLMFamily  # OmniFamily is a VL
 BUILTIN_FAMILIES: dict[str, str] = {
     "flux": "spindle.models.flux",
     "flux_kontext": "spindle.models.flux_kontext",
+    "flux2": "spindle.models.flux2",
+    "flux2_klein": "spindle.models.flux2.klein",
     "llama": "spindle.models.llama",
     "qwen2_5_omni": "spindle.models.qwen2_5_omni",
     "qwen2_5_vl": "spindle.models.qwen2_5_vl",

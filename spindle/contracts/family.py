@@ -140,11 +140,15 @@ class ConformanceSpec:
 
     `parity_cases`: name -> keyword arguments valid both for the stock diffusers pipeline call and
     for `DiffusionGenerator.generate` (with `seed`), small enough for a CPU test; at least one case
-    with classifier-free guidance and one without. A family taking conditioning images
+    with classifier-free guidance ("cfg") and one without ("nocfg"; a family whose pipeline has no CFG says why in
+    `no_cfg` and has no "cfg" case). A family taking conditioning images
     (`FamilyOptions.images`) gets the suite's seeded test image(s) as `image` in every case.
     """
 
     parity_cases: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # why the family runs no classifier-free guidance (its stock pipeline has none: FLUX.2-dev is
+    # guidance-distilled); "" for the others, whose "cfg" case runs CFG (the suite checks it does) and "nocfg" not
+    no_cfg: str = ""
     # the 2-process layouts the family trains with, checked equal to one process: "ulysses2"
     # (parallel.sp=2) and "ring2" (parallel.ring=2). A family leaves one out only with the reason.
     sequence_parallel: tuple[str, ...] = ("ulysses2", "ring2")

@@ -156,6 +156,11 @@ class InferenceSpec:
                 raise ValueError(f"cannot batch CFG: {key!r} differs between cond and uncond and is not per-sample")
         return merged
 
+    def cache_unavailable(self, name: str) -> str | None:
+        """Why step-cache policy `name` (spindle.infer.caches) cannot run on this family's transformer (None: it
+        can), e.g. a hook that cannot read its blocks' outputs. Default: every policy can."""
+        return None
+
     def prepare_sequence_parallel(self, req: Req, degree: int) -> None:
         """Before a `degree`-way SP run: make every sequence the transformer's plan splits divisible by
         `degree` where the family can do so exactly (Qwen-Image pads its masked text). Default: nothing."""

@@ -109,6 +109,9 @@ class DenoisingStage(Stage):
         policy = POLICIES.get(name)
         if policy is None:
             return None  # "auto" / unknown names: StepCache's own checks say what is wrong
+        own = self.spec.cache_unavailable(name)
+        if own is not None:
+            return own
         if name == "mag" and len(self.denoisers) > 1:
             return (
                 f"cache 'mag' calibrates its ratios over one model's whole schedule, but {self.spec.family} "

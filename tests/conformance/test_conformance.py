@@ -45,9 +45,12 @@ def test_family_declares_what_the_suite_needs(name):
     assert family.conformance.default_params, f"{name}: declare the diffusers pipeline's call defaults"
     if family.inference_spec().media == "image":
         assert family.conformance.cli_case, f"{name}: declare a `spindle generate` request (cli_case)"
-    cases = family.conformance.parity_cases.values()
-    assert any("negative_prompt" in kw for kw in cases), f"{name}: no parity case with classifier-free guidance"
-    assert any("negative_prompt" not in kw for kw in cases), f"{name}: no parity case without guidance"
+    cases = family.conformance.parity_cases
+    assert "nocfg" in cases, f"{name}: no parity case without guidance"
+    if family.conformance.no_cfg:  # (its pipeline has none: no CFG case to run)
+        assert "cfg" not in cases, f"{name}: a CFG case, but the family declares no_cfg"
+    else:  # (that it enables CFG: test_cfg_batch_is_one_forward_equal_to_two)
+        assert "cfg" in cases, f"{name}: no parity case with classifier-free guidance"
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -62,11 +65,16 @@ def test_inference_equals_the_diffusers_pipeline(name, case, cfg_batch, tiny):
     suite.check_inference_parity(family, tiny(name), family.conformance.parity_cases[case], cfg_batch=cfg_batch)
 
 
+def guided_case(name: str) -> dict:
+    """The family's CFG case; a family without CFG (`ConformanceSpec.no_cfg`): its "nocfg" one."""
+    cases = get_family(name).conformance.parity_cases
+    return cases.get("cfg", cases["nocfg"])
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_adapters_chosen_per_request_equal_each_lora_alone(name, tiny, tmp_path):
     family = get_family(name)
-    cfg_case = next(kw for kw in family.conformance.parity_cases.values() if "negative_prompt" in kw)
-    suite.check_runtime_adapters(family, tiny(name), tmp_path / "loras", cfg_case)
+    suite.check_runtime_adapters(family, tiny(name), tmp_path / "loras", guided_case(name))
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -95,7 +103,10 @@ def test_tiny_model_cli_writes_a_checkpoint_the_registry_resolves(name, tmp_path
     assert resolve_family(tmp_path / "m").name == name
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+CFG_FAMILIES = [f for f in FAMILIES if not get_family(f).conformance.no_cfg]
+
+
+@pytest.mark.parametrize("name", CFG_FAMILIES)
 def test_cfg_batch_is_one_forward_equal_to_two(name, tiny):
     family = get_family(name)
     suite.check_cfg_batch_is_one_forward(family, tiny(name), family.conformance.parity_cases["cfg"])
@@ -138,18 +149,22 @@ def test_bad_options_are_clear_request_errors(name, tiny):
 
 
 def cache_case(name: str) -> dict:
-    """The family's CFG case with its `cache_steps` (3: the step cache has two steps to skip)."""
-    spec = get_family(name).conformance
-    return {**spec.parity_cases["cfg"], "num_inference_steps": spec.cache_steps}
+    """The family's CFG case (`guided_case`) with its `cache_steps` (3: the step cache has two steps to skip)."""
+    return {**guided_case(name), "num_inference_steps": get_family(name).conformance.cache_steps}
+
+
+# the families whose transformer diffusers' first-block cache can run (FLUX.2's spec names why it cannot: its
+# refusal is tests/infer/test_flux2.py's)
+FBC_FAMILIES = [f for f in FAMILIES if get_family(f).inference_spec().cache_unavailable("fbc") is None]
 
 
 @pytest.mark.parametrize("cfg_batch", [True, False], ids=["cfg_batch", "two_forwards"])
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", FBC_FAMILIES)
 def test_step_cache_threshold_zero_is_exact(name, cfg_batch, tiny):
     suite.check_step_cache_exact(get_family(name), tiny(name), cache_case(name), cfg_batch=cfg_batch)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", FBC_FAMILIES)
 def test_step_cache_large_threshold_skips_blocks(name, tiny):
     suite.check_step_cache_skips(get_family(name), tiny(name), cache_case(name))
 

@@ -34,28 +34,40 @@ _SINGLE = {
     "linear2": ("proj_out",),
     "modulation_lin": ("norm.linear",),
 }
-_GROUPS = {"transformer_blocks": ("double_blocks", _DOUBLE), "single_transformer_blocks": ("single_blocks", _SINGLE)}
+# diffusers block list -> (BFL block list, its modules' table)
+Groups = dict[str, tuple[str, dict[str, tuple[str, ...]]]]
+_GROUPS: Groups = {
+    "transformer_blocks": ("double_blocks", _DOUBLE),
+    "single_transformer_blocks": ("single_blocks", _SINGLE),
+}
 _KEY = re.compile(r"^(transformer_blocks|single_transformer_blocks)\.(\d+)\.(.+)\.lora_([AB])\.weight$")
 
 
 def to_original(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """diffusers-layout LoRA (no "transformer." prefix) -> kohya/BFL layout (`lora_unet_...`)."""
+    return fused_to_kohya(state_dict, _GROUPS, "Flux")
+
+
+def fused_to_kohya(state_dict: dict[str, torch.Tensor], groups: Groups, label: str) -> dict[str, torch.Tensor]:
+    """A diffusers-layout LoRA of a BFL double/single-block transformer -> kohya keys (`lora_unet_<block>_<i>_<name>`)
+    by `groups`' tables; adapters of projections BFL fuses are written as one (stacked downs, block-diagonal ups),
+    which diffusers' kohya readers (FLUX.1's and FLUX.2's) split back into the same separate adapters."""
     adapters: dict[tuple[str, str, str], dict[str, torch.Tensor]] = {}
     for key, value in state_dict.items():
         m = _KEY.match(key)
         if m is None:
             raise ValueError(
-                f"LoRA key {key!r} has no place in the original Flux layout (only the transformer blocks' "
+                f"LoRA key {key!r} has no place in the original {label} layout (only the transformer blocks' "
                 f"projections map); train with train.lora.targets inside the blocks to export a ComfyUI file"
             )
         adapters.setdefault((m.group(1), m.group(2), m.group(3)), {})[m.group(4)] = value
     out: dict[str, torch.Tensor] = {}
     done: set[tuple[str, str, str]] = set()
     for (group, index, module), _ in sorted(adapters.items()):
-        original, table = _GROUPS[group]
+        original, table = groups[group]
         fused = [(n, p) for n, p in table.items() if module in p]
         if not fused:
-            raise ValueError(f"LoRA on {group}.{index}.{module} has no counterpart in the original Flux layout")
+            raise ValueError(f"LoRA on {group}.{index}.{module} has no counterpart in the original {label} layout")
         name, parts = fused[0]
         keys = [(group, index, part) for part in parts]
         if keys[0] in done:
@@ -63,7 +75,7 @@ def to_original(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         missing = [k[2] for k in keys if k not in adapters]
         if missing:
             raise ValueError(
-                f"original Flux layout fuses {', '.join(parts)} of {group}.{index} into {name}; the LoRA lacks "
+                f"original {label} layout fuses {', '.join(parts)} of {group}.{index} into {name}; the LoRA lacks "
                 f"{', '.join(missing)} (adapt all of them, or none)"
             )
         downs = [adapters[k]["A"] for k in keys]

@@ -164,13 +164,17 @@ class PackedImageConditionModel(PipelineConditionModel):
         self, x0: torch.Tensor, generators: list[torch.Generator]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Normalized latents [B, c, h, w] -> (noisy, target, sigmas): per-sample sigmas shifted for the
-        packed token count (h/2 x w/2), noise drawn in the VAE layout (the element order of the
+        packed token count (`image_tokens`), noise drawn in the VAE layout (the element order of the
         pipeline's draw), all from the per-sample generators."""
-        _, _, h, w = x0.shape
-        _, shift = resolution_shift(self.pipe.scheduler, (h // 2) * (w // 2))
+        _, shift = resolution_shift(self.pipe.scheduler, self.image_tokens(x0))
         sigmas = sample_sigmas(self.timestep_sampling, generators, shift_fn=shift)
         noisy, target = flow_matching_pair(x0, sigmas, generators)
         return noisy, target, sigmas
+
+    def image_tokens(self, x0: torch.Tensor) -> int:
+        """The packed token count of normalized latents [B, c, h, w]: (h/2) x (w/2) 2x2 patches (a family whose
+        latents come patchified, FLUX.2's, has one token per latent pixel)."""
+        return (x0.shape[-2] // 2) * (x0.shape[-1] // 2)
 
     def target_prediction(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return pred if self.reference_tokens is None else self.reference_tokens.prediction(pred, target)

@@ -54,6 +54,13 @@ class PipelineBeforeDenoisingStage(BeforeDenoisingStage):
         else:
             req.embedded_guidance = None
 
+    def schedule_mu(self, image_seq_len: int, steps: int) -> float:
+        """The `mu` the reference pipeline passes `set_timesteps` (its dynamic shift): FluxPipeline's
+        `calculate_shift` of the image token count between the scheduler config's bounds. A pipeline computing
+        it otherwise (FLUX.2's empirical mu, which also reads the step count) overrides this."""
+        mu, _ = resolution_shift(self.scheduler, image_seq_len)
+        return mu
+
     def set_timesteps(self, req: Req, device: Any) -> None:
         """`req.timesteps` and `req.scheduler` (a per-request copy: schedulers are stateful) as the
         reference pipeline computes them: linear sigmas 1 -> 1/steps, shifted for the request's image
@@ -65,7 +72,7 @@ class PipelineBeforeDenoisingStage(BeforeDenoisingStage):
         sigmas: np.ndarray | None = np.linspace(1.0, 1 / steps, steps)
         if self.scheduler_may_own_sigmas and getattr(self.scheduler.config, "use_flow_sigmas", False):
             sigmas = None
-        mu, _ = resolution_shift(self.scheduler, req.latents.shape[1])
+        mu = self.schedule_mu(req.latents.shape[1], steps)
         scheduler = copy.deepcopy(self.scheduler)
         req.timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
         scheduler.set_begin_index(0)
