@@ -97,7 +97,8 @@ def test_edit_pair_sources_are_the_pipelines_reference_tokens(tiny_checkpoint):
         expected, ids = condition.pipe.prepare_image_latents(
             [batch["images"][sample : sample + 1, i] for i in range(2)], 1, None, torch.device("cpu"), torch.float32
         )
-        torch.testing.assert_close(inputs["hidden_states"][sample, tokens:], expected[0], atol=1e-6, rtol=0)
+        # (batched here, one request there: the VAE reduces in another order, so equal to fp32 rounding, not bits)
+        torch.testing.assert_close(inputs["hidden_states"][sample, tokens:], expected[0], atol=1e-5, rtol=0)
         assert torch.equal(inputs["img_ids"][sample, tokens:], ids[0])
     assert torch.equal(inputs["img_ids"][:, :tokens], condition.pipe._prepare_latent_ids(torch.zeros(2, 1, 8, 8)))
     pred = torch.randn(inputs["hidden_states"].shape)
