@@ -46,7 +46,9 @@ def trained_text_length(model: str | Path | None, lora: str | Path | None = None
 
 def is_lora_folder(folder: str | Path) -> bool:
     folder = Path(folder)
-    return (folder / LORA_WEIGHTS).is_file() and not (folder / "model_index.json").is_file()
+    from spindle.model_index import has_model_index
+
+    return (folder / LORA_WEIGHTS).is_file() and not has_model_index(folder)
 
 
 def lora_usage(folder: str | Path, base: str | None) -> str:

@@ -301,10 +301,11 @@ class FlowMatchingTask(TrainTask):
     ) -> Path:
         """One process, without building the model: the trained tensors are streamed from the checkpoint
         (`spindle.export.diffusers.export_pipeline_streamed`), a LoRA run's adapters read by name."""
+        from spindle.model_index import MODEL_INDEX, has_model_index
         from spindle.train.lora import checkpoint_adapters
 
-        if not (model_path / "model_index.json").is_file():
-            raise FileNotFoundError(f"base model {model_path} has no model_index.json; pass --model PATH")
+        if not has_model_index(model_path):
+            raise FileNotFoundError(f"base model {model_path} has no {MODEL_INDEX}; pass --model PATH")
         state = json.loads((checkpoint / ckpt.TRAINER_STATE).read_text())
         component = state.get("component", "transformer")  # absent: a checkpoint from before it was recorded
         dtypes = export_dtypes(dtype, model_path / component)
