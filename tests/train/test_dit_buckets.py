@@ -7,8 +7,6 @@ tests/data/test_buckets.py."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,7 @@ from spindle.api import load_job_config, train
 from spindle.data.dit_data import build_dit_data
 from spindle.train.metrics import read_metrics
 from spindle.train.tasks.flow_matching import FlowMatchingTask
-from tests.conftest import spindle_train, train_overrides
+from tests.conftest import spindle_train, spindle_train_killed, train_overrides
 
 
 def mixed_overrides(model: Path, mixed, out: Path, **train_kw) -> list[str]:
@@ -188,22 +186,6 @@ def test_the_other_dit_families_train_on_buckets(family, tiny_checkpoint, mixed_
     assert len({hidden[1:] for _, hidden in seen}) >= 2  # batches of different buckets' shapes
 
 
-# A `spindle train` process that SIGKILLs itself as step 5 begins (after the step-3 checkpoint): no
-# handler, no cleanup, as a node failure or an OOM killer leaves a run.
-_KILLED = """
-import os, signal, sys
-from spindle.train.trainer import Trainer
-original = Trainer.train_step
-def train_step(self):
-    if self.step == 4:
-        os.kill(os.getpid(), signal.SIGKILL)
-    return original(self)
-Trainer.train_step = train_step
-from spindle.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 @pytest.mark.slow
 def test_two_ranks_see_the_same_samples_and_a_killed_run_resumes_exactly(
     wan_reference, tiny_wan, mixed_media, tmp_path
@@ -214,14 +196,8 @@ def test_two_ranks_see_the_same_samples_and_a_killed_run_resumes_exactly(
     assert losses(ranks) == pytest.approx(losses(wan_reference), rel=1e-5)
 
     killed = tmp_path / "killed"
-    cfg = tmp_path / "killed.yaml"
-    cfg.write_text("{}\n")
-    args = mixed_overrides(tiny_wan, mixed_media, killed)
-    proc = subprocess.run(
-        [sys.executable, "-c", _KILLED, "train", str(cfg), *args], capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == -9, proc.stderr[-3000:]
-    assert len(read_metrics(killed)) == 4  # steps 1-4 logged; the checkpoint of step 3 is the last
+    # steps 1-4 logged; the checkpoint of step 3 is the last
+    spindle_train_killed(killed, mixed_overrides(tiny_wan, mixed_media, killed), at_step=5)
     train(load_job_config(None, mixed_overrides(tiny_wan, mixed_media, killed, checkpoint__resume="auto")))
     assert [m["step"] for m in read_metrics(killed)] == list(range(1, 7))
     assert losses(killed) == losses(wan_reference)  # exact: CPU fp32, the same samples in the same steps

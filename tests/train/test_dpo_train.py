@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from spindle.config import ConfigError
 from spindle.train.metrics import read_metrics
-from tests.conftest import lm_overrides, lm_train, lm_train_cli, load_job_config
+from tests.conftest import lm_overrides, lm_train, lm_train_cli, load_job_config, spindle_train_killed
 from tests.train.test_preference_trl_parity import LINES, SEQ_LEN, trl_step_one
 
 PAIRS = [
@@ -160,3 +160,21 @@ def test_fsdp2_on_two_processes_equals_one_process(tiny_qwen3, reference_qwen3, 
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
         assert b["margin"] == pytest.approx(a["margin"], rel=1e-4, abs=1e-7)
+
+
+def test_a_killed_dpo_run_resumes_exactly(tiny_qwen3, tmp_path):
+    """`spindle train` (DPO, the frozen starting weights as reference, shuffled pairs) SIGKILLed as step 4 begins,
+    then `checkpoint.resume: auto` from the step-3 checkpoint: steps 1-6 logged, the losses and grad norms equal
+    the uninterrupted run's exactly (CPU fp32, the same pairs in the same steps)."""
+    data = pairs_file(tmp_path, PAIRS)
+    values = dpo_overrides(
+        2, data__shuffle=True, train__max_steps=6, train__lr=1e-2, checkpoint__every_steps=3, checkpoint__export=False
+    )
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    lm_train(tiny_qwen3, data, whole, **values)
+    spindle_train_killed(killed, lm_overrides(tiny_qwen3, data, killed, **values), at_step=4)
+    lm_train(tiny_qwen3, data, killed, **{**values, "checkpoint__resume": "auto"})
+    got, want = read_metrics(killed), read_metrics(whole)
+    assert [m["step"] for m in got] == list(range(1, 7))
+    for key in ("loss", "grad_norm", "margin"):
+        assert [m[key] for m in got] == [m[key] for m in want], key

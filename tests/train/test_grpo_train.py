@@ -10,7 +10,7 @@ import pytest
 
 from spindle.distributed.checkpoint import list_checkpoints, verify_checkpoint
 from spindle.train.metrics import read_metrics
-from tests.conftest import lm_overrides, lm_train_cli, run_spindle
+from tests.conftest import lm_overrides, lm_train_cli, run_spindle, spindle_train_killed
 
 PROMPTS = ["Write:", "Say something", "Go on", "Next:", "Hello", "Tell me", "A story:", "Word:"]
 REWARDS = '''
@@ -145,3 +145,21 @@ def test_demo_grpo_learns_the_verifiable_reward_it_writes(tmp_path):
 def test_demo_grpo_refuses_a_dit_family(tmp_path):
     proc = run_spindle("demo", "--family", "flux", "--objective", "grpo", "--out", tmp_path / "demo")
     assert proc.returncode != 0 and "text causal-LM family" in proc.stderr
+
+
+def test_a_killed_grpo_run_resumes_exactly(tiny_qwen3, grpo_data, tmp_path):
+    """`spindle train` (GRPO) SIGKILLed as step 4 begins, then `checkpoint.resume: auto` from the step-3
+    checkpoint: steps 1-5 logged with the uninterrupted run's rewards, losses and grad norms exactly — the
+    rollout noise is keyed on (seed, step, prompt, sample), so the resumed run draws the same completions."""
+    prompts, rewards = grpo_data
+    values = grpo_values(rewards, "letter_a", train__max_steps=5, checkpoint__every_steps=3, checkpoint__export=False)
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    proc = train(tiny_qwen3, prompts, whole, **values)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    spindle_train_killed(killed, lm_overrides(tiny_qwen3, prompts, killed, **values), at_step=4)
+    proc = train(tiny_qwen3, prompts, killed, **{**values, "checkpoint__resume": "auto"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got, want = read_metrics(killed), read_metrics(whole)
+    assert [m["step"] for m in got] == list(range(1, 6))
+    for key in ("reward_mean", "loss", "grad_norm"):
+        assert [m[key] for m in got] == [m[key] for m in want], key
