@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import TINY_SIZE, spindle_train, train_overrides
+from tests.conftest import TINY_FRAMES, TINY_SIZE, spindle_train, train_overrides
 
 BETA = 500.0
 
@@ -121,3 +121,113 @@ def test_step_one_equals_a_stock_diffusers_computation(tiny_flux, image_pairs, t
     assert loss.item() == pytest.approx(math.log(2), rel=1e-6)
     assert grad_norm.item() > 0
     assert metrics[0]["grad_norm"] == pytest.approx(grad_norm.item(), rel=1e-5)
+
+
+def test_lora_starts_at_log_two_and_exports_loadable_adapters(tiny_flux, image_pairs, tmp_path):
+    """LoRA: the reference is the policy with its adapters off (zero-initialised B: the same function), so the
+    step-1 loss is exactly log 2; the exported adapters load with stock diffusers' load_lora_weights, trained."""
+    from diffusers import FluxPipeline
+
+    metrics = dpo_run(
+        tiny_flux, image_pairs, tmp_path / "run", train__max_steps=2, train__lora__rank=4, checkpoint__export=True
+    )
+    assert metrics[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)
+    assert metrics[1]["loss"] != pytest.approx(math.log(2), rel=1e-6)  # the adapters moved the policy
+    pipe = FluxPipeline.from_pretrained(tiny_flux)
+    pipe.load_lora_weights(tmp_path / "run" / "export" / "lora")
+    trained = {k: v for k, v in pipe.transformer.state_dict().items() if ".lora_B." in k}
+    assert trained and any(v.abs().sum() > 0 for v in trained.values())  # B starts at zero: these were trained
+
+
+def test_a_few_steps_raise_the_implicit_accuracy_and_the_export_loads(tiny_flux, image_pairs, tmp_path):
+    """Full fine-tune on 4 pairs (every step holds all of them, fresh noise each step): the implicit accuracy
+    starts at 0 (policy = reference) and the last steps prefer the chosen images with a positive margin; the
+    export is a stock diffusers pipeline folder."""
+    from diffusers import FluxTransformer2DModel
+
+    metrics = dpo_run(tiny_flux, image_pairs, tmp_path / "run", train__max_steps=6, checkpoint__export=True)
+    assert metrics[0]["implicit_accuracy"] == 0.0
+    assert min(m["implicit_accuracy"] for m in metrics[-2:]) >= 0.75
+    assert min(m["reward_margin"] for m in metrics[-2:]) > 0
+    assert metrics[-1]["loss"] < math.log(2)
+    exported = FluxTransformer2DModel.from_pretrained(tmp_path / "run" / "export" / "transformer")
+    start = FluxTransformer2DModel.from_pretrained(tiny_flux / "transformer")
+    assert any(not torch.equal(a, b) for a, b in zip(exported.parameters(), start.parameters(), strict=True))
+
+
+def test_the_pairs_file_is_checked_before_training(shapes_images, tmp_path):
+    """Bad lines are named file:line in one error; missing files are named; a pair with the same file twice is
+    left out and counted; the refused data options name the fix."""
+    from spindle.config import MediaDataConfig
+    from spindle.data.media_check import DataCheckError
+    from spindle.data.media_pairs import media_pairs
+
+    a, b = sorted(shapes_images.glob("*.png"))[:2]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        json.dumps({"prompt": "p", "chosen": str(a), "rejected": str(b)})
+        + "\n{not json\n"
+        + json.dumps({"prompt": "p", "chosen": str(a)})
+        + "\n"
+    )
+    data = lambda path: MediaDataConfig(path=str(path), resolution=list(TINY_SIZE), num_frames=1)  # noqa: E731
+    with pytest.raises(ValueError, match="2 bad line") as e:
+        media_pairs(data(bad), 0)
+    assert f"{bad}:2: not valid JSON" in str(e.value) and f"{bad}:3: 'rejected' must be" in str(e.value)
+
+    missing = tmp_path / "missing.jsonl"
+    missing.write_text(json.dumps({"prompt": "p", "chosen": str(a), "rejected": "gone.png"}) + "\n")
+    with pytest.raises(DataCheckError, match=r"gone\.png: file does not exist"):
+        media_pairs(data(missing), 0)
+
+    same = tmp_path / "same.jsonl"
+    same.write_text(
+        json.dumps({"prompt": "p", "chosen": str(a), "rejected": str(b)})
+        + "\n"
+        + json.dumps({"prompt": "q", "chosen": a.name, "rejected": str(a)})
+        + "\n"
+    )
+    (tmp_path / a.name).symlink_to(a)
+    pairs = media_pairs(data(same), 0)
+    assert len(pairs) == 1 and pairs.stats["identical_pairs"] == 1
+    chosen, rejected = pairs[0]
+    assert chosen["index"] == rejected["index"] == 0 and chosen["caption"] == rejected["caption"] == "p"
+
+
+def test_refused_data_options_are_named_before_launch(tiny_flux, image_pairs, tmp_path):
+    from spindle.testing.multiprocess import run_spindle
+
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("{}\n")
+    overrides = train_overrides(
+        tiny_flux,
+        image_pairs,
+        tmp_path / "run",
+        train__objective="diffusion_dpo",
+        data__num_frames=1,
+        data__buckets=True,
+    )
+    proc = run_spindle("train", cfg, *overrides)
+    assert proc.returncode != 0
+    assert "train.objective=diffusion_dpo does not take data.buckets" in proc.stdout + proc.stderr
+
+
+def test_a_video_family_runs_a_step(tiny_wan, shapes_videos, tmp_path):
+    """Wan T2V on pairs of clips: one step, loss log 2 at the start, the margin and accuracy logged."""
+    pairs = write_pairs(shapes_videos, tmp_path / "pairs.jsonl", ext="mp4")
+    metrics = dpo_run(tiny_wan, pairs, tmp_path / "run", data__num_frames=TINY_FRAMES)
+    assert metrics[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)
+    assert metrics[0]["grad_norm"] > 0
+
+
+@pytest.mark.slow
+def test_fsdp2_on_two_processes_equals_one_process(tiny_flux, image_pairs, tmp_path):
+    """dp_shard=2 (real gloo processes, each rank half of the pairs): the losses, grad norms and metrics of one
+    process over 3 steps; both members of a pair stay on one rank and draw the same noise there."""
+    values = dict(train__max_steps=3, train__micro_batch_size=1)
+    one = dpo_run(tiny_flux, image_pairs, tmp_path / "one", **values)
+    two = dpo_run(tiny_flux, image_pairs, tmp_path / "two", nproc=2, parallel__dp_shard=2, **values)
+    for a, b in zip(one, two, strict=True):
+        for key in ("loss", "grad_norm", "reward_margin"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+        assert b["implicit_accuracy"] == a["implicit_accuracy"]
