@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from tests.conftest import TINY_FRAMES, TINY_SIZE, spindle_train, train_override
 BETA = 500.0
 
 
-def write_pairs(media: Path, out: Path, ext: str = "png", image: bool = False) -> Path:
+def write_pairs(media: Path, out: Path, ext: str = "png") -> Path:
     """4 pairs from a shapes folder: pair k prefers file 2k over file 2k+1, captioned as file 2k."""
     files = sorted(media.glob(f"*.{ext}"))
     lines = []
@@ -29,8 +30,6 @@ def write_pairs(media: Path, out: Path, ext: str = "png", image: bool = False) -
             "chosen": str(chosen),
             "rejected": str(rejected),
         }
-        if image:
-            entry["image"] = str(files[2 * k].with_suffix(".png")) if ext == "png" else None
         lines.append(json.dumps(entry))
     out.write_text("\n".join(lines) + "\n")
     return out
@@ -226,7 +225,7 @@ def test_fsdp2_on_two_processes_equals_one_process(tiny_flux, image_pairs, tmp_p
     process over 3 steps; both members of a pair stay on one rank and draw the same noise there."""
     # adam_eps 1e-4 (as the LM DPO layout test): Adam's first steps divide by sqrt(v) ~ |g|, which turns the
     # summation-order differences of the gradient reduction into relative weight differences of the same size
-    values = dict(train__max_steps=3, train__micro_batch_size=1, train__adam_eps=1e-4)
+    values: dict[str, Any] = dict(train__max_steps=3, train__micro_batch_size=1, train__adam_eps=1e-4)
     one = dpo_run(tiny_flux, image_pairs, tmp_path / "one", **values)
     two = dpo_run(tiny_flux, image_pairs, tmp_path / "two", nproc=2, parallel__dp_shard=2, **values)
     for a, b in zip(one, two, strict=True):

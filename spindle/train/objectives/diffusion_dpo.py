@@ -148,7 +148,8 @@ class DiffusionDPO(Objective):
                         ref_errors = self._errors(task, model, inputs)
                 else:
                     ref_errors = self._errors(task, self.reference, inputs)
-        out = diffusion_dpo_loss(*errors.chunk(2), *ref_errors.chunk(2), self.beta)
+        (chosen, rejected), (ref_chosen, ref_rejected) = errors.chunk(2), ref_errors.chunk(2)
+        out = diffusion_dpo_loss(chosen, rejected, ref_chosen, ref_rejected, self.beta)
         metrics = {
             "implicit_accuracy": Metric(out.accurate.mean(), "mean", "mean"),
             "reward_margin": Metric(out.margin.mean(), "mean", "mean"),
