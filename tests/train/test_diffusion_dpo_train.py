@@ -232,3 +232,26 @@ def test_fsdp2_on_two_processes_equals_one_process(tiny_flux, image_pairs, tmp_p
         for key in ("loss", "grad_norm", "reward_margin"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
         assert b["implicit_accuracy"] == a["implicit_accuracy"]
+
+
+def test_an_image_to_video_family_takes_the_pairs_conditioning_image(
+    tiny_wan_i2v, shapes_videos, shapes_images, tmp_path
+):
+    """Wan I2V: each pair's "image" conditions both members (one image, the same for the pair); one step runs
+    and starts at log 2."""
+    pairs = write_pairs(shapes_videos, tmp_path / "pairs.jsonl", ext="mp4")
+    image = sorted(shapes_images.glob("*.png"))[0]
+    entries = [{**json.loads(line), "image": str(image)} for line in pairs.read_text().splitlines()]
+    pairs.write_text("\n".join(json.dumps(e) for e in entries) + "\n")
+
+    from spindle.config import MediaDataConfig
+    from spindle.data.media_pairs import collate_media_pairs, media_pairs
+
+    data = MediaDataConfig(path=str(pairs), resolution=list(TINY_SIZE), num_frames=TINY_FRAMES)
+    batch = collate_media_pairs([media_pairs(data, 0)[0], media_pairs(data, 0)[1]])
+    assert batch["image"].shape == (4, 3, *TINY_SIZE) and torch.equal(batch["image"][0], batch["image"][2])
+    assert batch["index"].tolist() == [0, 1, 0, 1]
+
+    metrics = dpo_run(tiny_wan_i2v, pairs, tmp_path / "run", data__num_frames=TINY_FRAMES, model__max_text_length=512)
+    assert metrics[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)
+    assert metrics[0]["grad_norm"] > 0
