@@ -763,10 +763,11 @@ class TrainJobConfig(Section):
 
 
 class DiTTrainConfig(TrainConfig):
-    objective: Literal["flow_matching"] = Field(
+    objective: Literal["flow_matching", "diffusion_dpo"] = Field(
         "flow_matching",
         description="what the step optimises (spindle.train.objectives): flow_matching, the velocity loss on media "
-        "and their conditions",
+        "and their conditions; diffusion_dpo, Diffusion-DPO on preference pairs (data.path: a pairs JSONL; "
+        "settings in diffusion_dpo:)",
     )
     expert: Literal["high_noise", "low_noise"] | None = Field(
         None,

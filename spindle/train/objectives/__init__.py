@@ -5,6 +5,8 @@ its experts part), so an objective works for every model kind that offers what i
 
 - `sft` (language models): next-token loss on text / chat / multimodal conversations (sft.py);
 - `flow_matching` (DiTs): the velocity loss on media and conditions (flow_matching.py);
+- `diffusion_dpo` (DiTs): Diffusion-DPO on preference pairs of images or videos against the starting weights
+  (diffusion_dpo.py: the loss and its `DiffusionDPO` part; the pairs file is spindle/data/media_pairs.py);
 - `dpo` (text causal LMs): preference pairs against a frozen reference (dpo.py: the loss and its `DPO` part);
 - `reward` (text causal LMs): a scalar head's Bradley-Terry loss on preference pairs (reward.py: the loss, its
   `Reward` part and the `ScoreHead` model choice the task builds);
@@ -27,6 +29,7 @@ from typing import Any
 OBJECTIVES: dict[str, str] = {
     "sft": "spindle.train.objectives.sft:SFT",
     "flow_matching": "spindle.train.objectives.flow_matching:FlowMatching",
+    "diffusion_dpo": "spindle.train.objectives.diffusion_dpo:DiffusionDPO",
     "dpo": "spindle.train.objectives.dpo:DPO",
     "reward": "spindle.train.objectives.reward:Reward",
     "grpo": "spindle.train.objectives.grpo:GRPO",

@@ -19,9 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from spindle.contracts.task import Objective, StepOutput
 
 
 @dataclass(frozen=True)
@@ -66,3 +69,95 @@ def pair_generators(
     (seed, step, pair index) by `make` (the trainer's per-sample generator): each member draws the same
     sigma and noise as the other, and any layout draws what one process draws."""
     return [make(seed, step, int(i)) for i in pair_indices], [make(seed, step, int(i)) for i in pair_indices]
+
+
+class DiffusionDPO(Objective):
+    """`train.objective: diffusion_dpo` for every DiT family: the loss above as a part of the flow-matching task
+    (`diffusion_dpo:` settings).
+
+    Data: `data.path` is a pairs JSONL (`spindle.data.media_pairs`); a micro-batch of P pairs is one media batch
+    of the P chosen then the P rejected samples, each carrying its pair's index, so the task's `training_inputs`
+    (conditions, per-sample generators keyed on (seed, step, index)) gives both members of a pair the same noise
+    and sigma (`pair_generators`' rule) in one forward of 2P samples. The reference is the starting weights: a LoRA
+    run's policy with its adapters switched off (no second copy), a full fine-tune's frozen copy of the starting
+    transformer sharded like the policy (`FlowMatchingTask.build_reference`); it runs under no_grad on the same
+    inputs. The loss unit is the pair: the trainer divides the summed pair losses by the global batch's pairs.
+    Metrics (means over pairs): `implicit_accuracy`, the share of pairs whose chosen member the policy prefers
+    more than the reference does; `reward_margin`, the mean implicit reward margin (the term inside the sigmoid,
+    0 at the start)."""
+
+    name = "diffusion_dpo"
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.beta = float(cfg.diffusion_dpo.beta)
+        self.reference: torch.nn.Module | None = None  # None: a LoRA run's policy with its adapters off
+
+    def check_plan(self, family: Any, dims: Any) -> None:
+        from spindle.config import ConfigError
+
+        data = self.cfg.data
+        refused = {
+            "data.precomputed": "the precomputed-condition cache holds single samples, not pairs; remove "
+            "data.precomputed (conditions are encoded each step)",
+            "data.buckets": "pairs are decoded at data.resolution x data.num_frames (both members alike); set "
+            "data.buckets: false",
+            "data.sources": "give the pairs as one JSONL file in data.path",
+            "data.control_dir": 'give each pair its conditioning image as "image" in the pairs file',
+        }
+        for key, fix in refused.items():
+            if getattr(data, key.split(".")[1]):
+                raise ConfigError(f"train.objective=diffusion_dpo does not take {key}: {fix}")
+        if self.cfg.train.expert is not None:
+            raise ConfigError(
+                "train.objective=diffusion_dpo with train.expert: a two-expert checkpoint's DPO is not wired yet; "
+                "train a single-transformer checkpoint"
+            )
+
+    def check_data(self) -> None:
+        from spindle.data.media_pairs import media_pairs
+
+        media_pairs(self.cfg.data, self.cfg.train.seed)
+
+    def prepare(self, task: Any, model: torch.nn.Module) -> None:
+        if self.cfg.train.lora is None:  # a full fine-tune: the starting weights, frozen beside the policy
+            self.reference = task.build_reference()
+
+    def build_loader(self, task: Any) -> Any:
+        from spindle.data.media_pairs import collate_media_pairs, media_pairs
+        from spindle.train.tasks.base import resumable_loader
+
+        pairs = media_pairs(self.cfg.data, self.cfg.train.seed, check=False)  # decoded once by check_data
+        task._data_stats = pairs.stats
+        return resumable_loader(task, pairs, collate_media_pairs)
+
+    def loss_units(self, batch: dict[str, Any]) -> int:
+        return len(batch["index"]) // 2  # pairs
+
+    def forward(self, task: Any, model: torch.nn.Module, batch: dict[str, Any], step: int) -> StepOutput:
+        from spindle.contracts.task import Metric
+
+        inputs = task.training_inputs(model, batch, step)
+        with task._autocast():
+            errors = self._errors(task, model, inputs)
+            with torch.no_grad():
+                if self.reference is None:
+                    from spindle.train.lora import adapters_disabled
+
+                    with adapters_disabled(model):
+                        ref_errors = self._errors(task, model, inputs)
+                else:
+                    ref_errors = self._errors(task, self.reference, inputs)
+        (chosen, rejected), (ref_chosen, ref_rejected) = errors.chunk(2), ref_errors.chunk(2)
+        out = diffusion_dpo_loss(chosen, rejected, ref_chosen, ref_rejected, self.beta)
+        metrics = {
+            "implicit_accuracy": Metric(out.accurate.mean(), "mean", "mean"),
+            "reward_margin": Metric(out.margin.mean(), "mean", "mean"),
+        }
+        return StepOutput(out.loss.sum(), inputs.samples, inputs.tokens_per_sample * inputs.samples, metrics)
+
+    @staticmethod
+    def _errors(task: Any, model: torch.nn.Module, inputs: Any) -> torch.Tensor:
+        pred = model(**inputs.model_inputs, return_dict=False)[0]
+        pred = task.condition.target_prediction(pred, inputs.target)
+        return per_sample_error(pred, inputs.target, inputs.loss_mask)

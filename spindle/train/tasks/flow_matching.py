@@ -104,6 +104,7 @@ class FlowMatchingTask(TrainTask):
     def check_plan(cls, cfg: DiTJobConfig, family: DiTFamily, dims: ParallelDims) -> None:
         from spindle.distributed.context_parallel import check_sequence_parallel
 
+        build_objective(cfg.train.objective, cfg).check_plan(family, dims)  # what the objective refuses, first
         tcfg = Path(cfg.model.path) / "transformer" / "config.json"
         if dims.cp_size > 1 and tcfg.is_file():
             check_sequence_parallel(json.loads(tcfg.read_text()), dims.sp, ring=dims.ring)
@@ -136,6 +137,26 @@ class FlowMatchingTask(TrainTask):
         return cond
 
     def build_model(self) -> torch.nn.Module:
+        model = self._build_model()
+        self.objective.prepare(self, model)  # what the objective holds beside it (a frozen reference)
+        return model
+
+    def build_reference(self) -> torch.nn.Module:
+        """Collective: a frozen copy of the starting transformer, loaded and sharded as the trained one is (no
+        LoRA, no gradient, no optimizer state), in eval mode: a full fine-tune's reference of a preference or RL
+        objective (a LoRA run's is the policy with its adapters off, `spindle.train.lora.adapters_disabled`)."""
+        import copy
+
+        twin = copy.copy(self)  # the same condition model and mesh; only the build settings differ
+        twin.cfg = self.cfg.model_copy(
+            update={"train": self.cfg.train.model_copy(update={"lora": None, "gradient_checkpointing": False})}
+        )
+        model = twin._build_model()
+        model.requires_grad_(False)
+        model.eval()
+        return model
+
+    def _build_model(self) -> torch.nn.Module:
         from spindle.distributed.sharded_load import SafetensorsCheckpoint
         from spindle.ops.dit_attention import apply_dit_backend
         from spindle.train.lora import init_adapters, is_lora_name
@@ -166,7 +187,10 @@ class FlowMatchingTask(TrainTask):
 
     @classmethod
     def check_data(cls, cfg: DiTJobConfig) -> None:
-        if cfg.data.precomputed is None:  # every file decoded once (cached): one report before the model loads
+        own = getattr(build_objective(cfg.train.objective, cfg), "check_data", None)
+        if own is not None:  # an objective with its own data format (preference pairs) checks it
+            own()
+        elif cfg.data.precomputed is None:  # every file decoded once (cached): one report before the model loads
             dit_data(cfg, None)
 
     def data_stats(self) -> dict[str, Any]:
