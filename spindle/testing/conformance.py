@@ -132,7 +132,10 @@ def check_default_params(family: DiTFamily, root: Path, expected: dict[str, Any]
         if stock is None and name in ("height", "width") and value is not None:
             if pipe is None:
                 pipe = stock_pipeline(root, pipeline_cls)
-            stock = pipe.default_sample_size * pipe.vae_scale_factor
+            sample_size = getattr(pipe, "default_sample_size", None)
+            # a pipeline without one falls back to a fixed size in __call__'s body, which the family declares
+            stock = family.conformance.stock_size if sample_size is None else sample_size * pipe.vae_scale_factor
+            assert stock is not None, f"{family.name}: {pipeline_cls.__name__} has no default_sample_size; declare stock_size"
         if stock is not None:
             assert value == stock, f"{family.name}: default {name} is {value}, {pipeline_cls.__name__}'s is {stock}"
 
@@ -147,7 +150,10 @@ def check_cfg_batch_is_one_forward(family: DiTFamily, root: Path, kwargs: dict[s
     calls: list[tuple[int, int]] = []
 
     def record(module: Any, args: Any, kw: dict[str, Any]) -> None:
-        calls.append((kw["hidden_states"].shape[0], kw["encoder_hidden_states"].shape[1]))
+        if "hidden_states" in kw:
+            calls.append((kw["hidden_states"].shape[0], kw["encoder_hidden_states"].shape[1]))
+        else:  # a transformer taking per-sample lists (Z-Image: x, cap_feats)
+            calls.append((len(kw["x"]), max(c.shape[0] for c in kw["cap_feats"])))
 
     hook = gen.transformer.register_forward_pre_hook(record, with_kwargs=True)
     try:
