@@ -43,6 +43,12 @@ class ZImageBeforeDenoisingStage(PipelineBeforeDenoisingStage):
     def image_seq_len(self, latents: torch.Tensor) -> int:
         return (latents.shape[2] // 2) * (latents.shape[3] // 2)  # 2x2 patches of [B, C, h, w]
 
+    def latent_shape(self, p: SamplingParams) -> tuple[int, ...]:
+        """The latents `forward` prepares: [B, C, h, w] in the VAE layout (the pipeline's `prepare_latents`)."""
+        h = resolved(p.height, "height") // self.vae_scale_factor
+        w = resolved(p.width, "width") // self.vae_scale_factor
+        return (p.batch_size, self.transformer.in_channels, h, w)
+
     def encode(self, prompts: list[str], p: SamplingParams, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Prompts -> (embeddings zero-padded to the longest [B, S, D], lengths [B]), each repeated per image."""
         embeds, _ = self.text_pipe.encode_prompt(
@@ -76,7 +82,7 @@ class ZImageBeforeDenoisingStage(PipelineBeforeDenoisingStage):
             device,
             req.generator,
         )
-        req.raw_latent_shape = tuple(req.latents.shape)
+        req.raw_latent_shape = self.latent_shape(p)
         self.set_timesteps(req, device)
         return req
 
