@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from spindle.contracts.request import Req, SamplingParams, resolved
+from spindle.contracts.request import Req, RequestError, SamplingParams, resolved
 from spindle.contracts.stage import InferenceSpec
 from spindle.models.shared.inference import PipelineBeforeDenoisingStage, check_packed_image_request
 from spindle.models.z_image import MAX_SEQUENCE_LENGTH, OPTIONS
@@ -35,6 +35,15 @@ class ZImageBeforeDenoisingStage(PipelineBeforeDenoisingStage):
     def validate(self, params: SamplingParams) -> None:
         super().validate(params)
         check_packed_image_request(params, self.vae_scale_factor, MAX_SEQUENCE_LENGTH, "Z-Image")
+        # the rotary tables have `axes_lens` positions per axis; a patch row or column past them fails mid-run
+        multiple = 2 * self.vae_scale_factor
+        for name, positions in zip(("height", "width"), self.transformer.config.axes_lens[1:], strict=True):
+            if resolved(getattr(params, name), name) // multiple > positions:
+                raise RequestError(
+                    f"{name} is past this model's positional range: at most {positions * multiple} "
+                    f"({positions} 2x2 patches, the transformer's axes_lens); got {getattr(params, name)}",
+                    field=name,
+                )
 
     def default_sigmas(self, steps: int) -> Any:
         module = importlib.import_module(type(self.text_pipe).__module__)
