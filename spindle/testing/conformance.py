@@ -135,7 +135,9 @@ def check_default_params(family: DiTFamily, root: Path, expected: dict[str, Any]
             sample_size = getattr(pipe, "default_sample_size", None)
             # a pipeline without one falls back to a fixed size in __call__'s body, which the family declares
             stock = family.conformance.stock_size if sample_size is None else sample_size * pipe.vae_scale_factor
-            assert stock is not None, f"{family.name}: {pipeline_cls.__name__} has no default_sample_size; declare stock_size"
+            assert stock is not None, (
+                f"{family.name}: {pipeline_cls.__name__} has no default_sample_size; declare stock_size"
+            )
         if stock is not None:
             assert value == stock, f"{family.name}: default {name} is {value}, {pipeline_cls.__name__}'s is {stock}"
 
