@@ -134,7 +134,8 @@ def check_default_params(family: DiTFamily, root: Path, expected: dict[str, Any]
                 pipe = stock_pipeline(root, pipeline_cls)
             sample_size = getattr(pipe, "default_sample_size", None)
             # a pipeline without one falls back to a fixed size in __call__'s body, which the family declares
-            stock = family.conformance.stock_size if sample_size is None else sample_size * pipe.vae_scale_factor
+            declared = family.conformance.stock_size if family.conformance is not None else None
+            stock = declared if sample_size is None else sample_size * pipe.vae_scale_factor
             assert stock is not None, (
                 f"{family.name}: {pipeline_cls.__name__} has no default_sample_size; declare stock_size"
             )

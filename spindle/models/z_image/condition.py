@@ -21,9 +21,8 @@ import torch
 from spindle.contracts.condition import PixelGrid
 from spindle.models.shared.condition import PipelineConditionModel, frames_as_images, meta_vae
 from spindle.models.shared.latents import resolution_shift
-from spindle.ops.flow_matching import flow_matching_pair, sample_sigmas
-
 from spindle.models.z_image import MAX_SEQUENCE_LENGTH
+from spindle.ops.flow_matching import flow_matching_pair, sample_sigmas
 
 
 def pad_captions(embeds: list[torch.Tensor], length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -119,6 +119,7 @@ class ZImageSpec(InferenceSpec):
     def denoiser_kwargs(self, req: Req, latents: torch.Tensor, t: torch.Tensor, branch: str) -> dict[str, Any]:
         cond = branch == "cond"
         embeds = req.prompt_embeds if cond else req.negative_prompt_embeds
+        assert embeds is not None, "the before-denoising stage sets the branch's prompt embeddings"
         lengths = req.extra["prompt_lengths" if cond else "negative_lengths"]
         timestep = t.expand(latents.shape[0])
         return {
