@@ -127,6 +127,22 @@ QWEN_IMAGE = dict(
     guidance_embeds=False,
     axes_dims_rope=[16, 56, 56],
 )
+# Tongyi-MAI/Z-Image-Turbo's transformer/config.json
+Z_IMAGE = dict(
+    _class_name="ZImageTransformer2DModel",
+    all_patch_size=[2],
+    all_f_patch_size=[1],
+    in_channels=16,
+    dim=3840,
+    n_layers=30,
+    n_refiner_layers=2,
+    n_heads=30,
+    n_kv_heads=30,
+    qk_norm=True,
+    cap_feat_dim=2560,
+    axes_dims=[32, 48, 48],
+    axes_lens=[1536, 512, 512],
+)
 
 # --- transformers (config.json) ----------------------------------------------------------------------
 QWEN2_5_7B_TEXT = dict(
@@ -193,6 +209,7 @@ REAL: dict[str, Real] = {
     "qwenimage_20b.yaml": Real("Qwen/Qwen-Image", QWEN_IMAGE),
     "qwenimage_edit_20b.yaml": Real("Qwen/Qwen-Image-Edit", QWEN_IMAGE),
     "qwenimage_edit_plus_20b.yaml": Real("Qwen/Qwen-Image-Edit-2509", QWEN_IMAGE),
+    "z_image_turbo.yaml": Real("Tongyi-MAI/Z-Image-Turbo", Z_IMAGE),
     "wan_1.3b.yaml": Real("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", WAN_1_3B),
     "wan_i2v_14b.yaml": Real("Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", WAN_I2V_14B),
     "wan22_a14b.yaml": Real("Wan-AI/Wan2.2-T2V-A14B-Diffusers", WAN_14B),

@@ -27,7 +27,8 @@ flux-cpu's shapes as FLUX.1 Kontext editing a source image (against stock FluxKo
 `--preset qwenimage-cpu`, `qwenimage-edit-cpu` and `qwenimage-edit-plus-cpu` against stock
 QwenImagePipeline, QwenImageEditPipeline and QwenImageEditPlusPipeline; `flux2-cpu` and `klein-cpu` against
 Flux2Pipeline (no CFG: the CFG modes and the first-block cache do not apply) and Flux2KleinPipeline (CFG on
-its empty negative prompt). Prints a table and writes JSON.
+its empty negative prompt); `--preset z-image-cpu` against stock ZImagePipeline (VAE x8: 256x256 px -> 256 image
+tokens). Prints a table and writes JSON.
 
   python bench/generate.py --preset cpu --json bench-generate.json
 """
@@ -152,6 +153,15 @@ PRESETS = {
         vae=dict(base_dim=16),  # x2: 96x96 px -> 48x48 latents -> 576 image tokens
         text_encoder=dict(hidden_size=64, intermediate_size=128, num_attention_heads=4),
         request=dict(height=96, width=96, num_inference_steps=6, true_cfg_scale=4.0, max_sequence_length=64),
+        dtype="float32",
+    ),
+    # Z-Image (family "z_image", stock ZImagePipeline): CFG at its default guidance 5 with the empty negative
+    # prompt; no step caches (no CacheMixin) and no SP (no context-parallel plan): modes exact,default,compile
+    "z-image-cpu": dict(
+        family="z_image",
+        transformer=dict(dim=256, n_heads=8, n_kv_heads=8, n_layers=6, axes_dims=[8, 12, 12]),
+        text_encoder=dict(hidden_size=64, intermediate_size=128, num_attention_heads=4),
+        request=dict(height=256, width=256, num_inference_steps=6, guidance_scale=5.0, max_sequence_length=64),
         dtype="float32",
     ),
     # Qwen-Image-Edit (family "qwenimage_edit", stock QwenImageEditPipeline): Qwen-Image-cpu's DiT and text

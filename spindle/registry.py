@@ -42,6 +42,7 @@ BUILTIN_FAMILIES: dict[str, str] = {
     "wan22": "spindle.models.wan22",
     "wan22_i2v": "spindle.models.wan22_i2v",
     "wan22_ti2v": "spindle.models.wan22_ti2v",
+    "z_image": "spindle.models.z_image",
 }
 
 

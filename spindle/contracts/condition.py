@@ -93,3 +93,9 @@ class ConditionModel(ABC):
         their reference images' tokens to the noisy latents' on the sequence axis and learn only the first
         `target.shape[1]` (as their pipelines keep `noise_pred[:, : latents.size(1)]`). Default: all of it."""
         return pred
+
+    def tokens_per_sample(self, inputs: dict[str, Any]) -> int | None:
+        """The transformer's image tokens per sample for these `training_inputs` (metrics, the SP split check);
+        None: counted from `inputs["hidden_states"]` (packed [B, L, C], or [B, C, *spatial] over the patch).
+        A transformer taking other inputs (Z-Image's per-sample lists) counts its own."""
+        return None

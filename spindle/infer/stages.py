@@ -112,6 +112,12 @@ class DenoisingStage(Stage):
         own = self.spec.cache_unavailable(name)
         if own is not None:
             return own
+        if not all(hasattr(model, "enable_cache") for model in self.denoisers.values()):
+            # the policies are diffusers' cache hooks, applied through the transformer's CacheMixin
+            return (
+                f"cache {name!r} is a diffusers cache hook, but {type(self.transformer).__name__} ({self.spec.family}) "
+                "does not support diffusers' caches (no CacheMixin); run without a cache"
+            )
         if name == "mag" and len(self.denoisers) > 1:
             return (
                 f"cache 'mag' calibrates its ratios over one model's whole schedule, but {self.spec.family} "

@@ -39,7 +39,10 @@ class Recorder(nn.Module):
         self.out_channels = out_channels  # an input carrying conditioning channels (Wan I2V) predicts fewer
         self.calls: list[dict[str, torch.Tensor]] = []
 
-    def forward(self, hidden_states, timestep, return_dict=False, **kwargs):
+    def forward(self, hidden_states=None, timestep=None, return_dict=False, x=None, t=None, **kwargs):
+        if x is not None:  # a transformer taking per-sample lists (Z-Image: x, t, cap_feats)
+            self.calls.append({"hidden_states": torch.stack(x).detach().clone(), "timestep": t.detach().clone()})
+            return ([sample * self.weight for sample in x],)
         self.calls.append({"hidden_states": hidden_states.detach().clone(), "timestep": timestep.detach().clone()})
         sliced = self.out_channels is not None and hidden_states.ndim == 5  # [B, C, F, H, W] (not packed tokens)
         out = hidden_states[:, : self.out_channels] if sliced else hidden_states
@@ -70,7 +73,7 @@ def family_task(request, tmp_path_factory, tiny_checkpoint):
     )
     task = FlowMatchingTask(cfg, family, build_mesh(ParallelDims()), torch.device("cpu"), "no")
     tcfg = json.loads((root / "transformer" / "config.json").read_text())
-    task.recorder_channels = tcfg["out_channels"] if tcfg.get("out_channels") != tcfg.get("in_channels") else None
+    task.recorder_channels = tcfg.get("out_channels") if tcfg.get("out_channels") != tcfg.get("in_channels") else None
     return task, demo
 
 

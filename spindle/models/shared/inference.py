@@ -61,18 +61,26 @@ class PipelineBeforeDenoisingStage(BeforeDenoisingStage):
         mu, _ = resolution_shift(self.scheduler, image_seq_len)
         return mu
 
+    def default_sigmas(self, steps: int) -> Any:
+        """The sigmas the reference pipeline passes for `steps` steps: linear 1 -> 1/steps."""
+        return np.linspace(1.0, 1 / steps, steps)
+
+    def image_seq_len(self, latents: torch.Tensor) -> int:
+        """The image token count the resolution shift reads: packed latents [B, S, C] have S."""
+        return int(latents.shape[1])
+
     def set_timesteps(self, req: Req, device: Any) -> None:
         """`req.timesteps` and `req.scheduler` (a per-request copy: schedulers are stateful) as the
-        reference pipeline computes them: linear sigmas 1 -> 1/steps, shifted for the request's image
-        token count (`req.latents` packed [B, S, C]), through the pipeline module's `retrieve_timesteps`."""
+        reference pipeline computes them: its sigmas (`default_sigmas`), shifted for the request's image
+        token count (`image_seq_len`), through the pipeline module's `retrieve_timesteps`."""
         module = importlib.import_module(type(self.text_pipe).__module__)
         retrieve_timesteps = module.retrieve_timesteps
         assert req.latents is not None, "set req.latents before the timesteps (the shift reads its token count)"
         steps = resolved(req.params.num_inference_steps, "num_inference_steps")
-        sigmas: np.ndarray | None = np.linspace(1.0, 1 / steps, steps)
+        sigmas: Any = self.default_sigmas(steps)
         if self.scheduler_may_own_sigmas and getattr(self.scheduler.config, "use_flow_sigmas", False):
             sigmas = None
-        mu = self.schedule_mu(req.latents.shape[1], steps)
+        mu = self.schedule_mu(self.image_seq_len(req.latents), steps)
         scheduler = copy.deepcopy(self.scheduler)
         req.timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
         scheduler.set_begin_index(0)

@@ -259,8 +259,10 @@ class FlowMatchingTask(TrainTask):
         # elements the loss leaves out (Wan2.2 TI2V's image-to-video: the first latent frame is the clean image)
         loss_mask = inputs.pop("loss_mask", None)
         inputs = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in inputs.items()}
-        patch = getattr(getattr(model, "config", None), "patch_size", 1)
-        tokens_per_sample = count_tokens(inputs["hidden_states"], patch)
+        tokens_per_sample = self.condition.tokens_per_sample(inputs)
+        if tokens_per_sample is None:
+            patch = getattr(getattr(model, "config", None), "patch_size", 1)
+            tokens_per_sample = count_tokens(inputs["hidden_states"], patch)
         self._check_sequence_split(model, tokens_per_sample, inputs)
         return TrainingInputs(inputs, target, sigmas, loss_mask, len(generators), tokens_per_sample)
 
