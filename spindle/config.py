@@ -348,9 +348,10 @@ class CheckpointConfig(Section):
         "stops the run (0: only then)",
     )
     resume: str = Field(
-        "none",
-        description="none | auto (latest in output_dir; refused when a key that defines the run changed) | force "
-        "(latest, whatever changed) | path to a checkpoint folder",
+        "auto",
+        description="auto (latest in output_dir; refused when a key that defines the run changed) | force "
+        "(latest, whatever changed) | none (start over; refused in a folder holding checkpoints) | path to a "
+        "checkpoint folder",
     )
     keep_last: int = Field(2, ge=1, description="resumable checkpoints kept on disk")
     export: bool = Field(True, description="export the model's standard folder (diffusers / transformers) at the end")

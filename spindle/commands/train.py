@@ -3,8 +3,11 @@
   spindle train CONFIG.yaml [key.sub=value ...] [--nproc N]
 
 Overrides use dotted keys and YAML values, e.g. `train.lr=1e-4 data.resolution=[64,64]`.
-Outputs in train.output_dir: config.yaml (resolved), run.json (the keys that define the run: a resume with
-any of them changed is refused unless checkpoint.resume=force), summary.json (the start- and end-of-run
+A folder holds one run: a rerun into it resumes that run (checkpoint.resume=auto, the default) and is
+refused, naming each key, when a key that defines the run changed; checkpoint.resume=none (start over) is
+refused in a folder holding checkpoints. checkpoint.resume=force resumes the newest checkpoint whatever
+changed; a fresh train.output_dir starts over.
+Outputs in train.output_dir: config.yaml (resolved), run.json (the keys that define the run), summary.json (the start- and end-of-run
 summaries printed), metrics.jsonl (one line per step),
 tensorboard/ (event files, when tensorboard is installed), samples/step-000N/ (train.validation, named like the checkpoints),
 checkpoints/step-N/ (resumable, sharded), export/ (a diffusers pipeline / transformers model folder; with
@@ -54,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         from spindle.distributed.checkpoint import list_checkpoints
         from spindle.train.run_record import check_before_launch
 
-        check_before_launch(cfg, bool(list_checkpoints(cfg.train.output_dir)))
+        check_before_launch(cfg, list_checkpoints(cfg.train.output_dir))
     if args.nproc > 1 and not under_launcher():
         # The launcher holds the output folder for its workers: it is the process that lives as
         # long as the job, and the one a second run can check (spindle.train.output_lock).

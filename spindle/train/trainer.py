@@ -31,7 +31,13 @@ from spindle.train.metrics import MetricsLog, truncate_metrics
 from spindle.train.optim import build_optimizer, build_scheduler
 from spindle.train.output_lock import OutputLock, held_by_our_launcher
 from spindle.train.precision import frozen_dtype
-from spindle.train.run_record import check_same_run, read_run_record, schedule_steps, write_run_record
+from spindle.train.run_record import (
+    check_fresh_start,
+    check_same_run,
+    read_run_record,
+    schedule_steps,
+    write_run_record,
+)
 from spindle.train.run_summary import (
     EndTracker,
     epochs_for,
@@ -139,6 +145,7 @@ class Trainer:
         unchanged (unless checkpoint.resume=force) and the schedule keeps its original length; a run
         already at max_steps is complete (nothing is built, trained or written)."""
         self.force = cfg.checkpoint.resume == "force"
+        check_fresh_start(cfg, ckpt.list_checkpoints(self.output_dir))
         self.resume_step = ckpt.checkpoint_step(self.resume_from) if self.resume_from is not None else 0
         # the folder of the run the checkpoint belongs to (an explicit checkpoint may be another run's)
         run_dir = self.resume_from.parent.parent if self.resume_from is not None else self.output_dir
