@@ -56,6 +56,7 @@ def lora_usage(folder: str | Path, base: str | None) -> str:
         f"{folder} is a LoRA ({LORA_WEIGHTS}), not a model: load it on the pipeline it was trained from, "
         f"e.g. `spindle generate --model {base_text} --lora {folder} ...`"
         + ("" if base else " (BASE: the diffusers pipeline folder the LoRA was trained on)")
+        + "; or write the full folder with the LoRA fused: `spindle export RUN --out DIR --merge`"
     )
 
 

@@ -192,6 +192,36 @@ def test_export_cli_writes_the_lora_of_a_checkpoint(lora_run, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_export_cli_merge_writes_a_full_pipeline_stock_diffusers_loads(lora_run, tiny_wan, tmp_path, spindle_cli):
+    """`spindle export RUN --merge` (issue 43): OUT/merged is a full pipeline with the LoRA fused that
+    stock `WanPipeline.from_pretrained` loads and that generates what base + LoRA generates; without
+    --merge, `generate --model RUN_EXPORT` says to use `--model BASE --lora DIR` (or --merge)."""
+    _, result = lora_run
+    out = tmp_path / "exported"
+    proc = spindle_cli("export", result.output_dir, "--out", out, "--merge")
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
+    merged = _stock_frames(out / "merged")
+    with_lora = _stock_frames(tiny_wan, lora=out / "lora")
+    assert np.abs(merged - with_lora).max() <= 1e-4
+    assert np.abs(merged - _stock_frames(tiny_wan)).max() > 1e-4, "the merge changed nothing"
+
+    plain = tmp_path / "plain"
+    assert spindle_cli("export", result.output_dir, "--out", plain).returncode == 0
+    assert not (plain / "merged").exists()
+    proc = spindle_cli("generate", "--model", plain, "--prompt", "a cat", "--out", tmp_path / "x.png")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"--model {tiny_wan.resolve()} --lora {plain / 'lora'}" in proc.stderr and "--merge" in proc.stderr
+
+
+def test_export_cli_merge_of_a_full_fine_tune_is_refused(tiny_qwen3, lm_corpus, tmp_path, spindle_cli):
+    from tests.conftest import lm_train
+
+    _, result = lm_train(tiny_qwen3, lm_corpus, tmp_path / "run", train__max_steps=1, checkpoint__export=False)
+    proc = spindle_cli("export", result.output_dir, "--out", tmp_path / "x", "--merge")
+    assert proc.returncode == 2 and "no train.lora" in proc.stderr and "drop --merge" in proc.stderr
+
+
 # ---------------------------------------------------------------- bad input
 
 

@@ -297,7 +297,13 @@ class FlowMatchingTask(TrainTask):
 
     @classmethod
     def export_checkpoint(
-        cls, family: DiTFamily, checkpoint: Path, model_path: Path, out: Path, dtype: str = "auto"
+        cls,
+        family: DiTFamily,
+        checkpoint: Path,
+        model_path: Path,
+        out: Path,
+        dtype: str = "auto",
+        merge: bool = False,
     ) -> Path:
         """One process, without building the model: the trained tensors are streamed from the checkpoint
         (`spindle.export.diffusers.export_pipeline_streamed`), a LoRA run's adapters read by name."""
@@ -318,7 +324,7 @@ class FlowMatchingTask(TrainTask):
             model_path,
             adapters,
             out,
-            merge=False,
+            merge=merge,
             max_text_length=text_length,
             dtypes=dtypes,
             component=component,
