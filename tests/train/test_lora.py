@@ -339,3 +339,47 @@ def test_the_lora_export_says_how_to_use_it(lora_run, tiny_wan, spindle_cli, tmp
 
     assert load_generator(tiny_wan, device="cpu", lora=str(lora_dir)).defaults.max_sequence_length == TINY_TEXT
     assert load_generator(tiny_wan, device="cpu").defaults.max_sequence_length == 512  # no record: the family's
+
+
+def test_an_i2v_lora_card_runs_as_written(tiny_wan_i2v, shapes_videos, tmp_path, spindle_cli, monkeypatch):
+    """The LoRA card of an image-to-video LoRA (issue 43): its `spindle generate` line passes `--image`
+    and the size it was trained at, and runs as written from a folder holding `image.png`; its
+    diffusers snippet passes `image=` and runs as written too."""
+    import shlex
+
+    from PIL import Image
+
+    from spindle.models.wan_i2v import TEXT_LENGTH
+    from tests.conftest import TINY_FRAMES, TINY_SIZE, train_overrides
+
+    overrides = train_overrides(
+        tiny_wan_i2v,
+        shapes_videos,
+        tmp_path / "run",
+        train__max_steps=1,
+        train__global_batch_size=2,
+        train__lora=LORA,
+        model__max_text_length=TEXT_LENGTH,
+    )
+    config = tmp_path / "job.yaml"
+    config.write_text("{}\n")
+    trained = spindle_cli("train", config, *overrides)
+    assert trained.returncode == 0, trained.stderr
+    card = (tmp_path / "run" / "export" / "lora" / "README.md").read_text()
+    spindle_line = next(line for line in card.splitlines() if line.startswith("spindle generate"))
+    height, width = TINY_SIZE
+    assert f"--image image.png --height {height} --width {width} --num-frames {TINY_FRAMES}" in spindle_line
+    snippet = card.split("```python\n")[1].split("```")[0]
+    assert 'image=load_image("image.png")' in snippet
+
+    work = tmp_path / "work"
+    work.mkdir()
+    Image.new("RGB", (width, height), (200, 40, 40)).save(work / "image.png")
+    monkeypatch.chdir(work)
+    args = shlex.split(spindle_line)[1:]
+    proc = spindle_cli(*args)
+    assert proc.returncode == 0, proc.stderr
+    assert (work / "sample.mp4").stat().st_size > 0
+    scope: dict = {}
+    exec(compile(snippet, "card", "exec"), scope)
+    assert scope["out"].frames.shape[1] == TINY_FRAMES

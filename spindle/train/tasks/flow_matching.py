@@ -268,7 +268,12 @@ class FlowMatchingTask(TrainTask):
             "lora": lora.model_dump() if lora is not None else None,
             "max_text_length": self.cfg.model.max_text_length,  # recorded in exports (spindle.export.record)
             "component": self.component,  # the transformer folder trained (a two-expert checkpoint's expert)
+            "sample_size": self.sample_size(),  # the LoRA card's commands generate at it
         }
+
+    def sample_size(self) -> dict[str, int]:
+        height, width = self.cfg.data.resolution
+        return {"height": height, "width": width, "num_frames": self.cfg.data.num_frames}
 
     def export(self, model: torch.nn.Module, out: Path) -> Path | None:
         root, component = self.cfg.model.path, self.component
@@ -291,6 +296,7 @@ class FlowMatchingTask(TrainTask):
                 max_text_length=self.cfg.model.max_text_length,
                 dtypes=dtypes,
                 component=component,
+                size=self.sample_size(),
             )
         barrier()
         return result
@@ -328,6 +334,7 @@ class FlowMatchingTask(TrainTask):
             max_text_length=text_length,
             dtypes=dtypes,
             component=component,
+            size=state.get("sample_size"),  # None: a checkpoint from before it was recorded
         )
 
 
