@@ -241,7 +241,11 @@ class ValidationConfig(Section):
     size: tuple[int, int] | None = Field(None, description="[height, width]; default: data.resolution")
     num_frames: int | None = Field(None, ge=1, description="video families; default: data.num_frames")
     guidance_scale: float | None = Field(None, description="default: the family's sampling default")
-    use_ema: bool = Field(False, description="render with the EMA of the weights (needs train.ema) instead of them")
+    use_ema: bool | None = Field(
+        None,
+        description="render with the EMA of the weights (needs train.ema) instead of them; default: what the "
+        "export holds (the EMA when export.weights resolves to ema), so the samples show what the export gives",
+    )
     images: list[str | list[str]] = Field(
         default_factory=list,
         description="image-conditioned families (image-to-video, image edits): the conditioning image of each "
@@ -761,6 +765,13 @@ class TrainJobConfig(Section):
     def export_weights(self) -> str:
         """`export.weights` resolved: its default follows `train.ema`."""
         return self.export.weights or ("ema" if self.train.ema is not None else "trained")
+
+    @property
+    def validate_with_ema(self) -> bool:
+        """`train.validation.use_ema` resolved: by default the weights the export holds (the EMA when
+        `export.weights` is ema), so the samples the user watches come from what they will get."""
+        use = self.train.validation.use_ema
+        return self.export_weights == "ema" if use is None else use
 
 
 class DiTTrainConfig(TrainConfig):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 HELP = "export a training checkpoint as a standard diffusers / transformers folder"
@@ -72,6 +73,12 @@ def run(args: argparse.Namespace) -> int:
             f"--merge: checkpoint {path} is a full fine-tune (no train.lora): its export is already the full "
             "folder; drop --merge"
         )
+    if weights != "trained" and state.get("ema") is not None:
+        from spindle.config import EmaConfig
+        from spindle.train.ema import few_updates_warning
+
+        if (warning := few_updates_warning(EmaConfig(**state["ema"]), state["step"])) is not None:
+            print(f"warning: {warning}", file=sys.stderr)
     run_dir = path.parent.parent if path.parent.name == "checkpoints" else None
     target = check_export_target(
         args.out,

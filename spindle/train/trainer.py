@@ -25,7 +25,7 @@ from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.launch import launcher_world_size
 from spindle.distributed.mesh import Mesh, ParallelDims, build_mesh, device_type, is_main_process
 from spindle.export.target import record_export, refuse_protected
-from spindle.train.ema import build_ema, ema_checkpoint_state, export_weights
+from spindle.train.ema import build_ema, ema_checkpoint_state, export_weights, few_updates_warning
 from spindle.train.memory import PeakMemory, frozen_parameter_bytes, report_peak_memory, state_memory_per_rank
 from spindle.train.metrics import MetricsLog, truncate_metrics
 from spindle.train.optim import build_optimizer, build_scheduler
@@ -438,7 +438,8 @@ class Trainer:
         if not val.every_steps or not val.prompts or self.step % val.every_steps:
             return
         devices = [self.device] if self.device.type == "cuda" else []
-        weights = self.ema.swapped_in(self.model) if val.use_ema and self.ema is not None else nullcontext()
+        use_ema = self.cfg.validate_with_ema and self.ema is not None
+        weights = self.ema.swapped_in(self.model) if use_ema else nullcontext()
         with torch.random.fork_rng(devices=devices), torch.no_grad(), weights:
             self.model.eval()
             try:
@@ -453,6 +454,9 @@ class Trainer:
     def export(self, checkpoint_dir: Path) -> Path | None:
         """`export.weights`: the trained weights, their EMA, or both (`spindle.train.ema.export_weights`)."""
         ema = self.ema
+        if ema is not None and self.cfg.export_weights != "trained" and is_main_process():
+            if (warning := few_updates_warning(ema.config, self.step)) is not None:
+                log.warning(warning)
         out = export_weights(
             self.cfg.export_weights,
             self.output_dir / "export",
