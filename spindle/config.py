@@ -6,6 +6,7 @@ closest valid key. The resolved config is written next to the run's outputs.
 
 from __future__ import annotations
 
+import copy
 import difflib
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -1065,9 +1066,13 @@ def load_raw(path: str | Path) -> dict[str, Any]:
     return raw
 
 
-def load_raw_config(path: str | Path | None, overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """YAML file (or nothing) + dotted overrides -> the raw mapping, not yet validated."""
-    raw = load_raw(path) if path is not None else {}
+def load_raw_config(path: str | Path | dict[str, Any] | None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """YAML file (or a mapping of its sections, copied, or nothing) + dotted overrides -> the raw mapping,
+    not yet validated."""
+    if isinstance(path, dict):
+        raw = copy.deepcopy(path)
+    else:
+        raw = load_raw(path) if path is not None else {}
     for override in overrides:
         apply_override(raw, override)
     return raw
