@@ -328,6 +328,12 @@ class TrainConfig(Section):
     validation: ValidationConfig = ValidationConfig()
     tensorboard: bool = Field(True, description="write TensorBoard event files (when tensorboard is installed)")
 
+    @field_validator("validation", mode="before")
+    @classmethod
+    def _validation_off(cls, value: Any) -> Any:
+        """`train.validation: null` -> no validation (the defaults: every_steps 0), as `train.lora: null` is no LoRA."""
+        return {} if value is None else value
+
     @field_validator("ema", mode="before")
     @classmethod
     def _ema_switch(cls, value: Any) -> Any:

@@ -20,6 +20,8 @@ to `spindle` stop the whole job; a second run into an output folder a live run h
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
 
 HELP = "fine-tune a DiT or a language model (YAML config + dotted overrides)"
 
@@ -30,15 +32,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=1, help="processes on this node (re-launches under torchrun)")
 
 
+class OutsideProgressBar(logging.StreamHandler):  # type: ignore[type-arg]
+    """The run log on stderr through tqdm.write, so a line logged while the step bar is drawn (peak
+    memory after step 1, a checkpoint saved) lands on its own line above the bar, not inside it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:
+            self.handleError(record)
+
+
 def show_run_log() -> None:
     """The trainer's INFO lines (data statistics, peak memory per rank, resume) on stderr; the trainer
     logs them from rank 0 only. Left alone when the caller configured logging already."""
-    import logging
-
     logger = logging.getLogger("spindle.train")
     if logger.handlers or logging.getLogger().handlers:
         return
-    handler = logging.StreamHandler()
+    handler = OutsideProgressBar()
     handler.setFormatter(logging.Formatter("%(message)s"))
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)

@@ -213,7 +213,7 @@ class Trainer:
             say(f"resumed from step {self.step} (checkpoint {path})")
 
     def save(self) -> Path:
-        return ckpt.save_checkpoint(
+        path = ckpt.save_checkpoint(
             self.output_dir,
             self.step,
             self.model,
@@ -222,6 +222,9 @@ class Trainer:
             keep_last=self.cfg.checkpoint.keep_last,
             extra=ema_checkpoint_state(self.ema),
         )
+        if is_main_process():
+            log.info("step %d: checkpoint saved to %s", self.step, path)
+        return path
 
     # ------------------------------------------------------------ loop
 
@@ -450,6 +453,9 @@ class Trainer:
                 self.model.train()
         for index, frames in enumerate(samples):
             metrics.log_sample(self.step, index, frames)
+        if samples and is_main_process():
+            where = self.output_dir / "samples" / ckpt.step_dirname(self.step)
+            log.info("step %d: %d validation sample(s) written to %s", self.step, len(samples), where)
 
     def export(self, checkpoint_dir: Path) -> Path | None:
         """`export.weights`: the trained weights, their EMA, or both (`spindle.train.ema.export_weights`)."""
