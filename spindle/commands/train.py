@@ -32,17 +32,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=1, help="processes on this node (re-launches under torchrun)")
 
 
-class OutsideProgressBar(logging.StreamHandler):  # type: ignore[type-arg]
+class OutsideProgressBar(logging.StreamHandler):
     """The run log on stderr through tqdm.write, so a line logged while the step bar is drawn (peak
     memory after step 1, a checkpoint saved) lands on its own line above the bar, not inside it."""
 
     def emit(self, record: logging.LogRecord) -> None:
         from tqdm import tqdm
 
-        try:
-            tqdm.write(self.format(record), file=sys.stderr)
-        except Exception:
-            self.handleError(record)
+        tqdm.write(self.format(record), file=sys.stderr)
 
 
 def show_run_log() -> None:

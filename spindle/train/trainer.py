@@ -441,8 +441,8 @@ class Trainer:
         if not val.every_steps or not val.prompts or self.step % val.every_steps:
             return
         devices = [self.device] if self.device.type == "cuda" else []
-        use_ema = self.cfg.validate_with_ema and self.ema is not None
-        weights = self.ema.swapped_in(self.model) if use_ema else nullcontext()
+        ema = self.ema if self.cfg.validate_with_ema else None
+        weights = ema.swapped_in(self.model) if ema is not None else nullcontext()
         with torch.random.fork_rng(devices=devices), torch.no_grad(), weights:
             self.model.eval()
             try:
