@@ -67,11 +67,11 @@ def run(args: argparse.Namespace) -> int:
         from spindle.distributed.checkpoint import list_checkpoints
         from spindle.train.run_record import check_before_launch
 
-        check_before_launch(cfg, list_checkpoints(cfg.train.output_dir))
-    if args.nproc > 1 and not under_launcher():
         # The launcher holds the output folder for its workers: it is the process that lives as
-        # long as the job, and the one a second run can check (spindle.train.output_lock).
+        # long as the job, and the one a second run can check (spindle.train.output_lock). Held
+        # before the one-run checks, so a live run's refusal comes first, as in the trainer.
         with OutputLock(cfg.train.output_dir):
+            check_before_launch(cfg, list_checkpoints(cfg.train.output_dir))
             return int(maybe_relaunch(args.nproc, args._argv) or 0)
     code = maybe_relaunch(args.nproc, args._argv)
     if code is not None:
