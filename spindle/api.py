@@ -46,7 +46,7 @@ def job_task(family: Family) -> type[TrainTask]:
     return get_task(family.task)
 
 
-def load_job_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Any:
+def load_job_config(path: str | Path | dict[str, Any] | None, overrides: Sequence[str] = ()) -> Any:
     """YAML + dotted overrides -> the job config, validated against the schema of the task that the
     checkpoint's family trains with (so `data:` is checked for that kind of model)."""
     raw = load_raw_config(path, overrides)

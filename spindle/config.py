@@ -6,6 +6,7 @@ closest valid key. The resolved config is written next to the run's outputs.
 
 from __future__ import annotations
 
+import copy
 import difflib
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -241,7 +242,11 @@ class ValidationConfig(Section):
     size: tuple[int, int] | None = Field(None, description="[height, width]; default: data.resolution")
     num_frames: int | None = Field(None, ge=1, description="video families; default: data.num_frames")
     guidance_scale: float | None = Field(None, description="default: the family's sampling default")
-    use_ema: bool = Field(False, description="render with the EMA of the weights (needs train.ema) instead of them")
+    use_ema: bool | None = Field(
+        None,
+        description="render with the EMA of the weights (needs train.ema) instead of them; default: what the "
+        "export holds (the EMA when export.weights resolves to ema), so the samples show what the export gives",
+    )
     images: list[str | list[str]] = Field(
         default_factory=list,
         description="image-conditioned families (image-to-video, image edits): the conditioning image of each "
@@ -323,6 +328,12 @@ class TrainConfig(Section):
     validation: ValidationConfig = ValidationConfig()
     tensorboard: bool = Field(True, description="write TensorBoard event files (when tensorboard is installed)")
 
+    @field_validator("validation", mode="before")
+    @classmethod
+    def _validation_off(cls, value: Any) -> Any:
+        """`train.validation: null` -> no validation (the defaults: every_steps 0), as `train.lora: null` is no LoRA."""
+        return {} if value is None else value
+
     @field_validator("ema", mode="before")
     @classmethod
     def _ema_switch(cls, value: Any) -> Any:
@@ -348,9 +359,10 @@ class CheckpointConfig(Section):
         "stops the run (0: only then)",
     )
     resume: str = Field(
-        "none",
-        description="none | auto (latest in output_dir; refused when a key that defines the run changed) | force "
-        "(latest, whatever changed) | path to a checkpoint folder",
+        "auto",
+        description="auto (latest in output_dir; refused when a key that defines the run changed) | force "
+        "(latest, whatever changed) | none (start over; refused in a folder holding checkpoints) | path to a "
+        "checkpoint folder",
     )
     keep_last: int = Field(2, ge=1, description="resumable checkpoints kept on disk")
     export: bool = Field(True, description="export the model's standard folder (diffusers / transformers) at the end")
@@ -761,6 +773,13 @@ class TrainJobConfig(Section):
         """`export.weights` resolved: its default follows `train.ema`."""
         return self.export.weights or ("ema" if self.train.ema is not None else "trained")
 
+    @property
+    def validate_with_ema(self) -> bool:
+        """`train.validation.use_ema` resolved: by default the weights the export holds (the EMA when
+        `export.weights` is ema), so the samples the user watches come from what they will get."""
+        use = self.train.validation.use_ema
+        return self.export_weights == "ema" if use is None else use
+
 
 class DiTTrainConfig(TrainConfig):
     objective: Literal["flow_matching", "diffusion_dpo"] = Field(
@@ -1054,9 +1073,13 @@ def load_raw(path: str | Path) -> dict[str, Any]:
     return raw
 
 
-def load_raw_config(path: str | Path | None, overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """YAML file (or nothing) + dotted overrides -> the raw mapping, not yet validated."""
-    raw = load_raw(path) if path is not None else {}
+def load_raw_config(path: str | Path | dict[str, Any] | None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """YAML file (or a mapping of its sections, copied, or nothing) + dotted overrides -> the raw mapping,
+    not yet validated."""
+    if isinstance(path, dict):
+        raw = copy.deepcopy(path)
+    else:
+        raw = load_raw(path) if path is not None else {}
     for override in overrides:
         apply_override(raw, override)
     return raw

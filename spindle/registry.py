@@ -168,8 +168,10 @@ def resolve_family(root: str | Path) -> Family:
     if not has_model_index(root):
         if (root / "config.json").is_file():
             return _resolve_transformers_folder(root)
-        if is_lora_folder(root):  # an exported LoRA given where a model goes: say how to use it
-            raise FileNotFoundError(lora_usage(root, read_export_record(root).get("base_model")))
+        # an exported LoRA (or a LoRA run's export/, holding lora/) given where a model goes: say how to use it
+        lora = next((f for f in (root, root / "lora") if is_lora_folder(f)), None)
+        if lora is not None:
+            raise FileNotFoundError(lora_usage(lora, read_export_record(lora).get("base_model")))
         raise FileNotFoundError(
             f"{index_path} not found: model.path must be a diffusers pipeline folder (model_index.json) or a "
             "transformers model folder (config.json with model_type)"

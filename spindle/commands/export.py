@@ -1,10 +1,11 @@
 """Export a training checkpoint in the base model's standard layout.
 
-  spindle export OUTPUT_DIR/checkpoints/step-000100 --out DIR [--model PATH]
+  spindle export OUTPUT_DIR/checkpoints/step-000100 --out DIR [--model PATH] [--merge]
 
 The export is the training task's: for a DiT, a diffusers pipeline folder (the base checkpoint's
 components plus the trained transformer) that stock diffusers loads (`WanPipeline.from_pretrained(DIR)`);
-for a language model, a transformers folder. The weights are written in the base checkpoint's precision
+for a language model, a transformers folder. A LoRA run's export is `lora/` (the adapters, loaded with
+`--model BASE --lora DIR/lora`); `--merge` adds `merged/`, the full folder with the LoRA fused. The weights are written in the base checkpoint's precision
 (`--dtype` overrides). No Spindle code is needed to load either. Works on one
 process whatever world size the checkpoint was saved with. A run with `train.ema` exports what its
 `export.weights` chose unless `--weights` says otherwise (`spindle.train.ema.export_weights`).
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 HELP = "export a training checkpoint as a standard diffusers / transformers folder"
@@ -33,6 +35,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         choices=("auto", "float32", "bfloat16", "float16"),
         help="dtype of the written weights (default auto: as the base checkpoint stores them; bf16 in -> bf16 out)",
+    )
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA run: also write OUT/merged/, the full diffusers pipeline / transformers folder with the LoRA "
+        "fused (stock from_pretrained loads it), beside OUT/lora/",
     )
     p.add_argument(
         "--weights",
@@ -60,6 +68,17 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--weights {weights}: checkpoint {path} holds no EMA (its run had no train.ema); use --weights trained"
         )
+    if args.merge and state.get("lora") is None:
+        raise ValueError(
+            f"--merge: checkpoint {path} is a full fine-tune (no train.lora): its export is already the full "
+            "folder; drop --merge"
+        )
+    if weights != "trained" and state.get("ema") is not None:
+        from spindle.config import EmaConfig
+        from spindle.train.ema import few_updates_warning
+
+        if (warning := few_updates_warning(EmaConfig(**state["ema"]), state["step"])) is not None:
+            print(f"warning: {warning}", file=sys.stderr)
     run_dir = path.parent.parent if path.parent.name == "checkpoints" else None
     target = check_export_target(
         args.out,
@@ -71,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         out = export_weights(
             weights,
             target,
-            lambda folder: task.export_checkpoint(family, path, model_path, folder, dtype=args.dtype),
+            lambda folder: task.export_checkpoint(family, path, model_path, folder, dtype=args.dtype, merge=args.merge),
             lambda: ckpt.reading_weights(EMA_STATE),
             task.ema_paths(state),
         )

@@ -3,8 +3,11 @@
   spindle train CONFIG.yaml [key.sub=value ...] [--nproc N]
 
 Overrides use dotted keys and YAML values, e.g. `train.lr=1e-4 data.resolution=[64,64]`.
-Outputs in train.output_dir: config.yaml (resolved), run.json (the keys that define the run: a resume with
-any of them changed is refused unless checkpoint.resume=force), summary.json (the start- and end-of-run
+A folder holds one run: a rerun into it resumes that run (checkpoint.resume=auto, the default) and is
+refused, naming each key, when a key that defines the run changed; checkpoint.resume=none (start over) is
+refused in a folder holding checkpoints. checkpoint.resume=force resumes the newest checkpoint whatever
+changed; a fresh train.output_dir starts over.
+Outputs in train.output_dir: config.yaml (resolved), run.json (the keys that define the run), summary.json (the start- and end-of-run
 summaries printed), metrics.jsonl (one line per step),
 tensorboard/ (event files, when tensorboard is installed), samples/step-000N/ (train.validation, named like the checkpoints),
 checkpoints/step-N/ (resumable, sharded), export/ (a diffusers pipeline / transformers model folder; with
@@ -17,6 +20,8 @@ to `spindle` stop the whole job; a second run into an output folder a live run h
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
 
 HELP = "fine-tune a DiT or a language model (YAML config + dotted overrides)"
 
@@ -27,15 +32,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=1, help="processes on this node (re-launches under torchrun)")
 
 
+class OutsideProgressBar(logging.StreamHandler):
+    """The run log on stderr through tqdm.write, so a line logged while the step bar is drawn (peak
+    memory after step 1, a checkpoint saved) lands on its own line above the bar, not inside it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        tqdm.write(self.format(record), file=sys.stderr)
+
+
 def show_run_log() -> None:
     """The trainer's INFO lines (data statistics, peak memory per rank, resume) on stderr; the trainer
     logs them from rank 0 only. Left alone when the caller configured logging already."""
-    import logging
-
     logger = logging.getLogger("spindle.train")
     if logger.handlers or logging.getLogger().handlers:
         return
-    handler = logging.StreamHandler()
+    handler = OutsideProgressBar()
     handler.setFormatter(logging.Formatter("%(message)s"))
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
@@ -54,11 +67,11 @@ def run(args: argparse.Namespace) -> int:
         from spindle.distributed.checkpoint import list_checkpoints
         from spindle.train.run_record import check_before_launch
 
-        check_before_launch(cfg, bool(list_checkpoints(cfg.train.output_dir)))
-    if args.nproc > 1 and not under_launcher():
         # The launcher holds the output folder for its workers: it is the process that lives as
-        # long as the job, and the one a second run can check (spindle.train.output_lock).
+        # long as the job, and the one a second run can check (spindle.train.output_lock). Held
+        # before the one-run checks, so a live run's refusal comes first, as in the trainer.
         with OutputLock(cfg.train.output_dir):
+            check_before_launch(cfg, list_checkpoints(cfg.train.output_dir))
             return int(maybe_relaunch(args.nproc, args._argv) or 0)
     code = maybe_relaunch(args.nproc, args._argv)
     if code is not None:

@@ -210,6 +210,9 @@ class TrainTask(ABC):
 
     @classmethod
     @abstractmethod
-    def export_checkpoint(cls, family: Any, checkpoint: Path, model_path: Path, out: Path, dtype: str = "auto") -> Path:
+    def export_checkpoint(
+        cls, family: Any, checkpoint: Path, model_path: Path, out: Path, dtype: str = "auto", merge: bool = False
+    ) -> Path:
         """One process: export a (possibly sharded) training checkpoint (`spindle export`); `dtype` as
-        `export.dtype` (auto: the base checkpoint's own precision)."""
+        `export.dtype` (auto: the base checkpoint's own precision); `merge` (a LoRA run's checkpoint, as
+        `export.merge_lora`): also write `out/merged/`, the full standard folder with the LoRA fused."""

@@ -66,6 +66,7 @@ def export_lora(
     max_text_length: int | None = None,
     dtypes: ExportDtypes | None = None,
     component: str = "transformer",
+    size: dict[str, int] | None = None,
 ) -> Path:
     """Write `out/lora/` (diffusers' LoRA file + the original-layout file, `spindle.json` naming the base
     model and the trained text length, and a README.md model card with the lines that use it) and, with
@@ -112,6 +113,8 @@ def export_lora(
         lora_dir=str(out.resolve() / "lora"),
         media=family.inference_spec().media if family.inference else "image",
         component=component,
+        images=family.options.images[0],
+        size=size,
     )
     if merge:
         model: Any = load_transformer(base, component=component)  # a diffusers ModelMixin (PEFT loader methods)

@@ -58,6 +58,7 @@ def lora_usage(folder: str | Path, base: str | None) -> str:
         f"{folder} is a LoRA ({LORA_WEIGHTS}), not a model: load it on the pipeline it was trained from, "
         f"e.g. `spindle generate --model {base_text} --lora {folder} ...`"
         + ("" if base else " (BASE: the diffusers pipeline folder the LoRA was trained on)")
+        + "; or write the full folder with the LoRA fused: `spindle export RUN --out DIR --merge`"
     )
 
 
@@ -70,9 +71,13 @@ def write_lora_card(
     lora_dir: str | None = None,
     media: str = "image",
     component: str = "transformer",
+    images: int = 0,
+    size: dict[str, int] | None = None,
 ) -> None:
     """README.md of an exported LoRA folder (`folder`, to be found at `lora_dir` once renamed): what it
-    is, the base model, and the exact `spindle generate` / diffusers lines that use it."""
+    is, the base model, and the exact `spindle generate` / diffusers lines that use it, which run as
+    written: `images` conditioning image files (image-to-video, editing) named `image.png` (`image1.png`
+    ... for several) in both, and `size` (`height`, `width`, `num_frames`: what it was trained at)."""
     folder = Path(folder)
     where = lora_dir or str(folder)
     original = (folder / "original_layout_lora.safetensors").is_file()
@@ -88,6 +93,22 @@ def write_lora_card(
     )
     length_arg = f", max_sequence_length={max_text_length}" if max_text_length else ""
     out_file = "sample.mp4" if media == "video" else "sample.png"
+    files_in = ["image.png"] if images == 1 else [f"image{i + 1}.png" for i in range(images)]
+    image_flags = "".join(f" --image {f}" for f in files_in)
+    loaded = [f'load_image("{f}")' for f in files_in]
+    image_arg = "" if not loaded else f", image={loaded[0] if images == 1 else '[' + ', '.join(loaded) + ']'}"
+    sized = {k: v for k, v in (size or {}).items() if k != "num_frames" or media == "video"}
+    size_flags = "".join(f" --{k.replace('_', '-')} {v}" for k, v in sized.items())
+    size_arg = "".join(f", {k}={v}" for k, v in sized.items())
+    import_image = "from diffusers.utils import load_image\n" if loaded else ""
+    inputs = (
+        f"\nThe commands take {images} conditioning image file(s) ({', '.join(f'`{f}`' for f in files_in)}: the "
+        "first frame for image-to-video, the source for editing); put yours there or change the names.\n"
+        if loaded
+        else ""
+    )
+    trained_at = f"\nThe size given is the one it was trained at ({', '.join(f'{k} {v}' for k, v in sized.items())}).\n"
+    trained_at = trained_at if sized else ""
     # a two-expert checkpoint's low-noise expert (Wan2.2 A14B): diffusers loads it there when told
     into = ", load_into_transformer_2=True" if component == "transformer_2" else ""
     card = f"""# LoRA for {family} (trained with Spindle)
@@ -96,11 +117,11 @@ Base model: `{base}` (the diffusers pipeline folder this LoRA was trained on).
 Files: {files}, `{EXPORT_RECORD}` (how it was trained).
 
 {length}
-
+{inputs}{trained_at}
 ## Spindle
 
 ```
-spindle generate --model {base} --lora {where} --prompt "..." --out {out_file}
+spindle generate --model {base} --lora {where} --prompt "..."{image_flags}{size_flags} --out {out_file}
 spindle serve --model {base} --lora {where}
 ```
 
@@ -108,10 +129,10 @@ spindle serve --model {base} --lora {where}
 
 ```python
 import diffusers
-
+{import_image}
 pipe = diffusers.{pipeline_class}.from_pretrained("{base}")
 pipe.load_lora_weights("{where}"{into})
-out = pipe(prompt="..."{length_arg})
+out = pipe(prompt="..."{image_arg}{size_arg}{length_arg})
 ```
 """
     (folder / "README.md").write_text(card)

@@ -124,6 +124,20 @@ class WeightsEMA:
                 torch._foreach_copy_(local, saved)
 
 
+def few_updates_warning(config: EmaConfig, step: int) -> str | None:
+    """A warning when the EMA exported at optimizer step `step` has seen too few updates to have moved
+    far from where it started: more than half of it is still the weights of step `start_step`
+    (decay ** updates > 0.5), so the export is close to those, not to the trained weights."""
+    updates = max(step - config.start_step, 0) // config.every
+    if step <= config.start_step or config.decay**updates <= 0.5:
+        return None
+    return (
+        f"the exported EMA has seen {updates} update(s) (train.ema.decay={config.decay}): {config.decay**updates:.0%} "
+        f"of it is still the weights of step {config.start_step}, so the export is close to those; train longer, "
+        "lower train.ema.decay, or export the trained weights (export.weights: trained, or --weights trained)"
+    )
+
+
 def reshard(model: torch.nn.Module) -> None:
     from torch.distributed.fsdp import FSDPModule
 

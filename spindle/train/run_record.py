@@ -8,6 +8,9 @@ a new `train.output_dir`). Keys that only change how the same run is computed (t
 micro-batch size, activation checkpointing, compile, precision, logging, validation, export) may
 change on resume.
 
+Whatever `checkpoint.resume` says, a folder holds one run: `none` (start over) into a folder that holds
+checkpoints is refused too (`check_fresh_start`), naming the keys that differ from the recorded run.
+
 `train.max_steps` is not part of the identity: it says where the run stops. The learning-rate
 schedule keeps the length recorded when the run started (`schedule_steps`), so extending a run
 continues the original schedule (no jump in the learning rate); `force` adopts the new config's.
@@ -120,9 +123,30 @@ def schedule_steps(record: dict[str, Any] | None, cfg: TrainJobConfig, force: bo
     return int(record["schedule_steps"])
 
 
-def check_before_launch(cfg: TrainJobConfig, has_checkpoint: bool) -> None:
-    """The same-run check of `checkpoint.resume=auto` in the process that launches the workers (one
-    line for the user, exit 2, instead of one error per rank). The trainer checks again, exactly."""
-    if cfg.checkpoint.resume == "auto" and has_checkpoint:
+def check_fresh_start(cfg: TrainJobConfig, checkpoints: list[Path]) -> None:
+    """`checkpoint.resume=none` starts over: refused in a folder that holds a run's checkpoints, since
+    starting over there would mix two runs' metrics.jsonl, checkpoints and export/ (one run per folder,
+    whatever checkpoint.resume says). Names the keys that differ from the recorded run, if any."""
+    if cfg.checkpoint.resume != "none" or not checkpoints:
+        return
+    output_dir = Path(cfg.train.output_dir)
+    record = read_run_record(output_dir)
+    changes = changed_keys(record["identity"], run_identity(cfg)) if record and "identity" in record else []
+    differs = (
+        "; its settings differ: " + "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in changes) if changes else ""
+    )
+    raise ConfigError(
+        f"{output_dir} holds the checkpoints of a run (newest {checkpoints[-1].name}){differs}. "
+        "checkpoint.resume=none would start over in it and mix two runs' metrics.jsonl, checkpoints and export/. "
+        "Use a fresh train.output_dir, checkpoint.resume=auto to continue that run, or checkpoint.resume=force "
+        "to resume its newest checkpoint with these settings"
+    )
+
+
+def check_before_launch(cfg: TrainJobConfig, checkpoints: list[Path]) -> None:
+    """The one-run-per-folder checks in the process that launches the workers (one line for the user,
+    exit 2, instead of one error per rank). The trainer checks again, exactly."""
+    check_fresh_start(cfg, checkpoints)
+    if cfg.checkpoint.resume == "auto" and checkpoints:
         output_dir = Path(cfg.train.output_dir)
         check_same_run(read_run_record(output_dir), cfg, output_dir)

@@ -32,6 +32,10 @@ DIM_ROLES = {
 }
 
 
+# how the summary names a resolved mixed precision ("no": no autocast, the weights' own fp32)
+PRECISION_NAMES = {"no": "fp32"}
+
+
 def say(message: str) -> None:
     """A line for the user that never lands inside a progress bar (call on rank 0 only)."""
     tqdm.write(message)
@@ -80,7 +84,7 @@ def format_start(summary: dict[str, Any]) -> str:
     resume = summary["resume"]
     lines = [
         f"run: {summary['family']} ({summary['task']} task), {summary['max_steps']} steps of "
-        f"{summary['global_batch_size']} samples, precision {summary['precision']}",
+        f"{summary['global_batch_size']} samples, precision {PRECISION_NAMES.get(p := summary['precision'], p)}",
         f"data: {data or 'no counts'}" + (f"; {summary['epochs']} epochs" if summary["epochs"] is not None else ""),
         *groups,
         f"parameters: {params['trainable']:,} trainable, {params['frozen']:,} frozen",

@@ -25,13 +25,19 @@ from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.launch import launcher_world_size
 from spindle.distributed.mesh import Mesh, ParallelDims, build_mesh, device_type, is_main_process
 from spindle.export.target import record_export, refuse_protected
-from spindle.train.ema import build_ema, ema_checkpoint_state, export_weights
+from spindle.train.ema import build_ema, ema_checkpoint_state, export_weights, few_updates_warning
 from spindle.train.memory import PeakMemory, frozen_parameter_bytes, report_peak_memory, state_memory_per_rank
 from spindle.train.metrics import MetricsLog, truncate_metrics
 from spindle.train.optim import build_optimizer, build_scheduler
 from spindle.train.output_lock import OutputLock, held_by_our_launcher
 from spindle.train.precision import frozen_dtype
-from spindle.train.run_record import check_same_run, read_run_record, schedule_steps, write_run_record
+from spindle.train.run_record import (
+    check_fresh_start,
+    check_same_run,
+    read_run_record,
+    schedule_steps,
+    write_run_record,
+)
 from spindle.train.run_summary import (
     EndTracker,
     epochs_for,
@@ -139,6 +145,7 @@ class Trainer:
         unchanged (unless checkpoint.resume=force) and the schedule keeps its original length; a run
         already at max_steps is complete (nothing is built, trained or written)."""
         self.force = cfg.checkpoint.resume == "force"
+        check_fresh_start(cfg, ckpt.list_checkpoints(self.output_dir))
         self.resume_step = ckpt.checkpoint_step(self.resume_from) if self.resume_from is not None else 0
         # the folder of the run the checkpoint belongs to (an explicit checkpoint may be another run's)
         run_dir = self.resume_from.parent.parent if self.resume_from is not None else self.output_dir
@@ -206,7 +213,7 @@ class Trainer:
             say(f"resumed from step {self.step} (checkpoint {path})")
 
     def save(self) -> Path:
-        return ckpt.save_checkpoint(
+        path = ckpt.save_checkpoint(
             self.output_dir,
             self.step,
             self.model,
@@ -215,6 +222,9 @@ class Trainer:
             keep_last=self.cfg.checkpoint.keep_last,
             extra=ema_checkpoint_state(self.ema),
         )
+        if is_main_process():
+            log.info("step %d: checkpoint saved to %s", self.step, path)
+        return path
 
     # ------------------------------------------------------------ loop
 
@@ -431,7 +441,8 @@ class Trainer:
         if not val.every_steps or not val.prompts or self.step % val.every_steps:
             return
         devices = [self.device] if self.device.type == "cuda" else []
-        weights = self.ema.swapped_in(self.model) if val.use_ema and self.ema is not None else nullcontext()
+        ema = self.ema if self.cfg.validate_with_ema else None
+        weights = ema.swapped_in(self.model) if ema is not None else nullcontext()
         with torch.random.fork_rng(devices=devices), torch.no_grad(), weights:
             self.model.eval()
             try:
@@ -442,10 +453,16 @@ class Trainer:
                 self.model.train()
         for index, frames in enumerate(samples):
             metrics.log_sample(self.step, index, frames)
+        if samples and is_main_process():
+            where = self.output_dir / "samples" / ckpt.step_dirname(self.step)
+            log.info("step %d: %d validation sample(s) written to %s", self.step, len(samples), where)
 
     def export(self, checkpoint_dir: Path) -> Path | None:
         """`export.weights`: the trained weights, their EMA, or both (`spindle.train.ema.export_weights`)."""
         ema = self.ema
+        if ema is not None and self.cfg.export_weights != "trained" and is_main_process():
+            if (warning := few_updates_warning(ema.config, self.step)) is not None:
+                log.warning(warning)
         out = export_weights(
             self.cfg.export_weights,
             self.output_dir / "export",

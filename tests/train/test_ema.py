@@ -150,7 +150,14 @@ def test_lora_ema_exports_beside_the_adapters(make_config, spindle_cli, tmp_path
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), folder
 
 
-def test_validation_renders_with_the_ema(make_config, monkeypatch):
+@pytest.mark.parametrize(
+    ("validation", "with_ema"),
+    [({"train__validation__use_ema": True}, True), ({}, True), ({"export__weights": "trained"}, False)],
+    ids=["use_ema", "default-follows-the-export", "trained-export"],
+)
+def test_validation_renders_with_the_ema(make_config, monkeypatch, validation, with_ema):
+    """Validation samples come from the weights the export holds by default (issue 43): the EMA when it is
+    exported, the trained weights when export.weights: trained; use_ema says so explicitly."""
     from spindle.train.tasks.flow_matching import FlowMatchingTask
 
     seen = []
@@ -163,7 +170,7 @@ def test_validation_renders_with_the_ema(make_config, monkeypatch):
     overrides = {
         "train__validation__every_steps": 2,
         "train__validation__prompts": ["a"],
-        "train__validation__use_ema": True,
+        **validation,
         **EMA,
     }
     trainer = make_trainer(make_config(train__max_steps=4, checkpoint__export=False, **overrides))
@@ -178,7 +185,8 @@ def test_validation_renders_with_the_ema(make_config, monkeypatch):
     trainer.run()
     assert [s for s, _ in seen] == [2, 4]
     for step, weights in seen:
-        assert all(torch.equal(weights[k], v) for k, v in ema_at[step].items()), step
+        same = all(torch.equal(weights[k], v) for k, v in ema_at[step].items())
+        assert same == with_ema, step
     assert any(not torch.equal(trainer.ema.state_dict()[k], v) for k, v in trainable(trainer.model).items())
 
 
@@ -286,3 +294,27 @@ def test_forced_resume_of_a_run_without_ema_starts_it_from_the_checkpoint(make_c
     final = trainable(trainer.model)
     for name, value in trainer.ema.state_dict().items():
         torch.testing.assert_close(value, 0.5 * start[name] + 0.5 * final[name], rtol=1e-6, atol=1e-7)
+
+
+def test_export_warns_when_the_ema_saw_few_updates(tiny_wan, shapes_videos, spindle_cli, tmp_path):
+    """An EMA exported after few updates is mostly its starting weights: the run and `spindle export`
+    say so (issue 43); one that has seen enough updates exports quietly."""
+    from tests.conftest import run_spindle, train_overrides
+
+    config = tmp_path / "job.yaml"
+    config.write_text("{}\n")
+
+    def overrides(out, decay):
+        short = dict(train__max_steps=2, train__global_batch_size=2, train__ema=f"{{decay: {decay}}}")
+        return train_overrides(tiny_wan, shapes_videos, out, **short)
+
+    run = run_spindle("train", config, *overrides(tmp_path / "run", 0.99))  # the CLI's own logging
+    assert run.returncode == 0, run.stderr
+    assert "the exported EMA has seen 2 update(s) (train.ema.decay=0.99): 98% of it" in run.stderr
+    assert "export.weights: trained" in run.stderr
+    again = spindle_cli("export", tmp_path / "run", "--out", tmp_path / "out")
+    assert again.returncode == 0 and "warning: the exported EMA has seen 2 update(s)" in again.stderr
+    trained = spindle_cli("export", tmp_path / "run", "--out", tmp_path / "t", "--weights", "trained")
+    assert trained.returncode == 0 and "EMA" not in trained.stderr
+    quick = run_spindle("train", config, *overrides(tmp_path / "quick", 0.5))
+    assert quick.returncode == 0 and "exported EMA" not in quick.stderr

@@ -55,6 +55,11 @@ def test_qwen3_lora_exports_a_peft_folder_and_a_merged_model(tiny_qwen3, lm_corp
     a, b = (load_file(d / "lora" / "adapter_model.safetensors") for d in (export, tmp_path / "cli"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
+    # `spindle export --merge` (issue 43) also writes the merged folder stock transformers loads alone
+    r = spindle_cli("export", tmp_path / "run", "--out", tmp_path / "cli-merged", "--merge")
+    assert r.returncode == 0, r.stderr
+    check_peft_and_merged(trainer, tiny_qwen3, tmp_path / "cli-merged")
+
 
 def check_vlm_lora_export(
     root, vlm_conversations, tmp_path, lora: str, parts: set[str] = frozenset({"language"}), **overrides

@@ -192,6 +192,36 @@ def test_export_cli_writes_the_lora_of_a_checkpoint(lora_run, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_export_cli_merge_writes_a_full_pipeline_stock_diffusers_loads(lora_run, tiny_wan, tmp_path, spindle_cli):
+    """`spindle export RUN --merge` (issue 43): OUT/merged is a full pipeline with the LoRA fused that
+    stock `WanPipeline.from_pretrained` loads and that generates what base + LoRA generates; without
+    --merge, `generate --model RUN_EXPORT` says to use `--model BASE --lora DIR` (or --merge)."""
+    _, result = lora_run
+    out = tmp_path / "exported"
+    proc = spindle_cli("export", result.output_dir, "--out", out, "--merge")
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
+    merged = _stock_frames(out / "merged")
+    with_lora = _stock_frames(tiny_wan, lora=out / "lora")
+    assert np.abs(merged - with_lora).max() <= 1e-4
+    assert np.abs(merged - _stock_frames(tiny_wan)).max() > 1e-4, "the merge changed nothing"
+
+    plain = tmp_path / "plain"
+    assert spindle_cli("export", result.output_dir, "--out", plain).returncode == 0
+    assert not (plain / "merged").exists()
+    proc = spindle_cli("generate", "--model", plain, "--prompt", "a cat", "--out", tmp_path / "x.png")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"--model {tiny_wan.resolve()} --lora {plain / 'lora'}" in proc.stderr and "--merge" in proc.stderr
+
+
+def test_export_cli_merge_of_a_full_fine_tune_is_refused(tiny_qwen3, lm_corpus, tmp_path, spindle_cli):
+    from tests.conftest import lm_train
+
+    _, result = lm_train(tiny_qwen3, lm_corpus, tmp_path / "run", train__max_steps=1, checkpoint__export=False)
+    proc = spindle_cli("export", result.output_dir, "--out", tmp_path / "x", "--merge")
+    assert proc.returncode == 2 and "no train.lora" in proc.stderr and "drop --merge" in proc.stderr
+
+
 # ---------------------------------------------------------------- bad input
 
 
@@ -309,3 +339,47 @@ def test_the_lora_export_says_how_to_use_it(lora_run, tiny_wan, spindle_cli, tmp
 
     assert load_generator(tiny_wan, device="cpu", lora=str(lora_dir)).defaults.max_sequence_length == TINY_TEXT
     assert load_generator(tiny_wan, device="cpu").defaults.max_sequence_length == 512  # no record: the family's
+
+
+def test_an_i2v_lora_card_runs_as_written(tiny_wan_i2v, shapes_videos, tmp_path, spindle_cli, monkeypatch):
+    """The LoRA card of an image-to-video LoRA (issue 43): its `spindle generate` line passes `--image`
+    and the size it was trained at, and runs as written from a folder holding `image.png`; its
+    diffusers snippet passes `image=` and runs as written too."""
+    import shlex
+
+    from PIL import Image
+
+    from spindle.models.wan_i2v import TEXT_LENGTH
+    from tests.conftest import TINY_FRAMES, TINY_SIZE, train_overrides
+
+    overrides = train_overrides(
+        tiny_wan_i2v,
+        shapes_videos,
+        tmp_path / "run",
+        train__max_steps=1,
+        train__global_batch_size=2,
+        train__lora=LORA,
+        model__max_text_length=TEXT_LENGTH,
+    )
+    config = tmp_path / "job.yaml"
+    config.write_text("{}\n")
+    trained = spindle_cli("train", config, *overrides)
+    assert trained.returncode == 0, trained.stderr
+    card = (tmp_path / "run" / "export" / "lora" / "README.md").read_text()
+    spindle_line = next(line for line in card.splitlines() if line.startswith("spindle generate"))
+    height, width = TINY_SIZE
+    assert f"--image image.png --height {height} --width {width} --num-frames {TINY_FRAMES}" in spindle_line
+    snippet = card.split("```python\n")[1].split("```")[0]
+    assert 'image=load_image("image.png")' in snippet
+
+    work = tmp_path / "work"
+    work.mkdir()
+    Image.new("RGB", (width, height), (200, 40, 40)).save(work / "image.png")
+    monkeypatch.chdir(work)
+    args = shlex.split(spindle_line)[1:]
+    proc = spindle_cli(*args)
+    assert proc.returncode == 0, proc.stderr
+    assert (work / "sample.mp4").stat().st_size > 0
+    scope: dict = {}
+    exec(compile(snippet, "card", "exec"), scope)
+    assert scope["out"].frames.shape[1] == TINY_FRAMES

@@ -125,6 +125,34 @@ def test_with_nproc_the_refusal_comes_before_any_worker_starts(finished_run, tmp
     assert "train.seed: 0 -> 1" in refused.stderr
 
 
+def test_resume_none_into_a_folder_holding_a_run_is_refused(finished_run, tmp_path, spindle_cli):
+    """One run per folder whatever checkpoint.resume says (issue 43): `none` (start over) into a folder
+    holding checkpoints is refused naming the keys that differ and the ways out; nothing is touched."""
+    config, overrides = finished_run
+    out = tmp_path / "run"
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    for extra in ([], ["--nproc", "2"]):
+        refused = spindle_cli("train", config, *overrides, "checkpoint.resume=none", "train.lr=0.002", *extra)
+        assert refused.returncode == 2, refused.stderr
+        err = refused.stderr
+        assert err.count("\n") == 1 and "Traceback" not in err
+        assert "newest step-000002" in err and "train.lr: 0.001 -> 0.002" in err
+        assert "checkpoint.resume=force" in err and "fresh train.output_dir" in err and "resume=auto" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert [m["step"] for m in read_metrics(out)] == [1, 2]
+
+
+def test_by_default_a_rerun_resumes_the_same_run(finished_run, tmp_path, spindle_cli):
+    """Without checkpoint.resume (default auto) a rerun with a longer max_steps continues the run."""
+    config, overrides = finished_run
+    out = tmp_path / "run"
+    default = [o for o in overrides if not o.startswith("checkpoint.resume=")]
+    again = spindle_cli("train", config, *default, "train.max_steps=3")
+    assert again.returncode == 0, again.stderr
+    assert f"resumed from step 2 (checkpoint {out / 'checkpoints' / 'step-000002'})" in again.stdout
+    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3]
+
+
 def test_the_summary_says_what_each_mesh_dimension_does():
     from spindle.distributed.mesh import ParallelDims
     from spindle.train.run_summary import format_start, mesh_layout

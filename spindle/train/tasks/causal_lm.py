@@ -539,7 +539,13 @@ class CausalLMTask(TrainTask):
 
     @classmethod
     def export_checkpoint(
-        cls, family: CausalLMFamily, checkpoint: Path, model_path: Path, out: Path, dtype: str = "auto"
+        cls,
+        family: CausalLMFamily,
+        checkpoint: Path,
+        model_path: Path,
+        out: Path,
+        dtype: str = "auto",
+        merge: bool = False,
     ) -> Path:
         if not (model_path / "config.json").is_file():
             raise FileNotFoundError(f"base model {model_path} has no config.json; pass --model PATH")
@@ -560,7 +566,7 @@ class CausalLMTask(TrainTask):
                 model_path,
                 checkpoint_adapters(checkpoint, lora),
                 out,
-                merge=False,
+                merge=merge,
                 rank=lora["rank"],
                 extra_files=cls.export_files,
                 parameters=state.get("lora_parameters"),

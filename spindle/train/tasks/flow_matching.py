@@ -294,7 +294,12 @@ class FlowMatchingTask(TrainTask):
             "lora": lora.model_dump() if lora is not None else None,
             "max_text_length": self.cfg.model.max_text_length,  # recorded in exports (spindle.export.record)
             "component": self.component,  # the transformer folder trained (a two-expert checkpoint's expert)
+            "sample_size": self.sample_size(),  # the LoRA card's commands generate at it
         }
+
+    def sample_size(self) -> dict[str, int]:
+        height, width = self.cfg.data.resolution
+        return {"height": height, "width": width, "num_frames": self.cfg.data.num_frames}
 
     def export(self, model: torch.nn.Module, out: Path) -> Path | None:
         root, component = self.cfg.model.path, self.component
@@ -317,13 +322,20 @@ class FlowMatchingTask(TrainTask):
                 max_text_length=self.cfg.model.max_text_length,
                 dtypes=dtypes,
                 component=component,
+                size=self.sample_size(),
             )
         barrier()
         return result
 
     @classmethod
     def export_checkpoint(
-        cls, family: DiTFamily, checkpoint: Path, model_path: Path, out: Path, dtype: str = "auto"
+        cls,
+        family: DiTFamily,
+        checkpoint: Path,
+        model_path: Path,
+        out: Path,
+        dtype: str = "auto",
+        merge: bool = False,
     ) -> Path:
         """One process, without building the model: the trained tensors are streamed from the checkpoint
         (`spindle.export.diffusers.export_pipeline_streamed`), a LoRA run's adapters read by name."""
@@ -345,10 +357,11 @@ class FlowMatchingTask(TrainTask):
             model_path,
             adapters,
             out,
-            merge=False,
+            merge=merge,
             max_text_length=text_length,
             dtypes=dtypes,
             component=component,
+            size=state.get("sample_size"),  # None: a checkpoint from before it was recorded
         )
 
 

@@ -40,6 +40,12 @@ if TYPE_CHECKING:
     from spindle.export.dtypes import ExportDtypes
 
 
+MERGE_REFUSED = (
+    "{key}: a merged omni export would need the talker and token2wav rewritten with it; export the adapters "
+    "({off}) and merge them into the thinker when loading"
+)
+
+
 class OmniTask(VLMTask):
     name = "omni"
     export_files = (*VLMTask.export_files, "spk_dict.pt", "chat_template.json")
@@ -54,10 +60,21 @@ class OmniTask(VLMTask):
             raise ConfigError(f"model {cfg.model.path} is a {family.name} {family.kind} model, not an omni model")
         super().check_plan(cfg, family, dims)
         if cfg.train.lora is not None and cfg.export.merge_lora:
-            raise ConfigError(
-                "export.merge_lora: a merged omni export would need the talker and token2wav rewritten with it; "
-                "export the adapters (export.merge_lora: false) and merge them into the thinker when loading"
-            )
+            raise ConfigError(MERGE_REFUSED.format(key="export.merge_lora", off="export.merge_lora: false"))
+
+    @classmethod
+    def export_checkpoint(
+        cls,
+        family: CausalLMFamily,
+        checkpoint: Path,
+        model_path: Path,
+        out: Path,
+        dtype: str = "auto",
+        merge: bool = False,
+    ) -> Path:
+        if merge:
+            raise ConfigError(MERGE_REFUSED.format(key="--merge", off="without --merge"))
+        return super().export_checkpoint(family, checkpoint, model_path, out, dtype)
 
     @classmethod
     def text_config(cls, config: dict[str, Any]) -> dict[str, Any]:
