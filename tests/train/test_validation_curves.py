@@ -46,10 +46,13 @@ def test_samples_appear_at_the_right_steps(validated):
 
 def test_validation_leaves_the_training_trajectory_unchanged(validated, make_config, tmp_path):
     train(make_config(tmp_path / "plain", **COMMON))
+    # Equal to fp32 rounding, not bit for bit: validation's allocations move later tensors in memory, and with one
+    # thread (OMP_NUM_THREADS=1) the matmul kernels' results depend on alignment (1e-7 seen at step 3). A validation
+    # that consumed the training RNG (the bug this guards) changes the noise, and the losses by far more.
     for key in ("loss", "grad_norm"):
-        assert [m[key] for m in read_metrics(validated.output_dir)] == [
-            m[key] for m in read_metrics(tmp_path / "plain")
-        ]
+        assert [m[key] for m in read_metrics(validated.output_dir)] == pytest.approx(
+            [m[key] for m in read_metrics(tmp_path / "plain")], rel=1e-6
+        )
 
 
 def test_same_seed_same_weights_same_sample(validated, tmp_path):
