@@ -71,6 +71,22 @@ def to_area(image: Any, area: int) -> Any:
     return image if size == image.size else image.resize(size, Image.Resampling.LANCZOS)
 
 
+def startup_lora(generator: Any) -> Any:
+    """The LoRA the model was loaded with (`--lora FILE`, `--lora-scale`), as job responses name it; None without."""
+    from pathlib import Path
+
+    from spindle.serve.schemas import LoraChoice
+
+    options = getattr(getattr(generator, "pipeline", None), "options", None)
+    path = getattr(options, "lora", None)
+    if path is None:
+        return None
+    return LoraChoice(
+        name=Path(path).stem if Path(path).is_file() else Path(path).name,
+        scale=float(getattr(options, "lora_scale", 1.0)),
+    )
+
+
 def output_size_params(params: SamplingParams, size: tuple[int, int], options: FamilyOptions) -> SamplingParams:
     """`params` asking for a `size` = (width, height) output, as OpenAI's `size` means it: height and width, and
     each option that sizes the output by area (`Option.output_area`, e.g. FLUX.1 Kontext's `max_area`) set to
@@ -171,6 +187,7 @@ class Engine:
         self.fps: int = int(fps or self.spec.fps or 16)
         # video families: valid frame counts are k * multiple + 1, as the family declares (Wan: 4)
         self.frame_multiple: int = int(self.spec.options.frame_multiple or 1)
+        self.startup_lora = startup_lora(generator)
         self._released = False
         # a run and an adapter load / unload never overlap (both change or read the model), and the
         # fan-out's broadcasts keep one order

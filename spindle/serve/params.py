@@ -213,8 +213,9 @@ def size_error(error: APIError, size: tuple[int, int], params: SamplingParams, e
     return APIError(400, message + hint, param="size", code="invalid_request")
 
 
-def lora_choice(params: SamplingParams) -> LoraChoice | None:
-    """The adapter a job runs with, for its response (None: the model alone)."""
+def lora_choice(params: SamplingParams, startup: LoraChoice | None = None) -> LoraChoice | None:
+    """The adapter a job runs with, for its response: the request's own, else the one the server was started
+    with (`--lora`, applied at load: `Engine.startup_lora`); None: the model alone."""
     if params.lora is None:
-        return None
+        return startup
     return LoraChoice(name=params.lora, scale=1.0 if params.lora_scale is None else params.lora_scale)

@@ -270,6 +270,17 @@ def test_a_server_without_an_adapter_folder_loads_none(tiny_wan):
         assert "--lora-dir" in err["message"]
 
 
+def test_jobs_of_a_server_started_with_a_lora_name_it(tiny_wan, wan_loras):
+    """`spindle serve --lora FILE --lora-scale S`: the model runs with that adapter, and every job's response
+    says so (it said "lora": null)."""
+    gen = load_generator(tiny_wan, device="cpu", lora=str(wan_loras / "b.safetensors"), lora_scale=0.5)
+    with LiveServer(build_app(gen, model_id="tiny-wan")) as s:
+        r = s.client.post("/v1/videos", json=VIDEO)
+        assert r.status_code == 200, r.text
+        assert r.json()["lora"] == {"name": "b", "scale": 0.5}
+        assert s.wait(r.json()["id"])["lora"] == {"name": "b", "scale": 0.5}
+
+
 def test_a_peft_adapter_folder_equals_the_same_adapter_in_diffusers_layout(tiny_wan, tmp_path):
     """PEFT's own folder (alpha / r applied at run time) and Spindle's diffusers-layout export of the
     same adapter (alpha / r folded into lora_B, read by diffusers) give the same output."""

@@ -122,7 +122,7 @@ async def answer_images(request: Request, state: ServeState, params: SamplingPar
                 size=f"{params.width}x{params.height}",
                 model=job.model,
                 seed=params.seed,
-                lora=lora_choice(params),
+                lora=lora_choice(params, state.engine.startup_lora),
                 timings=job.timings,
             ).model_dump()
             return response

@@ -54,7 +54,7 @@ def video_object(state: ServeState, job: Job, preview: bool = False) -> dict[str
         seed=p.seed,
         num_inference_steps=p.num_inference_steps,
         guidance_scale=p.guidance_scale,
-        lora=lora_choice(p),
+        lora=lora_choice(p, engine.startup_lora),
         queue_position=state.store.queue_position(job) if job.status == "queued" else None,
         notes=list(meta.get("notes", [])),
         timings=job.timings,
