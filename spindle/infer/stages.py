@@ -219,6 +219,7 @@ class DenoisingStage(Stage):
             with contextlib.ExitStack() as stack:
                 for cache in self.caches.values():
                     stack.enter_context(cache.around_request())
+                stack.enter_context(self.cancellable_blocks(req))
                 req.latents = self.loop(req, latents, timesteps)
         finally:
             from spindle.infer.speedups import clear_memos
@@ -226,6 +227,38 @@ class DenoisingStage(Stage):
             for model in self.denoisers.values():
                 clear_memos(model)  # per-request prompt projections (default-on memoization)
         return req
+
+    @contextlib.contextmanager
+    def cancellable_blocks(self, req: Req) -> Any:
+        """One process: a cancelled request (a client that hung up, a shutdown) also stops between the denoisers'
+        blocks, not only between steps (a step of a large model takes seconds to minutes). Each block of a
+        transformer's block lists checks first, before any other hook of it (an offload's weight move). Not on
+        several ranks: a rank leaving mid-forward would strand its peers in a collective; they stop between steps,
+        together."""
+        import torch.distributed as dist
+
+        several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if req.should_stop is None or several:
+            yield
+            return
+
+        def check(module: torch.nn.Module, args: Any) -> None:
+            req.check_cancelled()
+
+        handles = [
+            block.register_forward_pre_hook(check, prepend=True)
+            for model in self.denoisers.values()
+            for blocks in model.children()
+            if isinstance(blocks, torch.nn.ModuleList)
+            for block in blocks
+            # a compiled block would trace the hook (a graph break, or an error under fullgraph): steps only
+            if getattr(block, "_compiled_call_impl", None) is None
+        ]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def loop(self, req: Req, latents: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
         total = len(timesteps)

@@ -162,6 +162,24 @@ def test_progress_seed_and_cancel(gen):
     assert steps == [1]
 
 
+def test_a_cancel_during_a_step_stops_at_the_next_block(gen):
+    """A client that hangs up mid-step: the request stops inside that step (between the transformer's blocks),
+    not after it; the hooks go with the request, so the next one runs as before."""
+    from spindle.infer import Cancelled
+
+    asked, steps = [], []
+
+    def should_stop() -> bool:  # asked before step 1 (no), then by each block: yes from the second block on
+        asked.append(1)
+        return len(asked) > 2
+
+    with pytest.raises(Cancelled):
+        gen.generate(**SMALL, seed=0, progress=lambda i, n: steps.append(i), should_stop=should_stop)
+    assert steps == [] and len(asked) == 3  # step 1 never finished: stopped at its second block
+    a = gen.generate(**SMALL, seed=0)
+    np.testing.assert_array_equal(a.frames, gen.generate(**SMALL, seed=0).frames)
+
+
 def test_save_mp4_png_and_batches(gen, tmp_path):
     import av
     from PIL import Image
