@@ -126,7 +126,7 @@ def test_registered_families_declare_their_options():
         == {f.name for f in all_families() if isinstance(f, DiTFamily)}
         == {"flux", "flux_kontext", "qwenimage", "qwenimage_edit", "qwenimage_edit_plus"}
         | {"wan", "wan_i2v", "wan22", "wan22_i2v", "wan22_ti2v"}
-        | {"flux2", "flux2_klein"}
+        | {"flux2", "flux2_klein", "z_image"}
     )
 
 

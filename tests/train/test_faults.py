@@ -613,8 +613,9 @@ def test_a_worker_exits_when_its_launcher_is_gone(tmp_path):
 LAUNCHER = """
 import signal, sys
 from spindle.distributed.launch import run_job
-if sys.argv[1] == "nohup":
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+# a launcher from a terminal takes SIGHUP's default; under nohup it is ignored (set here either way: an ignored
+# SIGHUP is inherited, and a test session itself run under nohup would make "plain" a nohup run)
+signal.signal(signal.SIGHUP, signal.SIG_IGN if sys.argv[1] == "nohup" else signal.SIG_DFL)
 job = "import sys; print('started', flush=True); sys.stdin.readline(); print('finished', flush=True)"
 sys.exit(run_job([sys.executable, "-c", job], grace_s=1))
 """
