@@ -52,6 +52,22 @@ def _loss_summary(output_dir: Path, window: int = 10) -> tuple[float, float]:
     return statistics.mean(losses[:window]), statistics.mean(losses[-window:])
 
 
+def fresh_run_folder(run: Path) -> Path:
+    """The demo's run folder, emptied of an earlier demo's run: a demo always trains from the start (it rebuilds
+    its model and data too), while a training job never starts over in a folder holding a run. Anything there
+    that is not a Spindle run is left alone and refused."""
+    import shutil
+
+    from spindle.train.run_record import read_run_record
+
+    if run.exists() and any(run.iterdir()):
+        if read_run_record(run) is None:
+            raise ValueError(f"{run} exists and is not an earlier demo's run; give another --out")
+        print(f"replacing the earlier demo run in {run}")
+        shutil.rmtree(run)
+    return run
+
+
 def run(args: argparse.Namespace) -> int:
     from spindle.api import load_job_config, train
     from spindle.contracts.family import DemoSpec, import_object
@@ -77,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"[2/5] writing the demo dataset to {out / 'data'}")
     data = demo.write_data(out / "data", seed=args.seed)
     config_path = out / "train.yaml"
-    config = demo.train_config(Path(model), Path(data), out / "run", args.steps, args.seed)
+    config = demo.train_config(Path(model), Path(data), fresh_run_folder(out / "run"), args.steps, args.seed)
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     print(f"[3/5] fine-tuning for {args.steps} steps (config: {config_path})")
     result = train(load_job_config(config_path))
@@ -201,7 +217,7 @@ def run_grpo(args: argparse.Namespace, build_tiny: Any, out: Path, t0: float) ->
     rewards.write_text(GRPO_REWARD)
     print(f"[2/4] wrote {len(GRPO_PROMPTS)} prompts to {prompts} and the reward function to {rewards}:letter_a")
     config_path = out / "train.yaml"
-    config = grpo_config(Path(model), prompts, rewards, out / "run", steps, args.seed)
+    config = grpo_config(Path(model), prompts, rewards, fresh_run_folder(out / "run"), steps, args.seed)
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     print(f"[3/4] online GRPO for {steps} steps (config: {config_path})")
     result = train(load_job_config(config_path))

@@ -177,3 +177,21 @@ def test_the_summary_says_what_each_mesh_dimension_does():
     assert "mesh: 4 processes: dp_replicate=2 (HSDP" in text and "ep=2 (expert parallel" in text
     assert "start: step 2 (checkpoint out/checkpoints/step-000002)" in text
     assert text.endswith("peak_memory_after_load_gib: 1.5")  # extra fields: one line each
+
+
+def test_a_rerun_demo_replaces_its_own_earlier_run_and_nothing_else(tmp_path):
+    """`spindle demo` twice into one --out trains from the start again (a training job would refuse to start over
+    in a folder holding a run); a folder there that is not an earlier demo run is left alone and refused."""
+    from spindle.commands.demo import fresh_run_folder
+    from spindle.train.run_record import RUN_FILE
+
+    earlier = tmp_path / "demo" / "run"
+    (earlier / "checkpoints" / "step-000150").mkdir(parents=True)
+    (earlier / RUN_FILE).write_text("{}")
+    assert fresh_run_folder(earlier) == earlier and not earlier.exists()
+    foreign = tmp_path / "mine" / "run"
+    foreign.mkdir(parents=True)
+    (foreign / "notes.txt").write_text("keep")
+    with pytest.raises(ValueError, match="is not an earlier demo's run; give another --out"):
+        fresh_run_folder(foreign)
+    assert (foreign / "notes.txt").read_text() == "keep"
