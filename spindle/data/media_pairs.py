@@ -18,7 +18,6 @@ draw the same noise and sigma (both carry the pair's index, the key of the train
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +29,7 @@ from spindle.data.captions import CaptionPolicy
 from spindle.data.datasets import MediaDataset, Sample, collate
 from spindle.data.edit_pairs import resolve
 from spindle.data.media_check import DataCheckError, Problem, find_problems
+from spindle.data.text import json_line
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +59,12 @@ def collate_media_pairs(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> d
     return collate([c for c, _ in pairs] + [r for _, r in pairs])
 
 
-def _pair(path: Path, lineno: int, line: str) -> tuple[Sample, Sample]:
+def _pair(path: Path, lineno: int, line: bytes) -> tuple[Sample, Sample]:
     where = f"{path}:{lineno}"
     try:
-        entry = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+        entry = json_line(line)  # the JSONL reader the text data uses: not UTF-8, not JSON, each said
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
     if not isinstance(entry, dict):
         raise ValueError(f'{where}: expected an object {{"prompt", "chosen", "rejected"}}')
     for key in ("prompt", "chosen", "rejected"):
@@ -82,7 +82,7 @@ def _pair(path: Path, lineno: int, line: str) -> tuple[Sample, Sample]:
 def read_pairs(path: Path) -> tuple[list[tuple[Sample, Sample]], list[str]]:
     """The pairs of a JSONL file and its bad lines (each `file:line: what is wrong`)."""
     pairs, errors = [], []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    for lineno, line in enumerate(path.read_bytes().splitlines(), 1):  # one bad byte: one bad line, not a crash
         if not line.strip():
             continue
         try:

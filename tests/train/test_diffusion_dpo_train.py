@@ -163,16 +163,20 @@ def test_the_pairs_file_is_checked_before_training(shapes_images, tmp_path):
 
     a, b = sorted(shapes_images.glob("*.png"))[:2]
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(
-        json.dumps({"prompt": "p", "chosen": str(a), "rejected": str(b)})
-        + "\n{not json\n"
-        + json.dumps({"prompt": "p", "chosen": str(a)})
-        + "\n"
+    bad.write_bytes(
+        (
+            json.dumps({"prompt": "p", "chosen": str(a), "rejected": str(b)})
+            + "\n{not json\n"
+            + json.dumps({"prompt": "p", "chosen": str(a)})
+            + "\n"
+        ).encode()
+        + b'{"prompt": "caf\xe9"}\n'  # Latin-1, not UTF-8: a line named, not a crash
     )
     data = lambda path: MediaDataConfig(path=str(path), resolution=list(TINY_SIZE), num_frames=1)  # noqa: E731
-    with pytest.raises(ValueError, match="2 bad line") as e:
+    with pytest.raises(ValueError, match="3 bad line") as e:
         media_pairs(data(bad), 0)
     assert f"{bad}:2: not valid JSON" in str(e.value) and f"{bad}:3: 'rejected' must be" in str(e.value)
+    assert f"{bad}:4: not UTF-8" in str(e.value)
 
     missing = tmp_path / "missing.jsonl"
     missing.write_text(json.dumps({"prompt": "p", "chosen": str(a), "rejected": "gone.png"}) + "\n")
