@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -122,7 +123,7 @@ def spindle_on_ranks(nproc: int, *args: object, logs: str | os.PathLike) -> Any:
 
 def _tail(path: str, chars: int | None = 4000) -> str:
     try:
-        text = open(path).read()
+        text = Path(path).read_text(errors="replace")  # closed at once; a rank's stray bytes never hide its log
     except OSError:
         return ""
     return text if chars is None else text[-chars:]
