@@ -782,11 +782,12 @@ class TrainJobConfig(Section):
 
 
 class DiTTrainConfig(TrainConfig):
-    objective: Literal["flow_matching", "diffusion_dpo"] = Field(
+    objective: Literal["flow_matching", "diffusion_dpo", "flow_grpo"] = Field(
         "flow_matching",
         description="what the step optimises (spindle.train.objectives): flow_matching, the velocity loss on media "
         "and their conditions; diffusion_dpo, Diffusion-DPO on preference pairs (data.path: a pairs JSONL; "
-        "settings in diffusion_dpo:)",
+        "settings in diffusion_dpo:); flow_grpo, online Flow-GRPO on samples the engine generates from prompts "
+        "(data.path: a prompts JSONL; settings and rewards in flow_grpo:)",
     )
     expert: Literal["high_noise", "low_noise"] | None = Field(
         None,
@@ -815,8 +816,7 @@ class DiTJobConfig(TrainJobConfig):
 
     @model_validator(mode="after")
     def _flow_grpo_rewards(self) -> DiTJobConfig:
-        objective: str = self.train.objective  # flow_grpo joins DiTTrainConfig.objective when its part lands
-        if objective == "flow_grpo":
+        if self.train.objective == "flow_grpo":
             require_rewards("flow_grpo", self.flow_grpo.rewards, "rewards.py:brightness")
         return self
 

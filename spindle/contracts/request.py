@@ -244,7 +244,8 @@ class Req:
 
     params: SamplingParams
     device: torch.device
-    generator: torch.Generator | None = None
+    # the request's noise (diffusers' `generator`): one, or one per sample (a rollout's keyed generators)
+    generator: torch.Generator | list[torch.Generator] | None = None
     # set by the family's BeforeDenoisingStage
     prompt_embeds: torch.Tensor | None = None
     negative_prompt_embeds: torch.Tensor | None = None

@@ -136,6 +136,10 @@ class InferencePipeline:
     def denoising(self) -> DenoisingStage:
         return next(s for s in self.stages if isinstance(s, DenoisingStage))
 
+    @property
+    def decoding(self) -> DecodingStage:
+        return next(s for s in self.stages if isinstance(s, DecodingStage))
+
     @classmethod
     def from_pretrained(
         cls, root: str | Path, family: DiTFamily, options: EngineConfig | None = None

@@ -265,7 +265,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss_group = self._loss_group()
         loss = self._sum_over(total_loss, loss_group) / max(units, 1.0)
-        extra = {k: self._reduce(v, reductions[k], loss_group) for k, v in sums.items()}
+        extra = {k: self._reduce(v, reductions[k], loss_group, len(batches)) for k, v in sums.items()}
         extra.update(self.task.step_metrics())
         return loss, float(grad_norm), samples * dp_size, tokens * dp_size, extra
 
@@ -277,11 +277,12 @@ class Trainer:
             return self.mesh.world  # each SP rank holds its own chunk's loss
         return self.mesh.dp if self.mesh.dims.dp_size > 1 else None
 
-    def _reduce(self, step_sum: Any, metric: Metric, loss_group: DeviceMesh | None) -> float:
-        """A metric's sum over this rank's micro-batches -> the step's value, as `metric` declares."""
+    def _reduce(self, step_sum: Any, metric: Metric, loss_group: DeviceMesh | None, micro_batches: int) -> float:
+        """A metric's sum over this rank's `micro_batches` (what `begin_step` made of the loader's: an online
+        objective's update batches) -> the step's value, as `metric` declares."""
         total = self._sum_over(torch.as_tensor(step_sum, device=self.device), loss_group)
         if metric.micro_batches == "mean":
-            total /= self.accum
+            total /= micro_batches
         if metric.ranks == "mean":
             return total / (1 if loss_group is None else loss_group.size())
         return total / self.mesh.dims.dp_size  # SP chunks summed, data-parallel ranks averaged

@@ -1,6 +1,7 @@
-"""Flow-GRPO's math for flow-matching denoisers (Liu et al. 2025, github.com/yifan123/flow_grpo), as pure
-functions: the SDE sampler step with its log-probability, group-relative advantages, and the clipped policy
-objective with its optional KL to the reference.
+"""`train.objective: flow_grpo`: Flow-GRPO for flow-matching denoisers (Liu et al. 2025,
+github.com/yifan123/flow_grpo). Its math as pure functions (the SDE sampler step with its log-probability,
+group-relative advantages, the clipped policy objective with its optional KL to the reference) and the
+`FlowGRPO` part of the flow-matching task that runs them (rollouts: `spindle.train.rollouts`).
 
 The SDE step turns the deterministic Euler step of a flow-matching scheduler into a Gaussian transition
 with the same marginals, so a rollout has a log-probability per denoising step:
@@ -25,6 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from spindle.contracts.task import Objective, StepOutput
 
 # Flow-GRPO adds this to the group's standard deviation, so a group whose rewards are all equal gets
 # advantages of 0 rather than 0 / 0.
@@ -316,3 +319,301 @@ def logprob_mismatch(recorded: torch.Tensor, recomputed: torch.Tensor) -> float:
     if recorded.shape != recomputed.shape:
         raise ValueError(f"recorded log-probs {tuple(recorded.shape)} and recomputed {tuple(recomputed.shape)} differ")
     return float((recorded.detach().double() - recomputed.detach().double()).abs().max()) if recorded.numel() else 0.0
+
+
+class FlowGRPO(Objective):
+    """`train.objective: flow_grpo` for every DiT family (DanceGRPO on video ones): the functions above as a part
+    of the flow-matching task (`flow_grpo:` settings). `train.global_batch_size` counts prompts.
+
+    Each step, before its loss is counted (`begin_step`), every rank generates `num_generations` samples of each
+    of its prompts with Spindle's own engine on the live transformer (`spindle.train.rollouts`: the SDE sampler in
+    the engine's denoising loop, every draw from a generator keyed on (seed, step, prompt, sample), so any layout
+    or resume rolls out what one process does), decodes and scores them (`flow_grpo.rewards`), and computes the
+    group-relative advantages (with `global_std`, over the whole global batch). The update is one micro-batch per
+    rollout and trained denoising step (`timestep_fraction`): the stage's `predict` recomputes the step's velocity
+    with gradients on the recorded latents and the same conditions, and the clipped objective (with beta x the KL
+    to the reference when beta > 0: a LoRA run's adapters off, else a frozen copy of the starting weights) is
+    averaged over samples and trained steps. The loss unit is the sample of one trained step.
+
+    Metrics: `logprob_mismatch` (the largest |recorded - recomputed| log-prob of the step, over every rank, before
+    the update: train/inference consistency), reward_mean / reward_std and reward/NAME over the global batch,
+    clip_fraction, approx_kl, kl (beta > 0), and the time split time/rollout_s (denoising), time/reward_s (decoding
+    and rewards), time/update_s (this rank's). Every `train.log_every` steps rank 0 appends each sample's prompt and
+    rewards to `<output_dir>/samples/flow_grpo.jsonl`."""
+
+    name = "flow_grpo"
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.settings = cfg.flow_grpo
+        self.rewards: Any = None
+        self.reference: torch.nn.Module | None = None  # None: a LoRA run's policy with its adapters off
+        self._generator: Any = None  # the engine around the live transformer, built at the first rollout
+        self._reference_stage: Any = None
+        self._stats: dict[str, float] = {}
+        self._mismatch: torch.Tensor | None = None
+        self._update_start = 0.0
+
+    # ------------------------------------------------------------ before launch
+
+    def check_plan(self, family: Any, dims: Any) -> None:
+        from spindle.config import ConfigError
+        from spindle.model_index import read_model_index
+
+        data = self.cfg.data
+        refused = {
+            "data.precomputed": "rollouts encode their prompts as the engine does; remove data.precomputed",
+            "data.buckets": "rollouts are generated at data.resolution (x data.num_frames); set data.buckets: false",
+            "data.sources": "give the prompts as one JSONL file in data.path",
+            "data.control_dir": 'give each prompt its conditioning image as "image" in the prompts file',
+        }
+        for key, fix in refused.items():
+            if getattr(data, key.split(".")[1]):
+                raise ConfigError(f"train.objective=flow_grpo does not take {key}: {fix}")
+        if family.inference is None:
+            raise ConfigError(f"train.objective=flow_grpo: {family.name} has no inference pipeline to roll out with")
+        spec = family.inference_spec()
+        index = read_model_index(self.cfg.model.path, missing_ok=True)
+        if self.cfg.train.expert is not None or any(index.get(n) for n in spec.expert_components):
+            raise ConfigError(
+                "train.objective=flow_grpo on a two-expert checkpoint (Wan2.2 A14B): a rollout denoises with both "
+                "experts and only one trains; not wired yet: train a single-transformer checkpoint"
+            )
+        if self.settings.num_iterations != 1:
+            raise ConfigError(
+                f"flow_grpo.num_iterations={self.settings.num_iterations}: only on-policy updates (1) are available "
+                "yet; set flow_grpo.num_iterations: 1"
+            )
+        self.prompts(family)  # every line and conditioning image checked before any model loads
+        self.reward_set()  # every reward resolved (files imported, folders read)
+
+    def check_data(self) -> None:
+        """None here: the prompts file is checked by `check_plan`, which knows how many conditioning images the
+        family's requests take."""
+        return None
+
+    def prompts(self, family: Any) -> list[Any]:
+        from spindle.data.media_prompts import read_media_prompts
+
+        images = family.condition_model_cls().request_images(self.cfg.model.path) or family.options.images
+        return read_media_prompts(self.cfg.data.path, images)
+
+    def reward_set(self) -> Any:
+        if self.rewards is None:
+            from spindle.train.rewards.load import load_rewards
+
+            self.rewards = load_rewards(self.settings.reward_configs, "dit", "flow_grpo")
+        return self.rewards
+
+    # ------------------------------------------------------------ set-up
+
+    def prepare(self, task: Any, model: torch.nn.Module) -> None:
+        self.reward_set()
+        if self.settings.beta > 0 and self.cfg.train.lora is None:
+            self.reference = task.build_reference()
+
+    def build_loader(self, task: Any) -> Any:
+        from spindle.train.tasks.base import resumable_loader
+
+        prompts = self.prompts(task.family)
+        task._data_stats = {"rows": len(prompts), "prompts": len(prompts)}
+        return resumable_loader(task, list(enumerate(prompts)), list)
+
+    def _engine(self, task: Any, model: torch.nn.Module) -> Any:
+        """The engine around the live transformer (built once). Not `exact`, so CFG runs batched, but without the
+        CPU feed-forward fusion, which would compute the rollout's velocities another way than the update's."""
+        if self._generator is None:
+            from spindle.infer.stages import DenoisingStage
+            from spindle.train.live_engine import live_generator
+
+            self._generator = live_generator(task, model, fast_mlp=False)
+            if self.reference is not None:
+                stage = self._generator.pipeline.denoising
+                self._reference_stage = DenoisingStage(self.reference, stage.spec, cfg_batch=stage.cfg_batch)
+        return self._generator
+
+    def _params(self, task: Any, prompt: Any, generator: Any) -> Any:
+        from spindle.contracts.request import SamplingParams
+
+        cfg, s = self.cfg, self.settings
+        height, width = (int(v) for v in cfg.data.resolution)
+        params = SamplingParams(
+            prompt=prompt.prompt,
+            height=height,
+            width=width,
+            num_inference_steps=s.num_inference_steps,
+            guidance_scale=s.guidance_scale,
+            seed=cfg.train.seed,  # the noise comes from the keyed generators; a seed keeps the engine from drawing one
+            num_outputs_per_prompt=s.num_generations,
+            image=[str(p) for p in prompt.images] or None,
+        )
+        if generator.defaults.max_sequence_length is not None:  # the prompts padded as training encodes them
+            params.max_sequence_length = cfg.model.max_text_length
+        if generator.pipeline.spec.media == "video":
+            params.num_frames = cfg.data.num_frames
+        return params
+
+    # ------------------------------------------------------------ step
+
+    def begin_step(self, task: Any, model: torch.nn.Module, batches: list[Any], step: int) -> list[Any]:
+        import time
+
+        from spindle.train.rollouts import rollout
+        from spindle.train.tasks.flow_matching import sample_generator
+
+        s, g = self.settings, self.settings.num_generations
+        generator = self._engine(task, model)
+        rollouts = []
+        was_training = model.training
+        model.eval()
+        try:
+            with task._autocast():
+                for examples in batches:
+                    for index, prompt in examples:
+                        gens = rollout_generators(sample_generator, self.cfg.train.seed, step, [index], g)
+                        params = self._params(task, prompt, generator)
+                        rollouts.append((prompt, rollout(generator, params, SdeRecorder(s.noise_level, gens))))
+        finally:
+            model.train(was_training)
+        start = time.perf_counter()
+        scores = self._score(rollouts)
+        advantages = self._advantages(task, scores)
+        denoise = sum(r.timings["denoise_s"] for _, r in rollouts)
+        decode = sum(r.timings["decode_s"] for _, r in rollouts)
+        self._stats.update({"time/rollout_s": denoise, "time/reward_s": decode + time.perf_counter() - start})
+        if step % self.cfg.train.log_every == 0:
+            self._write_samples(rollouts, scores, step)
+        steps = train_step_indices(s.num_inference_steps, s.timestep_fraction)
+        out = [
+            {"rollout": r, "j": j, "advantages": advantages[n * g : (n + 1) * g], "first": j == steps[0]}
+            for n, (_, r) in enumerate(rollouts)
+            for j in steps
+        ]
+        self._mismatch = None
+        self._update_start = time.perf_counter()
+        return out
+
+    def _score(self, rollouts: list[Any]) -> Any:
+        """This rank's samples scored in one call of the reward set (an HTTP scorer gets one batch)."""
+        g = self.settings.num_generations
+        images = [image for _, r in rollouts for image in r.images]
+        prompts = [p.prompt for p, _ in rollouts for _ in range(g)]
+        keys = sorted({k for p, _ in rollouts for k in p.columns})
+        columns = {k: [p.columns.get(k) for p, _ in rollouts for _ in range(g)] for k in keys}
+        return self.reward_set()(images, prompts, columns)
+
+    def _advantages(self, task: Any, scores: Any) -> torch.Tensor:
+        """Group-relative advantages of this rank's samples, and the global batch's reward metrics: the rewards of
+        every data-parallel rank are gathered (the same count on each), so `global_std` and the logged means see
+        the global batch whatever the layout."""
+        import torch.distributed as dist
+
+        names = self.reward_set().names
+        local = torch.stack([scores.total, *(scores.per_reward[n] for n in names)], dim=1)
+        gathered, rank = local, 0
+        if dist.is_initialized() and task.mesh.dims.dp_size > 1:
+            group = task.mesh.dp.get_group()
+            parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, local.contiguous(), group=group)
+            gathered, rank = torch.cat(parts), dist.get_rank(group)
+        total = gathered[:, 0]
+        advantages = group_advantages(total, self.settings.num_generations, self.settings.global_std)
+        self._stats = {
+            "reward_mean": float(total.mean()),
+            "reward_std": float(total.std(unbiased=False)),
+            **{f"reward/{n}": float(gathered[:, k + 1].mean()) for k, n in enumerate(names)},
+        }
+        count = local.shape[0]
+        return advantages[rank * count : (rank + 1) * count].float()
+
+    def _write_samples(self, rollouts: list[Any], scores: Any, step: int) -> None:
+        """`step`: the trainer's count of finished steps (the lines say the step as metrics.jsonl numbers it)."""
+        import json
+        from pathlib import Path
+
+        from spindle.distributed.mesh import is_main_process
+
+        if not is_main_process():
+            return
+        folder = Path(self.cfg.train.output_dir) / "samples"
+        folder.mkdir(parents=True, exist_ok=True)
+        g, n = self.settings.num_generations, 0
+        with open(folder / "flow_grpo.jsonl", "a") as f:
+            for prompt, _ in rollouts:
+                for sample in range(g):
+                    rewards = {name: float(v[n]) for name, v in scores.per_reward.items()}
+                    line = {
+                        "step": step + 1,
+                        "prompt": prompt.prompt,
+                        "sample": sample,
+                        "reward": float(scores.total[n]),
+                    }
+                    f.write(json.dumps({**line, "rewards": rewards}) + "\n")
+                    n += 1
+
+    def loss_units(self, batch: dict[str, Any]) -> int:
+        return int(batch["advantages"].numel())  # the rollout's samples, at one trained step
+
+    def forward(self, task: Any, model: torch.nn.Module, batch: dict[str, Any], step: int) -> StepOutput:
+        from spindle.contracts.task import Metric
+
+        s = self.settings
+        rollout, j = batch["rollout"], batch["j"]
+        req, trajectory = rollout.req, rollout.trajectory
+        stage = self._generator.pipeline.denoising
+        latents, t = trajectory.latents[:, j].to(task.device), req.timesteps[j]
+        with task._autocast():
+            velocity = stage.predict(req, latents, t, j)
+        policy = trajectory.transition_log_prob(velocity, j, s.noise_level)
+        assert policy.log_prob is not None  # noise_level > 0 (the config requires it)
+        ref_mean = None
+        if s.beta > 0:
+            with torch.no_grad(), task._autocast():
+                if self.reference is None:
+                    from spindle.train.lora import adapters_disabled
+
+                    with adapters_disabled(model):
+                        ref_velocity = stage.predict(req, latents, t, j)
+                else:
+                    ref_velocity = self._reference_stage.predict(req, latents, t, j)
+            ref_mean = trajectory.transition_log_prob(ref_velocity, j, s.noise_level).prev_sample_mean
+        recorded = trajectory.log_probs[:, j].to(policy.log_prob.device)
+        out = clipped_policy_loss(
+            policy.log_prob,
+            recorded,
+            batch["advantages"].to(policy.log_prob.device),
+            s.clip_range,
+            s.adv_clip_max,
+            s.beta,
+            policy.prev_sample_mean,
+            ref_mean,
+            policy.std_dev_t,
+        )
+        difference = (recorded.double() - policy.log_prob.detach().double()).abs().max()
+        self._mismatch = difference if self._mismatch is None else torch.maximum(self._mismatch, difference)
+        metrics: dict[str, Any] = {
+            "clip_fraction": Metric(out.clipped.mean(), "mean", "mean"),
+            "approx_kl": Metric(out.approx_kl.mean(), "mean", "mean"),
+        }
+        if out.kl is not None:
+            metrics["kl"] = Metric(out.kl.detach().mean(), "mean", "mean")
+        samples = int(latents.shape[0]) if batch["first"] else 0  # throughput counts each sample once per step
+        tokens = samples * (stage.spec.sequence_length(req, stage.transformer) or 0)
+        return StepOutput(out.loss.sum(), samples, tokens, metrics)
+
+    def step_metrics(self, task: Any) -> dict[str, Any]:
+        """Collective, after the update: the step's largest log-prob mismatch over every rank, the global reward
+        metrics and the time split."""
+        import time
+
+        import torch.distributed as dist
+
+        mismatch = torch.zeros((), dtype=torch.float64) if self._mismatch is None else self._mismatch.detach().cpu()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            mismatch = mismatch.to(task.device)
+            dist.all_reduce(mismatch, op=dist.ReduceOp.MAX)
+        return {
+            "logprob_mismatch": float(mismatch),
+            **self._stats,
+            "time/update_s": time.perf_counter() - self._update_start,
+        }

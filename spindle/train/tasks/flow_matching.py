@@ -197,11 +197,14 @@ class FlowMatchingTask(TrainTask):
         return dict(getattr(self, "_data_stats", {}))
 
     def step_metrics(self) -> dict[str, Any]:
-        """data.sources: how many samples of the step's global batch came from each source."""
+        """data.sources: how many samples of the step's global batch came from each source; and the objective's
+        own step values (Flow-GRPO's log-prob mismatch over every rank, its reward metrics)."""
+        own = getattr(self.objective, "step_metrics", None)
+        metrics: dict[str, Any] = {} if own is None else own(self)
         mix = getattr(self, "_mix", None)
-        if mix is None:
-            return {}
-        return {f"source/{name}": n for name, n in mix.counts(self._loader.current_global_batch()).items()}
+        if mix is not None:
+            metrics.update({f"source/{name}": n for name, n in mix.counts(self._loader.current_global_batch()).items()})
+        return metrics
 
     def build_loader(self) -> ResumableLoader:
         loader: ResumableLoader = self.objective.build_loader(self)

@@ -1,0 +1,111 @@
+"""Prompts for an online DiT objective (`train.objective: flow_grpo`): what the rollouts generate from.
+
+`data.path` is a JSONL file, one prompt per line; image paths are relative to the file's folder:
+
+    {"prompt": "a red fox in snow"}
+    {"prompt": "she turns her head", "image": "first.png", "style": "noir"}
+
+`image` is the conditioning image of an image-to-video or edit family (a path, or a list of paths for a request
+that takes several, e.g. a first-last-frame checkpoint: required there, refused for a text-only family). Every
+other key is an extra column passed to the rewards by name, one value per sample (`docs/post-training-dit.md`).
+Checked before any model is built: every bad line is named as `file:line` in one error, and every conditioning
+image is opened once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from spindle.data.edit_pairs import resolve
+from spindle.data.text import json_line
+
+# the keyword a reward function receives the generated samples and the prompts under: not column names
+RESERVED_COLUMNS = ("images", "prompts")
+
+
+class PromptsError(ValueError):
+    """The prompts file is unusable; the message names every bad line."""
+
+
+@dataclass(frozen=True)
+class MediaPrompt:
+    """One prompt line: the text, its conditioning images (resolved paths; none for text-only families), the
+    extra columns for the rewards, and where it came from (`file:line`)."""
+
+    prompt: str
+    images: tuple[Path, ...] = ()
+    columns: dict[str, Any] = field(default_factory=dict)
+    where: str = ""
+
+
+def _prompt(path: Path, lineno: int, line: bytes) -> MediaPrompt:
+    where = f"{path}:{lineno}"
+    try:
+        entry = json_line(line)  # the JSONL reader the text data uses: not UTF-8, not JSON, each said
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    if not isinstance(entry, dict):
+        raise ValueError(f'{where}: expected an object {{"prompt": "..."}}')
+    prompt = entry.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError(f"{where}: 'prompt' must be a non-empty string")
+    reserved = [k for k in RESERVED_COLUMNS if k in entry]
+    if reserved:
+        raise ValueError(f"{where}: column {reserved[0]!r} is the argument rewards get the {reserved[0]} as; rename it")
+    image = entry.get("image")
+    paths = [image] if isinstance(image, str) else image if isinstance(image, list) else None
+    if image is not None and (not paths or not all(isinstance(p, str) and p.strip() for p in paths)):
+        raise ValueError(f"{where}: 'image' (the conditioning image) must be a path string or a list of them")
+    images = tuple(resolve(path, p) for p in paths or [])
+    columns = {k: v for k, v in entry.items() if k not in ("prompt", "image")}
+    return MediaPrompt(prompt, images, columns, where)
+
+
+def read_media_prompts(data_path: str | Path, images: tuple[int, int]) -> list[MediaPrompt]:
+    """The prompts of the JSONL file at `data_path`, checked: every line parses, each holds `images` = (least,
+    most) conditioning images (the family's request takes that many), and every image opens. One error lists
+    every problem (up to 20)."""
+    from PIL import Image
+
+    path = Path(data_path).expanduser()
+    if not path.is_file() or path.suffix.lower() != ".jsonl":
+        raise PromptsError(
+            f'data.path={path} must be a prompts .jsonl file (one {{"prompt": ...}} object per line; '
+            "docs/post-training-dit.md)"
+        )
+    least, most = images
+    prompts, errors = [], []
+    for lineno, line in enumerate(path.read_bytes().splitlines(), 1):  # one bad byte: one bad line, not a crash
+        if not line.strip():
+            continue
+        try:
+            row = _prompt(path, lineno, line)
+        except ValueError as e:
+            errors.append(str(e))
+            continue
+        if not least <= len(row.images) <= most:
+            if most == 0:
+                errors.append(f"{row.where}: this family generates from text alone; remove 'image'")
+            else:
+                want = str(least) if least == most else f"{least} to {most}"
+                errors.append(
+                    f"{row.where}: a request takes {want} conditioning image(s) in 'image'; got {len(row.images)}"
+                )
+            continue
+        for image in row.images:
+            try:
+                with Image.open(image) as opened:
+                    opened.verify()
+            except FileNotFoundError:
+                errors.append(f"{row.where}: image {image} does not exist")
+            except (OSError, ValueError, SyntaxError, EOFError) as e:  # what PIL raises for a damaged file
+                errors.append(f"{row.where}: image {image} cannot be read ({type(e).__name__}: {e})")
+        prompts.append(row)
+    if errors:
+        shown = "\n  ".join(errors[:20]) + (f"\n  ... and {len(errors) - 20} more" if len(errors) > 20 else "")
+        raise PromptsError(f"data.path={path}: {len(errors)} bad line(s):\n  {shown}")
+    if not prompts:
+        raise PromptsError(f"data.path={path} holds no prompts")
+    return prompts
