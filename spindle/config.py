@@ -702,6 +702,11 @@ class FlowGrpoConfig(Section):
     global_std: bool = Field(
         False, description="normalise advantages by the whole batch's reward std instead of each group's"
     )
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the family's sampling options for every rollout (e.g. negative_prompt, Qwen-Image's "
+        "true_cfg_scale, FLUX.1 Kontext's max_area); checked before launch",
+    )
     rewards: RewardList = Field(
         default_factory=list,
         description="the rewards, each `path/to/file.py:function`, `module:function`, an http(s) URL, "

@@ -76,6 +76,7 @@ class DemoSpec:
     sample_suffix: str = ".png"  # ".mp4" for video families
     sample_kwargs: dict[str, Any] = field(default_factory=dict)  # extra generate() arguments
     text_tokens: int = 16  # model.max_text_length (a family whose transformer fixes the text length sets it)
+    train: dict[str, Any] = field(default_factory=dict)  # more train: keys the family needs (a two-expert: expert)
 
     def write_data(self, out: Path, seed: int) -> Path:
         path: Path = import_object(self.dataset)(out, seed=seed, **self.dataset_kwargs)
@@ -96,6 +97,7 @@ class DemoSpec:
                 "min_lr_ratio": 0.1,
                 "seed": seed,
                 "timestep": {"scheme": "logit_normal"},
+                **self.train,
             },
             "checkpoint": {"every_steps": 50, "resume": "none"},
         }

@@ -19,7 +19,8 @@ FAMILY = dataclasses.replace(
     checkpoint=dataclasses.replace(WAN_I2V.checkpoint, variant=is_two_expert),
     options=OPTIONS,
     # no image tokens share the context: any text length
-    demo=dataclasses.replace(WAN_I2V.demo, text_tokens=DemoSpec.text_tokens),
+    # (and the demo fine-tunes the expert that denoises most of its steps)
+    demo=dataclasses.replace(WAN_I2V.demo, text_tokens=DemoSpec.text_tokens, train={"expert": "low_noise"}),
     # the text at any length too
     conformance=two_expert_conformance(WAN_I2V.conformance, "low_noise", text_tokens=ConformanceSpec.text_tokens),
 )

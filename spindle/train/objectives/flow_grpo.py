@@ -358,7 +358,6 @@ class FlowGRPO(Objective):
 
     def check_plan(self, family: Any, dims: Any) -> None:
         from spindle.config import ConfigError
-        from spindle.model_index import read_model_index
 
         data = self.cfg.data
         refused = {
@@ -372,20 +371,31 @@ class FlowGRPO(Objective):
                 raise ConfigError(f"train.objective=flow_grpo does not take {key}: {fix}")
         if family.inference is None:
             raise ConfigError(f"train.objective=flow_grpo: {family.name} has no inference pipeline to roll out with")
-        spec = family.inference_spec()
-        index = read_model_index(self.cfg.model.path, missing_ok=True)
-        if self.cfg.train.expert is not None or any(index.get(n) for n in spec.expert_components):
-            raise ConfigError(
-                "train.objective=flow_grpo on a two-expert checkpoint (Wan2.2 A14B): a rollout denoises with both "
-                "experts and only one trains; not wired yet: train a single-transformer checkpoint"
-            )
         if self.settings.num_iterations != 1:
             raise ConfigError(
                 f"flow_grpo.num_iterations={self.settings.num_iterations}: only on-policy updates (1) are available "
                 "yet; set flow_grpo.num_iterations: 1"
             )
-        self.prompts(family)  # every line and conditioning image checked before any model loads
+        prompts = self.prompts(family)  # every line and conditioning image checked before any model loads
+        self.check_options(family, prompts[0])
         self.reward_set()  # every reward resolved (files imported, folders read)
+
+    def check_options(self, family: Any, prompt: Any) -> None:
+        """`flow_grpo.options`: the family's sampling options (names, types, bounds), checked as a request of the
+        first prompt would be."""
+        from spindle.config import ConfigError
+        from spindle.contracts.request import RequestError, SamplingParams
+
+        if not self.settings.options:
+            return
+        try:
+            fields, extra = split_options(self.settings.options)
+            images = [str(p) for p in prompt.images] or None
+            family.options.validate(
+                SamplingParams(prompt=prompt.prompt, image=images, **fields, extra=extra), family.name
+            )
+        except (RequestError, ValueError, TypeError) as e:
+            raise ConfigError(f"flow_grpo.options: {e}") from None
 
     def check_data(self) -> None:
         """None here: the prompts file is checked by `check_plan`, which knows how many conditioning images the
@@ -437,7 +447,10 @@ class FlowGRPO(Objective):
 
         cfg, s = self.cfg, self.settings
         height, width = (int(v) for v in cfg.data.resolution)
+        fields, extra = split_options(s.options)
         params = SamplingParams(
+            **fields,
+            extra=extra,
             prompt=prompt.prompt,
             height=height,
             width=width,
@@ -483,15 +496,37 @@ class FlowGRPO(Objective):
         self._stats.update({"time/rollout_s": denoise, "time/reward_s": decode + time.perf_counter() - start})
         if step % self.cfg.train.log_every == 0:
             self._write_samples(rollouts, scores, step)
-        steps = train_step_indices(s.num_inference_steps, s.timestep_fraction)
-        out = [
-            {"rollout": r, "j": j, "advantages": advantages[n * g : (n + 1) * g], "first": j == steps[0]}
-            for n, (_, r) in enumerate(rollouts)
-            for j in steps
-        ]
+        out = []
+        for n, (_, r) in enumerate(rollouts):
+            steps = self._trained_steps(task, r.req)
+            out += [
+                {"rollout": r, "j": j, "advantages": advantages[n * g : (n + 1) * g], "first": j == steps[0]}
+                for j in steps
+            ]
         self._mismatch = None
         self._update_start = time.perf_counter()
         return out
+
+    def _trained_steps(self, task: Any, req: Any) -> list[int]:
+        """The rollout steps the loss covers: the first `timestep_fraction` of them, and of a two-expert checkpoint
+        (Wan2.2 A14B) only those the trained expert denoises (the other one is frozen in the rollouts)."""
+        from spindle.config import ConfigError
+        from spindle.train.live_engine import trained_component
+
+        s = self.settings
+        steps = train_step_indices(s.num_inference_steps, s.timestep_fraction)
+        spec = self._generator.pipeline.spec
+        if not spec.expert_components:
+            return steps
+        trained = trained_component(task, spec)
+        own = [j for j in steps if spec.step_denoiser(req, req.timesteps[j])[0] == trained]
+        if not own:
+            raise ConfigError(
+                f"flow_grpo: none of the trained rollout steps {steps} is denoised by the trained expert "
+                f"({self.cfg.train.expert}, {trained}); raise flow_grpo.timestep_fraction or num_inference_steps, or "
+                "train the other expert"
+            )
+        return own
 
     def _score(self, rollouts: list[Any]) -> Any:
         """This rank's samples scored in one call of the reward set (an HTTP scorer gets one batch)."""
@@ -617,3 +652,22 @@ class FlowGRPO(Objective):
             **self._stats,
             "time/update_s": time.perf_counter() - self._update_start,
         }
+
+
+def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`flow_grpo.options` -> (the request fields it sets, e.g. negative_prompt; the family's extra options).
+    The fields the rollouts own (prompt, sizes, steps, seed, samples, images) are refused."""
+    import dataclasses
+
+    from spindle.contracts.request import SamplingParams
+
+    owned = {"prompt", "height", "width", "num_frames", "num_inference_steps", "seed", "num_outputs_per_prompt"}
+    owned |= {"image", "max_sequence_length", "guidance_scale", "lora", "lora_scale", "extra"}
+    known = {f.name for f in dataclasses.fields(SamplingParams)}
+    taken = sorted(owned & set(options))
+    if taken:
+        raise ValueError(
+            f"flow_grpo.options may not set {taken[0]!r}: the rollouts set it (guidance_scale and "
+            "num_inference_steps are flow_grpo keys; sizes come from data.resolution / data.num_frames)"
+        )
+    return {k: v for k, v in options.items() if k in known}, {k: v for k, v in options.items() if k not in known}
