@@ -163,9 +163,20 @@ def test_lora_with_a_kl_to_the_adapters_off_base(tiny_flux, grpo_files, tmp_path
         train__max_steps=3,
         train__lora='{"rank": 4}',
         flow_grpo__beta=0.04,
+        checkpoint__export=True,
     )
     assert lora[0]["kl"] == 0.0 and lora[-1]["kl"] > 0
     assert all(m["logprob_mismatch"] <= 1e-5 for m in lora)
+    # the policy's adapters load in stock diffusers (and so per request in `spindle serve`) and change its output
+    import torch
+    from diffusers import FluxPipeline
+
+    pipe = FluxPipeline.from_pretrained(tiny_flux)
+    call = dict(height=32, width=32, num_inference_steps=2, max_sequence_length=16, output_type="np")
+    base = pipe("a red circle", generator=torch.Generator().manual_seed(0), **call).images
+    pipe.load_lora_weights(tmp_path / "lora" / "export" / "lora")
+    tuned = pipe("a red circle", generator=torch.Generator().manual_seed(0), **call).images
+    assert base.shape == tuned.shape and not torch.allclose(torch.from_numpy(base), torch.from_numpy(tuned))
     full = grpo_run(tiny_flux, grpo_files, tmp_path / "full", train__max_steps=2, flow_grpo__beta=0.04)
     assert full[0]["kl"] == 0.0 and full[1]["kl"] > 0
 
