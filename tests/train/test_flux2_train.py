@@ -1,5 +1,6 @@
-"""FLUX.2 training beyond the conformance suite: a LoRA run of each FLUX.2 family (two steps, validation samples)
-writes `export/lora/*.safetensors` (diffusers' file and the BFL/ComfyUI layout) that the stock pipeline's
+"""FLUX.2 training beyond the conformance suite: a LoRA run of each FLUX.2 family and of Z-Image (two steps,
+validation samples) writes `export/lora/*.safetensors` (diffusers' file and the original/ComfyUI layout: BFL's,
+Tongyi's fused-qkv Z-Image) that the stock pipeline's
 `load_lora_weights` loads, generating what Spindle's engine generates; the training inputs follow the pipelines'
 latent conventions; edit pairs train with their sources as reference tokens."""
 
@@ -14,7 +15,7 @@ from spindle.testing import conformance as suite
 from tests.conftest import train_overrides
 
 
-@pytest.mark.parametrize("name", ["flux2", "flux2_klein"])
+@pytest.mark.parametrize("name", ["flux2", "flux2_klein", "z_image"])
 def test_lora_trains_exports_and_loads_in_stock_diffusers(name, tiny_checkpoint, tmp_path):
     from diffusers import DiffusionPipeline
 

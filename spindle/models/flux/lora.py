@@ -40,7 +40,6 @@ _GROUPS: Groups = {
     "transformer_blocks": ("double_blocks", _DOUBLE),
     "single_transformer_blocks": ("single_blocks", _SINGLE),
 }
-_KEY = re.compile(r"^(transformer_blocks|single_transformer_blocks)\.(\d+)\.(.+)\.lora_([AB])\.weight$")
 
 
 def to_original(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -49,12 +48,13 @@ def to_original(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def fused_to_kohya(state_dict: dict[str, torch.Tensor], groups: Groups, label: str) -> dict[str, torch.Tensor]:
-    """A diffusers-layout LoRA of a BFL double/single-block transformer -> kohya keys (`lora_unet_<block>_<i>_<name>`)
-    by `groups`' tables; adapters of projections BFL fuses are written as one (stacked downs, block-diagonal ups),
-    which diffusers' kohya readers (FLUX.1's and FLUX.2's) split back into the same separate adapters."""
+    """A diffusers-layout LoRA of a transformer whose original code fuses projections diffusers keeps apart (BFL's
+    FLUX.1 / FLUX.2, Z-Image) -> kohya keys (`lora_unet_<block list>_<i>_<name>`) by `groups`' tables; adapters of projections BFL fuses are written as one (stacked downs, block-diagonal ups),
+    which diffusers' kohya readers (FLUX.1's, FLUX.2's, Z-Image's) split back into the same separate adapters."""
+    pattern = re.compile(rf"^({'|'.join(map(re.escape, groups))})\.(\d+)\.(.+)\.lora_([AB])\.weight$")
     adapters: dict[tuple[str, str, str], dict[str, torch.Tensor]] = {}
     for key, value in state_dict.items():
-        m = _KEY.match(key)
+        m = pattern.match(key)
         if m is None:
             raise ValueError(
                 f"LoRA key {key!r} has no place in the original {label} layout (only the transformer blocks' "
