@@ -100,7 +100,8 @@ def test_flux_brightness_rises_with_exact_rollout_log_probs(tiny_flux, grpo_file
 
 def test_a_video_family_rolls_out_videos(tiny_wan, grpo_files, tmp_path):
     """Wan T2V (DanceGRPO's setting): the rewards get [F, H, W, 3] videos with a column of the prompts file, CFG
-    runs in the rollouts and the update, and the recorded log-probs are recomputed exactly."""
+    runs in the rollouts and the update, and the recorded log-probs are recomputed exactly; an EMA and validation
+    samples run beside the rollouts."""
     metrics = grpo_run(
         tiny_wan,
         grpo_files,
@@ -113,8 +114,12 @@ def test_a_video_family_rolls_out_videos(tiny_wan, grpo_files, tmp_path):
         train__global_batch_size=2,
         train__micro_batch_size=1,
         train__max_steps=2,
+        train__ema__decay=0.9,
+        train__validation={"every_steps": 2, "prompts": ["a red circle"], "num_inference_steps": 2},
     )
     assert [m["reward/frames_seen"] for m in metrics] == [1.0, 1.0]
+    # validation renders with the deterministic sampler, from the EMA the export holds, as in any DiT run
+    assert (tmp_path / "run" / "samples" / "step-000002" / "00.mp4").is_file()
     assert all(m["logprob_mismatch"] <= 1e-5 for m in metrics)
     assert all(m["grad_norm"] > 0 for m in metrics)
 
