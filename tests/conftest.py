@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,13 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
     for item in items:
         if item.get_closest_marker("slow") is not None:
             item.add_marker(pytest.mark.xdist_group("multiprocess"))
+
+
+def pytest_runtest_setup(item: Any) -> None:
+    """A test that starts several ranks must be marked `slow` (`spindle.testing.multiprocess.check_marked_slow`
+    reads this): the rule is checked when the ranks start, not remembered by whoever adds a test. Set before the
+    test's fixtures, so a module fixture that spawns is checked against the test that first needs it."""
+    os.environ["SPINDLE_TEST_SLOW"] = "1" if item.get_closest_marker("slow") else "0"
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -11,17 +11,19 @@ built, as a DiT dataset is: every bad line is named as `file:line` in one error;
 left out and counted). A pair whose chosen and rejected files are the same file is left out and counted (its
 loss carries no gradient).
 
-Resize rule: both members of a pair are decoded at `data.resolution` x `data.num_frames`, resized and
-center-cropped exactly as any DiT sample (`spindle.data.media.read_media`), so they share one latent shape and
-draw the same noise and sigma (both carry the pair's index, the key of the trainer's per-sample generator).
+Resize rule: both members of a pair are decoded at `data.resolution` x `data.num_frames` (with `data.buckets`:
+at the bucket the chosen member's size falls in), resized and center-cropped exactly as any DiT sample
+(`spindle.data.media.read_media`), so they share one latent shape and draw the same noise and sigma (both carry
+the pair's index, the key of the trainer's per-sample generator).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import Dataset
 
@@ -30,6 +32,10 @@ from spindle.data.datasets import MediaDataset, Sample, collate
 from spindle.data.edit_pairs import resolve
 from spindle.data.media_check import DataCheckError, Problem, find_problems
 from spindle.data.text import json_line
+
+if TYPE_CHECKING:
+    from spindle.contracts.condition import PixelGrid
+    from spindle.data.order import BucketedOrder
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +48,7 @@ class MediaPairs(Dataset):
     chosen: MediaDataset
     rejected: MediaDataset
     stats: dict[str, Any] = field(default_factory=dict)  # for the run summary
+    order: BucketedOrder | None = None  # with data.buckets: batches of one bucket (`bucket_pairs`)
 
     def __len__(self) -> int:
         return len(self.chosen)
@@ -92,8 +99,18 @@ def read_pairs(path: Path) -> tuple[list[tuple[Sample, Sample]], list[str]]:
     return pairs, errors
 
 
-def media_pairs(data: Any, seed: int, check: bool = True) -> MediaPairs:
-    """`data` (a `MediaDataConfig` whose `path` is a pairs JSONL) -> the checked pairs (module doc)."""
+def media_pairs(
+    data: Any,
+    seed: int,
+    check: bool = True,
+    grid: Callable[[], PixelGrid] | None = None,
+    global_batch_size: int = 1,
+    sequence_split: int = 1,
+) -> MediaPairs:
+    """`data` (a `MediaDataConfig` whose `path` is a pairs JSONL) -> the checked pairs (module doc). With
+    `data.buckets` and the model's pixel `grid()`: each pair in the bucket of its chosen member's size, both
+    members decoded at that shape, and the epoch order that keeps a batch's pairs in one bucket (`order`);
+    `sequence_split`: the SP x ring degree every bucket's token count must divide by."""
     path = Path(data.path).expanduser()
     if not path.is_file() or path.suffix.lower() != ".jsonl":
         raise ValueError(
@@ -139,6 +156,42 @@ def media_pairs(data: Any, seed: int, check: bool = True) -> MediaPairs:
         # the same caption draw for both members (keyed on the pair's index)
         dataset.captions = CaptionPolicy(seed, data.caption_dropout, data.caption_prefix)
         sides.append(dataset)
-    stats = {"rows": len(pairs), "pairs": len(pairs), "identical_pairs": len(identical), "skipped": total - len(pairs)}
-    stats["skipped"] -= len(identical)
-    return MediaPairs(sides[0], sides[1], stats)
+    stats: dict[str, Any] = {
+        "rows": len(pairs),
+        "pairs": len(pairs),
+        "identical_pairs": len(identical),
+        "skipped": total - len(pairs) - len(identical),
+    }
+    out = MediaPairs(sides[0], sides[1], stats)
+    if data.buckets and grid is not None:
+        bucket_pairs(out, data, grid(), seed, global_batch_size, sequence_split)
+    return out
+
+
+def bucket_pairs(
+    pairs: MediaPairs, data: Any, grid: PixelGrid, seed: int, global_batch_size: int, sequence_split: int
+) -> None:
+    """`data.buckets` for pairs: the bucket of each pair is the one its chosen member's size falls in (the rule
+    of any DiT data: `spindle.data.buckets`), the rejected member is resized and cropped to the same shape (the
+    two share one latent shape: the same noise), and the epoch order batches pairs of one bucket together."""
+    from spindle.data.buckets import BucketPlan, BucketRule, bucket_report, check_sequence_split, source_sizes
+    from spindle.data.dit_data import bucket_knobs
+    from spindle.data.order import BucketedOrder
+
+    knobs = bucket_knobs(data)
+    rule = BucketRule.make(pairs.chosen.resolution, pairs.chosen.num_frames, grid, knobs)
+    plan = BucketPlan.assign(rule, source_sizes(pairs.chosen.samples))
+    if plan.unfit == len(pairs):
+        raise ValueError(
+            f"data.buckets: none of the {len(pairs)} pairs' chosen files fits a bucket (frame buckets "
+            f"{list(rule.frames)}, grid {rule.grid.height}x{rule.grid.width}); lower data.num_frames or set "
+            "data.buckets.frames"
+        )
+    check_sequence_split(plan, grid, sequence_split)
+    pairs.chosen.plan = pairs.rejected.plan = plan
+    pairs.order = BucketedOrder(plan.ids, seed, data.shuffle, knobs.remainder)
+    pairs.stats["rows"] = int((plan.ids >= 0).sum())
+    pairs.stats["buckets"] = bucket_report(
+        plan, pairs.order.global_batches(0, global_batch_size), pairs.order.entries(0)
+    )
+    pairs.stats["unbucketed"] = plan.unfit

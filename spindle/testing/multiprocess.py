@@ -69,6 +69,8 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1,
 
     import torch.multiprocessing as mp
 
+    if world_size > 1:
+        check_marked_slow()
     # forkserver, not fork: each rank is a fresh fork of a server that only imported modules (no threads, no
     # state of the calling process); sys.path and the working directory travel with each start, the
     # environment through `_entry`. The preload applies when the server starts (once per calling process).
@@ -129,11 +131,24 @@ def _tail(path: str, chars: int | None = 4000) -> str:
     return text if chars is None else text[-chars:]
 
 
+def check_marked_slow() -> None:
+    """Under pytest (tests/conftest.py sets SPINDLE_TEST_SLOW for each test): a test that starts several ranks must
+    be marked `slow`, so that `-m "not slow"` stays the quick loop and pytest-xdist runs such tests one at a time
+    (two at once would put four ranks on CI's two cores)."""
+    if os.environ.get("SPINDLE_TEST_SLOW") == "0":
+        test = os.environ.get("PYTEST_CURRENT_TEST", "this test").split(" ")[0]
+        raise AssertionError(f"{test} starts several processes: mark it @pytest.mark.slow (CONTRIBUTING.md)")
+
+
 def run_spindle(*args: object, timeout: float = 600, threads: int | None = None) -> Any:
     """`python -m spindle ARGS...` in a subprocess (this tree's code via PYTHONPATH); -> CompletedProcess.
     `threads`: OMP_NUM_THREADS for it (1 for `--nproc` runs, whose workers share the cores)."""
     import subprocess
     import sys
+
+    argv = [str(a) for a in args]
+    if "--nproc" in argv and argv.index("--nproc") + 1 < len(argv) and argv[argv.index("--nproc") + 1] != "1":
+        check_marked_slow()
 
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
     return subprocess.run(

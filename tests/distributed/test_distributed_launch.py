@@ -47,6 +47,7 @@ def test_no_relaunch_for_one_process_or_inside_torchrun(monkeypatch):
         maybe_relaunch(0, [])
 
 
+@pytest.mark.slow
 def test_relaunch_runs_n_workers_and_returns_exit_code(tmp_path, monkeypatch):
     (tmp_path / "spindle_launch_probe.py").write_text(PROBE)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
@@ -63,6 +64,7 @@ def test_relaunch_runs_n_workers_and_returns_exit_code(tmp_path, monkeypatch):
     assert maybe_relaunch(2, ["--out", str(out), "--exit", "3", "--nproc=2"], module="spindle_launch_probe") != 0
 
 
+@pytest.mark.slow
 def test_python_m_spindle_runs_under_torchrun():
     proc = subprocess.run(
         [

@@ -186,6 +186,7 @@ def test_ulysses_times_ring_on_four_processes_equals_one_process(tiny_wan, refer
     assert_matches_reference(res, reference, check_out=True)
 
 
+@pytest.mark.slow
 def test_sequence_parallel_2_equals_one_process(parallel_results, reference):
     res = parallel_results["sp2"]
     assert res["sp"] == 2
@@ -195,12 +196,14 @@ def test_sequence_parallel_2_equals_one_process(parallel_results, reference):
     assert_matches_reference(res, reference, check_out=True)
 
 
+@pytest.mark.slow
 def test_sequence_parallel_with_activation_checkpointing(parallel_results, reference):
     res = parallel_results["sp2_ckpt"]
     assert res["sp"] == 2
     assert_matches_reference(res, reference, check_out=True)
 
 
+@pytest.mark.slow
 def test_ring_attention_with_activation_checkpointing_equals_one_process(parallel_results, reference):
     """ring=2: no head split; each rank's query chunk attends to every KV chunk passed around the ring."""
     res = parallel_results["ring2_ckpt"]
@@ -208,18 +211,21 @@ def test_ring_attention_with_activation_checkpointing_equals_one_process(paralle
     assert_matches_reference(res, reference, check_out=True)
 
 
+@pytest.mark.slow
 def test_fsdp_dp_shard_2_equals_one_process(parallel_results, reference):
     res = parallel_results["dp_shard2"]
     assert res["sp"] == 1 and res["dp_ranks"] == [0, 1]
     assert_matches_reference(res, reference, check_out=True)
 
 
+@pytest.mark.slow
 def test_hsdp_dp_replicate_2_equals_one_process(parallel_results, reference):
     res = parallel_results["dp_replicate2"]
     assert res["dp_ranks"] == [0, 1]
     assert_matches_reference(res, reference, check_out=True)
 
 
+@pytest.mark.slow
 def test_cpu_rough_edges_still_need_the_workarounds(parallel_results):
     """Each workaround in spindle/distributed/ is for a behaviour observed here, on CPU/gloo."""
     edges = parallel_results["edges"]

@@ -124,6 +124,7 @@ def assert_equals_sdpa(results: dict, world: int) -> None:
     assert "parallel.ring: 1" in results["per_query_error"]
 
 
+@pytest.mark.slow
 def test_masked_ring_on_two_processes_equals_sdpa(tmp_path):
     """ring=2: each rank's queries against both KV chunks, each chunk with its own slice of the mask."""
     results = run(2, 2, tmp_path)

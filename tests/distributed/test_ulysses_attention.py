@@ -190,6 +190,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> Non
 
 
 @pytest.mark.parametrize("case", list(ATTN_CASES))
+@pytest.mark.slow
 def test_sp_attention_equals_single_process_sdpa(sp_results, case):
     heads, kv_heads, packed, _ = ATTN_CASES[case]
     expected = reference_attention(heads, kv_heads, packed)
@@ -197,6 +198,7 @@ def test_sp_attention_equals_single_process_sdpa(sp_results, case):
         assert_close(sp_results[case][key], expected[key], f"{case} {key}")
 
 
+@pytest.mark.slow
 def test_packed_reference_differs_from_plain_causal(sp_results):
     """The packed case is a real test: attention across document borders would give other outputs."""
     plain = reference_attention(4, 4, packed=False)["out"]
@@ -204,6 +206,7 @@ def test_packed_reference_differs_from_plain_causal(sp_results):
 
 
 @pytest.mark.parametrize("case", list(MODEL_CASES))
+@pytest.mark.slow
 def test_sp_model_loss_and_grads_equal_one_process(sp_results, case):
     kv_heads, packed, _ = MODEL_CASES[case]
     model = small_qwen3_model(kv_heads)

@@ -208,11 +208,47 @@ def test_refused_data_options_are_named_before_launch(tiny_flux, image_pairs, tm
         tmp_path / "run",
         train__objective="diffusion_dpo",
         data__num_frames=1,
-        data__buckets=True,
+        data__control_dir=tmp_path,
     )
     proc = run_spindle("train", cfg, *overrides)
     assert proc.returncode != 0
-    assert "train.objective=diffusion_dpo does not take data.buckets" in proc.stdout + proc.stderr
+    assert "train.objective=diffusion_dpo does not take data.control_dir" in proc.stdout + proc.stderr
+
+
+def test_buckets_keep_each_pair_in_its_chosen_members_bucket(tiny_flux, tmp_path):
+    """data.buckets: pairs of landscape and square images; each pair is decoded at the bucket of its chosen
+    member (the rejected one resized and cropped to it), a micro-batch holds pairs of one bucket, and
+    `spindle train` runs on them (step 1 at log 2)."""
+    from spindle.config import MediaDataConfig
+    from spindle.contracts.condition import PixelGrid
+    from spindle.data.media_pairs import collate_media_pairs, media_pairs
+    from spindle.data.synthetic import make_shapes_image_dataset
+
+    wide = sorted(make_shapes_image_dataset(tmp_path / "wide", num_images=4, size=(32, 64)).glob("*.png"))
+    square = sorted(make_shapes_image_dataset(tmp_path / "square", num_images=4, size=(48, 48)).glob("*.png"))
+    lines = [
+        {"prompt": f"p{k}", "chosen": str(w), "rejected": str(q)}
+        for k, (w, q) in enumerate(zip(wide, square, strict=True))
+    ]
+    lines += [
+        {"prompt": f"q{k}", "chosen": str(q), "rejected": str(w)}
+        for k, (w, q) in enumerate(zip(wide, square, strict=True))
+    ]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    data = MediaDataConfig(path=str(path), resolution=[48, 48], num_frames=1, buckets=True)
+    pairs = media_pairs(data, 0, grid=lambda: PixelGrid(16, 16), global_batch_size=2)
+    assert pairs.order is not None and pairs.stats["rows"] == 8 and pairs.stats["unbucketed"] == 0
+    shapes = {k: tuple(pairs[k][0]["pixels"].shape) for k in range(8)}
+    for k in range(8):
+        chosen, rejected = pairs[k]
+        assert chosen["pixels"].shape == rejected["pixels"].shape == shapes[k]
+    assert shapes[0][-1] > shapes[0][-2] and shapes[4][-1] == shapes[4][-2]  # landscape / square buckets
+    for batch in pairs.order.global_batches(0, 2):
+        first, second = (collate_media_pairs([pairs[int(i)] for i in batch])["pixels"][j] for j in (0, 1))
+        assert first.shape == second.shape
+    metrics = dpo_run(tiny_flux, path, tmp_path / "run", data__buckets=True, data__resolution=[48, 48])
+    assert metrics[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)
 
 
 def test_a_video_family_runs_a_step(tiny_wan, shapes_videos, tmp_path):
@@ -259,3 +295,25 @@ def test_an_image_to_video_family_takes_the_pairs_conditioning_image(
     metrics = dpo_run(tiny_wan_i2v, pairs, tmp_path / "run", data__num_frames=TINY_FRAMES, model__max_text_length=512)
     assert metrics[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)
     assert metrics[0]["grad_norm"] > 0
+
+
+@pytest.mark.slow
+def test_sequence_parallel_equals_one_process(tiny_wan, shapes_videos, tmp_path):
+    """sp=2 on Wan (Ulysses: each rank half of every sample's tokens; both ranks hold the same pairs): the losses,
+    grad norms and margins of one process over 2 steps. (beta 50: the margin is beta/2 x an error difference, so
+    beta scales the attention's summation-order differences up into the compared values.)"""
+    pairs = write_pairs(shapes_videos, tmp_path / "pairs.jsonl", ext="mp4")
+    values: dict[str, Any] = dict(
+        data__num_frames=TINY_FRAMES,
+        train__max_steps=2,
+        train__micro_batch_size=1,
+        train__adam_eps=1e-4,
+        diffusion_dpo__beta=50.0,
+    )
+    one = dpo_run(tiny_wan, pairs, tmp_path / "one", **values)
+    two = dpo_run(tiny_wan, pairs, tmp_path / "two", nproc=2, parallel__sp=2, **values)
+    for a, b in zip(one, two, strict=True):
+        for key in ("loss", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+        # the margin is beta/2 x a difference of errors of ~1 (cancelling): its float error is absolute, ~beta x 1e-7
+        assert b["reward_margin"] == pytest.approx(a["reward_margin"], abs=50 * 4e-7)

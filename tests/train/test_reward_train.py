@@ -150,6 +150,7 @@ def test_reward_refuses_lora_before_training(tiny_qwen3, tmp_path):
         lm_train(tiny_qwen3, data, tmp_path / "run", **reward_overrides(3, train__lora__rank=4))
 
 
+@pytest.mark.slow
 def test_fsdp2_on_two_processes_equals_one_process(tiny_qwen3, tmp_path):
     """dp_shard=2 (real gloo processes, each rank its half of the pairs; the score head sharded, initialised the same
     from its keyed generator) gives one process's losses and grad norms over 3 steps, and the same exported model."""

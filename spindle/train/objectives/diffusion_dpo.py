@@ -100,8 +100,6 @@ class DiffusionDPO(Objective):
         refused = {
             "data.precomputed": "the precomputed-condition cache holds single samples, not pairs; remove "
             "data.precomputed (conditions are encoded each step)",
-            "data.buckets": "pairs are decoded at data.resolution x data.num_frames (both members alike); set "
-            "data.buckets: false",
             "data.sources": "give the pairs as one JSONL file in data.path",
             "data.control_dir": 'give each pair its conditioning image as "image" in the pairs file',
         }
@@ -127,9 +125,17 @@ class DiffusionDPO(Objective):
         from spindle.data.media_pairs import collate_media_pairs, media_pairs
         from spindle.train.tasks.base import resumable_loader
 
-        pairs = media_pairs(self.cfg.data, self.cfg.train.seed, check=False)  # decoded once by check_data
+        cfg = self.cfg
+        pairs = media_pairs(  # decoded once by check_data
+            cfg.data,
+            cfg.train.seed,
+            check=False,
+            grid=lambda: task.family.condition_model_cls().pixel_grid(cfg.model.path),
+            global_batch_size=cfg.train.global_batch_size,
+            sequence_split=cfg.parallel.sp * cfg.parallel.ring,
+        )
         task._data_stats = pairs.stats
-        return resumable_loader(task, pairs, collate_media_pairs)
+        return resumable_loader(task, pairs, collate_media_pairs, order=pairs.order)
 
     def loss_units(self, batch: dict[str, Any]) -> int:
         return len(batch["index"]) // 2  # pairs

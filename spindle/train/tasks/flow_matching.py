@@ -116,7 +116,8 @@ class FlowMatchingTask(TrainTask):
             check_dit_backend(cfg.model.attention_backend, device_type(), ulysses=dims.sp, ring=dims.ring)
         except ValueError as e:
             raise ConfigError(f"model.attention_backend: {e}") from None
-        if cfg.data.buckets and dims.cp_size > 1:  # every bucket must split over the SP ranks: said before launch
+        # every bucket must split over the SP ranks: said before launch (pairs: when their loader is built)
+        if cfg.data.buckets and dims.cp_size > 1 and cfg.train.objective == "flow_matching":
             dit_data(cfg, family, check=False, warn_skipped=False)
         index = read_model_index(cfg.model.path, missing_ok=True)
         if index and family.inference is not None:
