@@ -85,6 +85,11 @@ class Objective(Protocol):
         them (an online objective generates and scores its rollouts here). Default: as the loader gave them."""
         return batches
 
+    def updates_per_batch(self) -> int:
+        """How many optimizer steps train on one `begin_step`'s micro-batches (an online objective's
+        `num_iterations`: the steps after the first reuse its rollouts). Default: 1."""
+        return 1
+
     def loss_units(self, batch: Any) -> int:
         """How many units the loss of `batch` averages over (see the module docstring)."""
         ...
@@ -171,6 +176,11 @@ class TrainTask(ABC):
         """Collective, before the step's loss units are counted: the step's micro-batches as `loss_units` and
         `forward` read them (an online objective's rollouts). Default: as the loader gave them."""
         return batches
+
+    def updates_per_batch(self) -> int:
+        """How many optimizer steps train on one `begin_step`'s micro-batches (the trainer fetches and begins new
+        ones every that many steps, and checkpoints and stops only between such cycles). Default: 1."""
+        return 1
 
     @abstractmethod
     def loss_units(self, batch: Any) -> int:

@@ -177,6 +177,10 @@ class Trainer:
             self.optimizer, cfg.train.model_copy(update={"max_steps": self.schedule_steps})
         )
         self.loader = self.task.build_loader()
+        # optimizer steps per begin_step (an online objective's num_iterations): checkpoints and stops fall
+        # between such cycles, so a resume never needs the batches of a cycle half trained
+        self.updates = self.task.updates_per_batch()
+        self._batches: list[Any] | None = None
         self.ema = build_ema(self.model, cfg.train.ema)  # `train.ema`: sharded like the weights (spindle.train.ema)
         if self.ema is not None:
             self.summary_extra["ema"] = self.ema.describe(cfg.export_weights)
@@ -238,7 +242,9 @@ class Trainer:
         """
         from spindle.distributed.fsdp import clip_grad_norm_tensor_
 
-        batches = self.task.begin_step(self.model, [next(self.loader) for _ in range(self.accum)], self.step)
+        if self.step % self.updates == 0 or self._batches is None:  # else: the cycle's batches again
+            self._batches = self.task.begin_step(self.model, [next(self.loader) for _ in range(self.accum)], self.step)
+        batches = self._batches
         dp_size = self.mesh.dims.dp_size
         units = float(sum(self.task.loss_units(b) for b in batches))  # host counts: no device read
         if dp_size > 1:  # the global count scales the loss before backward (one read with data parallel)
@@ -345,10 +351,11 @@ class Trainer:
                 metrics.end_step(self.step, loss, grad_norm, lr, samples, tokens, extra)
                 self.maybe_validate(metrics)
                 every = cfg.checkpoint.every_steps
-                if every and self.step % every == 0 and self.step < cfg.train.max_steps:
+                boundary = self.step % self.updates == 0
+                if every and self.step % every == 0 and self.step < cfg.train.max_steps and boundary:
                     last = self.save()
                 stopped_by = stop.agreed(self.device)
-                if stopped_by is not None and self.step < cfg.train.max_steps:
+                if stopped_by is not None and self.step < cfg.train.max_steps and boundary:
                     break
                 stopped_by = None
         finally:

@@ -209,8 +209,8 @@ def test_bad_prompts_and_options_are_named_before_the_model_loads(tiny_flux, tin
     out = run_failing(tiny_wan_i2v, (i2v, rewards), tmp_path / "i2v")
     assert "i2v.jsonl:1: a request takes 1 conditioning image(s) in 'image'; got 0" in out
     assert f"i2v.jsonl:2: image {tmp_path / 'gone.png'} does not exist" in out
-    out = run_failing(tiny_flux, grpo_files, tmp_path / "iters", flow_grpo__num_iterations=2)
-    assert "flow_grpo.num_iterations=2: only on-policy updates (1)" in out
+    out = run_failing(tiny_flux, grpo_files, tmp_path / "iters", flow_grpo__num_iterations=4, train__max_steps=6)
+    assert "flow_grpo.num_iterations=4: train.max_steps (6) and checkpoint.every_steps" in out
     out = run_failing(tiny_flux, grpo_files, tmp_path / "buckets", data__buckets=True)
     assert "train.objective=flow_grpo does not take data.buckets" in out
     out = run_failing(tiny_flux, grpo_files, tmp_path / "none", flow_grpo__rewards="[]")
@@ -244,3 +244,23 @@ def test_sequence_parallel_equals_one_process(tiny_wan, grpo_files, tmp_path):
         for key in ("loss", "grad_norm", "reward_mean", "reward_std"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
         assert b["logprob_mismatch"] <= 1e-5
+
+
+def test_num_iterations_trains_each_rollout_batch_several_steps(tiny_flux, grpo_files, tmp_path):
+    """flow_grpo.num_iterations=2: steps 1-2 train on one batch of rollouts, 3-4 on the next (the rewards repeat
+    within a cycle; the second step's ratios leave 1, so the clip fraction and approx_kl become positive);
+    a kill -9 after the first cycle resumes exactly (checkpoints fall between cycles)."""
+    from spindle.train.metrics import read_metrics
+
+    values: dict[str, Any] = dict(train__max_steps=4, checkpoint__every_steps=2, flow_grpo__num_iterations=2)
+    whole = grpo_run(tiny_flux, grpo_files, tmp_path / "whole", **values)
+    assert whole[0]["reward_mean"] == whole[1]["reward_mean"] != whole[2]["reward_mean"] == whole[3]["reward_mean"]
+    assert whole[0]["clip_fraction"] == 0.0 and whole[1]["clip_fraction"] > 0 and whole[1]["approx_kl"] > 0
+    assert whole[0]["logprob_mismatch"] <= 1e-5 and whole[2]["logprob_mismatch"] <= 1e-5
+    assert whole[0]["time/rollout_s"] > 0 and whole[1]["time/rollout_s"] == 0.0
+    out = tmp_path / "killed"
+    spindle_train_killed(out, grpo_overrides(tiny_flux, grpo_files, out, **values), at_step=4)
+    spindle_train(out, 1, grpo_overrides(tiny_flux, grpo_files, out, **values, checkpoint__resume="auto"))
+    for a, b in zip(whole, read_metrics(out), strict=True):
+        for key in ("loss", "grad_norm", "reward_mean", "clip_fraction"):
+            assert b[key] == a[key], key

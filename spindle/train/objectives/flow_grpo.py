@@ -323,23 +323,25 @@ def logprob_mismatch(recorded: torch.Tensor, recomputed: torch.Tensor) -> float:
 
 class FlowGRPO(Objective):
     """`train.objective: flow_grpo` for every DiT family (DanceGRPO on video ones): the functions above as a part
-    of the flow-matching task (`flow_grpo:` settings). `train.global_batch_size` counts prompts.
+        of the flow-matching task (`flow_grpo:` settings). `train.global_batch_size` counts prompts.
 
-    Each step, before its loss is counted (`begin_step`), every rank generates `num_generations` samples of each
-    of its prompts with Spindle's own engine on the live transformer (`spindle.train.rollouts`: the SDE sampler in
-    the engine's denoising loop, every draw from a generator keyed on (seed, step, prompt, sample), so any layout
-    or resume rolls out what one process does), decodes and scores them (`flow_grpo.rewards`), and computes the
-    group-relative advantages (with `global_std`, over the whole global batch). The update is one micro-batch per
-    rollout and trained denoising step (`timestep_fraction`): the stage's `predict` recomputes the step's velocity
-    with gradients on the recorded latents and the same conditions, and the clipped objective (with beta x the KL
-    to the reference when beta > 0: a LoRA run's adapters off, else a frozen copy of the starting weights) is
-    averaged over samples and trained steps. The loss unit is the sample of one trained step.
+        Each step, before its loss is counted (`begin_step`), every rank generates `num_generations` samples of each
+        of its prompts with Spindle's own engine on the live transformer (`spindle.train.rollouts`: the SDE sampler in
+        the engine's denoising loop, every draw from a generator keyed on (seed, step, prompt, sample), so any layout
+        or resume rolls out what one process does), decodes and scores them (`flow_grpo.rewards`), and computes the
+        group-relative advantages (with `global_std`, over the whole global batch). The update is one micro-batch per
+        rollout and trained denoising step (`timestep_fraction`): the stage's `predict` recomputes the step's velocity
+        with gradients on the recorded latents and the same conditions, and the clipped objective (with beta x the KL
+        to the reference when beta > 0: a LoRA run's adapters off, else a frozen copy of the starting weights) is
+        averaged over samples and trained steps. The loss unit is the sample of one trained step. With `num_iterations`
+    K, the trainer trains each batch of rollouts for K optimizer steps (`updates_per_batch`), checkpointing only
+    between such cycles.
 
-    Metrics: `logprob_mismatch` (the largest |recorded - recomputed| log-prob of the step, over every rank, before
-    the update: train/inference consistency), reward_mean / reward_std and reward/NAME over the global batch,
-    clip_fraction, approx_kl, kl (beta > 0), and the time split time/rollout_s (denoising), time/reward_s (decoding
-    and rewards), time/update_s (this rank's). Every `train.log_every` steps rank 0 appends each sample's prompt and
-    rewards to `<output_dir>/samples/flow_grpo.jsonl`."""
+        Metrics: `logprob_mismatch` (the largest |recorded - recomputed| log-prob of the step, over every rank, before
+        the update: train/inference consistency), reward_mean / reward_std and reward/NAME over the global batch,
+        clip_fraction, approx_kl, kl (beta > 0), and the time split time/rollout_s (denoising), time/reward_s (decoding
+        and rewards), time/update_s (this rank's). Every `train.log_every` steps rank 0 appends each sample's prompt and
+        rewards to `<output_dir>/samples/flow_grpo.jsonl`."""
 
     name = "flow_grpo"
 
@@ -352,6 +354,7 @@ class FlowGRPO(Objective):
         self._reference_stage: Any = None
         self._stats: dict[str, float] = {}
         self._mismatch: torch.Tensor | None = None
+        self._rollout_step = -1  # the step whose begin_step rolled out the batches being trained
         self._update_start = 0.0
 
     # ------------------------------------------------------------ before launch
@@ -371,10 +374,13 @@ class FlowGRPO(Objective):
                 raise ConfigError(f"train.objective=flow_grpo does not take {key}: {fix}")
         if family.inference is None:
             raise ConfigError(f"train.objective=flow_grpo: {family.name} has no inference pipeline to roll out with")
-        if self.settings.num_iterations != 1:
+        k = self.settings.num_iterations
+        every, steps = self.cfg.checkpoint.every_steps, self.cfg.train.max_steps
+        if k > 1 and (steps % k or (every and every % k)):
             raise ConfigError(
-                f"flow_grpo.num_iterations={self.settings.num_iterations}: only on-policy updates (1) are available "
-                "yet; set flow_grpo.num_iterations: 1"
+                f"flow_grpo.num_iterations={k}: train.max_steps ({steps}) and checkpoint.every_steps ({every}) must be "
+                f"multiples of it (each batch of rollouts trains {k} optimizer steps; checkpoints fall between such "
+                "cycles, so a resume never needs rollouts half trained)"
             )
         prompts = self.prompts(family)  # every line and conditioning image checked before any model loads
         self.check_options(family, prompts[0])
@@ -396,6 +402,9 @@ class FlowGRPO(Objective):
             )
         except (RequestError, ValueError, TypeError) as e:
             raise ConfigError(f"flow_grpo.options: {e}") from None
+
+    def updates_per_batch(self) -> int:
+        return int(self.settings.num_iterations)
 
     def check_data(self) -> None:
         """None here: the prompts file is checked by `check_plan`, which knows how many conditioning images the
@@ -504,6 +513,7 @@ class FlowGRPO(Objective):
                 for j in steps
             ]
         self._mismatch = None
+        self._rollout_step = step
         self._update_start = time.perf_counter()
         return out
 
@@ -624,8 +634,9 @@ class FlowGRPO(Objective):
             ref_mean,
             policy.std_dev_t,
         )
-        difference = (recorded.double() - policy.log_prob.detach().double()).abs().max()
-        self._mismatch = difference if self._mismatch is None else torch.maximum(self._mismatch, difference)
+        if step == self._rollout_step:  # before the first update: the recomputation must equal the rollout
+            difference = (recorded.double() - policy.log_prob.detach().double()).abs().max()
+            self._mismatch = difference if self._mismatch is None else torch.maximum(self._mismatch, difference)
         metrics: dict[str, Any] = {
             "clip_fraction": Metric(out.clipped.mean(), "mean", "mean"),
             "approx_kl": Metric(out.approx_kl.mean(), "mean", "mean"),
@@ -647,11 +658,17 @@ class FlowGRPO(Objective):
         if dist.is_initialized() and dist.get_world_size() > 1:
             mismatch = mismatch.to(task.device)
             dist.all_reduce(mismatch, op=dist.ReduceOp.MAX)
-        return {
+        out = {
             "logprob_mismatch": float(mismatch),
             **self._stats,
             "time/update_s": time.perf_counter() - self._update_start,
         }
+        # the next steps of a num_iterations cycle reuse these rollouts: no rollout time, and the recorded
+        # log-probs are no longer the weights' (their ratios leave 1), so no mismatch to measure
+        self._stats.update({"time/rollout_s": 0.0, "time/reward_s": 0.0})
+        self._mismatch = None
+        self._update_start = time.perf_counter()
+        return out
 
 
 def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

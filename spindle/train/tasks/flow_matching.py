@@ -242,6 +242,9 @@ class FlowMatchingTask(TrainTask):
     def begin_step(self, model: torch.nn.Module, batches: list[Any], step: int) -> list[Any]:
         return self.objective.begin_step(self, model, batches, step)
 
+    def updates_per_batch(self) -> int:
+        return self.objective.updates_per_batch()
+
     def loss_units(self, batch: dict[str, Any]) -> int:
         return self.objective.loss_units(batch)
 
