@@ -3,7 +3,8 @@
   spindle precompute CONFIG.yaml --out DIR [key.sub=value ...] [--nproc N]
 
 Reads the training config (model, data, precision), runs the family's condition model (text
-encoders + VAE posterior mode) over every sample of data.path, sharded over ranks with --nproc,
+encoders + VAE posterior mode) over every sample of data.path (a Diffusion-DPO pairs file: every chosen and
+rejected member), sharded over ranks with --nproc,
 and writes DIR/samples/*.safetensors plus DIR/manifest.json keyed by sample, checkpoint and the
 settings that shape the conditions. Train on it with `data.precomputed: DIR`: the text encoders and
 the VAE are then never loaded. A stale or mismatched cache is refused, saying what differs.
@@ -59,9 +60,14 @@ def precompute(cfg: Any, out: str | Path) -> Path | None:
     precision = resolve_precision(cfg.train.mixed_precision)
     # the training task's own dataset (sources, buckets: each sample at its bucket's shape), skipped
     # samples refused: the cache must hold every sample the run lists
-    dataset = dit_data(
-        cfg.model_copy(update={"data": cfg.data.model_copy(update={"skip_bad_samples": False})}), family, captions=False
-    ).dataset
+    strict = cfg.model_copy(update={"data": cfg.data.model_copy(update={"skip_bad_samples": False})})
+    if cfg.train.objective == "diffusion_dpo":  # a pairs file: every member, chosen then rejected, at its pair's shape
+        from spindle.data.media_pairs import media_pairs
+
+        grid = lambda: family.condition_model_cls().pixel_grid(cfg.model.path)  # noqa: E731
+        dataset = media_pairs(strict.data, cfg.train.seed, grid=grid).members()
+    else:
+        dataset = dit_data(strict, family, captions=False).dataset
     device = local_device()
     condition = build_condition_model(cfg, family, device, precision)
     if rank == 0:

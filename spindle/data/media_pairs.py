@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from torch.utils.data import Dataset
 
 from spindle.data.captions import CaptionPolicy
@@ -59,6 +60,48 @@ class MediaPairs(Dataset):
 
     def __getitem__(self, index: int) -> tuple[dict[str, Any], dict[str, Any]]:
         return self.chosen.load(index), self.rejected.load(index)
+
+    def members(self) -> MediaDataset:
+        """Every member as one dataset, the P chosen then the P rejected, each at its pair's shape: what `spindle
+        precompute` encodes (one cache entry each, with the pair's first caption) and what a precomputed run
+        reads back (`CachedPairs`)."""
+        from spindle.data.buckets import BucketPlan
+
+        members = MediaDataset(
+            [*self.chosen.samples, *self.rejected.samples], self.chosen.resolution, self.chosen.num_frames
+        )
+        if self.chosen.plan is not None:
+            plan = self.chosen.plan
+            members.plan = BucketPlan(plan.shapes, np.concatenate([plan.ids, plan.ids]))
+        members.captions = CaptionPolicy(0, 0.0, self.chosen.captions.prefix, several=False)
+        return members
+
+
+class CachedPairs(Dataset):
+    """Pair i -> its chosen and rejected members' cached conditions (`spindle.data.precomputed`: entries i and
+    P + i of a cache of `MediaPairs.members()`), both with the pair's index and the same caption draw."""
+
+    def __init__(self, cached: Any, count: int) -> None:
+        if len(cached) != 2 * count:
+            raise ValueError(f"a cache of {count} pairs holds {2 * count} members; this one holds {len(cached)}")
+        self.cached = cached
+        self.count = count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def set_epoch(self, epoch: int) -> None:
+        self.cached.set_epoch(epoch)
+
+    def __getitem__(self, index: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        return self.cached.load(index, key=index), self.cached.load(self.count + index, key=index)
+
+
+def collate_cached_pairs(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
+    """P cached pairs -> one batch of 2P samples' conditions: the P chosen, then the P rejected."""
+    from spindle.data.precomputed import collate_conditions
+
+    return collate_conditions([c for c, _ in pairs] + [r for _, r in pairs])
 
 
 def collate_media_pairs(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:

@@ -327,9 +327,15 @@ class CachedConditions(Dataset):
         return {k: v for k, v in conditions.items() if k not in variants}
 
     def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.load(index)
+
+    def load(self, index: int, key: int | None = None) -> dict[str, Any]:
+        """Entry `index`'s conditions, its caption drawn (and its "index" reported) as sample `key`'s (default:
+        `index`; a preference pair's members share their pair's)."""
         from safetensors import SafetensorError
         from safetensors.torch import load
 
+        key = index if key is None else key
         entry = self.entries[index]
         path = self.root / entry["file"]
         fix = "rerun `spindle precompute CONFIG --out DIR`"
@@ -340,7 +346,7 @@ class CachedConditions(Dataset):
             conditions = load(data)
         except (SafetensorError, OSError) as e:  # the bare error names no file
             raise StaleCacheError(f"data.precomputed: {path} is damaged or missing ({e}); {fix}") from None
-        return {"conditions": self.draw_caption(conditions, index), "index": index}
+        return {"conditions": self.draw_caption(conditions, key), "index": key}
 
 
 def collate_conditions(items: list[dict[str, Any]]) -> dict[str, Any]:

@@ -18,6 +18,8 @@ from spindle.data.precomputed import StaleCacheError
 from spindle.train.metrics import read_metrics
 
 COMMON = dict(train__max_steps=3, checkpoint__export=False)
+# the module's cache is made by `spindle precompute --nproc 2` (a launcher and two workers): multi-process
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

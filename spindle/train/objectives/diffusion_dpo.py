@@ -98,8 +98,6 @@ class DiffusionDPO(Objective):
 
         data = self.cfg.data
         refused = {
-            "data.precomputed": "the precomputed-condition cache holds single samples, not pairs; remove "
-            "data.precomputed (conditions are encoded each step)",
             "data.sources": "give the pairs as one JSONL file in data.path",
             "data.control_dir": 'give each pair its conditioning image as "image" in the pairs file',
         }
@@ -115,7 +113,8 @@ class DiffusionDPO(Objective):
     def check_data(self) -> None:
         from spindle.data.media_pairs import media_pairs
 
-        media_pairs(self.cfg.data, self.cfg.train.seed)
+        # with a precomputed cache the media is never decoded (the cache is checked against the pairs when read)
+        media_pairs(self.cfg.data, self.cfg.train.seed, check=self.cfg.data.precomputed is None)
 
     def prepare(self, task: Any, model: torch.nn.Module) -> None:
         if self.cfg.train.lora is None:  # a full fine-tune: the starting weights, frozen beside the policy
@@ -135,7 +134,19 @@ class DiffusionDPO(Objective):
             sequence_split=cfg.parallel.sp * cfg.parallel.ring,
         )
         task._data_stats = pairs.stats
-        return resumable_loader(task, pairs, collate_media_pairs, order=pairs.order)
+        if cfg.data.precomputed is None:
+            return resumable_loader(task, pairs, collate_media_pairs, order=pairs.order)
+        from spindle.data.captions import CaptionPolicy
+        from spindle.data.media_pairs import CachedPairs, collate_cached_pairs
+        from spindle.data.precomputed import CachedConditions, cache_settings
+        from spindle.train.tasks.flow_matching import condition_dtype
+
+        settings = cache_settings(
+            cfg, task.family.name, condition_dtype(task.precision), task.family.condition_model_cls().encoding_version
+        )
+        captions = CaptionPolicy(cfg.train.seed, cfg.data.caption_dropout, cfg.data.caption_prefix)
+        cached = CachedConditions(cfg.data.precomputed, settings, pairs.members().samples, captions)
+        return resumable_loader(task, CachedPairs(cached, len(pairs)), collate_cached_pairs, order=pairs.order)
 
     def loss_units(self, batch: dict[str, Any]) -> int:
         return len(batch["index"]) // 2  # pairs
