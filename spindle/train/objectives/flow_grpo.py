@@ -333,9 +333,9 @@ class FlowGRPO(Objective):
         rollout and trained denoising step (`timestep_fraction`): the stage's `predict` recomputes the step's velocity
         with gradients on the recorded latents and the same conditions, and the clipped objective (with beta x the KL
         to the reference when beta > 0: a LoRA run's adapters off, else a frozen copy of the starting weights) is
-        averaged over samples and trained steps. The loss unit is the sample of one trained step. With `num_iterations`
-    K, the trainer trains each batch of rollouts for K optimizer steps (`updates_per_batch`), checkpointing only
-    between such cycles.
+        averaged over samples and trained steps. The loss unit is the sample of one trained step. With
+        `num_iterations` K, the trainer trains each batch of rollouts for K optimizer steps (`updates_per_batch`),
+        checkpointing only between such cycles.
 
         Metrics: `logprob_mismatch` (the largest |recorded - recomputed| log-prob of the step, over every rank, before
         the update: train/inference consistency), reward_mean / reward_std and reward/NAME over the global batch,
