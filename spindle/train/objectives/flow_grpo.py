@@ -323,25 +323,25 @@ def logprob_mismatch(recorded: torch.Tensor, recomputed: torch.Tensor) -> float:
 
 class FlowGRPO(Objective):
     """`train.objective: flow_grpo` for every DiT family (DanceGRPO on video ones): the functions above as a part
-        of the flow-matching task (`flow_grpo:` settings). `train.global_batch_size` counts prompts.
+    of the flow-matching task (`flow_grpo:` settings). `train.global_batch_size` counts prompts.
 
-        Each step, before its loss is counted (`begin_step`), every rank generates `num_generations` samples of each
-        of its prompts with Spindle's own engine on the live transformer (`spindle.train.rollouts`: the SDE sampler in
-        the engine's denoising loop, every draw from a generator keyed on (seed, step, prompt, sample), so any layout
-        or resume rolls out what one process does), decodes and scores them (`flow_grpo.rewards`), and computes the
-        group-relative advantages (with `global_std`, over the whole global batch). The update is one micro-batch per
-        rollout and trained denoising step (`timestep_fraction`): the stage's `predict` recomputes the step's velocity
-        with gradients on the recorded latents and the same conditions, and the clipped objective (with beta x the KL
-        to the reference when beta > 0: a LoRA run's adapters off, else a frozen copy of the starting weights) is
-        averaged over samples and trained steps. The loss unit is the sample of one trained step. With
-        `num_iterations` K, the trainer trains each batch of rollouts for K optimizer steps (`updates_per_batch`),
-        checkpointing only between such cycles.
+    Each step, before its loss is counted (`begin_step`), every rank generates `num_generations` samples of each
+    of its prompts with Spindle's own engine on the live transformer (`spindle.train.rollouts`: the SDE sampler in
+    the engine's denoising loop, every draw from a generator keyed on (seed, step, prompt, sample), so any layout
+    or resume rolls out what one process does), decodes and scores them (`flow_grpo.rewards`), and computes the
+    group-relative advantages (with `global_std`, over the whole global batch). The update is one micro-batch per
+    rollout and trained denoising step (`timestep_fraction`): the stage's `predict` recomputes the step's velocity
+    with gradients on the recorded latents and the same conditions, and the clipped objective (with beta x the KL
+    to the reference when beta > 0: a LoRA run's adapters off, else a frozen copy of the starting weights) is
+    averaged over samples and trained steps. The loss unit is the sample of one trained step. With
+    `num_iterations` K, the trainer trains each batch of rollouts for K optimizer steps (`updates_per_batch`),
+    checkpointing only between such cycles.
 
-        Metrics: `logprob_mismatch` (the largest |recorded - recomputed| log-prob of the step, over every rank, before
-        the update: train/inference consistency), reward_mean / reward_std and reward/NAME over the global batch,
-        clip_fraction, approx_kl, kl (beta > 0), and the time split time/rollout_s (denoising), time/reward_s (decoding
-        and rewards), time/update_s (this rank's). Every `train.log_every` steps rank 0 appends each sample's prompt and
-        rewards to `<output_dir>/samples/flow_grpo.jsonl`."""
+    Metrics: `logprob_mismatch` (the largest |recorded - recomputed| log-prob of the step, over every rank, before
+    the update: train/inference consistency), reward_mean / reward_std and reward/NAME over the global batch,
+    clip_fraction, approx_kl, kl (beta > 0), and the time split time/rollout_s (denoising), time/reward_s (decoding
+    and rewards), time/update_s (this rank's). Every `train.log_every` steps rank 0 appends each sample's prompt and
+    rewards to `<output_dir>/samples/flow_grpo.jsonl`."""
 
     name = "flow_grpo"
 
