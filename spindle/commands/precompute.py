@@ -63,9 +63,10 @@ def precompute(cfg: Any, out: str | Path) -> Path | None:
     strict = cfg.model_copy(update={"data": cfg.data.model_copy(update={"skip_bad_samples": False})})
     if cfg.train.objective == "diffusion_dpo":  # a pairs file: every member, chosen then rejected, at its pair's shape
         from spindle.data.media_pairs import media_pairs
+        from spindle.train.objectives.diffusion_dpo import is_edit_family
 
         grid = lambda: family.condition_model_cls().pixel_grid(cfg.model.path)  # noqa: E731
-        dataset = media_pairs(strict.data, cfg.train.seed, grid=grid).members()
+        dataset = media_pairs(strict.data, cfg.train.seed, grid=grid, edit=is_edit_family(family)).members()
     else:
         dataset = dit_data(strict, family, captions=False).dataset
     device = local_device()

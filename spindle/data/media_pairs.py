@@ -5,7 +5,8 @@
     {"prompt": "a red fox in snow", "chosen": "fox_a.png", "rejected": "fox_b.png"}
     {"prompt": "she turns her head", "chosen": "a.mp4", "rejected": "b.mp4", "image": "first.png"}
 
-`image` is the conditioning image of image-to-video / edit families (optional). Checked before any model is
+`image` is the conditioning image: an image-to-video pair's first frame (optional: default the clip's own), an
+edit family's source image(s) (a path or a list, as its requests take them). Checked before any model is
 built, as a DiT dataset is: every bad line is named as `file:line` in one error; every file is decoded once
 (`spindle.data.media_check`) and the unusable ones are listed (or, with `data.skip_bad_samples`, their pairs are
 left out and counted). A pair whose chosen and rejected files are the same file is left out and counted (its
@@ -109,7 +110,7 @@ def collate_media_pairs(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> d
     return collate([c for c, _ in pairs] + [r for _, r in pairs])
 
 
-def _pair(path: Path, lineno: int, line: bytes) -> tuple[Sample, Sample]:
+def _pair(path: Path, lineno: int, line: bytes, edit: bool) -> tuple[Sample, Sample]:
     where = f"{path}:{lineno}"
     try:
         entry = json_line(line)  # the JSONL reader the text data uses: not UTF-8, not JSON, each said
@@ -121,22 +122,30 @@ def _pair(path: Path, lineno: int, line: bytes) -> tuple[Sample, Sample]:
         if not isinstance(entry.get(key), str) or not entry[key].strip():
             raise ValueError(f"{where}: {key!r} must be a non-empty string")
     image = entry.get("image")
-    if image is not None and not isinstance(image, str):
-        raise ValueError(f"{where}: 'image' (the conditioning image) must be a path string")
-    cond = resolve(path, image) if image else None
+    paths = [image] if isinstance(image, str) else image if isinstance(image, list) else None
+    if image is not None and (not paths or not all(isinstance(p, str) and p.strip() for p in paths)):
+        raise ValueError(f"{where}: 'image' (the conditioning image) must be a path string or a list of them")
+    if paths and len(paths) > 1 and not edit:
+        raise ValueError(
+            f"{where}: 'image' lists {len(paths)} images; an image-to-video pair takes one (its first frame)"
+        )
+    cond = [resolve(path, p) for p in paths or []]
+    # an edit family's pair: the source image(s) of the edit; else the first frame of an image-to-video pair
+    given: dict[str, Any] = {"sources": tuple(cond)} if edit else {"image": cond[0] if cond else None}
     return tuple(  # type: ignore[return-value]
-        Sample(resolve(path, entry[k]), entry["prompt"], image=cond, where=where) for k in ("chosen", "rejected")
+        Sample(resolve(path, entry[k]), entry["prompt"], where=where, **given) for k in ("chosen", "rejected")
     )
 
 
-def read_pairs(path: Path) -> tuple[list[tuple[Sample, Sample]], list[str]]:
-    """The pairs of a JSONL file and its bad lines (each `file:line: what is wrong`)."""
+def read_pairs(path: Path, edit: bool = False) -> tuple[list[tuple[Sample, Sample]], list[str]]:
+    """The pairs of a JSONL file and its bad lines (each `file:line: what is wrong`); `edit`: the family edits
+    images, so a pair's "image" is its source image(s), else an image-to-video pair's first frame."""
     pairs, errors = [], []
     for lineno, line in enumerate(path.read_bytes().splitlines(), 1):  # one bad byte: one bad line, not a crash
         if not line.strip():
             continue
         try:
-            pairs.append(_pair(path, lineno, line))
+            pairs.append(_pair(path, lineno, line, edit))
         except ValueError as e:
             errors.append(str(e))
     return pairs, errors
@@ -149,18 +158,20 @@ def media_pairs(
     grid: Callable[[], PixelGrid] | None = None,
     global_batch_size: int = 1,
     sequence_split: int = 1,
+    edit: bool = False,
 ) -> MediaPairs:
     """`data` (a `MediaDataConfig` whose `path` is a pairs JSONL) -> the checked pairs (module doc). With
     `data.buckets` and the model's pixel `grid()`: each pair in the bucket of its chosen member's size, both
     members decoded at that shape, and the epoch order that keeps a batch's pairs in one bucket (`order`);
-    `sequence_split`: the SP x ring degree every bucket's token count must divide by."""
+    `sequence_split`: the SP x ring degree every bucket's token count must divide by; `edit`: an image-edit
+    family's pairs ("image": the source images, `read_pairs`)."""
     path = Path(data.path).expanduser()
     if not path.is_file() or path.suffix.lower() != ".jsonl":
         raise ValueError(
             f"train.objective=diffusion_dpo: data.path={path} must be a pairs .jsonl file "
             '(one {"prompt", "chosen", "rejected"} object per line)'
         )
-    pairs, errors = read_pairs(path)
+    pairs, errors = read_pairs(path, edit)
     if errors:
         shown = "\n  ".join(errors[:20]) + (f"\n  ... and {len(errors) - 20} more" if len(errors) > 20 else "")
         raise ValueError(f"data.path={path}: {len(errors)} bad line(s):\n  {shown}")
@@ -181,7 +192,8 @@ def media_pairs(
             raise ValueError(f"data.path={path}: every pair names the same file as chosen and rejected")
     resolution, frames = (int(data.resolution[0]), int(data.resolution[1])), int(data.num_frames)
     members = [s for pair in pairs for s in pair]
-    problems = [Problem(p, "file does not exist") for s in members for p in (s.path, s.image) if p and not p.is_file()]
+    files = [p for s in members for p in (s.path, s.image, *s.sources) if p]
+    problems = [Problem(p, "file does not exist") for p in dict.fromkeys(files) if not p.is_file()]
     if check and not problems:
         bad = find_problems(members, resolution, frames)
         problems = [Problem(members[i].path, f"{reason} ({members[i].where})") for i, reason in sorted(bad.items())]
@@ -189,7 +201,7 @@ def media_pairs(
         raise DataCheckError(path, problems, len(members))
     if problems:
         bad_paths = {p.path for p in problems}
-        pairs = [p for p in pairs if not {p[0].path, p[1].path, p[0].image} & bad_paths]
+        pairs = [p for p in pairs if not {p[0].path, p[1].path, p[0].image, *p[0].sources} & bad_paths]
         logger.warning("data.skip_bad_samples: left out %d pair(s) with unusable files", total - len(pairs))
         if not pairs:
             raise DataCheckError(path, problems, len(members))

@@ -228,6 +228,40 @@ def test_demo_runs_end_to_end(name, tmp_path, spindle_cli):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
+def test_diffusion_dpo_trains_a_step_from_the_demo_data(name, tiny, tmp_path):
+    """`train.objective: diffusion_dpo` on pairs of the family's demo samples (an edit family's with their source
+    images, an image-to-video family's conditioned on their first frame): step 1 at exactly log 2 (the policy is
+    the reference) with a gradient."""
+    import json
+    import math
+
+    from spindle.api import make_trainer
+    from spindle.data.datasets import build_dataset
+    from spindle.train.metrics import read_metrics
+
+    family = get_family(name)
+    demo = family.demo
+    data = demo.write_data(tmp_path / "data", seed=0)
+    samples = build_dataset(data, demo.size, demo.num_frames, check=False).samples
+    lines = [
+        {"prompt": a.caption, "chosen": str(a.path), "rejected": str(b.path)}
+        | ({"image": [str(p) for p in a.sources]} if a.sources else {})
+        for a, b in zip(samples[0:4:2], samples[1:4:2], strict=True)
+    ]
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    overrides = train_overrides(
+        tiny(name), pairs, tmp_path / "run",
+        data__resolution=list(demo.size), data__num_frames=demo.num_frames,
+        model__max_text_length=suite.text_tokens(family), train__max_steps=1, train__global_batch_size=2,
+        train__micro_batch_size=2, train__objective="diffusion_dpo", **family.conformance.train_overrides,
+    )  # fmt: skip
+    result = make_trainer(load_job_config(None, overrides)).run()
+    (metrics,) = read_metrics(result.output_dir)
+    assert metrics["loss"] == pytest.approx(math.log(2), rel=1e-6) and metrics["grad_norm"] > 0
+
+
+@pytest.mark.parametrize("name", FAMILIES)
 def test_flow_grpo_demo_rolls_out_on_the_live_weights(name, tmp_path, spindle_cli):
     """`spindle demo --family NAME --objective flow_grpo` (the command a user runs): Flow-GRPO rollouts from the
     engine on the live transformer, the conditioning image the family's requests take, the family's demo sampling

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -71,6 +72,11 @@ def pair_generators(
     return [make(seed, step, int(i)) for i in pair_indices], [make(seed, step, int(i)) for i in pair_indices]
 
 
+def is_edit_family(family: Any) -> bool:
+    """An image family whose requests take images: its pairs' "image" is the edit's source(s)."""
+    return bool(family.inference_spec().media == "image" and family.options.images[1] > 0)
+
+
 class DiffusionDPO(Objective):
     """`train.objective: diffusion_dpo` for every DiT family: the loss above as a part of the flow-matching task
     (`diffusion_dpo:` settings).
@@ -104,17 +110,20 @@ class DiffusionDPO(Objective):
         for key, fix in refused.items():
             if getattr(data, key.split(".")[1]):
                 raise ConfigError(f"train.objective=diffusion_dpo does not take {key}: {fix}")
-        if self.cfg.train.expert is not None:
-            raise ConfigError(
-                "train.objective=diffusion_dpo with train.expert: a two-expert checkpoint's DPO is not wired yet; "
-                "train a single-transformer checkpoint"
-            )
+        from spindle.data.media_pairs import read_pairs  # every line in the family's form, before launch
+
+        path = Path(data.path).expanduser()
+        _, errors = read_pairs(path, is_edit_family(family)) if path.is_file() else ([], [])
+        if errors:
+            shown = "\n  ".join(errors[:20])
+            raise ConfigError(f"data.path={data.path}: {len(errors)} bad line(s):\n  {shown}")
 
     def check_data(self) -> None:
         from spindle.data.media_pairs import media_pairs
 
-        # with a precomputed cache the media is never decoded (the cache is checked against the pairs when read)
-        media_pairs(self.cfg.data, self.cfg.train.seed, check=self.cfg.data.precomputed is None)
+        # with a precomputed cache the media is never decoded (the cache is checked against the pairs when read);
+        # read as an edit family's (a list of images allowed: check_plan read each line in the family's form)
+        media_pairs(self.cfg.data, self.cfg.train.seed, check=self.cfg.data.precomputed is None, edit=True)
 
     def prepare(self, task: Any, model: torch.nn.Module) -> None:
         if self.cfg.train.lora is None:  # a full fine-tune: the starting weights, frozen beside the policy
@@ -132,6 +141,7 @@ class DiffusionDPO(Objective):
             grid=lambda: task.family.condition_model_cls().pixel_grid(cfg.model.path),
             global_batch_size=cfg.train.global_batch_size,
             sequence_split=cfg.parallel.sp * cfg.parallel.ring,
+            edit=is_edit_family(task.family),
         )
         task._data_stats = pairs.stats
         if cfg.data.precomputed is None:
