@@ -159,8 +159,9 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(tiny_flux, grpo_files,
 
 def test_lora_with_a_kl_to_the_adapters_off_base(tiny_flux, grpo_files, tmp_path):
     """A LoRA run with beta > 0: the reference is the policy with its adapters off (no copy), so the KL is 0 at
-    step 1 (zero-initialised adapters) and grows once the adapters train; a full fine-tune with beta > 0 holds a
-    frozen copy and starts at 0 too."""
+    step 1 (zero-initialised adapters) and grows once the adapters train; the exported adapters load in stock
+    diffusers and per request in a running server; a full fine-tune with beta > 0 holds a frozen copy and starts
+    at 0 too."""
     lora = grpo_run(
         tiny_flux,
         grpo_files,
@@ -182,6 +183,26 @@ def test_lora_with_a_kl_to_the_adapters_off_base(tiny_flux, grpo_files, tmp_path
     pipe.load_lora_weights(tmp_path / "lora" / "export" / "lora")
     tuned = pipe("a red circle", generator=torch.Generator().manual_seed(0), **call).images
     assert base.shape == tuned.shape and not torch.allclose(torch.from_numpy(base), torch.from_numpy(tuned))
+    # a running server loads it per request (`spindle serve --lora-dir`): the answer is the adapter's generation
+    import numpy as np
+
+    from spindle.api import load_generator
+    from spindle.serve import build_app
+    from tests.serve.test_serve import LiveServer
+
+    request = dict(prompt="a red circle", size="32x32", num_inference_steps=2, seed=3)
+    gen = load_generator(tiny_flux, device="cpu")
+    gen.enable_adapters(tmp_path / "lora" / "export", max_loras=1)
+    with LiveServer(build_app(gen, model_id="tiny-flux", root=str(tiny_flux), keep_frames=True)) as server:
+        jobs: list[Any] = []
+        submit = server.state.submit
+        server.state.submit = lambda job: jobs.append(submit(job)) or job
+        assert server.client.post("/v1/loras", json={"lora_name": "lora"}).status_code == 200
+        answer = server.client.post("/v1/images/generations", json={**request, "lora": "lora"})
+        assert answer.status_code == 200, answer.text
+    alone = load_generator(tiny_flux, device="cpu", lora=str(tmp_path / "lora" / "export" / "lora"))
+    expected = alone.generate(prompt="a red circle", height=32, width=32, num_inference_steps=2, seed=3).frames
+    np.testing.assert_allclose(jobs[0].frames, expected, rtol=0, atol=1e-5)
     full = grpo_run(tiny_flux, grpo_files, tmp_path / "full", train__max_steps=2, flow_grpo__beta=0.04)
     assert full[0]["kl"] == 0.0 and full[1]["kl"] > 0
 
