@@ -33,7 +33,7 @@ from spindle.data.captions import CaptionPolicy
 from spindle.data.datasets import MediaDataset, Sample, collate
 from spindle.data.edit_pairs import resolve
 from spindle.data.media_check import DataCheckError, Problem, find_problems
-from spindle.data.text import json_line
+from spindle.data.text import json_object_line
 
 if TYPE_CHECKING:
     from spindle.contracts.condition import PixelGrid
@@ -112,12 +112,7 @@ def collate_media_pairs(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> d
 
 def _pair(path: Path, lineno: int, line: bytes, edit: bool) -> tuple[Sample, Sample]:
     where = f"{path}:{lineno}"
-    try:
-        entry = json_line(line)  # the JSONL reader the text data uses: not UTF-8, not JSON, each said
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
-    if not isinstance(entry, dict):
-        raise ValueError(f'{where}: expected an object {{"prompt", "chosen", "rejected"}}')
+    entry = json_object_line(where, line, '{"prompt", "chosen", "rejected"}')  # the text data's reader
     for key in ("prompt", "chosen", "rejected"):
         if not isinstance(entry.get(key), str) or not entry[key].strip():
             raise ValueError(f"{where}: {key!r} must be a non-empty string")

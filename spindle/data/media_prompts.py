@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from spindle.data.edit_pairs import resolve
-from spindle.data.text import json_line
+from spindle.data.text import json_object_line
 
 # the keyword a reward function receives the generated samples and the prompts under: not column names
 RESERVED_COLUMNS = ("images", "prompts")
@@ -42,12 +42,7 @@ class MediaPrompt:
 
 def _prompt(path: Path, lineno: int, line: bytes) -> MediaPrompt:
     where = f"{path}:{lineno}"
-    try:
-        entry = json_line(line)  # the JSONL reader the text data uses: not UTF-8, not JSON, each said
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
-    if not isinstance(entry, dict):
-        raise ValueError(f'{where}: expected an object {{"prompt": "..."}}')
+    entry = json_object_line(where, line, '{"prompt": "..."}')  # the text data's reader: not UTF-8, not JSON
     prompt = entry.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError(f"{where}: 'prompt' must be a non-empty string")

@@ -199,6 +199,18 @@ def json_line(raw: bytes | str) -> Any:
         raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from None
 
 
+def json_object_line(where: str, raw: bytes | str, expected: str) -> dict[str, Any]:
+    """One JSONL line that must hold an object (`expected` shows its keys) -> the object; ValueError starting
+    with `where` (`file:line`) saying what is wrong."""
+    try:
+        entry = json_line(raw)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where}: expected an object {expected}")
+    return entry
+
+
 def parse_line(raw: bytes | str, tokenizer: Any) -> tuple[list[int], list[bool]]:
     obj = json_line(raw)
     if not isinstance(obj, dict) or ("text" in obj) == ("messages" in obj):
