@@ -90,6 +90,11 @@ class Objective(Protocol):
         `num_iterations`: the steps after the first reuse its rollouts). Default: 1."""
         return 1
 
+    def step_metrics(self, task: Any) -> dict[str, Any]:
+        """Collective, after each optimizer step: values the per-micro-batch `StepOutput.metrics` sums cannot
+        express (a max over ranks, metrics of the whole global batch). Default: none."""
+        return {}
+
     def loss_units(self, batch: Any) -> int:
         """How many units the loss of `batch` averages over (see the module docstring)."""
         ...

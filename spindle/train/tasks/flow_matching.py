@@ -200,8 +200,7 @@ class FlowMatchingTask(TrainTask):
     def step_metrics(self) -> dict[str, Any]:
         """data.sources: how many samples of the step's global batch came from each source; and the objective's
         own step values (Flow-GRPO's log-prob mismatch over every rank, its reward metrics)."""
-        own = getattr(self.objective, "step_metrics", None)
-        metrics: dict[str, Any] = {} if own is None else own(self)
+        metrics: dict[str, Any] = self.objective.step_metrics(self)
         mix = getattr(self, "_mix", None)
         if mix is not None:
             metrics.update({f"source/{name}": n for name, n in mix.counts(self._loader.current_global_batch()).items()})
