@@ -85,6 +85,7 @@ def test_the_mean_reward_rises_from_a_reward_function_in_a_file(tiny_qwen3, grpo
         assert key in metrics[0], key
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples" / "grpo.jsonl").read_text().splitlines()]
     assert len(samples) == 14 * 4 * 8 and {"step", "prompt", "completion", "reward"} <= set(samples[0])
+    assert sorted({s["step"] for s in samples}) == list(range(1, 15))  # numbered as metrics.jsonl numbers steps
     assert (tmp_path / "run" / "export" / "config.json").is_file()
 
 

@@ -334,7 +334,7 @@ class GRPO(Objective):
         with open(folder / "grpo.jsonl", "a") as f:
             for batch in batches:
                 for sample in batch["samples"]:
-                    f.write(json.dumps({"step": step, **sample}, default=str) + "\n")
+                    f.write(json.dumps({"step": step + 1, **sample}, default=str) + "\n")
 
     def loss_units(self, batch: dict[str, Any]) -> int:
         if self.settings.loss_type == "dapo":
