@@ -243,6 +243,9 @@ REAL: dict[str, Real] = {
             tie_word_embeddings=True,
         ),
     ),
+    "qwen2_5_7b.yaml": Real(
+        "Qwen/Qwen2.5-7B-Instruct", dict(QWEN2_5_7B_TEXT, model_type="qwen2", max_position_embeddings=32768)
+    ),
     "qwen3_moe_30b_a3b.yaml": Real("Qwen/Qwen3-30B-A3B", dict(QWEN3_30B_A3B_TEXT, model_type="qwen3_moe")),
     "qwen2_5_vl_7b.yaml": Real(
         "Qwen/Qwen2.5-VL-7B-Instruct",

@@ -27,6 +27,7 @@ BUILTIN_FAMILIES: dict[str, str] = {
     "flux2": "spindle.models.flux2",
     "flux2_klein": "spindle.models.flux2.klein",
     "llama": "spindle.models.llama",
+    "qwen2": "spindle.models.qwen2",
     "qwen2_5_omni": "spindle.models.qwen2_5_omni",
     "qwen2_5_vl": "spindle.models.qwen2_5_vl",
     "qwen3": "spindle.models.qwen3",
