@@ -96,9 +96,7 @@ def resolve_targets(model: nn.Module, blocks: Sequence[nn.Module], targets: Sequ
     retargeted = peft_retargeted(model, linears)
     if not targets:
         default = [
-            n
-            for n in linears
-            if not any(p.startswith("norm") for p in _relative(n).split(".")) and n not in retargeted
+            n for n in linears if not any(p.startswith("norm") for p in _relative(n).split(".")) and n not in retargeted
         ]
         if not default:
             raise ConfigError(f"{type(model).__name__}: no linear layers in its blocks to put LoRA adapters on")
@@ -121,7 +119,7 @@ def resolve_targets(model: nn.Module, blocks: Sequence[nn.Module], targets: Sequ
         if refused:
             raise ConfigError(
                 f"train.lora.targets: {target!r} names {_relative(refused[0])} (and {len(refused) - 1} more), "
-                f"which stock PEFT re-targets to the fused routed experts on a {model.config.model_type} model "
+                f"which stock PEFT re-targets to the fused routed experts on a {getattr(model.config, 'model_type', '')} model "
                 "(its transformers-v4 MoE name conversion matches the leaf name), so the adapter would neither "
                 "train nor load where named; adapt the routed experts with `experts`, or leave these layers out"
             )
