@@ -23,7 +23,7 @@ adapter (`conversion.py: ADAPTER`, the per-expert <-> fused expert layouts) trai
   expert, so that with `parallel.ep` they are split with the experts (spindle.train.expert_lora).
 
 The MoE fields are read from `config.get_text_config()`: a VLM's text config, a causal LM's own config;
-the expert count as `num_local_experts`, which every transformers MoE config has.
+the expert count by `spindle.models.shared.moe_checkpoints.expert_count` (the configs name it differently).
 
 A model without a router aux loss (DeepSeek-V3: its config has no `router_aux_loss_coef`; it balances the
 experts with a bias on the routing scores, `e_score_correction_bias`, a buffer transformers loads and never
@@ -49,6 +49,7 @@ from spindle.config import ConfigError
 from spindle.contracts.family import CausalLMFamily, CheckpointAdapter
 from spindle.contracts.parallel import ParallelPlan
 from spindle.contracts.task import Metric
+from spindle.models.shared.moe_checkpoints import expert_count
 
 if TYPE_CHECKING:
     from spindle.distributed.mesh import Mesh, ParallelDims
@@ -90,7 +91,7 @@ class Experts:
         from spindle.distributed.expert_parallel import check_ep_layout
 
         try:
-            check_ep_layout(dims, self.config(path).get_text_config().num_local_experts)
+            check_ep_layout(dims, expert_count(self.config(path)))
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
@@ -145,7 +146,7 @@ class Experts:
         from spindle.ops.router_loss import router_statistics
 
         config = self.config(path).get_text_config()
-        stats = router_statistics(router_logits, config.num_local_experts, config.num_experts_per_tok, mask)
+        stats = router_statistics(router_logits, expert_count(config), config.num_experts_per_tok, mask)
         counts = stats.counts.to(torch.float64)
         self._load = counts if self._load is None else self._load + counts
 
