@@ -193,6 +193,31 @@ QWEN3_30B_A3B_TEXT = dict(
     vocab_size=151936,
     tie_word_embeddings=False,
 )
+# Moonlight-16B-A3B's config.json: DeepSeek-V3's architecture (model_type deepseek_v3) at 16B, MLA without a
+# query low-rank projection, one dense layer then 26 MoE layers of 64 routed experts (top-6) and 2 shared ones
+MOONLIGHT_16B_A3B = dict(
+    model_type="deepseek_v3",
+    hidden_size=2048,
+    intermediate_size=11264,
+    moe_intermediate_size=1408,
+    num_hidden_layers=27,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    q_lora_rank=None,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_routed_experts=64,
+    n_shared_experts=2,
+    num_experts_per_tok=6,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.446,
+    vocab_size=163840,
+    tie_word_embeddings=False,
+)
 WHISPER_LIKE_AUDIO = dict(
     d_model=1280,
     encoder_layers=32,
@@ -247,6 +272,7 @@ REAL: dict[str, Real] = {
         "Qwen/Qwen2.5-7B-Instruct", dict(QWEN2_5_7B_TEXT, model_type="qwen2", max_position_embeddings=32768)
     ),
     "qwen3_moe_30b_a3b.yaml": Real("Qwen/Qwen3-30B-A3B", dict(QWEN3_30B_A3B_TEXT, model_type="qwen3_moe")),
+    "deepseek_v3_moonlight_16b_a3b.yaml": Real("moonshotai/Moonlight-16B-A3B", MOONLIGHT_16B_A3B),
     "qwen2_5_vl_7b.yaml": Real(
         "Qwen/Qwen2.5-VL-7B-Instruct",
         dict(model_type="qwen2_5_vl", text_config=QWEN2_5_7B_TEXT, vision_config=QWEN2_5_VL_VISION),

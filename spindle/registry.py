@@ -22,6 +22,7 @@ Family: TypeAlias = DiTFamily | CausalLMFamily | VLMFamily  # OmniFamily is a VL
 
 # name -> module defining FAMILY. Adding a family: one line here, one folder under models/.
 BUILTIN_FAMILIES: dict[str, str] = {
+    "deepseek_v3": "spindle.models.deepseek_v3",
     "flux": "spindle.models.flux",
     "flux_kontext": "spindle.models.flux_kontext",
     "flux2": "spindle.models.flux2",

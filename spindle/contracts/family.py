@@ -208,6 +208,10 @@ class CausalLMConformanceSpec:
     # transformers config overrides of the tiny checkpoint the tests use (`tiny_checkpoint(family)`),
     # e.g. an MoE router aux coefficient large enough that a wrong aux loss shows in the step loss
     tiny_overrides: dict[str, Any] = field(default_factory=dict)
+    # config overrides of the small stock/patched pair the loss-parity tests build (over the suite's shape,
+    # spindle.testing.causal_lm_conformance.PAIR_CONFIG) where the family's attention needs them, e.g.
+    # multi-head latent attention's as many key/value heads as query heads
+    pair_overrides: dict[str, Any] = field(default_factory=dict)
     # extra keyword arguments of the stock transformers forward whose `loss` Spindle's step loss equals
     # (MoE: {"output_router_logits": True}, which adds the router aux loss as Spindle's task does)
     stock_loss_kwargs: dict[str, Any] = field(default_factory=dict)

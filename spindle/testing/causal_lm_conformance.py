@@ -103,10 +103,11 @@ PAIR_CONFIG: dict[str, Any] = dict(
 
 def stock_and_patched(family: CausalLMFamily, root: Path) -> tuple[Any, Any]:
     """(stock transformers model, the family's training class) with the same random weights, fp32, eval
-    mode (no dropout): the tiny checkpoint's config (its model type, MoE routing, ...) at PAIR_CONFIG's shape."""
+    mode (no dropout): the tiny checkpoint's config (its model type, MoE routing, ...) at PAIR_CONFIG's shape
+    (with the family's `pair_overrides`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(root, **PAIR_CONFIG)
+    config = AutoConfig.from_pretrained(root, **{**PAIR_CONFIG, **family.conformance.pair_overrides})
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     patched = family.model_cls()(config).eval()

@@ -19,6 +19,14 @@ layers. An entry naming such a parameter (`experts.gate_up_proj`, `experts.down_
 names (spindle.train.expert_lora: what shards with the experts under `parallel.ep`) and exported in
 PEFT's layout (`lora_A [r*E, in]`, `lora_B [out, r*E]`), which stock PEFT loads. PEFT does not support
 dropout on them. They are opt-in: the default stays the linear layers.
+
+Names PEFT re-targets. On transformers 5, PEFT rewrites the targets of the MoE model types whose
+experts transformers fuses on load (its v4 -> v5 conversion, `convert_peft_config_for_transformers`):
+any target named `gate_proj` / `up_proj` / `down_proj` / `gate` becomes the fused routed experts'
+parameters, matched by the leaf name alone. On DeepSeek-V3 that catches the shared experts and the dense
+layers' MLP: stock PEFT would put those adapters on the routed experts instead, in training and again
+when it loads the export. So such linear layers are left out of the default targets, and an entry
+naming them is refused with the reason (`peft_retargeted`).
 """
 
 from __future__ import annotations
@@ -85,8 +93,11 @@ def resolve_targets(model: nn.Module, blocks: Sequence[nn.Module], targets: Sequ
     """Full names of the modules and fused expert parameters to adapt (module docstring); an entry
     matching nothing names the closest module names."""
     linears = block_linears(model, blocks)
+    retargeted = peft_retargeted(model, linears)
     if not targets:
-        default = [n for n in linears if not any(p.startswith("norm") for p in _relative(n).split("."))]
+        default = [
+            n for n in linears if not any(p.startswith("norm") for p in _relative(n).split(".")) and n not in retargeted
+        ]
         if not default:
             raise ConfigError(f"{type(model).__name__}: no linear layers in its blocks to put LoRA adapters on")
         return LoraTargets(default)
@@ -104,9 +115,30 @@ def resolve_targets(model: nn.Module, blocks: Sequence[nn.Module], targets: Sequ
                 f"train.lora.targets: {target!r} matches no linear layer or fused expert parameter in the "
                 f"transformer blocks of {type(model).__name__}; closest names: {', '.join(close)}"
             )
+        refused = [n for n in hits if n in retargeted]
+        if refused:
+            raise ConfigError(
+                f"train.lora.targets: {target!r} names {_relative(refused[0])} (and {len(refused) - 1} more), "
+                f"which stock PEFT re-targets to the fused routed experts on a {getattr(model.config, 'model_type', '')} model "
+                "(its transformers-v4 MoE name conversion matches the leaf name), so the adapter would neither "
+                "train nor load where named; adapt the routed experts with `experts`, or leave these layers out"
+            )
         modules.extend(n for n in hits if n not in modules)
         parameters.extend(n for n in params if n not in parameters)
     return LoraTargets(modules, parameters)
+
+
+def peft_retargeted(model: nn.Module, linears: list[str]) -> set[str]:
+    """The linear layers among `linears` that stock PEFT would not adapt as named on this model: its own
+    config conversion (module docstring) run on a probe config targeting all of them."""
+    if not hasattr(getattr(model, "config", None), "model_type") or not linears:
+        return set()
+    from peft import LoraConfig
+    from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+
+    probe = LoraConfig(target_modules=list(linears))
+    convert_peft_config_for_transformers(probe, model=model, conversions=None)
+    return set(linears) - set(probe.target_modules or ())
 
 
 def peft_config(rank: int, alpha: float | None, dropout: float, targets: LoraTargets) -> Any:

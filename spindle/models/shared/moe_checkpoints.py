@@ -77,9 +77,21 @@ def moe_config(config: Any) -> Any:
     return config.get_text_config()
 
 
-def moe_layers(config: Any) -> list[int]:
-    """Indices of the sparse (MoE) decoder layers, by transformers' own rule (Qwen3MoeDecoderLayer)."""
+def expert_count(config: Any) -> int:
+    """The routed experts per MoE layer: `num_experts` (Qwen's MoE configs), else `num_local_experts`
+    (DeepSeek-V3's maps it to `n_routed_experts`; Qwen3-Omni-MoE's text config has only `num_experts`)."""
     c = moe_config(config)
+    count: int = c.num_experts if hasattr(c, "num_experts") else c.num_local_experts
+    return count
+
+
+def moe_layers(config: Any) -> list[int]:
+    """Indices of the sparse (MoE) decoder layers, by transformers' own rule: DeepSeek-V3's
+    (DeepseekV3DecoderLayer: every layer from `first_k_dense_replace` on), else Qwen3-MoE's
+    (Qwen3MoeDecoderLayer: `decoder_sparse_step`, minus `mlp_only_layers`)."""
+    c = moe_config(config)
+    if hasattr(c, "first_k_dense_replace"):
+        return list(range(c.first_k_dense_replace, c.num_hidden_layers))
     return [
         i
         for i in range(c.num_hidden_layers)
@@ -108,13 +120,13 @@ class ExpertCheckpoints:
     def expected_expert_tensors(config: Any, layout: str) -> dict[str, tuple[int, ...]]:
         """{suffix after `experts.`: shape} of one MoE layer in `layout`."""
         c = moe_config(config)
-        e, h, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
+        e, h, i = expert_count(config), c.hidden_size, c.moe_intermediate_size
         if layout == FUSED:
             return {"gate_up_proj": (e, 2 * i, h), "down_proj": (e, h, i)}
         if layout == FUSED_TRANSPOSED:
             return {"gate_up_proj": (e, h, 2 * i), "down_proj": (e, i, h)}
         out: dict[str, tuple[int, ...]] = {}
-        for j in range(c.num_experts):
+        for j in range(expert_count(config)):
             out.update(
                 {f"{j}.gate_proj.weight": (i, h), f"{j}.up_proj.weight": (i, h), f"{j}.down_proj.weight": (h, i)}
             )
@@ -142,17 +154,17 @@ class ExpertCheckpoints:
                     hint = (
                         "fused keys are gate_up_proj/down_proj"
                         if layout == FUSED
-                        else f"experts are 0..{c.num_experts - 1}"
+                        else f"experts are 0..{expert_count(config) - 1}"
                     )
                     raise ExpertCheckpointError(
                         f"{where}: unrecognised expert tensor {key} {list(shape)} in a {layout} layer "
-                        f"(num_experts={c.num_experts}; {hint})"
+                        f"(num_experts={expert_count(config)}; {hint})"
                     )
                 if shape != expected[rest]:
                     raise ExpertCheckpointError(
                         f"{where}: expert tensor {key} has shape {list(shape)}, expected {list(expected[rest])} "
                         f"(hidden_size={c.hidden_size}, moe_intermediate_size={c.moe_intermediate_size}, "
-                        f"num_experts={c.num_experts}); the checkpoint does not match its config.json"
+                        f"num_experts={expert_count(config)}); the checkpoint does not match its config.json"
                     )
             missing = [r for r in expected if r not in found]
             if missing:

@@ -22,7 +22,15 @@ adapter (`conversion.py: ADAPTER`, the per-expert <-> fused expert layouts) trai
   `experts` for both), adapted through PEFT's `target_parameters` (spindle.train.lora) and held stacked by
   expert, so that with `parallel.ep` they are split with the experts (spindle.train.expert_lora).
 
-The MoE fields are read from `config.get_text_config()`: a VLM's text config, a causal LM's own config.
+The MoE fields are read from `config.get_text_config()`: a VLM's text config, a causal LM's own config;
+the expert count by `spindle.models.shared.moe_checkpoints.expert_count` (the configs name it differently).
+
+A model without a router aux loss (DeepSeek-V3: its config has no `router_aux_loss_coef`; it balances the
+experts with a bias on the routing scores, `e_score_correction_bias`, a buffer transformers loads and never
+updates, so it is trained as loaded and exported unchanged) trains with the token loss alone, as stock
+transformers' loss is: no router arguments are passed and no `aux_loss` / load metrics are logged (its
+routing, sigmoid scores plus that bias, top groups then top experts, is not the softmax top-k the load
+counts read from router logits).
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from spindle.config import ConfigError
 from spindle.contracts.family import CausalLMFamily, CheckpointAdapter
 from spindle.contracts.parallel import ParallelPlan
 from spindle.contracts.task import Metric
+from spindle.models.shared.moe_checkpoints import expert_count
 
 if TYPE_CHECKING:
     from spindle.distributed.mesh import Mesh, ParallelDims
@@ -60,6 +69,7 @@ class Experts:
         self.layout = adapter.default_layout  # the checkpoint's, once `building` validated it
         self._load: torch.Tensor | None = None  # [moe layers, experts] routed token counts this step
         self._config: Any = None
+        self.router_aux_loss = True  # the model's forward adds one (`has_router_aux_loss`, set by `building`)
 
     @staticmethod
     def of(family: CausalLMFamily) -> Experts | None:
@@ -81,7 +91,7 @@ class Experts:
         from spindle.distributed.expert_parallel import check_ep_layout
 
         try:
-            check_ep_layout(dims, self.config(path).get_text_config().num_experts)
+            check_ep_layout(dims, expert_count(self.config(path)))
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
@@ -107,12 +117,15 @@ class Experts:
         """Around the model's build and load: the expert layout validated (keys and shapes) first, then its
         load-time conversion installed."""
         self.layout = self.adapter.layout(path)
+        self.router_aux_loss = has_router_aux_loss(self.config(path))
         with self.adapter.loading(self.layout):
             yield
 
     # ------------------------------------------------------------ step
 
     def model_kwargs(self, rows: dict[str, torch.Tensor], mesh: Mesh) -> dict[str, Any]:
+        if not self.router_aux_loss:
+            return {}
         kwargs: dict[str, Any] = {"output_router_logits": True}
         if PADDING_MASK_KEY in rows:
             kwargs["router_mask"] = rows[PADDING_MASK_KEY]
@@ -122,6 +135,8 @@ class Experts:
         return kwargs
 
     def output_metrics(self, out: Any, rows: dict[str, torch.Tensor], path: str | Path) -> dict[str, Any]:
+        if not self.router_aux_loss:
+            return {}
         self._count_load(out.router_logits, rows.get(PADDING_MASK_KEY), path)
         # every SP rank holds the same whole-row aux loss: a mean over micro-batches and over the ranks
         return {"aux_loss": Metric(float(out.aux_loss.detach()), micro_batches="mean", ranks="mean")}
@@ -131,7 +146,7 @@ class Experts:
         from spindle.ops.router_loss import router_statistics
 
         config = self.config(path).get_text_config()
-        stats = router_statistics(router_logits, config.num_experts, config.num_experts_per_tok, mask)
+        stats = router_statistics(router_logits, expert_count(config), config.num_experts_per_tok, mask)
         counts = stats.counts.to(torch.float64)
         self._load = counts if self._load is None else self._load + counts
 
@@ -202,6 +217,12 @@ class Experts:
     def merge_base(self) -> Any:
         """What loads the base a LoRA is merged into: the family class with its expert layout converted."""
         return ExpertLayoutLoader(self.family, self.adapter)
+
+
+def has_router_aux_loss(config: Any) -> bool:
+    """Whether the MoE model's forward adds a router aux loss: transformers' config declares
+    `router_aux_loss_coef` exactly for those (not DeepSeek-V3's: module docstring)."""
+    return hasattr(config.get_text_config(), "router_aux_loss_coef")
 
 
 def experts_implementation(config: Any, device_type: str) -> str:
