@@ -268,6 +268,22 @@ REAL: dict[str, Real] = {
             tie_word_embeddings=True,
         ),
     ),
+    "gemma3_1b.yaml": Real(
+        "google/gemma-3-1b-it",
+        dict(
+            model_type="gemma3_text",
+            hidden_size=1152,
+            intermediate_size=6912,
+            num_hidden_layers=26,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=256,
+            vocab_size=262144,
+            sliding_window=512,
+            query_pre_attn_scalar=256,
+            tie_word_embeddings=True,
+        ),
+    ),
     "qwen2_5_7b.yaml": Real(
         "Qwen/Qwen2.5-7B-Instruct", dict(QWEN2_5_7B_TEXT, model_type="qwen2", max_position_embeddings=32768)
     ),

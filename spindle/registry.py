@@ -27,6 +27,7 @@ BUILTIN_FAMILIES: dict[str, str] = {
     "flux_kontext": "spindle.models.flux_kontext",
     "flux2": "spindle.models.flux2",
     "flux2_klein": "spindle.models.flux2.klein",
+    "gemma3": "spindle.models.gemma3",
     "llama": "spindle.models.llama",
     "qwen2": "spindle.models.qwen2",
     "qwen2_5_omni": "spindle.models.qwen2_5_omni",
@@ -97,6 +98,8 @@ def check_family_matches(family: Family, root: Path) -> None:
                 f"model.family={family.name} is a language model family, but {root} has no config.json"
             )
         model_type = _read_json(root / "config.json").get("model_type")
+        if reason := family.refused_model_types.get(str(model_type)):
+            raise UnknownModelError(f"model.family={family.name}: {root} (model_type {model_type!r}): {reason}")
         if model_type not in family.model_types:
             raise UnknownModelError(
                 f"model.family={family.name} serves transformers model_type {', '.join(family.model_types)}, but "
@@ -133,6 +136,9 @@ def _resolve_transformers_folder(root: Path) -> Family:
     for fam in families:
         if model_type in getattr(fam, "model_types", ()):
             return fam
+    for fam in families:
+        if reason := getattr(fam, "refused_model_types", {}).get(model_type):
+            raise UnknownModelError(f"{root} (transformers model_type {model_type!r}): {reason}")
     known = sorted(t for f in families for t in getattr(f, "model_types", ()))
     raise UnknownModelError(
         f"no Spindle family serves {root} (transformers model_type {model_type!r}); "

@@ -375,6 +375,10 @@ class CausalLMFamily(FamilyFolder):
     # the transformers `model_type`s of the checkpoints the family serves; () stands for (name,), the family
     # named as its model type (a record derived with dataclasses.replace names its own)
     model_types: tuple[str, ...] = field(default=(), kw_only=True)
+    # model types of the family's other checkpoints that it does not train (a Gemma 3 family's image-text
+    # folders) -> why, and what it serves instead: the registry refuses such a folder with that reason at
+    # detection, before anything loads, instead of "no family serves it"
+    refused_model_types: dict[str, str] = field(default_factory=dict, kw_only=True)
     demo: TextDemoSpec | None = field(default_factory=TextDemoSpec)  # every language model's text demo
     conformance: CausalLMConformanceSpec = field(default_factory=CausalLMConformanceSpec)
     extras: dict[str, Any] = field(default_factory=dict)

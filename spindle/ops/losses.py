@@ -9,6 +9,9 @@ trick of Liger and friends), so forward and backward together hold at most one c
 `linear_log_probs` is the same walk for per-token log-probabilities (the preference and RL objectives'
 input, `spindle.train.objectives`): forward keeps no logits, backward recomputes each chunk's.
 
+`softcap` (a head's `final_logit_softcapping`, Gemma's): the logits are `softcap * tanh(logits / softcap)`
+before the softmax, as the model's own head computes them; the gradients go through the tanh.
+
 Pure torch on purpose: the patched transformers forwards (`spindle/models/*/generated/`) and the
 trainer call it without importing transformers here.
 """
@@ -30,11 +33,14 @@ def _chunk_scores(
     y: torch.Tensor,
     ignore_index: int,
     temperature: float = 1.0,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One chunk's fp32 logits (divided by `temperature`), their log-sum-exp, the label's logit, which labels
-    are valid, and the labels with the ignored ones replaced by 0 (safe to index with)."""
+    """One chunk's fp32 logits (soft-capped by `softcap`, then divided by `temperature`), their log-sum-exp, the
+    label's logit, which labels are valid, and the labels with the ignored ones replaced by 0 (safe to index with)."""
     # Logits in the input dtype (as nn.Linear computes them), then fp32 for the softmax.
     logits = F.linear(h, weight, bias).float()
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
     if temperature != 1.0:
         logits = logits / temperature
     valid = y != ignore_index
@@ -42,6 +48,14 @@ def _chunk_scores(
     lse = torch.logsumexp(logits, dim=-1)
     target_logit = logits.gather(1, safe_y.unsqueeze(1)).squeeze(1)
     return logits, lse, target_logit, valid, safe_y
+
+
+def _softcap_slope(logits: torch.Tensor, temperature: float, softcap: float | None) -> torch.Tensor | None:
+    """d(capped logit)/d(raw logit) = 1 - tanh^2 at each of a chunk's logits (as `_chunk_scores` returns them:
+    capped, then divided by `temperature`); None without a cap. Taken before the caller reuses `logits`."""
+    if softcap is None:
+        return None
+    return 1 - (logits * (temperature / softcap)).square()
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -63,6 +77,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         chunk_size: int,
         scale: float,
         need_grads: tuple[bool, bool, bool],
+        softcap: float | None,
     ) -> torch.Tensor:
         n = hidden.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -77,14 +92,19 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
             h = hidden[start:end]
-            logits, lse, target_logit, valid, safe_y = _chunk_scores(h, weight, bias, labels[start:end], ignore_index)
+            logits, lse, target_logit, valid, safe_y = _chunk_scores(
+                h, weight, bias, labels[start:end], ignore_index, softcap=softcap
+            )
             total += torch.where(valid, lse - target_logit, torch.zeros_like(lse)).sum()
             if grad_hidden is None and grad_weight is None and grad_bias is None:
                 continue
+            slope = _softcap_slope(logits, 1.0, softcap)
             # d(loss)/d(logits) = softmax - onehot(label), zero on ignored tokens, times the reduction scale.
             grad_logits = logits.sub_(lse.unsqueeze(1)).exp_()
             grad_logits.scatter_add_(1, safe_y.unsqueeze(1), torch.full_like(lse, -1.0).unsqueeze(1))
             grad_logits.mul_((valid.to(grad_logits.dtype) * scale).unsqueeze(1))
+            if slope is not None:
+                grad_logits.mul_(slope)
             if grad_hidden is not None:
                 grad_hidden[start:end] = (grad_logits @ weight.float()).to(hidden.dtype)
             if grad_weight is not None:
@@ -103,7 +123,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
         grads = [None if g is None else g * grad_output.to(g.dtype) for g in (grad_hidden, grad_weight, grad_bias)]
-        return grads[0], grads[1], grads[2], None, None, None, None, None
+        return grads[0], grads[1], grads[2], None, None, None, None, None, None
 
 
 def check_linear_inputs(
@@ -130,8 +150,10 @@ def linear_cross_entropy(
     chunk_size: int = 1024,
     reduction: str = "sum",
     bias: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Cross-entropy of `hidden_states @ weight.T (+ bias)` against `labels`, `chunk_size` tokens at a time.
+    """Cross-entropy of `hidden_states @ weight.T (+ bias)` (soft-capped by `softcap`) against `labels`,
+    `chunk_size` tokens at a time.
 
     hidden_states: [..., H]; weight: [V, H] (the lm_head weight); labels: [...], already shifted (the label
     at position t is the token to predict at t), `ignore_index` entries contribute nothing.
@@ -158,7 +180,7 @@ def linear_cross_entropy(
     )
     # torch's Function.apply is unannotated
     loss: torch.Tensor = _ChunkedLinearCrossEntropy.apply(  # type: ignore[no-untyped-call]
-        hidden, weight, bias, flat_labels, ignore_index, chunk_size, scale, need_grads
+        hidden, weight, bias, flat_labels, ignore_index, chunk_size, scale, need_grads, softcap
     )
     return loss
 
@@ -174,8 +196,10 @@ def causal_lm_loss(
     ignore_index: int = -100,
     chunk_size: int = 1024,
     bias: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The loss transformers' `ForCausalLMLoss` computes from logits, computed from hidden states instead.
+    `softcap`: the head's final logit soft-capping (None: none).
 
     `labels` are unshifted (stock semantics: position t predicts labels[t + 1]); `shift_labels`, when
     given, are already shifted and win over `labels` (what Spindle's trainer passes for packed rows).
@@ -191,7 +215,13 @@ def causal_lm_loss(
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     if loss_reduction == "none":  # per-token losses (sequence objectives weigh each row's tokens themselves)
         return -linear_log_probs(
-            hidden_states, weight, shift_labels, ignore_index=ignore_index, chunk_size=chunk_size, bias=bias
+            hidden_states,
+            weight,
+            shift_labels,
+            ignore_index=ignore_index,
+            chunk_size=chunk_size,
+            bias=bias,
+            softcap=softcap,
         )
     if loss_reduction not in (None, *REDUCTIONS):
         raise ValueError(f"loss_reduction={loss_reduction!r} is not one of None, 'none', 'sum', 'mean'")
@@ -207,6 +237,7 @@ def causal_lm_loss(
         chunk_size=chunk_size,
         reduction=reduction,
         bias=bias,
+        softcap=softcap,
     )
     if loss_reduction is None and num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
@@ -232,22 +263,23 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
         ignore_index: int,
         chunk_size: int,
         temperature: float,
+        softcap: float | None,
     ) -> torch.Tensor:
         out = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_size):
             end = min(start + chunk_size, hidden.shape[0])
             _, lse, target, valid, _ = _chunk_scores(
-                hidden[start:end], weight, bias, labels[start:end], ignore_index, temperature
+                hidden[start:end], weight, bias, labels[start:end], ignore_index, temperature, softcap
             )
             out[start:end] = torch.where(valid, target - lse, torch.zeros_like(lse))
         ctx.save_for_backward(hidden, weight, bias, labels)
-        ctx.settings = (ignore_index, chunk_size, temperature)
+        ctx.settings = (ignore_index, chunk_size, temperature, softcap)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, bias, labels = ctx.saved_tensors
-        ignore_index, chunk_size, temperature = ctx.settings
+        ignore_index, chunk_size, temperature, softcap = ctx.settings
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
@@ -257,12 +289,17 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_size):
             end = min(start + chunk_size, hidden.shape[0])
             h = hidden[start:end]
-            logits, lse, _, valid, safe_y = _chunk_scores(h, weight, bias, labels[start:end], ignore_index, temperature)
+            logits, lse, _, valid, safe_y = _chunk_scores(
+                h, weight, bias, labels[start:end], ignore_index, temperature, softcap
+            )
+            slope = _softcap_slope(logits, temperature, softcap)
             # d(log p_y)/d(logits) = onehot(y) - softmax, times the incoming gradient, zero on ignored tokens;
             # the logits were divided by the temperature, so their pre-division gradient is too.
             g = torch.where(valid, grad_output[start:end].float(), torch.zeros_like(lse)) / temperature
             grad_logits = logits.sub_(lse.unsqueeze(1)).exp_().mul_(-g.unsqueeze(1))
             grad_logits.scatter_add_(1, safe_y.unsqueeze(1), g.unsqueeze(1))
+            if slope is not None:
+                grad_logits.mul_(slope)
             if grad_hidden is not None:
                 grad_hidden[start:end] = (grad_logits @ weight.float()).to(hidden.dtype)
             if grad_weight is not None:
@@ -274,6 +311,7 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
             grad_hidden,
             None if grad_weight is None else grad_weight.to(weight.dtype),
             None if grad_bias is None or bias is None else grad_bias.to(bias.dtype),
+            None,
             None,
             None,
             None,
@@ -290,8 +328,10 @@ def linear_log_probs(
     chunk_size: int = 1024,
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """log softmax(`hidden_states @ weight.T (+ bias)` / temperature) at each label, `chunk_size` tokens at a time.
+    """log softmax(`hidden_states @ weight.T (+ bias)`, soft-capped by `softcap`, / temperature) at each label,
+    `chunk_size` tokens at a time.
 
     hidden_states: [..., H]; weight: [V, H]; labels: [...], already shifted (the token position t predicts);
     -> fp32 [...], 0 where the label is `ignore_index`. Equals `log_softmax(logits.float() / T).gather(labels)`
@@ -305,6 +345,6 @@ def linear_log_probs(
     flat_labels = labels.reshape(-1).to(hidden.device)
     # torch's Function.apply is unannotated
     out: torch.Tensor = _ChunkedLinearLogProbs.apply(  # type: ignore[no-untyped-call]
-        hidden, weight, bias, flat_labels, ignore_index, chunk_size, temperature
+        hidden, weight, bias, flat_labels, ignore_index, chunk_size, temperature, softcap
     )
     return out.view(labels.shape)

@@ -179,3 +179,35 @@ def test_causal_lm_loss_shift_labels_and_sum_reduction():
         causal_lm_loss(hidden, weight, labels=labels, loss_reduction="avg")
     with pytest.raises(ValueError, match="labels"):
         causal_lm_loss(hidden, weight)
+
+
+def test_final_logit_softcapping_equals_the_capped_logits_loss_and_log_probs():
+    """A head's `final_logit_softcapping` (Gemma's `softcap * tanh(logits / softcap)`): the chunked loss and the
+    chunked per-token log-probs (at a sampling temperature) equal those of the capped full logits, gradients
+    included, and the cap changes the result."""
+    from spindle.ops.losses import linear_log_probs
+
+    torch.manual_seed(0)
+    hidden = (torch.randn(10, 16) * 3).requires_grad_(True)
+    weight = (torch.randn(40, 16) * 3).requires_grad_(True)
+    labels = torch.randint(0, 40, (10,))
+    labels[2] = -100
+    capped = lambda: 5.0 * torch.tanh(hidden @ weight.T / 5.0)  # noqa: E731
+    for chunk in (3, 1024):
+        ours = linear_cross_entropy(hidden, weight, labels, chunk_size=chunk, softcap=5.0)
+        ours_grads = torch.autograd.grad(ours, (hidden, weight))
+        ref = F.cross_entropy(capped(), labels, ignore_index=-100, reduction="sum")
+        ref_grads = torch.autograd.grad(ref, (hidden, weight))
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+        for a, b in zip(ours_grads, ref_grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        lp = linear_log_probs(hidden, weight, labels, chunk_size=chunk, temperature=0.7, softcap=5.0)
+        ref_lp = torch.log_softmax(capped() / 0.7, -1).gather(1, labels.clamp(min=0)[:, None])[:, 0]
+        ref_lp = torch.where(labels == -100, torch.zeros_like(ref_lp), ref_lp)
+        lp_grads = torch.autograd.grad(lp.sum(), (hidden, weight))
+        ref_lp_grads = torch.autograd.grad(ref_lp.sum(), (hidden, weight))
+        torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-5)
+        for a, b in zip(lp_grads, ref_lp_grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    plain = linear_cross_entropy(hidden, weight, labels)
+    assert not torch.allclose(plain, ref)

@@ -3,7 +3,7 @@
 
 - Every causal-LM family's training class: the varlen path equals transformers' dense-mask sdpa path on
   packed rows whose rows differ in layout (loss and every gradient, 1e-6), and the documents matter
-  (plain causal attention over the row gives another loss).
+  (plain causal attention over the row gives another loss); a family with sliding-window layers is refused.
 - A VLM and an omni family through their tasks (model.attn_implementation: sdpa vs varlen, one packed row
   of conversations with images / audio): the same loss and gradients (1e-6).
 - The packed step never creates a tensor with two sequence-length dims (a dispatch probe that sees the
@@ -73,6 +73,12 @@ def test_varlen_equals_the_dense_mask_path_on_every_causal_lm_family(name, tiny_
     dense = loss_and_grads(model, batch)
     va.use_attention(model, va.implementation_name("varlen"))
     assert model.config._attn_implementation == "spindle_varlen"
+    if attention_backend.has_sliding_window(model.config):
+        # sliding-window layers (Gemma 3): varlen has no window, so it refuses rather than attend past it
+        # (`auto` picks sdpa for such a model; its packed rows: test_one_packed_row_equals_the_documents_as_unpacked_rows)
+        with pytest.raises(ValueError, match=r"sliding window.*set model.attn_implementation: sdpa"):
+            loss_and_grads(model, batch)
+        return
     assert_same(dense, loss_and_grads(model, batch), name)
     # the documents matter: one causal sequence per row would give another loss
     plain = loss_and_grads(model, {**batch, "position_ids": torch.arange(40).expand(2, 40)})
@@ -155,8 +161,10 @@ def test_the_packed_step_never_creates_an_s_by_s_tensor(tiny_checkpoint):
 
 # deepseek_v3: multi-head latent attention (value heads of another size than query/key heads) and a MoE
 # without a router aux loss, whose routing is per token: packing changes nothing
-@pytest.mark.parametrize("name", ["qwen3", "deepseek_v3"])
-def test_one_packed_row_equals_the_documents_as_unpacked_rows(name, tiny_checkpoint, tmp_path):
+# gemma3: sliding-window layers (an 8-token window on the tiny model), packed through transformers' sdpa with
+# its per-document mask windowed on the local layers (what `auto` picks for it; varlen has no window)
+@pytest.mark.parametrize("name,attention", [("qwen3", "varlen"), ("deepseek_v3", "varlen"), ("gemma3", "auto")])
+def test_one_packed_row_equals_the_documents_as_unpacked_rows(name, attention, tiny_checkpoint, tmp_path):
     """The step-1 loss and grad norm of 4 documents packed in one row equal the same documents as 4 rows."""
     from transformers import AutoTokenizer
 
@@ -171,7 +179,7 @@ def test_one_packed_row_equals_the_documents_as_unpacked_rows(name, tiny_checkpo
     common = dict(data__shuffle=False, train__max_steps=1, checkpoint__export=False)
     packed = lm_overrides(
         model, data, tmp_path / "packed", data__seq_len=256, train__global_batch_size=1, train__micro_batch_size=1,
-        model__attn_implementation="varlen", **common,
+        model__attn_implementation=attention, **common,
     )  # fmt: skip
     rows = lm_overrides(
         model, data, tmp_path / "rows", data__seq_len=64, data__packing=False, train__global_batch_size=4,

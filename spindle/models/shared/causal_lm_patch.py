@@ -80,9 +80,15 @@ def causal_lm_loss_or_logits(model, hidden_states, labels, shift_labels, loss_re
     Without `labels` or `shift_labels`: (None, upstream's logits), so `generate()` is unchanged.
     Otherwise: (the chunked linear cross-entropy from the hidden states, None); the [tokens, vocab]
     logits are never materialised. `kwargs` are the forward's transformers kwargs (read, not changed).
+    A head whose config sets `final_logit_softcapping` (Gemma's) soft-caps the logits on both paths, as
+    upstream's forward does.
     """
+    softcap = getattr(model.config, "final_logit_softcapping", None)
     if labels is None and shift_labels is None:
-        return None, model.lm_head(hidden_states)
+        logits = model.lm_head(hidden_states)
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        return None, logits
     loss = causal_lm_loss(
         hidden_states,
         model.lm_head.weight,
@@ -91,6 +97,7 @@ def causal_lm_loss_or_logits(model, hidden_states, labels, shift_labels, loss_re
         num_items_in_batch=kwargs.get("num_items_in_batch"),
         loss_reduction=loss_reduction,
         ignore_index=kwargs.get("ignore_index", -100),
+        softcap=softcap,
     )
     return loss, None
 

@@ -1,0 +1,26 @@
+"""Gemma 3 text causal LMs (transformers `model_type` "gemma3_text", `Gemma3ForCausalLM`: gemma-3-1b and
+the text stacks of the larger ones), trained by the causal-LM task.
+
+Attention alternates sliding-window (local) and global layers, so packed rows run transformers' sdpa with
+its per-document mask, windowed on the local layers (`model.attn_implementation: auto` picks it; Spindle's
+varlen and flash kernels implement no window and refuse such a model).
+"""
+
+from spindle.contracts.family import CausalLMConformanceSpec, CausalLMFamily
+
+FAMILY = CausalLMFamily(
+    name="gemma3",
+    # The class the task trains: the patchgen-generated modeling (patches.py), whose forward computes the
+    # loss with the chunked linear cross-entropy; the folder's config.json stays stock transformers'.
+    model_class="spindle.models.gemma3.generated.patched_modeling_gemma3:Gemma3ForCausalLM",
+    model_types=("gemma3_text",),
+    # The image-text checkpoints (gemma-3-4b/12b/27b, `Gemma3ForConditionalGeneration`) are a VLM: refused at
+    # detection, naming why, rather than loaded as a text model with their vision tower dropped.
+    # Ulysses SP: Spindle's Ulysses attention implements full attention only, so sp > 1 is refused for the
+    # sliding-window layers (before launch, naming the reason); FSDP2 / HSDP layouts only
+    conformance=CausalLMConformanceSpec(parallel=("dp_shard2",)),
+    refused_model_types={
+        "gemma3": "Gemma3ForConditionalGeneration (image-text) checkpoints are not trained by Spindle yet: only "
+        "Gemma 3 text models (model_type gemma3_text, Gemma3ForCausalLM, e.g. google/gemma-3-1b-it) are"
+    },
+)
