@@ -53,6 +53,25 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.N
     return args
 
 
+def user_frames(error: BaseException | None) -> str:
+    """The traceback of an error raised in the user's code (a reward function), without Spindle's and the
+    libraries' frames: where in their file it failed."""
+    import traceback
+    from pathlib import Path
+
+    if error is None or error.__traceback__ is None:
+        return ""
+    ours = str(Path(__file__).resolve().parent)
+    frames = [
+        f
+        for f in traceback.extract_tb(error.__traceback__)
+        if not f.filename.startswith(ours) and "site-packages" not in f.filename
+    ]
+    if not frames:
+        return ""
+    return "".join(["in your code:\n", *traceback.format_list(frames)])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parse(parser, argv)
@@ -75,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as e:  # a full disk, also inside DCP's CheckpointException (a BaseException)
         from spindle.distributed.integrity import is_disk_full
 
+        if getattr(e, "user_code", False):  # the user's own code failed (a reward): its message, then its frames
+            print(f"spindle {args.command}: error: {e}", file=sys.stderr)
+            print(user_frames(e.__cause__), file=sys.stderr, end="")
+            return 1
         if not is_disk_full(e):
             raise
         print(f"spindle {args.command}: error: {e}", file=sys.stderr)  # ours say where, and what to do

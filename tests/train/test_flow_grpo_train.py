@@ -207,42 +207,49 @@ def test_lora_with_a_kl_to_the_adapters_off_base(tiny_flux, grpo_files, tmp_path
     assert full[0]["kl"] == 0.0 and full[1]["kl"] > 0
 
 
-def run_failing(model: Path, files: tuple[Path, Path], out: Path, **train: Any) -> str:
-    from spindle.testing.multiprocess import run_spindle
-
+def run_failing(cli: Any, model: Path, files: tuple[Path, Path], out: Path, **train: Any) -> str:
+    """`spindle train` (in this process: an error path) that must fail; -> its output."""
     cfg = out.parent / f"{out.name}.yaml"
     cfg.write_text("{}\n")
-    proc = run_spindle("train", cfg, *grpo_overrides(model, files, out, **train))
-    assert proc.returncode != 0
-    return proc.stdout + proc.stderr
+    result = cli("train", cfg, *grpo_overrides(model, files, out, **train))
+    assert result.returncode != 0
+    return str(result.stdout + result.stderr)
 
 
-def test_bad_prompts_and_options_are_named_before_the_model_loads(tiny_flux, tiny_wan_i2v, grpo_files, tmp_path):
+def test_bad_prompts_and_options_are_named_before_the_model_loads(
+    tiny_flux, tiny_wan_i2v, grpo_files, tmp_path, spindle_cli
+):
     rewards = grpo_files[1]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"prompt": ""}\nnot json\n{"prompt": "x", "image": "gone.png"}\n')
-    out = run_failing(tiny_flux, (bad, rewards), tmp_path / "bad")
+    out = run_failing(spindle_cli, tiny_flux, (bad, rewards), tmp_path / "bad")
     assert "3 bad line(s)" in out and "bad.jsonl:2: 'prompt' must be a non-empty string" in out
     assert "bad.jsonl:4: this family generates from text alone; remove 'image'" in out
     # an image-to-video family needs the conditioning image, which must exist
     i2v = tmp_path / "i2v.jsonl"
     i2v.write_text('{"prompt": "a"}\n{"prompt": "b", "image": "gone.png"}\n')
-    out = run_failing(tiny_wan_i2v, (i2v, rewards), tmp_path / "i2v")
+    out = run_failing(spindle_cli, tiny_wan_i2v, (i2v, rewards), tmp_path / "i2v")
     assert "i2v.jsonl:1: a request takes 1 conditioning image(s) in 'image'; got 0" in out
     assert f"i2v.jsonl:2: image {tmp_path / 'gone.png'} does not exist" in out
-    out = run_failing(tiny_flux, grpo_files, tmp_path / "iters", flow_grpo__num_iterations=4, train__max_steps=6)
+    out = run_failing(
+        spindle_cli, tiny_flux, grpo_files, tmp_path / "iters", flow_grpo__num_iterations=4, train__max_steps=6
+    )
     assert "flow_grpo.num_iterations=4: train.max_steps (6) and checkpoint.every_steps" in out
-    out = run_failing(tiny_flux, grpo_files, tmp_path / "buckets", data__buckets=True)
+    out = run_failing(spindle_cli, tiny_flux, grpo_files, tmp_path / "buckets", data__buckets=True)
     assert "train.objective=flow_grpo does not take data.buckets" in out
-    out = run_failing(tiny_flux, grpo_files, tmp_path / "none", flow_grpo__rewards="[]")
+    out = run_failing(spindle_cli, tiny_flux, grpo_files, tmp_path / "none", flow_grpo__rewards="[]")
     assert "train.objective=flow_grpo needs rewards" in out
 
 
-def test_a_reward_that_raises_stops_the_run_naming_it(tiny_flux, grpo_files, tmp_path):
-    """The reward's own exception, named with the reward and the prompt; the run stops (no step is logged)."""
-    out = run_failing(tiny_flux, grpo_files, tmp_path / "run", reward="broken", train__max_steps=2)
+def test_a_reward_that_raises_stops_the_run_naming_it(tiny_flux, grpo_files, tmp_path, spindle_cli):
+    """The reward's own exception, named with the reward and the prompt, with the frames of the user's file only;
+    the run stops (no step is logged)."""
+    out = run_failing(spindle_cli, tiny_flux, grpo_files, tmp_path / "run", reward="broken", train__max_steps=2)
     assert "reward 'broken'" in out and "raised ZeroDivisionError: the scorer's bug" in out
     assert "scoring prompt 'a red circle'" in out
+    # one line, then where in the user's file it failed: not Spindle's traceback
+    assert "Traceback" not in out and "in your code:" in out and 'raise ZeroDivisionError("the scorer' in out
+    assert "spindle/train" not in out
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run" / "metrics.jsonl").read_text()
 
 
@@ -285,3 +292,31 @@ def test_num_iterations_trains_each_rollout_batch_several_steps(tiny_flux, grpo_
     for a, b in zip(whole, read_metrics(out), strict=True):
         for key in ("loss", "grad_norm", "reward_mean", "clip_fraction"):
             assert b[key] == a[key], key
+
+
+def test_a_scorer_that_is_down_stops_the_run_and_leaves_the_last_checkpoint(
+    tiny_flux, grpo_files, tmp_path, spindle_cli
+):
+    """Two steps with the file reward (a checkpoint at step 2), then the run resumed (`force`: the rewards
+    changed) against an HTTP scorer nobody serves: it stops at step 3 with one line naming the scorer and the
+    fix (exit 1, no traceback), and the step-2 checkpoint is intact and still what a resume picks."""
+    import socket
+
+    from spindle.distributed.checkpoint import list_checkpoints, resolve_resume, verify_checkpoint
+
+    out = tmp_path / "run"
+    grpo_run(tiny_flux, grpo_files, out, train__max_steps=2, checkpoint__every_steps=1)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/score"
+    message = run_failing(
+        spindle_cli, tiny_flux, grpo_files, out,
+        flow_grpo__rewards=f"[{{url: '{url}', retries: 1, backoff_s: 0.01}}]",
+        train__max_steps=4, checkpoint__every_steps=1, checkpoint__resume="force",
+    )  # fmt: skip
+    assert f"reward scorer at {url} failed 2 tries" in message and "check that it is running" in message
+    assert "Traceback" not in message
+    latest = resolve_resume("auto", out)
+    assert latest is not None and latest.name.endswith("000002") and verify_checkpoint(latest) == []
+    assert [p.name for p in list_checkpoints(out)][-1] == latest.name

@@ -18,7 +18,10 @@ Scorer = Callable[[Sequence[Any], Sequence[Any], Mapping[str, Sequence[Any]]], S
 
 
 class RewardError(RuntimeError):
-    """A reward failed while scoring; the message names the reward and the prompt."""
+    """A reward failed while scoring; the message names the reward and the prompt. The CLI prints it in one
+    line with the reward function's own frames (`user_code`), not Spindle's traceback."""
+
+    user_code = True
 
 
 @dataclass(frozen=True)
