@@ -70,3 +70,68 @@ def test_dpo_step_one_equals_trl(name, tiny_checkpoint, tmp_path):
     loss, norm = trl_step_one(root, root, tokenizer, lines, "sigmoid", 0.1, None, tmp_path)
     assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-5)
     assert metrics["grad_norm"] == pytest.approx(norm.item(), rel=1e-4)
+
+
+@pytest.mark.parametrize(("name", "head"), [("qwen2", "Qwen2"), ("gemma3", "Gemma3Text")], ids=FAMILIES)
+def test_reward_step_one_equals_trl_and_the_export_scores_in_stock_transformers(name, head, tiny_checkpoint, tmp_path):
+    """Reward modelling: step 1's loss and grad norm equal trl.RewardTrainer's (1e-5); the export is the family's
+    stock sequence-classification class and scores as the trained model does."""
+    import json
+
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from spindle.train.metrics import read_metrics
+    from tests.train.test_reward_train import PAIRS, pairs_file, reward_overrides, trl_reward_step_one
+
+    root = tiny_checkpoint(name)
+    trainer, _ = lm_train(
+        root, pairs_file(tmp_path, PAIRS), tmp_path / "run", **reward_overrides(len(PAIRS), train__max_steps=1)
+    )
+    trainer.model.eval()
+    (first,) = read_metrics(tmp_path / "run")
+    loss, norm = trl_reward_step_one(root, PAIRS, tmp_path)
+    assert first["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    assert first["grad_norm"] == pytest.approx(norm.item(), rel=1e-5)
+    export = tmp_path / "run" / "export"
+    assert json.loads((export / "config.json").read_text())["architectures"] == [f"{head}ForSequenceClassification"]
+    stock = AutoModelForSequenceClassification.from_pretrained(export, dtype=torch.float32).eval()
+    texts = [PAIRS[0]["prompt"] + PAIRS[0]["chosen"], PAIRS[1]["prompt"] + PAIRS[1]["rejected"]]
+    batch = AutoTokenizer.from_pretrained(export)(texts, padding=True, padding_side="right", return_tensors="pt")
+    with torch.no_grad():
+        torch.testing.assert_close(stock(**batch).logits, trainer.model(**batch).logits, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_grpo_trains_and_logs_each_sampled_completion(name, tiny_checkpoint, tmp_path):
+    """GRPO: rollouts sampled from the family's model, scored by a reward function, one update; every sampled
+    completion is logged with its reward, and the step's mean reward is theirs."""
+    import json
+
+    from spindle.train.metrics import read_metrics
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Write:", "Hello")))
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def length(completions, **kwargs):\n    return [float(len(c)) for c in completions]\n")
+    lm_train(
+        tiny_checkpoint(name),
+        prompts,
+        tmp_path / "run",
+        train__objective="grpo",
+        data__seq_len=32,
+        train__global_batch_size=2,
+        train__micro_batch_size=2,
+        train__max_steps=1,
+        train__log_every=1,
+        grpo__num_generations=2,
+        grpo__max_new_tokens=4,
+        grpo__rewards=f"[{rewards}:length]",
+        checkpoint__export=False,
+    )
+    (metrics,) = read_metrics(tmp_path / "run")
+    lines = (tmp_path / "run" / "samples" / "grpo.jsonl").read_text().splitlines()
+    samples = [json.loads(line) for line in lines]
+    assert len(samples) == 4 and all(s["reward"] == float(len(s["completion"])) for s in samples)
+    assert metrics["reward/length"] == pytest.approx(sum(s["reward"] for s in samples) / 4)
+    assert metrics["grad_norm"] > 0
