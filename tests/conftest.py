@@ -418,29 +418,6 @@ def first_transformer_inputs(pipe: Any, **call: Any) -> dict[str, Any]:
     return seen["inputs"]
 
 
-def check_demo(family: str, out: Path) -> None:
-    """`spindle demo --family F --steps 30`: tiny model -> dataset -> fine-tune (the loss falls) ->
-    export the family's stock pipeline loads -> a sample of the demo size."""
-    import json
-    import statistics
-
-    import numpy as np
-    from PIL import Image
-
-    from spindle.registry import get_family
-    from spindle.train.metrics import read_metrics
-
-    spec = get_family(family)
-    pipeline = spec.checkpoint.pipeline
-    proc = run_spindle("demo", "--family", family, "--out", out, "--steps", 30)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert f"{pipeline}.from_pretrained loads it" in proc.stdout
-    losses = [m["loss"] for m in read_metrics(out / "run")]
-    assert statistics.mean(losses[-5:]) < 0.6 * statistics.mean(losses[:5])
-    assert np.asarray(Image.open(out / "sample.png")).shape == (*spec.demo.size, 3)
-    assert json.loads((out / "run" / "export" / "model_index.json").read_text())["_class_name"] == pipeline
-
-
 def generate_with_sp2(model: Path, out: Path, *extra: object):
     """`spindle generate --nproc 2 --sp 2` (Ulysses SP over two torchrun workers) of a 32x48, 2-step
     request written to `out`; -> CompletedProcess."""

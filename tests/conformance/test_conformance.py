@@ -219,12 +219,24 @@ def test_overfits_and_exports_for_stock_diffusers(name, tiny, tmp_path):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_demo_runs_end_to_end(name, tmp_path, spindle_cli):
-    """`spindle demo --family NAME` (two steps): tiny model, data, fine-tune, export, a sample from the export
-    (a two-expert checkpoint names the expert it fine-tunes in its demo spec)."""
+    """`spindle demo --family NAME` (two steps): tiny model, data, fine-tune, an export of the family's stock
+    pipeline class, a sample from it at the demo size (a two-expert checkpoint names the expert it fine-tunes in its
+    demo spec). That the loss falls is `test_overfits_and_exports_for_stock_diffusers`'s."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    family = get_family(name)
     result = spindle_cli("demo", "--family", name, "--steps", 2, "--out", tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    suffix = get_family(name).demo.sample_suffix
-    assert (tmp_path / f"sample{suffix}").is_file() and "done in" in result.stdout
+    pipeline = family.checkpoint.pipeline
+    assert f"{pipeline}.from_pretrained loads it" in result.stdout and "done in" in result.stdout
+    assert json.loads((tmp_path / "run" / "export" / "model_index.json").read_text())["_class_name"] == pipeline
+    sample = tmp_path / f"sample{family.demo.sample_suffix}"
+    assert sample.is_file()
+    if family.demo.sample_suffix == ".png":  # the demo size
+        assert np.asarray(Image.open(sample)).shape == (*family.demo.size, 3)
 
 
 @pytest.mark.parametrize("name", FAMILIES)

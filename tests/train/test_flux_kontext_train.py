@@ -161,15 +161,6 @@ def test_validation_options_are_checked_before_launch(tiny_flux_kontext, pairs, 
         train(cfg)
 
 
-def test_demo_family_flux_kontext(tmp_path):
-    """`spindle demo --family flux_kontext`: tiny model -> edit pairs -> fine-tune -> export -> an edit of the
-    first pair's source."""
-    from tests.conftest import check_demo
-
-    check_demo("flux_kontext", tmp_path / "demo")
-    assert len(list((tmp_path / "demo" / "data").glob("*_source0.png"))) == 16
-
-
 def test_precomputed_edit_pairs_train_like_raw_ones(tiny_flux_kontext, pairs, tmp_path):
     """`spindle precompute` of the control-folder layout caches the sources' latents; training on the
     cache equals training on the media, and a changed source makes the cache stale."""

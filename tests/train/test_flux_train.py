@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import assert_same_training, check_demo, encode_two_samples, train_cli
+from tests.conftest import assert_same_training, encode_two_samples, train_cli
 
 
 @pytest.fixture(scope="module")
@@ -101,9 +101,3 @@ def test_sequence_parallel_training_equals_one_process(tiny_flux, shapes_images,
     train_cli(tiny_flux, shapes_images, tmp_path / "single", nproc=1)
     train_cli(tiny_flux, shapes_images, tmp_path / "sp2", nproc=2, parallel__sp=2, parallel__dp_shard=1)
     assert_same_training(tmp_path / "single", tmp_path / "sp2")
-
-
-def test_demo_family_flux(tmp_path):
-    """`spindle demo --family flux`: tiny model -> png dataset -> fine-tune -> export -> png sample."""
-    check_demo("flux", tmp_path / "demo")
-    assert len(list((tmp_path / "demo" / "data").glob("*.png"))) == 16

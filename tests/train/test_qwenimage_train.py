@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import TINY_TEXT, assert_same_training, check_demo, encode_two_samples, train_cli
+from tests.conftest import TINY_TEXT, assert_same_training, encode_two_samples, train_cli
 
 TEXT = TINY_TEXT  # model.max_text_length: divisible by the SP degree (the _cp_plan splits the text tokens)
 
@@ -116,12 +116,6 @@ def test_sequence_parallel_training_equals_one_process(tiny, shapes_images, sing
     attended with its own part of the text mask) train exactly like one process."""
     train_cli(tiny, shapes_images, tmp_path / "sp2", nproc=2, parallel__dp_shard=1, **WELL_CONDITIONED, **layout)
     assert_same_training(single_run, tmp_path / "sp2")
-
-
-@pytest.mark.slow
-def test_demo_family_qwenimage(tmp_path):
-    """`spindle demo --family qwenimage`: tiny model -> png dataset -> fine-tune -> export -> png sample."""
-    check_demo("qwenimage", tmp_path / "demo")
 
 
 def test_text_length_not_divisible_by_sp_is_named(condition, tiny):
