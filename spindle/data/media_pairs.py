@@ -33,7 +33,7 @@ from spindle.data.captions import CaptionPolicy
 from spindle.data.datasets import MediaDataset, Sample, collate
 from spindle.data.edit_pairs import resolve
 from spindle.data.media_check import DataCheckError, Problem, find_problems
-from spindle.data.text import json_object_line
+from spindle.data.text import bad_lines_message, json_object_line
 
 if TYPE_CHECKING:
     from spindle.contracts.condition import PixelGrid
@@ -168,8 +168,7 @@ def media_pairs(
         )
     pairs, errors = read_pairs(path, edit)
     if errors:
-        shown = "\n  ".join(errors[:20]) + (f"\n  ... and {len(errors) - 20} more" if len(errors) > 20 else "")
-        raise ValueError(f"data.path={path}: {len(errors)} bad line(s):\n  {shown}")
+        raise ValueError(bad_lines_message(path, errors))
     if not pairs:
         raise ValueError(f"data.path={path} holds no pairs")
     total = len(pairs)

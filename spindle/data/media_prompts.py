@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from spindle.data.edit_pairs import resolve
-from spindle.data.text import json_object_line
+from spindle.data.text import bad_lines_message, json_object_line
 
 # the keyword a reward function receives the generated samples and the prompts under: not column names
 RESERVED_COLUMNS = ("images", "prompts")
@@ -99,8 +99,7 @@ def read_media_prompts(data_path: str | Path, images: tuple[int, int]) -> list[M
                 errors.append(f"{row.where}: image {image} cannot be read ({type(e).__name__}: {e})")
         prompts.append(row)
     if errors:
-        shown = "\n  ".join(errors[:20]) + (f"\n  ... and {len(errors) - 20} more" if len(errors) > 20 else "")
-        raise PromptsError(f"data.path={path}: {len(errors)} bad line(s):\n  {shown}")
+        raise PromptsError(bad_lines_message(path, errors))
     if not prompts:
         raise PromptsError(f"data.path={path} holds no prompts")
     return prompts

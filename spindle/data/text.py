@@ -199,6 +199,13 @@ def json_line(raw: bytes | str) -> Any:
         raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from None
 
 
+def bad_lines_message(path: Any, errors: list[str], shown: int = 20) -> str:
+    """One error for a JSONL file's bad lines (each `file:line: what is wrong`): the first `shown`, and a count of
+    the rest."""
+    more = f"\n  ... and {len(errors) - shown} more" if len(errors) > shown else ""
+    return f"data.path={path}: {len(errors)} bad line(s):\n  " + "\n  ".join(errors[:shown]) + more
+
+
 def json_object_line(where: str, raw: bytes | str, expected: str) -> dict[str, Any]:
     """One JSONL line that must hold an object (`expected` shows its keys) -> the object; ValueError starting
     with `where` (`file:line`) saying what is wrong."""

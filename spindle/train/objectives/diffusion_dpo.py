@@ -115,8 +115,9 @@ class DiffusionDPO(Objective):
         path = Path(data.path).expanduser()
         _, errors = read_pairs(path, is_edit_family(family)) if path.is_file() else ([], [])
         if errors:
-            shown = "\n  ".join(errors[:20])
-            raise ConfigError(f"data.path={data.path}: {len(errors)} bad line(s):\n  {shown}")
+            from spindle.data.text import bad_lines_message
+
+            raise ConfigError(bad_lines_message(data.path, errors))
 
     def check_data(self) -> None:
         from spindle.data.media_pairs import media_pairs
