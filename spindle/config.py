@@ -638,7 +638,10 @@ class GRPOConfig(Section):
         None, gt=0, description="clip the ratio above at 1 + epsilon_high (default: epsilon; DAPO uses 0.28)"
     )
     num_iterations: int = Field(
-        1, ge=1, description="optimizer updates per batch of completions (the ratio's old policy is the sampler)"
+        1,
+        ge=1,
+        description="optimizer steps per batch of completions (the ratio's old policy is the sampler); "
+        "train.max_steps and checkpoint.every_steps must be multiples of it",
     )
     loss_type: Literal["grpo", "dr_grpo", "dapo"] = Field(
         "dapo",

@@ -145,16 +145,20 @@ def test_dpo_is_refused_before_launch_where_it_cannot_run(tiny_qwen3, tiny_qwen2
 
 
 @pytest.mark.slow
-def test_fsdp2_on_two_processes_equals_one_process(tiny_qwen3, reference_qwen3, tmp_path):
+@pytest.mark.parametrize("precompute", [False, True])
+def test_fsdp2_on_two_processes_equals_one_process(precompute, tiny_qwen3, reference_qwen3, tmp_path):
     """dp_shard=2 (real gloo processes, each rank its half of the pairs) gives one process's losses and grad
-    norms (1e-5 relative) over 3 steps: the pair is the unit the trainer normalises by over ranks."""
+    norms (1e-5 relative) over 3 steps: the pair is the unit the trainer normalises by over ranks. With
+    dpo.precompute_reference the two ranks compute half the reference table each and gather it."""
     data = pairs_file(tmp_path, PAIRS)
     values = dpo_overrides(
         4, train__micro_batch_size=2, train__max_steps=3, dpo__reference_model=reference_qwen3, train__adam_eps=1e-4
     )
     values["checkpoint__export"] = False
     lm_train(tiny_qwen3, data, tmp_path / "one", **values)
-    lm_train_cli(tiny_qwen3, data, tmp_path / "two", 2, parallel__dp_shard=2, **values)
+    lm_train_cli(
+        tiny_qwen3, data, tmp_path / "two", 2, parallel__dp_shard=2, dpo__precompute_reference=precompute, **values
+    )
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     for a, b in zip(one, two, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
@@ -178,3 +182,50 @@ def test_a_killed_dpo_run_resumes_exactly(tiny_qwen3, tmp_path):
     assert [m["step"] for m in got] == list(range(1, 7))
     for key in ("loss", "grad_norm", "margin"):
         assert [m[key] for m in got] == [m[key] for m in want], key
+
+
+def test_a_precomputed_reference_equals_running_it_each_step(tiny_qwen3, reference_qwen3, tmp_path):
+    """dpo.precompute_reference with dpo.reference_model: the reference's log-probabilities of every pair are
+    computed once, cached in the run folder, and the copy is freed; the steps equal a run that runs the reference
+    each step (1e-5). A cache made from other data is refused before any model loads, naming the data."""
+    from spindle.data.reference_cache import FILE
+
+    data = pairs_file(tmp_path, PAIRS)
+    values = dpo_overrides(
+        4, train__micro_batch_size=2, train__max_steps=3, dpo__reference_model=reference_qwen3,
+        checkpoint__export=False, data__shuffle=True,
+    )  # fmt: skip
+    lm_train(tiny_qwen3, data, tmp_path / "each", **values)
+    lm_train(tiny_qwen3, data, tmp_path / "once", **values, dpo__precompute_reference=True)
+    cache = tmp_path / "once" / FILE
+    from safetensors.torch import load_file
+
+    assert load_file(cache)["logps"].shape == (len(PAIRS), 2)
+    for a, b in zip(read_metrics(tmp_path / "each"), read_metrics(tmp_path / "once"), strict=True):
+        for key in ("loss", "grad_norm", "margin", "rewards/chosen"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+    pairs_file(tmp_path, [*PAIRS, {"prompt": "Up is", "chosen": " up", "rejected": " down"}])
+    with pytest.raises(ConfigError, match=r"computed for another data\.path \(the preference pairs' content\)"):
+        lm_train(
+            tiny_qwen3, data, tmp_path / "once", **values, dpo__precompute_reference=True, checkpoint__resume="auto"
+        )
+
+
+def test_a_killed_run_with_a_precomputed_reference_resumes_against_the_starting_weights(tiny_qwen3, tmp_path):
+    """A full fine-tune with dpo.precompute_reference and the default reference (the starting weights, no frozen
+    copy held) SIGKILLed as step 3 begins resumes from the cache, not from the trained weights it restores: its
+    steps equal (1e-5) a run that holds the frozen copy and runs it each step."""
+    data = pairs_file(tmp_path, PAIRS)
+    values = dpo_overrides(
+        2, data__shuffle=True, train__max_steps=4, train__lr=1e-2, checkpoint__every_steps=2, checkpoint__export=False
+    )
+    lm_train(tiny_qwen3, data, tmp_path / "each", **values)
+    killed = tmp_path / "killed"
+    once = {**values, "dpo__precompute_reference": True}
+    spindle_train_killed(killed, lm_overrides(tiny_qwen3, data, killed, **once), at_step=3)
+    lm_train(tiny_qwen3, data, killed, **{**once, "checkpoint__resume": "auto"})
+    got, want = read_metrics(killed), read_metrics(tmp_path / "each")
+    assert [m["step"] for m in got] == [1, 2, 3, 4]
+    for a, b in zip(want, got, strict=True):
+        for key in ("loss", "grad_norm", "margin"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key

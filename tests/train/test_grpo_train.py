@@ -164,3 +164,34 @@ def test_a_killed_grpo_run_resumes_exactly(tiny_qwen3, grpo_data, tmp_path):
     assert [m["step"] for m in got] == list(range(1, 6))
     for key in ("reward_mean", "loss", "grad_norm"):
         assert [m[key] for m in got] == [m[key] for m in want], key
+
+
+def test_num_iterations_trains_each_batch_of_completions_several_steps(tiny_qwen3, grpo_data, tmp_path):
+    """grpo.num_iterations=2: steps 1-2 train on one batch of completions, 3-4 on the next (the rewards repeat
+    within a cycle). The second step's ratios are against the sampler's log-probabilities, so its loss differs
+    from the first's (with ratios of 1 the two would be equal) and a tight epsilon clips; generation time is
+    logged on the cycle's first step only. A kill -9 as step 4 begins resumes exactly from the step-2 checkpoint
+    (checkpoints fall between cycles); a max_steps that is not a multiple is refused before any model loads."""
+    prompts, rewards = grpo_data
+    values = grpo_values(
+        rewards, "letter_a", train__max_steps=4, checkpoint__every_steps=2, checkpoint__export=False,
+        grpo__num_iterations=2, grpo__epsilon=1e-3,
+    )  # fmt: skip
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    proc = train(tiny_qwen3, prompts, whole, **values)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = read_metrics(whole)
+    assert got[0]["reward_mean"] == got[1]["reward_mean"] and got[2]["reward_mean"] == got[3]["reward_mean"]
+    assert got[0]["clip_ratio/region_mean"] == 0.0 and got[1]["clip_ratio/region_mean"] > 0
+    assert got[1]["loss"] != got[0]["loss"]
+    assert got[0]["time/generation_s"] > 0 and got[1]["time/generation_s"] == 0.0
+    spindle_train_killed(killed, lm_overrides(tiny_qwen3, prompts, killed, **values), at_step=4)
+    proc = train(tiny_qwen3, prompts, killed, **{**values, "checkpoint__resume": "auto"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for a, b in zip(got, read_metrics(killed), strict=True):
+        for key in ("reward_mean", "loss", "grad_norm", "clip_ratio/region_mean"):
+            assert b[key] == a[key], key
+    proc = train(tiny_qwen3, prompts, tmp_path / "odd", **{**values, "train__max_steps": 3})
+    assert proc.returncode != 0
+    assert "grpo.num_iterations=2: train.max_steps (3) and checkpoint.every_steps (2) must be multiples" in proc.stderr
+    assert "peak memory after load" not in proc.stdout + proc.stderr

@@ -26,6 +26,7 @@ normalised on this batch alone: TRL's loss for the batch.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -33,6 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from spindle.contracts.task import Objective, StepOutput
+
+log = logging.getLogger("spindle")
 
 DPOLossType = Literal["sigmoid", "ipo", "simpo"]
 DPO_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "ipo", "simpo")
@@ -148,6 +151,7 @@ class DPO(Objective):
         self.cfg = cfg
         self.settings = cfg.dpo
         self.reference: tuple[Any, torch.nn.Module] | None = None  # (its task, the frozen copy); None: adapters off
+        self._start: torch.nn.Module | None = None  # dpo.precompute_reference: the policy as loaded
         self.stats: Any = None
 
     def check_plan(self, family: Any, dims: Any) -> None:
@@ -163,17 +167,18 @@ class DPO(Objective):
                 "train.objective=dpo with parallel.sp > 1: a pair's log-probability would be split over the SP "
                 "ranks, which DPO does not gather yet; set parallel.sp: 1 (FSDP2 / HSDP / EP layouts work)"
             )
-        if self.settings.precompute_reference:
-            raise ConfigError(
-                "dpo.precompute_reference: not available yet; leave it false (the reference runs each step under "
-                "no_grad) or give dpo.reference_model"
-            )
         if self.settings.reference_model is not None:
             check_same_family(self.settings.reference_model, family)
+        if self.settings.precompute_reference:
+            check_reference_cache(self.cfg)
 
     def prepare(self, task: Any, model: torch.nn.Module) -> None:
         if self.settings.loss_type == "simpo":
             return  # reference-free
+        if self.settings.precompute_reference:
+            self._start = model  # the starting weights, before any restore: build_loader computes from them
+            return
+
         if self.settings.reference_model is not None:
             self.reference = task.build_reference(self.settings.reference_model)
         elif self.cfg.train.lora is None:  # a full fine-tune: the starting weights, frozen beside the policy
@@ -189,7 +194,34 @@ class DPO(Objective):
         pairs, self.stats = preference_pairs(data.path, task.tokenizer, data.seq_len, self.settings.max_prompt_length)
         pad = task.tokenizer.pad_token_id if task.tokenizer.pad_token_id is not None else task.tokenizer.eos_token_id
         task._data_stats = {"rows": len(pairs), "pairs": len(pairs)}  # the run summary's epochs count pairs
-        return resumable_loader(task, pairs, partial(collate_pairs, pad_id=pad))
+        collate = partial(collate_pairs, pad_id=pad)
+        if not self.settings.precompute_reference:
+            return resumable_loader(task, pairs, collate)
+        table = self._reference_table(task, pairs, collate)
+        return resumable_loader(task, list(zip(pairs, table, strict=True)), partial(collate_referenced, collate))
+
+    def _reference_table(self, task: Any, pairs: list[Any], collate: Any) -> torch.Tensor:
+        """Collective: every pair's reference log-probabilities [pairs, 2], read from the run's cache or computed
+        now (each data-parallel rank a share, gathered) and cached."""
+        from spindle.data.reference_cache import cache_path, read_cache, reference_settings, write_cache
+        from spindle.distributed.mesh import is_main_process
+
+        path = cache_path(self.cfg)
+        if path.is_file():  # check_plan refused a stale one
+            if is_main_process():
+                log.info("dpo: reference log-probabilities of %d pairs read from %s", len(pairs), path)
+            return read_cache(path, len(pairs))
+        if self.settings.reference_model is not None:
+            reference = task.build_reference(self.settings.reference_model)
+        else:  # the starting weights: the policy as loaded (LoRA: its adapters off), before any step or restore
+            reference = None if self.cfg.train.lora is not None else (task, self._start)
+        assert self._start is not None, "prepare runs before build_loader"
+        table = reference_log_prob_table(task, self._start, reference, pairs, collate, self.cfg.train.micro_batch_size)
+        del reference  # a dpo.reference_model copy is freed before training starts
+        if is_main_process():
+            write_cache(path, table, reference_settings(self.cfg))
+            log.info("dpo: reference log-probabilities of %d pairs computed and cached in %s", len(pairs), path)
+        return table
 
     def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
         return int(batch["input_ids"].shape[0]) // 2  # pairs
@@ -203,7 +235,9 @@ class DPO(Objective):
         labels = run.rows["shift_labels"]
         sums, tokens = sequence_log_probs(run.log_probs, labels)
         ref_chosen = ref_rejected = None
-        if s.loss_type != "simpo":
+        if "ref_logps" in batch:  # dpo.precompute_reference
+            ref_chosen, ref_rejected = batch["ref_logps"].to(sums).chunk(2)
+        elif s.loss_type != "simpo":
             with torch.no_grad():
                 ref_sums, _ = sequence_log_probs(reference_log_probs(task, model, batch, self.reference), labels)
             ref_chosen, ref_rejected = ref_sums.chunk(2)
@@ -253,3 +287,67 @@ def check_same_family(path: str, family: Any) -> None:
             f"dpo.reference_model: {path} is a {model_type!r} model, not the trained family's "
             f"({', '.join(family.model_types)}); give a folder of the same family"
         )
+
+
+def check_reference_cache(cfg: Any) -> None:
+    """`dpo.precompute_reference`: a cache already in the run folder must be of this run's data, weights and
+    settings (before launch: a stale one is refused naming what changed, never trained against)."""
+    from spindle.config import ConfigError
+    from spindle.data.reference_cache import cache_path, reference_settings, stale_keys
+
+    path = cache_path(cfg)
+    stale = stale_keys(path, reference_settings(cfg))
+    if stale:
+        raise ConfigError(
+            f"dpo.precompute_reference: {path} holds reference log-probabilities computed for another "
+            f"{', '.join(stale)}; delete it to compute them again (a full fine-tune's reference is then model.path) "
+            "or give a fresh train.output_dir"
+        )
+
+
+def collate_referenced(collate: Any, items: list[tuple[Any, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A batch of (pair, its cached reference log-probabilities [2]): `collate`'s rows plus `ref_logps` [2B],
+    the chosen ones then the rejected ones as the rows are."""
+    out: dict[str, torch.Tensor] = collate([pair for pair, _ in items])
+    table = torch.stack([logps for _, logps in items])
+    out["ref_logps"] = torch.cat([table[:, 0], table[:, 1]])
+    return out
+
+
+def reference_log_prob_table(
+    task: Any, model: torch.nn.Module, reference: Any, pairs: list[Any], collate: Any, batch_size: int
+) -> torch.Tensor:
+    """Collective: the reference's summed log-probabilities of every pair's chosen and rejected completion
+    [pairs, 2] (`reference` as `logprobs.reference_log_probs` takes it). Data-parallel rank r computes pairs
+    r, r + dp, ... in batches of `batch_size` (every rank runs as many forwards: FSDP2 gathers in lockstep), and
+    the shares are gathered so every rank holds the whole table."""
+    import math
+
+    import torch.distributed as dist
+
+    from spindle.train.objectives.logprobs import reference_log_probs, sequence_log_probs
+
+    rank, size = task.mesh.dp_rank, task.mesh.dims.dp_size
+    mine = list(range(rank, len(pairs), size))
+    forwards = math.ceil(math.ceil(len(pairs) / size) / batch_size)
+    padded = mine + [mine[-1] if mine else 0] * (forwards * batch_size - len(mine))
+    values: dict[int, tuple[float, float]] = {}
+    was_training = model.training
+    model.eval()
+    try:
+        for b in range(forwards):
+            indices = padded[b * batch_size : (b + 1) * batch_size]
+            batch = collate([pairs[i] for i in indices])
+            with torch.no_grad():
+                logps = reference_log_probs(task, model, batch, reference)
+            sums, _ = sequence_log_probs(logps, batch["shift_labels"].to(logps.device))
+            chosen, rejected = sums.float().cpu().chunk(2)
+            for i, c, r in zip(indices, chosen.tolist(), rejected.tolist(), strict=True):
+                values[i] = (c, r)
+    finally:
+        model.train(was_training)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        shares: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(shares, values)
+        values = {i: v for share in shares for i, v in share.items()}
+    return torch.tensor([values[i] for i in range(len(pairs))], dtype=torch.float32)

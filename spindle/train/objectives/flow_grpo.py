@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from spindle.contracts.task import Objective, StepOutput
+from spindle.train.objectives.cycles import check_cycle_multiples
 
 # Flow-GRPO adds this to the group's standard deviation, so a group whose rewards are all equal gets
 # advantages of 0 rather than 0 / 0.
@@ -374,14 +375,7 @@ class FlowGRPO(Objective):
                 raise ConfigError(f"train.objective=flow_grpo does not take {key}: {fix}")
         if family.inference is None:
             raise ConfigError(f"train.objective=flow_grpo: {family.name} has no inference pipeline to roll out with")
-        k = self.settings.num_iterations
-        every, steps = self.cfg.checkpoint.every_steps, self.cfg.train.max_steps
-        if k > 1 and (steps % k or (every and every % k)):
-            raise ConfigError(
-                f"flow_grpo.num_iterations={k}: train.max_steps ({steps}) and checkpoint.every_steps ({every}) must be "
-                f"multiples of it (each batch of rollouts trains {k} optimizer steps; checkpoints fall between such "
-                "cycles, so a resume never needs rollouts half trained)"
-            )
+        check_cycle_multiples("flow_grpo", self.settings.num_iterations, self.cfg)
         prompts = self.prompts(family)  # every line and conditioning image checked before any model loads
         self.check_options(family, prompts[0])
         self.reward_set()  # every reward resolved (files imported, folders read)

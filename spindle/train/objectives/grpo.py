@@ -31,6 +31,7 @@ from typing import Any, Literal
 import torch
 
 from spindle.contracts.task import Objective
+from spindle.train.objectives.cycles import check_cycle_multiples
 
 GRPOLossType = Literal["grpo", "dr_grpo", "dapo"]
 GRPO_LOSS_TYPES: tuple[str, ...] = ("grpo", "dr_grpo", "dapo")
@@ -189,7 +190,8 @@ class GRPO(Objective):
     (`spindle.train.rewards`: functions with TRL's keyword convention, reward-model folders, HTTP scorers; extra
     prompt columns passed by name) and computes the group-relative advantages. Then `forward` runs prompt +
     completion through the policy for each completion token's log-probability and optimises the clipped objective
-    (the old policy is the sampler: `num_iterations` 1), with beta x the KL to the reference when beta > 0 (a LoRA
+    (the old policy is the sampler; with `num_iterations` K the trainer trains each batch of completions for K
+    optimizer steps, checkpointing only between such cycles), with beta x the KL to the reference when beta > 0 (a LoRA
     run: its adapters off; else a frozen copy of the starting weights). Tokens after a completion's end are
     masked. Metrics: reward_mean / reward_std, reward/NAME per reward, completion_length, clip ratios, kl,
     generated_tokens_per_s and the step's time split; every `train.log_every` steps rank 0 appends its prompts,
@@ -216,12 +218,11 @@ class GRPO(Objective):
                 "train.objective=grpo with parallel.sp > 1: completions are generated whole on each rank; set "
                 "parallel.sp: 1 (FSDP2 / HSDP / EP layouts work)"
             )
-        if self.settings.num_iterations != 1:
-            raise ConfigError(
-                f"grpo.num_iterations={self.settings.num_iterations}: only on-policy updates (1) are available yet; "
-                "set grpo.num_iterations: 1"
-            )
+        check_cycle_multiples("grpo", self.settings.num_iterations, self.cfg)
         self.reward_set()  # every reward resolved (files imported, folders read) before any model loads
+
+    def updates_per_batch(self) -> int:
+        return int(self.settings.num_iterations)
 
     def reward_set(self) -> Any:
         if self.rewards is None:
@@ -352,6 +353,14 @@ class GRPO(Objective):
         rows = {k: batch[k] for k in ("input_ids", "position_ids", "shift_labels")}
         run = task.run_rows(model, rows, log_probs=True, temperature=s.temperature)
         mask = (run.rows["shift_labels"] != -100).to(run.log_probs.dtype)
+        # The old policy is the sampler. The cycle's first update runs on the sampler's weights, so its own
+        # log-probabilities (detached) are the old ones; kept on the batch, the cycle's later updates reuse them
+        # (TRL's old_per_token_logps, without its extra forward)
+        old = batch.get("old_log_probs")
+        rollout_metrics = batch["metrics"]
+        if old is None and s.num_iterations > 1:
+            batch["old_log_probs"] = run.log_probs.detach()
+            batch["metrics"] = reused_metrics(rollout_metrics)  # the times are logged on the cycle's first step
         ref = None
         if s.beta > 0:
             with torch.no_grad():
@@ -360,7 +369,7 @@ class GRPO(Objective):
             run.log_probs,
             batch["advantages"].to(run.log_probs.device),
             mask,
-            None,
+            old,
             ref,
             epsilon=s.epsilon,
             epsilon_high=s.epsilon_high,
@@ -368,7 +377,13 @@ class GRPO(Objective):
             loss_type=s.loss_type,
             max_completion_length=s.max_new_tokens,
         )
-        metrics: dict[str, Any] = {k: Metric(v, "mean", "mean") for k, v in batch["metrics"].items()}
+        metrics: dict[str, Any] = {k: Metric(v, "mean", "mean") for k, v in rollout_metrics.items()}
         metrics.update({k: Metric(v, "mean", "mean") for k, v in out.metrics().items()})
         metrics["time/update_forward_s"] = Metric(time.perf_counter() - start, "sum", "mean")
         return StepOutput(out.loss_sum.float(), int(rows["input_ids"].shape[0]), run.tokens, metrics)
+
+
+def reused_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """A batch's rollout metrics for the later steps of its `num_iterations` cycle: no generation or scoring ran
+    (their times 0, no tokens/s); the rewards are the cycle's (as the rollout's samples are)."""
+    return {**metrics, "time/generation_s": 0.0, "time/scoring_s": 0.0, "generated_tokens_per_s": 0.0}

@@ -423,6 +423,9 @@ class CausalLMTask(TrainTask):
     def begin_step(self, model: torch.nn.Module, batches: list[Any], step: int) -> list[Any]:
         return self.objective.begin_step(self, model, batches, step)
 
+    def updates_per_batch(self) -> int:
+        return self.objective.updates_per_batch()
+
     def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
         return self.objective.loss_units(batch)
 
