@@ -338,14 +338,18 @@ def reward_pairs(path: str | Path, tokenizer: Any, seq_len: int) -> tuple[list[P
 # ---------------------------------------------------------------- batches
 
 
-def collate_sequences(rows: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
-    """(prompt ids, completion ids) rows -> a right-padded batch whose completion tokens are the scored ones.
+def collate_sequences(
+    rows: list[tuple[list[int], list[int]]], pad_id: int, multiple: int = 1
+) -> dict[str, torch.Tensor]:
+    """(prompt ids, completion ids) rows -> a right-padded batch whose completion tokens are the scored ones,
+    its length rounded up to a `multiple` (sequence parallelism: each SP rank an equal chunk).
 
     -> input_ids, attention_mask (1 on tokens), completion_mask (1 on completion tokens): [N, L]; shift_labels
     [N, L] (the token each position predicts where that token is a completion token, else -100: what
     `spindle.train.objectives.logprobs` scores); position_ids [N, L].
     """
     width = max(len(prompt) + len(completion) for prompt, completion in rows)
+    width = -(-width // multiple) * multiple
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     attention = torch.zeros((len(rows), width), dtype=torch.long)
     completion_mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -364,11 +368,11 @@ def collate_sequences(rows: list[tuple[list[int], list[int]]], pad_id: int) -> d
     }
 
 
-def collate_pairs(pairs: list[PreferencePair], pad_id: int) -> dict[str, torch.Tensor]:
+def collate_pairs(pairs: list[PreferencePair], pad_id: int, multiple: int = 1) -> dict[str, torch.Tensor]:
     """A batch in `trl.DPOTrainer`'s layout: the B chosen sequences, then the B rejected ones, right-padded
-    (`collate_sequences`'s tensors, [2B, L]), plus margin [B] when the pairs have one."""
+    (`collate_sequences`'s tensors, [2B, L], L a `multiple`), plus margin [B] when the pairs have one."""
     rows = [(p.prompt_ids, p.chosen_ids) for p in pairs] + [(p.prompt_ids, p.rejected_ids) for p in pairs]
-    out = collate_sequences(rows, pad_id)
+    out = collate_sequences(rows, pad_id, multiple)
     if pairs[0].margin is not None:
         out["margin"] = torch.tensor([p.margin for p in pairs], dtype=torch.float32)
     return out

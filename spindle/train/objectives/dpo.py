@@ -143,7 +143,9 @@ class DPO(Objective):
     second copy; a full fine-tune: a frozen copy of `model.path`); `simpo` uses none. The loss unit is the pair:
     the trainer divides the summed pair losses by the global batch's pairs, so every layout gives the mean over
     the global batch (TRL's loss when one batch holds the step). A MoE adds `router_aux_loss_coef x` its router
-    aux loss per pair, as TRL does when the model outputs router logits."""
+    aux loss per pair, as TRL does when the model outputs router logits. Under Ulysses SP each rank runs its chunk
+    of every row; the pairs' log-probabilities are summed over the SP ranks (differentiably), so every rank
+    computes the whole pairs' loss and its chunk's share of the gradient."""
 
     name = "dpo"
 
@@ -161,11 +163,6 @@ class DPO(Objective):
             raise ConfigError(
                 f"train.objective=dpo: {family.name} is a {family.kind} model; DPO trains text causal-LM families "
                 "for now (preference pairs with images/videos/audio are not wired yet): use train.objective=sft"
-            )
-        if dims.sp > 1:
-            raise ConfigError(
-                "train.objective=dpo with parallel.sp > 1: a pair's log-probability would be split over the SP "
-                "ranks, which DPO does not gather yet; set parallel.sp: 1 (FSDP2 / HSDP / EP layouts work)"
             )
         if self.settings.reference_model is not None:
             check_same_family(self.settings.reference_model, family)
@@ -194,7 +191,8 @@ class DPO(Objective):
         pairs, self.stats = preference_pairs(data.path, task.tokenizer, data.seq_len, self.settings.max_prompt_length)
         pad = task.tokenizer.pad_token_id if task.tokenizer.pad_token_id is not None else task.tokenizer.eos_token_id
         task._data_stats = {"rows": len(pairs), "pairs": len(pairs)}  # the run summary's epochs count pairs
-        collate = partial(collate_pairs, pad_id=pad)
+        # under SP each rank holds an equal chunk of every row: batches padded to a multiple of parallel.sp
+        collate = partial(collate_pairs, pad_id=pad, multiple=task.mesh.dims.sp)
         if not self.settings.precompute_reference:
             return resumable_loader(task, pairs, collate)
         table = self._reference_table(task, pairs, collate)
@@ -228,18 +226,19 @@ class DPO(Objective):
 
     def forward(self, task: Any, model: torch.nn.Module, batch: dict[str, torch.Tensor], step: int) -> StepOutput:
         from spindle.contracts.task import Metric
-        from spindle.train.objectives.logprobs import reference_log_probs, sequence_log_probs
+        from spindle.train.objectives.logprobs import reference_log_probs, sequence_log_probs, sequence_parallel_sum
 
         s = self.settings
         run = task.run_rows(model, batch, log_probs=True)
-        labels = run.rows["shift_labels"]
-        sums, tokens = sequence_log_probs(run.log_probs, labels)
+        labels = run.rows["shift_labels"]  # under SP: this rank's chunk; the sums below are the whole rows'
+        sums, tokens = (sequence_parallel_sum(v, task) for v in sequence_log_probs(run.log_probs, labels))
         ref_chosen = ref_rejected = None
         if "ref_logps" in batch:  # dpo.precompute_reference
             ref_chosen, ref_rejected = batch["ref_logps"].to(sums).chunk(2)
         elif s.loss_type != "simpo":
             with torch.no_grad():
                 ref_sums, _ = sequence_log_probs(reference_log_probs(task, model, batch, self.reference), labels)
+                ref_sums = sequence_parallel_sum(ref_sums, task)
             ref_chosen, ref_rejected = ref_sums.chunk(2)
         chosen, rejected = sums.chunk(2)
         chosen_n, rejected_n = tokens.chunk(2)
@@ -268,6 +267,8 @@ class DPO(Objective):
             coef = float(model.config.get_text_config().router_aux_loss_coef)  # type: ignore[operator, union-attr]
             loss_sum = loss_sum + coef * aux.to(loss_sum) * pairs
             metrics.update(task.output_metrics(run.out, run.rows))
+        # every SP rank computed the whole pairs' loss; the trainer sums the loss over them (a token loss's chunks)
+        loss_sum = loss_sum / task.mesh.dims.sp
         return StepOutput(loss_sum.float(), pairs, run.tokens, metrics)
 
 
@@ -325,7 +326,7 @@ def reference_log_prob_table(
 
     import torch.distributed as dist
 
-    from spindle.train.objectives.logprobs import reference_log_probs, sequence_log_probs
+    from spindle.train.objectives.logprobs import reference_log_probs, sequence_log_probs, sequence_parallel_sum
 
     rank, size = task.mesh.dp_rank, task.mesh.dims.dp_size
     mine = list(range(rank, len(pairs), size))
@@ -340,7 +341,8 @@ def reference_log_prob_table(
             batch = collate([pairs[i] for i in indices])
             with torch.no_grad():
                 logps = reference_log_probs(task, model, batch, reference)
-            sums, _ = sequence_log_probs(logps, batch["shift_labels"].to(logps.device))
+            labels = batch["shift_labels"].chunk(task.mesh.dims.sp, dim=1)[task.mesh.sp_rank]  # this SP rank's
+            sums = sequence_parallel_sum(sequence_log_probs(logps, labels.to(logps.device))[0], task)
             chosen, rejected = sums.float().cpu().chunk(2)
             for i, c, r in zip(indices, chosen.tolist(), rejected.tolist(), strict=True):
                 values[i] = (c, r)

@@ -59,7 +59,8 @@ def reference_log_probs(
 ) -> torch.Tensor:
     """Collective, under no_grad by the caller: each label token's log-probability under the reference of a
     preference or RL objective: `reference` = (its task, a frozen copy) from `task.build_reference`, or None for
-    a LoRA run's policy with its adapters switched off (no second copy). `kwargs` go to `run_rows` (temperature)."""
+    a LoRA run's policy with its adapters switched off (no second copy). `kwargs` go to `run_rows` (temperature).
+    Under sequence parallelism: this rank's chunk of the rows, as the policy's `run_rows` gives it."""
     if reference is None:
         from spindle.train.lora import adapters_disabled
 
@@ -70,3 +71,14 @@ def reference_log_probs(
         run = ref_task.run_rows(ref_model, rows, log_probs=True, **kwargs)
     logps: torch.Tensor = run.log_probs
     return logps
+
+
+def sequence_parallel_sum(value: torch.Tensor, task: Any) -> torch.Tensor:
+    """Collective under sequence parallelism: a per-row sum over this rank's chunk of the tokens -> over the whole
+    row (every SP rank the same), differentiable: the backward hands each rank the gradient of its own chunk, so
+    the SP ranks' gradients sum to the row's as for a token loss. The value itself without SP."""
+    if task.mesh.dims.sp == 1:
+        return value
+    from torch.distributed.nn.functional import all_reduce
+
+    return all_reduce(value, group=task.mesh.sp.get_group())  # type: ignore[no-any-return]
