@@ -32,8 +32,8 @@ Truncation, in this order:
    with a sequence over `seq_len` is dropped and counted, as `trl.RewardTrainer` filters it.
 
 A line that cannot be used (not JSON, a missing or empty field, a prompt in one format and completions in
-another, a margin that is not a number, a message whose content is a list of parts: images, videos and audio
-need a vision-language family's processor, which this text reader does not take yet) is a
+another, a margin that is not a number, a message whose content is a list of parts for a text model: images,
+videos and audio need a vision-language family's processor, spindle.data.media_preference) is a
 `PreferenceDataError` naming `file:line` before any model is built. Pairs whose chosen equals rejected are
 kept, as TRL keeps them (in sigmoid DPO each adds log 2 to the loss and nothing to the gradient), but counted,
 and the first few are named in the log.
@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,8 @@ class PreferencePair:
     rejected_ids: list[int]
     source: str  # "file:line"
     margin: float | None = None
+    # a vision-language pair's prompt media (images, videos, audio) in token order (spindle.data.media_preference)
+    media: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -103,13 +106,18 @@ class PromptExample:
 
 def _lines(path: str | Path) -> list[tuple[str, Any]]:
     """(`file:line`, JSON value) for every line of the JSONL file(s) at `path`; a bad line raises."""
+    return [(where, obj) for where, _, obj in _file_lines(path)]
+
+
+def _file_lines(path: str | Path) -> list[tuple[str, Path, Any]]:
+    """(`file:line`, the file, JSON value) for every line of the JSONL file(s) at `path`; a bad line raises."""
     out = []
     for file in jsonl_files(path):
         with file.open("rb") as f:
             for number, raw in enumerate(f, start=1):
                 where = f"{file}:{number}"
                 try:
-                    out.append((where, json_line(raw)))
+                    out.append((where, file, json_line(raw)))
                 except ValueError as e:
                     raise PreferenceDataError(f"{where}: {e}") from None
     return out
@@ -209,7 +217,7 @@ def _tokenize(tokenizer: Any, value: Completion, generation_prompt: bool = False
     return list(tokenizer(text=value)["input_ids"])
 
 
-def _common_prefix_length(ids: list[int], other: list[int]) -> int:
+def common_prefix_length(ids: list[int], other: list[int]) -> int:
     length = 0
     for a, b in zip(ids, other, strict=False):
         if a != b:
@@ -230,7 +238,7 @@ def tokenize_preference(example: dict[str, Any], tokenizer: Any) -> tuple[list[i
     prompt_ids = _tokenize(tokenizer, prompt, generation_prompt=True)
     prompt_chosen = _tokenize(tokenizer, prompt + chosen)
     prompt_rejected = _tokenize(tokenizer, prompt + rejected)
-    split = min(_common_prefix_length(prompt_ids, prompt_chosen), _common_prefix_length(prompt_ids, prompt_rejected))
+    split = min(common_prefix_length(prompt_ids, prompt_chosen), common_prefix_length(prompt_ids, prompt_rejected))
     return prompt_ids[:split], prompt_chosen[split:], prompt_rejected[split:]
 
 
@@ -238,16 +246,29 @@ def _identical(example: dict[str, Any]) -> bool:
     return bool(example["chosen"] == example["rejected"])
 
 
-def _read_pairs(path: str | Path, tokenizer: Any) -> tuple[list[PreferencePair], int, list[str]]:
+# (example, its file) -> (prompt_ids, chosen_ids, rejected_ids, the prompt's media): how a model kind tokenises
+PairTokenizer = Callable[[dict[str, Any], Path], tuple[list[int], list[int], list[int], list[Any]]]
+
+
+def text_pair_tokenizer(tokenizer: Any) -> PairTokenizer:
+    """A text model's: `tokenize_preference`, no media."""
+
+    def tokenize(example: dict[str, Any], file: Path) -> tuple[list[int], list[int], list[int], list[Any]]:
+        return (*tokenize_preference(example, tokenizer), [])
+
+    return tokenize
+
+
+def _read_pairs(path: str | Path, tokenize: PairTokenizer) -> tuple[list[PreferencePair], int, list[str]]:
     """Every line tokenised, untruncated; -> (pairs, identical count, identical sources)."""
     pairs: list[PreferencePair] = []
     identical: list[str] = []
     with_margin: str | None = None
     without_margin: str | None = None
-    for where, obj in _lines(path):
+    for where, file, obj in _file_lines(path):
         try:
             example = preference_example(obj)
-            prompt_ids, chosen_ids, rejected_ids = tokenize_preference(example, tokenizer)
+            prompt_ids, chosen_ids, rejected_ids, media = tokenize(example, file)
         except ValueError as e:
             raise PreferenceDataError(f"{where}: {e}") from None
         if not chosen_ids or not rejected_ids:
@@ -266,7 +287,7 @@ def _read_pairs(path: str | Path, tokenizer: Any) -> tuple[list[PreferencePair],
         if _identical(example):
             identical.append(where)
         margin = None if example["margin"] is None else float(example["margin"])
-        pairs.append(PreferencePair(prompt_ids, chosen_ids, rejected_ids, where, margin))
+        pairs.append(PreferencePair(prompt_ids, chosen_ids, rejected_ids, where, margin, media))
     if not pairs:
         raise PreferenceDataError(f"data.path {path} has no preference pairs")
     return pairs, len(identical), identical
@@ -291,19 +312,32 @@ def _report(path: str | Path, stats: PreferenceStats, identical: list[str], limi
 
 
 def preference_pairs(
-    path: str | Path, tokenizer: Any, seq_len: int, max_prompt_length: int | None = None
+    path: str | Path,
+    tokenizer: Any,
+    seq_len: int,
+    max_prompt_length: int | None = None,
+    tokenize: PairTokenizer | None = None,
+    media_ids: set[int] | frozenset[int] = frozenset(),
 ) -> tuple[list[PreferencePair], PreferenceStats]:
-    """The DPO pairs of the JSONL file(s) at `path`, tokenised and truncated (module doc)."""
+    """The DPO pairs of the JSONL file(s) at `path`, tokenised and truncated (module doc). `tokenize`: a model
+    kind's tokenisation (default: text, `tokenizer`'s); `media_ids`: its media placeholder tokens, which a
+    prompt may not lose to max_prompt_length."""
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
     if max_prompt_length is not None and max_prompt_length < 1:
         raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
-    raw, identical, identical_at = _read_pairs(path, tokenizer)
+    raw, identical, identical_at = _read_pairs(path, tokenize or text_pair_tokenizer(tokenizer))
     pairs: list[PreferencePair] = []
     prompt_truncated = truncated = dropped = 0
     for pair in raw:
         prompt = pair.prompt_ids
         if max_prompt_length is not None and len(prompt) > max_prompt_length:
+            if any(t in media_ids for t in prompt[:-max_prompt_length]):
+                raise PreferenceDataError(
+                    f"{pair.source}: the prompt is {len(prompt)} tokens; cutting it to dpo.max_prompt_length="
+                    f"{max_prompt_length} would cut image/video/audio tokens: raise dpo.max_prompt_length or lower "
+                    "data.max_pixels / data.max_frames"
+                )
             prompt = prompt[-max_prompt_length:]
             prompt_truncated += 1
         if len(prompt) >= seq_len:
@@ -312,7 +346,8 @@ def preference_pairs(
         room = seq_len - len(prompt)
         if len(pair.chosen_ids) > room or len(pair.rejected_ids) > room:
             truncated += 1
-        pairs.append(PreferencePair(prompt, pair.chosen_ids[:room], pair.rejected_ids[:room], pair.source, pair.margin))
+        chosen, rejected = pair.chosen_ids[:room], pair.rejected_ids[:room]
+        pairs.append(PreferencePair(prompt, chosen, rejected, pair.source, pair.margin, pair.media))
     stats = PreferenceStats(len(pairs), identical, prompt_truncated, truncated, dropped)
     _report(path, stats, identical_at, "the prompt alone fills data.seq_len")
     if not pairs:
@@ -326,7 +361,7 @@ def preference_pairs(
 def reward_pairs(path: str | Path, tokenizer: Any, seq_len: int) -> tuple[list[PreferencePair], PreferenceStats]:
     """The reward-model pairs of the JSONL file(s) at `path`: whole sequences (`prompt_ids + chosen_ids`, the
     tokenised prompt-and-completion text), never cut; a pair with one over `seq_len` is dropped (module doc)."""
-    raw, identical, identical_at = _read_pairs(path, tokenizer)
+    raw, identical, identical_at = _read_pairs(path, text_pair_tokenizer(tokenizer))
     pairs = [p for p in raw if len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)) <= seq_len]
     stats = PreferenceStats(len(pairs), identical, 0, 0, len(raw) - len(pairs))
     _report(path, stats, identical_at, "a sequence is longer than data.seq_len")

@@ -159,10 +159,10 @@ class DPO(Objective):
     def check_plan(self, family: Any, dims: Any) -> None:
         from spindle.config import ConfigError
 
-        if family.kind != "causal_lm":
+        if family.kind not in ("causal_lm", "vlm", "omni"):
             raise ConfigError(
-                f"train.objective=dpo: {family.name} is a {family.kind} model; DPO trains text causal-LM families "
-                "for now (preference pairs with images/videos/audio are not wired yet): use train.objective=sft"
+                f"train.objective=dpo: {family.name} is a {family.kind} model; DPO trains language, vision-language "
+                "and omni families (DiTs: train.objective=diffusion_dpo)"
             )
         if self.settings.reference_model is not None:
             check_same_family(self.settings.reference_model, family)
@@ -184,15 +184,18 @@ class DPO(Objective):
     def build_loader(self, task: Any) -> Any:
         from functools import partial
 
-        from spindle.data.preference import collate_pairs, preference_pairs
+        from spindle.data.preference import preference_pairs
         from spindle.train.tasks.base import resumable_loader
 
         data = self.cfg.data
-        pairs, self.stats = preference_pairs(data.path, task.tokenizer, data.seq_len, self.settings.max_prompt_length)
+        inputs = task.preference_inputs()  # text, or media in the prompts (vision-language / omni families)
+        pairs, self.stats = preference_pairs(
+            data.path, task.tokenizer, data.seq_len, self.settings.max_prompt_length, inputs.tokenize, inputs.media_ids
+        )
         pad = task.tokenizer.pad_token_id if task.tokenizer.pad_token_id is not None else task.tokenizer.eos_token_id
         task._data_stats = {"rows": len(pairs), "pairs": len(pairs)}  # the run summary's epochs count pairs
         # under SP each rank holds an equal chunk of every row: batches padded to a multiple of parallel.sp
-        collate = partial(collate_pairs, pad_id=pad, multiple=task.mesh.dims.sp)
+        collate = partial(inputs.collate, pad_id=pad, multiple=task.mesh.dims.sp)
         if not self.settings.precompute_reference:
             return resumable_loader(task, pairs, collate)
         table = self._reference_table(task, pairs, collate)

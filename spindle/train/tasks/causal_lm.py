@@ -130,6 +130,15 @@ class RowsRun:
     log_probs: torch.Tensor | None = None  # [rows, seq] with `log_probs=True`: each label token's log-probability
 
 
+@dataclass
+class PreferenceInputs:
+    """How a task's input kind reads preference pairs (`CausalLMTask.preference_inputs`)."""
+
+    tokenize: Callable[..., Any] | None  # a `spindle.data.preference.PairTokenizer`; None: the text tokenizer's
+    media_ids: frozenset[int]  # media placeholder tokens, which prompt truncation must not cut
+    collate: Callable[..., dict[str, torch.Tensor]]  # (pairs, pad_id=, multiple=) -> a batch of 2B rows
+
+
 class CausalLMTask(TrainTask):
     name = "causal_lm"
     config_class = CausalLMJobConfig
@@ -381,6 +390,12 @@ class CausalLMTask(TrainTask):
     def build_loader(self) -> ResumableLoader:
         loader: ResumableLoader = self.objective.build_loader(self)
         return loader
+
+    def preference_inputs(self) -> PreferenceInputs:
+        """How preference pairs (DPO) are tokenised and batched for this input kind: text here."""
+        from spindle.data.preference import collate_pairs
+
+        return PreferenceInputs(None, frozenset(), collate_pairs)
 
     def document_loader(self) -> ResumableLoader:
         """This rank's micro-batches of the job's documents as token rows (the input kind's: text / chat JSONL

@@ -41,10 +41,19 @@ from spindle.distributed.mesh import is_main_process
 from spindle.train.lora import is_lora_name
 from spindle.train.parts.experts import PADDING_MASK_KEY
 from spindle.train.tasks.base import resumable_loader
-from spindle.train.tasks.causal_lm import CausalLMTask, RowsRun, causal_lm_log_probs, causal_lm_output
+from spindle.train.tasks.causal_lm import (
+    CausalLMTask,
+    PreferenceInputs,
+    RowsRun,
+    causal_lm_log_probs,
+    causal_lm_output,
+)
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from spindle.data.loader import ResumableLoader
+    from spindle.data.multimodal import VisionProcessor
     from spindle.distributed.mesh import Mesh, ParallelDims
     from spindle.distributed.sharded_load import TensorSource
 
@@ -305,25 +314,55 @@ class VLMTask(CausalLMTask):
             tower.register_forward_pre_hook(step.before_tower)
         module_at(model, self.family.language_model).register_forward_pre_hook(step, with_kwargs=True)
 
-    def document_loader(self) -> ResumableLoader:
-        """This rank's micro-batches of the job's conversations (images, videos, audio) as token rows with
-        per-document 3-D positions and the media inputs in token order."""
-        from spindle.data.multimodal import VisionOptions, VisionProcessor, build_conversation_dataset
+    def vision_processor(self) -> VisionProcessor:
+        """The model's processor side (tokenizer, image / video / audio processing, RoPE positions) with the
+        job's `data:` options."""
+        from spindle.data.multimodal import VisionOptions, VisionProcessor
 
         data = self.cfg.data
-        options = VisionOptions(data.min_pixels, data.max_pixels, data.fps, data.max_frames)
-        processor = VisionProcessor(
+        return VisionProcessor(
             self.cfg.model.path,
             self.tokenizer,
             self.model_config(),
             self.family.rope_index_fn(),
-            options,
+            VisionOptions(data.min_pixels, data.max_pixels, data.fps, data.max_frames),
             video_timestamps=self.family.video_timestamps,
             video_grid_seconds=self.family.video_grid_seconds,
             audio=bool(self.family.audio_tower),
             video_audio_layout=self.video_audio_layout(),
             audio_tokens=self.family.audio_tokens_fn(),
         )
+
+    def preference_inputs(self) -> PreferenceInputs:
+        """Preference pairs with media in their prompts (spindle.data.media_preference); the kinds of media read
+        join `dataset_kinds` (the towers every rank runs, really or as a dummy)."""
+        from spindle.data.media_preference import collate_media_pairs, media_pair_tokenizer
+
+        processor = self.vision_processor()
+        tokenize = media_pair_tokenizer(processor)
+
+        def recording(example: dict[str, Any], file: Path) -> tuple[list[int], list[int], list[int], list[Any]]:
+            out = tokenize(example, file)
+            self.dataset_kinds |= {m.kind for m in out[3]}  # in place: a reference twin shares the set
+            return out
+
+        return PreferenceInputs(
+            recording, frozenset(processor.media_ids), partial(collate_media_pairs, processor=processor)
+        )
+
+    def build_reference(self, path: str | Path) -> tuple[CausalLMTask, torch.nn.Module]:
+        twin, model = super().build_reference(path)
+        assert isinstance(twin, VLMTask)
+        twin.dataset_kinds = self.dataset_kinds  # the same set: the kinds the data holds, known once it is read
+        return twin, model
+
+    def document_loader(self) -> ResumableLoader:
+        """This rank's micro-batches of the job's conversations (images, videos, audio) as token rows with
+        per-document 3-D positions and the media inputs in token order."""
+        from spindle.data.multimodal import build_conversation_dataset
+
+        data = self.cfg.data
+        processor = self.vision_processor()
         dataset = build_conversation_dataset(data.path, processor, data.seq_len, data.packing, data.skip_bad_samples)
         s = dataset.stats
         self.dataset_kinds = {k for k, n in (("image", s.images), ("video", s.videos), ("audio", s.audios)) if n}
