@@ -11,10 +11,12 @@ use once the trainer was set up: activations, logits, gradients, optimizer state
   trl_ref        `trl.DPOTrainer` full fine-tune: its reference a copy of the model (ref_model=None)
   spindle_lora   LoRA r16 on every projection: the reference is the policy with its adapters switched off
   trl_lora       `DPOTrainer` with the same PEFT LoRA config: TRL's adapters-disabled reference
+  spindle_pre    full fine-tune with `dpo.precompute_reference`: the reference's log-probabilities computed once
+                 before the first step (from the policy as loaded: no frozen copy at all), none during training
+  trl_pre        `DPOTrainer` with precompute_ref_log_probs=True (its reference copy computes them up front)
 Same model folder, preference lines, batch (all pairs of a step in one micro-batch), seq_len, learning rate,
 beta, AdamW and precision (fp32 on CPU, bf16 autocast on CUDA). A variant's step time is the median of its timed
 steps (Spindle: the trainer's `step_time_s`; TRL: a callback's step begin -> end).
-(`dpo.precompute_reference` is refused by Spindle for now, so that variant is not measured.)
 
 GRPO: one Spindle run (`train.objective: grpo`, 4 prompts x 8 completions of `--new-tokens` tokens a step, the
 share-of-"a" reward of `spindle demo --objective grpo`): the median generated tokens/s and the step split into
@@ -80,7 +82,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         seq_len=1024,
     ),
 }
-DPO_VARIANTS = ("spindle_ref", "trl_ref", "spindle_lora", "trl_lora")
+DPO_VARIANTS = ("spindle_ref", "trl_ref", "spindle_lora", "trl_lora", "spindle_pre", "trl_pre")
 LORA_RANK = 16
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # Spindle's default
 LR, BETA = 1e-5, 0.1
@@ -156,10 +158,12 @@ def run_spindle(a: argparse.Namespace, device: torch.device, overrides: list[str
     )
 
 
-def spindle_dpo(a: argparse.Namespace, device: torch.device, lora: bool) -> dict[str, Any]:
-    extra = {"train.objective": "dpo", "dpo.beta": BETA}
+def spindle_dpo(a: argparse.Namespace, device: torch.device, lora: bool, precompute: bool) -> dict[str, Any]:
+    extra: dict[str, Any] = {"train.objective": "dpo", "dpo.beta": BETA}
     if lora:
         extra["train.lora.rank"] = LORA_RANK
+    if precompute:
+        extra["dpo.precompute_reference"] = True
     with tempfile.TemporaryDirectory() as tmp:
         run = run_spindle(a, device, spindle_overrides(a, Path(tmp), **extra))
     times = [m["step_time_s"] for m in run.pop("metrics")]
@@ -188,7 +192,7 @@ class StepTimes:
         self.callback = Callback()
 
 
-def trl_dpo(a: argparse.Namespace, device: torch.device, lora: bool) -> dict[str, Any]:
+def trl_dpo(a: argparse.Namespace, device: torch.device, lora: bool, precompute: bool) -> dict[str, Any]:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
@@ -215,6 +219,7 @@ def trl_dpo(a: argparse.Namespace, device: torch.device, lora: bool) -> dict[str
             learning_rate=LR,
             lr_scheduler_type="constant",
             beta=BETA,
+            precompute_ref_log_probs=precompute,
             max_length=a.seq_len,
             save_strategy="no",
             logging_steps=1,
@@ -272,8 +277,8 @@ def run_variant(a: argparse.Namespace) -> dict[str, Any]:
     device = common.rank_device(0)
     if a.variant == "grpo":
         return spindle_grpo(a, device)
-    lora = a.variant.endswith("_lora")
-    return (spindle_dpo if a.variant.startswith("spindle") else trl_dpo)(a, device, lora)
+    lora, precompute = a.variant.endswith("_lora"), a.variant.endswith("_pre")
+    return (spindle_dpo if a.variant.startswith("spindle") else trl_dpo)(a, device, lora, precompute)
 
 
 def in_process(a: argparse.Namespace, variant: str, result: Path) -> dict[str, Any]:
