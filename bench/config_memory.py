@@ -310,6 +310,31 @@ REAL: dict[str, Real] = {
             tie_word_embeddings=False,
         ),
     ),
+    # transformers' own Qwen3_5Config defaults ("a Qwen3.5-9B style configuration"): 3 of every 4 layers Gated
+    # DeltaNet (16 key / 32 value heads of 128), the 4th full attention (16 heads, 4 KV, head_dim 256)
+    "qwen3_5_9b.yaml": Real(
+        "Qwen/Qwen3.5-9B",
+        dict(
+            model_type="qwen3_5",
+            text_config=dict(
+                hidden_size=4096,
+                intermediate_size=12288,
+                num_hidden_layers=32,
+                num_attention_heads=16,
+                num_key_value_heads=4,
+                head_dim=256,
+                linear_key_head_dim=128,
+                linear_value_head_dim=128,
+                linear_num_key_heads=16,
+                linear_num_value_heads=32,
+                vocab_size=248320,
+            ),
+            vision_config=dict(
+                {k: v for k, v in QWEN3_VL_VISION.items() if k != "deepstack_visual_indexes"}, out_hidden_size=4096
+            ),
+            tie_word_embeddings=False,
+        ),
+    ),
     "qwen3_vl_moe_30b_a3b.yaml": Real(
         "Qwen/Qwen3-VL-30B-A3B-Instruct",
         dict(

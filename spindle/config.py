@@ -167,8 +167,10 @@ class TextDataConfig(Section):
 
     path: str = Field(description='a .jsonl file or a folder of them; lines {"text": ...} or {"messages": [...]}')
     seq_len: int = Field(2048, ge=2, description="tokens per training row (packed or padded)")
-    packing: bool = Field(
-        True, description="pack documents into seq_len rows (false: one truncated/padded sample per row)"
+    packing: bool | None = Field(
+        None,
+        description="pack documents into seq_len rows (false: one truncated/padded sample per row); default: true, "
+        "false for models whose layers cannot keep packed documents apart (Qwen3.5's linear attention)",
     )
     skip_bad_samples: bool = Field(False, description="log and skip empty/malformed lines instead of failing")
     shuffle: bool = True

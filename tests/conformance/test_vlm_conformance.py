@@ -69,9 +69,20 @@ def test_step_one_loss_and_grad_norm_equal_stock_transformers(name, tiny_checkpo
 def test_packed_row_loss_equals_the_documents_losses(name, tiny_checkpoint, vlm_conversations, tmp_path):
     """Three conversations (two with an image, one text-only) in one packed row: the summed token loss
     equals the sum of stock transformers' per-conversation losses, so neither attention nor 3-D positions
-    cross documents (an MoE's router aux term is one statistic of the whole row, added as its task adds it)."""
+    cross documents (an MoE's router aux term is one statistic of the whole row, added as its task adds it).
+    A model with linear-attention layers (whose state would cross documents) refuses data.packing: true naming
+    why, and its default is one conversation per row."""
+    from spindle.config import ConfigError
+    from spindle.train.tasks.causal_lm import has_linear_attention, read_config
+
     model = tiny_checkpoint(name)
     data = suite.subset(vlm_conversations, tmp_path / "data", [0, 3, 1])
+    if has_linear_attention(read_config(model).get("text_config", {})):
+        with pytest.raises(ConfigError, match=r"data\.packing: .* linear-attention \(Gated DeltaNet\) layers"):
+            make_trainer(load_job_config(None, vlm_overrides(model, data, tmp_path / "a", data__packing=True)))
+        trainer = make_trainer(load_job_config(None, vlm_overrides(model, data, tmp_path / "b", data__seq_len=256)))
+        assert trainer.loader.dataset.stats.rows == 3  # the default: one conversation per row
+        return
     trainer = make_trainer(load_job_config(None, vlm_overrides(model, data, tmp_path / "run", data__seq_len=256)))
     assert trainer.loader.dataset.stats.rows == 1
     batch = next(trainer.loader)

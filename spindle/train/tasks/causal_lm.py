@@ -130,6 +130,17 @@ class RowsRun:
     log_probs: torch.Tensor | None = None  # [rows, seq] with `log_probs=True`: each label token's log-probability
 
 
+def read_config(model_path: str | Path) -> dict[str, Any]:
+    """A transformers folder's config.json."""
+    config: dict[str, Any] = json.loads((Path(model_path) / "config.json").read_text())
+    return config
+
+
+def has_linear_attention(text_config: dict[str, Any]) -> bool:
+    """The language model has linear-attention layers (Qwen3.5's Gated DeltaNet: `layer_types`)."""
+    return "linear_attention" in (text_config.get("layer_types") or ())
+
+
 @dataclass
 class PreferenceInputs:
     """How a task's input kind reads preference pairs (`CausalLMTask.preference_inputs`)."""
@@ -187,10 +198,25 @@ class CausalLMTask(TrainTask):
                 f"parallel.ring={dims.ring}: ring attention is for DiTs; language models split sequences with "
                 "Ulysses only (parallel.sp); set parallel.ring: 1"
             )
+        if has_linear_attention(cls.text_config(read_config(cfg.model.path))):
+            # transformers' torch path of Gated DeltaNet takes no document boundaries (its chunked recurrence and
+            # causal convolution ignore cu_seqlens): a packed row would carry state from one document into the next
+            if cfg.data.packing:
+                raise ConfigError(
+                    f"data.packing: {family.name} models have linear-attention (Gated DeltaNet) layers, whose "
+                    "recurrent state would flow from one packed document into the next; set data.packing: false "
+                    "(one document per row; the default for these models)"
+                )
+            if dims.sp > 1:
+                raise ConfigError(
+                    f"parallel.sp={dims.sp}: {family.name} models have linear-attention (Gated DeltaNet) layers, "
+                    "whose recurrence runs over each head's whole sequence; Spindle's Ulysses SP splits softmax "
+                    "attention only. Set parallel.sp: 1 (FSDP2 / HSDP layouts work)"
+                )
         if dims.sp > 1:
             from spindle.distributed import ulysses_attention
 
-            config = json.loads((Path(cfg.model.path) / "config.json").read_text())
+            config = read_config(cfg.model.path)
             try:
                 ulysses_attention.check_layout(cls.text_config(config), dims.sp, cfg.data.seq_len)
             except ValueError as e:
@@ -199,6 +225,14 @@ class CausalLMTask(TrainTask):
             experts.check_plan(cfg.model.path, dims)
         build_objective(cfg.train.objective, cfg).check_plan(family, dims)
         cls.attention(cfg, cfg.train.mixed_precision)
+
+    @classmethod
+    def packs(cls, cfg: CausalLMJobConfig) -> bool:
+        """`data.packing` resolved: as set, else true unless the model's layers cannot keep packed documents
+        apart (linear attention)."""
+        if cfg.data.packing is not None:
+            return cfg.data.packing
+        return not has_linear_attention(cls.text_config(read_config(cfg.model.path)))
 
     @classmethod
     def attention(cls, cfg: CausalLMJobConfig, precision: str) -> str:
@@ -230,7 +264,7 @@ class CausalLMTask(TrainTask):
             sp=self.mesh.dims.sp,
             bytes_per_value=2 if self.precision == "bf16" else 4,
             checkpointing=self.cfg.train.gradient_checkpointing,
-            dense_mask=self.cfg.data.packing and self.attention(self.cfg, self.precision) == "sdpa",
+            dense_mask=self.packs(self.cfg) and self.attention(self.cfg, self.precision) == "sdpa",
         )
 
     @classmethod
@@ -403,7 +437,8 @@ class CausalLMTask(TrainTask):
         from spindle.data.text import build_text_dataset, collate_rows
 
         data = self.cfg.data
-        dataset = build_text_dataset(data.path, self.tokenizer, data.seq_len, data.packing, data.skip_bad_samples)
+        packing = self.packs(self.cfg)
+        dataset = build_text_dataset(data.path, self.tokenizer, data.seq_len, packing, data.skip_bad_samples)
         s = dataset.stats
         self._data_stats = {
             "documents": s.documents,
@@ -419,7 +454,7 @@ class CausalLMTask(TrainTask):
                 s.documents,
                 s.rows,
                 data.seq_len,
-                "packed" if data.packing else "one document per row",
+                "packed" if packing else "one document per row",
                 s.label_tokens,
                 s.truncated,
                 s.skipped,

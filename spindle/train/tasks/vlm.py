@@ -363,7 +363,8 @@ class VLMTask(CausalLMTask):
 
         data = self.cfg.data
         processor = self.vision_processor()
-        dataset = build_conversation_dataset(data.path, processor, data.seq_len, data.packing, data.skip_bad_samples)
+        packing = self.packs(self.cfg)
+        dataset = build_conversation_dataset(data.path, processor, data.seq_len, packing, data.skip_bad_samples)
         s = dataset.stats
         self.dataset_kinds = {k for k, n in (("image", s.images), ("video", s.videos), ("audio", s.audios)) if n}
         self._data_stats = {  # the run summary's data counts (and its epoch count from rows)
@@ -386,7 +387,7 @@ class VLMTask(CausalLMTask):
                 s.audios,
                 s.rows,
                 data.seq_len,
-                "packed" if data.packing else "one conversation per row",
+                "packed" if packing else "one conversation per row",
                 s.label_tokens,
                 s.truncated,
                 s.skipped,
