@@ -6,7 +6,7 @@ from pathlib import Path
 
 from spindle.models.shared.tiny_llm import LlmTokenizerSpec, build_tiny_causal_lm
 
-# GPT-OSS's conventions (the harmony format of openai/gpt-oss-20b's tokenizer): no bos prepended by
+# GPT-OSS's conventions (the harmony format of openai/gpt-oss-20b's tokenizer): nothing prepended by
 # `tokenizer(text)`; a message is <|start|>{role}<|message|>{content}<|end|>, an assistant's answer goes on the
 # final channel (<|start|>assistant<|channel|>final<|message|>...) and ends with <|return|>, the token
 # generation stops at (with <|call|> and <|endoftext|>); pad <|endoftext|>. (Stock's template also writes a
@@ -35,7 +35,7 @@ GPT_OSS_TOKENIZER = LlmTokenizerSpec(
         "<|return|>",
         "<|call|>",
     ],
-    bos_token="<|startoftext|>",
+    bos_token=None,  # gpt-oss's tokenizer names <|startoftext|> its bos but never prepends it
     eos_token="<|return|>",
     pad_token="<|endoftext|>",
     stop_tokens=["<|return|>", "<|endoftext|>", "<|call|>"],
@@ -53,6 +53,16 @@ TINY_DEFAULTS = dict(
     num_experts_per_tok=2,
     sliding_window=8,
     num_key_value_heads=2,
+    # the released YaRN scaling (factor 32), its original context scaled as max_position_embeddings is
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 16,
+    },
 )
 
 
