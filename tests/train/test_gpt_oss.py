@@ -102,6 +102,19 @@ def test_lora_on_the_fused_experts_step_one_equals_stock_peft(tiny_gpt_oss, tmp_
     check_step_one(get_family("gpt_oss"), tiny_gpt_oss, metrics, model=model)
 
 
+@pytest.mark.slow
+def test_expert_lora_ep2_equals_one_process(tiny_gpt_oss, lm_corpus, tmp_path):
+    """LoRA on the fused experts (weights [E, H, 2I] / [E, I, H], held stacked by expert) and on q_proj, the
+    experts, their biases and their adapters split over ep=2: the same losses, aux losses, grad norms and
+    exported PEFT adapters as one process (as tests/distributed/test_moe_distributed.py for Qwen3-MoE)."""
+    from tests.conftest import assert_same_lora_run, lm_train_cli
+    from tests.distributed.test_moe_distributed import EXPERT_LORA
+
+    lm_train_cli(tiny_gpt_oss, lm_corpus, tmp_path / "one", 1, **EXPERT_LORA)
+    lm_train_cli(tiny_gpt_oss, lm_corpus, tmp_path / "ep2", 2, **EXPERT_LORA, parallel__ep=2)
+    assert_same_lora_run(tmp_path / "one", tmp_path / "ep2")
+
+
 def _text(tmp_path: Path) -> Path:
     data = tmp_path / "text.jsonl"
     data.write_text("".join(json.dumps({"text": f"the red circle moves left {i} ."}) + "\n" for i in range(16)))
