@@ -163,7 +163,12 @@ def test_the_packed_step_never_creates_an_s_by_s_tensor(tiny_checkpoint):
 # without a router aux loss, whose routing is per token: packing changes nothing
 # gemma3: sliding-window layers (an 8-token window on the tiny model), packed through transformers' sdpa with
 # its per-document mask windowed on the local layers (what `auto` picks for it; varlen has no window)
-@pytest.mark.parametrize("name,attention", [("qwen3", "varlen"), ("deepseek_v3", "varlen"), ("gemma3", "auto")])
+# gpt_oss: attention sinks and sliding-window layers, packed through transformers' eager attention (what `auto`
+# picks: transformers refuses sdpa for the sinks) with the per-document mask its patched model builds from the
+# position ids (upstream's passes none to the mask functions), and per-token router statistics in the aux loss
+@pytest.mark.parametrize(
+    "name,attention", [("qwen3", "varlen"), ("deepseek_v3", "varlen"), ("gemma3", "auto"), ("gpt_oss", "auto")]
+)
 def test_one_packed_row_equals_the_documents_as_unpacked_rows(name, attention, tiny_checkpoint, tmp_path):
     """The step-1 loss and grad norm of 4 documents packed in one row equal the same documents as 4 rows."""
     from transformers import AutoTokenizer
