@@ -119,3 +119,117 @@ def _text(tmp_path: Path) -> Path:
     data = tmp_path / "text.jsonl"
     data.write_text("".join(json.dumps({"text": f"the red circle moves left {i} ."}) + "\n" for i in range(16)))
     return data
+
+
+# ---------------------------------------------------------------- MXFP4 checkpoints (as released)
+
+
+def mxfp4_checkpoint(src: Path, out: Path, seed: int = 0) -> Path:
+    """`src` (a tiny fused gpt_oss folder) in the released layout: each expert weight as random MXFP4 blocks and
+    scales (`{name}_blocks` uint8 [E, out, in/32, 16], `{name}_scales` uint8 [E, out, in/32]: exponents around
+    2^-6, so the dequantised weights are of the tiny model's scale), every other tensor bf16, config.json's
+    quantization_config as openai/gpt-oss-20b's."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for key, value in load_file(src / "model.safetensors").items():
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            experts, rows_in, cols_out = value.shape  # the model's [E, in, out]
+            blocks = (experts, cols_out, rows_in // 32, 16)
+            tensors[f"{key}_blocks"] = torch.randint(0, 256, blocks, generator=g, dtype=torch.uint8)
+            tensors[f"{key}_scales"] = torch.randint(118, 124, blocks[:-1], generator=g, dtype=torch.uint8)
+        else:
+            tensors[key] = value.to(torch.bfloat16)
+    (out / "model.safetensors").unlink()
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    not_converted = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": not_converted}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def stock_dequantised(path: Path):
+    """Stock transformers' own load of an MXFP4 folder, dequantised (`Mxfp4Config(dequantize=True)`), fp32."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    config = Mxfp4Config(dequantize=True)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=config)
+
+
+@pytest.fixture(scope="module")
+def tiny_mxfp4(tiny_gpt_oss, tmp_path_factory) -> Path:
+    return mxfp4_checkpoint(tiny_gpt_oss, tmp_path_factory.mktemp("mxfp4") / "gpt_oss_mxfp4")
+
+
+def test_mxfp4_layout_is_recognised_and_a_missing_scale_is_named(tiny_gpt_oss, tiny_mxfp4, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from spindle.models.gpt_oss.conversion import ADAPTER, MXFP4
+    from spindle.models.shared.moe_checkpoints import ExpertCheckpointError
+
+    assert ADAPTER.layout(tiny_mxfp4) == MXFP4
+    broken = mxfp4_checkpoint(tiny_gpt_oss, tmp_path / "broken")
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ExpertCheckpointError, match=r"model.layers.1.mlp.experts.down_proj_scales is missing"):
+        ADAPTER.layout(broken)
+
+
+def test_mxfp4_sharded_reads_equal_transformers_dequantisation(tiny_mxfp4):
+    """The sharded load's sources of an MXFP4 folder read transformers' dequantised weights exactly, whole and
+    by region (a rank's experts and a slice of rows)."""
+    from spindle.distributed.sharded_load import SafetensorsCheckpoint
+    from spindle.models.gpt_oss.conversion import ADAPTER
+
+    sources = ADAPTER.load_sources(SafetensorsCheckpoint(tiny_mxfp4).sources())
+    stock = stock_dequantised(tiny_mxfp4).state_dict()
+    assert not any(k.endswith(("_blocks", "_scales")) for k in sources)
+    for name in ("gate_up_proj", "down_proj"):
+        key = f"model.layers.1.mlp.experts.{name}"
+        shape, read = sources[key]
+        assert shape == tuple(stock[key].shape)
+        torch.testing.assert_close(read(tuple(slice(0, n) for n in shape)), stock[key], rtol=0, atol=0)
+        region = (slice(2, 6), slice(8, 40), slice(1, shape[2]))
+        torch.testing.assert_close(read(region), stock[key][region], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("sharded_load", [True, False], ids=["sharded_load", "full_load"])
+def test_mxfp4_trains_dequantised_and_exports_bf16_that_stock_loads(sharded_load, tiny_mxfp4, tmp_path):
+    """Step 1 on the MXFP4 folder equals stock transformers' on its own dequantised load (loss, aux loss, grad
+    norm 1e-5), on both load paths; the export holds the fused expert tensors in the input's bf16 (the trained
+    weights) and no quantization_config, and stock transformers loads it and generates."""
+    from safetensors import safe_open
+
+    from spindle.registry import get_family
+    from spindle.testing.causal_lm_conformance import STEP_ONE_TEXT, check_step_one
+
+    from spindle.train.metrics import read_metrics
+
+    data = tmp_path / "docs.jsonl"
+    data.write_text(json.dumps({"text": STEP_ONE_TEXT}) + "\n")
+    trainer, _ = lm_train(
+        tiny_mxfp4, data, tmp_path / "run", data__packing=False, data__seq_len=32, train__max_steps=1,
+        train__global_batch_size=1, train__micro_batch_size=1, model__sharded_load=sharded_load,
+    )  # fmt: skip
+    check_step_one(get_family("gpt_oss"), tiny_mxfp4, read_metrics(tmp_path / "run")[0], model=stock_dequantised(tiny_mxfp4))
+    export = tmp_path / "run" / "export"
+    assert "quantization_config" not in json.loads((export / "config.json").read_text())
+    key = "model.layers.0.mlp.experts.gate_up_proj"
+    with safe_open(str(next(export.glob("*.safetensors"))), framework="pt") as f:
+        assert not any(k.endswith(("_blocks", "_scales")) for k in f.keys())
+        exported = f.get_tensor(key)
+    assert exported.dtype == torch.bfloat16
+    trained = dict(trainer.model.named_parameters())[key].detach()
+    torch.testing.assert_close(exported, trained.to(torch.bfloat16), rtol=0, atol=0)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(export)
+    assert torch.equal(model.state_dict()[key], exported)
+    ids = AutoTokenizer.from_pretrained(export)(STEP_ONE_TEXT, return_tensors="pt").input_ids
+    assert model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False).shape[1] == ids.shape[1] + 3
