@@ -208,7 +208,6 @@ def test_mxfp4_trains_dequantised_and_exports_bf16_that_stock_loads(sharded_load
 
     from spindle.registry import get_family
     from spindle.testing.causal_lm_conformance import STEP_ONE_TEXT, check_step_one
-
     from spindle.train.metrics import read_metrics
 
     data = tmp_path / "docs.jsonl"
@@ -217,7 +216,9 @@ def test_mxfp4_trains_dequantised_and_exports_bf16_that_stock_loads(sharded_load
         tiny_mxfp4, data, tmp_path / "run", data__packing=False, data__seq_len=32, train__max_steps=1,
         train__global_batch_size=1, train__micro_batch_size=1, model__sharded_load=sharded_load,
     )  # fmt: skip
-    check_step_one(get_family("gpt_oss"), tiny_mxfp4, read_metrics(tmp_path / "run")[0], model=stock_dequantised(tiny_mxfp4))
+    check_step_one(
+        get_family("gpt_oss"), tiny_mxfp4, read_metrics(tmp_path / "run")[0], model=stock_dequantised(tiny_mxfp4)
+    )
     export = tmp_path / "run" / "export"
     assert "quantization_config" not in json.loads((export / "config.json").read_text())
     key = "model.layers.0.mlp.experts.gate_up_proj"

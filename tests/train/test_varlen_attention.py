@@ -221,7 +221,9 @@ def test_auto_picks_varlen_on_cpu_and_sdpa_for_sliding_window_models():
     assert resolve_attention("sdpa", device_type="cpu", precision="no", text_config=SLIDING) == "sdpa"
     # a class transformers refuses sdpa for (GPT-OSS's sinks): eager, and sdpa / varlen refused naming why
     sinks = get_family("gpt_oss").model_cls()
-    assert resolve_attention("auto", device_type="cpu", precision="no", text_config=SLIDING, model_class=sinks) == "eager"
+    assert (
+        resolve_attention("auto", device_type="cpu", precision="no", text_config=SLIDING, model_class=sinks) == "eager"
+    )
     for setting in ("sdpa", "varlen"):
         with pytest.raises(ValueError, match=f"{setting}: transformers refuses sdpa for GptOssForCausalLM.*sink"):
             resolve_attention(setting, device_type="cpu", precision="no", text_config=SLIDING, model_class=sinks)

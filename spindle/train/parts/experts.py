@@ -255,7 +255,9 @@ class ExpertLayoutLoader:
     def from_pretrained(self, path: str | Path, **kwargs: Any) -> Any:
         layout = self.adapter.layout(path)
         with self.adapter.loading(layout):
-            return cast(Any, self.family.model_cls()).from_pretrained(path, **kwargs, **self.adapter.load_kwargs(layout))
+            return cast(Any, self.family.model_cls()).from_pretrained(
+                path, **kwargs, **self.adapter.load_kwargs(layout)
+            )
 
 
 def load_moe_model(

@@ -227,7 +227,8 @@ class CausalLMTask(TrainTask):
             sp=self.mesh.dims.sp,
             bytes_per_value=2 if self.precision == "bf16" else 4,
             checkpointing=self.cfg.train.gradient_checkpointing,
-            dense_mask=self.cfg.data.packing and self.attention(self.cfg, self.precision, self.family) in ("sdpa", "eager"),
+            dense_mask=self.cfg.data.packing
+            and self.attention(self.cfg, self.precision, self.family) in ("sdpa", "eager"),
         )
 
     @classmethod
@@ -240,7 +241,9 @@ class CausalLMTask(TrainTask):
     def load_model(self) -> Any:
         """The family's ForCausalLM from the transformers folder, fp32 (master weights), sdpa attention."""
         if self.experts is not None:  # every expert loaded from the checkpoint's layout, or an error
-            return self.experts.load_full(self.cfg.model.path, self.device.type, attn_implementation=self.load_attention())
+            return self.experts.load_full(
+                self.cfg.model.path, self.device.type, attn_implementation=self.load_attention()
+            )
         if self.head is not None:  # the decoder from the checkpoint, the head as `init_fresh` sets it (both paths)
             config = self.model_config()
             return self.head.model_cls(config).from_pretrained(
@@ -248,7 +251,10 @@ class CausalLMTask(TrainTask):
             )
         cls: Any = self.family.model_cls()
         return cls.from_pretrained(
-            self.cfg.model.path, dtype=torch.float32, attn_implementation=self.load_attention(), **self.model_init_kwargs()
+            self.cfg.model.path,
+            dtype=torch.float32,
+            attn_implementation=self.load_attention(),
+            **self.model_init_kwargs(),
         )
 
     def load_attention(self) -> str:
