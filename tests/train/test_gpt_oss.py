@@ -234,3 +234,18 @@ def test_mxfp4_trains_dequantised_and_exports_bf16_that_stock_loads(sharded_load
     assert torch.equal(model.state_dict()[key], exported)
     ids = AutoTokenizer.from_pretrained(export)(STEP_ONE_TEXT, return_tensors="pt").input_ids
     assert model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False).shape[1] == ids.shape[1] + 3
+
+
+@pytest.mark.slow
+def test_mxfp4_ep2_equals_one_process(tiny_mxfp4, lm_corpus, tmp_path):
+    """An MXFP4 folder under ep=2: each rank dequantises only its own experts' blocks (the sharded load's
+    regions), and the run (losses, aux losses, grad norms, export) equals one process on the same folder (the
+    exports in fp32: a bf16 rounding of the layouts' float noise could differ by one bf16 step)."""
+    from spindle.registry import get_family
+    from spindle.testing.causal_lm_conformance import REFERENCE_RUN, check_same_run
+    from tests.conftest import lm_train_cli
+
+    run = dict(REFERENCE_RUN, export__dtype="float32")
+    lm_train_cli(tiny_mxfp4, lm_corpus, tmp_path / "one", 1, **run)
+    lm_train_cli(tiny_mxfp4, lm_corpus, tmp_path / "ep2", 2, **run, parallel__ep=2)
+    check_same_run(get_family("gpt_oss"), tmp_path / "one", tmp_path / "ep2")
