@@ -102,6 +102,15 @@ def test_lora_on_the_fused_experts_step_one_equals_stock_peft(tiny_gpt_oss, tmp_
     check_step_one(get_family("gpt_oss"), tiny_gpt_oss, metrics, model=model)
 
 
+def test_grpo_samples_scores_and_updates(tiny_checkpoint, tmp_path):
+    """GRPO on GPT-OSS (generation with eager attention, sinks and sliding windows; the update with the router aux
+    loss): the dense families' GRPO check (tests/train/test_dense_lm_families.py) run on it. (Reward modelling
+    is refused for MoE families with the reason, spindle/train/objectives/reward.py.)"""
+    from tests.train.test_dense_lm_families import test_grpo_trains_and_logs_each_sampled_completion as check
+
+    check("gpt_oss", tiny_checkpoint, tmp_path)
+
+
 @pytest.mark.slow
 def test_expert_lora_ep2_equals_one_process(tiny_gpt_oss, lm_corpus, tmp_path):
     """LoRA on the fused experts (weights [E, H, 2I] / [E, I, H], held stacked by expert) and on q_proj, the
