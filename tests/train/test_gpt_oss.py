@@ -209,10 +209,11 @@ def test_mxfp4_sharded_reads_equal_transformers_dequantisation(tiny_mxfp4):
 
 
 @pytest.mark.parametrize("sharded_load", [True, False], ids=["sharded_load", "full_load"])
-def test_mxfp4_trains_dequantised_and_exports_bf16_that_stock_loads(sharded_load, tiny_mxfp4, tmp_path):
+def test_mxfp4_trains_dequantised_and_exports_bf16_that_stock_loads(sharded_load, tiny_mxfp4, tmp_path, spindle_cli):
     """Step 1 on the MXFP4 folder equals stock transformers' on its own dequantised load (loss, aux loss, grad
     norm 1e-5), on both load paths; the export holds the fused expert tensors in the input's bf16 (the trained
-    weights) and no quantization_config, and stock transformers loads it and generates."""
+    weights) and no quantization_config, stock transformers loads it and generates, and `spindle export` of the
+    checkpoint writes the same."""
     from safetensors import safe_open
 
     from spindle.registry import get_family
@@ -243,6 +244,12 @@ def test_mxfp4_trains_dequantised_and_exports_bf16_that_stock_loads(sharded_load
     assert torch.equal(model.state_dict()[key], exported)
     ids = AutoTokenizer.from_pretrained(export)(STEP_ONE_TEXT, return_tensors="pt").input_ids
     assert model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False).shape[1] == ids.shape[1] + 3
+    # `spindle export` of the checkpoint (streamed from it, no model built) writes the same folder
+    r = spindle_cli("export", tmp_path / "run", "--out", tmp_path / "cli")
+    assert r.returncode == 0, r.stderr
+    assert "quantization_config" not in json.loads((tmp_path / "cli" / "config.json").read_text())
+    with safe_open(str(next((tmp_path / "cli").glob("*.safetensors"))), framework="pt") as f:
+        assert torch.equal(f.get_tensor(key), exported)
 
 
 @pytest.mark.slow

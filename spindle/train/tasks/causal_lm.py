@@ -270,11 +270,6 @@ class CausalLMTask(TrainTask):
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(self.cfg.model.path)
-        if hasattr(config, "quantization_config"):
-            # A checkpoint quantised on disk (GPT-OSS's MXFP4) trains dequantised (the family's checkpoint adapter):
-            # the trained model's config claims no quantization, as after transformers' dequantising load, so
-            # that the export (written in export.dtype) loads as the plain tensors it holds
-            del config.quantization_config
         return config if self.head is None else self.head.config(config, self.pad_token_id())
 
     def pad_token_id(self) -> int:
