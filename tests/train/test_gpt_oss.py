@@ -252,6 +252,26 @@ def test_mxfp4_trains_dequantised_and_exports_bf16_that_stock_loads(sharded_load
         assert torch.equal(f.get_tensor(key), exported)
 
 
+def test_lora_on_an_mxfp4_base_exports_a_merged_folder_stock_loads_whole(tiny_mxfp4, lm_corpus, tmp_path):
+    """LoRA on attention over an MXFP4 base: the merged folder holds plain tensors under the model's names (not
+    transformers' `{name}_blocks` it would write back after a dequantising load) and no quantization_config;
+    stock transformers loads it with nothing missing, the experts exactly stock's dequantised base, the attention
+    merged (changed)."""
+    from transformers import AutoModelForCausalLM
+
+    lm_train(tiny_mxfp4, lm_corpus, tmp_path / "run", train__max_steps=2, **LORA)
+    merged = tmp_path / "run" / "export" / "merged"
+    assert "quantization_config" not in json.loads((merged / "config.json").read_text())
+    model, info = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    got, base = model.state_dict(), stock_dequantised(tiny_mxfp4).state_dict()
+    for name in ("gate_up_proj", "down_proj"):
+        key = f"model.layers.1.mlp.experts.{name}"
+        torch.testing.assert_close(got[key], base[key], rtol=0, atol=0)
+    key = "model.layers.1.self_attn.q_proj.weight"
+    assert (got[key] - base[key]).abs().max() > 1e-4
+
+
 @pytest.mark.slow
 def test_mxfp4_ep2_equals_one_process(tiny_mxfp4, lm_corpus, tmp_path):
     """An MXFP4 folder under ep=2: each rank dequantises only its own experts' blocks (the sharded load's

@@ -254,10 +254,15 @@ class ExpertLayoutLoader:
 
     def from_pretrained(self, path: str | Path, **kwargs: Any) -> Any:
         layout = self.adapter.layout(path)
+        extra = self.adapter.load_kwargs(layout)
         with self.adapter.loading(layout):
-            return cast(Any, self.family.model_cls()).from_pretrained(
-                path, **kwargs, **self.adapter.load_kwargs(layout)
-            )
+            model = cast(Any, self.family.model_cls()).from_pretrained(path, **kwargs, **extra)
+        if extra:
+            # A dequantising load (GPT-OSS's MXFP4): transformers records its converters on the model, and its
+            # save_pretrained would write the dequantised tensors back under the quantised names ({name}_blocks),
+            # which no load reads; the merged folder holds plain tensors under the model's names.
+            model._weight_conversions = None
+        return model
 
 
 def load_moe_model(
