@@ -218,6 +218,23 @@ MOONLIGHT_16B_A3B = dict(
     vocab_size=163840,
     tie_word_embeddings=False,
 )
+# gpt-oss-20b's config.json (model_type gpt_oss): 24 layers alternating sliding-window (128) and full attention,
+# 64 query / 8 key-value heads of 64 with a sink each, every layer a MoE of 32 biased experts (top-4); its experts
+# are stored in MXFP4 and train dequantised (fp32 master weights like every other parameter)
+GPT_OSS_20B = dict(
+    model_type="gpt_oss",
+    hidden_size=2880,
+    intermediate_size=2880,
+    num_hidden_layers=24,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=64,
+    num_local_experts=32,
+    num_experts_per_tok=4,
+    sliding_window=128,
+    vocab_size=201088,
+    tie_word_embeddings=False,
+)
 WHISPER_LIKE_AUDIO = dict(
     d_model=1280,
     encoder_layers=32,
@@ -289,6 +306,7 @@ REAL: dict[str, Real] = {
     ),
     "qwen3_moe_30b_a3b.yaml": Real("Qwen/Qwen3-30B-A3B", dict(QWEN3_30B_A3B_TEXT, model_type="qwen3_moe")),
     "deepseek_v3_moonlight_16b_a3b.yaml": Real("moonshotai/Moonlight-16B-A3B", MOONLIGHT_16B_A3B),
+    "gpt_oss_20b.yaml": Real("openai/gpt-oss-20b", GPT_OSS_20B),
     "qwen2_5_vl_7b.yaml": Real(
         "Qwen/Qwen2.5-VL-7B-Instruct",
         dict(model_type="qwen2_5_vl", text_config=QWEN2_5_7B_TEXT, vision_config=QWEN2_5_VL_VISION),

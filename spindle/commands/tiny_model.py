@@ -1,11 +1,12 @@
 """Write a tiny random checkpoint in the family's standard layout.
 
 DiT families (wan, flux): a diffusers pipeline folder that stock diffusers loads
-(`WanPipeline.from_pretrained(OUT)`). Language models (qwen3, llama, qwen3_moe, deepseek_v3): a ~1M-parameter
+(`WanPipeline.from_pretrained(OUT)`). Language models (qwen3, llama, qwen3_moe, deepseek_v3, gpt_oss): a ~1M-parameter
 transformers folder with a byte-level BPE tokenizer (any UTF-8 text round-trips, no <unk>) carrying the family's special
 tokens and chat template (Qwen3: <|im_start|>/<|im_end|> turns, <think> handling; Llama 3:
 <|begin_of_text|>, <|start_header_id|> turns, <|eot_id|>; DeepSeek-V3: <｜begin▁of▁sentence｜>, <｜User｜> /
-<｜Assistant｜> turns, <｜end▁of▁sentence｜>) (`AutoModelForCausalLM.from_pretrained(OUT)`).
+<｜Assistant｜> turns, <｜end▁of▁sentence｜>; GPT-OSS: harmony <|start|>role<|message|>...<|end|> messages, the
+assistant's final channel ending <|return|>) (`AutoModelForCausalLM.from_pretrained(OUT)`).
 Tests, the demo and the benchmarks use them because real weights cannot be downloaded here.
 """
 

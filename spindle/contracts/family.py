@@ -40,6 +40,11 @@ class CheckpointAdapter(Protocol):
         transformers' conversion mapping for a patched class); afterwards it is as it was."""
         ...
 
+    def load_kwargs(self, layout: str) -> dict[str, Any]:
+        """Extra `from_pretrained` arguments for a checkpoint in `layout` (e.g. a quantised checkpoint's
+        dequantisation on load); {} where the loading context suffices."""
+        ...
+
     def check_loading_info(self, info: dict[str, Any], where: str) -> None:
         """Raise when a load left tensors missing, unexpected or mismatched."""
         ...
@@ -379,6 +384,9 @@ class CausalLMFamily(FamilyFolder):
     # folders) -> why, and what it serves instead: the registry refuses such a folder with that reason at
     # detection, before anything loads, instead of "no family serves it"
     refused_model_types: dict[str, str] = field(default_factory=dict, kw_only=True)
+    # why Ulysses SP (parallel.sp > 1) cannot train the family's models ("": it can, within the layout checks of
+    # spindle.distributed.ulysses_attention); refused before launch with this reason
+    sequence_parallel_refused: str = field(default="", kw_only=True)
     demo: TextDemoSpec | None = field(default_factory=TextDemoSpec)  # every language model's text demo
     conformance: CausalLMConformanceSpec = field(default_factory=CausalLMConformanceSpec)
     extras: dict[str, Any] = field(default_factory=dict)

@@ -296,6 +296,10 @@ def ulysses_attention_forward(
             "Spindle's Ulysses attention builds its own mask from the full row's position_ids; the model was given an "
             "explicit attention mask (pass position_ids, and no attention_mask, under parallel.sp > 1)"
         )
+    if getattr(module, "sinks", None) is not None:
+        raise ValueError(
+            "Spindle's Ulysses attention does not split per-head attention sinks with the heads (this layer has them)"
+        )
     if kwargs.get("sliding_window") is not None:
         raise ValueError("Spindle's Ulysses attention supports full attention only (this layer has a sliding window)")
     position_ids = kwargs.pop("position_ids", None)

@@ -96,6 +96,10 @@ def finish_transformers_folder(
     hf_model: Any = model  # a transformers PreTrainedModel
     config = copy.deepcopy(hf_model.config)  # the training model's own config stays fp32
     config.dtype = dtypes.default
+    if hasattr(config, "quantization_config"):
+        # the weights written are plain tensors: a checkpoint quantised on disk (GPT-OSS's MXFP4) trained dequantised,
+        # and its quantization_config would make transformers read them as quantised
+        del config.quantization_config
     config.save_pretrained(tmp)
     if getattr(hf_model, "generation_config", None) is not None:
         hf_model.generation_config.save_pretrained(tmp)

@@ -10,7 +10,10 @@ Settings (docs/training.md, "Attention backends"):
 - `flex_attention`: transformers' flex attention with a block mask (CUDA).
 - `auto`: the fastest of these that can run: flash_attention_3 (Hopper) > flash_attention_2 when
   installed on CUDA under bf16, else varlen; sdpa for models with sliding-window layers (which only
-  the dense path implements).
+  the dense path implements); transformers' eager attention for a model class that refuses sdpa
+  (`_supports_sdpa = False`: GPT-OSS, whose per-head attention sinks sdpa and Spindle's varlen kernels do
+  not compute). Eager takes the same dense per-document mask as sdpa, and materialises the attention
+  weights.
 
 A setting that cannot run is refused with the reason (`resolve_attention` raises ValueError).
 """
@@ -47,17 +50,34 @@ def _cuda_capability() -> tuple[int, int]:
     return torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
 
 
-def resolve_attention(setting: str, *, device_type: str, precision: str, text_config: Any) -> str:
+def supports_sdpa(model_class: Any) -> bool:
+    """transformers' sdpa computes the model's attention: its class does not refuse it (`_supports_sdpa`)."""
+    return bool(model_class._supports_sdpa)
+
+
+def resolve_attention(
+    setting: str, *, device_type: str, precision: str, text_config: Any, model_class: Any = None
+) -> str:
     """The attention a run uses: `setting` itself when it can run, `auto`'s pick; ValueError naming
     `model.attn_implementation`, why, and what to set otherwise.
 
     `precision`: train.mixed_precision ("auto" is bf16 on CUDA, the only device flash runs on); `text_config`: the language model's
-    config (dict or object). Sliding-window layers under parallel.sp are refused by the Ulysses layout
+    config (dict or object); `model_class`: the transformers class trained (None: one that supports sdpa).
+    Sliding-window layers under parallel.sp are refused by the Ulysses layout
     check (spindle.distributed.ulysses_attention.check_layout) whatever the setting."""
     if setting not in SETTINGS:
         raise ValueError(f"model.attn_implementation must be one of {SETTINGS}, got {setting!r}")
     sliding = has_sliding_window(text_config)
     key = f"model.attn_implementation={setting}"
+    if model_class is not None and not supports_sdpa(model_class):
+        if setting == "auto":
+            return "eager"
+        if setting in ("sdpa", "varlen", *FLASH_MODULES):
+            raise ValueError(
+                f"{key}: transformers refuses sdpa for {model_class.__name__} (_supports_sdpa = False: its attention "
+                "adds a learned sink logit per head, which sdpa and Spindle's varlen/flash kernels do not compute); "
+                "set model.attn_implementation: auto (transformers' eager attention, with the sinks)"
+            )
     if setting == "auto":
         if sliding:
             return "sdpa"

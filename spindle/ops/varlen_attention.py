@@ -205,6 +205,11 @@ def varlen_attention_forward(
     of the rows that `position_ids` (a keyword argument, the decoder layer's) lay out."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if getattr(module, "sinks", None) is not None:
+        raise ValueError(
+            f"model.attn_implementation={kernel}: this layer adds a learned sink logit per head (GPT-OSS), which "
+            "Spindle's varlen attention does not compute; set model.attn_implementation: auto (transformers' eager)"
+        )
     if kwargs.get("sliding_window") is not None:
         raise ValueError(
             f"model.attn_implementation={kernel}: this layer has a sliding window, which Spindle's varlen attention "

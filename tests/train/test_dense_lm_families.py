@@ -1,7 +1,8 @@
 """Qwen2 / Qwen2.5 and Gemma 3 text (spindle/models/qwen2, spindle/models/gemma3) beyond the registry-parametrised
 causal-LM conformance suite: Qwen2.5's ChatML tokens and template; LoRA adapts every decoder projection (Qwen2's
 biased q/k/v, Gemma 3's sliding-window and full layers alike) and exports a PEFT folder stock peft loads with the
-trained model's outputs; DPO's step 1 equals TRL's (Gemma 3's final-logit softcap in the log-probs)."""
+trained model's outputs; reward modelling's step 1 equals TRL's. (DPO's step 1 against TRL, for these and the other
+families: tests/train/test_preference_trl_parity.py, DPO_FAMILIES.)"""
 
 from __future__ import annotations
 
@@ -45,31 +46,6 @@ def test_lora_adapts_every_decoder_projection_and_exports_a_peft_folder(name, ti
     layers = trainer.model.config.num_hidden_layers
     assert adapted == {f"{i}.{p}" for i in range(layers) for p in projections}
     check_peft_and_merged(trainer, root, tmp_path / "run" / "export")
-
-
-@pytest.mark.parametrize("name", FAMILIES)
-def test_dpo_step_one_equals_trl(name, tiny_checkpoint, tmp_path):
-    """Post-training: step 1's DPO loss and grad norm with the starting policy as the reference equal
-    trl.DPOTrainer's (1e-5 / 1e-4)."""
-    from transformers import AutoTokenizer
-
-    from spindle.train.metrics import read_metrics
-    from tests.train.test_dpo_train import dpo_overrides, pairs_file
-    from tests.train.test_preference_trl_parity import LINES, trl_step_one
-
-    root = tiny_checkpoint(name)
-    lines = LINES["standard"]
-    lm_train(
-        root,
-        pairs_file(tmp_path, lines),
-        tmp_path / "run",
-        **dpo_overrides(len(lines), dpo__beta=0.1, train__max_steps=1, checkpoint__export=False),
-    )
-    metrics = read_metrics(tmp_path / "run")[0]
-    tokenizer = AutoTokenizer.from_pretrained(root)
-    loss, norm = trl_step_one(root, root, tokenizer, lines, "sigmoid", 0.1, None, tmp_path)
-    assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-5)
-    assert metrics["grad_norm"] == pytest.approx(norm.item(), rel=1e-4)
 
 
 @pytest.mark.parametrize(("name", "head"), [("qwen2", "Qwen2"), ("gemma3", "Gemma3Text")], ids=FAMILIES)

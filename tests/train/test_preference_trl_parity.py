@@ -1,4 +1,5 @@
-"""A first DPO step on a tiny Qwen3 policy and a *different* reference model equals `trl.DPOTrainer`'s, and a first
+"""A first DPO step on a tiny Qwen3 policy and a *different* reference model equals `trl.DPOTrainer`'s (and Spindle's
+whole first DPO training step on each family of `DPO_FAMILIES`), and a first
 reward-model step (a Qwen3 sequence-classification head) equals `trl.RewardTrainer`'s.
 
 Spindle's pieces, end to end: the preference JSONL read and tokenised by `spindle.data.preference`, batched by
@@ -148,6 +149,36 @@ def test_step_one_equals_trl_dpo_trainer(fmt, loss_type, beta, rpo_alpha, tiny_q
     assert abs(theirs.item() - 0.6931) > 1e-3  # the reference differs from the policy: not the untrained log 2
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(ours_norm, theirs_norm, rtol=1e-5, atol=0)
+
+
+# The families whose first DPO training step (Spindle's trainer, end to end) is checked against TRL's: Gemma 3's
+# final-logit softcap in the log-probs, DeepSeek-V3's latent attention and routed experts (no router aux loss:
+# the DPO loss alone), GPT-OSS's sinks, sliding-window layers and biased experts with its router aux loss (TRL
+# adds `router_aux_loss_coef x aux_loss` for a config with `output_router_logits`, as Spindle's DPO does).
+DPO_FAMILIES = ["qwen2", "gemma3", "deepseek_v3", "gpt_oss"]
+
+
+@pytest.mark.parametrize("name", DPO_FAMILIES)
+def test_dpo_training_step_one_equals_trl_on_each_family(name, tiny_checkpoint, tmp_path):
+    """Post-training a family: Spindle's step 1 DPO loss and grad norm with the starting policy as the reference
+    equal trl.DPOTrainer's (1e-5 / 1e-4)."""
+    from spindle.train.metrics import read_metrics
+    from tests.conftest import lm_train
+    from tests.train.test_dpo_train import dpo_overrides, pairs_file
+
+    root = tiny_checkpoint(name)
+    lines = LINES["standard"]
+    lm_train(
+        root,
+        pairs_file(tmp_path, lines),
+        tmp_path / "run",
+        **dpo_overrides(len(lines), dpo__beta=0.1, train__max_steps=1, checkpoint__export=False),
+    )
+    metrics = read_metrics(tmp_path / "run")[0]
+    tokenizer = AutoTokenizer.from_pretrained(root)
+    loss, norm = trl_step_one(root, root, tokenizer, lines, "sigmoid", 0.1, None, tmp_path)
+    assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    assert metrics["grad_norm"] == pytest.approx(norm.item(), rel=1e-4)
 
 
 def test_reward_step_one_equals_trl_reward_trainer(tiny_qwen3, tmp_path):

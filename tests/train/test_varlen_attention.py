@@ -68,11 +68,20 @@ def assert_same(a: tuple, b: tuple, what: str) -> None:
 @pytest.mark.parametrize("name", LM_FAMILIES)
 def test_varlen_equals_the_dense_mask_path_on_every_causal_lm_family(name, tiny_checkpoint):
     family = get_family(name)
-    model = family.model_cls().from_pretrained(tiny_checkpoint(name), dtype=torch.float32, attn_implementation="sdpa")
+    sdpa = attention_backend.supports_sdpa(family.model_cls())  # GPT-OSS's sinks: eager, as Spindle builds it
+    model = family.model_cls().from_pretrained(
+        tiny_checkpoint(name), dtype=torch.float32, attn_implementation="sdpa" if sdpa else "eager"
+    )
     batch = packed_rows(model.config.vocab_size)
     dense = loss_and_grads(model, batch)
     va.use_attention(model, va.implementation_name("varlen"))
     assert model.config._attn_implementation == "spindle_varlen"
+    if not sdpa:
+        # attention sinks (GPT-OSS): varlen computes plain softmax attention, so it refuses rather than drop them
+        # (`auto` picks eager for such a model; its packed rows: test_one_packed_row_equals_the_documents_as_unpacked_rows)
+        with pytest.raises(ValueError, match=r"sink logit per head.*set model.attn_implementation: auto"):
+            loss_and_grads(model, batch)
+        return
     if attention_backend.has_sliding_window(model.config):
         # sliding-window layers (Gemma 3): varlen has no window, so it refuses rather than attend past it
         # (`auto` picks sdpa for such a model; its packed rows: test_one_packed_row_equals_the_documents_as_unpacked_rows)
@@ -163,7 +172,12 @@ def test_the_packed_step_never_creates_an_s_by_s_tensor(tiny_checkpoint):
 # without a router aux loss, whose routing is per token: packing changes nothing
 # gemma3: sliding-window layers (an 8-token window on the tiny model), packed through transformers' sdpa with
 # its per-document mask windowed on the local layers (what `auto` picks for it; varlen has no window)
-@pytest.mark.parametrize("name,attention", [("qwen3", "varlen"), ("deepseek_v3", "varlen"), ("gemma3", "auto")])
+# gpt_oss: attention sinks and sliding-window layers, packed through transformers' eager attention (what `auto`
+# picks: transformers refuses sdpa for the sinks) with the per-document mask its patched model builds from the
+# position ids (upstream's passes none to the mask functions), and per-token router statistics in the aux loss
+@pytest.mark.parametrize(
+    "name,attention", [("qwen3", "varlen"), ("deepseek_v3", "varlen"), ("gemma3", "auto"), ("gpt_oss", "auto")]
+)
 def test_one_packed_row_equals_the_documents_as_unpacked_rows(name, attention, tiny_checkpoint, tmp_path):
     """The step-1 loss and grad norm of 4 documents packed in one row equal the same documents as 4 rows."""
     from transformers import AutoTokenizer
@@ -205,6 +219,14 @@ def test_auto_picks_varlen_on_cpu_and_sdpa_for_sliding_window_models():
     assert resolve_attention("auto", device_type="cpu", precision="no", text_config=QWEN3) == "varlen"
     assert resolve_attention("auto", device_type="cpu", precision="no", text_config=SLIDING) == "sdpa"
     assert resolve_attention("sdpa", device_type="cpu", precision="no", text_config=SLIDING) == "sdpa"
+    # a class transformers refuses sdpa for (GPT-OSS's sinks): eager, and sdpa / varlen refused naming why
+    sinks = get_family("gpt_oss").model_cls()
+    assert (
+        resolve_attention("auto", device_type="cpu", precision="no", text_config=SLIDING, model_class=sinks) == "eager"
+    )
+    for setting in ("sdpa", "varlen"):
+        with pytest.raises(ValueError, match=f"{setting}: transformers refuses sdpa for GptOssForCausalLM.*sink"):
+            resolve_attention(setting, device_type="cpu", precision="no", text_config=SLIDING, model_class=sinks)
 
 
 @pytest.mark.parametrize(

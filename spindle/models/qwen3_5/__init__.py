@@ -22,6 +22,8 @@ FAMILY = VLMFamily(
         "language": ("model.language_model.", "lm_head."),
     },
     video_timestamps=True,
+    sequence_parallel_refused="qwen3_5 models have linear-attention (Gated DeltaNet) layers, whose recurrence runs "
+    "over each head's whole sequence; Spindle's Ulysses SP splits softmax attention only (FSDP2 / HSDP layouts work)",
     # no Ulysses SP for the linear-attention layers (module doc): FSDP2 / HSDP only
     conformance=CausalLMConformanceSpec(parallel=("dp_shard2",)),
 )

@@ -85,13 +85,23 @@ def expert_count(config: Any) -> int:
     return count
 
 
+def expert_intermediate_size(config: Any) -> int:
+    """One expert's intermediate size: `moe_intermediate_size` (Qwen's and DeepSeek's MoE configs, whose
+    `intermediate_size` is the dense MLP's), else `intermediate_size` (GPT-OSS: every layer a MoE)."""
+    c = moe_config(config)
+    size: int = c.moe_intermediate_size if hasattr(c, "moe_intermediate_size") else c.intermediate_size
+    return size
+
+
 def moe_layers(config: Any) -> list[int]:
     """Indices of the sparse (MoE) decoder layers, by transformers' own rule: DeepSeek-V3's
-    (DeepseekV3DecoderLayer: every layer from `first_k_dense_replace` on), else Qwen3-MoE's
-    (Qwen3MoeDecoderLayer: `decoder_sparse_step`, minus `mlp_only_layers`)."""
+    (DeepseekV3DecoderLayer: every layer from `first_k_dense_replace` on), Qwen3-MoE's
+    (Qwen3MoeDecoderLayer: `decoder_sparse_step`, minus `mlp_only_layers`), else every layer (GptOssDecoderLayer)."""
     c = moe_config(config)
     if hasattr(c, "first_k_dense_replace"):
         return list(range(c.first_k_dense_replace, c.num_hidden_layers))
+    if not hasattr(c, "decoder_sparse_step"):
+        return list(range(c.num_hidden_layers))
     return [
         i
         for i in range(c.num_hidden_layers)
@@ -227,6 +237,11 @@ class ExpertCheckpoints:
             for model_type in (self.model_type, *self.sub_model_types):
                 stack.enter_context(_registered(model_type, layout))
             yield
+
+    @staticmethod
+    def load_kwargs(layout: str) -> dict[str, Any]:
+        """No extra `from_pretrained` arguments: the loading context converts every layout."""
+        return {}
 
     @staticmethod
     def check_loading_info(info: dict, where: str) -> None:

@@ -49,7 +49,7 @@ from spindle.config import ConfigError
 from spindle.contracts.family import CausalLMFamily, CheckpointAdapter
 from spindle.contracts.parallel import ParallelPlan
 from spindle.contracts.task import Metric
-from spindle.models.shared.moe_checkpoints import expert_count
+from spindle.models.shared.moe_checkpoints import expert_count, expert_intermediate_size
 
 if TYPE_CHECKING:
     from spindle.distributed.mesh import Mesh, ParallelDims
@@ -233,7 +233,7 @@ def experts_implementation(config: Any, device_type: str) -> str:
     if device_type == "cpu":
         row_bytes = 4  # fp32 master weights on CPU
         c = config.get_text_config()
-        if (c.hidden_size * row_bytes) % 16 or (c.moe_intermediate_size * row_bytes) % 16:
+        if (c.hidden_size * row_bytes) % 16 or (expert_intermediate_size(c) * row_bytes) % 16:
             return "batched_mm"
     return "grouped_mm"
 
@@ -253,8 +253,16 @@ class ExpertLayoutLoader:
         self.family, self.adapter = family, adapter
 
     def from_pretrained(self, path: str | Path, **kwargs: Any) -> Any:
-        with self.adapter.loading(self.adapter.layout(path)):
-            return cast(Any, self.family.model_cls()).from_pretrained(path, **kwargs)
+        layout = self.adapter.layout(path)
+        extra = self.adapter.load_kwargs(layout)
+        with self.adapter.loading(layout):
+            model = cast(Any, self.family.model_cls()).from_pretrained(path, **kwargs, **extra)
+        if extra:
+            # A dequantising load (GPT-OSS's MXFP4): transformers records its converters on the model, and its
+            # save_pretrained would write the dequantised tensors back under the quantised names ({name}_blocks),
+            # which no load reads; the merged folder holds plain tensors under the model's names.
+            model._weight_conversions = None
+        return model
 
 
 def load_moe_model(
@@ -272,7 +280,12 @@ def load_moe_model(
     model: torch.nn.Module
     with adapter.loading(layout):
         model, info = cls.from_pretrained(
-            path, dtype=torch.float32, output_loading_info=True, experts_implementation=impl, **kwargs
+            path,
+            dtype=torch.float32,
+            output_loading_info=True,
+            experts_implementation=impl,
+            **kwargs,
+            **adapter.load_kwargs(layout),
         )
     adapter.check_loading_info(info, str(path))
     return model

@@ -198,21 +198,16 @@ class CausalLMTask(TrainTask):
                 f"parallel.ring={dims.ring}: ring attention is for DiTs; language models split sequences with "
                 "Ulysses only (parallel.sp); set parallel.ring: 1"
             )
-        if has_linear_attention(cls.text_config(read_config(cfg.model.path))):
-            # transformers' torch path of Gated DeltaNet takes no document boundaries (its chunked recurrence and
-            # causal convolution ignore cu_seqlens): a packed row would carry state from one document into the next
-            if cfg.data.packing:
-                raise ConfigError(
-                    f"data.packing: {family.name} models have linear-attention (Gated DeltaNet) layers, whose "
-                    "recurrent state would flow from one packed document into the next; set data.packing: false "
-                    "(one document per row; the default for these models)"
-                )
-            if dims.sp > 1:
-                raise ConfigError(
-                    f"parallel.sp={dims.sp}: {family.name} models have linear-attention (Gated DeltaNet) layers, "
-                    "whose recurrence runs over each head's whole sequence; Spindle's Ulysses SP splits softmax "
-                    "attention only. Set parallel.sp: 1 (FSDP2 / HSDP layouts work)"
-                )
+        # transformers' torch path of Gated DeltaNet takes no document boundaries (its chunked recurrence and
+        # causal convolution ignore cu_seqlens): a packed row would carry state from one document into the next
+        if cfg.data.packing and has_linear_attention(cls.text_config(read_config(cfg.model.path))):
+            raise ConfigError(
+                f"data.packing: {family.name} models have linear-attention (Gated DeltaNet) layers, whose "
+                "recurrent state would flow from one packed document into the next; set data.packing: false "
+                "(one document per row; the default for these models)"
+            )
+        if dims.sp > 1 and family.sequence_parallel_refused:
+            raise ConfigError(f"parallel.sp={dims.sp}: {family.sequence_parallel_refused}; set parallel.sp: 1")
         if dims.sp > 1:
             from spindle.distributed import ulysses_attention
 
@@ -224,7 +219,7 @@ class CausalLMTask(TrainTask):
         if (experts := Experts.of(family)) is not None:
             experts.check_plan(cfg.model.path, dims)
         build_objective(cfg.train.objective, cfg).check_plan(family, dims)
-        cls.attention(cfg, cfg.train.mixed_precision)
+        cls.attention(cfg, cfg.train.mixed_precision, family)
 
     @classmethod
     def packs(cls, cfg: CausalLMJobConfig) -> bool:
@@ -235,7 +230,7 @@ class CausalLMTask(TrainTask):
         return not has_linear_attention(cls.text_config(read_config(cfg.model.path)))
 
     @classmethod
-    def attention(cls, cfg: CausalLMJobConfig, precision: str) -> str:
+    def attention(cls, cfg: CausalLMJobConfig, precision: str, family: CausalLMFamily) -> str:
         """The language model's transformers attn_implementation for `model.attn_implementation` (auto
         resolved); ConfigError saying why when it cannot run (spindle.ops.attention_backend)."""
         from spindle.distributed.mesh import device_type
@@ -245,7 +240,11 @@ class CausalLMTask(TrainTask):
         text = cls.text_config(json.loads((Path(cfg.model.path) / "config.json").read_text()))
         try:
             setting = resolve_attention(
-                cfg.model.attn_implementation, device_type=device_type(), precision=precision, text_config=text
+                cfg.model.attn_implementation,
+                device_type=device_type(),
+                precision=precision,
+                text_config=text,
+                model_class=family.model_cls(),
             )
         except ValueError as e:
             raise ConfigError(str(e)) from None
@@ -264,7 +263,8 @@ class CausalLMTask(TrainTask):
             sp=self.mesh.dims.sp,
             bytes_per_value=2 if self.precision == "bf16" else 4,
             checkpointing=self.cfg.train.gradient_checkpointing,
-            dense_mask=self.packs(self.cfg) and self.attention(self.cfg, self.precision) == "sdpa",
+            dense_mask=self.packs(self.cfg)
+            and self.attention(self.cfg, self.precision, self.family) in ("sdpa", "eager"),
         )
 
     @classmethod
@@ -277,16 +277,28 @@ class CausalLMTask(TrainTask):
     def load_model(self) -> Any:
         """The family's ForCausalLM from the transformers folder, fp32 (master weights), sdpa attention."""
         if self.experts is not None:  # every expert loaded from the checkpoint's layout, or an error
-            return self.experts.load_full(self.cfg.model.path, self.device.type, attn_implementation="sdpa")
+            return self.experts.load_full(
+                self.cfg.model.path, self.device.type, attn_implementation=self.load_attention()
+            )
         if self.head is not None:  # the decoder from the checkpoint, the head as `init_fresh` sets it (both paths)
             config = self.model_config()
             return self.head.model_cls(config).from_pretrained(
-                self.cfg.model.path, config=config, dtype=torch.float32, attn_implementation="sdpa"
+                self.cfg.model.path, config=config, dtype=torch.float32, attn_implementation=self.load_attention()
             )
         cls: Any = self.family.model_cls()
         return cls.from_pretrained(
-            self.cfg.model.path, dtype=torch.float32, attn_implementation="sdpa", **self.model_init_kwargs()
+            self.cfg.model.path,
+            dtype=torch.float32,
+            attn_implementation=self.load_attention(),
+            **self.model_init_kwargs(),
         )
+
+    def load_attention(self) -> str:
+        """The attention the model is built with, before the run's own is installed (`parallel_plan`): sdpa,
+        or eager for a class transformers refuses sdpa for (GPT-OSS: its attention sinks)."""
+        from spindle.ops.attention_backend import supports_sdpa
+
+        return "sdpa" if supports_sdpa(self.family.model_cls()) else "eager"
 
     def model_config(self) -> Any:
         """The transformers config of the model the task trains (config.json; a sub-model's part of it where
@@ -319,7 +331,7 @@ class CausalLMTask(TrainTask):
             model = cls._from_config(
                 config,
                 dtype=torch.float32,
-                attn_implementation="sdpa",
+                attn_implementation=self.load_attention(),
                 **self.model_init_kwargs(),
             )
         # outside empty_weights, whose parameter registration makes a new tensor: tying must keep one
@@ -345,7 +357,7 @@ class CausalLMTask(TrainTask):
 
     def parallel_plan(self) -> ParallelPlan:
         # the language model's attention (model.attn_implementation) on the plan of the task's input kind
-        plan = dataclasses.replace(self.input_plan(), attention=self.attention(self.cfg, self.precision))
+        plan = dataclasses.replace(self.input_plan(), attention=self.attention(self.cfg, self.precision, self.family))
         return plan if self.experts is None else self.experts.plan(plan)
 
     def input_plan(self) -> ParallelPlan:

@@ -1,0 +1,35 @@
+"""GPT-OSS causal LMs (transformers `model_type` "gpt_oss", `GptOssForCausalLM`: openai/gpt-oss-20b and
+-120b): every layer a MoE of fused experts with biases (gate and up columns interleaved, a clamped SwiGLU),
+layers alternating sliding-window and full attention, and a learned sink logit per attention head. Trained by
+the MoE causal-LM task with its experts part (spindle/train/parts/experts.py): fused experts, expert
+parallelism, the router aux loss as the model defines it (`router_aux_loss_coef`).
+
+Attention: transformers implements the sinks in its eager, flash (hub kernels) and flex attention only and
+refuses sdpa for the model (`_supports_sdpa = False`), so `model.attn_implementation: auto` is eager
+(spindle.ops.attention_backend). Packed rows are masked per document (patches.py: the position ids reach
+transformers' mask functions), windowed on the sliding layers: exact.
+"""
+
+from spindle.contracts.family import CausalLMConformanceSpec, CausalLMFamily
+
+FAMILY = CausalLMFamily(
+    name="gpt_oss",
+    # patchgen-generated: chunked loss from hidden states + upstream's router aux loss, per-document masks
+    # of packed rows (patches.py)
+    model_class="spindle.models.gpt_oss.generated.patched_modeling_gpt_oss:GptOssForCausalLM",
+    conformance=CausalLMConformanceSpec(
+        # 2 layers (one sliding, one full) keep the suite fast; an aux coefficient of 0.1 makes a wrong aux loss
+        # show in the step loss
+        tiny_overrides={"num_hidden_layers": 2, "router_aux_loss_coef": 0.1},
+        # Spindle's MoE loss is stock's with output_router_logits: token loss + coef x router aux loss
+        stock_loss_kwargs={"output_router_logits": True},
+        stock_outputs=("aux_loss",),
+        # Ulysses SP is refused (sequence_parallel_refused); FSDP2 and EP layouts only
+        parallel=("dp_shard2",),
+    ),
+    sequence_parallel_refused=(
+        "GPT-OSS's attention adds a learned sink logit per head (self_attn.sinks), which Spindle's Ulysses "
+        "attention does not split with the heads across the SP ranks (and its sliding-window layers are full "
+        "attention only there)"
+    ),
+)

@@ -1,0 +1,1 @@
+"""Written by `spindle patchgen` from ../patches.py; never edit by hand (`spindle patchgen --check` fails)."""
