@@ -353,6 +353,34 @@ REAL: dict[str, Real] = {
             tie_word_embeddings=False,
         ),
     ),
+    # transformers' own Qwen3_5MoeConfig defaults (its docstring's checkpoint, Qwen/Qwen3.5-35B-A3B): 40 hybrid
+    # layers, each with 256 routed experts (top 8) and a gated shared expert
+    "qwen3_5_moe_35b_a3b.yaml": Real(
+        "Qwen/Qwen3.5-35B-A3B",
+        dict(
+            model_type="qwen3_5_moe",
+            text_config=dict(
+                hidden_size=2048,
+                num_hidden_layers=40,
+                num_attention_heads=16,
+                num_key_value_heads=2,
+                head_dim=256,
+                linear_key_head_dim=128,
+                linear_value_head_dim=128,
+                linear_num_key_heads=16,
+                linear_num_value_heads=32,
+                moe_intermediate_size=512,
+                shared_expert_intermediate_size=512,
+                num_experts_per_tok=8,
+                num_experts=256,
+                vocab_size=248320,
+            ),
+            vision_config=dict(
+                {k: v for k, v in QWEN3_VL_VISION.items() if k != "deepstack_visual_indexes"}, out_hidden_size=2048
+            ),
+            tie_word_embeddings=False,
+        ),
+    ),
     "qwen3_vl_moe_30b_a3b.yaml": Real(
         "Qwen/Qwen3-VL-30B-A3B-Instruct",
         dict(

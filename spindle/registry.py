@@ -37,6 +37,7 @@ BUILTIN_FAMILIES: dict[str, str] = {
     "qwen3_moe": "spindle.models.qwen3_moe",
     "qwen3_omni_moe": "spindle.models.qwen3_omni_moe",
     "qwen3_5": "spindle.models.qwen3_5",
+    "qwen3_5_moe": "spindle.models.qwen3_5_moe",
     "qwen3_vl": "spindle.models.qwen3_vl",
     "qwen3_vl_moe": "spindle.models.qwen3_vl_moe",
     "qwenimage": "spindle.models.qwenimage",

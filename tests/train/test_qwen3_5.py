@@ -22,3 +22,20 @@ def test_sequence_parallel_is_refused_before_launch_naming_the_linear_attention(
     with pytest.raises(ConfigError, match=r"parallel\.sp=2: qwen3_5 models have linear-attention"):
         VLMTask.check_plan(cfg, get_family("qwen3_5"), ParallelDims(sp=2).resolve(2))
     assert VLMTask.packs(cfg) is False  # data.packing unset: one conversation per row
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe"])
+def test_lora_on_the_hybrid_decoder_and_the_tower_loads_in_stock_peft(
+    name, tiny_checkpoint, vlm_conversations, tmp_path
+):
+    """Adapters on the vision blocks and on both kinds of decoder layer (the Gated DeltaNet projections and the
+    full-attention ones): stock PEFT loads the folder and stock transformers the merged
+    one with the trained logits (tests/train/test_lm_lora.py: check_vlm_lora_export)."""
+    from tests.train.test_lm_lora import check_vlm_lora_export
+    from tests.train.test_vlm_lora import lora
+
+    adapted = check_vlm_lora_export(
+        tiny_checkpoint(name), vlm_conversations, tmp_path, lora(["language", "vision"]), parts={"language", "vision"}
+    )
+    assert any(".linear_attn.in_proj_qkv." in n for n in adapted)  # a Gated DeltaNet layer
+    assert any(".self_attn.q_proj." in n for n in adapted)  # the full-attention layer
