@@ -3,6 +3,7 @@ transformers + AdamW, on the same Qwen3-shaped model folder, token rows, seq_len
 
     python bench/train_llm.py                          # CPU preset: 4 layers, 152k vocab, 2 x 1024 tokens
     python bench/train_llm.py --preset qwen3-0.6b      # Qwen3-0.6B's shape on a GPU: MFU reported
+    python bench/train_llm.py --preset qwen2.5-0.5b    # (and gemma3-1b) the newer dense families, a GPU
 
 Variants (each run in its own spawned process(es), so memory is per variant: RSS on CPU,
 torch.cuda.max_memory_allocated on CUDA; "peak" is the process's peak during the steps, "step" the part
@@ -75,15 +76,56 @@ PRESETS = {
         seq_len=4096,
         batch=2,
     ),
+    # The dense families of the wave after Qwen3 at their published small checkpoints' shapes (config.json): a GPU
+    # each. Gemma 3 runs sdpa (its sliding-window layers), the others the default attention.
+    "qwen2.5-0.5b": dict(
+        family="qwen2",
+        model=dict(
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            head_dim=64,
+            vocab_size=151936,
+            tie_word_embeddings=True,
+            max_position_embeddings=32768,
+        ),
+        seq_len=4096,
+        batch=2,
+    ),
+    "gemma3-1b": dict(
+        family="gemma3",
+        model=dict(
+            hidden_size=1152,
+            intermediate_size=6912,
+            num_hidden_layers=26,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=256,
+            vocab_size=262144,
+            sliding_window=512,
+            query_pre_attn_scalar=256,
+            tie_word_embeddings=True,
+            max_position_embeddings=32768,
+        ),
+        seq_len=4096,
+        batch=2,
+    ),
 }
 VARIANTS = ("transformers", "spindle_full_logits", "spindle", "spindle_sp2")
 
 
 def build_model_folder(a: argparse.Namespace, out: Path) -> Path:
-    """A random Qwen3 of the preset's shape as a transformers folder (config, safetensors, tokenizer)."""
-    from spindle.models.qwen3.tiny import build_tiny as build_tiny_qwen3
+    """A random model of the preset's family (Qwen3 unless it names one) and shape as a transformers folder
+    (config, safetensors, tokenizer): the family's own tiny-model builder with the preset's config."""
+    from spindle.contracts.family import import_object
+    from spindle.registry import get_family
 
-    return build_tiny_qwen3(out, seed=0, transformer=PRESETS[a.preset]["model"])
+    preset = PRESETS[a.preset]
+    build = import_object(get_family(str(preset.get("family", "qwen3"))).tiny_model)
+    folder: Path = build(out, seed=0, transformer=preset["model"])
+    return folder
 
 
 def make_rows(a: argparse.Namespace, vocab: int) -> torch.Tensor:

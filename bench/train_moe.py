@@ -1,10 +1,12 @@
-"""Qwen3-MoE training-step benchmark: expert parallelism and the fused experts kernel, side by side.
+"""MoE training-step benchmark: expert parallelism and the fused experts kernel, side by side (Qwen3-MoE, or the
+family a preset names: DeepSeek-V3, GPT-OSS).
 
     python bench/train_moe.py                        # CPU preset (gloo, 1-2 processes)
     python bench/train_moe.py --preset qwen3-30b-a3b-layer --backend nccl   # one Qwen3-30B-A3B-shaped layer, GPUs
+    python bench/train_moe.py --preset moonlight-16b-a3b-layer --backend nccl   # (and gpt-oss-20b-layer)
     python bench/train_llm.py --family qwen3_moe     # the same (train_llm.py hands MoE runs to this script)
 
-Variants (Spindle's trainer and MoE task on a random Qwen3-MoE folder of the preset's shape, each in its
+Variants (Spindle's trainer and MoE task on a random folder of the preset's family and shape, each in its
 own spawned process group, so peak memory is per variant: peak RSS of the largest process on CPU,
 torch.cuda.max_memory_allocated on CUDA):
   ep1_fused     1 process, experts through transformers' fused kernel (grouped_mm; batched_mm on CPU when
@@ -65,6 +67,51 @@ PRESETS = {
             num_attention_heads=32,
             num_key_value_heads=4,
             head_dim=128,
+        ),
+        seq_len=4096,
+        global_batch=4,
+        steps=8,
+    ),
+    # The MoE families of the next wave, one decoder layer of each published shape (config.json), on GPUs:
+    # Moonlight-16B-A3B's DeepSeek-V3 layer (MLA, 64 routed experts top-6 + 2 shared) and gpt-oss-20b's (32 fused
+    # biased experts top-4, attention sinks: eager attention).
+    "moonlight-16b-a3b-layer": dict(
+        family="deepseek_v3",
+        model=dict(
+            hidden_size=2048,
+            intermediate_size=11264,
+            moe_intermediate_size=1408,
+            n_routed_experts=64,
+            n_shared_experts=2,
+            num_experts_per_tok=6,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=0,
+            num_hidden_layers=1,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=128,
+            v_head_dim=128,
+        ),
+        seq_len=4096,
+        global_batch=4,
+        steps=8,
+    ),
+    "gpt-oss-20b-layer": dict(
+        family="gpt_oss",
+        model=dict(
+            hidden_size=2880,
+            intermediate_size=2880,
+            num_local_experts=32,
+            num_experts_per_tok=4,
+            num_hidden_layers=1,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            head_dim=64,
+            layer_types=["full_attention"],
         ),
         seq_len=4096,
         global_batch=4,
@@ -141,12 +188,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     preset = PRESETS[args.preset]
 
-    from spindle.models.qwen3_moe.tiny import build_tiny as build_tiny_qwen3_moe
+    from spindle.contracts.family import import_object
+    from spindle.registry import get_family
+
+    # the preset's family (Qwen3-MoE unless it names one), built by its own tiny-model builder at the preset's shape
+    build_tiny_moe = import_object(get_family(str(preset.get("family", "qwen3_moe"))).tiny_model)
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        model = build_tiny_qwen3_moe(tmp / "model", seed=0, transformer=preset["model"])
+        model = build_tiny_moe(tmp / "model", seed=0, transformer=preset["model"])
         data = write_corpus(
             tmp / "data.jsonl", rows=preset["global_batch"] * preset["steps"] * 2, words=preset["seq_len"]
         )
