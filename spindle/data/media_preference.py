@@ -1,4 +1,5 @@
-"""Preference pairs whose prompts carry images, videos or audio, for vision-language and omni families.
+"""Preference pairs and prompts whose prompts carry images, videos or audio, for vision-language and omni families
+(DPO's pairs, GRPO's prompts and the rows of their completions).
 
 The lines are `spindle.data.preference`'s (TRL's formats: explicit or implicit prompt), conversational, with
 the prompt's messages holding content parts as conversations for supervised training do
@@ -21,6 +22,7 @@ twice, for the chosen rows and then the rejected rows, in token order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +38,9 @@ from spindle.data.multimodal import (
 from spindle.data.preference import (
     PairTokenizer,
     PreferencePair,
+    PromptTokenizer,
     collate_pairs,
+    collate_sequences,
     common_prefix_length,
     is_conversation,
 )
@@ -73,17 +77,74 @@ def media_pair_tokenizer(processor: VisionProcessor) -> PairTokenizer:
 def collate_media_pairs(
     pairs: list[PreferencePair], processor: VisionProcessor, pad_id: int, multiple: int = 1
 ) -> dict[str, torch.Tensor]:
-    """`collate_pairs`'s [2B, L] rows (B chosen, then B rejected) with `position_ids` [4, 2B, L] (row 0 the text
-    positions, rows 1-3 the family's multimodal RoPE positions; padding continues them, as
-    `spindle.data.multimodal.row_tensors` does) and the media inputs of every row in row-major token order."""
-    out = collate_pairs(pairs, pad_id, multiple)
-    width = out["input_ids"].shape[1]
-    rows = [(p, p.chosen_ids) for p in pairs] + [(p, p.rejected_ids) for p in pairs]
+    """`collate_pairs`'s [2B, L] rows (B chosen, then B rejected) as `media_rows` completes them."""
+    rows = [(p.prompt_ids, p.chosen_ids, p.media) for p in pairs]
+    rows += [(p.prompt_ids, p.rejected_ids, p.media) for p in pairs]
+    return media_rows(collate_pairs(pairs, pad_id, multiple), rows, processor)
+
+
+def collate_media_sequences(
+    rows: list[tuple[list[int], list[int], list[Any]]], processor: VisionProcessor, pad_id: int, multiple: int = 1
+) -> dict[str, torch.Tensor]:
+    """(prompt ids, completion ids, the prompt's media) rows -> `collate_sequences`'s batch as `media_rows`
+    completes it (GRPO's completions of vision-language prompts)."""
+    batch = collate_sequences([(prompt, completion) for prompt, completion, _ in rows], pad_id, multiple)
+    return media_rows(batch, rows, processor)
+
+
+def media_rows(
+    batch: dict[str, torch.Tensor], rows: list[tuple[list[int], list[int], list[Any]]], processor: VisionProcessor
+) -> dict[str, torch.Tensor]:
+    """A right-padded text batch of `rows` with `position_ids` [4, N, L] (row 0 the text positions, rows 1-3 the
+    family's multimodal RoPE positions of each whole row; padding continues them, as
+    `spindle.data.multimodal.row_tensors` does) and the rows' media inputs in row-major token order."""
+    width = batch["input_ids"].shape[1]
     rope = []
-    for pair, completion in rows:
-        positions = processor.positions(pair.prompt_ids + completion, pair.media)
+    for prompt, completion, media in rows:
+        positions = processor.positions(prompt + completion, media)
         pad = width - positions.shape[1]
         rope.append(torch.cat([positions, positions.max() + 1 + torch.arange(pad).expand(3, pad)], dim=1))
-    out["position_ids"] = torch.cat([out["position_ids"][None], torch.stack(rope, dim=1)])
-    out.update(collate_vision([m for pair, _ in rows for m in pair.media]))
-    return out
+    batch["position_ids"] = torch.cat([batch["position_ids"][None], torch.stack(rope, dim=1)])
+    batch.update(collate_vision([m for _, _, media in rows for m in media]))
+    return batch
+
+
+def media_prompt_tokenizer(processor: VisionProcessor) -> PromptTokenizer:
+    """`spindle.data.preference.read_prompts`'s tokenisation for a vision-language / omni model: the prompt's
+    messages (content parts as for pairs) rendered with the generation prompt, placeholders expanded."""
+
+    def tokenize(prompt: Any, file: Path) -> tuple[list[int], list[Any]]:
+        if not is_conversation(prompt):
+            raise ValueError("a vision-language model's prompts are conversations: give the prompt as a message list")
+        # normalised as a conversation (which needs an assistant turn to learn) less that turn
+        messages = normalise_conversation({"messages": [*prompt, {"role": "assistant", "content": "-"}]})[:-1]
+        media = [processor.media(kind, p if is_data_url(p) else file.parent / p) for kind, p in media_parts(messages)]
+        ids = processor.render(messages, media, True)
+        if sum(t in processor.media_ids for t in ids) != sum(processor.tokens(media)):
+            raise ValueError("the chat template did not place one pad token per image/video/audio part")
+        return ids, media
+
+    return tokenize
+
+
+def prompt_step_inputs(
+    processor: VisionProcessor, prompt_ids: list[int], media: list[Any], rows: int, device: torch.device
+) -> Callable[[int], dict[str, Any]]:
+    """The keyword arguments of each generation step of `rows` completions of one prompt
+    (`spindle.train.generation.sample_group`'s `step_inputs`): step 0 the prompt's media (once per row) and its
+    [4, rows, P] positions; step t the [4, rows, 1] positions of the t-th new token, one past the prompt's in every
+    RoPE dimension (text after the media advances all three alike)."""
+    positions = processor.positions(prompt_ids, media)  # [3, P]
+    first = torch.cat([torch.arange(len(prompt_ids))[None], positions])  # [4, P]
+    media_inputs = collate_vision([m for _ in range(rows) for m in media])
+    after = torch.tensor([len(prompt_ids), *([int(positions.max()) + 1] * 3)])
+
+    def step(t: int) -> dict[str, Any]:
+        if t == 0:
+            return {
+                "position_ids": first[:, None].expand(4, rows, -1).to(device),
+                **{k: v.to(device) for k, v in media_inputs.items()},
+            }
+        return {"position_ids": (after + t - 1)[:, None, None].expand(4, rows, 1).to(device)}
+
+    return step

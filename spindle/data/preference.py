@@ -99,6 +99,7 @@ class PromptExample:
     prompt_ids: list[int]
     source: str
     columns: dict[str, Any] = field(default_factory=dict)
+    media: list[Any] = field(default_factory=list)  # a vision-language prompt's images/videos/audio, in token order
 
 
 # ---------------------------------------------------------------- reading lines
@@ -441,21 +442,39 @@ def prompt_example(obj: Any) -> tuple[Completion, dict[str, Any]]:
     return obj["prompt"], {k: v for k, v in obj.items() if k != "prompt"}
 
 
-def read_prompts(path: str | Path, tokenizer: Any, max_prompt_length: int | None = None) -> list[PromptExample]:
-    """The GRPO prompts of the JSONL file(s) at `path`, tokenised as `trl.GRPOTrainer` does; a prompt longer
-    than `max_prompt_length` keeps its last tokens (logged)."""
+# (prompt, its file) -> (prompt_ids with the generation prompt, its media): how a model kind tokenises a prompt
+PromptTokenizer = Callable[[Completion, Path], tuple[list[int], list[Any]]]
+
+
+def read_prompts(
+    path: str | Path,
+    tokenizer: Any,
+    max_prompt_length: int | None = None,
+    tokenize: PromptTokenizer | None = None,
+    media_ids: set[int] | frozenset[int] = frozenset(),
+) -> list[PromptExample]:
+    """The GRPO prompts of the JSONL file(s) at `path`, tokenised as `trl.GRPOTrainer` does (`tokenize`: a model
+    kind's way, with media; default the text tokenizer's); a prompt longer than `max_prompt_length` keeps its
+    last tokens (logged), unless that would cut media tokens (`media_ids`: refused, naming the line)."""
     out: list[PromptExample] = []
     cut = 0
-    for where, obj in _lines(path):
+    for where, file, obj in _file_lines(path):
         try:
             prompt, columns = prompt_example(obj)
-            ids = _tokenize(tokenizer, prompt, generation_prompt=True)
+            ids, media = (
+                tokenize(prompt, file) if tokenize else (_tokenize(tokenizer, prompt, generation_prompt=True), [])
+            )
         except ValueError as e:
             raise PreferenceDataError(f"{where}: {e}") from None
         if max_prompt_length is not None and len(ids) > max_prompt_length:
+            if any(t in media_ids for t in ids[:-max_prompt_length]):
+                raise PreferenceDataError(
+                    f"{where}: the prompt is {len(ids)} tokens; cutting it to grpo.max_prompt_length="
+                    f"{max_prompt_length} would cut image/video/audio tokens: raise grpo.max_prompt_length"
+                )
             ids = ids[-max_prompt_length:]
             cut += 1
-        out.append(PromptExample(prompt, ids, where, columns))
+        out.append(PromptExample(prompt, ids, where, columns, media))
     if not out:
         raise PreferenceDataError(f"data.path {path} has no prompts")
     if cut:

@@ -14,7 +14,9 @@ length: no padding inside the batch).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,23 +56,29 @@ def sample_group(
     eos_ids: set[int],
     pad_id: int,
     device: torch.device,
+    step_inputs: Callable[[int], dict[str, Any]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """len(generators) completions of one prompt. -> (token ids [G, T], mask [G, T]: 1 up to and including each
     completion's first end-of-sequence token, 0 after it, where `pad_id` fills). Collective over every process
     (they generate in lockstep: FSDP2's all-gathers pair up). The model must be in eval mode (a training-mode
-    model with activation checkpointing refuses the cache)."""
+    model with activation checkpointing refuses the cache). `step_inputs(t)`: the forward's other keyword
+    arguments at step t (0: the prompt; a vision-language prompt's media and positions), none by default."""
     from transformers import DynamicCache
 
     rows = len(generators)
     ids = torch.tensor([prompt_ids] * rows, dtype=torch.long, device=device)
-    cache = DynamicCache()
+    # from the model's config: a sliding-window or hybrid (linear-attention) decoder gets its layers' own caches
+    config = getattr(model, "config", None)
+    cache = DynamicCache(config=config) if config is not None else DynamicCache()
     out_tokens: list[torch.Tensor] = []
     done = torch.zeros(rows, dtype=torch.bool)
     step_input = ids
-    for _ in range(sampling.max_new_tokens):
+    for t in range(sampling.max_new_tokens):
         if _all_done(done, device):
             break
-        logits = model(input_ids=step_input, past_key_values=cache, use_cache=True).logits[:, -1].float().cpu()
+        extra = step_inputs(t) if step_inputs is not None else {}
+        logits = model(input_ids=step_input, past_key_values=cache, use_cache=True, **extra).logits[:, -1]
+        logits = logits.float().cpu()
         probs = filter_top_p(torch.softmax(logits / sampling.temperature, dim=-1), sampling.top_p)
         token = torch.stack([torch.multinomial(probs[i], 1, generator=g)[0] for i, g in enumerate(generators)])
         token = torch.where(done, torch.full_like(token, pad_id), token)

@@ -14,8 +14,9 @@ its experts part), so an objective works for every model kind that offers what i
   `DPO` part; the pairs are spindle/data/preference.py, with media spindle/data/media_preference.py);
 - `reward` (text causal LMs): a scalar head's Bradley-Terry loss on preference pairs (reward.py: the loss, its
   `Reward` part and the `ScoreHead` model choice the task builds);
-- `grpo` (text causal LMs, online): completions sampled from the live policy, scored by rewards, the clipped
-  objective on group-relative advantages (grpo.py: the loss and its `GRPO` part; spindle/train/generation.py).
+- `grpo` (causal LMs, VLMs, omni models; online): completions sampled from the live policy, scored by rewards,
+  the clipped objective on group-relative advantages (grpo.py: the loss and its `GRPO` part;
+  spindle/train/generation.py; prompts with media spindle/data/media_preference.py).
 
 The post-training losses are pure functions on log-probability (or score) tensors: `dpo` (sigmoid / ipo / simpo
 preference losses), `reward` (Bradley-Terry loss of a scalar head), `grpo` (group-relative advantages and the

@@ -38,6 +38,7 @@ GRPO_LOSS_TYPES: tuple[str, ...] = ("grpo", "dr_grpo", "dapo")
 ScaleRewards = Literal["group", "batch", "none"]
 SCALE_REWARDS: tuple[str, ...] = ("group", "batch", "none")
 STD_EPS = 1e-4  # TRL's: added to the standard deviation, so a group of equal rewards gives advantages 0
+NOT_ROWS = ("advantages", "old_log_probs")  # a batch's tensors that are no model input
 
 
 def nan_std(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -181,7 +182,7 @@ def grpo_loss(
 
 
 class GRPO(Objective):
-    """`train.objective: grpo` (online, text causal LMs): the clipped objective above as a part of a language-model
+    """`train.objective: grpo` (online; causal LMs, VLMs, omni models): the clipped objective above as a part of a
     task (`grpo:` settings). `train.global_batch_size` counts prompts.
 
     Each step, before its loss is counted (`begin_step`), every rank samples `num_generations` completions of each
@@ -204,14 +205,15 @@ class GRPO(Objective):
         self.settings = cfg.grpo
         self.rewards: Any = None
         self.reference: tuple[Any, torch.nn.Module] | None = None
+        self.inputs: Any = None  # the task's PreferenceInputs (build_loader)
 
     def check_plan(self, family: Any, dims: Any) -> None:
         from spindle.config import ConfigError
 
-        if family.kind != "causal_lm":
+        if family.kind not in ("causal_lm", "vlm", "omni"):
             raise ConfigError(
-                f"train.objective=grpo: {family.name} is a {family.kind} model; GRPO trains text causal-LM families "
-                "for now (prompts with images/videos/audio are not wired yet): use train.objective=sft"
+                f"train.objective=grpo: {family.name} is a {family.kind} model; GRPO trains language, "
+                "vision-language and omni families (DiTs: train.objective=flow_grpo)"
             )
         if dims.sp > 1:
             raise ConfigError(
@@ -240,7 +242,14 @@ class GRPO(Objective):
         from spindle.data.preference import read_prompts
         from spindle.train.tasks.base import resumable_loader
 
-        prompts = read_prompts(self.cfg.data.path, task.tokenizer, self.settings.max_prompt_length)
+        self.inputs = task.preference_inputs()  # text, or media in the prompts (vision-language / omni families)
+        prompts = read_prompts(
+            self.cfg.data.path,
+            task.tokenizer,
+            self.settings.max_prompt_length,
+            self.inputs.tokenize_prompt,
+            self.inputs.media_ids,
+        )
         task._data_stats = {"rows": len(prompts), "prompts": len(prompts)}
         return resumable_loader(task, list(enumerate(prompts)), list)
 
@@ -265,7 +274,11 @@ class GRPO(Objective):
                 groups = []
                 for index, example in examples:
                     gens = [rollout_generator(self.cfg.train.seed, step, index, j) for j in range(s.num_generations)]
-                    groups.append(sample_group(model, example.prompt_ids, gens, sampling, eos, pad, task.device))
+                    rollout = self.inputs.rollout_inputs
+                    inputs = rollout(example, s.num_generations) if rollout is not None else None
+                    groups.append(
+                        sample_group(model, example.prompt_ids, gens, sampling, eos, pad, task.device, inputs)
+                    )
                 generated = time.perf_counter() - start
                 out.append(self._score(task, examples, groups, pad, generated))
         finally:
@@ -277,14 +290,12 @@ class GRPO(Objective):
     def _score(self, task: Any, examples: list[Any], groups: list[Any], pad: int, generated_s: float) -> dict[str, Any]:
         import time
 
-        from spindle.data.preference import collate_sequences
-
         s, tok, g = self.settings, task.tokenizer, self.settings.num_generations
         start = time.perf_counter()
         prompts: list[Any] = []
         completions: list[Any] = []
         columns: dict[str, list[Any]] = {}
-        rows: list[tuple[list[int], list[int]]] = []
+        rows: list[tuple[list[int], list[int], list[Any]]] = []
         for (_, example), (tokens, mask) in zip(examples, groups, strict=True):
             conversational = isinstance(example.prompt, list)
             for j in range(g):
@@ -292,7 +303,7 @@ class GRPO(Objective):
                 text = tok.decode(ids, skip_special_tokens=True)
                 completions.append([{"role": "assistant", "content": text}] if conversational else text)
                 prompts.append(example.prompt)
-                rows.append((example.prompt_ids, ids))
+                rows.append((example.prompt_ids, ids, example.media))
                 for key, value in example.columns.items():
                     columns.setdefault(key, []).append(value)
         scores = self.reward_set()(completions, prompts, columns)
@@ -300,8 +311,8 @@ class GRPO(Objective):
         weights = torch.tensor([r.weight for r in self.rewards.rewards], dtype=torch.float32)
         adv = group_advantages(per_function, g, weights, s.scale_rewards)
         scored = time.perf_counter() - start
-        batch = collate_sequences(rows, pad)
-        lengths = torch.tensor([len(c) for _, c in rows], dtype=torch.float32)
+        batch = self.inputs.rows(rows, pad)
+        lengths = torch.tensor([len(c) for _, c, _ in rows], dtype=torch.float32)
         rewards = adv.rewards
         metrics = {
             "reward_mean": float(torch.nanmean(rewards)),
@@ -313,7 +324,7 @@ class GRPO(Objective):
             "time/scoring_s": scored,
         }
         return {
-            **{k: batch[k] for k in ("input_ids", "position_ids", "shift_labels")},
+            **{k: v for k, v in batch.items() if k not in ("attention_mask", "completion_mask")},
             "advantages": adv.advantages.float(),
             "metrics": metrics,
             "samples": [
@@ -350,7 +361,7 @@ class GRPO(Objective):
 
         s = self.settings
         start = time.perf_counter()
-        rows = {k: batch[k] for k in ("input_ids", "position_ids", "shift_labels")}
+        rows = {k: v for k, v in batch.items() if torch.is_tensor(v) and k not in NOT_ROWS}  # tokens and media
         run = task.run_rows(model, rows, log_probs=True, temperature=s.temperature)
         mask = (run.rows["shift_labels"] != -100).to(run.log_probs.dtype)
         # The old policy is the sampler. The cycle's first update runs on the sampler's weights, so its own

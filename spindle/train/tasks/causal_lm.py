@@ -143,11 +143,25 @@ def has_linear_attention(text_config: dict[str, Any]) -> bool:
 
 @dataclass
 class PreferenceInputs:
-    """How a task's input kind reads preference pairs (`CausalLMTask.preference_inputs`)."""
+    """How a task's input kind reads the post-training objectives' data (`CausalLMTask.preference_inputs`):
+    preference pairs (DPO), prompts and the rows of their completions (GRPO)."""
 
     tokenize: Callable[..., Any] | None  # a `spindle.data.preference.PairTokenizer`; None: the text tokenizer's
     media_ids: frozenset[int]  # media placeholder tokens, which prompt truncation must not cut
     collate: Callable[..., dict[str, torch.Tensor]]  # (pairs, pad_id=, multiple=) -> a batch of 2B rows
+    tokenize_prompt: Callable[..., Any] | None = None  # a `PromptTokenizer`; None: the text tokenizer's
+    # ((prompt ids, completion ids, media) rows, pad_id=, multiple=) -> a batch of those rows
+    collate_rows: Callable[..., dict[str, torch.Tensor]] | None = None
+    # (a prompt example, rows) -> `sample_group`'s step_inputs for that many completions of it; None: text
+    rollout_inputs: Callable[..., Any] | None = None
+
+    def rows(self, rows: list[tuple[list[int], list[int], list[Any]]], pad_id: int) -> dict[str, torch.Tensor]:
+        """The batch of (prompt ids, completion ids, media) rows."""
+        if self.collate_rows is not None:
+            return self.collate_rows(rows, pad_id=pad_id)
+        from spindle.data.preference import collate_sequences
+
+        return collate_sequences([(prompt, completion) for prompt, completion, _ in rows], pad_id)
 
 
 class CausalLMTask(TrainTask):

@@ -336,7 +336,13 @@ class VLMTask(CausalLMTask):
     def preference_inputs(self) -> PreferenceInputs:
         """Preference pairs with media in their prompts (spindle.data.media_preference); the kinds of media read
         join `dataset_kinds` (the towers every rank runs, really or as a dummy)."""
-        from spindle.data.media_preference import collate_media_pairs, media_pair_tokenizer
+        from spindle.data.media_preference import (
+            collate_media_pairs,
+            collate_media_sequences,
+            media_pair_tokenizer,
+            media_prompt_tokenizer,
+            prompt_step_inputs,
+        )
 
         processor = self.vision_processor()
         tokenize = media_pair_tokenizer(processor)
@@ -346,8 +352,33 @@ class VLMTask(CausalLMTask):
             self.dataset_kinds |= {m.kind for m in out[3]}  # in place: a reference twin shares the set
             return out
 
+        def recording_prompt(prompt: Any, file: Path) -> tuple[list[int], list[Any]]:
+            ids, media = tokenize_prompt(prompt, file)
+            self.dataset_kinds |= {m.kind for m in media}
+            return ids, media
+
+        def rollout_inputs(example: Any, rows: int) -> Callable[[int], dict[str, Any]]:
+            step = prompt_step_inputs(processor, example.prompt_ids, example.media, rows, self.device)
+
+            def inputs(t: int) -> dict[str, Any]:
+                out = step(t)
+                assert self.vision_step is not None, "build_model installs the vision hook"
+                # the prompt's forward runs its towers (and the dummies of the data's other kinds, as every rank
+                # does in lockstep); the next tokens' forwards run none
+                present = {k for k, key in KIND_INPUT.items() if key in out}
+                self.vision_step.start(present, self.dataset_kinds if t == 0 else set(), out["position_ids"])
+                return out
+
+            return inputs
+
+        tokenize_prompt = media_prompt_tokenizer(processor)
         return PreferenceInputs(
-            recording, frozenset(processor.media_ids), partial(collate_media_pairs, processor=processor)
+            recording,
+            frozenset(processor.media_ids),
+            partial(collate_media_pairs, processor=processor),
+            tokenize_prompt=recording_prompt,
+            collate_rows=partial(collate_media_sequences, processor=processor),
+            rollout_inputs=rollout_inputs,
         )
 
     def build_reference(self, path: str | Path) -> tuple[CausalLMTask, torch.nn.Module]:
