@@ -170,9 +170,13 @@ class ConformanceSpec:
     # the stock pipeline's keyword for a family option named otherwise (FLUX.1 Kontext: auto_resize is the
     # pipeline's `_auto_resize`): the suite calls the stock pipeline with these names
     stock_names: dict[str, str] = field(default_factory=dict)
-    # the size (pixels a side) the stock pipeline's __call__ falls back to when it has no `default_sample_size`
-    # (ZImagePipeline: `height or 1024`); None: `default_sample_size` x `vae_scale_factor`
-    stock_size: int | None = None
+    # the size (pixels a side, or (height, width)) the stock pipeline's __call__ falls back to when it has no
+    # `default_sample_size` (ZImagePipeline: `height or 1024`); None: `default_sample_size` x `vae_scale_factor`
+    stock_size: int | tuple[int, int] | None = None
+    # generate() arguments the stock pipeline takes through its `guider` component's config, not its __call__
+    # (HunyuanVideo15Pipeline's guidance_scale): the suite sets them with `pipe.guider.new(...)`, and a default of
+    # one is the folder's guider's
+    stock_guider: tuple[str, ...] = ()
     # edit families: source images per sample in the suite's training batches (`batch["images"]`)
     train_sources: int = 0
     # generate() options under which inference sees what training sees (the suite's token count), e.g.

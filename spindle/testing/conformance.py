@@ -81,8 +81,19 @@ def stock_output(root: Path, kwargs: dict[str, Any], names: dict[str, str] | Non
     pipe.set_progress_bar_config(disable=True)
     kw = {(names or {}).get(k, k): v for k, v in kwargs.items()}
     seed = kw.pop("seed")
+    guided = {k: kw.pop(k) for k in guider_names(root) if k in kw}
+    if guided:  # what the pipeline's guider component takes (HunyuanVideo-1.5's guidance_scale)
+        pipe.guider = pipe.guider.new(**guided)
     out = pipe(**kw, generator=torch.Generator().manual_seed(seed), output_type="np")
     return np.asarray(out.frames if hasattr(out, "frames") else out.images)
+
+
+def guider_names(root: Path) -> tuple[str, ...]:
+    """The generate() arguments `root`'s stock pipeline takes through its guider (`ConformanceSpec.stock_guider`)."""
+    from spindle.registry import resolve_family
+
+    family = resolve_family(root)
+    return family.conformance.stock_guider if isinstance(family, DiTFamily) and family.conformance else ()
 
 
 def check_reference(family: str, reference: np.ndarray, kwargs: dict[str, Any]) -> None:
@@ -128,6 +139,10 @@ def check_default_params(family: DiTFamily, root: Path, expected: dict[str, Any]
     pipe: Any = None
     for name, value in {**{k: v for k, v in expected.items() if k != "extra"}, **expected.get("extra", {})}.items():
         stock = call[name].default if name in call else None
+        if family.conformance is not None and name in family.conformance.stock_guider:
+            if pipe is None:
+                pipe = stock_pipeline(root, pipeline_cls)
+            stock = pipe.guider.config[name]  # the folder's guider's
         # (a None size is left to the input image, as an edit pipeline's __call__ leaves it)
         if stock is None and name in ("height", "width") and value is not None:
             if pipe is None:
@@ -135,6 +150,8 @@ def check_default_params(family: DiTFamily, root: Path, expected: dict[str, Any]
             sample_size = getattr(pipe, "default_sample_size", None)
             # a pipeline without one falls back to a fixed size in __call__'s body, which the family declares
             declared = family.conformance.stock_size if family.conformance is not None else None
+            if isinstance(declared, tuple):  # (height, width): a pipeline falling back to a non-square size
+                declared = declared[("height", "width").index(name)]
             stock = declared if sample_size is None else sample_size * pipe.vae_scale_factor
             assert stock is not None, (
                 f"{family.name}: {pipeline_cls.__name__} has no default_sample_size; declare stock_size"

@@ -1,0 +1,1 @@
+CONDITION_MODEL = None
