@@ -55,6 +55,19 @@ class CheckpointAdapter(Protocol):
         ...
 
 
+@functools.cache
+def _lora_pipeline(pipeline: str, loader: str | None) -> Any:
+    """diffusers' `pipeline` class, or (a `loader` mixin named) that class with diffusers' mixin, as diffusers
+    composes its own pipelines (`class WanPipeline(DiffusionPipeline, WanLoraLoaderMixin)`); one class per pair."""
+    import diffusers
+
+    cls = getattr(diffusers, pipeline)
+    if loader is None:
+        return cls
+    mixin = getattr(importlib.import_module("diffusers.loaders"), loader)
+    return type(f"{pipeline}With{loader}", (cls, mixin), {})
+
+
 def import_object(path: str) -> Any:
     """'package.module:attr' -> attr (keeps family registration free of heavy imports)."""
     module, _, attr = path.partition(":")
@@ -238,6 +251,10 @@ class DiffusersCheckpoint:
     # a variant of a pipeline class another family serves too (Wan2.2 A14B's two-expert WanPipeline):
     # model_index.json -> whether the folder is this variant; the registry tries variants first
     variant: Callable[[dict[str, Any]], bool] | None = None
+    # the diffusers LoRA loader mixin (e.g. "HunyuanVideoLoraLoaderMixin") for a stock pipeline class that has
+    # none (HunyuanVideo15Pipeline): LoRA files are written and read through the pipeline with it mixed in, the
+    # layout diffusers' `load_lora_adapter(..., prefix="transformer")` reads on the stock transformer
+    lora_loader: str | None = None
 
 
 class Code:
@@ -357,6 +374,12 @@ class DiTFamily(FamilyFolder):
         import diffusers
 
         return getattr(diffusers, self.checkpoint.pipeline)
+
+    def lora_pipeline_class(self) -> Any:
+        """The class whose diffusers LoRA methods (`save_lora_weights`, `lora_state_dict`, `load_lora_weights`) read
+        and write the family's LoRA files: the pipeline class, with `checkpoint.lora_loader` mixed in where the
+        stock class has no LoRA loader."""
+        return _lora_pipeline(self.checkpoint.pipeline, self.checkpoint.lora_loader)
 
     def inference_spec(self) -> Any:
         if self.inference is None:

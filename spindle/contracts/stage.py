@@ -102,6 +102,9 @@ class InferenceSpec:
     # `components` under the same name (None when the folder does not set it)
     pipeline_config: tuple[str, ...] = ()
     vae_component: str = "vae"
+    # an export's default max_sequence_length is the text length it was trained with; False where the stock
+    # pipeline fixes its text length (HunyuanVideo-1.5 pads to 1000 tokens), which the engine then keeps
+    follows_trained_text_length: bool = True
     before_denoising_cls: type[BeforeDenoisingStage] = BeforeDenoisingStage
     # the family's declared sampling options (the same object as its family record's `options`)
     options: FamilyOptions = FamilyOptions()

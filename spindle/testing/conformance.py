@@ -270,13 +270,13 @@ def check_inference_parity(
     from spindle.infer.generator import DiffusionGenerator
     from spindle.infer.pipeline import InferencePipeline, load_components
 
-    trained = trained_text_length(root)
+    spec = family.inference_spec()
+    trained = trained_text_length(root) if spec.follows_trained_text_length else None
     stock_kwargs = kwargs if trained is None else {"max_sequence_length": trained, **kwargs}
     names = family.conformance.stock_names if family.conformance else {}
     reference = stock_output(root, stock_kwargs, names)
     check_reference(family.name, reference, kwargs)
     options = EngineConfig(cfg_batch=cfg_batch)
-    spec = family.inference_spec()
     engine = InferencePipeline.build(spec, load_components(root, spec, options), options, root=root)
     result = DiffusionGenerator(engine).generate(**kwargs)
     assert result.frames.shape == reference.shape, (
@@ -643,7 +643,7 @@ def check_lora_file_round_trip(family: DiTFamily, root: Path, out: Path) -> None
     assert not any(".norm" in n for n in trainable), f"{family.name}: modulation layers are default LoRA targets"
     adapters = random_lora(root, seed=0)
     write_lora(family, adapters, out)
-    pipeline = family.pipeline_class()
+    pipeline = family.lora_pipeline_class()
     back = {k.removeprefix("transformer."): v for k, v in pipeline.lora_state_dict(out).items()}
     assert back.keys() == adapters.keys(), f"{family.name}: the LoRA file reads back with other keys"
     for key, value in adapters.items():
@@ -687,7 +687,10 @@ def repeated_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer's repeated blocks (diffusers `_repeated_blocks`: what regional compile compiles
     and the first-block cache skips), in order."""
     names = set(getattr(transformer, "_repeated_blocks", None) or ())
-    blocks = [m for m in transformer.modules() if type(m).__name__ in names]
+    # the block lists directly under the model, where diffusers' cache hooks find the blocks (HunyuanVideo-1.5 also
+    # lists its patch embedder and text refiner as repeated: computed every forward, never skipped)
+    lists = [child for child in transformer.children() if isinstance(child, torch.nn.ModuleList)]
+    blocks = [m for blocks in lists for m in blocks if type(m).__name__ in names]
     assert blocks, f"{type(transformer).__name__} declares no _repeated_blocks"
     return blocks
 

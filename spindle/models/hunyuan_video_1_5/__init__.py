@@ -25,7 +25,14 @@ OPTIONS = FamilyOptions(
 
 FAMILY = DiTFamily(
     name="hunyuan_video_1_5",
-    checkpoint=DiffusersCheckpoint("HunyuanVideo15Pipeline", "HunyuanVideo15Transformer3DModel", detect=_looks_like_hyv15),
+    # HunyuanVideo15Pipeline has no LoRA loader: its LoRA files are diffusers' HunyuanVideo layout ("transformer."
+    # keys), which the stock transformer's `load_lora_adapter(path, prefix="transformer")` loads
+    checkpoint=DiffusersCheckpoint(
+        "HunyuanVideo15Pipeline",
+        "HunyuanVideo15Transformer3DModel",
+        detect=_looks_like_hyv15,
+        lora_loader="HunyuanVideoLoraLoaderMixin",
+    ),
     options=OPTIONS,
     demo=decl.demo(decl.VIDEO_DEMO),
     conformance=ConformanceSpec(

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from spindle.contracts.family import import_object
 from spindle.contracts.request import (
     Req,
     RequestError,
@@ -34,18 +35,38 @@ from spindle.contracts.request import (
     resolved,
     suggest,
 )
-from spindle.contracts.family import import_object
 from spindle.contracts.stage import BeforeDenoisingStage, InferenceSpec
 from spindle.models.hunyuan_video_1_5 import MAX_SEQUENCE_LENGTH, OPTIONS
 
+
+def register_block_outputs() -> None:
+    """Tell diffusers' cache hooks (first-block cache, MagCache) where HunyuanVideo15TransformerBlock returns its
+    two streams, as diffusers registers its other dual-stream blocks (its registry has no entry for this one)."""
+    from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
+    from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15TransformerBlock
+
+    outputs = TransformerBlockMetadata(return_hidden_states_index=0, return_encoder_hidden_states_index=1)
+    TransformerBlockRegistry.register(model_class=HunyuanVideo15TransformerBlock, metadata=outputs)
+
+
+register_block_outputs()
+
 # the guider settings this engine runs (ClassifierFreeGuidance's defaults but the scale)
-GUIDER_DEFAULTS = {"guidance_rescale": 0.0, "use_original_formulation": False, "start": 0.0, "stop": 1.0, "enabled": True}
+GUIDER_DEFAULTS = {
+    "guidance_rescale": 0.0,
+    "use_original_formulation": False,
+    "start": 0.0,
+    "stop": 1.0,
+    "enabled": True,
+}
 
 
 def check_guider(guider: Any) -> float:
     """The folder's guider is a plain CFG guider -> its guidance scale; else a ValueError naming the setting."""
     if type(guider).__name__ != "ClassifierFreeGuidance":
-        raise ValueError(f"guider/ is a {type(guider).__name__}; Spindle runs HunyuanVideo-1.5 with ClassifierFreeGuidance")
+        raise ValueError(
+            f"guider/ is a {type(guider).__name__}; Spindle runs HunyuanVideo-1.5 with ClassifierFreeGuidance"
+        )
     for key, value in GUIDER_DEFAULTS.items():
         if guider.config.get(key, value) != value:
             raise ValueError(
@@ -94,7 +115,7 @@ class HunyuanVideo15BeforeDenoisingStage(BeforeDenoisingStage):
 
     def validate(self, params: SamplingParams) -> None:
         super().validate(params)
-        check_size(params, self.multiple, self.multiple, f"VAE x{self.scale_spatial} x patch")
+        self.check_size(params)
         n, k = params.num_frames, self.scale_temporal
         if isinstance(n, bool) or not isinstance(n, int) or n < 1 or (n - 1) % k:
             hint = f"; try {suggest(n, k, offset=1)}" if isinstance(n, int) and not isinstance(n, bool) else ""
@@ -104,14 +125,29 @@ class HunyuanVideo15BeforeDenoisingStage(BeforeDenoisingStage):
                 field="num_frames",
             )
         check_int_range("max_sequence_length", params.max_sequence_length, minimum=1, maximum=MAX_SEQUENCE_LENGTH)
+        if params.batch_size > 1:
+            raise RequestError(
+                f"this model generates one video per request (got {params.batch_size}: prompts x "
+                "num_outputs_per_prompt): diffusers' AutoencoderKLHunyuanVideo15 decodes one video at a time (its "
+                "attention's causal mask is built for one); send one prompt per request",
+                field="prompt",
+            )
+
+    def check_size(self, params: SamplingParams) -> None:
+        check_size(params, self.multiple, self.multiple, f"VAE x{self.scale_spatial} x patch")
+
+    def size(self, p: SamplingParams) -> tuple[int, int]:
+        """(height, width) of the video: the request's (image-to-video: the conditioning image's bucket)."""
+        return resolved(p.height, "height"), resolved(p.width, "width")
 
     def latent_shape(self, p: SamplingParams) -> tuple[int, ...]:
+        height, width = self.size(p)
         return (
             p.batch_size,
             self.text_pipe.num_channels_latents,
             (resolved(p.num_frames, "num_frames") - 1) // self.scale_temporal + 1,
-            resolved(p.height, "height") // self.scale_spatial,
-            resolved(p.width, "width") // self.scale_spatial,
+            height // self.scale_spatial,
+            width // self.scale_spatial,
         )
 
     def encode(self, prompts: list[str], p: SamplingParams, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -122,7 +158,8 @@ class HunyuanVideo15BeforeDenoisingStage(BeforeDenoisingStage):
         return tuple(t.repeat_interleave(n, dim=0).to(self.transformer.dtype) for t in tensors)
 
     def condition(self, req: Req) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the condition latents with their mask [B, C + 1, F, h, w], the image embeddings): text-to-video's zeros."""
+        """(the condition latents with their mask [B, C + 1, F, h, w], the image embeddings): text-to-video's zeros
+        (image-to-video: the first frame's)."""
         assert req.latents is not None
         dtype = self.transformer.dtype
         cond, mask = self.text_pipe.prepare_cond_latents_and_mask(req.latents, dtype, req.device)
@@ -151,8 +188,7 @@ class HunyuanVideo15BeforeDenoisingStage(BeforeDenoisingStage):
         req.latents = self.text_pipe.prepare_latents(
             p.batch_size,
             self.text_pipe.num_channels_latents,
-            resolved(p.height, "height"),
-            resolved(p.width, "width"),
+            *self.size(p),
             resolved(p.num_frames, "num_frames"),
             torch.float32,
             device,
@@ -185,6 +221,7 @@ class HunyuanVideo15Inference(InferenceSpec):
         "transformer",
     )
     before_denoising_cls: Any = HunyuanVideo15BeforeDenoisingStage
+    follows_trained_text_length = False  # HunyuanVideo15Pipeline always pads to 1000 tokens (no argument for it)
 
     def default_params(self, components: dict[str, Any]) -> SamplingParams:
         # HunyuanVideo15Pipeline.__call__ defaults: the 16:9 bucket of the transformer's target_size, 121 frames,
