@@ -258,6 +258,9 @@ REAL: dict[str, Real] = {
     "hunyuan_video_1_5_480p_t2v.yaml": Real(
         "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v", HUNYUAN_VIDEO_1_5_480P_T2V
     ),
+    "hunyuan_video_1_5_i2v_480p.yaml": Real(
+        "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_i2v", dict(HUNYUAN_VIDEO_1_5_480P_T2V, task_type="i2v")
+    ),
     "wan_1.3b.yaml": Real("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", WAN_1_3B),
     "wan_i2v_14b.yaml": Real("Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", WAN_I2V_14B),
     "wan22_a14b.yaml": Real("Wan-AI/Wan2.2-T2V-A14B-Diffusers", WAN_14B),

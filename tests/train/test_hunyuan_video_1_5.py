@@ -1,5 +1,5 @@
-"""HunyuanVideo-1.5 beyond the conformance suite: a two-step LoRA run on a small video dataset (64x64, 9 frames)
-writes `export/lora/pytorch_lora_weights.safetensors`, which stock diffusers loads into the stock pipeline's
+"""HunyuanVideo-1.5 (text- and image-to-video) beyond the conformance suite: a two-step LoRA run on a small video
+dataset (64x64, 9 frames; image-to-video conditioned on each clip's first frame) writes `export/lora/pytorch_lora_weights.safetensors`, which stock diffusers loads into the stock pipeline's
 transformer (`HunyuanVideo15Pipeline` has no `load_lora_weights`: `transformer.load_lora_adapter(...,
 prefix="transformer")` reads the same layout), generating what Spindle's engine generates with it; the training
 inputs follow the pipeline's conventions."""
@@ -7,6 +7,7 @@ inputs follow the pipeline's conventions."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from spindle.api import load_generator, load_job_config, train
@@ -16,12 +17,14 @@ from tests.conftest import train_overrides
 NAME = "hunyuan_video_1_5"
 
 
-def test_lora_trains_exports_and_loads_in_stock_diffusers(tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("name", [NAME, "hunyuan_video_1_5_i2v"])
+def test_lora_trains_exports_and_loads_in_stock_diffusers(name, tiny_checkpoint, tmp_path):
     from diffusers import DiffusionPipeline
 
     from spindle.data.synthetic import make_shapes_video_dataset
+    from spindle.models.shared.test_images import noise_image
 
-    tiny = tiny_checkpoint(NAME)
+    tiny = tiny_checkpoint(name)
     videos = make_shapes_video_dataset(tmp_path / "videos", num_videos=2, num_frames=9, size=(64, 64))
     overrides = dict(
         data__num_frames=9,
@@ -37,7 +40,9 @@ def test_lora_trains_exports_and_loads_in_stock_diffusers(tiny_checkpoint, tmp_p
     assert sorted(p.name for p in lora_dir.glob("*.safetensors")) == ["pytorch_lora_weights.safetensors"]
     assert 'pipe.transformer.load_lora_adapter("' in (lora_dir / "README.md").read_text()
 
-    request = dict(prompt="a red circle", height=64, width=64, num_frames=9, num_inference_steps=2)
+    request = dict(prompt="a red circle", num_frames=9, num_inference_steps=2)
+    # image-to-video: the size is the image's bucket (64x64 for a square image on the tiny model)
+    request |= dict(height=64, width=64) if name == NAME else dict(image=noise_image(64, 64))
     ours = load_generator(tiny, lora=str(lora_dir)).generate(**request, seed=0).frames
     pipe = DiffusionPipeline.from_pretrained(tiny)
     pipe.transformer.load_lora_adapter(lora_dir / "pytorch_lora_weights.safetensors", prefix="transformer")
@@ -59,7 +64,9 @@ def test_training_inputs_follow_the_pipelines_conventions(tiny_checkpoint):
     batch = suite.training_batch(family)
     conditions = condition.encode(batch)
     vae = condition.pipe.vae
-    expected = vae.encode(batch["pixels"]).latent_dist.mode() * vae.config.scaling_factor
+    # (one video per encode: the VAE's attention builds its causal mask for one)
+    modes = [vae.encode(video[None]).latent_dist.mode() for video in batch["pixels"]]
+    expected = torch.cat(modes) * vae.config.scaling_factor
     torch.testing.assert_close(conditions["latents"], expected, atol=0, rtol=0)
     inputs = condition.training_inputs(conditions, [sample_generator(0, 0, i) for i in range(2)])
     channels = expected.shape[1]

@@ -125,13 +125,6 @@ class HunyuanVideo15BeforeDenoisingStage(BeforeDenoisingStage):
                 field="num_frames",
             )
         check_int_range("max_sequence_length", params.max_sequence_length, minimum=1, maximum=MAX_SEQUENCE_LENGTH)
-        if params.batch_size > 1:
-            raise RequestError(
-                f"this model generates one video per request (got {params.batch_size}: prompts x "
-                "num_outputs_per_prompt): diffusers' AutoencoderKLHunyuanVideo15 decodes one video at a time (its "
-                "attention's causal mask is built for one); send one prompt per request",
-                field="prompt",
-            )
 
     def check_size(self, params: SamplingParams) -> None:
         check_size(params, self.multiple, self.multiple, f"VAE x{self.scale_spatial} x patch")
@@ -222,6 +215,8 @@ class HunyuanVideo15Inference(InferenceSpec):
     )
     before_denoising_cls: Any = HunyuanVideo15BeforeDenoisingStage
     follows_trained_text_length = False  # HunyuanVideo15Pipeline always pads to 1000 tokens (no argument for it)
+    # diffusers' AutoencoderKLHunyuanVideo15 builds its attention's causal mask for one video (a batch fails in it)
+    videos_per_decode = 1
 
     def default_params(self, components: dict[str, Any]) -> SamplingParams:
         # HunyuanVideo15Pipeline.__call__ defaults: the 16:9 bucket of the transformer's target_size, 121 frames,

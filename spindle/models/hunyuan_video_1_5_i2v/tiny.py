@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from spindle.models.hunyuan_video_1_5.tiny import HYV15_TRANSFORMER, save_hyv15_pipeline
-from spindle.models.shared.tiny import Overrides
+from spindle.models.shared.tiny import Overrides, update_model_index
 
 # a SigLIP vision tower as wide as the transformer's image embedder: (32 / 8)^2 = 16 image tokens
 SIGLIP_VISION = dict(
@@ -31,7 +31,7 @@ def build_tiny(out: str | Path, seed: int = 0, **overrides: Overrides) -> Path:
     torch.manual_seed(seed + 3)
     image_encoder = SiglipVisionModel(SiglipVisionConfig(**SIGLIP_VISION)).eval()
     processor = SiglipImageProcessor(size={"height": SIGLIP_VISION["image_size"], "width": SIGLIP_VISION["image_size"]})
-    return save_hyv15_pipeline(
+    root = save_hyv15_pipeline(
         HunyuanVideo15ImageToVideoPipeline,
         Path(out),
         seed,
@@ -40,3 +40,5 @@ def build_tiny(out: str | Path, seed: int = 0, **overrides: Overrides) -> Path:
         image_encoder=image_encoder,
         feature_extractor=processor,
     )
+    # the class real checkpoints name (transformers builds it here as its PIL fallback, without torchvision)
+    return update_model_index(root, feature_extractor=["transformers", "SiglipImageProcessor"])
