@@ -255,7 +255,7 @@ class HunyuanVideo15Inference(InferenceSpec):
 
     def sequence_length(self, req: Req, transformer: torch.nn.Module) -> int:
         _, _, f, h, w = resolved(req.raw_latent_shape, "raw_latent_shape")
-        config: Any = transformer.config  # type: ignore[union-attr]  # a diffusers model: its config
+        config: Any = transformer.config  # a diffusers model: its config
         return (f // config.patch_size_t) * (h // config.patch_size) * (w // config.patch_size)
 
 

@@ -45,7 +45,8 @@ FAMILY = DiTFamily(
         default_params=dict(T2V.conformance.default_params, height=None, width=None),
         stock_size=None,
         request_errors=(
-            (dict(height=64), r"height is set by the conditioning image"),
+            (dict(height=64), r"height needs width too: give both"),
+            (dict(height=40, width=64), r"height must be a positive multiple of 16"),
             (dict(num_frames=6), r"num_frames must be 4k\+1 \(1, 5, 9, 13, \.\.\.\).*got 6.*try 5 or 9"),
             decl.text_length_error(MAX_SEQUENCE_LENGTH),
         ),

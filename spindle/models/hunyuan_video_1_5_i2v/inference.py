@@ -1,8 +1,8 @@
 """HunyuanVideo-1.5 image-to-video inference: the text-to-video stage plus the conditioning image.
 
 Mirrors diffusers' `HunyuanVideo15ImageToVideoPipeline.__call__`: the video's size is the image's aspect bucket at
-the transformer's `target_size` (the pipeline's `calculate_default_height_width`; it takes no height or width, so
-a request giving one is refused), the image is center-cropped to it (`video_processor.resize(..., "crop")`), its
+the transformer's `target_size` (the pipeline's `calculate_default_height_width`; it takes no height or width: a
+request giving both, which the stock pipeline cannot, gets that size, as training crops to its resolution), the image is center-cropped to it (`video_processor.resize(..., "crop")`), its
 SigLIP embeddings come from the pipeline's `encode_image` and its first-frame condition latents and mask from its
 `prepare_cond_latents_and_mask`. The rest is text-to-video's. Step-distilled (`use_meanflow`) transformers take a
 second timestep the engine does not pass yet: they are refused at load.
@@ -36,15 +36,22 @@ class HunyuanVideo15I2VBeforeDenoisingStage(HunyuanVideo15BeforeDenoisingStage):
             raise RequestError(
                 "image is required: this is an image-to-video model; give the first frame", field="image"
             )
-        for name in ("height", "width"):
-            if getattr(params, name) is not None:
-                raise RequestError(
-                    f"{name} is set by the conditioning image (its aspect bucket at the model's target size, as "
-                    "HunyuanVideo15ImageToVideoPipeline sizes it); leave height and width unset",
-                    field=name,
-                )
+        given = [name for name in ("height", "width") if getattr(params, name) is not None]
+        if len(given) == 1:
+            other = "width" if given == ["height"] else "height"
+            raise RequestError(
+                f"{given[0]} needs {other} too: give both (the image is center-cropped to them) or neither (the "
+                "image's aspect bucket at the model's target size, as HunyuanVideo15ImageToVideoPipeline sizes it)",
+                field=given[0],
+            )
+        if given:
+            super().check_size(params)
 
     def size(self, p: SamplingParams) -> tuple[int, int]:
+        """The request's height and width where it gives them (a Spindle extension: the stock pipeline takes
+        none), else the image's aspect bucket at the transformer's target_size (the pipeline's)."""
+        if p.height is not None and p.width is not None:
+            return p.height, p.width
         image = resolved(p.image, "image")[0]
         target = self.transformer.config.target_size
         height, width = self.text_pipe.video_processor.calculate_default_height_width(
