@@ -71,6 +71,26 @@ WAN_14B = dict(
     eps=1e-6,
     rope_max_seq_len=1024,
 )
+# HunyuanVideo-1.5 480p text-to-video (hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v): 8.3B, 54 blocks
+HUNYUAN_VIDEO_1_5_480P_T2V = dict(
+    _class_name="HunyuanVideo15Transformer3DModel",
+    in_channels=65,
+    out_channels=32,
+    num_attention_heads=16,
+    attention_head_dim=128,
+    num_layers=54,
+    num_refiner_layers=2,
+    mlp_ratio=4.0,
+    patch_size=1,
+    patch_size_t=1,
+    qk_norm="rms_norm",
+    text_embed_dim=3584,
+    text_embed_2_dim=1472,
+    image_embed_dim=1152,
+    rope_axes_dim=[16, 56, 56],
+    target_size=640,
+    task_type="t2v",
+)
 WAN_1_3B = dict(WAN_14B, num_attention_heads=12, ffn_dim=8960, num_layers=30)
 # Wan2.1 I2V: 36 input channels (noise + mask + first-frame latents) and CLIP image tokens (image_dim 1280)
 WAN_I2V_14B = dict(WAN_14B, in_channels=36, image_dim=1280, added_kv_proj_dim=5120)
@@ -252,6 +272,12 @@ REAL: dict[str, Real] = {
     "qwenimage_edit_20b.yaml": Real("Qwen/Qwen-Image-Edit", QWEN_IMAGE),
     "qwenimage_edit_plus_20b.yaml": Real("Qwen/Qwen-Image-Edit-2509", QWEN_IMAGE),
     "z_image_turbo.yaml": Real("Tongyi-MAI/Z-Image-Turbo", Z_IMAGE),
+    "hunyuan_video_1_5_480p_t2v.yaml": Real(
+        "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v", HUNYUAN_VIDEO_1_5_480P_T2V
+    ),
+    "hunyuan_video_1_5_i2v_480p.yaml": Real(
+        "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_i2v", dict(HUNYUAN_VIDEO_1_5_480P_T2V, task_type="i2v")
+    ),
     "wan_1.3b.yaml": Real("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", WAN_1_3B),
     "wan_i2v_14b.yaml": Real("Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", WAN_I2V_14B),
     "wan22_a14b.yaml": Real("Wan-AI/Wan2.2-T2V-A14B-Diffusers", WAN_14B),

@@ -28,7 +28,8 @@ flux-cpu's shapes as FLUX.1 Kontext editing a source image (against stock FluxKo
 QwenImagePipeline, QwenImageEditPipeline and QwenImageEditPlusPipeline; `flux2-cpu` and `klein-cpu` against
 Flux2Pipeline (no CFG: the CFG modes and the first-block cache do not apply) and Flux2KleinPipeline (CFG on
 its empty negative prompt); `--preset z-image-cpu` against stock ZImagePipeline (VAE x8: 256x256 px -> 256 image
-tokens). Prints a table and writes JSON.
+tokens); `hunyuan-video-1.5-cpu` / `hunyuan-video-1.5-i2v-cpu` against stock HunyuanVideo15Pipeline /
+HunyuanVideo15ImageToVideoPipeline (64x64, 9 frames; no SP). Prints a table and writes JSON.
 
   python bench/generate.py --preset cpu --json bench-generate.json
 """
@@ -195,6 +196,21 @@ PRESETS["klein-cpu"] = {
     "transformer": {**PRESETS["flux2-cpu"]["transformer"], "guidance_embeds": False},
     "request": {**PRESETS["flux2-cpu"]["request"], "max_sequence_length": 32},
 }
+# HunyuanVideo-1.5 (families "hunyuan_video_1_5" / "hunyuan_video_1_5_i2v", stock HunyuanVideo15Pipeline /
+# HunyuanVideo15ImageToVideoPipeline): CFG through the pipeline's guider at its 6.0, 64x64 px x 9 frames (VAE x16 x4:
+# 48 video tokens next to the ~2000 text and image tokens the pipeline always sends); no SP (no context-parallel plan)
+PRESETS["hunyuan-video-1.5-cpu"] = dict(
+    family="hunyuan_video_1_5",
+    transformer=dict(num_layers=4, num_attention_heads=4, attention_head_dim=32, rope_axes_dim=(8, 12, 12)),
+    request=dict(height=64, width=64, num_frames=9, num_inference_steps=6, guidance_scale=6.0),
+    dtype="float32",
+)
+PRESETS["hunyuan-video-1.5-i2v-cpu"] = {
+    **PRESETS["hunyuan-video-1.5-cpu"],
+    "family": "hunyuan_video_1_5_i2v",
+    "image": (64, 64),  # the stock pipeline sizes the video by the image: its 64x64 bucket
+    "request": {k: v for k, v in PRESETS["hunyuan-video-1.5-cpu"]["request"].items() if k not in ("height", "width")},
+}
 # the several-image variant (stock QwenImageEditPlusPipeline): the same shapes, the image also seen at 384x384
 PRESETS["qwenimage-edit-plus-cpu"] = {**PRESETS["qwenimage-edit-cpu"], "family": "qwenimage_edit_plus"}
 COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2")  # per-preset overrides of the tiny builders
@@ -276,9 +292,19 @@ def stock_names() -> dict[str, str]:
     return {k: v for f in all_families() for k, v in (getattr(f.conformance, "stock_names", None) or {}).items()}
 
 
+def stock_guider() -> set[str]:
+    """Spindle options a stock pipeline takes through its guider component (HunyuanVideo-1.5's guidance_scale)."""
+    from spindle.registry import all_families
+
+    return {k for f in all_families() for k in (getattr(f.conformance, "stock_guider", None) or ())}
+
+
 def run_diffusers(pipe, req: dict, seed: int, steps: int | None = None) -> np.ndarray:
     names = stock_names()
     kw = {names.get(k, k): v for k, v in {**req, **({"num_inference_steps": steps} if steps else {})}.items()}
+    if getattr(pipe, "guider", None) is not None:  # set on the pipeline's guider, not passed to __call__
+        guided = {k: kw.pop(k) for k in stock_guider() if k in kw}
+        pipe.guider = pipe.guider.new(**guided) if guided else pipe.guider
     if getattr(pipe.transformer, "is_cache_enabled", False):
         # diffusers' pipelines do not reset step-cache hooks per call (MagCache's step counter only wraps
         # at its configured step count): a fresh state per request, as Spindle's engine does

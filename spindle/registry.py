@@ -29,6 +29,8 @@ BUILTIN_FAMILIES: dict[str, str] = {
     "flux2_klein": "spindle.models.flux2.klein",
     "gemma3": "spindle.models.gemma3",
     "gpt_oss": "spindle.models.gpt_oss",
+    "hunyuan_video_1_5": "spindle.models.hunyuan_video_1_5",
+    "hunyuan_video_1_5_i2v": "spindle.models.hunyuan_video_1_5_i2v",
     "llama": "spindle.models.llama",
     "qwen2": "spindle.models.qwen2",
     "qwen2_5_omni": "spindle.models.qwen2_5_omni",

@@ -60,6 +60,19 @@ class CheckpointAdapter(Protocol):
         ...
 
 
+@functools.cache
+def _lora_pipeline(pipeline: str, loader: str | None) -> Any:
+    """diffusers' `pipeline` class, or (a `loader` mixin named) that class with diffusers' mixin, as diffusers
+    composes its own pipelines (`class WanPipeline(DiffusionPipeline, WanLoraLoaderMixin)`); one class per pair."""
+    import diffusers
+
+    cls = getattr(diffusers, pipeline)
+    if loader is None:
+        return cls
+    mixin = getattr(importlib.import_module("diffusers.loaders"), loader)
+    return type(f"{pipeline}With{loader}", (cls, mixin), {})
+
+
 def import_object(path: str) -> Any:
     """'package.module:attr' -> attr (keeps family registration free of heavy imports)."""
     module, _, attr = path.partition(":")
@@ -175,9 +188,13 @@ class ConformanceSpec:
     # the stock pipeline's keyword for a family option named otherwise (FLUX.1 Kontext: auto_resize is the
     # pipeline's `_auto_resize`): the suite calls the stock pipeline with these names
     stock_names: dict[str, str] = field(default_factory=dict)
-    # the size (pixels a side) the stock pipeline's __call__ falls back to when it has no `default_sample_size`
-    # (ZImagePipeline: `height or 1024`); None: `default_sample_size` x `vae_scale_factor`
-    stock_size: int | None = None
+    # the size (pixels a side, or (height, width)) the stock pipeline's __call__ falls back to when it has no
+    # `default_sample_size` (ZImagePipeline: `height or 1024`); None: `default_sample_size` x `vae_scale_factor`
+    stock_size: int | tuple[int, int] | None = None
+    # generate() arguments the stock pipeline takes through its `guider` component's config, not its __call__
+    # (HunyuanVideo15Pipeline's guidance_scale): the suite sets them with `pipe.guider.new(...)`, and a default of
+    # one is the folder's guider's
+    stock_guider: tuple[str, ...] = ()
     # edit families: source images per sample in the suite's training batches (`batch["images"]`)
     train_sources: int = 0
     # generate() options under which inference sees what training sees (the suite's token count), e.g.
@@ -239,6 +256,10 @@ class DiffusersCheckpoint:
     # a variant of a pipeline class another family serves too (Wan2.2 A14B's two-expert WanPipeline):
     # model_index.json -> whether the folder is this variant; the registry tries variants first
     variant: Callable[[dict[str, Any]], bool] | None = None
+    # the diffusers LoRA loader mixin (e.g. "HunyuanVideoLoraLoaderMixin") for a stock pipeline class that has
+    # none (HunyuanVideo15Pipeline): LoRA files are written and read through the pipeline with it mixed in, the
+    # layout diffusers' `load_lora_adapter(..., prefix="transformer")` reads on the stock transformer
+    lora_loader: str | None = None
 
 
 class Code:
@@ -358,6 +379,12 @@ class DiTFamily(FamilyFolder):
         import diffusers
 
         return getattr(diffusers, self.checkpoint.pipeline)
+
+    def lora_pipeline_class(self) -> Any:
+        """The class whose diffusers LoRA methods (`save_lora_weights`, `lora_state_dict`, `load_lora_weights`) read
+        and write the family's LoRA files: the pipeline class, with `checkpoint.lora_loader` mixed in where the
+        stock class has no LoRA loader."""
+        return _lora_pipeline(self.checkpoint.pipeline, self.checkpoint.lora_loader)
 
     def inference_spec(self) -> Any:
         if self.inference is None:

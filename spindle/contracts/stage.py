@@ -102,6 +102,12 @@ class InferenceSpec:
     # `components` under the same name (None when the folder does not set it)
     pipeline_config: tuple[str, ...] = ()
     vae_component: str = "vae"
+    # an export's default max_sequence_length is the text length it was trained with; False where the stock
+    # pipeline fixes its text length (HunyuanVideo-1.5 pads to 1000 tokens), which the engine then keeps
+    follows_trained_text_length: bool = True
+    # videos the VAE decodes at once (None: the whole batch); 1 where the VAE takes one at a time (diffusers'
+    # AutoencoderKLHunyuanVideo15 builds its mid-block attention mask for one video)
+    videos_per_decode: int | None = None
     before_denoising_cls: type[BeforeDenoisingStage] = BeforeDenoisingStage
     # the family's declared sampling options (the same object as its family record's `options`)
     options: FamilyOptions = FamilyOptions()

@@ -4,6 +4,7 @@ original/ComfyUI layout, the model card, optionally the merged pipeline). Stock 
 
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 from pathlib import Path
@@ -92,7 +93,9 @@ def export_lora(
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    family.pipeline_class().save_lora_weights(tmp / "lora", transformer_lora_layers=adapters, weight_name=LORA_FILE)
+    family.lora_pipeline_class().save_lora_weights(
+        tmp / "lora", transformer_lora_layers=adapters, weight_name=LORA_FILE
+    )
     if family.lora_original is not None:
         try:
             original = import_object(family.lora_original)(adapters)
@@ -115,6 +118,8 @@ def export_lora(
         component=component,
         images=family.options.images[0],
         size=size,
+        lora_loader=family.checkpoint.lora_loader,
+        text_length_arg="max_sequence_length" in inspect.signature(family.pipeline_class().__call__).parameters,
     )
     if merge:
         model: Any = load_transformer(base, component=component)  # a diffusers ModelMixin (PEFT loader methods)

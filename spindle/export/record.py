@@ -73,6 +73,8 @@ def write_lora_card(
     component: str = "transformer",
     images: int = 0,
     size: dict[str, int] | None = None,
+    lora_loader: str | None = None,
+    text_length_arg: bool = True,
 ) -> None:
     """README.md of an exported LoRA folder (`folder`, to be found at `lora_dir` once renamed): what it
     is, the base model, and the exact `spindle generate` / diffusers lines that use it, which run as
@@ -91,7 +93,7 @@ def write_lora_card(
         if max_text_length
         else "The text length it was trained with is not recorded."
     )
-    length_arg = f", max_sequence_length={max_text_length}" if max_text_length else ""
+    length_arg = f", max_sequence_length={max_text_length}" if max_text_length and text_length_arg else ""
     out_file = "sample.mp4" if media == "video" else "sample.png"
     files_in = ["image.png"] if images == 1 else [f"image{i + 1}.png" for i in range(images)]
     image_flags = "".join(f" --image {f}" for f in files_in)
@@ -111,6 +113,9 @@ def write_lora_card(
     trained_at = trained_at if sized else ""
     # a two-expert checkpoint's low-noise expert (Wan2.2 A14B): diffusers loads it there when told
     into = ", load_into_transformer_2=True" if component == "transformer_2" else ""
+    load_line = f'pipe.load_lora_weights("{where}"{into})'
+    if lora_loader is not None:  # a stock pipeline without LoRA loading (HunyuanVideo15Pipeline): its transformer's
+        load_line = f'pipe.transformer.load_lora_adapter("{where}", prefix="transformer")'
     card = f"""# LoRA for {family} (trained with Spindle)
 
 Base model: `{base}` (the diffusers pipeline folder this LoRA was trained on).
@@ -131,7 +136,7 @@ spindle serve --model {base} --lora {where}
 import diffusers
 {import_image}
 pipe = diffusers.{pipeline_class}.from_pretrained("{base}")
-pipe.load_lora_weights("{where}"{into})
+{load_line}
 out = pipe(prompt="..."{image_arg}{size_arg}{length_arg})
 ```
 """

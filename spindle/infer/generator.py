@@ -80,7 +80,8 @@ class DiffusionGenerator:
         # The text length the weights were trained with, when the export (or its LoRA) records it
         # (`spindle.export.record`): the default max_sequence_length, so samples match validation.
         self.trained_text_length = trained_text_length(pipeline.root, pipeline.options.lora)
-        if self.trained_text_length is not None and self.defaults.max_sequence_length is not None:
+        follows = pipeline.spec.follows_trained_text_length
+        if self.trained_text_length is not None and self.defaults.max_sequence_length is not None and follows:
             self.defaults.max_sequence_length = self.trained_text_length
         self.cache_choice: CacheChoice | None = None  # set once cache="auto" has calibrated
         self._calibrate_first = pipeline.options.cache == "auto"

@@ -88,7 +88,7 @@ def peft_to_diffusers(state_dict: dict[str, torch.Tensor], config_path: Path) ->
 def lora_pipeline(family: Any, components: dict[str, Any]) -> Any:
     """The family's diffusers pipeline around the engine's loaded components (no copy of any weight):
     what diffusers' LoRA loading and adapter switching (`set_adapters`, `delete_adapters`) run on."""
-    cls = family.pipeline_class()
+    cls = family.lora_pipeline_class()
     accepted = inspect.signature(cls.__init__).parameters
     return cls(**{name: components.get(name) for name in accepted if name != "self" and name in components})
 

@@ -313,7 +313,8 @@ class DecodingStage(Stage):
         latents = latents.to(param.device, dtype=param.dtype)
         scale, shift = self.spec.decode_scale_shift(self.vae, latents)
         latents = latents / scale + shift
-        decoded = self.vae.decode(latents, return_dict=False)[0]
+        chunks = latents.split(self.spec.videos_per_decode or latents.shape[0])
+        decoded = torch.cat([self.vae.decode(chunk, return_dict=False)[0] for chunk in chunks])
         req.output = self.spec.postprocess(decoded, req)
         return req
 

@@ -81,8 +81,19 @@ def stock_output(root: Path, kwargs: dict[str, Any], names: dict[str, str] | Non
     pipe.set_progress_bar_config(disable=True)
     kw = {(names or {}).get(k, k): v for k, v in kwargs.items()}
     seed = kw.pop("seed")
+    guided = {k: kw.pop(k) for k in guider_names(root) if k in kw}
+    if guided:  # what the pipeline's guider component takes (HunyuanVideo-1.5's guidance_scale)
+        pipe.guider = pipe.guider.new(**guided)
     out = pipe(**kw, generator=torch.Generator().manual_seed(seed), output_type="np")
     return np.asarray(out.frames if hasattr(out, "frames") else out.images)
+
+
+def guider_names(root: Path) -> tuple[str, ...]:
+    """The generate() arguments `root`'s stock pipeline takes through its guider (`ConformanceSpec.stock_guider`)."""
+    from spindle.registry import resolve_family
+
+    family = resolve_family(root)
+    return family.conformance.stock_guider if isinstance(family, DiTFamily) and family.conformance else ()
 
 
 def check_reference(family: str, reference: np.ndarray, kwargs: dict[str, Any]) -> None:
@@ -128,6 +139,10 @@ def check_default_params(family: DiTFamily, root: Path, expected: dict[str, Any]
     pipe: Any = None
     for name, value in {**{k: v for k, v in expected.items() if k != "extra"}, **expected.get("extra", {})}.items():
         stock = call[name].default if name in call else None
+        if family.conformance is not None and name in family.conformance.stock_guider:
+            if pipe is None:
+                pipe = stock_pipeline(root, pipeline_cls)
+            stock = pipe.guider.config[name]  # the folder's guider's
         # (a None size is left to the input image, as an edit pipeline's __call__ leaves it)
         if stock is None and name in ("height", "width") and value is not None:
             if pipe is None:
@@ -135,6 +150,8 @@ def check_default_params(family: DiTFamily, root: Path, expected: dict[str, Any]
             sample_size = getattr(pipe, "default_sample_size", None)
             # a pipeline without one falls back to a fixed size in __call__'s body, which the family declares
             declared = family.conformance.stock_size if family.conformance is not None else None
+            if isinstance(declared, tuple):  # (height, width): a pipeline falling back to a non-square size
+                declared = declared[("height", "width").index(name)]
             stock = declared if sample_size is None else sample_size * pipe.vae_scale_factor
             assert stock is not None, (
                 f"{family.name}: {pipeline_cls.__name__} has no default_sample_size; declare stock_size"
@@ -253,13 +270,13 @@ def check_inference_parity(
     from spindle.infer.generator import DiffusionGenerator
     from spindle.infer.pipeline import InferencePipeline, load_components
 
-    trained = trained_text_length(root)
+    spec = family.inference_spec()
+    trained = trained_text_length(root) if spec.follows_trained_text_length else None
     stock_kwargs = kwargs if trained is None else {"max_sequence_length": trained, **kwargs}
     names = family.conformance.stock_names if family.conformance else {}
     reference = stock_output(root, stock_kwargs, names)
     check_reference(family.name, reference, kwargs)
     options = EngineConfig(cfg_batch=cfg_batch)
-    spec = family.inference_spec()
     engine = InferencePipeline.build(spec, load_components(root, spec, options), options, root=root)
     result = DiffusionGenerator(engine).generate(**kwargs)
     assert result.frames.shape == reference.shape, (
@@ -626,7 +643,7 @@ def check_lora_file_round_trip(family: DiTFamily, root: Path, out: Path) -> None
     assert not any(".norm" in n for n in trainable), f"{family.name}: modulation layers are default LoRA targets"
     adapters = random_lora(root, seed=0)
     write_lora(family, adapters, out)
-    pipeline = family.pipeline_class()
+    pipeline = family.lora_pipeline_class()
     back = {k.removeprefix("transformer."): v for k, v in pipeline.lora_state_dict(out).items()}
     assert back.keys() == adapters.keys(), f"{family.name}: the LoRA file reads back with other keys"
     for key, value in adapters.items():
@@ -670,7 +687,10 @@ def repeated_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer's repeated blocks (diffusers `_repeated_blocks`: what regional compile compiles
     and the first-block cache skips), in order."""
     names = set(getattr(transformer, "_repeated_blocks", None) or ())
-    blocks = [m for m in transformer.modules() if type(m).__name__ in names]
+    # the block lists directly under the model, where diffusers' cache hooks find the blocks (HunyuanVideo-1.5 also
+    # lists its patch embedder and text refiner as repeated: computed every forward, never skipped)
+    lists = [child for child in transformer.children() if isinstance(child, torch.nn.ModuleList)]
+    blocks = [m for blocks in lists for m in blocks if type(m).__name__ in names]
     assert blocks, f"{type(transformer).__name__} declares no _repeated_blocks"
     return blocks
 

@@ -53,5 +53,5 @@ def write_peft_folder(model: Any, out: str | Path) -> Path:
 
 def write_lora(family: Any, adapters: dict[str, torch.Tensor], out: str | Path) -> Path:
     """`out/pytorch_lora_weights.safetensors` in diffusers' layout (the family pipeline writes it). -> `out`."""
-    family.pipeline_class().save_lora_weights(out, transformer_lora_layers=adapters)
+    family.lora_pipeline_class().save_lora_weights(out, transformer_lora_layers=adapters)
     return Path(out)
