@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from spindle.models.qwen3_vl.tiny import PROCESSOR, VIDEO_PROCESSOR
 from spindle.models.qwen3_vl.tiny import TINY_TEXT as QWEN3_VL_TEXT
-from spindle.models.shared.tiny_vlm import QWEN3_VL_CHAT_TEMPLATE, TINY_TOWER, build_tiny_vlm
+from spindle.models.qwen3_vl.tiny import build_qwen3_vl_like
+from spindle.models.shared.tiny_vlm import TINY_TOWER
 
 # Qwen3.5's structure, scaled down: four decoder layers, three Gated DeltaNet linear-attention layers then one
 # full-attention layer (its `full_attention_interval` 4), partial rotary embeddings (a quarter of each head) with
@@ -34,16 +34,4 @@ TINY_VISION = dict(TINY_TOWER, patch_size=16, num_position_embeddings=16)
 
 
 def build_tiny(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
-    return build_tiny_vlm(
-        "qwen3_5",
-        out,
-        TINY_TEXT,
-        TINY_VISION,
-        seed=seed,
-        transformer=transformer,
-        min_pixels=32 * 32,
-        max_pixels=64 * 64,
-        chat_template=QWEN3_VL_CHAT_TEMPLATE,
-        processor=PROCESSOR,
-        video_processor=VIDEO_PROCESSOR,
-    )
+    return build_qwen3_vl_like("qwen3_5", out, TINY_TEXT, TINY_VISION, seed, transformer)

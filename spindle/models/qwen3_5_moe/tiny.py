@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from spindle.models.qwen3_5.tiny import TINY_TEXT, TINY_VISION
-from spindle.models.qwen3_vl.tiny import PROCESSOR, VIDEO_PROCESSOR
-from spindle.models.shared.tiny_vlm import QWEN3_VL_CHAT_TEMPLATE, build_tiny_vlm
+from spindle.models.qwen3_vl.tiny import build_qwen3_vl_like
 
 # Qwen3.5-MoE's structure, scaled down: the tiny Qwen3.5 with a sparse MoE in every layer, 8 experts, top-2,
 # and a gated shared expert. moe_intermediate_size keeps 2I and I apart from hidden_size (a square fused tensor
@@ -21,19 +20,6 @@ TINY_MOE = dict(
 
 
 def build_tiny(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
-    over = dict(transformer or {})
-    text = {k: v for k, v in TINY_TEXT.items() if k != "intermediate_size"}
-    text = {**text, **TINY_MOE, **over.pop("text_config", {})}
-    return build_tiny_vlm(
-        "qwen3_5_moe",
-        out,
-        text,
-        TINY_VISION,
-        seed=seed,
-        transformer={**over, "text_config": {}},
-        min_pixels=32 * 32,
-        max_pixels=64 * 64,
-        chat_template=QWEN3_VL_CHAT_TEMPLATE,
-        processor=PROCESSOR,
-        video_processor=VIDEO_PROCESSOR,
-    )
+    # Saved by stock save_pretrained: per-expert tensors (transformers' conversion mapping writes them back so)
+    text = {k: v for k, v in TINY_TEXT.items() if k != "intermediate_size"}  # every layer sparse
+    return build_qwen3_vl_like("qwen3_5_moe", out, {**text, **TINY_MOE}, TINY_VISION, seed, transformer)

@@ -32,13 +32,23 @@ VIDEO_PROCESSOR = dict(
 
 
 def build_tiny(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
+    return build_qwen3_vl_like("qwen3_vl", out, TINY_TEXT, TINY_VISION, seed, transformer)
+
+
+def build_qwen3_vl_like(
+    model_type: str, out: str | Path, text: dict, vision: dict, seed: int = 0, transformer: dict | None = None
+) -> Path:
+    """A tiny `model_type` checkpoint with Qwen3-VL's processor side (template, image and video processors, pixel
+    budget): Qwen3-VL and the families built on its tower (Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE). `transformer`'s
+    "text_config" entries join `text` (the MoE builders' own keys stay)."""
+    over = dict(transformer or {})
     return build_tiny_vlm(
-        "qwen3_vl",
+        model_type,
         out,
-        TINY_TEXT,
-        TINY_VISION,
+        {**text, **over.pop("text_config", {})},
+        vision,
         seed=seed,
-        transformer=transformer,
+        transformer={**over, "text_config": {}},
         min_pixels=32 * 32,
         max_pixels=64 * 64,
         chat_template=QWEN3_VL_CHAT_TEMPLATE,

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from spindle.models.qwen3_vl.tiny import PROCESSOR, TINY_TEXT, TINY_VISION, VIDEO_PROCESSOR
-from spindle.models.shared.tiny_vlm import QWEN3_VL_CHAT_TEMPLATE, build_tiny_vlm
+from spindle.models.qwen3_vl.tiny import TINY_TEXT, TINY_VISION, build_qwen3_vl_like
 
 # Qwen3-VL-30B-A3B's structure, scaled down: the tiny Qwen3-VL with every decoder layer sparse, 8 experts,
 # top-2. moe_intermediate_size keeps 2I and I apart from hidden_size: transformers decides whether to
@@ -18,18 +17,4 @@ TINY_MOE = dict(
 
 def build_tiny(out: str | Path, seed: int = 0, transformer: dict | None = None) -> Path:
     # Saved by stock save_pretrained: the fused, transposed expert layout of Qwen's checkpoints.
-    over = dict(transformer or {})
-    text = {**TINY_TEXT, **TINY_MOE, **over.pop("text_config", {})}
-    return build_tiny_vlm(
-        "qwen3_vl_moe",
-        out,
-        text,
-        TINY_VISION,
-        seed=seed,
-        transformer={**over, "text_config": {}},
-        min_pixels=32 * 32,
-        max_pixels=64 * 64,
-        chat_template=QWEN3_VL_CHAT_TEMPLATE,
-        processor=PROCESSOR,
-        video_processor=VIDEO_PROCESSOR,
-    )
+    return build_qwen3_vl_like("qwen3_vl_moe", out, {**TINY_TEXT, **TINY_MOE}, TINY_VISION, seed, transformer)
