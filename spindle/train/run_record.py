@@ -64,6 +64,11 @@ def run_identity(cfg: TrainJobConfig) -> dict[str, Any]:
     dumped = cfg.model_dump(mode="json")
     model = dumped["model"]
     data = {k: (_resolved(v) if k in PATH_KEYS else v) for k, v in dumped["data"].items()}
+    if "packing" in data and data["packing"] is None:
+        # the default, recorded as the model resolves it: a run recorded before the default existed matches
+        from spindle.train.tasks.causal_lm import CausalLMTask
+
+        data["packing"] = CausalLMTask.packs(cfg)  # type: ignore[arg-type]
     out: dict[str, Any] = {}
     _flatten("model", {**model, "path": _resolved(model["path"])}, out)
     _flatten("data", data, out)

@@ -195,3 +195,18 @@ def test_a_rerun_demo_replaces_its_own_earlier_run_and_nothing_else(tmp_path):
     with pytest.raises(ValueError, match="is not an earlier demo's run; give another --out"):
         fresh_run_folder(foreign)
     assert (foreign / "notes.txt").read_text() == "keep"
+
+
+def test_an_unset_data_packing_is_recorded_as_the_model_resolves_it(tiny_qwen3, tiny_checkpoint, lm_corpus, tmp_path):
+    """`data.packing` unset (its default) is recorded resolved: true for a softmax-attention model, so a run recorded
+    when the default was `true` resumes unchanged; false for a linear-attention one (Qwen3.5)."""
+    from spindle.api import load_job_config
+    from spindle.train.run_record import changed_keys, run_identity
+
+    unset = run_identity(load_job_config(None, lm_overrides(tiny_qwen3, lm_corpus, tmp_path / "a")))
+    explicit = run_identity(
+        load_job_config(None, lm_overrides(tiny_qwen3, lm_corpus, tmp_path / "a", data__packing=True))
+    )
+    assert unset["data.packing"] is True and changed_keys(explicit, unset) == []
+    qwen3_5 = load_job_config(None, lm_overrides(tiny_checkpoint("qwen3_5"), lm_corpus, tmp_path / "b"))
+    assert run_identity(qwen3_5)["data.packing"] is False

@@ -136,9 +136,11 @@ def read_config(model_path: str | Path) -> dict[str, Any]:
     return config
 
 
-def has_linear_attention(text_config: dict[str, Any]) -> bool:
-    """The language model has linear-attention layers (Qwen3.5's Gated DeltaNet: `layer_types`)."""
-    return "linear_attention" in (text_config.get("layer_types") or ())
+def has_linear_attention(config: dict[str, Any]) -> bool:
+    """The language model of a config.json (its own, or a VLM's `text_config`) has linear-attention layers
+    (Qwen3.5's Gated DeltaNet: `layer_types`)."""
+    text = config.get("text_config") or config
+    return "linear_attention" in (text.get("layer_types") or ())
 
 
 @dataclass
