@@ -66,9 +66,9 @@ def run_identity(cfg: TrainJobConfig) -> dict[str, Any]:
     data = {k: (_resolved(v) if k in PATH_KEYS else v) for k, v in dumped["data"].items()}
     if "packing" in data and data["packing"] is None:
         # the default, recorded as the model resolves it: a run recorded before the default existed matches
-        from spindle.train.tasks.causal_lm import CausalLMTask
+        from spindle.train.packing import packs
 
-        data["packing"] = CausalLMTask.packs(cfg)  # type: ignore[arg-type]
+        data["packing"] = packs(None, cfg.model.path)
     out: dict[str, Any] = {}
     _flatten("model", {**model, "path": _resolved(model["path"])}, out)
     _flatten("data", data, out)

@@ -73,11 +73,11 @@ def test_packed_row_loss_equals_the_documents_losses(name, tiny_checkpoint, vlm_
     A model with linear-attention layers (whose state would cross documents) refuses data.packing: true naming
     why, and its default is one conversation per row."""
     from spindle.config import ConfigError
-    from spindle.train.tasks.causal_lm import has_linear_attention, read_config
+    from spindle.train.packing import has_linear_attention, read_config
 
     model = tiny_checkpoint(name)
     data = suite.subset(vlm_conversations, tmp_path / "data", [0, 3, 1])
-    if has_linear_attention(read_config(model).get("text_config", {})):
+    if has_linear_attention(read_config(model)):
         with pytest.raises(ConfigError, match=r"data\.packing: .* linear-attention \(Gated DeltaNet\) layers"):
             make_trainer(load_job_config(None, vlm_overrides(model, data, tmp_path / "a", data__packing=True)))
         trainer = make_trainer(load_job_config(None, vlm_overrides(model, data, tmp_path / "b", data__seq_len=256)))

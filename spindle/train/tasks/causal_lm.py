@@ -38,6 +38,7 @@ from spindle.distributed.mesh import barrier, is_main_process
 from spindle.export.dtypes import ExportDtypes, check_export_dtype
 from spindle.export.transformers import ExportSource, load_tokenizer, write_transformers_folder
 from spindle.train.objectives import build_objective
+from spindle.train.packing import has_linear_attention, packs, read_config
 from spindle.train.parts.experts import PADDING_MASK_KEY, Experts
 from spindle.train.tasks.base import build_parallel_model, resumable_loader
 
@@ -130,19 +131,6 @@ class RowsRun:
     log_probs: torch.Tensor | None = None  # [rows, seq] with `log_probs=True`: each label token's log-probability
 
 
-def read_config(model_path: str | Path) -> dict[str, Any]:
-    """A transformers folder's config.json."""
-    config: dict[str, Any] = json.loads((Path(model_path) / "config.json").read_text())
-    return config
-
-
-def has_linear_attention(config: dict[str, Any]) -> bool:
-    """The language model of a config.json (its own, or a VLM's `text_config`) has linear-attention layers
-    (Qwen3.5's Gated DeltaNet: `layer_types`)."""
-    text = config.get("text_config") or config
-    return "linear_attention" in (text.get("layer_types") or ())
-
-
 @dataclass
 class PreferenceInputs:
     """How a task's input kind reads the post-training objectives' data (`CausalLMTask.preference_inputs`):
@@ -216,7 +204,7 @@ class CausalLMTask(TrainTask):
             )
         # transformers' torch path of Gated DeltaNet takes no document boundaries (its chunked recurrence and
         # causal convolution ignore cu_seqlens): a packed row would carry state from one document into the next
-        if cfg.data.packing and has_linear_attention(cls.text_config(read_config(cfg.model.path))):
+        if cfg.data.packing and has_linear_attention(read_config(cfg.model.path)):
             raise ConfigError(
                 f"data.packing: {family.name} models have linear-attention (Gated DeltaNet) layers, whose "
                 "recurrent state would flow from one packed document into the next; set data.packing: false "
@@ -241,9 +229,7 @@ class CausalLMTask(TrainTask):
     def packs(cls, cfg: CausalLMJobConfig) -> bool:
         """`data.packing` resolved: as set, else true unless the model's layers cannot keep packed documents
         apart (linear attention)."""
-        if cfg.data.packing is not None:
-            return cfg.data.packing
-        return not has_linear_attention(cls.text_config(read_config(cfg.model.path)))
+        return packs(cfg.data.packing, cfg.model.path)
 
     @classmethod
     def attention(cls, cfg: CausalLMJobConfig, precision: str, family: CausalLMFamily) -> str:
