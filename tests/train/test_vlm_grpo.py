@@ -34,11 +34,12 @@ def image_prompts(tmp_path_factory):
 
 
 def grpo_values(rewards, **values):
-    return dict(
+    base = dict(
         train__objective="grpo", data__seq_len=256, data__shuffle=False, train__global_batch_size=2,
         train__micro_batch_size=2, train__lr=1e-3, grpo__num_generations=2, grpo__max_new_tokens=4,
-        grpo__rewards=f"[{rewards}:short]", checkpoint__export=False, **values,
+        grpo__rewards=f"[{rewards}:short]", checkpoint__export=False,
     )  # fmt: skip
+    return {**base, **values}
 
 
 def test_greedy_rollouts_of_an_image_prompt_equal_stock_generate(tiny_qwen2_5_vl, image_prompts, tmp_path):
@@ -106,3 +107,26 @@ def test_every_vision_language_and_omni_family_trains_on_image_prompts(
     assert metrics[0]["completion_length"] > 0
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples" / "grpo.jsonl").read_text().splitlines()]
     assert samples and samples[0]["prompt"][0]["content"][0]["type"] == "image"
+
+
+@pytest.mark.slow
+def test_two_processes_one_with_a_text_only_prompt_equal_one_process(tiny_qwen2_5_vl, image_prompts, tmp_path):
+    """dp_shard=2 where one rank's prompt has an image and the other's none: the text-only rank runs the vision
+    tower's dummy in the prompt's forward (FSDP2's gathers pair up, no hang) and both ranks sample what one process
+    samples (rollouts keyed on seed, step, prompt, sample): rewards, losses and grad norms equal over 2 steps."""
+    from tests.conftest import lm_train, lm_train_cli
+
+    prompts, rewards, lines = image_prompts
+    mixed = tmp_path / "mixed.jsonl"
+    text_only = {"prompt": [{"role": "user", "content": "Say something short."}], "topic": "text"}
+    image_line = {**lines[0], "prompt": [{**lines[0]["prompt"][0], "content": [
+        {**lines[0]["prompt"][0]["content"][0], "image": str(prompts.parent / "0.png")},
+        lines[0]["prompt"][0]["content"][1],
+    ]}]}  # fmt: skip
+    mixed.write_text(json.dumps(image_line) + "\n" + json.dumps(text_only) + "\n")
+    values = grpo_values(rewards, train__max_steps=2, train__micro_batch_size=1, train__adam_eps=1e-4)
+    lm_train(tiny_qwen2_5_vl, mixed, tmp_path / "one", **values)
+    lm_train_cli(tiny_qwen2_5_vl, mixed, tmp_path / "two", 2, parallel__dp_shard=2, **values)
+    for a, b in zip(read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two"), strict=True):
+        for key in ("reward_mean", "loss", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
