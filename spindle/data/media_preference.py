@@ -31,7 +31,6 @@ import torch
 from spindle.data.multimodal import (
     VisionProcessor,
     collate_vision,
-    is_data_url,
     media_parts,
     normalise_conversation,
 )
@@ -61,14 +60,12 @@ def media_pair_tokenizer(processor: VisionProcessor) -> PairTokenizer:
         for name, whole in (("chosen", with_chosen), ("rejected", with_rejected)):
             if media_parts(whole[len(prompt) :]):
                 raise ValueError(f'"{name}" holds an image/video/audio part; media belong in the prompt')
-        media = [processor.media(kind, p if is_data_url(p) else file.parent / p) for kind, p in media_parts(messages)]
+        media = processor.load_media(messages, file.parent)
         prompt_ids = processor.render(messages, media, True)
         chosen = processor.render(with_chosen, media, False)
         rejected = processor.render(with_rejected, media, False)
         split = min(common_prefix_length(prompt_ids, chosen), common_prefix_length(prompt_ids, rejected))
-        expected = sum(processor.tokens(media))
-        if sum(t in processor.media_ids for t in prompt_ids[:split]) != expected:
-            raise ValueError("the chat template did not place one pad token per image/video/audio part")
+        processor.check_placeholders(prompt_ids[:split], media)
         return prompt_ids[:split], chosen[split:], rejected[split:], media
 
     return tokenize
@@ -118,10 +115,9 @@ def media_prompt_tokenizer(processor: VisionProcessor) -> PromptTokenizer:
             raise ValueError("a vision-language model's prompts are conversations: give the prompt as a message list")
         # normalised as a conversation (which needs an assistant turn to learn) less that turn
         messages = normalise_conversation({"messages": [*prompt, {"role": "assistant", "content": "-"}]})[:-1]
-        media = [processor.media(kind, p if is_data_url(p) else file.parent / p) for kind, p in media_parts(messages)]
+        media = processor.load_media(messages, file.parent)
         ids = processor.render(messages, media, True)
-        if sum(t in processor.media_ids for t in ids) != sum(processor.tokens(media)):
-            raise ValueError("the chat template did not place one pad token per image/video/audio part")
+        processor.check_placeholders(ids, media)
         return ids, media
 
     return tokenize

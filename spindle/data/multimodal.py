@@ -262,6 +262,15 @@ class VisionProcessor:
             return self.videos.text(v.timestamps, self.pad_token["video"] * (tokens // len(v.timestamps)))
         return self.pad_token[v.kind] * tokens
 
+    def load_media(self, messages: list[dict], base: Path) -> list[Media]:
+        """Every image / video / audio part of `messages`, in order (paths relative to `base`; data URLs as given)."""
+        return [self.media(kind, path if is_data_url(path) else base / path) for kind, path in media_parts(messages)]
+
+    def check_placeholders(self, tokens: list[int], media: list[Media]) -> None:
+        """`tokens` hold one expanded pad-token run per input of `media` (ValueError otherwise)."""
+        if sum(t in self.media_ids for t in tokens) != sum(self.tokens(media)):
+            raise ValueError("the chat template did not place one pad token per image/video/audio part")
+
     def render(self, messages: list[dict], vision: list[Media], generation_prompt: bool) -> list[int]:
         """The template's text with every pad token expanded to its input's token count, tokenized."""
         if not messages and not generation_prompt:
@@ -451,7 +460,7 @@ def conversation_document(
 ) -> tuple[MMDocument, bool]:
     """One line -> (document, whether its text tail was cut to seq_len)."""
     messages = normalise_conversation(obj)
-    vision = [processor.media(kind, path if is_data_url(path) else base / path) for kind, path in media_parts(messages)]
+    vision = processor.load_media(messages, base)
 
     def render(prefix: list[dict], generation_prompt: bool) -> list[int]:
         # a prefix holds the first k media of the conversation
@@ -459,9 +468,7 @@ def conversation_document(
 
     tokens, learn = learn_assistant_turns(messages, render)
     vision_ids = processor.media_ids
-    counted = sum(t in vision_ids for t in tokens)
-    if counted != sum(processor.tokens(vision)):
-        raise ValueError("the chat template did not place one pad token per image/video/audio part")
+    processor.check_placeholders(tokens, vision)
     positions = processor.positions(tokens, vision)
     cut = len(tokens) > seq_len
     if cut:

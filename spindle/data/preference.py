@@ -404,6 +404,13 @@ def collate_sequences(
     }
 
 
+def collate_rows(
+    rows: list[tuple[list[int], list[int], list[Any]]], pad_id: int, multiple: int = 1
+) -> dict[str, torch.Tensor]:
+    """(prompt ids, completion ids, media) rows of a text model (no media) -> `collate_sequences`'s batch."""
+    return collate_sequences([(prompt, completion) for prompt, completion, _ in rows], pad_id, multiple)
+
+
 def collate_pairs(pairs: list[PreferencePair], pad_id: int, multiple: int = 1) -> dict[str, torch.Tensor]:
     """A batch in `trl.DPOTrainer`'s layout: the B chosen sequences, then the B rejected ones, right-padded
     (`collate_sequences`'s tensors, [2B, L], L a `multiple`), plus margin [B] when the pairs have one."""

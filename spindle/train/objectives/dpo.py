@@ -329,7 +329,7 @@ def reference_log_prob_table(
 
     import torch.distributed as dist
 
-    from spindle.train.objectives.logprobs import reference_log_probs, sequence_log_probs, sequence_parallel_sum
+    from spindle.train.objectives.logprobs import reference_run, sequence_log_probs, sequence_parallel_sum
 
     rank, size = task.mesh.dp_rank, task.mesh.dims.dp_size
     mine = list(range(rank, len(pairs), size))
@@ -343,9 +343,8 @@ def reference_log_prob_table(
             indices = padded[b * batch_size : (b + 1) * batch_size]
             batch = collate([pairs[i] for i in indices])
             with torch.no_grad():
-                logps = reference_log_probs(task, model, batch, reference)
-            labels = batch["shift_labels"].chunk(task.mesh.dims.sp, dim=1)[task.mesh.sp_rank]  # this SP rank's
-            sums = sequence_parallel_sum(sequence_log_probs(logps, labels.to(logps.device))[0], task)
+                run = reference_run(task, model, batch, reference)  # under SP: this rank's chunk of the rows
+            sums = sequence_parallel_sum(sequence_log_probs(run.log_probs, run.rows["shift_labels"])[0], task)
             chosen, rejected = sums.float().cpu().chunk(2)
             for i, c, r in zip(indices, chosen.tolist(), rejected.tolist(), strict=True):
                 values[i] = (c, r)

@@ -268,13 +268,13 @@ class GRPO(Objective):
         out = []
         was_training = model.training
         model.eval()  # the KV cache (activation checkpointing refuses it in training mode)
+        rollout = self.inputs.rollout_inputs  # a VLM prompt's media and positions per step; None: text
         try:
             for examples in batches:
                 start = time.perf_counter()
                 groups = []
                 for index, example in examples:
                     gens = [rollout_generator(self.cfg.train.seed, step, index, j) for j in range(s.num_generations)]
-                    rollout = self.inputs.rollout_inputs
                     inputs = rollout(example, s.num_generations) if rollout is not None else None
                     groups.append(
                         sample_group(model, example.prompt_ids, gens, sampling, eos, pad, task.device, inputs)
@@ -311,7 +311,7 @@ class GRPO(Objective):
         weights = torch.tensor([r.weight for r in self.rewards.rewards], dtype=torch.float32)
         adv = group_advantages(per_function, g, weights, s.scale_rewards)
         scored = time.perf_counter() - start
-        batch = self.inputs.rows(rows, pad)
+        batch = self.inputs.collate_rows(rows, pad_id=pad)
         lengths = torch.tensor([len(c) for _, c, _ in rows], dtype=torch.float32)
         rewards = adv.rewards
         metrics = {

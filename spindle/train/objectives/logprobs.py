@@ -57,20 +57,26 @@ def sequence_log_probs(per_token: torch.Tensor, shift_labels: torch.Tensor) -> t
 def reference_log_probs(
     task: Any, model: torch.nn.Module, rows: dict[str, torch.Tensor], reference: Any, **kwargs: Any
 ) -> torch.Tensor:
+    """`reference_run`'s per-token log-probabilities."""
+    logps: torch.Tensor = reference_run(task, model, rows, reference, **kwargs).log_probs
+    return logps
+
+
+def reference_run(
+    task: Any, model: torch.nn.Module, rows: dict[str, torch.Tensor], reference: Any, **kwargs: Any
+) -> Any:
     """Collective, under no_grad by the caller: each label token's log-probability under the reference of a
     preference or RL objective: `reference` = (its task, a frozen copy) from `task.build_reference`, or None for
     a LoRA run's policy with its adapters switched off (no second copy). `kwargs` go to `run_rows` (temperature).
-    Under sequence parallelism: this rank's chunk of the rows, as the policy's `run_rows` gives it."""
+    Under sequence parallelism: this rank's chunk of the rows, as the policy's `run_rows` gives it. -> the task's
+    RowsRun (`log_probs`, and the `rows` as the model got them: this rank's labels)."""
     if reference is None:
         from spindle.train.lora import adapters_disabled
 
         with adapters_disabled(model):
-            run = task.run_rows(model, rows, log_probs=True, **kwargs)
-    else:
-        ref_task, ref_model = reference
-        run = ref_task.run_rows(ref_model, rows, log_probs=True, **kwargs)
-    logps: torch.Tensor = run.log_probs
-    return logps
+            return task.run_rows(model, rows, log_probs=True, **kwargs)
+    ref_task, ref_model = reference
+    return ref_task.run_rows(ref_model, rows, log_probs=True, **kwargs)
 
 
 def sequence_parallel_sum(value: torch.Tensor, task: Any) -> torch.Tensor:

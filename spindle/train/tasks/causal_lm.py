@@ -139,19 +139,11 @@ class PreferenceInputs:
     tokenize: Callable[..., Any] | None  # a `spindle.data.preference.PairTokenizer`; None: the text tokenizer's
     media_ids: frozenset[int]  # media placeholder tokens, which prompt truncation must not cut
     collate: Callable[..., dict[str, torch.Tensor]]  # (pairs, pad_id=, multiple=) -> a batch of 2B rows
-    tokenize_prompt: Callable[..., Any] | None = None  # a `PromptTokenizer`; None: the text tokenizer's
     # ((prompt ids, completion ids, media) rows, pad_id=, multiple=) -> a batch of those rows
-    collate_rows: Callable[..., dict[str, torch.Tensor]] | None = None
+    collate_rows: Callable[..., dict[str, torch.Tensor]]
+    tokenize_prompt: Callable[..., Any] | None = None  # a `PromptTokenizer`; None: the text tokenizer's
     # (a prompt example, rows) -> `sample_group`'s step_inputs for that many completions of it; None: text
     rollout_inputs: Callable[..., Any] | None = None
-
-    def rows(self, rows: list[tuple[list[int], list[int], list[Any]]], pad_id: int) -> dict[str, torch.Tensor]:
-        """The batch of (prompt ids, completion ids, media) rows."""
-        if self.collate_rows is not None:
-            return self.collate_rows(rows, pad_id=pad_id)
-        from spindle.data.preference import collate_sequences
-
-        return collate_sequences([(prompt, completion) for prompt, completion, _ in rows], pad_id)
 
 
 class CausalLMTask(TrainTask):
@@ -441,9 +433,9 @@ class CausalLMTask(TrainTask):
 
     def preference_inputs(self) -> PreferenceInputs:
         """How preference pairs (DPO) are tokenised and batched for this input kind: text here."""
-        from spindle.data.preference import collate_pairs
+        from spindle.data.preference import collate_pairs, collate_rows
 
-        return PreferenceInputs(None, frozenset(), collate_pairs)
+        return PreferenceInputs(None, frozenset(), collate_pairs, collate_rows)
 
     def document_loader(self) -> ResumableLoader:
         """This rank's micro-batches of the job's documents as token rows (the input kind's: text / chat JSONL

@@ -376,8 +376,8 @@ class VLMTask(CausalLMTask):
             recording,
             frozenset(processor.media_ids),
             partial(collate_media_pairs, processor=processor),
+            partial(collate_media_sequences, processor=processor),
             tokenize_prompt=recording_prompt,
-            collate_rows=partial(collate_media_sequences, processor=processor),
             rollout_inputs=rollout_inputs,
         )
 
