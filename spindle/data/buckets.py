@@ -208,15 +208,22 @@ def bucket_report(plan: BucketPlan, batches: np.ndarray, entries: np.ndarray) ->
     return report
 
 
+def shape_tokens(shape: Shape, grid: PixelGrid) -> int:
+    """A sample's latent token count: latent frames x (height / grid) x (width / grid), the grid being VAE x
+    patch."""
+    frames, height, width = shape
+    latent_frames = 1 if grid.frame_multiple is None else (frames - 1) // grid.frame_multiple + 1
+    return latent_frames * (height // grid.height) * (width // grid.width)
+
+
 def check_sequence_split(plan: BucketPlan, grid: PixelGrid, degree: int) -> None:
     """Sequence parallelism splits every sample's tokens over `degree` ranks: each bucket's token count
-    (latent frames x (height / grid) x (width / grid), the grid being VAE x patch) must divide by it."""
+    (`shape_tokens`) must divide by it."""
     bad = []
-    for frames, height, width in plan.shapes:
-        latent_frames = 1 if grid.frame_multiple is None else (frames - 1) // grid.frame_multiple + 1
-        tokens = latent_frames * (height // grid.height) * (width // grid.width)
+    for shape in plan.shapes:
+        tokens = shape_tokens(shape, grid)
         if tokens % degree:
-            bad.append(f"{shape_name((frames, height, width))} ({tokens} tokens)")
+            bad.append(f"{shape_name(shape)} ({tokens} tokens)")
     if bad:
         raise ValueError(
             f"data.buckets: sequence parallelism splits each sample over {degree} ranks, but bucket(s) "

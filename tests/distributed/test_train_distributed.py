@@ -116,7 +116,9 @@ def test_sequence_not_divisible_by_sp_names_token_count(tiny_wan, shapes_videos,
     )
     proc = run_spindle("train", cfg, *args, "--nproc", 2, timeout=300)
     assert proc.returncode != 0
-    assert "3 tokens, which is not divisible by parallel.sp=2" in proc.stderr + proc.stdout
+    # said before launch, from the config and the checkpoint's configs: no worker started, nothing written
+    assert "makes 3 tokens, which is not divisible by parallel.sp x parallel.ring = 2" in proc.stderr, proc.stderr
+    assert not (tmp_path / "o").exists()
 
 
 def test_image_to_video_sequence_parallel_equals_one(tiny_wan_i2v, shapes_videos, tmp_path):

@@ -119,6 +119,8 @@ class FlowMatchingTask(TrainTask):
         # every bucket must split over the SP ranks: said before launch (pairs: when their loader is built)
         if cfg.data.buckets and dims.cp_size > 1 and cfg.train.objective == "flow_matching":
             dit_data(cfg, family, check=False, warn_skipped=False)
+        elif dims.cp_size > 1 and cfg.train.objective == "flow_matching":
+            check_fixed_shape_split(cfg, family, dims.cp_size)
         index = read_model_index(cfg.model.path, missing_ok=True)
         if index and family.inference is not None:
             # checkpoint variants the family cannot serve are not trained either (they would train with
@@ -420,6 +422,26 @@ def dit_data(
     return build_dit_data(
         cfg.data, grid, cfg.train.seed, cfg.train.global_batch_size, check, warn_skipped, captions, split
     )
+
+
+def check_fixed_shape_split(cfg: Any, family: DiTFamily, degree: int) -> None:
+    """Without buckets every sample trains at data.resolution x data.num_frames: its latent token count must
+    divide over the SP x ring ranks, said before launch (the text tokens some transformers join are checked
+    when the first batch is built)."""
+    from spindle.data.buckets import shape_tokens
+
+    data = cfg.data
+    shape = (int(data.num_frames), int(data.resolution[0]), int(data.resolution[1]))
+    grid = family.condition_model_cls().pixel_grid(cfg.model.path)
+    tokens = shape_tokens(shape, grid)
+    if tokens % degree:
+        frames = "" if grid.frame_multiple is None else f" x {shape[0]} frames"
+        raise ConfigError(
+            f"data.resolution={list(data.resolution)}{frames} makes {tokens} tokens, which is not divisible by "
+            f"parallel.sp x parallel.ring = {degree}: each sequence-parallel rank holds an equal slice of every "
+            f"sample; choose a resolution (multiples of {grid.height}x{grid.width} pixels per token) or frame count "
+            f"whose token count divides by {degree}"
+        )
 
 
 def condition_dtype(precision: str) -> torch.dtype:
