@@ -312,7 +312,9 @@ class ServeSettings(OptionSection):
         30.0, ge=0, description="on SIGTERM, seconds the running job may take to finish before it is cancelled"
     )
     shutdown_linger: float = Field(
-        3.0, ge=0, description="on SIGTERM, seconds job status stays readable after the last job ended"
+        3.0,
+        ge=0,
+        description="on SIGTERM, seconds job status stays readable after the last job ended (0 with no job stored)",
     )
     keep_frames: bool = Field(
         False, description="also keep each result's float32 frames (GET .../content?variant=npy; memory heavy)"

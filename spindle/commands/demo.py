@@ -268,13 +268,20 @@ FLOW_GRPO_PROMPTS = ("a red circle", "a blue square", "a green triangle", "a yel
 
 
 def flow_grpo_config(
-    model: Path, data: Path, rewards: Path, output_dir: Path, steps: int, seed: int, demo: Any
+    model: Path, data: Path, rewards: Path, output_dir: Path, steps: int, seed: int, family: Any
 ) -> dict[str, Any]:
     """A short Flow-GRPO run on the tiny model: every prompt each step, 4 samples of 4 SDE steps each, a high
     learning rate (the tiny random model; a real one trains at ~1e-5 full, ~3e-4 LoRA)."""
+    demo = family.demo
     base = demo.train_config(model, data, output_dir, steps, seed)  # the family's model and data settings
     # the family's demo sampling as the rollouts' options (sizes and frames are the data's)
     options = {k: v for k, v in demo.sample_kwargs.items() if k not in ("height", "width", "num_frames")}
+    # an input image's pixel area (Qwen-Image-Edit's image_area: 1 megapixel by default) at the demo's size, as
+    # the SFT demo encodes its sources: the pipeline's default would encode the small demo images at 1024x1024
+    area = demo.size[0] * demo.size[1]
+    for option in family.options.extra:
+        if option.pixels and option.name not in options:
+            options[option.name] = max(area, int(option.minimum or 0))
     guidance = options.pop("guidance_scale", None)
     settings: dict[str, Any] = {"num_generations": 4, "num_inference_steps": 4, "rewards": [f"{rewards}:brightness"]}
     if guidance is not None:
@@ -320,9 +327,7 @@ def run_flow_grpo(args: argparse.Namespace, family: Any, build_tiny: Any, out: P
     rewards.write_text(FLOW_GRPO_REWARD)
     print(f"[2/4] wrote {len(FLOW_GRPO_PROMPTS)} prompts to {prompts} and the reward function to {rewards}:brightness")
     config_path = out / "train.yaml"
-    config = flow_grpo_config(
-        Path(model), prompts, rewards, fresh_run_folder(out / "run"), steps, args.seed, family.demo
-    )
+    config = flow_grpo_config(Path(model), prompts, rewards, fresh_run_folder(out / "run"), steps, args.seed, family)
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     print(f"[3/4] Flow-GRPO for {steps} steps, 4 samples per prompt from the engine (config: {config_path})")
     result = train(load_job_config(config_path))

@@ -57,11 +57,15 @@ class ServeState:
         """Graceful stop (SIGTERM): new work gets 503 at once while job status stays readable; the
         waiting jobs are cancelled, the running one gets `shutdown_grace` s to finish and is then
         cancelled (a waiting image request answers 503 JSON); then `shutdown_linger` s more so that
-        pollers read the final statuses, and the server may exit."""
+        pollers read the final statuses (none when the store holds no job), and the server may exit."""
         self.shutting_down = True
         log.info("shutting down: %s", self.store.stats())
         await asyncio.to_thread(self.worker.stop, self.shutdown_grace)
-        log.info("worker stopped; %s; answering status for %g s more", self.store.stats(), self.shutdown_linger)
+        stats = self.store.stats()
+        if not stats["stored"]:  # no job whose status anyone could still poll: exit now
+            log.info("worker stopped; %s", stats)
+            return
+        log.info("worker stopped; %s; answering status for %g s more", stats, self.shutdown_linger)
         await asyncio.sleep(self.shutdown_linger)
 
     def request_model(self, base: type[M]) -> type[M]:
