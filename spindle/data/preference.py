@@ -421,11 +421,11 @@ def collate_pairs(pairs: list[PreferencePair], pad_id: int, multiple: int = 1) -
     return out
 
 
-def collate_reward_pairs(pairs: list[PreferencePair], pad_id: int) -> dict[str, torch.Tensor]:
-    """A batch in `trl.RewardTrainer`'s layout: B chosen then B rejected whole sequences, right-padded.
-    -> input_ids, attention_mask [2B, L], last_index [2B] (the position whose score is the sequence's),
-    margin [B] when the pairs have one."""
-    batch = collate_pairs(pairs, pad_id)
+def collate_reward_pairs(pairs: list[PreferencePair], pad_id: int, multiple: int = 1) -> dict[str, torch.Tensor]:
+    """A batch in `trl.RewardTrainer`'s layout: B chosen then B rejected whole sequences, right-padded (L a
+    `multiple`). -> input_ids, attention_mask [2B, L], last_index [2B] (the position whose score is the
+    sequence's), margin [B] when the pairs have one."""
+    batch = collate_pairs(pairs, pad_id, multiple)
     out = {k: batch[k] for k in ("input_ids", "attention_mask")}
     out["last_index"] = batch["attention_mask"].sum(dim=1) - 1
     if "margin" in batch:

@@ -151,29 +151,35 @@ def test_reward_refuses_lora_before_training(tiny_qwen3, tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp2_on_two_processes_equals_one_process(tiny_qwen3, tmp_path):
+def test_two_process_layouts_equal_one_process(tiny_qwen3, tmp_path):
     """dp_shard=2 (real gloo processes, each rank its half of the pairs; the score head sharded, initialised the same
-    from its keyed generator) gives one process's losses and grad norms over 3 steps, and the same exported model."""
+    from its keyed generator) and Ulysses sp=2 (each rank a chunk of every row; a row's score comes from the rank
+    holding its last token) give one process's losses, grad norms and accuracies over 3 steps, and the same exported
+    model."""
     from tests.conftest import lm_train_cli
 
     lines = [*PAIRS, {"prompt": "Best pet:", "chosen": " a cat", "rejected": " a rock", "margin": 0.25}]
     data = pairs_file(tmp_path, lines)
     values = reward_overrides(4, train__micro_batch_size=2, train__max_steps=3, train__adam_eps=1e-4)
     lm_train(tiny_qwen3, data, tmp_path / "one", **values)
-    lm_train_cli(tiny_qwen3, data, tmp_path / "two", 2, parallel__dp_shard=2, **values)
-    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
-    for a, b in zip(one, two, strict=True):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
-        assert b["accuracy"] == pytest.approx(a["accuracy"])
+    layouts = {"dp_shard2": {"parallel__dp_shard": 2}, "sp2": {"parallel__sp": 2}}
+    for name, layout in layouts.items():
+        lm_train_cli(tiny_qwen3, data, tmp_path / name, 2, **layout, **values)
+    one = read_metrics(tmp_path / "one")
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
     batch = tokenizer([line["prompt"] + line["chosen"] for line in lines], padding=True, return_tensors="pt")
-    scores = []
-    for run in ("one", "two"):
+
+    def scores(run):
         model = AutoModelForSequenceClassification.from_pretrained(tmp_path / run / "export", dtype=torch.float32)
         with torch.no_grad():
-            scores.append(model.eval()(**batch).logits[:, 0])
-    torch.testing.assert_close(scores[1], scores[0], rtol=1e-5, atol=1e-6)
+            return model.eval()(**batch).logits[:, 0]
+
+    for name in layouts:
+        for a, b in zip(one, read_metrics(tmp_path / name), strict=True):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), name
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), name
+            assert b["accuracy"] == pytest.approx(a["accuracy"]), name
+        torch.testing.assert_close(scores(name), scores("one"), rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_a_resumed_run_equals_the_uninterrupted_one(tiny_qwen3, tmp_path, capsys):

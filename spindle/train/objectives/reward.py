@@ -132,11 +132,6 @@ class Reward(Objective):
                 f"train.objective=reward: {family.name} is a {family.kind} model; reward models are trained on text "
                 "causal-LM families for now: use a text family's checkpoint"
             )
-        if dims.sp > 1:
-            raise ConfigError(
-                "train.objective=reward with parallel.sp > 1: a sequence's score is read at its last token, which "
-                "only one SP rank holds; set parallel.sp: 1 (FSDP2 / HSDP layouts work)"
-            )
         if self.cfg.train.lora is not None:
             raise ConfigError(
                 "train.objective=reward with train.lora: the new score head would have to be trained beside the "
@@ -159,7 +154,9 @@ class Reward(Objective):
         data = self.cfg.data
         pairs, self.stats = reward_pairs(data.path, task.tokenizer, data.seq_len)
         task._data_stats = {"rows": len(pairs), "pairs": len(pairs)}
-        return resumable_loader(task, pairs, partial(collate_reward_pairs, pad_id=task.pad_token_id()))
+        # under SP each rank holds an equal chunk of every row: batches padded to a multiple of parallel.sp
+        collate = partial(collate_reward_pairs, pad_id=task.pad_token_id(), multiple=task.mesh.dims.sp)
+        return resumable_loader(task, pairs, collate)
 
     def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
         return int(batch["input_ids"].shape[0]) // 2  # pairs
@@ -168,9 +165,13 @@ class Reward(Objective):
         from spindle.contracts.task import Metric
 
         ids = batch["input_ids"].to(task.device)
-        with task._autocast():
-            out = model(input_ids=ids, attention_mask=batch["attention_mask"].to(task.device), use_cache=False)
-        chosen, rejected = out.logits[:, 0].float().chunk(2)
+        if task.mesh.dims.sp > 1:
+            scores = sequence_parallel_scores(task, model, ids)
+        else:
+            with task._autocast():
+                out = model(input_ids=ids, attention_mask=batch["attention_mask"].to(task.device), use_cache=False)
+            scores = out.logits[:, 0]
+        chosen, rejected = scores.float().chunk(2)
         margin = batch.get("margin") if self.settings.use_margin else None
         loss = reward_loss(
             chosen,
@@ -179,4 +180,35 @@ class Reward(Objective):
             self.settings.center_rewards_coefficient,
         )
         metrics: dict[str, Any] = {k: Metric(v, "mean", "mean") for k, v in loss.metrics().items()}
-        return StepOutput(loss.pair_losses.sum(), loss.pairs, int(ids.numel()), metrics)
+        # every SP rank computed the whole pairs' loss; the trainer sums the loss over them (a token loss's chunks)
+        return StepOutput(loss.pair_losses.sum() / task.mesh.dims.sp, loss.pairs, int(ids.numel()), metrics)
+
+
+def last_scored_token(input_ids: torch.Tensor, pad_token_id: int | None) -> torch.Tensor:
+    """[B] the position whose score is each row's: the rightmost token that is not padding, transformers'
+    sequence-classification pooling (the rule the exported folder scores with)."""
+    if pad_token_id is None:
+        return torch.full(input_ids.shape[:1], input_ids.shape[1] - 1, device=input_ids.device)
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    return (positions * (input_ids != pad_token_id)).argmax(-1)
+
+
+def sequence_parallel_scores(task: Any, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """Collective under Ulysses SP: each row's score [B] on every SP rank. Each rank runs its chunk of the rows
+    (causal attention over right padding, so no mask) through the model, whose pooling scores the chunk's rightmost
+    token that is not padding: on the rank holding the row's last scored token (`last_scored_token` of the whole
+    row) that is the row's own, since only padding follows it. That rank's score goes to every rank by a
+    differentiable all-reduce (the others give 0), so the backward reaches the owner's chunk only, as one process's
+    gradient does. (The model's own output is used, not its head's per-position output: FSDP2 unshards the
+    weights for the backward from hooks on the model's outputs.)"""
+    from spindle.distributed import ulysses_attention
+    from spindle.train.objectives.logprobs import sequence_parallel_sum
+
+    sp, rank = task.mesh.dims.sp, task.mesh.sp_rank
+    last = last_scored_token(input_ids, model.config.get_text_config().pad_token_id)  # type: ignore[operator, union-attr]
+    rows = ulysses_attention.shard_batch({"input_ids": input_ids}, rank, sp)
+    with task._autocast():
+        out = model(input_ids=rows["input_ids"], position_ids=rows["position_ids"], use_cache=False)
+    local = out.logits[:, 0]
+    mine = (last // rows["input_ids"].shape[1]) == rank
+    return sequence_parallel_sum(torch.where(mine, local, torch.zeros_like(local)), task)
