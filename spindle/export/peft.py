@@ -17,6 +17,7 @@ merge adds PEFT's per-expert delta (`ParamWrapper.get_delta_weight`) to the stac
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +27,28 @@ LORA_DIR, MERGED_DIR = "lora", "merged"
 PEFT_PREFIX = "base_model.model."
 
 
+@dataclass(frozen=True)
+class TrainedHead:
+    """A module trained whole beside the adapters (a reward model's new `score` head): PEFT's `modules_to_save`.
+    `tensors` under the model's names; `config`: the model config the merged folder is built from (num_labels,
+    pad_token_id); `task_type`: PEFT's, so that `PeftModel.from_pretrained` wraps the right model class."""
+
+    module: str
+    tensors: dict[str, torch.Tensor]
+    config: Any
+    task_type: str
+
+
 def peft_adapter_config(
-    base: str | Path, adapters: dict[str, torch.Tensor], rank: int, parameters: dict[str, str] | None = None
+    base: str | Path,
+    adapters: dict[str, torch.Tensor],
+    rank: int,
+    parameters: dict[str, str] | None = None,
+    head: TrainedHead | None = None,
 ) -> Any:
     """PEFT's LoraConfig for `adapters` (scale folded: alpha = rank), targeting exactly their modules and
-    the fused parameters `parameters` ({adapter module: parameter name}) names."""
+    the fused parameters `parameters` ({adapter module: parameter name}) names; a trained `head` as one of its
+    modules to save."""
     from peft import LoraConfig
 
     parameters = parameters or {}
@@ -42,6 +60,8 @@ def peft_adapter_config(
         target_modules=modules or None,
         target_parameters=sorted(set(parameters.values())) or None,
         base_model_name_or_path=str(Path(base).resolve()),
+        modules_to_save=None if head is None else [head.module],
+        task_type=None if head is None else head.task_type,
     )
 
 
@@ -97,12 +117,15 @@ def export_lm_lora(
     rank: int,
     extra_files: tuple[str, ...] = (),
     parameters: dict[str, str] | None = None,
+    head: TrainedHead | None = None,
 ) -> Path:
     """One process: write `out/lora/` (PEFT folder) and, with `merge`, `out/merged/` (module docstring).
 
     `adapters`: `<module>.lora_A.weight` / `<module>.lora_B.weight` with alpha / rank folded into lora_B
     (`spindle.train.lora.adapter_state_dict`); `rank`: the run's `train.lora.rank`; `parameters`: the
-    adapter modules on fused parameters (`spindle.train.lora.wrapped_parameters`)."""
+    adapter modules on fused parameters (`spindle.train.lora.wrapped_parameters`); `head`: a module trained
+    whole (PEFT's modules_to_save: its tensors saved under their own names, as PEFT saves them), which the merged
+    folder holds too, built from `head.config` (a reward model's: `AutoModelForSequenceClassification` loads it)."""
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
@@ -111,17 +134,22 @@ def export_lm_lora(
     shutil.rmtree(tmp, ignore_errors=True)
     lora = tmp / LORA_DIR
     lora.mkdir(parents=True)
-    save_file({PEFT_PREFIX + k: v.contiguous() for k, v in adapters.items()}, lora / "adapter_model.safetensors")
-    peft_adapter_config(base, adapters, rank, parameters).save_pretrained(lora)
+    saved = {**adapters, **(head.tensors if head is not None else {})}
+    save_file({PEFT_PREFIX + k: v.contiguous() for k, v in saved.items()}, lora / "adapter_model.safetensors")
+    peft_adapter_config(base, adapters, rank, parameters, head).save_pretrained(lora)
     tokenizer = AutoTokenizer.from_pretrained(base)
     tokenizer.save_pretrained(lora)
     for name in extra_files:
         if (base / name).is_file():
             shutil.copy2(base / name, lora / name)
     if merge:
-        model = model_cls.from_pretrained(base, dtype="auto")
+        # a trained head's model is built from its own config (the base folder's says ForCausalLM)
+        model = model_cls.from_pretrained(base, dtype="auto", **({} if head is None else {"config": head.config}))
         transposed = transposed_parameters(model, parameters or {})
-        model.load_state_dict(merged_state(model.state_dict(), adapters, parameters, transposed))
+        state = merged_state(model.state_dict(), adapters, parameters, transposed)
+        if head is not None:
+            state.update({k: v.to(state[k].dtype) for k, v in head.tensors.items()})
+        model.load_state_dict(state)
         model.save_pretrained(tmp / MERGED_DIR)
         tokenizer.save_pretrained(tmp / MERGED_DIR)
         for name in extra_files:

@@ -14,6 +14,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from trl import RewardConfig, RewardTrainer
 
 from spindle.config import ConfigError
+from spindle.registry import all_families
 from spindle.train.metrics import read_metrics
 from spindle.train.objectives.reward import ScoreHead
 from tests.conftest import lm_train
@@ -138,16 +139,89 @@ def test_llama_on_the_full_load_path_equals_trl(tiny_llama, tmp_path):
     assert config["architectures"] == ["LlamaForSequenceClassification"]
 
 
-def test_reward_refuses_a_moe_family_before_training(tiny_checkpoint, tmp_path):
-    data = pairs_file(tmp_path, PAIRS)
-    with pytest.raises(ConfigError, match="mixture of experts"):
-        lm_train(tiny_checkpoint("qwen3_moe"), data, tmp_path / "run", **reward_overrides(3))
+MOE_FAMILIES = [f.name for f in all_families() if f.kind == "causal_lm" and f.adapter() is not None]
 
 
-def test_reward_refuses_lora_before_training(tiny_qwen3, tmp_path):
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_a_mixture_of_experts_reward_model_equals_trl_and_exports_in_the_input_layout(
+    family, tiny_checkpoint, tmp_path
+):
+    """MoE families (fused experts loaded from the checkpoint's own layout; no router aux loss, as the stock
+    ForSequenceClassification and TRL have none): step 1 equals `trl.RewardTrainer`, and the export is the family's
+    sequence-classification folder that stock transformers loads with every tensor present and scores as trained."""
+    model = tiny_checkpoint(family)
     data = pairs_file(tmp_path, PAIRS)
-    with pytest.raises(ConfigError, match=r"train\.lora"):
-        lm_train(tiny_qwen3, data, tmp_path / "run", **reward_overrides(3, train__lora__rank=4))
+    trainer, _ = lm_train(model, data, tmp_path / "run", **reward_overrides(len(PAIRS), train__max_steps=1))
+    (first,) = read_metrics(tmp_path / "run")
+    loss, norm = trl_reward_step_one(model, PAIRS, tmp_path)
+    assert first["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    assert first["grad_norm"] == pytest.approx(norm.item(), rel=1e-4)
+    stock, info = AutoModelForSequenceClassification.from_pretrained(
+        tmp_path / "run" / "export", dtype=torch.float32, output_loading_info=True
+    )
+    assert not any(info.values()), info
+    batch = AutoTokenizer.from_pretrained(model)([line["prompt"] + line["chosen"] for line in PAIRS], padding=True,
+                                                return_tensors="pt")  # fmt: skip
+    trainer.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(stock.eval()(**batch).logits, trainer.model(**batch).logits, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_expert_parallel_equals_one_process(tiny_checkpoint, tmp_path):
+    """qwen3_moe with parallel.ep=2 (each rank half the experts) over dp_shard=2: one process's losses and grad
+    norms over 3 steps."""
+    from tests.conftest import lm_train_cli
+
+    model = tiny_checkpoint("qwen3_moe")
+    lines = [*PAIRS, {"prompt": "Best pet:", "chosen": " a cat", "rejected": " a rock", "margin": 0.25}]
+    data = pairs_file(tmp_path, lines)
+    values = reward_overrides(4, train__micro_batch_size=2, train__max_steps=3, checkpoint__export=False)
+    lm_train(model, data, tmp_path / "one", **values)
+    lm_train_cli(model, data, tmp_path / "ep2", 2, parallel__dp_shard=2, parallel__ep=2, **values)
+    for a, b in zip(read_metrics(tmp_path / "one"), read_metrics(tmp_path / "ep2"), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+
+
+def test_a_vision_language_family_is_refused_naming_why(tiny_checkpoint, tmp_path):
+    data = pairs_file(tmp_path, PAIRS)
+    with pytest.raises(ConfigError, match="ForSequenceClassification"):
+        lm_train(tiny_checkpoint("qwen2_5_vl"), data, tmp_path / "run", **reward_overrides(3))
+
+
+def test_lora_trains_the_adapters_and_the_new_head_and_exports_what_peft_and_transformers_load(tiny_qwen3, tmp_path):
+    """`train.lora` on a reward model: the adapters (B = 0 at the start, so step 1 is TRL's full-model step 1) and
+    the fresh score head train, the rest stays frozen. The export's `lora/` is a PEFT SEQ_CLS adapter with the head
+    in modules_to_save that stock `PeftModel.from_pretrained` puts on the base's ForSequenceClassification; its
+    `merged/` a standalone classification folder: both score every sequence alike, and unlike the untrained model."""
+    from peft import PeftModel
+
+    data = pairs_file(tmp_path, PAIRS)
+    values = reward_overrides(len(PAIRS), train__max_steps=3, train__lr=1e-2, export__merge_lora=True)
+    lm_train(tiny_qwen3, data, tmp_path / "run", **values, train__lora={"rank": 4})
+    metrics = read_metrics(tmp_path / "run")
+    loss, _ = trl_reward_step_one(tiny_qwen3, PAIRS, tmp_path)
+    assert metrics[0]["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    assert metrics[-1]["loss"] < metrics[0]["loss"]
+    export = tmp_path / "run" / "export"
+    adapter = json.loads((export / "lora" / "adapter_config.json").read_text())
+    assert adapter["task_type"] == "SEQ_CLS" and adapter["modules_to_save"] == ["score"]
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    texts = [line["prompt"] + line[key] for line in PAIRS for key in ("chosen", "rejected")]
+    batch = tokenizer(texts, padding=True, return_tensors="pt")
+    merged = AutoModelForSequenceClassification.from_pretrained(export / "merged", dtype=torch.float32).eval()
+    base = AutoModelForSequenceClassification.from_pretrained(
+        tiny_qwen3, num_labels=1, pad_token_id=merged.config.pad_token_id, dtype=torch.float32
+    )
+    ScoreHead(SEED).init(base)  # the untrained head, for the "it trained" comparison below
+    with torch.no_grad():
+        untrained = base.eval()(**batch).logits[:, 0]
+        peft = PeftModel.from_pretrained(base, export / "lora").eval()
+        via_peft, via_merged = peft(**batch).logits[:, 0], merged(**batch).logits[:, 0]
+    torch.testing.assert_close(via_peft, via_merged, rtol=1e-5, atol=1e-5)
+    assert (via_merged - untrained).abs().max() > 1e-3
 
 
 @pytest.mark.slow

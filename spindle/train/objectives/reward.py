@@ -91,6 +91,15 @@ class ScoreHead:
     def is_fresh(name: str) -> bool:
         return name.split(".")[0] == SCORE_HEAD
 
+    def export(self, config: Any, state: dict[str, torch.Tensor]) -> Any:
+        """What a LoRA run's export writes beside the adapters (`spindle.export.peft.TrainedHead`): the trained
+        head's tensors (PEFT's `modules_to_save`, task SEQ_CLS) and the classification config a merged folder
+        is loaded with."""
+        from spindle.export.peft import TrainedHead
+
+        tensors = {k: v for k, v in state.items() if self.is_fresh(k)}
+        return TrainedHead(SCORE_HEAD, tensors, config, "SEQ_CLS")
+
     def init(self, model: torch.nn.Module) -> None:
         from spindle.distributed.sharded_load import local_region
 
@@ -128,21 +137,12 @@ class Reward(Objective):
         from spindle.config import ConfigError
 
         if family.kind != "causal_lm":
+            # the export must be a folder stock transformers loads as a reward model; transformers 5 has no
+            # ForSequenceClassification for the Qwen-VL / Qwen-Omni models
             raise ConfigError(
-                f"train.objective=reward: {family.name} is a {family.kind} model; reward models are trained on text "
-                "causal-LM families for now: use a text family's checkpoint"
-            )
-        if self.cfg.train.lora is not None:
-            raise ConfigError(
-                "train.objective=reward with train.lora: the new score head would have to be trained beside the "
-                "adapters, which is not wired yet; remove train.lora (a full fine-tune)"
-            )
-        from spindle.train.parts.experts import Experts
-
-        if Experts.of(family) is not None:  # its experts part loads and exports ForCausalLM layouts only
-            raise ConfigError(
-                f"train.objective=reward: {family.name} (a mixture of experts) is not wired for reward models yet; "
-                "use a dense family (qwen3, llama)"
+                f"train.objective=reward: {family.name} is a {family.kind} model; reward models train on text "
+                "causal-LM families (their export is the family's ForSequenceClassification, which transformers "
+                "does not define for these multimodal models): use a text family's checkpoint"
             )
 
     def build_loader(self, task: Any) -> Any:

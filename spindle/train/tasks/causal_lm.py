@@ -395,7 +395,14 @@ class CausalLMTask(TrainTask):
 
         lora, head = self.cfg.train.lora, self.head
         fresh, init_fresh = None, None
-        if lora is not None:
+        if lora is not None and head is not None:  # adapters and the new head, both keyed on train.seed
+            fresh = lambda name: is_lora_name(name) or head.is_fresh(name)  # noqa: E731
+
+            def init_fresh(model: torch.nn.Module) -> None:
+                init_adapters(model, self.cfg.train.seed)
+                head.init(model)
+
+        elif lora is not None:
             fresh, init_fresh = is_lora_name, lambda model: init_adapters(model, self.cfg.train.seed)
         elif head is not None:  # the new head (a reward model's score), keyed on train.seed
             fresh, init_fresh = head.is_fresh, head.init
@@ -420,6 +427,10 @@ class CausalLMTask(TrainTask):
             apply_lora(model, self.lora_blocks(model), self.cfg.train.lora)
             # recorded in the checkpoint state so that `spindle export` writes their PEFT config
             self.lora_parameters = wrapped_parameters(model)
+            if self.head is not None:  # a new head trains whole beside the adapters (PEFT's modules_to_save)
+                for name, param in model.named_parameters():
+                    if self.head.is_fresh(name):
+                        param.requires_grad_(True)
 
     def lora_blocks(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         """The blocks whose linear layers `train.lora.targets` selects from (default: all of them)."""
@@ -540,12 +551,13 @@ class CausalLMTask(TrainTask):
             from spindle.export.peft import export_lm_lora
             from spindle.train.lora import adapter_state_dict, lora_scale, wrapped_parameters
 
-            sd = ckpt.full_state_dict(model, trainable_only=True)  # collective: the adapters only
+            sd = ckpt.full_state_dict(model, trainable_only=True)  # collective: the adapters (and a new head) only
             result = None
             if is_main_process():
                 adapters = adapter_state_dict(sd, lora_scale(model))
+                head = self.head
                 result = export_lm_lora(
-                    self.merge_base(self.family),
+                    self.merge_base(self.family) if head is None else head.model_cls(model.config),
                     self.cfg.model.path,
                     adapters,
                     out,
@@ -553,6 +565,7 @@ class CausalLMTask(TrainTask):
                     rank=self.cfg.train.lora.rank,
                     extra_files=self.export_files,
                     parameters=wrapped_parameters(model),
+                    head=None if head is None else head.export(model.config, sd),
                 )
             barrier()
             return result
