@@ -45,7 +45,8 @@ import time).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -335,6 +336,23 @@ def register() -> None:
 
     varlen_attention.register()
     AttentionInterface.register(ATTN_IMPLEMENTATION, ulysses_attention_forward)
+
+
+@contextmanager
+def sequence_parallel_paused(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block the model computes whole sequences on each rank (its inner attention, no all-to-all): what
+    generation needs, whose prompts and KV caches are not split over the SP ranks (GRPO's rollouts: every SP rank
+    samples the same completions). A no-op for a model without sequence parallelism."""
+    ctx: SequenceParallelContext | None = getattr(model, _CONTEXT_ATTR, None)
+    if ctx is None:
+        yield
+        return
+    hf_model: Any = model
+    hf_model.set_attn_implementation(ctx.inner)
+    try:
+        yield
+    finally:
+        hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
 
 def enable_sequence_parallel(model: torch.nn.Module, sp_mesh: DeviceMesh, inner: str | None = None) -> torch.nn.Module:

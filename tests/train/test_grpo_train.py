@@ -117,16 +117,24 @@ def test_a_missing_reward_function_is_refused_before_any_model_loads(tiny_qwen3,
 @pytest.mark.slow
 def test_two_processes_draw_the_rollouts_of_one(tiny_qwen3, grpo_data, tmp_path):
     """Completions are keyed on (seed, step, prompt, sample): dp_shard=2 samples, scores and optimises what one
-    process does (rewards and losses 1e-5 relative over 3 steps)."""
+    process does; under Ulysses sp=2 both ranks sample the same completions whole (SP paused for generation) and
+    the update splits each row over them, the normalisers (loss_type grpo: each completion's token count) and the
+    clip ratios counted over the whole rows. Rewards, losses, grad norms and clip ratios 1e-5 relative over 4 steps
+    (two cycles of num_iterations=2 with a tight epsilon, so the second step of each clips)."""
     prompts, rewards = grpo_data
-    values = grpo_values(rewards, "letter_a", train__max_steps=3, train__micro_batch_size=2, train__adam_eps=1e-4)
-    values["checkpoint__export"] = False
+    values = grpo_values(rewards, "letter_a", train__max_steps=4, train__micro_batch_size=2, train__adam_eps=1e-4)
+    values.update(checkpoint__export=False, grpo__loss_type="grpo", grpo__epsilon=0.02, grpo__num_iterations=2)
+    values["checkpoint__every_steps"] = 2
     one = train(tiny_qwen3, prompts, tmp_path / "one", **values)
     assert one.returncode == 0, one.stderr[-2000:]
-    lm_train_cli(tiny_qwen3, prompts, tmp_path / "two", 2, parallel__dp_shard=2, **values)
-    for a, b in zip(read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two"), strict=True):
-        assert b["reward_mean"] == pytest.approx(a["reward_mean"], rel=1e-5, abs=1e-7)
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-7)
+    layouts = {"dp_shard2": {"parallel__dp_shard": 2}, "sp2": {"parallel__sp": 2}}
+    for name, layout in layouts.items():
+        lm_train_cli(tiny_qwen3, prompts, tmp_path / name, 2, **layout, **values)
+    assert any(m["clip_ratio/region_mean"] > 0 for m in read_metrics(tmp_path / "one"))  # the counts are compared
+    for name in layouts:
+        for a, b in zip(read_metrics(tmp_path / "one"), read_metrics(tmp_path / name), strict=True):
+            for key in ("reward_mean", "loss", "grad_norm", "clip_ratio/region_mean", "completion_length"):
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (name, key)
 
 
 def test_demo_grpo_learns_the_verifiable_reward_it_writes(tmp_path):

@@ -25,6 +25,7 @@ Clip ratios (logged): the share of completion tokens whose ratio is below 1 - ep
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -135,9 +136,14 @@ def grpo_loss(
     beta: float = 0.0,
     loss_type: str = "dapo",
     max_completion_length: int | None = None,
+    whole: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> GRPOLoss:
     """The clipped objective of B completions: per-token log-probabilities [B, T] under the policy being trained,
-    advantages [B], the completion-token mask [B, T] (module doc)."""
+    advantages [B], the completion-token mask [B, T] (module doc). `whole`: under sequence parallelism, where the
+    [B, T] tensors are this rank's chunk of the rows, the sum over the SP ranks of a count (a row's completion
+    tokens, the clipped tokens, the KL): the normalisers and metrics are then the whole rows' while `loss_sum` is
+    this chunk's share (the shares sum to the whole loss, as a token loss's chunks do)."""
+    whole = whole or (lambda value: value)
     check_grpo_settings(loss_type, epsilon, epsilon_high, beta)
     high = epsilon if epsilon_high is None else epsilon_high
     mask = completion_mask.to(per_token_logps.dtype)
@@ -152,12 +158,12 @@ def grpo_loss(
         delta = ref_per_token_logps - per_token_logps
         kl = torch.exp(delta) - delta - 1
         per_token = per_token + beta * kl
-        kl_sum = (kl.detach() * mask).sum()
-    tokens = mask.sum()
+        kl_sum = whole((kl.detach() * mask).sum())
+    tokens = whole(mask.sum())
     completions = torch.tensor(float(per_token.shape[0]), dtype=per_token.dtype, device=per_token.device)
     masked = per_token * mask
     if loss_type == "grpo":
-        loss_sum = (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum()
+        loss_sum = (masked.sum(-1) / whole(mask.sum(-1)).clamp(min=1.0)).sum()
         units = completions
     elif loss_type == "dr_grpo":
         if max_completion_length is None:
@@ -176,8 +182,8 @@ def grpo_loss(
         units=units,
         tokens=tokens,
         kl_sum=kl_sum,
-        clipped_low=(low * mask).sum(),
-        clipped_high=(high_clipped * mask).sum(),
+        clipped_low=whole((low * mask).sum()),
+        clipped_high=whole((high_clipped * mask).sum()),
     )
 
 
@@ -215,11 +221,6 @@ class GRPO(Objective):
                 f"train.objective=grpo: {family.name} is a {family.kind} model; GRPO trains language, "
                 "vision-language and omni families (DiTs: train.objective=flow_grpo)"
             )
-        if dims.sp > 1:
-            raise ConfigError(
-                "train.objective=grpo with parallel.sp > 1: completions are generated whole on each rank; set "
-                "parallel.sp: 1 (FSDP2 / HSDP / EP layouts work)"
-            )
         check_cycle_multiples("grpo", self.settings.num_iterations, self.cfg)
         self.reward_set()  # every reward resolved (files imported, folders read) before any model loads
 
@@ -256,6 +257,7 @@ class GRPO(Objective):
     def begin_step(self, task: Any, model: torch.nn.Module, batches: list[Any], step: int) -> list[Any]:
         import time
 
+        from spindle.distributed.ulysses_attention import sequence_parallel_paused
         from spindle.train.generation import Sampling, rollout_generator, sample_group
 
         s = self.settings
@@ -269,18 +271,23 @@ class GRPO(Objective):
         was_training = model.training
         model.eval()  # the KV cache (activation checkpointing refuses it in training mode)
         rollout = self.inputs.rollout_inputs  # a VLM prompt's media and positions per step; None: text
+        # under SP the ranks of an SP group hold the same prompts and sample the same completions whole (the keyed
+        # generators), in lockstep for FSDP2's gathers; the update then splits each row over them
         try:
-            for examples in batches:
-                start = time.perf_counter()
-                groups = []
-                for index, example in examples:
-                    gens = [rollout_generator(self.cfg.train.seed, step, index, j) for j in range(s.num_generations)]
-                    inputs = rollout(example, s.num_generations) if rollout is not None else None
-                    groups.append(
-                        sample_group(model, example.prompt_ids, gens, sampling, eos, pad, task.device, inputs)
-                    )
-                generated = time.perf_counter() - start
-                out.append(self._score(task, examples, groups, pad, generated))
+            with sequence_parallel_paused(model):
+                for examples in batches:
+                    start = time.perf_counter()
+                    groups = []
+                    for index, example in examples:
+                        gens = [
+                            rollout_generator(self.cfg.train.seed, step, index, j) for j in range(s.num_generations)
+                        ]
+                        inputs = rollout(example, s.num_generations) if rollout is not None else None
+                        groups.append(
+                            sample_group(model, example.prompt_ids, gens, sampling, eos, pad, task.device, inputs)
+                        )
+                    generated = time.perf_counter() - start
+                    out.append(self._score(task, examples, groups, pad, generated))
         finally:
             model.train(was_training)
         if step % self.cfg.train.log_every == 0:
@@ -311,7 +318,7 @@ class GRPO(Objective):
         weights = torch.tensor([r.weight for r in self.rewards.rewards], dtype=torch.float32)
         adv = group_advantages(per_function, g, weights, s.scale_rewards)
         scored = time.perf_counter() - start
-        batch = self.inputs.collate_rows(rows, pad_id=pad)
+        batch = self.inputs.collate_rows(rows, pad_id=pad, multiple=task.mesh.dims.sp)  # SP: equal chunks
         lengths = torch.tensor([len(c) for _, c, _ in rows], dtype=torch.float32)
         rewards = adv.rewards
         metrics = {
@@ -357,7 +364,7 @@ class GRPO(Objective):
         import time
 
         from spindle.contracts.task import Metric, StepOutput
-        from spindle.train.objectives.logprobs import reference_log_probs
+        from spindle.train.objectives.logprobs import reference_log_probs, sequence_parallel_sum
 
         s = self.settings
         start = time.perf_counter()
@@ -387,6 +394,7 @@ class GRPO(Objective):
             beta=s.beta,
             loss_type=s.loss_type,
             max_completion_length=s.max_new_tokens,
+            whole=lambda value: sequence_parallel_sum(value.detach(), task),
         )
         metrics: dict[str, Any] = {k: Metric(v, "mean", "mean") for k, v in rollout_metrics.items()}
         metrics.update({k: Metric(v, "mean", "mean") for k, v in out.metrics().items()})
