@@ -134,7 +134,9 @@ def _worker(rank: int, world: int, out: str) -> None:
     register()
     for name, (heads, kv_heads, packed, inner) in ATTN_CASES.items():
         module = attention_module(heads, kv_heads)
-        module._spindle_sequence_parallel = SequenceParallelContext(group=mesh.get_group(), size=world, inner=inner)
+        module._spindle_sequence_parallel = SequenceParallelContext(
+            group=mesh.get_group(), size=world, rank=rank, inner=inner
+        )
         x = attn_inputs(heads, kv_heads)
         grads = name not in FORWARD_ONLY
         q, k, v = (x[n][:, :, chunk].clone().requires_grad_(grads) for n in "qkv")
