@@ -11,6 +11,12 @@ function registered here (`ATTN_IMPLEMENTATION`) is called by the model's attent
     inner attention over the full sequence (Spindle's varlen functions, transformers' sdpa or flex_attention)
     all-to-all back: [B, S, H/sp, D] -> [B, S/sp, H, D]
 
+Layers with a sliding window (Gemma 3, GPT-OSS) or a learned sink logit per head (GPT-OSS), and every layer of
+a model trained with eager attention, run spindle.ops.windowed_attention as the inner attention instead: the
+window and the documents over the full sequence, in query blocks (no [S, S] mask), with this rank's slice of
+the sinks (the heads it holds after the all-to-all). Gated DeltaNet linear-attention layers split their heads
+the same way (spindle/distributed/ulysses_linear_attention.py, reached through the family's patched modeling).
+
 The all-to-all is an autograd function whose backward is the same all-to-all (with equal splits
 the exchange is its own transpose), so gradients flow back to the rank that owns each token.
 
@@ -28,8 +34,8 @@ the tensor's identity, so every layer and an activation-checkpoint recomputation
 new document starts wherever the position does not follow its predecessor (the rule of
 transformers' `find_packed_sequence_indices`). The varlen inner functions (spindle.ops.varlen_attention)
 get the full row's position ids and attend per document, no mask (memory linear in S); for sdpa the
-dense [B, 1, S, S] mask is built here, for flex_attention a block mask. A row with one document is
-plain causal attention.
+dense [B, 1, S, S] mask is built here, for flex_attention a block mask; the windowed kernel gets the
+document ids. A row with one document is plain causal attention.
 Padding masks are not used: rows are padded on the right, and under causal attention the pad
 tokens (labels -100) never affect a real token.
 

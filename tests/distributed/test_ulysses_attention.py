@@ -58,7 +58,8 @@ WINDOW = 4  # shorter than a rank's chunk: the window reaches across the chunk b
 FAMILY_CASES = {
     "gpt_oss_sinks_window_packed": (True, "eager"),
     "gemma3_window_packed": (True, "sdpa"),
-    "qwen3_5_gated_deltanet": (False, "sdpa"),
+    "qwen3_5_gated_deltanet_kv1": (False, "sdpa"),  # one key head: repeated over the 2 ranks
+    "qwen3_5_gated_deltanet_kv2": (False, "sdpa"),
 }
 
 
@@ -147,8 +148,8 @@ def family_model(case: str):
         **heads,
         linear_key_head_dim=8,
         linear_value_head_dim=8,
-        linear_num_key_heads=1,
-        linear_num_value_heads=2,
+        linear_num_key_heads=int(case[-1]),
+        linear_num_value_heads=4,
         layer_types=["linear_attention", "full_attention"],
         attn_implementation="sdpa",
     )
@@ -336,6 +337,40 @@ def test_check_layout(heads, kv_heads, sp, match):
     else:
         with pytest.raises(ValueError, match=match):
             check_layout(config, sp)
+
+
+@pytest.mark.parametrize(
+    ("layers", "match"),
+    [
+        ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4}, None),
+        (
+            {
+                "layer_types": ["linear_attention", "full_attention"],
+                "linear_num_value_heads": 4,
+                "linear_num_key_heads": 1,
+            },
+            None,
+        ),  # key heads repeated 4x
+        (
+            {"layer_types": ["linear_attention"], "linear_num_value_heads": 6, "linear_num_key_heads": 2},
+            r"6 attention heads \(linear_num_value_heads\), not divisible by parallel\.sp=4",
+        ),
+        (
+            {"layer_types": ["linear_attention"], "linear_num_value_heads": 8, "linear_num_key_heads": 3},
+            r"3 key/value heads \(linear_num_key_heads\)",
+        ),
+        ({"layer_types": ["chunked_attention"]}, r"\['chunked_attention'\] layers \(layer_types\)"),
+    ],
+)
+def test_check_layout_of_sliding_and_linear_attention_layers(layers, match):
+    from spindle.distributed.ulysses_attention import check_layout
+
+    config = {"num_attention_heads": 8, "num_key_value_heads": 2, **layers}
+    if match is None:
+        check_layout(config, 4)
+    else:
+        with pytest.raises(ValueError, match=match):
+            check_layout(config, 4)
 
 
 def test_kv_repeat_gives_each_rank_whole_matching_heads():

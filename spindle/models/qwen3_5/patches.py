@@ -22,7 +22,6 @@ Everything else is upstream: the vision tower, the 3-D RoPE, the full-attention 
 them through transformers' attention interface).
 """
 
-
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache
