@@ -18,14 +18,21 @@ then the causal convolution and the gated delta rule (this module's own `causal_
 `torch_chunk_gated_delta_rule`) over the whole sequence of this rank's heads between two all-to-alls. Without SP
 the body is upstream's. Qwen3.5-MoE's patches reuse this override.
 
+`Qwen3_5Model.__init__` builds its language model as this module's `Qwen3_5TextModel` (upstream builds it
+with `AutoModel.from_config`, which would be transformers' own class, without the override above); the same
+construction, the same weights and names.
+
 Everything else is upstream: the vision tower, the 3-D RoPE, the full-attention layers (Ulysses SP reaches
 them through transformers' attention interface).
 """
 
 import torch
 import torch.nn.functional as F
+from transformers import AutoModel
 from transformers.cache_utils import Cache
 from transformers.models.qwen3_5.modeling_qwen3_5 import (
+    Qwen3_5Config,
+    Qwen3_5TextModel,
     apply_mask_to_padding_states,
     causal_conv1d_fn,
     causal_conv1d_update,
@@ -165,3 +172,17 @@ def forward(
 
     output = self.out_proj(core_attn_out)
     return output
+
+
+@config.override_method(
+    "Qwen3_5Model.__init__",
+    description="the language model is this module's Qwen3_5TextModel (its Gated DeltaNet layers patched)",
+)
+def __init__(self, config: Qwen3_5Config):
+    super().__init__(config)
+    self.visual = AutoModel.from_config(config.vision_config)
+    self.language_model = Qwen3_5TextModel._from_config(config.text_config)
+    self.rope_deltas = None  # cache rope_deltas here
+
+    # Initialize weights and apply final processing
+    self.post_init()

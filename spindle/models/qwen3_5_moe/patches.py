@@ -29,3 +29,9 @@ config.override_method(
     replacement=qwen3_5.forward,
     description="under Ulysses SP: convolution and recurrence over the whole sequence of this rank's heads",
 )
+config.override_method(
+    "Qwen3_5MoeModel.__init__",
+    replacement=qwen3_5.__init__,
+    name_map={"Qwen3_5": "Qwen3_5Moe"},
+    description="the language model is this module's Qwen3_5MoeTextModel (its Gated DeltaNet layers patched)",
+)

@@ -11,6 +11,7 @@
 #   4. add_import spindle.distributed.ulysses_attention
 #   5. add_import spindle.distributed.ulysses_linear_attention
 #   6. override_method Qwen3_5GatedDeltaNet.forward - under Ulysses SP: convolution and recurrence over the whole sequence of this rank's heads
+#   7. override_method Qwen3_5Model.__init__ - the language model is this module's Qwen3_5TextModel (its Gated DeltaNet layers patched)
 # ==================================================================================================
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
 #           This file was automatically generated from src/transformers/models/qwen3_5/modular_qwen3_5.py.
@@ -1330,10 +1331,11 @@ class Qwen3_5Model(Qwen3_5PreTrainedModel):
     input_modalities = ("image", "video", "text")
     _no_split_modules = ["Qwen3_5DecoderLayer", "Qwen3_5VisionBlock"]
 
+    # [PATCHED] override_method Qwen3_5Model.__init__: the language model is this module's Qwen3_5TextModel (its Gated DeltaNet layers patched)
     def __init__(self, config: Qwen3_5Config):
         super().__init__(config)
         self.visual = AutoModel.from_config(config.vision_config)
-        self.language_model = AutoModel.from_config(config.text_config)
+        self.language_model = Qwen3_5TextModel._from_config(config.text_config)
         self.rope_deltas = None  # cache rope_deltas here
 
         # Initialize weights and apply final processing

@@ -9,6 +9,7 @@
 #   2. add_import spindle.distributed.ulysses_attention
 #   3. add_import spindle.distributed.ulysses_linear_attention
 #   4. override_method Qwen3_5MoeGatedDeltaNet.forward - under Ulysses SP: convolution and recurrence over the whole sequence of this rank's heads
+#   5. override_method Qwen3_5MoeModel.__init__ - the language model is this module's Qwen3_5MoeTextModel (its Gated DeltaNet layers patched)
 # ==================================================================================================
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
 #           This file was automatically generated from src/transformers/models/qwen3_5_moe/modular_qwen3_5_moe.py.
@@ -1412,10 +1413,11 @@ class Qwen3_5MoeModel(Qwen3_5MoePreTrainedModel):
     input_modalities = ("image", "video", "text")
     _no_split_modules = ["Qwen3_5MoeDecoderLayer", "Qwen3_5MoeVisionBlock"]
 
+    # [PATCHED] override_method Qwen3_5MoeModel.__init__: the language model is this module's Qwen3_5MoeTextModel (its Gated DeltaNet layers patched)
     def __init__(self, config: Qwen3_5MoeConfig):
         super().__init__(config)
         self.visual = AutoModel.from_config(config.vision_config)
-        self.language_model = AutoModel.from_config(config.text_config)
+        self.language_model = Qwen3_5MoeTextModel._from_config(config.text_config)
         self.rope_deltas = None  # cache rope_deltas here
 
         # Initialize weights and apply final processing
