@@ -96,7 +96,7 @@ def kv_repeat(
     return r
 
 
-def _check_heads(heads: Any, kv_heads: int, sp: int, keys: tuple[str, str]) -> None:
+def _check_heads(heads: Any, kv_heads: Any, sp: int, keys: tuple[str, str]) -> None:
     if not isinstance(heads, int):
         raise ValueError(f"the model config has no integer {keys[0]}; cannot run parallel.sp={sp}")
     if heads % sp:
