@@ -345,6 +345,12 @@ def ulysses_attention_forward(
             "Spindle's Ulysses attention needs the global position_ids of this rank's chunk (computed before the "
             "sequence split, see shard_batch); the model was called without position_ids"
         )
+    windowed = sinks is not None or window is not None or ctx.inner == "eager"  # spindle.ops.windowed_attention
+    if windowed and not getattr(module, "is_causal", True):
+        raise ValueError(
+            f"Spindle's Ulysses attention computes causal attention; {type(module).__name__} is bidirectional "
+            "(use_bidirectional_attention); set parallel.sp: 1"
+        )
     sp, group = ctx.size, ctx.group
     heads, kv_heads = query.shape[1], key.shape[1]
     repeat = kv_repeat(heads, kv_heads, sp)
@@ -356,16 +362,11 @@ def ulysses_attention_forward(
         kwargs["position_ids"] = full_positions
 
     query, key, value = (seq_to_heads(t, group, sp) for t in (query, key, value))
-    if sinks is not None or window is not None or ctx.inner == "eager":
+    if windowed:
         # this rank holds heads [rank * H/sp, (rank + 1) * H/sp) (seq_to_heads): their sinks, their window
         local_heads = query.shape[1]
         if sinks is not None:
             sinks = sinks[ctx.rank * local_heads : (ctx.rank + 1) * local_heads]
-        if not getattr(module, "is_causal", True):
-            raise ValueError(
-                f"Spindle's Ulysses attention computes causal attention; {type(module).__name__} is bidirectional "
-                "(use_bidirectional_attention); set parallel.sp: 1"
-            )
         out = windowed_attention(
             query, key, value, documents=ctx.documents(), window=window, sinks=sinks, scaling=scaling, dropout=dropout
         )
