@@ -11,6 +11,12 @@ function registered here (`ATTN_IMPLEMENTATION`) is called by the model's attent
     inner attention over the full sequence (Spindle's varlen functions, transformers' sdpa or flex_attention)
     all-to-all back: [B, S, H/sp, D] -> [B, S/sp, H, D]
 
+Layers with a sliding window (Gemma 3, GPT-OSS) or a learned sink logit per head (GPT-OSS), and every layer of
+a model trained with eager attention, run spindle.ops.windowed_attention as the inner attention instead: the
+window and the documents over the full sequence, in query blocks (no [S, S] mask), with this rank's slice of
+the sinks (the heads it holds after the all-to-all). Gated DeltaNet linear-attention layers split their heads
+the same way (spindle/distributed/ulysses_linear_attention.py, reached through the family's patched modeling).
+
 The all-to-all is an autograd function whose backward is the same all-to-all (with equal splits
 the exchange is its own transpose), so gradients flow back to the rank that owns each token.
 
@@ -28,8 +34,8 @@ the tensor's identity, so every layer and an activation-checkpoint recomputation
 new document starts wherever the position does not follow its predecessor (the rule of
 transformers' `find_packed_sequence_indices`). The varlen inner functions (spindle.ops.varlen_attention)
 get the full row's position ids and attend per document, no mask (memory linear in S); for sdpa the
-dense [B, 1, S, S] mask is built here, for flex_attention a block mask. A row with one document is
-plain causal attention.
+dense [B, 1, S, S] mask is built here, for flex_attention a block mask; the windowed kernel gets the
+document ids. A row with one document is plain causal attention.
 Padding masks are not used: rows are padded on the right, and under causal attention the pad
 tokens (labels -100) never affect a real token.
 
@@ -56,10 +62,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from spindle.ops import varlen_attention
 from spindle.ops.varlen_attention import document_ids
+from spindle.ops.windowed_attention import windowed_attention
 
 ATTN_IMPLEMENTATION = "spindle_ulysses"
 VARLEN_INNER = tuple(varlen_attention.IMPLEMENTATIONS.values())
-INNER_IMPLEMENTATIONS = ("sdpa", "flex_attention", *VARLEN_INNER)
+MASKED_INNER = ("sdpa", "flex_attention")  # inner functions that take a document mask built here
+# eager: transformers' eager attention (GPT-OSS's, with its sinks) is computed by spindle.ops.windowed_attention
+INNER_IMPLEMENTATIONS = (*MASKED_INNER, "eager", *VARLEN_INNER)
 # Per-token tensors of a causal-LM batch, split along dim 1 (the sequence) by `shard_batch`.
 SEQUENCE_KEYS = ("input_ids", "position_ids", "shift_labels", "attention_mask")
 _CONTEXT_ATTR = "_spindle_sequence_parallel"
@@ -68,21 +77,42 @@ _CONTEXT_ATTR = "_spindle_sequence_parallel"
 # ---------------------------------------------------------------- layout checks
 
 
-def kv_repeat(num_heads: int, num_kv_heads: int, sp: int) -> int:
+def kv_repeat(
+    num_heads: int, num_kv_heads: int, sp: int, keys: tuple[str, str] = ("num_attention_heads", "num_key_value_heads")
+) -> int:
     """How many times each KV head is repeated so that `sp` ranks each get whole, matching heads.
 
     The least r with (num_kv_heads * r) divisible by sp and dividing num_heads (GQA grouping kept:
-    query head h still reads KV head h // (num_heads / num_kv_heads)). ValueError when none exists.
+    query head h still reads KV head h // (num_heads / num_kv_heads)). ValueError when none exists, naming
+    `keys` (the config keys of the two counts; a Gated DeltaNet layer's are its value and key heads).
     """
     r = sp // math.gcd(num_kv_heads, sp)
     if num_heads % (num_kv_heads * r):
         raise ValueError(
-            f"sequence parallel cannot split {num_kv_heads} key/value heads (num_key_value_heads) over parallel.sp={sp} "
-            f"with {num_heads} query heads (num_attention_heads): repeating each KV head {r}x would give "
+            f"sequence parallel cannot split {num_kv_heads} key/value heads ({keys[1]}) over parallel.sp={sp} "
+            f"with {num_heads} query heads ({keys[0]}): repeating each KV head {r}x would give "
             f"{num_kv_heads * r} KV heads, which do not divide the query heads (the KV heads must divide the query "
             f"heads; check the config, or set parallel.sp to a divisor of {num_kv_heads})"
         )
     return r
+
+
+def _check_heads(heads: Any, kv_heads: Any, sp: int, keys: tuple[str, str]) -> None:
+    if not isinstance(heads, int):
+        raise ValueError(f"the model config has no integer {keys[0]}; cannot run parallel.sp={sp}")
+    if heads % sp:
+        divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+        raise ValueError(
+            f"the model has {heads} attention heads ({keys[0]}), not divisible by parallel.sp={sp}: Ulysses "
+            f"SP gives each SP rank heads/sp heads; set parallel.sp to a divisor of {heads} ({divisors})"
+        )
+    kv_repeat(heads, kv_heads, sp, keys)
+
+
+# the decoder layer kinds (config `layer_types`) Ulysses SP runs: softmax attention, windowed or not (sinks
+# included), and Gated DeltaNet linear attention (spindle/distributed/ulysses_linear_attention.py)
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
+LINEAR_HEADS = ("linear_num_value_heads", "linear_num_key_heads")
 
 
 def check_layout(config: Any, sp: int, seq_len: int | None = None) -> None:
@@ -97,21 +127,16 @@ def check_layout(config: Any, sp: int, seq_len: int | None = None) -> None:
         return
     get = config.get if isinstance(config, Mapping) else lambda key, default=None: getattr(config, key, default)
     heads = get("num_attention_heads")
-    if not isinstance(heads, int):
-        raise ValueError(f"the model config has no integer num_attention_heads; cannot run parallel.sp={sp}")
-    kv_heads = get("num_key_value_heads") or heads
-    if heads % sp:
-        divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+    _check_heads(heads, get("num_key_value_heads") or heads, sp, ("num_attention_heads", "num_key_value_heads"))
+    layer_types = tuple(get("layer_types") or ())
+    if unknown := sorted(set(layer_types) - set(LAYER_TYPES)):
         raise ValueError(
-            f"the model has {heads} attention heads (num_attention_heads), not divisible by parallel.sp={sp}: Ulysses "
-            f"SP gives each SP rank heads/sp heads; set parallel.sp to a divisor of {heads} ({divisors})"
+            f"parallel.sp={sp}: Spindle's Ulysses SP runs layers of the types {LAYER_TYPES}, but the model has "
+            f"{unknown} layers (layer_types); set parallel.sp: 1"
         )
-    kv_repeat(heads, kv_heads, sp)
-    if get("use_sliding_window") or any(t != "full_attention" for t in get("layer_types") or ()):
-        raise ValueError(
-            f"parallel.sp={sp}: Spindle's Ulysses attention supports full attention only, but the model has sliding-"
-            f"window layers (use_sliding_window / layer_types); set parallel.sp: 1"
-        )
+    if "linear_attention" in layer_types:
+        v_heads = get(LINEAR_HEADS[0])
+        _check_heads(v_heads, get(LINEAR_HEADS[1]) or v_heads, sp, LINEAR_HEADS)
     if seq_len is not None and seq_len % sp:
         raise ValueError(
             f"data.seq_len={seq_len} is not divisible by parallel.sp={sp}: each SP rank holds an equal, contiguous "
@@ -235,10 +260,12 @@ class SequenceParallelContext:
 
     group: dist.ProcessGroup
     size: int
+    rank: int  # this rank's index in the group: it holds sequence chunk `rank`, then heads chunk `rank`
     inner: str  # the attention implementation run over the full sequence (INNER_IMPLEMENTATIONS)
     _key: torch.Tensor | None = field(default=None, repr=False)
     _positions: Any = field(default=None, repr=False)
     _mask: Any = field(default=None, repr=False)
+    _docs: torch.Tensor | None = field(default=None, repr=False)
 
     def for_forward(self, position_ids: torch.Tensor, batch: int) -> tuple[torch.Tensor, Any]:
         """(the full rows' [B, S] position ids, the mask the inner attention takes: None for the varlen
@@ -248,16 +275,29 @@ class SequenceParallelContext:
             chunks = [torch.empty_like(local) for _ in range(self.size)]
             dist.all_gather(chunks, local, group=self.group)
             full = torch.cat(chunks, dim=1)
-            docs = None if self.inner in VARLEN_INNER else document_ids(full)
-            if docs is None:
+            # the windowed kernel (layers with a window or sinks) reads the documents; the masked inner functions
+            # take them as a mask
+            docs = document_ids(full)
+            if docs is None or self.inner not in MASKED_INNER:
                 mask = None
             elif self.inner == "flex_attention":
                 mask = _flex_block_mask(docs)
             else:
                 mask = document_causal_mask(docs)
             # Holding the key tensor keeps its identity from being reused by another forward's tensor.
-            self._key, self._positions, self._mask = position_ids, full, mask
+            self._key, self._positions, self._mask, self._docs = position_ids, full, mask, docs
         return self._positions, self._mask
+
+    def documents(self) -> torch.Tensor | None:
+        """The [B, S] document index of the full rows of this forward (None: one document a row), for the windowed
+        kernel; `for_forward` computes it."""
+        return self._docs
+
+
+def sequence_parallel_context(module: torch.nn.Module) -> SequenceParallelContext | None:
+    """The context `enable_sequence_parallel` attached to a module of the model; None without Ulysses SP."""
+    ctx: SequenceParallelContext | None = getattr(module, _CONTEXT_ATTR, None)
+    return ctx
 
 
 class LocalHeads:
@@ -286,7 +326,7 @@ def ulysses_attention_forward(
     computed over the whole sequence of the SP group (module docstring)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    ctx: SequenceParallelContext | None = getattr(module, _CONTEXT_ATTR, None)
+    ctx = sequence_parallel_context(module)
     if ctx is None:
         raise RuntimeError(
             f"{type(module).__name__} uses attn_implementation={ATTN_IMPLEMENTATION!r} but sequence parallel was not "
@@ -297,17 +337,20 @@ def ulysses_attention_forward(
             "Spindle's Ulysses attention builds its own mask from the full row's position_ids; the model was given an "
             "explicit attention mask (pass position_ids, and no attention_mask, under parallel.sp > 1)"
         )
-    if getattr(module, "sinks", None) is not None:
-        raise ValueError(
-            "Spindle's Ulysses attention does not split per-head attention sinks with the heads (this layer has them)"
-        )
-    if kwargs.get("sliding_window") is not None:
-        raise ValueError("Spindle's Ulysses attention supports full attention only (this layer has a sliding window)")
+    sinks: torch.Tensor | None = getattr(module, "sinks", None)
+    window: int | None = kwargs.pop("sliding_window", None)
+    kwargs.pop("s_aux", None)  # GPT-OSS passes its sinks again under this name (the hub kernels' argument)
     position_ids = kwargs.pop("position_ids", None)
     if position_ids is None:
         raise ValueError(
             "Spindle's Ulysses attention needs the global position_ids of this rank's chunk (computed before the "
             "sequence split, see shard_batch); the model was called without position_ids"
+        )
+    windowed = sinks is not None or window is not None or ctx.inner == "eager"  # spindle.ops.windowed_attention
+    if windowed and not getattr(module, "is_causal", True):
+        raise ValueError(
+            f"Spindle's Ulysses attention computes causal attention; {type(module).__name__} is bidirectional "
+            "(use_bidirectional_attention); set parallel.sp: 1"
         )
     sp, group = ctx.size, ctx.group
     heads, kv_heads = query.shape[1], key.shape[1]
@@ -320,6 +363,15 @@ def ulysses_attention_forward(
         kwargs["position_ids"] = full_positions
 
     query, key, value = (seq_to_heads(t, group, sp) for t in (query, key, value))
+    if windowed:
+        # this rank holds heads [rank * H/sp, (rank + 1) * H/sp) (seq_to_heads): their sinks, their window
+        local_heads = query.shape[1]
+        if sinks is not None:
+            sinks = sinks[ctx.rank * local_heads : (ctx.rank + 1) * local_heads]
+        out = windowed_attention(
+            query, key, value, documents=ctx.documents(), window=window, sinks=sinks, scaling=scaling, dropout=dropout
+        )
+        return heads_to_seq(out, group, sp), None
     local = LocalHeads(module, num_key_value_groups=query.shape[1] // key.shape[1])
     inner = ALL_ATTENTION_FUNCTIONS[ctx.inner]
     out, _ = inner(local, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -378,7 +430,7 @@ def enable_sequence_parallel(model: torch.nn.Module, sp_mesh: DeviceMesh, inner:
             f"the inner attention of sequence parallel must be one of {INNER_IMPLEMENTATIONS}, got {inner!r}"
         )
     register()
-    ctx = SequenceParallelContext(group=sp_mesh.get_group(), size=sp, inner=inner)
+    ctx = SequenceParallelContext(group=sp_mesh.get_group(), size=sp, rank=sp_mesh.get_local_rank(), inner=inner)
     for module in model.modules():
         setattr(module, _CONTEXT_ATTR, ctx)
     hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)

@@ -63,8 +63,8 @@ def resolve_attention(
 
     `precision`: train.mixed_precision ("auto" is bf16 on CUDA, the only device flash runs on); `text_config`: the language model's
     config (dict or object); `model_class`: the transformers class trained (None: one that supports sdpa).
-    Sliding-window layers under parallel.sp are refused by the Ulysses layout
-    check (spindle.distributed.ulysses_attention.check_layout) whatever the setting."""
+    Under parallel.sp the sliding-window and sink layers run Spindle's windowed kernel whatever the setting
+    (spindle.distributed.ulysses_attention)."""
     if setting not in SETTINGS:
         raise ValueError(f"model.attn_implementation must be one of {SETTINGS}, got {setting!r}")
     sliding = has_sliding_window(text_config)

@@ -11,6 +11,13 @@ cores); rank 0 saves what it gathered and the tests compare it with references c
   from position_ids): the loss and every parameter's gradient (SP ranks' gradients summed).
 Each runs with the dense-mask sdpa inner attention and with Spindle's varlen inner function
 (spindle/ops/varlen_attention.py: the full row's position ids, attention per document, no mask).
+
+The same for the layers that are not plain softmax attention, on Spindle's patched classes of the families
+(packed rows where the family packs): GPT-OSS (per-head sinks, the rank's slice of them; a sliding-window
+layer; eager attention), Gemma 3 (a sliding-window layer under sdpa), both through
+spindle/ops/windowed_attention.py; Qwen3.5's Gated DeltaNet layer (spindle/distributed/ulysses_linear_attention.py:
+heads split, the convolution and the recurrence over the whole sequence), with one key head repeated over the
+two ranks.
 """
 
 from __future__ import annotations
@@ -46,6 +53,14 @@ MODEL_CASES = {
     "model_packed_varlen": (2, True, "spindle_varlen"),
 }
 VOCAB = 64
+WINDOW = 4  # shorter than a rank's chunk: the window reaches across the chunk border
+# family case -> (packed, inner attention); the models: `family_model`
+FAMILY_CASES = {
+    "gpt_oss_sinks_window_packed": (True, "eager"),
+    "gemma3_window_packed": (True, "sdpa"),
+    "qwen3_5_gated_deltanet_kv1": (False, "sdpa"),  # one key head: repeated over the 2 ranks
+    "qwen3_5_gated_deltanet_kv2": (False, "sdpa"),
+}
 
 
 def packed_positions() -> torch.Tensor:
@@ -87,6 +102,58 @@ def small_qwen3_model(kv_heads: int):
         attn_implementation="sdpa",
     )
     return Qwen3ForCausalLM(config).float()
+
+
+def family_model(case: str):
+    """A small model of Spindle's patched class for the family `case` names (seeded)."""
+    from transformers import Gemma3TextConfig, GptOssConfig
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    torch.manual_seed(0)
+    shape = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2}
+    heads = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+    if case.startswith("gpt_oss"):
+        from spindle.models.gpt_oss.generated.patched_modeling_gpt_oss import GptOssForCausalLM
+
+        config = GptOssConfig(
+            **shape,
+            **heads,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            attn_implementation="eager",
+        )
+        model = GptOssForCausalLM(config)
+        with torch.no_grad():  # distinct sinks per head: a rank with another head's sink would differ
+            for layer in model.model.layers:
+                layer.self_attn.sinks.copy_(torch.linspace(-1.0, 2.0, 4))
+        return model.float()
+    if case.startswith("gemma3"):
+        from spindle.models.gemma3.generated.patched_modeling_gemma3 import Gemma3ForCausalLM
+
+        config = Gemma3TextConfig(
+            **shape,
+            **heads,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            query_pre_attn_scalar=8,
+            attn_implementation="sdpa",
+        )
+        return Gemma3ForCausalLM(config).float()
+    from spindle.models.qwen3_5.generated.patched_modeling_qwen3_5 import Qwen3_5ForCausalLM
+
+    config = Qwen3_5TextConfig(
+        **shape,
+        **heads,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=int(case[-1]),
+        linear_num_value_heads=4,
+        layer_types=["linear_attention", "full_attention"],
+        attn_implementation="sdpa",
+    )
+    return Qwen3_5ForCausalLM(config).float()
 
 
 def lm_batch(packed: bool) -> dict[str, torch.Tensor]:
@@ -134,7 +201,9 @@ def _worker(rank: int, world: int, out: str) -> None:
     register()
     for name, (heads, kv_heads, packed, inner) in ATTN_CASES.items():
         module = attention_module(heads, kv_heads)
-        module._spindle_sequence_parallel = SequenceParallelContext(group=mesh.get_group(), size=world, inner=inner)
+        module._spindle_sequence_parallel = SequenceParallelContext(
+            group=mesh.get_group(), size=world, rank=rank, inner=inner
+        )
         x = attn_inputs(heads, kv_heads)
         grads = name not in FORWARD_ONLY
         q, k, v = (x[n][:, :, chunk].clone().requires_grad_(grads) for n in "qkv")
@@ -155,6 +224,18 @@ def _worker(rank: int, world: int, out: str) -> None:
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         for g in grads.values():
             dist.all_reduce(g)  # SP ranks' gradients sum to the row's gradient
+        results[name] = {"loss": loss.detach(), "grads": grads}
+
+    for name, (packed, inner) in FAMILY_CASES.items():
+        model = family_model(name)
+        enable_sequence_parallel(model, mesh, inner=inner)
+        local = shard_batch(lm_batch(packed), rank, world)
+        loss = lm_loss_sum(model, local)
+        loss.backward()
+        dist.all_reduce(loss.detach())
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        for g in grads.values():
+            dist.all_reduce(g)
         results[name] = {"loss": loss.detach(), "grads": grads}
 
     if rank == 0:
@@ -258,6 +339,40 @@ def test_check_layout(heads, kv_heads, sp, match):
             check_layout(config, sp)
 
 
+@pytest.mark.parametrize(
+    ("layers", "match"),
+    [
+        ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4}, None),
+        (
+            {
+                "layer_types": ["linear_attention", "full_attention"],
+                "linear_num_value_heads": 4,
+                "linear_num_key_heads": 1,
+            },
+            None,
+        ),  # key heads repeated 4x
+        (
+            {"layer_types": ["linear_attention"], "linear_num_value_heads": 6, "linear_num_key_heads": 2},
+            r"6 attention heads \(linear_num_value_heads\), not divisible by parallel\.sp=4",
+        ),
+        (
+            {"layer_types": ["linear_attention"], "linear_num_value_heads": 8, "linear_num_key_heads": 3},
+            r"3 key/value heads \(linear_num_key_heads\)",
+        ),
+        ({"layer_types": ["chunked_attention"]}, r"\['chunked_attention'\] layers \(layer_types\)"),
+    ],
+)
+def test_check_layout_of_sliding_and_linear_attention_layers(layers, match):
+    from spindle.distributed.ulysses_attention import check_layout
+
+    config = {"num_attention_heads": 8, "num_key_value_heads": 2, **layers}
+    if match is None:
+        check_layout(config, 4)
+    else:
+        with pytest.raises(ValueError, match=match):
+            check_layout(config, 4)
+
+
 def test_kv_repeat_gives_each_rank_whole_matching_heads():
     from spindle.distributed.ulysses_attention import kv_repeat
 
@@ -269,3 +384,20 @@ def test_check_layout_names_seq_len():
 
     with pytest.raises(ValueError, match=r"data\.seq_len=30 is not divisible by parallel\.sp=4"):
         check_layout({"num_attention_heads": 8, "num_key_value_heads": 8}, 4, seq_len=30)
+
+
+@pytest.mark.parametrize("case", list(FAMILY_CASES))
+@pytest.mark.slow
+def test_sp_family_layers_loss_and_grads_equal_one_process(sp_results, case):
+    """Sinks, sliding windows (packed) and Gated DeltaNet under Ulysses: the loss and every parameter's gradient
+    (the sinks', the conv filters' included) equal one process."""
+    packed, _ = FAMILY_CASES[case]
+    model = family_model(case)
+    loss = lm_loss_sum(model, lm_batch(packed))
+    loss.backward()
+    got = sp_results[case]
+    assert_close(got["loss"], loss.detach(), f"{case} loss")
+    want = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    assert got["grads"].keys() == want.keys()
+    for name, grad in want.items():
+        assert_close(got["grads"][name], grad, f"{case} grad {name}")

@@ -1,6 +1,6 @@
 """Gemma 3 beyond the causal-LM conformance suite: the tiny tokenizer carries Gemma's turn tokens and chat
 template (the assistant is "model", a system message folds into the first user turn), the image-text checkpoints
-are refused at detection naming why, and Ulysses SP is refused for the sliding-window layers before launch."""
+are refused at detection naming why. Ulysses SP (sliding-window layers included) is the conformance suite's `sp2`."""
 
 from __future__ import annotations
 
@@ -35,14 +35,3 @@ def test_an_image_text_checkpoint_is_refused_naming_why(tiny_checkpoint, tmp_pat
     (folder / "config.json").write_text(json.dumps({**config, "model_type": "gemma3"}))
     with pytest.raises(UnknownModelError, match=r"Gemma3ForConditionalGeneration .*not trained by Spindle yet"):
         resolve_family(folder)
-
-
-def test_sequence_parallel_is_refused_before_launch(tiny_checkpoint, tmp_path, spindle_cli):
-    data = tmp_path / "t.jsonl"
-    data.write_text('{"text": "a b c"}\n')
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text("{}\n")
-    args = [f"model.path={tiny_checkpoint('gemma3')}", f"data.path={data}", f"train.output_dir={tmp_path / 'run'}"]
-    result = spindle_cli("train", cfg, *args, "parallel.sp=2", "--nproc", "2")
-    assert result.returncode != 0
-    assert "sliding-window layers" in result.stderr and "parallel.sp: 1" in result.stderr

@@ -1,6 +1,6 @@
 """GPT-OSS (spindle/models/gpt_oss): what the registry-parametrised conformance suite does not check by family
 name. Its tokenizer carries the harmony tokens and a harmony chat template; attention is transformers' eager
-(the sinks), sdpa/varlen and Ulysses SP refused naming why; expert parallelism splits the fused experts with
+(the sinks), sdpa/varlen refused naming why (Ulysses SP with the sinks: the conformance suite's `sp2`); expert parallelism splits the fused experts with
 their biases; LoRA on attention and on the fused experts equals stock PEFT; the released MXFP4 layout is
 dequantised on load (equal to transformers' own dequantisation) and exported in bf16 that stock loads."""
 
@@ -51,19 +51,6 @@ def test_attention_is_eager_and_sdpa_varlen_are_refused_naming_the_sinks(tiny_gp
             make_trainer(cfg)
     trainer = make_trainer(load_job_config(None, overrides))  # model.attn_implementation: auto
     assert trainer.model.config._attn_implementation == "eager"
-
-
-def test_sequence_parallel_is_refused_before_launch_naming_the_sinks(tiny_gpt_oss, tmp_path):
-    from spindle.api import load_job_config
-    from spindle.config import ConfigError
-    from spindle.distributed.mesh import ParallelDims
-    from spindle.registry import get_family
-    from spindle.train.tasks.causal_lm import CausalLMTask
-    from tests.conftest import lm_overrides
-
-    cfg = load_job_config(None, lm_overrides(tiny_gpt_oss, _text(tmp_path), tmp_path / "run"))
-    with pytest.raises(ConfigError, match=r"parallel.sp=2: .*sink logit per head.*set parallel.sp: 1"):
-        CausalLMTask.check_plan(cfg, get_family("gpt_oss"), ParallelDims(sp=2, dp_shard=1).resolve(2))
 
 
 def test_expert_parallel_splits_the_fused_experts_and_their_biases(tiny_gpt_oss):

@@ -1,6 +1,7 @@
 """Qwen3.5 (`qwen3_5`): what its Gated DeltaNet layers change for training. The rest is the VLM conformance
 suite's (tests/conformance/test_vlm_conformance.py: step 1 = stock on an image conversation, packing refused,
-dp_shard=2 = one process)."""
+dp_shard=2 and sp=2 = one process; tests/distributed/test_ulysses_attention.py: a Gated DeltaNet layer under
+Ulysses with its key heads repeated)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,13 @@ from spindle.train.tasks.vlm import VLMTask
 from tests.conftest import load_job_config, vlm_overrides
 
 
-def test_sequence_parallel_is_refused_before_launch_naming_the_linear_attention(
-    tiny_checkpoint, vlm_conversations, tmp_path
-):
-    model = tiny_checkpoint("qwen3_5")
+def test_sequence_parallel_checks_the_linear_heads_before_launch(tiny_checkpoint, vlm_conversations, tmp_path):
+    model = tiny_checkpoint("qwen3_5")  # 4 value heads, 2 key heads in its Gated DeltaNet layers
     cfg = load_job_config(None, vlm_overrides(model, vlm_conversations, tmp_path / "run"))
     VLMTask.check_plan(cfg, get_family("qwen3_5"), ParallelDims(dp_shard=2).resolve(2))  # FSDP2: fine
-    with pytest.raises(ConfigError, match=r"parallel\.sp=2: qwen3_5 models have linear-attention"):
-        VLMTask.check_plan(cfg, get_family("qwen3_5"), ParallelDims(sp=2).resolve(2))
+    VLMTask.check_plan(cfg, get_family("qwen3_5"), ParallelDims(sp=2).resolve(2))  # Ulysses: heads split
+    with pytest.raises(ConfigError, match=r"(num_attention_heads|linear_num_value_heads).*not divisible by parallel"):
+        VLMTask.check_plan(cfg, get_family("qwen3_5"), ParallelDims(sp=8).resolve(8))
     assert VLMTask.packs(cfg) is False  # data.packing unset: one conversation per row
 
 

@@ -3,7 +3,9 @@ the text stacks of the larger ones), trained by the causal-LM task.
 
 Attention alternates sliding-window (local) and global layers, so packed rows run transformers' sdpa with
 its per-document mask, windowed on the local layers (`model.attn_implementation: auto` picks it; Spindle's
-varlen and flash kernels implement no window and refuse such a model).
+varlen and flash kernels implement no window and refuse such a model). Under Ulysses SP (`parallel.sp`) each
+rank attends over the whole sequence of its heads: the local layers through spindle.ops.windowed_attention
+(the window per packed document, in query blocks: no [S, S] mask), the global ones through the run's attention.
 """
 
 from spindle.contracts.family import CausalLMConformanceSpec, CausalLMFamily
@@ -16,9 +18,7 @@ FAMILY = CausalLMFamily(
     model_types=("gemma3_text",),
     # The image-text checkpoints (gemma-3-4b/12b/27b, `Gemma3ForConditionalGeneration`) are a VLM: refused at
     # detection, naming why, rather than loaded as a text model with their vision tower dropped.
-    # Ulysses SP: Spindle's Ulysses attention implements full attention only, so sp > 1 is refused for the
-    # sliding-window layers (before launch, naming the reason); FSDP2 / HSDP layouts only
-    conformance=CausalLMConformanceSpec(parallel=("dp_shard2",)),
+    conformance=CausalLMConformanceSpec(),
     refused_model_types={
         "gemma3": "Gemma3ForConditionalGeneration (image-text) checkpoints are not trained by Spindle yet: only "
         "Gemma 3 text models (model_type gemma3_text, Gemma3ForCausalLM, e.g. google/gemma-3-1b-it) are"

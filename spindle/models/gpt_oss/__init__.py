@@ -7,7 +7,10 @@ parallelism, the router aux loss as the model defines it (`router_aux_loss_coef`
 Attention: transformers implements the sinks in its eager, flash (hub kernels) and flex attention only and
 refuses sdpa for the model (`_supports_sdpa = False`), so `model.attn_implementation: auto` is eager
 (spindle.ops.attention_backend). Packed rows are masked per document (patches.py: the position ids reach
-transformers' mask functions), windowed on the sliding layers: exact.
+transformers' mask functions), windowed on the sliding layers: exact. Under Ulysses SP (`parallel.sp`) every
+layer runs spindle.ops.windowed_attention over the whole sequence of the rank's heads with those heads' slice
+of the sinks, windowed on the sliding layers, per packed document: eager's computation in query blocks (no
+[S, S] mask).
 """
 
 from spindle.contracts.family import CausalLMConformanceSpec, CausalLMFamily
@@ -24,12 +27,5 @@ FAMILY = CausalLMFamily(
         # Spindle's MoE loss is stock's with output_router_logits: token loss + coef x router aux loss
         stock_loss_kwargs={"output_router_logits": True},
         stock_outputs=("aux_loss",),
-        # Ulysses SP is refused (sequence_parallel_refused); FSDP2 and EP layouts only
-        parallel=("dp_shard2",),
-    ),
-    sequence_parallel_refused=(
-        "GPT-OSS's attention adds a learned sink logit per head (self_attn.sinks), which Spindle's Ulysses "
-        "attention does not split with the heads across the SP ranks (and its sliding-window layers are full "
-        "attention only there)"
     ),
 )

@@ -4,9 +4,13 @@
 The decoder is hybrid: three of every four layers are Gated DeltaNet linear attention (a causal convolution and
 a gated delta-rule recurrence carry state along the sequence), the fourth full attention. transformers' torch
 path of those layers takes no document boundaries (its chunked recurrence ignores `cu_seqlens`), so a packed
-row would carry one conversation's state into the next: `data.packing` is refused for such models, and so is
-Ulysses SP (its heads-split all-to-all is written for softmax attention; the recurrence would need each head's
-whole sequence), both before launch naming the reason (spindle.train.tasks.causal_lm `check_plan`).
+row would carry one conversation's state into the next: `data.packing` is refused for such models before launch,
+naming the reason (spindle.train.tasks.causal_lm `check_plan`).
+
+Ulysses SP (`parallel.sp`): the full-attention layers run Spindle's Ulysses attention; the Gated DeltaNet layers
+split their heads the same way (patches.py, spindle/distributed/ulysses_linear_attention.py): projections on
+the rank's chunk of the sequence, then the causal convolution and the recurrence over the whole sequence of the
+rank's heads (`linear_num_value_heads` divisible by `parallel.sp`), exact against one process.
 """
 
 from spindle.contracts.family import CausalLMConformanceSpec, VLMFamily
@@ -22,8 +26,5 @@ FAMILY = VLMFamily(
         "language": ("model.language_model.", "lm_head."),
     },
     video_timestamps=True,
-    sequence_parallel_refused="qwen3_5 models have linear-attention (Gated DeltaNet) layers, whose recurrence runs "
-    "over each head's whole sequence; Spindle's Ulysses SP splits softmax attention only (FSDP2 / HSDP layouts work)",
-    # no Ulysses SP for the linear-attention layers (module doc): FSDP2 / HSDP only
-    conformance=CausalLMConformanceSpec(parallel=("dp_shard2",)),
+    conformance=CausalLMConformanceSpec(parallel=("dp_shard2", "sp2")),
 )

@@ -2,8 +2,8 @@
 `Qwen3_5MoeForConditionalGeneration`): Qwen3.5's vision tower, 3-D RoPE and hybrid Gated DeltaNet + full-attention
 decoder with a sparse MoE in every layer (routed experts fused as the model holds them, plus a gated shared
 expert that stays dense), trained by the VLM task with its experts part (conversion.py selects it: router aux
-loss, expert load, expert parallelism). As for `qwen3_5`, packing and Ulysses SP are refused for the
-linear-attention layers (spindle/models/qwen3_5/__init__.py says why)."""
+loss, expert load, expert parallelism). As for `qwen3_5`, packing is refused for the linear-attention layers
+and Ulysses SP splits their heads (spindle/models/qwen3_5/__init__.py says how)."""
 
 from spindle.contracts.family import CausalLMConformanceSpec, VLMFamily
 from spindle.models.qwen3_5 import FAMILY as QWEN3_5
@@ -14,11 +14,10 @@ FAMILY = VLMFamily(
     model_class="spindle.models.qwen3_5_moe.generated.patched_modeling_qwen3_5_moe:Qwen3_5MoeForConditionalGeneration",
     parts=QWEN3_5.parts,
     video_timestamps=True,
-    sequence_parallel_refused=QWEN3_5.sequence_parallel_refused.replace("qwen3_5 ", "qwen3_5_moe "),
     conformance=CausalLMConformanceSpec(
         # Spindle's MoE loss is stock's with output_router_logits: token loss + coef x router aux loss
         stock_loss_kwargs={"output_router_logits": True},
         stock_outputs=("aux_loss",),
-        parallel=("dp_shard2",),  # + ep2 (the experts part); no sp2 (the linear-attention layers)
+        parallel=("dp_shard2", "sp2"),  # + ep2 (the experts part)
     ),
 )

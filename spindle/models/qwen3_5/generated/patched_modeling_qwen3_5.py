@@ -8,6 +8,10 @@
 #   1. delegate_method Qwen3_5ForConditionalGeneration.forward - loss from hidden states with the chunked linear cross-entropy
 #   2. add_import spindle.models.shared.patched_conversions
 #   3. add_post_import_block module - transformers' checkpoint key conversions apply to the generated classes too
+#   4. add_import spindle.distributed.ulysses_attention
+#   5. add_import spindle.distributed.ulysses_linear_attention
+#   6. override_method Qwen3_5GatedDeltaNet.forward - under Ulysses SP: convolution and recurrence over the whole sequence of this rank's heads
+#   7. override_method Qwen3_5Model.__init__ - the language model is this module's Qwen3_5TextModel (its Gated DeltaNet layers patched)
 # ==================================================================================================
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
 #           This file was automatically generated from src/transformers/models/qwen3_5/modular_qwen3_5.py.
@@ -87,6 +91,8 @@ from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config, Qwe
 # [PATCHED] add_import: names used by the patched code
 from spindle.models.shared.causal_lm_patch import causal_lm_forward
 from spindle.models.shared.patched_conversions import keep_conversions
+from spindle.distributed.ulysses_attention import sequence_parallel_context
+from spindle.distributed.ulysses_linear_attention import gated_deltanet_forward
 
 
 # [PATCHED] add_post_import_block module: transformers' checkpoint key conversions apply to the generated classes too
@@ -564,6 +570,7 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         self.in_proj_b = nn.Linear(self.hidden_size, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(self.hidden_size, self.num_v_heads, bias=False)
 
+    # [PATCHED] override_method Qwen3_5GatedDeltaNet.forward: under Ulysses SP: convolution and recurrence over the whole sequence of this rank's heads
     @force_accelerate_hooks("conv1d")
     def forward(
         self,
@@ -572,6 +579,11 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         attention_mask: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ):
+        if cache_params is None and (sp := sequence_parallel_context(self)) is not None:
+            # Ulysses SP: this rank holds a chunk of the sequence; the convolution and the recurrence need all of it
+            return gated_deltanet_forward(
+                self, hidden_states, attention_mask, sp, conv=causal_conv1d_fn, delta_rule=torch_chunk_gated_delta_rule
+            )
         hidden_states = apply_mask_to_padding_states(hidden_states, attention_mask)
 
         # Set up dimensions for reshapes later
@@ -1319,10 +1331,11 @@ class Qwen3_5Model(Qwen3_5PreTrainedModel):
     input_modalities = ("image", "video", "text")
     _no_split_modules = ["Qwen3_5DecoderLayer", "Qwen3_5VisionBlock"]
 
+    # [PATCHED] override_method Qwen3_5Model.__init__: the language model is this module's Qwen3_5TextModel (its Gated DeltaNet layers patched)
     def __init__(self, config: Qwen3_5Config):
         super().__init__(config)
         self.visual = AutoModel.from_config(config.vision_config)
-        self.language_model = AutoModel.from_config(config.text_config)
+        self.language_model = Qwen3_5TextModel._from_config(config.text_config)
         self.rope_deltas = None  # cache rope_deltas here
 
         # Initialize weights and apply final processing

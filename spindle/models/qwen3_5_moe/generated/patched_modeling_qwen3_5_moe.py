@@ -6,6 +6,10 @@
 #   regenerate:     spindle patchgen   (check: spindle patchgen --check)
 # Patches applied (kind, target, description):
 #   1. delegate_method Qwen3_5MoeForConditionalGeneration.forward - loss from hidden states with the chunked linear cross-entropy, plus upstream's router aux loss
+#   2. add_import spindle.distributed.ulysses_attention
+#   3. add_import spindle.distributed.ulysses_linear_attention
+#   4. override_method Qwen3_5MoeGatedDeltaNet.forward - under Ulysses SP: convolution and recurrence over the whole sequence of this rank's heads
+#   5. override_method Qwen3_5MoeModel.__init__ - the language model is this module's Qwen3_5MoeTextModel (its Gated DeltaNet layers patched)
 # ==================================================================================================
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
 #           This file was automatically generated from src/transformers/models/qwen3_5_moe/modular_qwen3_5_moe.py.
@@ -80,6 +84,8 @@ from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import (
 
 # [PATCHED] add_import: names used by the patched code
 from spindle.models.shared.causal_lm_patch import causal_lm_forward
+from spindle.distributed.ulysses_attention import sequence_parallel_context
+from spindle.distributed.ulysses_linear_attention import gated_deltanet_forward
 
 
 class Qwen3_5MoeVisionRotaryEmbedding(nn.Module):
@@ -553,6 +559,7 @@ class Qwen3_5MoeGatedDeltaNet(nn.Module):
         self.in_proj_b = nn.Linear(self.hidden_size, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(self.hidden_size, self.num_v_heads, bias=False)
 
+    # [PATCHED] override_method Qwen3_5MoeGatedDeltaNet.forward: under Ulysses SP: convolution and recurrence over the whole sequence of this rank's heads
     @force_accelerate_hooks("conv1d")
     def forward(
         self,
@@ -561,6 +568,11 @@ class Qwen3_5MoeGatedDeltaNet(nn.Module):
         attention_mask: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ):
+        if cache_params is None and (sp := sequence_parallel_context(self)) is not None:
+            # Ulysses SP: this rank holds a chunk of the sequence; the convolution and the recurrence need all of it
+            return gated_deltanet_forward(
+                self, hidden_states, attention_mask, sp, conv=causal_conv1d_fn, delta_rule=torch_chunk_gated_delta_rule
+            )
         hidden_states = apply_mask_to_padding_states(hidden_states, attention_mask)
 
         # Set up dimensions for reshapes later
@@ -1401,10 +1413,11 @@ class Qwen3_5MoeModel(Qwen3_5MoePreTrainedModel):
     input_modalities = ("image", "video", "text")
     _no_split_modules = ["Qwen3_5MoeDecoderLayer", "Qwen3_5MoeVisionBlock"]
 
+    # [PATCHED] override_method Qwen3_5MoeModel.__init__: the language model is this module's Qwen3_5MoeTextModel (its Gated DeltaNet layers patched)
     def __init__(self, config: Qwen3_5MoeConfig):
         super().__init__(config)
         self.visual = AutoModel.from_config(config.vision_config)
-        self.language_model = AutoModel.from_config(config.text_config)
+        self.language_model = Qwen3_5MoeTextModel._from_config(config.text_config)
         self.rope_deltas = None  # cache rope_deltas here
 
         # Initialize weights and apply final processing
