@@ -14,6 +14,7 @@ keyword arguments valid both for the stock diffusers pipeline call and for Spind
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -310,16 +311,21 @@ def check_generator_parity(
 CLI_FLAGS = {"num_inference_steps": "--steps", "guidance_scale": "--guidance"}  # the rest: --field-name
 
 
-def check_generate_cli_png(family: DiTFamily, root: Path, out: Path, kwargs: dict[str, Any]) -> None:
-    """`spindle generate` (a real process, as users run it) with the flags for `kwargs` (generate()'s
-    keyword arguments, family options included) names the family and writes a png holding what
-    `DiffusionGenerator.generate(**kwargs)` returns, to the 8-bit rounding. A family option in `kwargs`
-    must change generate()'s image (a case that sets it to no effect tests nothing); on a tiny model
-    that change can be under the png's rounding, so a dropped flag shows in the family's one-line
-    option errors (e.g. tests/infer/test_qwenimage.py::test_generate_cli_option_errors_are_one_line)."""
+def check_generate_cli_png(
+    family: DiTFamily, root: Path, out: Path, kwargs: dict[str, Any], run_spindle: Callable[..., Any] | None = None
+) -> None:
+    """`spindle generate` with the flags for `kwargs` (generate()'s keyword arguments, family options included)
+    names the family and writes a png holding what `DiffusionGenerator.generate(**kwargs)` returns, to the 8-bit
+    rounding. `run_spindle(*argv)` runs the command (-> returncode, stdout, stderr): by default a real process, as
+    users run it; the per-family suite passes `spindle.cli.main` in the test process (the same parser and command,
+    without a fresh interpreter's imports per family; real processes are tests/infer/test_infer_cli.py's). A family
+    option in `kwargs` must change generate()'s image (a case that sets it to no effect tests nothing); on a tiny
+    model that change can be under the png's rounding, so a dropped flag shows in the family's one-line option
+    errors (e.g. tests/infer/test_qwenimage.py::test_generate_cli_option_errors_are_one_line)."""
     from PIL import Image
 
-    from spindle.testing.multiprocess import run_spindle
+    if run_spindle is None:
+        from spindle.testing.multiprocess import run_spindle
 
     if "image" in kwargs:  # input images go to the CLI as files (`--image PATH`, repeated), generate() reads the same
         images = kwargs["image"] if isinstance(kwargs["image"], list) else [kwargs["image"]]

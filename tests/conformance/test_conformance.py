@@ -90,9 +90,9 @@ IMAGE_FAMILIES = [f for f in FAMILIES if get_family(f).inference_spec().media ==
 
 
 @pytest.mark.parametrize("name", IMAGE_FAMILIES)
-def test_generate_cli_writes_the_generated_png(name, tiny, tmp_path):
+def test_generate_cli_writes_the_generated_png(name, tiny, tmp_path, spindle_cli):
     family = get_family(name)
-    suite.check_generate_cli_png(family, tiny(name), tmp_path / f"{name}.png", family.conformance.cli_case)
+    suite.check_generate_cli_png(family, tiny(name), tmp_path / f"{name}.png", family.conformance.cli_case, spindle_cli)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
