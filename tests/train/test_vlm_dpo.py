@@ -154,3 +154,34 @@ def test_every_vision_language_and_omni_family_takes_image_pairs(family, tiny_ch
     assert step["margin"] == 0.0 and step["rewards/chosen"] == 0.0 and step["grad_norm"] > 0
     if "aux_loss" not in step:  # an MoE adds its router aux term
         assert step["loss"] == pytest.approx(0.6931471805599453, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_two_process_layouts_equal_one_process(tiny_qwen2_5_vl, reference_vl, image_pairs, tmp_path):
+    """Image pairs on two processes: dp_shard=2 (each rank its half of the pairs, the vision tower and the
+    reference model sharded) and Ulysses sp=2 (each rank a chunk of every row, the pairs' log-probabilities summed
+    over the SP ranks) give one process's losses, grad norms and margins over 2 steps."""
+    from tests.conftest import lm_train, lm_train_cli
+
+    data, _ = image_pairs
+    values = dict(
+        train__objective="dpo",
+        data__seq_len=SEQ,
+        data__shuffle=False,
+        train__global_batch_size=2,
+        train__micro_batch_size=1,
+        train__max_steps=2,
+        train__adam_eps=1e-4,
+        dpo__beta=BETA,
+        dpo__reference_model=reference_vl,
+        checkpoint__export=False,
+    )
+    lm_train(tiny_qwen2_5_vl, data, tmp_path / "one", **values)
+    layouts = {"dp_shard2": {"parallel__dp_shard": 2}, "sp2": {"parallel__sp": 2}}
+    for name, layout in layouts.items():
+        lm_train_cli(tiny_qwen2_5_vl, data, tmp_path / name, 2, **layout, **values)
+    for name in layouts:
+        for a, b in zip(read_metrics(tmp_path / "one"), read_metrics(tmp_path / name), strict=True):
+            for key in ("loss", "grad_norm"):
+                assert b[key] == pytest.approx(a[key], rel=1e-5), (name, key)
+            assert b["margin"] == pytest.approx(a["margin"], rel=1e-5, abs=1e-6), name
