@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
-# pytest-xdist workers; the multi-process tests run one after another on one of them (tests/conftest.py)
+# pytest-xdist workers; a test module runs whole on one of them, except the long ones (tests/conftest.py)
 PYTEST_WORKERS ?= 2
 
 .PHONY: setup demo lint format typecheck test clean
@@ -40,7 +40,7 @@ typecheck: $(STAMP)
 
 test: lint typecheck
 	$(VENV)/bin/spindle patchgen --check
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=15 $(PYTEST_ARGS) tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope --durations=15 $(PYTEST_ARGS) tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 clean:
 	rm -rf $(VENV) demo_out .mypy_cache .ruff_cache

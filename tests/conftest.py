@@ -27,14 +27,32 @@ TINY_FRAMES = 9
 TINY_TEXT = TEXT_TOKENS  # model.max_text_length of the tiny runs (divides the SP degrees the tests use)
 
 
-def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
-    """Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup`): the multi-process tests (`slow`) run
-    one after another on one worker, the single-process ones on both. Two multi-process tests at once
-    would put four ranks on two cores; a single-process test beside one mostly uses a core the ranks
-    leave idle while they start, rendezvous and write files."""
-    for item in items:
-        if item.get_closest_marker("slow") is not None:
-            item.add_marker(pytest.mark.xdist_group("multiprocess"))
+# Modules whose tests spread over the pytest-xdist workers one by one (the registry-parametrised suites and the
+# other long modules: as one unit each would leave a worker idle at the end); every other module runs whole on
+# one worker, so its module-scoped fixtures (a server, a spawned run, a precomputed cache) are built once.
+SPREAD_MODULES = (
+    "tests/conformance/",
+    "tests/serve/test_serve_defaults.py",
+    "tests/distributed/test_train_distributed.py",
+    "tests/train/test_grpo_train.py",
+    "tests/train/test_flow_grpo_train.py",
+)
+
+
+def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:
+    """`make test` runs `-n 2 --dist loadscope`: work units are test modules, but for `SPREAD_MODULES`, whose
+    tests are units of their own (xdist's loadscope would send each module whole). (`--dist loadgroup` with
+    `xdist_group` marks cannot do this: under pytest 9.2 xdist 3.8 no longer sees the groups, pytest-xdist#1386.)"""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):  # type: ignore[misc]  # xdist is untyped
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return nodeid if module.startswith(SPREAD_MODULES) else module
+
+    return ModuleScheduling(config, log)
 
 
 def pytest_runtest_setup(item: Any) -> None:

@@ -324,8 +324,9 @@ def check_generate_cli_png(
     errors (e.g. tests/infer/test_qwenimage.py::test_generate_cli_option_errors_are_one_line)."""
     from PIL import Image
 
-    if run_spindle is None:
-        from spindle.testing.multiprocess import run_spindle
+    from spindle.testing.multiprocess import run_spindle as in_a_process
+
+    run = in_a_process if run_spindle is None else run_spindle
 
     if "image" in kwargs:  # input images go to the CLI as files (`--image PATH`, repeated), generate() reads the same
         images = kwargs["image"] if isinstance(kwargs["image"], list) else [kwargs["image"]]
@@ -340,7 +341,7 @@ def check_generate_cli_png(
         for a in (CLI_FLAGS.get(k, "--" + k.replace("_", "-")), item)
     ]
     command = ["generate", "--model", str(root), *flags, "--out", str(out)]
-    r = run_spindle(*command)
+    r = run(*command)
     assert r.returncode == 0, f"{family.name}: spindle {' '.join(command)} failed: {r.stderr[-3000:]}"
     assert f"family {family.name}" in r.stdout, f"{family.name}: the output does not name the family: {r.stdout}"
     image = np.asarray(Image.open(out))
