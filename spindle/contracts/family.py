@@ -508,6 +508,10 @@ class VLMFamily(CausalLMFamily):
         fn: Callable[..., Any] = import_object(self.rope_index)
         return fn
 
+    def image_layout(self) -> Any:
+        """The family's image layout class (`images`), or None for Qwen-VL's (the data path's default)."""
+        return import_object(self.images) if self.images else None
+
     def audio_tokens_fn(self) -> Callable[[Any, int], int] | None:
         fn: Callable[[Any, int], int] | None = import_object(self.audio_tokens) if self.audio_tokens else None
         return fn

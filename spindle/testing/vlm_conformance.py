@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from spindle.contracts.family import VLMFamily, import_object
+from spindle.contracts.family import VLMFamily
 
 RTOL, GRAD_RTOL = 1e-5, 1e-4
 # the config fields naming media tokens (those a model has)
@@ -246,7 +246,7 @@ def stock_inputs(model_path: Path, data: Path) -> list[dict[str, Any]]:
         options,
         video_timestamps=family.video_timestamps,
         video_grid_seconds=family.video_grid_seconds,
-        images=import_object(family.images) if family.images else None,
+        images=family.image_layout(),
     )
     out = []
     for line in data.read_text().splitlines():
@@ -305,8 +305,9 @@ def check_stock_load(family: VLMFamily, path: Path) -> Any:
     # the media tokens the config names are special tokens of the tokenizer
     media_ids = [getattr(config, name, None) for name in MEDIA_TOKEN_IDS]
     media = [tok.convert_ids_to_tokens(i) for i in media_ids if i is not None]
-    assert config.image_token_id is not None and set(media) <= set(tok.all_special_tokens), f"{family.name}: {media}"
-    for token in tok.all_special_tokens:  # each encodes as one token
+    specials = sorted(t.content for t in tok.added_tokens_decoder.values() if t.special)
+    assert config.image_token_id is not None and set(media) <= set(specials), f"{family.name}: {media}"
+    for token in specials:  # each encodes as one token
         ids = tok(token, add_special_tokens=False)["input_ids"]
         assert len(ids) == 1 and tok.convert_ids_to_tokens(ids[0]) == token, f"{family.name}: {token}"
     text = "Ünïcode & emoji 🙂 survive"

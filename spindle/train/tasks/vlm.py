@@ -336,7 +336,7 @@ class VLMTask(CausalLMTask):
             audio=bool(self.family.audio_tower),
             video_audio_layout=self.video_audio_layout(),
             audio_tokens=self.family.audio_tokens_fn(),
-            images=import_object(self.family.images) if self.family.images else None,
+            images=self.family.image_layout(),
         )
 
     def preference_inputs(self) -> PreferenceInputs:
