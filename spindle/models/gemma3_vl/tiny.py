@@ -112,6 +112,10 @@ def build_tiny(out: str | Path, seed: int = 0, transformer: dict | None = None) 
     )
     torch.manual_seed(seed)
     model = Gemma3ForConditionalGeneration(config).to(torch.float32)
+    # transformers initialises the projection to zeros (every image the same soft tokens, whatever its pixels):
+    # random, of unit scale, so the tiny model sees its images and tests of the vision side can fail
+    projection = model.model.multi_modal_projector.mm_input_projection_weight
+    torch.nn.init.normal_(projection, std=projection.shape[0] ** -0.5)
     # generation stops at the end of a turn or of the text, as the instruct checkpoints' generation config says
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.convert_tokens_to_ids(TOKENIZER.stop_tokens),
