@@ -83,3 +83,22 @@ def test_sequence_parallel_is_refused_before_launch(tiny_checkpoint, vlm_convers
     result = spindle_cli("train", cfg, *args, "parallel.sp=2", "--nproc", "2")
     assert result.returncode != 0
     assert "sliding-window layers" in result.stderr and "parallel.sp: 1" in result.stderr
+
+
+def test_cli_tiny_model_trains_with_default_flags_and_the_export_loads(vlm_conversations, tmp_path, spindle_cli):
+    """`spindle tiny-model gemma3_vl` then `spindle train` with only the model, the data, the output folder and
+    a step count: the family is detected from config.json, conversations are one per row (packing resolved off),
+    and the export loads in stock AutoModelForImageTextToText."""
+    from transformers import AutoModelForImageTextToText
+
+    model = tmp_path / "tiny"
+    assert spindle_cli("tiny-model", "gemma3_vl", model).returncode == 0
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("{}\n")
+    out = tmp_path / "run"
+    args = [f"model.path={model}", f"data.path={vlm_conversations}", f"train.output_dir={out}", "train.max_steps=2"]
+    r = spindle_cli("train", cfg, *args)
+    assert r.returncode == 0, r.stderr
+    assert "run: gemma3_vl (vlm task)" in r.stdout and "data: documents 8, rows 8," in r.stdout  # one per row
+    exported = AutoModelForImageTextToText.from_pretrained(out / "export")
+    assert type(exported).__name__ == "Gemma3ForConditionalGeneration"
