@@ -102,3 +102,14 @@ def test_cli_tiny_model_trains_with_default_flags_and_the_export_loads(vlm_conve
     assert "run: gemma3_vl (vlm task)" in r.stdout and "data: documents 8, rows 8," in r.stdout  # one per row
     exported = AutoModelForImageTextToText.from_pretrained(out / "export")
     assert type(exported).__name__ == "Gemma3ForConditionalGeneration"
+
+
+def test_lora_on_the_projector_is_refused_naming_it(tiny_checkpoint, vlm_conversations, tmp_path):
+    """The projector (part `aligner`) is a weight matrix and a norm, no linear layer: LoRA on it names the part."""
+    from spindle.config import ConfigError
+
+    data = suite.subset(vlm_conversations, tmp_path / "data", [0])
+    lora = json.dumps({"rank": 4, "alpha": 8, "parts": ["language", "aligner"]})
+    overrides = vlm_overrides(tiny_checkpoint("gemma3_vl"), data, tmp_path / "run", train__lora=lora)
+    with pytest.raises(ConfigError, match="aligner"):
+        make_trainer(load_job_config(None, overrides))
