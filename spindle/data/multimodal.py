@@ -300,7 +300,7 @@ class VisionProcessor:
 
             assert isinstance(self.videos, TimestampedVideos)
             return self.videos.text(v.timestamps, self.pad_token["video"] * (tokens // len(v.timestamps)))
-        if v.kind == "image":
+        if isinstance(v, Vision) and v.kind == "image":
             return str(self.images.text(v, tokens))
         return self.pad_token[v.kind] * tokens
 
@@ -574,7 +574,6 @@ def model_positions(positions: torch.Tensor) -> torch.Tensor:
     return positions if positions.shape[0] > 1 else positions[0]
 
 
-
 def pack(docs: list[MMDocument], seq_len: int, packing: bool) -> list[list[MMDocument]]:
     """Documents -> rows of documents: end to end in order, a document that does not fit starts a row."""
     rows: list[list[MMDocument]] = []
@@ -645,7 +644,9 @@ def collate_vision(vision: list[Media]) -> dict[str, torch.Tensor]:
             out["image_grid_thw"] = torch.stack(grids)
     if videos:
         out["pixel_values_videos"] = torch.cat([v.pixel_values for v in videos])
-        out["video_grid_thw"] = torch.stack([v.grid_thw for v in videos])
+        grids = [v.grid_thw for v in videos if v.grid_thw is not None]
+        assert len(grids) == len(videos), "every video has its patch grid"
+        out["video_grid_thw"] = torch.stack(grids)
         if all(v.timestamps is None for v in videos):  # timestamped videos' models take no seconds per grid
             out["second_per_grid_ts"] = torch.tensor([v.second_per_grid for v in videos])
     return out

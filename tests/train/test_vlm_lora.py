@@ -28,9 +28,7 @@ STOCK_TARGETS = {
 }
 # a family's own module names: Gemma 3's SigLIP encoder layers
 FAMILY_TARGETS = {
-    "gemma3_vl": {
-        "vision": r"model\.vision_tower\.encoder\.layers\.\d+\.(self_attn\.(q|k|v|out)_proj|mlp\.fc[12])"
-    }
+    "gemma3_vl": {"vision": r"model\.vision_tower\.encoder\.layers\.\d+\.(self_attn\.(q|k|v|out)_proj|mlp\.fc[12])"}
 }
 
 
@@ -44,7 +42,11 @@ def adapted_modules(model: torch.nn.Module) -> set[str]:
 
 @pytest.mark.parametrize(
     ("name", "parts"),
-    [("qwen2_5_vl", ["language", "vision"]), ("qwen3_vl", ["vision", "aligner"]), ("gemma3_vl", ["language", "vision"])],
+    [
+        ("qwen2_5_vl", ["language", "vision"]),
+        ("qwen3_vl", ["vision", "aligner"]),
+        ("gemma3_vl", ["language", "vision"]),
+    ],
     ids=["qwen2_5_vl-language+vision", "qwen3_vl-vision+aligner", "gemma3_vl-language+vision"],
 )
 def test_vision_lora_step_one_equals_stock_peft(name, parts, tiny_checkpoint, vlm_conversations, tmp_path):
