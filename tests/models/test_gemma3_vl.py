@@ -113,3 +113,18 @@ def test_lora_on_the_projector_is_refused_naming_it(tiny_checkpoint, vlm_convers
     overrides = vlm_overrides(tiny_checkpoint("gemma3_vl"), data, tmp_path / "run", train__lora=lora)
     with pytest.raises(ConfigError, match="aligner"):
         make_trainer(load_job_config(None, overrides))
+
+
+@pytest.mark.parametrize(
+    ("freeze", "trained"), [(["language"], {"vision", "aligner"}), (["vision", "language"], {"aligner"})]
+)
+def test_freezing_leaves_the_other_parts_training(freeze, trained, tiny_checkpoint, vlm_conversations, tmp_path):
+    """The suite freezes the SigLIP tower (its case for this family); here the decoder, and all but the
+    projector: only the parts left out train and hold optimizer state."""
+    from spindle.registry import get_family
+    from tests.conftest import vlm_train
+
+    model = tiny_checkpoint("gemma3_vl")
+    trainer, _ = vlm_train(model, vlm_conversations, tmp_path / "run", **suite.freeze_overrides(freeze))
+    before, after = (suite.stock_model(path).state_dict() for path in (model, tmp_path / "run" / "export"))
+    suite.check_frozen_parts(get_family("gemma3_vl"), trainer, before, after, trained)
