@@ -1,8 +1,8 @@
 """Gemma 3 image-text models (the gemma3_vl family) beyond the VLM conformance suite: the registry tells them from
 the text models by model_type; an image's soft tokens attend to each other both ways in training as in stock
 transformers (the step loss equals stock's with `token_type_ids`, and differs from the causal one); pan-and-scan,
-videos and pixel budgets are refused naming the key; Ulysses SP is refused for the sliding-window layers before
-launch."""
+videos and pixel budgets are refused naming the key; Ulysses SP is refused before launch, naming why (no
+bidirectional image blocks in Spindle's Ulysses attention)."""
 
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def test_sequence_parallel_is_refused_before_launch(tiny_checkpoint, vlm_convers
     args = [f"model.path={tiny_checkpoint('gemma3_vl')}", f"data.path={data}", f"train.output_dir={tmp_path / 'run'}"]
     result = spindle_cli("train", cfg, *args, "parallel.sp=2", "--nproc", "2")
     assert result.returncode != 0
-    assert "sliding-window layers" in result.stderr and "parallel.sp: 1" in result.stderr
+    assert "attend to each other both ways" in result.stderr and "parallel.sp: 1" in result.stderr
 
 
 def test_cli_tiny_model_trains_with_default_flags_and_the_export_loads(vlm_conversations, tmp_path, spindle_cli):

@@ -11,8 +11,8 @@ What differs from the Qwen-VL families, and where it lives:
   which the task passes: `VLMFamily.token_type_ids`). Packing is refused: transformers' sliding-window mask of a
   packed row looks the image blocks up by in-document position, not by row position, so a later document's
   image tokens would get another block's mask (an unset data.packing resolves to one conversation per row).
-- Ulysses SP is refused for the sliding-window layers, as for the text family (spindle.distributed.
-  ulysses_attention.check_layout, before launch).
+- Ulysses SP is refused (before launch): Spindle's Ulysses attention builds a causal mask (windowed per document
+  on the local layers) from the full row's positions, and has no bidirectional image blocks.
 - The dummy vision forward of a text-only micro-batch (vision.py) runs the SigLIP tower and the projector on one
   blank image.
 """
@@ -37,6 +37,10 @@ FAMILY = VLMFamily(
         "transformers' sliding-window mask of a packed row looks Gemma 3's image-token blocks up by in-document "
         "position, so the bidirectional image attention of every document after the first would be wrong"
     ),
-    # Ulysses SP is refused for the sliding-window layers (before launch): FSDP2 / HSDP layouts only
+    sequence_parallel_refused=(
+        "an image's soft tokens attend to each other both ways (the model's own mask, from token_type_ids), which "
+        "Spindle's Ulysses attention (causal, its mask built from the full row's positions) does not implement"
+    ),
+    # Ulysses SP refused (above): FSDP2 / HSDP layouts only
     conformance=CausalLMConformanceSpec(parallel=("dp_shard2",)),
 )
