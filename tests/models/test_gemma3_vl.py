@@ -26,6 +26,27 @@ def test_the_registry_serves_image_text_and_text_checkpoints_apart(tiny_checkpoi
         family_of(vlm, "gemma3")
 
 
+def test_tiny_tokenizer_has_gemmas_image_tokens_and_template(tiny_checkpoint):
+    """The chat template renders an image part as <start_of_image> (the assistant is "model", a system message
+    folds into the first user turn), which stock Gemma3Processor expands to the image's soft tokens."""
+    from PIL import Image
+
+    stock = suite.stock_processor(tiny_checkpoint("gemma3_vl"))
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]},
+        {"role": "assistant", "content": "A dot."},
+    ]
+    text = stock.apply_chat_template(messages, tokenize=False)
+    assert text == (
+        "<bos><start_of_turn>user\nBe brief.\n\n<start_of_image>What?<end_of_turn>\n<start_of_turn>model\nA dot."
+        "<end_of_turn>\n"
+    )
+    ids = stock(text=[text], images=[Image.new("RGB", (40, 30))], add_special_tokens=False)["input_ids"][0]
+    expanded = stock.tokenizer.decode(ids)
+    assert "\n\n<start_of_image>" + "<image_soft_token>" * 4 + "<end_of_image>\n\n" in expanded
+
+
 def test_image_tokens_attend_to_each_other_both_ways(tiny_checkpoint, vlm_conversations, tmp_path):
     """Spindle's rows carry 1-D positions and no patch grid, and its loss is stock transformers' with the
     processor's `token_type_ids` (each image's soft tokens one bidirectional block), which is not the causal
