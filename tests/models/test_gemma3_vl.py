@@ -121,6 +121,7 @@ def test_cli_tiny_model_trains_with_default_flags_and_the_export_loads(vlm_conve
     r = spindle_cli("train", cfg, *args)
     assert r.returncode == 0, r.stderr
     assert "run: gemma3_vl (vlm task)" in r.stdout and "data: documents 8, rows 8," in r.stdout  # one per row
+    assert json.loads((out / "run.json").read_text())["identity"]["data.packing"] is False  # recorded as resolved
     exported = AutoModelForImageTextToText.from_pretrained(out / "export")
     assert type(exported).__name__ == "Gemma3ForConditionalGeneration"
 

@@ -226,9 +226,7 @@ class CausalLMTask(TrainTask):
     def packs(cls, cfg: CausalLMJobConfig, family: CausalLMFamily | None = None) -> bool:
         """`data.packing` resolved: as set, else true unless the model's layers cannot keep packed documents
         apart (linear attention) or the `family` refuses packing (`CausalLMFamily.packing_refused`)."""
-        if cfg.data.packing is None and family is not None and family.packing_refused:
-            return False
-        return packs(cfg.data.packing, cfg.model.path)
+        return packs(cfg.data.packing, cfg.model.path, family)
 
     @classmethod
     def attention(cls, cfg: CausalLMJobConfig, precision: str, family: CausalLMFamily) -> str:
