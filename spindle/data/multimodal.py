@@ -640,6 +640,7 @@ def collate_vision(vision: list[Media]) -> dict[str, torch.Tensor]:
     if images:
         out["pixel_values"] = torch.cat([v.pixel_values for v in images])
         grids = [v.grid_thw for v in images if v.grid_thw is not None]
+        assert len(grids) in (0, len(images)), "one model's images are all patched or all fixed-size"
         if grids:  # patched images (a fixed-size tower's have none)
             out["image_grid_thw"] = torch.stack(grids)
     if videos:
@@ -654,8 +655,7 @@ def collate_vision(vision: list[Media]) -> dict[str, torch.Tensor]:
 
 def collate_conversations(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     """Rows -> [B, seq_len] tensors, `position_ids` [4, B, seq_len] (the model's layout; [B, seq_len] for 1-D
-    positions), the vision
-    inputs of all rows in row-major token order (how the model fills them in), "index": [B]."""
+    positions), the vision inputs of all rows in row-major token order (how the model fills them in), "index": [B]."""
     out = {k: torch.stack([s[k] for s in samples]) for k in TOKEN_KEYS}
     out["position_ids"] = model_positions(out["position_ids"].permute(1, 0, 2).contiguous())
     out.update(collate_vision([v for s in samples for v in s["vision"]]))
