@@ -290,9 +290,9 @@ def grad_norm(model: Any) -> float:
 def check_stock_load(family: VLMFamily, path: Path) -> Any:
     """The tiny checkpoint is a standard transformers folder: AutoModelForImageTextToText loads stock
     transformers' class of the name the family trains, the tokenizer holds its special tokens (one token
-    each), among them the media tokens the config names, byte-level BPE round-trips any text, the image processor loads without
-    torchvision and matches the vision config; every parameter belongs to one of the family's parts (what
-    `train.freeze` names), and every part has parameters. -> the model."""
+    each), among them the media tokens the config names, byte-level BPE round-trips any text, the image
+    processor loads without torchvision and matches the vision config; every parameter belongs to one of the
+    family's parts (what `train.freeze` names), and every part has parameters. -> the model."""
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
     model = AutoModelForImageTextToText.from_pretrained(path)
