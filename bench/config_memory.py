@@ -333,6 +333,40 @@ REAL: dict[str, Real] = {
     "qwen3_moe_30b_a3b.yaml": Real("Qwen/Qwen3-30B-A3B", dict(QWEN3_30B_A3B_TEXT, model_type="qwen3_moe")),
     "deepseek_v3_moonlight_16b_a3b.yaml": Real("moonshotai/Moonlight-16B-A3B", MOONLIGHT_16B_A3B),
     "gpt_oss_20b.yaml": Real("openai/gpt-oss-20b", GPT_OSS_20B),
+    # gemma-3-4b-it's config.json: a SigLIP tower (896 pixels in 14-pixel patches, pooled to 256 soft tokens) and
+    # a 34-layer decoder of five sliding-window (1024) layers per global one
+    "gemma3_vl_4b.yaml": Real(
+        "google/gemma-3-4b-it",
+        dict(
+            model_type="gemma3",
+            text_config=dict(
+                hidden_size=2560,
+                intermediate_size=10240,
+                num_hidden_layers=34,
+                num_attention_heads=8,
+                num_key_value_heads=4,
+                head_dim=256,
+                query_pre_attn_scalar=256,
+                sliding_window=1024,
+                vocab_size=262208,
+            ),
+            vision_config=dict(
+                model_type="siglip_vision_model",
+                hidden_size=1152,
+                intermediate_size=4304,
+                num_hidden_layers=27,
+                num_attention_heads=16,
+                image_size=896,
+                patch_size=14,
+                vision_use_head=False,
+            ),
+            mm_tokens_per_image=256,
+            boi_token_index=255999,
+            eoi_token_index=256000,
+            image_token_index=262144,
+            tie_word_embeddings=True,
+        ),
+    ),
     "qwen2_5_vl_7b.yaml": Real(
         "Qwen/Qwen2.5-VL-7B-Instruct",
         dict(model_type="qwen2_5_vl", text_config=QWEN2_5_7B_TEXT, vision_config=QWEN2_5_VL_VISION),

@@ -28,6 +28,7 @@ BUILTIN_FAMILIES: dict[str, str] = {
     "flux2": "spindle.models.flux2",
     "flux2_klein": "spindle.models.flux2.klein",
     "gemma3": "spindle.models.gemma3",
+    "gemma3_vl": "spindle.models.gemma3_vl",
     "gpt_oss": "spindle.models.gpt_oss",
     "hunyuan_video_1_5": "spindle.models.hunyuan_video_1_5",
     "hunyuan_video_1_5_i2v": "spindle.models.hunyuan_video_1_5_i2v",

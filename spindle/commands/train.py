@@ -55,7 +55,7 @@ def show_run_log() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from spindle.api import check_job_plan, load_job_config
+    from spindle.api import check_job_plan, job_family, load_job_config
     from spindle.distributed.launch import end_worker, launcher_world_size, maybe_relaunch, under_launcher
     from spindle.train.output_lock import OutputLock
 
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         # long as the job, and the one a second run can check (spindle.train.output_lock). Held
         # before the one-run checks, so a live run's refusal comes first, as in the trainer.
         with OutputLock(cfg.train.output_dir):
-            check_before_launch(cfg, list_checkpoints(cfg.train.output_dir))
+            check_before_launch(cfg, list_checkpoints(cfg.train.output_dir), job_family(cfg))
             return int(maybe_relaunch(args.nproc, args._argv) or 0)
     code = maybe_relaunch(args.nproc, args._argv)
     if code is not None:

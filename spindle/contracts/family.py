@@ -414,6 +414,10 @@ class CausalLMFamily(FamilyFolder):
     # why Ulysses SP (parallel.sp > 1) cannot train the family's models ("": it can, within the layout checks of
     # spindle.distributed.ulysses_attention); refused before launch with this reason
     sequence_parallel_refused: str = field(default="", kw_only=True)
+    # why documents cannot be packed into rows for the family's models ("": they can, unless linear attention,
+    # spindle.train.packing): data.packing: true is refused before launch with this reason, and unset resolves
+    # to one document per row
+    packing_refused: str = field(default="", kw_only=True)
     demo: TextDemoSpec | None = field(default_factory=TextDemoSpec)  # every language model's text demo
     conformance: CausalLMConformanceSpec = field(default_factory=CausalLMConformanceSpec)
     extras: dict[str, Any] = field(default_factory=dict)
@@ -460,8 +464,15 @@ class VLMFamily(CausalLMFamily):
     """
 
     kind: ClassVar[str] = "vlm"
-    # (config, input_ids [1, L], image_grid_thw, video_grid_thw, second_per_grid_ts) -> [3, 1, L]
+    # (config, input_ids [1, L], image_grid_thw, video_grid_thw, second_per_grid_ts) -> [R, 1, L]: the R multimodal
+    # RoPE rows of the positions (3 for the Qwen-VL families' 3-D RoPE; 0 for a model with 1-D positions)
     rope_index = RequiredCode("rope:rope_index")
+    # the class laying out the family's images (spindle.data.multimodal.GridImages' members, constructed with
+    # (model_path, tokenizer, config, options)); None (no images.py): Qwen-VL's patch grid, GridImages
+    images = Code("images:IMAGES")
+    # "(model, like) -> zero": zero times the vision side's output on its smallest input (the dummy forward of a
+    # text-only micro-batch, which must reach every vision parameter); None (no vision.py): Qwen-VL's tower
+    vision_dummy = Code("vision:dummy_vision")
     vision_tower: str = "model.visual"  # the vision encoder module (the dummy forward of text-only batches)
     audio_tower: str = ""  # the audio encoder module ("": the model takes no audio; audio parts are refused)
     # "module:function(config, frames) -> int": the decoder tokens of an audio clip of `frames` mel frames;
@@ -480,6 +491,9 @@ class VLMFamily(CausalLMFamily):
     # True: videos as Qwen3-VL's processor makes them (its frame sampling and clip resize, each temporal patch's
     # timestamp written into the text: spindle.data.video_timestamps); False: as Qwen2-VL's
     video_timestamps: bool = False
+    # True: the model's forward takes `token_type_ids` (1 on image tokens), from which it builds its attention mask
+    # (Gemma 3: an image's tokens attend to each other both ways); the task passes them from the input ids
+    token_type_ids: bool = False
     # the other videos' seconds per temporal grid step (mrope time), as the family's stock processor computes it:
     # "sampled_fps": temporal patch / the clip's sampled frame rate (Qwen2_5_VLProcessor); "fps": / data.fps
     video_grid_seconds: str = "sampled_fps"
@@ -493,6 +507,10 @@ class VLMFamily(CausalLMFamily):
     def rope_index_fn(self) -> Callable[..., Any]:
         fn: Callable[..., Any] = import_object(self.rope_index)
         return fn
+
+    def image_layout(self) -> Any:
+        """The family's image layout class (`images`), or None for Qwen-VL's (the data path's default)."""
+        return import_object(self.images) if self.images else None
 
     def audio_tokens_fn(self) -> Callable[[Any, int], int] | None:
         fn: Callable[[Any, int], int] | None = import_object(self.audio_tokens) if self.audio_tokens else None

@@ -31,7 +31,9 @@ import torch
 from spindle.data.multimodal import (
     VisionProcessor,
     collate_vision,
+    continued,
     media_parts,
+    model_positions,
     normalise_conversation,
 )
 from spindle.data.preference import (
@@ -94,14 +96,15 @@ def media_rows(
 ) -> dict[str, torch.Tensor]:
     """A right-padded text batch of `rows` with `position_ids` [4, N, L] (row 0 the text positions, rows 1-3 the
     family's multimodal RoPE positions of each whole row; padding continues them, as
-    `spindle.data.multimodal.row_tensors` does) and the rows' media inputs in row-major token order."""
+    `spindle.data.multimodal.row_tensors` does; [N, L] text positions for a model with 1-D positions) and the
+    rows' media inputs in row-major token order."""
     width = batch["input_ids"].shape[1]
     rope = []
     for prompt, completion, media in rows:
         positions = processor.positions(prompt + completion, media)
         pad = width - positions.shape[1]
-        rope.append(torch.cat([positions, positions.max() + 1 + torch.arange(pad).expand(3, pad)], dim=1))
-    batch["position_ids"] = torch.cat([batch["position_ids"][None], torch.stack(rope, dim=1)])
+        rope.append(continued(positions, pad))
+    batch["position_ids"] = model_positions(torch.cat([batch["position_ids"][None], torch.stack(rope, dim=1)]))
     batch.update(collate_vision([m for _, _, media in rows for m in media]))
     return batch
 
@@ -130,17 +133,18 @@ def prompt_step_inputs(
     (`spindle.train.generation.sample_group`'s `step_inputs`): step 0 the prompt's media (once per row) and its
     [4, rows, P] positions; step t the [4, rows, 1] positions of the t-th new token, one past the prompt's in every
     RoPE dimension (text after the media advances all three alike)."""
-    positions = processor.positions(prompt_ids, media)  # [3, P]
-    first = torch.cat([torch.arange(len(prompt_ids))[None], positions])  # [4, P]
+    positions = processor.positions(prompt_ids, media)  # [R, P]
+    first = torch.cat([torch.arange(len(prompt_ids))[None], positions])  # [1 + R, P]
     media_inputs = collate_vision([m for _ in range(rows) for m in media])
-    after = torch.tensor([len(prompt_ids), *([int(positions.max()) + 1] * 3)])
+    after = torch.tensor([len(prompt_ids), *([int(positions.max()) + 1] * len(positions) if len(positions) else [])])
+    axes = len(after)
 
     def step(t: int) -> dict[str, Any]:
         if t == 0:
             return {
-                "position_ids": first[:, None].expand(4, rows, -1).to(device),
+                "position_ids": model_positions(first[:, None].expand(axes, rows, -1)).to(device),
                 **{k: v.to(device) for k, v in media_inputs.items()},
             }
-        return {"position_ids": (after + t - 1)[:, None, None].expand(4, rows, 1).to(device)}
+        return {"position_ids": model_positions((after + t - 1)[:, None, None].expand(axes, rows, 1)).to(device)}
 
     return step

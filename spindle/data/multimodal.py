@@ -75,8 +75,9 @@ class Vision:
     """One image or video after patching: what the vision tower takes."""
 
     kind: str  # "image" | "video"
-    pixel_values: torch.Tensor  # [patches, channels * temporal_patch * patch * patch]
-    grid_thw: torch.Tensor  # [3]
+    # [patches, channels * temporal_patch * patch * patch]; a fixed-size tower's image: [1, channels, height, width]
+    pixel_values: torch.Tensor
+    grid_thw: torch.Tensor | None  # [3]; None: a fixed-size tower's image (no patch grid, `FixedSizeImages`)
     second_per_grid: float = 1.0  # videos: seconds per temporal grid step (mrope temporal spacing)
     # Qwen3-VL videos: each temporal patch's time, written into the text before the patch's tokens (then
     # the model's positions need no second_per_grid)
@@ -122,6 +123,37 @@ class VisionOptions:
 # ---------------------------------------------------------------- the processor side
 
 
+class GridImages:
+    """Qwen-VL's images (the default `VisionProcessor.images`): the image processor patches each image at its own
+    size into a `grid_thw` of patches, merged `merge_size` x `merge_size` into the decoder's tokens; the chat
+    template's `<|image_pad|>` (the config's `image_token_id`) repeats once per token.
+
+    A family's own layout (`VLMFamily.images`) has the same members: `processor` (the image processor),
+    `pad_token` (the template's token of an image), `token_ids` (the ids of an image's tokens in the expanded
+    text), `encode(rgb) -> Vision`, `tokens(image) -> int`, `text(image, tokens) -> str`, `merge_size`."""
+
+    def __init__(self, model_path: str | Path, tokenizer: Any, config: Any, options: VisionOptions):
+        from transformers import AutoImageProcessor
+
+        # The processor's own min_pixels/max_pixels keywords (they override its config's `size`).
+        kwargs = {k: v for k, v in (("min_pixels", options.min_pixels), ("max_pixels", options.max_pixels)) if v}
+        self.processor = AutoImageProcessor.from_pretrained(model_path, **kwargs)
+        self.merge_size = int(self.processor.merge_size)
+        self.pad_token = tokenizer.convert_ids_to_tokens(config.image_token_id)
+        self.token_ids = {int(config.image_token_id)}
+
+    def encode(self, rgb: Any) -> Vision:
+        out = self.processor(images=[rgb], return_tensors="pt")
+        return Vision("image", out["pixel_values"], out["image_grid_thw"][0])
+
+    def tokens(self, image: Vision) -> int:
+        assert image.grid_thw is not None, "a patched image has its grid"
+        return int(image.grid_thw.prod()) // self.merge_size**2
+
+    def text(self, image: Vision, tokens: int) -> str:
+        return str(self.pad_token * tokens)
+
+
 class VisionProcessor:
     """The model's tokenizer, image processor and token ids: conversation -> tokens + vision inputs."""
 
@@ -137,19 +169,19 @@ class VisionProcessor:
         audio: bool = False,
         video_audio_layout: Any = None,
         audio_tokens: Any = None,
+        images: Any = None,
     ):
-        from transformers import AutoImageProcessor
-
-        # The processor's own min_pixels/max_pixels keywords (they override its config's `size`).
-        kwargs = {k: v for k, v in (("min_pixels", options.min_pixels), ("max_pixels", options.max_pixels)) if v}
-        self.image_processor = AutoImageProcessor.from_pretrained(model_path, **kwargs)
+        # the family's image layout (`VLMFamily.images`: a class taking (model_path, tokenizer, config, options));
+        # None: Qwen-VL's patch grid
+        self.images = (images or GridImages)(model_path, tokenizer, config, options)
+        self.image_processor = self.images.processor
         self.tokenizer, self.config, self.rope_index, self.options = tokenizer, config, rope_index, options
         self.model_path = model_path
-        self.merge_size = int(self.image_processor.merge_size)
-        self.pad_token = {
-            "image": tokenizer.convert_ids_to_tokens(config.image_token_id),
-            "video": tokenizer.convert_ids_to_tokens(config.video_token_id),
-        }
+        self.merge_size = int(self.images.merge_size)
+        self.pad_token = {"image": self.images.pad_token}
+        # a model with no video token (Gemma 3) takes no video
+        if getattr(config, "video_token_id", None) is not None:
+            self.pad_token["video"] = tokenizer.convert_ids_to_tokens(config.video_token_id)
         self.video_timestamps, self.video_grid_seconds = video_timestamps, video_grid_seconds
         # use_audio_in_video: the family's placeholder text of a video and its audio track, interleaved
         self.video_audio_layout = video_audio_layout
@@ -161,7 +193,9 @@ class VisionProcessor:
 
             self.feature_extractor = AutoFeatureExtractor.from_pretrained(model_path)
             self.pad_token["audio"] = tokenizer.convert_ids_to_tokens(config.audio_token_id)
-        self.media_ids = {tokenizer.convert_tokens_to_ids(t) for t in self.pad_token.values()}
+        # the tokens the media become in the expanded text (an image's are its layout's)
+        self.media_ids = {tokenizer.convert_tokens_to_ids(t) for k, t in self.pad_token.items() if k != "image"}
+        self.media_ids |= self.images.token_ids
         if not getattr(tokenizer, "chat_template", None):
             raise TextDataError(f"the tokenizer of {model_path} has no chat_template; VLM data needs one")
 
@@ -178,8 +212,8 @@ class VisionProcessor:
                 rgb = load_image(path, self.options.max_pixels).convert("RGB")
             except MediaError as e:
                 raise ValueError(f"image {path} cannot be decoded ({e.problem})") from None
-        out = self.image_processor(images=[rgb], return_tensors="pt")
-        return Vision("image", out["pixel_values"], out["image_grid_thw"][0])
+        image: Vision = self.images.encode(rgb)
+        return image
 
     @cached_property
     def videos(self) -> VideoClips:
@@ -194,6 +228,9 @@ class VisionProcessor:
 
     def video(self, path: Path) -> Vision:
         from spindle.data.stock_video import Qwen2VLVideos
+
+        if "video" not in self.pad_token:
+            raise ValueError(f"video {path.name}: {self.config.model_type} models take no video; give images")
 
         videos = self.videos
         clip = videos.read(path)
@@ -239,6 +276,9 @@ class VisionProcessor:
                     if self.audio_tokens is None
                     else int(self.audio_tokens(self.config, frames))
                 )
+            if v.kind == "image":
+                return int(self.images.tokens(v))
+            assert v.grid_thw is not None, "a video has its patch grid"
             return int(v.grid_thw.prod()) // self.merge_size**2 + (count(v.audio) if v.audio is not None else 0)
 
         return [count(v) for v in vision]
@@ -260,6 +300,8 @@ class VisionProcessor:
 
             assert isinstance(self.videos, TimestampedVideos)
             return self.videos.text(v.timestamps, self.pad_token["video"] * (tokens // len(v.timestamps)))
+        if isinstance(v, Vision) and v.kind == "image":
+            return str(self.images.text(v, tokens))
         return self.pad_token[v.kind] * tokens
 
     def load_media(self, messages: list[dict], base: Path) -> list[Media]:
@@ -292,10 +334,11 @@ class VisionProcessor:
         return list(self.tokenizer("".join(pieces), add_special_tokens=False)["input_ids"])
 
     def positions(self, tokens: list[int], vision: list[Media]) -> torch.Tensor:
-        """The document's [3, L] multimodal RoPE positions (the family's `rope_index`: the model's code)."""
+        """The document's [R, L] multimodal RoPE positions (the family's `rope_index`: the model's code): R = 3
+        for the Qwen-VL families' 3-D RoPE, R = 0 for a model with 1-D positions (Gemma 3: the text positions)."""
 
         def grids(kind: str) -> torch.Tensor | None:
-            g = [v.grid_thw for v in vision if isinstance(v, Vision) and v.kind == kind]
+            g = [v.grid_thw for v in vision if isinstance(v, Vision) and v.kind == kind and v.grid_thw is not None]
             return torch.stack(g) if g else None
 
         videos = [v for v in vision if isinstance(v, Vision) and v.kind == "video"]
@@ -517,6 +560,20 @@ def read_conversations(
 TOKEN_KEYS = ("input_ids", "position_ids", "shift_labels", "attention_mask")
 
 
+def continued(rope: torch.Tensor, pad: int) -> torch.Tensor:
+    """[R, L] multimodal RoPE positions -> [R, L + pad], the padding one past the largest position in every row
+    (R = 0: a model with 1-D positions has none to continue)."""
+    if rope.shape[0] == 0:
+        return rope.new_zeros(0, rope.shape[1] + pad)
+    return torch.cat([rope, rope.max() + 1 + torch.arange(pad).expand(rope.shape[0], pad)], dim=1)
+
+
+def model_positions(positions: torch.Tensor) -> torch.Tensor:
+    """[1 + R, ...] positions (the text positions over the R multimodal RoPE rows) -> the model's `position_ids`:
+    as they are (Qwen-VL: [4, ...]), or the text positions alone for a model with 1-D positions (R = 0)."""
+    return positions if positions.shape[0] > 1 else positions[0]
+
+
 def pack(docs: list[MMDocument], seq_len: int, packing: bool) -> list[list[MMDocument]]:
     """Documents -> rows of documents: end to end in order, a document that does not fit starts a row."""
     rows: list[list[MMDocument]] = []
@@ -540,7 +597,7 @@ def row_tensors(docs: list[MMDocument], seq_len: int, pad_id: int) -> dict[str, 
     # Padding continues the last document's positions (see spindle.data.text): never learned, and causal
     # attention keeps it out of the real tokens.
     text_pos += list(range(text_pos[-1] + 1, text_pos[-1] + 1 + pad))
-    mrope = torch.cat([mrope, mrope.max() + 1 + torch.arange(pad).expand(3, pad)], dim=1)
+    mrope = continued(mrope, pad)
     row: dict[str, Any] = {
         "input_ids": torch.tensor(ids + [pad_id] * pad),
         "position_ids": torch.cat([torch.tensor(text_pos)[None], mrope]),
@@ -582,20 +639,25 @@ def collate_vision(vision: list[Media]) -> dict[str, torch.Tensor]:
         out["feature_attention_mask"] = torch.stack([(torch.arange(frames) < c.shape[1]).long() for c in clips])
     if images:
         out["pixel_values"] = torch.cat([v.pixel_values for v in images])
-        out["image_grid_thw"] = torch.stack([v.grid_thw for v in images])
+        grids = [v.grid_thw for v in images if v.grid_thw is not None]
+        assert len(grids) in (0, len(images)), "one model's images are all patched or all fixed-size"
+        if grids:  # patched images (a fixed-size tower's have none)
+            out["image_grid_thw"] = torch.stack(grids)
     if videos:
         out["pixel_values_videos"] = torch.cat([v.pixel_values for v in videos])
-        out["video_grid_thw"] = torch.stack([v.grid_thw for v in videos])
+        grids = [v.grid_thw for v in videos if v.grid_thw is not None]
+        assert len(grids) == len(videos), "every video has its patch grid"
+        out["video_grid_thw"] = torch.stack(grids)
         if all(v.timestamps is None for v in videos):  # timestamped videos' models take no seconds per grid
             out["second_per_grid_ts"] = torch.tensor([v.second_per_grid for v in videos])
     return out
 
 
 def collate_conversations(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """Rows -> [B, seq_len] tensors, `position_ids` [4, B, seq_len] (the model's layout), the vision
-    inputs of all rows in row-major token order (how the model fills them in), "index": [B]."""
+    """Rows -> [B, seq_len] tensors, `position_ids` [4, B, seq_len] (the model's layout; [B, seq_len] for 1-D
+    positions), the vision inputs of all rows in row-major token order (how the model fills them in), "index": [B]."""
     out = {k: torch.stack([s[k] for s in samples]) for k in TOKEN_KEYS}
-    out["position_ids"] = out["position_ids"].permute(1, 0, 2).contiguous()
+    out["position_ids"] = model_positions(out["position_ids"].permute(1, 0, 2).contiguous())
     out.update(collate_vision([v for s in samples for v in s["vision"]]))
     out["index"] = torch.tensor([s["index"] for s in samples])
     return out

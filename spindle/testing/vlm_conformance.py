@@ -26,6 +26,15 @@ import torch
 from spindle.contracts.family import VLMFamily
 
 RTOL, GRAD_RTOL = 1e-5, 1e-4
+# the config fields naming media tokens (those a model has)
+MEDIA_TOKEN_IDS = (
+    "image_token_id",
+    "video_token_id",
+    "vision_start_token_id",
+    "vision_end_token_id",
+    "boi_token_id",
+    "eoi_token_id",
+)
 SEQ = 96  # one conversation of the shared data is at most 80 tokens: nothing is cut
 # The 2-process runs: 2 steps, global batch 2 in micro-batches of 1, one conversation per row, in the order
 # of REFERENCE_LINES (image, text-only, image, text-only): with dp_shard=2 rank 1 only sees text-only rows.
@@ -104,6 +113,9 @@ def stock_processor(model: Path, video_processor: Any = None, **components: Any)
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
     stock_cls = getattr(transformers, PROCESSOR_MAPPING_NAMES[AutoConfig.from_pretrained(model).model_type])
+    if "video_processor" not in stock_cls.get_attributes():  # an image-only processor (Gemma3Processor) loads as is
+        assert video_processor is None and not components, f"{stock_cls.__name__} takes images only"
+        return stock_cls.from_pretrained(model)
 
     class ImagesOnlyProcessor(stock_cls):  # type: ignore[valid-type,misc]  # a transformers class chosen at run time
         def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
@@ -145,13 +157,11 @@ def torchvision_normalize() -> Iterator[None]:
 def stock_video_processor(model_path: Path, max_frames: int) -> Any:
     """The checkpoint's stock video processor (its family's class: `Qwen3VLVideoProcessor` for Qwen3-VL, else
     `Qwen2VLVideoProcessor`) from its config, capped at `max_frames`."""
-    from transformers import AutoConfig
-
     from spindle.data.stock_video import Qwen2VLVideos
     from spindle.data.video_timestamps import TimestampedVideos
-    from spindle.registry import get_family
+    from spindle.registry import resolve_family
 
-    family = get_family(AutoConfig.from_pretrained(model_path).model_type)
+    family = resolve_family(model_path)  # by config.json's model_type
     assert isinstance(family, VLMFamily)
     reader = TimestampedVideos if family.video_timestamps else Qwen2VLVideos
     return reader.processor_class().from_pretrained(model_path, max_frames=max_frames)
@@ -221,11 +231,11 @@ def stock_inputs(model_path: Path, data: Path) -> list[dict[str, Any]]:
         media_parts,
         normalise_conversation,
     )
-    from spindle.registry import get_family
+    from spindle.registry import resolve_family
 
     stock = stock_processor(model_path)
     config = AutoConfig.from_pretrained(model_path)
-    family = get_family(config.model_type)
+    family = resolve_family(model_path)  # by config.json's model_type
     assert isinstance(family, VLMFamily)
     options = VisionOptions()
     ours = VisionProcessor(
@@ -236,6 +246,7 @@ def stock_inputs(model_path: Path, data: Path) -> list[dict[str, Any]]:
         options,
         video_timestamps=family.video_timestamps,
         video_grid_seconds=family.video_grid_seconds,
+        images=family.image_layout(),
     )
     out = []
     for line in data.read_text().splitlines():
@@ -250,7 +261,8 @@ def stock_inputs(model_path: Path, data: Path) -> list[dict[str, Any]]:
             text = stock.apply_chat_template(messages, tokenize=False)
             paths = [path for _, path in media_parts(messages)]
             images = [Image.open(data.parent / p).convert("RGB") for p in paths] or None
-            inputs = dict(stock(text=[text], images=images, return_tensors="pt"))
+            # the template wrote the BOS (Gemma's) already, as the stock processor's own chat path takes it
+            inputs = dict(stock(text=[text], images=images, return_tensors="pt", add_special_tokens=False))
             inputs.pop("attention_mask")
         assert inputs["input_ids"][0].tolist() == doc.tokens, f"{family.name}: Spindle's tokens differ from stock's"
         labels = [t if keep else -100 for t, keep in zip(doc.tokens, doc.learn, strict=True)]
@@ -277,10 +289,10 @@ def grad_norm(model: Any) -> float:
 
 def check_stock_load(family: VLMFamily, path: Path) -> Any:
     """The tiny checkpoint is a standard transformers folder: AutoModelForImageTextToText loads stock
-    transformers' class of the name the family trains, the tokenizer holds Qwen's special tokens (one token
-    each) whose ids the config names, byte-level BPE round-trips any text, the image processor loads without
-    torchvision and matches the vision config; every parameter belongs to one of the family's parts (what
-    `train.freeze` names), and every part has parameters. -> the model."""
+    transformers' class of the name the family trains, the tokenizer holds its special tokens (one token
+    each), among them the media tokens the config names, byte-level BPE round-trips any text, the image
+    processor loads without torchvision and matches the vision config; every parameter belongs to one of the
+    family's parts (what `train.freeze` names), and every part has parameters. -> the model."""
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
     model = AutoModelForImageTextToText.from_pretrained(path)
@@ -289,19 +301,24 @@ def check_stock_load(family: VLMFamily, path: Path) -> Any:
         f"{family.name}: stock transformers loads {type(model).__module__}.{type(model).__name__}, not {expected}"
     )
     tok = AutoTokenizer.from_pretrained(path)
-    specials = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>", "<|video_pad|>", "<|vision_end|>")
-    for token in (*specials, "<|endoftext|>"):
+    config = model.config
+    # the media tokens the config names are special tokens of the tokenizer
+    media_ids = [getattr(config, name, None) for name in MEDIA_TOKEN_IDS]
+    media = [tok.convert_ids_to_tokens(i) for i in media_ids if i is not None]
+    specials = sorted(t.content for t in tok.added_tokens_decoder.values() if t.special)
+    assert config.image_token_id is not None and set(media) <= set(specials), f"{family.name}: {media}"
+    for token in specials:  # each encodes as one token
         ids = tok(token, add_special_tokens=False)["input_ids"]
         assert len(ids) == 1 and tok.convert_ids_to_tokens(ids[0]) == token, f"{family.name}: {token}"
-    config = model.config
-    assert config.image_token_id == tok.convert_tokens_to_ids("<|image_pad|>")
-    assert config.video_token_id == tok.convert_tokens_to_ids("<|video_pad|>")
-    assert config.vision_start_token_id == tok.convert_tokens_to_ids("<|vision_start|>")
     text = "Ünïcode & emoji 🙂 survive"
     assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
     processor = AutoImageProcessor.from_pretrained(path)  # the PIL backend: no torchvision
-    assert processor.merge_size == config.vision_config.spatial_merge_size
-    assert processor.patch_size == config.vision_config.patch_size
+    vision = config.vision_config
+    if hasattr(vision, "spatial_merge_size"):  # a patch-grid tower (Qwen-VL's)
+        assert processor.merge_size == vision.spatial_merge_size
+        assert processor.patch_size == vision.patch_size
+    else:  # a fixed-size tower (Gemma 3's SigLIP): every image resized to its size
+        assert processor.size == {"height": vision.image_size, "width": vision.image_size}
     parts = {name: family.part_of(name) for name, _ in model.named_parameters()}
     assert None not in parts.values(), f"{family.name}: {[n for n, p in parts.items() if p is None][:3]} in no part"
     assert set(parts.values()) == set(family.parts), f"{family.name}: parts without parameters"
@@ -386,7 +403,7 @@ def check_export(family: VLMFamily, base: Path, export: Path, trained: dict[str,
     stock AutoModelForImageTextToText with every tensor equal to the trained one in that precision (and
     different from the base's), carries the image processor, and generates a reply to an image."""
     from PIL import Image
-    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+    from transformers import AutoModelForImageTextToText
 
     written, given = safetensors_dtypes(export), safetensors_dtypes(base)
     assert written.keys() == given.keys(), f"{family.name}: export keys differ: {sorted(written.keys() ^ given.keys())}"
@@ -400,16 +417,15 @@ def check_export(family: VLMFamily, base: Path, export: Path, trained: dict[str,
     base_state = AutoModelForImageTextToText.from_pretrained(base, dtype="auto").state_dict()
     assert any(not torch.equal(base_state[k], loaded[k]) for k in loaded), f"{family.name}: training changed nothing"
 
-    tok = AutoTokenizer.from_pretrained(export)
-    processor = AutoImageProcessor.from_pretrained(export)
-    pixels = processor(images=[Image.open(image).convert("RGB")], return_tensors="pt")
+    # the export's own processor files, through the stock processor (the image tokens expanded as it does)
+    stock = stock_processor(export)
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]}]
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    n = int(pixels["image_grid_thw"].prod()) // processor.merge_size**2
-    ids = tok(text.replace("<|image_pad|>", "<|image_pad|>" * n), return_tensors="pt")["input_ids"]
-    mm_types = (ids == model.config.image_token_id).int()
-    pixels["pixel_values"] = pixels["pixel_values"].to(model.dtype)
-    out = model.generate(
-        input_ids=ids, mm_token_type_ids=mm_types, **pixels, max_new_tokens=5, do_sample=False, min_new_tokens=5
+    text = stock.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    inputs = stock(
+        text=[text], images=[Image.open(image).convert("RGB")], return_tensors="pt", add_special_tokens=False
     )
+    ids = inputs["input_ids"]
+    assert int((ids == model.config.image_token_id).sum()) > 0, f"{family.name}: no image tokens"
+    inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
+    out = model.generate(**inputs, max_new_tokens=5, do_sample=False, min_new_tokens=5)
     assert out.shape == (1, ids.shape[1] + 5) and torch.equal(out[:, : ids.shape[1]], ids), family.name

@@ -3,14 +3,18 @@
 Unset (`null`, the default) packs, except for decoders with linear-attention layers (Qwen3.5's Gated DeltaNet,
 config.json `layer_types`): transformers' torch path of those layers takes no document boundaries (its chunked
 recurrence and causal convolution ignore `cu_seqlens`), so a packed row would carry one document's state into the
-next. The task and the run record (spindle.train.run_record) read it here, below both.
+next; and except for a family that refuses packing (`CausalLMFamily.packing_refused`: Gemma 3's image-text
+models). The task and the run record (spindle.train.run_record) read it here, below both.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from spindle.contracts.family import CausalLMFamily
 
 
 def read_config(model_path: str | Path) -> dict[str, Any]:
@@ -25,8 +29,10 @@ def has_linear_attention(config: dict[str, Any]) -> bool:
     return "linear_attention" in (text.get("layer_types") or ())
 
 
-def packs(packing: bool | None, model_path: str | Path) -> bool:
-    """`data.packing` resolved for the model at `model_path` (module doc)."""
+def packs(packing: bool | None, model_path: str | Path, family: CausalLMFamily | None = None) -> bool:
+    """`data.packing` resolved for the model at `model_path` of `family` (module doc)."""
     if packing is not None:
         return packing
+    if getattr(family, "packing_refused", ""):  # a language family's record (a DiT's has no such field)
+        return False
     return not has_linear_attention(read_config(model_path))

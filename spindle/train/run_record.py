@@ -59,8 +59,9 @@ def _resolved(path: str | None) -> str | None:
     return None if path is None else str(Path(path).expanduser().resolve())
 
 
-def run_identity(cfg: TrainJobConfig) -> dict[str, Any]:
-    """The dotted keys (JSON values) that define the run `cfg` describes."""
+def run_identity(cfg: TrainJobConfig, family: Any = None) -> dict[str, Any]:
+    """The dotted keys (JSON values) that define the run `cfg` describes (of a model of `family`, whose record
+    may decide a default: data.packing)."""
     dumped = cfg.model_dump(mode="json")
     model = dumped["model"]
     data = {k: (_resolved(v) if k in PATH_KEYS else v) for k, v in dumped["data"].items()}
@@ -68,7 +69,7 @@ def run_identity(cfg: TrainJobConfig) -> dict[str, Any]:
         # the default, recorded as the model resolves it: a run recorded before the default existed matches
         from spindle.train.packing import packs
 
-        data["packing"] = packs(None, cfg.model.path)
+        data["packing"] = packs(None, cfg.model.path, family)
     out: dict[str, Any] = {}
     _flatten("model", {**model, "path": _resolved(model["path"])}, out)
     _flatten("data", data, out)
@@ -92,9 +93,9 @@ def read_run_record(output_dir: str | Path) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
-def write_run_record(output_dir: str | Path, cfg: TrainJobConfig, schedule_steps: int) -> None:
+def write_run_record(output_dir: str | Path, cfg: TrainJobConfig, schedule_steps: int, family: Any = None) -> None:
     """Rank 0: record what defines the run (at its start, and again when a forced resume adopts new settings)."""
-    record = {"identity": run_identity(cfg), "schedule_steps": schedule_steps}
+    record = {"identity": run_identity(cfg, family), "schedule_steps": schedule_steps}
     path = Path(output_dir) / RUN_FILE
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n")
@@ -107,11 +108,11 @@ def changed_keys(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, An
     return [(k, old.get(k, UNSET), new.get(k, UNSET)) for k in keys if old.get(k, UNSET) != new.get(k, UNSET)]
 
 
-def check_same_run(record: dict[str, Any] | None, cfg: TrainJobConfig, where: Path) -> None:
+def check_same_run(record: dict[str, Any] | None, cfg: TrainJobConfig, where: Path, family: Any = None) -> None:
     """Refuse to resume the run recorded in `where` with `cfg` when a key that defines it changed."""
     if record is None or "identity" not in record:
         return  # a folder from before run.json: nothing to compare against
-    changes = changed_keys(record["identity"], run_identity(cfg))
+    changes = changed_keys(record["identity"], run_identity(cfg, family))
     if not changes:
         return
     listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in changes)
@@ -128,7 +129,7 @@ def schedule_steps(record: dict[str, Any] | None, cfg: TrainJobConfig, force: bo
     return int(record["schedule_steps"])
 
 
-def check_fresh_start(cfg: TrainJobConfig, checkpoints: list[Path]) -> None:
+def check_fresh_start(cfg: TrainJobConfig, checkpoints: list[Path], family: Any = None) -> None:
     """`checkpoint.resume=none` starts over: refused in a folder that holds a run's checkpoints, since
     starting over there would mix two runs' metrics.jsonl, checkpoints and export/ (one run per folder,
     whatever checkpoint.resume says). Names the keys that differ from the recorded run, if any."""
@@ -136,7 +137,7 @@ def check_fresh_start(cfg: TrainJobConfig, checkpoints: list[Path]) -> None:
         return
     output_dir = Path(cfg.train.output_dir)
     record = read_run_record(output_dir)
-    changes = changed_keys(record["identity"], run_identity(cfg)) if record and "identity" in record else []
+    changes = changed_keys(record["identity"], run_identity(cfg, family)) if record and "identity" in record else []
     differs = (
         "; its settings differ: " + "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in changes) if changes else ""
     )
@@ -148,10 +149,10 @@ def check_fresh_start(cfg: TrainJobConfig, checkpoints: list[Path]) -> None:
     )
 
 
-def check_before_launch(cfg: TrainJobConfig, checkpoints: list[Path]) -> None:
+def check_before_launch(cfg: TrainJobConfig, checkpoints: list[Path], family: Any = None) -> None:
     """The one-run-per-folder checks in the process that launches the workers (one line for the user,
     exit 2, instead of one error per rank). The trainer checks again, exactly."""
-    check_fresh_start(cfg, checkpoints)
+    check_fresh_start(cfg, checkpoints, family)
     if cfg.checkpoint.resume == "auto" and checkpoints:
         output_dir = Path(cfg.train.output_dir)
-        check_same_run(read_run_record(output_dir), cfg, output_dir)
+        check_same_run(read_run_record(output_dir), cfg, output_dir, family)

@@ -145,13 +145,13 @@ class Trainer:
         unchanged (unless checkpoint.resume=force) and the schedule keeps its original length; a run
         already at max_steps is complete (nothing is built, trained or written)."""
         self.force = cfg.checkpoint.resume == "force"
-        check_fresh_start(cfg, ckpt.list_checkpoints(self.output_dir))
+        check_fresh_start(cfg, ckpt.list_checkpoints(self.output_dir), self.family)
         self.resume_step = ckpt.checkpoint_step(self.resume_from) if self.resume_from is not None else 0
         # the folder of the run the checkpoint belongs to (an explicit checkpoint may be another run's)
         run_dir = self.resume_from.parent.parent if self.resume_from is not None else self.output_dir
         self.run_record = read_run_record(run_dir) if self.resume_from is not None else None
         if self.resume_from is not None and not self.force:
-            check_same_run(self.run_record, cfg, run_dir)
+            check_same_run(self.run_record, cfg, run_dir, self.family)
         self.schedule_steps = schedule_steps(self.run_record, cfg, self.force)
         self.already_complete = self.resume_from is not None and self.resume_step >= cfg.train.max_steps
 
@@ -315,7 +315,7 @@ class Trainer:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.output_dir / "config.yaml")
             if self.resume_from is None or self.force or self.run_record is None:
-                write_run_record(self.output_dir, cfg, self.schedule_steps)
+                write_run_record(self.output_dir, cfg, self.schedule_steps, self.family)
         last: Path | None = None
         if self.resume_from is not None:
             self.restore(self.resume_from)

@@ -16,6 +16,7 @@ layouts).
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -70,13 +71,19 @@ def test_packed_row_loss_equals_the_documents_losses(name, tiny_checkpoint, vlm_
     """Three conversations (two with an image, one text-only) in one packed row: the summed token loss
     equals the sum of stock transformers' per-conversation losses, so neither attention nor 3-D positions
     cross documents (an MoE's router aux term is one statistic of the whole row, added as its task adds it).
-    A model with linear-attention layers (whose state would cross documents) refuses data.packing: true naming
-    why, and its default is one conversation per row."""
+    A model with linear-attention layers (whose state would cross documents), or a family refusing packing
+    (`packing_refused`), refuses data.packing: true naming why, and its default is one conversation per row."""
     from spindle.config import ConfigError
     from spindle.train.packing import has_linear_attention, read_config
 
     model = tiny_checkpoint(name)
     data = suite.subset(vlm_conversations, tmp_path / "data", [0, 3, 1])
+    if reason := get_family(name).packing_refused:  # e.g. Gemma 3's image-token mask under sliding windows
+        with pytest.raises(ConfigError, match=rf"data\.packing: {name} models: {re.escape(reason)}"):
+            make_trainer(load_job_config(None, vlm_overrides(model, data, tmp_path / "a", data__packing=True)))
+        trainer = make_trainer(load_job_config(None, vlm_overrides(model, data, tmp_path / "b", data__seq_len=256)))
+        assert trainer.loader.dataset.stats.rows == 3  # the default: one conversation per row
+        return
     if has_linear_attention(read_config(model)):
         with pytest.raises(ConfigError, match=r"data\.packing: .* linear-attention \(Gated DeltaNet\) layers"):
             make_trainer(load_job_config(None, vlm_overrides(model, data, tmp_path / "a", data__packing=True)))

@@ -1,5 +1,6 @@
 """Image/video conversations -> VLM rows (spindle.data.multimodal): the same tokens, pixels and 3-D
-positions as the stock Qwen2.5-VL processor and model, assistant-only labels, packing, bad samples."""
+positions as the stock processor and model of every VLM family (Gemma 3: its fixed-size images and 1-D
+positions), assistant-only labels, packing, bad samples."""
 
 from __future__ import annotations
 
@@ -79,8 +80,9 @@ def test_tokens_pixels_and_positions_equal_the_stock_processor_and_model(family,
     obj = two_image_conversation(tmp_path)
     config = AutoConfig.from_pretrained(model_path)
     fam = get_family(family)
+    tok = AutoTokenizer.from_pretrained(model_path)
     processor = VisionProcessor(
-        model_path, AutoTokenizer.from_pretrained(model_path), config, fam.rope_index_fn(), VisionOptions()
+        model_path, tok, config, fam.rope_index_fn(), VisionOptions(), images=fam.image_layout()
     )
     doc, cut = conversation_document(obj, tmp_path, processor, 4096, "x:1")
     assert not cut
@@ -88,9 +90,14 @@ def test_tokens_pixels_and_positions_equal_the_stock_processor_and_model(family,
     stock = stock_processor(model_path)
     text = stock.apply_chat_template(obj["messages"], tokenize=False)
     images = [Image.open(tmp_path / n).convert("RGB") for n in ("a.png", "b.png")]
-    ref = stock(text=[text], images=images, return_tensors="pt")
+    ref = stock(text=[text], images=images, return_tensors="pt", add_special_tokens=False)  # the template's BOS
     assert doc.tokens == ref["input_ids"][0].tolist()
     torch.testing.assert_close(torch.cat([v.pixel_values for v in doc.vision]), ref["pixel_values"], rtol=0, atol=0)
+    if "image_grid_thw" not in ref:  # a fixed-size tower (Gemma 3): 1-D positions, no multimodal RoPE rows
+        assert ref["pixel_values"].shape[0] == 2 and doc.positions.shape == (0, len(doc.tokens))
+        assert processor.media_ids == {config.image_token_id}
+        assert sum(t in processor.media_ids for t in doc.tokens) == int(ref["token_type_ids"].sum())
+        return
     assert torch.equal(torch.stack([v.grid_thw for v in doc.vision]), ref["image_grid_thw"])
     assert len({tuple(v.grid_thw.tolist()) for v in doc.vision}) == 2  # two sizes, each capped by max_pixels
 

@@ -47,9 +47,17 @@ def image_pairs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference_vl(tmp_path_factory):
+    """`reference_vl(family)`: a tiny checkpoint of the family with other weights (seed 1), made on first use."""
     from spindle.testing.tiny import build_tiny
 
-    return build_tiny("qwen2_5_vl", tmp_path_factory.mktemp("vl-ref") / "ref", seed=1)
+    built = {}
+
+    def get(family: str):
+        if family not in built:
+            built[family] = build_tiny(family, tmp_path_factory.mktemp("vl-ref") / family, seed=1)
+        return built[family]
+
+    return get
 
 
 def stock_completion_log_probs(model, processor, lines, folder, completion: str):
@@ -61,8 +69,10 @@ def stock_completion_log_probs(model, processor, lines, folder, completion: str)
         image = Image.open(folder / line["prompt"][0]["content"][0]["image"]).convert("RGB")
         prompt = processor.apply_chat_template(line["prompt"], tokenize=False, add_generation_prompt=True)
         whole = processor.apply_chat_template(line["prompt"] + line[completion], tokenize=False)
-        prompt_ids = processor(text=[prompt], images=[image], return_tensors="pt")["input_ids"]
-        inputs = processor(text=[whole], images=[image], return_tensors="pt")
+        # the template wrote the BOS where the model has one (Gemma 3)
+        prompt_ids = processor(text=[prompt], images=[image], return_tensors="pt", add_special_tokens=False)
+        prompt_ids = prompt_ids["input_ids"]
+        inputs = processor(text=[whole], images=[image], return_tensors="pt", add_special_tokens=False)
         ids = inputs["input_ids"]
         assert torch.equal(ids[:, : prompt_ids.shape[1]], prompt_ids)
         logits = model(**inputs).logits.float()
@@ -71,18 +81,20 @@ def stock_completion_log_probs(model, processor, lines, folder, completion: str)
     return torch.stack(sums)
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3_vl"])
 def test_an_image_dpo_step_equals_a_stock_transformers_computation(
-    tiny_qwen2_5_vl, reference_vl, image_pairs, tmp_path
+    family, tiny_checkpoint, reference_vl, image_pairs, tmp_path
 ):
-    """Qwen2.5-VL, a different Qwen2.5-VL as dpo.reference_model, pairs with an image in each prompt: step 1's
-    loss and grad norm equal the DPO loss of stock Qwen2_5_VLForConditionalGeneration run on what the stock
-    processor makes of each prompt-and-completion conversation (1e-5 / 1e-4); the export loads in stock
-    transformers."""
+    """Qwen2.5-VL (3-D positions) and Gemma 3 (1-D positions, bidirectional image blocks), a different model of the
+    family as dpo.reference_model, pairs with an image in each prompt: step 1's loss and grad norm equal the DPO
+    loss of the stock ForConditionalGeneration run on what the stock processor makes of each
+    prompt-and-completion conversation (1e-5 / 1e-4); the export loads in stock transformers."""
     from tests.conftest import lm_train
 
     data, lines = image_pairs
+    policy_path, reference_path = tiny_checkpoint(family), reference_vl(family)
     lm_train(
-        tiny_qwen2_5_vl,
+        policy_path,
         data,
         tmp_path / "run",
         train__objective="dpo",
@@ -92,11 +104,11 @@ def test_an_image_dpo_step_equals_a_stock_transformers_computation(
         train__micro_batch_size=len(lines),
         train__max_steps=1,
         dpo__beta=BETA,
-        dpo__reference_model=reference_vl,
+        dpo__reference_model=reference_path,
     )
     logged = read_metrics(tmp_path / "run")[0]
-    processor = stock_processor(tiny_qwen2_5_vl)
-    policy, reference = stock_model(tiny_qwen2_5_vl), stock_model(reference_vl)
+    processor = stock_processor(policy_path)
+    policy, reference = stock_model(policy_path), stock_model(reference_path)
     reference.eval()
     chosen = stock_completion_log_probs(policy, processor, lines, data.parent, "chosen")
     rejected = stock_completion_log_probs(policy, processor, lines, data.parent, "rejected")

@@ -42,19 +42,20 @@ def grpo_values(rewards, **values):
     return {**base, **values}
 
 
-def test_greedy_rollouts_of_an_image_prompt_equal_stock_generate(tiny_qwen2_5_vl, image_prompts, tmp_path):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3_vl"])
+def test_greedy_rollouts_of_an_image_prompt_equal_stock_generate(family, tiny_checkpoint, image_prompts, tmp_path):
     """The rollout machinery with (effectively) greedy sampling gives the tokens stock `generate(do_sample=False)`
     gives on what the stock processor makes of the same prompt and image: the image reaches the prompt's forward
-    and the cached decode steps continue its 3-D positions as the model's own generate does."""
+    and the cached decode steps continue its positions as the model's own generate does (Qwen2.5-VL's 3-D ones;
+    Gemma 3's 1-D ones, the prompt's image tokens one bidirectional block)."""
     from spindle.api import make_trainer
     from spindle.testing.vlm_conformance import stock_model, stock_processor
     from spindle.train.generation import Sampling, sample_group
     from tests.conftest import lm_overrides, load_job_config
 
     prompts, rewards, lines = image_prompts
-    trainer = make_trainer(
-        load_job_config(None, lm_overrides(tiny_qwen2_5_vl, prompts, tmp_path / "run", **grpo_values(rewards)))
-    )
+    path = tiny_checkpoint(family)
+    trainer = make_trainer(load_job_config(None, lm_overrides(path, prompts, tmp_path / "run", **grpo_values(rewards))))
     objective = trainer.task.objective
     _, example = next(trainer.loader)[0]
     model = trainer.model.eval()
@@ -72,12 +73,12 @@ def test_greedy_rollouts_of_an_image_prompt_equal_stock_generate(tiny_qwen2_5_vl
         objective.inputs.rollout_inputs(example, 2),
     )
 
-    processor = stock_processor(tiny_qwen2_5_vl)
+    processor = stock_processor(path)
     text = processor.apply_chat_template(lines[0]["prompt"], tokenize=False, add_generation_prompt=True)
     image = Image.open(prompts.parent / "0.png").convert("RGB")
-    inputs = processor(text=[text], images=[image], return_tensors="pt")
+    inputs = processor(text=[text], images=[image], return_tensors="pt", add_special_tokens=False)  # template's BOS
     assert inputs["input_ids"][0].tolist() == example.prompt_ids
-    stock = stock_model(tiny_qwen2_5_vl).eval()
+    stock = stock_model(path).eval()
     out = stock.generate(**inputs, do_sample=False, max_new_tokens=6, eos_token_id=list(eos), pad_token_id=0)
     new = out[0, inputs["input_ids"].shape[1] :]
     assert tokens[0, : len(new)][mask[0, : len(new)].bool()].tolist() == new[: int(mask[0].sum())].tolist()

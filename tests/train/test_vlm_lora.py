@@ -26,6 +26,10 @@ STOCK_TARGETS = {
     "vision": r"model\.visual\.blocks\.\d+\.(attn\.(qkv|proj)|mlp\.(gate_proj|up_proj|down_proj|linear_fc[12]))",
     "aligner": r"model\.visual\.(merger|deepstack_merger_list\.\d+)\.(mlp\.\d+|linear_fc[12])",
 }
+# a family's own module names: Gemma 3's SigLIP encoder layers
+FAMILY_TARGETS = {
+    "gemma3_vl": {"vision": r"model\.vision_tower\.encoder\.layers\.\d+\.(self_attn\.(q|k|v|out)_proj|mlp\.fc[12])"}
+}
 
 
 def lora(parts: list[str], **extra) -> str:
@@ -38,8 +42,12 @@ def adapted_modules(model: torch.nn.Module) -> set[str]:
 
 @pytest.mark.parametrize(
     ("name", "parts"),
-    [("qwen2_5_vl", ["language", "vision"]), ("qwen3_vl", ["vision", "aligner"])],
-    ids=["qwen2_5_vl-language+vision", "qwen3_vl-vision+aligner"],
+    [
+        ("qwen2_5_vl", ["language", "vision"]),
+        ("qwen3_vl", ["vision", "aligner"]),
+        ("gemma3_vl", ["language", "vision"]),
+    ],
+    ids=["qwen2_5_vl-language+vision", "qwen3_vl-vision+aligner", "gemma3_vl-language+vision"],
 )
 def test_vision_lora_step_one_equals_stock_peft(name, parts, tiny_checkpoint, vlm_conversations, tmp_path):
     """Step 1's loss and grad norm (the adapters' gradients) equal stock transformers + stock `get_peft_model`
@@ -58,7 +66,7 @@ def test_vision_lora_step_one_equals_stock_peft(name, parts, tiny_checkpoint, vl
     trained_only_adapters(trainer)
     assert all(".lora_" in n for n, p in trainer.model.named_parameters() if p.requires_grad)  # no base weight
 
-    targets = "|".join(STOCK_TARGETS[p] for p in parts)
+    targets = "|".join({**STOCK_TARGETS, **FAMILY_TARGETS.get(name, {})}[p] for p in parts)
     stock = get_peft_model(suite.stock_model(root), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
     init_adapters(stock.base_model.model, trainer.cfg.train.seed)
     assert adapted_modules(stock.base_model.model) == adapted_modules(trainer.model)

@@ -16,11 +16,7 @@ FAMILY = CausalLMFamily(
     # loss with the chunked linear cross-entropy; the folder's config.json stays stock transformers'.
     model_class="spindle.models.gemma3.generated.patched_modeling_gemma3:Gemma3ForCausalLM",
     model_types=("gemma3_text",),
-    # The image-text checkpoints (gemma-3-4b/12b/27b, `Gemma3ForConditionalGeneration`) are a VLM: refused at
-    # detection, naming why, rather than loaded as a text model with their vision tower dropped.
+    # The image-text checkpoints (gemma-3-4b/12b/27b, model_type "gemma3", `Gemma3ForConditionalGeneration`) are
+    # the gemma3_vl family's (../gemma3_vl).
     conformance=CausalLMConformanceSpec(),
-    refused_model_types={
-        "gemma3": "Gemma3ForConditionalGeneration (image-text) checkpoints are not trained by Spindle yet: only "
-        "Gemma 3 text models (model_type gemma3_text, Gemma3ForCausalLM, e.g. google/gemma-3-1b-it) are"
-    },
 )

@@ -36,6 +36,22 @@ def keep_conversions(upstream_module: str) -> list[str]:
     return names
 
 
+def keep_model_type_conversions(model_types: tuple[str, ...]) -> list[str]:
+    """Register transformers' own conversion mapping of each of `model_types` under that model type again, as the
+    user's (idempotent): transformers then applies it to the generated classes of those model types too, by the
+    same lookup as to its own (class name, then model type, sub-model by sub-model). For modules whose mapping
+    transformers keys by model type only (Gemma 3's); -> the model types registered (those with a mapping)."""
+    from transformers import conversion_mapping as cm
+
+    registered = []
+    for model_type in model_types:
+        mapping = cm.get_checkpoint_conversion_mapping(model_type)
+        if mapping is not None:
+            cm.register_checkpoint_conversion_mapping(model_type, mapping, overwrite=True)
+            registered.append(model_type)
+    return registered
+
+
 def chunked_loss_head_patch(source_module: str, head: str) -> Any:
     """The patchgen config of a multimodal family whose only patch is the chunked loss: `head`.forward (the
     ForConditionalGeneration class of `source_module`) delegates to the shared causal-LM forward, and the

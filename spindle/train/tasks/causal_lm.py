@@ -202,6 +202,11 @@ class CausalLMTask(TrainTask):
                 "recurrent state would flow from one packed document into the next; set data.packing: false "
                 "(one document per row; the default for these models)"
             )
+        if cfg.data.packing and family.packing_refused:
+            raise ConfigError(
+                f"data.packing: {family.name} models: {family.packing_refused}; set data.packing: false (one document "
+                "per row; the default for these models)"
+            )
         if dims.sp > 1 and family.sequence_parallel_refused:
             raise ConfigError(f"parallel.sp={dims.sp}: {family.sequence_parallel_refused}; set parallel.sp: 1")
         if dims.sp > 1:
@@ -218,10 +223,10 @@ class CausalLMTask(TrainTask):
         cls.attention(cfg, cfg.train.mixed_precision, family)
 
     @classmethod
-    def packs(cls, cfg: CausalLMJobConfig) -> bool:
+    def packs(cls, cfg: CausalLMJobConfig, family: CausalLMFamily | None = None) -> bool:
         """`data.packing` resolved: as set, else true unless the model's layers cannot keep packed documents
-        apart (linear attention)."""
-        return packs(cfg.data.packing, cfg.model.path)
+        apart (linear attention) or the `family` refuses packing (`CausalLMFamily.packing_refused`)."""
+        return packs(cfg.data.packing, cfg.model.path, family)
 
     @classmethod
     def attention(cls, cfg: CausalLMJobConfig, precision: str, family: CausalLMFamily) -> str:
@@ -257,7 +262,7 @@ class CausalLMTask(TrainTask):
             sp=self.mesh.dims.sp,
             bytes_per_value=2 if self.precision == "bf16" else 4,
             checkpointing=self.cfg.train.gradient_checkpointing,
-            dense_mask=self.packs(self.cfg)
+            dense_mask=self.packs(self.cfg, self.family)
             and self.attention(self.cfg, self.precision, self.family) in ("sdpa", "eager"),
         )
 
@@ -454,7 +459,7 @@ class CausalLMTask(TrainTask):
         from spindle.data.text import build_text_dataset, collate_rows
 
         data = self.cfg.data
-        packing = self.packs(self.cfg)
+        packing = self.packs(self.cfg, self.family)
         dataset = build_text_dataset(data.path, self.tokenizer, data.seq_len, packing, data.skip_bad_samples)
         s = dataset.stats
         self._data_stats = {

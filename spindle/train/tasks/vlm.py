@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from spindle.config import CausalLMJobConfig, ConfigError, VLMJobConfig
-from spindle.contracts.family import CausalLMFamily, VLMFamily
+from spindle.contracts.family import CausalLMFamily, VLMFamily, import_object
 from spindle.contracts.parallel import ParallelPlan
 from spindle.distributed.mesh import is_main_process
 from spindle.train.lora import is_lora_name
@@ -222,6 +222,7 @@ class VLMTask(CausalLMTask):
         super().__init__(cfg, family, mesh, device, precision)
         self.vision_step: VisionStep | None = None
         self.dataset_kinds: set[str] = set()
+        self._image_token_id: int | None = None  # read from the config at the first `mask_inputs`
 
     @classmethod
     def check_plan(cls, cfg: CausalLMJobConfig, family: CausalLMFamily, dims: ParallelDims) -> None:
@@ -302,9 +303,13 @@ class VLMTask(CausalLMTask):
             from spindle.distributed.vision_sequence_parallel import enable_vision_sequence_parallel
 
             enable_vision_sequence_parallel(vision, self.mesh.sp.get_group(), self.mesh.sp_rank, self.mesh.dims.sp)
-        towers: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-            kind: partial(dummy_vision, vision) for kind in ("image", "video")
-        }
+        # the family's dummy on the whole model (it reaches the projector too), else Qwen-VL's on the tower
+        dummy = (
+            partial(import_object(self.family.vision_dummy), model)
+            if self.family.vision_dummy
+            else partial(dummy_vision, vision)
+        )
+        towers: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {kind: dummy for kind in ("image", "video")}
         modules = [vision]
         if self.family.audio_tower:
             modules.append(module_at(model, self.family.audio_tower))
@@ -331,6 +336,7 @@ class VLMTask(CausalLMTask):
             audio=bool(self.family.audio_tower),
             video_audio_layout=self.video_audio_layout(),
             audio_tokens=self.family.audio_tokens_fn(),
+            images=self.family.image_layout(),
         )
 
     def preference_inputs(self) -> PreferenceInputs:
@@ -359,9 +365,11 @@ class VLMTask(CausalLMTask):
 
         def rollout_inputs(example: Any, rows: int) -> Callable[[int], dict[str, Any]]:
             step = prompt_step_inputs(processor, example.prompt_ids, example.media, rows, self.device)
+            prompt = torch.tensor(example.prompt_ids, device=self.device).expand(rows, -1)
 
             def inputs(t: int) -> dict[str, Any]:
-                out = step(t)
+                # the prompt's forward reads its image blocks; the next tokens' attend causally (as generate() does)
+                out = {**step(t), **(self.mask_inputs(prompt) if t == 0 else {})}
                 assert self.vision_step is not None, "build_model installs the vision hook"
                 # the prompt's forward runs its towers (and the dummies of the data's other kinds, as every rank
                 # does in lockstep); the next tokens' forwards run none
@@ -394,7 +402,7 @@ class VLMTask(CausalLMTask):
 
         data = self.cfg.data
         processor = self.vision_processor()
-        packing = self.packs(self.cfg)
+        packing = self.packs(self.cfg, self.family)
         dataset = build_conversation_dataset(data.path, processor, data.seq_len, packing, data.skip_bad_samples)
         s = dataset.stats
         self.dataset_kinds = {k for k, n in (("image", s.images), ("video", s.videos), ("audio", s.audios)) if n}
@@ -437,6 +445,7 @@ class VLMTask(CausalLMTask):
         from transformers import PreTrainedModel
 
         from spindle.distributed.sharded_load import empty_weights
+        from spindle.export.transformers import unique_weights
 
         base: Any = next(
             c for c in type(model).__mro__ if issubclass(c, PreTrainedModel) and not c.__name__.startswith("FSDP")
@@ -444,6 +453,9 @@ class VLMTask(CausalLMTask):
         with empty_weights():
             skeleton = base._from_config(model.config)
         names = cls.checkpoint_names(family, skeleton)
+        # a tied parameter's second name (Gemma 3's lm_head.weight) is dropped first, as save_pretrained drops it:
+        # renamed, it would no longer be known as the alias it is
+        state = unique_weights(model, state)
         return {names.get(k) or renamed_by_prefix(names, k): v for k, v in state.items()}
 
     @classmethod
@@ -452,6 +464,16 @@ class VLMTask(CausalLMTask):
         return checkpoint_names(model)
 
     # ------------------------------------------------------------ step
+
+    def mask_inputs(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What the model's attention mask reads besides positions: `token_type_ids` (1 on image tokens) where the
+        family's model builds its mask from them (`VLMFamily.token_type_ids`: Gemma 3's bidirectional image
+        attention); {} otherwise."""
+        if not self.family.token_type_ids:
+            return {}
+        if self._image_token_id is None:
+            self._image_token_id = int(self.model_config().image_token_id)
+        return {"token_type_ids": (input_ids == self._image_token_id).long()}
 
     def run_rows(
         self, model: torch.nn.Module, batch: dict[str, torch.Tensor], log_probs: bool = False, **model_kwargs: Any
@@ -462,6 +484,7 @@ class VLMTask(CausalLMTask):
         keys = ("input_ids", "position_ids", "shift_labels", PADDING_MASK_KEY)
         rows = {k: batch[k].to(self.device) for k in keys if k in batch}
         vision = {k: batch[k].to(self.device) for k in self.input_keys if k in batch}
+        vision.update(self.mask_inputs(rows["input_ids"]))
         if self.mesh.dims.sp > 1:
             # Labels (and the padding mask of task hooks) are cut here; input ids and positions stay whole (the
             # model fills the vision embeddings into the full sequence) and the language-model hook cuts

@@ -6,6 +6,9 @@
 #   regenerate:     spindle patchgen   (check: spindle patchgen --check)
 # Patches applied (kind, target, description):
 #   1. delegate_method Gemma3ForCausalLM.forward - loss from hidden states with the chunked linear cross-entropy (no full logits)
+#   2. delegate_method Gemma3ForConditionalGeneration.forward - loss from hidden states with the chunked linear cross-entropy
+#   3. add_import spindle.models.shared.patched_conversions
+#   4. add_post_import_block module - transformers' checkpoint key conversions apply to the generated image-text classes too
 # ==================================================================================================
 #                🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨🚨
 #           This file was automatically generated from src/transformers/models/gemma3/modular_gemma3.py.
@@ -72,6 +75,11 @@ from transformers.models.gemma3.configuration_gemma3 import Gemma3Config, Gemma3
 
 # [PATCHED] add_import: names used by the patched code
 from spindle.models.shared.causal_lm_patch import causal_lm_forward
+from spindle.models.shared.patched_conversions import keep_model_type_conversions
+
+
+# [PATCHED] add_post_import_block module: transformers' checkpoint key conversions apply to the generated image-text classes too
+keep_model_type_conversions(("gemma3", "gemma3_text"))
 
 
 @auto_docstring(
@@ -933,6 +941,7 @@ class Gemma3ForConditionalGeneration(Gemma3PreTrainedModel, GenerationMixin):
     def get_image_features(self, pixel_values: torch.Tensor, **kwargs: Unpack[TransformersKwargs]):
         return self.model.get_image_features(pixel_values, **kwargs)
 
+    # [PATCHED] delegate_method Gemma3ForConditionalGeneration.forward: loss from hidden states with the chunked linear cross-entropy
     @can_return_tuple
     @auto_docstring
     def forward(
@@ -995,38 +1004,20 @@ class Gemma3ForConditionalGeneration(Gemma3PreTrainedModel, GenerationMixin):
         "user\nYou are a helpful assistant.\n\n\n\n\n\nWhere is the cat standing?\nmodel\nBased on the image, the cat is standing in a snowy area, likely outdoors. It appears to"
         ```
         """
-        outputs = self.model(
+        return causal_lm_forward(
+            self,
             input_ids=input_ids,
             pixel_values=pixel_values,
-            token_type_ids=token_type_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             past_key_values=past_key_values,
+            token_type_ids=token_type_ids,
             inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
             labels=labels,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
             mm_encoder_outputs=mm_encoder_outputs,
-            return_dict=True,
             **kwargs,
-        )
-
-        hidden_states = outputs[0]
-        hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
-        logits = self.lm_head(hidden_states)
-
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(
-                logits=logits, labels=labels, vocab_size=self.config.text_config.vocab_size, **kwargs
-            )
-
-        return Gemma3CausalLMOutputWithPast(
-            loss=loss,
-            logits=logits,
-            past_key_values=outputs.past_key_values,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            image_hidden_states=outputs.image_hidden_states,
         )
 
     def prepare_inputs_for_generation(self, input_ids, use_cache=True, is_first_iteration=False, **kwargs):
