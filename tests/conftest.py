@@ -39,6 +39,7 @@ SPREAD_MODULES = (
 )
 
 
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: `-p no:xdist` runs load this conftest too
 def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:
     """`make test` runs `-n 2 --dist loadscope`: work units are test modules, but for `SPREAD_MODULES`, whose
     tests are units of their own (xdist's loadscope would send each module whole). (`--dist loadgroup` with
