@@ -184,10 +184,15 @@ def test_expert_parallel_equals_one_process(tiny_checkpoint, tmp_path):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
 
 
-def test_a_vision_language_family_is_refused_naming_why(tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize(
+    ("family", "why"),
+    [("qwen2_5_vl", "defines no ForSequenceClassification for model_type 'qwen2_5_vl'"),
+     ("gemma3_vl", "its Gemma3ForSequenceClassification takes no images")],
+)  # fmt: skip
+def test_a_vision_language_family_is_refused_naming_why(family, why, tiny_checkpoint, tmp_path):
     data = pairs_file(tmp_path, PAIRS)
-    with pytest.raises(ConfigError, match="ForSequenceClassification"):
-        lm_train(tiny_checkpoint("qwen2_5_vl"), data, tmp_path / "run", **reward_overrides(3))
+    with pytest.raises(ConfigError, match=why):
+        lm_train(tiny_checkpoint(family), data, tmp_path / "run", **reward_overrides(3))
 
 
 def test_lora_trains_the_adapters_and_the_new_head_and_exports_what_peft_and_transformers_load(tiny_qwen3, tmp_path):

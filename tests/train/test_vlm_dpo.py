@@ -185,7 +185,7 @@ def test_two_process_layouts_equal_one_process(tiny_qwen2_5_vl, reference_vl, im
         train__max_steps=2,
         train__adam_eps=1e-4,
         dpo__beta=BETA,
-        dpo__reference_model=reference_vl,
+        dpo__reference_model=reference_vl("qwen2_5_vl"),
         checkpoint__export=False,
     )
     lm_train(tiny_qwen2_5_vl, data, tmp_path / "one", **values)

@@ -137,12 +137,10 @@ class Reward(Objective):
         from spindle.config import ConfigError
 
         if family.kind != "causal_lm":
-            # the export must be a folder stock transformers loads as a reward model; transformers 5 has no
-            # ForSequenceClassification for the Qwen-VL / Qwen-Omni models
             raise ConfigError(
                 f"train.objective=reward: {family.name} is a {family.kind} model; reward models train on text "
-                "causal-LM families (their export is the family's ForSequenceClassification, which transformers "
-                "does not define for these multimodal models): use a text family's checkpoint"
+                f"causal-LM families for now ({multimodal_classification(self.cfg.model.path)}): use a text "
+                "family's checkpoint"
             )
 
     def build_loader(self, task: Any) -> Any:
@@ -182,6 +180,23 @@ class Reward(Objective):
         metrics: dict[str, Any] = {k: Metric(v, "mean", "mean") for k, v in loss.metrics().items()}
         # every SP rank computed the whole pairs' loss; the trainer sums the loss over them (a token loss's chunks)
         return StepOutput(loss.pair_losses.sum() / task.mesh.dims.sp, loss.pairs, int(ids.numel()), metrics)
+
+
+def multimodal_classification(path: str) -> str:
+    """Why a multimodal checkpoint gets no reward model: transformers defines no ForSequenceClassification for most
+    (the Qwen-VL / Qwen-Omni models), so no standard export exists; for the others (Gemma 3, Qwen3.5) the media
+    inputs are not wired into the scoring forward yet."""
+    import json
+    from pathlib import Path
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES as CLASSES
+
+    config = Path(path) / "config.json"
+    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    name = CLASSES.get(model_type or "")
+    if name is None:
+        return f"transformers defines no ForSequenceClassification for model_type {model_type!r}"
+    return f"its {name} takes no images in Spindle's reward objective yet"
 
 
 def last_scored_token(input_ids: torch.Tensor, pad_token_id: int | None) -> torch.Tensor:
