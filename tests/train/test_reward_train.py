@@ -17,7 +17,7 @@ from spindle.config import ConfigError
 from spindle.registry import all_families
 from spindle.train.metrics import read_metrics
 from spindle.train.objectives.reward import ScoreHead
-from tests.conftest import lm_train
+from tests.conftest import lm_overrides, lm_train
 from tests.train.test_preference_trl_parity import LINES, SEQ_LEN, grad_norm
 
 SEED = 7
@@ -261,25 +261,23 @@ def test_two_process_layouts_equal_one_process(tiny_qwen3, tmp_path):
         torch.testing.assert_close(scores(name), scores("one"), rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_a_resumed_run_equals_the_uninterrupted_one(tiny_qwen3, tmp_path, capsys):
-    """Stopped after step 2 and resumed (`checkpoint.resume: auto`): the score head and its optimizer state come
-    back from the checkpoint, not from a fresh initialisation, so steps 3-4 equal the uninterrupted run's."""
-    data = pairs_file(tmp_path, PAIRS)
-    values = reward_overrides(len(PAIRS), checkpoint__every_steps=1, checkpoint__export=False)
-    lm_train(tiny_qwen3, data, tmp_path / "full", **values, train__max_steps=4)
-    lm_train(tiny_qwen3, data, tmp_path / "cut", **values, train__max_steps=2)
-    capsys.readouterr()
-    lm_train(tiny_qwen3, data, tmp_path / "cut", **{**values, "checkpoint__resume": "auto"}, train__max_steps=4)
-    said = capsys.readouterr()
-    assert "resumed from step 2" in said.out + said.err  # it did not start over (which would give the same steps)
-    # `spindle export` of a reward checkpoint is refused, naming the run's own export (it writes ForCausalLM folders)
-    from tests.conftest import run_spindle
+def test_a_killed_run_resumes_exactly(tiny_qwen3, tmp_path):
+    """`spindle train` SIGKILLed as step 3 begins, then `checkpoint.resume: auto`: the score head and its optimizer
+    state come back from the step-2 checkpoint, not from a fresh initialisation, so steps 3-4 equal the
+    uninterrupted run's."""
+    from tests.conftest import run_spindle, spindle_train_killed
 
+    data = pairs_file(tmp_path, PAIRS)
+    values = reward_overrides(len(PAIRS), checkpoint__every_steps=1, checkpoint__export=False, train__max_steps=4)
+    lm_train(tiny_qwen3, data, tmp_path / "full", **values)
+    spindle_train_killed(tmp_path / "cut", lm_overrides(tiny_qwen3, data, tmp_path / "cut", **values), at_step=3)
+    lm_train(tiny_qwen3, data, tmp_path / "cut", **{**values, "checkpoint__resume": "auto"})
+    # `spindle export` of a reward checkpoint is refused, naming the run's own export (it writes ForCausalLM folders)
     proc = run_spindle("export", tmp_path / "cut", "--out", tmp_path / "offline")
     assert proc.returncode != 0 and "reward model's checkpoint" in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "offline").exists()
     full, cut = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "cut")
-    assert [m["step"] for m in cut][-2:] == [3, 4]
-    for a, b in zip(full[2:], cut[-2:], strict=True):
+    assert [m["step"] for m in cut] == [1, 2, 3, 4]  # resumed at 3: the killed run logged 1-2
+    for a, b in zip(full, cut, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6)
