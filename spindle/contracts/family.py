@@ -360,6 +360,9 @@ class DiTFamily(FamilyFolder):
     conformance: ConformanceSpec | None = None
     task: str = "flow_matching"  # the training task (a key of spindle.train.tasks.TASKS)
     extras: dict[str, Any] = field(default_factory=dict)
+    # why the family trains without sequence parallelism although its diffusers transformer has a `_cp_plan`
+    # (LTX-2: the plan splits the video stream only); "" where the plan (or its absence) says it all
+    no_sequence_parallel: str = ""
     condition_model = RequiredCode("condition:CONDITION_MODEL")  # its ConditionModel subclass
     inference = Code("inference:INFERENCE")  # its inference spec (spindle.infer)
     # a diffusers-layout LoRA state dict (no "transformer." prefix) -> the same LoRA in the original model's key

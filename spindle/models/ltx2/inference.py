@@ -207,6 +207,15 @@ class LTX2Inference(InferenceSpec):
                     "without it: give num_frames, and prompts as they are"
                 )
 
+    def cache_unavailable(self, name: str) -> str | None:
+        # the step caches are diffusers' hooks; they read a block's outputs through its registry, which has no entry
+        # for LTX2VideoTransformerBlock (it returns the video and the audio stream), and the guidance's perturbed
+        # forwards (STG, modality isolation) would share one cache state with the conditional one
+        return (
+            f"cache {name!r} is a diffusers cache hook, which does not run {self.family}'s audio-video blocks "
+            "(diffusers registers no outputs for LTX2VideoTransformerBlock); run without a cache"
+        )
+
     def default_params(self, components: dict[str, Any]) -> SamplingParams:
         # LTX2Pipeline.__call__ defaults: 768x512, 121 frames (5 s at 24 fps), 30 steps, CFG 3 (audio 7), STG 1 at
         # block 28, modality guidance 3, rescale 0.7, 1024 text tokens
@@ -310,7 +319,10 @@ class LTX2Inference(InferenceSpec):
         return waveform, int(vocoder.config.output_sampling_rate)
 
     def sequence_length(self, req: Req, transformer: torch.nn.Module) -> int:
-        return int(req.extra["video_tokens"][0])
+        """The video tokens (what training counts and the SP plan would split; the audio stream's are fewer)."""
+        _, _, f, h, w = resolved(req.raw_latent_shape, "raw_latent_shape")
+        config: Any = transformer.config  # a diffusers model: its config
+        return (f // config.patch_size_t) * (h // config.patch_size) * (w // config.patch_size)
 
 
 INFERENCE = LTX2Inference()

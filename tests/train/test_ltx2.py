@@ -1,0 +1,126 @@
+"""LTX-2 beyond the conformance suite: the audio track (equal to the stock pipeline's, written into the mp4 as an
+audio stream of its length), a two-step LoRA run on a small video dataset whose
+`export/lora/pytorch_lora_weights.safetensors` the stock pipeline's `load_lora_weights` loads (generating what
+Spindle's engine generates with it), and the video-only training inputs' audio rule."""
+
+from __future__ import annotations
+
+import av
+import numpy as np
+import pytest
+import torch
+
+from spindle.api import load_generator, load_job_config, train
+from spindle.testing import conformance as suite
+from tests.conftest import train_overrides
+
+NAME = "ltx2"
+
+
+def stock(root, request, **kw):
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(root)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe, pipe(**request, **kw, output_type="np", generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("case", ["defaults", "cfg"])
+def test_audio_equals_the_stock_pipeline_and_is_written_into_the_mp4(case, tiny_checkpoint, tmp_path):
+    from spindle.registry import get_family
+
+    tiny = tiny_checkpoint(NAME)
+    request = {k: v for k, v in get_family(NAME).conformance.parity_cases[case].items() if k != "seed"}
+    pipe, reference = stock(tiny, request)
+    result = load_generator(tiny).generate(**request, seed=0)
+    audio = reference.audio.float().numpy()
+    assert result.audio is not None and result.audio.shape == audio.shape and audio.std() > 1e-3
+    assert np.abs(result.audio - audio).max() <= suite.PARITY_ATOL
+    assert np.abs(result.frames - reference.frames).max() <= suite.PARITY_ATOL
+    assert result.sample_rate == pipe.vocoder.config.output_sampling_rate
+
+    (path,) = result.save(tmp_path / "clip.mp4")
+    with av.open(str(path)) as container:
+        (video,), (sound,) = container.streams.video, container.streams.audio
+        assert video.frames == request["num_frames"]
+        assert (sound.rate, sound.channels) == (result.sample_rate, audio.shape[1])
+        # the stream's duration is the waveform's length (to the container's millisecond: AAC's priming and padding are trimmed by its edit list)
+        assert sound.duration * sound.time_base == pytest.approx(audio.shape[-1] / result.sample_rate, abs=1e-3)
+
+
+def test_a_silent_video_has_no_audio_stream(tmp_path):
+    from spindle.data.media import write_video
+
+    path = write_video(tmp_path / "silent.mp4", np.zeros((3, 16, 16, 3), np.uint8), fps=8)
+    with av.open(str(path)) as container:
+        assert len(container.streams.video) == 1 and not container.streams.audio
+
+
+def test_bad_audio_is_named(tmp_path):
+    from spindle.data.media import write_video
+
+    frames = np.zeros((3, 16, 16, 3), np.uint8)
+    with pytest.raises(ValueError, match=r"audio must have shape \[1 or 2 channels, samples > 0\]; got \(3, 10\)"):
+        write_video(tmp_path / "a.mp4", frames, audio=np.zeros((3, 10)), sample_rate=16000)
+    with pytest.raises(ValueError, match="audio needs a positive sample_rate; got None"):
+        write_video(tmp_path / "a.mp4", frames, audio=np.zeros((2, 10)))
+
+
+def test_lora_trains_exports_and_loads_in_stock_diffusers(tiny_checkpoint, tmp_path):
+    from spindle.data.synthetic import make_shapes_video_dataset
+
+    tiny = tiny_checkpoint(NAME)
+    videos = make_shapes_video_dataset(tmp_path / "videos", num_videos=2, num_frames=9, size=(64, 64))
+    overrides = dict(
+        data__num_frames=9,
+        data__resolution=[64, 64],
+        model__max_text_length=16,
+        train__max_steps=2,
+        train__global_batch_size=2,
+        train__lr=3e-2,  # two steps must move the adapters visibly
+        train__lora="{rank: 4, alpha: 8}",
+    )
+    result = train(load_job_config(None, train_overrides(tiny, videos, tmp_path / "run", **overrides)))
+    lora_dir = result.export_dir / "lora"
+    assert sorted(p.name for p in lora_dir.glob("*.safetensors")) == ["pytorch_lora_weights.safetensors"]
+
+    # (the LoRA records its trained text length, 16: the engine's default with it, given to the stock pipeline too)
+    request = dict(prompt="a red circle", height=64, width=64, num_frames=9, num_inference_steps=2, max_sequence_length=16)
+    ours = load_generator(tiny, lora=str(lora_dir)).generate(**request, seed=0)
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(tiny)
+    pipe.load_lora_weights(lora_dir)
+    reference = pipe(**request, output_type="np", generator=torch.Generator().manual_seed(0))
+    assert np.abs(reference.frames - ours.frames).max() <= suite.PARITY_ATOL
+    assert np.abs(reference.audio.float().numpy() - ours.audio).max() <= suite.PARITY_ATOL
+    base = load_generator(tiny).generate(**request, seed=0).frames
+    assert np.abs(base - ours.frames).max() > 1e-4, "the LoRA changed nothing"
+
+
+def test_training_inputs_follow_the_pipelines_conventions(tiny_checkpoint):
+    """The clean latents are the pipeline's normalised VAE mode packed into its tokens, the video input the
+    flow-matching interpolation at timestep sigma x 1000; the audio stream pure noise at timestep 1000 (the
+    video-only rule), the audio frames the clip's duration at the audio VAE's rate."""
+    from spindle.registry import get_family
+    from spindle.train.tasks.flow_matching import sample_generator
+
+    family = get_family(NAME)
+    condition = suite.condition_model(family, tiny_checkpoint(NAME))
+    batch = suite.training_batch(family)
+    conditions = condition.encode(batch)
+    pipe = condition.pipe
+    vae = pipe.vae
+    mode = vae.encode(batch["pixels"]).latent_dist.mode()
+    expected = pipe._normalize_latents(mode, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+    torch.testing.assert_close(conditions["latents"], expected, atol=0, rtol=0)
+    inputs = condition.training_inputs(conditions, [sample_generator(0, 0, i) for i in range(2)])
+    x0 = pipe._pack_latents(expected)
+    sigma = inputs["sigmas"].view(-1, 1, 1)
+    noise = inputs["target"] + x0  # target = noise - x0
+    torch.testing.assert_close(inputs["hidden_states"], (1 - sigma) * x0 + sigma * noise, atol=1e-6, rtol=0)
+    torch.testing.assert_close(inputs["timestep"], inputs["sigmas"] * 1000)
+    assert (inputs["audio_timestep"] == 1000).all() and (inputs["audio_sigma"] == 1000).all()
+    frames = batch["pixels"].shape[2]
+    assert inputs["audio_num_frames"] == round(frames / 24 * 16000 / 160 / 4)
+    assert inputs["audio_hidden_states"].shape == (2, inputs["audio_num_frames"], 4)
