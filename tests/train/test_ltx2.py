@@ -85,7 +85,9 @@ def test_lora_trains_exports_and_loads_in_stock_diffusers(tiny_checkpoint, tmp_p
     assert sorted(p.name for p in lora_dir.glob("*.safetensors")) == ["pytorch_lora_weights.safetensors"]
 
     # (the LoRA records its trained text length, 16: the engine's default with it, given to the stock pipeline too)
-    request = dict(prompt="a red circle", height=64, width=64, num_frames=9, num_inference_steps=2, max_sequence_length=16)
+    request = dict(
+        prompt="a red circle", height=64, width=64, num_frames=9, num_inference_steps=2, max_sequence_length=16
+    )
     ours = load_generator(tiny, lora=str(lora_dir)).generate(**request, seed=0)
     from diffusers import DiffusionPipeline
 

@@ -8,6 +8,8 @@ from spindle.models.shared import declarations as decl
 
 # LTX2Pipeline's default text length (`max_sequence_length`); Gemma 3 reads far more, Spindle bounds it here
 MAX_SEQUENCE_LENGTH = 1024
+# LTX2Pipeline's default frame_rate: the video's fps and the clock of the audio track's length and positions
+FRAME_RATE = 24
 
 
 def _looks_like_ltx2(root: Path) -> bool:
@@ -37,7 +39,7 @@ GUIDANCE_OPTIONS = (
 OPTIONS = FamilyOptions(
     extra=GUIDANCE_OPTIONS,
     guidance="classifier-free guidance scale of the video (CFG runs when it or audio_guidance_scale is > 1)",
-    fps=24,
+    fps=FRAME_RATE,
 )
 # every guidance term but CFG off: the suite's "cfg" case (one batched forward a step) and the demo's samples
 PLAIN_CFG = dict(stg_scale=0.0, audio_stg_scale=0.0, modality_scale=1.0, audio_modality_scale=1.0)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from spindle.contracts.condition import PixelGrid
-from spindle.models.ltx2 import MAX_SEQUENCE_LENGTH, OPTIONS
+from spindle.models.ltx2 import FRAME_RATE, MAX_SEQUENCE_LENGTH
 from spindle.models.shared.condition import PipelineConditionModel, meta_vae
 from spindle.ops.flow_matching import flow_matching_pair, sample_sigmas
 
@@ -65,29 +65,24 @@ class LTX2ConditionModel(PipelineConditionModel):
     def encode_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
         """[B, C, F, H, W] in [-1, 1] -> the VAE mode's normalised latents [B, C, f, h, w] (deterministic)."""
         _, _, frames, height, width = pixels.shape
-        grid = self.pixel_grid_of_pipe()
-        if (frames - 1) % grid.frame_multiple:
-            raise ValueError(f"{self.label} needs num_frames = {grid.frame_multiple}k+1; got {frames}")
-        if height % grid.height or width % grid.width:
-            raise ValueError(f"{self.label} needs height and width divisible by {grid.height}; got {height}x{width}")
         vae = self.pipe.vae
+        multiple, temporal = max(32, vae.spatial_compression_ratio), vae.temporal_compression_ratio
+        if (frames - 1) % temporal:
+            raise ValueError(f"{self.label} needs num_frames = {temporal}k+1; got {frames}")
+        if height % multiple or width % multiple:
+            raise ValueError(f"{self.label} needs height and width divisible by {multiple}; got {height}x{width}")
         return self.pipe._normalize_latents(
             self.vae_latents(pixels), vae.latents_mean, vae.latents_std, vae.config.scaling_factor
         )
-
-    def pixel_grid_of_pipe(self) -> PixelGrid:
-        vae = self.pipe.vae
-        multiple = max(32, vae.spatial_compression_ratio)
-        return PixelGrid(multiple, multiple, frame_multiple=vae.temporal_compression_ratio)
 
     def encode(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         return {"latents": self.encode_pixels(batch["pixels"]), **self.encode_prompts(batch["caption"])}
 
     def audio_frames(self, frames: int) -> int:
-        """The pipeline's audio latent frames for a clip of `frames` latent... video frames at its fps."""
+        """The pipeline's audio latent frames for a clip of `frames` video frames at its frame rate."""
         pipe = self.pipe
         per_second = pipe.audio_sampling_rate / pipe.audio_hop_length / float(pipe.audio_vae_temporal_compression_ratio)
-        return round(frames / float(OPTIONS.fps or 24) * per_second)
+        return round(frames / FRAME_RATE * per_second)
 
     def training_inputs(self, conditions: dict[str, torch.Tensor], generators: list[torch.Generator]) -> dict[str, Any]:
         from diffusers.utils.torch_utils import randn_tensor
@@ -119,7 +114,7 @@ class LTX2ConditionModel(PipelineConditionModel):
             "num_frames": f,
             "height": h,
             "width": w,
-            "fps": float(OPTIONS.fps or 24),
+            "fps": float(FRAME_RATE),
             "audio_num_frames": audio_frames,
             "use_cross_timestep": True,
             "target": target,

@@ -27,7 +27,7 @@ import torch
 
 from spindle.contracts.request import Req, RequestError, SamplingParams, check_int_range, check_size, resolved, suggest
 from spindle.contracts.stage import BeforeDenoisingStage, InferenceSpec
-from spindle.models.ltx2 import MAX_SEQUENCE_LENGTH, OPTIONS
+from spindle.models.ltx2 import FRAME_RATE, MAX_SEQUENCE_LENGTH, OPTIONS
 
 STG_BLOCKS = [28]  # LTX2Pipeline's default `spatio_temporal_guidance_blocks` (LTX-2.3's)
 PIPELINE_MODULE = "diffusers.pipelines.ltx2.pipeline_ltx2"
@@ -73,6 +73,13 @@ class LTX2BeforeDenoisingStage(BeforeDenoisingStage):
         self.text_pipe = cls(**parts, transformer=None)
         self.transformer = components[spec.transformer_component]
         self.scheduler = components["scheduler"]
+        if components["vae"].config.timestep_conditioning:
+            # the pipeline decodes such a VAE at `decode_timestep` with `decode_noise_scale` noise, which the shared
+            # decode does not run
+            raise ValueError(
+                "vae/config.json sets timestep_conditioning=true, which Spindle's LTX-2 engine does not decode; "
+                "use an LTX-2 / 2.3 checkpoint (its video VAE has no timestep conditioning)"
+            )
         self.scale_temporal = self.text_pipe.vae_temporal_compression_ratio
         self.scale_spatial = self.text_pipe.vae_spatial_compression_ratio
 
@@ -133,7 +140,7 @@ class LTX2BeforeDenoisingStage(BeforeDenoisingStage):
         video = pipe.prepare_latents(
             batch, self.transformer.config.in_channels, height, width, frames, 0.0, torch.float32, device, req.generator
         )
-        fps = float(self.spec.fps)
+        fps = float(FRAME_RATE)
         per_second = pipe.audio_sampling_rate / pipe.audio_hop_length / float(pipe.audio_vae_temporal_compression_ratio)
         audio_frames = round(resolved(frames, "num_frames") / fps * per_second)
         mel_bins = pipe.audio_vae.config.mel_bins
@@ -253,7 +260,7 @@ class LTX2Inference(InferenceSpec):
             "num_frames": f,
             "height": h,
             "width": w,
-            "fps": float(self.fps or 24),
+            "fps": float(FRAME_RATE),
             "audio_num_frames": x["audio_frames"],
             "video_coords": x["video_coords"],
             "audio_coords": x["audio_coords"],
@@ -279,7 +286,7 @@ class LTX2Inference(InferenceSpec):
         samples = split(latents, req)
         parts = {name: split(pred, req) for name, pred in preds.items()}
         out = []
-        for m, (modality, s) in enumerate(req.extra["scales"].items()):
+        for m, s in enumerate(req.extra["scales"].values()):  # video, then audio
             x = samples[m]
             x0 = {name: x - pred[m] * sigma for name, pred in parts.items()}
             cond = x0["cond"]

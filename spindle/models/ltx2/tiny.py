@@ -183,11 +183,15 @@ def save_ltx2_pipeline(pipeline_cls: Any, out: Path, seed: int, overrides: dict[
         audio_vae=seeded(seed + 3, lambda: audio_vae.eval()),
         vocoder=seeded(
             seed + 4,
-            lambda: LTX2Vocoder(in_channels=audio_vae.config.output_channels * audio_vae.config.mel_bins, **LTX2_VOCODER),
+            lambda: LTX2Vocoder(
+                in_channels=audio_vae.config.output_channels * audio_vae.config.mel_bins, **LTX2_VOCODER
+            ),
         ),
         connectors=seeded(
             seed + 5,
-            lambda: LTX2TextConnectors(caption_channels=text["hidden_size"], text_proj_in_factor=layers, **LTX2_CONNECTORS),
+            lambda: LTX2TextConnectors(
+                caption_channels=text["hidden_size"], text_proj_in_factor=layers, **LTX2_CONNECTORS
+            ),
         ),
         scheduler=FlowMatchEulerDiscreteScheduler(**LTX2_SCHEDULER),
     )
