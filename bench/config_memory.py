@@ -295,6 +295,7 @@ REAL: dict[str, Real] = {
         "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_i2v", dict(HUNYUAN_VIDEO_1_5_480P_T2V, task_type="i2v")
     ),
     "ltx2_19b.yaml": Real("Lightricks/LTX-2", LTX2_19B),
+    "ltx2_i2v_19b.yaml": Real("Lightricks/LTX-2", LTX2_19B),
     "wan_1.3b.yaml": Real("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", WAN_1_3B),
     "wan_i2v_14b.yaml": Real("Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", WAN_I2V_14B),
     "wan22_a14b.yaml": Real("Wan-AI/Wan2.2-T2V-A14B-Diffusers", WAN_14B),

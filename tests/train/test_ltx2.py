@@ -1,7 +1,8 @@
-"""LTX-2 beyond the conformance suite: the audio track (equal to the stock pipeline's, written into the mp4 as an
-audio stream of its length), a two-step LoRA run on a small video dataset whose
-`export/lora/pytorch_lora_weights.safetensors` the stock pipeline's `load_lora_weights` loads (generating what
-Spindle's engine generates with it), and the video-only training inputs' audio rule."""
+"""LTX-2 (text- and image-to-video) beyond the conformance suite: the audio track (equal to the stock pipeline's,
+written into the mp4 as an audio stream of its length), a two-step LoRA run on a small video dataset (64x64, 9
+frames; image-to-video conditioned on each clip's first frame) whose `export/lora/pytorch_lora_weights.safetensors`
+the stock pipeline's `load_lora_weights` loads (generating what Spindle's engine generates with it), and the
+video-only training inputs' audio rule."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from spindle.testing import conformance as suite
 from tests.conftest import train_overrides
 
 NAME = "ltx2"
+I2V = "ltx2_i2v"
 
 
 def stock(root, request, **kw):
@@ -25,12 +27,12 @@ def stock(root, request, **kw):
     return pipe, pipe(**request, **kw, output_type="np", generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("case", ["defaults", "cfg"])
-def test_audio_equals_the_stock_pipeline_and_is_written_into_the_mp4(case, tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("name,case", [(NAME, "defaults"), (NAME, "cfg"), (I2V, "defaults")])
+def test_audio_equals_the_stock_pipeline_and_is_written_into_the_mp4(name, case, tiny_checkpoint, tmp_path):
     from spindle.registry import get_family
 
-    tiny = tiny_checkpoint(NAME)
-    request = {k: v for k, v in get_family(NAME).conformance.parity_cases[case].items() if k != "seed"}
+    tiny = tiny_checkpoint(name)
+    request = {k: v for k, v in get_family(name).conformance.parity_cases[case].items() if k != "seed"}
     pipe, reference = stock(tiny, request)
     result = load_generator(tiny).generate(**request, seed=0)
     audio = reference.audio.float().numpy()
@@ -66,10 +68,12 @@ def test_bad_audio_is_named(tmp_path):
         write_video(tmp_path / "a.mp4", frames, audio=np.zeros((2, 10)))
 
 
-def test_lora_trains_exports_and_loads_in_stock_diffusers(tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("name", [NAME, I2V])
+def test_lora_trains_exports_and_loads_in_stock_diffusers(name, tiny_checkpoint, tmp_path):
     from spindle.data.synthetic import make_shapes_video_dataset
+    from spindle.models.shared.test_images import noise_image
 
-    tiny = tiny_checkpoint(NAME)
+    tiny = tiny_checkpoint(name)
     videos = make_shapes_video_dataset(tmp_path / "videos", num_videos=2, num_frames=9, size=(64, 64))
     overrides = dict(
         data__num_frames=9,
@@ -88,6 +92,7 @@ def test_lora_trains_exports_and_loads_in_stock_diffusers(tiny_checkpoint, tmp_p
     request = dict(
         prompt="a red circle", height=64, width=64, num_frames=9, num_inference_steps=2, max_sequence_length=16
     )
+    request |= dict(image=noise_image(64, 64), image_crf=0) if name == I2V else {}
     ours = load_generator(tiny, lora=str(lora_dir)).generate(**request, seed=0)
     from diffusers import DiffusionPipeline
 
@@ -126,3 +131,33 @@ def test_training_inputs_follow_the_pipelines_conventions(tiny_checkpoint):
     frames = batch["pixels"].shape[2]
     assert inputs["audio_num_frames"] == round(frames / 24 * 16000 / 160 / 4)
     assert inputs["audio_hidden_states"].shape == (2, inputs["audio_num_frames"], 4)
+
+
+def test_image_to_video_training_keeps_the_first_frame_clean(tiny_checkpoint):
+    """Image-to-video: the first latent frame's tokens are the normalised VAE mode of the first frame alone (after
+    the pipeline's H.264 re-compression at CRF 33), at timestep 0 and out of the loss; the rest is text-to-video's."""
+    from diffusers.pipelines.ltx2.utils import apply_image_conditioning_crf
+    from PIL import Image
+
+    from spindle.data.media import tensor_to_image
+    from spindle.registry import get_family
+    from spindle.train.tasks.flow_matching import sample_generator
+
+    family = get_family(I2V)
+    condition = suite.condition_model(family, tiny_checkpoint(I2V))
+    batch = suite.training_batch(family)
+    conditions = condition.encode(batch)
+    pipe = condition.pipe
+    image = Image.fromarray(apply_image_conditioning_crf(np.array(tensor_to_image(batch["pixels"][0, :, 0])), 33))
+    pixels = pipe.video_processor.preprocess(image, height=64, width=64).unsqueeze(2)
+    mode = pipe.vae.encode(pixels).latent_dist.mode()
+    expected = pipe._normalize_latents(mode, pipe.vae.latents_mean, pipe.vae.latents_std)
+    torch.testing.assert_close(conditions["first_frame"][:1], expected, atol=1e-6, rtol=0)
+    inputs = condition.training_inputs(conditions, [sample_generator(0, 0, i) for i in range(2)])
+    tokens = expected.shape[-2] * expected.shape[-1]
+    first = pipe._pack_latents(conditions["first_frame"])
+    torch.testing.assert_close(inputs["hidden_states"][:, :tokens], first, atol=0, rtol=0)
+    assert not inputs["timestep"][:, :tokens].any() and (inputs["loss_mask"][:, :tokens] == 0).all()
+    rest = inputs["timestep"][:, tokens:]
+    torch.testing.assert_close(rest, (inputs["sigmas"] * 1000)[:, None].expand_as(rest))
+    assert (inputs["loss_mask"][:, tokens:] == 1).all()

@@ -137,9 +137,7 @@ class LTX2BeforeDenoisingStage(BeforeDenoisingStage):
             req.negative_prompt_embeds, req.extra["negative_audio_embeds"], req.extra["negative_mask"] = embeds
         height, width, frames = resolved(p.height, "height"), resolved(p.width, "width"), p.num_frames
         batch = p.batch_size
-        video = pipe.prepare_latents(
-            batch, self.transformer.config.in_channels, height, width, frames, 0.0, torch.float32, device, req.generator
-        )
+        video = self.video_latents(req, height, width, resolved(frames, "num_frames"))
         fps = float(FRAME_RATE)
         per_second = pipe.audio_sampling_rate / pipe.audio_hop_length / float(pipe.audio_vae_temporal_compression_ratio)
         audio_frames = round(resolved(frames, "num_frames") / fps * per_second)
@@ -169,6 +167,13 @@ class LTX2BeforeDenoisingStage(BeforeDenoisingStage):
         req.extra["audio_coords"] = rope.audio_rope.prepare_audio_coords(batch, audio_frames, device)
         req.timesteps, req.scheduler = self.timesteps(p, video.shape[1], device)
         return req
+
+    def video_latents(self, req: Req, height: int, width: int, frames: int) -> torch.Tensor:
+        """The packed video noise [B, Sv, C] (image-to-video: with the first frame's latents)."""
+        channels = self.transformer.config.in_channels
+        return self.text_pipe.prepare_latents(
+            req.params.batch_size, channels, height, width, frames, 0.0, torch.float32, req.device, req.generator
+        )
 
     def timesteps(self, p: SamplingParams, tokens: int, device: torch.device) -> tuple[torch.Tensor, Any]:
         """The pipeline's schedule: sigmas linear 1 -> 1/steps, shifted by mu of the video token count."""
