@@ -50,24 +50,6 @@ def test_audio_equals_the_stock_pipeline_and_is_written_into_the_mp4(name, case,
         assert sound.duration * sound.time_base == pytest.approx(audio.shape[-1] / result.sample_rate, abs=1e-3)
 
 
-def test_a_silent_video_has_no_audio_stream(tmp_path):
-    from spindle.data.media import write_video
-
-    path = write_video(tmp_path / "silent.mp4", np.zeros((3, 16, 16, 3), np.uint8), fps=8)
-    with av.open(str(path)) as container:
-        assert len(container.streams.video) == 1 and not container.streams.audio
-
-
-def test_bad_audio_is_named(tmp_path):
-    from spindle.data.media import write_video
-
-    frames = np.zeros((3, 16, 16, 3), np.uint8)
-    with pytest.raises(ValueError, match=r"audio must have shape \[1 or 2 channels, samples > 0\]; got \(3, 10\)"):
-        write_video(tmp_path / "a.mp4", frames, audio=np.zeros((3, 10)), sample_rate=16000)
-    with pytest.raises(ValueError, match="audio needs a positive sample_rate; got None"):
-        write_video(tmp_path / "a.mp4", frames, audio=np.zeros((2, 10)))
-
-
 @pytest.mark.parametrize("name", [NAME, I2V])
 def test_lora_trains_exports_and_loads_in_stock_diffusers(name, tiny_checkpoint, tmp_path):
     from spindle.data.synthetic import make_shapes_video_dataset
@@ -133,26 +115,30 @@ def test_training_inputs_follow_the_pipelines_conventions(tiny_checkpoint):
     assert inputs["audio_hidden_states"].shape == (2, inputs["audio_num_frames"], 4)
 
 
-def test_image_to_video_training_keeps_the_first_frame_clean(tiny_checkpoint):
+def test_image_to_video_training_keeps_the_first_frame_clean(tiny_checkpoint, monkeypatch):
     """Image-to-video: the first latent frame's tokens are the normalised VAE mode of the first frame alone (after
     the pipeline's H.264 re-compression at CRF 33), at timestep 0 and out of the loss; the rest is text-to-video's."""
-    from diffusers.pipelines.ltx2.utils import apply_image_conditioning_crf
-    from PIL import Image
+    from diffusers.pipelines.ltx2 import utils
 
     from spindle.data.media import tensor_to_image
     from spindle.registry import get_family
     from spindle.train.tasks.flow_matching import sample_generator
 
+    # x264 is not bit-reproducible under load (spindle.data.media.write_video): record the re-compression's call and
+    # leave the image as it is, so the expected latents are exact
+    calls = []
+    monkeypatch.setattr(utils, "apply_image_conditioning_crf", lambda image, crf: calls.append(crf) or image)
     family = get_family(I2V)
     condition = suite.condition_model(family, tiny_checkpoint(I2V))
     batch = suite.training_batch(family)
     conditions = condition.encode(batch)
+    assert calls == [33, 33]
     pipe = condition.pipe
-    image = Image.fromarray(apply_image_conditioning_crf(np.array(tensor_to_image(batch["pixels"][0, :, 0])), 33))
+    image = tensor_to_image(batch["pixels"][0, :, 0])
     pixels = pipe.video_processor.preprocess(image, height=64, width=64).unsqueeze(2)
     mode = pipe.vae.encode(pixels).latent_dist.mode()
     expected = pipe._normalize_latents(mode, pipe.vae.latents_mean, pipe.vae.latents_std)
-    torch.testing.assert_close(conditions["first_frame"][:1], expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(conditions["first_frame"][:1], expected, atol=1e-6, rtol=0)  # (batched VAE: 1e-6)
     inputs = condition.training_inputs(conditions, [sample_generator(0, 0, i) for i in range(2)])
     tokens = expected.shape[-2] * expected.shape[-1]
     first = pipe._pack_latents(conditions["first_frame"])

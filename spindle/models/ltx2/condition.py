@@ -25,6 +25,7 @@ import torch
 
 from spindle.contracts.condition import PixelGrid
 from spindle.models.ltx2 import FRAME_RATE, MAX_SEQUENCE_LENGTH
+from spindle.models.ltx2.inference import audio_latent_frames
 from spindle.models.shared.condition import PipelineConditionModel, meta_vae
 from spindle.ops.flow_matching import flow_matching_pair, sample_sigmas
 
@@ -78,12 +79,6 @@ class LTX2ConditionModel(PipelineConditionModel):
     def encode(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         return {"latents": self.encode_pixels(batch["pixels"]), **self.encode_prompts(batch["caption"])}
 
-    def audio_frames(self, frames: int) -> int:
-        """The pipeline's audio latent frames for a clip of `frames` video frames at its frame rate."""
-        pipe = self.pipe
-        per_second = pipe.audio_sampling_rate / pipe.audio_hop_length / float(pipe.audio_vae_temporal_compression_ratio)
-        return round(frames / FRAME_RATE * per_second)
-
     def training_inputs(self, conditions: dict[str, torch.Tensor], generators: list[torch.Generator]) -> dict[str, Any]:
         from diffusers.utils.torch_utils import randn_tensor
 
@@ -94,7 +89,7 @@ class LTX2ConditionModel(PipelineConditionModel):
         noisy, target = flow_matching_pair(x0, sigmas, generators)
         device = x0.device
         frames = (f - 1) * self.pipe.vae_temporal_compression_ratio + 1
-        audio_frames = self.audio_frames(frames)
+        audio_frames = audio_latent_frames(self.pipe, frames)
         # the audio rule (module docstring): pure noise at sigma 1, drawn after the video's from each sample's RNG
         audio = randn_tensor((b, audio_frames, self.audio_channels), generator=generators, dtype=torch.float32)
         timestep = (sigmas * self.num_train_timesteps).to(device, x0.dtype)

@@ -56,6 +56,13 @@ def split(joint: torch.Tensor, req: Req) -> tuple[torch.Tensor, torch.Tensor]:
     return video.reshape(-1, sv, cv), audio.reshape(-1, sa, ca)
 
 
+def audio_latent_frames(pipe: Any, num_frames: int) -> int:
+    """The audio latent frames of a video of `num_frames` at the frame rate: its duration at the audio VAE's rate
+    (sample rate / mel hop / its temporal compression: 25 a second), as LTX2Pipeline counts them."""
+    per_second = pipe.audio_sampling_rate / pipe.audio_hop_length / float(pipe.audio_vae_temporal_compression_ratio)
+    return round(num_frames / float(FRAME_RATE) * per_second)
+
+
 def joined(video: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
     return torch.cat([video.flatten(1), audio.flatten(1)], dim=1)
 
@@ -139,8 +146,7 @@ class LTX2BeforeDenoisingStage(BeforeDenoisingStage):
         batch = p.batch_size
         video = self.video_latents(req, height, width, resolved(frames, "num_frames"))
         fps = float(FRAME_RATE)
-        per_second = pipe.audio_sampling_rate / pipe.audio_hop_length / float(pipe.audio_vae_temporal_compression_ratio)
-        audio_frames = round(resolved(frames, "num_frames") / fps * per_second)
+        audio_frames = audio_latent_frames(pipe, resolved(frames, "num_frames"))
         mel_bins = pipe.audio_vae.config.mel_bins
         audio = pipe.prepare_audio_latents(
             batch,
@@ -162,9 +168,10 @@ class LTX2BeforeDenoisingStage(BeforeDenoisingStage):
         shape = self.latent_shape(p)
         req.raw_latent_shape = shape
         _, _, f, h, w = shape
-        rope = self.transformer
-        req.extra["video_coords"] = rope.rope.prepare_video_coords(batch, f, h, w, device, fps=fps)
-        req.extra["audio_coords"] = rope.audio_rope.prepare_audio_coords(batch, audio_frames, device)
+        # the positions of both streams, the same at every step (the pipeline computes them once too)
+        model = self.transformer
+        req.extra["video_coords"] = model.rope.prepare_video_coords(batch, f, h, w, device, fps=fps)
+        req.extra["audio_coords"] = model.audio_rope.prepare_audio_coords(batch, audio_frames, device)
         req.timesteps, req.scheduler = self.timesteps(p, video.shape[1], device)
         return req
 
