@@ -50,6 +50,7 @@ FAMILY = DiTFamily(
     conformance=dataclasses.replace(
         T2V.conformance,
         parity_cases={name: dict(case, **CASE) for name, case in T2V.conformance.parity_cases.items()},
+        adapter_frames=3,  # (the tiny VAE's 2k+1): the first latent frame is the image, the second shows an adapter
         default_params=dict(
             T2V.conformance.default_params, extra={o.name: o.default for o in (*GUIDANCE_OPTIONS, IMAGE_CRF)}
         ),

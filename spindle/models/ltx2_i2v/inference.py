@@ -40,7 +40,9 @@ class LTX2I2VBeforeDenoisingStage(LTX2BeforeDenoisingStage):
         if crf:
             image = Image.fromarray(apply_image_conditioning_crf(np.array(image), crf))
         pixels = pipe.video_processor.preprocess(image, height=height, width=width)
-        pixels = pixels.to(device=req.device, dtype=self.transformer.dtype)
+        # one image for every video of the request (the stock pipeline broadcasts its one latent frame, and fails on
+        # per-video generators, which index the image per video: Flow-GRPO's groups)
+        pixels = pixels.to(device=req.device, dtype=self.transformer.dtype).repeat(p.batch_size, 1, 1, 1)
         channels = self.transformer.config.in_channels
         latents, mask = pipe.prepare_latents(
             pixels, p.batch_size, channels, height, width, frames, 0.0, torch.float32, req.device, req.generator
