@@ -91,6 +91,22 @@ HUNYUAN_VIDEO_1_5_480P_T2V = dict(
     target_size=640,
     task_type="t2v",
 )
+# LTX-2 (Lightricks/LTX-2): 19B, 48 audio-video blocks (video 32 x 128 heads, audio 32 x 64), Gemma 3 12B captions
+LTX2_19B = dict(
+    _class_name="LTX2VideoTransformer3DModel",
+    in_channels=128,
+    out_channels=128,
+    num_attention_heads=32,
+    attention_head_dim=128,
+    cross_attention_dim=4096,
+    audio_in_channels=128,
+    audio_out_channels=128,
+    audio_num_attention_heads=32,
+    audio_attention_head_dim=64,
+    audio_cross_attention_dim=2048,
+    num_layers=48,
+    caption_channels=3840,
+)
 WAN_1_3B = dict(WAN_14B, num_attention_heads=12, ffn_dim=8960, num_layers=30)
 # Wan2.1 I2V: 36 input channels (noise + mask + first-frame latents) and CLIP image tokens (image_dim 1280)
 WAN_I2V_14B = dict(WAN_14B, in_channels=36, image_dim=1280, added_kv_proj_dim=5120)
@@ -278,6 +294,8 @@ REAL: dict[str, Real] = {
     "hunyuan_video_1_5_i2v_480p.yaml": Real(
         "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_i2v", dict(HUNYUAN_VIDEO_1_5_480P_T2V, task_type="i2v")
     ),
+    "ltx2_19b.yaml": Real("Lightricks/LTX-2", LTX2_19B),
+    "ltx2_i2v_19b.yaml": Real("Lightricks/LTX-2", LTX2_19B),
     "wan_1.3b.yaml": Real("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", WAN_1_3B),
     "wan_i2v_14b.yaml": Real("Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", WAN_I2V_14B),
     "wan22_a14b.yaml": Real("Wan-AI/Wan2.2-T2V-A14B-Diffusers", WAN_14B),

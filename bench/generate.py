@@ -29,7 +29,8 @@ QwenImagePipeline, QwenImageEditPipeline and QwenImageEditPlusPipeline; `flux2-c
 Flux2Pipeline (no CFG: the CFG modes and the first-block cache do not apply) and Flux2KleinPipeline (CFG on
 its empty negative prompt); `--preset z-image-cpu` against stock ZImagePipeline (VAE x8: 256x256 px -> 256 image
 tokens); `hunyuan-video-1.5-cpu` / `hunyuan-video-1.5-i2v-cpu` against stock HunyuanVideo15Pipeline /
-HunyuanVideo15ImageToVideoPipeline (64x64, 9 frames; no SP). Prints a table and writes JSON.
+HunyuanVideo15ImageToVideoPipeline (64x64, 9 frames; no SP); `ltx2-cpu` against stock LTX2Pipeline (64x64, 9
+frames, its default guidance). Prints a table and writes JSON.
 
   python bench/generate.py --preset cpu --json bench-generate.json
 """
@@ -211,6 +212,15 @@ PRESETS["hunyuan-video-1.5-i2v-cpu"] = {
     "image": (64, 64),  # the stock pipeline sizes the video by the image: its 64x64 bucket
     "request": {k: v for k, v in PRESETS["hunyuan-video-1.5-cpu"]["request"].items() if k not in ("height", "width")},
 }
+# LTX-2 (family "ltx2", stock LTX2Pipeline): the pipeline's default guidance (CFG 3 / audio 7, STG, modality
+# isolation, rescale: three transformer forwards a step), 64x64 px x 9 frames (tiny VAE x8 x2: 320 video tokens) with
+# its audio track; no SP (the plan splits the video stream only)
+PRESETS["ltx2-cpu"] = dict(
+    family="ltx2",
+    transformer=dict(num_layers=4, num_attention_heads=4, attention_head_dim=16, cross_attention_dim=64),
+    request=dict(height=64, width=64, num_frames=9, num_inference_steps=6),
+    dtype="float32",
+)
 # the several-image variant (stock QwenImageEditPlusPipeline): the same shapes, the image also seen at 384x384
 PRESETS["qwenimage-edit-plus-cpu"] = {**PRESETS["qwenimage-edit-cpu"], "family": "qwenimage_edit_plus"}
 COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2")  # per-preset overrides of the tiny builders

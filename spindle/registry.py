@@ -33,6 +33,8 @@ BUILTIN_FAMILIES: dict[str, str] = {
     "hunyuan_video_1_5": "spindle.models.hunyuan_video_1_5",
     "hunyuan_video_1_5_i2v": "spindle.models.hunyuan_video_1_5_i2v",
     "llama": "spindle.models.llama",
+    "ltx2": "spindle.models.ltx2",
+    "ltx2_i2v": "spindle.models.ltx2_i2v",
     "qwen2": "spindle.models.qwen2",
     "qwen2_5_omni": "spindle.models.qwen2_5_omni",
     "qwen2_5_vl": "spindle.models.qwen2_5_vl",

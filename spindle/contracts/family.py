@@ -214,6 +214,9 @@ class ConformanceSpec:
     def stock_overrides(self, root: Path) -> dict[str, Any]:
         return {} if self.stock_components is None else dict(import_object(self.stock_components)(root))
 
+    # frames of the suite's runtime-adapter requests (a video family's adapters act per frame: 1 is enough); LTX-2
+    # image-to-video keeps its one latent frame as the given image, so it needs a second latent frame to show them
+    adapter_frames: int = 1
     # denoising steps of the suite's step-cache runs: enough that the cache skips a few (a two-expert family's
     # experts each compute every block at their first step)
     cache_steps: int = 3
@@ -360,6 +363,9 @@ class DiTFamily(FamilyFolder):
     conformance: ConformanceSpec | None = None
     task: str = "flow_matching"  # the training task (a key of spindle.train.tasks.TASKS)
     extras: dict[str, Any] = field(default_factory=dict)
+    # why the family trains without sequence parallelism although its diffusers transformer has a `_cp_plan`
+    # (LTX-2: the plan splits the video stream only); "" where the plan (or its absence) says it all
+    no_sequence_parallel: str = ""
     condition_model = RequiredCode("condition:CONDITION_MODEL")  # its ConditionModel subclass
     inference = Code("inference:INFERENCE")  # its inference spec (spindle.infer)
     # a diffusers-layout LoRA state dict (no "transformer." prefix) -> the same LoRA in the original model's key

@@ -266,6 +266,10 @@ class Req:
     extra: dict[str, Any] = field(default_factory=dict)  # family-specific conditioning (pooled embeds, ids, ...)
     # set by DecodingStage
     output: Any = None
+    # the request's soundtrack, where the family makes one (LTX-2): float32 [B, channels, samples] in [-1, 1] at
+    # `audio_sample_rate` Hz (InferenceSpec.decode_audio); None for silent media
+    audio: Any = None
+    audio_sample_rate: int | None = None
     # bookkeeping
     timings: dict[str, float] = field(default_factory=dict)
     progress: Callable[[int, int], None] | None = None

@@ -201,6 +201,21 @@ class InferenceSpec:
     def combine_cfg(self, cond: torch.Tensor, uncond: torch.Tensor, cfg_scale: float) -> torch.Tensor:
         return uncond + cfg_scale * (cond - uncond)
 
+    def guidance_branches(self, req: Req) -> tuple[str, ...]:
+        """Forwards the step runs besides "cond" (and "uncond" under CFG), each with `denoiser_kwargs(..., branch)`
+        and handed to `guide` by name: a perturbed model's prediction (LTX-2's spatio-temporal and
+        modality-isolation guidance). Default: none."""
+        return ()
+
+    def guide(
+        self, req: Req, latents: torch.Tensor, i: int, preds: dict[str, torch.Tensor], cfg_scale: float
+    ) -> torch.Tensor:
+        """The step's prediction (what the scheduler steps `latents` with at step `i`) from the branches' predictions
+        by name ("cond", "uncond" under CFG, then `guidance_branches`). Default: `combine_cfg`, or "cond" alone."""
+        if "uncond" not in preds:
+            return preds["cond"]
+        return self.combine_cfg(preds["cond"], preds["uncond"], cfg_scale)
+
     # --- DecodingStage callbacks
     def post_denoising(self, latents: torch.Tensor, req: Req) -> torch.Tensor:
         return latents
@@ -208,6 +223,11 @@ class InferenceSpec:
     def decode_scale_shift(self, vae: Any, latents: torch.Tensor) -> tuple[Any, Any]:
         cfg = vae.config
         return getattr(cfg, "scaling_factor", 1.0), getattr(cfg, "shift_factor", None) or 0.0
+
+    def decode_audio(self, req: Req, components: dict[str, Any]) -> tuple[np.ndarray, int] | None:
+        """The request's soundtrack, after the video is decoded: (float32 [B, channels, samples] in [-1, 1], its
+        sample rate), which the engine returns and writes into the mp4. Default: None (silent media)."""
+        return None
 
     def postprocess(self, decoded: torch.Tensor, req: Req) -> np.ndarray:
         """VAE output in [-1, 1] -> float32 numpy in [0, 1]: [B, F, H, W, 3] (video) or [B, H, W, 3]."""

@@ -367,8 +367,11 @@ def write_video(
     frames: Any,
     fps: int | float | Fraction = 16,
     crf: int = 18,
+    audio: Any = None,
+    sample_rate: int | None = None,
 ) -> Path:
-    """Write frames [F, H, W, 3] (uint8 0..255 or float 0..1; numpy or torch) as H.264 yuv420p.
+    """Write frames [F, H, W, 3] (uint8 0..255 or float 0..1; numpy or torch) as H.264 yuv420p, with `audio`
+    (float [channels, samples] in [-1, 1] at `sample_rate` Hz, one or two channels) as an AAC track.
 
     Odd heights/widths are padded by one replicated row/column (yuv420p needs even sizes), so the
     file can be one pixel larger than the input. The file is written to a temporary name and
@@ -392,6 +395,7 @@ def write_video(
     tmp = path.with_name(f".{path.name}.tmp")
     codec = video_codec()
     rate = _fps_fraction(fps)
+    sound = None if audio is None else _audio_planes(audio, sample_rate, path)
     try:
         with av.open(str(tmp), mode="w", format=container_format) as container:
             stream = container.add_stream(codec, rate=rate)
@@ -400,15 +404,47 @@ def write_video(
                 stream.options = {"crf": str(crf)}
             else:
                 stream.bit_rate = 8 * width * height * int(max(1, round(float(rate))))
+            # (every stream is added before the first packet: the container writes its header then)
+            track = None if sound is None else _audio_stream(container, sound, int(sample_rate or 0))
             for i, image in enumerate(array):
                 frame = av.VideoFrame.from_ndarray(image, format="rgb24")
                 frame.pts = i
                 container.mux(stream.encode(frame))
             container.mux(stream.encode(None))  # flush delayed (B-)frames
+            if track is not None and sound is not None:
+                _mux_audio(container, track, sound)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def _audio_planes(audio: Any, sample_rate: int | None, path: Path) -> np.ndarray:
+    """`audio` as float32 planes [channels (1 or 2), samples] clipped to [-1, 1]; a clear error for a bad one."""
+    planes = np.asarray(audio.detach().cpu() if hasattr(audio, "detach") else audio, dtype=np.float32)
+    if planes.ndim == 1:
+        planes = planes[None]
+    if planes.ndim != 2 or planes.shape[0] not in (1, 2) or planes.shape[1] == 0:
+        raise ValueError(f"{path}: audio must have shape [1 or 2 channels, samples > 0]; got {tuple(planes.shape)}")
+    if not sample_rate or sample_rate <= 0:
+        raise ValueError(f"{path}: audio needs a positive sample_rate; got {sample_rate!r}")
+    return np.ascontiguousarray(np.clip(planes, -1.0, 1.0))
+
+
+def _audio_stream(container: Any, planes: np.ndarray, sample_rate: int) -> Any:
+    """An AAC stream of `planes`' channel count in the open `container`."""
+    return container.add_stream("aac", rate=sample_rate, layout="mono" if planes.shape[0] == 1 else "stereo")
+
+
+def _mux_audio(container: Any, stream: Any, planes: np.ndarray) -> None:
+    """`planes` [channels, samples] encoded into `stream` (`_audio_stream`), in encoder-sized frames."""
+    layout, sample_rate = stream.layout.name, stream.rate
+    size = stream.codec_context.frame_size or 1024
+    for start in range(0, planes.shape[1], size):
+        frame = av.AudioFrame.from_ndarray(planes[:, start : start + size].copy(), format="fltp", layout=layout)
+        frame.sample_rate, frame.pts = sample_rate, start
+        container.mux(stream.encode(frame))
+    container.mux(stream.encode(None))
 
 
 def write_image(path: str | os.PathLike[str], frame: Any) -> Path:

@@ -37,6 +37,10 @@ class GenerationResult:
     seed: int | None = None
     params: SamplingParams | None = None
     fps: int = 16
+    # the soundtrack of a family that makes one (LTX-2): float32 [B, channels, samples] in [-1, 1], at
+    # `sample_rate` Hz; `save` muxes it into each mp4. None: silent video (or an image)
+    audio: np.ndarray | None = None
+    sample_rate: int | None = None
 
     @property
     def total_seconds(self) -> float:
@@ -50,13 +54,14 @@ class GenerationResult:
         paths = (
             [path] if len(items) == 1 else [path.with_name(f"{path.stem}_{i}{path.suffix}") for i in range(len(items))]
         )
-        for item, p in zip(items, paths, strict=True):
+        for i, (item, p) in enumerate(zip(items, paths, strict=True)):
             p.parent.mkdir(parents=True, exist_ok=True)
             if self.media == "video":
                 if p.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp") and item.shape[0] == 1:
                     write_image(p, item[0])
                 else:
-                    write_video(p, item, fps or self.fps)
+                    audio = None if self.audio is None else self.audio[i]
+                    write_video(p, item, fps or self.fps, audio=audio, sample_rate=self.sample_rate)
             else:
                 write_image(p, item)
         return paths
@@ -262,6 +267,13 @@ class DiffusionGenerator:
             self.adapters.activate(req.params.lora, 1.0 if scale is None else scale)
         req = self.pipeline.run(req)
         frames = np.asarray(req.output, dtype=np.float32)
+        audio = None if req.audio is None else np.asarray(req.audio, dtype=np.float32)
         return GenerationResult(
-            frames=frames, media=self.spec.media, timings=dict(req.timings), seed=req.params.seed, params=req.params
+            frames=frames,
+            media=self.spec.media,
+            timings=dict(req.timings),
+            seed=req.params.seed,
+            params=req.params,
+            audio=audio,
+            sample_rate=req.audio_sample_rate,
         )

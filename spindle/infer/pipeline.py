@@ -45,14 +45,26 @@ DTYPES = {  # the names `spindle.engine_config.DType` allows
 }
 
 
+def pipeline_module(library: str) -> Any:
+    """`diffusers.pipelines.<library>`, where model_index.json names a pipeline's own module as a component's library
+    (LTX-2's `["ltx2", "LTX2TextConnectors"]`, as diffusers resolves it); None when diffusers has no such pipeline."""
+    if not library.isidentifier():
+        return None
+    try:
+        return importlib.import_module(f"diffusers.pipelines.{library}")
+    except ImportError:
+        return None
+
+
 def load_component(root: Path, name: str, entry: Any, device: torch.device, dtype: torch.dtype) -> Any:
     """Load `root/name` with the (library, class) pair model_index.json gives for it."""
     if not (isinstance(entry, (list, tuple)) and len(entry) == 2) or entry[0] is None:
         raise FileNotFoundError(f"{root}/model_index.json has no {name!r} component (entry {entry!r})")
     library, cls_name = entry
-    if library not in ALLOWED_LIBRARIES:
+    if library not in ALLOWED_LIBRARIES and pipeline_module(library) is None:
         raise ValueError(f"component {name!r} comes from library {library!r}; Spindle loads {ALLOWED_LIBRARIES} only")
-    cls = getattr(importlib.import_module(library), cls_name, None)
+    module = importlib.import_module(library) if library in ALLOWED_LIBRARIES else pipeline_module(library)
+    cls = getattr(module, cls_name, None)
     if cls is None:
         raise ValueError(f"model_index.json names {library}.{cls_name} for {name!r}, which this {library} lacks")
     path = root / name
@@ -207,7 +219,7 @@ class InferencePipeline:
                 for model in denoisers:
                     onednn_linear_gelu(model, spec.linear_gelu_pairs(model))
         offloads = apply_offload(spec, components, options)
-        stages: list[Stage] = [spec.make_before_denoising(components), denoising, DecodingStage(vae, spec)]
+        stages: list[Stage] = [spec.make_before_denoising(components), denoising, DecodingStage(vae, spec, components)]
         pipeline = cls(spec, components, stages, options, root=root, mesh=mesh)
         pipeline.offloads = offloads
         return pipeline

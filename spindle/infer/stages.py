@@ -157,9 +157,20 @@ class DenoisingStage(Stage):
         def context(branch: str) -> contextlib.AbstractContextManager[Any]:
             return self._cache_context(model, branch, req, i)
 
+        preds = self.cfg_predictions(req, latents, t, component, forward, context)
+        for branch in spec.guidance_branches(req):  # a perturbed model's predictions (one forward each)
+            with context(branch):
+                preds[branch] = forward(spec.denoiser_kwargs(req, latents, t, branch))
+        return spec.guide(req, latents, i, preds, cfg_scale)
+
+    def cfg_predictions(
+        self, req: Req, latents: torch.Tensor, t: torch.Tensor, component: str, forward: Any, context: Any
+    ) -> dict[str, torch.Tensor]:
+        """{"cond": ...} and, under CFG, "uncond": one forward each, one batched forward or one per CFG rank."""
+        spec = self.spec
         if not req.do_cfg:
             with context("cond"):
-                return forward(spec.denoiser_kwargs(req, latents, t, "cond"))
+                return {"cond": forward(spec.denoiser_kwargs(req, latents, t, "cond"))}
         if self.cfg_group is not None:
             import torch.distributed as dist
 
@@ -185,7 +196,7 @@ class DenoisingStage(Stage):
                 cond = forward(spec.denoiser_kwargs(req, latents, t, "cond"))
             with context("uncond"):
                 uncond = forward(spec.denoiser_kwargs(req, latents, t, "uncond"))
-        return spec.combine_cfg(cond, uncond, cfg_scale)
+        return {"cond": cond, "uncond": uncond}
 
     def check_sequence_parallel(self, req: Req) -> None:
         if self.sp * self.ring == 1:
@@ -288,9 +299,10 @@ class DecodingStage(Stage):
 
     name = "decoding"
 
-    def __init__(self, vae: ModelMixin, spec: InferenceSpec):
+    def __init__(self, vae: ModelMixin, spec: InferenceSpec, components: dict[str, Any] | None = None):
         self.vae = vae
         self.spec = spec
+        self.components = components or {}  # what the family's `decode_audio` reads (an audio VAE, a vocoder)
 
     def check_inputs(self, req: Req) -> None:
         if req.latents is None:
@@ -316,6 +328,9 @@ class DecodingStage(Stage):
         chunks = latents.split(self.spec.videos_per_decode or latents.shape[0])
         decoded = torch.cat([self.vae.decode(chunk, return_dict=False)[0] for chunk in chunks])
         req.output = self.spec.postprocess(decoded, req)
+        audio = self.spec.decode_audio(req, self.components)
+        if audio is not None:
+            req.audio, req.audio_sample_rate = audio
         return req
 
     def check_outputs(self, req: Req) -> None:

@@ -670,8 +670,8 @@ def check_runtime_adapters(family: DiTFamily, root: Path, out: Path, kwargs: dic
     adapters = gen.enable_adapters(out, max_loras=2)
     for name in ("a", "b"):
         adapters.load(name, adapters.resolve(None, name))
-    if "num_frames" in kwargs:
-        kwargs = {**kwargs, "num_frames": 1}  # a video family's adapters act per frame as well: one is enough
+    if "num_frames" in kwargs:  # a video family's adapters act per frame as well: one is usually enough
+        kwargs = {**kwargs, "num_frames": family.conformance.adapter_frames if family.conformance else 1}
     asked: list[tuple[str | None, float | None]] = [("a", None), (None, None), ("b", 0.5)]
     served = [gen.generate(**kwargs, lora=name, lora_scale=scale).frames for name, scale in asked]
     alone = {

@@ -128,6 +128,7 @@ def test_registered_families_declare_their_options():
         | {"wan", "wan_i2v", "wan22", "wan22_i2v", "wan22_ti2v"}
         | {"flux2", "flux2_klein", "z_image"}
         | {"hunyuan_video_1_5", "hunyuan_video_1_5_i2v"}
+        | {"ltx2", "ltx2_i2v"}
     )
 
 

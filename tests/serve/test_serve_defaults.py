@@ -151,3 +151,30 @@ def test_a_refused_warm_up_names_the_warm_up_and_its_flags(tiny_checkpoint):
     line = r.stderr.strip().splitlines()[-1]
     assert line.startswith("spindle serve: error: the warm-up request was refused (num_inference_steps must be >= 2")
     assert "--warmup-steps" in line and "--no-warmup" in line, line
+
+
+def test_ltx2_video_over_http_carries_its_audio_track(tiny_checkpoint, tmp_path):
+    """`spindle serve` with default flags on LTX-2 answers `/v1/videos` with an mp4 whose AAC audio stream is the
+    soundtrack the engine makes for the same request (its sample rate, channels and length)."""
+    import av
+
+    from spindle.api import load_generator
+
+    request = dict(prompt="waves on a beach", num_frames=9, num_inference_steps=2, seed=3)
+    server = DefaultServe(tiny_checkpoint("ltx2"), tmp_path / "serve.log")
+    try:
+        server.wait_healthy()
+        job = httpx.post(f"{server.url}/v1/videos", json={**request, "size": "64x64"}, timeout=30).json()
+        deadline = time.monotonic() + 120
+        while (status := httpx.get(f"{server.url}/v1/videos/{job['id']}").json())["status"] != "completed":
+            assert status["status"] in ("queued", "in_progress") and time.monotonic() < deadline, status
+            time.sleep(0.25)
+        content = httpx.get(f"{server.url}/v1/videos/{job['id']}/content", timeout=30).content
+    finally:
+        server.stop()
+    audio = load_generator(tiny_checkpoint("ltx2")).generate(**request, height=64, width=64)
+    with av.open(io.BytesIO(content)) as container:
+        (video,), (sound,) = container.streams.video, container.streams.audio
+        assert video.frames == 9 and (sound.rate, sound.channels) == (audio.sample_rate, audio.audio.shape[1])
+        seconds = audio.audio.shape[-1] / audio.sample_rate
+        assert float(sound.duration * sound.time_base) == pytest.approx(seconds, abs=1e-3)

@@ -106,6 +106,12 @@ class FlowMatchingTask(TrainTask):
 
         build_objective(cfg.train.objective, cfg).check_plan(family, dims)  # what the objective refuses, first
         tcfg = Path(cfg.model.path) / "transformer" / "config.json"
+        if dims.cp_size > 1 and family.no_sequence_parallel:
+            raise ValueError(
+                f"parallel.sp={dims.sp} x parallel.ring={dims.ring} was requested, but {family.name} has no "
+                f"context-parallel plan Spindle runs: {family.no_sequence_parallel}; set parallel.sp: 1 and "
+                "parallel.ring: 1"
+            )
         if dims.cp_size > 1 and tcfg.is_file():
             check_sequence_parallel(json.loads(tcfg.read_text()), dims.sp, ring=dims.ring)
         check_validation_images(cfg, family)
