@@ -27,12 +27,13 @@ TINY_FRAMES = 9
 TINY_TEXT = TEXT_TOKENS  # model.max_text_length of the tiny runs (divides the SP degrees the tests use)
 
 
-# Modules whose tests spread over the pytest-xdist workers one by one (the registry-parametrised suites and the
-# other long modules: as one unit each would leave a worker idle at the end); every other module runs whole on
-# one worker, so its module-scoped fixtures (a server, a spawned run, a precomputed cache) are built once.
+# Modules (or one test function of a module) whose tests spread over the pytest-xdist workers one by one (the
+# registry-parametrised suites and the other long modules: as one unit each would leave a worker idle at the end);
+# every other test runs with the rest of its module on one worker, so module-scoped fixtures (a server, a spawned
+# run, a precomputed cache) are built once.
 SPREAD_MODULES = (
     "tests/conformance/",
-    "tests/serve/test_serve_defaults.py",
+    "tests/serve/test_serve_defaults.py::test_serve_with_default_flags_is_healthy[",
     "tests/distributed/test_train_distributed.py",
     "tests/train/test_grpo_train.py",
     "tests/train/test_flow_grpo_train.py",
@@ -50,8 +51,7 @@ def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:
 
     class ModuleScheduling(LoadScopeScheduling):  # type: ignore[misc]  # xdist is untyped
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return nodeid if module.startswith(SPREAD_MODULES) else module
+            return nodeid if nodeid.startswith(SPREAD_MODULES) else nodeid.split("::", 1)[0]
 
     return ModuleScheduling(config, log)
 
