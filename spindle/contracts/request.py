@@ -217,6 +217,19 @@ def check_size(params: SamplingParams, h_multiple: int, w_multiple: int, why: st
     check_multiple("width", params.width, w_multiple, why)
 
 
+def check_frame_count(params: SamplingParams, multiple: int) -> None:
+    """num_frames of a video request: `multiple` x k + 1 (a VAE compressing time `multiple`-fold keeps the first
+    frame alone), the nearest allowed counts suggested."""
+    n, k = params.num_frames, multiple
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1 or (n - 1) % k:
+        hint = f"; try {suggest(n, k, offset=1)}" if isinstance(n, int) and not isinstance(n, bool) else ""
+        raise RequestError(
+            f"num_frames must be {k}k+1 (1, {k + 1}, {2 * k + 1}, {3 * k + 1}, ...) for this model's VAE "
+            f"(got {n!r}){hint}",
+            field="num_frames",
+        )
+
+
 def resolved(value: T | None, name: str) -> T:
     """A field the family's defaults fill (`merged_with`) before its stage reads it; None: no default."""
     if value is None:

@@ -28,12 +28,11 @@ import torch
 from spindle.contracts.family import import_object
 from spindle.contracts.request import (
     Req,
-    RequestError,
     SamplingParams,
+    check_frame_count,
     check_int_range,
     check_size,
     resolved,
-    suggest,
 )
 from spindle.contracts.stage import BeforeDenoisingStage, InferenceSpec
 from spindle.models.hunyuan_video_1_5 import MAX_SEQUENCE_LENGTH, OPTIONS
@@ -116,14 +115,7 @@ class HunyuanVideo15BeforeDenoisingStage(BeforeDenoisingStage):
     def validate(self, params: SamplingParams) -> None:
         super().validate(params)
         self.check_size(params)
-        n, k = params.num_frames, self.scale_temporal
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1 or (n - 1) % k:
-            hint = f"; try {suggest(n, k, offset=1)}" if isinstance(n, int) and not isinstance(n, bool) else ""
-            raise RequestError(
-                f"num_frames must be {k}k+1 (1, {k + 1}, {2 * k + 1}, {3 * k + 1}, ...) for this model's VAE "
-                f"(got {n!r}){hint}",
-                field="num_frames",
-            )
+        check_frame_count(params, self.scale_temporal)
         check_int_range("max_sequence_length", params.max_sequence_length, minimum=1, maximum=MAX_SEQUENCE_LENGTH)
 
     def check_size(self, params: SamplingParams) -> None:

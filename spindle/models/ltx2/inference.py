@@ -25,7 +25,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from spindle.contracts.request import Req, RequestError, SamplingParams, check_int_range, check_size, resolved, suggest
+from spindle.contracts.request import (
+    Req,
+    SamplingParams,
+    check_frame_count,
+    check_int_range,
+    check_size,
+    resolved,
+)
 from spindle.contracts.stage import BeforeDenoisingStage, InferenceSpec
 from spindle.models.ltx2 import FRAME_RATE, MAX_SEQUENCE_LENGTH, OPTIONS
 
@@ -93,14 +100,7 @@ class LTX2BeforeDenoisingStage(BeforeDenoisingStage):
     def validate(self, params: SamplingParams) -> None:
         super().validate(params)
         check_size(params, 32, 32, f"LTX2Pipeline takes multiples of 32; VAE x{self.scale_spatial}")
-        n, k = params.num_frames, self.scale_temporal
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1 or (n - 1) % k:
-            hint = f"; try {suggest(n, k, offset=1)}" if isinstance(n, int) and not isinstance(n, bool) else ""
-            raise RequestError(
-                f"num_frames must be {k}k+1 (1, {k + 1}, {2 * k + 1}, {3 * k + 1}, ...) for this model's VAE "
-                f"(got {n!r}){hint}",
-                field="num_frames",
-            )
+        check_frame_count(params, self.scale_temporal)
         check_int_range("max_sequence_length", params.max_sequence_length, minimum=1, maximum=MAX_SEQUENCE_LENGTH)
 
     def latent_shape(self, p: SamplingParams) -> tuple[int, ...]:

@@ -17,10 +17,10 @@ from spindle.contracts.request import (
     Req,
     RequestError,
     SamplingParams,
+    check_frame_count,
     check_int_range,
     check_size,
     resolved,
-    suggest,
 )
 from spindle.contracts.stage import BeforeDenoisingStage, InferenceSpec
 from spindle.model_index import component_class
@@ -96,14 +96,7 @@ class WanBeforeDenoisingStage(BeforeDenoisingStage):
     def validate(self, params: SamplingParams) -> None:
         super().validate(params)
         check_size(params, self.h_multiple, self.w_multiple, f"VAE x{self.scale_spatial} x patch")
-        n, k = params.num_frames, self.scale_temporal
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1 or (n - 1) % k:
-            hint = f"; try {suggest(n, k, offset=1)}" if isinstance(n, int) and not isinstance(n, bool) else ""
-            raise RequestError(
-                f"num_frames must be {k}k+1 (1, {k + 1}, {2 * k + 1}, {3 * k + 1}, ...) for this model's VAE "
-                f"(got {n!r}){hint}",
-                field="num_frames",
-            )
+        check_frame_count(params, self.scale_temporal)
         check_int_range("max_sequence_length", params.max_sequence_length, minimum=1)
         self.check_positions(params)
 
