@@ -187,6 +187,21 @@ def test_regional_compile_matches_eager(name, tiny):
     suite.check_compile_matches_eager(get_family(name), tiny(name), cache_case(name))
 
 
+# the families whose condition model declares the longest prompt its pipeline takes (FLUX.2 reads its tokenizer's;
+# Wan I2V's transformer fixes the length: tests/train/test_wan_i2v_train.py)
+TEXT_LIMITED = [f for f in FAMILIES if getattr(get_family(f).condition_model_cls(), "max_text_limit", None)]
+
+
+@pytest.mark.parametrize("name", TEXT_LIMITED)
+def test_a_text_length_past_the_pipelines_limit_is_refused_naming_it(name, tiny):
+    """`model.max_text_length` past what the family's pipeline takes is refused when the condition model is built
+    (before any training), naming the key and the bound."""
+    cls = get_family(name).condition_model_cls()
+    limit = cls.max_text_limit
+    with pytest.raises(ValueError, match=rf"model\.max_text_length must be between 1 and {limit}"):
+        cls.from_pretrained(tiny(name), max_text_length=limit + 1)
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_condition_model_rejects_bad_pixels(name, tiny):
     suite.check_condition_rejects_bad_pixels(get_family(name), tiny(name))

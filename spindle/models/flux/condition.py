@@ -26,6 +26,7 @@ TRAIN_GUIDANCE = 3.5
 class FluxConditionModel(PackedImageConditionModel):
     pipeline_class = "diffusers:FluxPipeline"
     label = "Flux"
+    max_text_limit = 512  # its T5 encoder's
 
     def __init__(
         self,
@@ -37,10 +38,6 @@ class FluxConditionModel(PackedImageConditionModel):
         guidance: float = TRAIN_GUIDANCE,
     ):
         super().__init__(pipe, device, dtype, max_text_length)
-        if not 1 <= max_text_length <= 512:
-            raise ValueError(
-                f"model.max_text_length must be between 1 and 512 for Flux's T5 encoder; got {max_text_length}"
-            )
         vae_cfg = pipe.vae.config
         self.scaling_factor = vae_cfg.scaling_factor
         self.shift_factor = vae_cfg.shift_factor or 0.0

@@ -35,13 +35,11 @@ class Flux2ConditionModel(PackedImageConditionModel):
     guidance: Guidance = EMBEDDED_GUIDANCE
     reference_tokens = REFERENCE_TOKENS  # edit pairs' sources after the target's tokens; the loss on the target's
 
+    def text_length_limit(self, pipe: Any) -> int | None:
+        return int(pipe.tokenizer_max_length)
+
     def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, max_text_length: int = 512):
         super().__init__(pipe, device, dtype, max_text_length)
-        if not 1 <= max_text_length <= pipe.tokenizer_max_length:
-            raise ValueError(
-                f"model.max_text_length must be between 1 and {pipe.tokenizer_max_length} for {self.label}'s text "
-                f"encoder (its pipeline's limit); got {max_text_length}"
-            )
         self.embedded_guidance: float | None = None
 
     @classmethod

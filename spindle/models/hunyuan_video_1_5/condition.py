@@ -32,14 +32,10 @@ def transformer_config(root: str | Path) -> dict[str, Any]:
 class HunyuanVideo15ConditionModel(PipelineConditionModel):
     pipeline_class = "diffusers:HunyuanVideo15Pipeline"
     label = "HunyuanVideo-1.5"
+    max_text_limit = MAX_SEQUENCE_LENGTH  # its pipeline pads every prompt to it
 
     def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, max_text_length: int = 512):
         super().__init__(pipe, device, dtype, max_text_length)
-        if not 1 <= max_text_length <= MAX_SEQUENCE_LENGTH:
-            raise ValueError(
-                f"model.max_text_length must be between 1 and {MAX_SEQUENCE_LENGTH} for HunyuanVideo-1.5's text "
-                f"encoder (its pipeline pads to {MAX_SEQUENCE_LENGTH}); got {max_text_length}"
-            )
         self.scale_temporal = pipe.vae_scale_factor_temporal
         self.scale_spatial = pipe.vae_scale_factor_spatial
         self.image_embed_dim = 0  # the transformer's (read_checkpoint)

@@ -33,13 +33,10 @@ from spindle.ops.flow_matching import flow_matching_pair, sample_sigmas
 class LTX2ConditionModel(PipelineConditionModel):
     pipeline_class = "diffusers:LTX2Pipeline"
     label = "LTX-2"
+    max_text_limit = MAX_SEQUENCE_LENGTH
 
     def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, max_text_length: int = 512):
         super().__init__(pipe, device, dtype, max_text_length)
-        if not 1 <= max_text_length <= MAX_SEQUENCE_LENGTH:
-            raise ValueError(
-                f"model.max_text_length must be between 1 and {MAX_SEQUENCE_LENGTH} for LTX-2; got {max_text_length}"
-            )
         self.audio_channels = 0  # the transformer's audio input width (read_checkpoint)
 
     def read_checkpoint(self, root: Path) -> None:

@@ -46,11 +46,6 @@ class QwenImageConditionModel(PackedImageConditionModel):
 
     def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, max_text_length: int = 512):
         super().__init__(pipe, device, dtype, max_text_length)
-        if not 1 <= max_text_length <= self.max_text_limit:
-            raise ValueError(
-                f"model.max_text_length must be between 1 and {self.max_text_limit} for {self.label}'s text encoder; "
-                f"got {max_text_length}"
-            )
         self.latents_mean, self.latents_std = latent_stats(pipe.vae.config)
 
     @classmethod

@@ -69,14 +69,28 @@ class PipelineConditionModel(ConditionModel):
     """
 
     pipeline_class: str = ""
+    label: str = ""  # the model's name in messages
+    # the longest prompt the pipeline's text encoder takes, in tokens (`text_length_limit`; None: no bound here)
+    max_text_limit: int | None = None
 
     def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, max_text_length: int = 512):
+        limit = self.text_length_limit(pipe)
+        if limit is not None and not 1 <= max_text_length <= limit:
+            raise ValueError(
+                f"model.max_text_length must be between 1 and {limit} for {self.label or type(self).__name__}'s text "
+                f"encoder (its pipeline's limit); got {max_text_length}"
+            )
         self.pipe = pipe
         self.device = device
         self.dtype = dtype
         self.max_text_length = max_text_length
         self.timestep_sampling = TimestepConfig()  # the job's `train.timestep` replaces it (FlowMatchingTask)
         self.num_train_timesteps: int = pipe.scheduler.config.num_train_timesteps
+
+    def text_length_limit(self, pipe: Any) -> int | None:
+        """The bound of `model.max_text_length` (default `max_text_limit`; a family whose pipeline carries it
+        reads it there)."""
+        return self.max_text_limit
 
     @classmethod
     def from_pretrained(

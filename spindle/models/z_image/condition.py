@@ -43,14 +43,7 @@ def captions(padded: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
 class ZImageConditionModel(PipelineConditionModel):
     pipeline_class = "diffusers:ZImagePipeline"
     label = "Z-Image"
-
-    def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, max_text_length: int = 512):
-        super().__init__(pipe, device, dtype, max_text_length)
-        if not 1 <= max_text_length <= MAX_SEQUENCE_LENGTH:
-            raise ValueError(
-                f"model.max_text_length must be between 1 and {MAX_SEQUENCE_LENGTH} for Z-Image's text encoder; "
-                f"got {max_text_length}"
-            )
+    max_text_limit = MAX_SEQUENCE_LENGTH
 
     @classmethod
     def pixel_grid(cls, root: Any) -> PixelGrid:
