@@ -50,7 +50,7 @@ FAMILY = DiTFamily(
         "LTX2Pipeline", "LTX2VideoTransformer3DModel", detect=_looks_like_ltx2, lora_loader="LTX2LoraLoaderMixin"
     ),
     options=OPTIONS,
-    no_sequence_parallel=(
+    sequence_parallel_refused=(
         "diffusers' LTX2VideoTransformer3DModel._cp_plan splits the video tokens only, while the audio stream and "
         "the audio<->video cross attention stay whole on every rank; that layout is not checked equal to one process"
     ),
@@ -70,7 +70,7 @@ FAMILY = DiTFamily(
             # the pipeline's default guidance (CFG 3 / audio 7, STG, modality isolation, rescale) at 64x64, 9 frames
             "defaults": dict(prompt=decl.PROMPT, height=64, width=64, num_frames=9, num_inference_steps=2, seed=3),
         },
-        sequence_parallel=(),  # (FAMILY.no_sequence_parallel says why)
+        sequence_parallel=(),  # (FAMILY.sequence_parallel_refused says why)
         default_params=dict(
             height=512,
             width=768,

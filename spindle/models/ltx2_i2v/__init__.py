@@ -41,7 +41,7 @@ FAMILY = DiTFamily(
     # LTX2VideoTransformer3DModel is ltx2's too: the pipeline class decides (spindle.registry)
     checkpoint=dataclasses.replace(T2V.checkpoint, pipeline="LTX2ImageToVideoPipeline", detect=_looks_like_ltx2_i2v),
     options=OPTIONS,
-    no_sequence_parallel=T2V.no_sequence_parallel,
+    sequence_parallel_refused=T2V.sequence_parallel_refused,
     demo=decl.demo(
         decl.VIDEO_DEMO,
         size=(64, 64),

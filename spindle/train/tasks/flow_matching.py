@@ -106,10 +106,10 @@ class FlowMatchingTask(TrainTask):
 
         build_objective(cfg.train.objective, cfg).check_plan(family, dims)  # what the objective refuses, first
         tcfg = Path(cfg.model.path) / "transformer" / "config.json"
-        if dims.cp_size > 1 and family.no_sequence_parallel:
+        if dims.cp_size > 1 and family.sequence_parallel_refused:
             raise ValueError(
                 f"parallel.sp={dims.sp} x parallel.ring={dims.ring} was requested, but {family.name} has no "
-                f"context-parallel plan Spindle runs: {family.no_sequence_parallel}; set parallel.sp: 1 and "
+                f"context-parallel plan Spindle runs: {family.sequence_parallel_refused}; set parallel.sp: 1 and "
                 "parallel.ring: 1"
             )
         if dims.cp_size > 1 and tcfg.is_file():
