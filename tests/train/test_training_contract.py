@@ -86,7 +86,9 @@ def draws(task, demo, indices: list[int], step: int) -> tuple[torch.Tensor, torc
         batch["images"] = pixels.flip(-1)[:, None, :, 0]
     model = Recorder(task.recorder_channels)
     task.forward(model, batch, step)
-    return model.calls[0]["hidden_states"], model.calls[0]["timestep"].reshape(len(indices), -1)[:, 0]
+    # a per-token timestep holds the sample's sigma on its noised tokens (an image-to-video family's conditioning
+    # frame sits at 0: LTX-2 I2V's, Wan2.2 TI2V's)
+    return model.calls[0]["hidden_states"], model.calls[0]["timestep"].reshape(len(indices), -1).amax(dim=1)
 
 
 def test_samples_of_one_step_draw_different_noise_and_sigmas(family_task):
@@ -110,10 +112,12 @@ def test_draws_do_not_depend_on_micro_batch_or_position(family_task):
     task, demo = family_task
     pair, pair_t = draws(task, demo, [3, 5], step=1)
     swapped, swapped_t = draws(task, demo, [5, 3], step=1)
-    torch.testing.assert_close(swapped[0], pair[1], rtol=0, atol=1e-6)
+    # a wrong draw differs by O(1); 1e-5 leaves room for a VAE's batched encoding of a conditioning frame (LTX-2
+    # I2V: ~1.5e-6 between a batch of two and one)
+    torch.testing.assert_close(swapped[0], pair[1], rtol=0, atol=1e-5)
     torch.testing.assert_close(swapped_t, pair_t.flip(0), rtol=0, atol=0)
     alone, alone_t = draws(task, demo, [5], step=1)
-    torch.testing.assert_close(alone[0], pair[1], rtol=0, atol=1e-6)
+    torch.testing.assert_close(alone[0], pair[1], rtol=0, atol=1e-5)
     assert alone_t[0] == pair_t[1]
 
 
