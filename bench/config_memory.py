@@ -520,7 +520,8 @@ def build_model(family: Any, real: Real, train: dict[str, Any]) -> torch.nn.Modu
             (root / "transformer" / "config.json").write_text(json.dumps(real.config))
             model = transformer_from_config(root, "transformer")
             if train.get("lora") is not None:
-                add_lora(model, LoraConfig(**train["lora"]))
+                with torch.device("meta"):  # the adapters' shapes are all the count needs (no values drawn)
+                    add_lora(model, LoraConfig(**train["lora"]))
         else:
             from transformers import AutoConfig
             from transformers.utils import logging as hf_logging
