@@ -261,6 +261,29 @@ def encode_two_samples(condition: Any, captions: list[str], num_frames: int = 1)
     return batch, condition.encode(batch)
 
 
+def train_video_lora(model: Path, tmp_path: Path) -> Path:
+    """Two LoRA steps of a tiny video family's checkpoint on two 64x64, 9-frame clips, at a learning rate that moves
+    the adapters visibly -> the export's `lora/` folder, checked to hold exactly `pytorch_lora_weights.safetensors`
+    (what the stock pipelines load)."""
+    from spindle.api import train
+    from spindle.data.synthetic import make_shapes_video_dataset
+
+    videos = make_shapes_video_dataset(tmp_path / "videos", num_videos=2, num_frames=9, size=(64, 64))
+    overrides = dict(
+        data__num_frames=9,
+        data__resolution=[64, 64],
+        model__max_text_length=16,
+        train__max_steps=2,
+        train__global_batch_size=2,
+        train__lr=3e-2,  # two steps must move the adapters visibly
+        train__lora="{rank: 4, alpha: 8}",
+    )
+    result = train(load_job_config(None, train_overrides(model, videos, tmp_path / "run", **overrides)))
+    lora_dir: Path = result.export_dir / "lora"
+    assert sorted(p.name for p in lora_dir.glob("*.safetensors")) == ["pytorch_lora_weights.safetensors"]
+    return lora_dir
+
+
 def train_overrides(model: Path, data: Path, output_dir: Path, **train) -> list[str]:
     """Dotted overrides for a short CPU training run on the tiny model (`train__max_steps=3` style keys)."""
     base = {

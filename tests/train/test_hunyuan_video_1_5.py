@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from spindle.api import load_generator, load_job_config, train
+from spindle.api import load_generator
 from spindle.testing import conformance as suite
-from tests.conftest import train_overrides
+from tests.conftest import train_video_lora
 
 NAME = "hunyuan_video_1_5"
 
@@ -21,23 +21,10 @@ NAME = "hunyuan_video_1_5"
 def test_lora_trains_exports_and_loads_in_stock_diffusers(name, tiny_checkpoint, tmp_path):
     from diffusers import DiffusionPipeline
 
-    from spindle.data.synthetic import make_shapes_video_dataset
     from spindle.models.shared.test_images import noise_image
 
     tiny = tiny_checkpoint(name)
-    videos = make_shapes_video_dataset(tmp_path / "videos", num_videos=2, num_frames=9, size=(64, 64))
-    overrides = dict(
-        data__num_frames=9,
-        data__resolution=[64, 64],
-        model__max_text_length=16,
-        train__max_steps=2,
-        train__global_batch_size=2,
-        train__lr=3e-2,  # two steps must move the adapters visibly
-        train__lora="{rank: 4, alpha: 8}",
-    )
-    result = train(load_job_config(None, train_overrides(tiny, videos, tmp_path / "run", **overrides)))
-    lora_dir = result.export_dir / "lora"
-    assert sorted(p.name for p in lora_dir.glob("*.safetensors")) == ["pytorch_lora_weights.safetensors"]
+    lora_dir = train_video_lora(tiny, tmp_path)
     assert 'pipe.transformer.load_lora_adapter("' in (lora_dir / "README.md").read_text()
 
     request = dict(prompt="a red circle", num_frames=9, num_inference_steps=2)
