@@ -381,38 +381,14 @@ def spindle_train(out: Path, nproc: int, overrides: list[str]):
     return spindle_on_ranks(nproc, "train", cfg, *overrides, logs=out.parent / f"{out.name}.log")
 
 
-# A `spindle train` process that SIGKILLs itself as step `SPINDLE_TEST_KILL_AT` begins: no handler, no
-# cleanup, as a node failure or an OOM killer leaves a run.
-_KILLED = """
-import os, signal, sys
-from spindle.train.trainer import Trainer
-original = Trainer.train_step
-def train_step(self):
-    if self.step == int(os.environ["SPINDLE_TEST_KILL_AT"]) - 1:
-        os.kill(os.getpid(), signal.SIGKILL)
-    return original(self)
-Trainer.train_step = train_step
-from spindle.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 def spindle_train_killed(out: Path, overrides: list[str], at_step: int) -> None:
     """`spindle train` (one process, an empty config file next to `out`, the dotted `overrides`) SIGKILLed as
     step `at_step` begins; asserts it died by the signal with steps 1..at_step-1 logged."""
-    import os
-    import subprocess
-    import sys
-
     from spindle.train.metrics import read_metrics
 
     cfg = out.parent / f"{out.name}.yaml"
     cfg.write_text("{}\n")
-    env = {**os.environ, "SPINDLE_TEST_KILL_AT": str(at_step)}
-    proc = subprocess.run(
-        [sys.executable, "-c", _KILLED, "train", str(cfg), *overrides],
-        capture_output=True, text=True, timeout=900, env=env,
-    )  # fmt: skip
+    proc = run_spindle("train", cfg, *overrides, env={"SPINDLE_TEST_KILL_AT": str(at_step)}, timeout=900)
     assert proc.returncode == -9, proc.stderr[-3000:]
     assert [m["step"] for m in read_metrics(out)] == list(range(1, at_step))
 
