@@ -202,6 +202,25 @@ def stock_image_scores(model, processor, lines, folder, completion: str) -> torc
     return torch.stack(scores)
 
 
+def stock_image_reward_step(path, lines, folder):
+    """Stock transformers' first reward step on image pairs: the family's ForSequenceClassification loaded from
+    `path` with Spindle's initial head, in training mode (as Spindle's first step runs), the Bradley-Terry loss of
+    its scores (`stock_image_scores`) backpropagated. -> (the model, its processor, the loss, the accuracy)."""
+    from spindle.testing.vlm_conformance import stock_processor
+
+    processor = stock_processor(path)
+    stock = AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    ScoreHead(SEED).init(stock)
+    stock.train()
+    chosen = stock_image_scores(stock, processor, lines, folder, "chosen")
+    rejected = stock_image_scores(stock, processor, lines, folder, "rejected")
+    loss = -torch.nn.functional.logsigmoid(chosen - rejected).mean()
+    loss.backward()
+    return stock, processor, loss.item(), (chosen > rejected).float().mean().item()
+
+
 @pytest.mark.parametrize("family", ["gemma3_vl", "qwen3_5"])
 def test_an_image_reward_step_equals_stock_transformers_and_the_export_scores_alike(
     family, tiny_checkpoint, image_pairs, tmp_path
@@ -212,7 +231,7 @@ def test_an_image_reward_step_equals_stock_transformers_and_the_export_scores_al
     class loaded from the same folder with the same head, run on what the stock processor makes of each
     prompt-and-completion conversation (TRL's RewardTrainer takes no images). The export is the family's
     classification folder that stock transformers loads with every tensor and scores as the trained model does."""
-    from spindle.testing.vlm_conformance import grad_norm, stock_processor
+    from spindle.testing.vlm_conformance import grad_norm
 
     data, lines = image_pairs
     path = tiny_checkpoint(family)
@@ -221,19 +240,10 @@ def test_an_image_reward_step_equals_stock_transformers_and_the_export_scores_al
     metrics = read_metrics(tmp_path / "run")
     assert metrics[1]["loss"] < metrics[0]["loss"]  # it trains
 
-    processor = stock_processor(path)
-    stock = AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=1, dtype=torch.float32, attn_implementation="sdpa"
-    )
-    ScoreHead(SEED).init(stock)
-    stock.train()  # as Spindle's first step runs
-    chosen = stock_image_scores(stock, processor, lines, data.parent, "chosen")
-    rejected = stock_image_scores(stock, processor, lines, data.parent, "rejected")
-    loss = -torch.nn.functional.logsigmoid(chosen - rejected).mean()
-    loss.backward()
-    assert metrics[0]["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    stock, processor, loss, accuracy = stock_image_reward_step(path, lines, data.parent)
+    assert metrics[0]["loss"] == pytest.approx(loss, rel=1e-5)
     assert metrics[0]["grad_norm"] == pytest.approx(grad_norm(stock), rel=1e-4)
-    assert metrics[0]["accuracy"] == pytest.approx((chosen > rejected).float().mean().item())
+    assert metrics[0]["accuracy"] == pytest.approx(accuracy)
 
     export = tmp_path / "run" / "export"
     config = json.loads((export / "config.json").read_text())
@@ -249,6 +259,39 @@ def test_an_image_reward_step_equals_stock_transformers_and_the_export_scores_al
         before = stock_image_scores(stock.eval(), processor, lines, data.parent, "chosen")
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-6)
     assert (theirs - before).abs().max() > 1e-4  # the trained head and model, not the starting ones
+
+
+def test_an_image_reward_lora_exports_a_peft_classification_adapter_and_a_merged_folder(
+    tiny_checkpoint, image_pairs, tmp_path
+):
+    """`train.lora` on Gemma 3's reward model: the language model's adapters (B = 0 at the start, so step 1 is the
+    stock full-model step 1) and the fresh score head train. `lora/` is a PEFT SEQ_CLS adapter (head in
+    modules_to_save) that stock `PeftModel.from_pretrained` puts on the family's ForSequenceClassification, `merged/`
+    a standalone classification folder: both score the image conversations alike, and unlike the untrained model."""
+    from peft import PeftModel
+
+    data, lines = image_pairs
+    path = tiny_checkpoint("gemma3_vl")
+    values = reward_overrides(len(lines), train__max_steps=2, train__lr=1e-2, data__seq_len=VLM_SEQ)
+    lm_train(path, data, tmp_path / "run", **values, train__lora={"rank": 4}, export__merge_lora=True)
+    metrics = read_metrics(tmp_path / "run")
+    base, processor, loss, _ = stock_image_reward_step(path, lines, data.parent)
+    assert metrics[0]["loss"] == pytest.approx(loss, rel=1e-5)
+    assert metrics[1]["loss"] < metrics[0]["loss"]
+    export = tmp_path / "run" / "export"
+    adapter = json.loads((export / "lora" / "adapter_config.json").read_text())
+    assert adapter["task_type"] == "SEQ_CLS" and adapter["modules_to_save"] == ["score"]
+    merged, info = AutoModelForSequenceClassification.from_pretrained(
+        export / "merged", dtype=torch.float32, output_loading_info=True
+    )
+    assert not any(info.values()), info
+    with torch.no_grad():
+        untrained = stock_image_scores(base.eval(), processor, lines, data.parent, "chosen")
+        peft = PeftModel.from_pretrained(base, export / "lora").eval()
+        via_peft = stock_image_scores(peft, processor, lines, data.parent, "chosen")
+        via_merged = stock_image_scores(merged.eval(), processor, lines, data.parent, "chosen")
+    torch.testing.assert_close(via_peft, via_merged, rtol=1e-5, atol=1e-5)
+    assert (via_merged - untrained).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize(
