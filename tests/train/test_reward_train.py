@@ -19,7 +19,7 @@ from spindle.train.metrics import read_metrics
 from spindle.train.objectives.reward import ScoreHead
 from tests.conftest import lm_overrides, lm_train
 from tests.train.test_preference_trl_parity import LINES, SEQ_LEN, grad_norm
-from tests.train.test_vlm_dpo import image_pairs  # noqa: F401  (a fixture: 4 pairs with an image in each prompt)
+from tests.train.test_vlm_dpo import write_image_pairs
 
 SEED = 7
 PAIRS = [{**line, "margin": 0.5 * i} for i, line in enumerate(LINES["standard"])]
@@ -186,6 +186,12 @@ def test_expert_parallel_equals_one_process(tiny_checkpoint, tmp_path):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
 
 
+@pytest.fixture(scope="module")
+def image_pairs(tmp_path_factory):
+    """4 preference pairs with an image in each prompt (DPO's VLM pairs): (pairs.jsonl, its lines)."""
+    return write_image_pairs(tmp_path_factory.mktemp("image_pairs"))
+
+
 def stock_image_scores(model, processor, lines, folder, completion: str) -> torch.Tensor:
     """Each line's score of its prompt-and-`completion` conversation ("chosen" / "rejected") under the stock
     sequence-classification `model`: what the stock processor makes of the conversation and its image (input ids,
@@ -292,6 +298,35 @@ def test_an_image_reward_lora_exports_a_peft_classification_adapter_and_a_merged
         via_merged = stock_image_scores(merged.eval(), processor, lines, data.parent, "chosen")
     torch.testing.assert_close(via_peft, via_merged, rtol=1e-5, atol=1e-5)
     assert (via_merged - untrained).abs().max() > 1e-3
+
+
+@pytest.mark.slow
+def test_an_image_reward_model_on_two_data_parallel_processes_equals_one_process(
+    tiny_checkpoint, image_pairs, tmp_path
+):
+    """Gemma 3 image pairs on dp_shard=2 (each rank its half of the pairs, the vision tower and the score head
+    sharded): one process's losses, grad norms and accuracies over 2 steps, and the same exported scores."""
+    from spindle.testing.vlm_conformance import stock_processor
+    from tests.conftest import lm_train_cli
+
+    data, lines = image_pairs
+    path = tiny_checkpoint("gemma3_vl")
+    values = reward_overrides(4, train__micro_batch_size=2, train__max_steps=2, train__adam_eps=1e-4,
+                              data__seq_len=VLM_SEQ)  # fmt: skip
+    lm_train(path, data, tmp_path / "one", **values)
+    lm_train_cli(path, data, tmp_path / "dp2", 2, parallel__dp_shard=2, **values)
+    for a, b in zip(read_metrics(tmp_path / "one"), read_metrics(tmp_path / "dp2"), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        assert b["accuracy"] == pytest.approx(a["accuracy"])
+    processor = stock_processor(path)
+
+    def scores(run):
+        model = AutoModelForSequenceClassification.from_pretrained(tmp_path / run / "export", dtype=torch.float32)
+        with torch.no_grad():
+            return stock_image_scores(model.eval(), processor, lines, data.parent, "chosen")
+
+    torch.testing.assert_close(scores("dp2"), scores("one"), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(
