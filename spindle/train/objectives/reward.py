@@ -117,9 +117,12 @@ class Reward(Objective):
     preference pairs (`reward:` settings), as `trl.RewardTrainer` trains one.
 
     Model: the task builds its `ScoreHead` model (the family's ForSequenceClassification, num_labels 1) from the
-    causal-LM checkpoint. Data: `data.path` holds preference lines in TRL's formats (`spindle.data.preference.
-    reward_pairs`: whole prompt + completion sequences, a pair longer than `data.seq_len` dropped), optionally a
-    "margin" column; batched B chosen then B rejected rows, right-padded. Each row's score is the head's output at
+    causal-LM checkpoint (a vision-language family's: from its ForConditionalGeneration checkpoint, where
+    transformers defines such a class for its model_type, `classification_refused`). Data: `data.path` holds
+    preference lines in TRL's formats (`spindle.data.preference.reward_pairs`: whole prompt + completion sequences,
+    a pair longer than `data.seq_len` dropped; a VLM's prompts may carry images, `task.preference_inputs`),
+    optionally a "margin" column; batched B chosen then B rejected rows, right-padded, scored with the task's
+    `scoring_inputs` (the attention mask; a VLM's positions and media inputs). Each row's score is the head's output at
     its last token that is not padding (transformers' own pooling, the one the exported folder scores with). The
     loss unit is the pair: the trainer divides the summed pair losses by the global batch's pairs."""
 
@@ -141,7 +144,7 @@ class Reward(Objective):
             raise ConfigError(
                 f"train.objective=reward: {family.name} ({family.kind}) models get no reward model: {why}; reward "
                 "models train on text causal-LM families and on the vision-language families with a transformers "
-                "ForSequenceClassification (gemma3_vl, qwen3_5)"
+                "ForSequenceClassification (e.g. gemma3_vl, qwen3_5)"
             )
         if family.kind == "vlm" and dims.sp > 1:
             raise ConfigError(
