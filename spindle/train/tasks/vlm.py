@@ -475,6 +475,24 @@ class VLMTask(CausalLMTask):
             self._image_token_id = int(self.model_config().image_token_id)
         return {"token_type_ids": (input_ids == self._image_token_id).long()}
 
+    def media_inputs(self, batch: dict[str, torch.Tensor], input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The media inputs of `batch` (on the device) and the mask inputs of its `input_ids` (`mask_inputs`) for
+        the model's next forward, whose tower hooks are set for the kinds they hold (the dummies of the data's
+        other kinds)."""
+        vision = {k: batch[k].to(self.device) for k in self.input_keys if k in batch}
+        vision.update(self.mask_inputs(input_ids))
+        assert self.vision_step is not None, "build_model installs the vision hook"
+        present = {k for k, key in KIND_INPUT.items() if key in vision}
+        self.vision_step.start(present, self.dataset_kinds, input_ids)
+        return vision
+
+    def scoring_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The text rows' (the attention mask), each row's positions (the family's multimodal RoPE where it has
+        one) and the rows' media inputs (`media_inputs`)."""
+        ids = batch["input_ids"].to(self.device)
+        position_ids = batch["position_ids"].to(self.device)
+        return {**super().scoring_inputs(batch), "position_ids": position_ids, **self.media_inputs(batch, ids)}
+
     def run_rows(
         self, model: torch.nn.Module, batch: dict[str, torch.Tensor], log_probs: bool = False, **model_kwargs: Any
     ) -> RowsRun:
@@ -483,8 +501,7 @@ class VLMTask(CausalLMTask):
         ids = batch["input_ids"]
         keys = ("input_ids", "position_ids", "shift_labels", PADDING_MASK_KEY)
         rows = {k: batch[k].to(self.device) for k in keys if k in batch}
-        vision = {k: batch[k].to(self.device) for k in self.input_keys if k in batch}
-        vision.update(self.mask_inputs(rows["input_ids"]))
+        vision = self.media_inputs(batch, rows["input_ids"])
         if self.mesh.dims.sp > 1:
             # Labels (and the padding mask of task hooks) are cut here; input ids and positions stay whole (the
             # model fills the vision embeddings into the full sequence) and the language-model hook cuts
@@ -494,9 +511,6 @@ class VLMTask(CausalLMTask):
             for key in ("shift_labels", PADDING_MASK_KEY):
                 if key in rows:
                     rows[key] = rows[key][:, start : start + chunk].contiguous()
-        assert self.vision_step is not None, "build_model installs the vision hook"
-        present = {k for k, key in KIND_INPUT.items() if key in vision}
-        self.vision_step.start(present, self.dataset_kinds, rows["input_ids"])
         with self._autocast():
             if log_probs:
                 kwargs: dict[str, Any] = {**vision, **self.model_kwargs(rows), **model_kwargs}
