@@ -499,7 +499,8 @@ class VLMFamily(CausalLMFamily):
     # timestamp written into the text: spindle.data.video_timestamps); False: as Qwen2-VL's
     video_timestamps: bool = False
     # True: the model's forward takes `token_type_ids` (1 on image tokens), from which it builds its attention mask
-    # (Gemma 3: an image's tokens attend to each other both ways); the task passes them from the input ids
+    # (Gemma 3: an image's tokens attend to each other both ways); the task passes them from the input ids, and
+    # builds the blocks' masks itself for packed rows and under Ulysses SP (spindle/train/tasks/vlm.py mask_inputs)
     token_type_ids: bool = False
     # the other videos' seconds per temporal grid step (mrope time), as the family's stock processor computes it:
     # "sampled_fps": temporal patch / the clip's sampled frame rate (Qwen2_5_VLProcessor); "fps": / data.fps

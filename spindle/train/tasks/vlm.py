@@ -38,6 +38,7 @@ from spindle.config import CausalLMJobConfig, ConfigError, VLMJobConfig
 from spindle.contracts.family import CausalLMFamily, VLMFamily, import_object
 from spindle.contracts.parallel import ParallelPlan
 from spindle.distributed.mesh import is_main_process
+from spindle.ops.varlen_attention import document_ids
 from spindle.train.lora import is_lora_name
 from spindle.train.parts.experts import PADDING_MASK_KEY
 from spindle.train.tasks.base import resumable_loader
@@ -223,6 +224,7 @@ class VLMTask(CausalLMTask):
         self.vision_step: VisionStep | None = None
         self.dataset_kinds: set[str] = set()
         self._image_token_id: int | None = None  # read from the config at the first `mask_inputs`
+        self._text_config: Any = None  # the decoder's config, read at the first packed `mask_inputs`
 
     @classmethod
     def check_plan(cls, cfg: CausalLMJobConfig, family: CausalLMFamily, dims: ParallelDims) -> None:
@@ -465,15 +467,39 @@ class VLMTask(CausalLMTask):
 
     # ------------------------------------------------------------ step
 
-    def mask_inputs(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """What the model's attention mask reads besides positions: `token_type_ids` (1 on image tokens) where the
-        family's model builds its mask from them (`VLMFamily.token_type_ids`: Gemma 3's bidirectional image
-        attention); {} otherwise."""
+    def mask_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> dict[str, Any]:
+        """What the model's attention mask reads besides positions where the family's model builds its mask from
+        `token_type_ids` (1 on image tokens; `VLMFamily.token_type_ids`: Gemma 3's image soft tokens attend to
+        each other both ways); {} otherwise. With the rows' whole `position_ids` (a training forward), also:
+
+        - under Ulysses SP, the full rows' image blocks (`ulysses_attention.BLOCKS_KWARG`), which the model's
+          attention reads on every rank (the model builds no mask under SP);
+        - rows of packed documents, the decoder's masks built here (spindle.ops.packed_block_masks: transformers'
+          own sliding-window mask of a packed row looks the blocks up by in-document position)."""
         if not self.family.token_type_ids:
             return {}
+        from spindle.ops.windowed_attention import block_ids
+
         if self._image_token_id is None:
             self._image_token_id = int(self.model_config().image_token_id)
-        return {"token_type_ids": (input_ids == self._image_token_id).long()}
+        token_types = (input_ids == self._image_token_id).long()
+        out: dict[str, Any] = {"token_type_ids": token_types}
+        if position_ids is None:
+            return out
+        blocks = block_ids(token_types == 1)
+        if self.mesh.dims.sp > 1:
+            from spindle.distributed.ulysses_attention import BLOCKS_KWARG
+
+            if blocks is not None:
+                out[BLOCKS_KWARG] = blocks
+        elif document_ids(position_ids) is not None:
+            from spindle.ops.packed_block_masks import packed_block_masks
+
+            if self._text_config is None:
+                self._text_config = self.model_config().get_text_config()
+            implementation = self.attention(self.cfg, self.precision, self.family)
+            out["attention_mask"] = packed_block_masks(self._text_config, implementation, position_ids, blocks)
+        return out
 
     def run_rows(
         self, model: torch.nn.Module, batch: dict[str, torch.Tensor], log_probs: bool = False, **model_kwargs: Any
@@ -484,7 +510,7 @@ class VLMTask(CausalLMTask):
         keys = ("input_ids", "position_ids", "shift_labels", PADDING_MASK_KEY)
         rows = {k: batch[k].to(self.device) for k in keys if k in batch}
         vision = {k: batch[k].to(self.device) for k in self.input_keys if k in batch}
-        vision.update(self.mask_inputs(rows["input_ids"]))
+        vision.update(self.mask_inputs(rows["input_ids"], rows.get("position_ids")))
         if self.mesh.dims.sp > 1:
             # Labels (and the padding mask of task hooks) are cut here; input ids and positions stay whole (the
             # model fills the vision embeddings into the full sequence) and the language-model hook cuts
