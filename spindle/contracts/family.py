@@ -488,6 +488,10 @@ class VLMFamily(CausalLMFamily):
     # the order in which the model's forward runs its towers, by input kind (the dummy forwards keep it)
     tower_order: tuple[str, ...] = ("image", "video")
     language_model: str = "model.language_model"  # the decoder stack (where Ulysses SP splits the sequence)
+    # Under Ulysses SP, True: the vision tower's blocks run on each rank's chunk of the patches (a Qwen-VL tower:
+    # spindle/distributed/vision_sequence_parallel.py); False: every SP rank runs the whole tower (Gemma 3's
+    # SigLIP, a fixed 256 patches an image, no `blocks`/`merger`), each back-propagating its own chunk's loss
+    vision_sequence_parallel: bool = True
     parts: dict[str, tuple[str, ...]] = field(
         default_factory=lambda: {
             "vision": ("model.visual.",),

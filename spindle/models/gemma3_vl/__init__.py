@@ -14,7 +14,8 @@ What differs from the Qwen-VL families, and where it lives:
   by in-document position; each document's mask is its unpacked one.
 - Ulysses SP: the task passes the full rows' image blocks with the forward (ulysses_attention.BLOCKS_KWARG), and
   every layer runs spindle.ops.windowed_attention over the whole sequence of the rank's heads (window, documents
-  and blocks), so a block cut by the sequence split still attends both ways.
+  and blocks), so a block cut by the sequence split still attends both ways. The SigLIP tower runs whole on every
+  SP rank (`vision_sequence_parallel=False`): fixed-size images, 256 patches each on the released models.
 - The dummy vision forward of a text-only micro-batch (vision.py) runs the SigLIP tower and the projector on one
   blank image.
 """
@@ -35,5 +36,7 @@ FAMILY = VLMFamily(
         "language": ("model.language_model.", "lm_head."),
     },
     token_type_ids=True,
+    # under Ulysses SP every rank runs the whole SigLIP tower (fixed-size images; not a Qwen-VL tower)
+    vision_sequence_parallel=False,
     conformance=CausalLMConformanceSpec(parallel=("dp_shard2", "sp2")),
 )

@@ -20,7 +20,9 @@ loss, export) with what vision adds:
   documents, before the split) are cut to this rank's chunk, and the language model runs on the chunk.
   The vision tower's blocks run on this rank's chunk of the patches too (attention: an all-to-all over its
   heads), gathered before the mergers (spindle/distributed/vision_sequence_parallel.py), so its merged output
-  is whole on every rank.
+  is whole on every rank (a family without, `VLMFamily.vision_sequence_parallel` False: the whole tower on every
+  rank). A family whose image tokens attend both ways (Gemma 3) gets the full rows' blocks to its attention
+  (`mask_inputs`).
 - Export: the causal-LM transformers folder plus the image processor's preprocessor_config.json; the
   tokenizer carries the chat template. `AutoModelForImageTextToText.from_pretrained` loads it.
 """
@@ -301,7 +303,7 @@ class VLMTask(CausalLMTask):
             if self.family.part_of(name) in frozen and not is_lora_name(name):
                 param.requires_grad_(False)
         vision = module_at(model, self.family.vision_tower)
-        if self.mesh.dims.sp > 1:  # the tower's blocks on this rank's chunk of the patches
+        if self.mesh.dims.sp > 1 and self.family.vision_sequence_parallel:  # its blocks on this rank's patches
             from spindle.distributed.vision_sequence_parallel import enable_vision_sequence_parallel
 
             enable_vision_sequence_parallel(vision, self.mesh.sp.get_group(), self.mesh.sp_rank, self.mesh.dims.sp)
