@@ -162,8 +162,8 @@ def test_sequence_parallel_with_an_image_block_cut_by_the_split_equals_one_proce
 
 def test_cli_tiny_model_trains_with_default_flags_and_the_export_loads(vlm_conversations, tmp_path, spindle_cli):
     """`spindle tiny-model gemma3_vl` then `spindle train` with only the model, the data, the output folder and
-    a step count: the family is detected from config.json, conversations are one per row (packing resolved off),
-    and the export loads in stock AutoModelForImageTextToText."""
+    a step count: the family is detected from config.json, conversations are packed (packing resolved on: each
+    document's image blocks keep their own mask), and the export loads in stock AutoModelForImageTextToText."""
     from transformers import AutoModelForImageTextToText
 
     model = tmp_path / "tiny"
@@ -174,8 +174,8 @@ def test_cli_tiny_model_trains_with_default_flags_and_the_export_loads(vlm_conve
     args = [f"model.path={model}", f"data.path={vlm_conversations}", f"train.output_dir={out}", "train.max_steps=2"]
     r = spindle_cli("train", cfg, *args)
     assert r.returncode == 0, r.stderr
-    assert "run: gemma3_vl (vlm task)" in r.stdout and "data: documents 8, rows 8," in r.stdout  # one per row
-    assert json.loads((out / "run.json").read_text())["identity"]["data.packing"] is False  # recorded as resolved
+    assert "run: gemma3_vl (vlm task)" in r.stdout and "data: documents 8, rows 1," in r.stdout  # packed
+    assert json.loads((out / "run.json").read_text())["identity"]["data.packing"] is True  # recorded as resolved
     exported = AutoModelForImageTextToText.from_pretrained(out / "export")
     assert type(exported).__name__ == "Gemma3ForConditionalGeneration"
 
