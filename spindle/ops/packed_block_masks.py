@@ -50,6 +50,11 @@ def packed_block_masks(
     documents = find_packed_sequence_indices(position_ids)
     if documents is not None:
         allowed = and_masks(allowed, packed_sequence_mask_function(documents))
+    if attn_implementation not in ALL_MASK_ATTENTION_FUNCTIONS:
+        raise ValueError(
+            f"model.attn_implementation resolved to {attn_implementation!r}, which takes no attention mask; packed rows "
+            "with bidirectional image blocks need one: set model.attn_implementation: sdpa (or auto)"
+        )
     make = ALL_MASK_ATTENTION_FUNCTIONS[attn_implementation]
 
     def build(mask_function: Any) -> Any:

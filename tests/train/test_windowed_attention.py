@@ -247,3 +247,12 @@ def test_packed_block_masks_are_each_documents_own_mask(layer):
     assert torch.equal(mask, want)
     stock = gemma3_masks(types, WINDOW, positions(True))[layer]
     assert torch.equal(stock, want) == (layer == "full_attention")
+
+
+def test_packed_block_masks_name_an_attention_that_takes_no_mask():
+    from transformers import Gemma3TextConfig
+
+    from spindle.ops.packed_block_masks import packed_block_masks
+
+    with pytest.raises(ValueError, match=r"model\.attn_implementation resolved to 'spindle_varlen'.*set model"):
+        packed_block_masks(Gemma3TextConfig(), "spindle_varlen", positions(True), block_ids(token_types() == 1))
