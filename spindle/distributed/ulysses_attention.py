@@ -18,8 +18,9 @@ the sinks (the heads it holds after the all-to-all). So does every layer of a fo
 (`BLOCKS_KWARG`: the full row's span ids, spindle.ops.windowed_attention.block_ids, e.g. Gemma 3's image soft
 tokens from its token_type_ids): the model's own mask would OR them with the causal one, but a model under Ulysses
 builds none, so the caller passes the whole row's ids with the forward (transformers hands a model's extra keyword
-arguments down to each attention call) and the kernel attends causal OR same block, windowed per layer. Gated DeltaNet linear-attention layers split their heads
-the same way (spindle/distributed/ulysses_linear_attention.py, reached through the family's patched modeling).
+arguments down to each attention call) and the kernel attends causal OR same block, windowed per layer. Gated
+DeltaNet linear-attention layers split their heads the same way (spindle/distributed/ulysses_linear_attention.py,
+reached through the family's patched modeling).
 
 The all-to-all is an autograd function whose backward is the same all-to-all (with equal splits
 the exchange is its own transpose), so gradients flow back to the rank that owns each token.

@@ -226,7 +226,7 @@ class VLMTask(CausalLMTask):
         self.vision_step: VisionStep | None = None
         self.dataset_kinds: set[str] = set()
         self._image_token_id: int | None = None  # read from the config at the first `mask_inputs`
-        self._text_config: Any = None  # the decoder's config, read at the first packed `mask_inputs`
+        self._text_config: Any = None  # the decoder's config and attention, read at the first packed `mask_inputs`
 
     @classmethod
     def check_plan(cls, cfg: CausalLMJobConfig, family: CausalLMFamily, dims: ParallelDims) -> None:
@@ -499,8 +499,9 @@ class VLMTask(CausalLMTask):
 
             if self._text_config is None:
                 self._text_config = self.model_config().get_text_config()
-            implementation = self.attention(self.cfg, self.precision, self.family)
-            out["attention_mask"] = packed_block_masks(self._text_config, implementation, position_ids, blocks)
+                self._text_config._attn_implementation = self.attention(self.cfg, self.precision, self.family)
+            config = self._text_config
+            out["attention_mask"] = packed_block_masks(config, config._attn_implementation, position_ids, blocks)
         return out
 
     def run_rows(
