@@ -263,10 +263,12 @@ def encode_two_samples(condition: Any, captions: list[str], num_frames: int = 1)
 
 def train_video_lora(model: Path, tmp_path: Path) -> Path:
     """Two LoRA steps of a tiny video family's checkpoint on two 64x64, 9-frame clips, at a learning rate that moves
-    the adapters visibly -> the export's `lora/` folder, checked to hold exactly `pytorch_lora_weights.safetensors`
-    (what the stock pipelines load)."""
+    the adapters visibly -> the export's `lora/` folder, checked to hold `pytorch_lora_weights.safetensors` (what the
+    stock pipelines load) and, where the family has an original layout (`lora_original`), that file
+    (`original_layout_lora.safetensors`)."""
     from spindle.api import train
     from spindle.data.synthetic import make_shapes_video_dataset
+    from spindle.registry import family_of
 
     videos = make_shapes_video_dataset(tmp_path / "videos", num_videos=2, num_frames=9, size=(64, 64))
     overrides = dict(
@@ -280,7 +282,9 @@ def train_video_lora(model: Path, tmp_path: Path) -> Path:
     )
     result = train(load_job_config(None, train_overrides(model, videos, tmp_path / "run", **overrides)))
     lora_dir: Path = result.export_dir / "lora"
-    assert sorted(p.name for p in lora_dir.glob("*.safetensors")) == ["pytorch_lora_weights.safetensors"]
+    files = ["pytorch_lora_weights.safetensors"]
+    files += ["original_layout_lora.safetensors"] if family_of(model).lora_original else []
+    assert sorted(p.name for p in lora_dir.glob("*.safetensors")) == sorted(files)
     return lora_dir
 
 
