@@ -19,6 +19,15 @@ def letter_a(completions, **kwargs):
     return [c.count("a") / max(len(c), 1) for c in completions]
 
 
+def letter_a_logged(completions, **kwargs):
+    """letter_a, each call logged as "PID COUNT" next to this file (who scored how many completions)."""
+    import os, pathlib
+
+    with open(pathlib.Path(__file__).with_name("calls.log"), "a") as log:
+        log.write(f"{os.getpid()} {len(completions)}\\n")
+    return letter_a(completions)
+
+
 def needs_topic(prompts, completions, topic, **kwargs):
     """Uses an extra column of the prompt lines (passed by name)."""
     return [float(t in c) for c, t in zip(completions, topic)]
@@ -120,21 +129,49 @@ def test_two_processes_draw_the_rollouts_of_one(tiny_qwen3, grpo_data, tmp_path)
     process does; under Ulysses sp=2 both ranks sample the same completions whole (SP paused for generation) and
     the update splits each row over them, the normalisers (loss_type grpo: each completion's token count) and the
     clip ratios counted over the whole rows. Rewards, losses, grad norms and clip ratios 1e-5 relative over 4 steps
-    (two cycles of num_iterations=2 with a tight epsilon, so the second step of each clips)."""
+    (two cycles of num_iterations=2 with a tight epsilon, so the second step of each clips). Each completion is
+    scored once: by the rank that drew it (dp_shard=2: two scorers) or by the first rank of its SP group (sp=2: one
+    scorer, not two; an HTTP or paid scorer counts each completion once)."""
     prompts, rewards = grpo_data
-    values = grpo_values(rewards, "letter_a", train__max_steps=4, train__micro_batch_size=2, train__adam_eps=1e-4)
+    values = grpo_values(rewards, "letter_a_logged", train__max_steps=4, train__micro_batch_size=2)
     values.update(checkpoint__export=False, grpo__loss_type="grpo", grpo__epsilon=0.02, grpo__num_iterations=2)
-    values["checkpoint__every_steps"] = 2
+    values.update(checkpoint__every_steps=2, train__adam_eps=1e-4)
+    calls = rewards.with_name("calls.log")
+
+    def scorers() -> tuple[int, int]:
+        """(how many processes scored, how many completions they scored) since the last call."""
+        lines = [line.split() for line in calls.read_text().splitlines()]
+        calls.unlink()
+        return len({pid for pid, _ in lines}), sum(int(n) for _, n in lines)
+
     one = train(tiny_qwen3, prompts, tmp_path / "one", **values)
     assert one.returncode == 0, one.stderr[-2000:]
+    scored = 4 * 8 * 2  # 4 prompts a step x 8 generations x 2 rollouts (num_iterations=2 over 4 steps)
+    assert scorers() == (1, scored)
     layouts = {"dp_shard2": {"parallel__dp_shard": 2}, "sp2": {"parallel__sp": 2}}
     for name, layout in layouts.items():
         lm_train_cli(tiny_qwen3, prompts, tmp_path / name, 2, **layout, **values)
+        assert scorers() == (2 if name == "dp_shard2" else 1, scored), name
     assert any(m["clip_ratio/region_mean"] > 0 for m in read_metrics(tmp_path / "one"))  # the counts are compared
     for name in layouts:
         for a, b in zip(read_metrics(tmp_path / "one"), read_metrics(tmp_path / name), strict=True):
             for key in ("reward_mean", "loss", "grad_norm", "clip_ratio/region_mean", "completion_length"):
                 assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (name, key)
+
+
+@pytest.mark.slow
+def test_a_reward_that_raises_under_sequence_parallelism_stops_every_rank_naming_it(tiny_qwen3, grpo_data, tmp_path):
+    """Under sp=2 the SP group's first rank scores; what it raises reaches its peer, so both ranks stop with the
+    reward's own error (none waits forever on a collective) and the last checkpoint stays intact."""
+    prompts, rewards = grpo_data
+    values = grpo_values(rewards, "breaks_on_step", train__max_steps=5, checkpoint__every_steps=1, parallel__sp=2)
+    with pytest.raises(AssertionError) as failed:
+        lm_train_cli(tiny_qwen3, prompts, tmp_path / "run", 2, **values)
+    for rank in (0, 1):
+        stderr = str(failed.value).split(f"--- rank {rank} stderr ---")[1].split("--- rank")[0]
+        assert "breaks_on_step" in stderr and "the scorer lost its database" in stderr, (rank, stderr)
+    saved = list_checkpoints(tmp_path / "run")
+    assert saved and saved[-1].name.endswith("2") and verify_checkpoint(saved[-1]) == []
 
 
 def test_demo_grpo_learns_the_verifiable_reward_it_writes(tmp_path):

@@ -100,7 +100,7 @@ def test_step_one_equals_trl_and_the_export_scores_in_stock_transformers(tiny_qw
     assert scorer(completions, prompts, {}) == pytest.approx(theirs.tolist(), rel=1e-5, abs=1e-6)
     # a prompt with an image: the folder's tokenizer would score its text alone; refused naming what to use instead
     image_prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it?"}]}]
-    with pytest.raises(ValueError, match="scores text only, and this prompt carries image parts; .* reward function"):
+    with pytest.raises(ValueError, match=r"scores text only, and this prompt carries image parts; .* reward function"):
         scorer([[{"role": "assistant", "content": "a cat"}]], [image_prompt], {})
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text("".join(json.dumps({"prompt": line["prompt"]}) + "\n" for line in PAIRS))

@@ -294,6 +294,29 @@ class GRPO(Objective):
             self._write_samples(task, out, step)
         return out
 
+    def _scored_once(self, task: Any, completions: list[Any], prompts: list[Any], columns: dict[str, Any]) -> Any:
+        """The rewards of a batch's completions. Under Ulysses SP the ranks of an SP group hold the same prompts and
+        completions: its first rank scores them and the group receives its scores, so a reward function, a reward-
+        model folder or an HTTP scorer sees each completion once (not sp times; a stateful or paid scorer counts
+        right). What the scoring raised is raised on every rank of the group, so none waits on a peer that
+        stopped."""
+        if task.mesh.dims.sp == 1:
+            return self.reward_set()(completions, prompts, columns)
+        import torch.distributed as dist
+
+        group = task.mesh.sp.get_group()
+        box: list[Any] = [None]
+        if task.mesh.sp_rank == 0:
+            try:
+                box[0] = (True, self.reward_set()(completions, prompts, columns))
+            except Exception as e:  # noqa: BLE001 -- handed to the peers, then raised here as on every rank
+                box[0] = (False, e)
+        dist.broadcast_object_list(box, group=group, group_src=0)
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
     def _score(self, task: Any, examples: list[Any], groups: list[Any], pad: int, generated_s: float) -> dict[str, Any]:
         import time
 
@@ -313,7 +336,7 @@ class GRPO(Objective):
                 rows.append((example.prompt_ids, ids, example.media))
                 for key, value in example.columns.items():
                     columns.setdefault(key, []).append(value)
-        scores = self.reward_set()(completions, prompts, columns)
+        scores = self._scored_once(task, completions, prompts, columns)
         per_function = torch.stack([scores.per_reward[n] for n in self.rewards.names], dim=1)
         weights = torch.tensor([r.weight for r in self.rewards.rewards], dtype=torch.float32)
         adv = group_advantages(per_function, g, weights, s.scale_rewards)
