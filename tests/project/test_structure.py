@@ -2,7 +2,8 @@
 function-level imports (TYPE_CHECKING blocks included) all count.
 
 - no import cycle;
-- production code never imports `spindle.testing`;
+- production code never imports `spindle.testing`, nor a family's conformance spec (`spindle/models/<family>/
+  conformance.py`, `spindle/models/shared/conformance.py`: test data the suites find by family name);
 - `spindle.contracts` imports nothing of Spindle outside itself (the leaf every layer may import);
 - the engines (`infer/`, `train/`, `distributed/`, `serve/`) never import the registry or a family
   module: entry points resolve the family and pass it in;
@@ -121,6 +122,22 @@ def test_the_cycle_check_sees_function_level_imports(tmp_path):
 def test_production_never_imports_testing(graph):
     offenders = {m: sorted(t for t in ts if inside(t, "spindle.testing")) for m, ts in graph.items()}
     assert {m: t for m, t in offenders.items() if t and not inside(m, "spindle.testing")} == {}
+
+
+def is_conformance_spec(module: str) -> bool:
+    """A family's conformance spec module (or the spec classes and helpers they share): test data under models/."""
+    return inside(module, "spindle.models") and module.rpartition(".")[2] == "conformance"
+
+
+def test_production_never_imports_a_conformance_spec(graph):
+    """The records carry no test data: only spindle.testing (which finds a spec by family name) and other spec
+    modules (a variant's spec derived from its base's) import them."""
+    offenders = {
+        m: sorted(t for t in ts if is_conformance_spec(t))
+        for m, ts in graph.items()
+        if not inside(m, "spindle.testing") and not is_conformance_spec(m)
+    }
+    assert {m: t for m, t in offenders.items() if t} == {}
 
 
 def test_contracts_import_nothing_of_spindle(graph):

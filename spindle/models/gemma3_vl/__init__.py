@@ -17,7 +17,7 @@ What differs from the Qwen-VL families, and where it lives:
   blank image.
 """
 
-from spindle.contracts.family import CausalLMConformanceSpec, VLMFamily
+from spindle.contracts.family import VLMFamily
 
 FAMILY = VLMFamily(
     name="gemma3_vl",
@@ -41,6 +41,4 @@ FAMILY = VLMFamily(
         "an image's soft tokens attend to each other both ways (the model's own mask, from token_type_ids), which "
         "Spindle's Ulysses attention (causal, its mask built from the full row's positions) does not implement"
     ),
-    # Ulysses SP refused (above): FSDP2 / HSDP layouts only
-    conformance=CausalLMConformanceSpec(parallel=("dp_shard2",)),
 )
