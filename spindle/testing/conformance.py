@@ -281,8 +281,8 @@ def check_inference_parity(
     spec = family.inference_spec()
     trained = trained_text_length(root) if spec.follows_trained_text_length else None
     stock_kwargs = kwargs if trained is None else {"max_sequence_length": trained, **kwargs}
-    spec = dit_spec(family)
-    names = spec.stock_names if spec is not None else {}
+    declared = dit_spec(family)
+    names = declared.stock_names if declared is not None else {}
     reference = stock_output(root, stock_kwargs, names)
     check_reference(family.name, reference, kwargs)
     options = EngineConfig(cfg_batch=cfg_batch)
