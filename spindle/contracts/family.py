@@ -21,8 +21,15 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, overload
 
 from spindle.contracts.options import FamilyOptions
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # (the records stay light: no torch at import)
+    import torch
+
     from spindle.contracts.condition import ConditionModel
+    from spindle.contracts.stage import InferenceSpec
+
+    # a checkpoint tensor as the model will hold it (spindle.distributed.sharded_load.TensorSource): its global
+    # shape and read(region) -> that region's values
+    TensorSource = tuple[tuple[int, ...], Callable[[tuple[slice, ...]], torch.Tensor]]
 
 
 class CheckpointAdapter(Protocol):
@@ -50,11 +57,14 @@ class CheckpointAdapter(Protocol):
         """Raise when a load left tensors missing, unexpected or mismatched."""
         ...
 
-    def to_layout(self, model: Any, state_dict: dict[str, Any], layout: str) -> dict[str, Any]:
-        """The trained state dict in the checkpoint's `layout` (what export writes)."""
+    def to_layout(
+        self, model: torch.nn.Module | None, state_dict: dict[str, torch.Tensor], layout: str
+    ) -> dict[str, torch.Tensor]:
+        """The trained state dict in the checkpoint's `layout` (what export writes); `model`: the trained model, or
+        None where only the tensors are at hand (a checkpoint's shards rewritten in another layout)."""
         ...
 
-    def load_sources(self, sources: dict[str, Any]) -> dict[str, Any]:
+    def load_sources(self, sources: dict[str, TensorSource]) -> dict[str, TensorSource]:
         """Sharded loading: {checkpoint key: (shape, read(region))} -> the same for the model's keys (e.g.
         per-expert tensors read as the fused ones, region by region); keys already in the model's
         layout pass through (spindle.distributed.sharded_load)."""
@@ -299,10 +309,11 @@ class DiTFamily(FamilyFolder):
         stock class has no LoRA loader."""
         return _lora_pipeline(self.checkpoint.pipeline, self.checkpoint.lora_loader)
 
-    def inference_spec(self) -> Any:
+    def inference_spec(self) -> InferenceSpec:
         if self.inference is None:
             raise NotImplementedError(f"family {self.name!r} has no inference support yet")
-        return import_object(self.inference)
+        spec: InferenceSpec = import_object(self.inference)
+        return spec
 
 
 @dataclass(frozen=True)
@@ -355,7 +366,7 @@ class CausalLMFamily(FamilyFolder):
         """The family's checkpoint adapter, or None when its checkpoints need no conversion."""
         return None if self.checkpoint_adapter is None else import_object(self.checkpoint_adapter)
 
-    def inference_spec(self) -> Any:
+    def inference_spec(self) -> InferenceSpec:
         raise NotImplementedError(
             f"{self.name} is a language model: Spindle's generate/serve engine runs diffusion models only; "
             "load the exported folder with transformers (AutoModelForCausalLM.from_pretrained) to generate text"
@@ -416,16 +427,20 @@ class VLMFamily(CausalLMFamily):
     def export_hint(self) -> str:
         return "transformers.AutoModelForImageTextToText.from_pretrained loads it"
 
-    def rope_index_fn(self) -> Callable[..., Any]:
-        fn: Callable[..., Any] = import_object(self.rope_index)
+    def rope_index_fn(self) -> Callable[..., torch.Tensor]:
+        """(config, input_ids [1, L], image_grid_thw, video_grid_thw, second_per_grid_ts, **model extras) -> the
+        document's [R, 1, L] RoPE positions (`rope_index`)."""
+        fn: Callable[..., torch.Tensor] = import_object(self.rope_index)
         return fn
 
-    def image_layout(self) -> Any:
+    def image_layout(self) -> type | None:
         """The family's image layout class (`images`), or None for Qwen-VL's (the data path's default)."""
-        return import_object(self.images) if self.images else None
+        cls: type | None = import_object(self.images) if self.images else None
+        return cls
 
-    def audio_tokens_fn(self) -> Callable[[Any, int], int] | None:
-        fn: Callable[[Any, int], int] | None = import_object(self.audio_tokens) if self.audio_tokens else None
+    def audio_tokens_fn(self) -> Callable[[object, int], int] | None:
+        """(the model's transformers config, mel frames) -> the decoder tokens of an audio clip (`audio_tokens`)."""
+        fn: Callable[[object, int], int] | None = import_object(self.audio_tokens) if self.audio_tokens else None
         return fn
 
     def part_of(self, param_name: str) -> str | None:
@@ -437,7 +452,7 @@ class VLMFamily(CausalLMFamily):
                     best = (len(prefix), part)
         return best[1]
 
-    def inference_spec(self) -> Any:
+    def inference_spec(self) -> InferenceSpec:
         raise NotImplementedError(
             f"{self.name} is a vision-language model: Spindle's generate/serve engine runs diffusion models only; "
             "load the exported folder with transformers (AutoModelForImageTextToText.from_pretrained) to generate"

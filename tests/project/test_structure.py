@@ -228,6 +228,8 @@ def spindle_bases(
             continue
         found = []
         for b in node.bases:
+            if isinstance(b, ast.Subscript):  # a generic base (`TrainTask[DiTJobConfig, DiTFamily]`) is its class
+                b = b.value
             if isinstance(b, ast.Name) and b.id in local:
                 found.append(local[b.id])
             elif isinstance(b, ast.Attribute) and isinstance(b.value, ast.Name):
@@ -255,14 +257,15 @@ def test_no_class_inherits_two_spindle_classes():
 
 
 def test_the_inheritance_check_sees_imported_and_aliased_bases(tmp_path):
-    """The checker itself: Spindle bases imported by name, under another name, or through a module alias count;
-    a library base (Protocol, nn.Module) does not."""
+    """The checker itself: Spindle bases imported by name, under another name, through a module alias, or
+    parameterised (a generic contract) count; a library base (Protocol, nn.Module) does not."""
     (tmp_path / "base.py").write_text("class A:\n    pass\n\n\nclass B:\n    pass\n")
     (tmp_path / "mixed.py").write_text(
         "import torch\nfrom typing import Protocol\nfrom spindle import base as m\nfrom spindle.base import A as X\n"
-        "class C(X, m.B):\n    pass\n\n\nclass D(X, Protocol, torch.nn.Module):\n    pass\n"
+        "class C(X, m.B):\n    pass\n\n\nclass D(X, Protocol, torch.nn.Module):\n    pass\n\n\nclass E(X[int], m.B[str]):\n    pass\n"
     )
     modules = {"spindle.base": tmp_path / "base.py", "spindle.mixed": tmp_path / "mixed.py"}
     bases = class_bases(modules)
     assert bases["spindle.mixed.C"] == ["spindle.base.A", "spindle.base.B"]
     assert bases["spindle.mixed.D"] == ["spindle.base.A"]
+    assert bases["spindle.mixed.E"] == ["spindle.base.A", "spindle.base.B"]  # generic bases count too

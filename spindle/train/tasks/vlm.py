@@ -37,6 +37,7 @@ import torch
 from spindle.config import CausalLMJobConfig, ConfigError, VLMJobConfig
 from spindle.contracts.family import CausalLMFamily, VLMFamily, import_object
 from spindle.contracts.parallel import ParallelPlan
+from spindle.contracts.protocols import ParallelDimsLike
 from spindle.distributed.mesh import is_main_process
 from spindle.train.lora import is_lora_name
 from spindle.train.parts.experts import PADDING_MASK_KEY
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
 
     from spindle.data.loader import ResumableLoader
     from spindle.data.multimodal import VisionProcessor
-    from spindle.distributed.mesh import Mesh, ParallelDims
+    from spindle.distributed.mesh import Mesh
     from spindle.distributed.sharded_load import TensorSource
 
 log = logging.getLogger("spindle.train")
@@ -225,7 +226,7 @@ class VLMTask(CausalLMTask):
         self._image_token_id: int | None = None  # read from the config at the first `mask_inputs`
 
     @classmethod
-    def check_plan(cls, cfg: CausalLMJobConfig, family: CausalLMFamily, dims: ParallelDims) -> None:
+    def check_plan(cls, cfg: CausalLMJobConfig, family: CausalLMFamily, dims: ParallelDimsLike) -> None:
         super().check_plan(cfg, family, dims)
         assert isinstance(cfg, VLMJobConfig) and isinstance(family, VLMFamily), "the VLM task's own schema"
         if unknown := sorted(set(cfg.train.freeze) - set(family.parts)):
