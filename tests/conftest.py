@@ -263,10 +263,12 @@ def encode_two_samples(condition: Any, captions: list[str], num_frames: int = 1)
 
 def train_video_lora(model: Path, tmp_path: Path) -> Path:
     """Two LoRA steps of a tiny video family's checkpoint on two 64x64, 9-frame clips, at a learning rate that moves
-    the adapters visibly -> the export's `lora/` folder, checked to hold exactly `pytorch_lora_weights.safetensors`
-    (what the stock pipelines load)."""
+    the adapters visibly -> the export's `lora/` folder, checked to hold `pytorch_lora_weights.safetensors` (what the
+    stock pipelines load) and, where the family has an original layout (`lora_original`), that file
+    (`original_layout_lora.safetensors`)."""
     from spindle.api import train
     from spindle.data.synthetic import make_shapes_video_dataset
+    from spindle.registry import family_of
 
     videos = make_shapes_video_dataset(tmp_path / "videos", num_videos=2, num_frames=9, size=(64, 64))
     overrides = dict(
@@ -280,7 +282,9 @@ def train_video_lora(model: Path, tmp_path: Path) -> Path:
     )
     result = train(load_job_config(None, train_overrides(model, videos, tmp_path / "run", **overrides)))
     lora_dir: Path = result.export_dir / "lora"
-    assert sorted(p.name for p in lora_dir.glob("*.safetensors")) == ["pytorch_lora_weights.safetensors"]
+    files = ["pytorch_lora_weights.safetensors"]
+    files += ["original_layout_lora.safetensors"] if family_of(model).lora_original else []
+    assert sorted(p.name for p in lora_dir.glob("*.safetensors")) == sorted(files)
     return lora_dir
 
 
@@ -381,38 +385,14 @@ def spindle_train(out: Path, nproc: int, overrides: list[str]):
     return spindle_on_ranks(nproc, "train", cfg, *overrides, logs=out.parent / f"{out.name}.log")
 
 
-# A `spindle train` process that SIGKILLs itself as step `SPINDLE_TEST_KILL_AT` begins: no handler, no
-# cleanup, as a node failure or an OOM killer leaves a run.
-_KILLED = """
-import os, signal, sys
-from spindle.train.trainer import Trainer
-original = Trainer.train_step
-def train_step(self):
-    if self.step == int(os.environ["SPINDLE_TEST_KILL_AT"]) - 1:
-        os.kill(os.getpid(), signal.SIGKILL)
-    return original(self)
-Trainer.train_step = train_step
-from spindle.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 def spindle_train_killed(out: Path, overrides: list[str], at_step: int) -> None:
     """`spindle train` (one process, an empty config file next to `out`, the dotted `overrides`) SIGKILLed as
     step `at_step` begins; asserts it died by the signal with steps 1..at_step-1 logged."""
-    import os
-    import subprocess
-    import sys
-
     from spindle.train.metrics import read_metrics
 
     cfg = out.parent / f"{out.name}.yaml"
     cfg.write_text("{}\n")
-    env = {**os.environ, "SPINDLE_TEST_KILL_AT": str(at_step)}
-    proc = subprocess.run(
-        [sys.executable, "-c", _KILLED, "train", str(cfg), *overrides],
-        capture_output=True, text=True, timeout=900, env=env,
-    )  # fmt: skip
+    proc = run_spindle("train", cfg, *overrides, env={"SPINDLE_TEST_KILL_AT": str(at_step)}, timeout=900)
     assert proc.returncode == -9, proc.stderr[-3000:]
     assert [m["step"] for m in read_metrics(out)] == list(range(1, at_step))
 

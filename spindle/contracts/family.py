@@ -404,6 +404,10 @@ class VLMFamily(CausalLMFamily):
     # the order in which the model's forward runs its towers, by input kind (the dummy forwards keep it)
     tower_order: tuple[str, ...] = ("image", "video")
     language_model: str = "model.language_model"  # the decoder stack (where Ulysses SP splits the sequence)
+    # Under Ulysses SP, True: the vision tower's blocks run on each rank's chunk of the patches (a Qwen-VL tower:
+    # spindle/distributed/vision_sequence_parallel.py); False: every SP rank runs the whole tower (Gemma 3's
+    # SigLIP, a fixed 256 patches an image, no `blocks`/`merger`), each back-propagating its own chunk's loss
+    vision_sequence_parallel: bool = True
     parts: dict[str, tuple[str, ...]] = field(
         default_factory=lambda: {
             "vision": ("model.visual.",),
@@ -415,7 +419,8 @@ class VLMFamily(CausalLMFamily):
     # timestamp written into the text: spindle.data.video_timestamps); False: as Qwen2-VL's
     video_timestamps: bool = False
     # True: the model's forward takes `token_type_ids` (1 on image tokens), from which it builds its attention mask
-    # (Gemma 3: an image's tokens attend to each other both ways); the task passes them from the input ids
+    # (Gemma 3: an image's tokens attend to each other both ways); the task passes them from the input ids, and
+    # builds the blocks' masks itself for packed rows and under Ulysses SP (spindle/train/tasks/vlm.py mask_inputs)
     token_type_ids: bool = False
     # the other videos' seconds per temporal grid step (mrope time), as the family's stock processor computes it:
     # "sampled_fps": temporal patch / the clip's sampled frame rate (Qwen2_5_VLProcessor); "fps": / data.fps

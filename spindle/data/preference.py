@@ -359,10 +359,14 @@ def preference_pairs(
     return pairs, stats
 
 
-def reward_pairs(path: str | Path, tokenizer: Any, seq_len: int) -> tuple[list[PreferencePair], PreferenceStats]:
+def reward_pairs(
+    path: str | Path, tokenizer: Any, seq_len: int, tokenize: PairTokenizer | None = None
+) -> tuple[list[PreferencePair], PreferenceStats]:
     """The reward-model pairs of the JSONL file(s) at `path`: whole sequences (`prompt_ids + chosen_ids`, the
-    tokenised prompt-and-completion text), never cut; a pair with one over `seq_len` is dropped (module doc)."""
-    raw, identical, identical_at = _read_pairs(path, text_pair_tokenizer(tokenizer))
+    tokenised prompt-and-completion text), never cut; a pair with one over `seq_len` is dropped (module doc).
+    `tokenize`: a model kind's tokenisation (default: text, `tokenizer`'s; a vision-language model's keeps the
+    prompt's media, spindle.data.media_preference)."""
+    raw, identical, identical_at = _read_pairs(path, tokenize or text_pair_tokenizer(tokenizer))
     pairs = [p for p in raw if len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)) <= seq_len]
     stats = PreferenceStats(len(pairs), identical, 0, 0, len(raw) - len(pairs))
     _report(path, stats, identical_at, "a sequence is longer than data.seq_len")

@@ -14,8 +14,13 @@ function registered here (`ATTN_IMPLEMENTATION`) is called by the model's attent
 Layers with a sliding window (Gemma 3, GPT-OSS) or a learned sink logit per head (GPT-OSS), and every layer of
 a model trained with eager attention, run spindle.ops.windowed_attention as the inner attention instead: the
 window and the documents over the full sequence, in query blocks (no [S, S] mask), with this rank's slice of
-the sinks (the heads it holds after the all-to-all). Gated DeltaNet linear-attention layers split their heads
-the same way (spindle/distributed/ulysses_linear_attention.py, reached through the family's patched modeling).
+the sinks (the heads it holds after the all-to-all). So does every layer of a forward given bidirectional blocks
+(`BLOCKS_KWARG`: the full row's span ids, spindle.ops.windowed_attention.block_ids, e.g. Gemma 3's image soft
+tokens from its token_type_ids): the model's own mask would OR them with the causal one, but a model under Ulysses
+builds none, so the caller passes the whole row's ids with the forward (transformers hands a model's extra keyword
+arguments down to each attention call) and the kernel attends causal OR same block, windowed per layer. Gated
+DeltaNet linear-attention layers split their heads the same way (spindle/distributed/ulysses_linear_attention.py,
+reached through the family's patched modeling).
 
 The all-to-all is an autograd function whose backward is the same all-to-all (with equal splits
 the exchange is its own transpose), so gradients flow back to the rank that owns each token.
@@ -72,6 +77,8 @@ INNER_IMPLEMENTATIONS = (*MASKED_INNER, "eager", *VARLEN_INNER)
 # Per-token tensors of a causal-LM batch, split along dim 1 (the sequence) by `shard_batch`.
 SEQUENCE_KEYS = ("input_ids", "position_ids", "shift_labels", "attention_mask")
 _CONTEXT_ATTR = "_spindle_sequence_parallel"
+# The forward keyword argument carrying the FULL rows' [B, S] bidirectional block ids (-1 outside a block)
+BLOCKS_KWARG = "bidirectional_blocks"
 
 
 # ---------------------------------------------------------------- layout checks
@@ -340,13 +347,15 @@ def ulysses_attention_forward(
     sinks: torch.Tensor | None = getattr(module, "sinks", None)
     window: int | None = kwargs.pop("sliding_window", None)
     kwargs.pop("s_aux", None)  # GPT-OSS passes its sinks again under this name (the hub kernels' argument)
+    blocks: torch.Tensor | None = kwargs.pop(BLOCKS_KWARG, None)
     position_ids = kwargs.pop("position_ids", None)
     if position_ids is None:
         raise ValueError(
             "Spindle's Ulysses attention needs the global position_ids of this rank's chunk (computed before the "
             "sequence split, see shard_batch); the model was called without position_ids"
         )
-    windowed = sinks is not None or window is not None or ctx.inner == "eager"  # spindle.ops.windowed_attention
+    # spindle.ops.windowed_attention
+    windowed = sinks is not None or window is not None or blocks is not None or ctx.inner == "eager"
     if windowed and not getattr(module, "is_causal", True):
         raise ValueError(
             f"Spindle's Ulysses attention computes causal attention; {type(module).__name__} is bidirectional "
@@ -369,7 +378,15 @@ def ulysses_attention_forward(
         if sinks is not None:
             sinks = sinks[ctx.rank * local_heads : (ctx.rank + 1) * local_heads]
         out = windowed_attention(
-            query, key, value, documents=ctx.documents(), window=window, sinks=sinks, scaling=scaling, dropout=dropout
+            query,
+            key,
+            value,
+            documents=ctx.documents(),
+            window=window,
+            sinks=sinks,
+            blocks=blocks,
+            scaling=scaling,
+            dropout=dropout,
         )
         return heads_to_seq(out, group, sp), None
     local = LocalHeads(module, num_key_value_groups=query.shape[1] // key.shape[1])

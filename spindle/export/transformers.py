@@ -36,11 +36,13 @@ def unique_weights(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) 
 def classification_config(config: Any, model_cls: Any, pad_token_id: int) -> Any:
     """A causal-LM `config` made the one of a standard reward-model folder: one label (a scalar score), the
     sequence-classification class in `architectures` (what `AutoModelForSequenceClassification` and tools read),
-    and `pad_token_id` set, since the head pools each row at its last token that is not padding. The training
-    model is built from it, so `write_transformers_folder` writes it as it is."""
+    and `pad_token_id` set, since the head pools each row at its last token that is not padding (read from the
+    text config, `get_text_config()`: a vision-language config's own). The training model is built from it, so
+    `write_transformers_folder` writes it as it is."""
     config.num_labels = 1
     config.architectures = [model_cls.__name__]
     config.pad_token_id = pad_token_id
+    config.get_text_config().pad_token_id = pad_token_id
     return config
 
 

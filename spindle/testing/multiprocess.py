@@ -140,20 +140,143 @@ def check_marked_slow() -> None:
         raise AssertionError(f"{test} starts several processes: mark it @pytest.mark.slow (CONTRIBUTING.md)")
 
 
-def run_spindle(*args: object, timeout: float = 600, threads: int | None = None) -> Any:
-    """`python -m spindle ARGS...` in a subprocess (this tree's code via PYTHONPATH); -> CompletedProcess.
-    `threads`: OMP_NUM_THREADS for it (1 for `--nproc` runs, whose workers share the cores)."""
+class SpindleProcess:
+    """`spindle ARGS` in a process of its own, as a user's shell runs it, minus the fresh interpreter: a child of
+    the test session's preloaded forkserver (see `spawn`) that calls `spindle.cli.main(ARGS)` (the function the
+    console script and `python -m spindle` call) and exits with its code, after the interpreter's exit handlers
+    (`atexit`: logging's flush) as a normal exit runs them. Its own pid, environment, signal dispositions,
+    stdout/stderr (files: `log` + ".out" / ".err") and exit status (-N when killed by signal N, like Popen's
+    returncode); what it saves is ~5 s of CPU per command to import torch, transformers and diffusers.
+    `python -m spindle` itself (interpreter start, `__main__`) has its own tests: `fresh=True` in `run_spindle`."""
+
+    def __init__(self, *args: object, log: str | os.PathLike, env: dict[str, str] | None = None, threads: int = 0):
+        import multiprocessing
+
+        self.argv = [str(a) for a in args]
+        self.out, self.err = f"{log}.out", f"{log}.err"
+        multiprocessing.set_forkserver_preload(_PRELOAD)
+        self._proc = multiprocessing.get_context("forkserver").Process(
+            target=_cli_process, args=(self.argv, {**os.environ, **(env or {})}, self.out, self.err, threads)
+        )
+        self._proc.start()
+        assert self._proc.pid is not None
+        self.pid: int = self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self._proc.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit status; raises subprocess.TimeoutExpired (the process left running) after `timeout` s."""
+        import subprocess
+
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(["spindle", *self.argv], timeout or 0)
+        return self._proc.exitcode
+
+    def output(self) -> tuple[str, str]:
+        return _tail(self.out, None), _tail(self.err, None)
+
+
+def _cli_process(argv: list[str], environ: dict[str, str], out: str, err: str, threads: int) -> None:
+    """The body of a `SpindleProcess`: the caller's environment, output to files, `spindle.cli.main(argv)`, exit."""
+    import atexit
+    import sys
+
+    os.environ.clear()
+    os.environ.update(environ)
+    for fd, path in ((1, out), (2, err)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    if threads:  # what OMP_NUM_THREADS does for a fresh interpreter (torch is imported already here)
+        import torch
+
+        torch.set_num_threads(threads)
+    sys.argv = ["spindle", *argv]
+    code: int = 1
+    try:
+        kill_at = os.environ.get("SPINDLE_TEST_KILL_AT")
+        if kill_at:
+            _kill_at_step(int(kill_at))
+        from spindle.cli import main
+
+        code = main(argv)
+    except SystemExit as e:  # argparse's usage errors, commands that exit themselves
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:  # sys.exit("message"): the interpreter prints it and exits 1
+            print(e.code, file=sys.stderr)
+            code = 1
+    finally:  # an uncaught exception: multiprocessing prints its traceback and exits 1, as the interpreter does
+        atexit._run_exitfuncs()  # a forked child ends by os._exit, which runs none of them
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code or 0)
+
+
+def _kill_at_step(step: int) -> None:
+    """`spindle train` that SIGKILLs itself as step `step` begins: no handler, no cleanup, as a node failure or an
+    OOM killer leaves a run (the kill -9 resume tests; SPINDLE_TEST_KILL_AT in a `SpindleProcess`'s env)."""
+    import signal
+
+    from spindle.train.trainer import Trainer
+
+    original = Trainer.train_step
+
+    def train_step(self: Any) -> Any:
+        if self.step == step - 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self)
+
+    Trainer.train_step = train_step  # type: ignore[method-assign]
+
+
+def run_spindle(
+    *args: object,
+    timeout: float = 600,
+    threads: int | None = None,
+    env: dict[str, str] | None = None,
+    fresh: bool = False,
+) -> Any:
+    """`spindle ARGS...` in a process of its own (a `SpindleProcess`, or with `fresh` a new `python -m spindle`
+    interpreter: the tests of the interpreter's entry itself); -> CompletedProcess (stdout, stderr, returncode;
+    -N when killed by signal N). `threads`: OMP_NUM_THREADS for it (1 for `--nproc` runs, whose workers share
+    the cores); `env`: variables added to this process's environment."""
     import subprocess
     import sys
+    import tempfile
 
     argv = [str(a) for a in args]
     if "--nproc" in argv and argv.index("--nproc") + 1 < len(argv) and argv[argv.index("--nproc") + 1] != "1":
         check_marked_slow()
-
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
-    return subprocess.run(
-        [sys.executable, "-m", "spindle", *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env
-    )
+    extra = {**(env or {}), **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+    if fresh:
+        return subprocess.run(
+            [sys.executable, "-m", "spindle", *argv],
+            capture_output=True, text=True, timeout=timeout, env={**os.environ, **extra},
+        )  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="spindle-cli-") as logs:
+        proc = SpindleProcess(*argv, log=Path(logs) / "cli", env=extra, threads=threads or 0)
+        try:
+            code = proc.wait(timeout)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        out, err = proc.output()
+    return subprocess.CompletedProcess(["spindle", *argv], code, stdout=out, stderr=err)
 
 
 def dotted_overrides(base: dict[str, Any], **values: Any) -> list[str]:

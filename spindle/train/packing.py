@@ -3,8 +3,8 @@
 Unset (`null`, the default) packs, except for decoders with linear-attention layers (Qwen3.5's Gated DeltaNet,
 config.json `layer_types`): transformers' torch path of those layers takes no document boundaries (its chunked
 recurrence and causal convolution ignore `cu_seqlens`), so a packed row would carry one document's state into the
-next; and except for a family that refuses packing (`CausalLMFamily.packing_refused`: Gemma 3's image-text
-models). The task and the run record (spindle.train.run_record) read it here, below both.
+next; and except for a family that refuses packing (`CausalLMFamily.packing_refused`, with its reason). The task
+and the run record (spindle.train.run_record) read it here, below both.
 """
 
 from __future__ import annotations

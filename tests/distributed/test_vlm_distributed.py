@@ -1,4 +1,5 @@
-"""VLM LoRA training on real torchrun workers (gloo on CPU) equals one process. (Full fine-tuning of every
+"""VLM LoRA training, and HSDP of the natively multimodal families (Qwen3.5, Gemma 3 image-text), on real torchrun
+workers (gloo on CPU) equals one process. (Full fine-tuning of every
 VLM family under dp_shard=2 with a text-only rank, sp=2 and, for MoE families, ep=2:
 tests/conformance/test_vlm_conformance.py::test_two_processes_equal_one.)
 
@@ -46,3 +47,18 @@ def test_lora_dp_shard2_equals_one_process(tiny_qwen2_5_vl, data, tmp_path):
     assert wa.keys() == wb.keys() and len(wa) > 0
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=1e-5, msg=k)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "gemma3_vl"])
+def test_hsdp_equals_one_process(name, tiny_checkpoint, data, tmp_path):
+    """HSDP (parallel.dp_replicate=2 over dp_shard=1: each replica holds the whole model, gradients all-reduced
+    between them) with one replica's rows text-only: the same losses, grad norms and exported weights as one
+    process."""
+    from spindle.registry import get_family
+    from spindle.testing.causal_lm_conformance import check_same_run
+
+    model = tiny_checkpoint(name)
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_train(model, data, one, nproc=1)
+    run_train(model, data, two, nproc=2, parallel__dp_replicate=2, parallel__dp_shard=1)
+    check_same_run(get_family(name), one, two)

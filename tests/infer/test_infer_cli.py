@@ -31,6 +31,7 @@ def test_generate_writes_mp4(tiny_wan, tmp_path):
         0,
         "--out",
         out,
+        fresh=True,  # `python -m spindle` in a new interpreter, as a shell starts it (the others fork a warm one)
     )
     assert r.returncode == 0, r.stderr
     assert "denoising" in r.stderr and "3/3" in r.stderr  # progress bar over denoising steps

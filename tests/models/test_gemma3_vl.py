@@ -1,8 +1,9 @@
 """Gemma 3 image-text models (the gemma3_vl family) beyond the VLM conformance suite: the registry tells them from
 the text models by model_type; an image's soft tokens attend to each other both ways in training as in stock
 transformers (the step loss equals stock's with `token_type_ids`, and differs from the causal one); pan-and-scan,
-videos and pixel budgets are refused naming the key; Ulysses SP is refused before launch, naming why (no
-bidirectional image blocks in Spindle's Ulysses attention)."""
+videos and pixel budgets are refused naming the key; packed rows train as the same conversations unpacked (each
+document's image block bidirectional); Ulysses SP equals one process with an image block cut by the sequence
+split (slow)."""
 
 from __future__ import annotations
 
@@ -96,20 +97,73 @@ def test_pan_and_scan_videos_and_pixel_budgets_are_refused_naming_the_key(tiny_c
         trainer(model, data, "pan")
 
 
-def test_sequence_parallel_is_refused_before_launch(tiny_checkpoint, vlm_conversations, tmp_path, spindle_cli):
-    data = suite.subset(vlm_conversations, tmp_path / "data", [0])
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text("{}\n")
-    args = [f"model.path={tiny_checkpoint('gemma3_vl')}", f"data.path={data}", f"train.output_dir={tmp_path / 'run'}"]
-    result = spindle_cli("train", cfg, *args, "parallel.sp=2", "--nproc", "2")
-    assert result.returncode != 0
-    assert "attend to each other both ways" in result.stderr and "parallel.sp: 1" in result.stderr
+def test_packed_rows_train_as_the_conversations_unpacked(tiny_checkpoint, vlm_conversations, tmp_path):
+    """One step over three conversations (image, text-only, image): packed into one row, or one row each, the
+    same step loss and grad norm. The second image's block sits in a later document, where transformers' own
+    packed sliding-window mask would look its block up at in-document positions (spindle.ops.packed_block_masks)."""
+    from spindle.train.metrics import read_metrics
+
+    model = tiny_checkpoint("gemma3_vl")
+    data = suite.subset(vlm_conversations, tmp_path / "data", [0, 3, 1])
+    common = dict(train__max_steps=1, train__global_batch_size=1, checkpoint__export=False)
+    packed, rows = tmp_path / "packed", tmp_path / "rows"
+    trainer = make_trainer(load_job_config(None, vlm_overrides(model, data, packed, data__seq_len=256, **common)))
+    assert trainer.loader.dataset.stats.rows == 1  # packing resolved on: the three conversations in one row
+    trainer.run()
+    unpacked = {**common, "train__global_batch_size": 3, "data__packing": False}
+    make_trainer(load_job_config(None, vlm_overrides(model, data, rows, **unpacked))).run()
+    got, want = read_metrics(packed)[0], read_metrics(rows)[0]
+    for key in ("loss", "grad_norm"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5), key
+
+
+# A conversation whose image's soft tokens sit at row positions 31-34 (asserted): with rows of 64 tokens, Ulysses
+# SP over 2 ranks cuts its block between them (rank 0 holds 0-31, rank 1 32-63).
+SPLIT_PROMPT = "Look closely at this small picture of one shape, then answer. "
+SPLIT_SEQ = 64
+
+
+def split_image_conversations(vlm_conversations, out):
+    """Two conversations: one with an image after SPLIT_PROMPT, and a text-only one of the shared data."""
+    lines = vlm_conversations.read_text().splitlines()
+    image = str(vlm_conversations.parent / "images" / "image_000.png")
+    content = [{"type": "text", "text": SPLIT_PROMPT}, {"type": "image", "image": image}]
+    content.append({"type": "text", "text": "What colour is the shape?"})
+    split = {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "A pink triangle."}]}
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "data.jsonl"
+    path.write_text(json.dumps(split) + "\n" + lines[3] + "\n")
+    return path
+
+
+@pytest.mark.slow
+def test_sequence_parallel_with_an_image_block_cut_by_the_split_equals_one_process(
+    tiny_checkpoint, vlm_conversations, tmp_path
+):
+    """parallel.sp=2: each rank's attention sees the whole row's image block (causal OR same block, windowed on
+    the sliding layers) although the split cuts it, so the steps' losses, grad norms and exported weights are
+    one process's; a text-only step runs too."""
+    from spindle.registry import get_family
+    from spindle.testing.causal_lm_conformance import check_same_run
+    from tests.conftest import spindle_train
+
+    model = tiny_checkpoint("gemma3_vl")
+    data = split_image_conversations(vlm_conversations, tmp_path / "data")
+    run = dict(data__seq_len=SPLIT_SEQ, data__packing=False, train__max_steps=2, checkpoint__export=True)
+    trainer = make_trainer(load_job_config(None, vlm_overrides(model, data, tmp_path / "probe", **run)))
+    ids = next(trainer.loader)["input_ids"][0]
+    soft = (ids == trainer.task.model_config().image_token_id).nonzero().flatten().tolist()
+    assert soft[0] < SPLIT_SEQ // 2 <= soft[-1], soft  # the block straddles the ranks' chunks
+    one, two = tmp_path / "one", tmp_path / "two"
+    spindle_train(one, 1, vlm_overrides(model, data, one, **run))
+    spindle_train(two, 2, vlm_overrides(model, data, two, **run, parallel__sp=2, parallel__dp_shard=1))
+    check_same_run(get_family("gemma3_vl"), one, two)
 
 
 def test_cli_tiny_model_trains_with_default_flags_and_the_export_loads(vlm_conversations, tmp_path, spindle_cli):
     """`spindle tiny-model gemma3_vl` then `spindle train` with only the model, the data, the output folder and
-    a step count: the family is detected from config.json, conversations are one per row (packing resolved off),
-    and the export loads in stock AutoModelForImageTextToText."""
+    a step count: the family is detected from config.json, conversations are packed (packing resolved on: each
+    document's image blocks keep their own mask), and the export loads in stock AutoModelForImageTextToText."""
     from transformers import AutoModelForImageTextToText
 
     model = tmp_path / "tiny"
@@ -120,8 +174,8 @@ def test_cli_tiny_model_trains_with_default_flags_and_the_export_loads(vlm_conve
     args = [f"model.path={model}", f"data.path={vlm_conversations}", f"train.output_dir={out}", "train.max_steps=2"]
     r = spindle_cli("train", cfg, *args)
     assert r.returncode == 0, r.stderr
-    assert "run: gemma3_vl (vlm task)" in r.stdout and "data: documents 8, rows 8," in r.stdout  # one per row
-    assert json.loads((out / "run.json").read_text())["identity"]["data.packing"] is False  # recorded as resolved
+    assert "run: gemma3_vl (vlm task)" in r.stdout and "data: documents 8, rows 1," in r.stdout  # packed
+    assert json.loads((out / "run.json").read_text())["identity"]["data.packing"] is True  # recorded as resolved
     exported = AutoModelForImageTextToText.from_pretrained(out / "export")
     assert type(exported).__name__ == "Gemma3ForConditionalGeneration"
 

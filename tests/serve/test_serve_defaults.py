@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import base64
 import io
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
@@ -22,6 +19,7 @@ from PIL import Image
 
 from spindle.contracts.family import DiTFamily
 from spindle.registry import all_families
+from spindle.testing.multiprocess import SpindleProcess
 from tests.serve.test_serve import free_port
 
 DIT_FAMILIES = [f.name for f in all_families() if isinstance(f, DiTFamily)]
@@ -29,20 +27,18 @@ HEALTHY_WITHIN = 120.0  # seconds, load + warm-up on the tiny checkpoint
 
 
 class DefaultServe:
-    """`python -m spindle serve --model DIR --port P`: only the port is chosen (a free loopback one)."""
+    """`spindle serve --model DIR --port P`: only the port is chosen (a free loopback one). A process of its own
+    (`SpindleProcess`: forked warm, `spindle.cli.main` as the console script calls it; the fresh-interpreter
+    server is tests/serve/test_serve_cli.py's)."""
 
     def __init__(self, model, log_path):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.log = open(log_path, "w")
-        cmd = [sys.executable, "-m", "spindle", "serve", "--model", str(model), "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy())
+        self.proc = SpindleProcess("serve", "--model", model, "--port", self.port, log=log_path)
 
     def output(self) -> str:
-        if not self.log.closed:
-            self.log.flush()
-        return open(self.log_path).read()[-4000:]
+        out, err = self.proc.output()
+        return (out + err)[-4000:]
 
     def wait_healthy(self, timeout: float = HEALTHY_WITHIN) -> float:
         start = time.monotonic()
@@ -58,14 +54,12 @@ class DefaultServe:
 
     def stop(self) -> int:
         try:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(signal.SIGTERM)
             return self.proc.wait(60)
         finally:
             if self.proc.poll() is None:
                 self.proc.kill()
                 self.proc.wait()
-            self.log.close()
 
 
 @pytest.mark.parametrize("family", DIT_FAMILIES)

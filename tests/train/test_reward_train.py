@@ -19,9 +19,11 @@ from spindle.train.metrics import read_metrics
 from spindle.train.objectives.reward import ScoreHead
 from tests.conftest import lm_overrides, lm_train
 from tests.train.test_preference_trl_parity import LINES, SEQ_LEN, grad_norm
+from tests.train.test_vlm_dpo import write_image_pairs
 
 SEED = 7
 PAIRS = [{**line, "margin": 0.5 * i} for i, line in enumerate(LINES["standard"])]
+VLM_SEQ = 96  # tokens of an image pair's longest sequence and more
 
 
 def pairs_file(tmp_path, lines):
@@ -96,6 +98,10 @@ def test_step_one_equals_trl_and_the_export_scores_in_stock_transformers(tiny_qw
     prompts = [PAIRS[0]["prompt"], PAIRS[1]["prompt"]]
     completions = [PAIRS[0]["chosen"], PAIRS[1]["rejected"]]
     assert scorer(completions, prompts, {}) == pytest.approx(theirs.tolist(), rel=1e-5, abs=1e-6)
+    # a prompt with an image: the folder's tokenizer would score its text alone; refused naming what to use instead
+    image_prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it?"}]}]
+    with pytest.raises(ValueError, match="scores text only, and this prompt carries image parts; .* reward function"):
+        scorer([[{"role": "assistant", "content": "a cat"}]], [image_prompt], {})
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text("".join(json.dumps({"prompt": line["prompt"]}) + "\n" for line in PAIRS))
     lm_train(
@@ -184,15 +190,174 @@ def test_expert_parallel_equals_one_process(tiny_checkpoint, tmp_path):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
 
 
+@pytest.fixture(scope="module")
+def image_pairs(tmp_path_factory):
+    """4 preference pairs with an image in each prompt (DPO's VLM pairs): (pairs.jsonl, its lines)."""
+    return write_image_pairs(tmp_path_factory.mktemp("image_pairs"))
+
+
+def stock_image_scores(model, processor, lines, folder, completion: str) -> torch.Tensor:
+    """Each line's score of its prompt-and-`completion` conversation ("chosen" / "rejected") under the stock
+    sequence-classification `model`: what the stock processor makes of the conversation and its image (input ids,
+    pixel values, the image's grid or token types), one unpadded sequence at a time."""
+    from PIL import Image
+
+    scores = []
+    for line in lines:
+        image = Image.open(folder / line["prompt"][0]["content"][0]["image"]).convert("RGB")
+        whole = processor.apply_chat_template(line["prompt"] + line[completion], tokenize=False)
+        # the template wrote the BOS where the model has one (Gemma 3)
+        inputs = processor(text=[whole], images=[image], return_tensors="pt", add_special_tokens=False)
+        scores.append(model(**inputs).logits[0, 0])
+    return torch.stack(scores)
+
+
+def stock_image_reward_step(path, lines, folder):
+    """Stock transformers' first reward step on image pairs: the family's ForSequenceClassification loaded from
+    `path` with Spindle's initial head, in training mode (as Spindle's first step runs), the Bradley-Terry loss of
+    its scores (`stock_image_scores`) backpropagated. -> (the model, its processor, the loss, the accuracy)."""
+    from spindle.testing.vlm_conformance import stock_processor
+
+    processor = stock_processor(path)
+    stock = AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    ScoreHead(SEED).init(stock)
+    stock.train()
+    chosen = stock_image_scores(stock, processor, lines, folder, "chosen")
+    rejected = stock_image_scores(stock, processor, lines, folder, "rejected")
+    loss = -torch.nn.functional.logsigmoid(chosen - rejected).mean()
+    loss.backward()
+    return stock, processor, loss.item(), (chosen > rejected).float().mean().item()
+
+
+@pytest.mark.parametrize("family", ["gemma3_vl", "qwen3_5"])
+def test_an_image_reward_step_equals_stock_transformers_and_the_export_scores_alike(
+    family, tiny_checkpoint, image_pairs, tmp_path
+):
+    """Gemma 3 (1-D positions, bidirectional image blocks from token_type_ids) and Qwen3.5 (3-D positions, Gated
+    DeltaNet layers), pairs with an image in each prompt: the reward model is the family's ForSequenceClassification
+    (fresh score head keyed on train.seed) and step 1's loss and grad norm equal the Bradley-Terry loss of the stock
+    class loaded from the same folder with the same head, run on what the stock processor makes of each
+    prompt-and-completion conversation (TRL's RewardTrainer takes no images). The export is the family's
+    classification folder that stock transformers loads with every tensor and scores as the trained model does."""
+    from spindle.testing.vlm_conformance import grad_norm
+
+    data, lines = image_pairs
+    path = tiny_checkpoint(family)
+    values = reward_overrides(len(lines), train__max_steps=2, data__seq_len=VLM_SEQ)
+    trainer, _ = lm_train(path, data, tmp_path / "run", **values)
+    metrics = read_metrics(tmp_path / "run")
+    assert metrics[1]["loss"] < metrics[0]["loss"]  # it trains
+
+    stock, processor, loss, accuracy = stock_image_reward_step(path, lines, data.parent)
+    assert metrics[0]["loss"] == pytest.approx(loss, rel=1e-5)
+    assert metrics[0]["grad_norm"] == pytest.approx(grad_norm(stock), rel=1e-4)
+    assert metrics[0]["accuracy"] == pytest.approx(accuracy)
+
+    export = tmp_path / "run" / "export"
+    config = json.loads((export / "config.json").read_text())
+    assert config["architectures"] == [type(stock).__name__]
+    exported, info = AutoModelForSequenceClassification.from_pretrained(
+        export, dtype=torch.float32, output_loading_info=True
+    )
+    assert not any(info.values()), info
+    trainer.model.eval()
+    with torch.no_grad():
+        theirs = stock_image_scores(exported.eval(), processor, lines, data.parent, "chosen")
+        ours = stock_image_scores(trainer.model, processor, lines, data.parent, "chosen")
+        before = stock_image_scores(stock.eval(), processor, lines, data.parent, "chosen")
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-6)
+    assert (theirs - before).abs().max() > 1e-4  # the trained head and model, not the starting ones
+
+
+def test_an_image_reward_lora_exports_a_peft_classification_adapter_and_a_merged_folder(
+    tiny_checkpoint, image_pairs, tmp_path
+):
+    """`train.lora` on Gemma 3's reward model: the language model's adapters (B = 0 at the start, so step 1 is the
+    stock full-model step 1) and the fresh score head train. `lora/` is a PEFT SEQ_CLS adapter (head in
+    modules_to_save) that stock `PeftModel.from_pretrained` puts on the family's ForSequenceClassification, `merged/`
+    a standalone classification folder: both score the image conversations alike, and unlike the untrained model."""
+    from peft import PeftModel
+
+    data, lines = image_pairs
+    path = tiny_checkpoint("gemma3_vl")
+    values = reward_overrides(len(lines), train__max_steps=2, train__lr=1e-2, data__seq_len=VLM_SEQ)
+    lm_train(path, data, tmp_path / "run", **values, train__lora={"rank": 4}, export__merge_lora=True)
+    metrics = read_metrics(tmp_path / "run")
+    base, processor, loss, _ = stock_image_reward_step(path, lines, data.parent)
+    assert metrics[0]["loss"] == pytest.approx(loss, rel=1e-5)
+    assert metrics[1]["loss"] < metrics[0]["loss"]
+    export = tmp_path / "run" / "export"
+    adapter = json.loads((export / "lora" / "adapter_config.json").read_text())
+    assert adapter["task_type"] == "SEQ_CLS" and adapter["modules_to_save"] == ["score"]
+    merged, info = AutoModelForSequenceClassification.from_pretrained(
+        export / "merged", dtype=torch.float32, output_loading_info=True
+    )
+    assert not any(info.values()), info
+    with torch.no_grad():
+        untrained = stock_image_scores(base.eval(), processor, lines, data.parent, "chosen")
+        peft = PeftModel.from_pretrained(base, export / "lora").eval()
+        via_peft = stock_image_scores(peft, processor, lines, data.parent, "chosen")
+        via_merged = stock_image_scores(merged.eval(), processor, lines, data.parent, "chosen")
+    torch.testing.assert_close(via_peft, via_merged, rtol=1e-5, atol=1e-5)
+    assert (via_merged - untrained).abs().max() > 1e-3
+
+
+@pytest.mark.slow
+def test_an_image_reward_model_on_two_data_parallel_processes_equals_one_process(
+    tiny_checkpoint, image_pairs, tmp_path
+):
+    """Gemma 3 image pairs on dp_shard=2 (each rank its half of the pairs, the vision tower and the score head
+    sharded): one process's losses, grad norms and accuracies over 2 steps, and the same exported scores."""
+    from spindle.testing.vlm_conformance import stock_processor
+    from tests.conftest import lm_train_cli
+
+    data, lines = image_pairs
+    path = tiny_checkpoint("gemma3_vl")
+    values = reward_overrides(4, train__micro_batch_size=2, train__max_steps=2, train__adam_eps=1e-4,
+                              data__seq_len=VLM_SEQ)  # fmt: skip
+    lm_train(path, data, tmp_path / "one", **values)
+    lm_train_cli(path, data, tmp_path / "dp2", 2, parallel__dp_shard=2, **values)
+    for a, b in zip(read_metrics(tmp_path / "one"), read_metrics(tmp_path / "dp2"), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        assert b["accuracy"] == pytest.approx(a["accuracy"])
+    processor = stock_processor(path)
+
+    def scores(run):
+        model = AutoModelForSequenceClassification.from_pretrained(tmp_path / run / "export", dtype=torch.float32)
+        with torch.no_grad():
+            return stock_image_scores(model.eval(), processor, lines, data.parent, "chosen")
+
+    torch.testing.assert_close(scores("dp2"), scores("one"), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     ("family", "why"),
     [("qwen2_5_vl", "defines no ForSequenceClassification for model_type 'qwen2_5_vl'"),
-     ("gemma3_vl", "its Gemma3ForSequenceClassification takes no images")],
+     ("qwen3_5_moe", "defines no ForSequenceClassification for model_type 'qwen3_5_moe'")],
 )  # fmt: skip
-def test_a_vision_language_family_is_refused_naming_why(family, why, tiny_checkpoint, tmp_path):
-    data = pairs_file(tmp_path, PAIRS)
+def test_a_vision_language_family_without_a_classification_class_is_refused_naming_why(
+    family, why, tiny_checkpoint, image_pairs, tmp_path
+):
     with pytest.raises(ConfigError, match=why):
-        lm_train(tiny_checkpoint(family), data, tmp_path / "run", **reward_overrides(3))
+        lm_train(tiny_checkpoint(family), image_pairs[0], tmp_path / "run", **reward_overrides(4))
+
+
+def test_image_reward_under_sequence_parallelism_is_refused_before_launch(
+    tiny_checkpoint, image_pairs, tmp_path, spindle_cli
+):
+    """Qwen3.5 (whose SFT and DPO run under Ulysses SP): a reward model with images is refused at sp=2, naming why
+    and the fix, before any process starts."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("{}\n")
+    args = [f"{k.replace('__', '.')}={v}" for k, v in reward_overrides(4, data__seq_len=VLM_SEQ).items()]
+    paths = [f"model.path={tiny_checkpoint('qwen3_5')}", f"data.path={image_pairs[0]}", f"train.output_dir={tmp_path}"]
+    result = spindle_cli("train", cfg, *paths, *args, "parallel.sp=2", "--nproc", "2")
+    assert result.returncode != 0
+    assert "train.objective=reward on a vision-language model (qwen3_5)" in result.stderr, result.stderr[-2000:]
+    assert "set parallel.sp: 1" in result.stderr
 
 
 def test_lora_trains_the_adapters_and_the_new_head_and_exports_what_peft_and_transformers_load(tiny_qwen3, tmp_path):

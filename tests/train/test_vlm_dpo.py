@@ -23,9 +23,9 @@ QUESTIONS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def image_pairs(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("vlm_pairs")
+def write_image_pairs(folder):
+    """`folder`/pairs.jsonl: the QUESTIONS as TRL conversational pairs, a 56x84 random image (`folder`/i.png) in each
+    prompt. -> (its path, the lines)."""
     rng = np.random.default_rng(0)
     lines = []
     for i, (question, chosen, rejected) in enumerate(QUESTIONS):
@@ -43,6 +43,11 @@ def image_pairs(tmp_path_factory):
     path = folder / "pairs.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path, lines
+
+
+@pytest.fixture(scope="module")
+def image_pairs(tmp_path_factory):
+    return write_image_pairs(tmp_path_factory.mktemp("vlm_pairs"))
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,14 @@ What differs from the Qwen-VL families, and where it lives:
   <image_soft_token> + "<end_of_image>\\n\\n", as Gemma3Processor expands it; pan-and-scan crops are refused.
 - Positions (rope.py): 1-D, the text positions (no multimodal RoPE).
 - Attention: the image's soft tokens attend to each other both ways (the model's own mask from `token_type_ids`,
-  which the task passes: `VLMFamily.token_type_ids`). Packing is refused: transformers' sliding-window mask of a
-  packed row looks the image blocks up by in-document position, not by row position, so a later document's
-  image tokens would get another block's mask (an unset data.packing resolves to one conversation per row).
-- Ulysses SP is refused (before launch): Spindle's Ulysses attention builds a causal mask (windowed per document
-  on the local layers) from the full row's positions, and has no bidirectional image blocks.
+  which the task passes: `VLMFamily.token_type_ids`): causal OR same image block, intersected with the window on
+  the sliding layers. Packed rows: the task builds the decoder's masks itself (spindle.ops.packed_block_masks:
+  per document, from row indices), as transformers' sliding-window mask of a packed row looks the image blocks up
+  by in-document position; each document's mask is its unpacked one.
+- Ulysses SP: the task passes the full rows' image blocks with the forward (ulysses_attention.BLOCKS_KWARG), and
+  every layer runs spindle.ops.windowed_attention over the whole sequence of the rank's heads (window, documents
+  and blocks), so a block cut by the sequence split still attends both ways. The SigLIP tower runs whole on every
+  SP rank (`vision_sequence_parallel=False`): fixed-size images, 256 patches each on the released models.
 - The dummy vision forward of a text-only micro-batch (vision.py) runs the SigLIP tower and the projector on one
   blank image.
 """
@@ -33,12 +36,6 @@ FAMILY = VLMFamily(
         "language": ("model.language_model.", "lm_head."),
     },
     token_type_ids=True,
-    packing_refused=(
-        "transformers' sliding-window mask of a packed row looks Gemma 3's image-token blocks up by in-document "
-        "position, so the bidirectional image attention of every document after the first would be wrong"
-    ),
-    sequence_parallel_refused=(
-        "an image's soft tokens attend to each other both ways (the model's own mask, from token_type_ids), which "
-        "Spindle's Ulysses attention (causal, its mask built from the full row's positions) does not implement"
-    ),
+    # under Ulysses SP every rank runs the whole SigLIP tower (fixed-size images; not a Qwen-VL tower)
+    vision_sequence_parallel=False,
 )

@@ -36,6 +36,7 @@ FAMILY = DiTFamily(
     checkpoint=dataclasses.replace(T2V.checkpoint, pipeline="LTX2ImageToVideoPipeline", detect=_looks_like_ltx2_i2v),
     options=OPTIONS,
     sequence_parallel_refused=T2V.sequence_parallel_refused,
+    code={"lora_original": T2V.lora_original},  # the same transformer: LTX-2's original LoRA layout
     demo=decl.demo(
         decl.VIDEO_DEMO,
         size=(64, 64),

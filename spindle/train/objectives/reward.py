@@ -117,9 +117,12 @@ class Reward(Objective):
     preference pairs (`reward:` settings), as `trl.RewardTrainer` trains one.
 
     Model: the task builds its `ScoreHead` model (the family's ForSequenceClassification, num_labels 1) from the
-    causal-LM checkpoint. Data: `data.path` holds preference lines in TRL's formats (`spindle.data.preference.
-    reward_pairs`: whole prompt + completion sequences, a pair longer than `data.seq_len` dropped), optionally a
-    "margin" column; batched B chosen then B rejected rows, right-padded. Each row's score is the head's output at
+    causal-LM checkpoint (a vision-language family's: from its ForConditionalGeneration checkpoint, where
+    transformers defines such a class for its model_type, `classification_refused`). Data: `data.path` holds
+    preference lines in TRL's formats (`spindle.data.preference.reward_pairs`: whole prompt + completion sequences,
+    a pair longer than `data.seq_len` dropped; a VLM's prompts may carry images, `task.preference_inputs`),
+    optionally a "margin" column; batched B chosen then B rejected rows, right-padded, scored with the task's
+    `scoring_inputs` (the attention mask; a VLM's positions and media inputs). Each row's score is the head's output at
     its last token that is not padding (transformers' own pooling, the one the exported folder scores with). The
     loss unit is the pair: the trainer divides the summed pair losses by the global batch's pairs."""
 
@@ -136,11 +139,19 @@ class Reward(Objective):
     def check_plan(self, family: Any, dims: Any) -> None:
         from spindle.config import ConfigError
 
-        if family.kind != "causal_lm":
+        why = classification_refused(family, self.cfg.model.path)
+        if why is not None:
             raise ConfigError(
-                f"train.objective=reward: {family.name} is a {family.kind} model; reward models train on text "
-                f"causal-LM families for now ({multimodal_classification(self.cfg.model.path)}): use a text "
-                "family's checkpoint"
+                f"train.objective=reward: {family.name} ({family.kind}) models get no reward model: {why}; reward "
+                "models train on text causal-LM families and on the vision-language families with a transformers "
+                "ForSequenceClassification (e.g. gemma3_vl, qwen3_5)"
+            )
+        if family.kind == "vlm" and dims.sp > 1:
+            raise ConfigError(
+                f"parallel.sp={dims.sp}: train.objective=reward on a vision-language model ({family.name}) does not "
+                "run under Ulysses SP: its images are embedded into the whole row before the language model's chunk "
+                "is cut, and the sequence-classification head pools each row at its last token of the whole row, "
+                "which a rank's chunk of the scores does not hold; set parallel.sp: 1 (dp_shard scales it)"
             )
 
     def build_loader(self, task: Any) -> Any:
@@ -150,10 +161,14 @@ class Reward(Objective):
         from spindle.train.tasks.base import resumable_loader
 
         data = self.cfg.data
-        pairs, self.stats = reward_pairs(data.path, task.tokenizer, data.seq_len)
+        inputs = task.preference_inputs()  # text, or images in the prompts (vision-language families)
+        pairs, self.stats = reward_pairs(data.path, task.tokenizer, data.seq_len, inputs.tokenize)
         task._data_stats = {"rows": len(pairs), "pairs": len(pairs)}
+        # text: TRL's reward batch; media in the prompts: DPO's batch of the same rows (with each row's positions
+        # and the media inputs), which the scoring forward reads as `task.scoring_inputs`
+        rows = collate_reward_pairs if inputs.tokenize is None else inputs.collate
         # under SP each rank holds an equal chunk of every row: batches padded to a multiple of parallel.sp
-        collate = partial(collate_reward_pairs, pad_id=task.pad_token_id(), multiple=task.mesh.dims.sp)
+        collate = partial(rows, pad_id=task.pad_token_id(), multiple=task.mesh.dims.sp)
         return resumable_loader(task, pairs, collate)
 
     def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
@@ -166,8 +181,9 @@ class Reward(Objective):
         if task.mesh.dims.sp > 1:
             scores = sequence_parallel_scores(task, model, ids)
         else:
+            inputs = task.scoring_inputs(batch)  # the attention mask; a VLM's positions and media inputs too
             with task._autocast():
-                out = model(input_ids=ids, attention_mask=batch["attention_mask"].to(task.device), use_cache=False)
+                out = model(input_ids=ids, **inputs, use_cache=False)
             scores = out.logits[:, 0]
         chosen, rejected = scores.float().chunk(2)
         margin = batch.get("margin") if self.settings.use_margin else None
@@ -182,21 +198,29 @@ class Reward(Objective):
         return StepOutput(loss.pair_losses.sum() / task.mesh.dims.sp, loss.pairs, int(ids.numel()), metrics)
 
 
-def multimodal_classification(path: str) -> str:
-    """Why a multimodal checkpoint gets no reward model: transformers defines no ForSequenceClassification for most
-    (the Qwen-VL / Qwen-Omni models), so no standard export exists; for the others (Gemma 3, Qwen3.5) the media
-    inputs are not wired into the scoring forward yet."""
+def classification_refused(family: Any, path: str) -> str | None:
+    """Why the `family` checkpoint at `path` gets no reward model (None: it gets one). A text causal-LM family's
+    ForSequenceClassification is the reward model. A multimodal checkpoint needs transformers' own
+    ForSequenceClassification of its model_type, which takes the media inputs (Gemma 3's
+    `Gemma3ForSequenceClassification`, Qwen3.5's `Qwen3_5ForSequenceClassification`), else no standard export
+    exists: most have none (the Qwen-VL, Qwen3.5-MoE and Qwen-Omni models in transformers 5.23). An omni family
+    trains its thinker, a sub-model, so a classification head over the whole checkpoint does not fit it."""
     import json
     from pathlib import Path
 
     from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES as CLASSES
 
+    if family.kind == "causal_lm":
+        return None
+    if family.kind not in ("vlm", "omni"):
+        return "reward models score text"
     config = Path(path) / "config.json"
     model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
-    name = CLASSES.get(model_type or "")
-    if name is None:
+    if CLASSES.get(model_type or "") is None:
         return f"transformers defines no ForSequenceClassification for model_type {model_type!r}"
-    return f"its {name} takes no images in Spindle's reward objective yet"
+    if family.kind == "omni":
+        return "an omni model trains its thinker, which has no sequence-classification class of its own"
+    return None
 
 
 def last_scored_token(input_ids: torch.Tensor, pad_token_id: int | None) -> torch.Tensor:

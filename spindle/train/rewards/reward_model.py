@@ -44,6 +44,14 @@ class RewardModel:
         if isinstance(prompt, str) and isinstance(completion, str):
             return prompt + completion
         if isinstance(prompt, list) and isinstance(completion, list):
+            media = sorted({part.get("type") for m in prompt if isinstance(m.get("content"), list) for part in m["content"]}
+                           - {"text"})  # fmt: skip
+            if media:  # the tokenizer's template would drop them: a score of the text alone, silently
+                raise ValueError(
+                    f"a reward-model folder scores text only, and this prompt carries {', '.join(map(str, media))} "
+                    "parts; score such prompts with a reward function (`path/to/file.py:function`, given the prompt "
+                    "messages) or train on text prompts"
+                )
             text: str = self.tokenizer.apply_chat_template(prompt + completion, tokenize=False)
             return text
         raise TypeError(

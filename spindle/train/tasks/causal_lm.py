@@ -525,6 +525,11 @@ class CausalLMTask(TrainTask[CausalLMJobConfig, CausalLMFamily]):
             out = causal_lm_output(model, rows, **self.model_kwargs(rows), **model_kwargs)
         return RowsRun(out, rows, samples, tokens)
 
+    def scoring_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The keyword arguments besides `input_ids` of a scoring forward (a reward model's, one process) of
+        `batch`'s whole right-padded rows: their attention mask (the input kind adds its own)."""
+        return {"attention_mask": batch["attention_mask"].to(self.device)}
+
     def model_kwargs(self, rows: dict[str, torch.Tensor]) -> dict[str, Any]:
         """Extra keyword arguments of the training forward of this rank's `rows` (after the SP split):
         a MoE's router outputs and statistics."""

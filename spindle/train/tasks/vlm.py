@@ -20,7 +20,9 @@ loss, export) with what vision adds:
   documents, before the split) are cut to this rank's chunk, and the language model runs on the chunk.
   The vision tower's blocks run on this rank's chunk of the patches too (attention: an all-to-all over its
   heads), gathered before the mergers (spindle/distributed/vision_sequence_parallel.py), so its merged output
-  is whole on every rank.
+  is whole on every rank (a family without, `VLMFamily.vision_sequence_parallel` False: the whole tower on every
+  rank). A family whose image tokens attend both ways (Gemma 3) gets the full rows' blocks to its attention
+  (`mask_inputs`).
 - Export: the causal-LM transformers folder plus the image processor's preprocessor_config.json; the
   tokenizer carries the chat template. `AutoModelForImageTextToText.from_pretrained` loads it.
 """
@@ -39,6 +41,7 @@ from spindle.contracts.family import CausalLMFamily, VLMFamily, import_object
 from spindle.contracts.parallel import ParallelPlan
 from spindle.contracts.protocols import ParallelDimsLike
 from spindle.distributed.mesh import is_main_process
+from spindle.ops.varlen_attention import document_ids
 from spindle.train.lora import is_lora_name
 from spindle.train.parts.experts import PADDING_MASK_KEY
 from spindle.train.tasks.base import resumable_loader
@@ -224,6 +227,7 @@ class VLMTask(CausalLMTask):
         self.vision_step: VisionStep | None = None
         self.dataset_kinds: set[str] = set()
         self._image_token_id: int | None = None  # read from the config at the first `mask_inputs`
+        self._text_config: Any = None  # the decoder's config and attention, read at the first packed `mask_inputs`
 
     @classmethod
     def check_plan(cls, cfg: CausalLMJobConfig, family: CausalLMFamily, dims: ParallelDimsLike) -> None:
@@ -300,7 +304,7 @@ class VLMTask(CausalLMTask):
             if self.family.part_of(name) in frozen and not is_lora_name(name):
                 param.requires_grad_(False)
         vision = module_at(model, self.family.vision_tower)
-        if self.mesh.dims.sp > 1:  # the tower's blocks on this rank's chunk of the patches
+        if self.mesh.dims.sp > 1 and self.family.vision_sequence_parallel:  # its blocks on this rank's patches
             from spindle.distributed.vision_sequence_parallel import enable_vision_sequence_parallel
 
             enable_vision_sequence_parallel(vision, self.mesh.sp.get_group(), self.mesh.sp_rank, self.mesh.dims.sp)
@@ -466,15 +470,64 @@ class VLMTask(CausalLMTask):
 
     # ------------------------------------------------------------ step
 
-    def mask_inputs(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """What the model's attention mask reads besides positions: `token_type_ids` (1 on image tokens) where the
-        family's model builds its mask from them (`VLMFamily.token_type_ids`: Gemma 3's bidirectional image
-        attention); {} otherwise."""
+    def mask_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> dict[str, Any]:
+        """What the model's attention mask reads besides positions where the family's model builds its mask from
+        `token_type_ids` (1 on image tokens; `VLMFamily.token_type_ids`: Gemma 3's image soft tokens attend to
+        each other both ways); {} otherwise. With the rows' whole `position_ids` (a training forward), also:
+
+        - under Ulysses SP, the full rows' image blocks (`ulysses_attention.BLOCKS_KWARG`), which the model's
+          attention reads on every rank (the model builds no mask under SP);
+        - rows of packed documents, the decoder's masks built here (spindle.ops.packed_block_masks: transformers'
+          own sliding-window mask of a packed row looks the blocks up by in-document position)."""
         if not self.family.token_type_ids:
             return {}
+        from spindle.ops.windowed_attention import block_ids
+
         if self._image_token_id is None:
             self._image_token_id = int(self.model_config().image_token_id)
-        return {"token_type_ids": (input_ids == self._image_token_id).long()}
+        token_types = (input_ids == self._image_token_id).long()
+        out: dict[str, Any] = {"token_type_ids": token_types}
+        if position_ids is None:
+            return out
+        blocks = block_ids(token_types == 1)
+        if self.mesh.dims.sp > 1:
+            from spindle.distributed.ulysses_attention import BLOCKS_KWARG
+
+            if blocks is not None:
+                out[BLOCKS_KWARG] = blocks
+        elif document_ids(position_ids) is not None:
+            from spindle.ops.packed_block_masks import packed_block_masks
+
+            if self._text_config is None:
+                self._text_config = self.model_config().get_text_config()
+                self._text_config._attn_implementation = self.attention(self.cfg, self.precision, self.family)
+            config = self._text_config
+            out["attention_mask"] = packed_block_masks(config, config._attn_implementation, position_ids, blocks)
+        return out
+
+    def media_inputs(
+        self, batch: dict[str, torch.Tensor], input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> dict[str, Any]:
+        """The media inputs of `batch` (on the device) and the mask inputs of its `input_ids` (`mask_inputs`, with
+        the rows' `position_ids` where given) for the model's next forward, whose tower hooks are set for the kinds
+        they hold (the dummies of the data's other kinds)."""
+        vision = {k: batch[k].to(self.device) for k in self.input_keys if k in batch}
+        vision.update(self.mask_inputs(input_ids, position_ids))
+        assert self.vision_step is not None, "build_model installs the vision hook"
+        present = {k for k, key in KIND_INPUT.items() if key in vision}
+        self.vision_step.start(present, self.dataset_kinds, input_ids)
+        return vision
+
+    def scoring_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The text rows' (the attention mask), each row's positions (the family's multimodal RoPE where it has
+        one) and the rows' media inputs (`media_inputs`)."""
+        ids = batch["input_ids"].to(self.device)
+        position_ids = batch["position_ids"].to(self.device)
+        return {
+            **super().scoring_inputs(batch),
+            "position_ids": position_ids,
+            **self.media_inputs(batch, ids, position_ids),
+        }
 
     def run_rows(
         self, model: torch.nn.Module, batch: dict[str, torch.Tensor], log_probs: bool = False, **model_kwargs: Any
@@ -484,8 +537,7 @@ class VLMTask(CausalLMTask):
         ids = batch["input_ids"]
         keys = ("input_ids", "position_ids", "shift_labels", PADDING_MASK_KEY)
         rows = {k: batch[k].to(self.device) for k in keys if k in batch}
-        vision = {k: batch[k].to(self.device) for k in self.input_keys if k in batch}
-        vision.update(self.mask_inputs(rows["input_ids"]))
+        vision = self.media_inputs(batch, rows["input_ids"], rows.get("position_ids"))
         if self.mesh.dims.sp > 1:
             # Labels (and the padding mask of task hooks) are cut here; input ids and positions stay whole (the
             # model fills the vision embeddings into the full sequence) and the language-model hook cuts
@@ -495,9 +547,6 @@ class VLMTask(CausalLMTask):
             for key in ("shift_labels", PADDING_MASK_KEY):
                 if key in rows:
                     rows[key] = rows[key][:, start : start + chunk].contiguous()
-        assert self.vision_step is not None, "build_model installs the vision hook"
-        present = {k for k, key in KIND_INPUT.items() if key in vision}
-        self.vision_step.start(present, self.dataset_kinds, rows["input_ids"])
         with self._autocast():
             if log_probs:
                 kwargs: dict[str, Any] = {**vision, **self.model_kwargs(rows), **model_kwargs}
