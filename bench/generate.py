@@ -284,11 +284,13 @@ def diffusers_pipe(root: Path, dtype: torch.dtype, device: str, vae_dtype: torch
     import diffusers
 
     from spindle.registry import resolve_family
+    from spindle.testing.specs import declared
 
     index = json.loads((root / "model_index.json").read_text())
     vae = getattr(diffusers, index["vae"][1]).from_pretrained(root / "vae", dtype=vae_dtype)
     family = resolve_family(root)  # (a component stock cannot build here, e.g. Qwen-Image-Edit's processor)
-    overrides = family.conformance.stock_overrides(root) if getattr(family, "conformance", None) else {}
+    spec = declared(family)  # the family's conformance spec (its folder's conformance.py)
+    overrides = spec.stock_overrides(root) if spec is not None and hasattr(spec, "stock_overrides") else {}
     pipe = getattr(diffusers, index["_class_name"]).from_pretrained(root, vae=vae, dtype=dtype, **overrides)
     pipe = pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
@@ -298,15 +300,17 @@ def diffusers_pipe(root: Path, dtype: torch.dtype, device: str, vae_dtype: torch
 def stock_names() -> dict[str, str]:
     """Spindle option -> the stock pipeline's keyword where they differ (FLUX.1 Kontext's `_auto_resize`)."""
     from spindle.registry import all_families
+    from spindle.testing.specs import declared
 
-    return {k: v for f in all_families() for k, v in (getattr(f.conformance, "stock_names", None) or {}).items()}
+    return {k: v for f in all_families() for k, v in (getattr(declared(f), "stock_names", None) or {}).items()}
 
 
 def stock_guider() -> set[str]:
     """Spindle options a stock pipeline takes through its guider component (HunyuanVideo-1.5's guidance_scale)."""
     from spindle.registry import all_families
+    from spindle.testing.specs import declared
 
-    return {k for f in all_families() for k in (getattr(f.conformance, "stock_guider", None) or ())}
+    return {k for f in all_families() for k in (getattr(declared(f), "stock_guider", None) or ())}
 
 
 def run_diffusers(pipe, req: dict, seed: int, steps: int | None = None) -> np.ndarray:

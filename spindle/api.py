@@ -40,7 +40,7 @@ def job_family(raw_or_cfg: dict[str, Any] | TrainJobConfig) -> Family:
     return family_of(model.path, model.family)
 
 
-def job_task(family: Family) -> type[TrainTask]:
+def job_task(family: Family) -> type[TrainTask[Any, Any]]:
     if family.task not in TASKS:
         raise ConfigError(f"family {family.name!r} names training task {family.task!r}; known: {', '.join(TASKS)}")
     return get_task(family.task)

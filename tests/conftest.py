@@ -100,11 +100,11 @@ def tiny_checkpoint(tmp_path_factory) -> Callable[[str], Path]:
 
     def get(family: str) -> Path:
         if family not in built:
-            from spindle.registry import get_family
+            from spindle.testing.specs import declared
             from spindle.testing.tiny import build_tiny
 
             # a causal-LM family's conformance spec may declare config overrides (e.g. fewer MoE layers)
-            overrides = getattr(get_family(family).conformance, "tiny_overrides", None)
+            overrides = getattr(declared(family), "tiny_overrides", None)
             extra = {"transformer": overrides} if overrides else {}
             built[family] = build_tiny(family, tmp_path_factory.mktemp("models") / family, seed=0, **extra)
         return built[family]

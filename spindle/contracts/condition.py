@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from spindle.contracts.protocols import TimestepSamplingLike
+
 
 @dataclass(frozen=True)
 class PixelGrid:
@@ -36,7 +38,7 @@ class ConditionModel(ABC):
     encoding_version: int = 1
 
     # how training draws sigmas (the job's `train.timestep`, a `spindle.config.TimestepConfig`)
-    timestep_sampling: Any
+    timestep_sampling: TimestepSamplingLike
     # the sigmas training draws are mapped into [low, high] (a two-expert family's trained expert's range)
     sigma_range: tuple[float, float] = (0.0, 1.0)
 

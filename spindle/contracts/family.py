@@ -1,5 +1,6 @@
 """Family records: what a family registers (`DiTFamily`, `CausalLMFamily`, `VLMFamily`, `OmniFamily`), with
-its demo and conformance specs and its checkpoint adapter.
+its demo spec (`spindle demo`) and its checkpoint adapter. (What a family declares for the conformance suites is
+test data: its folder's `conformance.py`, spindle/models/shared/conformance.py.)
 
 Light (no torch, no diffusers at import), so the CLI can read every family's declarations (e.g. its
 sampling options, for `spindle generate` flags) without importing model code; the heavy parts are
@@ -20,8 +21,15 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, overload
 
 from spindle.contracts.options import FamilyOptions
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # (the records stay light: no torch at import)
+    import torch
+
     from spindle.contracts.condition import ConditionModel
+    from spindle.contracts.stage import InferenceSpec
+
+    # a checkpoint tensor as the model will hold it (spindle.distributed.sharded_load.TensorSource): its global
+    # shape and read(region) -> that region's values
+    TensorSource = tuple[tuple[int, ...], Callable[[tuple[slice, ...]], torch.Tensor]]
 
 
 class CheckpointAdapter(Protocol):
@@ -49,11 +57,14 @@ class CheckpointAdapter(Protocol):
         """Raise when a load left tensors missing, unexpected or mismatched."""
         ...
 
-    def to_layout(self, model: Any, state_dict: dict[str, Any], layout: str) -> dict[str, Any]:
-        """The trained state dict in the checkpoint's `layout` (what export writes)."""
+    def to_layout(
+        self, model: torch.nn.Module | None, state_dict: dict[str, torch.Tensor], layout: str
+    ) -> dict[str, torch.Tensor]:
+        """The trained state dict in the checkpoint's `layout` (what export writes); `model`: the trained model, or
+        None where only the tensors are at hand (a checkpoint's shards rewritten in another layout)."""
         ...
 
-    def load_sources(self, sources: dict[str, Any]) -> dict[str, Any]:
+    def load_sources(self, sources: dict[str, TensorSource]) -> dict[str, TensorSource]:
         """Sharded loading: {checkpoint key: (shape, read(region))} -> the same for the model's keys (e.g.
         per-expert tensors read as the fused ones, region by region); keys already in the model's
         layout pass through (spindle.distributed.sharded_load)."""
@@ -152,100 +163,6 @@ class TextDemoSpec:
             },
             "checkpoint": {"every_steps": 50, "resume": "none"},
         }
-
-
-@dataclass(frozen=True)
-class ConformanceSpec:
-    """How the conformance suite (spindle/testing/conformance.py, tests/conformance/) exercises a family.
-
-    `parity_cases`: name -> keyword arguments valid both for the stock diffusers pipeline call and
-    for `DiffusionGenerator.generate` (with `seed`), small enough for a CPU test; at least one case
-    with classifier-free guidance ("cfg") and one without ("nocfg"; a family whose pipeline has no CFG says why in
-    `no_cfg` and has no "cfg" case). A family taking conditioning images
-    (`FamilyOptions.images`) gets the suite's seeded test image(s) as `image` in every case.
-    """
-
-    parity_cases: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # why the family runs no classifier-free guidance (its stock pipeline has none: FLUX.2-dev is
-    # guidance-distilled); "" for the others, whose "cfg" case runs CFG (the suite checks it does) and "nocfg" not
-    no_cfg: str = ""
-    # the 2-process layouts the family trains with, checked equal to one process: "ulysses2"
-    # (parallel.sp=2) and "ring2" (parallel.ring=2). A family leaves one out only with the reason.
-    sequence_parallel: tuple[str, ...] = ("ulysses2", "ring2")
-    # Spindle's default request on the tiny checkpoint: the diffusers pipeline's __call__ defaults
-    # (`extra`: the family options'). The suite also reads them off the pipeline, so a stale value fails.
-    default_params: dict[str, Any] = field(default_factory=dict)
-    # requests the tiny checkpoint refuses for what the checkpoint bounds (sizes, frames, text length,
-    # scheduler): (generate() keyword arguments over the "nocfg" case, the RequestError message as a
-    # regex); the suite adds the rows every family shares (spindle.testing.conformance.COMMON_REQUEST_ERRORS)
-    request_errors: tuple[tuple[dict[str, Any], str], ...] = ()
-    # image families: a `spindle generate` request (generate() keyword arguments) using a flag of the
-    # family's own, which the suite runs as a real process and compares with generate()'s image
-    cli_case: dict[str, Any] | None = None
-    # model.max_text_length of the suite's condition models and training runs (small, divisible by the SP
-    # degrees); a family whose transformer fixes the text length (Wan I2V: 512) declares that length
-    text_tokens: int = 16
-    # the stock pipeline's keyword for a family option named otherwise (FLUX.1 Kontext: auto_resize is the
-    # pipeline's `_auto_resize`): the suite calls the stock pipeline with these names
-    stock_names: dict[str, str] = field(default_factory=dict)
-    # the size (pixels a side, or (height, width)) the stock pipeline's __call__ falls back to when it has no
-    # `default_sample_size` (ZImagePipeline: `height or 1024`); None: `default_sample_size` x `vae_scale_factor`
-    stock_size: int | tuple[int, int] | None = None
-    # generate() arguments the stock pipeline takes through its `guider` component's config, not its __call__
-    # (HunyuanVideo15Pipeline's guidance_scale): the suite sets them with `pipe.guider.new(...)`, and a default of
-    # one is the folder's guider's
-    stock_guider: tuple[str, ...] = ()
-    # edit families: source images per sample in the suite's training batches (`batch["images"]`)
-    train_sources: int = 0
-    # generate() options under which inference sees what training sees (the suite's token count), e.g.
-    # FLUX.1 Kontext's auto_resize=False: sources at the target's size, as training has them
-    train_request: dict[str, Any] = field(default_factory=dict)
-    # the family option `cli_case` shows to change generate()'s image (default: every option in it); the
-    # others only make the request valid on the tiny checkpoint (FLUX.1 Kontext's max_area)
-    cli_option: str | None = None
-    # "module:function(root) -> dict": `from_pretrained` overrides with which stock diffusers loads the
-    # checkpoint here, for a component whose class cannot be built on this machine (Qwen-Image-Edit's
-    # Qwen2VLProcessor needs torchvision); the suite's references are the stock pipeline loaded so
-    stock_components: str | None = None
-    # family options of the request whose token count the suite compares with training's at the demo size
-    # (an edit family sizes its input images by an option; training encodes them at the sample's size)
-    token_request: dict[str, Any] = field(default_factory=dict)
-
-    def stock_overrides(self, root: Path) -> dict[str, Any]:
-        return {} if self.stock_components is None else dict(import_object(self.stock_components)(root))
-
-    # frames of the suite's runtime-adapter requests (a video family's adapters act per frame: 1 is enough); LTX-2
-    # image-to-video keeps its one latent frame as the given image, so it needs a second latent frame to show them
-    adapter_frames: int = 1
-    # denoising steps of the suite's step-cache runs: enough that the cache skips a few (a two-expert family's
-    # experts each compute every block at their first step)
-    cache_steps: int = 3
-    # dotted overrides every training run of the suite adds, for what the family's training requires
-    # (a two-expert family: which expert to train, `train__expert`)
-    train_overrides: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class CausalLMConformanceSpec:
-    """How the conformance suite (spindle/testing/causal_lm_conformance.py, tests/conformance/) exercises a
-    causal-LM family. The defaults fit a dense family; a family changes a field only with the reason."""
-
-    # transformers config overrides of the tiny checkpoint the tests use (`tiny_checkpoint(family)`),
-    # e.g. an MoE router aux coefficient large enough that a wrong aux loss shows in the step loss
-    tiny_overrides: dict[str, Any] = field(default_factory=dict)
-    # config overrides of the small stock/patched pair the loss-parity tests build (over the suite's shape,
-    # spindle.testing.causal_lm_conformance.PAIR_CONFIG) where the family's attention needs them, e.g.
-    # multi-head latent attention's as many key/value heads as query heads
-    pair_overrides: dict[str, Any] = field(default_factory=dict)
-    # extra keyword arguments of the stock transformers forward whose `loss` Spindle's step loss equals
-    # (MoE: {"output_router_logits": True}, which adds the router aux loss as Spindle's task does)
-    stock_loss_kwargs: dict[str, Any] = field(default_factory=dict)
-    # step metrics equal to the same-named output of that stock forward (MoE: "aux_loss")
-    stock_outputs: tuple[str, ...] = ()
-    # the 2-process layouts the family trains with, checked equal to one process: "dp_shard2"
-    # (parallel.dp_shard=2) and "sp2" (parallel.sp=2); "ep2" (parallel.ep=2) joins them when the family's
-    # task supports expert parallelism. A family leaves one out only with the reason.
-    parallel: tuple[str, ...] = ("dp_shard2", "sp2")
 
 
 @dataclass(frozen=True)
@@ -360,7 +277,6 @@ class DiTFamily(FamilyFolder):
     checkpoint: DiffusersCheckpoint
     options: FamilyOptions = field(default_factory=FamilyOptions)  # sampling options (CLI flags, HTTP fields)
     demo: DemoSpec | None = None
-    conformance: ConformanceSpec | None = None
     task: str = "flow_matching"  # the training task (a key of spindle.train.tasks.TASKS)
     extras: dict[str, Any] = field(default_factory=dict)
     # why the family trains without sequence parallelism although its diffusers transformer has a `_cp_plan`
@@ -393,10 +309,11 @@ class DiTFamily(FamilyFolder):
         stock class has no LoRA loader."""
         return _lora_pipeline(self.checkpoint.pipeline, self.checkpoint.lora_loader)
 
-    def inference_spec(self) -> Any:
+    def inference_spec(self) -> InferenceSpec:
         if self.inference is None:
             raise NotImplementedError(f"family {self.name!r} has no inference support yet")
-        return import_object(self.inference)
+        spec: InferenceSpec = import_object(self.inference)
+        return spec
 
 
 @dataclass(frozen=True)
@@ -426,7 +343,6 @@ class CausalLMFamily(FamilyFolder):
     # to one document per row
     packing_refused: str = field(default="", kw_only=True)
     demo: TextDemoSpec | None = field(default_factory=TextDemoSpec)  # every language model's text demo
-    conformance: CausalLMConformanceSpec = field(default_factory=CausalLMConformanceSpec)
     extras: dict[str, Any] = field(default_factory=dict)
     task: str = "causal_lm"  # the training task (a key of spindle.train.tasks.TASKS)
     # its `CheckpointAdapter` (checkpoint layout checks and conversion, e.g. per-expert <-> fused MoE tensors);
@@ -450,7 +366,7 @@ class CausalLMFamily(FamilyFolder):
         """The family's checkpoint adapter, or None when its checkpoints need no conversion."""
         return None if self.checkpoint_adapter is None else import_object(self.checkpoint_adapter)
 
-    def inference_spec(self) -> Any:
+    def inference_spec(self) -> InferenceSpec:
         raise NotImplementedError(
             f"{self.name} is a language model: Spindle's generate/serve engine runs diffusion models only; "
             "load the exported folder with transformers (AutoModelForCausalLM.from_pretrained) to generate text"
@@ -516,16 +432,20 @@ class VLMFamily(CausalLMFamily):
     def export_hint(self) -> str:
         return "transformers.AutoModelForImageTextToText.from_pretrained loads it"
 
-    def rope_index_fn(self) -> Callable[..., Any]:
-        fn: Callable[..., Any] = import_object(self.rope_index)
+    def rope_index_fn(self) -> Callable[..., torch.Tensor]:
+        """(config, input_ids [1, L], image_grid_thw, video_grid_thw, second_per_grid_ts, **model extras) -> the
+        document's [R, 1, L] RoPE positions (`rope_index`)."""
+        fn: Callable[..., torch.Tensor] = import_object(self.rope_index)
         return fn
 
-    def image_layout(self) -> Any:
+    def image_layout(self) -> type | None:
         """The family's image layout class (`images`), or None for Qwen-VL's (the data path's default)."""
-        return import_object(self.images) if self.images else None
+        cls: type | None = import_object(self.images) if self.images else None
+        return cls
 
-    def audio_tokens_fn(self) -> Callable[[Any, int], int] | None:
-        fn: Callable[[Any, int], int] | None = import_object(self.audio_tokens) if self.audio_tokens else None
+    def audio_tokens_fn(self) -> Callable[[object, int], int] | None:
+        """(the model's transformers config, mel frames) -> the decoder tokens of an audio clip (`audio_tokens`)."""
+        fn: Callable[[object, int], int] | None = import_object(self.audio_tokens) if self.audio_tokens else None
         return fn
 
     def part_of(self, param_name: str) -> str | None:
@@ -537,7 +457,7 @@ class VLMFamily(CausalLMFamily):
                     best = (len(prefix), part)
         return best[1]
 
-    def inference_spec(self) -> Any:
+    def inference_spec(self) -> InferenceSpec:
         raise NotImplementedError(
             f"{self.name} is a vision-language model: Spindle's generate/serve engine runs diffusion models only; "
             "load the exported folder with transformers (AutoModelForImageTextToText.from_pretrained) to generate"

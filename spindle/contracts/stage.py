@@ -220,7 +220,9 @@ class InferenceSpec:
     def post_denoising(self, latents: torch.Tensor, req: Req) -> torch.Tensor:
         return latents
 
-    def decode_scale_shift(self, vae: Any, latents: torch.Tensor) -> tuple[Any, Any]:
+    def decode_scale_shift(self, vae: Any, latents: torch.Tensor) -> tuple[float | torch.Tensor, float | torch.Tensor]:
+        """(scale, shift) of `vae_input = latents / scale + shift`: floats from the VAE's config, or tensors
+        broadcastable to the latents (a VAE with per-channel mean / std)."""
         cfg = vae.config
         return getattr(cfg, "scaling_factor", 1.0), getattr(cfg, "shift_factor", None) or 0.0
 

@@ -40,10 +40,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from spindle.distributed.mesh import Mesh, ParallelDims
+from spindle.contracts.protocols import ParallelDimsLike
+from spindle.distributed.mesh import Mesh
 
 
-def check_ep_layout(dims: ParallelDims, num_experts: int) -> None:
+def check_ep_layout(dims: ParallelDimsLike, num_experts: int) -> None:
     """Layouts EP supports (before launch); raises ValueError naming the field."""
     if dims.ep == 1:
         return

@@ -18,11 +18,16 @@ class TimestepSampling(Protocol):
     """How sigmas are drawn: the job's `train.timestep` (`spindle.config.TimestepConfig`, which is checked
     there; a protocol so that ops imports no config)."""
 
-    scheme: str
-    logit_mean: float
-    logit_std: float
-    mode_scale: float
-    shift: float
+    @property
+    def scheme(self) -> str: ...
+    @property
+    def logit_mean(self) -> float: ...
+    @property
+    def logit_std(self) -> float: ...
+    @property
+    def mode_scale(self) -> float: ...
+    @property
+    def shift(self) -> float: ...
 
 
 def sample_sigmas(

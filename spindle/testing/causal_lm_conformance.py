@@ -2,7 +2,7 @@
 
 tests/conformance/test_causal_lm_conformance.py runs each check over every causal-LM family in the
 registry, so a new family is tested by registering it. What a family declares for the suite: its
-`CausalLMConformanceSpec` (spindle.contracts.family): tiny-checkpoint overrides, the stock forward's
+`CausalLMConformanceSpec` (its folder's conformance.py, spindle.testing.specs): tiny-checkpoint overrides, the stock forward's
 loss arguments and outputs its step metrics equal, and the 2-process layouts it trains with.
 
 Tolerances (fp32 CPU, CONTRIBUTING.md): the patched model class equals stock transformers (loss and
@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from spindle.contracts.family import CausalLMFamily
+from spindle.testing.specs import lm_spec
 
 TOL_RTOL, TOL_ATOL = 1e-5, 1e-6  # the patched class against stock transformers, same weights
 RTOL = 1e-5  # Spindle's step metrics against stock transformers / one process
@@ -45,7 +46,7 @@ def parallel_layouts(family: CausalLMFamily) -> list[str]:
     supports expert parallelism."""
     from spindle.train.tasks import get_task
 
-    layouts = list(family.conformance.parallel)
+    layouts = list(lm_spec(family).parallel)
     if get_task(family.task).supports_expert_parallel(family):
         layouts += [name for name in ("ep2", "ep2_cpu_offload") if name not in layouts]
     unknown = sorted(set(layouts) - set(LAYOUTS))
@@ -107,7 +108,7 @@ def stock_and_patched(family: CausalLMFamily, root: Path) -> tuple[Any, Any]:
     (with the family's `pair_overrides`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(root, **{**PAIR_CONFIG, **family.conformance.pair_overrides})
+    config = AutoConfig.from_pretrained(root, **{**PAIR_CONFIG, **lm_spec(family).pair_overrides})
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     patched = family.model_cls()(config).eval()
@@ -182,11 +183,11 @@ def check_step_one(family: CausalLMFamily, root: Path, metrics: dict[str, Any], 
     model = stock(root)[0] if model is None else model
     tok = AutoTokenizer.from_pretrained(root)
     ids = torch.tensor([[*tok(STEP_ONE_TEXT).input_ids, tok.eos_token_id]])
-    out = model(ids, labels=ids, **family.conformance.stock_loss_kwargs)
+    out = model(ids, labels=ids, **lm_spec(family).stock_loss_kwargs)
     out.loss.backward()
     norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
     want = {"loss": out.loss.item(), "grad_norm": float(norm)}
-    want.update({name: getattr(out, name).item() for name in family.conformance.stock_outputs})
+    want.update({name: getattr(out, name).item() for name in lm_spec(family).stock_outputs})
     got = {k: metrics[k] for k in want}
     assert got == pytest.approx(want, rel=RTOL), f"{family.name}: Spindle's step 1 {got} != stock {want}"
 
@@ -248,7 +249,7 @@ def check_same_run(family: CausalLMFamily, a: Path, b: Path, *, weights: bool = 
 
     ma, mb = read_metrics(a), read_metrics(b)
     assert [m["step"] for m in mb] == [m["step"] for m in ma] and ma, f"{family.name}: steps differ"
-    for key in ("loss", "grad_norm", *family.conformance.stock_outputs):
+    for key in ("loss", "grad_norm", *lm_spec(family).stock_outputs):
         got, want = [m[key] for m in mb], [m[key] for m in ma]
         assert got == pytest.approx(want, rel=RTOL), f"{family.name} {key}: {got} != one process {want}"
     if "moe_tokens_per_expert" in ma[0]:

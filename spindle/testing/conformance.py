@@ -5,9 +5,8 @@ family is its folder + its registration + passing these (docs/adding-a-model.md)
 AssertionError naming the family and what differs, so the same functions also show that a broken
 family fails (tests/conformance/test_conformance.py::test_a_broken_family_fails_the_suite).
 
-What a family declares for the suite, next to its DemoSpec: a `ConformanceSpec` (spindle.models.base)
-with parity cases,
-keyword arguments valid both for the stock diffusers pipeline call and for Spindle's
+What a family declares for the suite: a `ConformanceSpec` (spindle/models/shared/conformance.py) in its folder's
+`conformance.py`, found by family name (spindle.testing.specs), with parity cases, keyword arguments valid both for the stock diffusers pipeline call and for Spindle's
 `DiffusionGenerator.generate` (at least one case with classifier-free guidance and one without).
 """
 
@@ -25,6 +24,8 @@ from spindle.api import load_generator
 from spindle.contracts.family import DiTFamily
 from spindle.export.diffusers import load_transformer
 from spindle.model_index import read_model_index
+from spindle.models.shared.conformance import ConformanceSpec
+from spindle.testing.specs import dit_spec
 
 PARITY_ATOL = 1e-5  # fp32 CPU, max abs difference of frames in [0, 1]
 SP_RTOL = 1e-5  # loss and gradients of a sequence-parallel layout against one process
@@ -33,7 +34,8 @@ TEXT_TOKENS = 16  # model.max_text_length for the tiny checks (divides the SP de
 
 def text_tokens(family: DiTFamily) -> int:
     """model.max_text_length for `family`'s checks: TEXT_TOKENS unless its transformer fixes the length."""
-    return family.conformance.text_tokens if family.conformance is not None else TEXT_TOKENS
+    spec = dit_spec(family)
+    return spec.text_tokens if spec is not None else TEXT_TOKENS
 
 
 # ---------------------------------------------------------------- checkpoint and inference
@@ -48,7 +50,8 @@ def stock_pipeline(root: Path, pipeline_cls: Any = None) -> Any:
     from spindle.registry import resolve_family
 
     family = resolve_family(root)
-    overrides = family.conformance.stock_overrides(root) if isinstance(family, DiTFamily) and family.conformance else {}
+    spec = dit_spec(family) if isinstance(family, DiTFamily) else None
+    overrides = spec.stock_overrides(root) if spec is not None else {}
     return (pipeline_cls or DiffusionPipeline).from_pretrained(root, **overrides)
 
 
@@ -94,7 +97,8 @@ def guider_names(root: Path) -> tuple[str, ...]:
     from spindle.registry import resolve_family
 
     family = resolve_family(root)
-    return family.conformance.stock_guider if isinstance(family, DiTFamily) and family.conformance else ()
+    spec = dit_spec(family) if isinstance(family, DiTFamily) else None
+    return spec.stock_guider if spec is not None else ()
 
 
 def check_reference(family: str, reference: np.ndarray, kwargs: dict[str, Any]) -> None:
@@ -138,9 +142,10 @@ def check_default_params(family: DiTFamily, root: Path, expected: dict[str, Any]
     pipeline_cls = family.pipeline_class()
     call = inspect.signature(pipeline_cls.__call__).parameters
     pipe: Any = None
+    spec = dit_spec(family)
     for name, value in {**{k: v for k, v in expected.items() if k != "extra"}, **expected.get("extra", {})}.items():
         stock = call[name].default if name in call else None
-        if family.conformance is not None and name in family.conformance.stock_guider:
+        if spec is not None and name in spec.stock_guider:
             if pipe is None:
                 pipe = stock_pipeline(root, pipeline_cls)
             stock = pipe.guider.config[name]  # the folder's guider's
@@ -150,7 +155,7 @@ def check_default_params(family: DiTFamily, root: Path, expected: dict[str, Any]
                 pipe = stock_pipeline(root, pipeline_cls)
             sample_size = getattr(pipe, "default_sample_size", None)
             # a pipeline without one falls back to a fixed size in __call__'s body, which the family declares
-            declared = family.conformance.stock_size if family.conformance is not None else None
+            declared = spec.stock_size if spec is not None else None
             if isinstance(declared, tuple):  # (height, width): a pipeline falling back to a non-square size
                 declared = declared[("height", "width").index(name)]
             stock = declared if sample_size is None else sample_size * pipe.vae_scale_factor
@@ -222,7 +227,8 @@ COMMON_REQUEST_ERRORS: tuple[tuple[dict[str, Any], str], ...] = (
 
 def request_error_cases(family: DiTFamily) -> list[tuple[dict[str, Any], str]]:
     """The shared rows, then the family's own (`ConformanceSpec.request_errors`)."""
-    own = family.conformance.request_errors if family.conformance else ()
+    spec = dit_spec(family)
+    own = spec.request_errors if spec is not None else ()
     return [*COMMON_REQUEST_ERRORS, *own]
 
 
@@ -234,7 +240,8 @@ def check_request_errors(family: DiTFamily, root: Path) -> None:
     from spindle.contracts.options import needs_negative_prompt
 
     gen = load_generator(root)
-    base = {k: v for k, v in family.conformance.parity_cases["nocfg"].items()} if family.conformance else {}
+    spec = dit_spec(family)
+    base = dict(spec.parity_cases["nocfg"]) if spec is not None else {}
     known = ", ".join(family.options.names()) or "none"
     check_request_error(
         gen, {**base, "strength": 0.5}, rf"strength is not an option of {family.name} \(its options: {known}\)"
@@ -274,7 +281,8 @@ def check_inference_parity(
     spec = family.inference_spec()
     trained = trained_text_length(root) if spec.follows_trained_text_length else None
     stock_kwargs = kwargs if trained is None else {"max_sequence_length": trained, **kwargs}
-    names = family.conformance.stock_names if family.conformance else {}
+    declared = dit_spec(family)
+    names = declared.stock_names if declared is not None else {}
     reference = stock_output(root, stock_kwargs, names)
     check_reference(family.name, reference, kwargs)
     options = EngineConfig(cfg_batch=cfg_batch)
@@ -353,7 +361,8 @@ def check_generate_cli_png(
     frames = gen.generate(**kwargs).frames
     diff = np.abs(image.astype(np.float32) - frames[0] * 255).max()
     assert diff <= 1.0, f"{family.name}: the png differs from generate()'s image by {diff} of 255"
-    shown = family.conformance.cli_option if family.conformance else None
+    spec = dit_spec(family)
+    shown = spec.cli_option if spec is not None else None
     for name in family.options.names():
         if name in kwargs and shown in (None, name):
             default = gen.generate(**{k: v for k, v in kwargs.items() if k != name}).frames
@@ -374,7 +383,7 @@ def training_batch(family: DiTFamily, samples: int = 2) -> dict[str, Any]:
         "caption": ["a red circle moves left", "a blue square on the right"][:samples],
         "index": torch.arange(samples),
     }
-    spec = family.conformance
+    spec = dit_spec(family)
     sources = spec.train_sources if spec is not None else 0
     if not sources and family.options.images[0] and frames == 1:  # an image-editing family's required sources
         sources = min(2, family.options.images[1])
@@ -442,12 +451,10 @@ def check_condition_rejects_bad_pixels(family: DiTFamily, root: Path) -> None:
         encode(frames, height - 2, width)
 
 
-def get_conformance(name: str) -> Any:
-    from spindle.registry import get_family
-
-    family = get_family(name)
-    assert isinstance(family, DiTFamily) and family.conformance is not None, f"{name}: no ConformanceSpec"
-    return family.conformance
+def get_conformance(name: str) -> ConformanceSpec:
+    spec = dit_spec(name)
+    assert spec is not None, f"{name}: no ConformanceSpec (its folder's conformance.py)"
+    return spec
 
 
 def inference_tokens(root: Path, height: int, width: int, num_frames: int) -> int:
@@ -484,7 +491,8 @@ def check_overfit(family: DiTFamily, losses: list[float]) -> None:
 
 def trained_component(family: DiTFamily, root: Path) -> str:
     """The checkpoint component the suite's training runs train (`ConformanceSpec.train_overrides`)."""
-    expert = family.conformance.train_overrides.get("train__expert") if family.conformance else None
+    spec = dit_spec(family)
+    expert = spec.train_overrides.get("train__expert") if spec is not None else None
     index = read_model_index(root)
     return family.condition_model_cls().trained_component(index, expert)
 
@@ -671,7 +679,8 @@ def check_runtime_adapters(family: DiTFamily, root: Path, out: Path, kwargs: dic
     for name in ("a", "b"):
         adapters.load(name, adapters.resolve(None, name))
     if "num_frames" in kwargs:  # a video family's adapters act per frame as well: one is usually enough
-        kwargs = {**kwargs, "num_frames": family.conformance.adapter_frames if family.conformance else 1}
+        spec = dit_spec(family)
+        kwargs = {**kwargs, "num_frames": spec.adapter_frames if spec is not None else 1}
     asked: list[tuple[str | None, float | None]] = [("a", None), (None, None), ("b", 0.5)]
     served = [gen.generate(**kwargs, lora=name, lora_scale=scale).frames for name, scale in asked]
     alone = {

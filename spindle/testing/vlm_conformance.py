@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from spindle.contracts.family import VLMFamily
+from spindle.testing.specs import lm_spec
 
 RTOL, GRAD_RTOL = 1e-5, 1e-4
 # the config fields naming media tokens (those a model has)
@@ -60,7 +61,7 @@ def parallel_layouts(family: VLMFamily, declared: dict[str, str] = DECLARED) -> 
     suite's ranks are audio-free rather than text-only)."""
     from spindle.train.tasks import get_task
 
-    layouts = [declared[name] for name in family.conformance.parallel]
+    layouts = [declared[name] for name in lm_spec(family).parallel]
     if get_task(family.task).supports_expert_parallel(family) and declared["ep2"] not in layouts:
         layouts.append(declared["ep2"])
     return layouts
@@ -343,9 +344,9 @@ def check_stock_step(family: VLMFamily, model: Any, inputs: dict[str, Any], logg
     `stock_loss_kwargs`): loss and each declared stock output 1e-5, the grad norm of its backward 1e-4."""
     import pytest
 
-    out = model(**inputs, **family.conformance.stock_loss_kwargs)
+    out = model(**inputs, **lm_spec(family).stock_loss_kwargs)
     out.loss.backward()
-    outputs = {name: float(getattr(out, name).detach()) for name in family.conformance.stock_outputs}
+    outputs = {name: float(getattr(out, name).detach()) for name in lm_spec(family).stock_outputs}
     want = {"loss": float(out.loss.detach()), **outputs}
     got = {k: logged[k] for k in want}
     assert got == pytest.approx(want, rel=RTOL), f"{family.name}: Spindle's step 1 {got} != stock {want}"

@@ -91,7 +91,9 @@ def grad_accum_steps(cfg: TrainJobConfig, dp_size: int) -> int:
     return cfg.train.global_batch_size // per_step
 
 
-def check_parallel_plan(cfg: TrainJobConfig, family: Any, task: type[TrainTask], world_size: int) -> ParallelDims:
+def check_parallel_plan(
+    cfg: TrainJobConfig, family: Any, task: type[TrainTask[Any, Any]], world_size: int
+) -> ParallelDims:
     """Validate the parallel layout against the world size and the model, before any heavy work."""
     dims = ParallelDims(**cfg.parallel.model_dump()).resolve(world_size)
     grad_accum_steps(cfg, dims.dp_size)
@@ -108,7 +110,7 @@ class Trainer:
     """The loop for one job: `cfg` validated against `task.config_class`, `family` the record of the model
     it trains (the entry point resolves both: `spindle.api.make_trainer`)."""
 
-    def __init__(self, cfg: TrainJobConfig, family: Any, task: type[TrainTask]):
+    def __init__(self, cfg: TrainJobConfig, family: Any, task: type[TrainTask[Any, Any]]):
         self.cfg = cfg
         self.family = family
         self.output_dir = Path(cfg.train.output_dir)
@@ -155,7 +157,7 @@ class Trainer:
         self.schedule_steps = schedule_steps(self.run_record, cfg, self.force)
         self.already_complete = self.resume_from is not None and self.resume_step >= cfg.train.max_steps
 
-    def _build(self, cfg: TrainJobConfig, family: Any, task: type[TrainTask]) -> None:
+    def _build(self, cfg: TrainJobConfig, family: Any, task: type[TrainTask[Any, Any]]) -> None:
         check_weight_files(cfg.model.path)
         self.device = local_device()
         if self.device.type == "cpu":
@@ -167,7 +169,7 @@ class Trainer:
         self.precision = resolve_precision(cfg.train.mixed_precision)
         frozen_dtype(cfg.train.frozen_dtype, self.precision)  # a bad combination fails before any load
         torch.manual_seed(cfg.train.seed)
-        self.task: TrainTask = task(cfg, family, self.mesh, self.device, self.precision)
+        self.task: TrainTask[Any, Any] = task(cfg, family, self.mesh, self.device, self.precision)
         self.model = self.task.build_model()
         # peak memory per rank, logged by rank 0: after load here, after the first step in `run`
         self.peak_memory: dict[str, list[PeakMemory]] = {"after load": report_peak_memory("after load", self.device)}
@@ -483,5 +485,5 @@ class Trainer:
         return out
 
 
-def train(cfg: TrainJobConfig, family: Any, task: type[TrainTask]) -> TrainResult:
+def train(cfg: TrainJobConfig, family: Any, task: type[TrainTask[Any, Any]]) -> TrainResult:
     return Trainer(cfg, family, task).run()

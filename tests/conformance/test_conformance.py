@@ -27,10 +27,11 @@ from spindle.api import load_generator, load_job_config
 from spindle.contracts.family import import_object
 from spindle.registry import all_families, get_family
 from spindle.testing import conformance as suite
+from spindle.testing.specs import dit_spec
 from tests.conftest import train_overrides
 
 FAMILIES = sorted(f.name for f in all_families() if f.task == "flow_matching")
-PARITY = [(f, case) for f in FAMILIES for case in sorted(get_family(f).conformance.parity_cases)]
+PARITY = [(f, case) for f in FAMILIES for case in sorted(dit_spec(f).parity_cases)]
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +43,13 @@ def tiny(tiny_checkpoint):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_family_declares_what_the_suite_needs(name):
     family = get_family(name)
-    assert family.tiny_model and family.demo and family.inference and family.conformance, name
-    assert family.conformance.default_params, f"{name}: declare the diffusers pipeline's call defaults"
+    assert family.tiny_model and family.demo and family.inference and dit_spec(name), name
+    assert dit_spec(name).default_params, f"{name}: declare the diffusers pipeline's call defaults"
     if family.inference_spec().media == "image":
-        assert family.conformance.cli_case, f"{name}: declare a `spindle generate` request (cli_case)"
-    cases = family.conformance.parity_cases
+        assert dit_spec(name).cli_case, f"{name}: declare a `spindle generate` request (cli_case)"
+    cases = dit_spec(name).parity_cases
     assert "nocfg" in cases, f"{name}: no parity case without guidance"
-    if family.conformance.no_cfg:  # (its pipeline has none: no CFG case to run)
+    if dit_spec(name).no_cfg:  # (its pipeline has none: no CFG case to run)
         assert "cfg" not in cases, f"{name}: a CFG case, but the family declares no_cfg"
     else:  # (that it enables CFG: test_cfg_batch_is_one_forward_equal_to_two)
         assert "cfg" in cases, f"{name}: no parity case with classifier-free guidance"
@@ -63,12 +64,12 @@ def test_tiny_checkpoint_loads_in_stock_diffusers(name, tiny):
 @pytest.mark.parametrize("name,case", PARITY, ids=[f"{f}-{c}" for f, c in PARITY])
 def test_inference_equals_the_diffusers_pipeline(name, case, cfg_batch, tiny):
     family = get_family(name)
-    suite.check_inference_parity(family, tiny(name), family.conformance.parity_cases[case], cfg_batch=cfg_batch)
+    suite.check_inference_parity(family, tiny(name), dit_spec(name).parity_cases[case], cfg_batch=cfg_batch)
 
 
 def guided_case(name: str) -> dict:
     """The family's CFG case; a family without CFG (`ConformanceSpec.no_cfg`): its "nocfg" one."""
-    cases = get_family(name).conformance.parity_cases
+    cases = dit_spec(name).parity_cases
     return cases.get("cfg", cases["nocfg"])
 
 
@@ -81,7 +82,7 @@ def test_adapters_chosen_per_request_equal_each_lora_alone(name, tiny, tmp_path)
 @pytest.mark.parametrize("name", FAMILIES)
 def test_defaults_are_the_diffusers_pipeline_defaults(name, tiny):
     family = get_family(name)
-    suite.check_default_params(family, tiny(name), family.conformance.default_params)
+    suite.check_default_params(family, tiny(name), dit_spec(name).default_params)
 
 
 # `spindle generate` per image family (its ConformanceSpec.cli_case, with a flag of its own). A video
@@ -92,7 +93,7 @@ IMAGE_FAMILIES = [f for f in FAMILIES if get_family(f).inference_spec().media ==
 @pytest.mark.parametrize("name", IMAGE_FAMILIES)
 def test_generate_cli_writes_the_generated_png(name, tiny, tmp_path, spindle_cli):
     family = get_family(name)
-    suite.check_generate_cli_png(family, tiny(name), tmp_path / f"{name}.png", family.conformance.cli_case, spindle_cli)
+    suite.check_generate_cli_png(family, tiny(name), tmp_path / f"{name}.png", dit_spec(name).cli_case, spindle_cli)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -104,13 +105,13 @@ def test_tiny_model_cli_writes_a_checkpoint_the_registry_resolves(name, tmp_path
     assert resolve_family(tmp_path / "m").name == name
 
 
-CFG_FAMILIES = [f for f in FAMILIES if not get_family(f).conformance.no_cfg]
+CFG_FAMILIES = [f for f in FAMILIES if not dit_spec(f).no_cfg]
 
 
 @pytest.mark.parametrize("name", CFG_FAMILIES)
 def test_cfg_batch_is_one_forward_equal_to_two(name, tiny):
     family = get_family(name)
-    suite.check_cfg_batch_is_one_forward(family, tiny(name), family.conformance.parity_cases["cfg"])
+    suite.check_cfg_batch_is_one_forward(family, tiny(name), dit_spec(name).parity_cases["cfg"])
 
 
 BAD_REQUESTS = [(f, i) for f in FAMILIES for i in range(len(suite.request_error_cases(get_family(f))))]
@@ -141,7 +142,7 @@ def test_bad_requests_are_clear_errors(name, row, generator):
     family = get_family(name)
     kw, message = suite.request_error_cases(family)[row]
     field = "negative_prompt" if "negative_prompt" in kw else next(iter(kw))  # the field the row makes bad
-    suite.check_request_error(generator(name), {**family.conformance.parity_cases["nocfg"], **kw}, message, field)
+    suite.check_request_error(generator(name), {**dit_spec(name).parity_cases["nocfg"], **kw}, message, field)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -151,7 +152,7 @@ def test_bad_options_are_clear_request_errors(name, tiny):
 
 def cache_case(name: str) -> dict:
     """The family's CFG case (`guided_case`) with its `cache_steps` (3: the step cache has two steps to skip)."""
-    return {**guided_case(name), "num_inference_steps": get_family(name).conformance.cache_steps}
+    return {**guided_case(name), "num_inference_steps": dit_spec(name).cache_steps}
 
 
 # the families whose transformer diffusers' first-block cache can run (FLUX.2's spec names why it cannot: its
@@ -225,7 +226,7 @@ def test_overfits_and_exports_for_stock_diffusers(name, tiny, tmp_path):
         data__resolution=list(family.demo.size), data__num_frames=family.demo.num_frames,
         model__max_text_length=suite.text_tokens(family), train__max_steps=12, train__global_batch_size=2, train__micro_batch_size=2, train__lr=3e-3, train__seed=0,
         train__ema__decay=0.9, export__weights="both",  # the EMA beside the trained transformer (train.ema)
-        **family.conformance.train_overrides,
+        **dit_spec(name).train_overrides,
     )  # fmt: skip
     trainer = make_trainer(load_job_config(None, overrides))
     result = trainer.run()
@@ -240,7 +241,7 @@ def test_overfits_and_exports_for_stock_diffusers(name, tiny, tmp_path):
     suite.check_export_round_trip(family, tiny(name), result.export_dir, trained)
     suite.check_ema_export(family, result.export_dir, trainer.ema.state_dict())
     # Spindle's engine on the export still equals the stock pipeline on it
-    suite.check_inference_parity(family, result.export_dir, family.conformance.parity_cases["nocfg"])
+    suite.check_inference_parity(family, result.export_dir, dit_spec(name).parity_cases["nocfg"])
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -292,7 +293,7 @@ def test_diffusion_dpo_trains_a_step_from_the_demo_data(name, tiny, tmp_path):
         tiny(name), pairs, tmp_path / "run",
         data__resolution=list(demo.size), data__num_frames=demo.num_frames,
         model__max_text_length=suite.text_tokens(family), train__max_steps=1, train__global_batch_size=2,
-        train__micro_batch_size=2, train__objective="diffusion_dpo", **family.conformance.train_overrides,
+        train__micro_batch_size=2, train__objective="diffusion_dpo", **dit_spec(name).train_overrides,
     )  # fmt: skip
     result = make_trainer(load_job_config(None, overrides)).run()
     (metrics,) = read_metrics(result.output_dir)
@@ -321,7 +322,7 @@ def test_ulysses_and_ring_on_two_processes_equal_one(name, tiny, tmp_path):
 
     family = get_family(name)
     layouts = {"ulysses2": {"sp": 2}, "ring2": {"ring": 2}}
-    layouts = {k: v for k, v in layouts.items() if k in family.conformance.sequence_parallel}
+    layouts = {k: v for k, v in layouts.items() if k in dit_spec(name).sequence_parallel}
     if not layouts:
         # a transformer without a context-parallel plan (Z-Image's takes lists of variable-length samples):
         # the family trains without SP, and asking for it is refused before launch, saying why
@@ -354,10 +355,14 @@ def test_lora_targets_and_diffusers_lora_file(name, tiny, tmp_path):
 # ---------------------------------------------------------------- the suite can fail
 
 
-def test_a_broken_family_fails_the_suite(tiny):
+def test_a_broken_family_fails_the_suite(tiny, monkeypatch):
     """A family whose inference spec decodes with the wrong latent scale, and whose condition model
     hands the transformer an argument it does not take, is caught by the checks above."""
+    from spindle.models.wan import conformance as wan_conformance
+
     wan = get_family("wan")
+    # the broken record (in Wan's folder) declares Wan's conformance spec, found by its name
+    monkeypatch.setattr(wan_conformance, "BROKEN", wan_conformance.WAN, raising=False)
     spec = wan.inference_spec()
 
     class OffByAPercent(type(spec)):
@@ -373,7 +378,7 @@ def test_a_broken_family_fails_the_suite(tiny):
     broken = dataclasses.replace(
         wan, name="broken", package="spindle.models.wan", code={"inference": "spindle_test_broken_family:SPEC"}
     )
-    case = wan.conformance.parity_cases["nocfg"]
+    case = dit_spec("wan").parity_cases["nocfg"]
     try:
         with pytest.raises(AssertionError, match="broken: Spindle differs from diffusers"):
             suite.check_inference_parity(broken, tiny("wan"), case)

@@ -135,7 +135,7 @@ def test_openai_images_edit_serves_reference_images(tiny_checkpoint):
 def test_klein_edit_on_two_processes_equals_one(options, tiny_checkpoint, tmp_path):
     """Klein's CFG edit with a reference image on 2 torchrun processes (Ulysses SP, ring attention over the
     latents' and the reference's tokens, or the two CFG branches on two ranks) equals one process."""
-    from spindle.models.shared.test_images import noise_image
+    from spindle.models.shared.conformance import noise_image
     from spindle.testing.multiprocess import generate_on_ranks
 
     root = tiny_checkpoint("flux2_klein")

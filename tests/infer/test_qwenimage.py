@@ -13,6 +13,7 @@ import torch
 from spindle.api import load_generator
 from spindle.models.qwenimage.tiny import build_tiny as build_tiny_qwenimage
 from spindle.testing.conformance import before_denoising, check_generator_parity, check_request_error
+from spindle.testing.specs import dit_spec
 from tests.conftest import run_spindle
 
 
@@ -125,9 +126,8 @@ def test_true_cfg_scale_is_the_cfg_scale_and_the_cfg_case_has_texts_of_two_lengt
     CFG case has a negative prompt longer than the prompt, so its batched-CFG checks (one forward of
     two, tests/conformance/test_conformance.py::test_cfg_batch_is_one_forward_equal_to_two, and parity) run with
     the shorter text padded and masked."""
-    from spindle.registry import get_family
 
-    case = get_family("qwenimage").conformance.parity_cases["cfg"]
+    case = dit_spec("qwenimage").parity_cases["cfg"]
     _, req = before_denoising(tiny, {**case, "true_cfg_scale": 3.0})
     assert req.do_cfg and req.cfg_scale == 3.0
     assert req.embedded_guidance is None  # the tiny Qwen-Image embeds no guidance: guidance_scale means nothing to it

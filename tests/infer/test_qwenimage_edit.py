@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from spindle.api import load_generator
-from spindle.models.qwenimage_edit import sample_image
+from spindle.models.qwenimage_edit.conformance import sample_image
 from spindle.testing.conformance import PARITY_ATOL, check_request_error, stock_pipeline
 
 

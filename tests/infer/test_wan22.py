@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from spindle.api import load_generator
-from spindle.registry import get_family
+from spindle.testing.specs import dit_spec
 
-CASE = get_family("wan22").conformance.parity_cases["nocfg"]  # 3 steps: t = 1000, 857, 600 (shift 3)
+CASE = dit_spec("wan22").parity_cases["nocfg"]  # 3 steps: t = 1000, 857, 600 (shift 3)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def test_each_expert_denoises_the_steps_on_its_side_of_the_boundary(tiny_wan22):
     gen.generate(**CASE)
     # boundary_ratio 0.875 x 1000: the high-noise expert takes t=1000, the low-noise one t=857 and t=600
     assert calls == {"transformer": 1, "transformer_2": 2}
-    cfg = get_family("wan22").conformance.parity_cases["cfg"]  # 2 steps, t = 1000, 750; CFG batched
+    cfg = dit_spec("wan22").parity_cases["cfg"]  # 2 steps, t = 1000, 750; CFG batched
     calls.update(transformer=0, transformer_2=0)
     gen.generate(**cfg)
     assert calls == {"transformer": 1, "transformer_2": 1}
@@ -48,7 +48,7 @@ def test_guidance_scale_2_is_the_low_noise_experts_cfg_scale(tiny_wan22, monkeyp
     scales = []
     combine = spec.combine_cfg
     monkeypatch.setattr(spec, "combine_cfg", lambda c, u, scale: scales.append(scale) or combine(c, u, scale))
-    cfg = get_family("wan22").conformance.parity_cases["cfg"]  # t = 1000 (high noise), 750 (low noise)
+    cfg = dit_spec("wan22").parity_cases["cfg"]  # t = 1000 (high noise), 750 (low noise)
     default = gen.generate(**{k: v for k, v in cfg.items() if k != "guidance_scale_2"}).frames
     assert scales == [cfg["guidance_scale"]] * 2  # unset: guidance_scale, as stock
     scales.clear()

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from spindle.api import load_generator
-from spindle.registry import get_family
 from spindle.testing import conformance as suite
+from spindle.testing.specs import dit_spec
 
-CASES = get_family("wan22_ti2v").conformance.parity_cases
+CASES = dit_spec("wan22_ti2v").parity_cases
 
 
 @pytest.fixture(scope="module")

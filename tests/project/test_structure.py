@@ -2,7 +2,8 @@
 function-level imports (TYPE_CHECKING blocks included) all count.
 
 - no import cycle;
-- production code never imports `spindle.testing`;
+- production code never imports `spindle.testing`, nor a family's conformance spec (`spindle/models/<family>/
+  conformance.py`, `spindle/models/shared/conformance.py`: test data the suites find by family name);
 - `spindle.contracts` imports nothing of Spindle outside itself (the leaf every layer may import);
 - the engines (`infer/`, `train/`, `distributed/`, `serve/`) never import the registry or a family
   module: entry points resolve the family and pass it in;
@@ -123,6 +124,22 @@ def test_production_never_imports_testing(graph):
     assert {m: t for m, t in offenders.items() if t and not inside(m, "spindle.testing")} == {}
 
 
+def is_conformance_spec(module: str) -> bool:
+    """A family's conformance spec module (or the spec classes and helpers they share): test data under models/."""
+    return inside(module, "spindle.models") and module.rpartition(".")[2] == "conformance"
+
+
+def test_production_never_imports_a_conformance_spec(graph):
+    """The records carry no test data: only spindle.testing (which finds a spec by family name) and other spec
+    modules (a variant's spec derived from its base's) import them."""
+    offenders = {
+        m: sorted(t for t in ts if is_conformance_spec(t))
+        for m, ts in graph.items()
+        if not inside(m, "spindle.testing") and not is_conformance_spec(m)
+    }
+    assert {m: t for m, t in offenders.items() if t} == {}
+
+
 def test_contracts_import_nothing_of_spindle(graph):
     leaks = {m: sorted(t for t in ts if not inside(t, "spindle.contracts")) for m, ts in graph.items()}
     assert {m: t for m, t in leaks.items() if t and inside(m, "spindle.contracts")} == {}
@@ -211,6 +228,8 @@ def spindle_bases(
             continue
         found = []
         for b in node.bases:
+            if isinstance(b, ast.Subscript):  # a generic base (`TrainTask[DiTJobConfig, DiTFamily]`) is its class
+                b = b.value
             if isinstance(b, ast.Name) and b.id in local:
                 found.append(local[b.id])
             elif isinstance(b, ast.Attribute) and isinstance(b.value, ast.Name):
@@ -238,14 +257,15 @@ def test_no_class_inherits_two_spindle_classes():
 
 
 def test_the_inheritance_check_sees_imported_and_aliased_bases(tmp_path):
-    """The checker itself: Spindle bases imported by name, under another name, or through a module alias count;
-    a library base (Protocol, nn.Module) does not."""
+    """The checker itself: Spindle bases imported by name, under another name, through a module alias, or
+    parameterised (a generic contract) count; a library base (Protocol, nn.Module) does not."""
     (tmp_path / "base.py").write_text("class A:\n    pass\n\n\nclass B:\n    pass\n")
     (tmp_path / "mixed.py").write_text(
         "import torch\nfrom typing import Protocol\nfrom spindle import base as m\nfrom spindle.base import A as X\n"
-        "class C(X, m.B):\n    pass\n\n\nclass D(X, Protocol, torch.nn.Module):\n    pass\n"
+        "class C(X, m.B):\n    pass\n\n\nclass D(X, Protocol, torch.nn.Module):\n    pass\n\n\nclass E(X[int], m.B[str]):\n    pass\n"
     )
     modules = {"spindle.base": tmp_path / "base.py", "spindle.mixed": tmp_path / "mixed.py"}
     bases = class_bases(modules)
     assert bases["spindle.mixed.C"] == ["spindle.base.A", "spindle.base.B"]
     assert bases["spindle.mixed.D"] == ["spindle.base.A"]
+    assert bases["spindle.mixed.E"] == ["spindle.base.A", "spindle.base.B"]  # generic bases count too

@@ -12,6 +12,7 @@ import torch
 
 from spindle.api import load_generator, load_job_config, train
 from spindle.testing import conformance as suite
+from spindle.testing.specs import dit_spec
 from tests.conftest import train_overrides
 
 
@@ -20,11 +21,9 @@ def test_lora_trains_exports_and_loads_in_stock_diffusers(name, tiny_checkpoint,
     from diffusers import DiffusionPipeline
 
     from spindle.data.synthetic import make_shapes_image_dataset
-    from spindle.registry import get_family
 
-    family = get_family(name)
     tiny = tiny_checkpoint(name)
-    text = family.conformance.text_tokens
+    text = dit_spec(name).text_tokens
     images = make_shapes_image_dataset(tmp_path / "images", num_images=4, size=(32, 32))
     overrides = dict(
         data__num_frames=1,

@@ -21,7 +21,7 @@ NAME = "hunyuan_video_1_5"
 def test_lora_trains_exports_and_loads_in_stock_diffusers(name, tiny_checkpoint, tmp_path):
     from diffusers import DiffusionPipeline
 
-    from spindle.models.shared.test_images import noise_image
+    from spindle.models.shared.conformance import noise_image
 
     tiny = tiny_checkpoint(name)
     lora_dir = train_video_lora(tiny, tmp_path)

@@ -13,6 +13,7 @@ import torch
 
 from spindle.api import load_generator
 from spindle.testing import conformance as suite
+from spindle.testing.specs import dit_spec
 from tests.conftest import train_video_lora
 
 NAME = "ltx2"
@@ -29,10 +30,9 @@ def stock(root, request, **kw):
 
 @pytest.mark.parametrize("name,case", [(NAME, "defaults"), (NAME, "cfg"), (I2V, "defaults")])
 def test_audio_equals_the_stock_pipeline_and_is_written_into_the_mp4(name, case, tiny_checkpoint, tmp_path):
-    from spindle.registry import get_family
 
     tiny = tiny_checkpoint(name)
-    request = {k: v for k, v in get_family(name).conformance.parity_cases[case].items() if k != "seed"}
+    request = {k: v for k, v in dit_spec(name).parity_cases[case].items() if k != "seed"}
     pipe, reference = stock(tiny, request)
     result = load_generator(tiny).generate(**request, seed=0)
     audio = reference.audio.float().numpy()
@@ -52,7 +52,7 @@ def test_audio_equals_the_stock_pipeline_and_is_written_into_the_mp4(name, case,
 
 @pytest.mark.parametrize("name", [NAME, I2V])
 def test_lora_trains_exports_and_loads_in_stock_diffusers(name, tiny_checkpoint, tmp_path):
-    from spindle.models.shared.test_images import noise_image
+    from spindle.models.shared.conformance import noise_image
 
     tiny = tiny_checkpoint(name)
     lora_dir = train_video_lora(tiny, tmp_path)

@@ -12,7 +12,7 @@ import torch
 
 from spindle.api import load_generator, load_job_config, make_trainer
 from spindle.data.synthetic import make_shapes_edit_dataset
-from spindle.models.qwenimage_edit import sample_image
+from spindle.models.qwenimage_edit.conformance import sample_image
 from spindle.testing.conformance import stock_pipeline
 from tests.conftest import train_overrides
 

@@ -25,6 +25,7 @@ from torch import nn
 from spindle.api import load_job_config
 from spindle.distributed import checkpoint as ckpt
 from spindle.registry import all_families
+from spindle.testing.specs import dit_spec
 from tests.conftest import stepped_linear, train_interrupted
 
 DIT_FAMILIES = sorted(f.name for f in all_families() if f.task == "flow_matching")
@@ -68,7 +69,7 @@ def family_task(request, tmp_path_factory, tiny_checkpoint):
             f"data.resolution={list(demo.size)}",
             f"data.num_frames={demo.num_frames}",
             f"train.output_dir={tmp_path_factory.mktemp('run')}",
-            *dotted_overrides({}, **family.conformance.train_overrides),  # what the family's training requires
+            *dotted_overrides({}, **dit_spec(family).train_overrides),  # what the family's training requires
         ],
     )
     task = FlowMatchingTask(cfg, family, build_mesh(ParallelDims()), torch.device("cpu"), "no")

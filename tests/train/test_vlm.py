@@ -12,6 +12,7 @@ import pytest
 
 from spindle.api import load_job_config
 from spindle.config import ConfigError
+from spindle.testing.specs import lm_spec
 from spindle.testing.vlm_conformance import grad_norm, stock_model
 from tests.conftest import vlm_overrides, vlm_train
 
@@ -39,7 +40,6 @@ def test_video_conversation_step1_equals_stock_transformers(family, size, tiny_c
     import numpy as np
 
     from spindle.data.media import write_video
-    from spindle.registry import get_family
     from spindle.testing.vlm_conformance import stock_inputs
 
     model_path = tiny_checkpoint(family)
@@ -60,7 +60,7 @@ def test_video_conversation_step1_equals_stock_transformers(family, size, tiny_c
     assert inputs["video_grid_thw"].tolist() == [[3, 4, 4]]
     assert ("second_per_grid_ts" in inputs) == (family == "qwen2_5_vl")  # Qwen3-VL: timestamps in the text
     model = stock_model(model_path)
-    out = model(**inputs, **get_family(family).conformance.stock_loss_kwargs)
+    out = model(**inputs, **lm_spec(family).stock_loss_kwargs)
     out.loss.backward()
     assert logged["loss"] == pytest.approx(float(out.loss.detach()), rel=1e-5)
     assert logged["grad_norm"] == pytest.approx(grad_norm(model), rel=1e-4)

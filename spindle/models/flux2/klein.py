@@ -5,8 +5,7 @@ step-distilled checkpoints, `is_distilled`). Shares the folder of `flux2`."""
 import dataclasses
 
 from spindle.models.flux2 import FAMILY as FLUX2
-from spindle.models.flux2 import KLEIN_OPTIONS, conformance
-from spindle.models.shared import declarations as decl
+from spindle.models.flux2 import KLEIN_OPTIONS
 
 TEXT_TOKENS = 32  # the tiny checks' text length: Qwen3's chat template around the prompt
 assert FLUX2.demo is not None
@@ -25,13 +24,4 @@ FAMILY = dataclasses.replace(
     },
     options=KLEIN_OPTIONS,
     demo=dataclasses.replace(FLUX2.demo, text_tokens=TEXT_TOKENS),
-    conformance=conformance(
-        # CFG as Flux2KleinPipeline runs it: guidance_scale > 1 against the empty negative prompt (its __call__
-        # takes no negative_prompt); none at guidance 1
-        {
-            "cfg": dict(prompt=decl.PROMPT, height=32, width=32, num_inference_steps=2, guidance_scale=4.0, seed=7),
-            "nocfg": dict(prompt=decl.PROMPT, height=32, width=48, num_inference_steps=3, guidance_scale=1.0, seed=0),
-        },
-        TEXT_TOKENS,
-    ),
 )

@@ -8,7 +8,7 @@ rank attends over the whole sequence of its heads: the local layers through spin
 (the window per packed document, in query blocks: no [S, S] mask), the global ones through the run's attention.
 """
 
-from spindle.contracts.family import CausalLMConformanceSpec, CausalLMFamily
+from spindle.contracts.family import CausalLMFamily
 
 FAMILY = CausalLMFamily(
     name="gemma3",
@@ -18,5 +18,4 @@ FAMILY = CausalLMFamily(
     model_types=("gemma3_text",),
     # The image-text checkpoints (gemma-3-4b/12b/27b, model_type "gemma3", `Gemma3ForConditionalGeneration`) are
     # the gemma3_vl family's (../gemma3_vl).
-    conformance=CausalLMConformanceSpec(),
 )

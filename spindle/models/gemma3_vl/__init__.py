@@ -20,7 +20,7 @@ What differs from the Qwen-VL families, and where it lives:
   blank image.
 """
 
-from spindle.contracts.family import CausalLMConformanceSpec, VLMFamily
+from spindle.contracts.family import VLMFamily
 
 FAMILY = VLMFamily(
     name="gemma3_vl",
@@ -38,5 +38,4 @@ FAMILY = VLMFamily(
     token_type_ids=True,
     # under Ulysses SP every rank runs the whole SigLIP tower (fixed-size images; not a Qwen-VL tower)
     vision_sequence_parallel=False,
-    conformance=CausalLMConformanceSpec(parallel=("dp_shard2", "sp2")),
 )

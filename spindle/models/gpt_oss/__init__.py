@@ -13,19 +13,11 @@ of the sinks, windowed on the sliding layers, per packed document: eager's compu
 [S, S] mask).
 """
 
-from spindle.contracts.family import CausalLMConformanceSpec, CausalLMFamily
+from spindle.contracts.family import CausalLMFamily
 
 FAMILY = CausalLMFamily(
     name="gpt_oss",
     # patchgen-generated: chunked loss from hidden states + upstream's router aux loss, per-document masks
     # of packed rows (patches.py)
     model_class="spindle.models.gpt_oss.generated.patched_modeling_gpt_oss:GptOssForCausalLM",
-    conformance=CausalLMConformanceSpec(
-        # 2 layers (one sliding, one full) keep the suite fast; an aux coefficient of 0.1 makes a wrong aux loss
-        # show in the step loss
-        tiny_overrides={"num_hidden_layers": 2, "router_aux_loss_coef": 0.1},
-        # Spindle's MoE loss is stock's with output_router_logits: token loss + coef x router aux loss
-        stock_loss_kwargs={"output_router_logits": True},
-        stock_outputs=("aux_loss",),
-    ),
 )

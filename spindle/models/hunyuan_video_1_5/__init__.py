@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from spindle.contracts.family import ConformanceSpec, DiffusersCheckpoint, DiTFamily
+from spindle.contracts.family import DiffusersCheckpoint, DiTFamily
 from spindle.contracts.options import FamilyOptions
 from spindle.models.shared import declarations as decl
 
@@ -35,27 +35,4 @@ FAMILY = DiTFamily(
     ),
     options=OPTIONS,
     demo=decl.demo(decl.VIDEO_DEMO),
-    conformance=ConformanceSpec(
-        # guidance_scale is the stock pipeline's guider's (`stock_guider`); 16-pixel multiples (VAE x16)
-        parity_cases=decl.parity_cases(
-            cfg=dict(num_frames=5, guidance_scale=6.0, seed=0, prompt='a sign that says "open"'),
-            nocfg=dict(num_frames=9, height=64, width=64, guidance_scale=1.0, seed=7),
-        ),
-        stock_guider=("guidance_scale",),
-        # HunyuanVideo15Transformer3DModel has no `_cp_plan`, and it regroups each sample's text tokens (valid ones
-        # first) in its forward, so a sequence split before the blocks has nothing to shard by
-        sequence_parallel=(),
-        # HunyuanVideo15Pipeline.__call__ defaults; the size is its 16:9 bucket at the transformer's target_size (the
-        # tiny's 64: 48x80), guidance the checkpoint guider's (the tiny's 6)
-        default_params=dict(
-            height=48, width=80, num_frames=121, num_inference_steps=50, guidance_scale=6.0, max_sequence_length=1000
-        ),
-        stock_size=(48, 80),
-        request_errors=(
-            decl.multiple_error("height", 40, 16, "32 or 48"),
-            decl.multiple_error("width", 24, 16, "16 or 32"),
-            (dict(num_frames=6), r"num_frames must be 4k\+1 \(1, 5, 9, 13, \.\.\.\).*got 6.*try 5 or 9"),
-            decl.text_length_error(MAX_SEQUENCE_LENGTH),
-        ),
-    ),
 )

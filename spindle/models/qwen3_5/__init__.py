@@ -13,7 +13,7 @@ the rank's chunk of the sequence, then the causal convolution and the recurrence
 rank's heads (`linear_num_value_heads` divisible by `parallel.sp`), exact against one process.
 """
 
-from spindle.contracts.family import CausalLMConformanceSpec, VLMFamily
+from spindle.contracts.family import VLMFamily
 
 FAMILY = VLMFamily(
     name="qwen3_5",
@@ -26,5 +26,4 @@ FAMILY = VLMFamily(
         "language": ("model.language_model.", "lm_head."),
     },
     video_timestamps=True,
-    conformance=CausalLMConformanceSpec(parallel=("dp_shard2", "sp2")),
 )

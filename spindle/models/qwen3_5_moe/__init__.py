@@ -5,7 +5,7 @@ expert that stays dense), trained by the VLM task with its experts part (convers
 loss, expert load, expert parallelism). As for `qwen3_5`, packing is refused for the linear-attention layers
 and Ulysses SP splits their heads (spindle/models/qwen3_5/__init__.py says how)."""
 
-from spindle.contracts.family import CausalLMConformanceSpec, VLMFamily
+from spindle.contracts.family import VLMFamily
 from spindle.models.qwen3_5 import FAMILY as QWEN3_5
 
 FAMILY = VLMFamily(
@@ -14,10 +14,4 @@ FAMILY = VLMFamily(
     model_class="spindle.models.qwen3_5_moe.generated.patched_modeling_qwen3_5_moe:Qwen3_5MoeForConditionalGeneration",
     parts=QWEN3_5.parts,
     video_timestamps=True,
-    conformance=CausalLMConformanceSpec(
-        # Spindle's MoE loss is stock's with output_router_logits: token loss + coef x router aux loss
-        stock_loss_kwargs={"output_router_logits": True},
-        stock_outputs=("aux_loss",),
-        parallel=("dp_shard2", "sp2"),  # + ep2 (the experts part)
-    ),
 )

@@ -7,7 +7,7 @@ or fused checkpoints and are exported in the input's layout (conversion.py). Vid
 (the same video processor and placeholder), with their audio track interleaved by time when
 `data.use_audio_in_video` (video_audio.py)."""
 
-from spindle.contracts.family import CausalLMConformanceSpec, OmniFamily
+from spindle.contracts.family import OmniFamily
 
 FAMILY = OmniFamily(
     name="qwen3_omni_moe",
@@ -32,13 +32,4 @@ FAMILY = OmniFamily(
     },
     untrained=("talker.", "code2wav."),
     blocks=("Qwen3OmniMoeThinkerTextDecoderLayer", "Qwen3OmniMoeVisionBlock", "Qwen3OmniMoeAudioEncoderLayer"),
-    # what the MoE decoder adds
-    conformance=CausalLMConformanceSpec(
-        # Spindle's MoE loss is stock's with output_router_logits: token loss + coef x router aux loss
-        stock_loss_kwargs={"output_router_logits": True},
-        stock_outputs=("aux_loss",),
-        # no dp_shard2: the ep2 layout the MoE task adds already FSDP2-shards the dense thinker over the same
-        # 2 ranks, one of them audio-free
-        parallel=("sp2",),
-    ),
 )

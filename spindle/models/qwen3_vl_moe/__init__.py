@@ -5,7 +5,7 @@ load, expert parallelism). Its checkpoints hold the experts fused and transposed
 [E, H, 2I]`); per-expert checkpoints load too, and an export keeps the input's layout (conversion.py).
 Videos as Qwen3-VL's (timestamps in the text)."""
 
-from spindle.contracts.family import CausalLMConformanceSpec, VLMFamily
+from spindle.contracts.family import VLMFamily
 from spindle.models.qwen3_vl import FAMILY as QWEN3_VL
 
 FAMILY = VLMFamily(
@@ -14,10 +14,4 @@ FAMILY = VLMFamily(
     model_class="spindle.models.qwen3_vl_moe.generated.patched_modeling_qwen3_vl_moe:Qwen3VLMoeForConditionalGeneration",
     parts=QWEN3_VL.parts,  # Qwen3-VL's vision tower, deepstack mergers and decoder names
     video_timestamps=True,  # Qwen3-VL's video processing
-    # what the MoE decoder adds
-    conformance=CausalLMConformanceSpec(
-        # Spindle's MoE loss is stock's with output_router_logits: token loss + coef x router aux loss
-        stock_loss_kwargs={"output_router_logits": True},
-        stock_outputs=("aux_loss",),
-    ),
 )

@@ -10,12 +10,10 @@ reference latents. The checkpoint's `Qwen2VLProcessor` is assembled without torc
 
 from pathlib import Path
 
-from spindle.contracts.family import ConformanceSpec, DiffusersCheckpoint, DiTFamily
+from spindle.contracts.family import DiffusersCheckpoint, DiTFamily
 from spindle.contracts.options import FamilyOptions, Option
 from spindle.models.qwenimage import OPTIONS as QWENIMAGE_OPTIONS
-from spindle.models.qwenimage import STEPS_ERROR
-from spindle.models.shared.declarations import EDIT_DEMO, config_mentions, demo, multiple_error, parity_cases
-from spindle.models.shared.test_images import noise_image
+from spindle.models.shared.declarations import EDIT_DEMO, config_mentions, demo
 
 # The pipelines' sizing of the input images: calculate_dimensions(area, aspect) -> sides, multiples of 32.
 VAE_IMAGE_AREA = 1024 * 1024  # both pipelines: the image the VAE encodes (and the default output size)
@@ -53,11 +51,6 @@ PLUS_OPTIONS = FamilyOptions(
 )
 
 
-def sample_image(height: int = 40, width: int = 56, seed: int = 0) -> object:
-    """The conformance suite's input image: seeded noise whose aspect the pipeline must size."""
-    return noise_image(height, width, seed)
-
-
 def _looks_like_edit(root: Path) -> bool:
     """Renamed local folders: a Qwen-Image VAE next to a Qwen2-VL processor folder."""
     processor = root / "processor" / "preprocessor_config.json"
@@ -70,46 +63,6 @@ def text_tokens(images: int) -> int:
     return 32 if images == 1 else 48
 
 
-def edit_conformance(images: list[object], demo_size: tuple[int, int] = (32, 32)) -> ConformanceSpec:
-    """The suite's cases for an edit family (`images`: what each case edits; `demo_size`: its DemoSpec's)."""
-    image = images if len(images) > 1 else images[0]
-    return ConformanceSpec(
-        text_tokens=text_tokens(len(images)),
-        parity_cases=parity_cases(
-            cfg=dict(
-                prompt="make the circle red", negative_prompt="blurry low quality picture", true_cfg_scale=4.0, seed=7
-            ),
-            nocfg=dict(prompt="a blue square", width=64, seed=0),
-            image=image,
-        ),
-        sequence_parallel=("ulysses2", "ring2"),
-        default_params=dict(
-            height=None,
-            width=None,
-            negative_prompt=None,
-            num_inference_steps=50,
-            max_sequence_length=512,
-            extra={"true_cfg_scale": 4.0, "image_area": VAE_IMAGE_AREA}
-            | ({"condition_image_area": CONDITION_IMAGE_AREA} if len(images) > 1 else {}),
-        ),
-        request_errors=(multiple_error("height", 48, 32, "32 or 64", why="VAE x16 x 2x2 packing"), STEPS_ERROR),
-        # --image-area (a small reference: on the tiny model the text barely moves the output next to the
-        # reference's tokens, so true_cfg_scale is not the flag to check here)
-        cli_case=dict(
-            prompt="a fox",
-            negative_prompt="blurry",
-            image=image,
-            image_area=64 * 64,
-            height=32,
-            width=64,
-            num_inference_steps=2,
-            seed=4,
-        ),
-        stock_components="spindle.models.qwenimage_edit.processor:stock_components",
-        token_request={"image_area": demo_size[0] * demo_size[1]},  # training encodes sources at the demo size
-    )
-
-
 DEMO = demo(EDIT_DEMO, sample_kwargs={"negative_prompt": "", "true_cfg_scale": 4.0}, text_tokens=text_tokens(1))
 
 FAMILY = DiTFamily(
@@ -118,5 +71,4 @@ FAMILY = DiTFamily(
     checkpoint=DiffusersCheckpoint("QwenImageEditPipeline", "QwenImageTransformer2DModel", detect=_looks_like_edit),
     options=OPTIONS,
     demo=DEMO,
-    conformance=edit_conformance([sample_image()]),
 )

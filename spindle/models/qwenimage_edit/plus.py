@@ -6,7 +6,7 @@ import dataclasses
 
 from spindle.models.qwenimage_edit import DEMO as EDIT_DEMO
 from spindle.models.qwenimage_edit import FAMILY as EDIT_FAMILY
-from spindle.models.qwenimage_edit import PLUS_OPTIONS, edit_conformance, sample_image
+from spindle.models.qwenimage_edit import PLUS_OPTIONS
 
 FAMILY = dataclasses.replace(
     EDIT_FAMILY,
@@ -22,6 +22,4 @@ FAMILY = dataclasses.replace(
     options=PLUS_OPTIONS,
     # 64x32 samples: the target's 2 tokens and the suite's 2 sources' 2 each split evenly over 2 SP ranks
     demo=dataclasses.replace(EDIT_DEMO, size=(64, 32), dataset_kwargs={**EDIT_DEMO.dataset_kwargs, "size": (64, 32)}),
-    # two images of different aspects: the size follows the last one
-    conformance=edit_conformance([sample_image(), sample_image(48, 32, seed=1)], demo_size=(64, 32)),
 )

@@ -1,6 +1,6 @@
 """The parts of DiT family declarations (`FAMILY` in models/<family>/__init__.py) that several families state
-alike: the demo datasets of a media kind, the shape of the conformance suite's parity cases, and the
-request-error rows whose message the shared request checks write. A family passes only what is its own.
+alike: the demo datasets of a media kind, the detection of renamed folders, the options several pipelines share.
+A family passes only what is its own. (What the families' conformance specs share: models/shared/conformance.py.)
 
 Light (no torch, no diffusers): the registry imports every family's declaration."""
 
@@ -12,10 +12,6 @@ from typing import Any
 
 from spindle.contracts.family import DemoSpec
 from spindle.contracts.options import Option, needs_negative_prompt
-
-# what the tiny image checkpoints' height and width divide by (a VAE factor 2, 2x2 latent patches)
-PACKING = "VAE x2 x 2x2 packing"
-PROMPT = "a red fox in the snow"  # the parity cases' prompt where a family has no reason for its own
 
 # `spindle demo` data of each media kind: 16 captioned 32x32 samples (shapes; 9-frame videos)
 IMAGE_DEMO = DemoSpec(dataset="spindle.data.synthetic:make_shapes_image_dataset", dataset_kwargs={"num_images": 16})
@@ -53,40 +49,3 @@ def true_cfg_scale(default: float) -> Option:
         help="true classifier-free guidance scale, with a negative prompt",
         rule=needs_negative_prompt,
     )
-
-
-def parity_cases(cfg: dict[str, Any], nocfg: dict[str, Any], **both: Any) -> dict[str, dict[str, Any]]:
-    """`ConformanceSpec.parity_cases`: "cfg", classifier-free guidance with a negative prompt at 32x32 in 2 steps,
-    and "nocfg" at a non-square 32x48 in 3 steps; `both` (a conditioning image, a text length) goes into each,
-    and `cfg` / `nocfg` (the family's guidance, seed, other prompts or sizes) override the case's values."""
-    return {
-        "cfg": dict(prompt=PROMPT, negative_prompt="blurry", height=32, width=32, num_inference_steps=2, **both) | cfg,
-        "nocfg": dict(prompt=PROMPT, height=32, width=48, num_inference_steps=3, **both) | nocfg,
-    }
-
-
-def image_default_params(true_cfg_scale: float, **params: Any) -> dict[str, Any]:
-    """An image pipeline's default request on its tiny checkpoint (`ConformanceSpec.default_params`): the
-    pipeline's `default_sample_size` 128 x the tiny VAE's factor 2 a side, 512 text tokens, its other `params`,
-    and its `true_cfg_scale` default (a family option)."""
-    return dict(height=256, width=256, **params, max_sequence_length=512, extra={"true_cfg_scale": true_cfg_scale})
-
-
-def multiple_error(name: str, got: int, multiple: int, tries: str, why: str | None = None) -> tuple[dict, str]:
-    """A `request_errors` row: `name=got`, not a positive multiple of `multiple` (the VAE factor x patch), refused
-    naming the values to try (`tries`, e.g. "16 or 32") and, where given, the reason (`why`, e.g. "VAE x2 x 2x2
-    packing")."""
-    reason = rf"\({why}\)" if why else r"\(.*\)"  # `why` has no regex syntax of its own
-    message = rf"{name} must be a positive multiple of {multiple} for this model {reason} \(got {got}\); try {tries}"
-    return {name: got}, message
-
-
-def text_length_error(limit: int) -> tuple[dict, str]:
-    """A `request_errors` row: a max_sequence_length one over the text encoder's `limit`."""
-    message = rf"max_sequence_length must be an integer between 1 and {limit}; got {limit + 1}"
-    return {"max_sequence_length": limit + 1}, message
-
-
-def amended(cases: dict[str, dict[str, Any]], values: dict[str, Any], only: str | None = None) -> dict[str, dict]:
-    """The parity cases of the family a family derives from, with `values` in each (`only`: in that case only)."""
-    return {name: case | values if only in (None, name) else case for name, case in cases.items()}

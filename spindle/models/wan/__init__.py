@@ -5,9 +5,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from spindle.contracts.family import ConformanceSpec, DiffusersCheckpoint, DiTFamily
+from spindle.contracts.family import DiffusersCheckpoint, DiTFamily
 from spindle.contracts.options import FamilyOptions
-from spindle.models.shared.declarations import VIDEO_DEMO, config_mentions, demo, multiple_error, parity_cases
+from spindle.models.shared.declarations import VIDEO_DEMO, config_mentions, demo
 
 
 def _looks_like_wan(root: Path) -> bool:
@@ -18,27 +18,12 @@ def _looks_like_wan(root: Path) -> bool:
 # sampling options (CLI flags, HTTP fields); the family's inference spec declares the same object
 # Wan2.1 is trained on 16 fps video; its VAE compresses time 4x, so num_frames = 4k + 1
 OPTIONS = FamilyOptions(fps=16, frame_multiple=4)
-NUM_FRAMES_ERROR = (dict(num_frames=6), r"num_frames must be 4k\+1 \(1, 5, 9, 13, \.\.\.\).*got 6.*try 5 or 9")
 
 FAMILY = DiTFamily(
     name="wan",
     checkpoint=DiffusersCheckpoint("WanPipeline", "WanTransformer3DModel", detect=_looks_like_wan),
     options=OPTIONS,
     demo=demo(VIDEO_DEMO),
-    conformance=ConformanceSpec(
-        parity_cases=parity_cases(
-            cfg=dict(num_frames=5, guidance_scale=5.0, seed=0), nocfg=dict(num_frames=9, guidance_scale=1.0, seed=7)
-        ),
-        request_errors=(
-            multiple_error("height", 30, 16, "16 or 32"),
-            multiple_error("width", 40, 16, "32 or 48"),
-            (dict(height=0), r"height must be a positive multiple of 16"),
-            NUM_FRAMES_ERROR,
-            (dict(num_frames=0), r"num_frames must be 4k\+1"),
-        ),
-        # WanPipeline's __call__ names its size
-        default_params=dict(height=480, width=832, num_frames=81, num_inference_steps=50, guidance_scale=5.0),
-    ),
 )
 
 

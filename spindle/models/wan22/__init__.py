@@ -7,17 +7,15 @@ import dataclasses
 from spindle.models.wan import FAMILY as WAN
 from spindle.models.wan import OPTIONS as WAN_OPTIONS
 from spindle.models.wan import pipeline_variant
-from spindle.models.wan22.experts import GUIDANCE_SCALE_2, is_two_expert, two_expert_conformance
+from spindle.models.wan22.experts import GUIDANCE_SCALE_2, is_two_expert
 
 OPTIONS = dataclasses.replace(WAN_OPTIONS, extra=(*WAN_OPTIONS.extra, GUIDANCE_SCALE_2))
 
-assert WAN.conformance is not None
 assert WAN.demo is not None
 FAMILY = pipeline_variant(
     "wan22",
     is_two_expert,
     options=OPTIONS,
-    conformance=two_expert_conformance(WAN.conformance, "high_noise"),
     # the demo fine-tunes the expert that denoises most of its steps
     demo=dataclasses.replace(WAN.demo, train={"expert": "low_noise"}),
 )

@@ -12,13 +12,10 @@ Wan's spec, stage and condition model call it (Wan imports nothing of this folde
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from spindle.contracts.family import ConformanceSpec
 from spindle.contracts.options import Option
 from spindle.model_index import component_class
-from spindle.models.shared.declarations import amended
 from spindle.models.wan.parts import BOUNDARY, SECOND_TRANSFORMER
 
 if TYPE_CHECKING:  # the family records import this module: no torch at `spindle --help`
@@ -28,19 +25,6 @@ if TYPE_CHECKING:  # the family records import this module: no torch at `spindle
 
 # train.expert -> the checkpoint component it names
 EXPERTS = {"high_noise": "transformer", "low_noise": SECOND_TRANSFORMER}
-
-
-def two_expert_conformance(spec: ConformanceSpec, expert: str, **fields: Any) -> ConformanceSpec:
-    """The suite's spec of a two-expert family from its one-expert base's `spec`: the tiny checkpoint's boundary
-    (0.9 x 1000) falls inside both schedules, so both experts denoise every case; guidance_scale_2 as stock (its
-    own scale in the CFG case, guidance_scale's without); training runs fine-tune `expert` (train.expert)."""
-    return dataclasses.replace(
-        spec,
-        parity_cases=amended(spec.parity_cases, {"guidance_scale_2": 3.0}, only="cfg"),
-        cache_steps=5,  # t = 1000, 923 (high-noise expert), 818, 667, 429: three steps to skip
-        train_overrides={"train__expert": expert},
-        **fields,
-    )
 
 
 def is_two_expert(model_index: dict[str, Any]) -> bool:

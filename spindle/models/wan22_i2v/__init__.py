@@ -5,14 +5,14 @@ frame mask on the channel axis) with the expert switch; training fine-tunes the 
 
 import dataclasses
 
-from spindle.contracts.family import ConformanceSpec, DemoSpec
-from spindle.models.wan22.experts import GUIDANCE_SCALE_2, is_two_expert, two_expert_conformance
+from spindle.contracts.family import DemoSpec
+from spindle.models.wan22.experts import GUIDANCE_SCALE_2, is_two_expert
 from spindle.models.wan_i2v import FAMILY as WAN_I2V
 from spindle.models.wan_i2v import OPTIONS as WAN_I2V_OPTIONS
 
 OPTIONS = dataclasses.replace(WAN_I2V_OPTIONS, extra=(*WAN_I2V_OPTIONS.extra, GUIDANCE_SCALE_2))
 
-assert WAN_I2V.conformance is not None and WAN_I2V.demo is not None
+assert WAN_I2V.demo is not None
 FAMILY = dataclasses.replace(
     WAN_I2V,
     name="wan22_i2v",
@@ -21,6 +21,4 @@ FAMILY = dataclasses.replace(
     # no image tokens share the context: any text length
     # (and the demo fine-tunes the expert that denoises most of its steps)
     demo=dataclasses.replace(WAN_I2V.demo, text_tokens=DemoSpec.text_tokens, train={"expert": "low_noise"}),
-    # the text at any length too
-    conformance=two_expert_conformance(WAN_I2V.conformance, "low_noise", text_tokens=ConformanceSpec.text_tokens),
 )

@@ -5,11 +5,9 @@ the VAE-encoded image (replaced, not concatenated, at every step) and its tokens
 
 import dataclasses
 
-from spindle.contracts.family import ConformanceSpec
-from spindle.models.shared.declarations import VIDEO_DEMO, amended, demo, multiple_error
-from spindle.models.wan import FAMILY as WAN
-from spindle.models.wan import NUM_FRAMES_ERROR, pipeline_variant
+from spindle.models.shared.declarations import VIDEO_DEMO, demo
 from spindle.models.wan import OPTIONS as WAN_OPTIONS
+from spindle.models.wan import pipeline_variant
 
 
 def expands_timesteps(model_index: dict) -> bool:
@@ -19,23 +17,10 @@ def expands_timesteps(model_index: dict) -> bool:
 # Wan's options (num_frames = 4k + 1; Wan2.2 TI2V is trained at 24 fps) and an optional first frame
 OPTIONS = dataclasses.replace(WAN_OPTIONS, fps=24, images=(0, 1))
 
-assert WAN.conformance is not None
 FAMILY = pipeline_variant(
     "wan22_ti2v",
     expands_timesteps,
     options=OPTIONS,
     # 64x64: the 16x VAE and 2x2 patches leave 2x2 tokens per latent frame (at 32x32, one)
     demo=demo(VIDEO_DEMO, size=(64, 64)),
-    conformance=ConformanceSpec(
-        # text-to-video through the folder's own pipeline (WanPipeline); image-to-video against stock
-        # WanImageToVideoPipeline on the same folder: tests/infer/test_wan22_ti2v.py. Wan's cases, 32 pixels
-        # a side per token: the no-CFG one 32x64
-        parity_cases=amended(WAN.conformance.parity_cases, {"width": 64}, only="nocfg"),
-        request_errors=(
-            multiple_error("height", 48, 32, "32 or 64"),
-            multiple_error("width", 40, 32, "32 or 64"),
-            NUM_FRAMES_ERROR,
-        ),
-        default_params=WAN.conformance.default_params,
-    ),
 )

@@ -48,11 +48,12 @@ import torch.distributed as dist
 from spindle.config import ConfigError
 from spindle.contracts.family import CausalLMFamily, CheckpointAdapter
 from spindle.contracts.parallel import ParallelPlan
+from spindle.contracts.protocols import ParallelDimsLike
 from spindle.contracts.task import Metric
 from spindle.models.shared.moe_checkpoints import expert_count, expert_intermediate_size
 
 if TYPE_CHECKING:
-    from spindle.distributed.mesh import Mesh, ParallelDims
+    from spindle.distributed.mesh import Mesh
     from spindle.distributed.sharded_load import TensorSource
     from spindle.export.transformers import ExportSource
 
@@ -87,7 +88,7 @@ class Experts:
 
     # ------------------------------------------------------------ before launch
 
-    def check_plan(self, path: str | Path, dims: ParallelDims) -> None:
+    def check_plan(self, path: str | Path, dims: ParallelDimsLike) -> None:
         from spindle.distributed.expert_parallel import check_ep_layout
 
         try:

@@ -4,7 +4,7 @@ no model library. The task class names its own job schema (`config_class`): this
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from spindle.contracts.task import TrainTask
@@ -19,10 +19,10 @@ TASKS: dict[str, str] = {
 }
 
 
-def get_task(name: str) -> type[TrainTask]:
+def get_task(name: str) -> type[TrainTask[Any, Any]]:
     from spindle.contracts.family import import_object
 
     if name not in TASKS:
         raise ValueError(f"unknown training task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
-    task: type[TrainTask] = import_object(TASKS[name])
+    task: type[TrainTask[Any, Any]] = import_object(TASKS[name])
     return task

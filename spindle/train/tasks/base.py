@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -14,11 +14,12 @@ from spindle.data.loader import ResumableLoader
 from spindle.data.order import BucketedOrder
 
 if TYPE_CHECKING:
+    from spindle.distributed.mesh import Mesh
     from spindle.distributed.sharded_load import TensorSource
 
 
 def resumable_loader(
-    task: TrainTask, dataset: Any, collate_fn: Callable[[list[Any]], Any], order: BucketedOrder | None = None
+    task: TrainTask[Any, Any], dataset: Any, collate_fn: Callable[[list[Any]], Any], order: BucketedOrder | None = None
 ) -> ResumableLoader:
     """`dataset` as this rank's share of the job's batches: micro/global batch size, seed and
     shuffling from the task's config, the data-parallel rank and size from its mesh; `order`: a
@@ -38,7 +39,7 @@ def resumable_loader(
 
 
 def build_parallel_model(
-    task: TrainTask,
+    task: TrainTask[Any, Any],
     plan: ParallelPlan,
     build_empty: Callable[[], torch.nn.Module],
     checkpoint: Callable[[], dict[str, TensorSource]],
@@ -91,7 +92,7 @@ def build_parallel_model(
     model.train()
     parallelize(
         model,
-        task.mesh,
+        cast("Mesh", task.mesh),  # the trainer's Mesh (a MeshLike in the contract)
         plan,
         mixed_precision=task.precision,
         gradient_checkpointing=cfg.train.gradient_checkpointing,

@@ -32,6 +32,7 @@ import torch
 from spindle.config import CausalLMJobConfig, ConfigError
 from spindle.contracts.family import CausalLMFamily
 from spindle.contracts.parallel import ParallelPlan
+from spindle.contracts.protocols import BatchLoader, ParallelDimsLike
 from spindle.contracts.task import Objective, StepOutput, TrainTask
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.mesh import barrier, is_main_process
@@ -44,7 +45,7 @@ from spindle.train.tasks.base import build_parallel_model, resumable_loader
 
 if TYPE_CHECKING:
     from spindle.data.loader import ResumableLoader
-    from spindle.distributed.mesh import Mesh, ParallelDims
+    from spindle.distributed.mesh import Mesh
     from spindle.distributed.sharded_load import TensorSource
 
 log = logging.getLogger("spindle.train")
@@ -146,7 +147,7 @@ class PreferenceInputs:
     rollout_inputs: Callable[..., Any] | None = None
 
 
-class CausalLMTask(TrainTask):
+class CausalLMTask(TrainTask[CausalLMJobConfig, CausalLMFamily]):
     name = "causal_lm"
     config_class = CausalLMJobConfig
     # With Ulysses SP each rank holds a chunk of the sequence and computes that chunk's loss only.
@@ -154,6 +155,7 @@ class CausalLMTask(TrainTask):
 
     cfg: CausalLMJobConfig
     family: CausalLMFamily
+    mesh: Mesh  # (the contract's MeshLike: the engines take the mesh itself)
     # Files copied from the input folder into an export besides config, weights and tokenizer.
     export_files: tuple[str, ...] = ()
 
@@ -181,7 +183,7 @@ class CausalLMTask(TrainTask):
     # ------------------------------------------------------------ checks before launch
 
     @classmethod
-    def check_plan(cls, cfg: CausalLMJobConfig, family: CausalLMFamily, dims: ParallelDims) -> None:
+    def check_plan(cls, cfg: CausalLMJobConfig, family: CausalLMFamily, dims: ParallelDimsLike) -> None:
         check_tokenizer_files(cfg.model.path)
         # DiT-only training options must not be silently ignored on a language model.
         if cfg.train.validation.every_steps and cfg.train.validation.prompts:
@@ -443,9 +445,8 @@ class CausalLMTask(TrainTask):
 
         return find_blocks(model)
 
-    def build_loader(self) -> ResumableLoader:
-        loader: ResumableLoader = self.objective.build_loader(self)
-        return loader
+    def build_loader(self) -> BatchLoader:
+        return self.objective.build_loader(self)
 
     def preference_inputs(self) -> PreferenceInputs:
         """How preference pairs (DPO) are tokenised and batched for this input kind: text here."""

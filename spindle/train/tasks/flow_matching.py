@@ -20,6 +20,7 @@ from spindle.config import ConfigError, DiTJobConfig
 from spindle.contracts.condition import ConditionModel
 from spindle.contracts.family import DiTFamily
 from spindle.contracts.parallel import ParallelPlan
+from spindle.contracts.protocols import BatchLoader, ParallelDimsLike
 from spindle.contracts.task import Objective, StepOutput, TrainTask
 from spindle.distributed import checkpoint as ckpt
 from spindle.distributed.mesh import barrier, is_main_process
@@ -38,7 +39,7 @@ from spindle.train.tasks.base import build_parallel_model, resumable_loader
 
 if TYPE_CHECKING:
     from spindle.data.loader import ResumableLoader
-    from spindle.distributed.mesh import Mesh, ParallelDims
+    from spindle.distributed.mesh import Mesh
 
 
 def trained_component(cfg: DiTJobConfig, family: DiTFamily) -> str:
@@ -72,7 +73,7 @@ class TrainingInputs:
     tokens_per_sample: int
 
 
-class FlowMatchingTask(TrainTask):
+class FlowMatchingTask(TrainTask[DiTJobConfig, DiTFamily]):
     name = "flow_matching"
     config_class = DiTJobConfig
     loss_sharded_over_sp = False  # diffusers CP gathers the output: every SP rank holds the whole loss
@@ -88,6 +89,7 @@ class FlowMatchingTask(TrainTask):
 
     cfg: DiTJobConfig
     family: DiTFamily
+    mesh: Mesh  # (the contract's MeshLike: the engines take the mesh itself)
 
     def __init__(self, cfg: DiTJobConfig, family: DiTFamily, mesh: Mesh, device: torch.device, precision: str) -> None:
         if not isinstance(family, DiTFamily):
@@ -101,7 +103,7 @@ class FlowMatchingTask(TrainTask):
     # ------------------------------------------------------------ checks before launch
 
     @classmethod
-    def check_plan(cls, cfg: DiTJobConfig, family: DiTFamily, dims: ParallelDims) -> None:
+    def check_plan(cls, cfg: DiTJobConfig, family: DiTFamily, dims: ParallelDimsLike) -> None:
         from spindle.distributed.context_parallel import check_sequence_parallel
 
         build_objective(cfg.train.objective, cfg).check_plan(family, dims)  # what the objective refuses, first
@@ -214,9 +216,8 @@ class FlowMatchingTask(TrainTask):
             metrics.update({f"source/{name}": n for name, n in mix.counts(self._loader.current_global_batch()).items()})
         return metrics
 
-    def build_loader(self) -> ResumableLoader:
-        loader: ResumableLoader = self.objective.build_loader(self)
-        return loader
+    def build_loader(self) -> BatchLoader:
+        return self.objective.build_loader(self)
 
     def media_loader(self) -> ResumableLoader:
         """This rank's micro-batches of the job's media samples (buckets, sources, captions), or of their

@@ -31,11 +31,11 @@ import torch
 from spindle.config import CausalLMJobConfig, ConfigError
 from spindle.contracts.family import CausalLMFamily, OmniFamily
 from spindle.contracts.parallel import ParallelPlan
+from spindle.contracts.protocols import ParallelDimsLike
 from spindle.export.omni import copy_untrained, write_full_config
 from spindle.train.tasks.vlm import AUDIO_KEYS, VLMTask
 
 if TYPE_CHECKING:
-    from spindle.distributed.mesh import ParallelDims
     from spindle.distributed.sharded_load import TensorSource
     from spindle.export.dtypes import ExportDtypes
 
@@ -55,7 +55,7 @@ class OmniTask(VLMTask):
     family: OmniFamily
 
     @classmethod
-    def check_plan(cls, cfg: CausalLMJobConfig, family: CausalLMFamily, dims: ParallelDims) -> None:
+    def check_plan(cls, cfg: CausalLMJobConfig, family: CausalLMFamily, dims: ParallelDimsLike) -> None:
         if not isinstance(family, OmniFamily):
             raise ConfigError(f"model {cfg.model.path} is a {family.name} {family.kind} model, not an omni model")
         super().check_plan(cfg, family, dims)

@@ -39,6 +39,7 @@ import torch
 from spindle.config import CausalLMJobConfig, ConfigError, VLMJobConfig
 from spindle.contracts.family import CausalLMFamily, VLMFamily, import_object
 from spindle.contracts.parallel import ParallelPlan
+from spindle.contracts.protocols import ParallelDimsLike
 from spindle.distributed.mesh import is_main_process
 from spindle.ops.varlen_attention import document_ids
 from spindle.train.lora import is_lora_name
@@ -57,7 +58,7 @@ if TYPE_CHECKING:
 
     from spindle.data.loader import ResumableLoader
     from spindle.data.multimodal import VisionProcessor
-    from spindle.distributed.mesh import Mesh, ParallelDims
+    from spindle.distributed.mesh import Mesh
     from spindle.distributed.sharded_load import TensorSource
 
 log = logging.getLogger("spindle.train")
@@ -229,7 +230,7 @@ class VLMTask(CausalLMTask):
         self._text_config: Any = None  # the decoder's config and attention, read at the first packed `mask_inputs`
 
     @classmethod
-    def check_plan(cls, cfg: CausalLMJobConfig, family: CausalLMFamily, dims: ParallelDims) -> None:
+    def check_plan(cls, cfg: CausalLMJobConfig, family: CausalLMFamily, dims: ParallelDimsLike) -> None:
         super().check_plan(cfg, family, dims)
         assert isinstance(cfg, VLMJobConfig) and isinstance(family, VLMFamily), "the VLM task's own schema"
         if unknown := sorted(set(cfg.train.freeze) - set(family.parts)):
