@@ -18,6 +18,7 @@ import sys
 import time
 
 from spindle.commands.engine_args import add_engine_arguments, check_world_size, engine_config
+from spindle.contracts.options import FamilyOptions
 from spindle.infer.options import add_option_arguments, guidance_help, option_values
 from spindle.registry import all_families
 
@@ -69,23 +70,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def output_suffixes(options: FamilyOptions, num_frames: int | None) -> list[str]:
+    """The `--out` file types a family's generation can be written as: a video family (it declares its frame rate,
+    `FamilyOptions.fps`; LTX-2's frame rule depends on the checkpoint's VAE, so not every one declares
+    `frame_multiple`) writes .mp4, and with `--num-frames 1` an image too; an image family writes images."""
+    from spindle.data.media import IMAGE_EXTENSIONS
+
+    images = sorted(IMAGE_EXTENSIONS - {".bmp"})
+    if options.fps is None:
+        return images
+    return [".mp4", *(images if num_frames == 1 else [])]
+
+
 def check_request_files(args: argparse.Namespace) -> None:
     """`--out`'s extension against what the family writes, and the conditioning images it requires (present,
     existing files), from the folder's family record alone: a `ValueError` / `FileNotFoundError` naming the
     flag before any weight loads."""
     from pathlib import Path
 
-    from spindle.data.media import IMAGE_EXTENSIONS
     from spindle.registry import dit_family_of
 
     family = dit_family_of(args.model)
     options = family.options
-    video = options.frame_multiple is not None  # only a video family declares its frame-count rule
     suffix = Path(args.out).suffix.lower()
-    images = sorted(IMAGE_EXTENSIONS - {".bmp"})
-    allowed = [".mp4", *(images if args.num_frames == 1 else [])] if video else images
+    allowed = output_suffixes(options, args.num_frames)
     if suffix not in allowed:
-        what = "a video (or with --num-frames 1, an image)" if video else "an image"
+        what = "a video (or with --num-frames 1, an image)" if options.fps is not None else "an image"
         raise ValueError(
             f"--out {args.out}: {family.name} generates {what}; give a file ending in {' / '.join(allowed)}"
         )

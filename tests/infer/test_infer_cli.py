@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
+from spindle.contracts.family import DiTFamily
+from spindle.registry import all_families, get_family
 from tests.conftest import run_spindle
+
+DIT_FAMILIES = [f.name for f in all_families() if isinstance(f, DiTFamily)]
 
 
 def test_generate_writes_mp4(tiny_wan, tmp_path):
@@ -63,3 +69,22 @@ def test_generate_bad_request(tiny_wan, tmp_path, spindle_cli):
     )
     assert r.returncode == 2
     assert "height must be a positive multiple of 16" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("name", DIT_FAMILIES)
+def test_out_takes_mp4_exactly_for_the_families_whose_pipeline_makes_videos(name):
+    """`--out clip.mp4` is accepted for every family whose stock diffusers pipeline takes `num_frames` (it makes
+    videos; LTX-2's was refused as "generates an image"), and an image file with `--num-frames 1`; an image family
+    takes image files only."""
+    import inspect
+
+    import diffusers
+
+    from spindle.commands.generate import output_suffixes
+
+    family = get_family(name)
+    pipeline = getattr(diffusers, family.checkpoint.pipeline)
+    makes_videos = "num_frames" in inspect.signature(pipeline.__call__).parameters
+    assert (".mp4" in output_suffixes(family.options, 9)) == makes_videos, name
+    assert ".png" in output_suffixes(family.options, 1)
+    assert (".png" in output_suffixes(family.options, 9)) == (not makes_videos), name
