@@ -17,7 +17,7 @@ import argparse
 import sys
 import time
 
-from spindle.commands.engine_args import add_engine_arguments, check_world_size, engine_config
+from spindle.commands.engine_args import add_engine_arguments, check_family_parallel, check_world_size, engine_config
 from spindle.contracts.options import FamilyOptions
 from spindle.infer.options import add_option_arguments, guidance_help, option_values
 from spindle.registry import all_families
@@ -124,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
 
     engine = engine_config(args)  # bad engine flags fail here, before a launch or a load
     args.model = resolve_model_path(args.model, "--model")  # a Hugging Face repo id: its cached snapshot
+    check_family_parallel(args)  # --sp / --ring against the family and its transformer, before a launch
     check_request_files(args)  # --out and --image, before a launch or a load
     nproc, _ = check_world_size(args)
     code = maybe_relaunch(nproc, args._argv)  # parent of --nproc N > 1: re-run under torchrun

@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from spindle.commands.engine_args import add_engine_arguments, check_world_size, engine_config
+from spindle.commands.engine_args import add_engine_arguments, check_family_parallel, check_world_size, engine_config
 from spindle.commands.flags import add_section_arguments, section_from_args
 from spindle.engine_config import (  # torch-free: `--help` stays light
     AdapterConfig,
@@ -113,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
             warmup_size = parse_size(settings.warmup_size)
         except APIError as e:
             raise ValueError(f"--warmup-size: {e.message}") from None
+    check_family_parallel(args)  # --sp / --ring against the family and its transformer, before a launch
     if not launched and args.nproc > 1:
         return _relaunch(args.nproc, args._argv)
 

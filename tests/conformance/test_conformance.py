@@ -317,7 +317,7 @@ def test_flow_grpo_demo_rolls_out_on_the_live_weights(name, tmp_path, spindle_cl
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILIES)
-def test_ulysses_and_ring_on_two_processes_equal_one(name, tiny, tmp_path):
+def test_ulysses_and_ring_on_two_processes_equal_one(name, tiny, tmp_path, spindle_cli):
     from spindle.testing.multiprocess import spawn
 
     family = get_family(name)
@@ -332,6 +332,13 @@ def test_ulysses_and_ring_on_two_processes_equal_one(name, tiny, tmp_path):
             cfg = load_job_config(None, train_overrides(tiny(name), tmp_path / "data", tmp_path / "run", **layout))
             with pytest.raises(ValueError, match="has no context-parallel plan"):
                 check_job_plan(cfg, 2)
+        # and so does `spindle generate --nproc 2 --sp 2`, from the folder alone (no launch, no load)
+        r = spindle_cli(
+            "generate", "--model", tiny(name), "--prompt", "x", "--out", tmp_path / "x", "--nproc", 2, "--sp", 2
+        )
+        reason = family.sequence_parallel_refused or "has no context-parallel plan"
+        assert r.returncode == 2 and r.stderr.startswith("spindle generate: error: --sp 2: "), r.stderr
+        assert reason in r.stderr, r.stderr
         return
     assert "ulysses2" in layouts, f"{name}: a family with SP trains with Ulysses SP"
     out = tmp_path / "sp.pt"

@@ -51,8 +51,9 @@ FAMILY = DiTFamily(
     ),
     options=OPTIONS,
     sequence_parallel_refused=(
-        "diffusers' LTX2VideoTransformer3DModel._cp_plan splits the video tokens only, while the audio stream and "
-        "the audio<->video cross attention stay whole on every rank; that layout is not checked equal to one process"
+        "diffusers' LTX2VideoTransformer3DModel._cp_plan splits the video and text tokens but not the audio stream, "
+        "whose attention over the split streams then fails (a shape error in the audio<->video cross attention); the "
+        "second stream would need a plan of its own"
     ),
     demo=decl.demo(
         decl.VIDEO_DEMO,
