@@ -190,7 +190,12 @@ def test_lora_trains_the_audio_branch_and_loads_in_stock_diffusers(tiny_checkpoi
     assert all(v.abs().max() > 1e-4 for v in audio_adapters(lora_dir, last_block(root)).values())
 
     request = dict(
-        prompt="a red circle hums", height=64, width=64, num_frames=FRAMES, num_inference_steps=2, max_sequence_length=16
+        prompt="a red circle hums",
+        height=64,
+        width=64,
+        num_frames=FRAMES,
+        num_inference_steps=2,
+        max_sequence_length=16,
     )
     pipe = DiffusionPipeline.from_pretrained(root)
     pipe.set_progress_bar_config(disable=True)
@@ -208,7 +213,6 @@ def test_precomputed_conditions_carry_the_audio_latents(tiny_checkpoint, av_clip
     from spindle.commands.precompute import precompute
     from spindle.data.datasets import collate
     from spindle.registry import get_family
-    from spindle.testing import conformance as suite
     from spindle.train.tasks.flow_matching import dit_data
 
     root = tiny_checkpoint("ltx2")

@@ -50,7 +50,9 @@ class FlowMatching(Objective):
             mask = inputs.loss_mask.to(squared).expand_as(squared)
             per_sample = (squared * mask).flatten(1).sum(1) / mask.flatten(1).sum(1)
         for index, extra in inputs.extra_targets.items():  # each stream's own mean: equal weights, whatever its size
-            per_sample = per_sample + F.mse_loss(outputs[index].float(), extra.float(), reduction="none").flatten(1).mean(1)
+            per_sample = per_sample + F.mse_loss(outputs[index].float(), extra.float(), reduction="none").flatten(
+                1
+            ).mean(1)
         weights = loss_weights(inputs.sigmas, self.loss_weighting)
         if weights is not None:
             per_sample = per_sample * weights.to(per_sample)
