@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from spindle.contracts.condition import AudioTrack
-from spindle.data.media import MediaError, probe_video
+from spindle.data.media import MediaError, is_video_path, probe_video
 
 
 def decode_audio(path: Path, sampling_rate: int) -> np.ndarray:
@@ -53,13 +53,19 @@ def decode_audio(path: Path, sampling_rate: int) -> np.ndarray:
 def read_audio_track(path: Path, track: AudioTrack, frames: int) -> torch.Tensor:
     """The soundtrack of a training clip of `frames` frames: its first audio stream resampled by PyAV to the
     track's rate and channels (a mono track is upmixed), the first `track.samples(frames)` samples as float32
-    [channels, samples]. A MediaError (file: reason) for a video without an audio stream, an undecodable one,
+    [channels, samples]. A MediaError (file: reason) for an image, a video without an audio stream, an undecodable one,
     and a clip whose video or sound does not last `frames / frame_rate` seconds (within one frame): the frames
     are sampled over the whole clip, so only then are the sound and the frames the model sees in sync. A track
     short of the length by less than a frame (an encoder's priming) is padded with silence."""
     import av
 
     seconds, tolerance = frames / track.frame_rate, 1 / track.frame_rate
+    if not is_video_path(path):
+        raise MediaError(
+            path,
+            "an image has no sound, and data.audio trains videos with their audio track",
+            "Train images in a run without data.audio, or remove them.",
+        )
     total, fps, _, _ = probe_video(path)
     if fps <= 0 or abs(total / fps - seconds) > tolerance:
         lasts = f"{total / fps:.3f} s ({total} frames at {fps:g} fps)" if fps > 0 else "an unknown time (no frame rate)"

@@ -5,12 +5,14 @@
   clip's waveform (its log-mel spectrogram computed by transformers' reference STFT), packed and normalised by
   the pipeline's own helpers; the noised pair uses the video's sigma and noise drawn after the video's; the
   task's loss is the hand-written flow-matching loss over both streams of a direct stock transformer call;
-- two LoRA steps through `spindle train` export a LoRA that `LTX2Pipeline.load_lora_weights` loads, whose audio
+- two LoRA steps through `spindle train` (text- and image-to-video) export a LoRA that the stock pipeline's
+  `load_lora_weights` loads, whose audio
   branch adapters were trained (the last block's audio feed-forward, which the video-only rule leaves at zero:
   tests/train/test_ltx2.py) and change the stock pipeline's audio;
 - `spindle precompute` caches the audio latents, which a run on the cache trains on;
-- a clip without an audio track, with too short a track, or of the wrong duration is named (file: reason) before
-  the model is built.
+- a clip without an audio track, with too short a track, or of the wrong duration, and an image, are named
+  (file: reason) before the model is built; families without an audio stream, and frame buckets, refuse
+  data.audio before launch.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from spindle.data.media import write_video
+from spindle.data.media import write_image, write_video
 from tests.conftest import train_video_lora
 
 RATE, FRAMES, FPS = 16000, 9, 24
@@ -181,10 +183,13 @@ def last_block(root: Path) -> int:
     return json.loads((root / "transformer" / "config.json").read_text())["num_layers"] - 1
 
 
-def test_lora_trains_the_audio_branch_and_loads_in_stock_diffusers(tiny_checkpoint, av_clips, tmp_path):
+@pytest.mark.parametrize("name", ["ltx2", "ltx2_i2v"])
+def test_lora_trains_the_audio_branch_and_loads_in_stock_diffusers(name, tiny_checkpoint, av_clips, tmp_path):
     from diffusers import DiffusionPipeline
 
-    root = tiny_checkpoint("ltx2")
+    from spindle.models.shared.test_images import noise_image
+
+    root = tiny_checkpoint(name)
     lora_dir = train_video_lora(root, tmp_path, videos=av_clips, data__audio=True)
     # the last block's audio feed-forward reaches only the audio output: it trains only on the audio loss
     assert all(v.abs().max() > 1e-4 for v in audio_adapters(lora_dir, last_block(root)).values())
@@ -197,6 +202,7 @@ def test_lora_trains_the_audio_branch_and_loads_in_stock_diffusers(tiny_checkpoi
         num_inference_steps=2,
         max_sequence_length=16,
     )
+    request |= dict(image=noise_image(64, 64), image_crf=0) if name == "ltx2_i2v" else {}  # (its first frame)
     pipe = DiffusionPipeline.from_pretrained(root)
     pipe.set_progress_bar_config(disable=True)
     base = pipe(**request, output_type="np", generator=torch.Generator().manual_seed(0)).audio
@@ -248,6 +254,8 @@ def test_a_bad_audio_track_is_named_before_the_model_is_built(tiny_checkpoint, t
     silent = clip(data / "silent.mp4", "no sound", 1, None)
     short = clip(data / "short.mp4", "cut sound", 2, tone(0.1, 440))
     long = clip(data / "long.mp4", "too long", 3, tone(17 / FPS, 440), frames=17)
+    still = write_image(data / "still.png", np.zeros((64, 64, 3), np.uint8))
+    still.with_suffix(".txt").write_text("an image")
 
     def never(self):
         raise AssertionError("the model was built before the data was checked")
@@ -256,9 +264,28 @@ def test_a_bad_audio_track_is_named_before_the_model_is_built(tiny_checkpoint, t
     with pytest.raises(DataCheckError) as error:
         train(job(tiny_checkpoint("ltx2"), data, tmp_path / "run", train__max_steps=1))
     problems = {p.path: p.reason for p in error.value.problems}
-    assert set(problems) == {silent, short, long}
+    assert set(problems) == {silent, short, long, still}
+    assert "an image has no sound" in problems[still]
     assert "no audio track" in problems[silent]
     # (0.1 s of sound decodes to whole AAC frames of 1024 samples: 0.128 s)
     assert re.search(r"the audio track lasts 0\.1\d\d s, shorter than the clip's 0\.375 s", problems[short])
     assert "the video lasts 0.708 s (17 frames at 24 fps)" in problems[long] and "0.375 s" in problems[long]
     assert f"{silent}: no audio track" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "name,more,message",
+    [
+        ("wan", {}, r"data.audio: WanConditionModel has no audio stream to train; remove data.audio"),
+        ("ltx2", {"data__buckets": True}, r"data.audio takes clips of exactly data.num_frames .* remove data.buckets"),
+    ],
+)
+def test_audio_training_is_refused_before_launch_where_it_cannot_run(name, more, message, tiny_checkpoint, tmp_path):
+    from spindle.config import ConfigError
+    from spindle.distributed.mesh import ParallelDims
+    from spindle.registry import get_family
+    from spindle.train.tasks.flow_matching import FlowMatchingTask
+
+    cfg = job(tiny_checkpoint(name), tmp_path, tmp_path / "run", **more)
+    with pytest.raises(ConfigError, match=message):
+        FlowMatchingTask.check_plan(cfg, get_family(name), ParallelDims().resolve(1))

@@ -36,7 +36,7 @@ def audio_track(root: str | Path, frame_rate: float) -> AudioTrack:
 
 
 def mel_filters(config: Any) -> torch.Tensor:
-    """[N_FFT // 2 + 1, mel_bins] Slaney mel filters of the audio VAE's rate (transformers' filter bank)."""
+    """[N_FFT // 2 + 1, mel_bins] float64 Slaney mel filters of the audio VAE's rate (transformers' filter bank)."""
     from transformers.audio_utils import mel_filter_bank
 
     rate = config.sample_rate
@@ -49,19 +49,22 @@ def mel_filters(config: Any) -> torch.Tensor:
         norm="slaney",
         mel_scale="slaney",
     )
-    return torch.from_numpy(bank).float()
+    return torch.from_numpy(bank)  # float64, as the spectrum it filters
 
 
 def log_mel(waveform: torch.Tensor, config: Any) -> torch.Tensor:
     """[B, channels, samples] at the audio VAE's rate -> its input [B, channels, frames, mel_bins]."""
     b, c, n = waveform.shape
-    wave = waveform.reshape(b * c, n).float()
-    window = torch.hann_window(N_FFT, device=wave.device)
+    # in float64: the log of a quiet band (a mel value near the 1e-5 floor) turns float32's rounding of the
+    # STFT into errors of 1e-5 and more; the audio is small, so the precise spectrum costs nothing
+    wave = waveform.reshape(b * c, n).double()
+    window = torch.hann_window(N_FFT, dtype=torch.float64, device=wave.device)
     spec = torch.stft(
         wave, N_FFT, config.mel_hop_length, N_FFT, window, center=True, pad_mode="reflect", return_complex=True
     )
     mel = mel_filters(config).to(wave.device).T @ spec.abs()  # [B * C, mel_bins, frames]
-    return torch.log(mel.clamp(min=LOG_FLOOR)).reshape(b, c, config.mel_bins, -1).transpose(2, 3)
+    log = torch.log(mel.clamp(min=LOG_FLOOR)).float()
+    return log.reshape(b, c, config.mel_bins, -1).transpose(2, 3)
 
 
 @torch.no_grad()
