@@ -145,6 +145,11 @@ class MediaDataConfig(Section):
     resolution: tuple[int, int] = Field((64, 64), description="[height, width] after resize + center crop")
     num_frames: int = Field(17, ge=1, description="frames sampled per video (images give 1)")
     skip_bad_samples: bool = Field(False, description="log and skip unreadable files instead of failing")
+    audio: bool = Field(
+        False,
+        description="train on each video's audio track too (a family with an audio stream: LTX-2); every clip "
+        "must have one and last num_frames at the family's frame rate",
+    )
     shuffle: bool = True
     precomputed: str | None = Field(
         None,

@@ -261,16 +261,18 @@ def encode_two_samples(condition: Any, captions: list[str], num_frames: int = 1)
     return batch, condition.encode(batch)
 
 
-def train_video_lora(model: Path, tmp_path: Path) -> Path:
-    """Two LoRA steps of a tiny video family's checkpoint on two 64x64, 9-frame clips, at a learning rate that moves
-    the adapters visibly -> the export's `lora/` folder, checked to hold `pytorch_lora_weights.safetensors` (what the
-    stock pipelines load) and, where the family has an original layout (`lora_original`), that file
+def train_video_lora(model: Path, tmp_path: Path, videos: Path | None = None, **more: Any) -> Path:
+    """Two LoRA steps of a tiny video family's checkpoint on two 64x64, 9-frame clips (`videos`, default: shapes
+    clips; `more`: further overrides, e.g. `data__audio=True`), at a learning rate that moves the adapters visibly
+    -> the export's `lora/` folder, checked to hold `pytorch_lora_weights.safetensors` (what the stock pipelines
+    load) and, where the family has an original layout (`lora_original`), that file
     (`original_layout_lora.safetensors`)."""
     from spindle.api import train
     from spindle.data.synthetic import make_shapes_video_dataset
     from spindle.registry import family_of
 
-    videos = make_shapes_video_dataset(tmp_path / "videos", num_videos=2, num_frames=9, size=(64, 64))
+    if videos is None:
+        videos = make_shapes_video_dataset(tmp_path / "videos", num_videos=2, num_frames=9, size=(64, 64))
     overrides = dict(
         data__num_frames=9,
         data__resolution=[64, 64],
@@ -279,6 +281,7 @@ def train_video_lora(model: Path, tmp_path: Path) -> Path:
         train__global_batch_size=2,
         train__lr=3e-2,  # two steps must move the adapters visibly
         train__lora="{rank: 4, alpha: 8}",
+        **more,
     )
     result = train(load_job_config(None, train_overrides(model, videos, tmp_path / "run", **overrides)))
     lora_dir: Path = result.export_dir / "lora"

@@ -30,6 +30,21 @@ class PixelGrid:
         return list(range(1, most + 1, self.frame_multiple))
 
 
+@dataclass(frozen=True)
+class AudioTrack:
+    """The soundtrack a family trains on with `data.audio` (read from a checkpoint's configs): the waveform's
+    sample rate and channel count its audio encoder takes, and the video frame rate that gives a clip of
+    `frames` frames its duration, `frames / frame_rate` seconds (the length of the sound trained with it)."""
+
+    sample_rate: int
+    channels: int
+    frame_rate: float
+
+    def samples(self, frames: int) -> int:
+        """The waveform length of a clip of `frames` video frames."""
+        return round(frames / self.frame_rate * self.sample_rate)
+
+
 class ConditionModel(ABC):
     """Frozen condition components of a family; pure functions of the data (precomputable)."""
 
@@ -82,6 +97,12 @@ class ConditionModel(ABC):
     def pixel_grid(cls, root: str | Path) -> PixelGrid:
         """The checkpoint's pixel grid (data.buckets), from its configs alone (no weight is read)."""
         raise NotImplementedError(f"{cls.__name__} declares no pixel grid, which data.buckets needs")
+
+    @classmethod
+    def audio_track(cls, root: str | Path) -> AudioTrack:
+        """The soundtrack `data.audio` trains on with this checkpoint (checked before launch). Default: a
+        family without an audio stream, which refuses it."""
+        raise ValueError(f"data.audio: {cls.__name__} has no audio stream to train; remove data.audio")
 
     @classmethod
     def request_images(cls, root: str | Path) -> tuple[int, int] | None:

@@ -161,9 +161,10 @@ class TrainTask(ABC, Generic[CfgT, FamilyT]):
         return None
 
     @classmethod
-    def check_data(cls, cfg: CfgT) -> None:
-        """Check the whole dataset before any model is built (e.g. decode every media file once); raise
-        one error listing every unusable sample. Default: none (the data is checked as it is built)."""
+    def check_data(cls, cfg: CfgT, family: FamilyT | None = None) -> None:
+        """Check the whole dataset before any model is built (e.g. decode every media file once), in the
+        format `family`'s checkpoint takes; raise one error listing every unusable sample. Default: none (the
+        data is checked as it is built)."""
         return None
 
     # ------------------------------------------------------------ set-up

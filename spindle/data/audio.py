@@ -1,4 +1,5 @@
-"""Audio clips -> the audio encoder's log-mel features, as the stock Qwen-Omni processor builds them.
+"""Audio clips -> the audio encoder's log-mel features, as the stock Qwen-Omni processor builds them; and a
+training video's soundtrack (`read_audio_track`, `data.audio` of a DiT family with an audio stream: LTX-2).
 
 Files (wav, flac, mp3, m4a/aac, ogg: whatever PyAV decodes; the audio track of a video file too) are
 decoded with PyAV, mixed down to mono float32 and resampled to the feature extractor's `sampling_rate`
@@ -22,6 +23,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from spindle.contracts.condition import AudioTrack
+from spindle.data.media import MediaError, is_video_path, probe_video
+
 
 def decode_audio(path: Path, sampling_rate: int) -> np.ndarray:
     """The first audio stream of `path` as mono float32 samples at `sampling_rate`."""
@@ -44,6 +48,59 @@ def decode_audio(path: Path, sampling_rate: int) -> np.ndarray:
     if samples.size == 0:
         raise ValueError(f"audio {path} has no samples")
     return samples
+
+
+def read_audio_track(path: Path, track: AudioTrack, frames: int) -> torch.Tensor:
+    """The soundtrack of a training clip of `frames` frames: its first audio stream resampled by PyAV to the
+    track's rate and channels (a mono track is upmixed), the first `track.samples(frames)` samples as float32
+    [channels, samples]. A MediaError (file: reason) for an image, a video without an audio stream, an undecodable one,
+    and a clip whose video or sound does not last `frames / frame_rate` seconds (within one frame): the frames
+    are sampled over the whole clip, so only then are the sound and the frames the model sees in sync. A track
+    short of the length by less than a frame (an encoder's priming) is padded with silence."""
+    import av
+
+    seconds, tolerance = frames / track.frame_rate, 1 / track.frame_rate
+    if not is_video_path(path):
+        raise MediaError(
+            path,
+            "an image has no sound, and data.audio trains videos with their audio track",
+            "Train images in a run without data.audio, or remove them.",
+        )
+    total, fps, _, _ = probe_video(path)
+    if fps <= 0 or abs(total / fps - seconds) > tolerance:
+        lasts = f"{total / fps:.3f} s ({total} frames at {fps:g} fps)" if fps > 0 else "an unknown time (no frame rate)"
+        raise MediaError(
+            path,
+            f"the video lasts {lasts}, but data.audio trains clips of data.num_frames / {track.frame_rate:g} fps = "
+            f"{seconds:.3f} s, so that the sound stays in sync with the frames sampled from the clip",
+            f"Cut the clip to {seconds:.3f} s, or set data.skip_bad_samples=true to skip it.",
+        )
+    layout = {1: "mono", 2: "stereo"}[track.channels]
+    chunks: list[np.ndarray] = []
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.audio:
+                raise MediaError(
+                    path,
+                    "no audio track, and data.audio trains every clip's sound",
+                    "Give the clip its soundtrack, remove it, train without data.audio, or set "
+                    "data.skip_bad_samples=true to skip it.",
+                )
+            resampler = av.AudioResampler(format="fltp", layout=layout, rate=track.sample_rate)
+            for frame in container.decode(container.streams.audio[0]):
+                chunks += [f.to_ndarray() for f in resampler.resample(frame)]
+            chunks += [f.to_ndarray() for f in resampler.resample(None)]  # the resampler's tail
+    except (av.FFmpegError, OSError) as e:
+        raise MediaError(path, f"the audio track cannot be decoded ({e.__class__.__name__}: {e})") from None
+    wave = np.concatenate(chunks, axis=1) if chunks else np.zeros((track.channels, 0), np.float32)
+    want = track.samples(frames)
+    if wave.shape[1] < want - track.sample_rate * tolerance:
+        raise MediaError(
+            path,
+            f"the audio track lasts {wave.shape[1] / track.sample_rate:.3f} s, shorter than the clip's {seconds:.3f} s",
+        )
+    wave = np.pad(wave[:, :want], ((0, 0), (0, max(0, want - wave.shape[1]))))
+    return torch.from_numpy(np.ascontiguousarray(wave, dtype=np.float32))
 
 
 def audio_features(samples: np.ndarray, feature_extractor: Any, where: str = "audio") -> torch.Tensor:

@@ -26,7 +26,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from spindle.contracts.condition import AudioTrack
 from spindle.contracts.request import short_repr
+from spindle.data.audio import read_audio_track
 from spindle.data.captions import CaptionPolicy
 from spindle.data.edit_pairs import attach_controls, collate_sources, manifest_entry, read_sources
 from spindle.data.index import ShardedManifest, is_shard_folder
@@ -60,7 +62,8 @@ class Sample:
 
 class MediaDataset(Dataset):
     """Decodes samples on access: {"pixels": [3, F, H, W] in [-1, 1], "caption": str, "index": int}
-    (+ "image" [3, H, W]: an I2V conditioning image; + "images" [N, 3, H, W]: an edit pair's sources).
+    (+ "image" [3, H, W]: an I2V conditioning image; + "images" [N, 3, H, W]: an edit pair's sources;
+    + "audio" [channels, samples]: the clip's soundtrack, with `audio` set: `data.audio`).
 
     F is `num_frames` for videos and 1 for images. `index` is the index of the sample actually
     returned, which differs from the requested one only when a bad sample was skipped.
@@ -94,6 +97,7 @@ class MediaDataset(Dataset):
         self.epoch = 0  # set by the loader at each epoch's start: per-epoch caption draws
         # files `build_dataset` left out before training (data.skip_bad_samples), for the run summary
         self.skipped_files: list[Path] = []
+        self.audio: AudioTrack | None = None  # data.audio: each clip's soundtrack in this format (spindle.data.audio)
 
     @property
     def num_skipped(self) -> int:
@@ -127,6 +131,8 @@ class MediaDataset(Dataset):
             out["images"] = read_sources(sample, resolution)
         if sample.last_image is not None:
             out["last_image"] = read_media(sample.last_image, 1, resolution)[:, 0]
+        if self.audio is not None:
+            out["audio"] = read_audio_track(sample.path, self.audio, frames)
         return out
 
     def same_shape(self, a: int, b: int) -> bool:
@@ -189,6 +195,8 @@ def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
         )
     if last:
         batch["last_image"] = torch.stack([s["last_image"] for s in samples])
+    if "audio" in samples[0]:  # data.audio: every clip has its soundtrack, of its (shared) frame count's length
+        batch["audio"] = torch.stack([s["audio"] for s in samples])
     return batch
 
 
@@ -351,6 +359,7 @@ def build_dataset(
     warn_skipped: bool = True,
     kind: str = "both",
     control_dir: str | os.PathLike[str] | None = None,
+    audio: AudioTrack | None = None,
 ) -> MediaDataset:
     """A MediaDataset from a folder (captions in same-name .txt files), a .jsonl manifest or a folder of
     .jsonl shards (both indexed lazily, `spindle.data.index`).
@@ -362,7 +371,8 @@ def build_dataset(
     with `skip_bad_samples`, left out, counted (`skipped_files`) and, with `warn_skipped`, named in one
     warning. Without `check` (training on precomputed conditions, whose media is not decoded) only the
     listing is checked. `kind` (a `data.sources` entry's): `video` or `image` keeps only those files (a
-    manifest line of the other kind is an error), `both` keeps all.
+    manifest line of the other kind is an error), `both` keeps all. `audio` (`data.audio`): each clip's
+    soundtrack is read too, and checked with it.
     """
     path = Path(path).expanduser()
     if not path.exists():
@@ -389,7 +399,7 @@ def build_dataset(
     if not total:
         raise ValueError(f"dataset {path} has no samples (media extensions: {', '.join(sorted(MEDIA_EXTENSIONS))})")
     if check and len(samples) <= CHECK_LIMIT:
-        bad = find_problems(samples, resolution, num_frames)
+        bad = find_problems(samples, resolution, num_frames, audio)
         problems += [Problem(samples[i].path, reason) for i, reason in sorted(bad.items())]
         samples = _without(samples, set(bad))
     elif check:
@@ -403,6 +413,7 @@ def build_dataset(
         logger.warning("data.skip_bad_samples: skipping %d of %d samples (%s)", len(problems), total, shown)
     dataset = MediaDataset(samples, resolution, num_frames, skip_bad_samples=skip_bad_samples)
     dataset.skipped_files = [p.path for p in problems]
+    dataset.audio = audio
     return dataset
 
 

@@ -14,7 +14,7 @@ from typing import Any, overload
 
 import numpy as np
 
-from spindle.contracts.condition import PixelGrid
+from spindle.contracts.condition import AudioTrack, PixelGrid
 from spindle.data.buckets import BucketPlan, BucketRule, bucket_report, check_sequence_split, source_sizes
 from spindle.data.captions import CaptionPolicy
 from spindle.data.datasets import MediaDataset, Sample, build_dataset
@@ -86,15 +86,19 @@ def build_dit_data(
     warn_skipped: bool = True,
     captions: bool = True,
     sequence_split: int = 1,
+    audio: AudioTrack | None = None,
 ) -> DiTData:
     """`data` (a `MediaDataConfig`) -> the dataset, its order and its start-up report. `grid()` gives the
     model's pixel grid (called only with buckets on); None: list and check the samples only. `captions=False`: every sample with its first
     caption and the prefix, never dropped (what a precomputed cache holds). `sequence_split`: the SP x ring
-    degree every bucket's token count must divide by."""
+    degree every bucket's token count must divide by. `audio` (`data.audio`): each clip's soundtrack is
+    read (and checked) in this format."""
     resolution, frames = (int(data.resolution[0]), int(data.resolution[1])), int(data.num_frames)
 
     def one(path: str, kind: str = "both", control_dir: str | None = None) -> MediaDataset:
-        return build_dataset(path, resolution, frames, data.skip_bad_samples, check, warn_skipped, kind, control_dir)
+        return build_dataset(
+            path, resolution, frames, data.skip_bad_samples, check, warn_skipped, kind, control_dir, audio
+        )
 
     mix = None
     if data.sources:
@@ -114,6 +118,7 @@ def build_dit_data(
             ConcatSamples([p.samples for p in parts]), resolution, frames, skip_bad_samples=data.skip_bad_samples
         )
         dataset.skipped_files = [f for p in parts for f in p.skipped_files]
+        dataset.audio = audio
     else:
         dataset = one(data.path, control_dir=data.control_dir)
     dropout = data.caption_dropout if captions else 0.0

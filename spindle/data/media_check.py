@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from spindle.contracts.condition import AudioTrack
+from spindle.data.audio import read_audio_track
 from spindle.data.media import MediaError, read_media
 
 CACHE_ENV = "SPINDLE_CACHE_DIR"
@@ -73,9 +75,11 @@ def _fingerprint(samples: Sequence[Any], settings: dict[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _problem(sample: Any, resolution: tuple[int, int], num_frames: int) -> str | None:
+def _problem(sample: Any, resolution: tuple[int, int], num_frames: int, audio: AudioTrack | None) -> str | None:
     try:
         read_media(sample.path, num_frames, resolution)
+        if audio is not None:  # data.audio: the clip's soundtrack, read as the loader will
+            read_audio_track(sample.path, audio, num_frames)
         image = getattr(sample, "image", None)
         if image is not None:  # the conditioning image, decoded as the loader will (one frame)
             read_media(image, 1, resolution)
@@ -108,15 +112,20 @@ def _write_cache(path: Path, bad: dict[int, str]) -> None:
         pass  # a read-only cache only costs the next run a rescan
 
 
-def find_problems(samples: Sequence[Any], resolution: tuple[int, int], num_frames: int) -> dict[int, str]:
-    """{sample index: what is wrong} for the unusable samples, from the cache when nothing changed."""
-    settings = {"resolution": list(resolution), "num_frames": num_frames, "version": 2}
+def find_problems(
+    samples: Sequence[Any], resolution: tuple[int, int], num_frames: int, audio: AudioTrack | None = None
+) -> dict[int, str]:
+    """{sample index: what is wrong} for the unusable samples, from the cache when nothing changed. `audio`
+    (`data.audio`): each clip's soundtrack is checked too."""
+    settings: dict[str, Any] = {"resolution": list(resolution), "num_frames": num_frames, "version": 2}
+    if audio is not None:
+        settings["audio"] = [audio.sample_rate, audio.channels, audio.frame_rate]
     cache = cache_dir() / f"{_fingerprint(samples, settings)}.json"
     bad = _read_cache(cache)
     if bad is None:
         bad = {}
         for index, sample in enumerate(samples):
-            if (reason := _problem(sample, resolution, num_frames)) is not None:
+            if (reason := _problem(sample, resolution, num_frames, audio)) is not None:
                 bad[index] = reason
         _write_cache(cache, bad)
     return bad

@@ -86,6 +86,9 @@ def cache_settings(cfg: Any, family: str, dtype: torch.dtype, encoding: int = 1)
         "caption_prefix": cfg.data.caption_prefix,
         "max_text_length": cfg.model.max_text_length,
         "dtype": str(dtype).removeprefix("torch."),
+        # data.audio: the cache holds each clip's audio latents too (a cache without them is refused); the key
+        # is absent without it, so caches written before it existed stay valid
+        **({"audio": True} if getattr(cfg.data, "audio", False) else {}),
     }
 
 

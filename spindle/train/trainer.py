@@ -136,7 +136,7 @@ class Trainer:
             # Extra start-of-run summary fields (name -> JSON-able value) other steps measure.
             self.summary_extra: dict[str, Any] = {}
             if not self.already_complete:
-                task.check_data(cfg)  # the whole dataset, before the model is built
+                task.check_data(cfg, family)  # the whole dataset, before the model is built
                 self._build(cfg, family, task)
         except BaseException:
             self.lock.release()

@@ -15,6 +15,7 @@ from spindle.api import load_generator
 from spindle.testing import conformance as suite
 from spindle.testing.specs import dit_spec
 from tests.conftest import train_video_lora
+from tests.train.test_ltx2_audio import audio_adapters, last_block
 
 NAME = "ltx2"
 I2V = "ltx2_i2v"
@@ -56,6 +57,9 @@ def test_lora_trains_exports_and_loads_in_stock_diffusers(name, tiny_checkpoint,
 
     tiny = tiny_checkpoint(name)
     lora_dir = train_video_lora(tiny, tmp_path)
+    # the video-only rule: the last block's audio feed-forward reaches only the audio output, which no loss reads
+    # (trained with data.audio: tests/train/test_ltx2_audio.py)
+    assert all(not v.any() for v in audio_adapters(lora_dir, last_block(tiny)).values())
 
     # (the LoRA records its trained text length, 16: the engine's default with it, given to the stock pipeline too)
     request = dict(

@@ -1,12 +1,20 @@
-"""LTX-2's frozen condition components: Gemma 3 + the text connectors, the video VAE, the scheduler; and the
-training inputs of its audio-video transformer.
+"""LTX-2's frozen condition components: Gemma 3 + the text connectors, the video VAE, the audio VAE (with
+`data.audio`), the scheduler; and the training inputs of its audio-video transformer.
 
-Training is video-only: a clip's video is trained, its audio branch is not (the loss is the video stream's). The
-rule for the audio stream, which the transformer always runs: it gets pure Gaussian noise at sigma 1 (timestep
-1000), i.e. what the audio stream holds at the first step of every generation, so the video learns under the
-audio condition it meets at the start of sampling and no audio model is needed to train. Why video-only:
-video-with-audio datasets are rare, the audio VAE's mel front end would be one more frozen model per step, and
-LoRAs of LTX-2 (the common fine-tune) target the look and motion of the video.
+With `data.audio`, each clip's soundtrack trains the audio stream with the video: its clean latents are the audio
+VAE's encoding of the clip's log-mel spectrogram (`spindle.models.ltx2.audio`), noised at the sample's sigma (the
+video's: one noise level for both streams, as LTX-2's own trainer draws it) with noise drawn after the video's from
+the sample's RNG; the audio timestep (and `audio_sigma`) is the video's, the target the audio velocity
+`noise - x0`, returned as `extra_targets[1]` (the transformer's second output) so the loss adds the audio stream's
+mean squared error to the video's, each a mean over its own elements (equal weights, as LTX-2's trainer sums
+`video_loss + audio_loss`; a mean over both streams' elements would give the audio, some 2% of them, almost no say).
+
+Without it training is video-only: a clip's video is trained, its audio branch is not (the loss is the video
+stream's). The rule for the audio stream, which the transformer always runs: it gets pure Gaussian noise at sigma
+1 (timestep 1000), i.e. what the audio stream holds at the first step of every generation, so the video learns
+under the audio condition it meets at the start of sampling and no audio model runs. Video-only is the default
+because most video datasets have no usable soundtrack, and LoRAs of LTX-2 (the common fine-tune) target the look
+and motion of the video.
 
 The video follows the pipeline's conventions: latents `(z - mean) * scaling_factor / std` of the VAE's mode (its
 `_normalize_latents`, what the decode undoes), packed to the pipeline's tokens [B, F * h * w, C]; noise and the
@@ -23,8 +31,9 @@ from typing import Any
 
 import torch
 
-from spindle.contracts.condition import PixelGrid
+from spindle.contracts.condition import AudioTrack, PixelGrid
 from spindle.models.ltx2 import FRAME_RATE, MAX_SEQUENCE_LENGTH
+from spindle.models.ltx2 import audio as soundtrack
 from spindle.models.ltx2.inference import audio_latent_frames
 from spindle.models.shared.condition import PipelineConditionModel, meta_vae
 from spindle.ops.flow_matching import flow_matching_pair, sample_sigmas
@@ -50,6 +59,10 @@ class LTX2ConditionModel(PipelineConditionModel):
         multiple = max(32, vae.spatial_compression_ratio)  # LTX2Pipeline takes multiples of 32
         return PixelGrid(multiple, multiple, frame_multiple=vae.temporal_compression_ratio)
 
+    @classmethod
+    def audio_track(cls, root: str | Path) -> AudioTrack:
+        return soundtrack.audio_track(root, FRAME_RATE)
+
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         pipe = self.pipe
@@ -74,7 +87,11 @@ class LTX2ConditionModel(PipelineConditionModel):
         )
 
     def encode(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        return {"latents": self.encode_pixels(batch["pixels"]), **self.encode_prompts(batch["caption"])}
+        conditions = {"latents": self.encode_pixels(batch["pixels"]), **self.encode_prompts(batch["caption"])}
+        if "audio" in batch:  # data.audio: the clips' soundtracks [B, channels, samples]
+            frames = audio_latent_frames(self.pipe, batch["pixels"].shape[2])
+            conditions["audio_latents"] = soundtrack.audio_latents(self.pipe, batch["audio"], frames).to(self.dtype)
+        return conditions
 
     def training_inputs(self, conditions: dict[str, torch.Tensor], generators: list[torch.Generator]) -> dict[str, Any]:
         from diffusers.utils.torch_utils import randn_tensor
@@ -85,12 +102,17 @@ class LTX2ConditionModel(PipelineConditionModel):
         sigmas = sample_sigmas(self.timestep_sampling, generators, within=self.sigma_range)
         noisy, target = flow_matching_pair(x0, sigmas, generators)
         device = x0.device
-        frames = (f - 1) * self.pipe.vae_temporal_compression_ratio + 1
-        audio_frames = audio_latent_frames(self.pipe, frames)
-        # the audio rule (module docstring): pure noise at sigma 1, drawn after the video's from each sample's RNG
-        audio = randn_tensor((b, audio_frames, self.audio_channels), generator=generators, dtype=torch.float32)
         timestep = (sigmas * self.num_train_timesteps).to(device, x0.dtype)
-        full = torch.full_like(timestep, float(self.num_train_timesteps))
+        extra: dict[int, torch.Tensor] = {}
+        if "audio_latents" in conditions:  # data.audio (module docstring): the video's sigma, noise drawn after its
+            clean = conditions["audio_latents"].to(device, torch.float32)
+            audio, extra[1] = flow_matching_pair(clean, sigmas, generators)
+            audio_frames, audio_timestep = clean.shape[1], timestep
+        else:  # the video-only rule (module docstring): pure noise at sigma 1, drawn after the video's
+            frames = (f - 1) * self.pipe.vae_temporal_compression_ratio + 1
+            audio_frames = audio_latent_frames(self.pipe, frames)
+            audio = randn_tensor((b, audio_frames, self.audio_channels), generator=generators, dtype=torch.float32)
+            audio_timestep = torch.full_like(timestep, float(self.num_train_timesteps))
         mask = conditions["prompt_mask"].to(device)
         return {
             "hidden_states": noisy,
@@ -99,8 +121,8 @@ class LTX2ConditionModel(PipelineConditionModel):
             "audio_encoder_hidden_states": conditions["audio_prompt_embeds"].to(device),
             "timestep": timestep,
             "sigma": timestep,
-            "audio_timestep": full,
-            "audio_sigma": full,
+            "audio_timestep": audio_timestep,
+            "audio_sigma": audio_timestep,
             "encoder_attention_mask": mask,
             "audio_encoder_attention_mask": mask,
             "num_frames": f,
@@ -111,6 +133,7 @@ class LTX2ConditionModel(PipelineConditionModel):
             "use_cross_timestep": True,
             "target": target,
             "sigmas": sigmas,
+            **({"extra_targets": extra} if extra else {}),
         }
 
     def tokens_per_sample(self, inputs: dict[str, Any]) -> int:

@@ -48,9 +48,11 @@ LTX2_VAE = dict(
 )
 # the mel-spectrogram VAE (16 kHz, hop 160: 25 latent frames a second) and the vocoder (mel -> stereo waveform)
 LTX2_AUDIO_VAE = dict(
-    base_channels=4,
+    base_channels=4,  # = latent channels x latent mel bins: the pipeline normalises the packed latents by it
     output_channels=2,
-    ch_mult=(1,),
+    # three levels, two 2x downsamplings: the 4x time and mel compression the pipeline assumes (the real VAE's),
+    # so that the encoder's latents of a clip's mel spectrogram are the transformer's audio tokens (data.audio)
+    ch_mult=(1, 1, 1),
     num_res_blocks=1,
     attn_resolutions=None,
     in_channels=2,

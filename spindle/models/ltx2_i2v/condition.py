@@ -1,5 +1,6 @@
-"""LTX-2 image-to-video's condition model: text-to-video's (video-only, the audio stream noise at sigma 1) plus the
-conditioning image, as `LTX2ImageToVideoPipeline` uses it at inference.
+"""LTX-2 image-to-video's condition model: text-to-video's (video-only with the audio stream noise at sigma 1, or
+with each clip's sound under `data.audio`) plus the conditioning image, as `LTX2ImageToVideoPipeline` uses it at
+inference.
 
 The conditioning image of a sample is the clip's first frame, or the file its manifest entry names (`"image"`; the
 loader puts it in `batch["image"]`), at the clip's size. It goes through the pipeline's own code as the uint8 RGB

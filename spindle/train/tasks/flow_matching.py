@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from spindle.config import ConfigError, DiTJobConfig
-from spindle.contracts.condition import ConditionModel
+from spindle.contracts.condition import AudioTrack, ConditionModel
 from spindle.contracts.family import DiTFamily
 from spindle.contracts.parallel import ParallelPlan
 from spindle.contracts.protocols import BatchLoader, ParallelDimsLike
@@ -71,6 +71,9 @@ class TrainingInputs:
     loss_mask: torch.Tensor | None  # elements the loss leaves out (None: all count)
     samples: int
     tokens_per_sample: int
+    # the targets of further outputs of the transformer, by output index (LTX-2's audio stream with data.audio:
+    # {1: its velocity}); the loss adds each one's per-sample mean
+    extra_targets: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class FlowMatchingTask(TrainTask[DiTJobConfig, DiTFamily]):
@@ -107,6 +110,7 @@ class FlowMatchingTask(TrainTask[DiTJobConfig, DiTFamily]):
         from spindle.distributed.context_parallel import check_sequence_parallel
 
         build_objective(cfg.train.objective, cfg).check_plan(family, dims)  # what the objective refuses, first
+        check_audio(cfg, family)
         tcfg = Path(cfg.model.path) / "transformer" / "config.json"
         if dims.cp_size > 1 and family.sequence_parallel_refused:
             raise ValueError(
@@ -197,12 +201,13 @@ class FlowMatchingTask(TrainTask[DiTJobConfig, DiTFamily]):
             add_lora(model, lora)
 
     @classmethod
-    def check_data(cls, cfg: DiTJobConfig) -> None:
+    def check_data(cls, cfg: DiTJobConfig, family: DiTFamily | None = None) -> None:
         own = getattr(build_objective(cfg.train.objective, cfg), "check_data", None)
         if own is not None:  # an objective with its own data format (preference pairs) checks it
             own()
         elif cfg.data.precomputed is None:  # every file decoded once (cached): one report before the model loads
-            dit_data(cfg, None)
+            # (with data.audio each clip's soundtrack too, in the format the family's checkpoint takes)
+            dit_data(cfg, None, audio=audio_track(cfg, family))
 
     def data_stats(self) -> dict[str, Any]:
         return dict(getattr(self, "_data_stats", {}))
@@ -273,13 +278,14 @@ class FlowMatchingTask(TrainTask[DiTJobConfig, DiTFamily]):
         sigmas = inputs.pop("sigmas")
         # elements the loss leaves out (Wan2.2 TI2V's image-to-video: the first latent frame is the clean image)
         loss_mask = inputs.pop("loss_mask", None)
+        extra = {i: t.to(self.device) for i, t in inputs.pop("extra_targets", {}).items()}
         inputs = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in inputs.items()}
         tokens_per_sample = self.condition.tokens_per_sample(inputs)
         if tokens_per_sample is None:
             patch = getattr(getattr(model, "config", None), "patch_size", 1)
             tokens_per_sample = count_tokens(inputs["hidden_states"], patch)
         self._check_sequence_split(model, tokens_per_sample, inputs)
-        return TrainingInputs(inputs, target, sigmas, loss_mask, len(generators), tokens_per_sample)
+        return TrainingInputs(inputs, target, sigmas, loss_mask, len(generators), tokens_per_sample, extra)
 
     @staticmethod
     def _check_sequence_split(model: torch.nn.Module, tokens: int, inputs: dict[str, Any]) -> None:
@@ -417,18 +423,56 @@ def check_validation_images(cfg: DiTJobConfig, family: DiTFamily) -> None:
 
 
 def dit_data(
-    cfg: Any, family: DiTFamily | None, check: bool = True, warn_skipped: bool = True, captions: bool = True
+    cfg: Any,
+    family: DiTFamily | None,
+    check: bool = True,
+    warn_skipped: bool = True,
+    captions: bool = True,
+    audio: AudioTrack | None = None,
 ) -> Any:
     """The job's dataset, order and report (`spindle.data.dit_data`), buckets on the family's pixel grid;
-    without a family only the samples are listed and checked (before the model is built). `captions=False`:
-    the first caption of each sample, never dropped (what `spindle precompute` caches)."""
+    without a family only the samples are listed and checked (before the model is built; `audio`: with the
+    soundtracks `data.audio` reads). `captions=False`: the first caption of each sample, never dropped (what
+    `spindle precompute` caches)."""
     from spindle.data.dit_data import build_dit_data
 
     grid = None if family is None else lambda: family.condition_model_cls().pixel_grid(cfg.model.path)
+    if family is not None:
+        audio = audio_track(cfg, family)
     split = cfg.parallel.sp * cfg.parallel.ring
     return build_dit_data(
-        cfg.data, grid, cfg.train.seed, cfg.train.global_batch_size, check, warn_skipped, captions, split
+        cfg.data, grid, cfg.train.seed, cfg.train.global_batch_size, check, warn_skipped, captions, split, audio
     )
+
+
+def audio_track(cfg: Any, family: DiTFamily | None) -> AudioTrack | None:
+    """The soundtrack format `data.audio` reads each clip's sound in (the family's checkpoint says); None
+    without data.audio."""
+    if not getattr(cfg.data, "audio", False) or family is None:
+        return None
+    return family.condition_model_cls().audio_track(cfg.model.path)
+
+
+def check_audio(cfg: Any, family: DiTFamily) -> None:
+    """`data.audio`, before launch: a family with an audio stream (the checkpoint's format read), the plain
+    flow-matching objective (the preference and RL objectives score the video alone) and no frame buckets (each
+    clip must last data.num_frames at the family's frame rate, the sound in sync with the frames)."""
+    if not cfg.data.audio:
+        return
+    try:
+        audio_track(cfg, family)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.train.objective != "flow_matching":
+        raise ConfigError(
+            f"data.audio trains with train.objective: flow_matching; {cfg.train.objective} scores the video "
+            "alone: remove data.audio"
+        )
+    if cfg.data.buckets:
+        raise ConfigError(
+            "data.audio takes clips of exactly data.num_frames (the sound in sync with the frames); data.buckets "
+            "would train clips at other frame counts: remove data.buckets"
+        )
 
 
 def check_fixed_shape_split(cfg: Any, family: DiTFamily, degree: int) -> None:
