@@ -190,7 +190,7 @@ def last_block(root: Path) -> int:
 def test_lora_trains_the_audio_branch_and_loads_in_stock_diffusers(name, tiny_checkpoint, av_clips, tmp_path):
     from diffusers import DiffusionPipeline
 
-    from spindle.models.shared.test_images import noise_image
+    from spindle.models.shared.conformance import noise_image
 
     root = tiny_checkpoint(name)
     lora_dir = train_video_lora(root, tmp_path, videos=av_clips, data__audio=True)
