@@ -127,7 +127,7 @@ def before_denoising(root: Path, kwargs: dict[str, Any]) -> tuple[Any, Any]:
     before-denoising stage: latents, timesteps, prompt embeddings, CFG settings)."""
 
     gen = load_generator(root)
-    return gen, gen.pipeline.stages[0](gen.make_request(sampling_params(kwargs)))
+    return gen, gen.pipeline.stages[0](gen.make_request(gen.validated(sampling_params(kwargs))))
 
 
 def check_default_params(family: DiTFamily, root: Path, expected: dict[str, Any]) -> None:
