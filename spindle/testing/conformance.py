@@ -210,7 +210,7 @@ def check_request_error(gen: Any, kwargs: dict[str, Any], message: str, field: s
         assert err.value.field == field, f"{message}: RequestError.field is {err.value.field!r}, not {field!r}"
 
 
-# bad requests every family refuses the same way (SamplingParams.validate_common): (generate() keyword
+# bad requests every family refuses the same way (the sampling schema: spindle.contracts.sampling): (generate() keyword
 # arguments over the family's "nocfg" case, the RequestError message as a regex). A family's own rows
 # (what its checkpoint bounds) are its ConformanceSpec.request_errors.
 COMMON_REQUEST_ERRORS: tuple[tuple[dict[str, Any], str], ...] = (
