@@ -9,8 +9,8 @@ A family's `FamilyOptions` (on its family record, so it is known without loading
 - `fps` / `frame_multiple`: a video family's native frame rate (mp4 writing, seconds -> frames) and
   the frame-count rule `num_frames = k * frame_multiple + 1`.
 
-`FamilyOptions.schema(family)` is the family's strict pydantic model of its sampling parameters (the common
-fields plus these, bounds as constraints, rules as validators: `spindle.contracts.sampling`); the CLI flags and
+`spindle.contracts.sampling.sampling_schema(options, family)` is the family's strict pydantic model of its sampling parameters (the common
+fields plus these, bounds as constraints, rules as validators); the CLI flags and
 the HTTP fields are generated from it (`spindle.infer.options`), and the engine validates a request with it
 once (`DiffusionGenerator.validate`).
 """
@@ -19,11 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from spindle.contracts.request import SamplingParams
-    from spindle.contracts.sampling import SamplingSchema
+from typing import Any
 
 _TYPES = (bool, int, float, str)
 
@@ -61,12 +57,6 @@ class Option:
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
 
-    def bounds(self) -> str:
-        """Its bounds as the user types them ("between 0 and 100"; "" for none), as its schema field words them."""
-        from spindle.contracts.sampling import bounds_text, option_field
-
-        return bounds_text(option_field(self)[1], self.type)
-
 
 @dataclass(frozen=True)
 class FamilyOptions:
@@ -91,18 +81,6 @@ class FamilyOptions:
 
     def defaults(self) -> dict[str, Any]:
         return {o.name: o.default for o in self.extra}
-
-    def schema(self, family: str) -> SamplingSchema:
-        """The family's strict pydantic model of its sampling parameters, built from this declaration
-        (`spindle.contracts.sampling`)."""
-        from spindle.contracts.sampling import sampling_schema  # pydantic: imported when a request is read
-
-        return sampling_schema(self, family)
-
-    def validate(self, params: SamplingParams, family: str) -> SamplingParams:
-        """What the user gave (`params`, before the defaults are merged) validated by the family's schema:
-        -> params with the values typed and the images read; a `RequestError` naming the field otherwise."""
-        return self.schema(family).validate(params)
 
 
 def needs_negative_prompt(value: Any, params: Any) -> str | None:

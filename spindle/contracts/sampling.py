@@ -24,16 +24,14 @@ import dataclasses
 import difflib
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from spindle.contracts.images import as_list, count_images, load_image, with_last_image
+from spindle.contracts.options import FamilyOptions, Option
 from spindle.contracts.request import RequestError, SamplingParams, short_repr
-
-if TYPE_CHECKING:
-    from spindle.contracts.options import FamilyOptions, Option
 
 MAX_GUIDANCE = 100.0  # CFG scales in use are 1-20; far larger ones only blow the latents up
 
@@ -194,7 +192,7 @@ class SamplingSchema:
         try:
             return self.model(**values)
         except ValidationError as e:
-            error = dict(e.errors(include_url=False)[0])
+            error: dict[str, Any] = dict(e.errors(include_url=False)[0])
             cause = error.get("ctx", {}).get("error")
             if isinstance(cause, RequestError):  # an image the images module refused, with its own field and code
                 raise cause from None
@@ -269,6 +267,11 @@ def _option_words(option: Option, info: FieldInfo, kind: str, got: Any, family: 
     return f"{option.name} must be {what}{' ' + bounds if bounds else ''} for {family}; got {got!r}"
 
 
+def option_bounds(option: Option) -> str:
+    """An option's bounds as the user types them ("between 0 and 100"; "" for none), as its errors and help say."""
+    return bounds_text(option_field(option)[1], option.type)
+
+
 def option_field(option: Option) -> tuple[Any, FieldInfo]:
     """An option's field of the family's model: optional, its bounds as constraints, its default and help."""
     kw: dict[str, Any] = {}
@@ -327,5 +330,6 @@ __all__ = [
     "as_list",
     "bounds_text",
     "common_field",
+    "option_bounds",
     "sampling_schema",
 ]

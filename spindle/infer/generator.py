@@ -14,6 +14,7 @@ import torch
 
 from spindle.contracts.images import with_last_image
 from spindle.contracts.request import Req, RequestError, SamplingParams, ValidRequest
+from spindle.contracts.sampling import sampling_schema
 from spindle.data.media import write_image, write_video
 from spindle.engine_config import EngineConfig, RequestLimits, check_adapter_engine
 from spindle.export.record import trained_text_length
@@ -80,7 +81,7 @@ class DiffusionGenerator:
         self.pipeline = pipeline
         self.spec = pipeline.spec
         self.options = self.spec.options  # the family's declared sampling options (its record's `options`)
-        self.schema = self.options.schema(self.spec.family)  # their strict model (refuses a clash with a common field)
+        self.schema = sampling_schema(self.options, self.spec.family)  # their strict model (refuses a common name)
         self.defaults = pipeline.spec.default_params(pipeline.components)
         self.defaults.extra = {**self.options.defaults(), **self.defaults.extra}
         # The text length the weights were trained with, when the export (or its LoRA) records it

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from spindle.contracts.request import Cancelled, SamplingParams, ValidRequest
+from spindle.contracts.sampling import sampling_schema
 from spindle.engine_config import RequestLimits
 
 if TYPE_CHECKING:
@@ -187,7 +188,7 @@ class Engine:
         self.fps: int = int(fps or self.spec.fps or 16)
         # video families: valid frame counts are k * multiple + 1, as the family declares (Wan: 4)
         self.frame_multiple: int = int(self.spec.options.frame_multiple or 1)
-        self.schema = self.spec.options.schema(self.family)  # its sampling schema (the request bodies' fields)
+        self.schema = sampling_schema(self.spec.options, self.family)  # its sampling schema (the bodies' fields)
         self.startup_lora = startup_lora(generator)
         self._released = False
         # a run and an adapter load / unload never overlap (both change or read the model), and the

@@ -238,6 +238,7 @@ def check_request_errors(family: DiTFamily, root: Path) -> None:
     import re
 
     from spindle.contracts.options import needs_negative_prompt
+    from spindle.contracts.sampling import option_bounds
 
     gen = load_generator(root)
     spec = dit_spec(family)
@@ -251,7 +252,7 @@ def check_request_errors(family: DiTFamily, root: Path) -> None:
             gen, {**base, "num_frames": 5}, r"num_frames must be left unset \(or 1\): .* generates images"
         )
     for option in family.options.extra:
-        name, bounds = option.name, re.escape(option.bounds())
+        name, bounds = option.name, re.escape(option_bounds(option))
         kind = "a number" if option.type is float else f"a {option.type.__name__}"
         kind += f" {bounds}" if bounds else ""  # (an unbounded option: a bool)
         check_request_error(gen, {**base, name: "3"}, rf"{name} must be {kind} for {family.name}; got '3'")

@@ -11,6 +11,7 @@ import pytest
 from spindle.commands.flags import add_sampling_arguments, sampling_values
 from spindle.contracts.options import FamilyOptions, Option, needs_negative_prompt
 from spindle.contracts.request import RequestError, SamplingParams
+from spindle.contracts.sampling import sampling_schema
 from spindle.infer.options import request_model
 
 OPTIONS = FamilyOptions(
@@ -24,7 +25,11 @@ OPTIONS = FamilyOptions(
 
 def validate(**extra) -> dict:
     negative = extra.pop("negative_prompt", None)
-    return OPTIONS.validate(SamplingParams(prompt="x", negative_prompt=negative, extra=extra), "fam").extra
+    return (
+        sampling_schema(OPTIONS, "fam")
+        .validate(SamplingParams(prompt="x", negative_prompt=negative, extra=extra))
+        .extra
+    )
 
 
 def test_valid_options_are_typed_and_defaults_are_declared():
@@ -68,7 +73,7 @@ def test_an_unknown_field_names_the_closest_valid_one():
 def test_the_schema_is_a_strict_frozen_pydantic_model_with_the_bounds():
     from pydantic import ValidationError
 
-    schema = OPTIONS.schema("fam")
+    schema = sampling_schema(OPTIONS, "fam")
     shift = schema.model.model_json_schema()["properties"]["shift"]
     assert shift["anyOf"][0] == {"type": "number", "minimum": 1.0, "maximum": 10.0}
     parsed = schema.parse({"prompt": "x", "shift": 2})
@@ -79,8 +84,8 @@ def test_the_schema_is_a_strict_frozen_pydantic_model_with_the_bounds():
 
 def test_declarations_must_not_shadow_common_fields_or_repeat():
     with pytest.raises(ValueError, match=r"\['guidance_scale'\] repeat a common SamplingParams field"):
-        FamilyOptions(extra=(Option("guidance_scale", float, 1.0, "x"),)).schema("x")
-    OPTIONS.schema("fam")
+        sampling_schema(FamilyOptions(extra=(Option("guidance_scale", float, 1.0, "x"),)), "x")
+    sampling_schema(OPTIONS, "fam")
     with pytest.raises(ValueError, match=r"\['a'\] are declared twice"):
         FamilyOptions(extra=(Option("a", int, 1, "x"), Option("a", int, 2, "y")))
     with pytest.raises(TypeError, match="type must be one of"):
@@ -165,7 +170,7 @@ def test_request_fields_come_from_the_declaration():
 
     from spindle.serve.schemas import ImageGenerationRequest
 
-    model = request_model(ImageGenerationRequest, OPTIONS.schema("fam"))
+    model = request_model(ImageGenerationRequest, sampling_schema(OPTIONS, "fam"))
     body = model.model_validate({"prompt": "x", "true_cfg_scale": 2, "clean_text": False})
     assert body.true_cfg_scale == 2.0 and body.clean_text is False and body.shift is None
     with pytest.raises(ValidationError, match="true_cfg_scale"):
@@ -174,6 +179,6 @@ def test_request_fields_come_from_the_declaration():
         model.model_validate({"prompt": "x", "shift": 11})
     assert model.model_json_schema()["properties"]["shift"]["anyOf"][0]["maximum"] == 10.0
     # a family without options: the base model, which refuses the field
-    assert request_model(ImageGenerationRequest, FamilyOptions().schema("none")) is ImageGenerationRequest
+    assert request_model(ImageGenerationRequest, sampling_schema(FamilyOptions(), "none")) is ImageGenerationRequest
     with pytest.raises(ValidationError, match="true_cfg_scale"):
         ImageGenerationRequest.model_validate({"prompt": "x", "true_cfg_scale": 2})
