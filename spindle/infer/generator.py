@@ -246,13 +246,17 @@ class DiffusionGenerator:
         return self.run(params, progress=progress, should_stop=should_stop)
 
     def calibrate_cache(
-        self, params: SamplingParams, min_psnr: float | None = None, policies: tuple[str, ...] | None = None
+        self,
+        params: SamplingParams | ValidRequest,
+        min_psnr: float | None = None,
+        policies: tuple[str, ...] | None = None,
     ) -> CacheChoice:
-        """Pick and enable the fastest step cache keeping `min_psnr` dB (default: the engine's) on `params`."""
+        """Pick and enable the fastest step cache keeping `min_psnr` dB (default: the engine's) on `params`
+        (validated once here; seed 0 if none), each trial running the same validated request."""
         from spindle.infer.calibrate import calibrate_cache
 
-        if params.seed is None:
-            params = dataclasses.replace(params, seed=0)
+        if isinstance(params, SamplingParams):
+            params = self.validate(params if params.seed is not None else dataclasses.replace(params, seed=0))
         self._calibrate_first = False  # calibration runs requests through `run` itself
         self.cache_choice = calibrate_cache(self, params, min_psnr or self.pipeline.options.min_psnr, policies)
         return self.cache_choice
@@ -264,9 +268,10 @@ class DiffusionGenerator:
         should_stop: Callable[[], bool] | None = None,
     ) -> GenerationResult:
         """Generate `request`: params are validated first (`validate`); a `ValidRequest` runs as it is."""
+        request = self.validated(request)
         if self._calibrate_first:
-            self.calibrate_cache(request.params if isinstance(request, ValidRequest) else request)
-        req = self.make_request(self.validated(request), progress, should_stop)
+            self.calibrate_cache(request)
+        req = self.make_request(request, progress, should_stop)
         if self.adapters is not None:  # this request's adapter, and no other's, in every LoRA layer
             scale = req.params.lora_scale
             self.adapters.activate(req.params.lora, 1.0 if scale is None else scale)
