@@ -1,10 +1,11 @@
-"""A generation request body -> the engine's `SamplingParams`: the one mapping every generation
-route uses (images and videos today; edits and per-request adapters add their fields here).
+"""A generation request body -> the `ValidRequest` a job runs: the one mapping every generation route uses
+(images and videos today; edits and per-request adapters add their fields here).
 
 OpenAI's fields are read as OpenAI defines them (`size` "WIDTHxHEIGHT", `n` outputs, `seconds` of
 video at the model's fps), the request's `model` must name the served model (or an OpenAI default
-name, below), and the result is validated by the engine against the model and the server's limits
-before any job exists, so every refusal is a 4xx naming the HTTP field.
+name, below), and the result is validated once by the engine (the family's sampling schema, the model and
+the server's limits) before any job exists, so every refusal is a 4xx naming the HTTP field; the job then
+runs the validated request as it is.
 """
 
 from __future__ import annotations
