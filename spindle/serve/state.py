@@ -5,6 +5,7 @@ reading a request body bounded and validated against the served family's request
 from __future__ import annotations
 
 import asyncio
+import difflib
 import logging
 import time
 from collections.abc import Callable
@@ -90,7 +91,8 @@ class ServeState:
         try:
             return model.model_validate(data, strict=None if typed else False)
         except ValidationError as e:
-            raise self.option_bounds_error(e.errors()) or RequestValidationError(e.errors()) from None
+            errors = [closest_field(dict(err), list(model.model_fields)) for err in e.errors()]
+            raise self.option_bounds_error(errors) or RequestValidationError(errors) from None
 
     def option_bounds_error(self, errors: list[Any]) -> APIError | None:
         """A family option out of its bounds: 400 in the schema's words, which name the bounds and the family
@@ -116,6 +118,17 @@ class ServeState:
             raise
         job.add_done_callback(lambda _job: release())
         return job
+
+
+def closest_field(error: dict[str, Any], valid: list[str]) -> dict[str, Any]:
+    """An unknown body field's error naming the closest valid one (`did you mean 'guidance_scale'?`), as the
+    sampling schema and the config sections do."""
+    loc = error.get("loc", ())
+    if error.get("type") == "extra_forbidden" and len(loc) == 1:
+        close = difflib.get_close_matches(str(loc[0]), valid, n=1)
+        if close:
+            error["msg"] = f"{error['msg']}; did you mean {close[0]!r}?"
+    return error
 
 
 async def get_state(request: Request) -> ServeState:

@@ -572,3 +572,11 @@ def test_the_engine_runs_only_validated_requests(gen):
     result = engine.run(valid)
     assert result.seed == 3 and result.frames.shape == (1, 5, 32, 32, 3)
     np.testing.assert_array_equal(result.frames, gen.run(asked).frames)  # what the Python API makes of the same
+
+
+def test_an_unknown_body_field_names_the_closest_valid_one(serve):
+    s = serve()
+    err = assert_error(s.client.post("/v1/videos", json={**KW, "guidance_scal": 3.0}), 422, "guidance_scal")
+    assert "did you mean 'guidance_scale'?" in err["message"], err
+    err = assert_error(s.client.post("/v1/videos", json={**KW, "strength": 0.5}), 422, "strength")
+    assert "did you mean" not in err["message"], err  # nothing close: no guess
