@@ -202,7 +202,7 @@ class RequestLimits(OptionSection):
         return self.model_dump()
 
     def check(self, params: SamplingParams) -> None:
-        """Raise `RequestError` naming the field for a request past a limit (after `validate_common`)."""
+        """Raise `RequestError` naming the field for a request past a limit (after the sampling schema's checks)."""
         if self.max_prompt_chars is not None:
             for name in ("prompt", "negative_prompt"):
                 value = getattr(params, name)

@@ -123,3 +123,74 @@ def section_from_args(args: argparse.Namespace, section: type[OptionSection], **
     """`section` built from its flags (plus `values`, e.g. a nested section); errors name the flags."""
     flags = flag_names(section)
     return section.from_values({**section_values(args, section), **values}, lambda name: flags.get(name, name))
+
+
+SAMPLING = "sampling_"  # the `dest` prefix of the sampling flags (apart from the engine's: `--lora` is a load option)
+
+
+def add_sampling_arguments(
+    p: argparse.ArgumentParser,
+    families: Iterable[Any],
+    *,
+    skip: Iterable[str] = ("lora", "lora_scale"),
+    required: Iterable[str] = ("prompt",),
+    notes: dict[str, str] | None = None,
+) -> None:
+    """One flag per field of the families' sampling schemas (`spindle.contracts.sampling`: the common fields,
+    then every family's options), with the field's description, bounds and defaults as help (`notes`: more help
+    for a field, e.g. what guidance means per family). `skip`: fields without a flag; `required`: flags that
+    must be given. The values are `sampling_values(args)`."""
+    from spindle.contracts.options import FamilyOptions
+    from spindle.contracts.sampling import CommonSampling, bounds_text, option_field
+
+    notes = notes or {}
+    skip, required = set(skip), set(required)
+    group = p.add_argument_group("sampling parameters (checked by the model family's schema)")
+    for name, info in CommonSampling.model_fields.items():
+        if name not in skip:
+            bounds = bounds_text(info, _scalar(info))
+            text = (info.description or "") + (f" ({bounds})" if bounds else "")
+            _add_sampling_flag(
+                group, name, info, name in required, text + (f"; {notes[name]}" if name in notes else "")
+            )
+    options: dict[str, list[tuple[str, Any]]] = {}
+    for fam in families:
+        if isinstance(getattr(fam, "options", None), FamilyOptions):
+            for opt in fam.options.extra:
+                options.setdefault(opt.name, []).append((fam.name, opt))
+    group = p.add_argument_group("family options (the model's family must declare them)")
+    for name, decls in sorted(options.items()):
+        if len({o.type for _, o in decls}) > 1:
+            raise TypeError(f"families {[f for f, _ in decls]} declare option {name!r} with different types")
+        opt = decls[0][1]
+        who = ", ".join(f"{f} default {o.default!r}" for f, o in decls)
+        _, info = option_field(opt)
+        bounds = bounds_text(info, opt.type)
+        text = f"{info.description} ({who}{'; ' + bounds if bounds else ''})"
+        _add_sampling_flag(group, name, info, False, text, kind=opt.type)
+
+
+def _scalar(info: FieldInfo) -> Any:
+    """A sampling field's type on the command line: its scalar type (a prompt's list form is the Python API's)."""
+    annotation, _ = unwrap_optional(info.annotation)
+    scalars = [a for a in (get_args(annotation) or (annotation,)) if a in (int, float, str, bool)]
+    return scalars[0] if scalars else str
+
+
+def _add_sampling_flag(group: Any, name: str, info: FieldInfo, required: bool, text: str, kind: Any = None) -> None:
+    extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+    kind, flag = kind or _scalar(info), flag_name(name, info)
+    kw: dict[str, Any] = {"dest": SAMPLING + name, "default": None, "help": text, "required": required}
+    kw["metavar"] = extra.get("metavar") or flag[2:].upper().replace("-", "_")
+    if extra.get("repeat"):
+        kw["action"] = "append"
+    if kind is bool:
+        kw["type"] = lambda s: s.lower() in ("1", "true", "yes")
+    elif kind is not str:
+        kw["type"] = kind
+    group.add_argument(flag, **kw)
+
+
+def sampling_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling flags given (those `add_sampling_arguments` added), by field name."""
+    return {k[len(SAMPLING) :]: v for k, v in vars(args).items() if k.startswith(SAMPLING) and v is not None}

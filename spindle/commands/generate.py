@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any
 
 from spindle.commands.engine_args import add_engine_arguments, check_family_parallel, check_world_size, engine_config
+from spindle.commands.flags import add_sampling_arguments, sampling_values
 from spindle.contracts.options import FamilyOptions
-from spindle.infer.options import add_option_arguments, guidance_help, option_values
+from spindle.infer.options import guidance_help
 from spindle.registry import all_families
 
 HELP = "generate a video/image from a diffusers checkpoint (staged engine)"
@@ -32,31 +34,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="diffusers pipeline folder (with model_index.json), or a Hugging Face repo id org/name[@revision] "
         "in the local cache",
     )
-    p.add_argument("--prompt", required=True, help="text prompt")
-    p.add_argument(
-        "--negative-prompt",
-        default=None,
-        help="negative prompt (classifier-free guidance: see --guidance and the family options)",
-    )
-    p.add_argument("--height", type=int, default=None, help="height in pixels (family default if omitted)")
-    p.add_argument("--width", type=int, default=None, help="width in pixels")
-    p.add_argument("--num-frames", type=int, default=None, help="number of frames (video families)")
-    p.add_argument("--steps", type=int, default=None, help="denoising steps")
-    p.add_argument("--guidance", type=float, default=None, help=f"guidance_scale; {guidance_help(all_families())}")
-    p.add_argument("--seed", type=int, default=None, help="seed (random if omitted; printed)")
-    p.add_argument(
-        "--image",
-        action="append",
-        default=None,
-        metavar="PATH",
-        help="conditioning image file (image-to-video: the first frame); repeat for families taking several",
-    )
-    p.add_argument(
-        "--last-image",
-        default=None,
-        metavar="PATH",
-        help="the last frame's image file (first-last-frame video families, Wan FLF2V; with one --image)",
-    )
     p.add_argument("--out", required=True, help="output file: .mp4 for video, .png for images")
     p.add_argument("--fps", type=int, default=None, help="frames per second of the mp4 (default: the family's)")
     p.add_argument(
@@ -65,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="with --cache: skip the exact reference run that measures PSNR",
     )
-    add_option_arguments(p, all_families())  # the families' declared sampling options (--true-cfg-scale, ...)
+    # the sampling flags, from the families' sampling schemas (--prompt, --steps, ..., --true-cfg-scale, ...)
+    add_sampling_arguments(p, all_families(), notes={"guidance_scale": guidance_help(all_families())})
     add_engine_arguments(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -88,29 +66,46 @@ def check_request_files(args: argparse.Namespace) -> None:
     flag before any weight loads."""
     from pathlib import Path
 
+    from spindle.contracts.images import with_last_image
     from spindle.registry import dit_family_of
 
     family = dit_family_of(args.model)
     options = family.options
+    values = sampling_values(args)
     suffix = Path(args.out).suffix.lower()
-    allowed = output_suffixes(options, args.num_frames)
+    allowed = output_suffixes(options, values.get("num_frames"))
     if suffix not in allowed:
         what = "a video (or with --num-frames 1, an image)" if options.fps is not None else "an image"
         raise ValueError(
             f"--out {args.out}: {family.name} generates {what}; give a file ending in {' / '.join(allowed)}"
         )
     low = options.images[0]
-    given = [*(args.image or []), *([args.last_image] if args.last_image else [])]
-    if args.last_image is not None and len(args.image or []) != 1:
-        raise ValueError("--last-image goes with exactly one --image (the first frame)")
-    if low and not args.image:
+    try:
+        given = with_last_image(
+            values.get("image"), values.get("last_image"), image_name="--image", last_name="--last-image"
+        )
+    except ValueError as e:
+        raise ValueError(str(e)) from None
+    if low and not values.get("image"):
         raise ValueError(
             f"--image is required for {family.name}: give {low} conditioning image file(s) "
             f"(--image PATH{', repeated' if low > 1 else ''})"
         )
-    for path in given:
+    for path in given or []:
         if not Path(path).is_file():
             raise FileNotFoundError(f"--image: image file {str(path)!r} does not exist")
+
+
+def params_of(request: dict[str, Any], gen: Any) -> Any:
+    """The flags' values as the engine's `SamplingParams` (the family's options in `extra`; `--last-image` after
+    the `--image`): validated by the family's schema where they run."""
+    from spindle.contracts.images import with_last_image
+    from spindle.contracts.request import SamplingParams
+
+    values = dict(request)
+    options = {k: values.pop(k) for k in gen.options.names() if k in values}
+    values["image"] = with_last_image(values.get("image"), values.pop("last_image", None))
+    return SamplingParams(**values, extra=options)
 
 
 def _format_timings(timings: dict[str, float]) -> str:
@@ -142,32 +137,12 @@ def run(args: argparse.Namespace) -> int:
     # after loading: a multi-process engine joins its process group there, and only rank 0 writes the output
     # (every rank writing the same file raced on its atomic rename)
     main = is_main_rank()
-    images = args.image
-    if args.last_image is not None:  # the request's second image (generate()'s last_image)
-        if len(images or []) != 1:
-            from spindle.contracts.request import RequestError
-
-            raise RequestError("--last-image goes with exactly one --image (the first frame)", field="last_image")
-        images = [*images, args.last_image]
-    request = dict(
-        prompt=args.prompt,
-        negative_prompt=args.negative_prompt,
-        height=args.height,
-        width=args.width,
-        num_frames=args.num_frames,
-        num_inference_steps=args.steps,
-        guidance_scale=args.guidance,
-        seed=args.seed,
-        image=images,
-        **option_values(args),
-    )
+    request = sampling_values(args)  # checked by the family's schema when it runs (one validation)
     if gen.spec.media != "video":
-        request.pop("num_frames")
+        request.pop("num_frames", None)
     if args.cache == "auto":
-        from spindle.contracts.request import SamplingParams
-
         calib = time.perf_counter()
-        choice = gen.calibrate_cache(SamplingParams(**{**request, "extra": {}}))
+        choice = gen.calibrate_cache(params_of(request, gen))
         if main:
             for t in choice.trials:
                 print(
@@ -191,18 +166,16 @@ def run(args: argparse.Namespace) -> int:
             bar.total = total
             bar.update(step - bar.n)
 
+    planned = gen.validated(params_of(request, gen))  # on every rank (a seed drawn if none: the same on each)
     if main:  # what is about to run, defaults included (a video's default size and length can take long)
-        from spindle.contracts.request import SamplingParams
-
-        common = {k: v for k, v in request.items() if k not in option_values(args)}
-        planned = gen.validate(SamplingParams(**common, extra=option_values(args)))
-        frames = f", {planned.num_frames} frames" if gen.spec.media == "video" else ""
+        p = planned.params
+        frames = f", {p.num_frames} frames" if gen.spec.media == "video" else ""
         print(
-            f"generating {planned.width}x{planned.height}{frames}, {planned.num_inference_steps} steps "
+            f"generating {p.width}x{p.height}{frames}, {p.num_inference_steps} steps "
             f"(--width/--height/--num-frames/--steps change it)",
             file=sys.stderr,
         )
-    result = gen.generate(**request, progress=progress)
+    result = gen.run(planned, progress=progress)  # validated once, run as it is
     if bar is not None:
         bar.close()
     if not main:

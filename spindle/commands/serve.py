@@ -190,7 +190,8 @@ def warm_up(state: Any, settings: ServeSettings, size: tuple[int, int] | None, l
     from spindle.contracts.request import RequestError
 
     try:
-        params = state.engine.warmup_params(size, settings.warmup_frames, settings.warmup_steps)
+        request = state.engine.warmup_params(size, settings.warmup_frames, settings.warmup_steps)
+        params = request.params
     except RequestError as e:
         raise ValueError(f"the warm-up request was refused ({e}); set it with {WARMUP_FLAGS}") from None
     what = (
@@ -199,7 +200,7 @@ def warm_up(state: Any, settings: ServeSettings, size: tuple[int, int] | None, l
     )
     log.info("warm-up: one generation (%s) before serving; %s", what, WARMUP_FLAGS)
     try:
-        seconds = state.worker.warmup(params)
+        seconds = state.worker.warmup(request)
     except (RequestError, RuntimeError) as e:
         raise ValueError(f"the warm-up generation ({what}) failed: {e}; change it with {WARMUP_FLAGS}") from e
     log.info("warm-up done in %.2f s", seconds)

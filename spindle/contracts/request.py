@@ -1,6 +1,7 @@
 """What a generation request carries between stages: `SamplingParams` in, `Req` through the stages.
 
-`SamplingParams` is the user-facing request (validated, filled with the family's defaults);
+`SamplingParams` is the user-facing request (as given; its family's schema validates it:
+`spindle.contracts.sampling`); `ValidRequest` the validated one a run takes (defaults filled, seed drawn);
 `Req` is the working state the stages fill in turn (SGLang-diffusion's batch object):
 BeforeDenoising sets `latents`, `timesteps`, `prompt_embeds`, ...; Denoising updates `latents`;
 Decoding sets `output`.
@@ -9,7 +10,6 @@ Decoding sets `output`.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -18,16 +18,17 @@ if TYPE_CHECKING:  # torch is imported where a Req is built: `--help` reads spin
     import torch
 
 T = TypeVar("T")
-MAX_GUIDANCE = 100.0  # CFG scales in use are 1-20; far larger ones only blow the latents up
 
 
 class RequestError(ValueError):
     """A request the model cannot serve; the message names the field and what is allowed.
-    `field`: the request field at fault (the server's error body names it), given by every raise site."""
+    `field`: the request field at fault (the server's error body names it), given by every raise site;
+    `code`: what kind of problem (the server's error `code`)."""
 
-    def __init__(self, message: str, field: str):
+    def __init__(self, message: str, field: str, code: str = "invalid_request"):
         super().__init__(message)
         self.field = field
+        self.code = code  # the kind of problem, as the server's error body says it (e.g. "image_too_large")
 
 
 def short_repr(value: Any, limit: int = 80) -> str:
@@ -36,15 +37,12 @@ def short_repr(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else f"{text[: limit - 15]}... ({len(text)} chars)"
 
 
-def _check_text(name: str, text: str) -> None:
-    """Text must be encodable as UTF-8: a lone surrogate (JSON "\\ud800") breaks the tokenizer and
-    every JSON answer that echoes it."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise RequestError(
-            f"{name} contains a lone surrogate code point; send valid Unicode text", field=name
-        ) from None
+def safe_text(text: str, limit: int = 64) -> str:
+    """Client text fit to echo in an error: at most `limit` characters, lone surrogates escaped
+    (they cannot be encoded as UTF-8, so echoing them would break the JSON answer itself)."""
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _float32() -> torch.dtype:
@@ -71,8 +69,8 @@ class SamplingParams:
     seed: int | None = None
     num_outputs_per_prompt: int = 1
     max_sequence_length: int | None = None
-    # conditioning images (image-to-video, image edits): PIL images, uint8 [H, W, 3] arrays or file paths;
-    # how many a family takes is its `FamilyOptions.images`; `load_images` reads them into RGB PIL images
+    # conditioning images (image-to-video, image edits): RGB PIL images once validated (`spindle.contracts.images`
+    # reads them); how many a family takes is its `FamilyOptions.images`
     image: list[Any] | None = None
     # a LoRA adapter the engine has loaded (`spindle.infer.adapters`), by name, and its strength (default 1)
     lora: str | None = None
@@ -100,96 +98,6 @@ class SamplingParams:
     def do_cfg(self) -> bool:
         """Classifier-free guidance runs when guidance_scale > 1 (as in diffusers)."""
         return self.guidance_scale is not None and self.guidance_scale > 1.0
-
-    def validate_common(self) -> None:
-        """Checks every family shares; a family's BeforeDenoisingStage adds its own (sizes, frames)."""
-        prompts = self.prompts
-        if not isinstance(self.prompt, (str, list)) or not prompts:
-            raise RequestError(
-                "prompt is required: a non-empty string (or a non-empty list of strings)", field="prompt"
-            )
-        for p in prompts:
-            if not isinstance(p, str) or not p.strip():
-                raise RequestError(f"prompt must be a non-empty string; got {short_repr(p)}", field="prompt")
-            _check_text("prompt", p)
-        if self.negative_prompt is not None:
-            negs = [self.negative_prompt] if isinstance(self.negative_prompt, str) else self.negative_prompt
-            if not isinstance(negs, list) or not all(isinstance(n, str) for n in negs):
-                raise RequestError("negative_prompt must be a string or a list of strings", field="negative_prompt")
-            for n in negs:
-                _check_text("negative_prompt", n)
-            if not isinstance(self.negative_prompt, str) and len(negs) != len(prompts):
-                raise RequestError(
-                    f"negative_prompt has {len(negs)} entries but prompt has {len(prompts)}; give one per prompt "
-                    "(or a single string for all)",
-                    field="negative_prompt",
-                )
-        _check_int("num_inference_steps", self.num_inference_steps, minimum=1)
-        _check_int("num_outputs_per_prompt", self.num_outputs_per_prompt, minimum=1)
-        if isinstance(self.guidance_scale, bool) or not isinstance(self.guidance_scale, (int, float)):
-            raise RequestError(
-                f"guidance_scale must be a number (> 1 enables CFG); got {short_repr(self.guidance_scale)}",
-                field="guidance_scale",
-            )
-        if not math.isfinite(self.guidance_scale) or self.guidance_scale > MAX_GUIDANCE:
-            raise RequestError(
-                f"guidance_scale must be a finite number <= {MAX_GUIDANCE:g} (past ~20 outputs saturate); "
-                f"got {self.guidance_scale}",
-                field="guidance_scale",
-            )
-        if self.guidance_scale < 0:
-            raise RequestError(
-                f"guidance_scale must be >= 0 (> 1 enables CFG, <= 1 disables it); got {self.guidance_scale}",
-                field="guidance_scale",
-            )
-        if self.seed is not None:
-            _check_int("seed", self.seed, minimum=0)
-            if self.seed >= 2**63:  # torch's manual_seed range
-                raise RequestError(f"seed must be < 2**63; got {short_repr(self.seed)}", field="seed")
-
-
-def load_image(value: Any, name: str = "image") -> Any:
-    """One conditioning image -> an RGB `PIL.Image.Image`. Takes a PIL image, a uint8 numpy array
-    [H, W, 3] (or [H, W] grey) or a file path; anything else, or a file that cannot be decoded, is a
-    `RequestError` naming the field. Pixels are never rescaled: float arrays are refused, not rounded."""
-    from pathlib import Path
-
-    import numpy as np
-    from PIL import Image, UnidentifiedImageError
-
-    if isinstance(value, Image.Image):
-        image = value
-    elif isinstance(value, (str, Path)):
-        try:
-            with Image.open(value) as opened:
-                opened.load()
-                image = opened.copy()
-        except FileNotFoundError:
-            raise RequestError(f"{name} file {str(value)!r} does not exist", field=name) from None
-        except (UnidentifiedImageError, OSError, ValueError) as e:
-            raise RequestError(f"{name} file {str(value)!r} cannot be read as an image ({e})", field=name) from None
-    elif isinstance(value, np.ndarray):
-        if value.dtype != np.uint8 or value.ndim not in (2, 3) or (value.ndim == 3 and value.shape[2] != 3):
-            raise RequestError(
-                f"{name} array must be uint8 of shape [H, W, 3] (or [H, W]); got {value.dtype} {tuple(value.shape)}",
-                field=name,
-            )
-        image = Image.fromarray(value)
-    else:
-        raise RequestError(
-            f"{name} must be a PIL image, a uint8 [H, W, 3] array or an image file path; got {short_repr(value)}",
-            field=name,
-        )
-    if image.width < 1 or image.height < 1:
-        raise RequestError(f"{name} is empty ({image.width}x{image.height} pixels)", field=name)
-    return image if image.mode == "RGB" else image.convert("RGB")
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(f"{name} must be an integer >= {minimum}; got {short_repr(value)}", field=name)
-    if value < minimum:
-        raise RequestError(f"{name} must be >= {minimum}; got {value}", field=name)
 
 
 def suggest(value: int, multiple: int, offset: int = 0) -> str:
@@ -249,6 +157,22 @@ def check_int_range(name: str, value: Any, minimum: int, maximum: int | None = N
         or (maximum is not None and value > maximum)
     ):
         raise RequestError(f"{name} must be an integer {bounds}; got {short_repr(value)}", field=name)
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    """A request the engine validated (`DiffusionGenerator.validate`): the exact params a run uses (the family's
+    defaults filled in, a seed drawn, every check run). Only validation makes one, and the engine runs one as it
+    is, never checking it again: the server's worker, its other ranks and `DiffusionGenerator.run` take it where
+    they would otherwise validate. Frozen: `params` is a fresh copy each time it is read."""
+
+    family: str
+    frozen_params: SamplingParams = field(repr=False)
+
+    @property
+    def params(self) -> SamplingParams:
+        p = self.frozen_params
+        return dataclasses.replace(p, extra=dict(p.extra), image=None if p.image is None else list(p.image))
 
 
 @dataclass

@@ -73,8 +73,9 @@ class BeforeDenoisingStage(Stage):
         self.spec = spec
 
     def validate(self, params: SamplingParams) -> None:
-        """Raise `RequestError` for requests this model cannot serve (no silent rounding)."""
-        params.validate_common()
+        """Raise `RequestError` for requests this model cannot serve (no silent rounding): the checks that need
+        the loaded model (sizes, frame counts, text length), on params the family's schema has validated and
+        the defaults filled (`DiffusionGenerator.validate`). Nothing here: a family adds its own."""
 
     def latent_shape(self, params: SamplingParams) -> tuple[int, ...] | None:
         """The `raw_latent_shape` `forward` makes for these (validated) params, or None when unknown.

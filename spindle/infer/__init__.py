@@ -2,8 +2,8 @@
 
 Public API: `DiffusionGenerator`, `GenerationResult`, `SamplingParams`, `RequestError`, `Cancelled`.
 Load a checkpoint with `spindle.api.load_generator(path)` (it resolves the family). Everything imports
-lazily, so `import spindle.infer` (and `spindle.infer.options`, which the CLI reads to build its flags)
-stays free of torch.
+lazily, so `import spindle.infer` (and `spindle.infer.options`, which the server reads for its request
+fields) stays free of torch.
 """
 
 from __future__ import annotations

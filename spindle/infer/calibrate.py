@@ -17,7 +17,7 @@ from spindle.infer.caches import POLICIES, candidate_settings
 from spindle.infer.quality import psnr
 
 if TYPE_CHECKING:
-    from spindle.contracts.request import SamplingParams
+    from spindle.contracts.request import ValidRequest
 
 
 class Generator(Protocol):
@@ -25,7 +25,7 @@ class Generator(Protocol):
 
     pipeline: Any
 
-    def run(self, params: SamplingParams) -> Any: ...
+    def run(self, request: ValidRequest) -> Any: ...
 
 
 @dataclass
@@ -55,9 +55,10 @@ class CacheChoice:
 
 
 def calibrate_cache(
-    gen: Generator, params: SamplingParams, min_psnr: float, policies: tuple[str, ...] | None = None
+    gen: Generator, params: ValidRequest, min_psnr: float, policies: tuple[str, ...] | None = None
 ) -> CacheChoice:
-    """Try the policies on `params` and leave the chosen one enabled on `gen`. -> the choice and every trial."""
+    """Try the policies on `params` (validated: every trial runs it as it is) and leave the chosen one enabled
+    on `gen`. -> the choice and every trial."""
     stage = gen.pipeline.denoising
     # calibration mode: computes every block (exact) and measures MagCache's ratios (where MagCache can run)
     stage.set_cache("mag" if stage.cache_unavailable("mag") is None else None)

@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from spindle.contracts.request import Req, RequestError, SamplingParams
+from spindle.contracts.images import with_last_image
+from spindle.contracts.request import Req, RequestError, SamplingParams, ValidRequest
+from spindle.contracts.sampling import sampling_schema
 from spindle.data.media import write_image, write_video
 from spindle.engine_config import EngineConfig, RequestLimits, check_adapter_engine
 from spindle.export.record import trained_text_length
@@ -79,7 +81,7 @@ class DiffusionGenerator:
         self.pipeline = pipeline
         self.spec = pipeline.spec
         self.options = self.spec.options  # the family's declared sampling options (its record's `options`)
-        self.options.check_common_fields()
+        self.schema = sampling_schema(self.options, self.spec.family)  # their strict model (refuses a common name)
         self.defaults = pipeline.spec.default_params(pipeline.components)
         self.defaults.extra = {**self.options.defaults(), **self.defaults.extra}
         # The text length the weights were trained with, when the export (or its LoRA) records it
@@ -119,18 +121,18 @@ class DiffusionGenerator:
         )
         return self.adapters
 
-    def validate(self, params: SamplingParams, limits: RequestLimits | None = None) -> SamplingParams:
-        """Defaults filled in, a seed drawn if none (by this process alone), every request check run
-        (common, then `limits` — a server's bounds — then the family's: sizes, frame counts, the
-        model's positional range; then the sequence-parallel split): -> the exact params a run uses. Raises `RequestError` naming the
-        field. Cheap (no model runs) and not collective, so a server can call it on rank 0 only."""
-        params = self.options.validate(params, self.family)  # what the user gave, before the defaults
+    def validate(self, params: SamplingParams, limits: RequestLimits | None = None) -> ValidRequest:
+        """What the user gave checked by the family's schema (types, bounds, rules, images: `self.schema`), the
+        defaults filled in, a seed drawn if none (by this process alone), then `limits` (a server's bounds) and
+        the checks that need the loaded model (sizes, frame counts, the positional range; the sequence-parallel
+        split): -> the request a run takes as it is. Raises `RequestError` naming the field. Cheap (no model runs)
+        and not collective, so a server can call it on rank 0 only."""
+        params = self.schema.validate(params)  # what the user gave, before the defaults
         params = self._check_adapter(params)
         params = params.merged_with(self.defaults)
         if params.seed is None:
             params.seed = random.SystemRandom().randrange(2**31)
         if limits is not None:
-            params.validate_common()  # types first, so the limits compare numbers
             limits.check(params)
             limits.check_areas(params, self.options)
         before = self.pipeline.before_denoising
@@ -141,7 +143,7 @@ class DiffusionGenerator:
         if shape is not None:  # the token count must split over the SP ranks (no-op without SP)
             req = Req(params=params, device=self.pipeline.device, raw_latent_shape=shape)
             self.pipeline.denoising.check_sequence_parallel(req)
-        return params
+        return ValidRequest(self.family, params)
 
     def _check_adapter(self, params: SamplingParams) -> SamplingParams:
         """The request's adapter checked (`lora`, `lora_scale`); one trained with a recorded text length
@@ -169,18 +171,25 @@ class DiffusionGenerator:
 
     def make_request(
         self,
-        params: SamplingParams,
+        request: ValidRequest,
         progress: Callable[[int, int], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
     ) -> Req:
-        if params.seed is None:
-            params = dataclasses.replace(params, seed=self._shared_seed(random.SystemRandom().randrange(2**31)))
-        params = self.validate(params)
+        """The working state of one run of a validated request (its noise seeded)."""
+        params = request.params
         assert params.seed is not None  # validate() draws one when none is given
         generator = torch.Generator(device="cpu").manual_seed(params.seed)
         return Req(
             params=params, device=self.pipeline.device, generator=generator, progress=progress, should_stop=should_stop
         )
+
+    def validated(self, request: SamplingParams | ValidRequest) -> ValidRequest:
+        """A validated request as it is; params validated (a seed shared by every rank drawn first if none)."""
+        if isinstance(request, ValidRequest):
+            return request
+        if request.seed is None:
+            request = dataclasses.replace(request, seed=self._shared_seed(random.SystemRandom().randrange(2**31)))
+        return self.validate(request)
 
     def _shared_seed(self, seed: int) -> int:
         """Multi-process: every rank must draw the same noise, so rank 0's seed is broadcast."""
@@ -218,11 +227,6 @@ class DiffusionGenerator:
         path, or a list of them); `last_image`: the last frame of a first-last-frame video family (Wan FLF2V),
         the request's second image. `lora` / `lora_scale`: one of the adapters loaded at run time
         (`enable_adapters`) and its strength (default 1); none: the model without them."""
-        images = None if image is None else list(image) if isinstance(image, (list, tuple)) else [image]
-        if last_image is not None:
-            if images is None or len(images) != 1:
-                raise RequestError("last_image goes with exactly one image (the first frame)", field="last_image")
-            images.append(last_image)
         params = SamplingParams(
             prompt=prompt,
             negative_prompt=negative_prompt,
@@ -234,7 +238,7 @@ class DiffusionGenerator:
             seed=seed,
             num_outputs_per_prompt=num_outputs_per_prompt,
             max_sequence_length=max_sequence_length,
-            image=images,
+            image=with_last_image(image, last_image),
             lora=lora,
             lora_scale=lora_scale,
             extra=extra,
@@ -242,26 +246,32 @@ class DiffusionGenerator:
         return self.run(params, progress=progress, should_stop=should_stop)
 
     def calibrate_cache(
-        self, params: SamplingParams, min_psnr: float | None = None, policies: tuple[str, ...] | None = None
+        self,
+        params: SamplingParams | ValidRequest,
+        min_psnr: float | None = None,
+        policies: tuple[str, ...] | None = None,
     ) -> CacheChoice:
-        """Pick and enable the fastest step cache keeping `min_psnr` dB (default: the engine's) on `params`."""
+        """Pick and enable the fastest step cache keeping `min_psnr` dB (default: the engine's) on `params`
+        (validated once here; seed 0 if none), each trial running the same validated request."""
         from spindle.infer.calibrate import calibrate_cache
 
-        if params.seed is None:
-            params = dataclasses.replace(params, seed=0)
+        if isinstance(params, SamplingParams):
+            params = self.validate(params if params.seed is not None else dataclasses.replace(params, seed=0))
         self._calibrate_first = False  # calibration runs requests through `run` itself
         self.cache_choice = calibrate_cache(self, params, min_psnr or self.pipeline.options.min_psnr, policies)
         return self.cache_choice
 
     def run(
         self,
-        params: SamplingParams,
+        request: SamplingParams | ValidRequest,
         progress: Callable[[int, int], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
     ) -> GenerationResult:
+        """Generate `request`: params are validated first (`validate`); a `ValidRequest` runs as it is."""
+        request = self.validated(request)
         if self._calibrate_first:
-            self.calibrate_cache(params)
-        req = self.make_request(params, progress, should_stop)
+            self.calibrate_cache(request)
+        req = self.make_request(request, progress, should_stop)
         if self.adapters is not None:  # this request's adapter, and no other's, in every LoRA layer
             scale = req.params.lora_scale
             self.adapters.activate(req.params.lora, 1.0 if scale is None else scale)

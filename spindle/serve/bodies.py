@@ -9,12 +9,12 @@ import asyncio
 import json
 import urllib.parse
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.formparsers import MultiPartException
 from starlette.requests import ClientDisconnect, Request
 
+from spindle.contracts.images import UploadedFile
 from spindle.serve.errors import APIError, ClientGone, safe_text
 from spindle.serve.limits import MAX_FORM_FIELDS, MAX_FORM_FILES
 
@@ -87,18 +87,6 @@ def _too_large(max_bytes: int) -> APIError:
         code="body_too_large",
         headers=_CLOSE,
     )
-
-
-@dataclass(frozen=True)
-class UploadedFile:
-    """A file part of a multipart body (a form field the route declares as a file, e.g. `input_reference`)."""
-
-    filename: str
-    content_type: str
-    data: bytes = field(repr=False)
-
-    def __repr__(self) -> str:  # what a validation error echoes: never the bytes
-        return f"<file {self.filename!r} ({self.content_type}, {len(self.data)} bytes)>"
 
 
 def parse_fields(raw: bytes, content_type: str, file_fields: Iterable[str] = ()) -> tuple[dict[str, Any], bool]:

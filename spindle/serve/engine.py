@@ -34,7 +34,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from spindle.contracts.request import Cancelled, SamplingParams
+from spindle.contracts.request import Cancelled, SamplingParams, ValidRequest
+from spindle.contracts.sampling import sampling_schema
 from spindle.engine_config import RequestLimits
 
 if TYPE_CHECKING:
@@ -135,7 +136,7 @@ class RankFanout:
         return bool(t.item())
 
     def follow(self, generator: Any) -> int:
-        """Ranks > 0: run every job rank 0 broadcasts until "stop", and load / unload the adapters it
+        """Ranks > 0: run every job rank 0 broadcasts (a `ValidRequest`, run as it is) until "stop", and load / unload the adapters it
         does, in the same order. Returns jobs run."""
         ran = 0
         while True:
@@ -187,6 +188,7 @@ class Engine:
         self.fps: int = int(fps or self.spec.fps or 16)
         # video families: valid frame counts are k * multiple + 1, as the family declares (Wan: 4)
         self.frame_multiple: int = int(self.spec.options.frame_multiple or 1)
+        self.schema = sampling_schema(self.spec.options, self.family)  # its sampling schema (the bodies' fields)
         self.startup_lora = startup_lora(generator)
         self._released = False
         # a run and an adapter load / unload never overlap (both change or read the model), and the
@@ -195,9 +197,9 @@ class Engine:
 
     # ---------------------------------------------------------------- what it accepts
 
-    def validate(self, params: SamplingParams) -> SamplingParams:
+    def validate(self, params: SamplingParams) -> ValidRequest:
         """Defaults filled in, a seed drawn if none, the engine's checks and the server's limits run:
-        -> the params a job runs with (so every rank runs exactly these). Raises `RequestError`
+        -> the request a job runs (so every rank runs exactly it, unchecked). Raises `RequestError`
         naming the field."""
         return self.generator.validate(params, self.limits)
 
@@ -216,7 +218,7 @@ class Engine:
 
     def warmup_params(
         self, size: tuple[int, int] | None = None, frames: int = 1, steps: int | None = None
-    ) -> SamplingParams:
+    ) -> ValidRequest:
         """The warm-up request (`spindle serve`'s --warmup-size / --warmup-frames / --warmup-steps), validated:
         the size asked, else the model's default, else (a model sized by its input image: an edit model)
         `WARMUP_SIZE`; as many generated conditioning images as the family requires (none where they are
@@ -256,20 +258,24 @@ class Engine:
 
     def run(
         self,
-        params: SamplingParams,
+        request: ValidRequest,
         progress: Callable[[int, int], None] | None = None,
         should_stop: Callable[[], bool] = lambda: False,
     ) -> Any:
-        """One generation with validated `params`, on every rank. -> the `GenerationResult`."""
+        """One generation of a validated request (`validate`), on every rank, run as it is. -> the
+        `GenerationResult`. Anything but a `ValidRequest` is a `TypeError`: a job is validated once, when it
+        is submitted, and never again."""
+        if not isinstance(request, ValidRequest):
+            raise TypeError(f"Engine.run takes a ValidRequest (Engine.validate's); got {type(request).__name__}")
         fanout, stop = self.fanout, should_stop
         with self._lock:
             if fanout is not None:
-                fanout.send("run", params)
+                fanout.send("run", request)
 
                 def stop() -> bool:  # every rank stops at the same step: rank 0 decides
                     return fanout.sync_flag(should_stop())
 
-            return self.generator.run(params, progress=progress, should_stop=stop)
+            return self.generator.run(request, progress=progress, should_stop=stop)
 
     @property
     def idle_ping_seconds(self) -> float | None:

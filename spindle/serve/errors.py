@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse
 
-from spindle.contracts.request import RequestError
+from spindle.contracts.request import RequestError, safe_text
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -44,14 +44,6 @@ _ENGINE_FIELDS = (
     "lora_scale",
     "last_image",
 )
-
-
-def safe_text(text: str, limit: int = 64) -> str:
-    """Client text fit to echo in an error: at most `limit` characters, lone surrogates escaped
-    (they cannot be encoded as UTF-8, so echoing them would break the JSON answer itself)."""
-    if len(text) > limit:
-        text = text[: limit - 3] + "..."
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -135,7 +127,7 @@ def request_error(
             message = re.sub(rf"\b{field}\b", param, message, count=1)  # the leading name (not "image(s)")
         elif param != field and not message.startswith(param):
             message = f"{param}: {message}"
-    return APIError(400, message, param=param, code="invalid_request")
+    return APIError(400, message, param=param, code=getattr(e, "code", "invalid_request"))
 
 
 def install_error_handlers(app: FastAPI) -> None:

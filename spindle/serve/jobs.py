@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from spindle.contracts.request import SamplingParams
+from spindle.contracts.request import SamplingParams, ValidRequest
 from spindle.serve.errors import APIError, safe_text
 from spindle.serve.schemas import TERMINAL_STATUSES, JobStatus
 
@@ -57,10 +57,11 @@ class ShuttingDown(APIError):
 @dataclass
 class Job:
     """One generation request and its outcome. `kind`: "video" (async, /v1/videos) or "image"
-    (the images endpoint waits for it)."""
+    (the images endpoint waits for it). `request`: what it runs, validated when it was submitted (the worker
+    runs it as it is)."""
 
     kind: str
-    params: SamplingParams
+    request: ValidRequest
     model: str
     id: str = ""
     status: JobStatus = "queued"
@@ -84,6 +85,11 @@ class Job:
     def __post_init__(self) -> None:
         if not self.id:
             self.id = f"{'video' if self.kind == 'video' else 'img'}_{uuid.uuid4().hex}"
+
+    @property
+    def params(self) -> SamplingParams:
+        """The params it runs with (a copy: the request is frozen)."""
+        return self.request.params
 
     @property
     def finished(self) -> bool:

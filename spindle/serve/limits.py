@@ -6,20 +6,14 @@ with the fixed bounds on what a body may hold (form parts, uploaded images)."""
 
 from __future__ import annotations
 
+from spindle.contracts.images import IMAGE_FORMATS, MAX_IMAGE_ASPECT
 from spindle.engine_config import OVERFLOW_CONNECTIONS, RequestLimits, ServeLimits
 
 # parts of one multipart body: a generation form has a few dozen fields and at most a few images; a
 # body past these is refused at the first part over (not parsed whole), whatever its size
 MAX_FORM_FILES = 16
 MAX_FORM_FIELDS = 128
-
-# what an uploaded image may be. Only these decoders are ever run (Pillow's `formats=`): no format
-# whose plugin calls an external program (EPS runs Ghostscript) or that no client sends as a photo
-IMAGE_FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "BMP": "image/bmp", "GIF": "image/gif"}
-# longer side / shorter side of an uploaded image, read off its header before decoding: the
-# vision-language processors the editing families encode inputs with refuse 200 and more
-# (Qwen2-VL's `smart_resize`), and a 524288x8 strip costs hundreds of MB to resize for no use
-MAX_IMAGE_ASPECT = 200
+# what an uploaded image may be (`IMAGE_FORMATS`) and how elongated (`MAX_IMAGE_ASPECT`): `spindle.contracts.images`
 
 __all__ = [
     "IMAGE_FORMATS",

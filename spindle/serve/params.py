@@ -1,10 +1,11 @@
-"""A generation request body -> the engine's `SamplingParams`: the one mapping every generation
-route uses (images and videos today; edits and per-request adapters add their fields here).
+"""A generation request body -> the `ValidRequest` a job runs: the one mapping every generation route uses
+(images and videos today; edits and per-request adapters add their fields here).
 
 OpenAI's fields are read as OpenAI defines them (`size` "WIDTHxHEIGHT", `n` outputs, `seconds` of
 video at the model's fps), the request's `model` must name the served model (or an OpenAI default
-name, below), and the result is validated by the engine against the model and the server's limits
-before any job exists, so every refusal is a 4xx naming the HTTP field.
+name, below), and the result is validated once by the engine (the family's sampling schema, the model and
+the server's limits) before any job exists, so every refusal is a 4xx naming the HTTP field; the job then
+runs the validated request as it is.
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from spindle.contracts.request import RequestError, SamplingParams, short_repr
+from spindle.contracts.images import decode_upload, with_last_image
+from spindle.contracts.request import RequestError, SamplingParams, ValidRequest, short_repr
 from spindle.infer.options import given_options
 from spindle.serve.engine import output_size_params
 from spindle.serve.errors import APIError, request_error, safe_text
 from spindle.serve.schemas import GenerationRequest, ImageGenerationRequest, LoraChoice, VideoCreateRequest
-from spindle.serve.uploads import decode_image
 
 if TYPE_CHECKING:
     from spindle.serve.engine import Engine
@@ -77,14 +78,16 @@ def check_model(requested: str | None, engine: Engine) -> None:
 
 
 def uploaded_images(body: GenerationRequest, engine: Engine) -> list[Any] | None:
-    """The input image(s) of a request (its route's `image_field`: one upload / data URL, or a list),
-    counted against what the family takes before any is decoded, then decoded (`decode_image`). Whether
-    the family takes images at all is the engine's check (its message names the family)."""
+    """The input image(s) of a request (its route's `image_field`: one upload / data URL, or a list; then a
+    first-last-frame model's `last_image`), counted against what the family takes before any is decoded, then
+    decoded (`spindle.contracts.images.decode_upload`, the images' one home). Whether the family takes images at
+    all is the engine's check (its message names the family)."""
     name = body.image_field
     value = None if name is None else getattr(body, name, None)
-    if name is None or value is None:
+    last = getattr(body, "last_image", None)
+    if name is None or (value is None and last is None):
         return None
-    items = value if isinstance(value, list) else [value]
+    items = with_last_image(value, last, image_name=name, first="an input_reference") or []
     most = engine.spec.options.images[1]
     if most and len(items) > most:
         raise APIError(
@@ -93,15 +96,19 @@ def uploaded_images(body: GenerationRequest, engine: Engine) -> list[Any] | None
             param=name,
             code="too_many_images",
         )
-    return [decode_image(item, name, engine.limits.max_pixels) for item in items]
+    names = [name] * len(items) if last is None else [name, "last_image"]
+    try:
+        return [decode_upload(item, param, engine.limits.max_pixels) for item, param in zip(items, names, strict=True)]
+    except RequestError as e:  # the upload's own field and problem
+        raise APIError(400, str(e), param=e.field, code=e.code) from None
 
 
 @dataclass
 class Planned:
-    """A validated request: the params a job runs with (defaults filled, seed drawn) and notes
-    for the client (e.g. how `seconds` became a frame count)."""
+    """A validated request: what a job runs (defaults filled, seed drawn) and notes for the client (e.g.
+    how `seconds` became a frame count)."""
 
-    params: SamplingParams
+    request: ValidRequest
     notes: list[str] = field(default_factory=list)
 
 
@@ -127,17 +134,10 @@ def sampling_params(body: GenerationRequest, engine: Engine) -> Planned:
                 notes.append(note)
     size = parse_size(body.size)
     options = engine.spec.options
-    images = uploaded_images(body, engine)
-    last = getattr(body, "last_image", None)
-    if last is not None:  # the request's second image (generate()'s last_image)
-        if images is None:
-            raise APIError(
-                400,
-                "last_image goes with an input_reference (the first frame)",
-                param="last_image",
-                code="invalid_request",
-            )
-        images.append(decode_image(last, "last_image", engine.limits.max_pixels))
+    try:
+        images = uploaded_images(body, engine)
+    except RequestError as e:  # last_image without its first frame
+        raise APIError(400, str(e), param=e.field, code=e.code) from None
     params = SamplingParams(
         prompt=body.prompt,
         negative_prompt=body.negative_prompt,

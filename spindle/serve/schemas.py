@@ -18,14 +18,17 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
+from spindle.contracts.sampling import common_field
+
 JobStatus = Literal["queued", "in_progress", "completed", "failed", "cancelled"]
 TERMINAL_STATUSES = ("completed", "failed", "cancelled")
 
 
 class GenerationRequest(BaseModel):
     """What every generation body carries: OpenAI's `prompt`, `model`, `size`, and the sampling
-    extras Spindle accepts on top (all optional: the model's defaults). The served family's options
-    are added as fields per server (`spindle.infer.options.request_model`), strict like these."""
+    extras Spindle accepts on top (all optional: the model's defaults), typed and bounded as the sampling
+    schema's fields. The served family's options are added as fields per server from its schema
+    (`spindle.infer.options.request_model`), strict like these."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     # the field carrying the request's input image(s), if the route takes any (decoded in params.py)
@@ -34,16 +37,16 @@ class GenerationRequest(BaseModel):
     prompt: str = Field(min_length=1)
     model: str | None = None
     size: str | None = None
-    # upper bounds (steps, prompt length, ...) are the server's limits, checked by the engine's validation
+    # the sampling fields a body carries as the engine does: their types and bounds are the sampling schema's
+    # (`spindle.contracts.sampling`); upper bounds past them (steps, prompt length, ...) are the server's limits,
+    # checked by the engine's validation
     negative_prompt: str | None = None
-    num_inference_steps: int | None = Field(default=None, ge=1)
-    guidance_scale: float | None = Field(default=None, ge=0, allow_inf_nan=False)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    num_inference_steps: int | None = common_field("num_inference_steps")
+    guidance_scale: float | None = common_field("guidance_scale")
+    seed: int | None = common_field("seed")
     # a LoRA adapter the server has loaded (GET /v1/loras), by name, and its strength (default 1)
-    lora: str | None = Field(default=None, min_length=1, description="name of a loaded LoRA adapter (GET /v1/loras)")
-    lora_scale: float | None = Field(
-        default=None, allow_inf_nan=False, description="the adapter's strength (default 1: as trained); needs lora"
-    )
+    lora: str | None = common_field("lora")
+    lora_scale: float | None = common_field("lora_scale")
 
 
 class LoraChoice(BaseModel):

@@ -5,6 +5,7 @@ reading a request body bounded and validated against the served family's request
 from __future__ import annotations
 
 import asyncio
+import difflib
 import logging
 import time
 from collections.abc import Callable
@@ -15,10 +16,11 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from spindle.contracts.request import RequestError
+from spindle.contracts.sampling import BOUND_ERRORS
 from spindle.infer.options import request_model
 from spindle.serve.bodies import parse_fields, read_body
 from spindle.serve.engine import Engine
-from spindle.serve.errors import request_error
+from spindle.serve.errors import APIError, request_error
 from spindle.serve.jobs import Job, JobStore, ShuttingDown
 from spindle.serve.limits import ServeLimits
 from spindle.serve.worker import Worker
@@ -71,7 +73,7 @@ class ServeState:
     def request_model(self, base: type[M]) -> type[M]:
         """`base` with the served family's declared options (e.g. `true_cfg_scale`) as fields."""
         if base not in self._request_models:
-            self._request_models[base] = request_model(base, self.engine.spec.options)
+            self._request_models[base] = request_model(base, self.engine.schema)
         return self._request_models[base]  # type: ignore[return-value]  # (built from `base` above)
 
     async def read_request(self, request: Request, base: type[M], family_options: bool = True) -> M:
@@ -89,7 +91,18 @@ class ServeState:
         try:
             return model.model_validate(data, strict=None if typed else False)
         except ValidationError as e:
-            raise RequestValidationError(e.errors()) from None
+            errors = [closest_field(dict(err), list(model.model_fields)) for err in e.errors()]
+            raise self.option_bounds_error(errors) or RequestValidationError(errors) from None
+
+    def option_bounds_error(self, errors: list[Any]) -> APIError | None:
+        """A family option out of its bounds: 400 in the schema's words, which name the bounds and the family
+        (`true_cfg_scale must be between 0 and 100 for qwenimage; got -1`), as the Python API says it; None for
+        any other error (a 422 naming the field)."""
+        first = dict(errors[0]) if errors else {}
+        name = str((*first.get("loc", ()), "")[0])
+        if name in self.engine.spec.options.names() and first.get("type") in BOUND_ERRORS:
+            return APIError(400, self.engine.schema.describe(first), param=name, code="invalid_request")
+        return None
 
     def submit(self, job: Job) -> Job:
         """Queue `job`, holding the LoRA adapter it names until it ends (so that no load evicts it and
@@ -105,6 +118,17 @@ class ServeState:
             raise
         job.add_done_callback(lambda _job: release())
         return job
+
+
+def closest_field(error: dict[str, Any], valid: list[str]) -> dict[str, Any]:
+    """An unknown body field's error naming the closest valid one (`did you mean 'guidance_scale'?`), as the
+    sampling schema and the config sections do."""
+    loc = error.get("loc", ())
+    if error.get("type") == "extra_forbidden" and len(loc) == 1:
+        close = difflib.get_close_matches(str(loc[0]), valid, n=1)
+        if close:
+            error["msg"] = f"{error['msg']}; did you mean {close[0]!r}?"
+    return error
 
 
 async def get_state(request: Request) -> ServeState:

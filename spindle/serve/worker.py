@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from spindle.contracts.request import Cancelled, RequestError, SamplingParams
+from spindle.contracts.request import Cancelled, RequestError, ValidRequest
 from spindle.serve.engine import Engine
 from spindle.serve.errors import request_error
 from spindle.serve.jobs import Job, JobStore
@@ -53,10 +53,10 @@ class Worker:
 
     # ---------------------------------------------------------------- lifecycle
 
-    def warmup(self, params: SamplingParams) -> float:
+    def warmup(self, request: ValidRequest) -> float:
         """One generation (not a job) before serving; on all ranks when fanned out. -> seconds."""
         start = time.perf_counter()
-        self.engine.run(params)
+        self.engine.run(request)
         return time.perf_counter() - start
 
     def start(self) -> None:
@@ -98,7 +98,7 @@ class Worker:
     def _run(self, job: Job) -> None:
         try:
             result = self.engine.run(
-                job.params,
+                job.request,
                 progress=lambda step, total: self.store.progress(job, step, total),
                 should_stop=job.cancel_event.is_set,
             )
@@ -114,7 +114,7 @@ class Worker:
             self.store.finish(job, "completed")
         except Cancelled:
             self.store.finish(job, "cancelled")
-        except RequestError as e:  # a check the engine could only make at run time
+        except RequestError as e:  # a check the family's stages could only make at run time
             err = request_error(e, option_names=self.engine.spec.options.names())
             self.store.finish(job, "failed", error=err.as_job_error())
         except Exception as e:  # a failing job fails alone; the server keeps serving

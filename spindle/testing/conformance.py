@@ -127,7 +127,7 @@ def before_denoising(root: Path, kwargs: dict[str, Any]) -> tuple[Any, Any]:
     before-denoising stage: latents, timesteps, prompt embeddings, CFG settings)."""
 
     gen = load_generator(root)
-    return gen, gen.pipeline.stages[0](gen.make_request(sampling_params(kwargs)))
+    return gen, gen.pipeline.stages[0](gen.make_request(gen.validated(sampling_params(kwargs))))
 
 
 def check_default_params(family: DiTFamily, root: Path, expected: dict[str, Any]) -> None:
@@ -210,7 +210,7 @@ def check_request_error(gen: Any, kwargs: dict[str, Any], message: str, field: s
         assert err.value.field == field, f"{message}: RequestError.field is {err.value.field!r}, not {field!r}"
 
 
-# bad requests every family refuses the same way (SamplingParams.validate_common): (generate() keyword
+# bad requests every family refuses the same way (the sampling schema: spindle.contracts.sampling): (generate() keyword
 # arguments over the family's "nocfg" case, the RequestError message as a regex). A family's own rows
 # (what its checkpoint bounds) are its ConformanceSpec.request_errors.
 COMMON_REQUEST_ERRORS: tuple[tuple[dict[str, Any], str], ...] = (
@@ -238,6 +238,7 @@ def check_request_errors(family: DiTFamily, root: Path) -> None:
     import re
 
     from spindle.contracts.options import needs_negative_prompt
+    from spindle.contracts.sampling import option_bounds
 
     gen = load_generator(root)
     spec = dit_spec(family)
@@ -251,7 +252,7 @@ def check_request_errors(family: DiTFamily, root: Path) -> None:
             gen, {**base, "num_frames": 5}, r"num_frames must be left unset \(or 1\): .* generates images"
         )
     for option in family.options.extra:
-        name, bounds = option.name, re.escape(option.bounds())
+        name, bounds = option.name, re.escape(option_bounds(option))
         kind = "a number" if option.type is float else f"a {option.type.__name__}"
         kind += f" {bounds}" if bounds else ""  # (an unbounded option: a bool)
         check_request_error(gen, {**base, name: "3"}, rf"{name} must be {kind} for {family.name}; got '3'")

@@ -39,7 +39,7 @@ def rollout(generator: Any, params: SamplingParams, recorder: Any) -> Rollout:
     from spindle.train.rewards.images import reward_images
 
     pipeline = generator.pipeline
-    req = generator.make_request(params)
+    req = generator.make_request(generator.validated(params))
     generators = list(recorder.generators)
     if len(generators) != params.batch_size:
         raise ValueError(f"a rollout of {params.batch_size} samples needs as many generators; got {len(generators)}")

@@ -186,7 +186,7 @@ def test_flux_has_no_positional_range_to_check(other):
 
     gen = load_generator(other)
     tall = 16 * 8200  # 8200 patch rows: past 4096 positions
-    assert gen.validate(SamplingParams(prompt="x", height=tall, width=16, num_inference_steps=1)).height == tall
+    assert gen.validate(SamplingParams(prompt="x", height=tall, width=16, num_inference_steps=1)).params.height == tall
     rope = gen.transformer.pos_embed
     cos, sin = rope(torch.tensor([[0.0, 8199.0, 0.0]]))  # image id (0, row, col) of the last row
     d0, d1, _ = rope.axes_dim

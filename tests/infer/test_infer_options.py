@@ -1,5 +1,6 @@
-"""Family sampling options: declared once per family (`FamilyOptions` on its `DiTFamily`), validated
-once, and read by `spindle generate` (flags) and the server (request fields) with no family code."""
+"""Family sampling options: declared once per family (`FamilyOptions` on its `DiTFamily`), built into the
+family's strict pydantic schema (`spindle.contracts.sampling`) that validates a request once, and from which
+`spindle generate`'s flags and the server's request fields are generated, with no family code."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import argparse
 
 import pytest
 
+from spindle.commands.flags import add_sampling_arguments, sampling_values
 from spindle.contracts.options import FamilyOptions, Option, needs_negative_prompt
 from spindle.contracts.request import RequestError, SamplingParams
-from spindle.infer.options import add_option_arguments, option_values, request_model
+from spindle.contracts.sampling import sampling_schema
+from spindle.infer.options import request_model
 
 OPTIONS = FamilyOptions(
     extra=(
@@ -22,7 +25,11 @@ OPTIONS = FamilyOptions(
 
 def validate(**extra) -> dict:
     negative = extra.pop("negative_prompt", None)
-    return OPTIONS.validate(SamplingParams(prompt="x", negative_prompt=negative, extra=extra), "fam").extra
+    return (
+        sampling_schema(OPTIONS, "fam")
+        .validate(SamplingParams(prompt="x", negative_prompt=negative, extra=extra))
+        .extra
+    )
 
 
 def test_valid_options_are_typed_and_defaults_are_declared():
@@ -47,19 +54,38 @@ def test_bad_options_name_family_and_field(extra, message):
         validate(**extra)
 
 
-def test_a_default_value_is_never_refused_so_validated_params_validate_again():
-    """A server validates a request, queues the params (the defaults filled in) and validates them again
-    when the job runs: the default true_cfg_scale (4) without a negative prompt is what a request without
-    the option runs with, never a rule error; a non-default value still is one."""
+def test_a_default_value_is_never_refused():
+    """The default true_cfg_scale (4) without a negative prompt is what a request without the option runs with,
+    so giving it is never a rule error; a non-default value still is one."""
     assert validate(true_cfg_scale=4.0)["true_cfg_scale"] == 4.0
     with pytest.raises(RequestError, match="enables CFG only with a negative_prompt"):
         validate(true_cfg_scale=4.5)
 
 
+def test_an_unknown_field_names_the_closest_valid_one():
+    with pytest.raises(RequestError, match=r"shfit is not an option of fam \(its options: .*\); did you mean 'shift'"):
+        validate(shfit=4.0)
+    with pytest.raises(RequestError, match=r"did you mean 'num_inference_steps'") as e:
+        validate(num_inference_step=4)
+    assert e.value.field == "num_inference_step"
+
+
+def test_the_schema_is_a_strict_frozen_pydantic_model_with_the_bounds():
+    from pydantic import ValidationError
+
+    schema = sampling_schema(OPTIONS, "fam")
+    shift = schema.model.model_json_schema()["properties"]["shift"]
+    assert shift["anyOf"][0] == {"type": "number", "minimum": 1.0, "maximum": 10.0}
+    parsed = schema.parse({"prompt": "x", "shift": 2})
+    assert parsed.shift == 2.0 and isinstance(parsed.shift, float)
+    with pytest.raises(ValidationError, match="frozen"):
+        parsed.shift = 3.0
+
+
 def test_declarations_must_not_shadow_common_fields_or_repeat():
     with pytest.raises(ValueError, match=r"\['guidance_scale'\] repeat a common SamplingParams field"):
-        FamilyOptions(extra=(Option("guidance_scale", float, 1.0, "x"),)).check_common_fields()
-    OPTIONS.check_common_fields()
+        sampling_schema(FamilyOptions(extra=(Option("guidance_scale", float, 1.0, "x"),)), "x")
+    sampling_schema(OPTIONS, "fam")
     with pytest.raises(ValueError, match=r"\['a'\] are declared twice"):
         FamilyOptions(extra=(Option("a", int, 1, "x"), Option("a", int, 2, "y")))
     with pytest.raises(TypeError, match="type must be one of"):
@@ -73,15 +99,22 @@ class Fam:
 
 def test_cli_flags_come_from_every_familys_declaration():
     p = argparse.ArgumentParser()
-    add_option_arguments(p, [Fam("a", OPTIONS), Fam("b", FamilyOptions(extra=(OPTIONS.extra[0],)))])
-    help_text = p.format_help()
-    assert "--true-cfg-scale" in help_text and "a default 4.0, b default 4.0" in help_text
-    assert "--shift" in help_text and "--clean-text" in help_text
-    args = p.parse_args(["--true-cfg-scale", "2.5", "--clean-text", "false"])
-    assert option_values(args) == {"true_cfg_scale": 2.5, "clean_text": False}  # unset flags are left out
+    add_sampling_arguments(p, [Fam("a", OPTIONS), Fam("b", FamilyOptions(extra=(OPTIONS.extra[0],)))])
+    help_text = " ".join(p.format_help().split())
+    assert "--true-cfg-scale" in help_text and "a default 4.0, b default 4.0; >= 0)" in help_text
+    assert "--shift" in help_text and "(a default 3.0; between 1 and 10)" in help_text and "--clean-text" in help_text
+    assert "--steps STEPS denoising steps (>= 1)" in help_text  # the common fields, from the same schema
+    args = p.parse_args(["--prompt", "x", "--true-cfg-scale", "2.5", "--clean-text", "false", "--steps", "3"])
+    # unset flags are left out
+    assert sampling_values(args) == {
+        "prompt": "x",
+        "true_cfg_scale": 2.5,
+        "clean_text": False,
+        "num_inference_steps": 3,
+    }
     clash = Fam("c", FamilyOptions(extra=(Option("shift", int, 3, "x"),)))
     with pytest.raises(TypeError, match=r"families \['a', 'c'\] declare option 'shift' with different types"):
-        add_option_arguments(argparse.ArgumentParser(), [Fam("a", OPTIONS), clash])
+        add_sampling_arguments(argparse.ArgumentParser(), [Fam("a", OPTIONS), clash])
 
 
 def test_cli_parser_imports_no_torch():
@@ -91,9 +124,9 @@ def test_cli_parser_imports_no_torch():
     import sys
 
     code = (
-        "import sys, argparse; from spindle.infer.options import add_option_arguments; "
+        "import sys, argparse; from spindle.commands.flags import add_sampling_arguments; "
         "from spindle.registry import all_families; "
-        "add_option_arguments(argparse.ArgumentParser(), all_families()); "
+        "add_sampling_arguments(argparse.ArgumentParser(), all_families()); "
         "assert 'torch' not in sys.modules and 'diffusers' not in sys.modules, 'heavy import'"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -119,7 +152,7 @@ def test_registered_families_declare_their_options():
     assert "qwenimage default 4.0," in help_text
     assert "flux: embedded guidance" in help_text and "wan: classifier-free guidance scale" in help_text
     # --guidance names the diffusion families only: language models are not generated with it
-    guidance = help_text.split("--guidance GUIDANCE guidance_scale;")[1].split("--seed")[0]
+    guidance = help_text.split("--guidance GUIDANCE guidance scale (between 0 and 100);")[1].split("--seed")[0]
     named = {f.name for f in all_families() if f"{f.name}: " in guidance}
     assert (
         named
@@ -137,12 +170,15 @@ def test_request_fields_come_from_the_declaration():
 
     from spindle.serve.schemas import ImageGenerationRequest
 
-    model = request_model(ImageGenerationRequest, OPTIONS)
+    model = request_model(ImageGenerationRequest, sampling_schema(OPTIONS, "fam"))
     body = model.model_validate({"prompt": "x", "true_cfg_scale": 2, "clean_text": False})
     assert body.true_cfg_scale == 2.0 and body.clean_text is False and body.shift is None
     with pytest.raises(ValidationError, match="true_cfg_scale"):
         model.model_validate({"prompt": "x", "true_cfg_scale": "lots"})
+    with pytest.raises(ValidationError, match="shift"):  # the schema's bounds, not a bare type
+        model.model_validate({"prompt": "x", "shift": 11})
+    assert model.model_json_schema()["properties"]["shift"]["anyOf"][0]["maximum"] == 10.0
     # a family without options: the base model, which refuses the field
-    assert request_model(ImageGenerationRequest, FamilyOptions()) is ImageGenerationRequest
+    assert request_model(ImageGenerationRequest, sampling_schema(FamilyOptions(), "none")) is ImageGenerationRequest
     with pytest.raises(ValidationError, match="true_cfg_scale"):
         ImageGenerationRequest.model_validate({"prompt": "x", "true_cfg_scale": 2})

@@ -206,7 +206,7 @@ def test_sizes_past_the_rotary_table_are_refused_naming_the_field(tiny, tmp_path
     assert txt.shape[0] == text - 1  # diffusers' own table, one patch further: the text is short a position
 
     base = dict(prompt="a cat", num_inference_steps=2, max_sequence_length=text)
-    assert gen.validate(SamplingParams(**base, height=largest, width=multiple)).height == largest
+    assert gen.validate(SamplingParams(**base, height=largest, width=multiple)).params.height == largest
     for field, size in (("height", dict(height=largest + multiple, width=multiple)),
                         ("width", dict(height=multiple, width=largest + multiple))):  # fmt: skip
         with pytest.raises(RequestError, match=rf"{field} is past this model's positional range") as e:

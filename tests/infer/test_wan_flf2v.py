@@ -5,8 +5,6 @@ embeddings of both frames, folded per sample by the transformer's `pos_embed_seq
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -79,7 +77,10 @@ def test_generate_cli_last_image(tiny_flf2v, tmp_path, spindle_cli, monkeypatch)
                     "--last-image", last, "--out", out, "--quiet")  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert out.is_file()
-    # the request carried both frames, in order (generate(image=first, last_image=last))
-    assert [Path(str(image)) for image in seen[-1].image] == [first, last]
+    # the request carried both frames, in order (generate(image=first, last_image=last)), read by the schema
+    images = seen[-1].params.image
+    assert [np.asarray(image).tolist() for image in images] == [
+        np.asarray(kwargs[k]).tolist() for k in ("image", "last_image")
+    ]
     r = spindle_cli("generate", "--model", tiny_flf2v, "--prompt", "a red fox", "--last-image", last, "--out", out)
     assert r.returncode == 2 and "--last-image goes with exactly one --image" in r.stderr

@@ -380,11 +380,11 @@ def test_a_failing_job_fails_alone(serve, gen):
 
 
 def test_a_failing_done_callback_is_logged_and_the_others_still_run(caplog):
-    from spindle.infer import SamplingParams
+    from spindle.contracts.request import SamplingParams, ValidRequest
     from spindle.serve import Job, JobStore
 
     store = JobStore(max_queue=2)
-    job = store.submit(Job(kind="video", params=SamplingParams(prompt="x"), model="m"))
+    job = store.submit(Job(kind="video", request=ValidRequest("wan", SamplingParams(prompt="x")), model="m"))
     seen = []
 
     def gone_client(j):
@@ -493,14 +493,14 @@ def test_burst_of_concurrent_requests_loses_and_duplicates_nothing(serve, gen):
 
 def test_retry_after_is_the_queue_ahead_times_recent_completed_job_times():
     """The issue's case: a long cancelled job must not inflate the estimate (7 s while jobs took 0.1 s)."""
-    from spindle.contracts.request import SamplingParams
+    from spindle.contracts.request import SamplingParams, ValidRequest
     from spindle.serve.jobs import Job, JobStore, QueueFull
 
     now = [1000.0]
     store = JobStore(max_queue=3, clock=lambda: now[0])
 
     def run(seconds: float, status: str) -> None:
-        job = store.submit(Job(kind="video", params=SamplingParams(prompt="p"), model="m"))
+        job = store.submit(Job(kind="video", request=ValidRequest("wan", SamplingParams(prompt="p")), model="m"))
         assert store.next_job(timeout=0) is job
         now[0] += seconds
         store.finish(job, status)
@@ -510,13 +510,13 @@ def test_retry_after_is_the_queue_ahead_times_recent_completed_job_times():
         run(0.5, "completed")
     run(70.0, "cancelled")  # given up on after 70 s: says nothing about how long jobs take
     run(0.01, "failed")  # failed at once: neither
-    running = store.submit(Job(kind="video", params=SamplingParams(prompt="p"), model="m"))
+    running = store.submit(Job(kind="video", request=ValidRequest("wan", SamplingParams(prompt="p")), model="m"))
     assert store.next_job(timeout=0) is running
     for _ in range(3):
-        store.submit(Job(kind="video", params=SamplingParams(prompt="p"), model="m"))
+        store.submit(Job(kind="video", request=ValidRequest("wan", SamplingParams(prompt="p")), model="m"))
     # 3 waiting x 0.5 s + what is left of the running one (0.5 s, just started) = 2 s
     with pytest.raises(QueueFull) as info:
-        store.submit(Job(kind="video", params=SamplingParams(prompt="p"), model="m"))
+        store.submit(Job(kind="video", request=ValidRequest("wan", SamplingParams(prompt="p")), model="m"))
     assert info.value.status == 429 and info.value.headers["Retry-After"] == "2"
     now[0] += 0.4  # the running job is nearly done: 1.5 + 0.1 -> 2 (rounded up)
     assert store.retry_after() == 2
@@ -530,7 +530,7 @@ def test_retry_after_is_the_queue_ahead_times_recent_completed_job_times():
     for _ in range(17):
         run(4.0, "completed")
     for _ in range(2):
-        store.submit(Job(kind="video", params=SamplingParams(prompt="p"), model="m"))
+        store.submit(Job(kind="video", request=ValidRequest("wan", SamplingParams(prompt="p")), model="m"))
     assert store.retry_after() == 8  # 2 waiting x 4 s, nothing running
 
 
@@ -549,3 +549,34 @@ def test_video_requests_name_the_served_model_and_refuse_booleans(serve):
     assert err["message"].startswith("seconds: num_frames is 321;")  # the frames `seconds` asked for, named as sent
     assert s.state.store.counters["submitted"] == 1
     assert s.wait(r.json()["id"])["status"] == "completed"
+
+
+def test_the_engine_runs_only_validated_requests(gen):
+    """A job is validated once, when it is submitted: the engine runs the frozen `ValidRequest` that validation
+    returns, as it is, and takes nothing else (plain params are a TypeError, not validated a second time)."""
+    import dataclasses
+
+    from spindle.contracts.request import SamplingParams, ValidRequest
+    from spindle.serve.engine import Engine
+
+    engine = Engine(gen, "tiny-wan")
+    asked = SamplingParams(prompt="x", height=32, width=32, num_frames=5, num_inference_steps=1, seed=3)
+    with pytest.raises(TypeError, match=r"Engine\.run takes a ValidRequest"):
+        engine.run(asked)
+    valid = engine.validate(asked)
+    assert isinstance(valid, ValidRequest) and valid.family == "wan"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        valid.family = "flux"  # type: ignore[misc]
+    valid.params.height = 64  # a reader gets a copy: the request itself never changes
+    assert valid.params.height == 32 and valid.params.guidance_scale == gen.defaults.guidance_scale
+    result = engine.run(valid)
+    assert result.seed == 3 and result.frames.shape == (1, 5, 32, 32, 3)
+    np.testing.assert_array_equal(result.frames, gen.run(asked).frames)  # what the Python API makes of the same
+
+
+def test_an_unknown_body_field_names_the_closest_valid_one(serve):
+    s = serve()
+    err = assert_error(s.client.post("/v1/videos", json={**KW, "guidance_scal": 3.0}), 422, "guidance_scal")
+    assert "did you mean 'guidance_scale'?" in err["message"], err
+    err = assert_error(s.client.post("/v1/videos", json={**KW, "strength": 0.5}), 422, "strength")
+    assert "did you mean" not in err["message"], err  # nothing close: no guess

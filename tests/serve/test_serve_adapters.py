@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from spindle.api import load_generator
-from spindle.contracts.request import SamplingParams
+from spindle.contracts.request import SamplingParams, ValidRequest
 from spindle.models.wan.lora import to_original
 from spindle.registry import get_family
 from spindle.serve import build_app
@@ -371,9 +371,11 @@ def test_an_adapter_trained_with_a_text_length_makes_it_its_requests_default(tin
     gen = load_generator(tiny_flux, device="cpu")
     adapters = gen.enable_adapters(tmp_path)
     assert adapters.load("short", adapters.resolve(None, "short")).max_text_length == 8
-    assert gen.validate(SamplingParams(prompt="x", lora="short")).max_sequence_length == 8
-    assert gen.validate(SamplingParams(prompt="x", lora="short", max_sequence_length=16)).max_sequence_length == 16
-    assert gen.validate(SamplingParams(prompt="x")).max_sequence_length == gen.defaults.max_sequence_length != 8
+    assert gen.validate(SamplingParams(prompt="x", lora="short")).params.max_sequence_length == 8
+    assert (
+        gen.validate(SamplingParams(prompt="x", lora="short", max_sequence_length=16)).params.max_sequence_length == 16
+    )
+    assert gen.validate(SamplingParams(prompt="x")).params.max_sequence_length == gen.defaults.max_sequence_length != 8
     alone = load_generator(tiny_flux, device="cpu", lora=str(tmp_path / "short"))
     assert alone.defaults.max_sequence_length == 8
 
@@ -386,6 +388,8 @@ def test_a_request_whose_adapter_went_away_before_queueing_is_a_400(wan_server):
     s = wan_server
     before = s.state.store.stats().get("submitted", 0)
     with pytest.raises(APIError) as e:
-        s.state.submit(Job(kind="video", params=SamplingParams(prompt="x", lora="gone"), model="tiny-wan"))
+        s.state.submit(
+            Job(kind="video", request=ValidRequest("wan", SamplingParams(prompt="x", lora="gone")), model="tiny-wan")
+        )
     assert e.value.status == 400 and e.value.param == "lora" and "'gone'" in e.value.message
     assert s.state.store.stats().get("submitted", 0) == before

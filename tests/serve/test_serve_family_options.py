@@ -12,6 +12,7 @@ import pytest
 
 from spindle.api import load_generator
 from spindle.contracts.options import needs_negative_prompt
+from spindle.contracts.sampling import option_bounds
 from spindle.registry import all_families
 from spindle.serve import build_app
 from tests.serve.test_serve import LiveServer, assert_error
@@ -59,7 +60,7 @@ def test_family_option_errors_name_the_field(served):
         if option.minimum is not None:
             low = option.minimum - 1
             err = assert_error(c.post(route, json={**base, "negative_prompt": "x", name: low}), 400, name)
-            assert re.search(rf"{re.escape(option.bounds())} for {family.name}", err["message"]), err
+            assert re.search(rf"{re.escape(option_bounds(option))} for {family.name}", err["message"]), err
         if option.rule is needs_negative_prompt:
             err = assert_error(c.post(route, json={**base, name: 3}), 400, name)
             assert "negative_prompt" in err["message"], err

@@ -20,7 +20,8 @@ import pytest
 from PIL import EpsImagePlugin, Image
 
 from spindle.api import load_generator
-from spindle.serve import bodies, build_app, uploads
+from spindle.contracts import images as uploads
+from spindle.serve import bodies, build_app
 from spindle.serve.limits import MAX_FORM_FIELDS, MAX_FORM_FILES
 from tests.serve.test_serve import LiveServer, assert_error
 from tests.serve.test_serve_edits import KW, plus  # noqa: F401 - `plus`: the tiny Qwen-Image-Edit-Plus generator

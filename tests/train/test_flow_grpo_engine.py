@@ -31,7 +31,7 @@ def test_engine_rollout_log_probs_are_recomputed_exactly(tiny_flux):
     )
 
     def rollout() -> tuple:
-        req = engine.make_request(params)
+        req = engine.make_request(engine.validated(params))
         req.generator = rollout_generators(sample_generator, 0, 4, [0], 2)  # per-sample initial noise
         req = pipeline.before_denoising(req)
         recorder = SdeRecorder(NOISE_LEVEL, req.generator)
@@ -87,7 +87,7 @@ def test_denoising_stage_takes_the_requests_step_in_place_of_the_schedulers(tiny
     )
 
     def prepared():
-        req = engine.make_request(params)
+        req = engine.make_request(engine.validated(params))
         req.generator = rollout_generators(sample_generator, 0, 4, [0], 2)
         return pipeline.before_denoising(req)
 

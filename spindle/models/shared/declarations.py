@@ -45,7 +45,7 @@ def true_cfg_scale(default: float) -> Option:
         float,
         default=default,
         minimum=0.0,
-        maximum=100.0,  # as guidance_scale (request.MAX_GUIDANCE): larger scales only blow latents up
+        maximum=100.0,  # as guidance_scale (sampling.MAX_GUIDANCE): larger scales only blow latents up
         help="true classifier-free guidance scale, with a negative prompt",
         rule=needs_negative_prompt,
     )

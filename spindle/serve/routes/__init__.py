@@ -8,8 +8,8 @@
   adapters.py GET/POST /v1/loras, GET/DELETE /v1/loras/{name} (+ SGLang-diffusion's /v1/set_lora, /v1/list_loras)
 
 A route reaches the engine, the store and the limits through the `State` dependency
-(`spindle.serve.state`), turns a body into params with `spindle.serve.params.sampling_params` (the
-one mapping) and raises `spindle.serve.errors.APIError` for a refusal. A new resource is a new module
+(`spindle.serve.state`), turns a body into a validated request with `spindle.serve.params.sampling_params`
+(the one mapping) and raises `spindle.serve.errors.APIError` for a refusal. A new resource is a new module
 here plus one line in `ROUTERS` (as `edits.py`, `POST /v1/images/edits`, and `adapters.py`, the
 run-time LoRA adapters, were added).
 """

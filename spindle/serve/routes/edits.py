@@ -61,6 +61,6 @@ async def images_edits(request: Request, state: State):
             param="input_fidelity",
             code="unsupported_parameter",
         )
-    params = (await asyncio.to_thread(sampling_params, body, engine)).params  # decodes uploads: off the event loop
+    valid = (await asyncio.to_thread(sampling_params, body, engine)).request  # decodes uploads: off the event loop
     refuse_unhonoured(body)
-    return await answer_images(request, state, params)
+    return await answer_images(request, state, valid)

@@ -16,7 +16,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from spindle.contracts.request import SamplingParams
+from spindle.contracts.request import ValidRequest
 from spindle.serve.errors import APIError, ClientGone
 from spindle.serve.jobs import Job, wait_done
 from spindle.serve.params import lora_choice, sampling_params
@@ -92,16 +92,16 @@ async def images_generations(request: Request, state: State):
             code="use_edits_endpoint",
         )
     # (the model check first: a wrong model is the bigger mistake); in a worker thread: it decodes uploads
-    params = (await asyncio.to_thread(sampling_params, body, engine)).params
+    valid = (await asyncio.to_thread(sampling_params, body, engine)).request
     refuse_unhonoured(body)
-    return await answer_images(request, state, params)
+    return await answer_images(request, state, valid)
 
 
-async def answer_images(request: Request, state: ServeState, params: SamplingParams) -> dict[str, Any]:
-    """Run an image job for validated `params` and answer OpenAI's images response (generations and
+async def answer_images(request: Request, state: ServeState, valid: ValidRequest) -> dict[str, Any]:
+    """Run an image job for a validated request and answer OpenAI's images response (generations and
     edits): the client waits; a client that hangs up cancels the job."""
     store = state.store
-    job = state.submit(Job(kind="image", params=params, model=state.engine.model_id))  # holds its adapter
+    job = state.submit(Job(kind="image", request=valid, model=state.engine.model_id))  # holds its adapter
     try:
         gone = await wait_done_or_gone(job, request)
     except asyncio.CancelledError:  # the server is stopping this request: do not run it for nobody
@@ -119,10 +119,10 @@ async def answer_images(request: Request, state: ServeState, params: SamplingPar
             response: dict[str, Any] = ImagesResponse(
                 created=int(job.created_at),
                 data=[ImageData(b64_json=base64.b64encode(png).decode("ascii")) for png in job.images or []],
-                size=f"{params.width}x{params.height}",
+                size=f"{job.params.width}x{job.params.height}",
                 model=job.model,
-                seed=params.seed,
-                lora=lora_choice(params, state.engine.startup_lora),
+                seed=job.params.seed,
+                lora=lora_choice(job.params, state.engine.startup_lora),
                 timings=job.timings,
             ).model_dump()
             return response

@@ -82,7 +82,7 @@ async def create_video(request: Request, state: State):
             code="use_images_endpoint",
         )
     planned = await asyncio.to_thread(sampling_params, body, engine)  # decodes uploads: off the event loop
-    job = Job(kind="video", params=planned.params, model=engine.model_id, meta={"notes": planned.notes})
+    job = Job(kind="video", request=planned.request, model=engine.model_id, meta={"notes": planned.notes})
     state.submit(job)
     return video_object(state, job)
 

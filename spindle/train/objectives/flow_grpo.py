@@ -385,14 +385,15 @@ class FlowGRPO(Objective):
         first prompt would be."""
         from spindle.config import ConfigError
         from spindle.contracts.request import RequestError, SamplingParams
+        from spindle.contracts.sampling import sampling_schema
 
         if not self.settings.options:
             return
         try:
             fields, extra = split_options(self.settings.options)
             images = [str(p) for p in prompt.images] or None
-            family.options.validate(
-                SamplingParams(prompt=prompt.prompt, image=images, **fields, extra=extra), family.name
+            sampling_schema(family.options, family.name).validate(
+                SamplingParams(prompt=prompt.prompt, image=images, **fields, extra=extra)
             )
         except (RequestError, ValueError, TypeError) as e:
             raise ConfigError(f"flow_grpo.options: {e}") from None

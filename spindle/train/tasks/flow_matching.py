@@ -415,9 +415,12 @@ def check_validation_images(cfg: DiTJobConfig, family: DiTFamily) -> None:
                 raise FileNotFoundError(f"train.validation.images: {path} does not exist")
     if val.options:  # the family's sampling options: names, types, bounds (sizes are checked per request)
         from spindle.contracts.request import RequestError, SamplingParams
+        from spindle.contracts.sampling import sampling_schema
 
         try:
-            family.options.validate(SamplingParams(prompt=val.prompts[0], extra=dict(val.options)), family.name)
+            sampling_schema(family.options, family.name).validate(
+                SamplingParams(prompt=val.prompts[0], extra=dict(val.options))
+            )
         except RequestError as e:
             raise ValueError(f"train.validation.options: {e}") from None
 
