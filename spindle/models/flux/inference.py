@@ -57,7 +57,6 @@ class FluxBeforeDenoisingStage(PipelineBeforeDenoisingStage):
         )
 
     def forward(self, req: Req) -> Req:
-        self.validate(req.params)
         self.set_prompts(req)
         self.set_latents(req)
         self.set_embedded_guidance(req, req.device)

@@ -97,7 +97,6 @@ class Flux2BeforeDenoisingStage(PipelineBeforeDenoisingStage):
         return embeds, text_ids
 
     def forward(self, req: Req) -> Req:
-        self.validate(req.params)
         p = req.params
         device = req.device
         req.model_dtype = self.transformer.dtype

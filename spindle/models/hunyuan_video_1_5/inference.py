@@ -155,7 +155,6 @@ class HunyuanVideo15BeforeDenoisingStage(BeforeDenoisingStage):
 
     def forward(self, req: Req) -> Req:
         p = req.params
-        self.validate(p)
         device = req.device
         scale = float(resolved(p.guidance_scale, "guidance_scale"))
         req.do_cfg = not math.isclose(scale, 1.0)  # ClassifierFreeGuidance's rule

@@ -129,7 +129,6 @@ class LTX2BeforeDenoisingStage(BeforeDenoisingStage):
 
     def forward(self, req: Req) -> Req:
         p = req.params
-        self.validate(p)
         device, pipe = req.device, self.text_pipe
         guidance = scales(p)
         req.extra["scales"] = guidance

@@ -102,7 +102,6 @@ class QwenImageBeforeDenoisingStage(PipelineBeforeDenoisingStage):
 
     def forward(self, req: Req) -> Req:
         p = req.params
-        self.validate(p)
         device = req.device
         true_cfg = float(p.extra["true_cfg_scale"])
         req.do_cfg = true_cfg > 1 and p.negative_prompt is not None  # QwenImagePipeline's rule

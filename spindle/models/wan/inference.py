@@ -138,7 +138,6 @@ class WanBeforeDenoisingStage(BeforeDenoisingStage):
 
     def forward(self, req: Req) -> Req:
         p = req.params
-        self.validate(p)
         device = req.device
         prompts = p.prompts
         negative = p.negative_prompt

@@ -71,7 +71,6 @@ class ZImageBeforeDenoisingStage(PipelineBeforeDenoisingStage):
 
     def forward(self, req: Req) -> Req:
         p = req.params
-        self.validate(p)
         device = req.device
         scale = float(resolved(p.guidance_scale, "guidance_scale"))
         req.do_cfg = scale > 0  # ZImagePipeline's rule
