@@ -50,11 +50,6 @@ FAMILY = DiTFamily(
         "LTX2Pipeline", "LTX2VideoTransformer3DModel", detect=_looks_like_ltx2, lora_loader="LTX2LoraLoaderMixin"
     ),
     options=OPTIONS,
-    sequence_parallel_refused=(
-        "diffusers' LTX2VideoTransformer3DModel._cp_plan splits the video and text tokens but not the audio stream, "
-        "whose attention over the split streams then fails (a shape error in the audio<->video cross attention); the "
-        "second stream would need a plan of its own"
-    ),
     demo=decl.demo(
         decl.VIDEO_DEMO,
         size=(64, 64),  # the pipeline takes multiples of 32

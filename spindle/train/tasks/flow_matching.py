@@ -178,9 +178,11 @@ class FlowMatchingTask(TrainTask[DiTJobConfig, DiTFamily]):
 
         root, component = self.cfg.model.path, self.component
         lora = self.cfg.train.lora
+        config = json.loads((Path(root) / component / "config.json").read_text())
         model = build_parallel_model(
             self,
-            ParallelPlan("diffusers"),
+            # the family's context-parallel plan where it has its own (LTX-2 splits its audio stream too)
+            ParallelPlan("diffusers", cp_plan=self.family.inference_spec().sequence_parallel_plan(config)),
             build_empty=lambda: transformer_from_config(root, component),
             checkpoint=lambda: SafetensorsCheckpoint(Path(root) / component).sources(),
             load_full=lambda: load_transformer(root, dtype=torch.float32, component=component),
