@@ -13,7 +13,7 @@ is `ring x sp` (Spindle's 2-D "cp" mesh, diffusers' ("ring", "ulysses") mesh). H
 processes with ring=2, and Wan2.1-1.3B's 12 heads run on 8 GPUs as sp=4 x ring=2.
 
 Every workaround for diffusers' assumptions lives in this module, each marked `workaround (N)` with
-the reason (1 is CPU/gloo only; 2 applies on every device), each covered by
+the reason (1 is CPU/gloo only; 2-4 apply on every device), each covered by
 tests/distributed/test_distributed_parallel.py or tests/distributed/test_ring_attention.py (canaries fail when diffusers
 fixes what they work around):
 
@@ -32,6 +32,16 @@ fixes what they work around):
    Everything else goes to the native backend unchanged. A call with a key
    mask (Qwen-Image's text padding) takes Spindle's own masked ring instead (see "key masks under
    ring attention" below): diffusers' ring gives every KV chunk the local mask.
+3. Under Ulysses, `TemplatedUlyssesAttention` hands SDPA a per-head key mask [B, H, 1, keys] (LTX-2's
+   attention processor repeats its text mask per head) with all H heads, though each rank attends with
+   H / sp heads after the all-to-all: a broadcast error. `_ulysses_mask` gathers the mask's keys and keeps
+   the rank's heads.
+4. `TemplatedUlyssesAttention.backward` reshapes the key/value gradients with the queries' local length,
+   a shape error for queries and keys of different lengths, both split (LTX-2's text and audio<->video
+   cross attentions; Wan's cross attention bypasses SP). Such calls, and those of (3), run
+   `_ulysses_attention`: diffusers' differentiable `SeqAllToAllDim` around the native attention, so
+   autograd does the backward. (3) and (4) are covered by tests/distributed/test_ltx2_sequence_parallel.py
+   (LTX-2 training under parallel.sp: 2 equals one process).
 
 Gradient scaling (see `spindle.distributed.fsdp`): every rank of an SP group computes the loss on
 the full gathered output, but `AllGatherFunction.backward` hands each rank only the gradient of
@@ -228,7 +238,7 @@ def enable_sequence_parallel(
     finally:
         transformer.__dict__.pop("_resolve_parallel_config", None)
     if plan is not None:  # the plan applied is the one the split checks read (`check_split_inputs`)
-        transformer._cp_plan = plan
+        model._cp_plan = plan
     return transformer
 
 

@@ -270,6 +270,7 @@ def setup_parallel(transformers: list[torch.nn.Module], options: EngineConfig, s
         from spindle.distributed.context_parallel import enable_sequence_parallel
 
         for transformer in transformers:  # every denoiser (a two-expert model's both) splits its sequence
-            enable_sequence_parallel(transformer, mesh.cp, plan=spec.sequence_parallel_plan(transformer.config))
+            config: Any = transformer.config  # a diffusers model: its config
+            enable_sequence_parallel(transformer, mesh.cp, plan=spec.sequence_parallel_plan(config))
     cfg_group = mesh.dp.get_group() if options.cfg_parallel else None
     return mesh, cfg_group

@@ -550,8 +550,12 @@ def check_ema_export(family: DiTFamily, export: Path, ema: dict[str, torch.Tenso
 
 
 def _mse_step(model: torch.nn.Module, inputs: dict[str, Any], target: torch.Tensor, condition: Any) -> torch.Tensor:
+    """One MSE step; a `loss_mask` input (image-to-video: the conditioned first frame's tokens out) weights it."""
+    inputs = dict(inputs)
+    mask = inputs.pop("loss_mask", None)
     pred = condition.target_prediction(model(**inputs, return_dict=False)[0], target)
-    loss = torch.nn.functional.mse_loss(pred.float(), target.float())
+    error = (pred.float() - target.float()) ** 2
+    loss = (error if mask is None else error * mask.to(error)).mean()
     loss.backward()
     return loss.detach()
 
@@ -604,7 +608,8 @@ def sp_worker(rank: int, world: int, family_name: str, root: str, layouts: dict[
     for name, dims in layouts.items():
         mesh = build_mesh(ParallelDims(dp_shard=1, **dims))
         model = load_transformer(root)
-        plan = family.inference_spec().sequence_parallel_plan(model.config)  # the family's own, as training's
+        config: Any = model.config  # a diffusers model: its config
+        plan = family.inference_spec().sequence_parallel_plan(config)  # the family's own, as training's
         model = parallelize_transformer(model, mesh, mixed_precision="no", cp_plan=plan)
         loss = _mse_step(model, dict(inputs), target, condition)
         results[name] = {"loss": loss.item(), "grads": full_grads(model)}

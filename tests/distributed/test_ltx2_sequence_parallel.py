@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from spindle.data.media import write_video
 from tests.conftest import assert_same_training, run_spindle, spindle_train, train_overrides

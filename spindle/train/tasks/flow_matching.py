@@ -118,6 +118,11 @@ class FlowMatchingTask(TrainTask[DiTJobConfig, DiTFamily]):
                 f"context-parallel plan Spindle runs: {family.sequence_parallel_refused}; set parallel.sp: 1 and "
                 "parallel.ring: 1"
             )
+        if dims.ring > 1 and family.ring_attention_refused:
+            raise ValueError(
+                f"parallel.ring={dims.ring} was requested, but {family.name} runs without ring attention: "
+                f"{family.ring_attention_refused}; set parallel.ring: 1"
+            )
         if dims.cp_size > 1 and tcfg.is_file():
             check_sequence_parallel(json.loads(tcfg.read_text()), dims.sp, ring=dims.ring)
         check_validation_images(cfg, family)
