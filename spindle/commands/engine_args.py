@@ -54,6 +54,10 @@ def check_family_parallel(args: argparse.Namespace) -> None:
     what = f"--sp {args.sp}" + (f" --ring {args.ring}" if args.ring > 1 else "")
     if family.sequence_parallel_refused:
         raise ValueError(f"{what}: {family.name} runs without sequence parallelism: {family.sequence_parallel_refused}")
+    if args.ring > 1 and family.ring_attention_refused:
+        raise ValueError(
+            f"--ring {args.ring}: {family.name} runs without ring attention: {family.ring_attention_refused}"
+        )
     config = Path(args.model) / "transformer" / "config.json"
     if config.is_file():
         try:

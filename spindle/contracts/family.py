@@ -280,9 +280,11 @@ class DiTFamily(FamilyFolder):
     task: str = "flow_matching"  # the training task (a key of spindle.train.tasks.TASKS)
     extras: dict[str, Any] = field(default_factory=dict)
     # why the family trains without sequence parallelism although its diffusers transformer has a `_cp_plan`
-    # (LTX-2: the plan splits the video stream only); "" where the plan (or its absence) says it all. The same
+    # "" where the plan (or its absence) says it all. The same
     # field as CausalLMFamily.sequence_parallel_refused: refused before launch with this reason
     sequence_parallel_refused: str = ""
+    # why the family runs Ulysses SP (parallel.sp) but not ring attention (parallel.ring), refused before launch
+    ring_attention_refused: str = ""
     condition_model = RequiredCode("condition:CONDITION_MODEL")  # its ConditionModel subclass
     inference = Code("inference:INFERENCE")  # its inference spec (spindle.infer)
     # a diffusers-layout LoRA state dict (no "transformer." prefix) -> the same LoRA in the original model's key

@@ -21,6 +21,7 @@ Every `Stage` checks its inputs and outputs (`check_inputs` / `check_outputs`) a
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import numpy as np
@@ -167,6 +168,16 @@ class InferenceSpec:
         """Why step-cache policy `name` (spindle.infer.caches) cannot run on this family's transformer (None: it
         can), e.g. a hook that cannot read its blocks' outputs. Default: every policy can."""
         return None
+
+    def sequence_parallel_plan(self, transformer_config: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The diffusers context-parallel plan SP applies to the transformer with `transformer_config` (training
+        and inference alike); None: the model class' own `_cp_plan` (LTX-2 splits its audio stream too)."""
+        return None
+
+    def check_sequence_parallel(self, req: Req, transformer: torch.nn.Module, degree: int) -> None:
+        """Before a `degree`-way SP request does any work: raise RequestError for sequences other than the one
+        `sequence_length` counts that the plan splits and that do not divide `degree` (LTX-2's audio tokens).
+        Default: nothing."""
 
     def prepare_sequence_parallel(self, req: Req, degree: int) -> None:
         """Before a `degree`-way SP run: make every sequence the transformer's plan splits divisible by

@@ -13,7 +13,7 @@ is `ring x sp` (Spindle's 2-D "cp" mesh, diffusers' ("ring", "ulysses") mesh). H
 processes with ring=2, and Wan2.1-1.3B's 12 heads run on 8 GPUs as sp=4 x ring=2.
 
 Every workaround for diffusers' assumptions lives in this module, each marked `workaround (N)` with
-the reason (1 is CPU/gloo only; 2 applies on every device), each covered by
+the reason (1 is CPU/gloo only; 2-4 apply on every device), each covered by
 tests/distributed/test_distributed_parallel.py or tests/distributed/test_ring_attention.py (canaries fail when diffusers
 fixes what they work around):
 
@@ -24,7 +24,7 @@ fixes what they work around):
    `enable_parallelism` (backend check, processors, `apply_context_parallel`) run unchanged.
 2. Ring attention needs each block's log-sum-exp, and diffusers' native (SDPA) backend, the only one
    that runs on CPU (and the default on GPU), raises "Native attention does not support
-   return_lse=True". `install_ring_backend` wraps the native backend: with a ring degree > 1 it runs
+   return_lse=True". `install_sequence_parallel_backend` wraps the native backend: with a ring degree > 1 it runs
    diffusers' own templated ring with per-block ops that return (out, lse) (`_ring_ops`): on CPU
    `aten._scaled_dot_product_flash_attention_for_cpu` and a backward that recomputes each KV block's
    gradient against the global (out, lse), the flash-attention backward; on CUDA in half precision
@@ -32,6 +32,16 @@ fixes what they work around):
    Everything else goes to the native backend unchanged. A call with a key
    mask (Qwen-Image's text padding) takes Spindle's own masked ring instead (see "key masks under
    ring attention" below): diffusers' ring gives every KV chunk the local mask.
+3. Under Ulysses, `TemplatedUlyssesAttention` hands SDPA a per-head key mask [B, H, 1, keys] (LTX-2's
+   attention processor repeats its text mask per head) with all H heads, though each rank attends with
+   H / sp heads after the all-to-all: a broadcast error. `_ulysses_mask` gathers the mask's keys and keeps
+   the rank's heads.
+4. `TemplatedUlyssesAttention.backward` reshapes the key/value gradients with the queries' local length,
+   a shape error for queries and keys of different lengths, both split (LTX-2's text and audio<->video
+   cross attentions; Wan's cross attention bypasses SP). Such calls, and those of (3), run
+   `_ulysses_attention`: diffusers' differentiable `SeqAllToAllDim` around the native attention, so
+   autograd does the backward. (3) and (4) are covered by tests/distributed/test_ltx2_sequence_parallel.py
+   (LTX-2 training under parallel.sp: 2 equals one process).
 
 Gradient scaling (see `spindle.distributed.fsdp`): every rank of an SP group computes the loss on
 the full gathered output, but `AllGatherFunction.backward` hands each rank only the gradient of
@@ -197,7 +207,7 @@ def enable_sequence_parallel(
     """Apply diffusers' context parallelism over `cp_mesh`, in place: Ulysses over a 1-D mesh, or ring x
     Ulysses over Spindle's 2-D ("ring", "sp") mesh (`Mesh.cp`).
 
-    Uses the model's `_cp_plan` unless `plan` is given. A no-op when the mesh has one rank. Call it
+    Uses the model's `_cp_plan` unless `plan` is given (then the instance's `_cp_plan` from now on). A no-op when the mesh has one rank. Call it
     before FSDP (`fully_shard`) and on every rank (mesh set-up is collective). All ranks of the
     SP group must then be fed the same full-length inputs; each returns the full output.
     """
@@ -210,8 +220,7 @@ def enable_sequence_parallel(
             f"{type(transformer).__name__} is not a diffusers ModelMixin; Spindle's sequence parallelism uses "
             f"diffusers' context-parallel hooks and attention dispatcher"
         )
-    if ring > 1:
-        install_ring_backend()
+    install_sequence_parallel_backend()
     config = sequence_parallel_config(cp_mesh)
 
     def resolve_on_our_mesh(_config: Any) -> Any:
@@ -228,6 +237,8 @@ def enable_sequence_parallel(
         model.enable_parallelism(config=config, cp_plan=plan)
     finally:
         transformer.__dict__.pop("_resolve_parallel_config", None)
+    if plan is not None:  # the plan applied is the one the split checks read (`check_split_inputs`)
+        model._cp_plan = plan
     return transformer
 
 
@@ -377,8 +388,6 @@ def _gather_key_mask(attn_mask: torch.Tensor, key: torch.Tensor, cp: Any) -> tor
     masks of all sequence-parallel ranks in the flattened ("ring", "ulysses") order the `_cp_plan` split
     the sequence in, which is also the order of the KV chunks the ring visits after the Ulysses
     all-to-all (ring chunk c = the sequences of ranks c x sp ... c x sp + sp - 1)."""
-    from torch.distributed import _functional_collectives as funcol
-
     mask = attn_mask[:, None, None, :] if attn_mask.ndim == 2 else attn_mask
     batch, local = key.shape[0], key.shape[1]
     if mask.ndim != 4 or mask.shape[1:3] != (1, 1) or mask.shape[0] not in (1, batch) or mask.shape[3] != local:
@@ -388,10 +397,79 @@ def _gather_key_mask(attn_mask: torch.Tensor, key: torch.Tensor, cp: Any) -> tor
             f"per-head mask cannot be split over ring ranks (each holds its own queries' rows for its own keys "
             f"only); use parallel.ring: 1 (Ulysses, parallel.sp) for this model"
         )
+    return _all_gather_keys(mask, cp._flattened_mesh.get_group())
+
+
+def _all_gather_keys(mask: torch.Tensor, group: Any) -> torch.Tensor:
+    """A [..., local keys] mask -> [..., local keys x group size]: every rank's, in rank order."""
+    from torch.distributed import _functional_collectives as funcol
+
     # bool travels as uint8 (not every backend reduces/gathers bool).
     wire = mask.to(torch.uint8) if mask.dtype == torch.bool else mask
-    full = _wait(funcol.all_gather_tensor(wire.contiguous(), gather_dim=3, group=cp._flattened_mesh.get_group()))
+    full = _wait(funcol.all_gather_tensor(wire.contiguous(), gather_dim=mask.ndim - 1, group=group))
     return full.bool() if mask.dtype == torch.bool else full
+
+
+def _ulysses_mask(
+    attn_mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor, cp: Any
+) -> torch.Tensor | None:
+    """workaround (3): the key mask of a Ulysses call for the attention after the all-to-all (this rank's H / sp
+    heads over all the keys): a local key mask ([B, local keys] or [B, 1|H, 1, local keys]) gathered over the keys,
+    then a per-head mask's rows of this rank's heads.
+
+    After the all-to-all, Ulysses rank r attends with heads r x H/sp ... (r + 1) x H/sp - 1 over the whole
+    sequence, but `TemplatedUlyssesAttention` hands SDPA the mask with all H heads (LTX-2's attention processor
+    repeats its text mask per head: `prepare_attention_mask`), which does not broadcast against H/sp heads."""
+    if attn_mask is None:
+        return None
+    heads = query.shape[2]
+    mask = attn_mask[:, None, None, :] if attn_mask.ndim == 2 else attn_mask
+    if mask.ndim != 4 or mask.shape[1] not in (1, heads) or mask.shape[2] != 1:
+        raise ValueError(
+            f"Ulysses sequence parallelism takes a key mask of shape [batch, keys] or [batch, 1 or heads, 1, keys], "
+            f"got {tuple(attn_mask.shape)}: a per-query mask cannot follow the queries' all-to-all; use parallel.sp: 1"
+        )
+    group = cp._ulysses_mesh.get_group()
+    if mask.shape[-1] == key.shape[1]:  # the local keys' mask (as diffusers' own gather decides)
+        mask = _all_gather_keys(mask, group)
+    if mask.shape[1] == 1 or heads == 1:
+        return mask
+    local = heads // cp.ulysses_degree
+    rank = dist.get_rank(group)
+    return mask[:, rank * local : (rank + 1) * local]
+
+
+def _needs_own_ulysses(query: torch.Tensor, key: torch.Tensor, attn_mask: torch.Tensor | None) -> bool:
+    """Calls diffusers' `TemplatedUlyssesAttention` gets wrong (workarounds 3 and 4): a per-head mask, or queries
+    and keys of different lengths (both split: LTX-2's text and audio<->video cross attentions), whose backward
+    reshapes the key gradients with the queries' length (a shape error)."""
+    per_head = attn_mask is not None and attn_mask.ndim == 4 and attn_mask.shape[1] > 1
+    return per_head or query.shape[1] != key.shape[1]
+
+
+def _ulysses_attention(
+    native: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    cp: Any,
+) -> torch.Tensor:
+    """workaround (4): Ulysses attention ([B, S_local, H, D] in and out) whose backward is autograd's: all-to-all
+    to (the whole sequence, H / sp heads) with diffusers' differentiable `SeqAllToAllDim`, the native attention,
+    all-to-all back. Queries and keys may have different lengths (each split over the group)."""
+    from diffusers.models.attention_dispatch import SeqAllToAllDim
+
+    mask = _ulysses_mask(attn_mask, query, key, cp)
+    group = cp._ulysses_mesh.get_group()
+    q, k, v = (SeqAllToAllDim.apply(group, x, 2, 1) for x in (query, key, value))
+    out = native(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, False, _parallel_config=None)
+    result: torch.Tensor = SeqAllToAllDim.apply(group, out, 1, 2)
+    return result
 
 
 def _masked_context_parallel_attention(
@@ -425,7 +503,7 @@ def _ring_ops(query: torch.Tensor) -> tuple[Any, Any]:
     return _ring_forward_op, _ring_backward_op
 
 
-def install_ring_backend() -> None:
+def install_sequence_parallel_backend() -> None:
     """Route diffusers' native attention backend through the ring ops of `_ring_ops` when a ring degree > 1
     is configured, and key-masked calls through the masked ring (idempotent; every other call goes to the
     native backend unchanged)."""
@@ -449,6 +527,8 @@ def install_ring_backend() -> None:
         _parallel_config: Any = None,
     ) -> Any:
         cp = getattr(_parallel_config, "context_parallel_config", None)
+        if cp is not None and cp.ring_degree == 1 and not return_lse and _needs_own_ulysses(query, key, attn_mask):
+            return _ulysses_attention(native, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, cp)
         if cp is None or cp.ring_degree == 1:
             return native(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
                           _parallel_config=_parallel_config)  # fmt: skip

@@ -186,7 +186,7 @@ class InferencePipeline:
             keep_freed_memory()
         mesh, cfg_group = None, None
         if options.world_size_needed > 1:
-            mesh, cfg_group = setup_parallel(denoisers, options)
+            mesh, cfg_group = setup_parallel(denoisers, options, spec)
         denoising = DenoisingStage(
             transformer,
             spec,
@@ -247,7 +247,7 @@ def is_main_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def setup_parallel(transformers: list[torch.nn.Module], options: EngineConfig) -> tuple[Any, Any]:
+def setup_parallel(transformers: list[torch.nn.Module], options: EngineConfig, spec: InferenceSpec) -> tuple[Any, Any]:
     """Mesh for the multi-process modes; -> (mesh, cfg process group or None).
 
     Mesh dims (spindle.distributed.mesh): `sp` = Ulysses degree, `ring` = ring-attention degree; the
@@ -270,6 +270,7 @@ def setup_parallel(transformers: list[torch.nn.Module], options: EngineConfig) -
         from spindle.distributed.context_parallel import enable_sequence_parallel
 
         for transformer in transformers:  # every denoiser (a two-expert model's both) splits its sequence
-            enable_sequence_parallel(transformer, mesh.cp)
+            config: Any = transformer.config  # a diffusers model: its config
+            enable_sequence_parallel(transformer, mesh.cp, plan=spec.sequence_parallel_plan(config))
     cfg_group = mesh.dp.get_group() if options.cfg_parallel else None
     return mesh, cfg_group

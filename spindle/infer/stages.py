@@ -208,6 +208,7 @@ class DenoisingStage(Stage):
             check_sequence_parallel(self.transformer, self.sp, seq_len=seq_len, ring=self.ring)
         except ValueError as e:
             raise RequestError(str(e), field="height") from e  # the token count follows the size (and frames)
+        self.spec.check_sequence_parallel(req, self.transformer, self.sp * self.ring)
 
     def check_inputs(self, req: Req) -> None:
         check_denoising_inputs(req, self.spec)

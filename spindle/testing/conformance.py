@@ -373,11 +373,13 @@ def check_generate_cli_png(
 # ---------------------------------------------------------------- training
 
 
-def training_batch(family: DiTFamily, samples: int = 2) -> dict[str, Any]:
-    """A raw loader batch at the family's demo size: pixels [B, 3, F, H, W] in [-1, 1], captions, indices."""
+def training_batch(family: DiTFamily, samples: int = 2, frames: int | None = None) -> dict[str, Any]:
+    """A raw loader batch at the family's demo size (`frames`: other than the demo's): pixels [B, 3, F, H, W] in
+    [-1, 1], captions, indices."""
     if family.demo is None:
         raise AssertionError(f"family {family.name!r} has no DemoSpec (sizes the suite trains at)")
-    frames, (height, width) = family.demo.num_frames, family.demo.size
+    (height, width) = family.demo.size
+    frames = frames or family.demo.num_frames
     g = torch.Generator().manual_seed(0)
     batch = {
         "pixels": torch.rand(samples, 3, frames, height, width, generator=g) * 2 - 1,
@@ -400,13 +402,13 @@ def condition_model(family: DiTFamily, root: Path) -> Any:
     )
 
 
-def training_inputs(family: DiTFamily, root: Path, condition: Any = None) -> dict[str, Any]:
+def training_inputs(family: DiTFamily, root: Path, condition: Any = None, frames: int | None = None) -> dict[str, Any]:
     """The transformer's training inputs (+ "target", "sigmas") for `training_batch`, at step 0."""
     from spindle.train.tasks.flow_matching import sample_generator
 
     if condition is None:
         condition = condition_model(family, root)
-    batch = training_batch(family)
+    batch = training_batch(family, frames=frames)
     generators = [sample_generator(0, 0, int(i)) for i in batch["index"]]
     return condition.training_inputs(condition.encode(batch), generators)
 
@@ -548,16 +550,25 @@ def check_ema_export(family: DiTFamily, export: Path, ema: dict[str, torch.Tenso
 
 
 def _mse_step(model: torch.nn.Module, inputs: dict[str, Any], target: torch.Tensor, condition: Any) -> torch.Tensor:
+    """One MSE step; a `loss_mask` input (image-to-video: the conditioned first frame's tokens out) weights it."""
+    inputs = dict(inputs)
+    mask = inputs.pop("loss_mask", None)
     pred = condition.target_prediction(model(**inputs, return_dict=False)[0], target)
-    loss = torch.nn.functional.mse_loss(pred.float(), target.float())
+    error = (pred.float() - target.float()) ** 2
+    loss = (error if mask is None else error * mask.to(error)).mean()
     loss.backward()
     return loss.detach()
+
+
+def _sp_frames(family: DiTFamily) -> int | None:
+    spec = dit_spec(family)
+    return spec.sequence_parallel_frames if spec is not None else None
 
 
 def sp_reference(family: DiTFamily, root: Path) -> dict[str, Any]:
     """One process: loss and gradients of one MSE step on the family's training inputs."""
     condition = condition_model(family, root)
-    inputs = training_inputs(family, root, condition)
+    inputs = training_inputs(family, root, condition, frames=_sp_frames(family))
     target, _ = inputs.pop("target"), inputs.pop("sigmas")
     model = load_transformer(root)
     loss = _mse_step(model, inputs, target, condition)
@@ -591,12 +602,15 @@ def sp_worker(rank: int, world: int, family_name: str, root: str, layouts: dict[
             f"{family.name} is not a DiT family: sequence-parallel conformance covers diffusion transformers"
         )
     condition = condition_model(family, Path(root))
-    inputs = training_inputs(family, Path(root), condition)
+    inputs = training_inputs(family, Path(root), condition, frames=_sp_frames(family))
     target, _ = inputs.pop("target"), inputs.pop("sigmas")
     results = {}
     for name, dims in layouts.items():
         mesh = build_mesh(ParallelDims(dp_shard=1, **dims))
-        model = parallelize_transformer(load_transformer(root), mesh, mixed_precision="no")
+        model = load_transformer(root)
+        config: Any = model.config  # a diffusers model: its config
+        plan = family.inference_spec().sequence_parallel_plan(config)  # the family's own, as training's
+        model = parallelize_transformer(model, mesh, mixed_precision="no", cp_plan=plan)
         loss = _mse_step(model, dict(inputs), target, condition)
         results[name] = {"loss": loss.item(), "grads": full_grads(model)}
     if rank == 0:

@@ -341,6 +341,17 @@ def test_ulysses_and_ring_on_two_processes_equal_one(name, tiny, tmp_path, spind
         assert reason in r.stderr, r.stderr
         return
     assert "ulysses2" in layouts, f"{name}: a family with SP trains with Ulysses SP"
+    if "ring2" not in layouts:  # Ulysses but not ring (LTX-2's per-head text mask): refused before launch, saying why
+        from spindle.api import check_job_plan
+
+        assert family.ring_attention_refused, f"{name} leaves ring2 out without a reason (ring_attention_refused)"
+        cfg = load_job_config(None, train_overrides(tiny(name), tmp_path / "data", tmp_path / "run", parallel__ring=2))
+        with pytest.raises(ValueError, match="runs without ring attention"):
+            check_job_plan(cfg, 2)
+        r = spindle_cli(
+            "generate", "--model", tiny(name), "--prompt", "x", "--out", tmp_path / "x", "--nproc", 2, "--ring", 2
+        )
+        assert r.returncode == 2 and family.ring_attention_refused in r.stderr, r.stderr
     out = tmp_path / "sp.pt"
     spawn(suite.sp_worker, 2, name, str(tiny(name)), layouts, str(out))
     results = torch.load(out, weights_only=False)

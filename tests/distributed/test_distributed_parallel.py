@@ -296,7 +296,7 @@ def test_ring_splits_the_sequence_not_the_heads():
 
 def test_stock_native_backend_still_cannot_ring_on_cpu():
     """Canary for workaround (2): when diffusers' native backend returns the log-sum-exp,
-    spindle.distributed.context_parallel.install_ring_backend can go."""
+    spindle.distributed.context_parallel.install_sequence_parallel_backend can go."""
     from diffusers.models.attention_dispatch import _native_attention_forward_op
 
     q = torch.randn(1, 8, 2, 4)

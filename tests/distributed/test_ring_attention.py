@@ -78,10 +78,10 @@ def _worker(rank: int, world: int, ring: int, out_dir: str) -> None:
     import torch.distributed as dist
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-    from spindle.distributed.context_parallel import install_ring_backend, sequence_parallel_config
+    from spindle.distributed.context_parallel import install_sequence_parallel_backend, sequence_parallel_config
     from spindle.distributed.mesh import ParallelDims, build_mesh
 
-    install_ring_backend()
+    install_sequence_parallel_backend()
     mesh = build_mesh(ParallelDims(dp_shard=1, sp=world // ring, ring=ring))
     config = sequence_parallel_config(mesh.cp)
     x = inputs()

@@ -44,17 +44,19 @@ OPTIONS = FamilyOptions(
 # every guidance term but CFG off: the suite's "cfg" case (one batched forward a step) and the demo's samples
 PLAIN_CFG = dict(stg_scale=0.0, audio_stg_scale=0.0, modality_scale=1.0, audio_modality_scale=1.0)
 
+# Ulysses SP runs LTX-2 with the family's own plan (spindle/models/ltx2/parallel.py: both streams split); ring not
+RING_REFUSED = (
+    "its attention processor repeats the text mask per head ([batch, heads, 1, keys]), and Spindle's masked ring "
+    "attention takes one key mask for all heads ([batch, 1, 1, keys]); Ulysses SP (parallel.sp / --sp) runs it"
+)
+
 FAMILY = DiTFamily(
     name="ltx2",
     checkpoint=DiffusersCheckpoint(
         "LTX2Pipeline", "LTX2VideoTransformer3DModel", detect=_looks_like_ltx2, lora_loader="LTX2LoraLoaderMixin"
     ),
     options=OPTIONS,
-    sequence_parallel_refused=(
-        "diffusers' LTX2VideoTransformer3DModel._cp_plan splits the video and text tokens but not the audio stream, "
-        "whose attention over the split streams then fails (a shape error in the audio<->video cross attention); the "
-        "second stream would need a plan of its own"
-    ),
+    ring_attention_refused=RING_REFUSED,
     demo=decl.demo(
         decl.VIDEO_DEMO,
         size=(64, 64),  # the pipeline takes multiples of 32

@@ -19,7 +19,10 @@ LTX2 = ConformanceSpec(
         # the pipeline's default guidance (CFG 3 / audio 7, STG, modality isolation, rescale) at 64x64, 9 frames
         "defaults": dict(prompt=shared.PROMPT, height=64, width=64, num_frames=9, num_inference_steps=2, seed=3),
     },
-    sequence_parallel=(),  # (FAMILY.sequence_parallel_refused says why)
+    sequence_parallel=("ulysses2",),
+    # 17 frames: 9 latent frames x 8 x 8 = 576 video tokens and round(17 / 24 x 25) = 18 audio tokens, both even
+    # (the demo's 9 give 9 audio tokens)
+    sequence_parallel_frames=17,
     default_params=dict(
         height=512,
         width=768,

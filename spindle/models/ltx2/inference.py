@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import copy
 import importlib
+from collections.abc import Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -27,6 +29,7 @@ import torch
 
 from spindle.contracts.request import (
     Req,
+    RequestError,
     SamplingParams,
     check_frame_count,
     check_int_range,
@@ -35,6 +38,7 @@ from spindle.contracts.request import (
 )
 from spindle.contracts.stage import BeforeDenoisingStage, InferenceSpec
 from spindle.models.ltx2 import FRAME_RATE, MAX_SEQUENCE_LENGTH, OPTIONS
+from spindle.models.ltx2.parallel import sequence_parallel_plan
 
 STG_BLOCKS = [28]  # LTX2Pipeline's default `spatio_temporal_guidance_blocks` (LTX-2.3's)
 PIPELINE_MODULE = "diffusers.pipelines.ltx2.pipeline_ltx2"
@@ -68,6 +72,17 @@ def audio_latent_frames(pipe: Any, num_frames: int) -> int:
     (sample rate / mel hop / its temporal compression: 25 a second), as LTX2Pipeline counts them."""
     per_second = pipe.audio_sampling_rate / pipe.audio_hop_length / float(pipe.audio_vae_temporal_compression_ratio)
     return round(num_frames / float(FRAME_RATE) * per_second)
+
+
+def check_audio_split(tokens: int, frames: int, degree: int) -> None:
+    """RequestError unless the `tokens` audio tokens of a `frames`-frame video split over `degree` SP ranks."""
+    if tokens % degree:
+        raise RequestError(
+            f"sequence parallelism over {degree} ranks splits the audio track's tokens too: num_frames={frames} gives "
+            f"{tokens} audio latent frames at {FRAME_RATE} fps, not divisible by {degree}; choose num_frames so that "
+            f"the audio token count (round(num_frames / {FRAME_RATE} x 25) on LTX-2) is a multiple of {degree}",
+            field="num_frames",
+        )
 
 
 def joined(video: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
@@ -335,6 +350,34 @@ class LTX2Inference(InferenceSpec):
         mel = audio_vae.decode(latents.to(audio_vae.dtype), return_dict=False)[0]
         waveform = vocoder(mel).float().cpu().numpy()
         return waveform, int(vocoder.config.output_sampling_rate)
+
+    def sequence_parallel_plan(self, transformer_config: Mapping[str, Any]) -> dict[str, Any]:
+        return sequence_parallel_plan(transformer_config)  # both streams split (spindle.models.ltx2.parallel)
+
+    def check_sequence_parallel(self, req: Req, transformer: torch.nn.Module, degree: int) -> None:
+        """The plan splits the audio tokens and the text too: each count must divide `degree`. The audio count is
+        the video's duration at the rate the transformer's audio positions assume (its config's sample rate, mel
+        hop and audio scale factor: the audio VAE's on LTX-2's checkpoints)."""
+        p = req.params
+        config: Any = transformer.config  # a diffusers model: its config
+        rate = SimpleNamespace(
+            audio_sampling_rate=config.audio_sampling_rate,
+            audio_hop_length=config.audio_hop_length,
+            audio_vae_temporal_compression_ratio=config.audio_scale_factor,
+        )
+        frames = resolved(p.num_frames, "num_frames")
+        check_audio_split(audio_latent_frames(rate, frames) // config.audio_patch_size_t, frames, degree)
+        text = resolved(p.max_sequence_length, "max_sequence_length")
+        if text % degree:
+            raise RequestError(
+                f"sequence parallelism over {degree} ranks splits the text tokens too, and max_sequence_length={text} "
+                f"is not divisible by {degree}; use a multiple of {degree}",
+                field="max_sequence_length",
+            )
+
+    def prepare_sequence_parallel(self, req: Req, degree: int) -> None:
+        """The audio tokens as the pipeline counted them (the audio VAE's rate) divide `degree` too."""
+        check_audio_split(req.extra["audio_tokens"][0], resolved(req.params.num_frames, "num_frames"), degree)
 
     def sequence_length(self, req: Req, transformer: torch.nn.Module) -> int:
         """The video tokens (what training counts and the SP plan would split; the audio stream's are fewer)."""

@@ -35,7 +35,7 @@ FAMILY = DiTFamily(
     # LTX2VideoTransformer3DModel is ltx2's too: the pipeline class decides (spindle.registry)
     checkpoint=dataclasses.replace(T2V.checkpoint, pipeline="LTX2ImageToVideoPipeline", detect=_looks_like_ltx2_i2v),
     options=OPTIONS,
-    sequence_parallel_refused=T2V.sequence_parallel_refused,
+    ring_attention_refused=T2V.ring_attention_refused,
     code={"lora_original": T2V.lora_original},  # the same transformer: LTX-2's original LoRA layout
     demo=decl.demo(
         decl.VIDEO_DEMO,

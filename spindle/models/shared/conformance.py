@@ -38,6 +38,9 @@ class ConformanceSpec:
     # the 2-process layouts the family trains with, checked equal to one process: "ulysses2"
     # (parallel.sp=2) and "ring2" (parallel.ring=2). A family leaves one out only with the reason.
     sequence_parallel: tuple[str, ...] = ("ulysses2", "ring2")
+    # the frames of those layouts' training batch where the demo's do not split over 2 ranks (None: the demo's):
+    # LTX-2's 9 frames give 9 audio tokens
+    sequence_parallel_frames: int | None = None
     # Spindle's default request on the tiny checkpoint: the diffusers pipeline's __call__ defaults
     # (`extra`: the family options'). The suite also reads them off the pipeline, so a stale value fails.
     default_params: dict[str, Any] = field(default_factory=dict)

@@ -118,6 +118,11 @@ class FlowMatchingTask(TrainTask[DiTJobConfig, DiTFamily]):
                 f"context-parallel plan Spindle runs: {family.sequence_parallel_refused}; set parallel.sp: 1 and "
                 "parallel.ring: 1"
             )
+        if dims.ring > 1 and family.ring_attention_refused:
+            raise ValueError(
+                f"parallel.ring={dims.ring} was requested, but {family.name} runs without ring attention: "
+                f"{family.ring_attention_refused}; set parallel.ring: 1"
+            )
         if dims.cp_size > 1 and tcfg.is_file():
             check_sequence_parallel(json.loads(tcfg.read_text()), dims.sp, ring=dims.ring)
         check_validation_images(cfg, family)
@@ -178,9 +183,11 @@ class FlowMatchingTask(TrainTask[DiTJobConfig, DiTFamily]):
 
         root, component = self.cfg.model.path, self.component
         lora = self.cfg.train.lora
+        config = json.loads((Path(root) / component / "config.json").read_text())
         model = build_parallel_model(
             self,
-            ParallelPlan("diffusers"),
+            # the family's context-parallel plan where it has its own (LTX-2 splits its audio stream too)
+            ParallelPlan("diffusers", cp_plan=self.family.inference_spec().sequence_parallel_plan(config)),
             build_empty=lambda: transformer_from_config(root, component),
             checkpoint=lambda: SafetensorsCheckpoint(Path(root) / component).sources(),
             load_full=lambda: load_transformer(root, dtype=torch.float32, component=component),
