@@ -1,8 +1,10 @@
 """VLM training benchmark: Spindle's VLM task (padded rows, packed rows) vs the plain loop a user writes with
-transformers + AdamW, on the same Qwen2.5-VL-shaped model folder, image conversations and machine.
+transformers + AdamW, on the same model folder (Qwen2.5-VL-shaped, or the family a preset names: Qwen3.5), image
+conversations and machine.
 
     python bench/train_vlm.py                       # CPU preset: a small Qwen2.5-VL, 24 conversations
     python bench/train_vlm.py --preset qwen2.5-vl-7b --conversations 64   # Qwen2.5-VL-7B's shape (GPU)
+    python bench/train_vlm.py --preset qwen3.5-9b --conversations 64      # Qwen3.5-9B's shape (GPU; qwen3.5-cpu: small)
 
 Variants, each in its own process (peak memory per variant: RSS on CPU, max_memory_allocated on CUDA):
   transformers     batches of `--batch` conversations padded to the longest, `model(input_ids, attention_mask,
@@ -72,16 +74,57 @@ PRESETS = {
         seq_len=4096,
         batch=4,
     ),
+    # transformers' Qwen3_5Config defaults (Qwen/Qwen3.5-9B's shape, configs/qwen3_5_9b.yaml): 3 of every 4 layers
+    # Gated DeltaNet, the 4th full attention; the Qwen3-VL vision tower (patch 16, merge 2)
+    "qwen3.5-9b": dict(
+        family="qwen3_5",
+        packing_refused=True,
+        text=dict(
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=32,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            head_dim=256,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+            vocab_size=248320,
+        ),
+        vision=dict(
+            depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16, out_hidden_size=4096
+        ),
+        image=(448, 672),
+        max_pixels=448 * 672,
+        seq_len=4096,
+        batch=4,
+    ),
 }
+# the CPU smoke shape of each further family a preset names (the text/vision dicts above are Qwen2.5-VL's)
+PRESETS["qwen3.5-cpu"] = dict(
+    family="qwen3_5",
+    packing_refused=True,
+    text=dict(
+        hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2
+    ),
+    vision=dict(depth=2, hidden_size=128, intermediate_size=256, num_heads=4, out_hidden_size=256),
+    image=(112, 168),
+    max_pixels=112 * 168,
+    seq_len=512,
+    batch=4,
+)
 VARIANTS = ("transformers", "spindle_padded", "spindle_packed")
 
 
 def build(a: argparse.Namespace, work: Path) -> tuple[Path, Path]:
     from spindle.data.synthetic import make_image_conversations
-    from spindle.models.qwen2_5_vl.tiny import build_tiny as build_tiny_qwen2_5_vl
+    from spindle.testing.tiny import build_tiny
 
     p = PRESETS[a.preset]
-    model = build_tiny_qwen2_5_vl(work / "model", transformer={"text_config": p["text"], "vision_config": p["vision"]})
+    # the family's registered tiny builder with the preset's shapes (random weights: nothing is downloaded)
+    overrides = {"text_config": p["text"], "vision_config": p["vision"]}
+    model = build_tiny(p.get("family", "qwen2_5_vl"), work / "model", seed=0, transformer=overrides)
     data = make_image_conversations(work / "data", a.conversations, size=p["image"], text_only_every=3)
     return model, data
 
@@ -144,7 +187,8 @@ def transformers_variant(a: argparse.Namespace, model_path: Path, data: Path, de
     config = AutoConfig.from_pretrained(model_path)
     tok = AutoTokenizer.from_pretrained(model_path)
     options = VisionOptions(max_pixels=p["max_pixels"])
-    processor = VisionProcessor(model_path, tok, config, get_family("qwen2_5_vl").rope_index_fn(), options)
+    family = get_family(p.get("family", "qwen2_5_vl"))
+    processor = VisionProcessor(model_path, tok, config, family.rope_index_fn(), options)
     docs, _, _ = read_conversations(data, processor, 1 << 20)
     batches = []
     for i in range(0, len(docs) - len(docs) % p["batch"], p["batch"]):
@@ -210,7 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model, data = build(a, Path(tmp))
         rows = []
-        for variant in a.variants:
+        # a family whose layers carry state across a row (Qwen3.5's Gated DeltaNet) refuses packing: no packed row
+        refused = PRESETS[a.preset].get("packing_refused", False)
+        for variant in [v for v in a.variants if not (refused and v == "spindle_packed")]:
             out = Path(tmp) / f"{variant}.json"
             cmd = [sys.executable, __file__, "--preset", a.preset, "--conversations", str(a.conversations)]
             cmd += ["--epochs", str(a.epochs), "--variant", variant, "--model", str(model), "--data", str(data)]
