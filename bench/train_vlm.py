@@ -34,6 +34,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.config_memory import REAL  # noqa: E402  (after the sys.path line above)
+
+# transformers' Qwen3_5Config defaults (Qwen/Qwen3.5-9B's shape), as the real-size config's memory estimate reads them
+QWEN3_5_9B = REAL["qwen3_5_9b.yaml"].config
+
 PRESETS = {
     "cpu": dict(
         text=dict(
@@ -79,22 +84,8 @@ PRESETS = {
     "qwen3.5-9b": dict(
         family="qwen3_5",
         packing_refused=True,
-        text=dict(
-            hidden_size=4096,
-            intermediate_size=12288,
-            num_hidden_layers=32,
-            num_attention_heads=16,
-            num_key_value_heads=4,
-            head_dim=256,
-            linear_key_head_dim=128,
-            linear_value_head_dim=128,
-            linear_num_key_heads=16,
-            linear_num_value_heads=32,
-            vocab_size=248320,
-        ),
-        vision=dict(
-            depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16, out_hidden_size=4096
-        ),
+        text=QWEN3_5_9B["text_config"],
+        vision=QWEN3_5_9B["vision_config"],
         image=(448, 672),
         max_pixels=448 * 672,
         seq_len=4096,
