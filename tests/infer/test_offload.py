@@ -136,3 +136,23 @@ def test_vae_tiling_equals_diffusers_tiled_decoding(tiny_flux):
 def test_bad_offload_options_name_the_option(options, message, tiny_wan):
     with pytest.raises(ValueError, match=message):
         load_generator(tiny_wan, device="cpu", **options)
+
+
+@pytest.mark.parametrize("family", ["flux2", "z_image", "hunyuan_video_1_5", "ltx2"])
+def test_the_wave_two_families_offload_to_the_plain_run(family, tiny_checkpoint):
+    """Block swap (the last two blocks streamed) and text encoders on the host give the plain run's output on the
+    newer families too (FLUX.2's Mistral encoder, Z-Image's Qwen3, HunyuanVideo-1.5's two encoders, LTX-2's Gemma 3
+    with its audio track), on the family's first parity case."""
+    from spindle.testing.specs import dit_spec
+
+    spec = dit_spec(family)
+    assert spec is not None
+    req = dict(next(iter(spec.parity_cases.values())))
+    root = tiny_checkpoint(family)
+    plain = load_generator(root, device="cpu").generate(**req)
+    gen = load_generator(root, device="cpu", blocks_to_swap=2, text_encoder_offload=True)
+    assert len(gen.pipeline.offloads["transformer"].units) == 2
+    out = gen.generate(**req)
+    np.testing.assert_allclose(out.frames, plain.frames, atol=1e-5, rtol=0)
+    if plain.audio is not None:
+        np.testing.assert_allclose(out.audio, plain.audio, atol=1e-5, rtol=0)
