@@ -39,28 +39,10 @@ def check_world_size(args: argparse.Namespace) -> tuple[int, bool]:
 
 def check_family_parallel(args: argparse.Namespace) -> None:
     """`--sp` / `--ring` > 1 against the model's family and transformer, from the folder alone (before a launch or
-    a load): a family that refuses sequence parallelism says why (`DiTFamily.sequence_parallel_refused`), a
-    transformer without a context-parallel plan or whose heads do not split over `--sp` is named (as training
-    refuses them)."""
+    a load), as training checks `parallel.sp` / `parallel.ring` (`check_family_sequence_parallel`)."""
     if args.sp * args.ring == 1:
         return
-    import json
-    from pathlib import Path
-
-    from spindle.distributed.context_parallel import check_sequence_parallel
+    from spindle.distributed.context_parallel import check_family_sequence_parallel
     from spindle.registry import dit_family_of
 
-    family = dit_family_of(args.model)
-    what = f"--sp {args.sp}" + (f" --ring {args.ring}" if args.ring > 1 else "")
-    if family.sequence_parallel_refused:
-        raise ValueError(f"{what}: {family.name} runs without sequence parallelism: {family.sequence_parallel_refused}")
-    if args.ring > 1 and family.ring_attention_refused:
-        raise ValueError(
-            f"--ring {args.ring}: {family.name} runs without ring attention: {family.ring_attention_refused}"
-        )
-    config = Path(args.model) / "transformer" / "config.json"
-    if config.is_file():
-        try:
-            check_sequence_parallel(json.loads(config.read_text()), args.sp, ring=args.ring)
-        except ValueError as e:  # worded for the training config's keys: say which flags asked
-            raise ValueError(f"{what}: {e}") from None
+    check_family_sequence_parallel(dit_family_of(args.model), args.model, args.sp, args.ring, ("--sp {}", "--ring {}"))

@@ -52,12 +52,14 @@ FSDP must therefore divide by the data-parallel size only, not by `dp_shard x sp
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from spindle.contracts.family import DiTFamily
 from spindle.ops.ring_attention import block_backward, block_forward, merge_blocks
 
 _HEAD_KEYS = ("num_attention_heads", "num_heads", "heads")
@@ -87,6 +89,42 @@ def _cp_plan_of(transformer_or_config: Any) -> dict[str, Any] | None:
     else:
         plan = getattr(cls, "_cp_plan", None) if cls is not None else None
     return plan or None
+
+
+def check_family_sequence_parallel(
+    family: DiTFamily,
+    root: str | Path,
+    sp: int,
+    ring: int,
+    keys: tuple[str, str] = ("parallel.sp: {}", "parallel.ring: {}"),
+) -> None:
+    """Whether a DiT family's checkpoint at `root` runs `sp`-way Ulysses x `ring`-way ring SP, before a launch or a
+    load (training's plan check and `spindle generate` / `serve` alike): what the family refuses, with its reason
+    (`DiTFamily.sequence_parallel_refused`, `ring_attention_refused`), then the transformer's own plan and heads
+    (`check_sequence_parallel` on `root/transformer/config.json`). ValueError naming the settings asked for, in
+    `keys`' words (the job config's by default; the CLI's "--sp {}", "--ring {}"), and what to set instead."""
+    if sp * ring == 1:
+        return
+    import json
+
+    sp_key, ring_key = keys
+    asked = " and ".join(k.format(v) for k, v in ((sp_key, sp), (ring_key, ring)) if v > 1)
+    if family.sequence_parallel_refused:
+        raise ValueError(
+            f"{asked}: {family.name} runs without sequence parallelism: {family.sequence_parallel_refused}; set "
+            f"{sp_key.format(1)} and {ring_key.format(1)}"
+        )
+    if ring > 1 and family.ring_attention_refused:
+        raise ValueError(
+            f"{ring_key.format(ring)}: {family.name} runs without ring attention: {family.ring_attention_refused}; "
+            f"set {ring_key.format(1)}"
+        )
+    config = Path(root) / "transformer" / "config.json"
+    if config.is_file():
+        try:
+            check_sequence_parallel(json.loads(config.read_text()), sp, ring=ring)
+        except ValueError as e:
+            raise ValueError(f"{asked}: {e}") from None
 
 
 def check_sequence_parallel(

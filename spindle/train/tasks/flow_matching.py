@@ -107,24 +107,11 @@ class FlowMatchingTask(TrainTask[DiTJobConfig, DiTFamily]):
 
     @classmethod
     def check_plan(cls, cfg: DiTJobConfig, family: DiTFamily, dims: ParallelDimsLike) -> None:
-        from spindle.distributed.context_parallel import check_sequence_parallel
+        from spindle.distributed.context_parallel import check_family_sequence_parallel
 
         build_objective(cfg.train.objective, cfg).check_plan(family, dims)  # what the objective refuses, first
         check_audio(cfg, family)
-        tcfg = Path(cfg.model.path) / "transformer" / "config.json"
-        if dims.cp_size > 1 and family.sequence_parallel_refused:
-            raise ValueError(
-                f"parallel.sp={dims.sp} x parallel.ring={dims.ring} was requested, but {family.name} has no "
-                f"context-parallel plan Spindle runs: {family.sequence_parallel_refused}; set parallel.sp: 1 and "
-                "parallel.ring: 1"
-            )
-        if dims.ring > 1 and family.ring_attention_refused:
-            raise ValueError(
-                f"parallel.ring={dims.ring} was requested, but {family.name} runs without ring attention: "
-                f"{family.ring_attention_refused}; set parallel.ring: 1"
-            )
-        if dims.cp_size > 1 and tcfg.is_file():
-            check_sequence_parallel(json.loads(tcfg.read_text()), dims.sp, ring=dims.ring)
+        check_family_sequence_parallel(family, cfg.model.path, dims.sp, dims.ring)
         check_validation_images(cfg, family)
         from spindle.distributed.mesh import device_type
         from spindle.ops.dit_attention import check_dit_backend
