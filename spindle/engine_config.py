@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 
 # names of the torch dtypes an engine loads weights in (`spindle.infer.pipeline.DTYPES` maps them)
 DType = Literal["float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
+# torch.compile backends a user may pick for `compile` (`torch._dynamo.list_backends()` names more; these are the
+# two that run on every device with no extra package)
+CompileBackend = Literal["inductor", "aot_eager"]
 
 # Connections beyond `max_connections` that may stay open to be told 503 (or answer /health) while
 # every connection has a request in flight; they come out of the 64 descriptors kept spare below.
@@ -60,6 +63,12 @@ class EngineConfig(OptionSection):
         "with exact or compile)",
     )
     compile: bool = Field(False, description="torch.compile the repeated transformer blocks")
+    compile_backend: CompileBackend = Field(
+        "inductor",
+        description="torch.compile's backend for compile: inductor generates fused kernels; aot_eager traces the "
+        "blocks (dynamo + AOTAutograd) and runs the traced ops as they are, to tell a tracing problem from a "
+        "code-generation one, and in a fraction of inductor's compile time",
+    )
     cache: CacheName | None = Field(
         None,
         description="step cache (diffusers hooks): fbc = first-block cache, mag = MagCache, taylorseer = "
@@ -142,6 +151,8 @@ class EngineConfig(OptionSection):
             raise ValueError(
                 "blocks_to_swap streams blocks of each expert, expert_offload whole experts; drop one of them"
             )
+        if self.compile_backend != "inductor" and not self.compile:
+            raise ValueError(f"compile_backend={self.compile_backend!r} applies to compile; set compile too")
         if self.blocks_to_swap and self.compile:
             # the compiled block would trace the hooks that swap its weights
             raise ValueError("blocks_to_swap cannot be combined with compile; drop one of them")

@@ -44,7 +44,7 @@ def find_blocks(model: nn.Module, names: tuple[str, ...] = ()) -> list[nn.Module
     return blocks
 
 
-def compile_blocks(model: nn.Module, names: tuple[str, ...] = ()) -> int:
+def compile_blocks(model: nn.Module, names: tuple[str, ...] = (), backend: str = "inductor") -> int:
     """Regional compilation: `torch.compile` each repeated block in place (`nn.Module.compile`, as
     diffusers' `compile_repeated_blocks` does), so parameter names stay unchanged (checkpoints,
     export) and one block's compiled code serves all of them. In training, after SP and activation
@@ -52,5 +52,5 @@ def compile_blocks(model: nn.Module, names: tuple[str, ...] = ()) -> int:
     hooks; torchtitan's order). -> the number of blocks compiled."""
     blocks = find_blocks(model, names)
     for block in blocks:
-        block.compile()
+        block.compile(backend=backend)
     return len(blocks)

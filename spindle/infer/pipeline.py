@@ -205,7 +205,7 @@ class InferencePipeline:
                 apply_dit_backend(model, options.attention_backend)
         if options.compile:
             for model in denoisers:
-                compile_blocks(model)  # regional compile: the helper training uses too
+                compile_blocks(model, backend=options.compile_backend)  # regional compile: training's helper too
         vae = components[spec.vae_component]
         if not options.exact:
             from spindle.infer.speedups import memoize_constant_inputs, onednn_conv3d, onednn_linear_gelu

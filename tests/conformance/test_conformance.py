@@ -182,7 +182,6 @@ def _one_per_transformer() -> list[str]:
     return sorted(seen.values())
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", _one_per_transformer())
 def test_regional_compile_matches_eager(name, tiny):
     suite.check_compile_matches_eager(get_family(name), tiny(name), cache_case(name))

@@ -113,6 +113,8 @@ def test_cli_reference_documents_every_engine_and_limit_flag():
         (dict(sp=True), "sp: input should be a valid integer; got True"),
         (dict(lora_scale="1"), "lora_scale: input should be a valid number; got '1'"),
         (dict(exact=True, compile=True), "cannot be combined with compile"),
+        (dict(compile_backend="aot_eager"), "compile_backend='aot_eager' applies to compile; set compile too"),
+        (dict(compile=True, compile_backend="eager"), "compile_backend must be one of 'inductor' or 'aot_eager'"),
     ],
 )
 def test_bad_engine_options_fail_in_one_line_naming_the_option(options, message):
