@@ -23,6 +23,8 @@ from spindle.registry import all_families
 
 for _name in ("train", "generate", "serve", "export", "demo", "precompute", "tiny_model"):
     importlib.import_module(f"spindle.commands.{_name}")
+for _name in ("app", "server", "worker"):  # `spindle serve`: FastAPI, uvicorn, python-multipart
+    importlib.import_module(f"spindle.serve.{_name}")
 
 # transformers names the PIL image processors it falls back to without torchvision, once a process: not in the log of
 # whichever test starts the forkserver
