@@ -25,8 +25,9 @@ def no_load(monkeypatch):
          "give a file ending in .mp4"),
         ("wan", ["--out", "frame.png"], "give a file ending in .mp4"),
         ("flux", ["--out", "x.mp4"], "--out x.mp4: flux generates an image; give a file ending in .jpeg / .jpg / .png"),
-        ("wan_i2v", ["--out", "clip.mp4"], "--image is required for wan_i2v: give 1 conditioning image file(s)"),
-        ("wan_i2v", ["--out", "clip.mp4", "--image", "absent.png"], "--image: image file 'absent.png' does not exist"),
+        ("wan_i2v", ["--out", "clip.mp4"], "--image is required for wan_i2v: give 1 conditioning image(s) "
+         "(--image PATH)"),
+        ("wan_i2v", ["--out", "clip.mp4", "--image", "absent.png"], "--image file 'absent.png' does not exist"),
     ],
 )  # fmt: skip
 def test_refused_before_loading(family, extra, message, tiny_checkpoint, spindle_cli, no_load, tmp_path):
