@@ -61,12 +61,12 @@ def output_suffixes(options: FamilyOptions, num_frames: int | None) -> list[str]
 
 
 def check_request_files(args: argparse.Namespace) -> None:
-    """`--out`'s extension against what the family writes, and the conditioning images it requires (present,
-    existing files), from the folder's family record alone: a `ValueError` / `FileNotFoundError` naming the
-    flag before any weight loads."""
+    """`--out`'s extension against what the family writes, and the conditioning images by the family's rule (as
+    many as it takes, existing image files), from the folder's family record alone: a `ValueError` (the images': a
+    `RequestError`) naming the flag before any weight loads."""
     from pathlib import Path
 
-    from spindle.contracts.images import with_last_image
+    from spindle.contracts.images import request_images
     from spindle.registry import dit_family_of
 
     family = dit_family_of(args.model)
@@ -79,21 +79,17 @@ def check_request_files(args: argparse.Namespace) -> None:
         raise ValueError(
             f"--out {args.out}: {family.name} generates {what}; give a file ending in {' / '.join(allowed)}"
         )
-    low = options.images[0]
-    try:
-        given = with_last_image(
-            values.get("image"), values.get("last_image"), image_name="--image", last_name="--last-image"
-        )
-    except ValueError as e:
-        raise ValueError(str(e)) from None
-    if low and not values.get("image"):
-        raise ValueError(
-            f"--image is required for {family.name}: give {low} conditioning image file(s) "
-            f"(--image PATH{', repeated' if low > 1 else ''})"
-        )
-    for path in given or []:
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"--image: image file {str(path)!r} does not exist")
+    # the images by the family's own rule (the engine's and the server's: contracts/images.request_images), files
+    # checked by their headers, nothing decoded
+    request_images(
+        values.get("image"),
+        values.get("last_image"),
+        options.images,
+        family.name,
+        names=("--image", "--last-image"),
+        how=f"(--image PATH{', repeated' if options.images[0] > 1 else ''})",
+        decode=False,
+    )
 
 
 def params_of(request: dict[str, Any], gen: Any) -> Any:

@@ -6,7 +6,9 @@ images), for the Python API, `spindle generate` and the server alike:
   defensively (only `IMAGE_FORMATS`, the size read off the header and bounded before a pixel is decoded);
 - `with_last_image`: the request's images with the last frame appended (the field names are the caller's:
   `last_image`, `--last-image`);
-- `count_images`: the images counted against what the family takes (`FamilyOptions.images`).
+- `count_images`: the images counted against what the family takes (`FamilyOptions.images`);
+- `request_images`: the three above in one order (the sampling schema's and `spindle generate`'s, which only
+  reads the files' headers before any weight loads); `open_image_file`: an image file read (or its header).
 
 Every problem is a `RequestError` naming the field (its `code` says which kind, for the server's answer).
 Light: PIL and numpy are imported when an image is read (the CLI parser imports this module's users)."""
@@ -53,19 +55,12 @@ def load_image(value: Any, name: str = "image") -> Any:
     from pathlib import Path
 
     import numpy as np
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
     if isinstance(value, Image.Image):
         image = value
     elif isinstance(value, (str, Path)):
-        try:
-            with Image.open(value) as opened:
-                opened.load()
-                image = opened.copy()
-        except FileNotFoundError:
-            raise RequestError(f"{name} file {str(value)!r} does not exist", field=name) from None
-        except (UnidentifiedImageError, OSError, ValueError) as e:
-            raise RequestError(f"{name} file {str(value)!r} cannot be read as an image ({e})", field=name) from None
+        image = open_image_file(value, name)
     elif isinstance(value, np.ndarray):
         if value.dtype != np.uint8 or value.ndim not in (2, 3) or (value.ndim == 3 and value.shape[2] != 3):
             raise RequestError(
@@ -81,6 +76,24 @@ def load_image(value: Any, name: str = "image") -> Any:
     if image.width < 1 or image.height < 1:
         raise RequestError(f"{name} is empty ({image.width}x{image.height} pixels)", field=name)
     return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def open_image_file(path: Any, name: str = "image", decode: bool = True) -> Any:
+    """The image file at `path` -> a decoded `PIL.Image.Image` (`decode=False`: only its header read, to check a
+    file before any weight loads; None). A `RequestError` naming `name` (the field or flag, e.g. `--image`) for a
+    file that does not exist or is no image."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as opened:
+            if not decode:
+                return None
+            opened.load()
+            return opened.copy()
+    except FileNotFoundError:
+        raise RequestError(f"{name} file {str(path)!r} does not exist", field=name) from None
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise RequestError(f"{name} file {str(path)!r} cannot be read as an image ({e})", field=name) from None
 
 
 def as_list(images: Any) -> list[Any] | None:
@@ -106,19 +119,57 @@ def with_last_image(
     return [*items, last_image]
 
 
-def count_images(images: list[Any] | None, bounds: tuple[int, int], family: str) -> None:
+def count_images(
+    images: list[Any] | None, bounds: tuple[int, int], family: str, *, name: str = "image", how: str = ""
+) -> None:
     """The request's images counted against `bounds` = (fewest, most) the family takes; a `RequestError`
-    naming `image` otherwise."""
+    (field `image`) otherwise. The one count rule of the engine, the server (through the engine) and
+    `spindle generate`, which names the flag (`name`: how the caller spells the field, `--image`; `how`: how to
+    give one, appended when one is missing)."""
     low, high = bounds
     if not images:
         if low:
-            raise RequestError(f"image is required for {family}: give {low} conditioning image(s)", field="image")
+            raise RequestError(
+                f"{name} is required for {family}: give {low} conditioning image(s){' ' + how if how else ''}",
+                field="image",
+            )
         return
     if not high:
-        raise RequestError(f"image is not taken by {family} (it generates from text alone); drop it", field="image")
+        raise RequestError(f"{name} is not taken by {family} (it generates from text alone); drop it", field="image")
     if not low <= len(images) <= high:
         want = str(low) if low == high else f"{low} to {high}"
-        raise RequestError(f"image: {family} takes {want} conditioning image(s); got {len(images)}", field="image")
+        raise RequestError(f"{name}: {family} takes {want} conditioning image(s); got {len(images)}", field="image")
+
+
+def request_images(
+    image: Any,
+    last_image: Any,
+    bounds: tuple[int, int],
+    family: str,
+    *,
+    names: tuple[str, str] = ("image", "last_image"),
+    how: str = "",
+    decode: bool = True,
+) -> list[Any] | None:
+    """A request's input images as the family takes them, in one order for every caller: `last_image` appended
+    (`with_last_image`), counted against `bounds` (`count_images`), then each read (`load_image` -> RGB PIL). With
+    `decode=False` only the headers of the ones given as file paths are read and the items come back as given:
+    what `spindle generate` checks before any weight loads. `names`: how the caller spells (image, last_image)
+    (`--image`, `--last-image`), `how`: how to give a missing image; every error names them."""
+    from pathlib import Path
+
+    image_name, last_name = names
+    items = with_last_image(image, last_image, image_name=image_name, last_name=last_name)
+    count_images(items, bounds, family, name=image_name, how=how)
+    if items is None:
+        return None
+    labels = [image_name] * len(items) if last_image is None else [image_name, last_name]
+    if decode:
+        return [load_image(item, label) for item, label in zip(items, labels, strict=True)]
+    for item, label in zip(items, labels, strict=True):
+        if isinstance(item, (str, Path)):
+            open_image_file(item, label, decode=False)
+    return items
 
 
 def decode_upload(value: Any, name: str, max_pixels: int | None) -> Any:

@@ -29,7 +29,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
-from spindle.contracts.images import as_list, count_images, load_image, with_last_image
+from spindle.contracts.images import as_list, request_images
 from spindle.contracts.options import FamilyOptions, Option
 from spindle.contracts.request import RequestError, SamplingParams, short_repr
 
@@ -295,9 +295,7 @@ def sampling_schema(options: FamilyOptions, family: str) -> SamplingSchema:
 
     def images(parsed: CommonSampling) -> CommonSampling:
         # the request's images: the last frame appended, counted against what the family takes, read into RGB
-        items = with_last_image(parsed.image, parsed.last_image)
-        count_images(items, options.images, family)
-        loaded = None if items is None else [load_image(item) for item in items]
+        loaded = request_images(parsed.image, parsed.last_image, options.images, family)
         object.__setattr__(parsed, "image", loaded)  # (the model is frozen: set once, here)
         object.__setattr__(parsed, "last_image", None)
         return parsed

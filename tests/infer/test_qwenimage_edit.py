@@ -127,7 +127,7 @@ def test_generate_cli_several_images_and_one_line_errors(plus, tmp_path, spindle
     assert np.abs(png.astype(np.float32) - frames[0] * 255).max() <= 1.0
     r = spindle_cli(*common, *size, "--out", str(tmp_path / "x.png"))
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert "error: --image is required for qwenimage_edit_plus: give 1 conditioning image file(s)" in r.stderr
+    assert "error: --image is required for qwenimage_edit_plus: give 1 conditioning image(s) (--image PATH)" in r.stderr
 
 
 def test_several_prompts_in_one_request(plus):
