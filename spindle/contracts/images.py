@@ -138,7 +138,11 @@ def count_images(
         raise RequestError(f"{name} is not taken by {family} (it generates from text alone); drop it", field="image")
     if not low <= len(images) <= high:
         want = str(low) if low == high else f"{low} to {high}"
-        raise RequestError(f"{name}: {family} takes {want} conditioning image(s); got {len(images)}", field="image")
+        raise RequestError(
+            f"{name}: {family} takes {want} conditioning image(s); got {len(images)}",
+            field="image",
+            code="too_many_images" if len(images) > high else "invalid_request",
+        )
 
 
 def request_images(

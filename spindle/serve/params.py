@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from spindle.contracts.images import decode_upload, with_last_image
+from spindle.contracts.images import count_images, decode_upload, with_last_image
 from spindle.contracts.request import RequestError, SamplingParams, ValidRequest, short_repr
 from spindle.infer.options import given_options
 from spindle.serve.engine import output_size_params
@@ -88,14 +88,10 @@ def uploaded_images(body: GenerationRequest, engine: Engine) -> list[Any] | None
     if name is None or (value is None and last is None):
         return None
     items = with_last_image(value, last, image_name=name, first="an input_reference") or []
-    most = engine.spec.options.images[1]
-    if most and len(items) > most:
-        raise APIError(
-            400,
-            f"{name}: {engine.model_id} ({engine.family}) takes at most {most} input image(s); got {len(items)}",
-            param=name,
-            code="too_many_images",
-        )
+    try:  # counted before any upload is decoded; the engine's count rule, in the route's field name
+        count_images(items, engine.spec.options.images, engine.family, name=name)
+    except RequestError as e:
+        raise APIError(400, str(e), param=name, code=e.code) from None
     names = [name] * len(items) if last is None else [name, "last_image"]
     try:
         return [decode_upload(item, param, engine.limits.max_pixels) for item, param in zip(items, names, strict=True)]
