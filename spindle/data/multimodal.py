@@ -49,6 +49,7 @@ from spindle.data.text import (
     jsonl_files,
     learn_assistant_turns,
     shifted_labels,
+    trim_padding,
 )
 
 if TYPE_CHECKING:
@@ -653,10 +654,11 @@ def collate_vision(vision: list[Media]) -> dict[str, torch.Tensor]:
     return out
 
 
-def collate_conversations(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """Rows -> [B, seq_len] tensors, `position_ids` [4, B, seq_len] (the model's layout; [B, seq_len] for 1-D
-    positions), the vision inputs of all rows in row-major token order (how the model fills them in), "index": [B]."""
-    out = {k: torch.stack([s[k] for s in samples]) for k in TOKEN_KEYS}
+def collate_conversations(samples: list[dict[str, Any]], multiple: int = 1) -> dict[str, torch.Tensor]:
+    """Rows -> [B, L] tensors, `position_ids` [4, B, L] (the model's layout; [B, L] for 1-D positions), L the
+    longest row rounded up to `multiple` (`spindle.data.text.trim_padding`; the SP degree), the vision inputs of all
+    rows in row-major token order (how the model fills them in), "index": [B]."""
+    out = trim_padding({k: torch.stack([s[k] for s in samples]) for k in TOKEN_KEYS}, multiple)
     out["position_ids"] = model_positions(out["position_ids"].permute(1, 0, 2).contiguous())
     out.update(collate_vision([v for s in samples for v in s["vision"]]))
     out["index"] = torch.tensor([s["index"] for s in samples])
