@@ -26,7 +26,8 @@ of each document, computed by the family's `rope_index`), `shift_labels`, `atten
 rows' vision inputs (`pixel_values` + `image_grid_thw`, `pixel_values_videos` + `video_grid_thw` +
 `second_per_grid_ts`; audio: `input_features` + `feature_attention_mask`) in token order. Packing
 follows `spindle.data.text`: documents end to end, a document that does not fit starts the next row;
-`packing: false` gives one document per row. A conversation longer than `seq_len` is cut at `seq_len`
+`packing: false` gives one document per row. A micro-batch is cut to its longest row (a multiple of the SP
+degree; `collate_conversations`). A conversation longer than `seq_len` is cut at `seq_len`
 only when no image/video/audio token is cut; otherwise it is a `file:line` error (or a counted skip
 with `skip_bad_samples`).
 """
