@@ -9,8 +9,8 @@ conversations and machine.
 Variants, each in its own process (peak memory per variant: RSS on CPU, max_memory_allocated on CUDA):
   transformers     batches of `--batch` conversations padded to the longest, `model(input_ids, attention_mask,
                    pixel_values, image_grid_thw, mm_token_type_ids, labels).loss`, clip, torch AdamW
-  spindle_padded   Spindle's VLM task, `data.packing: false` (one conversation per `seq_len` row), micro batch
-                   `--batch`
+  spindle_padded   Spindle's VLM task, `data.packing: false` (one conversation per row, each micro-batch padded to
+                   its longest, as transformers), micro batch `--batch`
   spindle_packed   Spindle's VLM task, `data.packing: true` (conversations end to end in `seq_len` rows)
 Every variant trains over the same conversations once per timed epoch; the figure is real (non-padding)
 tokens per second, so padding costs what it costs. One warm-up epoch, then `--epochs` timed ones (median).

@@ -26,7 +26,8 @@ of each document, computed by the family's `rope_index`), `shift_labels`, `atten
 rows' vision inputs (`pixel_values` + `image_grid_thw`, `pixel_values_videos` + `video_grid_thw` +
 `second_per_grid_ts`; audio: `input_features` + `feature_attention_mask`) in token order. Packing
 follows `spindle.data.text`: documents end to end, a document that does not fit starts the next row;
-`packing: false` gives one document per row. A conversation longer than `seq_len` is cut at `seq_len`
+`packing: false` gives one document per row. A micro-batch is cut to its longest row (a multiple of the SP
+degree; `collate_conversations`). A conversation longer than `seq_len` is cut at `seq_len`
 only when no image/video/audio token is cut; otherwise it is a `file:line` error (or a counted skip
 with `skip_bad_samples`).
 """
@@ -49,6 +50,7 @@ from spindle.data.text import (
     jsonl_files,
     learn_assistant_turns,
     shifted_labels,
+    trim_padding,
 )
 
 if TYPE_CHECKING:
@@ -653,10 +655,11 @@ def collate_vision(vision: list[Media]) -> dict[str, torch.Tensor]:
     return out
 
 
-def collate_conversations(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """Rows -> [B, seq_len] tensors, `position_ids` [4, B, seq_len] (the model's layout; [B, seq_len] for 1-D
-    positions), the vision inputs of all rows in row-major token order (how the model fills them in), "index": [B]."""
-    out = {k: torch.stack([s[k] for s in samples]) for k in TOKEN_KEYS}
+def collate_conversations(samples: list[dict[str, Any]], multiple: int = 1) -> dict[str, torch.Tensor]:
+    """Rows -> [B, L] tensors, `position_ids` [4, B, L] (the model's layout; [B, L] for 1-D positions), L the
+    longest row rounded up to `multiple` (`spindle.data.text.trim_padding`; the SP degree), the vision inputs of all
+    rows in row-major token order (how the model fills them in), "index": [B]."""
+    out = trim_padding({k: torch.stack([s[k] for s in samples]) for k in TOKEN_KEYS}, multiple)
     out["position_ids"] = model_positions(out["position_ids"].permute(1, 0, 2).contiguous())
     out.update(collate_vision([v for s in samples for v in s["vision"]]))
     out["index"] = torch.tensor([s["index"] for s in samples])

@@ -14,7 +14,7 @@ Each line of a `.jsonl` file (or of every `.jsonl` under a folder, in sorted pat
 Lines are UTF-8; a line that is not is reported as `file:line` like any bad line, and skipped
 with `data.skip_bad_samples: true`.
 
-Rows (`seq_len` tokens each) carry `input_ids`, `position_ids`, `shift_labels` and `attention_mask`
+Rows (`seq_len` tokens each; a micro-batch is cut to its longest row, `trim_padding`) carry `input_ids`, `position_ids`, `shift_labels` and `attention_mask`
 (1 = a document's token, 0 = padding): labels already
 shifted (position t holds the token to predict at t), -100 where nothing is learned, including the
 last token of every document, so no position predicts across a document boundary. With packing,
@@ -326,9 +326,21 @@ class TokenRows(Dataset):
         return {**{k: v[index] for k, v in self.rows.items()}, "index": index}
 
 
-def collate_rows(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """Stack rows into [B, seq_len] tensors plus "index": [B]."""
-    out = {k: torch.stack([s[k] for s in samples]) for k in samples[0] if k != "index"}
+def trim_padding(rows: dict[str, torch.Tensor], multiple: int = 1) -> dict[str, torch.Tensor]:
+    """A micro-batch's stacked rows (sequence on the last dim, `attention_mask` [B, seq_len] with the real tokens
+    first) cut to its longest row rounded up to a `multiple` (sequence parallelism: each SP rank an equal chunk;
+    `data.seq_len` is checked to be one), never past `seq_len`: what a transformers loop pads a batch to. Only
+    padding goes, which nothing learns or attends to (module doc), so the loss is unchanged."""
+    seq_len = rows["attention_mask"].shape[-1]
+    longest = int(rows["attention_mask"].sum(dim=-1).max())
+    width = min(-(-longest // multiple) * multiple, seq_len)
+    return {k: v[..., :width].contiguous() for k, v in rows.items()}
+
+
+def collate_rows(samples: list[dict[str, Any]], multiple: int = 1) -> dict[str, torch.Tensor]:
+    """Stack rows into [B, L] tensors (`trim_padding`: L the longest row rounded up to `multiple`) plus
+    "index": [B]."""
+    out = trim_padding({k: torch.stack([s[k] for s in samples]) for k in samples[0] if k != "index"}, multiple)
     out["index"] = torch.tensor([s["index"] for s in samples])
     return out
 

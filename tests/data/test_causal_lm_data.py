@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from spindle.data.text import IGNORE_INDEX, TextDataError, build_rows, build_text_dataset, read_documents
+from spindle.data.text import (
+    IGNORE_INDEX,
+    TextDataError,
+    build_rows,
+    build_text_dataset,
+    collate_rows,
+    read_documents,
+)
 from tests.conftest import CHAT_LINES
 
 
@@ -84,6 +91,20 @@ def test_no_packing_truncates_and_pads_one_document_per_row(tokenizer, tmp_path)
     assert short["shift_labels"].tolist() == [tokenizer.eos_token_id] + [IGNORE_INDEX] * 4
     # padding is marked (the MoE router statistics skip it); the truncated row has none
     assert short["attention_mask"].tolist() == [1, 1, 0, 0, 0] and long["attention_mask"].tolist() == [1] * 5
+
+
+@pytest.mark.parametrize("multiple,width", [(1, 6), (2, 6), (4, 8), (5, 10)])
+def test_micro_batch_is_padded_to_its_longest_row_not_seq_len(tokenizer, tmp_path, multiple, width):
+    # what a transformers loop pads a batch to (its longest row: 6 tokens), rounded up to the SP degree (each SP
+    # rank an equal chunk), not data.seq_len; only padding is cut: the batch is the seq_len rows' first tokens
+    f = write_jsonl(tmp_path / "s.jsonl", [{"text": "the red circle moves left"}, {"text": "a"}])  # 6, 2 tokens
+    ds = build_text_dataset(f, tokenizer, seq_len=64, packing=False)
+    rows = [ds[0], ds[1]]
+    batch = collate_rows(rows, multiple=multiple)
+    for key in ("input_ids", "position_ids", "shift_labels", "attention_mask"):
+        assert batch[key].shape == (2, width)
+        assert torch.equal(batch[key], torch.stack([r[key] for r in rows])[:, :width])
+    assert batch["attention_mask"].sum(dim=1).tolist() == [6, 2] and batch["index"].tolist() == [0, 1]
 
 
 @pytest.mark.parametrize(

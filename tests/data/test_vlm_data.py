@@ -188,6 +188,25 @@ def test_packed_rows_restart_positions_per_document(tiny_qwen2_5_vl, parts, vlm_
     assert batch["shift_labels"][0, int(batch["attention_mask"][0].sum()) - 1] == IGNORE_INDEX
 
 
+def test_micro_batch_is_padded_to_its_longest_conversation_a_multiple_of_sp(tiny_qwen2_5_vl, parts, vlm_conversations):
+    # a transformers loop pads a batch to its longest conversation; Spindle too, rounded up to the SP degree (each
+    # SP rank an equal chunk), not to data.seq_len: only padding is cut (never learned, after the real tokens)
+    processor = make_processor(tiny_qwen2_5_vl, parts)
+    single = build_conversation_dataset(vlm_conversations, processor, SEQ, packing=False)
+    rows = [single[i] for i in range(3)]
+    whole = collate_conversations(rows)  # multiple 1: the longest conversation itself
+    longest = max(int(r["attention_mask"].sum()) for r in rows)
+    assert whole["input_ids"].shape == (3, longest) and longest < SEQ and longest % 6 != 0
+    for sp in (2, 3):
+        batch = collate_conversations(rows, multiple=sp)
+        width = -(-longest // sp) * sp
+        assert batch["input_ids"].shape == (3, width) and batch["position_ids"].shape == (4, 3, width)
+        for key in ("input_ids", "shift_labels", "attention_mask"):
+            assert torch.equal(batch[key], torch.stack([r[key] for r in rows])[:, :width])
+        assert torch.equal(batch["position_ids"], torch.stack([r["position_ids"] for r in rows], dim=1)[..., :width])
+        assert torch.equal(batch["pixel_values"], whole["pixel_values"])
+
+
 def write_lines(folder: Path, *objs) -> Path:
     path = folder / "bad.jsonl"
     path.write_text("".join((o if isinstance(o, str) else json.dumps(o)) + "\n" for o in objs))

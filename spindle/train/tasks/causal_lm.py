@@ -24,6 +24,7 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -486,7 +487,8 @@ class CausalLMTask(TrainTask[CausalLMJobConfig, CausalLMFamily]):
                 log.warning(
                     "data: %d documents were longer than data.seq_len=%d and truncated", s.truncated, data.seq_len
                 )
-        return resumable_loader(self, dataset, collate_rows)
+        # each micro-batch padded to its longest row, a multiple of the SP degree (every SP rank an equal chunk)
+        return resumable_loader(self, dataset, partial(collate_rows, multiple=self.mesh.dims.sp))
 
     def data_stats(self) -> dict[str, Any]:
         return dict(getattr(self, "_data_stats", {}))

@@ -438,7 +438,8 @@ class VLMTask(CausalLMTask):
             )
         from spindle.data.multimodal import collate_conversations
 
-        return resumable_loader(self, dataset, collate_conversations)
+        # each micro-batch padded to its longest row, a multiple of the SP degree (every SP rank an equal chunk)
+        return resumable_loader(self, dataset, partial(collate_conversations, multiple=self.mesh.dims.sp))
 
     @classmethod
     def export_layout(
