@@ -35,6 +35,11 @@ LM_FAMILIES = sorted(f.name for f in all_families() if f.kind == "causal_lm")
 # dense families of each multimodal kind (the MoE ones run the same language-model attention)
 MULTIMODAL = [("qwen2_5_vl", "vlm"), ("qwen3_vl", "vlm"), ("qwen2_5_omni", "omni")]
 EXACT = dict(rtol=1e-6, atol=1e-6)  # the tasks give summed losses (hundreds): 1e-6 relative
+# the multimodal tasks' gradients, after attention per document (varlen) or one masked attention over the rows
+# (dense), each summing in its own order over the batch's rows cut to the longest (spindle.data.text.trim_padding):
+# up to 1.3e-6 absolute / 1e-5 relative measured on Qwen3-VL (embedding rows, the patch embedding's bias) -> the
+# suite's fp32 parity tolerance
+GRADS = dict(rtol=1e-5, atol=1e-5)
 
 
 def packed_rows(vocab: int) -> dict[str, torch.Tensor]:
@@ -58,11 +63,12 @@ def loss_and_grads(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]
     return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def assert_same(a: tuple, b: tuple, what: str) -> None:
+def assert_same(a: tuple, b: tuple, what: str, grads: dict | None = None) -> None:
     torch.testing.assert_close(b[0], a[0], **EXACT, msg=lambda m: f"{what} loss: {m}")
     assert a[1].keys() == b[1].keys()
     for name in a[1]:
-        torch.testing.assert_close(b[1][name], a[1][name], **EXACT, msg=lambda m, n=name: f"{what} grad {n}: {m}")
+        tol = grads or EXACT
+        torch.testing.assert_close(b[1][name], a[1][name], **tol, msg=lambda m, n=name: f"{what} grad {n}: {m}")
 
 
 @pytest.mark.parametrize("name", LM_FAMILIES)
@@ -126,7 +132,7 @@ def test_varlen_equals_the_dense_mask_path_on_multimodal_families(
             make(model, data, tmp_path / setting, data__seq_len=seq, model__attn_implementation=setting),
             va.implementation_name(setting),
         )
-    assert_same(runs["sdpa"], runs["varlen"], name)
+    assert_same(runs["sdpa"], runs["varlen"], name, grads=GRADS)
 
 
 # ---------------------------------------------------------------- no [S, S] tensor
