@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from spindle.contracts.images import request_images
+from spindle.contracts.request import RequestError
 from spindle.data.edit_pairs import resolve
 from spindle.data.text import bad_lines_message, json_object_line
 
@@ -58,19 +60,16 @@ def _prompt(path: Path, lineno: int, line: bytes) -> MediaPrompt:
     return MediaPrompt(prompt, images, columns, where)
 
 
-def read_media_prompts(data_path: str | Path, images: tuple[int, int]) -> list[MediaPrompt]:
+def read_media_prompts(data_path: str | Path, images: tuple[int, int], family: str) -> list[MediaPrompt]:
     """The prompts of the JSONL file at `data_path`, checked: every line parses, each holds `images` = (least,
-    most) conditioning images (the family's request takes that many), and every image opens. One error lists
-    every problem (up to 20)."""
-    from PIL import Image
-
+    most) conditioning images (what `family`'s requests take: `contracts/images.request_images`, the rule generate
+    and the server apply), and every image decodes. One error lists every problem (up to 20)."""
     path = Path(data_path).expanduser()
     if not path.is_file() or path.suffix.lower() != ".jsonl":
         raise PromptsError(
             f'data.path={path} must be a prompts .jsonl file (one {{"prompt": ...}} object per line; '
             "docs/post-training-dit.md)"
         )
-    least, most = images
     prompts, errors = [], []
     for lineno, line in enumerate(path.read_bytes().splitlines(), 1):  # one bad byte: one bad line, not a crash
         if not line.strip():
@@ -80,23 +79,11 @@ def read_media_prompts(data_path: str | Path, images: tuple[int, int]) -> list[M
         except ValueError as e:
             errors.append(str(e))
             continue
-        if not least <= len(row.images) <= most:
-            if most == 0:
-                errors.append(f"{row.where}: this family generates from text alone; remove 'image'")
-            else:
-                want = str(least) if least == most else f"{least} to {most}"
-                errors.append(
-                    f"{row.where}: a request takes {want} conditioning image(s) in 'image'; got {len(row.images)}"
-                )
+        try:  # the requests' image rule (count, then each file read), as generate and the server apply it
+            request_images(list(row.images) or None, None, images, family, names=(f"{row.where}: 'image'", ""))
+        except RequestError as e:
+            errors.append(str(e))
             continue
-        for image in row.images:
-            try:
-                with Image.open(image) as opened:
-                    opened.verify()
-            except FileNotFoundError:
-                errors.append(f"{row.where}: image {image} does not exist")
-            except (OSError, ValueError, SyntaxError, EOFError) as e:  # what PIL raises for a damaged file
-                errors.append(f"{row.where}: image {image} cannot be read ({type(e).__name__}: {e})")
         prompts.append(row)
     if errors:
         raise PromptsError(bad_lines_message(path, errors))

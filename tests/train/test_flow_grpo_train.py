@@ -224,13 +224,13 @@ def test_bad_prompts_and_options_are_named_before_the_model_loads(
     bad.write_text('{"prompt": "ok"}\n{"prompt": ""}\nnot json\n{"prompt": "x", "image": "gone.png"}\n')
     out = run_failing(spindle_cli, tiny_flux, (bad, rewards), tmp_path / "bad")
     assert "3 bad line(s)" in out and "bad.jsonl:2: 'prompt' must be a non-empty string" in out
-    assert "bad.jsonl:4: this family generates from text alone; remove 'image'" in out
+    assert "bad.jsonl:4: 'image' is not taken by flux (it generates from text alone); drop it" in out
     # an image-to-video family needs the conditioning image, which must exist
     i2v = tmp_path / "i2v.jsonl"
     i2v.write_text('{"prompt": "a"}\n{"prompt": "b", "image": "gone.png"}\n')
     out = run_failing(spindle_cli, tiny_wan_i2v, (i2v, rewards), tmp_path / "i2v")
-    assert "i2v.jsonl:1: a request takes 1 conditioning image(s) in 'image'; got 0" in out
-    assert f"i2v.jsonl:2: image {tmp_path / 'gone.png'} does not exist" in out
+    assert "i2v.jsonl:1: 'image' is required for wan_i2v: give 1 conditioning image(s)" in out
+    assert f"i2v.jsonl:2: 'image' file {str(tmp_path / 'gone.png')!r} does not exist" in out
     out = run_failing(
         spindle_cli, tiny_flux, grpo_files, tmp_path / "iters", flow_grpo__num_iterations=4, train__max_steps=6
     )

@@ -105,7 +105,8 @@ def test_validation_renders_from_a_first_and_a_last_frame_per_prompt(tiny_wan_fl
         train__global_batch_size=2, train__validation__every_steps=1, train__validation__num_inference_steps=2,
         train__validation__prompts='["a clip"]', train__validation__num_frames=5,
     )  # fmt: skip
-    with pytest.raises(ValueError, match=r"train.validation.images\[0\]: a wan_i2v request to .* takes 2 image"):
+    refused = r"train.validation.images\[0\]: wan_i2v takes 2 conditioning image\(s\); got 1 \(a request to /"
+    with pytest.raises(ValueError, match=refused):
         make_trainer(load_job_config(None, [*overrides, f'train.validation.images=["{first}"]']))
     pair = f'train.validation.images=[["{first}", "{last}"]]'
     result = make_trainer(load_job_config(None, [*overrides, pair])).run()

@@ -410,7 +410,7 @@ class FlowGRPO(Objective):
         from spindle.data.media_prompts import read_media_prompts
 
         images = family.condition_model_cls().request_images(self.cfg.model.path) or family.options.images
-        return read_media_prompts(self.cfg.data.path, images)
+        return read_media_prompts(self.cfg.data.path, images, family.name)
 
     def reward_set(self) -> Any:
         if self.rewards is None:

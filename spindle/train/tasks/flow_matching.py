@@ -395,18 +395,16 @@ def check_validation_images(cfg: DiTJobConfig, family: DiTFamily) -> None:
             f"train.validation.images: {family.name} needs a conditioning image per validation prompt; got "
             f"{len(val.images)} image(s) for {len(val.prompts)} prompt(s)"
         )
-    least, most = family.condition_model_cls().request_images(cfg.model.path) or (least, most)
+    from spindle.contracts.images import request_images
+    from spindle.contracts.request import RequestError
+
+    # what a request to this checkpoint takes (a first-last-frame checkpoint: [first, last]), by the requests' rule
+    bounds = family.condition_model_cls().request_images(cfg.model.path) or (least, most)
     for index, entry in enumerate(val.images):
-        paths = [entry] if isinstance(entry, str) else entry
-        if not least <= len(paths) <= most:
-            want = str(least) if least == most else f"{least} to {most}"
-            raise ValueError(
-                f"train.validation.images[{index}]: a {family.name} request to {cfg.model.path} takes {want} "
-                f"image(s) (e.g. a first-last-frame checkpoint: [first, last]); got {len(paths)}"
-            )
-        for path in paths:
-            if not Path(path).is_file():
-                raise FileNotFoundError(f"train.validation.images: {path} does not exist")
+        try:
+            request_images(entry, None, bounds, family.name, names=(f"train.validation.images[{index}]", ""))
+        except RequestError as e:
+            raise ValueError(f"{e} (a request to {cfg.model.path})") from None
     if val.options:  # the family's sampling options: names, types, bounds (sizes are checked per request)
         from spindle.contracts.request import RequestError, SamplingParams
         from spindle.contracts.sampling import sampling_schema
