@@ -14,8 +14,8 @@ Each line of a `.jsonl` file (or of every `.jsonl` under a folder, in sorted pat
 Lines are UTF-8; a line that is not is reported as `file:line` like any bad line, and skipped
 with `data.skip_bad_samples: true`.
 
-Rows (`seq_len` tokens each; a micro-batch is cut to its longest row, `trim_padding`) carry `input_ids`, `position_ids`, `shift_labels` and `attention_mask`
-(1 = a document's token, 0 = padding): labels already
+Rows (`seq_len` tokens each; a micro-batch is cut to its longest row, `trim_padding`) carry `input_ids`,
+`position_ids`, `shift_labels` and `attention_mask` (1 = a document's token, 0 = padding): labels already
 shifted (position t holds the token to predict at t), -100 where nothing is learned, including the
 last token of every document, so no position predicts across a document boundary. With packing,
 documents are laid end to end in file order, a document that does not fit the rest of a row starts
