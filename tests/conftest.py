@@ -15,6 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# One thread per process in a test session, set before torch is imported so the pytest-xdist workers, the forkserver
+# that forks the ranks and commands, and fresh interpreters all read it: `make test` runs 2 workers on CI's 2 cores
+# and a multi-rank test 2 ranks, and torch's default of a thread per core put 4+ threads on the 2 cores, whose OpenMP
+# spin-waits took half the suite's CPU time (the DiT conformance parity, overfit, demo and compile tests: 140 s ->
+# 65 s). Every process of a session then also rounds alike (a killed run is compared exactly with its uninterrupted
+# twin). A developer's machine with more cores runs more workers (`make test PYTEST_WORKERS=8`).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest
 
 from spindle.api import load_job_config
@@ -54,6 +62,13 @@ def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:
             return nodeid if nodeid.startswith(SPREAD_MODULES) else nodeid.split("::", 1)[0]
 
     return ModuleScheduling(config, log)
+
+
+def pytest_configure(config: Any) -> None:
+    """The thread count above, also where a plugin imported torch before this file set it."""
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_runtest_setup(item: Any) -> None:
