@@ -236,8 +236,11 @@ def test_a_killed_run_with_a_precomputed_reference_resumes_against_the_starting_
     got, want = read_metrics(killed), read_metrics(tmp_path / "each")
     assert [m["step"] for m in got] == [1, 2, 3, 4]
     for a, b in zip(want, got, strict=True):
-        for key in ("loss", "grad_norm", "margin"):
-            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+        for key in ("loss", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), key
+        # a difference of summed log-probabilities near 0, the reference's from the cache (computed in other batches)
+        # against the live copy's: 1.9e-7 apart seen on an AVX-512 CPU, as in the expert-parallel test below
+        assert b["margin"] == pytest.approx(a["margin"], rel=1e-5, abs=1e-6)
 
 
 @pytest.mark.slow

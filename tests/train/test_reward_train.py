@@ -404,12 +404,16 @@ def test_two_process_layouts_equal_one_process(tiny_qwen3, tmp_path):
 
     lines = [*PAIRS, {"prompt": "Best pet:", "chosen": " a cat", "rejected": " a rock", "margin": 0.25}]
     data = pairs_file(tmp_path, lines)
-    values = reward_overrides(4, train__micro_batch_size=2, train__max_steps=3, train__adam_eps=1e-4)
+    # lr 3e-5, not the default 1e-4: at 1e-4 the loss saturates by step 3 (0.95 -> 0.08) and each step multiplies
+    # the layouts' fp32 summation-order differences ~20x (a 1e-7 grad norm difference at step 1 was 1.6e-5 at step
+    # 3 on an AVX-512 CPU); at 3e-5 the loss still falls every step and the differences stay ~1e-7
+    values = reward_overrides(4, train__micro_batch_size=2, train__max_steps=3, train__adam_eps=1e-4, train__lr=3e-5)
     lm_train(tiny_qwen3, data, tmp_path / "one", **values)
     layouts = {"dp_shard2": {"parallel__dp_shard": 2}, "sp2": {"parallel__sp": 2}}
     for name, layout in layouts.items():
         lm_train_cli(tiny_qwen3, data, tmp_path / name, 2, **layout, **values)
     one = read_metrics(tmp_path / "one")
+    assert one[0]["loss"] > one[1]["loss"] > one[2]["loss"]  # the weights move: the steps compare trained states
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
     batch = tokenizer([line["prompt"] + line["chosen"] for line in lines], padding=True, return_tensors="pt")
 
