@@ -134,8 +134,7 @@ def _tail(path: str, chars: int | None = 4000) -> str:
 
 def check_marked_slow() -> None:
     """Under pytest (tests/conftest.py sets SPINDLE_TEST_SLOW for each test): a test that starts several ranks must
-    be marked `slow`, so that `-m "not slow"` stays the quick loop and pytest-xdist runs such tests one at a time
-    (two at once would put four ranks on CI's two cores)."""
+    be marked `slow`, so that `-m "not slow"` stays the quick loop (CI runs both)."""
     if os.environ.get("SPINDLE_TEST_SLOW") == "0":
         test = os.environ.get("PYTEST_CURRENT_TEST", "this test").split(" ")[0]
         raise AssertionError(f"{test} starts several processes: mark it @pytest.mark.slow (CONTRIBUTING.md)")
