@@ -13,6 +13,11 @@ Same checkpoint, seed and parameters for every row. Modes:
                 who knows its speed options runs), both also against stock diffusers, interleaved
   sp2           Spindle, Ulysses sequence parallel over 2 processes (torchrun, gloo/nccl)
   cfg_parallel  Spindle, cond / uncond on 2 processes
+  offload       (not in the default --modes) every transformer block streamed from host memory: Spindle's
+                `blocks_to_swap` (spindle.infer.offload.ModuleOffload) vs diffusers' block-level group offloading
+                (`diffusers.hooks.apply_group_offloading`, one block per group, a CUDA stream) on the same
+                Spindle engine, timed interleaved, with their peak device memory and their difference from the
+                engine without offload (a GPU measurement: on a CPU nothing is moved anywhere)
 
 Every engine runs in its own process, as a user runs it (`EngineProcess`): process-wide settings one
 engine makes (Spindle keeps freed host memory on CPU, `spindle.cpu_allocator`; compile caches) never
@@ -358,7 +363,16 @@ def _build_engine(kind: str, root: str, preset: str, options: dict, req: dict, s
         run_diffusers(pipe, req, seed, steps=WARMUP_STEPS)  # warm-up (compilation with compile)
         return pipe, {"setup_s": round(time.perf_counter() - t, 2)}
 
+    group_offload = options.pop("group_offload", False)
     gen = load_generator(root, dtype=p["dtype"], vae_dtype=p.get("vae_dtype", "float32"), **options)
+    if group_offload:  # diffusers' block-level group offloading on the engine's transformer (the `offload` mode)
+        from diffusers.hooks import apply_group_offloading
+
+        gen.transformer.to("cpu")  # where diffusers expects the module to start (its offload device)
+        apply_group_offloading(
+            gen.transformer, device, "cpu", "block_level", num_blocks_per_group=1, use_stream=device == "cuda"
+        )
+        assert getattr(gen.transformer, "_diffusers_hook", None) is not None, "group offloading hooks not applied"
     info: dict = {}
     if options.get("cache") == "auto":
         run_spindle(gen, req, seed)  # calibration on this request (+ compilation)
@@ -387,6 +401,8 @@ def _engine_main(conn, kind: str, root: str, preset: str, options: dict, req: di
         _, steps, out_path = msg
         try:
             sync()
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t = time.perf_counter()
             if kind == "diffusers":
@@ -397,6 +413,8 @@ def _engine_main(conn, kind: str, root: str, preset: str, options: dict, req: di
             sync()
             dt = time.perf_counter() - t
             timings["page_faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+            if torch.cuda.is_available():
+                timings["peak_device_mib"] = torch.cuda.max_memory_allocated() / 2**20
             np.save(out_path, frames)  # not timed; a file, since video outputs are large for a pipe
         except Exception as e:  # noqa: BLE001 - forwarded: the parent raises it with this message
             conn.send(("error", f"{kind} {options}: {type(e).__name__}: {e}", {}))
@@ -499,6 +517,49 @@ def run_multiprocess(args: argparse.Namespace, root: Path, options: dict, tag: s
 # ---------------------------------------------------------------- main
 
 
+def transformer_blocks(root: Path) -> int:
+    """How many repeated blocks the checkpoint's transformer has (built on the meta device: no weights read)."""
+    import diffusers
+
+    from spindle.distributed.blocks import find_blocks
+
+    config = json.loads((root / "transformer" / "config.json").read_text())
+    with torch.device("meta"):
+        model = getattr(diffusers, config["_class_name"]).from_config(config)
+    return len(find_blocks(model))
+
+
+def offload_rows(args: argparse.Namespace, root: Path, engine, close, add) -> None:
+    """The `offload` mode: the engine without offload, with every block streamed by Spindle's `blocks_to_swap`
+    and by diffusers' group offloading, requests interleaved; rows: time vs `blocks_to_swap`, peak device memory,
+    the largest difference from the engine without offload (both stream the same values: 0 expected)."""
+    blocks = transformer_blocks(root)
+    plain = engine("spindle")
+    swap = engine("spindle", blocks_to_swap=blocks)
+    group = engine("spindle", group_offload=True)
+    runs: dict[str, list] = {"plain": [], "swap": [], "group": []}
+    for _ in range(args.repeats):
+        for name, e in (("plain", plain), ("swap", swap), ("group", group)):
+            runs[name].append(e.run())
+    frames = {name: r[-1][1] for name, r in runs.items()}
+    swap_s = statistics.median(t for t, _, _ in runs["swap"])
+    for name, label in (("plain", "no offload"), ("swap", "blocks_to_swap"), ("group", "diffusers group offload")):
+        total = statistics.median(t for t, _, _ in runs[name])
+        peak = runs[name][-1][2].get("peak_device_mib")
+        add(
+            f"offload/{name}",
+            "spindle",
+            total,
+            frames[name],
+            swap_s,
+            baseline_kind=f"Spindle blocks_to_swap={blocks}",
+            offload=label,
+            peak_device_mib=None if peak is None else round(peak, 1),
+            max_abs_diff_vs_no_offload=float(np.abs(frames[name] - frames["plain"]).max()),
+        )
+    close(plain, swap, group)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu" if not torch.cuda.is_available() else "wan1.3b")
@@ -569,7 +630,7 @@ def main() -> None:
             t, s_out, timings = s_eng.run()
             s_times.append(t)
         d, s = statistics.median(d_times), statistics.median(s_times)
-        stages = {k: round(v, 4) for k, v in timings.items() if k != "page_faults"}
+        stages = {k: round(v, 4) for k, v in timings.items() if k not in ("page_faults", "peak_device_mib")}
         # minor page faults of the last request in each process (fresh pages the kernel zero-fills)
         add(mode, "diffusers", d, d_out, d, page_faults=d_info["page_faults"])
         add(mode, "spindle", s, s_out, d, stages=stages, page_faults=timings["page_faults"], **extra)
@@ -632,6 +693,8 @@ def main() -> None:
                 e = engine("spindle", cache="fbc", cache_threshold=thr)
                 pair(f"cache@{thr}", d, e)
                 close(d, e)
+        if "offload" in modes:
+            offload_rows(args, root, engine, close, add)
         one_proc = None
         for mode, options in (("sp2", {"sp": 2}), ("cfg_parallel", {"cfg_parallel": True})):
             if mode in modes:
@@ -669,7 +732,8 @@ def main() -> None:
         )
     print(
         "speed-up: vs the diffusers run of the same mode, timed interleaved with it (sp2 / cfg_parallel: vs "
-        "Spindle in 1 process, timed right after); max abs diff / PSNR: vs diffusers' exact output"
+        "Spindle in 1 process, timed right after; offload: vs Spindle's blocks_to_swap, interleaved); max abs diff / "
+        "PSNR: vs diffusers' exact output"
     )
     result = {
         "preset": args.preset,
