@@ -468,6 +468,17 @@ def generate_with_sp2(model: Path, out: Path, *extra: object):
     )
 
 
+def generate_on_sp2_ranks(model: Path, out: Path, *args: object):
+    """`spindle generate ARGS --sp 2 --out OUT` as the two workers of `--nproc 2` run it (`spindle_on_ranks`: real
+    processes, gloo, forked warm instead of started cold by torchrun); -> rank 0's CompletedProcess. What a
+    family's output writer does under SP; the launch itself is `generate_with_sp2`'s (tests/infer/
+    test_infer_parallel.py::test_cli_nproc_sp_writes_mp4)."""
+    from spindle.testing.multiprocess import spindle_on_ranks
+
+    argv = ("generate", "--model", model, "--prompt", "a windmill", "--seed", 0, *args, "--sp", 2, "--quiet")
+    return spindle_on_ranks(2, *argv, "--out", out, logs=out.parent / f"{out.stem}.log")
+
+
 @dataclass
 class CliResult:
     returncode: int

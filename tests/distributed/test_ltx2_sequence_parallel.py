@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from spindle.data.media import write_video
-from tests.conftest import assert_same_training, run_spindle, spindle_train, train_overrides
+from tests.conftest import assert_same_training, generate_on_sp2_ranks, spindle_train, train_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -63,11 +63,8 @@ def test_cli_nproc_sp_writes_the_video_with_its_audio(tiny_checkpoint, tmp_path)
     import av
 
     out = tmp_path / "sp.mp4"
-    size = ("--height", 64, "--width", 64, "--num-frames", FRAMES, "--steps", 2, "--seed", 0)
-    r = run_spindle(
-        "generate", "--model", tiny_checkpoint("ltx2"), "--prompt", "hi", *size, "--nproc", 2, "--sp", 2,
-        "--quiet", "--out", out, threads=1,
-    )  # fmt: skip
+    size = ("--height", 64, "--width", 64, "--num-frames", FRAMES, "--steps", 2)
+    r = generate_on_sp2_ranks(tiny_checkpoint("ltx2"), out, *size)
     assert r.returncode == 0, r.stderr[-4000:]
     with av.open(str(out)) as c:
         assert len(list(c.decode(video=0))) == FRAMES

@@ -10,7 +10,7 @@ import pytest
 from spindle.api import load_generator
 from spindle.models.flux.tiny import build_tiny as build_tiny_flux
 from spindle.testing.multiprocess import generate_on_ranks
-from tests.conftest import FLUX_TRUE_CFG, generate_with_sp2
+from tests.conftest import FLUX_TRUE_CFG, generate_on_sp2_ranks
 
 KW = FLUX_TRUE_CFG  # true CFG, so the CFG modes have two branches to split
 
@@ -42,6 +42,6 @@ def test_cli_nproc_sp_writes_png(deep, tmp_path):
     from PIL import Image
 
     out = tmp_path / "sp.png"
-    r = generate_with_sp2(deep, out)
+    r = generate_on_sp2_ranks(deep, out, "--height", 32, "--width", 48, "--steps", 2)
     assert r.returncode == 0, r.stderr[-4000:]
     assert np.asarray(Image.open(out)).shape == (32, 48, 3)
