@@ -363,9 +363,10 @@ def _build_engine(kind: str, root: str, preset: str, options: dict, req: dict, s
         run_diffusers(pipe, req, seed, steps=WARMUP_STEPS)  # warm-up (compilation with compile)
         return pipe, {"setup_s": round(time.perf_counter() - t, 2)}
 
-    group_offload = options.pop("group_offload", False)
-    gen = load_generator(root, dtype=p["dtype"], vae_dtype=p.get("vae_dtype", "float32"), **options)
-    if group_offload:  # diffusers' block-level group offloading on the engine's transformer (the `offload` mode)
+    engine_options = {k: v for k, v in options.items() if k != "group_offload"}  # (the caller's stays whole)
+    gen = load_generator(root, dtype=p["dtype"], vae_dtype=p.get("vae_dtype", "float32"), **engine_options)
+    # diffusers' block-level group offloading on the engine's transformer (the `offload` mode)
+    if options.get("group_offload"):
         from diffusers.hooks import apply_group_offloading
 
         gen.transformer.to("cpu")  # where diffusers expects the module to start (its offload device)

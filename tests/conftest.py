@@ -458,25 +458,28 @@ def first_transformer_inputs(pipe: Any, **call: Any) -> dict[str, Any]:
     return seen["inputs"]
 
 
+def sp2_generate_argv(model: Path, out: Path, *args: object) -> tuple[object, ...]:
+    """`spindle generate` of MODEL with ARGS, Ulysses SP over 2 processes, written to OUT (seed 0, quiet)."""
+    return (
+        "generate", "--model", model, "--prompt", "a windmill", "--seed", 0, *args, "--sp", 2, "--quiet", "--out", out,
+    )  # fmt: skip
+
+
 def generate_with_sp2(model: Path, out: Path, *extra: object):
     """`spindle generate --nproc 2 --sp 2` (Ulysses SP over two torchrun workers) of a 32x48, 2-step
     request written to `out`; -> CompletedProcess."""
-    size = ("--height", 32, "--width", 48, "--steps", 2, "--seed", 0)
-    sp = ("--nproc", 2, "--sp", 2, "--quiet")
-    return run_spindle(
-        "generate", "--model", model, "--prompt", "a windmill", *size, *extra, *sp, "--out", out, threads=1
-    )
+    size = ("--height", 32, "--width", 48, "--steps", 2)
+    return run_spindle(*sp2_generate_argv(model, out, *size, *extra), "--nproc", 2, threads=1)
 
 
 def generate_on_sp2_ranks(model: Path, out: Path, *args: object):
-    """`spindle generate ARGS --sp 2 --out OUT` as the two workers of `--nproc 2` run it (`spindle_on_ranks`: real
-    processes, gloo, forked warm instead of started cold by torchrun); -> rank 0's CompletedProcess. What a
-    family's output writer does under SP; the launch itself is `generate_with_sp2`'s (tests/infer/
+    """`sp2_generate_argv`'s command as the two workers of `--nproc 2` run it (`spindle_on_ranks`: real processes,
+    gloo, forked warm instead of started cold by torchrun); -> rank 0's CompletedProcess. What a family's output
+    writer does under SP; the launch itself is `generate_with_sp2`'s (tests/infer/
     test_infer_parallel.py::test_cli_nproc_sp_writes_mp4)."""
     from spindle.testing.multiprocess import spindle_on_ranks
 
-    argv = ("generate", "--model", model, "--prompt", "a windmill", "--seed", 0, *args, "--sp", 2, "--quiet")
-    return spindle_on_ranks(2, *argv, "--out", out, logs=out.parent / f"{out.stem}.log")
+    return spindle_on_ranks(2, *sp2_generate_argv(model, out, *args), logs=out.parent / f"{out.stem}.log")
 
 
 @dataclass

@@ -406,7 +406,7 @@ def check_validation_images(cfg: DiTJobConfig, family: DiTFamily) -> None:
         except RequestError as e:
             raise ValueError(f"{e} (a request to {cfg.model.path})") from None
     if val.options:  # the family's sampling options: names, types, bounds (sizes are checked per request)
-        from spindle.contracts.request import RequestError, SamplingParams
+        from spindle.contracts.request import SamplingParams
         from spindle.contracts.sampling import sampling_schema
 
         try:
